@@ -1,0 +1,145 @@
+"""The recovery protocol's shared vocabulary: store key names and the JSON records exchanged.
+
+Owns: every store key ftrun's control plane uses (agents, controller and the in-worker runtime
+must agree on them byte for byte) and the dataclasses written under them. Nothing here talks to a
+store; callers pass a `KVStore` (agents) or a torch `Store` (workers).
+
+All control keys live under `ftrun/` (logical keys, see `rendezvous.kv`). Worker keys of an
+unmodified script live outside it and are cleared between restart-all generations.
+
+Flow of one recovery round (generation g -> g+1 = g'):
+  1. an agent sees a fault and posts a `Fault` under `fault_key(n)` (n from `FAULT_SEQ`);
+  2. the controller (leader agent) writes `Plan` under `plan_key(g')`, then sets `GENERATION_KEY`;
+  3. agents see the plan, push "stop" to their live workers and respawn `plan.restart_ranks`;
+  4. every rank of g' posts a `RankStatus` under `status_key(g', rank)`;
+  5. the controller reads all statuses and writes a `RepairPlan` under `repair_key(g')`;
+  6. ranks build process groups on `pg_prefix(g')`, transfer state src->dst, roll back or commit,
+     post `resumed_key(g', rank)` and continue.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+ROOT = "ftrun"
+GENERATION_KEY = f"{ROOT}/generation"
+FAULT_SEQ = f"{ROOT}/fault_seq"
+FINISHED_SEQ = f"{ROOT}/finished_nodes"
+
+# Strategies, cheapest first (issue: fault taxonomy and strategy chain).
+RETRY = "retry"
+RECOVER_IN_PLACE = "recover-in-place"
+RESTART_ALL = "restart-all"
+DUMP = "dump"
+EXIT = "exit"
+STRATEGIES = (RETRY, RECOVER_IN_PLACE, RESTART_ALL, DUMP, EXIT)
+
+
+def plan_key(generation: int) -> str:
+    return f"{ROOT}/plan/{generation}"
+
+
+def fault_key(seq: int) -> str:
+    return f"{ROOT}/fault/{seq}"
+
+
+def status_key(generation: int, rank: int) -> str:
+    return f"{ROOT}/g{generation}/status/{rank}"
+
+
+def repair_key(generation: int) -> str:
+    return f"{ROOT}/g{generation}/repair"
+
+
+def resumed_key(generation: int, rank: int) -> str:
+    return f"{ROOT}/g{generation}/resumed/{rank}"
+
+
+def pg_prefix(generation: int) -> str:
+    """Store prefix the process groups of generation `generation` are built on."""
+    return f"{ROOT}/g{generation}/pg"
+
+
+def node_key(node_rank: int) -> str:
+    return f"{ROOT}/node/{node_rank}"
+
+
+def replica_key(rank: int) -> str:
+    """Where a runtime-aware rank publishes the shard it holds (see RankStatus.shard)."""
+    return f"{ROOT}/replica/{rank}"
+
+
+class _Record:
+    """JSON (de)serialisation shared by the records below."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Any:
+        data = json.loads(raw)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Fault(_Record):
+    """One observed fault. `kind` is one of launcher.faults.FaultKind values."""
+
+    kind: str
+    rank: int | None
+    node: int
+    generation: int
+    message: str = ""
+    exitcode: int | None = None
+    signal: str | None = None
+    pid: int | None = None
+    local_rank: int | None = None
+    host: str = ""
+    time: float = field(default_factory=time.time)
+    injected: bool = False
+    evidence: dict = field(default_factory=dict)
+
+
+@dataclass
+class Plan(_Record):
+    """What generation `generation` is: decided by the controller, executed by agents/workers."""
+
+    generation: int
+    strategy: str
+    failed_ranks: list[int] = field(default_factory=list)
+    restart_ranks: list[int] = field(default_factory=list)
+    reason: str = ""
+    root_cause: dict | None = None  # a Fault as dict
+    restarts_used: int = 0
+    max_restarts: int = 0
+
+
+@dataclass
+class RankStatus(_Record):
+    """A rank's report after it stopped (survivor) or started (replacement) in generation g'."""
+
+    rank: int
+    generation: int
+    replacement: bool
+    committed_step: int  # last step whose optimizer update completed; -1 = none
+    step: int  # step the rank was executing (or about to start)
+    dirty: bool = False  # stopped inside an optimizer update: its state must be repaired
+    shard: str = ""  # replica identity: ranks with equal shard hold equal state
+    pid: int = 0
+    host: str = ""
+
+
+@dataclass
+class RepairPlan(_Record):
+    """The controller's answer to the statuses: who sends state to whom, where to resume."""
+
+    generation: int
+    resume_step: int
+    action: str  # "commit" or "rollback" (of the step that was interrupted)
+    pairs: list[list[int]] = field(default_factory=list)  # [src, dst]
+    fallback: str | None = None  # set when peer repair is impossible: the strategy to use
+    reason: str = ""

@@ -1,0 +1,95 @@
+"""The key-value interface every ftrun component talks to.
+
+Owns: the abstract `KVStore` contract (what agents, the controller, the proxy and the
+membership code may ask of a store) and its error types. Implementations live beside it:
+`rendezvous.memory.LocalKV` (in-process, the embedded server's own table),
+`rendezvous.client.StoreClient` (TCPStore wire protocol, to an embedded server or a proxy) and
+`rendezvous.etcd.EtcdKV` (etcd v3).
+
+Keys are *logical* keys, exactly as a torch `TCPStore` user passes them (`"ftrun/plan/3"`).
+On the wire a torch client sends them with a leading `/` (`"/ftrun/plan/3"`); every
+implementation does the same mapping so that a key set by a torch client and a key set through
+this interface are the same key. Values are bytes. Counters (`add`) are stored as decimal
+ASCII, as torch does.
+
+Every call that can block takes a timeout in seconds; nothing waits forever.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Iterable
+
+
+class StoreError(RuntimeError):
+    """A store operation failed (connection lost, refused, protocol error)."""
+
+
+class StoreAuthError(StoreError):
+    """The store refused this client: missing or wrong job token / credentials."""
+
+
+class StoreTimeout(StoreError, TimeoutError):
+    """A blocking store operation did not complete within its timeout."""
+
+
+class KVStore(abc.ABC):
+    """A thread-safe key-value store with torch TCPStore semantics plus listing and clearing."""
+
+    @abc.abstractmethod
+    def set(self, key: str, value: bytes) -> None:
+        """Store `value` under `key`, waking every waiter on `key`."""
+
+    @abc.abstractmethod
+    def get(self, key: str, timeout: float) -> bytes:
+        """Return the value of `key`, waiting up to `timeout` s for it; raises StoreTimeout."""
+
+    @abc.abstractmethod
+    def try_get(self, key: str) -> bytes | None:
+        """Return the value of `key`, or None when it does not exist. Never waits."""
+
+    @abc.abstractmethod
+    def add(self, key: str, amount: int) -> int:
+        """Atomically add `amount` to the counter `key` (missing = 0); return the new value."""
+
+    @abc.abstractmethod
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """torch semantics: if key is missing and expected == b"", or its value == expected,
+        set it to desired. Return the value the key holds afterwards (or `expected` when the
+        key is missing and expected != b"")."""
+
+    @abc.abstractmethod
+    def wait(self, keys: Iterable[str], timeout: float) -> bool:
+        """Block until every key exists; True when they do, False when `timeout` ran out."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> bool:
+        """Delete `key`; True when it existed."""
+
+    @abc.abstractmethod
+    def keys(self, prefix: str = "") -> list[str]:
+        """All logical keys that start with `prefix`, sorted."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        """Delete every key under `prefix`; return how many were deleted."""
+        n = 0
+        for k in self.keys(prefix):
+            n += bool(self.delete(k))
+        return n
+
+    def clear_except(self, keep_prefix: str) -> int:
+        """Delete every key that does not start with `keep_prefix` (used between restart-all
+        generations so new workers never read a previous attempt's keys)."""
+        n = 0
+        for k in self.keys(""):
+            if not k.startswith(keep_prefix):
+                n += bool(self.delete(k))
+        return n
+
+    def close(self) -> None:  # pragma: no cover - default no-op
+        """Release connections; idempotent."""
+
+    def __enter__(self) -> "KVStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
