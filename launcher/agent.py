@@ -1,0 +1,628 @@
+"""The node agent: hosts or joins the store, spawns and supervises this node's workers.
+
+Owns: the life of one node's part of a job. It joins the node-level rendezvous, hosts the
+embedded store (leader) or connects to it, starts the per-node store proxy, spawns one worker per
+local rank with torchrun's environment plus `FTRUN_*`, and then reacts to events: a worker exit
+(seen at once by the reaper), a message from a runtime-aware worker, a new plan from the
+controller, a signal. It executes plans (stop/respawn single ranks, restart all, exit) and prints
+the failure summary. Decisions are not made here: faults go to the controller.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import signal
+import socket
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+from launcher import plan as P
+from launcher.channel import ChannelMessage, ChannelServer
+from launcher.config import LaunchConfig
+from launcher.controller import Controller, aware_key, go_key, post_fault, stopped_key
+from launcher.errors import Failure, copy_root_error_file, failure_from_exit, format_summary
+from launcher.faults import FaultKind
+from launcher.logs import AgentLog, RunLogDir, render_prefix
+from launcher.workers import Reaper, Worker, WorkerExit, send_signal, spawn, stop_workers
+from rendezvous.kv import KVStore, StoreError
+
+DONE = "ftrun/done/{g}"
+EXITED = "ftrun/exited"
+
+
+@dataclass
+class PlanEvent:
+    plan: P.Plan
+
+
+@dataclass
+class SignalEvent:
+    signum: int
+
+
+@dataclass
+class NodeWorld:
+    """What this agent knows of the job after node-level rendezvous."""
+
+    group_rank: int
+    group_world_size: int
+    rank_base: int
+    world_size: int
+    is_leader: bool
+
+
+class JobFailed(Exception):
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+
+@dataclass
+class Agent:
+    cfg: LaunchConfig
+    log: AgentLog = field(init=False)
+    events: "queue.Queue[object]" = field(default_factory=queue.Queue)
+    workers: dict[int, Worker] = field(default_factory=dict)
+    generation: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    terminated: list[tuple[int, int]] = field(default_factory=list)
+    root_fault: P.Fault | None = None
+
+    def __post_init__(self) -> None:
+        cfg = self.cfg
+        self.host = socket.gethostname()
+        self.run_dir = RunLogDir.create(cfg.log_dir, cfg.rdzv_id)
+        self.log = AgentLog(cfg.node_rank, self.run_dir.events_path)
+        self._console_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._server = None
+        self._proxy = None
+        self._membership = None
+        self.kv: KVStore | None = None
+        self.controller: Controller | None = None
+        self.channel: ChannelServer | None = None
+        self.reaper: Reaper | None = None
+        self._sock_dir = tempfile.mkdtemp(prefix="ftrun-")
+        self._watch_thread: threading.Thread | None = None
+        self._last_progress: dict[int, float] = {}
+        self._hang_killed: set[int] = set()
+        self._aware: set[int] = set()
+
+    # ------------------------------------------------------------------ store and rendezvous
+    def _token(self) -> str | None:
+        from rendezvous import auth
+
+        if self.cfg.token_file:
+            return auth.load_token_file(self.cfg.token_file)
+        return os.environ.get("FTRUN_JOB_TOKEN") or None
+
+    def _setup_store(self) -> None:
+        cfg = self.cfg
+        token = self._token()
+        if cfg.store_backend == "etcd":
+            from rendezvous.etcd import EtcdConf, EtcdKV, parse_endpoints
+
+            self.kv = EtcdKV(parse_endpoints(cfg.rdzv_endpoint), root=f"/ftrun/{cfg.rdzv_id}",
+                             conf=EtcdConf.from_rdzv_conf(cfg.rdzv_conf))
+            self.log.info("store", f"etcd store at {cfg.rdzv_endpoint} (run {cfg.rdzv_id})")
+        elif cfg.is_store_host:
+            from rendezvous.server import StoreServer
+
+            if cfg.proxy and token is None and cfg.max_nodes == 1:
+                from rendezvous import auth
+
+                token = auth.generate_token()  # only this agent and its proxy need it
+            if cfg.proxy and token is None:
+                self.log.warning("store-auth", "no job token (FTRUN_JOB_TOKEN or --rdzv-conf "
+                                 "token_file=...): the store port accepts any client")
+            host = "127.0.0.1" if cfg.store_port == 0 else "0.0.0.0"
+            self._server = StoreServer(host=host, port=cfg.store_port,
+                                       token=token if cfg.proxy else None)
+            self._server.start()
+            self.kv = self._server.kv
+            self.log.info("store", f"hosting the store on {host}:{self._server.port}"
+                          + (" (token required)" if cfg.proxy and token else ""),
+                          port=self._server.port)
+        else:
+            from rendezvous.client import StoreClient
+
+            self.kv = StoreClient(cfg.store_host, cfg.store_port, token=token,
+                                  timeout=cfg.join_timeout)
+            self.log.info("store", f"connected to the store at {cfg.store_host}:{cfg.store_port}")
+        self._token_value = token
+
+    def store_port(self) -> int:
+        if self._server is not None:
+            return int(self._server.port)
+        return self.cfg.store_port
+
+    def _setup_proxy(self) -> tuple[str, int]:
+        """Start the per-node proxy when enabled; return the MASTER_ADDR/PORT workers get."""
+        cfg = self.cfg
+        if not cfg.proxy:
+            return cfg.master_addr_for_workers, self.store_port()
+        from rendezvous.proxy import StoreProxy
+
+        if cfg.store_backend == "etcd":
+            from rendezvous.etcd import EtcdConf, EtcdKV, parse_endpoints
+
+            def upstream() -> KVStore:
+                return EtcdKV(parse_endpoints(cfg.rdzv_endpoint), root=f"/ftrun/{cfg.rdzv_id}",
+                              conf=EtcdConf.from_rdzv_conf(cfg.rdzv_conf))
+            self._proxy = StoreProxy(upstream, listen_host="127.0.0.1", port=0)
+        else:
+            host = "127.0.0.1" if self._server is not None else cfg.store_host
+            self._proxy = StoreProxy((host, self.store_port(), self._token_value),
+                                     listen_host="127.0.0.1", port=0)
+        self._proxy.start()
+        self.log.info("proxy", f"store proxy for local workers on 127.0.0.1:{self._proxy.port}")
+        return "127.0.0.1", int(self._proxy.port)
+
+    def _rendezvous(self) -> NodeWorld:
+        cfg = self.cfg
+        assert self.kv is not None
+        if cfg.max_nodes == 1 and cfg.store_backend == "embedded":
+            return NodeWorld(0, 1, 0, cfg.nproc_per_node, True)
+        from rendezvous.membership import Membership
+
+        self._membership = Membership(
+            self.kv, node_rank=cfg.node_rank, nnodes_min=cfg.min_nodes, nnodes_max=cfg.max_nodes,
+            local_world_size=cfg.nproc_per_node, host=cfg.local_addr or self.host,
+            run_id=cfg.rdzv_id, join_timeout=cfg.join_timeout,
+            last_call_timeout=cfg.last_call_timeout)
+        w = self._membership.join(timeout=cfg.join_timeout)
+        self._membership.start_heartbeat()
+        self._membership.watch_nodes(self._on_node_dead)
+        return NodeWorld(w.group_rank, w.group_world_size, w.nodes[w.group_rank].rank_base,
+                         w.world_size, w.leader_node == w.group_rank)
+
+    def _on_node_dead(self, node: int) -> None:
+        self.events.put(("node-dead", node))
+
+    # ------------------------------------------------------------------ workers
+    def worker_env(self, w: Worker, replacement: bool) -> dict[str, str]:
+        cfg, world = self.cfg, self.world
+        env = dict(os.environ)
+        env.update({
+            "RANK": str(w.rank),
+            "LOCAL_RANK": "0" if cfg.virtual_local_rank else str(w.local_rank),
+            "WORLD_SIZE": str(world.world_size),
+            "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+            "GROUP_RANK": str(world.group_rank),
+            "GROUP_WORLD_SIZE": str(world.group_world_size),
+            "ROLE_NAME": cfg.role,
+            "ROLE_RANK": str(w.rank),
+            "ROLE_WORLD_SIZE": str(world.world_size),
+            "MASTER_ADDR": self.master_addr,
+            "MASTER_PORT": str(self.master_port),
+            "TORCHELASTIC_RESTART_COUNT": str(w.generation),
+            "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+            "TORCHELASTIC_RUN_ID": cfg.rdzv_id,
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
+            "TORCHELASTIC_ERROR_FILE": w.error_file,
+            "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(signal.Signals(s).name
+                                                       for s in cfg.signals_to_handle),
+            "FTRUN_AGENT_SOCKET": self.channel.path if self.channel else "",
+            "FTRUN_GENERATION": str(w.generation),
+            "FTRUN_REPLACEMENT": "1" if replacement else "0",
+            "FTRUN_RUN_ID": cfg.rdzv_id,
+            "FTRUN_NODE_RANK": str(world.group_rank),
+            "FTRUN_LOG_DIR": self.run_dir.path,
+            "FTRUN_MONITOR_INTERVAL": str(cfg.monitor_interval),
+        })
+        if cfg.virtual_local_rank and "CUDA_VISIBLE_DEVICES" not in os.environ:
+            env["CUDA_VISIBLE_DEVICES"] = str(w.local_rank)
+        if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
+            env["OMP_NUM_THREADS"] = "1"
+        return env
+
+    def spawn_worker(self, w: Worker, generation: int, replacement: bool) -> None:
+        cfg = self.cfg
+        w.generation = generation
+        d = self.run_dir.rank_dir(generation, w.local_rank)
+        w.error_file = os.path.join(d, "error.json")
+        red, tee = cfg.redirects.get(w.local_rank, 0), cfg.tee.get(w.local_rank, 0)
+        shown = cfg.local_ranks_filter is None or w.local_rank in cfg.local_ranks_filter
+        out_file = os.path.join(d, "stdout.log") if (red | tee) & 1 else None
+        err_file = os.path.join(d, "stderr.log") if (red | tee) & 2 else None
+        prefix = render_prefix(cfg.log_line_prefix_template, cfg.role, w.local_rank, w.rank, self.host)
+        cmd = cfg.worker_command(w.local_rank)
+        if cfg.run_path:
+            import sys
+            cmd = [os.environ.get("PYTHON_EXEC", sys.executable), "-u", "-c",
+                   "import runpy,sys; sys.argv=sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
+                   cfg.script, *cmd[3:]]
+        if not shown and not out_file:
+            out_file = os.devnull if not tee & 1 else out_file
+        spawn(w, cmd, self.worker_env(w, replacement), out_file, err_file,
+              tee_out=bool(tee & 1) and shown, tee_err=bool(tee & 2) and shown, prefix=prefix,
+              console_lock=self._console_lock)
+        assert self.reaper is not None
+        self.reaper.watch(w)
+        self._last_progress[w.rank] = time.time()
+        self.log.info("spawn", f"rank {w.rank} (local {w.local_rank}) started, pid {w.pid}"
+                      + (" as replacement" if replacement else ""), rank=w.rank,
+                      local_rank=w.local_rank, pid=w.pid, generation=generation,
+                      replacement=replacement)
+
+    def spawn_all(self, generation: int) -> None:
+        for w in self.workers.values():
+            self.spawn_worker(w, generation, replacement=False)
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> int:
+        cfg = self.cfg
+        self.log.info("start", f"ftrun {cfg.describe()}", config=dataclasses.asdict(cfg))
+        for note in cfg.notes:
+            self.log.info("note", note)
+        if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
+            self.log.warning("omp", "Setting OMP_NUM_THREADS environment variable for each process "
+                             "to be 1 in default, to avoid your system being overloaded, please "
+                             "further tune the variable for optimal performance in your "
+                             "application as needed.")
+        self._install_signals()
+        try:
+            self._setup_store()
+            self.world = self._rendezvous()
+            self.log.node_rank = self.world.group_rank
+            self.master_addr, self.master_port = self._setup_proxy()
+            self.log.info("rendezvous", f"node {self.world.group_rank}/{self.world.group_world_size}, "
+                          f"ranks {self.world.rank_base}..{self.world.rank_base + cfg.nproc_per_node - 1} "
+                          f"of {self.world.world_size}; workers use store "
+                          f"{self.master_addr}:{self.master_port}; logs in {self.run_dir.path}",
+                          group_rank=self.world.group_rank, world_size=self.world.world_size,
+                          master_port=self.master_port, log_dir=self.run_dir.path)
+            assert self.kv is not None
+            raw = self.kv.try_get(P.GENERATION_KEY)
+            self.generation = int(raw) if raw is not None else 0
+            self.log.generation = self.generation
+            if self.world.is_leader:
+                self.controller = Controller(self.kv, self.log, self.world.world_size,
+                                             self.world.group_world_size, cfg.max_restarts,
+                                             cfg.recover_strategy,
+                                             phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)))
+                self.controller.start()
+            self.channel = ChannelServer(os.path.join(self._sock_dir, "agent.sock"), self.events)
+            self.reaper = Reaper(self.events)
+            for lr in range(cfg.nproc_per_node):
+                self.workers[lr] = Worker(local_rank=lr, rank=self.world.rank_base + lr)
+            self.spawn_all(self.generation)
+            self._watch_thread = threading.Thread(target=self._watch_plans, name="ftrun-plans",
+                                                  daemon=True)
+            self._watch_thread.start()
+            return self._loop()
+        except JobFailed as e:
+            return e.code
+        except StoreError as e:
+            self.log.error("store-error", f"store: {e}")
+            return 1
+        except TimeoutError as e:
+            self.log.error("timeout", f"{e}")
+            return 1
+        finally:
+            self.shutdown()
+
+    def _watch_plans(self) -> None:
+        assert self.kv is not None
+        nxt = self.generation + 1
+        while not self._stop.is_set():
+            try:
+                if self.kv.wait([P.plan_key(nxt)], 0.5):
+                    self.events.put(PlanEvent(P.Plan.from_json(self.kv.get(P.plan_key(nxt), 5.0))))
+                    nxt += 1
+            except StoreError:
+                if self._stop.is_set():
+                    return
+                time.sleep(0.2)
+
+    def _loop(self) -> int:
+        cfg = self.cfg
+        next_check = time.monotonic() + cfg.monitor_interval
+        while True:
+            try:
+                ev = self.events.get(timeout=max(0.0, next_check - time.monotonic()))
+            except queue.Empty:
+                ev = None
+            if isinstance(ev, WorkerExit):
+                code = self._on_exit(ev)
+                if code is not None:
+                    return code
+            elif isinstance(ev, ChannelMessage):
+                self._on_message(ev)
+            elif isinstance(ev, PlanEvent):
+                code = self._on_plan(ev.plan)
+                if code is not None:
+                    return code
+            elif isinstance(ev, SignalEvent):
+                return self._on_signal(ev.signum)
+            elif isinstance(ev, tuple) and ev and ev[0] == "node-dead":
+                self._on_node_lost(int(ev[1]))
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + cfg.monitor_interval
+                self._health_check()
+
+    # ------------------------------------------------------------------ events
+    def _on_exit(self, ev: WorkerExit) -> int | None:
+        w = self.workers[ev.local_rank]
+        if w.pid != ev.pid:
+            return None  # an older process of this rank (already replaced)
+        if w.stopping:
+            self.log.info("exit", f"rank {w.rank} stopped by ftrun (code {ev.code})", rank=w.rank,
+                          pid=ev.pid, exitcode=ev.code)
+            return None
+        if ev.code == 0:
+            self.log.info("exit", f"rank {w.rank} finished (pid {ev.pid})", rank=w.rank, pid=ev.pid,
+                          exitcode=0)
+            if all(x.exit_code == 0 for x in self.workers.values()):
+                return self._finish()
+            return None
+        kind = FaultKind.HANG if w.rank in self._hang_killed else (
+            FaultKind.SIGNAL if ev.code < 0 else FaultKind.EXIT)
+        self._hang_killed.discard(w.rank)
+        f = failure_from_exit(w.rank, w.local_rank, self.host, ev.pid, ev.code, ev.time,
+                              w.generation, self.world.group_rank, w.error_file)
+        f.kind = kind.value
+        self.failures.append(f)
+        latency_ms = (time.time() - ev.time) * 1000
+        self.log.error("worker-failed", f"rank {w.rank} (pid {ev.pid}) {kind.value}: {f.message}",
+                       rank=w.rank, pid=ev.pid, exitcode=ev.code, signal=f.signal,
+                       fault_kind=kind.value, detect_ms=round(latency_ms, 3))
+        self._report(P.Fault(kind=kind.value, rank=w.rank, node=self.world.group_rank,
+                             generation=self.generation, message=f.message, exitcode=ev.code,
+                             signal=f.signal, pid=ev.pid, local_rank=w.local_rank, host=self.host,
+                             time=ev.time, evidence={"traceback": f.traceback[-4000:],
+                                                     "error_file": f.error_file}))
+        return None
+
+    def _report(self, fault: P.Fault) -> None:
+        assert self.kv is not None
+        seq = post_fault(self.kv, fault)
+        self.log.info("fault-reported", f"fault #{seq} reported to the controller", seq=seq,
+                      rank=fault.rank)
+
+    def _on_message(self, ev: ChannelMessage) -> None:
+        msg, op = ev.msg, ev.msg.get("op")
+        rank = ev.rank
+        if op == "hello" and isinstance(rank, int):
+            assert self.kv is not None
+            if rank not in self._aware:
+                self._aware.add(rank)
+                self.kv.set(aware_key(rank), b"1")
+            self._last_progress[rank] = time.time()
+            self.log.info("hello", f"rank {rank} (pid {ev.pid}) uses the ftrun runtime", rank=rank,
+                          pid=ev.pid)
+        elif op == "heartbeat" and isinstance(rank, int):
+            self._last_progress[rank] = time.time()
+        elif op == "fault" and isinstance(rank, int):
+            kind = str(msg.get("kind", "exception"))
+            try:
+                kind = FaultKind(kind).value
+            except ValueError:
+                kind = FaultKind.UNKNOWN.value
+            injected = bool(msg.get("injected"))
+            self.log.error("worker-fault", f"rank {rank} reports {kind}"
+                           + (" [injected]" if injected else "") + f": {msg.get('message', '')}",
+                           rank=rank, fault_kind=kind, injected=injected, step=msg.get("step"))
+            w = self._worker_by_rank(rank)
+            self._report(P.Fault(kind=kind, rank=rank, node=self.world.group_rank,
+                                 generation=self.generation, message=str(msg.get("message", "")),
+                                 pid=ev.pid, local_rank=w.local_rank if w else None, host=self.host,
+                                 injected=injected, evidence={"step": msg.get("step"),
+                                                              "phase": msg.get("phase")}))
+        elif op == "bye" and isinstance(rank, int):
+            self._last_progress.pop(rank, None)
+
+    def _worker_by_rank(self, rank: int) -> Worker | None:
+        for w in self.workers.values():
+            if w.rank == rank:
+                return w
+        return None
+
+    def _health_check(self) -> None:
+        if self.cfg.hang_timeout <= 0:
+            return
+        now = time.time()
+        for w in self.workers.values():
+            if not w.alive or w.stopping or w.rank not in self._aware:
+                continue
+            last = self._last_progress.get(w.rank)
+            if last is not None and now - last > self.cfg.hang_timeout:
+                self.log.error("hang", f"rank {w.rank} made no progress for {now - last:.1f}s "
+                               f"(--hang-timeout {self.cfg.hang_timeout}); dumping its stacks, "
+                               "then killing it", rank=w.rank, pid=w.pid, idle_s=round(now - last, 3))
+                send_signal(w, signal.SIGUSR1)  # the runtime registers faulthandler on SIGUSR1
+                time.sleep(0.2)
+                self._hang_killed.add(w.rank)
+                self._last_progress.pop(w.rank, None)
+                send_signal(w, signal.SIGKILL)
+
+    # ------------------------------------------------------------------ plans
+    def _on_plan(self, plan: P.Plan) -> int | None:
+        self.generation = plan.generation
+        self.log.generation = plan.generation
+        if plan.root_cause and self.root_fault is None:
+            self.root_fault = P.Fault(**{k: v for k, v in plan.root_cause.items()
+                                         if k in {f.name for f in dataclasses.fields(P.Fault)}})
+        self.log.info("plan-received", f"executing {plan.strategy} for generation {plan.generation}"
+                      f" ({plan.reason})", strategy=plan.strategy, failed_ranks=plan.failed_ranks)
+        if plan.strategy == P.RESTART_ALL:
+            return self._restart_all(plan)
+        if plan.strategy in (P.RECOVER_IN_PLACE, P.RETRY):
+            self._recover(plan)
+            return None
+        if plan.strategy == P.DUMP:
+            return self._dump(plan)
+        return self._exit(plan)
+
+    def _local_ranks(self, ranks: list[int]) -> list[Worker]:
+        return [w for w in self.workers.values() if w.rank in ranks]
+
+    def _restart_all(self, plan: P.Plan) -> int | None:
+        assert self.kv is not None
+        g = plan.generation
+        t0 = time.monotonic()
+        live = [w for w in self.workers.values() if w.alive]
+        stop_workers(list(self.workers.values()), signal.SIGTERM, self.cfg.shutdown_timeout)
+        self.terminated.extend((w.rank, w.pid or 0) for w in live)
+        if self.kv.add(stopped_key(g), 1) >= self.world.group_world_size:
+            self.kv.set(stopped_key(g) + "_all", b"1")
+        if not self.kv.wait([go_key(g)], max(self.cfg.join_timeout, 60.0)):
+            self.log.error("phase-timeout", f"generation {g}: the controller did not release the restart")
+            raise JobFailed(1)
+        self._aware.clear()
+        self.spawn_all(g)
+        self.log.info("restarted", f"generation {g}: all {len(self.workers)} local workers restarted "
+                      f"in {time.monotonic() - t0:.3f}s", restart_s=round(time.monotonic() - t0, 4))
+        return None
+
+    def _recover(self, plan: P.Plan) -> None:
+        g = plan.generation
+        stop_msg = {"op": "stop", "generation": g, "strategy": plan.strategy,
+                    "failed_ranks": plan.failed_ranks}
+        restart = self._local_ranks(plan.restart_ranks)
+        for w in self.workers.values():
+            if w in restart or not w.alive:
+                continue
+            assert self.channel is not None
+            if not self.channel.send(w.rank, stop_msg):
+                self.log.warning("stop-undelivered", f"rank {w.rank} has no channel connection; "
+                                 "it will learn of the new generation from the store", rank=w.rank)
+        for w in restart:
+            if w.alive:
+                stop_workers([w], signal.SIGKILL, 0.0)
+            self._aware.discard(w.rank)
+            self.spawn_worker(w, g, replacement=True)
+        self.log.info("stop-sent", f"generation {g}: stop sent to survivors, "
+                      f"{len(restart)} local rank(s) respawned", respawned=[w.rank for w in restart])
+
+    def _dump(self, plan: P.Plan) -> int:
+        assert self.channel is not None
+        for w in self.workers.values():
+            if w.alive:
+                self.channel.send(w.rank, {"op": "dump", "generation": plan.generation})
+        deadline = time.monotonic() + max(self.cfg.shutdown_timeout, 60.0)
+        for w in self.workers.values():
+            if w.alive and w.proc is not None:
+                try:
+                    w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except Exception:  # noqa: BLE001 - timeout: stopped below
+                    pass
+        self.log.info("dump-done", "survivors saved the current step; exiting")
+        return self._exit(plan)
+
+    def _exit(self, plan: P.Plan) -> int:
+        live = [w for w in self.workers.values() if w.alive]
+        stop_workers(list(self.workers.values()), signal.SIGTERM, self.cfg.shutdown_timeout)
+        self.terminated.extend((w.rank, w.pid or 0) for w in live)
+        self._print_summary(plan.reason)
+        return 1
+
+    def _print_summary(self, reason: str) -> None:
+        failures = list(self.failures)
+        rf = self.root_fault
+        if rf is not None and not any(f.rank == rf.rank and f.pid == rf.pid for f in failures):
+            failures.append(Failure(rank=rf.rank if rf.rank is not None else -1,
+                                    local_rank=rf.local_rank if rf.local_rank is not None else -1,
+                                    host=rf.host, pid=rf.pid or 0, exitcode=rf.exitcode or 1,
+                                    time=rf.time, generation=rf.generation, node=rf.node,
+                                    kind=rf.kind, message=rf.message,
+                                    traceback=str(rf.evidence.get("traceback", ""))))
+        if rf is not None:  # the controller's root cause comes first even if observed elsewhere
+            for f in failures:
+                if f.rank == rf.rank and f.pid == rf.pid:
+                    f.time = min(f.time, rf.time)
+        terminated = [(r, p) for r, p in self.terminated
+                      if not any(f.rank == r and f.pid == p for f in failures)]
+        text = format_summary(os.path.basename(self.cfg.script), failures, terminated, reason)
+        self.log.print_block(text)
+        from launcher.errors import root_cause
+
+        rc = root_cause(failures)
+        if rc is not None and copy_root_error_file(rc, os.environ.get("TORCHELASTIC_ERROR_FILE")):
+            self.log.info("error-file", "root cause error file copied to TORCHELASTIC_ERROR_FILE")
+        self.log.event("summary", "job failed", "error", root_cause=dataclasses.asdict(rc) if rc else None)
+
+    def _on_node_lost(self, node: int) -> None:
+        self.log.error("node-lost", f"node {node} stopped heartbeating", lost_node=node)
+        if self.world.is_leader:
+            self._report(P.Fault(kind=FaultKind.EXIT.value, rank=None, node=node,
+                                 generation=self.generation, message=f"agent of node {node} lost",
+                                 host=self.host))
+
+    # ------------------------------------------------------------------ finish / signals
+    def _finish(self) -> int | None:
+        assert self.kv is not None
+        g = self.generation
+        n = self.kv.add(DONE.format(g=g), 1)
+        self.log.info("node-done", f"all local workers finished ({n}/{self.world.group_world_size} "
+                      "nodes done)", nodes_done=n)
+        deadline = time.monotonic() + 300.0
+        while time.monotonic() < deadline:
+            raw = self.kv.try_get(DONE.format(g=g))
+            if raw is not None and int(raw) >= self.world.group_world_size:
+                break
+            try:
+                ev = self.events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(ev, PlanEvent):
+                # another node failed after we finished: take part in the new round
+                return self._on_plan(ev.plan)
+            if isinstance(ev, SignalEvent):
+                return self._on_signal(ev.signum)
+        self.kv.add(EXITED, 1)
+        if self.world.is_leader and self.world.group_world_size > 1:
+            end = time.monotonic() + 10.0
+            while time.monotonic() < end:
+                raw = self.kv.try_get(EXITED)
+                if raw is not None and int(raw) >= self.world.group_world_size:
+                    break
+                time.sleep(0.05)
+        self.log.info("job-done", "job finished successfully")
+        return 0
+
+    def _install_signals(self) -> None:
+        for s in self.cfg.signals_to_handle:
+            try:
+                signal.signal(s, lambda signum, frame: self.events.put(SignalEvent(signum)))
+            except (ValueError, OSError):
+                pass
+
+    def _on_signal(self, signum: int) -> int:
+        name = signal.Signals(signum).name
+        self.log.warning("signal", f"received {name}: forwarding to workers, then shutting down "
+                         f"(grace {self.cfg.shutdown_timeout:.0f}s)", signal=name)
+        stop_workers(list(self.workers.values()), signum, self.cfg.shutdown_timeout)
+        return 1
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        stop_workers(list(self.workers.values()), signal.SIGKILL, 0.0)
+        if self.controller is not None:
+            self.controller.stop()
+        if self._watch_thread is not None:
+            self._watch_thread.join(2.0)
+        if self._membership is not None:
+            self._membership.stop()
+        if self.channel is not None:
+            self.channel.stop()
+        if self.reaper is not None:
+            self.reaper.stop()
+        if self._proxy is not None:
+            self._proxy.stop()
+        if self.kv is not None and self._server is None:
+            self.kv.close()
+        if self._server is not None:
+            self._server.stop()
+        try:
+            os.rmdir(self._sock_dir)
+        except OSError:
+            pass
+        self.log.close()
+
+
+def run_agent(cfg: LaunchConfig) -> int:
+    return Agent(cfg).run()

@@ -1,0 +1,453 @@
+"""Validated launch configuration: the one object the CLI hands to the agent.
+
+Owns: `LaunchConfig` and `build_config()`, which turns raw CLI values (torchrun's flags plus
+ftrun's own) into resolved, checked settings, raising `ConfigError` with one line naming the flag,
+the value and what is allowed. Nothing here starts processes or opens sockets, except probing
+whether a local port is free.
+"""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import sys
+import uuid
+from dataclasses import dataclass, field
+
+from launcher import plan
+
+EMBEDDED_BACKENDS = {"static", "c10d", "parallel", "embedded"}
+ETCD_BACKENDS = {"etcd", "etcd-v3", "etcd-v2"}
+DEFAULT_C10D_PORT = 29400
+DEFAULT_MASTER_PORT = 29500
+DEFAULT_SHUTDOWN_TIMEOUT = 30.0
+DEFAULT_RECOVER_STRATEGY = "retry,recover-in-place,restart-all,exit"
+
+# Environment variables of Ascend's fault-tolerance stack (seed 003) and what they mean for us.
+SEED_ENV_VARS = ("HIGH_AVAILABILITY", "PROCESS_RECOVER", "ELASTIC_PROCESS_RECOVER_ENABLE",
+                 "ENABLE_RESTART_FAULT_PROCESS")
+
+
+class ConfigError(ValueError):
+    """A flag or environment value is invalid; str() is the one-line message for the user."""
+
+
+@dataclass
+class LaunchConfig:
+    # what to run
+    script: str
+    script_args: list[str]
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    # topology
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int | None = 0  # None: assigned by dynamic rendezvous
+    role: str = "default"
+    # rendezvous / store
+    rdzv_backend: str = "static"  # as the user wrote it
+    store_backend: str = "embedded"  # "embedded" or "etcd"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    rdzv_conf: dict[str, str] = field(default_factory=dict)
+    store_host: str = "127.0.0.1"  # embedded: where the leader hosts the store
+    store_port: int = 0  # 0: pick a free port (single-node mode)
+    is_store_host: bool = True
+    master_addr_for_workers: str = "localhost"
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
+    local_addr: str | None = None
+    standalone: bool = False
+    proxy: bool = False
+    token_file: str | None = None
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    # supervision
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    hang_timeout: float = 0.0  # 0 = off
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
+    signals_to_handle: list[int] = field(default_factory=list)
+    recover_strategy: list[str] = field(default_factory=list)
+    # logs
+    log_dir: str | None = None
+    redirects: dict[int, int] = field(default_factory=dict)  # local_rank -> 0..3
+    tee: dict[int, int] = field(default_factory=dict)
+    local_ranks_filter: set[int] | None = None
+    log_line_prefix_template: str | None = None
+    duplicate_stdout_filters: list[str] = field(default_factory=list)
+    duplicate_stderr_filters: list[str] = field(default_factory=list)
+    # accepted for parity
+    start_method: str = "spawn"
+    event_log_handler: str = "null"
+    logs_specs: str | None = None
+    numa_binding: str | None = None
+    virtual_local_rank: bool = False
+    enable_tiered_store: bool = False
+    notes: list[str] = field(default_factory=list)  # one-line remarks logged at start
+
+    @property
+    def static_ranks(self) -> bool:
+        return self.node_rank is not None
+
+    def worker_command(self, local_rank: int) -> list[str]:
+        """The argv of one worker: `python -u [-m] script args`, ${local_rank} substituted."""
+        args = [a.replace("${local_rank}", str(local_rank)) for a in self.script_args]
+        if self.no_python:
+            return [self.script, *args]
+        python = os.environ.get("PYTHON_EXEC", sys.executable)
+        if self.module:
+            return [python, "-u", "-m", self.script, *args]
+        return [python, "-u", self.script, *args]
+
+    def describe(self) -> str:
+        cmd = " ".join(shlex.quote(c) for c in self.worker_command(0))
+        return (f"nnodes={self.min_nodes}:{self.max_nodes} nproc_per_node={self.nproc_per_node} "
+                f"node_rank={self.node_rank} backend={self.rdzv_backend}->{self.store_backend} "
+                f"max_restarts={self.max_restarts} monitor_interval={self.monitor_interval} "
+                f"recover_strategy={','.join(self.recover_strategy)} cmd={cmd}")
+
+
+def parse_nnodes(value: str) -> tuple[int, int]:
+    parts = str(value).split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"--nnodes: {value!r} is not N or MIN:MAX (integers)") from None
+    if not 0 < lo <= hi:
+        raise ConfigError(f"--nnodes: {value!r} must satisfy 0 < MIN <= MAX")
+    return lo, hi
+
+
+def _accelerator_count(kind: str) -> int:
+    """Number of accelerators of `kind` (gpu/xpu/npu/auto); imports torch only when asked."""
+    import torch
+
+    if kind in ("gpu", "auto") and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    if kind in ("xpu", "auto") and hasattr(torch, "xpu") and torch.xpu.is_available():
+        return torch.xpu.device_count()
+    if kind in ("npu", "auto"):
+        try:
+            import torch_npu  # noqa: F401  (optional dependency)
+        except ImportError:
+            return 0
+        return torch.npu.device_count()  # type: ignore[attr-defined]
+    return 0
+
+
+def resolve_nproc(value: str) -> int:
+    v = str(value).strip()
+    if v == "cpu":
+        return os.cpu_count() or 1
+    if v in ("gpu", "auto", "xpu", "npu"):
+        n = _accelerator_count(v)
+        if n > 0:
+            return n
+        if v == "auto":
+            return os.cpu_count() or 1
+        raise ConfigError(f"--nproc-per-node: {v!r} requested but no {v} device is available")
+    try:
+        n = int(v)
+    except ValueError:
+        raise ConfigError(f"--nproc-per-node: {v!r} is not a positive integer or one of "
+                          "cpu, gpu, xpu, npu, auto") from None
+    if n < 1:
+        raise ConfigError(f"--nproc-per-node: {n} must be >= 1")
+    return n
+
+
+def parse_std_map(flag: str, value: str, nproc: int) -> dict[int, int]:
+    """torchrun's `--redirects`/`--tee` syntax: `0..3` for all ranks or `0:1,1:2` per rank."""
+    v = str(value).strip()
+    if v in ("0", "1", "2", "3"):
+        return {r: int(v) for r in range(nproc)}
+    out: dict[int, int] = {r: 0 for r in range(nproc)}
+    try:
+        for item in v.split(","):
+            lr, s = item.split(":")
+            if s not in ("0", "1", "2", "3"):
+                raise ValueError
+            out[int(lr)] = int(s)
+    except ValueError:
+        raise ConfigError(f"{flag}: {value!r} is not 0-3 or a map like 0:1,1:2 "
+                          "(1=stdout, 2=stderr, 3=both)") from None
+    return out
+
+
+def parse_rdzv_conf(value: str) -> dict[str, str]:
+    out: dict[str, str] = {}
+    if not value:
+        return out
+    for item in value.split(","):
+        if not item.strip():
+            continue
+        if "=" not in item:
+            raise ConfigError(f"--rdzv-conf: {item!r} is not key=value")
+        k, v = item.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def parse_signals(value: str) -> list[int]:
+    sigs = []
+    for name in value.split(","):
+        name = name.strip()
+        if not name:
+            continue
+        sig = getattr(signal, name, None)
+        if not isinstance(sig, signal.Signals) or name.startswith("SIG_"):
+            raise ConfigError(f"--signals-to-handle: {name!r} is not a signal name (e.g. SIGTERM)")
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            raise ConfigError(f"--signals-to-handle: {name} cannot be handled")
+        sigs.append(int(sig))
+    return sigs
+
+
+def parse_strategy(value: str) -> list[str]:
+    items = [s.strip() for s in value.split(",") if s.strip()]
+    aliases = {"elastic-training": plan.RESTART_ALL, "recover": plan.RECOVER_IN_PLACE}
+    out: list[str] = []
+    for s in items:
+        s = aliases.get(s, s)
+        if s not in plan.STRATEGIES:
+            raise ConfigError(f"--recover-strategy: {s!r} is not one of "
+                              f"{', '.join(plan.STRATEGIES)} (aliases: recover, elastic-training)")
+        if s not in out:
+            out.append(s)
+    if not out:
+        raise ConfigError("--recover-strategy: empty list")
+    if plan.EXIT not in out:
+        out.append(plan.EXIT)
+    return out
+
+
+def strategy_from_seed_env(env: dict[str, str]) -> tuple[str | None, list[str]]:
+    """Map Ascend's HIGH_AVAILABILITY / PROCESS_RECOVER / ... variables onto a strategy chain.
+
+    Returns (chain or None when none of them is set, log lines explaining the mapping)."""
+    notes: list[str] = []
+    ha = env.get("HIGH_AVAILABILITY", "").strip().lower()
+    chain: list[str] | None = None
+    if ha:
+        mapping = {"retry": [plan.RETRY, plan.RECOVER_IN_PLACE, plan.RESTART_ALL],
+                   "recover": [plan.RECOVER_IN_PLACE, plan.RESTART_ALL],
+                   "dump": [plan.DUMP], "elastic-training": [plan.RESTART_ALL]}
+        if ha not in mapping:
+            raise ConfigError(f"HIGH_AVAILABILITY={ha!r} is not one of {', '.join(mapping)}")
+        chain = list(mapping[ha])
+        notes.append(f"HIGH_AVAILABILITY={ha} -> recover strategy {','.join(chain)}")
+    flags = {k: env.get(k, "").strip().lower() for k in SEED_ENV_VARS[1:]}
+    on = {k for k, v in flags.items() if v in ("1", "on", "true")}
+    if on and chain is None:
+        chain = [plan.RECOVER_IN_PLACE, plan.RESTART_ALL]
+    if on:
+        notes.append(f"{', '.join(sorted(on))} set -> process-level recovery enabled")
+    if chain is not None:
+        chain.append(plan.EXIT)
+    return chain, notes
+
+
+def port_is_free(host: str, port: int) -> bool:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host if host not in ("localhost", "") else "127.0.0.1", port))
+        return True
+    except OSError:
+        return False
+
+
+def _parse_endpoint(value: str, default_port: int) -> tuple[str, int]:
+    v = value.strip()
+    if v.startswith("["):
+        host, _, rest = v[1:].partition("]")
+        port = rest.lstrip(":") or str(default_port)
+    elif v.count(":") == 1:
+        host, port = v.split(":")
+    else:
+        host, port = v, str(default_port)
+    try:
+        p = int(port)
+    except ValueError:
+        raise ConfigError(f"--rdzv-endpoint: port {port!r} in {value!r} is not an integer") from None
+    if not 0 <= p <= 65535:
+        raise ConfigError(f"--rdzv-endpoint: port {p} out of range 0-65535")
+    return host or "127.0.0.1", p
+
+
+def _truthy(v: str) -> bool:
+    return str(v).strip().lower() in ("1", "true", "yes", "on")
+
+
+def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
+    """Resolve raw CLI values (click's dict, torchrun dest names) into a LaunchConfig."""
+    env = dict(os.environ if env is None else env)
+    script = raw.get("training_script")
+    if not script:
+        raise ConfigError("missing training script: ftrun [flags] SCRIPT [args...]")
+    cfg = LaunchConfig(script=script, script_args=list(raw.get("training_script_args") or []))
+    cfg.module = bool(raw.get("module"))
+    cfg.no_python = bool(raw.get("no_python"))
+    cfg.run_path = bool(raw.get("run_path"))
+    if cfg.module and cfg.no_python:
+        raise ConfigError("--no-python cannot be used with -m/--module")
+    if cfg.run_path:
+        # Script workers are always started with Popen; --run-path runs the file with runpy.
+        cfg.notes.append("--run-path: the script is executed with runpy in each worker process")
+    if not (cfg.module or cfg.no_python) and not os.path.exists(script):
+        raise ConfigError(f"training script {script!r} does not exist")
+
+    cfg.min_nodes, cfg.max_nodes = parse_nnodes(raw.get("nnodes", "1:1"))
+    cfg.nproc_per_node = resolve_nproc(raw.get("nproc_per_node", "1"))
+    cfg.role = raw.get("role") or "default"
+
+    cfg.max_restarts = int(raw.get("max_restarts", 0))
+    if cfg.max_restarts < 0:
+        raise ConfigError(f"--max-restarts: {cfg.max_restarts} must be >= 0")
+    cfg.monitor_interval = float(raw.get("monitor_interval", 0.1))
+    if not cfg.monitor_interval > 0:
+        raise ConfigError(f"--monitor-interval: {cfg.monitor_interval} must be > 0 (seconds)")
+    st = raw.get("shutdown_timeout")
+    if st is None:
+        st = env.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", DEFAULT_SHUTDOWN_TIMEOUT)
+    try:
+        cfg.shutdown_timeout = float(st)
+    except ValueError:
+        raise ConfigError(f"--shutdown-timeout: {st!r} is not a number of seconds") from None
+    if cfg.shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout: {st} must be >= 0")
+    cfg.hang_timeout = float(raw.get("hang_timeout") or 0.0)
+    if cfg.hang_timeout < 0:
+        raise ConfigError(f"--hang-timeout: {cfg.hang_timeout} must be >= 0 (0 = off)")
+    cfg.signals_to_handle = parse_signals(raw.get("signals_to_handle") or
+                                          "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+
+    strategy = raw.get("recover_strategy")
+    seed_chain, seed_notes = strategy_from_seed_env(env)
+    cfg.notes.extend(seed_notes)
+    if strategy:
+        cfg.recover_strategy = parse_strategy(strategy)
+        if seed_chain:
+            cfg.notes.append("--recover-strategy given: it wins over the HIGH_AVAILABILITY variables")
+    elif seed_chain:
+        cfg.recover_strategy = seed_chain
+    else:
+        cfg.recover_strategy = parse_strategy(DEFAULT_RECOVER_STRATEGY)
+
+    cfg.redirects = parse_std_map("--redirects", raw.get("redirects", "0"), cfg.nproc_per_node)
+    cfg.tee = parse_std_map("--tee", raw.get("tee", "0"), cfg.nproc_per_node)
+    lrf = raw.get("local_ranks_filter") or ""
+    if lrf:
+        try:
+            cfg.local_ranks_filter = {int(x) for x in lrf.split(",") if x.strip()}
+        except ValueError:
+            raise ConfigError(f"--local-ranks-filter: {lrf!r} is not a comma list of integers") from None
+    cfg.log_dir = raw.get("log_dir")
+    cfg.log_line_prefix_template = (raw.get("log_line_prefix_template")
+                                    or env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None)
+    cfg.duplicate_stdout_filters = list(raw.get("duplicate_stdout_filters") or [])
+    cfg.duplicate_stderr_filters = list(raw.get("duplicate_stderr_filters") or [])
+    cfg.start_method = raw.get("start_method") or "spawn"
+    cfg.event_log_handler = raw.get("event_log_handler") or "null"
+    cfg.logs_specs = raw.get("logs_specs")
+    cfg.numa_binding = raw.get("numa_binding")
+    cfg.virtual_local_rank = bool(raw.get("virtual_local_rank"))
+
+    # ---- rendezvous and store ------------------------------------------------------------
+    cfg.rdzv_conf = parse_rdzv_conf(raw.get("rdzv_conf") or "")
+    cfg.rdzv_backend = (raw.get("rdzv_backend") or "static").strip()
+    cfg.rdzv_endpoint = (raw.get("rdzv_endpoint") or "").strip()
+    cfg.rdzv_id = raw.get("rdzv_id") or "none"
+    cfg.master_addr = raw.get("master_addr") or "127.0.0.1"
+    mp = raw.get("master_port")
+    cfg.master_port = None if mp in (None, "") else int(mp)
+    if cfg.master_port is not None and not 0 <= cfg.master_port <= 65535:
+        raise ConfigError(f"--master-port: {cfg.master_port} out of range 0-65535")
+    cfg.local_addr = raw.get("local_addr")
+    cfg.standalone = bool(raw.get("standalone"))
+    tiered = raw.get("enable_tiered_parallel_tcpstore")
+    cfg.enable_tiered_store = _truthy(tiered) if tiered is not None else False
+    for k in ("join_timeout", "last_call_timeout"):
+        if k in cfg.rdzv_conf:
+            try:
+                setattr(cfg, k, float(cfg.rdzv_conf[k]))
+            except ValueError:
+                raise ConfigError(f"--rdzv-conf {k}: {cfg.rdzv_conf[k]!r} is not a number") from None
+    if "timeout" in cfg.rdzv_conf and "join_timeout" not in cfg.rdzv_conf:
+        cfg.join_timeout = float(cfg.rdzv_conf["timeout"])
+    cfg.token_file = cfg.rdzv_conf.get("token_file")
+
+    backend = cfg.rdzv_backend
+    if backend in ETCD_BACKENDS:
+        cfg.store_backend = "etcd"
+        if backend == "etcd-v2":
+            cfg.notes.append("--rdzv-backend etcd-v2 is served by the etcd v3 API (etcd 3.6 dropped v2)")
+        if not cfg.rdzv_endpoint:
+            raise ConfigError(f"--rdzv-endpoint is required with --rdzv-backend {backend} "
+                              "(host[:port][,host[:port]...])")
+    elif backend in EMBEDDED_BACKENDS:
+        cfg.store_backend = "embedded"
+    else:
+        raise ConfigError(f"--rdzv-backend: {backend!r} is not one of "
+                          f"{', '.join(sorted(EMBEDDED_BACKENDS | ETCD_BACKENDS))}")
+
+    if cfg.standalone:
+        if cfg.max_nodes != 1 or cfg.min_nodes != 1:
+            raise ConfigError("--standalone runs a single node; drop --nnodes or set it to 1")
+        cfg.rdzv_id = str(uuid.uuid4())
+        cfg.notes.append(f"--standalone: local store on a free port, run id {cfg.rdzv_id}")
+    auto_single = (backend == "static" and not cfg.rdzv_endpoint and cfg.master_port is None
+                   and cfg.max_nodes == 1)
+    if cfg.store_backend == "embedded":
+        if cfg.standalone or auto_single:
+            # torchrun's single-node auto-switch: a private store on a free port.
+            cfg.store_host, cfg.store_port = "127.0.0.1", 0
+            cfg.master_addr_for_workers = "localhost"
+            if cfg.rdzv_id == "none":
+                cfg.rdzv_id = str(uuid.uuid4())
+            cfg.node_rank = 0
+        elif backend == "static" or not cfg.rdzv_endpoint:
+            cfg.store_host = cfg.master_addr
+            cfg.store_port = DEFAULT_MASTER_PORT if cfg.master_port is None else cfg.master_port
+            cfg.master_addr_for_workers = cfg.master_addr
+            cfg.node_rank = int(raw.get("node_rank", 0))
+        else:
+            cfg.store_host, cfg.store_port = _parse_endpoint(cfg.rdzv_endpoint, DEFAULT_C10D_PORT)
+            cfg.master_addr_for_workers = cfg.store_host
+            cfg.node_rank = int(raw.get("node_rank", 0)) if cfg.min_nodes == cfg.max_nodes else None
+        if cfg.node_rank is not None and not 0 <= cfg.node_rank < cfg.max_nodes:
+            raise ConfigError(f"--node-rank: {cfg.node_rank} must be in 0..{cfg.max_nodes - 1}")
+        if cfg.node_rank is None:
+            cfg.is_store_host = _truthy(cfg.rdzv_conf.get("is_host", "false"))
+        else:
+            cfg.is_store_host = cfg.node_rank == 0
+        if cfg.is_store_host and cfg.store_port and not port_is_free("0.0.0.0", cfg.store_port):
+            raise ConfigError(f"--master-port: port {cfg.store_port} is already in use on this host")
+    else:
+        cfg.node_rank = (int(raw.get("node_rank", 0)) if cfg.min_nodes == cfg.max_nodes
+                         and raw.get("node_rank") is not None else None)
+        cfg.is_store_host = False
+
+    proxy_conf = cfg.rdzv_conf.get("proxy")
+    if proxy_conf is not None:
+        cfg.proxy = _truthy(proxy_conf)
+    else:
+        cfg.proxy = cfg.max_nodes > 1 or cfg.store_backend == "etcd" or cfg.enable_tiered_store
+    if cfg.store_backend == "etcd" and not cfg.proxy:
+        raise ConfigError("--rdzv-conf proxy=false is not possible with etcd: unmodified workers "
+                          "speak TCPStore, which only the per-node proxy translates to etcd")
+    if cfg.enable_tiered_store:
+        cfg.notes.append("--enable_tiered_parallel_tcpstore: per-node store proxies on")
+    if cfg.event_log_handler != "null":
+        cfg.notes.append(f"--event-log-handler {cfg.event_log_handler}: ftrun writes events.jsonl instead")
+    if cfg.numa_binding:
+        cfg.notes.append(f"--numa-binding {cfg.numa_binding}: accepted; binding is left to the OS on CPU")
+    return cfg
