@@ -1,0 +1,276 @@
+"""Tests for rendezvous.etcd against a real etcd server (tests/helpers_etcd.py)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from rendezvous.etcd import EtcdConf, EtcdKV, Endpoint, LeaseExpiredError, parse_endpoints
+from rendezvous.kv import StoreAuthError, StoreError, StoreTimeout
+from helpers_etcd import EtcdServer, etcd_server, free_port  # noqa: F401 - fixture
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.etcd
+
+
+@pytest.fixture
+def kv(etcd_server: EtcdServer):
+    store = EtcdKV(etcd_server.endpoint, "/ftrun/test-job", EtcdConf(request_timeout=5))
+    yield store
+    store.close()
+
+
+# -- configuration (no server needed) ----------------------------------------------------------
+
+
+def test_parse_endpoints_forms() -> None:
+    assert parse_endpoints("a,b:1234") == [Endpoint("a", 2379), Endpoint("b", 1234)]
+    assert parse_endpoints("[::1]:23, [fe80::1]") == [Endpoint("::1", 23), Endpoint("fe80::1", 2379)]
+    assert parse_endpoints(["http://h:5/", "https://g"]) == [Endpoint("h", 5), Endpoint("g", 2379)]
+    assert Endpoint("::1", 23).target == "[::1]:23"
+    for bad, word in [("", "no etcd endpoint"), ("h:0", "port"), ("h:x", "port"),
+                      ("::1", "[addr]:port"), ("[::1", "']'"), ("[::1]x", "':port'"), (":5", "host")]:
+        with pytest.raises(ValueError, match=word.replace("[", r"\[").replace("]", r"\]")):
+            parse_endpoints(bad)
+
+
+def test_conf_from_rdzv_conf(tmp_path) -> None:
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    conf = EtcdConf.from_rdzv_conf({"cacert": str(ca), "join_timeout": "5", "user": "u",
+                                    "password": "p"})
+    assert (conf.protocol, conf.cacert, conf.user, conf.password) == ("https", str(ca), "u", "p")
+    assert EtcdConf.from_rdzv_conf({}).protocol == "http"
+    cases = [({"protocol": "ftp"}, "protocol='ftp' is not valid; use http or https"),
+             ({"protocol": "http", "cacert": str(ca)}, "need protocol=https"),
+             ({"cert": str(ca)}, "cert and key must be given together"),
+             ({"cacert": str(tmp_path / "nope.pem")}, "no such file"),
+             ({"user": "u"}, "user and password must be given together")]
+    for conf_dict, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            EtcdConf.from_rdzv_conf(conf_dict)
+
+
+# -- the KV contract ---------------------------------------------------------------------------
+
+
+def test_every_operation_and_key_mapping(kv: EtcdKV, etcd_server: EtcdServer) -> None:
+    kv.set("ftrun/a", b"1")
+    kv.set("worker/b", "two")  # str values are encoded
+    assert kv.get("ftrun/a", 1) == b"1"
+    assert kv.try_get("worker/b") == b"two"
+    assert kv.try_get("missing") is None
+    assert kv.add("cnt", 5) == 5 and kv.add("cnt", -2) == 3 and kv.try_get("cnt") == b"3"
+    assert kv.keys() == ["cnt", "ftrun/a", "worker/b"]
+    assert kv.keys("ftrun/") == ["ftrun/a"]
+    # logical key k lives at etcd key root/k
+    raw = etcd_server.etcdctl("get", "--prefix", "--keys-only", "/ftrun/test-job/").split()
+    assert sorted(raw) == ["/ftrun/test-job/cnt", "/ftrun/test-job/ftrun/a", "/ftrun/test-job/worker/b"]
+    assert kv.delete("cnt") is True and kv.delete("cnt") is False
+    kv.set("ftrun/b", b"x")
+    assert kv.clear_except("ftrun/") == 1 and kv.keys() == ["ftrun/a", "ftrun/b"]
+    assert kv.delete_prefix("ftrun/") == 2 and kv.keys() == []
+    with pytest.raises(StoreError, match="not a counter"):
+        kv.set("s", b"abc")
+        kv.add("s", 1)
+
+
+def test_compare_set_torch_semantics(kv: EtcdKV) -> None:
+    assert kv.compare_set("k", b"", b"v1") == b"v1"  # missing + expected "" -> set
+    assert kv.compare_set("k", b"", b"v9") == b"v1"  # exists, mismatch -> current
+    assert kv.compare_set("k", b"nope", b"v9") == b"v1"
+    assert kv.compare_set("k", b"v1", b"v2") == b"v2" and kv.try_get("k") == b"v2"
+    assert kv.compare_set("absent", b"x", b"y") == b"x" and kv.try_get("absent") is None
+    kv.set("empty", b"")
+    assert kv.compare_set("empty", b"", b"filled") == b"filled"
+
+
+def test_wait_wakes_on_set_and_times_out(kv: EtcdKV) -> None:
+    threading.Timer(0.2, kv.set, args=("late", b"1")).start()
+    t0 = time.monotonic()
+    assert kv.wait(["late"], 5.0) is True
+    assert time.monotonic() - t0 < 1.5
+    # several keys, set one by one (one watch over their range)
+    def writer() -> None:
+        for k in ("w/2", "w/0", "w/1"):
+            time.sleep(0.05)
+            kv.set(k, b"")
+    threading.Thread(target=writer, daemon=True).start()
+    assert kv.wait(["w/0", "w/1", "w/2"], 5.0) is True
+    t0 = time.monotonic()
+    assert kv.wait(["never"], 0.3) is False
+    assert 0.25 < time.monotonic() - t0 < 1.5
+    with pytest.raises(StoreTimeout, match="'never2'"):
+        kv.get("never2", 0.2)
+    threading.Timer(0.2, kv.set, args=("g", b"val")).start()
+    assert kv.get("g", 5.0) == b"val"
+
+
+def test_add_under_contention(etcd_server: EtcdServer) -> None:
+    stores = [EtcdKV(etcd_server.endpoint, "/c") for _ in range(2)]
+    results: list[list[int]] = [[], []]
+
+    def bump(i: int) -> None:
+        for _ in range(150):
+            results[i].append(stores[i].add("n", 1))
+
+    threads = [threading.Thread(target=bump, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    try:
+        seen = sorted(results[0] + results[1])
+        assert seen == list(range(1, 301))  # every increment applied exactly once
+        assert stores[0].try_get("n") == b"300"
+    finally:
+        for s in stores:
+            s.close()
+
+
+def test_leases_expire_and_refresh_keeps_them(kv: EtcdKV) -> None:
+    short, kept = kv.grant_lease(1), kv.grant_lease(1)
+    kv.put_with_lease("short", b"x", short)
+    kv.put_with_lease("kept", b"y", kept)
+    assert kv.create("kept", b"z", kept) is False and kv.create("new", b"n") is True
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 2.5:
+        assert kv.refresh_lease(kept) >= 1
+        time.sleep(0.3)
+    assert kv.try_get("short") is None
+    assert kv.try_get("kept") == b"y"
+    with pytest.raises(LeaseExpiredError):
+        kv.refresh_lease(short)
+    kv.revoke_lease(kept)
+    assert kv.try_get("kept") is None
+    kv.revoke_lease(kept)  # already gone: fine
+
+
+def test_watch_fires_for_put_delete_and_lease_expiry(kv: EtcdKV) -> None:
+    events = []
+    got = threading.Event()
+
+    def cb(ev):
+        events.append((ev.kind, ev.key, ev.value))
+        if len(events) >= 3:
+            got.set()
+
+    handle = kv.watch_prefix("nodes/", cb)
+    lease = kv.grant_lease(1)
+    kv.put_with_lease("nodes/1", b"n1", lease)
+    kv.set("other", b"ignored")
+    kv.set("nodes/2", b"n2")
+    t0 = time.monotonic()
+    assert got.wait(5)
+    deadline = time.monotonic() + 5
+    while ("delete", "nodes/1", b"") not in events and time.monotonic() < deadline:
+        time.sleep(0.05)
+    expiry = time.monotonic() - t0
+    assert events[:2] == [("put", "nodes/1", b"n1"), ("put", "nodes/2", b"n2")]
+    assert ("delete", "nodes/1", b"") in events and expiry < 3.0
+    handle.cancel()
+    n = len(events)
+    kv.set("nodes/3", b"after cancel")
+    time.sleep(0.2)
+    assert len(events) == n
+    snap, rev = kv.get_prefix("nodes/")
+    assert snap == {"nodes/2": b"n2", "nodes/3": b"after cancel"} and rev > 0
+    # replay from a revision: sees exactly the later change
+    replay = []
+    h2 = kv.watch_key("nodes/2", lambda ev: replay.append(ev.kind), start_revision=rev + 1)
+    kv.delete("nodes/2")
+    assert kv.wait_deleted("nodes/2", 2) is True
+    time.sleep(0.1)
+    h2.cancel()
+    assert replay == ["delete"]
+
+
+# -- failures: one clear line -------------------------------------------------------------------
+
+
+def test_wrong_credentials_give_one_clear_error(etcd_server: EtcdServer) -> None:
+    etcd_server.enable_auth("root", "right")
+    good = EtcdKV(etcd_server.endpoint, "/a", EtcdConf(user="root", password="right"))
+    good.set("k", b"v")
+    events = []
+    h = good.watch_key("k", events.append)
+    good.set("k", b"w")
+    assert good.wait(["k"], 1) and good.get("k", 1) == b"w"
+    h.cancel()
+    good.close()
+    with pytest.raises(StoreAuthError) as err:
+        EtcdKV(etcd_server.endpoint, "/a", EtcdConf(user="root", password="wrong"))
+    msg = str(err.value)
+    assert "\n" not in msg and "authentication failed" in msg and "root" in msg
+    assert err.value.__cause__ is None and err.value.__suppress_context__
+    with pytest.raises(StoreAuthError, match="no user given"):
+        EtcdKV(etcd_server.endpoint, "/a")
+
+
+def test_unreachable_endpoint_fails_within_timeout() -> None:
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as err:
+        EtcdKV(f"127.0.0.1:{port}", "/a", EtcdConf(request_timeout=1.5))
+    took = time.monotonic() - t0
+    assert took < 3.0
+    assert "\n" not in str(err.value) and f"127.0.0.1:{port}" in str(err.value)
+
+
+def test_failover_to_second_endpoint(etcd_server: EtcdServer) -> None:
+    dead = free_port()
+    kv = EtcdKV(f"127.0.0.1:{dead},{etcd_server.endpoint}", "/f", EtcdConf(request_timeout=3))
+    try:
+        kv.set("x", b"1")
+        assert kv.get("x", 1) == b"1"
+    finally:
+        kv.close()
+
+
+def test_close_is_quiet_and_env_is_restored(etcd_server: EtcdServer) -> None:
+    """No 'Channel closed' noise from watch threads, and the protobuf switch does not leak
+    into the environment that workers inherit."""
+    code = textwrap.dedent(f"""
+        import os, threading
+        from rendezvous.etcd import EtcdKV
+        assert "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION" not in os.environ
+        kv = EtcdKV("{etcd_server.endpoint}", "/q")
+        hs = [kv.watch_prefix("p", lambda ev: None) for _ in range(3)]
+        threading.Timer(0.1, kv.set, args=("w", b"1")).start()
+        assert kv.wait(["w"], 5)
+        kv.close()
+        kv.close()
+        print("ok")
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "ok" and res.stderr == ""
+
+
+def test_protobuf_already_loaded_gives_clear_error() -> None:
+    code = textwrap.dedent("""
+        from google.protobuf.internal import api_implementation
+        import google.protobuf.message
+        impl = api_implementation.Type()
+        from rendezvous.etcd import EtcdKV
+        from rendezvous.kv import StoreError
+        try:
+            EtcdKV("127.0.0.1:1", "/x")
+        except StoreError as e:
+            print(impl, "|", e)
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    impl, _, msg = res.stdout.strip().partition(" | ")
+    if impl == "python":
+        pytest.skip("protobuf runs pure-Python here; the upb conflict cannot happen")
+    assert "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" in msg and "\n" not in msg
