@@ -1,0 +1,50 @@
+"""`ftctl`: operate a live ftrun job (store inspection, fault injection, status).
+
+Owns: the click group and its job-level subcommands. Store subcommands (`ftctl store serve|get|
+set|ls`) come from `rendezvous.store_cli`; fault injection (`ftctl inject`) from
+`launcher.inject`.
+"""
+from __future__ import annotations
+
+import sys
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def cli() -> None:
+    """Inspect and operate a running ftrun job."""
+
+
+def _register() -> None:
+    try:
+        from rendezvous.store_cli import store
+    except ImportError:  # pragma: no cover - partial checkout
+        store = None
+    if store is not None:
+        cli.add_command(store, "store")
+    try:
+        from launcher.inject import inject
+    except ImportError:  # pragma: no cover
+        inject = None
+    if inject is not None:
+        cli.add_command(inject, "inject")
+
+
+_register()
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=sys.argv[1:] if argv is None else argv, prog_name="ftctl", standalone_mode=False)
+    except click.ClickException as e:
+        click.echo(f"ftctl: error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code if e.exit_code else 2)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.Abort:
+        sys.exit(1)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

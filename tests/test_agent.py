@@ -1,0 +1,164 @@
+"""The agent under real workloads: env parity with torchrun, unmodified DDP, restart semantics,
+signals, orphans, two agents on loopback."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from tests.helpers_launch import (FTRUN, TORCHRUN, env_with, events, free_port, pid_alive, run,
+                                  script, wait_for_files)
+
+IGNORED = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
+
+
+def dump_env(cmd: list[str], out: str, tmp: str) -> dict[int, dict]:
+    os.makedirs(out, exist_ok=True)
+    env = env_with(OUT_DIR=out)
+    env["BASE_KEYS"] = json.dumps(sorted(set(env) | {"BASE_KEYS"}))
+    r = run(cmd + ["--nproc_per_node", "2", "--log_dir", tmp, script("envdump.py")], env=env)
+    assert r.returncode == 0, r.stderr
+    res = {}
+    for rank in (0, 1):
+        with open(os.path.join(out, f"env.{rank}.json"), encoding="utf-8") as f:
+            res[rank] = json.load(f)
+    return res
+
+
+def test_worker_env_matches_torchrun(tmp_path) -> None:
+    theirs = dump_env(TORCHRUN, str(tmp_path / "torchrun"), str(tmp_path / "tl"))
+    ours = dump_env(FTRUN, str(tmp_path / "ftrun"), str(tmp_path / "fl"))
+    for rank in (0, 1):
+        t, o = theirs[rank], ours[rank]
+        missing = set(t) - set(o)
+        assert not missing, f"rank {rank}: ftrun lacks {missing}"
+        extra = {k for k in set(o) - set(t) if not k.startswith("FTRUN_")}
+        assert not extra, f"rank {rank}: ftrun sets unexpected {extra}"
+        for k in t:
+            if k not in IGNORED:
+                assert o[k] == t[k], f"rank {rank}: {k}: ftrun {o[k]!r} torchrun {t[k]!r}"
+        assert o["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{rank}/error.json")
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_unmodified_ddp_same_loss_as_torchrun(tmp_path, nproc: int) -> None:
+    losses = {}
+    for name, cmd in (("torchrun", TORCHRUN), ("ftrun", FTRUN)):
+        out = str(tmp_path / f"{name}.json")
+        r = run(cmd + ["--nproc_per_node", str(nproc), "--log_dir", str(tmp_path / name),
+                       script("ddp_plain.py"), "--steps", "10", "--out", out], timeout=180)
+        assert r.returncode == 0, r.stderr[-3000:]
+        with open(out, encoding="utf-8") as f:
+            losses[name] = json.load(f)["loss"]
+    assert losses["ftrun"] == losses["torchrun"]
+
+
+def test_crash_once_restarts_with_budget(tmp_path) -> None:
+    out = str(tmp_path / "res.json")
+    r = run(FTRUN + ["--nproc_per_node", "2", "--max_restarts", "1", "--log_dir", str(tmp_path),
+                     script("ddp_plain.py"), "--crash-rank", "1", "--out", out], timeout=180)
+    assert r.returncode == 0, r.stderr[-3000:]
+    with open(out, encoding="utf-8") as f:
+        assert json.load(f)["restart_count"] == 1
+    ev = events(str(tmp_path))
+    failed = [e for e in ev if e["event"] == "worker-failed"]
+    assert failed and failed[0]["rank"] == 1
+    assert any(e["event"] == "plan" and e["strategy"] == "restart-all" for e in ev)
+    spawns = [e for e in ev if e["event"] == "spawn"]
+    assert sorted(e["generation"] for e in spawns) == [0, 0, 1, 1]
+    # fault detected at once, not by polling
+    assert failed[0]["detect_ms"] < 50
+
+
+def test_crash_without_budget_exits_1_root_cause_first(tmp_path) -> None:
+    r = run(FTRUN + ["--nproc_per_node", "2", "--max_restarts", "0", "--log_dir", str(tmp_path),
+                     script("ddp_plain.py"), "--crash-rank", "1"], timeout=180)
+    assert r.returncode == 1
+    err = r.stderr
+    assert "Traceback (most recent call last):\n  File \"/" not in err.split("FAILED")[0][-200:]
+    summary = err[err.index("ddp_plain.py FAILED"):]
+    root = summary[summary.index("Root Cause"):summary.index("Other Failures")]
+    assert "rank      : 1 (local_rank: 1" in root
+    assert "boom from rank 1 at step 3" in root
+    assert "Terminated by ftrun (not failures): rank 0" in summary
+    # the launcher's own traceback is not printed
+    assert "launcher/agent.py" not in err
+
+
+def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _pids(out: str, n: int) -> list[int]:
+    files = wait_for_files(os.path.join(out, "pid.*"), n, 60)
+    return [int(open(p, encoding="utf-8").read()) for p in files]
+
+
+def test_sigterm_forwards_and_exits_like_torchrun(tmp_path) -> None:
+    env = env_with(OUT_DIR=str(tmp_path))
+    p = _start(FTRUN + ["--nproc_per_node", "2", "--log_dir", str(tmp_path / "l"),
+                        script("sleeper.py")], env)
+    pids = _pids(str(tmp_path), 2)
+    p.send_signal(signal.SIGTERM)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1, err
+    time.sleep(0.2)
+    assert not any(pid_alive(x) for x in pids)
+    assert "received SIGTERM" in err
+
+
+def test_sigkill_of_ftrun_leaves_no_orphans(tmp_path) -> None:
+    env = env_with(OUT_DIR=str(tmp_path))
+    p = _start(FTRUN + ["--nproc_per_node", "3", "--log_dir", str(tmp_path / "l"),
+                        script("sleeper.py")], env)
+    pids = _pids(str(tmp_path), 3)
+    p.kill()
+    p.wait(timeout=10)
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline and any(pid_alive(x) for x in pids):
+        time.sleep(0.02)
+    assert not any(pid_alive(x) for x in pids), "workers outlived a SIGKILLed ftrun"
+
+
+def test_tee_prefix_and_log_layout(tmp_path) -> None:
+    env = env_with(OUT_DIR=str(tmp_path))
+    env["BASE_KEYS"] = "[]"
+    r = run(FTRUN + ["--nproc_per_node", "2", "--tee", "3", "--log_dir", str(tmp_path / "l"),
+                     script("ddp_plain.py"), "--steps", "2", "--crash-rank", "1", "--crash-step", "0"],
+            env=env)
+    assert r.returncode == 1
+    assert "[default1]:" in r.stderr
+    import glob
+    run_dirs = glob.glob(str(tmp_path / "l" / "*"))
+    assert len(run_dirs) == 1
+    for lr in (0, 1):
+        d = os.path.join(run_dirs[0], "attempt_0", str(lr))
+        assert os.path.isfile(os.path.join(d, "stdout.log"))
+        assert os.path.isfile(os.path.join(d, "stderr.log"))
+    assert os.path.isfile(os.path.join(run_dirs[0], "attempt_0", "1", "error.json"))
+
+
+def test_two_agents_restart_under_one_generation(tmp_path) -> None:
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        out = str(tmp_path / f"n{node}.json")
+        cmd = FTRUN + ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                       "--master_addr", "127.0.0.1", "--master_port", str(port), "--max_restarts", "2",
+                       "--log_dir", str(tmp_path / f"log{node}"), script("ddp_plain.py"),
+                       "--crash-rank", "1", "--out", out, "--steps", "6"]
+        procs.append(_start(cmd, env_with()))
+    outs = [p.communicate(timeout=180) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    with open(tmp_path / "n0.json", encoding="utf-8") as f:
+        assert json.load(f)["restart_count"] == 1
+    gens = {}
+    for node in (0, 1):
+        ev = events(str(tmp_path / f"log{node}"))
+        gens[node] = sorted(e["generation"] for e in ev if e["event"] == "spawn")
+    assert gens[0] == gens[1] == [0, 1]
