@@ -1,18 +1,25 @@
-"""Test helper: a real single-member etcd server on free loopback ports.
+"""Test helper: a real etcd server, and membership agents as real processes.
 
-Owns: starting `/usr/bin/etcd` (Debian etcd-server) in a temporary data dir with fast raft
-timers, waiting until it is healthy, optionally turning on authentication (root user via
-`etcdctl`), and stopping it (kill, wait, remove the data dir). Tests use the `etcd_server`
-pytest fixture; they are skipped with a clear reason when the binary is missing.
+Owns: starting `/usr/bin/etcd` (Debian etcd-server) on free loopback ports in a temporary data
+dir with fast raft timers, waiting until it is healthy, optionally turning on authentication
+(root user via `etcdctl`), and stopping it (kill, wait, remove the data dir). Tests use the
+`etcd_server` pytest fixture; they are skipped with a clear reason when the binary is missing.
+
+Also owns `AgentProc`: a child process (`python tests/helpers_etcd.py agent ...`) that runs one
+`rendezvous.membership.Membership` over etcd or the embedded TCP store and prints one JSON line
+per event (world, dead, join, leader), so tests can SIGKILL real agents.
 """
 from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import socket
 import subprocess
+import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -161,3 +168,142 @@ def etcd_server() -> Iterator[EtcdServer]:
         yield server
     finally:
         server.stop()
+
+
+# ----------------------------------------------------------------------------------------------
+# Membership agents as real processes
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class AgentProc:
+    """One membership agent process; `expect()` returns its next matching JSON event."""
+
+    def __init__(self, backend: str, endpoint: str, run_id: str, node_rank: int | None,
+                 nnodes: str, local_world_size: int = 1, hb_interval: float = 0.25,
+                 hb_timeout: float = 1.5, last_call: float = 1.0, join_timeout: float = 20.0,
+                 name: str = "agent") -> None:
+        self.name = name
+        cmd = [sys.executable, os.path.abspath(__file__), "agent", "--backend", backend,
+               "--endpoint", endpoint, "--run-id", run_id, "--nnodes", nnodes,
+               "--node-rank", "-1" if node_rank is None else str(node_rank),
+               "--lws", str(local_world_size), "--hb-interval", str(hb_interval),
+               "--hb-timeout", str(hb_timeout), "--last-call", str(last_call),
+               "--join-timeout", str(join_timeout), "--host", name]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+        self._err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._err, text=True, cwd=REPO, env=env)
+        self.events: queue.Queue = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self.events.put(json.loads(line))
+            except ValueError:
+                self.events.put({"event": "garbage", "line": line})
+        self.events.put({"event": "exit"})
+
+    def stderr(self) -> str:
+        self._err.seek(0)
+        return self._err.read().decode(errors="replace")[-2000:]
+
+    def expect(self, event: str, timeout: float, **match: object) -> dict:
+        """The next event named `event` (with fields equal to `match`) within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                ev = self.events.get(timeout=max(0.0, left))
+            except queue.Empty:
+                raise AssertionError(f"{self.name}: no {event} {match} within {timeout}s; "
+                                     f"stderr: {self.stderr()}") from None
+            if ev.get("event") == "exit" and event != "exit":
+                raise AssertionError(f"{self.name} exited ({self.proc.wait()}) waiting for "
+                                     f"{event}: {self.stderr()}")
+            if ev.get("event") == event and all(ev.get(k) == v for k, v in match.items()):
+                return ev
+
+    def kill(self) -> float:
+        """SIGKILL the agent; return the wall time of the kill."""
+        t = time.time()
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        return t
+
+    def stop(self) -> None:
+        """Graceful: close stdin (the agent leaves and exits); kill if it does not."""
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+                self.proc.wait(timeout=10)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._err.close()
+
+
+def _agent_main(argv: list[str]) -> int:
+    import argparse
+    import logging
+
+    ap = argparse.ArgumentParser(prog="helpers_etcd agent")
+    ap.add_argument("--backend", choices=["etcd", "tcp"], required=True)
+    ap.add_argument("--endpoint", required=True)
+    ap.add_argument("--run-id", required=True)
+    ap.add_argument("--nnodes", required=True)
+    ap.add_argument("--node-rank", type=int, default=-1)
+    ap.add_argument("--lws", type=int, default=1)
+    ap.add_argument("--hb-interval", type=float, default=0.25)
+    ap.add_argument("--hb-timeout", type=float, default=1.5)
+    ap.add_argument("--last-call", type=float, default=1.0)
+    ap.add_argument("--join-timeout", type=float, default=20.0)
+    ap.add_argument("--host", default="agent")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(threadName)s %(message)s")
+    from rendezvous.membership import Membership
+
+    if a.backend == "etcd":
+        from rendezvous.etcd import EtcdKV
+
+        kv = EtcdKV(a.endpoint, f"/ftrun/{a.run_id}")
+    else:
+        from rendezvous.client import StoreClient
+
+        host, _, port = a.endpoint.rpartition(":")
+        kv = StoreClient(host, int(port))
+    lo, _, hi = a.nnodes.partition(":")
+    out_lock = threading.Lock()
+
+    def out(**d: object) -> None:
+        with out_lock:
+            print(json.dumps(d), flush=True)
+
+    m = Membership(kv, None if a.node_rank < 0 else a.node_rank, int(lo), int(hi or lo),
+                   a.lws, a.host, a.run_id, join_timeout=a.join_timeout,
+                   last_call_timeout=a.last_call, heartbeat_interval=a.hb_interval,
+                   heartbeat_timeout=a.hb_timeout)
+    w = m.join()
+    out(event="world", group_rank=w.group_rank, world_size=w.world_size,
+        group_world_size=w.group_world_size, leader=w.leader_node, rejoined=w.rejoined,
+        generation=w.generation, hosts=[n.host for n in w.nodes],
+        rank_bases=[n.rank_base for n in w.nodes], t=time.time())
+    m.watch_nodes(lambda g: out(event="dead", node=g, t=time.time()),
+                  lambda g: out(event="join", node=g, t=time.time()),
+                  lambda g: out(event="leader", node=g, t=time.time()))
+    sys.stdin.read()  # parent closes stdin to stop us
+    m.stop()
+    kv.close()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "agent":
+        sys.exit(_agent_main(sys.argv[2:]))
+    sys.exit("usage: helpers_etcd.py agent --backend etcd|tcp --endpoint H:P ...")
