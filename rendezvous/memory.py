@@ -1,0 +1,349 @@
+"""The in-memory store table: data, counters, queues and the waiter registry.
+
+Owns: `MemoryStore`, the table the embedded server serves (keyed by *wire* keys, as bytes,
+exactly as torch clients send them, e.g. b"/ftrun/plan/3"), with torch TCPStore semantics for
+every op; and `LocalKV`, the `KVStore` facade over the same table for in-process users (the
+leader agent), which maps logical keys "x" <-> wire keys b"/x".
+
+Waiting: `wait()` either reports the keys present or registers a `Waiter` whose `fire`
+callback runs once, outside the lock, when the last missing key appears. Waiters are indexed
+by key, so a SET that releases thousands of waiters costs one dict pop plus one callback each.
+All methods are thread-safe (one lock; callbacks never run under it).
+"""
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Callable, Iterable
+
+from rendezvous.kv import KVStore, StoreError, StoreTimeout
+
+
+class Waiter:
+    """A pending WAIT (or BARRIER): `fire()` runs once when satisfied, unless cancelled."""
+
+    __slots__ = ("remaining", "fire", "done", "keys", "world_size")
+
+    def __init__(self, keys: tuple, fire: Callable[[], None], world_size: int = 0) -> None:
+        self.keys = keys
+        self.remaining = len(keys)
+        self.fire = fire
+        self.done = False
+        self.world_size = world_size
+
+
+def _to_int(key: bytes, raw: bytes) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"counter {key!r} holds {raw[:40]!r}, which is not a decimal integer") from None
+
+
+class MemoryStore:
+    """Thread-safe table with TCPStore semantics, keyed by wire keys (bytes)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data: dict[bytes, bytes] = {}
+        self._queues: dict[bytes, deque] = {}
+        self._waiters: dict[bytes, dict[Waiter, None]] = {}
+        self._barriers: dict[bytes, dict[Waiter, None]] = {}
+
+    # -- internal helpers (call with the lock held) --------------------------------------
+
+    def _changed(self, key: bytes, fired: list) -> None:
+        ws = self._waiters.pop(key, None)
+        if ws:
+            for w in ws:
+                if w.done:
+                    continue
+                w.remaining -= 1
+                if w.remaining <= 0:
+                    w.done = True
+                    fired.append(w)
+        bs = self._barriers.get(key)
+        if bs:
+            try:
+                count = int(self._data[key])
+            except (KeyError, ValueError):
+                return
+            for w in [w for w in bs if w.world_size <= count]:
+                del bs[w]
+                if not w.done:
+                    w.done = True
+                    fired.append(w)
+            if not bs:
+                del self._barriers[key]
+
+    @staticmethod
+    def _fire(fired: list) -> None:
+        for w in fired:
+            w.fire()
+
+    def _present(self, key: bytes) -> bool:
+        if key in self._data:
+            return True
+        q = self._queues.get(key)
+        return bool(q)
+
+    # -- torch ops -----------------------------------------------------------------------
+
+    def set(self, key: bytes, value: bytes) -> None:
+        fired: list = []
+        with self._lock:
+            self._data[key] = value
+            if key in self._waiters or key in self._barriers:
+                self._changed(key, fired)
+        if fired:
+            self._fire(fired)
+
+    def multi_set(self, keys: Iterable[bytes], values: Iterable[bytes]) -> None:
+        fired: list = []
+        with self._lock:
+            data = self._data
+            for k, v in zip(keys, values):
+                data[k] = v
+                if k in self._waiters or k in self._barriers:
+                    self._changed(k, fired)
+        if fired:
+            self._fire(fired)
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._data.get(key)
+
+    def multi_get(self, keys: Iterable[bytes]) -> list[bytes | None]:
+        data = self._data
+        with self._lock:
+            return [data.get(k) for k in keys]
+
+    def add(self, key: bytes, amount: int) -> int:
+        fired: list = []
+        with self._lock:
+            old = self._data.get(key)
+            new = amount if old is None else _to_int(key, old) + amount
+            self._data[key] = str(new).encode()
+            if key in self._waiters or key in self._barriers:
+                self._changed(key, fired)
+        if fired:
+            self._fire(fired)
+        return new
+
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        fired: list = []
+        with self._lock:
+            cur = self._data.get(key)
+            if cur is None:
+                if expected:
+                    return expected
+                self._data[key] = desired
+                result = desired
+            elif cur == expected:
+                self._data[key] = desired
+                result = desired
+            else:
+                return cur
+            if key in self._waiters or key in self._barriers:
+                self._changed(key, fired)
+        if fired:
+            self._fire(fired)
+        return result
+
+    def append(self, key: bytes, value: bytes) -> None:
+        fired: list = []
+        with self._lock:
+            old = self._data.get(key)
+            self._data[key] = value if old is None else old + value
+            if key in self._waiters or key in self._barriers:
+                self._changed(key, fired)
+        if fired:
+            self._fire(fired)
+
+    def check(self, keys: Iterable[bytes]) -> bool:
+        with self._lock:
+            return all(self._present(k) for k in keys)
+
+    def wait(self, keys: Iterable[bytes], fire: Callable[[], None]) -> Waiter | None:
+        """None when every key is present now; else a registered Waiter (fires later)."""
+        with self._lock:
+            missing = tuple(k for k in dict.fromkeys(keys) if not self._present(k))
+            if not missing:
+                return None
+            w = Waiter(missing, fire)
+            for k in missing:
+                d = self._waiters.get(k)
+                if d is None:
+                    self._waiters[k] = {w: None}
+                else:
+                    d[w] = None
+            return w
+
+    def barrier(self, key: bytes, world_size: int, fire: Callable[[], None]) -> Waiter | None:
+        """torch BARRIER: add 1 to counter `key`; None when it reached `world_size`, else a
+        Waiter that fires once it does. Raises ValueError if `key` is not a counter."""
+        fired: list = []
+        with self._lock:
+            old = self._data.get(key)
+            count = 1 if old is None else _to_int(key, old) + 1
+            self._data[key] = str(count).encode()
+            if key in self._waiters or key in self._barriers:
+                self._changed(key, fired)
+            w = None
+            if count < world_size:
+                w = Waiter((key,), fire, world_size)
+                self._barriers.setdefault(key, {})[w] = None
+        if fired:
+            self._fire(fired)
+        return w
+
+    def cancel(self, w: Waiter) -> bool:
+        """Forget a pending waiter; False when it had already fired (or been cancelled)."""
+        with self._lock:
+            if w.done:
+                return False
+            w.done = True
+            reg = self._barriers if w.world_size else self._waiters
+            for k in w.keys:
+                d = reg.get(k)
+                if d is not None:
+                    d.pop(w, None)
+                    if not d:
+                        del reg[k]
+            return True
+
+    def delete(self, key: bytes) -> bool:
+        with self._lock:
+            return self._data.pop(key, None) is not None
+
+    def num_keys(self) -> int:
+        return len(self._data)
+
+    def list_keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._data)
+
+    def queue_push(self, key: bytes, value: bytes) -> None:
+        fired: list = []
+        with self._lock:
+            q = self._queues.get(key)
+            if q is None:
+                q = self._queues[key] = deque()
+            q.append(value)
+            ws = self._waiters.get(key)
+            while ws:
+                w = next(iter(ws))
+                del ws[w]
+                if w.done:
+                    continue
+                w.remaining -= 1
+                if w.remaining <= 0:
+                    w.done = True
+                    fired.append(w)
+                    break
+            if ws is not None and not ws:
+                del self._waiters[key]
+        if fired:
+            self._fire(fired)
+
+    def queue_pop(self, key: bytes) -> tuple[int, bytes | None]:
+        """(queue length before the pop, popped value or None when empty)."""
+        with self._lock:
+            q = self._queues.get(key)
+            if not q:
+                return 0, None
+            n = len(q)
+            v = q.popleft()
+            if not q:
+                del self._queues[key]
+            return n, v
+
+    def queue_len(self, key: bytes) -> int:
+        q = self._queues.get(key)
+        return len(q) if q else 0
+
+    def pending_waiters(self) -> int:
+        """Number of registered, unfired waiters (for tests and status)."""
+        with self._lock:
+            seen = set()
+            for reg in (self._waiters, self._barriers):
+                for d in reg.values():
+                    seen.update(w for w in d if not w.done)
+            return len(seen)
+
+
+def wire_key(key: str) -> bytes:
+    """Logical key -> wire key (torch clients prefix "/")."""
+    if not isinstance(key, str):
+        raise TypeError(f"store key {key!r}: must be str")
+    return b"/" + key.encode("utf-8", "surrogateescape")
+
+
+def logical_key(wire: bytes) -> str | None:
+    """Wire key -> logical key, or None for a key a torch client could not have set."""
+    if not wire.startswith(b"/"):
+        return None
+    return wire[1:].decode("utf-8", "surrogateescape")
+
+
+def check_timeout(timeout: float) -> float:
+    if not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
+        raise ValueError(f"timeout={timeout!r}: must be a number of seconds >= 0")
+    return float(timeout)
+
+
+class LocalKV(KVStore):
+    """`KVStore` over a `MemoryStore`, for code in the process that hosts the table."""
+
+    def __init__(self, table: MemoryStore | None = None) -> None:
+        self.table = table if table is not None else MemoryStore()
+
+    def set(self, key: str, value: bytes) -> None:
+        self.table.set(wire_key(key), bytes(value))
+
+    def _wait_wire(self, wks: tuple, timeout: float) -> bool:
+        ev = threading.Event()
+        w = self.table.wait(wks, ev.set)
+        if w is None:
+            return True
+        if ev.wait(timeout):
+            return True
+        return not self.table.cancel(w)
+
+    def get(self, key: str, timeout: float) -> bytes:
+        timeout = check_timeout(timeout)
+        wk = wire_key(key)
+        if not self._wait_wire((wk,), timeout):
+            raise StoreTimeout(f"key {key!r} did not appear within {timeout:g} s")
+        v = self.table.get(wk)
+        if v is None:
+            raise StoreTimeout(f"key {key!r} was deleted while it was being read")
+        return v
+
+    def try_get(self, key: str) -> bytes | None:
+        return self.table.get(wire_key(key))
+
+    def add(self, key: str, amount: int) -> int:
+        try:
+            return self.table.add(wire_key(key), int(amount))
+        except ValueError as e:
+            raise StoreError(str(e)) from None
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        return self.table.compare_set(wire_key(key), bytes(expected), bytes(desired))
+
+    def wait(self, keys: Iterable[str], timeout: float) -> bool:
+        timeout = check_timeout(timeout)
+        return self._wait_wire(tuple(wire_key(k) for k in keys), timeout)
+
+    def delete(self, key: str) -> bool:
+        return self.table.delete(wire_key(key))
+
+    def keys(self, prefix: str = "") -> list[str]:
+        wp = wire_key(prefix)
+        out = []
+        for wk in self.table.list_keys():
+            if wk.startswith(wp):
+                lk = logical_key(wk)
+                if lk is not None:
+                    out.append(lk)
+        return sorted(out)

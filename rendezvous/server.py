@@ -1,0 +1,597 @@
+"""The embedded store server: torch's TCPStore protocol over a `MemoryStore`.
+
+Owns: `StoreServer` (listening socket, the event-loop thread, per-connection state, request
+limits, token checks) and `ServerLimits`.
+
+Design: one thread runs an edge-free, level-triggered epoll loop over non-blocking sockets.
+Each readable connection is drained, every complete request in its buffer is executed
+against the table and the replies are queued; replies are flushed once per loop turn
+(one `send` per connection). Nothing blocks on a client: a stalled reader only grows its
+own bounded output buffer, a slow sender only holds its own partial frame, and a malformed
+frame closes that connection with one log line. WAITs register a waiter in the table; a SET
+that satisfies thousands of waiters queues one byte per waiter and flushes them in one turn.
+Writes from other threads (the in-process `LocalKV` at `.kv`) wake waiters through an
+eventfd. Unmodified torch clients (`TCPStore(is_master=False)`, gloo/NCCL init through
+env://) speak to it directly.
+"""
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+from rendezvous import protocol as P
+from rendezvous.auth import AUTH_KEY, check_token, token_matches
+from rendezvous.kv import StoreError
+from rendezvous.memory import LocalKV, MemoryStore
+
+_log = logging.getLogger("ftrun.store")
+
+_EPOLLIN = select.EPOLLIN
+_EPOLLOUT = select.EPOLLOUT
+_EPOLLERRS = select.EPOLLERR | select.EPOLLHUP
+_OK = b"\x00"
+_CANCELED = b"\x01"
+
+
+@dataclass(frozen=True)
+class ServerLimits:
+    """Per-request and per-server limits; exceeding one closes that connection and logs."""
+
+    max_key_bytes: int = 32 * 1024
+    max_value_bytes: int = 32 * 1024 * 1024
+    max_keys_per_request: int = 128 * 1024
+    max_connections: int = 16384
+    max_pending_reply_bytes: int = 256 * 1024 * 1024
+    handshake_timeout: float = 30.0
+    stalled_frame_timeout: float = 60.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_connections", "max_pending_reply_bytes"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ServerLimits.{name}={v!r}: must be a positive integer")
+        for name in ("handshake_timeout", "stalled_frame_timeout"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"ServerLimits.{name}={v!r}: must be seconds > 0")
+        self.protocol_limits()  # validates the rest
+
+    def protocol_limits(self) -> P.Limits:
+        return P.Limits(self.max_key_bytes, self.max_value_bytes, self.max_keys_per_request)
+
+
+class _Conn:
+    __slots__ = ("sock", "fd", "peer", "buf", "out", "out_bytes", "validated", "authed",
+                 "mux", "waiter", "mux_waiters", "since", "partial_since", "closed",
+                 "want_write")
+
+    def __init__(self, sock: socket.socket, peer: str, authed: bool, now: float) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        self.peer = peer
+        self.buf = b""
+        self.out: list = []
+        self.out_bytes = 0
+        self.validated = False
+        self.authed = authed
+        self.mux = False
+        self.waiter = None
+        self.mux_waiters: dict = {}
+        self.since = now
+        self.partial_since = 0.0
+        self.closed = False
+        self.want_write = False
+
+
+class _Drop(Exception):
+    """Close this connection; the message is the log line."""
+
+
+def _peer_str(addr) -> str:
+    if isinstance(addr, tuple) and len(addr) >= 2:
+        h = addr[0]
+        if h.startswith("::ffff:"):
+            h = h[7:]
+        return f"[{h}]:{addr[1]}" if ":" in h else f"{h}:{addr[1]}"
+    return str(addr)
+
+
+class StoreServer:
+    """A TCPStore-compatible server hosted in this process.
+
+    `start()` binds (raising StoreError naming host:port when it cannot), starts the loop
+    thread and returns once listening; `port` is the bound port; `kv` is a `LocalKV` over the
+    same table; `stop()` closes every socket and joins the thread (idempotent)."""
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 0, token: str | None = None,
+                 limits: ServerLimits = ServerLimits(),
+                 log: Callable[[str], None] | None = None,
+                 table: MemoryStore | None = None) -> None:
+        if not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"port={port!r}: must be an integer in 0-65535")
+        self.host = host
+        self._req_port = port
+        self.token = check_token(token) if token is not None else None
+        self.limits = limits
+        self._plimits = limits.protocol_limits()
+        self.log = log or _log.warning
+        self.table = table if table is not None else MemoryStore()
+        self.kv = LocalKV(self.table)
+        self._port = 0
+        self._lsock: socket.socket | None = None
+        self._ep = None
+        self._wake_fd = -1
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stopped = False
+        self._lock = threading.Lock()
+        self._conns: dict[int, _Conn] = {}
+        self._dirty: list = []
+        self._xq: deque = deque()
+        self._loop_ident = 0
+        self.stats = {"accepted": 0, "reads": 0, "dropped": 0}
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self._port}"
+
+    def start(self) -> "StoreServer":
+        with self._lock:
+            if self._thread is not None:
+                return self
+            if self._stopped:
+                raise StoreError("this StoreServer was stopped; create a new one")
+            self._lsock = self._bind()
+            self._port = self._lsock.getsockname()[1]
+            self._ep = select.epoll()
+            self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            self._ep.register(self._lsock.fileno(), _EPOLLIN)
+            self._ep.register(self._wake_fd, _EPOLLIN)
+            self._thread = threading.Thread(target=self._run, name=f"ftrun-store:{self._port}",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def _bind(self) -> socket.socket:
+        host = self.host
+        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            if fam == socket.AF_INET and host not in ("", "0.0.0.0"):
+                infos = socket.getaddrinfo(host, self._req_port, socket.AF_UNSPEC,
+                                           socket.SOCK_STREAM)
+                fam = infos[0][0]
+                addr = infos[0][4]
+            else:
+                addr = (host or "0.0.0.0", self._req_port)
+        except socket.gaierror as e:
+            raise StoreError(f"cannot listen on {host}:{self._req_port}: {e.strerror}") from None
+        s = socket.socket(fam, socket.SOCK_STREAM)
+        try:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if fam == socket.AF_INET6:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+            s.bind(addr)
+            s.listen(65535)
+            s.setblocking(False)
+        except OSError as e:
+            s.close()
+            why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror
+            raise StoreError(f"cannot listen on {host}:{self._req_port}: {why}") from None
+        return s
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._stopping = True
+            t = self._thread
+        if t is not None:
+            os.eventfd_write(self._wake_fd, 1)
+            t.join(timeout=10.0)
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        for c in list(self._conns.values()):
+            self._close(c)
+        self._conns.clear()
+        if self._lsock is not None:
+            self._lsock.close()
+        if self._ep is not None:
+            self._ep.close()
+        if self._wake_fd >= 0:
+            os.close(self._wake_fd)
+            self._wake_fd = -1
+
+    def __enter__(self) -> "StoreServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def connection_count(self) -> int:
+        return len(self._conns)
+
+    # -- loop --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._loop_ident = threading.get_ident()
+        lfd = self._lsock.fileno()
+        wfd = self._wake_fd
+        conns = self._conns
+        poll = self._ep.poll
+        next_sweep = time.monotonic() + 1.0
+        try:
+            while not self._stopping:
+                events = poll(1.0)
+                for fd, ev in events:
+                    if fd == lfd:
+                        self._accept()
+                    elif fd == wfd:
+                        try:
+                            os.eventfd_read(wfd)
+                        except BlockingIOError:
+                            pass
+                        self._drain_xq()
+                    else:
+                        c = conns.get(fd)
+                        if c is None:
+                            continue
+                        if ev & _EPOLLOUT:
+                            self._flush(c)
+                        if ev & (_EPOLLIN | _EPOLLERRS) and not c.closed:
+                            self._read(c)
+                if self._dirty:
+                    self._flush_dirty()
+                now = time.monotonic()
+                if now >= next_sweep:
+                    next_sweep = now + 1.0
+                    self._sweep(now)
+        except Exception as e:  # pragma: no cover - a bug; never leave clients hanging
+            self.log(f"store server loop crashed: {type(e).__name__}: {e}")
+            raise
+
+    def _accept(self) -> None:
+        now = time.monotonic()
+        lim = self.limits.max_connections
+        while True:
+            try:
+                s, addr = self._lsock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                self.log(f"store accept failed: {e.strerror}")
+                return
+            peer = _peer_str(addr)
+            if len(self._conns) >= lim:
+                self.log(f"store refused {peer}: {lim} connections open (max_connections)")
+                s.close()
+                self.stats["dropped"] += 1
+                continue
+            s.setblocking(False)
+            try:
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+            c = _Conn(s, peer, self.token is None, now)
+            self._conns[c.fd] = c
+            self._ep.register(c.fd, _EPOLLIN)
+            self.stats["accepted"] += 1
+
+    def _read(self, c: _Conn) -> None:
+        try:
+            data = c.sock.recv(262144)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(c)
+            return
+        if not data:
+            self._close(c)
+            return
+        if c.buf:
+            c.buf += data  # bytearray: amortised O(1) growth for large values
+            buf = c.buf
+        else:
+            buf = data
+        try:
+            pos = self._process(c, buf)
+        except _Drop as d:
+            self.log(f"store closed {c.peer}: {d}")
+            self.stats["dropped"] += 1
+            self._close(c)
+            return
+        except P.ProtocolError as e:
+            self.log(f"store closed {c.peer}: {e}")
+            self.stats["dropped"] += 1
+            self._close(c)
+            return
+        if pos < len(buf):
+            if buf is c.buf:
+                if pos:
+                    del buf[:pos]
+            else:
+                c.buf = bytearray(buf[pos:]) if pos else bytearray(buf)
+            if not c.partial_since or pos:
+                c.partial_since = time.monotonic()
+        else:
+            c.buf = b""
+            c.partial_since = 0.0
+        if c.out and not c.want_write:
+            self._flush(c)
+
+    def _process(self, c: _Conn, buf: bytes) -> int:
+        pos = 0
+        n = len(buf)
+        lim = self._plimits
+        parse = P._parse
+        parse_mux = P.parse_mux_request
+        handle = self._handle
+        out = c.out
+        while pos < n:
+            if c.mux:
+                r = parse_mux(buf, pos, lim)
+                if r is None:
+                    break
+                tag, req, pos = r
+            else:
+                r = parse(buf, pos, n, lim)
+                if r is None:
+                    break
+                req, pos = r
+                tag = -1
+            if c.closed:
+                break
+            rep = handle(c, req, tag)
+            if rep is not None:
+                if tag >= 0:
+                    out.append(P.enc_tag(tag))
+                out.append(rep)
+                c.out_bytes += len(rep)
+        self.stats["reads"] += 1
+        return pos
+
+    # -- request execution -------------------------------------------------------------
+
+    def _handle(self, c: _Conn, req: P.Request, tag: int):
+        op = req.op
+        t = self.table
+        if not c.authed or not c.validated:
+            r = self._gate(c, req)
+            if r is not False:
+                return r
+        if op == P.Op.SET:
+            k = req.keys[0]
+            if k == AUTH_KEY:
+                return self._auth(c, req.values[0])
+            t.set(k, req.values[0])
+            return None
+        if op == P.Op.WAIT or op == P.Op.BARRIER:
+            return self._wait(c, req, tag)
+        if op == P.Op.GET:
+            v = t.get(req.keys[0])
+            return P.enc_bytes(b"" if v is None else v)
+        if op == P.Op.ADD:
+            try:
+                return P.enc_i64(t.add(req.keys[0], req.num))
+            except ValueError as e:
+                raise _Drop(f"ADD failed: {e}") from None
+        if op == P.Op.MULTI_GET:
+            return P.enc_bytes_list([b"" if v is None else v for v in t.multi_get(req.keys)])
+        if op == P.Op.MULTI_SET:
+            if AUTH_KEY in req.keys:
+                raise _Drop("MULTI_SET of the reserved key /ftrun/auth")
+            t.multi_set(req.keys, req.values)
+            return None
+        if op == P.Op.CHECK:
+            return _OK if t.check(req.keys) else _CANCELED
+        if op == P.Op.COMPARE_SET:
+            return P.enc_bytes(t.compare_set(req.keys[0], req.values[0], req.values[1]))
+        if op == P.Op.PING:
+            return P.enc_u32(req.num)
+        if op == P.Op.CANCEL_WAIT:
+            self._cancel(c, req)
+            return _CANCELED
+        if op == P.Op.GETNUMKEYS:
+            return P.enc_i64(t.num_keys())
+        if op == P.Op.DELETE_KEY:
+            return P.enc_i64(1 if t.delete(req.keys[0]) else 0)
+        if op == P.Op.APPEND:
+            t.append(req.keys[0], req.values[0])
+            return None
+        if op == P.Op.LIST_KEYS:
+            return P.enc_key_list(t.list_keys())
+        if op == P.Op.QUEUE_PUSH:
+            t.queue_push(req.keys[0], req.values[0])
+            return None
+        if op == P.Op.QUEUE_POP:
+            n, v = t.queue_pop(req.keys[0])
+            return P.enc_queue_pop(n, v)
+        if op == P.Op.QUEUE_LEN:
+            return P.enc_i64(t.queue_len(req.keys[0]))
+        if op == P.Op.VALIDATE:
+            if req.num != P.VALIDATION_MAGIC:
+                raise _Drop(f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}")
+            return None
+        if op == P.Op.FT_MUX:
+            if req.num != P.MUX_MAGIC or tag >= 0:
+                raise _Drop(f"bad FT_MUX request (magic {req.num:#x})")
+            c.mux = True
+            return P.enc_u32(P.MUX_MAGIC)
+        raise _Drop(f"unsupported query type {op}")
+
+    def _gate(self, c: _Conn, req: P.Request):
+        """Handshake and auth checks; False = go on executing the request."""
+        op = req.op
+        if not c.validated:
+            if op != P.Op.VALIDATE:
+                raise _Drop(f"first message was {P.OP_NAMES.get(op, op)}, expected VALIDATE")
+            if req.num != P.VALIDATION_MAGIC:
+                raise _Drop(f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}")
+            c.validated = True
+            return None
+        if c.authed or op == P.Op.PING or op == P.Op.VALIDATE:
+            return False
+        if op == P.Op.SET and req.keys[0] == AUTH_KEY:
+            return self._auth(c, req.values[0])
+        raise _Drop(f"unauthenticated {P.OP_NAMES.get(op, op)} refused (job token required)")
+
+    def _auth(self, c: _Conn, presented: bytes):
+        if self.token is None or c.authed:
+            return None
+        if not token_matches(self.token, presented):
+            raise _Drop("wrong job token")
+        c.authed = True
+        return None
+
+    def _wait(self, c: _Conn, req: P.Request, tag: int):
+        fire = self._fire_cb(c, tag)
+        if req.op == P.Op.WAIT:
+            w = self.table.wait(req.keys, fire)
+        else:
+            try:
+                w = self.table.barrier(req.keys[0], req.num, fire)
+            except ValueError as e:
+                raise _Drop(f"BARRIER failed: {e}") from None
+        if w is None:
+            return _OK
+        if tag >= 0:
+            c.mux_waiters[tag] = w
+        else:
+            if c.waiter is not None and not c.waiter.done:
+                self.table.cancel(c.waiter)
+            c.waiter = w
+        return None
+
+    def _fire_cb(self, c: _Conn, tag: int) -> Callable[[], None]:
+        data = _OK if tag < 0 else P.enc_tag(tag) + _OK
+
+        def fire() -> None:
+            if threading.get_ident() == self._loop_ident:
+                self._deliver(c, data, tag)
+            else:
+                self._xq.append((c, data, tag))
+                try:
+                    os.eventfd_write(self._wake_fd, 1)
+                except OSError:
+                    pass
+        return fire
+
+    def _deliver(self, c: _Conn, data: bytes, tag: int) -> None:
+        if c.closed:
+            return
+        if tag >= 0:
+            c.mux_waiters.pop(tag, None)
+        else:
+            c.waiter = None
+        c.out.append(data)
+        c.out_bytes += len(data)
+        self._dirty.append(c)
+
+    def _drain_xq(self) -> None:
+        xq = self._xq
+        while xq:
+            c, data, tag = xq.popleft()
+            self._deliver(c, data, tag)
+
+    def _cancel(self, c: _Conn, req: P.Request) -> None:
+        if c.mux:
+            w = c.mux_waiters.pop(req.num, None)
+        else:
+            w, c.waiter = c.waiter, None
+        if w is not None:
+            self.table.cancel(w)
+
+    # -- output / teardown -------------------------------------------------------------
+
+    def _flush_dirty(self) -> None:
+        d = self._dirty
+        self._dirty = []
+        for c in d:
+            if c.out and not c.closed and not c.want_write:
+                self._flush(c)
+
+    def _flush(self, c: _Conn) -> None:
+        if c.closed:
+            return
+        out = c.out
+        if not out:
+            if c.want_write:
+                c.want_write = False
+                self._ep.modify(c.fd, _EPOLLIN)
+            return
+        data = out[0] if len(out) == 1 else b"".join(out)
+        try:
+            sent = c.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(c)
+            return
+        if sent == len(data):
+            out.clear()
+            c.out_bytes = 0
+            if c.want_write:
+                c.want_write = False
+                self._ep.modify(c.fd, _EPOLLIN)
+            return
+        rest = data[sent:]
+        out.clear()
+        out.append(rest)
+        c.out_bytes = len(rest)
+        if c.out_bytes > self.limits.max_pending_reply_bytes:
+            self.log(f"store closed {c.peer}: it does not read its replies "
+                     f"({c.out_bytes} bytes pending)")
+            self.stats["dropped"] += 1
+            self._close(c)
+            return
+        if not c.want_write:
+            c.want_write = True
+            self._ep.modify(c.fd, _EPOLLIN | _EPOLLOUT)
+
+    def _close(self, c: _Conn) -> None:
+        if c.closed:
+            return
+        c.closed = True
+        if c.waiter is not None:
+            self.table.cancel(c.waiter)
+            c.waiter = None
+        for w in c.mux_waiters.values():
+            self.table.cancel(w)
+        c.mux_waiters.clear()
+        self._conns.pop(c.fd, None)
+        try:
+            self._ep.unregister(c.fd)
+        except (OSError, ValueError):
+            pass
+        try:
+            c.sock.close()
+        except OSError:
+            pass
+
+    def _sweep(self, now: float) -> None:
+        hs = self.limits.handshake_timeout
+        st = self.limits.stalled_frame_timeout
+        for c in list(self._conns.values()):
+            if not c.validated and now - c.since > hs:
+                self.log(f"store closed {c.peer}: no VALIDATE within {hs:g} s")
+            elif c.partial_since and now - c.partial_since > st:
+                self.log(f"store closed {c.peer}: request incomplete for {st:g} s")
+            else:
+                continue
+            self.stats["dropped"] += 1
+            self._close(c)

@@ -1,0 +1,150 @@
+"""Shared helpers for the store tests: real torch clients and gloo workers in subprocesses.
+
+Torch's Python bindings for some store ops (queue ops) keep the GIL while they block, so a
+torch client must never run in the process that hosts a Python server; these helpers always
+run torch code in child processes.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Exercises every TCPStore op from torch's own C++ client and checks each result.
+TORCH_OPS = r'''
+import sys, time
+from datetime import timedelta
+import torch.distributed as d
+host, port = sys.argv[1], int(sys.argv[2])
+token = sys.argv[3] if len(sys.argv) > 3 else ""
+ns = sys.argv[4] if len(sys.argv) > 4 else "t"
+c = d.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
+if token:
+    c.set("ftrun/auth", token)
+def eq(a, b, what):
+    if a != b:
+        print(f"FAIL {what}: {a!r} != {b!r}", flush=True); sys.exit(1)
+k = lambda s: f"{ns}/{s}"
+c.set(k("a"), b"1")
+eq(c.get(k("a")), b"1", "get")
+eq(c.add(k("n"), 5), 5, "add")
+eq(c.add(k("n"), -7), -2, "add negative")
+eq(c.compare_set(k("a"), b"1", b"2"), b"2", "compare_set hit")
+eq(c.compare_set(k("a"), b"x", b"3"), b"2", "compare_set miss")
+eq(c.compare_set(k("new"), b"", b"z"), b"z", "compare_set create")
+eq(c.compare_set(k("none"), b"e", b"z"), b"e", "compare_set missing")
+eq(c.check([k("a"), k("n")]), True, "check ready")
+eq(c.check([k("a"), k("absent")]), False, "check not ready")
+c.wait([k("a"), k("n")])
+t = time.monotonic()
+try:
+    c.wait([k("absent")], timedelta(milliseconds=200))
+    eq("no timeout", "timeout", "wait timeout")
+except Exception as e:
+    eq(type(e).__name__, "DistStoreError", "wait timeout type")
+eq(time.monotonic() - t < 2.0, True, "wait timeout took too long")
+c.set(k("after"), b"ok")  # the connection is still usable after CANCEL_WAIT
+eq(c.get(k("after")), b"ok", "get after cancel")
+before = c.num_keys()
+c.set(k("cnt"), b"0")
+eq(c.num_keys(), before + 1, "num_keys")
+eq(c.delete_key(k("cnt")), True, "delete")
+eq(c.delete_key(k("cnt")), False, "delete missing")
+c.append(k("ap"), b"x"); c.append(k("ap"), b"y")
+eq(c.get(k("ap")), b"xy", "append")
+c.multi_set([k("m1"), k("m2")], [b"v1", b"v2"])
+eq(c.multi_get([k("m1"), k("m2")]), [b"v1", b"v2"], "multi_get")
+c.queue_push(k("q"), b"q1"); c.queue_push(k("q"), b"q2")
+eq(c.queue_len(k("q")), 2, "queue_len")
+eq(c.queue_pop(k("q")), b"q1", "queue_pop")
+eq(c.queue_pop(k("q"), block=False), b"q2", "queue_pop nonblock")
+try:
+    c.queue_pop(k("q"), block=False)
+    eq("value", "empty", "queue_pop empty")
+except Exception as e:
+    eq(type(e).__name__, "QueueEmptyError", "queue empty type")
+keys = c.list_keys()
+eq(k("a") in keys and k("m2") in keys, True, "list_keys")
+c.barrier(k("bar"), 1)
+eq(c.get(k("bar")), b"1", "barrier counter")
+c2 = c.clone()
+eq(c2.get(k("a")), b"2", "clone get")
+p = d.PrefixStore("pfx", c)
+p.set("x", b"px")
+eq(c.get("pfx/x"), b"px", "prefix store")
+big = bytes(range(256)) * 4096
+c.set(k("big"), big)
+eq(c.get(k("big")), big, "1 MiB value")
+print("ALL-OPS-OK", flush=True)
+'''
+
+# An unmodified gloo worker: env:// init through the agent store, all_reduce, new_group.
+GLOO_WORKER = r'''
+import os, sys
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", init_method="env://")
+r, w = dist.get_rank(), dist.get_world_size()
+t = torch.tensor([float(r + 1)])
+dist.all_reduce(t)
+g = dist.new_group(list(range(w)))
+t2 = torch.ones(2)
+dist.all_reduce(t2, group=g)
+dist.barrier()
+print(f"GLOO-OK rank={r} sum={t.item():g} group_sum={t2[0].item():g}", flush=True)
+dist.destroy_process_group()
+'''
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(**extra: object) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def run_torch_ops(host: str, port: int, token: str = "", ns: str = "t",
+                  timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", TORCH_OPS, host, str(port), token, ns],
+                          env=child_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def run_torch(code: str, *args: object, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=child_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def run_gloo_world(host: str, ports: list[int], timeout: float = 90) -> list[str]:
+    """Start len(ports) gloo ranks; rank i uses MASTER_PORT=ports[i] (a server or a proxy).
+    Returns each rank's stdout; raises AssertionError with stderr when a rank fails."""
+    world = len(ports)
+    procs = []
+    for rank, port in enumerate(ports):
+        env = child_env(MASTER_ADDR=host, MASTER_PORT=port, RANK=rank, WORLD_SIZE=world,
+                        LOCAL_RANK=rank, TORCHELASTIC_USE_AGENT_STORE="True",
+                        TORCHELASTIC_RUN_ID="storetest")
+        procs.append(subprocess.Popen([sys.executable, "-c", GLOO_WORKER], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for rank, p in enumerate(procs):
+            out, err = p.communicate(timeout=timeout)
+            if p.returncode != 0:
+                raise AssertionError(f"rank {rank} exited {p.returncode}: {err[-2000:]}")
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs

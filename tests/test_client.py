@@ -1,0 +1,128 @@
+"""StoreClient: the KVStore contract over the wire, timeouts, threads, failures."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from helpers_store import free_port
+from rendezvous.client import StoreClient
+from rendezvous.kv import StoreError, StoreTimeout
+from rendezvous.server import StoreServer
+
+
+@pytest.fixture
+def server():
+    with StoreServer(host="127.0.0.1") as s:
+        yield s
+
+
+def test_kv_contract(server: StoreServer) -> None:
+    c = StoreClient("127.0.0.1", server.port, timeout=5)
+    c.set("job/a", b"1")
+    assert server.kv.get("job/a", 1) == b"1"
+    assert c.get("job/a", 1.0) == b"1"
+    assert c.try_get("job/a") == b"1" and c.try_get("job/none") is None
+    c.set("job/empty", b"")
+    assert c.try_get("job/empty") == b""
+    assert c.add("job/n", 3) == 3 and c.add("job/n", -1) == 2
+    assert c.compare_set("job/a", b"1", b"2") == b"2"
+    assert c.compare_set("job/a", b"1", b"3") == b"2"
+    assert c.wait(["job/a", "job/n"], 1.0) is True
+    assert c.delete("job/empty") and not c.delete("job/empty")
+    c.set("other/x", b"x")
+    assert c.keys("job/") == ["job/a", "job/n"]
+    assert c.keys() == ["job/a", "job/n", "other/x"]
+    assert c.clear_except("job/") == 1
+    assert c.delete_prefix("job/") == 2 and c.keys() == []
+    c.multi_set({"m/1": b"a", "m/2": b"b"})
+    assert c.multi_get(["m/1", "m/2"], 1.0) == [b"a", b"b"]
+    c.append("m/1", b"+")
+    assert c.get("m/1", 1) == b"a+" and c.num_keys() == 2 and c.check(["m/1"])
+    assert c.ping() < 1.0
+    c.close()
+
+
+def test_wait_timeout_cancels_and_connection_stays_usable(server: StoreServer) -> None:
+    c = StoreClient("127.0.0.1", server.port, timeout=5)
+    t = time.monotonic()
+    assert c.wait(["never"], 0.2) is False
+    assert 0.15 < time.monotonic() - t < 1.5
+    assert server.table.pending_waiters() == 0
+    with pytest.raises(StoreTimeout, match="'never' did not appear"):
+        c.get("never", 0.1)
+    c.set("after", b"ok")
+    assert c.get("after", 1) == b"ok"
+
+
+def test_threads_each_get_their_own_connection(server: StoreServer) -> None:
+    c = StoreClient("127.0.0.1", server.port, timeout=5)
+    got: list[bytes] = []
+    waiters = [threading.Thread(target=lambda: got.append(c.get("late", 5.0))) for _ in range(4)]
+    for w in waiters:
+        w.start()
+    time.sleep(0.2)
+    c.set("late", b"v")  # from this thread while the others block in WAIT
+    for w in waiters:
+        w.join(5)
+    assert got == [b"v"] * 4
+    assert server.connection_count() == 5
+
+
+def test_dead_address_fails_within_timeout() -> None:
+    port = free_port()
+    c = StoreClient("127.0.0.1", port, timeout=0.5)
+    t = time.monotonic()
+    with pytest.raises(StoreError, match=f"cannot connect to the store at 127.0.0.1:{port} "
+                                         "within 0.5 s: Connection refused"):
+        c.get("x", 1.0)
+    assert time.monotonic() - t < 1.5
+
+
+def test_server_going_away_is_a_store_error() -> None:
+    s = StoreServer(host="127.0.0.1").start()
+    c = StoreClient("127.0.0.1", s.port, timeout=1)
+    c.set("a", b"1")
+    s.stop()
+    with pytest.raises(StoreError):
+        c.get("a", 0.5)
+
+
+def test_against_torch_own_server() -> None:
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=timedelta(seconds=10))
+    c = StoreClient("127.0.0.1", master.port, timeout=5)
+    c.set("t/a", b"1")
+    assert master.get("t/a") == b"1"
+    master.set("t/b", b"2")
+    assert c.get("t/b", 1) == b"2" and c.add("t/n", 2) == 2
+    assert c.keys("t/") == ["t/a", "t/b", "t/n"]
+    assert c.wait(["t/none"], 0.2) is False
+    assert c.delete_prefix("t/") == 3
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="store port 0"):
+        StoreClient("127.0.0.1", 0)
+    with pytest.raises(ValueError, match="timeout=-2"):
+        StoreClient("127.0.0.1", 1, timeout=-2)
+
+
+def test_non_store_peer_is_a_clear_error() -> None:
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen()
+
+    def serve() -> None:
+        conn, _ = ls.accept()
+        conn.recv(100)
+        conn.sendall(b"HTTP")
+        conn.close()
+    threading.Thread(target=serve, daemon=True).start()
+    with pytest.raises(StoreError, match="answered the handshake wrongly"):
+        StoreClient("127.0.0.1", ls.getsockname()[1], timeout=2).set("x", b"1")
+    ls.close()

@@ -1,0 +1,197 @@
+"""StoreServer with real torch clients, gloo workers, raw sockets and limits."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+from helpers_store import run_gloo_world, run_torch_ops
+from rendezvous import protocol as P
+from rendezvous.client import StoreClient
+from rendezvous.kv import StoreError
+from rendezvous.server import ServerLimits, StoreServer
+
+
+def raw_conn(port: int, handshake: bool = True) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    if handshake:
+        s.sendall(P.handshake_bytes(7))
+        assert recv_exact(s, 4) == P.enc_u32(7)
+    return s
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("closed")
+        out += chunk
+    return out
+
+
+def is_closed(s: socket.socket, within: float = 3.0) -> bool:
+    s.settimeout(within)
+    try:
+        while True:
+            if not s.recv(4096):
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+@pytest.fixture
+def server():
+    logs: list[str] = []
+    s = StoreServer(host="127.0.0.1", log=logs.append)
+    s.logs = logs
+    with s:
+        yield s
+
+
+def test_torch_client_every_op(server: StoreServer) -> None:
+    r = run_torch_ops("127.0.0.1", server.port)
+    assert "ALL-OPS-OK" in r.stdout, r.stdout + r.stderr[-3000:]
+    assert server.logs == []
+
+
+def test_gloo_workers_through_server(server: StoreServer) -> None:
+    outs = run_gloo_world("127.0.0.1", [server.port] * 3)
+    assert all("sum=6 group_sum=3" in o for o in outs), outs
+
+
+def test_port_in_use_names_host_and_port(server: StoreServer) -> None:
+    with pytest.raises(StoreError, match=f"cannot listen on 127.0.0.1:{server.port}: "
+                                         "address already in use"):
+        StoreServer(host="127.0.0.1", port=server.port).start()
+
+
+def test_stop_is_idempotent_and_closes_clients() -> None:
+    s = StoreServer(host="127.0.0.1").start()
+    c = raw_conn(s.port)
+    s.stop()
+    s.stop()
+    assert is_closed(c)
+    with pytest.raises(StoreError, match="cannot connect"):
+        StoreClient("127.0.0.1", s.port, timeout=0.3).set("x", b"1")
+
+
+def test_kv_facade_shares_the_table_and_wakes_wire_waiters(server: StoreServer) -> None:
+    c = raw_conn(server.port)
+    c.sendall(P.encode_request(P.Request(P.Op.WAIT, (b"/from/kv",))))
+    time.sleep(0.1)
+    threading.Thread(target=server.kv.set, args=("from/kv", b"v")).start()
+    assert recv_exact(c, 1) == b"\x00"
+    c.sendall(P.encode_request(P.Request(P.Op.GET, (b"/from/kv",))))
+    assert recv_exact(c, 9) == P.enc_bytes(b"v")
+    c.sendall(P.encode_request(P.Request(P.Op.SET, (b"/from/wire",), (b"w",))))
+    assert server.kv.get("from/wire", 2.0) == b"w"
+
+
+def test_fan_out_to_a_thousand_waiters(server: StoreServer) -> None:
+    socks = [raw_conn(server.port) for _ in range(1000)]
+    for s in socks:
+        s.sendall(P.encode_request(P.Request(P.Op.WAIT, (b"/go",))))
+    deadline = time.monotonic() + 10
+    while server.table.pending_waiters() < 1000 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t = time.perf_counter()
+    server.kv.set("go", b"1")
+    for s in socks:
+        assert recv_exact(s, 1) == b"\x00"
+    assert time.perf_counter() - t < 2.0
+    for s in socks:
+        s.close()
+
+
+def test_malformed_and_stalled_clients_do_not_delay_others(server: StoreServer) -> None:
+    stalled = raw_conn(server.port)
+    stalled.sendall(P.encode_request(P.Request(P.Op.SET, (b"/k",), (b"x" * 1000,)))[:30])
+    bad = raw_conn(server.port)
+    bad.sendall(b"\x63garbage")
+    noval = raw_conn(server.port, handshake=False)
+    noval.sendall(P.encode_request(P.Request(P.Op.GET, (b"/k",))))
+    nonreader = raw_conn(server.port)
+    nonreader.sendall(P.encode_request(P.Request(P.Op.WAIT, (b"/never",))))
+    good = StoreClient("127.0.0.1", server.port, timeout=5)
+    for i in range(50):
+        t = time.perf_counter()
+        good.set(f"g{i}", b"v")
+        assert good.get(f"g{i}", 1.0) == b"v"
+        assert time.perf_counter() - t < 0.1
+    assert is_closed(bad) and is_closed(noval)
+    assert not is_closed(stalled, within=0.2)
+    assert any("unknown query type 99" in line for line in server.logs)
+    assert any("expected VALIDATE" in line for line in server.logs)
+
+
+def test_limits_close_with_one_log_line() -> None:
+    logs: list[str] = []
+    lim = ServerLimits(max_key_bytes=16, max_value_bytes=64, max_keys_per_request=4,
+                       max_connections=3)
+    with StoreServer(host="127.0.0.1", limits=lim, log=logs.append) as s:
+        c = raw_conn(s.port)
+        c.sendall(P.encode_request(P.Request(P.Op.GET, (b"/" + b"k" * 40,))))
+        assert is_closed(c)
+        c = raw_conn(s.port)
+        c.sendall(P.encode_request(P.Request(P.Op.SET, (b"/k",), (b"v" * 65,))))
+        assert is_closed(c)
+        c = raw_conn(s.port)
+        c.sendall(P.encode_request(P.Request(P.Op.WAIT, tuple(b"/%d" % i for i in range(5)))))
+        assert is_closed(c)
+        assert [ln.split(": ", 1)[1] for ln in logs] == [
+            "key of 41 bytes: at most 16 allowed",
+            "value of 65 bytes: at most 64 allowed",
+            "request with 5 keys: at most 4 allowed"]
+        held = [raw_conn(s.port) for _ in range(3)]
+        extra = socket.create_connection(("127.0.0.1", s.port), timeout=5)
+        assert is_closed(extra)
+        assert "3 connections open (max_connections)" in logs[-1]
+        for h in held:
+            h.close()
+        time.sleep(0.2)
+        assert StoreClient("127.0.0.1", s.port, timeout=5).add("n", 1) == 1
+
+
+def test_handshake_timeout_closes_silent_connections() -> None:
+    logs: list[str] = []
+    lim = ServerLimits(handshake_timeout=0.3)
+    with StoreServer(host="127.0.0.1", limits=lim, log=logs.append) as s:
+        c = socket.create_connection(("127.0.0.1", s.port), timeout=5)
+        assert is_closed(c, within=4.0)
+        assert "no VALIDATE within 0.3 s" in logs[0]
+
+
+def test_non_integer_add_closes_that_connection_only(server: StoreServer) -> None:
+    c = StoreClient("127.0.0.1", server.port, timeout=5)
+    c.set("s", b"text")
+    with pytest.raises(StoreError, match="closed the connection"):
+        c.add("s", 1)
+    assert c.add("n", 2) == 2  # reconnects
+    assert "not a decimal integer" in server.logs[-1]
+
+
+def test_mux_connection_runs_waits_concurrently(server: StoreServer) -> None:
+    c = raw_conn(server.port)
+    c.sendall(bytes((P.Op.FT_MUX,)) + P.enc_u32(P.MUX_MAGIC))
+    assert recv_exact(c, 4) == P.enc_u32(P.MUX_MAGIC)
+    c.sendall(P.encode_mux_request(1, P.Request(P.Op.WAIT, (b"/a",)))
+              + P.encode_mux_request(2, P.Request(P.Op.WAIT, (b"/b",)))
+              + P.encode_mux_request(3, P.Request(P.Op.ADD, (b"/n",), (), 4)))
+    assert recv_exact(c, 12) == P.enc_u32(3) + P.enc_i64(4)
+    server.kv.set("b", b"1")
+    assert recv_exact(c, 5) == P.enc_u32(2) + b"\x00"
+    c.sendall(P.encode_mux_request(4, P.Request(P.Op.CANCEL_WAIT, num=1)))
+    assert recv_exact(c, 5) == P.enc_u32(4) + b"\x01"
+    assert server.table.pending_waiters() == 0
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ValueError, match="port=70000"):
+        StoreServer(port=70000)
+    with pytest.raises(ValueError, match="max_connections=0"):
+        ServerLimits(max_connections=0)
