@@ -70,7 +70,9 @@ keys = c.list_keys()
 eq(k("a") in keys and k("m2") in keys, True, "list_keys")
 c.barrier(k("bar"), 1)
 eq(c.get(k("bar")), b"1", "barrier counter")
-c2 = c.clone()
+c2 = c.clone()  # a new connection: it must authenticate on its own
+if token:
+    c2.set("ftrun/auth", token)
 eq(c2.get(k("a")), b"2", "clone get")
 p = d.PrefixStore("pfx", c)
 p.set("x", b"px")
