@@ -557,7 +557,14 @@ class EtcdKV(KVStore):
                     errors.append(f"{ep}: {detail}")
                     continue
                 with self._lock:
-                    self._client, self._index = client, idx
+                    if self._closed:
+                        spare = client
+                    elif self._client is not None:  # another thread connected first
+                        spare = client
+                    else:
+                        self._client, self._index, spare = client, idx, None
+                if spare is not None:
+                    spare.close()
                 return
             if time.monotonic() + delay >= deadline:
                 break
@@ -825,6 +832,9 @@ class EtcdKV(KVStore):
             raise ValueError(f"lease ttl={ttl!r} must be > 0 seconds")
         secs = max(1, math.ceil(ttl))
         lease = self._call("lease grant", lambda c: c.lease(secs))
+        if int(lease.ttl) > secs:
+            log.info("etcd granted a %ds lease (asked for %ds; its minimum follows the "
+                     "election timeout)", lease.ttl, secs)
         return EtcdLease(int(lease.id), int(lease.ttl))
 
     def put_with_lease(self, key: str, value: bytes, lease: EtcdLease) -> None:

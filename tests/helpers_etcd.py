@@ -53,11 +53,16 @@ class EtcdServer:
     proc: subprocess.Popen | None = None
     log_path: str = ""
     auth: tuple[str, str] | None = None
+    ipv6: bool = False  # also listen on [::1]:client_port
     _log: object | None = field(default=None, repr=False)
 
     @property
     def endpoint(self) -> str:
         return f"127.0.0.1:{self.client_port}"
+
+    @property
+    def endpoint_v6(self) -> str:
+        return f"[::1]:{self.client_port}"
 
     @property
     def url(self) -> str:
@@ -68,23 +73,33 @@ class EtcdServer:
         last = ""
         for _attempt in range(3):  # a port picked free can be taken before etcd binds it
             self.client_port, self.peer_port = free_port(), free_port()
-            peer = f"http://127.0.0.1:{self.peer_port}"
-            self.log_path = os.path.join(self.data_dir, "etcd.log")
-            self._log = open(self.log_path, "ab")
-            member_dir = os.path.join(self.data_dir, "member-data")
-            shutil.rmtree(member_dir, ignore_errors=True)
-            self.proc = subprocess.Popen(
-                [ETCD_BIN, "--name", "t", "--data-dir", member_dir,
-                 "--listen-client-urls", self.url, "--advertise-client-urls", self.url,
-                 "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                 "--initial-cluster", f"t={peer}", "--log-level", "error", "--logger", "zap",
-                 "--heartbeat-interval", "10", "--election-timeout", "100"],
-                stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            if self._wait_healthy(timeout):
+            shutil.rmtree(os.path.join(self.data_dir, "member-data"), ignore_errors=True)
+            if self._launch(timeout):
                 return
             last = self._tail()
             self.stop(remove=False)
         raise RuntimeError(f"etcd did not become healthy within {timeout}s: {last}")
+
+    def restart(self, down_for: float = 0.0, timeout: float = START_TIMEOUT) -> None:
+        """Kill etcd and start it again on the same ports with the same data."""
+        self.stop(remove=False)
+        time.sleep(down_for)
+        if not self._launch(timeout):
+            raise RuntimeError(f"etcd did not come back within {timeout}s: {self._tail()}")
+
+    def _launch(self, timeout: float) -> bool:
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        listen = self.url + (f",http://[::1]:{self.client_port}" if self.ipv6 else "")
+        self.log_path = os.path.join(self.data_dir, "etcd.log")
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [ETCD_BIN, "--name", "t", "--data-dir", os.path.join(self.data_dir, "member-data"),
+             "--listen-client-urls", listen, "--advertise-client-urls", self.url,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"t={peer}", "--log-level", "error", "--logger", "zap",
+             "--heartbeat-interval", "10", "--election-timeout", "100"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return self._wait_healthy(timeout)
 
     def _wait_healthy(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -147,11 +162,11 @@ class EtcdServer:
             shutil.rmtree(self.data_dir, ignore_errors=True)
 
 
-def start_etcd() -> EtcdServer:
+def start_etcd(ipv6: bool = False) -> EtcdServer:
     """Start a fresh etcd (skips the calling test when the binary is missing)."""
     if not etcd_available():
         pytest.skip(f"etcd binary not found at {ETCD_BIN} (apt-get install etcd-server)")
-    server = EtcdServer(data_dir=tempfile.mkdtemp(prefix="ftrun-etcd-"))
+    server = EtcdServer(data_dir=tempfile.mkdtemp(prefix="ftrun-etcd-"), ipv6=ipv6)
     try:
         server.start()
     except BaseException:

@@ -12,7 +12,7 @@ import pytest
 
 from rendezvous.etcd import EtcdConf, EtcdKV, Endpoint, LeaseExpiredError, parse_endpoints
 from rendezvous.kv import StoreAuthError, StoreError, StoreTimeout
-from helpers_etcd import EtcdServer, etcd_server, free_port  # noqa: F401 - fixture
+from helpers_etcd import EtcdServer, etcd_server, free_port, start_etcd  # noqa: F401
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.etcd
@@ -232,9 +232,45 @@ def test_failover_to_second_endpoint(etcd_server: EtcdServer) -> None:
         kv.close()
 
 
+def test_ipv6_endpoint() -> None:
+    server = start_etcd(ipv6=True)
+    try:
+        kv = EtcdKV(server.endpoint_v6, "/v6")
+        kv.set("k", b"v")
+        assert kv.get("k", 1) == b"v" and kv.endpoints == [Endpoint("::1", server.client_port)]
+        kv.close()
+    finally:
+        server.stop()
+
+
+def test_survives_etcd_restart(kv: EtcdKV, etcd_server: EtcdServer) -> None:
+    """Requests retry while etcd is down; watches and pending waits resume afterwards."""
+    seen: list[str] = []
+    kv.watch_prefix("r/", lambda ev: seen.append(ev.key))
+    kv.set("r/before", b"1")
+    waiter_result: list[bool] = []
+    waiter = threading.Thread(target=lambda: waiter_result.append(kv.wait(["r/late"], 10)))
+    waiter.start()
+    time.sleep(0.2)
+    down = threading.Thread(target=etcd_server.restart, kwargs={"down_for": 0.8})
+    down.start()
+    time.sleep(0.3)  # etcd is down now
+    t0 = time.monotonic()
+    kv.set("r/during", b"2")  # retried until etcd is back (request_timeout 5 s)
+    assert 0.2 < time.monotonic() - t0 < 5
+    down.join(20)
+    kv.set("r/late", b"3")
+    waiter.join(10)
+    assert waiter_result == [True]
+    deadline = time.monotonic() + 5
+    while len(seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert seen == ["r/before", "r/during", "r/late"]
+
+
 def test_close_is_quiet_and_env_is_restored(etcd_server: EtcdServer) -> None:
-    """No 'Channel closed' noise from watch threads, and the protobuf switch does not leak
-    into the environment that workers inherit."""
+    """No 'Channel closed' noise from watch threads, no gRPC log lines for an unreachable
+    endpoint, and the protobuf switch does not leak into the environment workers inherit."""
     code = textwrap.dedent(f"""
         import os, threading
         from rendezvous.etcd import EtcdKV
@@ -245,7 +281,12 @@ def test_close_is_quiet_and_env_is_restored(etcd_server: EtcdServer) -> None:
         assert kv.wait(["w"], 5)
         kv.close()
         kv.close()
-        print("ok")
+        from rendezvous.etcd import EtcdConf
+        from rendezvous.kv import StoreError
+        try:
+            EtcdKV("127.0.0.1:{free_port()}", "/q", EtcdConf(request_timeout=0.5))
+        except StoreError:
+            print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
     res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
