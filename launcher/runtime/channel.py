@@ -1,0 +1,176 @@
+"""The worker side of the worker <-> agent channel.
+
+Owns: the unix stream socket to the local agent (`FTRUN_AGENT_SOCKET`), newline-delimited JSON
+both ways, and the two daemon threads that serve it: a reader that turns the agent's
+{"op":"stop","generation":g} into a `StopSignal` request (so a rank blocked in a collective still
+hears it), and a writer that sends a heartbeat on every progress change and at least every
+`heartbeat_interval` seconds. The training thread never touches the socket: it only updates
+`Progress` and queues messages.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+from launcher.runtime.signals import StopSignal
+
+
+@dataclass
+class Progress:
+    """What the heartbeat reports; written by the training thread."""
+
+    step: int = -1
+    phase: str = "init"
+    committed_step: int = -1
+
+
+class AgentChannel:
+    """Connection to the local agent; start() it, close() it."""
+
+    def __init__(self, path: str, rank: int, stop: StopSignal, log: Callable[[str], None],
+                 heartbeat_interval: float = 1.0, connect_timeout: float = 30.0) -> None:
+        self._path = path
+        self._rank = rank
+        self._stop = stop
+        self._log = log
+        self._interval = heartbeat_interval
+        self._connect_timeout = connect_timeout
+        self._sock: socket.socket | None = None
+        self._cond = threading.Condition()
+        self._outbox: list[dict] = []
+        self._progress = Progress()
+        self._dirty = False
+        self._closing = False
+        self._threads: list[threading.Thread] = []
+
+    # ---- lifecycle -------------------------------------------------------------------
+    def start(self, hello: dict) -> None:
+        deadline = time.monotonic() + self._connect_timeout
+        while True:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(self._path)
+                break
+            except OSError as exc:
+                sock.close()
+                if time.monotonic() > deadline:
+                    raise ConnectionError(f"cannot connect to the ftrun agent at {self._path}: {exc}") from exc
+                time.sleep(0.05)
+        self._sock = sock
+        self._send_now({"op": "hello", **hello})
+        for target, name in ((self._read_loop, "ftrun-agent-reader"), (self._write_loop, "ftrun-agent-writer")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def close(self, bye: bool = True) -> None:
+        """Flush queued messages (+ bye), then shut the socket and join the threads."""
+        if self._sock is None:
+            return
+        with self._cond:
+            if bye:
+                self._outbox.append({"op": "bye", "rank": self._rank})
+            self._closing = True
+            self._cond.notify_all()
+        for t in self._threads:
+            if t.name == "ftrun-agent-writer":
+                t.join(timeout=2.0)
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        for t in self._threads:
+            t.join(timeout=2.0)
+        self._sock = None
+
+    # ---- used by the training thread -------------------------------------------------
+    def update(self, **fields: object) -> None:
+        """Change heartbeat fields (step, phase, committed_step); wakes the writer."""
+        with self._cond:
+            for k, v in fields.items():
+                setattr(self._progress, k, v)
+            self._dirty = True
+            self._cond.notify_all()
+
+    def send(self, message: dict) -> None:
+        """Queue one message for the agent (never blocks on the socket)."""
+        with self._cond:
+            self._outbox.append(message)
+            self._cond.notify_all()
+
+    # ---- threads ---------------------------------------------------------------------
+    def _send_now(self, message: dict) -> None:
+        assert self._sock is not None
+        self._sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+
+    def _write_loop(self) -> None:
+        last = 0.0
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._closing or self._outbox or self._dirty,
+                                    timeout=max(0.0, self._interval - (time.monotonic() - last)))
+                batch, self._outbox = self._outbox, []
+                beat = self._dirty or time.monotonic() - last >= self._interval
+                self._dirty = False
+                progress = asdict(self._progress)
+                closing = self._closing
+            try:
+                if beat and not closing:
+                    self._send_now({"op": "heartbeat", "rank": self._rank, **progress, "time": time.time()})
+                    last = time.monotonic()
+                for msg in batch:
+                    self._send_now(msg)
+            except OSError as exc:
+                if not closing:
+                    self._log(f"agent channel write failed: {exc}")
+                return
+            if closing:
+                return
+
+    def _read_loop(self) -> None:
+        assert self._sock is not None
+        buf = b""
+        while True:
+            try:
+                chunk = self._sock.recv(65536)
+            except OSError:
+                chunk = b""
+            if not chunk:
+                break
+            buf += chunk
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                self._handle(line)
+        with self._cond:
+            closing = self._closing
+        if not closing:
+            # No orphans: a worker whose agent is gone must not keep training on its own.
+            self._log("agent connection lost; exiting (the agent owns this worker)")
+            os._exit(1)
+
+    def _handle(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            self._log(f"ignored malformed message from agent: {line[:200]!r}")
+            return
+        if not isinstance(msg, dict):
+            self._log(f"ignored non-object message from agent: {line[:200]!r}")
+            return
+        if msg.get("op") == "stop":
+            gen = msg.get("generation")
+            if not isinstance(gen, int):
+                self._log(f"ignored stop without an integer generation: {msg!r}")
+                return
+            if self._stop.request(gen):
+                self._log(f"stop received for generation {gen}")
+        else:
+            self._log(f"ignored unknown agent message op={msg.get('op')!r}")

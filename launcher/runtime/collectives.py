@@ -1,0 +1,148 @@
+"""Collectives a rank can always leave.
+
+Owns: waiting on asynchronous torch.distributed work while watching the stop signal, and the
+`Graveyard` that keeps abandoned works and process groups referenced for the rest of the
+process (dropping the last reference to a gloo group with a stuck op blocks in its destructor
+until the op times out). gloo ops cannot be aborted: a stopped rank abandons them; NCCL/HCCL
+groups are additionally aborted through the device adapter.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from launcher.runtime.signals import StopRequested, StopSignal
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (peer gone, connection reset, timeout)."""
+
+
+class Graveyard:
+    """Abandoned works and groups, referenced until the process ends."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: list[Any] = []
+
+    def keep(self, *objs: Any) -> None:
+        with self._lock:
+            self._items.extend(o for o in objs if o is not None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+class Interruptible:
+    """Issues collectives with async_op=True and waits for them while watching `stop`.
+
+    `generation()` is the rank's current generation: a stop for a newer one interrupts the wait
+    (StopRequested). `on_error(exc, what)` decides what a failed collective means; it raises.
+    """
+
+    def __init__(self, stop: StopSignal, graveyard: Graveyard, generation: Callable[[], int],
+                 timeout: float, on_error: Callable[[BaseException, str], None],
+                 abort: Callable[[], None] | None = None) -> None:
+        self._stop = stop
+        self._graveyard = graveyard
+        self._generation = generation
+        self.timeout = timeout
+        self._on_error = on_error
+        self._abort = abort
+
+    def wait(self, work: Any, what: str, keep: tuple[Any, ...] = ()) -> None:
+        deadline = time.monotonic() + self.timeout
+        delay = 5e-5
+        gen = self._generation()
+        while True:
+            if work.is_completed():
+                try:
+                    work.wait()
+                except RuntimeError as exc:
+                    self._graveyard.keep(work, *keep)
+                    self._on_error(exc, what)
+                    raise CollectiveError(f"{what} failed: {exc}") from exc
+                return
+            if self._stop.newer_than(gen):
+                self._graveyard.keep(work, *keep)
+                if self._abort is not None:
+                    self._abort()
+                raise StopRequested(self._stop.target, f"left {what}")
+            if time.monotonic() > deadline:
+                self._graveyard.keep(work, *keep)
+                exc = TimeoutError(f"{what} did not complete within {self.timeout:.0f} s")
+                self._on_error(exc, what)
+                raise CollectiveError(str(exc)) from exc
+            self._stop.wait_newer(gen, delay)
+            delay = min(delay * 2, 0.002)
+
+    # ---- the collectives the runtime and scripts use ---------------------------------
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
+                   what: str = "all_reduce") -> torch.Tensor:
+        work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
+        self.wait(work, what, (group, tensor))
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, what: str = "broadcast") -> torch.Tensor:
+        work = dist.broadcast(tensor, src=src, group=group, async_op=True)
+        self.wait(work, what, (group, tensor))
+        return tensor
+
+    def all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
+                   what: str = "all_gather") -> list[torch.Tensor]:
+        work = dist.all_gather(out, tensor, group=group, async_op=True)
+        self.wait(work, what, (group, tensor, out))
+        return out
+
+    def barrier(self, group: Any = None, what: str = "barrier") -> None:
+        self.all_reduce(torch.zeros(1), group=group, what=what)
+
+    def wait_blocking(self, works: list[Any], what: str, keep: tuple[Any, ...] = ()) -> None:
+        """For works whose is_completed() only turns true inside wait() (gloo send/recv): a
+        daemon thread blocks in wait() while this thread watches the stop signal."""
+        done = threading.Event()
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                for w in works:
+                    w.wait()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                errors.append(exc)
+            finally:
+                done.set()
+
+        waiter = threading.Thread(target=run, name="ftrun-p2p-wait", daemon=True)
+        waiter.start()
+        deadline = time.monotonic() + self.timeout
+        gen = self._generation()
+        delay = 5e-5
+        while not done.wait(delay):
+            if self._stop.newer_than(gen):
+                self._graveyard.keep(waiter, *works, *keep)
+                if self._abort is not None:
+                    self._abort()
+                raise StopRequested(self._stop.target, f"left {what}")
+            if time.monotonic() > deadline:
+                self._graveyard.keep(waiter, *works, *keep)
+                exc = TimeoutError(f"{what} did not complete within {self.timeout:.0f} s")
+                self._on_error(exc, what)
+                raise CollectiveError(str(exc)) from exc
+            delay = min(delay * 2, 0.002)
+        if errors:
+            self._graveyard.keep(*works, *keep)
+            self._on_error(errors[0], what)
+            raise CollectiveError(f"{what} failed: {errors[0]}") from errors[0]
+
+    def send(self, tensors: list[torch.Tensor], dst: int, what: str = "send") -> None:
+        """Send tensors to `dst` in order (posted together, waited together)."""
+        self.wait_blocking([dist.isend(t, dst) for t in tensors], what, tuple(tensors))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, what: str = "recv") -> list[torch.Tensor]:
+        self.wait_blocking([dist.irecv(t, src) for t in tensors], what, tuple(tensors))
+        return tensors

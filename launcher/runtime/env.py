@@ -1,0 +1,91 @@
+"""The worker's launch environment.
+
+Owns: parsing and validating the variables the agent (or plain torchrun) sets for a worker
+into one immutable `RuntimeEnv`. Nothing else in the runtime reads `os.environ` for these.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None, minimum: int = 0) -> int:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        if default is None:
+            raise ValueError(f"environment variable {name} is not set; launch with ftrun or torchrun")
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise ValueError(f"{name}={value} must be >= {minimum}")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{name}={value} must be > 0 seconds")
+    return value
+
+
+@dataclass(frozen=True)
+class RuntimeEnv:
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    restart_count: int
+    agent_socket: str | None  # None: plain torchrun, no recovery
+    generation: int
+    replacement: bool
+    run_id: str
+    node_rank: int
+    log_dir: str | None
+    fault_plan: str | None
+    store_timeout: float
+
+    @property
+    def managed(self) -> bool:
+        """True when an ftrun agent supervises this worker (recovery available)."""
+        return self.agent_socket is not None
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] | None = None) -> "RuntimeEnv":
+        env = os.environ if env is None else env
+        world = _int(env, "WORLD_SIZE", minimum=1)
+        rank = _int(env, "RANK")
+        if rank >= world:
+            raise ValueError(f"RANK={rank} must be < WORLD_SIZE={world}")
+        replacement = env.get("FTRUN_REPLACEMENT", "0")
+        if replacement not in ("0", "1"):
+            raise ValueError(f"FTRUN_REPLACEMENT={replacement!r}; allowed: '0' or '1'")
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            raise ValueError("environment variable MASTER_ADDR is not set; launch with ftrun or torchrun")
+        return cls(
+            rank=rank,
+            local_rank=_int(env, "LOCAL_RANK", default=0),
+            world_size=world,
+            master_addr=addr,
+            master_port=_int(env, "MASTER_PORT", minimum=1),
+            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", default=0),
+            agent_socket=env.get("FTRUN_AGENT_SOCKET") or None,
+            generation=_int(env, "FTRUN_GENERATION", default=0),
+            replacement=replacement == "1",
+            run_id=env.get("FTRUN_RUN_ID", env.get("TORCHELASTIC_RUN_ID", "none")),
+            node_rank=_int(env, "FTRUN_NODE_RANK", default=_int(env, "GROUP_RANK", default=0)),
+            log_dir=env.get("FTRUN_LOG_DIR") or None,
+            fault_plan=env.get("FTRUN_FAULT_PLAN") or None,
+            store_timeout=_float(env, "FTRUN_STORE_TIMEOUT", 300.0),
+        )

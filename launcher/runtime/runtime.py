@@ -1,0 +1,693 @@
+"""The in-worker side of process-level recovery.
+
+Owns: `Runtime` (one per worker process, made by `init()`): joining the generation, the default
+and user process groups on the generation's store prefix, the step loop with its step-start
+snapshots and optimizer-update commit marker, interruptible collectives, fault reports to the
+agent, and the recovery round a stop starts: post RankStatus -> wait for the controller's
+RepairPlan -> rebuild groups for the new generation -> restore the step-start state, send or
+receive full state along the plan's pairs -> resume. Durable checkpoints (periodic saves, the
+restart-all start, the dying-gasp dump) are coordinated here and written by `checkpoint`.
+"""
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+from launcher import plan as P
+from launcher.runtime import checkpoint as ckpt
+from launcher.runtime.channel import AgentChannel
+from launcher.runtime.collectives import CollectiveError, Graveyard, Interruptible
+from launcher.runtime.devices import (EXCEPTION, NETWORK, UCE_HIGH, UNSAFE_DATA, DeviceAdapter,
+                                      InjectedFault, select_adapter)
+from launcher.runtime.env import RuntimeEnv
+from launcher.runtime.faultplan import FaultInjector, parse_plan
+from launcher.runtime.groups import GroupHandle, GroupRegistry
+from launcher.runtime.logs import RankLog
+from launcher.runtime.replicas import Layout, parallel_groups
+from launcher.runtime.signals import StopRequested, StopSignal
+from launcher.runtime.state import Registered, Snapshot
+from launcher.runtime.transfer import recv_state, send_state
+
+EXIT_FALLBACK = 75  # exit code of a rank leaving because the plan fell back to restart-all/dump
+
+
+@dataclass(frozen=True)
+class RuntimeOptions:
+    heartbeat_interval: float = 1.0  # seconds between heartbeats when nothing changes
+    network_grace: float = 3.0  # after a collective error, wait this long for the agent's stop
+    poll_interval: float = 0.01  # store polling while waiting for the controller
+
+
+def ckpt_key(generation: int, iteration: int, shard: str) -> str:
+    """Store key a checkpoint writer sets once its shard file is durable."""
+    return f"{P.ROOT}/g{generation}/ckpt/{iteration}/{shard}"
+
+
+class Step:
+    """One training step; use as `with step:` and mark phases inside it."""
+
+    def __init__(self, rt: "Runtime", index: int) -> None:
+        self._rt = rt
+        self.index = index
+        self.entered = False
+        self.interrupted = False
+        self.updated = False
+
+    def __enter__(self) -> "Step":
+        self.entered = True
+        self._rt._begin_step(self)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        return self._rt._end_step(self, exc)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """A named part of the step (forward, backward, ...): heartbeat + stop check at its edges."""
+        self._rt._enter_phase(self, name)
+        yield
+        self._rt._check_stop(f"end of {name}")
+
+    @contextmanager
+    def optimizer_update(self) -> Iterator[None]:
+        """The optimizer update: completing it commits the step; a stop inside it marks the
+        rank dirty (its state is repaired from a replica)."""
+        rt = self._rt
+        rt._check_stop("before optimizer update")
+        rt._in_update = True
+        rt._enter_phase(self, "optimizer", check=False)
+        yield
+        rt._in_update = False
+        self.updated = True
+        rt._commit(self.index)
+
+
+class Runtime:
+    """See the package docstring for the training-loop contract."""
+
+    def __init__(self, env: RuntimeEnv, backend: str, device: DeviceAdapter,
+                 options: RuntimeOptions | None = None) -> None:
+        self.env = env
+        self.rank = env.rank
+        self.world_size = env.world_size
+        self.local_rank = env.local_rank
+        self.backend = backend
+        self.adapter = device
+        self.device = device.device(env.local_rank)
+        self.options = options or RuntimeOptions()
+        self.generation = env.generation
+        self.replacement = env.replacement
+        self.log = RankLog(env.rank, lambda: self.generation)
+        self._stop = StopSignal()
+        self._graveyard = Graveyard()
+        self._coll = Interruptible(self._stop, self._graveyard, lambda: self.generation,
+                                   env.store_timeout, self._on_collective_error, self._abort_groups)
+        self._groups = GroupRegistry(env.rank, env.world_size, backend)
+        self._reg = Registered()
+        self._registered = False
+        self._layout = Layout.ddp(env.world_size)
+        self._injector = FaultInjector(parse_plan(env.fault_plan), env.rank, self.log)
+        self._channel: AgentChannel | None = None
+        self._store: Any = None
+        self._snapshots: dict[int, Snapshot] = {}
+        self._committed = -1
+        self._current_step = -1
+        self._phase = "init"
+        self._in_update = False
+        self._dirty = False
+        self._needs_state = env.replacement  # True until this rank holds a trusted state
+        self._pending_plan: P.RepairPlan | None = None
+        self._pending_exc: BaseException | None = None
+        self._ckpt_dir: str | None = None
+        self._ckpt_every = 0
+        self._finished = False
+        self._total_steps: int | None = None
+        self.last_recovery: dict[str, float] = {}
+
+    # ================================================================ start-up
+    def _start(self) -> None:
+        env = self.env
+        atexit.register(self._atexit)
+        if not env.managed:
+            self.log("no FTRUN_AGENT_SOCKET: running without an ftrun agent, so no process-level recovery")
+            if not dist.is_initialized():
+                dist.init_process_group(self.backend, timeout=timedelta(seconds=env.store_timeout))
+            self._store = dist.distributed_c10d._get_default_store()
+            return
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+        self._channel = AgentChannel(env.agent_socket or "", env.rank, self._stop, self.log,
+                                     heartbeat_interval=self.options.heartbeat_interval)
+        self._channel.start({"rank": env.rank, "local_rank": env.local_rank, "pid": os.getpid(),
+                             "generation": env.generation, "replacement": env.replacement})
+        self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
+                                    timeout=timedelta(seconds=env.store_timeout), wait_for_workers=False)
+        if env.replacement:
+            self.log(f"replacement for rank {env.rank}: joining generation {self.generation}")
+            self._pending_plan = self._join_round(self.generation)
+            self._build_world(self.generation, rebuild_groups=False)
+        else:
+            self._build_world(self.generation, rebuild_groups=False)
+        self.log(f"joined generation {self.generation} (world {self.world_size}, backend {self.backend}, "
+                 f"device {self.adapter.name})")
+
+    def _build_world(self, generation: int, rebuild_groups: bool) -> None:
+        store = dist.PrefixStore(P.pg_prefix(generation), self._store)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=timedelta(seconds=self.env.store_timeout))
+        if rebuild_groups:
+            self._groups.rebuild(generation)
+
+    def _teardown_world(self) -> None:
+        if not dist.is_initialized():
+            return
+        groups = list(dist.distributed_c10d._world.pg_map.keys())
+        self._graveyard.keep(*groups)  # never let a group with a stuck op be destroyed
+        self.adapter.abort_groups(groups)
+        dist.destroy_process_group()
+
+    def _abort_groups(self) -> None:
+        if dist.is_initialized():
+            self.adapter.abort_groups(list(dist.distributed_c10d._world.pg_map.keys()))
+
+    # ================================================================ registration
+    def register(self, model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+                 scheduler: Any | Sequence[Any] | None = None,
+                 data: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+                 extra: dict[str, torch.Tensor] | None = None,
+                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
+                 on_rollback: Callable[[int], None] | None = None) -> None:
+        """Declare the rank's state. `data` = (get_position, set_position); `extra` = global
+        tensors repaired with the model; `on_rollback(step)` re-initialises anything else."""
+        def as_list(x: Any) -> list:
+            return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+        if self._registered:
+            raise RuntimeError("register() was already called; call it once with every stateful object")
+        models, opts, scheds = as_list(model), as_list(optimizer), as_list(scheduler)
+        for m in models:
+            if not isinstance(m, torch.nn.Module):
+                raise TypeError(f"model must be a torch.nn.Module, got {type(m).__name__}")
+        for o in opts:
+            if not isinstance(o, torch.optim.Optimizer):
+                raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(o).__name__}")
+        for s in scheds:
+            if not (hasattr(s, "state_dict") and hasattr(s, "load_state_dict")):
+                raise TypeError(f"scheduler {type(s).__name__} lacks state_dict/load_state_dict")
+        if data is not None and (len(data) != 2 or not all(callable(f) for f in data)):
+            raise TypeError("data must be a (get_position, set_position) pair of callables")
+        extras = dict(extra or {})
+        for k, v in extras.items():
+            if not isinstance(v, torch.Tensor):
+                raise TypeError(f"extra[{k!r}] must be a tensor, got {type(v).__name__}")
+        if checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every={checkpoint_every} must be >= 0")
+        if checkpoint_every and not checkpoint_dir:
+            raise ValueError("checkpoint_every needs checkpoint_dir")
+        self._reg = Registered(models, opts, scheds, data, extras, on_rollback)
+        self._ckpt_dir = os.fspath(checkpoint_dir) if checkpoint_dir else None
+        self._ckpt_every = checkpoint_every
+        self._registered = True
+
+    def set_layout(self, dp: int, tp: int = 1, pp: int = 1, optimizer_shards: int = 1) -> dict[str, GroupHandle]:
+        """Megatron-style layout: creates the "dp", "tp" and "pp" groups (those larger than one
+        rank) and derives replica identity. Returns this rank's handles by name."""
+        self._set_layout(Layout.from_parallel(self.world_size, dp, tp, pp, optimizer_shards))
+        handles = {}
+        for name, partition in parallel_groups(self.world_size, dp, tp, pp).items():
+            if len(partition[0]) > 1:
+                handles[name] = self.new_group(name, partition)
+            else:
+                handles[name] = GroupHandle(name, [self.rank], None, self.generation)
+        return handles
+
+    def set_replica_groups(self, groups: Sequence[Sequence[int]]) -> None:
+        """Explicit replica groups: ranks in one group hold equal state."""
+        self._set_layout(Layout.from_groups(groups, self.world_size))
+
+    def _set_layout(self, layout: Layout) -> None:
+        self._layout = layout
+        self._publish_shard()
+
+    def _publish_shard(self) -> None:
+        if self.env.managed:
+            self._store.set(P.replica_key(self.rank), self._layout.shard_of(self.rank).encode())
+
+    @property
+    def shard(self) -> str:
+        return self._layout.shard_of(self.rank)
+
+    def new_group(self, name: str, ranks: Sequence[int] | Sequence[Sequence[int]]) -> GroupHandle:
+        """Create a process group every rank calls in the same order; the handle's `.group` is
+        re-pointed after each recovery. `ranks` is one list or a partition (list of lists)."""
+        partition = [list(r) for r in ranks] if ranks and isinstance(ranks[0], (list, tuple)) else [list(ranks)]
+        return self._groups.create(name, partition, self.generation)  # type: ignore[arg-type]
+
+    def group(self, name: str) -> GroupHandle:
+        return self._groups.get(name)
+
+    # ================================================================ collectives
+    def _pg(self, group: GroupHandle | None) -> Any:
+        return None if group is None else group.group
+
+    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM,
+                   group: GroupHandle | None = None) -> torch.Tensor:
+        """In-place all_reduce that a stop can interrupt (raises StopRequested)."""
+        if group is not None and group.size <= 1:
+            return tensor
+        return self._coll.all_reduce(tensor, op, self._pg(group))
+
+    def broadcast(self, tensor: torch.Tensor, src: int, group: GroupHandle | None = None) -> torch.Tensor:
+        if group is not None and group.size <= 1:
+            return tensor
+        return self._coll.broadcast(tensor, src, self._pg(group))
+
+    def all_gather(self, tensor: torch.Tensor, group: GroupHandle | None = None) -> list[torch.Tensor]:
+        size = self.world_size if group is None else group.size
+        out = [torch.empty_like(tensor) for _ in range(size)]
+        if size == 1:
+            out[0].copy_(tensor)
+            return out
+        return self._coll.all_gather(out, tensor, self._pg(group))
+
+    def barrier(self, group: GroupHandle | None = None) -> None:
+        if group is not None and group.size <= 1:
+            return
+        self._coll.barrier(self._pg(group))
+
+    def allreduce_gradients(self, model: torch.nn.Module | Sequence[torch.nn.Module],
+                            group: GroupHandle | None = None, average: bool = True,
+                            bucket_bytes: int = 32 << 20) -> None:
+        """Sum (and average) the gradients of `model` across `group` (default: all ranks),
+        bucketed into flat tensors; interruptible like every runtime collective."""
+        models = list(model) if isinstance(model, (list, tuple)) else [model]
+        size = self.world_size if group is None else group.size
+        params = [p for m in models for p in m.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        buckets: list[list[torch.Tensor]] = []
+        cur: list[torch.Tensor] = []
+        nbytes = 0
+        for p in params:
+            if cur and (cur[0].grad.dtype != p.grad.dtype or nbytes >= bucket_bytes):
+                buckets.append(cur)
+                cur, nbytes = [], 0
+            cur.append(p)
+            nbytes += p.grad.numel() * p.grad.element_size()
+        if cur:
+            buckets.append(cur)
+        for bucket in buckets:
+            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
+            if size > 1:
+                self._coll.all_reduce(flat, dist.ReduceOp.SUM, self._pg(group), what="gradient all_reduce")
+            if average:
+                flat.div_(size)
+            off = 0
+            for p in bucket:
+                n = p.grad.numel()
+                p.grad.copy_(flat[off:off + n].view_as(p.grad))
+                off += n
+
+    # ================================================================ step loop
+    def steps(self, total: int) -> Iterator[Step]:
+        """Yield Step(k) for k from the resume point to total-1; recovery happens in here."""
+        if not isinstance(total, int) or total < 0:
+            raise ValueError(f"total steps {total!r} must be a non-negative integer")
+        if not self._registered:
+            raise RuntimeError("call rt.register(...) before rt.steps()")
+        self._total_steps = total
+        self._publish_shard()
+        s = self._first_step()
+        while s < total:
+            if self._stop.newer_than(self.generation):
+                s = self._recover()
+                continue
+            step = Step(self, s)
+            yield step
+            if not step.entered:
+                raise RuntimeError("each Step from rt.steps() must be used as `with step:`")
+            if step.interrupted:
+                s = self._recover()
+                continue
+            if not step.updated:
+                self._commit(s)
+            self._maybe_checkpoint(s + 1)
+            s += 1
+        self._set_phase("done")
+
+    def _first_step(self) -> int:
+        if self._pending_plan is not None:
+            plan, self._pending_plan = self._pending_plan, None
+            if self._stop.newer_than(self.generation):
+                return self._recover()  # our round was superseded before we got here
+            try:
+                return self._execute(plan)
+            except StopRequested:
+                return self._recover()
+        start = 0
+        if self._ckpt_dir:
+            start = self.load_checkpoint()
+        self._snapshots = {start: self._reg.snapshot(start, self.adapter)}
+        self._committed = start - 1
+        self._current_step = start - 1
+        self._needs_state = False
+        return start
+
+    def _begin_step(self, step: Step) -> None:
+        self._current_step = step.index
+        self._snapshots = {k: v for k, v in self._snapshots.items() if k > step.index}
+        self._snapshots[step.index] = self._reg.snapshot(step.index, self.adapter)
+        self._set_phase("step")
+
+    def _enter_phase(self, step: Step, name: str, check: bool = True) -> None:
+        if check:
+            self._check_stop(f"start of {name}")
+        self._set_phase(name)
+        self._injector.maybe_fire(self.generation, step.index, name)
+
+    def _set_phase(self, name: str) -> None:
+        self._phase = name
+        if self._channel is not None:
+            self._channel.update(step=self._current_step, phase=name, committed_step=self._committed)
+
+    def _check_stop(self, where: str) -> None:
+        if self._stop.newer_than(self.generation):
+            raise StopRequested(self._stop.target, where)
+
+    def _commit(self, index: int) -> None:
+        self._committed = index
+        self._snapshots[index + 1] = self._reg.snapshot(index + 1, self.adapter)
+        self._set_phase("committed")
+
+    def _end_step(self, step: Step, exc: BaseException | None) -> bool:
+        if exc is None:
+            return False
+        if isinstance(exc, StopRequested):
+            step.interrupted = True
+            self._dirty = self._dirty or self._in_update
+            self.log(f"stopped in step {step.index} phase {self._phase} "
+                     f"({'inside the optimizer update' if self._in_update else 'state clean'}): {exc}")
+            self._in_update = False
+            return True
+        if not isinstance(exc, Exception) or not self.env.managed:
+            return False
+        if isinstance(exc, CollectiveError):
+            return False  # the agent never answered: let it propagate
+        found = self.adapter.classify_exception(exc)
+        kind = found.kind if found else EXCEPTION
+        injected = isinstance(exc, InjectedFault)
+        lost_state = kind in (UCE_HIGH, UNSAFE_DATA) or self._in_update
+        self.report_fault(kind, f"{type(exc).__name__}: {exc}", injected=injected,
+                          fatal=bool(found and found.fatal))
+        if found and found.fatal:
+            self.log("fault is process-fatal; exiting so the agent restarts this rank")
+            self._hard_exit(1)
+        self._dirty = self._dirty or lost_state
+        self._in_update = False
+        self._pending_exc = exc
+        step.interrupted = True
+        return True
+
+    def report_fault(self, kind: str, message: str, injected: bool = False, fatal: bool = False) -> None:
+        """Tell the agent about a fault this worker detected itself."""
+        label = "INJECTED " if injected else ""
+        self.log(f"{label}fault kind={kind} in step {self._current_step} phase {self._phase}: {message}")
+        if self._channel is not None:
+            self._channel.send({"op": "fault", "rank": self.rank, "kind": kind, "message": message[:2000],
+                                "step": self._current_step, "phase": self._phase, "injected": injected,
+                                "fatal": fatal})
+
+    def _on_collective_error(self, exc: BaseException, what: str) -> None:
+        if not self.env.managed:
+            return
+        gen = self.generation
+        self.log(f"{what} failed ({str(exc).splitlines()[0][:200]}); waiting {self.options.network_grace:.0f} s "
+                 "for the agent's stop")
+        if self._stop.wait_newer(gen, self.options.network_grace):
+            raise StopRequested(self._stop.target, f"after {what} error")
+        self.report_fault(NETWORK, f"{what}: {exc}")
+        if self._stop.wait_newer(gen, self.env.store_timeout):
+            raise StopRequested(self._stop.target, f"after {what} error")
+
+    # ================================================================ recovery
+    def _status(self, generation: int) -> P.RankStatus:
+        return P.RankStatus(rank=self.rank, generation=generation, replacement=self._needs_state,
+                            committed_step=-1 if self._needs_state else self._committed,
+                            step=self._current_step, dirty=self._dirty, shard=self._shard_for_status(),
+                            pid=os.getpid(), host=socket.gethostname())
+
+    def _shard_for_status(self) -> str:
+        if not self._registered and self.env.managed:
+            raw = self._store_try_get(P.replica_key(self.rank))  # our predecessor's layout
+            if raw is not None:
+                return raw.decode()
+        return self._layout.shard_of(self.rank)
+
+    def _store_try_get(self, key: str) -> bytes | None:
+        return self._store.get(key) if self._store.check([key]) else None
+
+    def _join_round(self, generation: int) -> P.RepairPlan:
+        """Post this rank's status for `generation` and wait for the controller's plan."""
+        self.generation = generation
+        self._set_phase("recovering")
+        status = self._status(generation)
+        self._store.set(P.status_key(generation, self.rank), status.to_json())
+        self.log(f"posted status: committed_step={status.committed_step} step={status.step} "
+                 f"dirty={status.dirty} replacement={status.replacement} shard={status.shard!r}")
+        raw = self._wait_key(P.repair_key(generation), "the controller's repair plan")
+        plan = P.RepairPlan.from_json(raw)
+        self.log(f"repair plan: resume_step={plan.resume_step} action={plan.action} pairs={plan.pairs} "
+                 f"fallback={plan.fallback} ({plan.reason})")
+        if plan.fallback:
+            self._fallback(plan)
+        return plan
+
+    def _wait_key(self, key: str, what: str) -> bytes:
+        gen = self.generation
+        deadline = time.monotonic() + self.env.store_timeout
+        delay = 0.002
+        while True:
+            if self._store.check([key]):
+                return self._store.get(key)
+            if self._stop.newer_than(gen):
+                raise StopRequested(self._stop.target, f"while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} ({key}) did not appear within {self.env.store_timeout:.0f} s")
+            self._stop.wait_newer(gen, delay)
+            delay = min(delay * 2, self.options.poll_interval)
+
+    def _recover(self) -> int:
+        """Run recovery rounds until one completes; returns the step to resume at."""
+        t_stop = time.monotonic()
+        if not self._stop.newer_than(self.generation):
+            self.log(f"waiting up to {self.env.store_timeout:.0f} s for the agent's stop after the fault")
+            if not self._stop.wait_newer(self.generation, self.env.store_timeout):
+                exc = self._pending_exc or RuntimeError("recovery requested but no stop arrived")
+                raise exc
+        self._pending_exc = None
+        while True:
+            target = self._stop.target
+            self.log(f"recovery round for generation {target} starts")
+            self.adapter.stop_device()
+            self._teardown_world()
+            self.adapter.restart_device()
+            try:
+                t0 = time.monotonic()
+                plan = self._join_round(target)
+                t1 = time.monotonic()
+                self._build_world(target, rebuild_groups=True)
+                t2 = time.monotonic()
+                resume = self._execute(plan)
+                t3 = time.monotonic()
+            except StopRequested as exc:
+                self.log(f"recovery round interrupted: {exc}")
+                continue
+            except Exception as exc:  # noqa: BLE001 - a newer stop explains most failures
+                if self._stop.wait_newer(target, self.options.network_grace):
+                    self.log(f"recovery round failed ({exc}); a newer generation was requested")
+                    continue
+                raise
+            self.last_recovery = {"stop": t0 - t_stop, "plan_wait": t1 - t0, "rebuild": t2 - t1,
+                                  "repair": t3 - t2, "total": t3 - t_stop}
+            self.log(f"recovered into generation {target}: resume at step {resume} "
+                     f"(plan wait {t1 - t0:.3f} s, rebuild {t2 - t1:.3f} s, repair {t3 - t2:.3f} s)")
+            return resume
+
+    def _execute(self, plan: P.RepairPlan) -> int:
+        """Restore/transfer along the plan, post resumed, return the resume step."""
+        resume = plan.resume_step
+        sources = [src for src, dst in plan.pairs if dst == self.rank]
+        if len(sources) > 1:
+            raise RuntimeError(f"repair plan names {len(sources)} sources for rank {self.rank}: {plan.pairs}")
+        if sources and not self._registered:
+            raise RuntimeError("a replacement must call rt.register(...) before rt.steps()")
+        snap: Snapshot | None = None
+        if not sources:
+            if self._needs_state or self._dirty:
+                raise RuntimeError(f"rank {self.rank} holds no trusted state but the plan gives it no source")
+            snap = self._snapshots.get(resume)
+            if snap is None:
+                raise RuntimeError(f"rank {self.rank} has no step-start state for step {resume} "
+                                   f"(has {sorted(self._snapshots)}); the plan does not match this rank")
+            self._reg.restore(snap, self.adapter)
+        for src, dst in plan.pairs:
+            if src == self.rank:
+                assert snap is not None
+                stats = send_state(self._coll, self._reg.full_state(snap), dst)
+                self.log(f"sent state to rank {dst}: {stats.nbytes / 1e6:.1f} MB in {stats.tensors} tensors, "
+                         f"{stats.seconds:.3f} s ({stats.gbps:.2f} GB/s)")
+            elif dst == self.rank:
+                state, stats = recv_state(self._coll, src, self._reg.live_tensors())
+                if state["step"] != resume:
+                    raise RuntimeError(f"rank {src} sent the state of step {state['step']}, plan resumes at {resume}")
+                self._reg.load_full_state(state, self.adapter)
+                self.log(f"received state from rank {src}: {stats.nbytes / 1e6:.1f} MB in {stats.tensors} "
+                         f"tensors, {stats.seconds:.3f} s ({stats.gbps:.2f} GB/s)")
+                snap = self._reg.snapshot(resume, self.adapter)
+                if self._reg.on_rollback is not None:
+                    self._reg.on_rollback(resume)
+        assert snap is not None
+        self._snapshots = {resume: snap}
+        self._committed = resume - 1
+        self._current_step = resume - 1
+        self._dirty = False
+        self._needs_state = False
+        self._in_update = False
+        self._store.set(P.resumed_key(plan.generation, self.rank), str(resume).encode())
+        self._set_phase("resumed")
+        return resume
+
+    def _fallback(self, plan: P.RepairPlan) -> None:
+        self.log(f"peer repair impossible, fallback={plan.fallback}: {plan.reason}; exiting so the "
+                 "agents restart the job from the last durable checkpoint")
+        if plan.fallback == P.DUMP:
+            self._dying_gasp(plan)
+        self._hard_exit(EXIT_FALLBACK)
+
+    def _dying_gasp(self, plan: P.RepairPlan) -> None:
+        """Save the resume state of every shard that has a healthy up-to-date holder."""
+        if not self._ckpt_dir or self._needs_state or self._dirty:
+            return
+        gen = plan.generation
+        statuses = []
+        for r in range(self.world_size):
+            raw = self._store_try_get(P.status_key(gen, r))
+            if raw is not None:
+                statuses.append(P.RankStatus.from_json(raw))
+        healthy = [s for s in statuses if not (s.replacement or s.dirty)]
+        top = max(s.committed_step for s in healthy)
+        if self._committed != top:
+            return
+        writers: dict[str, int] = {}
+        for s in sorted(healthy, key=lambda s: s.rank):
+            if s.committed_step == top:
+                writers.setdefault(s.shard, s.rank)
+        if set(writers) != set(self._layout.names):
+            self.log(f"no dying-gasp checkpoint: shards {sorted(set(self._layout.names) - set(writers))} "
+                     "have no healthy holder")
+            return
+        snap = self._snapshots.get(top + 1)
+        if snap is None:
+            return
+        self._reg.restore(snap, self.adapter)
+        self._save(top + 1, snap, gen, writers[self.shard] == self.rank, min(writers.values()) == self.rank)
+
+    # ================================================================ checkpoints
+    def _maybe_checkpoint(self, iteration: int) -> None:
+        if self._ckpt_every and iteration % self._ckpt_every == 0:
+            self.save_checkpoint(iteration)
+
+    def save_checkpoint(self, iteration: int) -> None:
+        """Durable checkpoint of the state at the start of step `iteration` (call between steps)."""
+        snap = self._snapshots.get(iteration)
+        if snap is None or self._committed != iteration - 1:
+            raise RuntimeError(f"checkpoint of iteration {iteration} requested, but the last completed "
+                               f"step is {self._committed}")
+        writer = self._layout.writer_of(self.rank) == self.rank
+        self._set_phase("checkpoint")
+        self._save(iteration, snap, self.generation, writer, self.rank == 0)
+
+    def _save(self, iteration: int, snap: Snapshot, generation: int, writer: bool, committer: bool) -> None:
+        assert self._ckpt_dir is not None
+        name = self._layout.checkpoint_name(self.rank)
+        if writer:
+            t0 = time.monotonic()
+            ckpt.write_shard(self._ckpt_dir, iteration, name, self._reg.full_state(snap))
+            self._store.set(ckpt_key(generation, iteration, name), b"1")
+            self.log(f"checkpoint shard {name} of iteration {iteration} written in {time.monotonic() - t0:.3f} s")
+        if committer:
+            for shard in self._layout.checkpoint_names:
+                self._wait_key(ckpt_key(generation, iteration, shard), f"checkpoint shard {shard}")
+            final = ckpt.commit(self._ckpt_dir, iteration, list(self._layout.checkpoint_names))
+            self.log(f"checkpoint {final} committed")
+
+    def load_checkpoint(self) -> int:
+        """Load the latest durable checkpoint (if any) into the registered objects; returns the
+        step to start at (0 without a checkpoint)."""
+        if not self._ckpt_dir:
+            return 0
+        iteration = ckpt.latest(self._ckpt_dir)
+        if iteration is None:
+            return 0
+        state = ckpt.read_shard(self._ckpt_dir, iteration, self._layout.checkpoint_name(self.rank))
+        self._reg.load_full_state(state, self.adapter)
+        self.log(f"loaded checkpoint iteration {iteration} from {self._ckpt_dir}")
+        return iteration
+
+    # ================================================================ the end
+    @property
+    def committed_step(self) -> int:
+        return self._committed
+
+    def finish(self) -> None:
+        """Say goodbye to the agent and leave. When collectives of earlier generations were
+        abandoned this exits the process (os._exit(0)) so their destructors cannot block:
+        call it last."""
+        if self._finished:
+            return
+        self._finished = True
+        self._set_phase("done")
+        abandoned = len(self._graveyard)
+        if not abandoned and dist.is_initialized():
+            dist.destroy_process_group()
+        if self._channel is not None:
+            self._channel.close(bye=True)
+            self._channel = None
+        self.log("finished" + (f"; {abandoned} abandoned collectives/groups, exiting now" if abandoned else ""))
+        if abandoned:
+            self._hard_exit(0)
+
+    def _hard_exit(self, code: int) -> None:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+    def _atexit(self) -> None:
+        if len(self._graveyard) and not self._finished:
+            self.log("interpreter exit without rt.finish() while abandoned collectives exist; exiting hard")
+            self._hard_exit(1)
+
+
+def init(backend: str = "gloo", device: str | None = None, options: RuntimeOptions | None = None,
+         environ: dict[str, str] | None = None) -> Runtime:
+    """Join the job: read the launch environment, connect to the agent (if any) and build the
+    default process group of the current generation. A replacement rank also joins the
+    running recovery round here and receives its state when `steps()` starts."""
+    env = RuntimeEnv.from_environ(environ)
+    rt = Runtime(env, backend, select_adapter(backend, device), options)
+    rt._start()
+    return rt

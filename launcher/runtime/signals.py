@@ -1,0 +1,49 @@
+"""The stop signal shared by the agent channel thread and the training thread.
+
+Owns: `StopSignal` (the newest generation the agent asked this worker to move to, set from the
+channel thread, read and waited on by the main thread) and the `StopRequested` exception that
+unwinds the training step when a stop arrives.
+"""
+from __future__ import annotations
+
+import threading
+
+
+class StopRequested(Exception):
+    """Raised inside a step when the agent asked this rank to stop for a recovery round."""
+
+    def __init__(self, generation: int, where: str = "") -> None:
+        super().__init__(f"stop requested for generation {generation}" + (f" ({where})" if where else ""))
+        self.generation = generation
+        self.where = where
+
+
+class StopSignal:
+    """Thread-safe 'move to generation g' request; only ever increases."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._target = -1
+
+    def request(self, generation: int) -> bool:
+        """Record a stop for `generation`; True when it is newer than any earlier request."""
+        with self._cond:
+            if generation <= self._target:
+                return False
+            self._target = generation
+            self._cond.notify_all()
+            return True
+
+    @property
+    def target(self) -> int:
+        with self._cond:
+            return self._target
+
+    def newer_than(self, generation: int) -> bool:
+        with self._cond:
+            return self._target > generation
+
+    def wait_newer(self, generation: int, timeout: float) -> bool:
+        """Block up to `timeout` s until a stop newer than `generation` exists."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._target > generation, timeout=timeout)

@@ -1,0 +1,209 @@
+"""What makes up a rank's training state, and its step-start snapshots.
+
+Owns: the registry of the script's stateful objects (models, optimizers, LR schedulers, a data
+position getter/setter, extra global tensors, an optional rollback hook), RNG capture/restore
+(python, numpy, torch CPU, device via the adapter), `Snapshot`s (RNG + data position + model
+buffers + extra tensors at the start of a step) and the flattening of a state into a small
+picklable skeleton plus an ordered list of tensors, used by peer transfer and checkpoints.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from launcher.runtime.devices import DeviceAdapter
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Placeholder for the i-th tensor of a flattened state."""
+
+    index: int
+
+
+def flatten(obj: Any, out: list[torch.Tensor]) -> Any:
+    """Copy of `obj` with every tensor replaced by a TensorSlot; tensors appended to `out`."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+        return TensorSlot(len(out) - 1)
+    if isinstance(obj, dict):
+        return {k: flatten(v, out) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [flatten(v, out) for v in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(flatten(v, out) for v in obj)
+    return obj
+
+
+def unflatten(skeleton: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(skeleton, TensorSlot):
+        return tensors[skeleton.index]
+    if isinstance(skeleton, dict):
+        return {k: unflatten(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [unflatten(v, tensors) for v in skeleton]
+    if isinstance(skeleton, tuple) and not hasattr(skeleton, "_fields"):
+        return tuple(unflatten(v, tensors) for v in skeleton)
+    return skeleton
+
+
+def tensor_paths(obj: Any, path: tuple = ()) -> dict[tuple, torch.Tensor]:
+    """Every tensor inside nested dicts/lists/tuples, keyed by its access path."""
+    out: dict[tuple, torch.Tensor] = {}
+    if isinstance(obj, torch.Tensor):
+        out[path] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(tensor_paths(v, path + (k,)))
+    elif isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        for i, v in enumerate(obj):
+            out.update(tensor_paths(v, path + (i,)))
+    return out
+
+
+def slot_paths(skeleton: Any, path: tuple = ()) -> dict[int, tuple]:
+    """TensorSlot index -> access path, for a flattened skeleton."""
+    out: dict[int, tuple] = {}
+    if isinstance(skeleton, TensorSlot):
+        out[skeleton.index] = path
+    elif isinstance(skeleton, dict):
+        for k, v in skeleton.items():
+            out.update(slot_paths(v, path + (k,)))
+    elif isinstance(skeleton, (list, tuple)) and not hasattr(skeleton, "_fields"):
+        for i, v in enumerate(skeleton):
+            out.update(slot_paths(v, path + (i,)))
+    return out
+
+
+def capture_rng(device: DeviceAdapter) -> dict:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "device": device.rng_state(),
+    }
+
+
+def restore_rng(state: dict, device: DeviceAdapter) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    device.set_rng_state(state.get("device"))
+
+
+@dataclass
+class Snapshot:
+    """A rank's resumable non-parameter state at the start of step `step`."""
+
+    step: int
+    rng: dict
+    data_pos: Any
+    buffers: list[torch.Tensor]  # clones of every registered model's buffers, in order
+    extras: dict[str, torch.Tensor]
+
+
+@dataclass
+class Registered:
+    """The stateful objects a script registered; lists keep registration order."""
+
+    models: list[torch.nn.Module] = field(default_factory=list)
+    optimizers: list[torch.optim.Optimizer] = field(default_factory=list)
+    schedulers: list[Any] = field(default_factory=list)
+    data: tuple[Callable[[], Any], Callable[[Any], None]] | None = None
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    on_rollback: Callable[[int], None] | None = None
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [b for m in self.models for b in m.buffers()]
+
+    def params(self) -> list[torch.Tensor]:
+        return [p for m in self.models for p in m.parameters()]
+
+    def data_position(self) -> Any:
+        return self.data[0]() if self.data else None
+
+    def set_data_position(self, pos: Any) -> None:
+        if self.data:
+            self.data[1](pos)
+
+    def zero_grads(self) -> None:
+        for p in self.params():
+            p.grad = None
+
+    def snapshot(self, step: int, device: DeviceAdapter) -> Snapshot:
+        return Snapshot(step=step, rng=capture_rng(device), data_pos=self.data_position(),
+                        buffers=[b.detach().clone() for b in self.buffers()],
+                        extras={k: v.detach().clone() for k, v in self.extras.items()})
+
+    def restore(self, snap: Snapshot, device: DeviceAdapter) -> None:
+        """Roll the rank back to the start of `snap.step` (parameters/optimizer untouched)."""
+        restore_rng(snap.rng, device)
+        self.set_data_position(snap.data_pos)
+        with torch.no_grad():
+            for b, saved in zip(self.buffers(), snap.buffers, strict=True):
+                b.copy_(saved)
+            for k, v in self.extras.items():
+                v.copy_(snap.extras[k])
+        self.zero_grads()
+        if self.on_rollback is not None:
+            self.on_rollback(snap.step)
+
+    # ---- full state (peer transfer and durable checkpoints) --------------------------
+    def live_tensors(self) -> dict[tuple, torch.Tensor]:
+        """Tensors a received state may be written into in place, by full-state path."""
+        return tensor_paths({
+            "models": [m.state_dict() for m in self.models],
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "extras": dict(self.extras),
+        })
+
+    def full_state(self, snap: Snapshot) -> dict:
+        """Everything a replica needs to continue at `snap.step`; tensors alias live state."""
+        return {
+            "models": [m.state_dict() for m in self.models],
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "extras": dict(self.extras),
+            "rng": snap.rng,
+            "data_pos": snap.data_pos,
+            "step": snap.step,
+        }
+
+    def load_full_state(self, state: dict, device: DeviceAdapter) -> None:
+        """Apply a full state (model tensors already received in place are copied onto themselves)."""
+        if len(state["models"]) != len(self.models) or len(state["optimizers"]) != len(self.optimizers) \
+                or len(state["schedulers"]) != len(self.schedulers):
+            raise RuntimeError(
+                f"state holds {len(state['models'])} models/{len(state['optimizers'])} optimizers/"
+                f"{len(state['schedulers'])} schedulers; this rank registered {len(self.models)}/"
+                f"{len(self.optimizers)}/{len(self.schedulers)}")
+        with torch.no_grad():
+            for i, (m, sd) in enumerate(zip(self.models, state["models"])):
+                live = m.state_dict()
+                if set(live) != set(sd):
+                    raise RuntimeError(f"model {i}: state keys differ from this rank's model: "
+                                       f"missing {sorted(set(live) - set(sd))[:5]}, "
+                                       f"unexpected {sorted(set(sd) - set(live))[:5]}")
+                for k, v in sd.items():
+                    if live[k].shape != v.shape:
+                        raise RuntimeError(f"model {i} tensor {k!r}: shape {tuple(v.shape)} "
+                                           f"does not match this rank's {tuple(live[k].shape)}")
+                    if live[k].data_ptr() != v.data_ptr():
+                        live[k].copy_(v)
+            if set(state["extras"]) != set(self.extras):
+                raise RuntimeError(f"extra tensors {sorted(state['extras'])} differ from this rank's "
+                                   f"{sorted(self.extras)}")
+            for k, v in state["extras"].items():
+                if self.extras[k].data_ptr() != v.data_ptr():
+                    self.extras[k].copy_(v)
+        for o, sd in zip(self.optimizers, state["optimizers"]):
+            o.load_state_dict(sd)
+        for s, sd in zip(self.schedulers, state["schedulers"]):
+            s.load_state_dict(sd)
+        restore_rng(state["rng"], device)
+        self.set_data_position(state["data_pos"])
+        self.zero_grads()
