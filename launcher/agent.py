@@ -302,6 +302,15 @@ class Agent:
         except TimeoutError as e:
             self.log.error("timeout", f"{e}")
             return 1
+        except ValueError as e:  # bad rendezvous parameters found late (e.g. membership)
+            self.log.error("config-error", f"{e}")
+            return 2
+        except Exception as e:  # noqa: BLE001 - last resort: one line for people, details in events
+            import traceback
+
+            self.log.error("internal-error", f"ftrun internal error: {type(e).__name__}: {e} "
+                           f"(traceback in {self.log.events_path})", traceback=traceback.format_exc())
+            return 1
         finally:
             self.shutdown()
 
@@ -625,4 +634,5 @@ class Agent:
 
 
 def run_agent(cfg: LaunchConfig) -> int:
+    """Run this node's agent; returns the process exit code (torchrun's: 0, 1)."""
     return Agent(cfg).run()

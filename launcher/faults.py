@@ -54,6 +54,10 @@ def pick_strategy(kind: FaultKind, chain: list[str], runtime_aware: bool,
                   budget_left: bool) -> tuple[str, str]:
     """Walk `chain` and return (strategy, one-line reason, naming every skipped strategy)."""
     skipped: list[str] = []
+    if not runtime_aware:
+        # Unmodified scripts: process-level strategies do not apply (torchrun semantics).
+        chain = [s for s in chain if s in (P.RESTART_ALL, P.EXIT)]
+        skipped.append("workers do not use launcher.runtime")
     for s in chain:
         if s in (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL) and not budget_left:
             skipped.append(f"{s}: restart budget spent")
