@@ -26,6 +26,10 @@ Liveness:
     matter) is declared dead once (create-if-absent marker) and published on an event log
     that every agent follows with blocking waits.
 
+A store that still holds the world of an earlier run with the same run id whose nodes are all
+gone (finished or crashed) is detected at join: one agent retires that world, clears the run's
+keys and everyone starts a fresh rendezvous (generation 0).
+
 The global recovery generation lives at `plan.GENERATION_KEY` (written by the controller);
 membership initialises it to 0 and reads it for `current_generation()`.
 """
@@ -248,18 +252,25 @@ class Membership:
             return self.world
         timeout = self.join_timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
-        self._check_run_id()
         if self.uses_leases:
             self._lease = self.kv.grant_lease(self.heartbeat_timeout)  # type: ignore[attr-defined]
             self.start_heartbeat()
         try:
-            raw = self.kv.try_get(WORLD_KEY)
-            if raw is not None:
-                world = self._rejoin(json.loads(raw), deadline)
-            elif self.static:
-                world = self._join_static(deadline, timeout)
-            else:
-                world = self._join_dynamic(deadline, timeout)
+            while True:
+                self._check_run_id()
+                raw = self.kv.try_get(WORLD_KEY)
+                if raw is None:
+                    world = (self._join_static(deadline, timeout) if self.static
+                             else self._join_dynamic(deadline, timeout))
+                    break
+                old = json.loads(raw)
+                if old.get("retired"):
+                    self._wait_wiped(deadline)
+                elif self._world_is_dead(old):
+                    self._retire(raw, deadline)
+                else:
+                    world = self._rejoin(old, deadline)
+                    break
         except BaseException:
             self.stop(leave=True)  # revokes the lease: our registration disappears
             raise
@@ -506,6 +517,58 @@ class Membership:
         if not self.uses_leases:
             self.kv.set(_hb_key(gr), f"{inc}:0".encode())
         return True
+
+    # ------------------------------------------------------------------------------ stale runs
+
+    def _world_is_dead(self, world: dict) -> bool:
+        """True when no node of a closed world is alive any more: the store holds a finished
+        or crashed earlier run with this run id, and a new rendezvous must start."""
+        ranks = [n["node_rank"] for n in world["nodes"]]
+        if self.uses_leases:  # live agents hold leased join and node records
+            return not self.kv.keys(NODE_PREFIX) and not self.kv.keys(f"{RDZV}/join/")
+        pending = []
+        for gr in ranks:
+            raw = self.kv.try_get(node_key(gr))
+            if raw is not None:
+                inc = _Record.from_json(raw).incarnation
+                if self.kv.try_get(_dead_key(gr, inc)) or self.kv.try_get(_left_key(gr, inc)):
+                    continue
+            pending.append(gr)
+        if not pending:
+            return True
+        # undeclared nodes: dead only if none of their heartbeats moves for one timeout
+        last = {gr: self.kv.try_get(_hb_key(gr)) for gr in pending}
+        end = time.monotonic() + self.heartbeat_timeout
+        while time.monotonic() < end:
+            time.sleep(min(self.heartbeat_interval / 2, 0.25))
+            if any(self.kv.try_get(_hb_key(gr)) != v for gr, v in last.items()):
+                return False
+        return True
+
+    def _retire(self, old_raw: bytes, deadline: float) -> None:
+        """Replace a dead world by a 'retired' marker (one agent wins), wipe the run's keys
+        (world last), and let every arriving agent start a fresh rendezvous."""
+        marker = json.dumps({"retired": True, "by": self.nonce}).encode()
+        if self.kv.compare_set(WORLD_KEY, old_raw, marker) == marker:
+            log.warning("run %s: every node of the earlier rendezvous in this store is gone; "
+                        "clearing its keys and starting a new rendezvous", self.run_id)
+            for key in self.kv.keys(""):
+                if key != WORLD_KEY:
+                    self.kv.delete(key)
+            self.kv.delete(WORLD_KEY)
+        else:
+            self._wait_wiped(deadline)
+
+    def _wait_wiped(self, deadline: float) -> None:
+        """Wait until another agent has finished wiping a retired world (rare: polls)."""
+        while True:
+            raw = self.kv.try_get(WORLD_KEY)
+            if raw is None or not json.loads(raw).get("retired"):
+                return
+            if time.monotonic() >= deadline:
+                raise StoreTimeout("rendezvous: an earlier run's keys were still being cleared "
+                                   "when the join timeout ran out")
+            time.sleep(0.05)
 
     # ------------------------------------------------------------------------------ replacement
 

@@ -245,3 +245,48 @@ def test_etcd_dynamic_rendezvous_threads(etcd_server: EtcdServer) -> None:
             m.stop()
         for kv in kvs:
             kv.close()
+
+
+# -- an earlier run's leftovers ------------------------------------------------------------------
+
+
+def _fresh_after_dead_run(make_kv, leave: bool, wait_gone: float) -> None:
+    kvs = [make_kv() for _ in range(4)]
+    try:
+        first = [Membership(kvs[i], i, 2, 2, 1, f"h{i}", "reused", join_timeout=10, **FAST)
+                 for i in range(2)]
+        assert all(isinstance(w, NodeWorld) for w in _join_all(first))
+        kvs[0].set("ftrun/generation", b"4")
+        kvs[0].set("worker/stale", b"old")
+        for m in first:
+            m.stop(leave=leave)
+        time.sleep(wait_gone)  # crashed agents: until their leases/heartbeats run out
+        second = [Membership(kvs[2 + i], i, 2, 2, 1, f"n{i}", "reused", join_timeout=10, **FAST)
+                  for i in range(2)]
+        worlds = _join_all(second)
+        try:
+            assert all(isinstance(w, NodeWorld) for w in worlds), worlds
+            for w in worlds:
+                assert not w.rejoined and w.generation == 0
+                assert [n.host for n in w.nodes] == ["n0", "n1"]
+            assert kvs[2].try_get("worker/stale") is None
+        finally:
+            for m in second:
+                m.stop()
+    finally:
+        for kv in kvs:
+            kv.close()
+
+
+def test_dead_earlier_run_is_cleared_local() -> None:
+    kv = LocalKV()
+    _fresh_after_dead_run(lambda: kv, leave=True, wait_gone=0.0)
+
+
+@pytest.mark.etcd
+def test_crashed_earlier_run_is_cleared_etcd(etcd_server: EtcdServer) -> None:
+    from rendezvous.etcd import EtcdKV
+
+    # leases of 1 s (heartbeat_timeout 1.0) run out within ~1.5 s of the "crash"
+    _fresh_after_dead_run(lambda: EtcdKV(etcd_server.endpoint, "/ftrun/reused"), leave=False,
+                          wait_gone=2.0)
