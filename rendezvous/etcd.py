@@ -134,12 +134,15 @@ def _parse_one(item: str) -> Endpoint:
     return Endpoint(host, int(port_s))
 
 
-def parse_endpoints(spec: str | Iterable[str]) -> list[Endpoint]:
-    """Parse "h1[:p],h2[:p],[v6]:p" (or a list of such strings) into endpoints (port 2379
-    by default). Raises ValueError naming the bad entry."""
+def parse_endpoints(spec: str | Iterable[str | Endpoint]) -> list[Endpoint]:
+    """Parse "h1[:p],h2[:p],[v6]:p" (or a list of such strings or Endpoints) into endpoints
+    (port 2379 by default). Raises ValueError naming the bad entry."""
     items = [spec] if isinstance(spec, str) else list(spec)
     out: list[Endpoint] = []
     for chunk in items:
+        if isinstance(chunk, Endpoint):
+            out.append(chunk)
+            continue
         for part in str(chunk).split(","):
             if part.strip():
                 out.append(_parse_one(part.strip()))
@@ -338,6 +341,9 @@ class _WatchHub:
 
     def watch(self, key: bytes, range_end: bytes | None, callback: Callable[[WatchEvent], None],
               start_revision: int, timeout: float) -> _Watch:
+        if self._thread is not None and threading.current_thread() is self._thread:
+            raise StoreError("an etcd watch or wait() cannot start inside a watch callback "
+                             "(it would wait for its own thread); hand the work to another thread")
         w = _Watch(key, range_end, callback, start_revision)
         with self._lock:
             if self._stop.is_set():
@@ -485,7 +491,7 @@ class EtcdKV(KVStore):
     `endpoints` when one is unreachable (each request retries for up to
     `conf.request_timeout` s). Construction checks the connection and credentials."""
 
-    def __init__(self, endpoints: str | Iterable[str], root: str,
+    def __init__(self, endpoints: str | Iterable[str | Endpoint], root: str,
                  conf: EtcdConf | None = None) -> None:
         if _ETCD3 is None:
             raise StoreError(_ETCD3_ERROR)

@@ -33,6 +33,7 @@ def test_parse_endpoints_forms() -> None:
     assert parse_endpoints("[::1]:23, [fe80::1]") == [Endpoint("::1", 23), Endpoint("fe80::1", 2379)]
     assert parse_endpoints(["http://h:5/", "https://g"]) == [Endpoint("h", 5), Endpoint("g", 2379)]
     assert Endpoint("::1", 23).target == "[::1]:23"
+    assert parse_endpoints(parse_endpoints("a,[::1]:5")) == [Endpoint("a"), Endpoint("::1", 5)]
     for bad, word in [("", "no etcd endpoint"), ("h:0", "port"), ("h:x", "port"),
                       ("::1", "[addr]:port"), ("[::1", "']'"), ("[::1]x", "':port'"), (":5", "host")]:
         with pytest.raises(ValueError, match=word.replace("[", r"\[").replace("]", r"\]")):
@@ -315,3 +316,20 @@ def test_protobuf_already_loaded_gives_clear_error() -> None:
     if impl == "python":
         pytest.skip("protobuf runs pure-Python here; the upb conflict cannot happen")
     assert "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=python" in msg and "\n" not in msg
+
+
+def test_wait_inside_a_watch_callback_fails_fast(kv: EtcdKV) -> None:
+    errors: list[str] = []
+    done = threading.Event()
+
+    def cb(ev) -> None:
+        try:
+            kv.wait(["never"], 5)
+        except StoreError as exc:
+            errors.append(str(exc))
+        done.set()
+
+    kv.watch_key("trigger", cb)
+    kv.set("trigger", b"1")
+    assert done.wait(3)
+    assert errors and "inside a watch callback" in errors[0]
