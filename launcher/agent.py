@@ -39,6 +39,11 @@ class PlanEvent:
 
 
 @dataclass
+class InjectEvent:
+    injection: P.Injection
+
+
+@dataclass
 class SignalEvent:
     signum: int
 
@@ -89,6 +94,12 @@ class Agent:
         self._last_progress: dict[int, float] = {}
         self._hang_killed: set[int] = set()
         self._aware: set[int] = set()
+        self._progress: dict[int, tuple] = {}
+        self._inject_thread: threading.Thread | None = None
+        from launcher.fault_memory import FaultMemory
+
+        self.fault_memory = FaultMemory(os.path.join(cfg.log_dir or self.run_dir.path,
+                                                     "fault_memory.json"))
 
     # ------------------------------------------------------------------ store and rendezvous
     def _token(self) -> str | None:
@@ -276,6 +287,7 @@ class Agent:
                           group_rank=self.world.group_rank, world_size=self.world.world_size,
                           master_port=self.master_port, log_dir=self.run_dir.path)
             assert self.kv is not None
+            self._publish_store_address()
             raw = self.kv.try_get(P.GENERATION_KEY)
             self.generation = int(raw) if raw is not None else 0
             self.log.generation = self.generation
@@ -293,6 +305,9 @@ class Agent:
             self._watch_thread = threading.Thread(target=self._watch_plans, name="ftrun-plans",
                                                   daemon=True)
             self._watch_thread.start()
+            self._inject_thread = threading.Thread(target=self._watch_injections,
+                                                   name="ftrun-inject", daemon=True)
+            self._inject_thread.start()
             return self._loop()
         except JobFailed as e:
             return e.code
@@ -313,6 +328,47 @@ class Agent:
             return 1
         finally:
             self.shutdown()
+
+    def _publish_store_address(self) -> None:
+        """Tell people and `ftctl` where this job's store is (store.json in the run log dir)."""
+        import json
+
+        assert self.kv is not None
+        if self.cfg.store_backend == "etcd":
+            addr = self.cfg.rdzv_endpoint
+        elif self._server is not None:
+            host = self.cfg.store_host if self.cfg.store_port else "127.0.0.1"
+            addr = f"{host}:{self._server.port}"
+        else:
+            addr = f"{self.cfg.store_host}:{self.cfg.store_port}"
+        if self.world.is_leader:
+            self.kv.set("ftrun/world_size", str(self.world.world_size).encode())
+        path = os.path.join(self.run_dir.path, P.STORE_ADDR_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"addr": addr, "backend": self.cfg.store_backend,
+                       "token_required": bool(self._token_value and self.cfg.proxy)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self.store_addr = addr
+        self.log.info("store-address", f"job store at {addr} (ftctl --addr {addr})", addr=addr)
+
+    def _watch_injections(self) -> None:
+        assert self.kv is not None
+        nxt = 1
+        raw = self.kv.try_get(P.INJECT_SEQ)
+        if raw is not None:
+            nxt = int(raw) + 1  # requests made before this agent started are not replayed
+        while not self._stop.is_set():
+            try:
+                if self.kv.wait([P.inject_key(nxt)], 0.5):
+                    self.events.put(InjectEvent(P.Injection.from_json(self.kv.get(P.inject_key(nxt), 5.0))))
+                    nxt += 1
+            except StoreError:
+                if self._stop.is_set():
+                    return
+                time.sleep(0.2)
 
     def _watch_plans(self) -> None:
         assert self.kv is not None
@@ -347,6 +403,8 @@ class Agent:
                     return code
             elif isinstance(ev, SignalEvent):
                 return self._on_signal(ev.signum)
+            elif isinstance(ev, InjectEvent):
+                self._on_inject(ev.injection)
             elif isinstance(ev, tuple) and ev and ev[0] == "node-dead":
                 self._on_node_lost(int(ev[1]))
             if time.monotonic() >= next_check:
@@ -404,7 +462,10 @@ class Agent:
             self.log.info("hello", f"rank {rank} (pid {ev.pid}) uses the ftrun runtime", rank=rank,
                           pid=ev.pid)
         elif op == "heartbeat" and isinstance(rank, int):
-            self._last_progress[rank] = time.time()
+            mark = (msg.get("step"), msg.get("phase"), msg.get("committed_step"))
+            if self._progress.get(rank) != mark:  # progress, not mere liveness, resets the clock
+                self._progress[rank] = mark
+                self._last_progress[rank] = time.time()
         elif op == "fault" and isinstance(rank, int):
             kind = str(msg.get("kind", "exception"))
             try:
@@ -416,13 +477,47 @@ class Agent:
                            + (" [injected]" if injected else "") + f": {msg.get('message', '')}",
                            rank=rank, fault_kind=kind, injected=injected, step=msg.get("step"))
             w = self._worker_by_rank(rank)
+            evidence = {"step": msg.get("step"), "phase": msg.get("phase")}
+            if kind in (FaultKind.UCE_LOW.value, FaultKind.UCE_HIGH.value) and w is not None:
+                device = f"{self.host}:{msg.get('device', w.local_rank)}"
+                count = self.fault_memory.record_uce(device)
+                evidence.update(device=device, uce_count_24h=count, repeat_uce=count >= 2)
+                if count >= 2:
+                    self.log.warning("uce-repeat", f"device {device} had {count} UCEs within 24 h: "
+                                     "no more in-place retries on it", rank=rank, device=device)
             self._report(P.Fault(kind=kind, rank=rank, node=self.world.group_rank,
                                  generation=self.generation, message=str(msg.get("message", "")),
                                  pid=ev.pid, local_rank=w.local_rank if w else None, host=self.host,
-                                 injected=injected, evidence={"step": msg.get("step"),
-                                                              "phase": msg.get("phase")}))
+                                 injected=injected, evidence=evidence))
         elif op == "bye" and isinstance(rank, int):
             self._last_progress.pop(rank, None)
+
+    def _on_inject(self, inj: P.Injection) -> None:
+        from launcher.inject import RUNTIME_KINDS
+
+        w = self._worker_by_rank(inj.rank)
+        if w is None:
+            return  # another node's rank
+        where = f" at step {inj.step} ({inj.phase or 'forward'})" if inj.step is not None else ""
+        if not w.alive:
+            self.log.warning("inject-skipped", f"injection {inj.kind} into rank {inj.rank}: not running",
+                             rank=inj.rank)
+            return
+        aware = inj.rank in self._aware
+        if not aware and (inj.kind in RUNTIME_KINDS or inj.step is not None):
+            self.log.error("inject-refused", f"rank {inj.rank} does not use launcher.runtime: only "
+                           "kill, segv and hang (without --at-step) can be injected", rank=inj.rank)
+            return
+        self.log.warning("inject", f"[injected] {inj.kind} into rank {inj.rank} (pid {w.pid}){where}",
+                         rank=inj.rank, fault_kind=inj.kind, injected=True, step=inj.step)
+        if inj.step is None and inj.kind in ("kill", "segv"):
+            os.kill(w.pid or 0, signal.SIGKILL if inj.kind == "kill" else signal.SIGSEGV)
+        elif inj.step is None and inj.kind == "hang" and not aware:
+            os.kill(w.pid or 0, signal.SIGSTOP)  # a real hang of an unmodified worker
+        else:
+            assert self.channel is not None
+            self.channel.send(inj.rank, {"op": "inject", "kind": inj.kind, "step": inj.step,
+                                         "phase": inj.phase or "forward"})
 
     def _worker_by_rank(self, rank: int) -> Worker | None:
         for w in self.workers.values():
@@ -612,8 +707,9 @@ class Agent:
         stop_workers(list(self.workers.values()), signal.SIGKILL, 0.0)
         if self.controller is not None:
             self.controller.stop()
-        if self._watch_thread is not None:
-            self._watch_thread.join(2.0)
+        for t in (self._watch_thread, self._inject_thread):
+            if t is not None:
+                t.join(2.0)
         if self._membership is not None:
             self._membership.stop()
         if self.channel is not None:

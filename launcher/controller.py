@@ -109,7 +109,8 @@ class Controller:
             return
         aware = self.all_aware()
         budget_left = st.restarts_used < self.max_restarts
-        strategy, why = pick_strategy(FaultKind(fault.kind), self.chain, aware, budget_left)
+        strategy, why = pick_strategy(FaultKind(fault.kind), self.chain, aware, budget_left,
+                                      repeat_uce=bool(fault.evidence.get("repeat_uce")))
         self.log.info("decide", f"fault: rank {fault.rank} {fault.kind} on node {fault.node} -> "
                       f"{strategy} ({why})", rank=fault.rank, fault_kind=fault.kind,
                       strategy=strategy, reason=why)

@@ -51,9 +51,14 @@ def can_handle(strategy: str, kind: FaultKind, runtime_aware: bool) -> tuple[boo
 
 
 def pick_strategy(kind: FaultKind, chain: list[str], runtime_aware: bool,
-                  budget_left: bool) -> tuple[str, str]:
-    """Walk `chain` and return (strategy, one-line reason, naming every skipped strategy)."""
+                  budget_left: bool, repeat_uce: bool = False) -> tuple[str, str]:
+    """Walk `chain` and return (strategy, one-line reason, naming every skipped strategy).
+
+    `repeat_uce`: the device had a second UCE within 24 h, so it is not retried in place."""
     skipped: list[str] = []
+    if repeat_uce and P.RETRY in chain:
+        chain = [s for s in chain if s != P.RETRY]
+        skipped.append("retry: second UCE on this device within 24 h")
     if not runtime_aware:
         # Unmodified scripts: process-level strategies do not apply (torchrun semantics).
         chain = [s for s in chain if s in (P.RESTART_ALL, P.EXIT)]

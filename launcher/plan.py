@@ -67,6 +67,15 @@ def node_key(node_rank: int) -> str:
     return f"{ROOT}/node/{node_rank}"
 
 
+INJECT_SEQ = f"{ROOT}/inject_seq"
+STORE_ADDR_FILE = "store.json"  # in the run log dir: where `ftctl` finds a live job's store
+
+
+def inject_key(seq: int) -> str:
+    """A fault-injection request from `ftctl inject` (a `Injection` record)."""
+    return f"{ROOT}/inject/{seq}"
+
+
 def replica_key(rank: int) -> str:
     """Where a runtime-aware rank publishes the shard it holds (see RankStatus.shard)."""
     return f"{ROOT}/replica/{rank}"
@@ -102,6 +111,17 @@ class Fault(_Record):
     time: float = field(default_factory=time.time)
     injected: bool = False
     evidence: dict = field(default_factory=dict)
+
+
+@dataclass
+class Injection(_Record):
+    """`ftctl inject`: make rank `rank` suffer fault `kind` (at `step`/`phase` when given)."""
+
+    rank: int
+    kind: str
+    step: int | None = None
+    phase: str | None = None
+    time: float = field(default_factory=time.time)
 
 
 @dataclass
