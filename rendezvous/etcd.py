@@ -168,7 +168,8 @@ class EtcdConf:
 
     def __post_init__(self) -> None:
         if self.protocol not in ("http", "https"):
-            raise ValueError(f"rdzv_conf protocol={self.protocol!r} is not valid; use http or https")
+            raise ValueError(f"rdzv_conf protocol={self.protocol!r} is not valid; "
+                             "use http or https")
         tls = [n for n in ("cacert", "cert", "key") if getattr(self, n)]
         if tls and self.protocol != "https":
             raise ValueError(f"rdzv_conf {'/'.join(tls)} need protocol=https (got protocol=http)")
@@ -497,7 +498,8 @@ class EtcdKV(KVStore):
             raise StoreError(_ETCD3_ERROR)
         self._endpoints = parse_endpoints(endpoints)
         if not isinstance(root, str) or not root.strip("/"):
-            raise ValueError(f"etcd root {root!r} must be a non-empty key prefix such as /ftrun/job1")
+            raise ValueError(f"etcd root {root!r} must be a non-empty key prefix "
+                             "such as /ftrun/job1")
         self._root = root.rstrip("/")
         self._prefix = self._root + "/"
         self._prefix_b = self._prefix.encode()
@@ -556,7 +558,8 @@ class EtcdKV(KVStore):
                         client.close()
                     kind, detail = _classify(exc)
                     if kind in ("auth", "token"):
-                        who = f"user {self._conf.user!r}" if self._conf.user else "this client (no user given)"
+                        who = (f"user {self._conf.user!r}" if self._conf.user
+                               else "this client (no user given)")
                         raise StoreAuthError(
                             f"etcd at {ep} refused {who}: {detail} "
                             "(check rdzv_conf user=/password=)") from None
@@ -699,7 +702,8 @@ class EtcdKV(KVStore):
                 try:
                     cur = int(raw)
                 except ValueError:
-                    raise StoreError(f"add on {key!r}: it holds {raw[:40]!r}, not a counter") from None
+                    raise StoreError(
+                        f"add on {key!r}: it holds {raw[:40]!r}, not a counter") from None
                 rev = kvs[0].mod_revision
                 cmp = lambda: _TX.Mod(k) == rev  # noqa: E731
             else:

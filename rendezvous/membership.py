@@ -392,7 +392,9 @@ class Membership:
             while not self.kv.create(key, rec.to_json(), self._lease):  # type: ignore[attr-defined]
                 other = self.kv.try_get(key)
                 wait = min(deadline - time.monotonic(), self.heartbeat_timeout + 2.0)
-                if other is not None and not self.kv.wait_deleted(key, max(0.0, wait)):  # type: ignore[attr-defined]
+                gone = other is None or self.kv.wait_deleted(  # type: ignore[attr-defined]
+                    key, max(0.0, wait))
+                if not gone:
                     o = _Record.from_json(other)
                     raise RendezvousError(
                         f"node rank {self.node_rank} is already registered by {o.host} pid "
@@ -755,7 +757,7 @@ class Membership:
         except StoreError as exc:
             log.warning("leader election failed: %s", exc)
 
-    # ------------------------------------------------------------------------------ heartbeat liveness
+    # ------------------------------------------------------------------------ heartbeat liveness
 
     def _beat_loop(self) -> None:
         seq = 0

@@ -30,12 +30,14 @@ def kv(etcd_server: EtcdServer):
 
 def test_parse_endpoints_forms() -> None:
     assert parse_endpoints("a,b:1234") == [Endpoint("a", 2379), Endpoint("b", 1234)]
-    assert parse_endpoints("[::1]:23, [fe80::1]") == [Endpoint("::1", 23), Endpoint("fe80::1", 2379)]
+    assert parse_endpoints("[::1]:23, [fe80::1]") == [Endpoint("::1", 23),
+                                                      Endpoint("fe80::1", 2379)]
     assert parse_endpoints(["http://h:5/", "https://g"]) == [Endpoint("h", 5), Endpoint("g", 2379)]
     assert Endpoint("::1", 23).target == "[::1]:23"
     assert parse_endpoints(parse_endpoints("a,[::1]:5")) == [Endpoint("a"), Endpoint("::1", 5)]
     for bad, word in [("", "no etcd endpoint"), ("h:0", "port"), ("h:x", "port"),
-                      ("::1", "[addr]:port"), ("[::1", "']'"), ("[::1]x", "':port'"), (":5", "host")]:
+                      ("::1", "[addr]:port"), ("[::1", "']'"), ("[::1]x", "':port'"),
+                      (":5", "host")]:
         with pytest.raises(ValueError, match=word.replace("[", r"\[").replace("]", r"\]")):
             parse_endpoints(bad)
 
@@ -71,7 +73,8 @@ def test_every_operation_and_key_mapping(kv: EtcdKV, etcd_server: EtcdServer) ->
     assert kv.keys("ftrun/") == ["ftrun/a"]
     # logical key k lives at etcd key root/k
     raw = etcd_server.etcdctl("get", "--prefix", "--keys-only", "/ftrun/test-job/").split()
-    assert sorted(raw) == ["/ftrun/test-job/cnt", "/ftrun/test-job/ftrun/a", "/ftrun/test-job/worker/b"]
+    assert sorted(raw) == ["/ftrun/test-job/cnt", "/ftrun/test-job/ftrun/a",
+                           "/ftrun/test-job/worker/b"]
     assert kv.delete("cnt") is True and kv.delete("cnt") is False
     kv.set("ftrun/b", b"x")
     assert kv.clear_except("ftrun/") == 1 and kv.keys() == ["ftrun/a", "ftrun/b"]

@@ -290,3 +290,24 @@ def test_crashed_earlier_run_is_cleared_etcd(etcd_server: EtcdServer) -> None:
     # leases of 1 s (heartbeat_timeout 1.0) run out within ~1.5 s of the "crash"
     _fresh_after_dead_run(lambda: EtcdKV(etcd_server.endpoint, "/ftrun/reused"), leave=False,
                           wait_gone=2.0)
+
+
+@pytest.mark.etcd
+def test_duplicate_node_rank_on_etcd_is_refused(etcd_server: EtcdServer) -> None:
+    from rendezvous.etcd import EtcdKV
+
+    kvs = [EtcdKV(etcd_server.endpoint, "/ftrun/dup") for _ in range(2)]
+    first = Membership(kvs[0], 0, 2, 2, 1, "first", "dup", **FAST)
+    second = Membership(kvs[1], 0, 2, 2, 1, "second", "dup", **FAST)
+    t = threading.Thread(target=lambda: pytest.raises(StoreTimeout, first.join, timeout=2.2))
+    t.start()
+    try:
+        time.sleep(0.3)
+        with pytest.raises(RendezvousError, match="already registered by first pid"):
+            second.join(timeout=1.5)
+    finally:
+        t.join(10)
+        first.stop()
+        second.stop()
+        for kv in kvs:
+            kv.close()
