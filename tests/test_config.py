@@ -1,0 +1,77 @@
+"""LaunchConfig resolution: torchrun's hidden rules, ftrun's additions, clear errors."""
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+
+from launcher import plan as P
+from launcher.cli import parse
+from launcher.config import ConfigError, build_config, strategy_from_seed_env
+
+SCRIPT = __file__
+
+
+def cfg(*args: str, env: dict | None = None):
+    return build_config(parse([*args, SCRIPT]), env=env or {})
+
+
+def test_single_node_auto_switch_uses_a_private_port() -> None:
+    c = cfg("--nproc_per_node", "2")
+    assert c.store_port == 0 and c.master_addr_for_workers == "localhost" and c.rdzv_id != "none"
+
+
+def test_static_multi_node_uses_master_addr_and_port() -> None:
+    c = cfg("--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--master_port", "29555")
+    assert (c.store_host, c.store_port, c.node_rank, c.is_store_host) == ("10.0.0.1", 29555, 1, False)
+    assert c.proxy  # on by default with more than one node
+
+
+def test_proxy_can_be_turned_off_and_tiered_flag_turns_it_on() -> None:
+    assert not cfg("--nnodes", "2", "--node_rank", "1", "--rdzv_conf", "proxy=false").proxy
+    assert cfg("--enable_tiered_parallel_tcpstore", "true").proxy
+
+
+def test_etcd_needs_endpoint_and_maps_v2() -> None:
+    with pytest.raises(ConfigError, match="--rdzv-endpoint is required"):
+        cfg("--rdzv_backend", "etcd")
+    c = cfg("--rdzv_backend", "etcd-v2", "--rdzv_endpoint", "127.0.0.1:2379")
+    assert c.store_backend == "etcd" and any("v3" in n for n in c.notes)
+
+
+def test_strategy_parsing_and_aliases() -> None:
+    c = cfg("--recover_strategy", "recover,elastic-training")
+    assert c.recover_strategy == [P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT]
+    assert cfg().recover_strategy == [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT]
+
+
+def test_seed_environment_variables_map_onto_the_chain() -> None:
+    chain, notes = strategy_from_seed_env({"HIGH_AVAILABILITY": "dump"})
+    assert chain == [P.DUMP, P.EXIT] and "HIGH_AVAILABILITY=dump" in notes[0]
+    chain, _ = strategy_from_seed_env({"PROCESS_RECOVER": "on"})
+    assert chain == [P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT]
+    assert strategy_from_seed_env({})[0] is None
+    with pytest.raises(ConfigError, match="HIGH_AVAILABILITY"):
+        strategy_from_seed_env({"HIGH_AVAILABILITY": "maybe"})
+    c = cfg(env={"HIGH_AVAILABILITY": "retry"})
+    assert c.recover_strategy[0] == P.RETRY and c.notes
+
+
+def test_worker_command_forms() -> None:
+    c = cfg("--nproc_per_node", "1")
+    assert c.worker_command(0)[1:] == ["-u", SCRIPT]
+    c = build_config(parse(["-m", "some.module", "--x", "${local_rank}"]), env={})
+    assert c.worker_command(3)[1:] == ["-u", "-m", "some.module", "--x", "3"]
+    c = build_config(parse(["--no-python", "/bin/true"]), env={})
+    assert c.worker_command(0) == ["/bin/true"]
+
+
+def test_redirect_maps() -> None:
+    c = cfg("--nproc_per_node", "3", "--redirects", "0:1,2:3", "--tee", "2")
+    assert c.redirects == {0: 1, 1: 0, 2: 3} and c.tee == {0: 2, 1: 2, 2: 2}
+
+
+def test_shutdown_timeout_env_fallback() -> None:
+    assert cfg(env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}).shutdown_timeout == 7.0
+    assert cfg("--shutdown_timeout", "3").shutdown_timeout == 3.0
