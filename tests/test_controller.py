@@ -1,0 +1,95 @@
+"""The controller's decisions and round driving, on an in-process store (LocalKV)."""
+from __future__ import annotations
+
+import pytest
+
+from launcher import plan as P
+from launcher.controller import Controller, aware_key, go_key, post_fault, stopped_key
+from launcher.logs import AgentLog
+from rendezvous.memory import LocalKV
+
+
+@pytest.fixture()
+def kv():
+    return LocalKV()
+
+
+def make(kv, world=4, max_restarts=3, chain=None, tmp_path=None) -> Controller:
+    log = AgentLog(0, None, quiet=True)
+    c = Controller(kv, log, world, 1, max_restarts,
+                   chain or [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=5.0)
+    c.start()
+    return c
+
+
+def plan_of(kv, g: int) -> P.Plan:
+    return P.Plan.from_json(kv.get(P.plan_key(g), 10.0))
+
+
+def fault(rank=1, kind="signal", gen=0) -> P.Fault:
+    return P.Fault(kind=kind, rank=rank, node=0, generation=gen, message="x")
+
+
+def test_unmodified_job_restarts_all_and_clears_worker_keys(kv) -> None:
+    c = make(kv)
+    try:
+        kv.set("worker/key", b"stale")
+        post_fault(kv, fault())
+        p = plan_of(kv, 1)
+        assert p.strategy == P.RESTART_ALL and p.restart_ranks == [0, 1, 2, 3] and p.restarts_used == 1
+        assert kv.try_get(go_key(1)) is None  # not released before every node stopped
+        kv.add(stopped_key(1), 1)
+        kv.set(stopped_key(1) + "_all", b"1")
+        assert kv.wait([go_key(1)], 10.0)
+        assert kv.try_get("worker/key") is None and kv.try_get(P.GENERATION_KEY) == b"1"
+    finally:
+        c.stop()
+
+
+def test_runtime_job_recovers_in_place_and_plans_repair(kv) -> None:
+    for r in range(4):
+        kv.set(aware_key(r), b"1")
+    c = make(kv)
+    try:
+        post_fault(kv, fault(rank=2))
+        p = plan_of(kv, 1)
+        assert p.strategy == P.RECOVER_IN_PLACE and p.restart_ranks == [2]
+        for r in range(4):
+            st = P.RankStatus(rank=r, generation=1, replacement=(r == 2), committed_step=-1 if r == 2 else 6,
+                              step=-1 if r == 2 else 7, shard="dp")
+            kv.set(P.status_key(1, r), st.to_json())
+        rp = P.RepairPlan.from_json(kv.get(P.repair_key(1), 10.0))
+        assert rp.pairs == [[0, 2]] and rp.resume_step == 7 and rp.action == "rollback" and not rp.fallback
+    finally:
+        c.stop()
+
+
+def test_no_healthy_replica_falls_back_to_restart_all(kv) -> None:
+    for r in range(2):
+        kv.set(aware_key(r), b"1")
+    c = make(kv, world=2)
+    try:
+        post_fault(kv, fault(rank=1))
+        assert plan_of(kv, 1).strategy == P.RECOVER_IN_PLACE
+        kv.set(stopped_key(2) + "_all", b"1")  # the agents' part of the fallback round
+        kv.set(P.status_key(1, 0), P.RankStatus(0, 1, False, 3, 4, shard="a").to_json())
+        kv.set(P.status_key(1, 1), P.RankStatus(1, 1, True, -1, -1, shard="b").to_json())
+        p2 = plan_of(kv, 2)
+        assert p2.strategy == P.RESTART_ALL and "fallback" in p2.reason
+        assert p2.restarts_used == 1  # the fallback does not charge the budget twice
+    finally:
+        c.stop()
+
+
+def test_budget_spent_exits_and_stale_faults_are_absorbed(kv) -> None:
+    c = make(kv, max_restarts=0)
+    try:
+        post_fault(kv, fault(rank=1))
+        p = plan_of(kv, 1)
+        assert p.strategy == P.EXIT and p.root_cause["rank"] == 1
+        post_fault(kv, fault(rank=0, gen=0))  # a bystander of generation 0: absorbed
+        post_fault(kv, fault(rank=3, gen=1))
+        assert plan_of(kv, 2).failed_ranks == [3]
+        assert kv.try_get(P.plan_key(3)) is None
+    finally:
+        c.stop()
