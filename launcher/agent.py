@@ -489,6 +489,10 @@ class Agent:
                                  generation=self.generation, message=str(msg.get("message", "")),
                                  pid=ev.pid, local_rank=w.local_rank if w else None, host=self.host,
                                  injected=injected, evidence=evidence))
+        elif op == "recovered" and isinstance(rank, int):
+            timings = {k: v for k, v in msg.items() if k not in ("op", "rank")}
+            self.log.info("rank-recovered", f"rank {rank} resumed generation {msg.get('generation')} at "
+                          f"step {msg.get('resume_step')}", rank=rank, **timings)
         elif op == "bye" and isinstance(rank, int):
             self._last_progress.pop(rank, None)
 
