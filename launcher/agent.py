@@ -246,11 +246,15 @@ class Agent:
             cmd = [os.environ.get("PYTHON_EXEC", sys.executable), "-u", "-c",
                    "import runpy,sys; sys.argv=sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
                    cfg.script, *cmd[3:]]
-        if not shown and not out_file:
-            out_file = os.devnull if not tee & 1 else out_file
+        if not shown:  # --local-ranks-filter: this rank's output stays off the console
+            out_file, err_file = out_file or os.devnull, err_file or os.devnull
+        attempt = self.run_dir.attempt_dir(generation)
         spawn(w, cmd, self.worker_env(w, replacement), out_file, err_file,
               tee_out=bool(tee & 1) and shown, tee_err=bool(tee & 2) and shown, prefix=prefix,
-              console_lock=self._console_lock)
+              console_lock=self._console_lock,
+              filters=(cfg.duplicate_stdout_filters, cfg.duplicate_stderr_filters),
+              filtered=(os.path.join(attempt, "filtered_stdout.log"),
+                        os.path.join(attempt, "filtered_stderr.log")))
         assert self.reaper is not None
         self.reaper.watch(w)
         self._last_progress[w.rank] = time.time()

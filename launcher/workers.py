@@ -82,7 +82,9 @@ class Worker:
 
 def spawn(worker: Worker, cmd: list[str], env: dict[str, str], stdout_path: str | None,
           stderr_path: str | None, tee_out: bool, tee_err: bool, prefix: str,
-          console_lock: threading.Lock) -> None:
+          console_lock: threading.Lock,
+          filters: tuple[list[str], list[str]] = ([], []),
+          filtered: tuple[str | None, str | None] = (None, None)) -> None:
     """Start `cmd` for `worker`. Output: inherited when neither a file nor tee is asked for."""
     def target(path: str | None, tee: bool) -> int | None:
         if tee:
@@ -108,12 +110,12 @@ def spawn(worker: Worker, cmd: list[str], env: dict[str, str], stdout_path: str 
     worker.pumps = []
     if tee_out:
         assert proc.stdout is not None
-        worker.pumps.append(OutputPump(proc.stdout, stdout_path, sys.stdout, prefix,
-                                       console_lock=console_lock))
+        worker.pumps.append(OutputPump(proc.stdout, stdout_path, sys.stdout, prefix, filters[0],
+                                       filtered[0], console_lock=console_lock))
     if tee_err:
         assert proc.stderr is not None
-        worker.pumps.append(OutputPump(proc.stderr, stderr_path, sys.stderr, prefix,
-                                       console_lock=console_lock))
+        worker.pumps.append(OutputPump(proc.stderr, stderr_path, sys.stderr, prefix, filters[1],
+                                       filtered[1], console_lock=console_lock))
 
 
 def send_signal(worker: Worker, sig: int) -> None:
