@@ -113,6 +113,8 @@ class Agent:
         cfg = self.cfg
         token = self._token()
         if cfg.store_backend == "etcd":
+            # The agent forks workers while gRPC threads run; gRPC's fork handlers only warn.
+            os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
             from rendezvous.etcd import EtcdConf, EtcdKV, parse_endpoints
 
             self.kv = EtcdKV(parse_endpoints(cfg.rdzv_endpoint), root=f"/ftrun/{cfg.rdzv_id}",

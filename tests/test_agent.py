@@ -162,3 +162,28 @@ def test_two_agents_restart_under_one_generation(tmp_path) -> None:
         ev = events(str(tmp_path / f"log{node}"))
         gens[node] = sorted(e["generation"] for e in ev if e["event"] == "spawn")
     assert gens[0] == gens[1] == [0, 1]
+
+
+@pytest.mark.etcd
+def test_two_agents_through_etcd_restart_under_one_generation(tmp_path) -> None:
+    from tests.helpers_etcd import etcd_available, start_etcd
+
+    if not etcd_available():
+        pytest.skip("etcd binary not installed (Debian package etcd-server)")
+    srv = start_etcd()
+    try:
+        procs = []
+        for node in (0, 1):
+            cmd = FTRUN + ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                           "--rdzv_backend", "etcd", "--rdzv_endpoint", srv.endpoint, "--rdzv_id", "etcdjob",
+                           "--max_restarts", "1", "--log_dir", str(tmp_path / f"log{node}"),
+                           script("ddp_plain.py"), "--crash-rank", "1", "--steps", "6",
+                           "--out", str(tmp_path / f"n{node}.json")]
+            procs.append(_start(cmd, env_with()))
+        outs = [p.communicate(timeout=180) for p in procs]
+        for p, (_, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+        with open(tmp_path / "n0.json", encoding="utf-8") as f:
+            assert json.load(f)["restart_count"] == 1
+    finally:
+        srv.stop()
