@@ -1,0 +1,84 @@
+"""Interruptible collectives: a survivor leaves a collective within 1 s of the stop signal while
+a peer was SIGKILLed mid-collective, abandons the old group safely and works in a new one."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch.distributed as dist
+
+from helpers_runtime import master_store, run_workers, worker_logs
+
+WORKER = r"""
+import os, sys, threading, time
+import torch, torch.distributed as dist
+from launcher.runtime.collectives import Graveyard, Interruptible
+from launcher.runtime.signals import StopRequested, StopSignal
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+dist.init_process_group("gloo", store=dist.PrefixStore("g0", store), rank=rank, world_size=world)
+stop = StopSignal()
+
+def watch():  # stands in for the agent channel: an out-of-band stop
+    while not store.check(["stop"]):
+        time.sleep(0.005)
+    stop.request(1)
+threading.Thread(target=watch, daemon=True).start()
+
+def on_error(exc, what):  # like the runtime: a failed collective waits for the agent's stop
+    if stop.wait_newer(0, 30):
+        raise StopRequested(stop.target, "after error")
+
+graveyard = Graveyard()
+coll = Interruptible(stop, graveyard, lambda: 0, 120.0, on_error)
+t = torch.ones(1 << 16)
+store.add("looping", 1)
+try:
+    while True:
+        coll.all_reduce(t)
+except StopRequested:
+    left = time.time()
+store.set(f"left/{rank}", repr(left))
+# abandon generation 0 (kept referenced), rebuild among the survivors
+graveyard.keep(*dist.distributed_c10d._world.pg_map.keys())
+t0 = time.time()
+dist.destroy_process_group()
+destroy_s = time.time() - t0
+survivors = [r for r in range(world) if r != int(os.environ["VICTIM"])]
+dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=survivors.index(rank),
+                        world_size=len(survivors))
+x = torch.ones(3)
+coll2 = Interruptible(stop, graveyard, lambda: 1, 60.0, on_error)
+coll2.all_reduce(x)
+print(f"destroy {destroy_s:.4f}s new-group sum {x.tolist()}", flush=True)
+assert x.tolist() == [float(len(survivors))] * 3
+sys.stdout.flush()
+os._exit(0)  # abandoned groups: never run their destructors
+"""
+
+
+def test_survivors_leave_within_one_second_of_stop(tmp_path):
+    store = master_store()
+    procs = run_workers(WORKER, 4, tmp_path, store, {"VICTIM": "2"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (not store.check(["looping"]) or store.add("looping", 0) < 4):
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(procs[2].pid, signal.SIGKILL)
+        time.sleep(0.5)  # ranks not adjacent to the victim are now blocked in the ring
+        t_stop = time.time()
+        store.set("stop", b"1")
+        codes = [p.wait(timeout=60) if i != 2 else p.wait(timeout=5) for i, p in enumerate(procs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes[2] == -signal.SIGKILL
+    assert [codes[i] for i in (0, 1, 3)] == [0, 0, 0], worker_logs(tmp_path, 4)
+    for r in (0, 1, 3):
+        left = float(store.get(f"left/{r}").decode())
+        assert left - t_stop < 1.0, f"rank {r} left {left - t_stop:.3f} s after the stop"
+    assert "new-group sum [3.0, 3.0, 3.0]" in (tmp_path / "worker0.log").read_text()

@@ -1,0 +1,127 @@
+"""Replica layouts and repair planning (pure functions)."""
+from __future__ import annotations
+
+import pytest
+
+from launcher.plan import RESTART_ALL, RankStatus
+from launcher.runtime.replicas import Layout, parallel_groups, plan_repair
+
+
+def st(rank, committed, step=None, shard="dp", replacement=False, dirty=False, gen=1):
+    return RankStatus(rank=rank, generation=gen, replacement=replacement,
+                      committed_step=-1 if replacement else committed,
+                      step=committed + 1 if step is None else step, dirty=dirty, shard=shard)
+
+
+def test_ddp_layout_every_rank_replicates_every_other():
+    lay = Layout.ddp(4)
+    assert lay.replicas(3) == (0, 1, 2, 3)
+    assert {lay.shard_of(r) for r in range(4)} == {"dp"}
+    assert lay.writer_of(2) == 0
+
+
+def test_parallel_layout_megatron_order_tp_fastest():
+    lay = Layout.from_parallel(8, dp=2, tp=4)
+    assert lay.replicas(0) == (0, 4)  # seed 004's 8-card example
+    assert lay.replicas(5) == (1, 5)
+    assert lay.shard_of(6) == "tp2-pp0"
+    assert lay.checkpoint_name(6) == "mp_rank_02"
+    hybrid = Layout.from_parallel(4, dp=2, tp=2)
+    assert [hybrid.replicas(r) for r in range(4)] == [(0, 2), (1, 3), (0, 2), (1, 3)]
+
+
+def test_parallel_layout_with_pipeline_names_files_like_megatron():
+    lay = Layout.from_parallel(8, dp=2, tp=2, pp=2)
+    assert lay.replicas(5) == (5, 7)
+    assert lay.checkpoint_name(5) == "mp_rank_01_001"
+
+
+def test_distributed_optimizer_replicas():
+    full = Layout.from_parallel(4, dp=4, optimizer_shards=4)  # S == D: no replica at all
+    assert all(len(full.replicas(r)) == 1 for r in range(4))
+    two = Layout.from_parallel(4, dp=4, optimizer_shards=2)  # 2 instances: d and d+2 agree
+    assert two.replicas(0) == (0, 2) and two.replicas(1) == (1, 3)
+    assert two.shard_of(1) == "tp0-pp0-os1"
+
+
+def test_explicit_groups_and_validation():
+    lay = Layout.from_groups([[2, 0], [1, 3]], 4)
+    assert lay.replicas(2) == (0, 2) and lay.shard_of(3) == "group1"
+    with pytest.raises(ValueError, match="partition"):
+        Layout.from_groups([[0, 1], [1, 2]], 4)
+    with pytest.raises(ValueError, match="must equal world size"):
+        Layout.from_parallel(4, dp=3)
+    with pytest.raises(ValueError, match="must divide"):
+        Layout.from_parallel(4, dp=4, optimizer_shards=3)
+
+
+def test_parallel_groups():
+    g = parallel_groups(4, dp=2, tp=2, pp=1)
+    assert g["tp"] == [[0, 1], [2, 3]] and g["dp"] == [[0, 2], [1, 3]] and g["pp"] == [[0], [1], [2], [3]]
+
+
+def test_replacement_gets_lowest_healthy_replica_and_rollback():
+    sts = [st(0, 4), st(1, 4), st(2, -1, replacement=True), st(3, 4)]
+    p = plan_repair(sts, 1)
+    assert (p.resume_step, p.action, p.pairs, p.fallback) == (5, "rollback", [[0, 2]], None)
+
+
+def test_commit_when_update_finished_everywhere():
+    sts = [st(0, 5, step=5), st(1, 5, step=5), st(2, -1, replacement=True), st(3, 5, step=5)]
+    p = plan_repair(sts, 1)
+    assert (p.resume_step, p.action, p.pairs) == (6, "commit", [[0, 2]])
+
+
+def test_dirty_ranks_need_repair():
+    sts = [st(0, 4, step=5, dirty=True), st(1, 5, step=5), st(2, -1, replacement=True), st(3, 5, step=5)]
+    p = plan_repair(sts, 1)
+    assert p.pairs == [[1, 0], [1, 2]] and p.resume_step == 6
+
+
+def test_healthy_ranks_with_lower_committed_step_need_repair():
+    sts = [st(0, 4, step=5), st(1, 5, step=5), st(2, -1, replacement=True), st(3, 5, step=5)]
+    p = plan_repair(sts, 1)
+    assert p.pairs == [[1, 0], [1, 2]] and p.resume_step == 6
+
+
+def test_source_comes_from_the_same_shard():
+    sh = ["tp0-pp0", "tp1-pp0", "tp0-pp0", "tp1-pp0"]
+    sts = [st(0, 7, shard=sh[0], replacement=True), st(1, 7, shard=sh[1]),
+           st(2, 7, shard=sh[2]), st(3, 7, shard=sh[3], replacement=True)]
+    p = plan_repair(sts, 1)
+    assert p.pairs == [[2, 0], [1, 3]] and p.fallback is None
+
+
+def test_no_healthy_replica_for_a_shard_falls_back_to_restart_all():
+    sh = ["tp0-pp0", "tp1-pp0", "tp0-pp0", "tp1-pp0"]
+    sts = [st(0, 7, shard=sh[0], replacement=True), st(1, 7, shard=sh[1]),
+           st(2, 7, shard=sh[2], dirty=True), st(3, 7, shard=sh[3])]
+    p = plan_repair(sts, 1)
+    assert p.fallback == RESTART_ALL and p.pairs == [] and "tp0-pp0" in p.reason
+
+
+def test_lagging_only_holder_is_not_a_source():
+    sts = [st(0, 3, shard="a"), st(1, 4, shard="b"), st(2, -1, shard="a", replacement=True),
+           st(3, 4, shard="b")]
+    p = plan_repair(sts, 1)
+    assert p.fallback == RESTART_ALL and "'a'" in p.reason
+
+
+def test_no_trusted_rank_at_all():
+    p = plan_repair([st(0, 0, replacement=True), st(1, 0, dirty=True)], 1)
+    assert p.fallback == RESTART_ALL
+
+
+def test_bad_input_is_rejected():
+    with pytest.raises(ValueError, match="at least one"):
+        plan_repair([], 1)
+    with pytest.raises(ValueError, match="duplicate"):
+        plan_repair([st(0, 1), st(0, 1)], 1)
+    with pytest.raises(ValueError, match="generation 2"):
+        plan_repair([st(0, 1)], 2)
+
+
+def test_plan_round_trips_as_json():
+    from launcher.plan import RepairPlan
+    p = plan_repair([st(0, 2), st(1, -1, replacement=True)], 1)
+    assert RepairPlan.from_json(p.to_json()) == p

@@ -1,0 +1,91 @@
+"""Step-start snapshots, rollback and state flattening (single process)."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from launcher.runtime.devices import DeviceAdapter
+from launcher.runtime.state import Registered, flatten, slot_paths, tensor_paths, unflatten
+
+
+def make():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(8, 1))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    pos = {"i": 0}
+    extra = torch.zeros(3)
+    reg = Registered([model], [opt], [], (lambda: dict(pos), lambda p: pos.update(p)), {"acc": extra})
+    return model, opt, pos, extra, reg
+
+
+def draw():
+    return random.random(), float(np.random.rand()), torch.rand(2)
+
+
+def test_rollback_restores_rng_data_buffers_extras_and_zeroes_grads():
+    model, opt, pos, extra, reg = make()
+    dev = DeviceAdapter()
+    snap = reg.snapshot(3, dev)
+    expected = draw()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    # the interrupted step: consumes RNG and data, updates BN stats and the extra tensor
+    model(torch.randn(5, 4)).sum().backward()
+    pos["i"] = 9
+    extra += 1
+    reg.restore(snap, dev)
+    assert pos == {"i": 0}
+    assert torch.equal(extra, torch.zeros(3))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert all(p.grad is None for p in model.parameters())
+    again = draw()
+    assert again[0] == expected[0] and again[1] == expected[1] and torch.equal(again[2], expected[2])
+
+
+def test_on_rollback_hook_gets_the_step():
+    *_, reg = make()
+    seen = []
+    reg.on_rollback = seen.append
+    reg.restore(reg.snapshot(7, DeviceAdapter()), DeviceAdapter())
+    assert seen == [7]
+
+
+def test_flatten_round_trip_keeps_structure_and_tensor_identity():
+    t1, t2 = torch.ones(2), torch.zeros(3)
+    obj = {"a": [t1, {"b": t2, "c": 5}], "d": ("x", t1), "e": None}
+    tensors: list[torch.Tensor] = []
+    skel = flatten(obj, tensors)
+    assert len(tensors) == 3 and tensors[0] is t1
+    back = unflatten(skel, tensors)
+    assert back["a"][1]["c"] == 5 and back["a"][0] is t1 and back["d"][1] is t1
+    assert slot_paths(skel)[1] == ("a", 1, "b")
+    assert set(tensor_paths(obj)) == {("a", 0), ("a", 1, "b"), ("d", 1)}
+
+
+def test_full_state_load_into_fresh_objects_matches():
+    model, opt, pos, extra, reg = make()
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    extra += 2
+    pos["i"] = 4
+    snap = reg.snapshot(1, DeviceAdapter())
+    state = reg.full_state(snap)
+    m2, o2, p2, e2, reg2 = make()
+    reg2.load_full_state(state, DeviceAdapter())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, m2.state_dict()[k])
+    assert torch.equal(e2, extra) and p2 == {"i": 4}
+    s1, s2 = opt.state_dict()["state"], o2.state_dict()["state"]
+    assert all(torch.equal(s1[i]["exp_avg"], s2[i]["exp_avg"]) for i in s1)
+
+
+def test_full_state_shape_mismatch_is_a_clear_error():
+    model, opt, pos, extra, reg = make()
+    state = reg.full_state(reg.snapshot(0, DeviceAdapter()))
+    state["models"][0]["0.weight"] = torch.zeros(3, 3)
+    with pytest.raises(RuntimeError, match="0.weight"):
+        make()[-1].load_full_state(state, DeviceAdapter())
