@@ -3,7 +3,7 @@
 Owns: `StoreServer` (listening socket, the event-loop thread, per-connection state, request
 limits, token checks) and `ServerLimits`.
 
-Design: one thread runs an edge-free, level-triggered epoll loop over non-blocking sockets.
+Design: one thread runs a level-triggered epoll loop over non-blocking sockets.
 Each readable connection is drained, every complete request in its buffer is executed
 against the table and the replies are queued; replies are flushed once per loop turn
 (one `send` per connection). Nothing blocks on a client: a stalled reader only grows its
@@ -71,7 +71,7 @@ class ServerLimits:
 class _Conn:
     __slots__ = ("sock", "fd", "peer", "buf", "out", "out_bytes", "validated", "authed",
                  "mux", "waiter", "mux_waiters", "since", "partial_since", "closed",
-                 "want_write")
+                 "want_write", "slots")
 
     def __init__(self, sock: socket.socket, peer: str, authed: bool, now: float) -> None:
         self.sock = sock
@@ -89,9 +89,10 @@ class _Conn:
         self.partial_since = 0.0
         self.closed = False
         self.want_write = False
+        self.slots: deque = deque()  # proxy: replies in request order, filled as they arrive
 
 
-class _Drop(Exception):
+class DropConnection(Exception):
     """Close this connection; the message is the log line."""
 
 
@@ -104,27 +105,26 @@ def _peer_str(addr) -> str:
     return str(addr)
 
 
-class StoreServer:
-    """A TCPStore-compatible server hosted in this process.
+class LoopServer:
+    """The event-loop machinery shared by the store server and the node proxy: listening
+    socket, epoll loop thread, accept, buffered reads, ordered flushes, timeouts, teardown.
+    Subclasses implement `_process(conn, buf) -> bytes consumed` and may override the hooks
+    `_on_close`, `_end_turn`, `_extra_event` and `_on_start`."""
 
-    `start()` binds (raising StoreError naming host:port when it cannot), starts the loop
-    thread and returns once listening; `port` is the bound port; `kv` is a `LocalKV` over the
-    same table; `stop()` closes every socket and joins the thread (idempotent)."""
+    _name = "store"
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 0, token: str | None = None,
-                 limits: ServerLimits = ServerLimits(),
-                 log: Callable[[str], None] | None = None,
-                 table: MemoryStore | None = None) -> None:
+    def __init__(self, host: str, port: int, token: str | None, limits: ServerLimits,
+                 log: Callable[[str], None] | None) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port={port!r}: must be an integer in 0-65535")
+        if not isinstance(limits, ServerLimits):
+            raise TypeError(f"limits={limits!r}: must be a ServerLimits")
         self.host = host
         self._req_port = port
         self.token = check_token(token) if token is not None else None
         self.limits = limits
         self._plimits = limits.protocol_limits()
         self.log = log or _log.warning
-        self.table = table if table is not None else MemoryStore()
-        self.kv = LocalKV(self.table)
         self._port = 0
         self._lsock: socket.socket | None = None
         self._ep = None
@@ -149,22 +149,30 @@ class StoreServer:
     def address(self) -> str:
         return f"{self.host}:{self._port}"
 
-    def start(self) -> "StoreServer":
+    def start(self) -> "LoopServer":
         with self._lock:
             if self._thread is not None:
                 return self
             if self._stopped:
-                raise StoreError("this StoreServer was stopped; create a new one")
+                raise StoreError(f"this {type(self).__name__} was stopped; create a new one")
             self._lsock = self._bind()
             self._port = self._lsock.getsockname()[1]
             self._ep = select.epoll()
             self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             self._ep.register(self._lsock.fileno(), _EPOLLIN)
             self._ep.register(self._wake_fd, _EPOLLIN)
-            self._thread = threading.Thread(target=self._run, name=f"ftrun-store:{self._port}",
-                                            daemon=True)
+            try:
+                self._on_start()
+            except BaseException:
+                self._cleanup()
+                raise
+            self._thread = threading.Thread(
+                target=self._run, name=f"ftrun-{self._name}:{self._port}", daemon=True)
             self._thread.start()
         return self
+
+    def _on_start(self) -> None:
+        """Hook: runs in start() after binding, before the loop thread starts."""
 
     def _bind(self) -> socket.socket:
         host = self.host
@@ -217,7 +225,7 @@ class StoreServer:
             os.close(self._wake_fd)
             self._wake_fd = -1
 
-    def __enter__(self) -> "StoreServer":
+    def __enter__(self):
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -250,11 +258,13 @@ class StoreServer:
                     else:
                         c = conns.get(fd)
                         if c is None:
+                            self._extra_event(fd, ev)
                             continue
                         if ev & _EPOLLOUT:
                             self._flush(c)
                         if ev & (_EPOLLIN | _EPOLLERRS) and not c.closed:
                             self._read(c)
+                self._end_turn()
                 if self._dirty:
                     self._flush_dirty()
                 now = time.monotonic()
@@ -262,7 +272,7 @@ class StoreServer:
                     next_sweep = now + 1.0
                     self._sweep(now)
         except Exception as e:  # pragma: no cover - a bug; never leave clients hanging
-            self.log(f"store server loop crashed: {type(e).__name__}: {e}")
+            self.log(f"{self._name} loop crashed: {type(e).__name__}: {e}")
             raise
 
     def _accept(self) -> None:
@@ -274,11 +284,11 @@ class StoreServer:
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:
-                self.log(f"store accept failed: {e.strerror}")
+                self.log(f"{self._name} accept failed: {e.strerror}")
                 return
             peer = _peer_str(addr)
             if len(self._conns) >= lim:
-                self.log(f"store refused {peer}: {lim} connections open (max_connections)")
+                self.log(f"{self._name} refused {peer}: {lim} connections open (max_connections)")
                 s.close()
                 self.stats["dropped"] += 1
                 continue
@@ -310,13 +320,13 @@ class StoreServer:
             buf = data
         try:
             pos = self._process(c, buf)
-        except _Drop as d:
-            self.log(f"store closed {c.peer}: {d}")
+        except DropConnection as d:
+            self.log(f"{self._name} closed {c.peer}: {d}")
             self.stats["dropped"] += 1
             self._close(c)
             return
         except P.ProtocolError as e:
-            self.log(f"store closed {c.peer}: {e}")
+            self.log(f"{self._name} closed {c.peer}: {e}")
             self.stats["dropped"] += 1
             self._close(c)
             return
@@ -333,6 +343,139 @@ class StoreServer:
             c.partial_since = 0.0
         if c.out and not c.want_write:
             self._flush(c)
+
+    # -- output / teardown -------------------------------------------------------------
+
+    def _flush_dirty(self) -> None:
+        d = self._dirty
+        self._dirty = []
+        for c in d:
+            if c.out and not c.closed and not c.want_write:
+                self._flush(c)
+
+    def _flush(self, c: _Conn) -> None:
+        if c.closed:
+            return
+        out = c.out
+        if not out:
+            if c.want_write:
+                c.want_write = False
+                self._ep.modify(c.fd, _EPOLLIN)
+            return
+        data = out[0] if len(out) == 1 else b"".join(out)
+        try:
+            sent = c.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(c)
+            return
+        if sent == len(data):
+            out.clear()
+            c.out_bytes = 0
+            if c.want_write:
+                c.want_write = False
+                self._ep.modify(c.fd, _EPOLLIN)
+            return
+        rest = data[sent:]
+        out.clear()
+        out.append(rest)
+        c.out_bytes = len(rest)
+        if c.out_bytes > self.limits.max_pending_reply_bytes:
+            self.log(f"{self._name} closed {c.peer}: it does not read its replies "
+                     f"({c.out_bytes} bytes pending)")
+            self.stats["dropped"] += 1
+            self._close(c)
+            return
+        if not c.want_write:
+            c.want_write = True
+            self._ep.modify(c.fd, _EPOLLIN | _EPOLLOUT)
+
+    def _close(self, c: _Conn) -> None:
+        if c.closed:
+            return
+        c.closed = True
+        try:
+            self._on_close(c)
+        except Exception as e:  # pragma: no cover - a hook bug must not leak the socket
+            self.log(f"{self._name}: close hook failed for {c.peer}: {e}")
+        self._conns.pop(c.fd, None)
+        try:
+            self._ep.unregister(c.fd)
+        except (OSError, ValueError):
+            pass
+        try:
+            c.sock.close()
+        except OSError:
+            pass
+
+    def _sweep(self, now: float) -> None:
+        hs = self.limits.handshake_timeout
+        st = self.limits.stalled_frame_timeout
+        for c in list(self._conns.values()):
+            if not c.validated and now - c.since > hs:
+                self.log(f"{self._name} closed {c.peer}: no VALIDATE within {hs:g} s")
+            elif c.partial_since and now - c.partial_since > st:
+                self.log(f"{self._name} closed {c.peer}: request incomplete for {st:g} s")
+            else:
+                continue
+            self.stats["dropped"] += 1
+            self._close(c)
+
+
+    def _drain_xq(self) -> None:
+        xq = self._xq
+        while xq:
+            xq.popleft()()
+
+    def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
+        """Run `fn` on the loop thread (now, when called from it)."""
+        if threading.get_ident() == self._loop_ident:
+            fn()
+            return
+        self._xq.append(fn)
+        try:
+            os.eventfd_write(self._wake_fd, 1)
+        except OSError:
+            pass
+
+    def _end_turn(self) -> None:
+        """Hook: runs once per loop turn, after all ready sockets were handled."""
+
+    def _extra_event(self, fd: int, ev: int) -> None:
+        """Hook: an event on a registered fd that is not a client connection."""
+
+    def _on_close(self, c: _Conn) -> None:
+        """Hook: connection `c` is being closed."""
+
+    def _process(self, c: _Conn, buf) -> int:
+        raise NotImplementedError
+
+class StoreServer(LoopServer):
+    """A TCPStore-compatible server hosted in this process.
+
+    `start()` binds (raising StoreError naming host:port when it cannot), starts the loop
+    thread and returns once listening; `port` is the bound port; `kv` is a `LocalKV` over the
+    same table; `stop()` closes every socket and joins the thread (idempotent); usable as a
+    context manager. With `token`, connections must authenticate (see rendezvous.auth)."""
+
+    _name = "store"
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 0, token: str | None = None,
+                 limits: ServerLimits = ServerLimits(),
+                 log: Callable[[str], None] | None = None,
+                 table: MemoryStore | None = None) -> None:
+        super().__init__(host, port, token, limits, log)
+        self.table = table if table is not None else MemoryStore()
+        self.kv = LocalKV(self.table)
+
+    def _on_close(self, c: _Conn) -> None:
+        if c.waiter is not None:
+            self.table.cancel(c.waiter)
+            c.waiter = None
+        for w in c.mux_waiters.values():
+            self.table.cancel(w)
+        c.mux_waiters.clear()
 
     def _process(self, c: _Conn, buf: bytes) -> int:
         pos = 0
@@ -389,12 +532,12 @@ class StoreServer:
             try:
                 return P.enc_i64(t.add(req.keys[0], req.num))
             except ValueError as e:
-                raise _Drop(f"ADD failed: {e}") from None
+                raise DropConnection(f"ADD failed: {e}") from None
         if op == P.Op.MULTI_GET:
             return P.enc_bytes_list([b"" if v is None else v for v in t.multi_get(req.keys)])
         if op == P.Op.MULTI_SET:
             if AUTH_KEY in req.keys:
-                raise _Drop("MULTI_SET of the reserved key /ftrun/auth")
+                raise DropConnection("MULTI_SET of the reserved key /ftrun/auth")
             t.multi_set(req.keys, req.values)
             return None
         if op == P.Op.CHECK:
@@ -425,36 +568,36 @@ class StoreServer:
             return P.enc_i64(t.queue_len(req.keys[0]))
         if op == P.Op.VALIDATE:
             if req.num != P.VALIDATION_MAGIC:
-                raise _Drop(f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}")
+                raise DropConnection(f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}")
             return None
         if op == P.Op.FT_MUX:
             if req.num != P.MUX_MAGIC or tag >= 0:
-                raise _Drop(f"bad FT_MUX request (magic {req.num:#x})")
+                raise DropConnection(f"bad FT_MUX request (magic {req.num:#x})")
             c.mux = True
             return P.enc_u32(P.MUX_MAGIC)
-        raise _Drop(f"unsupported query type {op}")
+        raise DropConnection(f"unsupported query type {op}")
 
     def _gate(self, c: _Conn, req: P.Request):
         """Handshake and auth checks; False = go on executing the request."""
         op = req.op
         if not c.validated:
             if op != P.Op.VALIDATE:
-                raise _Drop(f"first message was {P.OP_NAMES.get(op, op)}, expected VALIDATE")
+                raise DropConnection(f"first message was {P.OP_NAMES.get(op, op)}, expected VALIDATE")
             if req.num != P.VALIDATION_MAGIC:
-                raise _Drop(f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}")
+                raise DropConnection(f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}")
             c.validated = True
             return None
         if c.authed or op == P.Op.PING or op == P.Op.VALIDATE:
             return False
         if op == P.Op.SET and req.keys[0] == AUTH_KEY:
             return self._auth(c, req.values[0])
-        raise _Drop(f"unauthenticated {P.OP_NAMES.get(op, op)} refused (job token required)")
+        raise DropConnection(f"unauthenticated {P.OP_NAMES.get(op, op)} refused (job token required)")
 
     def _auth(self, c: _Conn, presented: bytes):
         if self.token is None or c.authed:
             return None
         if not token_matches(self.token, presented):
-            raise _Drop("wrong job token")
+            raise DropConnection("wrong job token")
         c.authed = True
         return None
 
@@ -466,7 +609,7 @@ class StoreServer:
             try:
                 w = self.table.barrier(req.keys[0], req.num, fire)
             except ValueError as e:
-                raise _Drop(f"BARRIER failed: {e}") from None
+                raise DropConnection(f"BARRIER failed: {e}") from None
         if w is None:
             return _OK
         if tag >= 0:
@@ -484,11 +627,7 @@ class StoreServer:
             if threading.get_ident() == self._loop_ident:
                 self._deliver(c, data, tag)
             else:
-                self._xq.append((c, data, tag))
-                try:
-                    os.eventfd_write(self._wake_fd, 1)
-                except OSError:
-                    pass
+                self.call_soon_threadsafe(lambda: self._deliver(c, data, tag))
         return fire
 
     def _deliver(self, c: _Conn, data: bytes, tag: int) -> None:
@@ -502,12 +641,6 @@ class StoreServer:
         c.out_bytes += len(data)
         self._dirty.append(c)
 
-    def _drain_xq(self) -> None:
-        xq = self._xq
-        while xq:
-            c, data, tag = xq.popleft()
-            self._deliver(c, data, tag)
-
     def _cancel(self, c: _Conn, req: P.Request) -> None:
         if c.mux:
             w = c.mux_waiters.pop(req.num, None)
@@ -515,83 +648,3 @@ class StoreServer:
             w, c.waiter = c.waiter, None
         if w is not None:
             self.table.cancel(w)
-
-    # -- output / teardown -------------------------------------------------------------
-
-    def _flush_dirty(self) -> None:
-        d = self._dirty
-        self._dirty = []
-        for c in d:
-            if c.out and not c.closed and not c.want_write:
-                self._flush(c)
-
-    def _flush(self, c: _Conn) -> None:
-        if c.closed:
-            return
-        out = c.out
-        if not out:
-            if c.want_write:
-                c.want_write = False
-                self._ep.modify(c.fd, _EPOLLIN)
-            return
-        data = out[0] if len(out) == 1 else b"".join(out)
-        try:
-            sent = c.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            self._close(c)
-            return
-        if sent == len(data):
-            out.clear()
-            c.out_bytes = 0
-            if c.want_write:
-                c.want_write = False
-                self._ep.modify(c.fd, _EPOLLIN)
-            return
-        rest = data[sent:]
-        out.clear()
-        out.append(rest)
-        c.out_bytes = len(rest)
-        if c.out_bytes > self.limits.max_pending_reply_bytes:
-            self.log(f"store closed {c.peer}: it does not read its replies "
-                     f"({c.out_bytes} bytes pending)")
-            self.stats["dropped"] += 1
-            self._close(c)
-            return
-        if not c.want_write:
-            c.want_write = True
-            self._ep.modify(c.fd, _EPOLLIN | _EPOLLOUT)
-
-    def _close(self, c: _Conn) -> None:
-        if c.closed:
-            return
-        c.closed = True
-        if c.waiter is not None:
-            self.table.cancel(c.waiter)
-            c.waiter = None
-        for w in c.mux_waiters.values():
-            self.table.cancel(w)
-        c.mux_waiters.clear()
-        self._conns.pop(c.fd, None)
-        try:
-            self._ep.unregister(c.fd)
-        except (OSError, ValueError):
-            pass
-        try:
-            c.sock.close()
-        except OSError:
-            pass
-
-    def _sweep(self, now: float) -> None:
-        hs = self.limits.handshake_timeout
-        st = self.limits.stalled_frame_timeout
-        for c in list(self._conns.values()):
-            if not c.validated and now - c.since > hs:
-                self.log(f"store closed {c.peer}: no VALIDATE within {hs:g} s")
-            elif c.partial_since and now - c.partial_since > st:
-                self.log(f"store closed {c.peer}: request incomplete for {st:g} s")
-            else:
-                continue
-            self.stats["dropped"] += 1
-            self._close(c)

@@ -21,6 +21,7 @@ import torch.distributed as d
 host, port = sys.argv[1], int(sys.argv[2])
 token = sys.argv[3] if len(sys.argv) > 3 else ""
 ns = sys.argv[4] if len(sys.argv) > 4 else "t"
+queues = not (len(sys.argv) > 5 and sys.argv[5] == "noqueue")
 c = d.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=10))
 if token:
     c.set("ftrun/auth", token)
@@ -57,15 +58,16 @@ c.append(k("ap"), b"x"); c.append(k("ap"), b"y")
 eq(c.get(k("ap")), b"xy", "append")
 c.multi_set([k("m1"), k("m2")], [b"v1", b"v2"])
 eq(c.multi_get([k("m1"), k("m2")]), [b"v1", b"v2"], "multi_get")
-c.queue_push(k("q"), b"q1"); c.queue_push(k("q"), b"q2")
-eq(c.queue_len(k("q")), 2, "queue_len")
-eq(c.queue_pop(k("q")), b"q1", "queue_pop")
-eq(c.queue_pop(k("q"), block=False), b"q2", "queue_pop nonblock")
-try:
-    c.queue_pop(k("q"), block=False)
-    eq("value", "empty", "queue_pop empty")
-except Exception as e:
-    eq(type(e).__name__, "QueueEmptyError", "queue empty type")
+if queues:
+    c.queue_push(k("q"), b"q1"); c.queue_push(k("q"), b"q2")
+    eq(c.queue_len(k("q")), 2, "queue_len")
+    eq(c.queue_pop(k("q")), b"q1", "queue_pop")
+    eq(c.queue_pop(k("q"), block=False), b"q2", "queue_pop nonblock")
+    try:
+        c.queue_pop(k("q"), block=False)
+        eq("value", "empty", "queue_pop empty")
+    except Exception as e:
+        eq(type(e).__name__, "QueueEmptyError", "queue empty type")
 keys = c.list_keys()
 eq(k("a") in keys and k("m2") in keys, True, "list_keys")
 c.barrier(k("bar"), 1)
@@ -116,8 +118,11 @@ def child_env(**extra: object) -> dict[str, str]:
 
 
 def run_torch_ops(host: str, port: int, token: str = "", ns: str = "t",
-                  timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", TORCH_OPS, host, str(port), token, ns],
+                  queues: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Every TCPStore op from torch's client; `queues=False` skips the queue ops (which a
+    KVStore upstream cannot serve)."""
+    return subprocess.run([sys.executable, "-c", TORCH_OPS, host, str(port), token, ns,
+                           "queue" if queues else "noqueue"],
                           env=child_env(), capture_output=True, text=True, timeout=timeout)
 
 
