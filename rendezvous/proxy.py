@@ -492,7 +492,12 @@ class StoreProxy(LoopServer):
         lim = self._plimits
         parse = P._parse
         batch = self._batch
+        budget = self._budget
         while pos < n:
+            budget -= 1
+            if budget < 0:
+                c.more = True
+                break
             r = parse(buf, pos, n, lim)
             if r is None:
                 break

@@ -71,7 +71,7 @@ class ServerLimits:
 class _Conn:
     __slots__ = ("sock", "fd", "peer", "buf", "out", "out_bytes", "validated", "authed",
                  "mux", "waiter", "mux_waiters", "since", "partial_since", "closed",
-                 "want_write", "slots")
+                 "want_write", "slots", "more")
 
     def __init__(self, sock: socket.socket, peer: str, authed: bool, now: float) -> None:
         self.sock = sock
@@ -90,6 +90,7 @@ class _Conn:
         self.closed = False
         self.want_write = False
         self.slots: deque = deque()  # proxy: replies in request order, filled as they arrive
+        self.more = False  # stopped at the per-turn request budget with requests left over
 
 
 class DropConnection(Exception):
@@ -112,6 +113,7 @@ class LoopServer:
     `_on_close`, `_end_turn`, `_extra_event` and `_on_start`."""
 
     _name = "store"
+    _budget = 128  # requests per connection per loop turn
 
     def __init__(self, host: str, port: int, token: str | None, limits: ServerLimits,
                  log: Callable[[str], None] | None) -> None:
@@ -137,7 +139,8 @@ class LoopServer:
         self._dirty: list = []
         self._xq: deque = deque()
         self._loop_ident = 0
-        self.stats = {"accepted": 0, "reads": 0, "dropped": 0}
+        self._backlog: list = []
+        self.stats = {"accepted": 0, "reads": 0, "dropped": 0, "max_turn_s": 0.0}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -245,7 +248,8 @@ class LoopServer:
         next_sweep = time.monotonic() + 1.0
         try:
             while not self._stopping:
-                events = poll(1.0)
+                events = poll(0 if self._backlog else 1.0)
+                t0 = time.monotonic()
                 for fd, ev in events:
                     if fd == lfd:
                         self._accept()
@@ -264,10 +268,17 @@ class LoopServer:
                             self._flush(c)
                         if ev & (_EPOLLIN | _EPOLLERRS) and not c.closed:
                             self._read(c)
+                if self._backlog:
+                    backlog, self._backlog = self._backlog, []
+                    for c in backlog:
+                        if not c.closed:
+                            self._consume(c, b"")
                 self._end_turn()
                 if self._dirty:
                     self._flush_dirty()
                 now = time.monotonic()
+                if now - t0 > self.stats["max_turn_s"]:
+                    self.stats["max_turn_s"] = now - t0
                 if now >= next_sweep:
                     next_sweep = now + 1.0
                     self._sweep(now)
@@ -278,7 +289,7 @@ class LoopServer:
     def _accept(self) -> None:
         now = time.monotonic()
         lim = self.limits.max_connections
-        while True:
+        for _ in range(256):  # the rest next turn (level-triggered), so accepts stay fair
             try:
                 s, addr = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
@@ -313,11 +324,17 @@ class LoopServer:
         if not data:
             self._close(c)
             return
+        self._consume(c, data)
+
+    def _consume(self, c: _Conn, data: bytes) -> None:
+        """Execute the complete requests in c's buffer + `data`, at most `_budget` of them
+        (the rest wait for the next turn, so one busy client cannot starve the others)."""
         if c.buf:
             c.buf += data  # bytearray: amortised O(1) growth for large values
             buf = c.buf
         else:
             buf = data
+        c.more = False
         try:
             pos = self._process(c, buf)
         except DropConnection as d:
@@ -341,6 +358,8 @@ class LoopServer:
         else:
             c.buf = b""
             c.partial_since = 0.0
+        if c.more:
+            self._backlog.append(c)
         if c.out and not c.want_write:
             self._flush(c)
 
@@ -485,7 +504,12 @@ class StoreServer(LoopServer):
         parse_mux = P.parse_mux_request
         handle = self._handle
         out = c.out
+        budget = self._budget
         while pos < n:
+            budget -= 1
+            if budget < 0:
+                c.more = True
+                break
             if c.mux:
                 r = parse_mux(buf, pos, lim)
                 if r is None:
@@ -554,6 +578,11 @@ class StoreServer(LoopServer):
         if op == P.Op.DELETE_KEY:
             return P.enc_i64(1 if t.delete(req.keys[0]) else 0)
         if op == P.Op.APPEND:
+            cur = t.get(req.keys[0])
+            if cur is not None and len(cur) + len(req.values[0]) > self._plimits.max_value_bytes:
+                raise DropConnection(
+                    f"APPEND would grow {req.keys[0][:60]!r} to {len(cur) + len(req.values[0])} "
+                    f"bytes: at most {self._plimits.max_value_bytes} allowed")
             t.append(req.keys[0], req.values[0])
             return None
         if op == P.Op.LIST_KEYS:

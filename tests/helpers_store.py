@@ -155,3 +155,124 @@ def run_gloo_world(host: str, ports: list[int], timeout: float = 90) -> list[str
                 p.kill()
                 p.wait()
     return outs
+
+
+# A fuzzing client: `total` frames over a few pipelined connections. ~90% are random but
+# well-formed requests, the rest random garbage, absurd lengths, or a truncated frame
+# followed by a hang-up; a connection the server closes is replaced. Prints a JSON summary.
+FUZZER = r'''
+import json, random, socket, struct, sys, time
+host, port, total, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+rng = random.Random(seed)
+Q = struct.Struct("<Q").pack
+def b(x): return Q(len(x)) + x
+dkeys = [b"/fz/d%d" % i for i in range(64)]
+ckeys = [b"/fz/c%d" % i for i in range(16)]
+def dk(): return rng.choice(dkeys)
+def ck(): return rng.choice(ckeys)
+def val(): return rng.randbytes(rng.choice((0, 1, 8, 100, 2000)))
+def klist(): return Q(len(ks := [dk() for _ in range(rng.randint(0, 4))])) + b"".join(map(b, ks))
+GOOD = [
+    lambda: b"\x01" + b(dk()) + b(val()),
+    lambda: b"\x02" + b(dk()) + b(val()) + b(val()),
+    lambda: b"\x03" + b(dk()),
+    lambda: b"\x04" + b(ck()) + struct.pack("<q", rng.randint(-5, 5)),
+    lambda: b"\x05" + klist(),
+    lambda: b"\x06" + klist(),
+    lambda: b"\x07",
+    lambda: b"\x08" + b(dk()),
+    lambda: b"\x09" + b(dk()) + b(val()),
+    lambda: b"\x0a" + klist(),
+    lambda: b"\x0b" + Q(2) + b(dk()) + b(val()) + b(dk()) + b(val()),
+    lambda: b"\x0c",
+    lambda: b"\x0d" + struct.pack("<I", rng.getrandbits(32)),
+    lambda: b"\x0e" + b(dk()) + b(val()),
+    lambda: b"\x0f" + b(dk()),
+    lambda: b"\x10" + b(dk()),
+    lambda: b"\x11",
+    lambda: b"\x12" + b(ck()) + struct.pack("<q", rng.randint(0, 3)),
+    lambda: b"\x00" + struct.pack("<I", 0x3C85F7CE),
+]
+BAD = [
+    lambda: rng.randbytes(rng.randint(1, 40)),
+    lambda: bytes((rng.randint(19, 239),)) + rng.randbytes(8),
+    lambda: b"\x03" + Q(rng.choice((2**63, 2**40, 10**9))),
+    lambda: b"\x01" + b(dk()) + Q(2**62),
+    lambda: b"\x06" + Q(2**50),
+    lambda: b"\x0b" + Q(10**12),
+]
+HELLO = b"\x00" + struct.pack("<I", 0x3C85F7CE) + b"\x0d" + struct.pack("<I", 1)
+def conn():
+    s = socket.create_connection((host, port), timeout=10)
+    s.sendall(HELLO)
+    return s
+def drain(s):
+    try:
+        while s.recv(1 << 20, socket.MSG_DONTWAIT):
+            pass
+        return False  # EOF: the server closed it
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+socks = [conn() for _ in range(8)]
+sent = bad = truncated = reconnects = 0
+t0 = time.monotonic()
+while sent < total:
+    i = rng.randrange(len(socks))
+    s = socks[i]
+    chunk = []
+    for _ in range(min(200, total - sent)):
+        r = rng.random()
+        sent += 1
+        if r < 0.9:
+            chunk.append(GOOD[rng.randrange(len(GOOD))]())
+            continue
+        if r < 0.95:
+            chunk.append(BAD[rng.randrange(len(BAD))]())
+            bad += 1
+        else:
+            f = GOOD[rng.randrange(len(GOOD))]()
+            chunk.append(f[:rng.randrange(1, len(f))] if len(f) > 1 else f)
+            truncated += 1
+        break
+    try:
+        s.sendall(b"".join(chunk))
+    except OSError:
+        pass
+    if r >= 0.9 or not drain(s):
+        s.close()
+        socks[i] = conn()
+        reconnects += 1
+for s in socks:
+    s.close()
+print(json.dumps({"frames": sent, "bad": bad, "truncated": truncated,
+                  "reconnects": reconnects, "seconds": round(time.monotonic() - t0, 2)}))
+'''
+
+# A well-behaved torch client: loops over ordinary ops until key "stop" exists and prints
+# the slowest op latency in ms.
+STEADY_CLIENT = r'''
+import json, sys, time
+from datetime import timedelta
+import torch.distributed as d
+c = d.TCPStore(sys.argv[1], int(sys.argv[2]), is_master=False, timeout=timedelta(seconds=10))
+lat = []
+i = 0
+c.set("steady/ready", b"1")
+while True:
+    i += 1
+    for op in (lambda: c.set("steady/k", str(i).encode()),
+               lambda: c.get("steady/k"),
+               lambda: c.add("steady/n", 1),
+               lambda: c.check(["steady/k"]),
+               lambda: c.multi_get(["steady/k", "steady/n"])):
+        t = time.perf_counter(); op(); lat.append(time.perf_counter() - t)
+    if c.check(["stop"]):
+        break
+    time.sleep(0.002)
+lat.sort()
+print(json.dumps({"ops": len(lat), "max_ms": round(lat[-1] * 1000, 2),
+                  "p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 2),
+                  "over_100ms": sum(x > 0.1 for x in lat)}))
+'''
