@@ -128,10 +128,14 @@ class NpuAdapter(DeviceAdapter):
         self._npu = getattr(torch_npu, "npu", None) or getattr(torch, "npu")
         self._index = 0
 
-    def device(self, local_rank: int) -> torch.device:
+    def bind(self, local_rank: int) -> int:
+        """Pick this rank's NPU index (local_rank modulo the device count)."""
         count = self._npu.device_count() if hasattr(self._npu, "device_count") else 1
         self._index = local_rank % max(1, count)
-        return torch.device("npu", self._index)
+        return self._index
+
+    def device(self, local_rank: int) -> torch.device:
+        return torch.device("npu", self.bind(local_rank))  # "npu" exists once torch_npu is imported
 
     def abort_groups(self, groups: list[Any]) -> None:
         for g in groups:

@@ -1,0 +1,83 @@
+"""The worker side of the agent channel, against a real unix socket served by the test."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+
+import pytest
+
+from launcher.runtime.channel import AgentChannel
+from launcher.runtime.signals import StopSignal
+
+
+@pytest.fixture
+def server():
+    d = tempfile.mkdtemp(prefix="ftrtch", dir="/tmp")
+    path = os.path.join(d, "a.sock")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(1)
+    srv.settimeout(10)
+    yield path, srv
+    srv.close()
+    os.unlink(path)
+    os.rmdir(d)
+
+
+def read_messages(conn: socket.socket, until, timeout: float = 5.0) -> list[dict]:
+    conn.settimeout(0.1)
+    buf, out = b"", []
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not until(out):
+        try:
+            chunk = conn.recv(65536)
+        except socket.timeout:
+            continue
+        if not chunk:
+            break
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            out.append(json.loads(line))
+    return out
+
+
+def test_hello_heartbeats_faults_stop_and_bye(server):
+    path, srv = server
+    stop = StopSignal()
+    logs: list[str] = []
+    ch = AgentChannel(path, 3, stop, logs.append, heartbeat_interval=0.2)
+    ch.start({"rank": 3, "local_rank": 1, "pid": os.getpid(), "generation": 0, "replacement": False})
+    conn, _ = srv.accept()
+    try:
+        msgs = read_messages(conn, lambda m: len([x for x in m if x["op"] == "heartbeat"]) >= 3)
+        assert msgs[0] == {"op": "hello", "rank": 3, "local_rank": 1, "pid": os.getpid(), "generation": 0,
+                           "replacement": False}
+        beats = [m for m in msgs if m["op"] == "heartbeat"]
+        assert len(beats) >= 3 and all(m["rank"] == 3 for m in beats)  # idle heartbeats keep coming
+        ch.update(step=7, phase="backward", committed_step=6)
+        ch.send({"op": "fault", "rank": 3, "kind": "network", "message": "x", "step": 7, "phase": "backward",
+                 "injected": False})
+        msgs = read_messages(conn, lambda m: any(x["op"] == "fault" for x in m))
+        hb = [m for m in msgs if m["op"] == "heartbeat"]
+        assert hb and (hb[-1]["step"], hb[-1]["phase"], hb[-1]["committed_step"]) == (7, "backward", 6)
+        t0 = time.monotonic()
+        conn.sendall(b'{"op":"stop","generation":2}\nnot json\n{"op":"stop","generation":1}\n')
+        assert stop.wait_newer(1, 2.0) and time.monotonic() - t0 < 0.5
+        time.sleep(0.1)
+        assert stop.target == 2  # the older stop did not lower it
+        assert any("malformed" in line for line in logs)
+        ch.close(bye=True)
+        msgs = read_messages(conn, lambda m: any(x["op"] == "bye" for x in m))
+        assert msgs[-1] == {"op": "bye", "rank": 3}
+    finally:
+        conn.close()
+
+
+def test_connect_failure_names_the_socket(tmp_path):
+    ch = AgentChannel(str(tmp_path / "missing.sock"), 0, StopSignal(), print, connect_timeout=0.2)
+    with pytest.raises(ConnectionError, match="missing.sock"):
+        ch.start({})
