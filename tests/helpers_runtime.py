@@ -67,6 +67,7 @@ class MiniJob:
     fault_plan: list[dict] | None = None
     store_timeout: float = 60.0
     max_rounds: int = 6
+    fallback: str | None = None  # force this fallback into the first repair plan (e.g. "dump")
     events: list[dict] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -222,6 +223,8 @@ class MiniJob:
                     if all(self.store.check([k]) for k in keys):
                         statuses = [P.RankStatus.from_json(self.store.get(k)) for k in keys]
                         rp = plan_repair(statuses, self.generation)
+                        if self.fallback:
+                            rp.fallback, rp.pairs, self.fallback = self.fallback, [], None
                         self.events.append({"op": "plan", **json.loads(rp.to_json())})
                         self.store.set(P.repair_key(self.generation), rp.to_json())
                         round_open = False

@@ -10,11 +10,11 @@ from helpers_runtime import EXAMPLES, MiniJob, assert_bit_identical, load_params
 STEPS = 8
 
 
-def run_job(tmp_path, name, script, fault_plan=None, extra_args=(), timeout=150):
+def run_job(tmp_path, name, script, fault_plan=None, extra_args=(), timeout=150, fallback=None):
     wd = tmp_path / name
     wd.mkdir()
     args = ["--steps", str(STEPS), "--out", str(wd / "out{rank}.pt"), *extra_args]
-    job = MiniJob(EXAMPLES / script, args, 4, wd, fault_plan=fault_plan)
+    job = MiniJob(EXAMPLES / script, args, 4, wd, fault_plan=fault_plan, fallback=fallback)
     try:
         rc = job.run(timeout)
         assert rc == 0, job.logs()
@@ -98,5 +98,20 @@ def test_no_healthy_replica_falls_back_to_restart_all_from_checkpoint(tmp_path, 
     assert plans[0]["fallback"] == "restart-all" and "tp0-pp0" in plans[0]["reason"]
     assert all(len(job.pids(r)) >= 2 for r in range(4))  # everyone restarted
     assert "loaded checkpoint iteration 4" in job.logs()
+    for r in range(4):
+        assert_bit_identical(params[r], hybrid_reference[r])
+
+
+@pytest.mark.slow
+def test_dying_gasp_dump_saves_the_current_step_and_the_next_launch_resumes_from_it(tmp_path, hybrid_reference):
+    ckpt = tmp_path / "ckpt"
+    job, params = run_job(tmp_path, "dump", "hybrid_train.py",
+                          [{"rank": 0, "step": 5, "phase": "forward", "kind": "kill"}],
+                          extra_args=["--checkpoint-dir", str(ckpt)], fallback="dump")
+    assert (ckpt / "latest_checkpointed_iteration.txt").read_text() == "5\n"
+    assert sorted(p.name for p in (ckpt / "iter_0000005").iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    logs = job.logs()
+    assert "checkpoint shard mp_rank_00 of iteration 5 written" in logs  # by rank 2, rank 0's replica
+    assert "loaded checkpoint iteration 5" in logs
     for r in range(4):
         assert_bit_identical(params[r], hybrid_reference[r])

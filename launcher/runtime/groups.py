@@ -9,7 +9,7 @@ the default process group, `rebuild()` re-creates every registered group in the 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -91,7 +91,3 @@ class GroupRegistry:
 
     def current_groups(self) -> list[Any]:
         return [e.handle.group for e in self._entries if e.handle.group is not None]
-
-    def each(self, fn: Callable[[GroupHandle], None]) -> None:
-        for e in self._entries:
-            fn(e.handle)
