@@ -135,6 +135,7 @@ class Runtime:
         self._finished = False
         self._total_steps: int | None = None
         self.last_recovery: dict[str, float] = {}
+        self._t_created = time.monotonic()
 
     # ================================================================ start-up
     def _start(self) -> None:
@@ -353,9 +354,18 @@ class Runtime:
             if self._stop.newer_than(self.generation):
                 return self._recover()  # our round was superseded before we got here
             try:
-                return self._execute(plan)
+                t0 = time.monotonic()
+                resume = self._execute(plan)
             except StopRequested:
                 return self._recover()
+            self.last_recovery = {"repair_s": time.monotonic() - t0,
+                                  "since_init_s": time.monotonic() - self._t_created}
+            self.log(f"replacement resumes at step {resume} (repair {self.last_recovery['repair_s']:.3f} s)")
+            if self._channel is not None:
+                self._channel.send({"op": "recovered", "rank": self.rank, "generation": plan.generation,
+                                    "resume_step": resume, "action": plan.action, "replacement": True,
+                                    **{k: round(v, 4) for k, v in self.last_recovery.items()}})
+            return resume
         start = 0
         if self._ckpt_dir:
             start = self.load_checkpoint()
@@ -519,8 +529,12 @@ class Runtime:
                     self.log(f"recovery round failed ({exc}); a newer generation was requested")
                     continue
                 raise
-            self.last_recovery = {"stop": t0 - t_stop, "plan_wait": t1 - t0, "rebuild": t2 - t1,
-                                  "repair": t3 - t2, "total": t3 - t_stop}
+            self.last_recovery = {"stop_s": t0 - t_stop, "plan_wait_s": t1 - t0, "rebuild_s": t2 - t1,
+                                  "repair_s": t3 - t2, "total_s": t3 - t_stop}
+            if self._channel is not None:
+                self._channel.send({"op": "recovered", "rank": self.rank, "generation": target,
+                                    "resume_step": resume, "action": plan.action,
+                                    **{k: round(v, 4) for k, v in self.last_recovery.items()}})
             self.log(f"recovered into generation {target}: resume at step {resume} "
                      f"(plan wait {t1 - t0:.3f} s, rebuild {t2 - t1:.3f} s, repair {t3 - t2:.3f} s)")
             return resume
