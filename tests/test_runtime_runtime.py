@@ -39,8 +39,8 @@ def restarted(job) -> dict[int, int]:
     return {r: len(job.pids(r)) - 1 for r in range(4) if len(job.pids(r)) > 1}
 
 
-@pytest.mark.parametrize("phase", ["forward", pytest.param("backward", marks=pytest.mark.slow),
-                                   pytest.param("optimizer", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the same through the real CLI runs by default in test_runtime_recovery.py
+@pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
 def test_sigkill_one_rank_only_it_restarts_and_result_is_bit_identical(tmp_path, ddp_reference, phase):
     job, params = run_job(tmp_path, "kill", "ddp_train.py",
                           [{"rank": 2, "step": 4, "phase": phase, "kind": "kill"}])

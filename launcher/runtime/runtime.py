@@ -107,7 +107,8 @@ class Runtime:
         self.adapter = device
         self.device = device.device(env.local_rank)
         self.options = options or RuntimeOptions()
-        self.generation = env.generation
+        # Under plain torchrun every restart is a new attempt: its number keeps store keys apart.
+        self.generation = env.generation if env.managed else env.restart_count
         self.replacement = env.replacement
         self.log = RankLog(env.rank, lambda: self.generation)
         self._stop = StopSignal()
@@ -173,10 +174,19 @@ class Runtime:
     def _teardown_world(self) -> None:
         if not dist.is_initialized():
             return
-        groups = list(dist.distributed_c10d._world.pg_map.keys())
+        c10d = dist.distributed_c10d
+        groups = list(c10d._world.pg_map.keys())
         self._graveyard.keep(*groups)  # never let a group with a stuck op be destroyed
         self.adapter.abort_groups(groups)
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - the old world is discarded either way
+            self.log(f"destroying generation {self.generation}'s groups failed ({exc}); dropping them")
+            c10d._update_default_pg(None)
+            for table in (c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_group_ranks,
+                          c10d._world.pg_backend_config, c10d._world.pg_to_tag, c10d._world.tags_to_pg):
+                table.clear()
+            c10d._world.group_count = 0
 
     def _abort_groups(self) -> None:
         if dist.is_initialized():
@@ -344,7 +354,12 @@ class Runtime:
                 continue
             if not step.updated:
                 self._commit(s)
-            self._maybe_checkpoint(s + 1)
+            try:
+                self._maybe_checkpoint(s + 1)
+            except StopRequested as exc:
+                self.log(f"checkpoint of iteration {s + 1} abandoned: {exc}")
+                s = self._recover()
+                continue
             s += 1
         self._set_phase("done")
 
