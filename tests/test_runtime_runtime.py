@@ -115,3 +115,28 @@ def test_dying_gasp_dump_saves_the_current_step_and_the_next_launch_resumes_from
     assert "loaded checkpoint iteration 5" in logs
     for r in range(4):
         assert_bit_identical(params[r], hybrid_reference[r])
+
+
+@pytest.mark.slow
+def test_plain_torchrun_trains_without_recovery_and_resumes_from_checkpoints(tmp_path):
+    """No agent: one log line says so; a run resumed from a checkpoint equals an uninterrupted one."""
+    import subprocess
+    import sys
+
+    from helpers_runtime import base_env
+
+    def torchrun(name, steps, ckpt):
+        out = tmp_path / f"{name}.pt"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               str(EXAMPLES / "ddp_train.py"), "--steps", str(steps), "--out", str(out),
+               "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
+        res = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path)
+        assert res.returncode == 0, res.stdout + res.stderr
+        return res.stdout + res.stderr, out
+
+    log, whole = torchrun("whole", 6, tmp_path / "c1")
+    assert "no FTRUN_AGENT_SOCKET: running without an ftrun agent, so no process-level recovery" in log
+    torchrun("first", 3, tmp_path / "c2")
+    log, resumed = torchrun("resumed", 6, tmp_path / "c2")
+    assert "loaded checkpoint iteration 3" in log
+    assert_bit_identical(load_params(resumed), load_params(whole))
