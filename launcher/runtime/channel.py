@@ -6,6 +6,18 @@ both ways, and the two daemon threads that serve it: a reader that turns the age
 hears it), and a writer that sends a heartbeat on every progress change and at least every
 `heartbeat_interval` seconds. The training thread never touches the socket: it only updates
 `Progress` and queues messages.
+
+Messages (one JSON object per line):
+  worker -> agent  {"op":"hello","rank","local_rank","pid","generation","replacement"}
+                   {"op":"heartbeat","rank","step","phase","committed_step","time"}
+                   {"op":"fault","rank","kind","message","step","phase","injected","fatal"}
+                   {"op":"recovered","rank","generation","resume_step","action", <phase>_s timings}
+                   {"op":"bye","rank"}
+  agent -> worker  {"op":"stop","generation":g}
+Heartbeat phases: "init" (between init() and the first step: the script builds its model, a
+replacement waits for its state), "step", the script's phase names ("forward", "backward", ...),
+"optimizer", "committed", "checkpoint", "recovering" (inside a recovery round; every wait there
+is bounded by FTRUN_STORE_TIMEOUT), "resumed", "done". Rapid phase changes are coalesced.
 """
 from __future__ import annotations
 

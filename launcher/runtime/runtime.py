@@ -29,8 +29,8 @@ from launcher import plan as P
 from launcher.runtime import checkpoint as ckpt
 from launcher.runtime.channel import AgentChannel
 from launcher.runtime.collectives import CollectiveError, Graveyard, Interruptible
-from launcher.runtime.devices import (EXCEPTION, NETWORK, UCE_HIGH, UNSAFE_DATA, DeviceAdapter,
-                                      InjectedFault, select_adapter)
+from launcher.runtime.devices import (EXCEPTION, NETWORK, UCE_HIGH, UNSAFE_DATA, WORKER_FAULT_KINDS,
+                                      DeviceAdapter, InjectedFault, select_adapter)
 from launcher.runtime.env import RuntimeEnv
 from launcher.runtime.faultplan import FaultInjector, parse_plan
 from launcher.runtime.groups import GroupHandle, GroupRegistry
@@ -446,7 +446,10 @@ class Runtime:
         return True
 
     def report_fault(self, kind: str, message: str, injected: bool = False, fatal: bool = False) -> None:
-        """Tell the agent about a fault this worker detected itself."""
+        """Tell the agent about a fault this worker detected itself (the agent answers with a
+        stop, which the runtime handles at the next phase edge or collective)."""
+        if kind not in WORKER_FAULT_KINDS:
+            raise ValueError(f"fault kind {kind!r}; allowed: {', '.join(WORKER_FAULT_KINDS)}")
         label = "INJECTED " if injected else ""
         self.log(f"{label}fault kind={kind} in step {self._current_step} phase {self._phase}: {message}")
         if self._channel is not None:
