@@ -142,7 +142,7 @@ class StoreClient(KVStore):
             elif shape == P.Reply.NONE:
                 return None
             try:
-                chunk = link.sock.recv(262144)
+                chunk = link.sock.recv(65536)
             except socket.timeout:
                 raise
             except OSError as e:

@@ -188,7 +188,7 @@ class _MuxUpstream:
         if self.sock is None or not ev & (select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP):
             return
         try:
-            data = self.sock.recv(1 << 20)
+            data = self.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
@@ -453,7 +453,7 @@ class StoreProxy(LoopServer):
     def __init__(self, upstream, listen_host: str = "127.0.0.1", port: int = 0,
                  limits: ServerLimits = ServerLimits(),
                  log: Callable[[str], None] | None = None,
-                 upstream_timeout: float = 30.0) -> None:
+                 upstream_timeout: float = 30.0, max_hold: float = 0.002) -> None:
         super().__init__(listen_host, port, None, limits, log)
         if isinstance(upstream, tuple) and len(upstream) in (2, 3):
             host, uport = upstream[0], upstream[1]
@@ -467,8 +467,11 @@ class StoreProxy(LoopServer):
             raise TypeError(f"upstream={upstream!r}: expected (host, port[, token]), a KVStore "
                             "or a KVStore factory")
         self._batch: list = []
+        self._batch_since = 0.0
+        self._inflight = 0
         self._waits: dict[tuple, _Group] = {}
         self.upstream_requests = 0
+        self.max_hold = max_hold
 
     @property
     def upstream_address(self) -> str:
@@ -558,10 +561,23 @@ class StoreProxy(LoopServer):
 
     # -- batching --------------------------------------------------------------------------
 
+    def _poll_timeout(self) -> float:
+        if self._batch:
+            return max(0.0, self._batch_since + self.max_hold - time.monotonic())
+        return 1.0
+
     def _end_turn(self) -> None:
         batch = self._batch
         if batch:
+            # Nagle-style: while answers to earlier requests are outstanding, keep
+            # collecting (at most max_hold s), so a burst becomes one upstream round.
+            now = time.monotonic()
+            if not self._batch_since:
+                self._batch_since = now
+            if self._inflight and now - self._batch_since < self.max_hold:
+                return
             self._batch = []
+            self._batch_since = 0.0
             per: dict = {}
             for item in batch:
                 per.setdefault(item[0], []).append(item)
@@ -574,8 +590,16 @@ class StoreProxy(LoopServer):
                     self._round([q[i] for q in queues if len(q) > i])
         self._up.flush()
 
-    def _send(self, req: P.Request, cb):
+    def _send(self, req: P.Request, cb, counted: bool = True):
+        """Send upstream; `counted` requests hold back the next batch until answered."""
         self.upstream_requests += 1
+        if cb is not None and counted:
+            self._inflight += 1
+            inner = cb
+
+            def cb(value, err):
+                self._inflight -= 1
+                inner(value, err)
         return self._up.send(req, cb)
 
     def _round(self, items: list) -> None:
@@ -607,7 +631,7 @@ class StoreProxy(LoopServer):
                 g = _Group(None)
                 g.members.append((c, slot))
                 c.waiter = (g, slot)
-                g.handle = self._send(req, self._group_cb(g, P.OP_NAMES[op]))
+                g.handle = self._send(req, self._group_cb(g, P.OP_NAMES[op]), counted=False)
             else:
                 self._single(c, slot, req)
         if set_k:
@@ -628,7 +652,8 @@ class StoreProxy(LoopServer):
         if g is None:
             g = self._waits[key] = _Group(key)
             g.members.append((c, slot))
-            g.handle = self._send(P.Request(Op.WAIT, key), self._group_cb(g, "WAIT"))
+            g.handle = self._send(P.Request(Op.WAIT, key), self._group_cb(g, "WAIT"),
+                                  counted=False)
         else:
             g.members.append((c, slot))
         c.waiter = (g, slot)

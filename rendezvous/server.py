@@ -248,7 +248,7 @@ class LoopServer:
         next_sweep = time.monotonic() + 1.0
         try:
             while not self._stopping:
-                events = poll(0 if self._backlog else 1.0)
+                events = poll(0 if self._backlog else self._poll_timeout())
                 t0 = time.monotonic()
                 for fd, ev in events:
                     if fd == lfd:
@@ -315,7 +315,7 @@ class LoopServer:
 
     def _read(self, c: _Conn) -> None:
         try:
-            data = c.sock.recv(262144)
+            data = c.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -460,6 +460,10 @@ class LoopServer:
 
     def _end_turn(self) -> None:
         """Hook: runs once per loop turn, after all ready sockets were handled."""
+
+    def _poll_timeout(self) -> float:
+        """Hook: longest the loop may sleep when nothing happens."""
+        return 1.0
 
     def _extra_event(self, fd: int, ev: int) -> None:
         """Hook: an event on a registered fd that is not a client connection."""

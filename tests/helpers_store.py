@@ -208,7 +208,7 @@ def conn():
     return s
 def drain(s):
     try:
-        while s.recv(1 << 20, socket.MSG_DONTWAIT):
+        while s.recv(65536, socket.MSG_DONTWAIT):
             pass
         return False  # EOF: the server closed it
     except BlockingIOError:

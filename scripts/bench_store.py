@@ -1,0 +1,287 @@
+#!/usr/bin/env python3
+"""Benchmark: torch's libuv TCPStore server vs ftrun's store, direct and through node proxies.
+
+Every scenario runs N clients (processes x threads, each thread one torch C++ `TCPStore`
+client, `is_master=False`) doing the process-group init pattern:
+  each rank sets its key, increments a counter, and waits for all (the last one sets a
+  "everyone is in" key); rank 0 sets a unique id that every other rank gets; then a final
+  counter barrier.
+Backends, all in separate processes, measured in the same run:
+  torch        - torch's own TCPStore master (libuv backend);
+  ftrun        - ftrun's StoreServer (`python -m rendezvous.store_cli serve`);
+  ftrun-proxy  - the same server behind StoreProxy instances (64 ranks per proxy), the proxies
+                 hosted by a few "node" processes; the master sees one link per proxy.
+Reported per scenario (one JSON line): connect time, pattern time, client ops/s, CPU seconds
+of the master process during connect and pattern (and of the proxies), and ratios to torch.
+
+Environment: torch's client resolves the reverse name of ::ffff:127.0.0.1; without an
+/etc/hosts entry bursts of lookups stall 5-10 s here and both sides would measure the
+resolver. The script checks for (and adds, when it may) the line
+`::ffff:127.0.0.1 localhost-v4mapped` and says so on its first output line.
+
+Usage: python scripts/bench_store.py [--sizes 256,1024,4096] [--repeat 1]
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HOSTS_LINE = "::ffff:127.0.0.1 localhost-v4mapped"
+PER_PROXY = 64
+
+CLIENT = r'''
+import os, sys, threading, time
+from datetime import timedelta
+import torch.distributed as d
+world, first, count = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+ports = [int(p) for p in sys.argv[4].split(",")]
+per_port = int(sys.argv[5])
+UID = bytes(range(128))
+stores = [None] * count
+errors = []
+go = threading.Event()
+connected = threading.Barrier(count + 1)
+finished = threading.Barrier(count + 1)
+def rank_main(i):
+    r = first + i
+    try:
+        stores[i] = d.TCPStore("127.0.0.1", ports[r // per_port], is_master=False,
+                               timeout=timedelta(seconds=300))
+    except Exception as e:
+        errors.append(f"connect {r}: {e}")
+    connected.wait()
+    go.wait()
+    try:
+        s = stores[i]
+        s.set(f"rank/{r}", b"10.0.0.1:%d" % (30000 + r))
+        if s.add("count", 1) == world:
+            s.set("all_in", b"1")
+        s.wait(["all_in"])
+        if r == 0:
+            s.set("uid", UID)
+        elif s.get("uid") != UID:
+            errors.append(f"rank {r}: wrong uid")
+        if s.add("done", 1) == world:
+            s.set("all_done", b"1")
+        s.wait(["all_done"])
+    except Exception as e:
+        errors.append(f"rank {r}: {e}")
+    finished.wait()
+threads = [threading.Thread(target=rank_main, args=(i,), daemon=True) for i in range(count)]
+print("ready", flush=True)
+assert sys.stdin.readline().strip() == "connect"
+for t in threads:
+    t.start()
+connected.wait()
+print("connected", time.time(), len(errors), flush=True)
+assert sys.stdin.readline().strip() == "go"
+go.set()
+finished.wait()
+print("done", time.time(), len(errors), flush=True)
+if errors:
+    print("ERR", errors[:3], file=sys.stderr, flush=True)
+sys.stdin.readline()
+os._exit(0)
+'''
+
+TORCH_SERVER = r'''
+import sys, time
+import torch.distributed as d
+s = d.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+print("port", s.port, flush=True)
+sys.stdin.readline()
+'''
+
+PROXY_HOST = r'''
+import sys
+from rendezvous.proxy import StoreProxy
+up_port, n = int(sys.argv[1]), int(sys.argv[2])
+ps = [StoreProxy(("127.0.0.1", up_port)).start() for _ in range(n)]
+print("ports", ",".join(str(p.port) for p in ps), flush=True)
+sys.stdin.readline()
+for p in ps:
+    p.stop()
+'''
+
+
+def ensure_hosts_line() -> str:
+    try:
+        with open("/etc/hosts", encoding="utf-8") as f:
+            if "localhost-v4mapped" in f.read():
+                return "present"
+        with open("/etc/hosts", "a", encoding="utf-8") as f:
+            f.write("\n" + HOSTS_LINE + "\n")
+        return "added"
+    except OSError as e:
+        return f"missing (could not add: {e.strerror}); numbers include resolver stalls"
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = REPO + os.pathsep + e.get("PYTHONPATH", "")
+    e["OMP_NUM_THREADS"] = "1"
+    e.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    return e
+
+
+def cpu_seconds(pid: int) -> float:
+    """On-CPU time of every thread of `pid` (ns resolution from schedstat)."""
+    total = 0
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
+
+
+def spawn(code: str, *args: object) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env(),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, bufsize=1)
+
+
+def read_line(p: subprocess.Popen, want: str, timeout: float = 300) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"process exited: {p.stderr.read()[-2000:]}")
+        parts = line.split()
+        if parts and parts[0] == want:
+            return parts
+    raise RuntimeError(f"timed out waiting for {want!r}")
+
+
+def start_master(kind: str) -> tuple[subprocess.Popen, int]:
+    if kind == "torch":
+        p = spawn(TORCH_SERVER)
+        return p, int(read_line(p, "port")[1])
+    p = subprocess.Popen([sys.executable, "-m", "rendezvous.store_cli", "serve", "--host",
+                          "127.0.0.1", "--port", "0"], env=env(), stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    line = p.stdout.readline()
+    if "listening on" not in line:
+        raise RuntimeError(f"store_cli serve failed: {line} {p.stderr.read()[-2000:]}")
+    return p, int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
+
+
+def stop(p: subprocess.Popen) -> None:
+    if p.poll() is None:
+        try:
+            p.stdin.write("\n")
+            p.stdin.flush()
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.terminate()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
+def run_scenario(kind: str, n: int, procs: int) -> dict:
+    master, mport = start_master(kind)
+    helpers: list[subprocess.Popen] = []
+    clients: list[subprocess.Popen] = []
+    try:
+        ports = [mport]
+        per_port = n
+        if kind == "ftrun-proxy":
+            nproxies = max(1, n // PER_PROXY)
+            hosts = nproxies  # one proxy per process, as on real nodes
+            ports = []
+            for h in range(hosts):
+                k = nproxies // hosts + (1 if h < nproxies % hosts else 0)
+                p = spawn(PROXY_HOST, mport, k)
+                helpers.append(p)
+                ports += [int(x) for x in read_line(p, "ports")[1].split(",")]
+            per_port = PER_PROXY
+        per = n // procs
+        for i in range(procs):
+            clients.append(spawn(CLIENT, n, i * per, per, ",".join(map(str, ports)), per_port))
+        for c in clients:
+            read_line(c, "ready")
+        cpu0 = cpu_seconds(master.pid)
+        pcpu0 = sum(cpu_seconds(h.pid) for h in helpers)
+        t0 = time.time()
+        for c in clients:
+            c.stdin.write("connect\n")
+            c.stdin.flush()
+        ends = [read_line(c, "connected") for c in clients]
+        connect_s = max(float(e[1]) for e in ends) - t0
+        errs = sum(int(e[2]) for e in ends)
+        cpu1 = cpu_seconds(master.pid)
+        pcpu1 = sum(cpu_seconds(h.pid) for h in helpers)
+        t1 = time.time()
+        for c in clients:
+            c.stdin.write("go\n")
+            c.stdin.flush()
+        ends = [read_line(c, "done") for c in clients]
+        pattern_s = max(float(e[1]) for e in ends) - t1
+        errs += sum(int(e[2]) for e in ends)
+        cpu2 = cpu_seconds(master.pid)
+        pcpu2 = sum(cpu_seconds(h.pid) for h in helpers)
+        ops = 7 * n  # set, add, wait, (get = wait + get | set), add, wait per rank
+        return {
+            "backend": kind, "clients": n, "client_procs": procs,
+            "master_connections": n if kind != "ftrun-proxy" else len(ports),
+            "connect_s": round(connect_s, 4), "pattern_s": round(pattern_s, 4),
+            "ops_per_s": round(ops / pattern_s), "master_cpu_connect_s": round(cpu1 - cpu0, 4),
+            "master_cpu_pattern_s": round(cpu2 - cpu1, 4),
+            "master_cpu_total_s": round(cpu2 - cpu0, 4),
+            "proxy_cpu_total_s": round(pcpu2 - pcpu0, 4) if helpers else None,
+            "errors": errs,
+        }
+    finally:
+        for c in clients:
+            stop(c)
+        for h in helpers:
+            stop(h)
+        stop(master)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="256,1024,4096")
+    ap.add_argument("--repeat", type=int, default=1, help="runs per scenario; the best is kept")
+    ap.add_argument("--backends", default="torch,ftrun,ftrun-proxy")
+    a = ap.parse_args()
+    print(json.dumps({"setup": "/etc/hosts", "line": HOSTS_LINE,
+                      "status": ensure_hosts_line(),
+                      "note": "torch's client reverse-resolves ::ffff:127.0.0.1; the line "
+                              "avoids resolver stalls for every backend"}), flush=True)
+    for n in [int(x) for x in a.sizes.split(",")]:
+        procs = max(2, min(16, n // 64))
+        res = {}
+        for kind in a.backends.split(","):
+            best = None
+            for _ in range(a.repeat):
+                r = run_scenario(kind, n, procs)
+                if best is None or r["pattern_s"] < best["pattern_s"]:
+                    best = r
+            res[kind] = best
+        base = res.get("torch")
+        for kind, r in res.items():
+            if base and kind != "torch":
+                r["pattern_time_vs_torch"] = round(r["pattern_s"] / base["pattern_s"], 3)
+                r["connect_time_vs_torch"] = round(r["connect_s"] / base["connect_s"], 3)
+                if r["master_cpu_total_s"] > 0:
+                    r["master_cpu_reduction_vs_torch"] = round(
+                        base["master_cpu_total_s"] / r["master_cpu_total_s"], 2)
+            print(json.dumps(r), flush=True)
+
+
+if __name__ == "__main__":
+    main()
