@@ -94,6 +94,7 @@ class Agent:
         self._last_progress: dict[int, float] = {}
         self._hang_killed: set[int] = set()
         self._aware: set[int] = set()
+        self.rejoined = False
         self._progress: dict[int, tuple] = {}
         self._inject_thread: threading.Thread | None = None
         from launcher.fault_memory import FaultMemory
@@ -185,14 +186,22 @@ class Agent:
             local_world_size=cfg.nproc_per_node, host=cfg.local_addr or self.host,
             run_id=cfg.rdzv_id, join_timeout=cfg.join_timeout,
             last_call_timeout=cfg.last_call_timeout)
+        raw = self.kv.try_get(P.GENERATION_KEY)
+        self._generation_before_join = int(raw) if raw is not None else 0
         w = self._membership.join(timeout=cfg.join_timeout)
         self._membership.start_heartbeat()
-        self._membership.watch_nodes(self._on_node_dead)
+        self._membership.watch_nodes(self._on_node_dead, self._on_node_join)
+        self.rejoined = bool(w.rejoined)
         return NodeWorld(w.group_rank, w.group_world_size, w.nodes[w.group_rank].rank_base,
                          w.world_size, w.leader_node == w.group_rank)
 
+    def _on_node_join(self, node: int) -> None:
+        self._on_node_joined(node)
+
     def _on_node_dead(self, node: int) -> None:
-        self.events.put(("node-dead", node))
+        """Membership thread: handled here, not in the main loop, which may be waiting on a
+        round that this very death holds up."""
+        self._on_node_lost(node)
 
     # ------------------------------------------------------------------ workers
     def worker_env(self, w: Worker, replacement: bool) -> dict[str, str]:
@@ -294,8 +303,13 @@ class Agent:
                           master_port=self.master_port, log_dir=self.run_dir.path)
             assert self.kv is not None
             self._publish_store_address()
-            raw = self.kv.try_get(P.GENERATION_KEY)
-            self.generation = int(raw) if raw is not None else 0
+            if self.rejoined:
+                # Plans published from the moment it joined concern it: the leader starts a
+                # round for its arrival, possibly before join() returned.
+                self.generation = self._generation_before_join
+            else:
+                raw = self.kv.try_get(P.GENERATION_KEY)
+                self.generation = int(raw) if raw is not None else 0
             self.log.generation = self.generation
             if self.world.is_leader:
                 self.controller = Controller(self.kv, self.log, self.world.world_size,
@@ -307,7 +321,12 @@ class Agent:
             self.reaper = Reaper(self.events)
             for lr in range(cfg.nproc_per_node):
                 self.workers[lr] = Worker(local_rank=lr, rank=self.world.rank_base + lr)
-            self.spawn_all(self.generation)
+            if self.rejoined:
+                # A replacement agent: its ranks start with the next generation's plan.
+                self.log.warning("rejoined", f"replacement agent for node {self.world.group_rank}: "
+                                 f"waiting for generation {self.generation + 1}")
+            else:
+                self.spawn_all(self.generation)
             self._watch_thread = threading.Thread(target=self._watch_plans, name="ftrun-plans",
                                                   daemon=True)
             self._watch_thread.start()
@@ -411,8 +430,6 @@ class Agent:
                 return self._on_signal(ev.signum)
             elif isinstance(ev, InjectEvent):
                 self._on_inject(ev.injection)
-            elif isinstance(ev, tuple) and ev and ev[0] == "node-dead":
-                self._on_node_lost(int(ev[1]))
             if time.monotonic() >= next_check:
                 next_check = time.monotonic() + cfg.monitor_interval
                 self._health_check()
@@ -660,11 +677,20 @@ class Agent:
         self.log.event("summary", "job failed", "error", root_cause=dataclasses.asdict(rc) if rc else None)
 
     def _on_node_lost(self, node: int) -> None:
-        self.log.error("node-lost", f"node {node} stopped heartbeating", lost_node=node)
-        if self.world.is_leader:
+        self.log.error("node-lost", f"node {node} stopped heartbeating; its ranks restart when a "
+                       f"replacement agent joins as node {node}", lost_node=node)
+        if self.controller is not None:
+            # No round yet: without the node's agent nothing can restart its ranks. Survivors'
+            # own failures are handled as usual; the replacement's arrival starts the round.
+            self.controller.note_node(node, lost=True)
+
+    def _on_node_joined(self, node: int) -> None:
+        self.log.warning("node-joined", f"a replacement agent joined as node {node}", joined_node=node)
+        if self.controller is not None:
+            self.controller.note_node(node, lost=False)
             self._report(P.Fault(kind=FaultKind.EXIT.value, rank=None, node=node,
-                                 generation=self.generation, message=f"agent of node {node} lost",
-                                 host=self.host))
+                                 generation=self.generation, message=f"replacement agent for node {node}",
+                                 host=self.host, evidence={"node_joined": True}))
 
     # ------------------------------------------------------------------ finish / signals
     def _finish(self) -> int | None:

@@ -57,6 +57,9 @@ class Controller:
         self.chain = chain
         self.phase_timeout = phase_timeout
         self.state = ControllerState()
+        self.current_plan: P.Plan | None = None
+        self.lost_nodes: set[int] = set()  # nodes whose agent is gone: they cannot stop workers
+        self._nodes_lock = threading.Lock()
         raw = kv.try_get(P.GENERATION_KEY)
         if raw is not None:
             self.state.generation = int(raw)
@@ -100,17 +103,44 @@ class Controller:
     def all_aware(self) -> bool:
         return all(self.kv.try_get(aware_key(r)) is not None for r in range(self.world_size))
 
+    def absorbed(self, fault: P.Fault) -> bool:
+        """A late report that the round in progress already covers (a bystander of a restart-all,
+        or the failed rank itself reported twice). Any other fault is a new failure."""
+        plan = self.current_plan
+        if plan is None or fault.generation >= plan.generation:
+            return False
+        if plan.strategy in (P.RESTART_ALL, P.EXIT, P.DUMP):
+            return True
+        return fault.rank in plan.failed_ranks or fault.rank is None
+
+    def note_node(self, node: int, lost: bool) -> None:
+        """Membership news (any thread): a lost node cannot take part in a restart barrier."""
+        with self._nodes_lock:
+            if lost:
+                self.lost_nodes.add(node)
+            else:
+                self.lost_nodes.discard(node)
+
     def handle(self, fault: P.Fault) -> None:
         st = self.state
-        if fault.generation < st.generation:
+        if self.absorbed(fault):
             self.log.info("fault-absorbed", f"fault of rank {fault.rank} ({fault.kind}) from "
                           f"generation {fault.generation} is part of the round already in progress",
                           rank=fault.rank, fault_kind=fault.kind)
             return
+        if (self.current_plan is not None and fault.generation < self.current_plan.generation
+                and self.current_plan.strategy in (P.RETRY, P.RECOVER_IN_PLACE)):
+            # Another rank of the same round failed (e.g. every rank of a node): widen the round.
+            fault.generation = self.current_plan.generation
         aware = self.all_aware()
         budget_left = st.restarts_used < self.max_restarts
         strategy, why = pick_strategy(FaultKind(fault.kind), self.chain, aware, budget_left,
                                       repeat_uce=bool(fault.evidence.get("repeat_uce")))
+        if fault.rank is None and strategy in (P.RETRY, P.RECOVER_IN_PLACE):
+            # A whole node (its agent) was lost or replaced: every rank restarts.
+            strategy, why = pick_strategy(FaultKind(fault.kind), [s for s in self.chain if s not in (
+                P.RETRY, P.RECOVER_IN_PLACE)], False, budget_left)
+            why = f"node {fault.node}: {fault.message}; {why}"
         self.log.info("decide", f"fault: rank {fault.rank} {fault.kind} on node {fault.node} -> "
                       f"{strategy} ({why})", rank=fault.rank, fault_kind=fault.kind,
                       strategy=strategy, reason=why)
@@ -132,6 +162,7 @@ class Controller:
                       reason=reason, root_cause=fault.__dict__ if hasattr(fault, "__dict__") else None,
                       restarts_used=st.restarts_used, max_restarts=self.max_restarts)
         st.generation = g
+        self.current_plan = plan
         st.history.append({"generation": g, "strategy": strategy, "time": time.time()})
         self.kv.set(P.plan_key(g), plan.to_json())
         self.kv.set(P.GENERATION_KEY, str(g).encode())
@@ -147,9 +178,17 @@ class Controller:
 
     # ---- restart-all round --------------------------------------------------------------------
     def _release_restart_all(self, g: int, fault: P.Fault) -> None:
-        if not self.kv.wait([stopped_key(g) + "_all"], self.phase_timeout):
-            self.log.error("phase-timeout", f"generation {g}: not every node stopped its workers within "
-                           f"{self.phase_timeout:.0f}s; releasing anyway")
+        deadline = time.monotonic() + self.phase_timeout
+        while not self.kv.wait([stopped_key(g) + "_all"], 0.05):
+            with self._nodes_lock:
+                need = self.nnodes - len(self.lost_nodes)
+            raw = self.kv.try_get(stopped_key(g))
+            if raw is not None and int(raw) >= need:
+                break
+            if time.monotonic() > deadline or self._stop.is_set():
+                self.log.error("phase-timeout", f"generation {g}: not every node stopped its workers "
+                               f"within {self.phase_timeout:.0f}s; releasing anyway")
+                break
         n = self.kv.clear_except(P.ROOT + "/")
         self.kv.set(go_key(g), b"1")
         self.log.info("restart-all-go", f"generation {g}: all nodes stopped; cleared {n} worker keys; "
@@ -211,8 +250,10 @@ class Controller:
         if raw is None:
             return None
         f = P.Fault.from_json(raw)
-        if f.generation < g:  # late report from the old generation: absorbed
+        if self.absorbed(f):
             self.state.next_fault += 1
+            self.log.info("fault-absorbed", f"fault of rank {f.rank} ({f.kind}) is part of this round",
+                          rank=f.rank, fault_kind=f.kind)
             return None
         return f
 

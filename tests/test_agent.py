@@ -187,3 +187,36 @@ def test_two_agents_through_etcd_restart_under_one_generation(tmp_path) -> None:
             assert json.load(f)["restart_count"] == 1
     finally:
         srv.stop()
+
+
+def test_lost_agent_is_noticed_and_a_replacement_joins_the_next_generation(tmp_path) -> None:
+    port = free_port()
+
+    def agent(node: int, tag: str) -> subprocess.Popen:
+        cmd = FTRUN + ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
+                       "--master_port", str(port), "--max_restarts", "3",
+                       "--log_dir", str(tmp_path / f"log{tag}"), script("ddp_plain.py"),
+                       "--steps", "40", "--step-time", "0.2", "--out", str(tmp_path / f"{tag}.json")]
+        return _start(cmd, env_with())
+
+    a0, a1 = agent(0, "n0"), agent(1, "n1")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if any(e["event"] == "spawn" for e in events(str(tmp_path / "logn1"))):
+            break
+        time.sleep(0.1)
+    time.sleep(2.0)
+    a1.kill()  # the whole agent of node 1 (its worker dies with it)
+    a1.wait()
+    killed_at = time.time()
+    time.sleep(1.0)
+    a1b = agent(1, "n1b")
+    outs = [p.communicate(timeout=180) for p in (a0, a1b)]
+    assert a0.returncode == 0 and a1b.returncode == 0, outs[0][1][-2000:] + outs[1][1][-2000:]
+    ev0 = events(str(tmp_path / "logn0"))
+    lost = [e for e in ev0 if e["event"] == "node-lost"]
+    assert lost and lost[0]["time"] - killed_at < 5.0 + 2.0  # heartbeat timeout + slack
+    assert any(e["event"] == "node-joined" for e in ev0)
+    last_gen = max(e["generation"] for e in ev0 if e["event"] == "spawn")
+    ev1b = events(str(tmp_path / "logn1b"))
+    assert [e["generation"] for e in ev1b if e["event"] == "spawn"] == [last_gen]
