@@ -59,10 +59,29 @@ save_checkpoint, load_checkpoint, finish), `Step` (phase, optimizer_update), `St
 """
 from __future__ import annotations
 
-from launcher.runtime.groups import GroupHandle
-from launcher.runtime.replicas import Layout, plan_repair
-from launcher.runtime.runtime import EXIT_FALLBACK, Runtime, RuntimeOptions, Step, init
-from launcher.runtime.signals import StopRequested
+import importlib
+from typing import Any
 
-__all__ = ["init", "Runtime", "RuntimeOptions", "Step", "StopRequested", "GroupHandle", "Layout",
-           "plan_repair", "EXIT_FALLBACK"]
+# Exports load lazily: the launcher imports launcher.runtime.replicas (pure Python) and must not
+# pay for importing torch, which the rest of the runtime needs.
+_EXPORTS = {
+    "init": "launcher.runtime.runtime", "Runtime": "launcher.runtime.runtime",
+    "RuntimeOptions": "launcher.runtime.runtime", "Step": "launcher.runtime.runtime",
+    "EXIT_FALLBACK": "launcher.runtime.runtime", "StopRequested": "launcher.runtime.signals",
+    "GroupHandle": "launcher.runtime.groups", "Layout": "launcher.runtime.replicas",
+    "plan_repair": "launcher.runtime.replicas",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'launcher.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
