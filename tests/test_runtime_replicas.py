@@ -125,3 +125,14 @@ def test_plan_round_trips_as_json():
     from launcher.plan import RepairPlan
     p = plan_repair([st(0, 2), st(1, -1, replacement=True)], 1)
     assert RepairPlan.from_json(p.to_json()) == p
+
+
+def test_controller_import_does_not_load_torch():
+    """The controller imports plan_repair inside a recovery round: it must be cheap."""
+    import subprocess
+    import sys
+
+    from helpers_runtime import base_env
+    code = "import sys; from launcher.runtime.replicas import plan_repair; print('torch' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], env=base_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
