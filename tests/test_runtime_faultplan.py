@@ -47,9 +47,9 @@ def test_raised_fault_fires_once_only_on_match():
 
 @pytest.mark.parametrize("kind,code", [("kill", -signal.SIGKILL), ("segv", -signal.SIGSEGV), ("exit", 3)])
 def test_process_faults_are_real(kind, code):
+    spec = json.dumps([{"rank": 0, "step": 1, "phase": "forward", "kind": kind}])
     prog = ("from launcher.runtime.faultplan import FaultInjector, parse_plan\n"
-            f"FaultInjector(parse_plan('[{{\"rank\":0,\"step\":1,\"phase\":\"forward\",\"kind\":\"{kind}\"}}]'), 0, print)"
-            ".maybe_fire(0, 1, 'forward')\nprint('survived')")
+            f"FaultInjector(parse_plan({spec!r}), 0, print).maybe_fire(0, 1, 'forward')\nprint('survived')")
     res = subprocess.run([sys.executable, "-c", prog], env=base_env(), capture_output=True, text=True, timeout=60)
     assert res.returncode == code and "survived" not in res.stdout
     assert f"INJECTED fault kind={kind}" in res.stdout

@@ -28,7 +28,8 @@ class ReduceFromTP(torch.autograd.Function):
     """Forward: sum the partial outputs over the TP group. Backward: identity."""
 
     @staticmethod
-    def forward(ctx, partial: torch.Tensor, rt: ftr.Runtime, group: ftr.GroupHandle) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, partial: torch.Tensor, rt: ftr.Runtime,  # type: ignore[override]
+                group: ftr.GroupHandle) -> torch.Tensor:
         out = partial.clone()
         rt.all_reduce(out, group=group)
         return out
