@@ -30,6 +30,8 @@ from launcher.workers import Reaper, Worker, WorkerExit, send_signal, spawn, sto
 from rendezvous.kv import KVStore, StoreError
 
 DONE = "ftrun/done/{g}"
+UNTIMED_PHASES = {"init", "recovering", "checkpoint", "done"}
+EXIT_FALLBACK = 75  # launcher.runtime's exit code when a repair plan fell back (not a fault)
 EXITED = "ftrun/exited"
 
 
@@ -268,7 +270,8 @@ class Agent:
                         os.path.join(attempt, "filtered_stderr.log")))
         assert self.reaper is not None
         self.reaper.watch(w)
-        self._last_progress[w.rank] = time.time()
+        self._last_progress.pop(w.rank, None)
+        self._progress.pop(w.rank, None)
         self.log.info("spawn", f"rank {w.rank} (local {w.local_rank}) started, pid {w.pid}"
                       + (" as replacement" if replacement else ""), rank=w.rank,
                       local_rank=w.local_rank, pid=w.pid, generation=generation,
@@ -443,6 +446,10 @@ class Agent:
             self.log.info("exit", f"rank {w.rank} stopped by ftrun (code {ev.code})", rank=w.rank,
                           pid=ev.pid, exitcode=ev.code)
             return None
+        if ev.code == EXIT_FALLBACK and w.rank in self._aware:
+            self.log.info("exit", f"rank {w.rank} left for the fallback (pid {ev.pid})", rank=w.rank,
+                          pid=ev.pid, exitcode=ev.code)
+            return None
         if ev.code == 0:
             self.log.info("exit", f"rank {w.rank} finished (pid {ev.pid})", rank=w.rank, pid=ev.pid,
                           exitcode=0)
@@ -481,7 +488,6 @@ class Agent:
             if rank not in self._aware:
                 self._aware.add(rank)
                 self.kv.set(aware_key(rank), b"1")
-            self._last_progress[rank] = time.time()
             self.log.info("hello", f"rank {rank} (pid {ev.pid}) uses the ftrun runtime", rank=rank,
                           pid=ev.pid)
         elif op == "heartbeat" and isinstance(rank, int):
@@ -489,6 +495,10 @@ class Agent:
             if self._progress.get(rank) != mark:  # progress, not mere liveness, resets the clock
                 self._progress[rank] = mark
                 self._last_progress[rank] = time.time()
+            if msg.get("phase") in UNTIMED_PHASES:
+                # start-up, recovery and checkpoint writes are bounded by the runtime's own
+                # timeouts; the hang clock only runs while the worker trains
+                self._last_progress.pop(rank, None)
         elif op == "fault" and isinstance(rank, int):
             kind = str(msg.get("kind", "exception"))
             try:
@@ -630,18 +640,21 @@ class Agent:
                       f"{len(restart)} local rank(s) respawned", respawned=[w.rank for w in restart])
 
     def _dump(self, plan: P.Plan) -> int:
+        """Survivors stop, save the current step (the runtime's dump fallback) and exit."""
         assert self.channel is not None
         for w in self.workers.values():
-            if w.alive:
-                self.channel.send(w.rank, {"op": "dump", "generation": plan.generation})
-        deadline = time.monotonic() + max(self.cfg.shutdown_timeout, 60.0)
+            if w.alive and w.rank not in plan.failed_ranks:
+                w.stopping = True
+                self.channel.send(w.rank, {"op": "stop", "generation": plan.generation,
+                                           "strategy": plan.strategy, "failed_ranks": plan.failed_ranks})
+        deadline = time.monotonic() + max(self.cfg.shutdown_timeout, 120.0)
         for w in self.workers.values():
             if w.alive and w.proc is not None:
                 try:
                     w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except Exception:  # noqa: BLE001 - timeout: stopped below
                     pass
-        self.log.info("dump-done", "survivors saved the current step; exiting")
+        self.log.info("dump-done", "survivors saved the current step (dying-gasp checkpoint); exiting")
         return self._exit(plan)
 
     def _exit(self, plan: P.Plan) -> int:

@@ -146,15 +146,17 @@ class Controller:
                       strategy=strategy, reason=why)
         self.publish(strategy, fault, why)
 
-    def publish(self, strategy: str, fault: P.Fault, reason: str, failed: list[int] | None = None) -> P.Plan:
+    def publish(self, strategy: str, fault: P.Fault, reason: str, failed: list[int] | None = None,
+                restart: list[int] | None = None) -> P.Plan:
         st = self.state
         g = st.generation + 1
         failed_ranks = sorted(set(failed or ([] if fault.rank is None else [fault.rank])))
-        restart: list[int] = []
         if strategy == P.RESTART_ALL:
             restart = list(range(self.world_size))
         elif strategy == P.RECOVER_IN_PLACE:
-            restart = failed_ranks
+            restart = failed_ranks if restart is None else sorted(restart)
+        else:
+            restart = []
         if strategy in (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL):
             st.restarts_used += 1
             self.kv.set(RESTARTS_USED, str(st.restarts_used).encode())
@@ -174,7 +176,27 @@ class Controller:
             self._release_restart_all(g, fault)
         elif strategy in (P.RECOVER_IN_PLACE, P.RETRY):
             self._drive_repair(plan, fault)
+        elif strategy == P.DUMP:
+            self._drive_dump(plan)
         return plan
+
+    # ---- dying-gasp round -----------------------------------------------------------------
+    def _drive_dump(self, plan: P.Plan) -> None:
+        """Survivors report, then save the current step (the runtime's dump fallback) and exit."""
+        g = plan.generation
+        live = [r for r in range(self.world_size) if r not in plan.failed_ranks]
+        keys = [P.status_key(g, r) for r in live]
+        if not self.kv.wait(keys, self.phase_timeout):
+            self.log.error("phase-timeout", f"generation {g}: survivors did not report within "
+                           f"{self.phase_timeout:.0f}s; the dying-gasp checkpoint may be incomplete")
+        statuses = [P.RankStatus.from_json(raw) for raw in (self.kv.try_get(k) for k in keys) if raw]
+        healthy = [s for s in statuses if not (s.replacement or s.dirty)]
+        resume = max((s.committed_step for s in healthy), default=-1) + 1
+        repair = P.RepairPlan(generation=g, resume_step=resume, action="rollback", fallback=P.DUMP,
+                              reason=f"dying-gasp checkpoint of step {resume}")
+        self.kv.set(P.repair_key(g), repair.to_json())
+        self.log.info("dump-plan", f"generation {g}: survivors save step {resume} and exit",
+                      generation=g, resume_step=resume, ranks=[s.rank for s in healthy])
 
     # ---- restart-all round --------------------------------------------------------------------
     def _release_restart_all(self, g: int, fault: P.Fault) -> None:
@@ -214,7 +236,10 @@ class Controller:
                 strategy, why = pick_strategy(FaultKind(newer.kind), self.chain, aware, budget_left)
                 if strategy == P.RETRY:
                     strategy = P.RECOVER_IN_PLACE
-                self.publish(strategy, newer, why, failed=failed)
+                # ranks already restarted in this round keep their (live) replacements
+                restart = None if strategy != P.RECOVER_IN_PLACE else (
+                    [newer.rank] if newer.rank is not None else [])
+                self.publish(strategy, newer, why, failed=failed, restart=restart)
                 return
             if time.monotonic() > deadline or self._stop.is_set():
                 missing = [r for r, k in enumerate(keys) if self.kv.try_get(k) is None]

@@ -1,0 +1,263 @@
+#!/usr/bin/env python3
+"""Benchmark: ftrun process-level recovery vs torchrun restart-all from a checkpoint.
+
+Same model (about 100 MB of parameters + Adam state), 4 ranks, gloo on loopback, in the same run.
+Rank 1 is killed with SIGKILL from outside after --kill-after-step completed steps. torchrun
+restarts every worker of a plain-torch script (bench_recovery_torchrun_worker.py), which reload
+the checkpoint saved every 10 steps and recompute; ftrun restarts rank 1 of the same model on
+launcher.runtime (bench_recovery_worker.py) and repairs it from a replica.
+
+Reported (one JSON line):
+  *_recover_s       time from the kill until every rank has completed the interrupted step,
+                    i.e. progress is regained (torchrun's recomputed steps included);
+  *_recomputed      steps completed before the kill and completed again after it;
+  ftrun_phases      detect, decide, respawn (new process up and joined), stop (survivors out of
+                    their collectives), rebuild (process groups), transfer (state to the
+                    replacement), resume (first completed step after the repair);
+  transfer_gbps vs raw_tcp_gbps: state transfer throughput against raw loopback TCP, measured
+                    here in the same run.
+With --kinds, one more JSON line per fault kind (injected inside the worker at a step):
+detection latency and time to recover.
+Sets up the /etc/hosts line `::ffff:127.0.0.1 localhost-v4mapped` first.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKERS = {"ftrun": os.path.join(REPO, "scripts", "bench_recovery_worker.py"),
+           "torchrun": os.path.join(REPO, "scripts", "bench_recovery_torchrun_worker.py")}
+LAUNCHERS = {"ftrun": [sys.executable, "-m", "launcher"],
+             "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
+
+
+def ensure_hosts_line() -> str:
+    with open("/etc/hosts", encoding="utf-8") as f:
+        if "localhost-v4mapped" in f.read():
+            return "present"
+    try:
+        with open("/etc/hosts", "a", encoding="utf-8") as f:
+            f.write("\n::ffff:127.0.0.1 localhost-v4mapped\n")
+        return "added"
+    except OSError:
+        return "missing (no permission)"
+
+
+def raw_tcp_gbps(nbytes: int = 100 << 20, repeat: int = 3) -> float:
+    """Loopback TCP throughput between two threads (sendall / recv_into), best of `repeat`."""
+    best = 0.0
+    payload = bytearray(nbytes)
+    for _ in range(repeat):
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(1)
+        buf = bytearray(nbytes)
+
+        def recv(conn: socket.socket) -> None:
+            view, got = memoryview(buf), 0
+            while got < nbytes:
+                got += conn.recv_into(view[got:])
+
+        cli = socket.create_connection(srv.getsockname())
+        conn, _ = srv.accept()
+        t = threading.Thread(target=recv, args=(conn,))
+        t0 = time.perf_counter()
+        t.start()
+        cli.sendall(payload)
+        t.join()
+        dt = time.perf_counter() - t0
+        best = max(best, nbytes / dt / 1e9)
+        for s in (cli, conn, srv):
+            s.close()
+    return best
+
+
+def read_steps(out: str) -> dict[int, list[dict]]:
+    res: dict[int, list[dict]] = {}
+    for path in glob.glob(os.path.join(out, "steps.*.jsonl")):
+        rank = int(path.split(".")[-2])
+        with open(path, encoding="utf-8") as f:
+            res[rank] = [json.loads(line) for line in f if line.strip()]
+    return res
+
+
+def events(log_dir: str) -> list[dict]:
+    out: list[dict] = []
+    for path in glob.glob(os.path.join(log_dir, "*", "events.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            out += [json.loads(line) for line in f if line.strip()]
+    return sorted(out, key=lambda e: e["time"])
+
+
+def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None) -> dict:
+    out = tempfile.mkdtemp(prefix=f"bench_recovery_{name}_")
+    env = dict(os.environ, OUT_DIR=out, PYTHONPATH=REPO, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    if fault_plan:
+        env["FTRUN_FAULT_PLAN"] = fault_plan
+    cmd = LAUNCHERS[name] + ["--nproc_per_node", "4", "--max_restarts", "3",
+                             "--log_dir", os.path.join(out, "logs")]
+    if name == "ftrun" and args.hang_timeout and fault_plan:
+        cmd += ["--hang_timeout", str(args.hang_timeout)]
+    cmd += [WORKERS[name], "--steps", str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers),
+            "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "10"]
+    stderr_path = os.path.join(out, "stderr.txt")
+    with open(stderr_path, "w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        kill_time, killed_step = None, None
+        deadline = time.monotonic() + args.timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            if fault_plan is None and kill_time is None:
+                steps = read_steps(out)
+                if len(steps) == 4 and all(s and s[-1]["step"] >= args.kill_after_step for s in steps.values()):
+                    victim = steps[1][-1]
+                    killed_step = victim["step"] + 1
+                    kill_time = time.time()
+                    os.kill(victim["pid"], signal.SIGKILL)
+            time.sleep(0.002)
+        if proc.poll() is None:
+            proc.kill()
+            raise RuntimeError(f"{name}: job did not finish within {args.timeout}s (logs in {out})")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: job failed ({proc.returncode}); see {stderr_path}")
+    with open(stderr_path, encoding="utf-8", errors="replace") as f:
+        stderr = f.read()
+    return {"out": out, "kill_time": kill_time, "killed_step": killed_step, "stderr": stderr,
+            "steps": read_steps(out), "events": events(os.path.join(out, "logs"))}
+
+
+def regained(job: dict, since: float, step: int) -> tuple[float, int]:
+    """(time when every rank completed `step` after `since`, steps rank 0 recomputed)."""
+    done = []
+    for recs in job["steps"].values():
+        times = [r["time"] for r in recs if r["step"] == step and r["time"] >= since]
+        if not times:  # completed before the fault (e.g. committed by survivors)
+            times = [r["time"] for r in recs if r["step"] == step]
+        done.append(min(times))
+    seen: dict[int, int] = {}
+    for r in job["steps"][0]:
+        seen[r["step"]] = seen.get(r["step"], 0) + 1
+    return max(done), sum(1 for c in seen.values() if c > 1)
+
+
+def ftrun_phases(job: dict, t_fault: float) -> dict:
+    ev = job["events"]
+
+    def first(kind: str, **match: object) -> dict | None:
+        for e in ev:
+            if e["event"] == kind and all(e.get(k) == v for k, v in match.items()) and e["time"] >= t_fault - 1:
+                return e
+        return None
+
+    failed = first("worker-failed") or first("worker-fault")
+    plan = first("plan")
+    phases: dict[str, float] = {}
+    if failed:
+        phases["detect_s"] = failed["time"] - t_fault
+    if failed and plan:
+        phases["decide_s"] = plan["time"] - failed["time"]
+    rec = [e for e in ev if e["event"] == "rank-recovered"]
+    repl = [e for e in rec if e.get("replacement")]
+    surv = [e for e in rec if not e.get("replacement")]
+    spawn = first("spawn", replacement=True)
+    if spawn:
+        hello = next((e for e in ev if e["event"] == "hello" and e["rank"] == spawn["rank"]
+                      and e["time"] >= spawn["time"]), None)
+        if hello and plan:
+            phases["respawn_s"] = hello["time"] - plan["time"]
+    if surv:
+        phases["stop_s"] = max(e.get("stop_s", 0.0) for e in surv)
+        phases["rebuild_s"] = max(e.get("rebuild_s", 0.0) for e in surv)
+    if repl:
+        phases["transfer_s"] = max(e.get("repair_s", 0.0) for e in repl)
+    elif surv:
+        phases["transfer_s"] = max(e.get("repair_s", 0.0) for e in surv)
+    return {k: round(v, 4) for k, v in phases.items()}, (max(e["time"] for e in rec) if rec else None)
+
+
+def transfer_gbps(stderr: str) -> float | None:
+    m = re.findall(r"received state from rank \d+: ([\d.]+) MB in \d+ tensors, ([\d.]+) s", stderr)
+    if not m:
+        return None
+    mb, s = max((float(a), float(b)) for a, b in m)
+    return mb / 1e3 / s if s > 0 else None
+
+
+def compare(args: argparse.Namespace) -> dict:
+    tcp = raw_tcp_gbps()
+    res: dict = {"bench": "recovery", "ranks": 4, "hidden": args.hidden, "layers": args.layers}
+    state_mb = None
+    for name in ("torchrun", "ftrun"):
+        job = run_job(name, args)
+        t_rec, recomputed = regained(job, job["kill_time"], job["killed_step"])
+        res[f"{name}_recover_s"] = round(t_rec - job["kill_time"], 3)
+        res[f"{name}_recomputed"] = recomputed
+        res[f"{name}_killed_step"] = job["killed_step"]
+        if name == "ftrun":
+            phases, last_rec = ftrun_phases(job, job["kill_time"])
+            if last_rec is not None:
+                phases["resume_s"] = round(t_rec - last_rec, 4)
+            res["ftrun_phases"] = phases
+            gbps = transfer_gbps(job["stderr"])
+            res["transfer_gbps"] = round(gbps, 3) if gbps else None
+            m = re.search(r"received state from rank \d+: ([\d.]+) MB", job["stderr"])
+            state_mb = float(m.group(1)) if m else None
+    res["state_mb"] = state_mb
+    res["raw_tcp_gbps"] = round(tcp, 3)
+    if res.get("transfer_gbps"):
+        res["transfer_vs_tcp"] = round(res["transfer_gbps"] / tcp, 3)
+    res["ratio_ftrun_vs_torchrun"] = round(res["ftrun_recover_s"] / res["torchrun_recover_s"], 3)
+    return res
+
+
+def kind_row(kind: str, args: argparse.Namespace) -> dict:
+    step = args.kill_after_step + 1
+    plan = json.dumps([{"rank": 1, "step": step, "phase": "forward", "kind": kind}])
+    job = run_job("ftrun", args, fault_plan=plan)
+    ev = job["events"]
+    fired = next((e for e in ev if e["event"] in ("worker-failed", "worker-fault")), None)
+    hang = next((e for e in ev if e["event"] == "hang"), None)
+    # the fault fired when rank 0 had finished step-1; the first report is the detection
+    t_prev = max(r["time"] for r in job["steps"][1] if r["step"] == step - 1)
+    t_rec, recomputed = regained(job, t_prev, step)
+    pids = {r: len({x["pid"] for x in recs}) for r, recs in job["steps"].items()}
+    strategy = next((e["strategy"] for e in ev if e["event"] == "plan"), None)
+    return {"bench": "recovery-kind", "kind": kind, "strategy": strategy,
+            "detect_s": round((hang or fired)["time"] - t_prev, 4) if (hang or fired) else None,
+            "recover_s": round(t_rec - t_prev, 3), "recomputed": recomputed,
+            "processes_restarted": sum(n - 1 for n in pids.values())}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--kill-after-step", type=int, default=15)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=9)
+    ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--hang-timeout", type=float, default=2.0)
+    ap.add_argument("--kinds", default="", help="comma list of fault kinds for per-kind rows "
+                    "(kill,segv,exit,exception,hang,uce-low,uce-high,network)")
+    ap.add_argument("--no-compare", action="store_true", help="only the per-kind rows")
+    args = ap.parse_args()
+    hosts = ensure_hosts_line()
+    if not args.no_compare:
+        row = compare(args)
+        row["hosts_line"] = hosts
+        print(json.dumps(row), flush=True)
+    for kind in [k for k in args.kinds.split(",") if k]:
+        print(json.dumps(kind_row(kind, args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
