@@ -95,8 +95,17 @@ class Agent:
         self._watch_thread: threading.Thread | None = None
         self._last_progress: dict[int, float] = {}
         self._hang_killed: set[int] = set()
+        self._waiting: dict[int, bool] = {}  # rank -> its last heartbeat says: inside a collective
         self._aware: set[int] = set()
         self.rejoined = False
+        self.spares = None
+        if os.environ.get("FTRUN_WARM_SPARE", "1") != "0" and not cfg.no_python:
+            import sys
+
+            from launcher.spare import SparePool
+
+            self.spares = SparePool(os.environ.get("PYTHON_EXEC", sys.executable),
+                                    lambda m: self.log.info("spare", m))
         self._progress: dict[int, tuple] = {}
         self._inject_thread: threading.Thread | None = None
         from launcher.fault_memory import FaultMemory
@@ -262,7 +271,10 @@ class Agent:
         if not shown:  # --local-ranks-filter: this rank's output stays off the console
             out_file, err_file = out_file or os.devnull, err_file or os.devnull
         attempt = self.run_dir.attempt_dir(generation)
-        spawn(w, cmd, self.worker_env(w, replacement), out_file, err_file,
+        env = self.worker_env(w, replacement)
+        if replacement and self._spawn_from_spare(w, cmd, env, inherit=not (red or tee) and shown):
+            return
+        spawn(w, cmd, env, out_file, err_file,
               tee_out=bool(tee & 1) and shown, tee_err=bool(tee & 2) and shown, prefix=prefix,
               console_lock=self._console_lock,
               filters=(cfg.duplicate_stdout_filters, cfg.duplicate_stderr_filters),
@@ -276,6 +288,39 @@ class Agent:
                       + (" as replacement" if replacement else ""), rank=w.rank,
                       local_rank=w.local_rank, pid=w.pid, generation=generation,
                       replacement=replacement)
+
+    def _spawn_from_spare(self, w: Worker, cmd: list[str], env: dict[str, str], inherit: bool) -> bool:
+        """Turn the warm spare into rank `w` (only for plain `python [-m] script` workers whose
+        output goes to the console as is). False when no spare can be used."""
+        cfg = self.cfg
+        if self.spares is None or not inherit or cfg.no_python or cfg.run_path:
+            return False
+        argv = cmd[3:] if cfg.module else cmd[2:]  # drop python -u [-m]
+        proc = self.spares.take(env, argv, cfg.module)
+        if proc is None:
+            return False
+        w.proc = proc
+        w.exit_code = None
+        w.stopping = False
+        w.started = time.time()
+        w.spawns += 1
+        w.pumps = []
+        assert self.reaper is not None
+        self.reaper.watch(w)
+        self._last_progress.pop(w.rank, None)
+        self._progress.pop(w.rank, None)
+        self.log.info("spawn", f"rank {w.rank} (local {w.local_rank}) started from the warm spare, "
+                      f"pid {w.pid}, as replacement", rank=w.rank, local_rank=w.local_rank, pid=w.pid,
+                      generation=w.generation, replacement=True, warm=True)
+        return True
+
+    def _keep_spare(self) -> None:
+        """One warm spare per node once the job uses the runtime (unmodified jobs pay nothing)."""
+        if self.spares is None or not self._aware:
+            return
+        w = next(iter(self.workers.values()))
+        env = self.worker_env(w, replacement=True)
+        self.spares.ensure(env)
 
     def spawn_all(self, generation: int) -> None:
         for w in self.workers.values():
@@ -491,6 +536,7 @@ class Agent:
             self.log.info("hello", f"rank {rank} (pid {ev.pid}) uses the ftrun runtime", rank=rank,
                           pid=ev.pid)
         elif op == "heartbeat" and isinstance(rank, int):
+            self._waiting[rank] = bool(msg.get("waiting"))
             mark = (msg.get("step"), msg.get("phase"), msg.get("committed_step"))
             if self._progress.get(rank) != mark:  # progress, not mere liveness, resets the clock
                 self._progress[rank] = mark
@@ -563,6 +609,7 @@ class Agent:
         return None
 
     def _health_check(self) -> None:
+        self._keep_spare()
         if self.cfg.hang_timeout <= 0:
             return
         now = time.time()
@@ -570,6 +617,8 @@ class Agent:
             if not w.alive or w.stopping or w.rank not in self._aware:
                 continue
             last = self._last_progress.get(w.rank)
+            if last is not None and self._waiting.get(w.rank) and now - last <= 2 * self.cfg.hang_timeout:
+                continue  # blocked in a collective on a peer: the peer hangs, not this rank
             if last is not None and now - last > self.cfg.hang_timeout:
                 self.log.error("hang", f"rank {w.rank} made no progress for {now - last:.1f}s "
                                f"(--hang-timeout {self.cfg.hang_timeout}); dumping its stacks, "
@@ -765,6 +814,8 @@ class Agent:
             self.channel.stop()
         if self.reaper is not None:
             self.reaper.stop()
+        if self.spares is not None:
+            self.spares.stop()
         if self._proxy is not None:
             self._proxy.stop()
         if self.kv is not None and self._server is None:
