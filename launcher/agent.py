@@ -155,7 +155,7 @@ class Agent:
 
             self.kv = StoreClient(cfg.store_host, cfg.store_port, token=token,
                                   timeout=cfg.join_timeout)
-            self.log.info("store", f"connected to the store at {cfg.store_host}:{cfg.store_port}")
+            self.log.info("store", f"using the store at {cfg.store_host}:{cfg.store_port}")
         self._token_value = token
 
     def store_port(self) -> int:

@@ -220,3 +220,13 @@ def test_lost_agent_is_noticed_and_a_replacement_joins_the_next_generation(tmp_p
     last_gen = max(e["generation"] for e in ev0 if e["event"] == "spawn")
     ev1b = events(str(tmp_path / "logn1b"))
     assert [e["generation"] for e in ev1b if e["event"] == "spawn"] == [last_gen]
+
+
+def test_unreachable_master_is_one_clear_line(tmp_path) -> None:
+    port = free_port()
+    r = run(FTRUN + ["--nnodes", "2", "--node_rank", "1", "--master_port", str(port),
+                     "--rdzv_conf", "join_timeout=2", "--log_dir", str(tmp_path), script("sleeper.py")],
+            timeout=60)
+    assert r.returncode == 1
+    assert f"cannot connect to the store at 127.0.0.1:{port}" in r.stderr
+    assert "Traceback" not in r.stderr
