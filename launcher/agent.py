@@ -617,8 +617,10 @@ class Agent:
             if not w.alive or w.stopping or w.rank not in self._aware:
                 continue
             last = self._last_progress.get(w.rank)
-            if last is not None and self._waiting.get(w.rank) and now - last <= 2 * self.cfg.hang_timeout:
-                continue  # blocked in a collective on a peer: the peer hangs, not this rank
+            if self._waiting.get(w.rank):
+                # blocked in a collective on its peers (a hung peer, or one still recovering): not
+                # hung itself; the collective's own timeout (FTRUN_STORE_TIMEOUT) bounds the wait
+                continue
             if last is not None and now - last > self.cfg.hang_timeout:
                 self.log.error("hang", f"rank {w.rank} made no progress for {now - last:.1f}s "
                                f"(--hang-timeout {self.cfg.hang_timeout}); dumping its stacks, "

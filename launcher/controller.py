@@ -141,9 +141,10 @@ class Controller:
             strategy, why = pick_strategy(FaultKind(fault.kind), [s for s in self.chain if s not in (
                 P.RETRY, P.RECOVER_IN_PLACE)], False, budget_left)
             why = f"node {fault.node}: {fault.message}; {why}"
-        self.log.info("decide", f"fault: rank {fault.rank} {fault.kind} on node {fault.node} -> "
+        label = " [injected]" if fault.injected else ""
+        self.log.info("decide", f"fault: rank {fault.rank} {fault.kind}{label} on node {fault.node} -> "
                       f"{strategy} ({why})", rank=fault.rank, fault_kind=fault.kind,
-                      strategy=strategy, reason=why)
+                      strategy=strategy, reason=why, injected=fault.injected)
         self.publish(strategy, fault, why)
 
     def publish(self, strategy: str, fault: P.Fault, reason: str, failed: list[int] | None = None,

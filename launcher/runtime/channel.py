@@ -3,17 +3,18 @@
 Owns: the unix stream socket to the local agent (`FTRUN_AGENT_SOCKET`), newline-delimited JSON
 both ways, and the two daemon threads that serve it: a reader that turns the agent's
 {"op":"stop","generation":g} into a `StopSignal` request (so a rank blocked in a collective still
-hears it), and a writer that sends a heartbeat on every progress change and at least every
+hears it) and hands {"op":"inject",...} (from `ftctl inject`) to the fault injector, and a writer that sends a heartbeat on every progress change and at least every
 `heartbeat_interval` seconds. The training thread never touches the socket: it only updates
 `Progress` and queues messages.
 
 Messages (one JSON object per line):
   worker -> agent  {"op":"hello","rank","local_rank","pid","generation","replacement"}
-                   {"op":"heartbeat","rank","step","phase","committed_step","time"}
+                   {"op":"heartbeat","rank","step","phase","committed_step","waiting","time"}
                    {"op":"fault","rank","kind","message","step","phase","injected","fatal"}
                    {"op":"recovered","rank","generation","resume_step","action", <phase>_s timings}
                    {"op":"bye","rank"}
   agent -> worker  {"op":"stop","generation":g}
+                   {"op":"inject","kind","step","phase"}  (step/phase may be null: fire now)
 Heartbeat phases: "init" (between init() and the first step: the script builds its model, a
 replacement waits for its state), "step", the script's phase names ("forward", "backward", ...),
 "optimizer", "committed", "checkpoint", "recovering" (inside a recovery round; every wait there
@@ -39,14 +40,17 @@ class Progress:
     step: int = -1
     phase: str = "init"
     committed_step: int = -1
+    waiting: bool = False  # inside a collective, waiting on peers (not hung itself)
 
 
 class AgentChannel:
     """Connection to the local agent; start() it, close() it."""
 
     def __init__(self, path: str, rank: int, stop: StopSignal, log: Callable[[str], None],
-                 heartbeat_interval: float = 1.0, connect_timeout: float = 30.0) -> None:
+                 heartbeat_interval: float = 1.0, connect_timeout: float = 30.0,
+                 on_inject: Callable[[dict], None] | None = None) -> None:
         self._path = path
+        self._on_inject = on_inject
         self._rank = rank
         self._stop = stop
         self._log = log
@@ -109,6 +113,12 @@ class AgentChannel:
                 setattr(self._progress, k, v)
             self._dirty = True
             self._cond.notify_all()
+
+    def note(self, **fields: object) -> None:
+        """Change heartbeat fields without waking the writer: sent with the next heartbeat."""
+        with self._cond:
+            for k, v in fields.items():
+                setattr(self._progress, k, v)
 
     def send(self, message: dict) -> None:
         """Queue one message for the agent (never blocks on the socket)."""
@@ -184,5 +194,10 @@ class AgentChannel:
                 return
             if self._stop.request(gen):
                 self._log(f"stop received for generation {gen}")
+        elif msg.get("op") == "inject":
+            if self._on_inject is None:
+                self._log(f"ignored injection (no fault injector in this worker): {msg!r}")
+            else:
+                self._on_inject(msg)
         else:
             self._log(f"ignored unknown agent message op={msg.get('op')!r}")

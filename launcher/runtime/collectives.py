@@ -43,12 +43,16 @@ class Interruptible:
 
     `generation()` is the rank's current generation: a stop for a newer one interrupts the wait
     (StopRequested). `on_error(exc, what)` decides what a failed collective means; it raises.
+    `on_busy(True/False)` brackets every wait (the heartbeat tells the agent's hang check that
+    the rank waits on its peers rather than hangs itself).
     """
 
     def __init__(self, stop: StopSignal, graveyard: Graveyard, generation: Callable[[], int],
                  timeout: float, on_error: Callable[[BaseException, str], None],
-                 abort: Callable[[], None] | None = None) -> None:
+                 abort: Callable[[], None] | None = None,
+                 on_busy: Callable[[bool], None] | None = None) -> None:
         self._stop = stop
+        self._on_busy = on_busy or (lambda busy: None)
         self._graveyard = graveyard
         self._generation = generation
         self.timeout = timeout
@@ -56,6 +60,13 @@ class Interruptible:
         self._abort = abort
 
     def wait(self, work: Any, what: str, keep: tuple[Any, ...] = ()) -> None:
+        self._on_busy(True)
+        try:
+            self._wait(work, what, keep)
+        finally:
+            self._on_busy(False)
+
+    def _wait(self, work: Any, what: str, keep: tuple[Any, ...]) -> None:
         deadline = time.monotonic() + self.timeout
         delay = 5e-5
         gen = self._generation()
@@ -105,6 +116,13 @@ class Interruptible:
     def wait_blocking(self, works: list[Any], what: str, keep: tuple[Any, ...] = ()) -> None:
         """For works whose is_completed() only turns true inside wait() (gloo send/recv): a
         daemon thread blocks in wait() while this thread watches the stop signal."""
+        self._on_busy(True)
+        try:
+            self._wait_blocking(works, what, keep)
+        finally:
+            self._on_busy(False)
+
+    def _wait_blocking(self, works: list[Any], what: str, keep: tuple[Any, ...]) -> None:
         done = threading.Event()
         errors: list[BaseException] = []
 

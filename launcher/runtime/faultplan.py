@@ -1,10 +1,13 @@
-"""In-worker fault injection for tests (`FTRUN_FAULT_PLAN`).
+"""In-worker fault injection: `FTRUN_FAULT_PLAN` (tests) and `ftctl inject` (live jobs).
 
-Owns: parsing the plan (a JSON list of {"rank","step","phase","kind","generation"}) and firing
-each entry once when the runtime reaches the matching (generation, rank, step, phase). Process
-faults are real (SIGKILL, SIGSEGV, os._exit, an un-interruptible hang); device faults
-(uce-low, uce-high, network, unsafe-data) and "exception" are raised as `InjectedFault` and go
-through the device adapter's classification like real ones. Every firing is logged as injected.
+Owns: parsing the plan (a JSON list of {"rank","step","phase","kind","generation"}), arming
+injections the agent forwards from `ftctl inject` ({"op":"inject","kind","step","phase"} on the
+agent channel, any thread), and firing each entry once when the runtime reaches the matching
+(generation, rank, step, phase). A forwarded injection matches any generation; without a step it
+fires at the next phase edge ("now"). Process faults are real (SIGKILL, SIGSEGV, os._exit, an
+un-interruptible hang); device faults (uce-low, uce-high, network, unsafe-data) and "exception"
+are raised as `InjectedFault` and go through the device adapter's classification like real
+ones. Every arming and firing is logged as injected.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -28,11 +32,21 @@ KINDS = PROCESS_KINDS + RAISED_KINDS
 @dataclass
 class FaultSpec:
     rank: int
-    step: int
-    phase: str
+    step: int | None  # None: the next phase edge
+    phase: str | None  # None: any phase
     kind: str
-    generation: int = 0
+    generation: int | None = 0  # None: any generation
     fired: bool = field(default=False, compare=False)
+
+    def matches(self, generation: int, step: int, phase: str) -> bool:
+        return ((self.generation is None or self.generation == generation)
+                and (self.step is None or self.step == step)
+                and (self.phase is None or self.phase == phase))
+
+    def where(self) -> str:
+        if self.step is None:
+            return "the next phase edge"
+        return f"step {self.step} {self.phase or 'any phase'}"
 
 
 def parse_plan(raw: str | None) -> list[FaultSpec]:
@@ -65,22 +79,56 @@ def parse_plan(raw: str | None) -> list[FaultSpec]:
     return out
 
 
+def parse_injection(msg: dict, rank: int) -> FaultSpec:
+    """The agent's {"op":"inject","kind","step","phase"} as a spec for this rank (any generation)."""
+    kind, step, phase = msg.get("kind"), msg.get("step"), msg.get("phase")
+    if kind not in KINDS:
+        raise ValueError(f"inject kind={kind!r}; allowed: {', '.join(KINDS)}")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ValueError(f"inject step={step!r}; allowed: a step number >= 0 or null")
+    if phase is not None and phase not in PHASES:
+        raise ValueError(f"inject phase={phase!r}; allowed: {', '.join(PHASES)} or null")
+    if step is not None and phase is None:
+        phase = "forward"
+    return FaultSpec(rank=rank, step=step, phase=phase if step is not None else None, kind=kind,
+                     generation=None)
+
+
 class FaultInjector:
-    """Fires matching plan entries; `report` is called before a raised fault propagates."""
+    """Fires matching entries at phase edges (training thread); `arm` may be called from any
+    thread (the agent channel's reader)."""
 
     def __init__(self, specs: list[FaultSpec], rank: int, log: Callable[[str], None]) -> None:
+        self._rank = rank
+        self._lock = threading.Lock()
         self._specs = [s for s in specs if s.rank == rank]
         self._log = log
 
-    def maybe_fire(self, generation: int, step: int, phase: str) -> None:
-        for spec in self._specs:
-            if spec.fired or (spec.generation, spec.step, spec.phase) != (generation, step, phase):
-                continue
-            spec.fired = True
+    def arm(self, msg: dict) -> None:
+        """Arm an injection forwarded by the agent (`ftctl inject`). kill and segv without a step
+        fire at once (real signals, from this thread); everything else at its phase edge."""
+        try:
+            spec = parse_injection(msg, self._rank)
+        except ValueError as exc:
+            self._log(f"ignored injection from the agent: {exc}")
+            return
+        if spec.step is None and spec.kind in ("kill", "segv"):
             self._fire(spec)
+            return
+        self._log(f"INJECTED fault kind={spec.kind} armed by ftctl inject: fires at {spec.where()}")
+        with self._lock:
+            self._specs.append(spec)
 
-    def _fire(self, spec: FaultSpec) -> None:
-        where = f"step {spec.step} {spec.phase}"
+    def maybe_fire(self, generation: int, step: int, phase: str) -> None:
+        with self._lock:  # one fault per edge: a second due entry fires at the next edge
+            spec = next((s for s in self._specs if not s.fired and s.matches(generation, step, phase)), None)
+            if spec is None:
+                return
+            spec.fired = True
+        self._fire(spec, step, phase)
+
+    def _fire(self, spec: FaultSpec, step: int | None = None, phase: str | None = None) -> None:
+        where = f"step {step} {phase}" if step is not None else "once armed"
         self._log(f"INJECTED fault kind={spec.kind} at {where}")
         sys.stdout.flush()
         sys.stderr.flush()

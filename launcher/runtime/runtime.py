@@ -114,7 +114,8 @@ class Runtime:
         self._stop = StopSignal()
         self._graveyard = Graveyard()
         self._coll = Interruptible(self._stop, self._graveyard, lambda: self.generation,
-                                   env.store_timeout, self._on_collective_error, self._abort_groups)
+                                   env.store_timeout, self._on_collective_error, self._abort_groups,
+                                   on_busy=self._note_waiting)
         self._groups = GroupRegistry(env.rank, env.world_size, backend)
         self._reg = Registered()
         self._registered = False
@@ -150,7 +151,8 @@ class Runtime:
             return
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         self._channel = AgentChannel(env.agent_socket or "", env.rank, self._stop, self.log,
-                                     heartbeat_interval=self.options.heartbeat_interval)
+                                     heartbeat_interval=self.options.heartbeat_interval,
+                                     on_inject=self._injector.arm)
         self._channel.start({"rank": env.rank, "local_rank": env.local_rank, "pid": os.getpid(),
                              "generation": env.generation, "replacement": env.replacement})
         self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
@@ -187,6 +189,10 @@ class Runtime:
                           c10d._world.pg_backend_config, c10d._world.pg_to_tag, c10d._world.tags_to_pg):
                 table.clear()
             c10d._world.group_count = 0
+
+    def _note_waiting(self, busy: bool) -> None:
+        if self._channel is not None:
+            self._channel.note(waiting=busy)
 
     def _abort_groups(self) -> None:
         if dist.is_initialized():
