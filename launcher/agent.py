@@ -97,6 +97,7 @@ class Agent:
         self._hang_killed: set[int] = set()
         self._waiting: dict[int, bool] = {}  # rank -> its last heartbeat says: inside a collective
         self._aware: set[int] = set()
+        self._pending_stop: dict[int, dict] = {}
         self.rejoined = False
         self.spares = None
         if os.environ.get("FTRUN_WARM_SPARE", "1") != "0" and not cfg.no_python:
@@ -535,6 +536,12 @@ class Agent:
                 self.kv.set(aware_key(rank), b"1")
             self.log.info("hello", f"rank {rank} (pid {ev.pid}) uses the ftrun runtime", rank=rank,
                           pid=ev.pid)
+            pending = self._pending_stop.pop(rank, None)
+            if pending is not None and int(msg.get("generation", -1)) < int(pending["generation"]):
+                assert self.channel is not None
+                self.channel.send(rank, pending)
+                self.log.info("stop-sent", f"deferred stop for generation {pending['generation']} "
+                              f"delivered to rank {rank}", rank=rank)
         elif op == "heartbeat" and isinstance(rank, int):
             self._waiting[rank] = bool(msg.get("waiting"))
             mark = (msg.get("step"), msg.get("phase"), msg.get("committed_step"))
@@ -680,9 +687,12 @@ class Agent:
                 continue
             assert self.channel is not None
             if not self.channel.send(w.rank, stop_msg):
-                self.log.warning("stop-undelivered", f"rank {w.rank} has no channel connection; "
-                                 "it will learn of the new generation from the store", rank=w.rank)
+                # e.g. a replacement still starting: it gets the stop as soon as it says hello
+                self._pending_stop[w.rank] = stop_msg
+                self.log.warning("stop-deferred", f"rank {w.rank} is not connected yet; the stop for "
+                                 f"generation {g} is delivered when it connects", rank=w.rank)
         for w in restart:
+            self._pending_stop.pop(w.rank, None)
             if w.alive:
                 stop_workers([w], signal.SIGKILL, 0.0)
             self._aware.discard(w.rank)

@@ -92,3 +92,52 @@ def test_no_healthy_replica_restarts_all_from_checkpoint(tmp_path, hybrid_ref):
     assert "loaded checkpoint iteration 4" in res.stdout + res.stderr
     for r in range(4):
         assert_bit_identical(params[r], hybrid_ref[r])
+
+
+def test_every_rank_of_one_node_killed_is_repaired_from_the_other_node(tmp_path, ddp_ref):
+    """Two agents on loopback, 2 ranks each; both ranks of node 1 die in the same step."""
+    import subprocess
+
+    from helpers_launch import free_port
+
+    port = free_port()
+    plan = [{"rank": 2, "step": 3, "phase": "forward", "kind": "kill"},
+            {"rank": 3, "step": 3, "phase": "forward", "kind": "kill"}]
+    procs = []
+    for node in (0, 1):
+        wd = tmp_path / f"node{node}"
+        wd.mkdir()
+        cmd = FTRUN + ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
+                       "--master_port", str(port), "--max_restarts", "3", "--log_dir", str(wd / "logs"),
+                       str(EXAMPLES / "ddp_train.py"), "--steps", str(STEPS),
+                       "--out", str(tmp_path / "out{rank}.pt")]
+        procs.append(subprocess.Popen(cmd, env=env_with(FTRUN_FAULT_PLAN=json.dumps(plan)),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      cwd=str(wd)))
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(err[-5000:] for _, err in outs)
+    ev0, ev1 = events(str(tmp_path / "node0" / "logs")), events(str(tmp_path / "node1" / "logs"))
+    spawns0 = [e for e in ev0 if e["event"] == "spawn"]
+    assert sorted(e["rank"] for e in spawns0) == [0, 1]  # node 0's ranks were never restarted
+    replaced = sorted(e["rank"] for e in ev1 if e["event"] == "spawn" and e.get("replacement"))
+    assert set(replaced) == {2, 3}
+    pairs = [e for e in ev0 if e["event"] == "repair-plan"][-1]["pairs"]
+    assert sorted(dst for _, dst in pairs) == [2, 3] and all(src in (0, 1) for src, _ in pairs)
+    for r in range(4):
+        assert_bit_identical(load_params(tmp_path / f"out{r}.pt"), ddp_ref[0])
+
+
+def test_budget_exhausted_exits_1_with_the_root_cause_first(tmp_path):
+    wd = tmp_path / "budget"
+    wd.mkdir()
+    plan = [{"rank": 2, "step": 2, "phase": "backward", "kind": "kill"}]
+    cmd = FTRUN + ["--nproc_per_node", "4", "--max_restarts", "0", "--log_dir", str(wd / "logs"),
+                   str(EXAMPLES / "ddp_train.py"), "--steps", str(STEPS)]
+    res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan)), timeout=300, cwd=str(wd))
+    assert res.returncode == 1
+    summary = res.stderr[res.stderr.index("ddp_train.py FAILED"):]
+    root = summary[summary.index("Root Cause"):summary.index("Other Failures")]
+    assert "rank      : 2 (local_rank: 2" in root and "SIGKILL" in root
+    assert "restart budget spent" in summary
+    ev = events(str(wd / "logs"))
+    assert [e["strategy"] for e in ev if e["event"] == "plan"] == ["exit"]

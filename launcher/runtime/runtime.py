@@ -159,7 +159,15 @@ class Runtime:
                                     timeout=timedelta(seconds=env.store_timeout), wait_for_workers=False)
         if env.replacement:
             self.log(f"replacement for rank {env.rank}: joining generation {self.generation}")
-            self._pending_plan = self._join_round(self.generation)
+            while True:
+                try:
+                    self._pending_plan = self._join_round(self.generation)
+                    break
+                except StopRequested:
+                    # our round was superseded (another rank failed meanwhile): join the newer one
+                    self.log(f"generation {self.generation} superseded before it completed; joining "
+                             f"generation {self._stop.target}")
+                    self.generation = self._stop.target
             self._build_world(self.generation, rebuild_groups=False)
         else:
             self._build_world(self.generation, rebuild_groups=False)
