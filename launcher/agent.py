@@ -281,14 +281,18 @@ class Agent:
               filters=(cfg.duplicate_stdout_filters, cfg.duplicate_stderr_filters),
               filtered=(os.path.join(attempt, "filtered_stdout.log"),
                         os.path.join(attempt, "filtered_stderr.log")))
-        assert self.reaper is not None
-        self.reaper.watch(w)
-        self._last_progress.pop(w.rank, None)
-        self._progress.pop(w.rank, None)
+        self._watch_new(w)
         self.log.info("spawn", f"rank {w.rank} (local {w.local_rank}) started, pid {w.pid}"
                       + (" as replacement" if replacement else ""), rank=w.rank,
                       local_rank=w.local_rank, pid=w.pid, generation=generation,
                       replacement=replacement)
+
+    def _watch_new(self, w: Worker) -> None:
+        """A rank got a new process: watch its exit, restart its progress clock."""
+        assert self.reaper is not None
+        self.reaper.watch(w)
+        self._last_progress.pop(w.rank, None)
+        self._progress.pop(w.rank, None)
 
     def _spawn_from_spare(self, w: Worker, cmd: list[str], env: dict[str, str], inherit: bool) -> bool:
         """Turn the warm spare into rank `w` (only for plain `python [-m] script` workers whose
@@ -300,16 +304,8 @@ class Agent:
         proc = self.spares.take(env, argv, cfg.module)
         if proc is None:
             return False
-        w.proc = proc
-        w.exit_code = None
-        w.stopping = False
-        w.started = time.time()
-        w.spawns += 1
-        w.pumps = []
-        assert self.reaper is not None
-        self.reaper.watch(w)
-        self._last_progress.pop(w.rank, None)
-        self._progress.pop(w.rank, None)
+        w.attach(proc)
+        self._watch_new(w)
         self.log.info("spawn", f"rank {w.rank} (local {w.local_rank}) started from the warm spare, "
                       f"pid {w.pid}, as replacement", rank=w.rank, local_rank=w.local_rank, pid=w.pid,
                       generation=w.generation, replacement=True, warm=True)

@@ -71,6 +71,15 @@ class Worker:
     stopping: bool = False  # the agent is stopping it: its exit is not a failure
     spawns: int = 0
 
+    def attach(self, proc: subprocess.Popen) -> None:
+        """Make `proc` this rank's current process (a fresh spawn or a warm spare)."""
+        self.proc = proc
+        self.exit_code = None
+        self.stopping = False
+        self.started = time.time()
+        self.spawns += 1
+        self.pumps = []
+
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
@@ -102,12 +111,7 @@ def spawn(worker: Worker, cmd: list[str], env: dict[str, str], stdout_path: str 
         for t in (out_t, err_t):
             if isinstance(t, int) and t >= 0:
                 os.close(t)
-    worker.proc = proc
-    worker.exit_code = None
-    worker.stopping = False
-    worker.started = time.time()
-    worker.spawns += 1
-    worker.pumps = []
+    worker.attach(proc)
     if tee_out:
         assert proc.stdout is not None
         worker.pumps.append(OutputPump(proc.stdout, stdout_path, sys.stdout, prefix, filters[0],
