@@ -81,3 +81,23 @@ def test_connect_failure_names_the_socket(tmp_path):
     ch = AgentChannel(str(tmp_path / "missing.sock"), 0, StopSignal(), print, connect_timeout=0.2)
     with pytest.raises(ConnectionError, match="missing.sock"):
         ch.start({})
+
+
+def test_inject_goes_to_the_injector_and_waiting_rides_the_next_heartbeat(server):
+    path, srv = server
+    got: list[dict] = []
+    ch = AgentChannel(path, 1, StopSignal(), print, heartbeat_interval=0.2, on_inject=got.append)
+    ch.start({"rank": 1})
+    conn, _ = srv.accept()
+    try:
+        conn.sendall(b'{"op":"inject","kind":"uce-low","step":4,"phase":"backward"}\n')
+        deadline = time.monotonic() + 5
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert got == [{"op": "inject", "kind": "uce-low", "step": 4, "phase": "backward"}]
+        ch.note(waiting=True)  # quiet: no extra message, carried by the next heartbeat
+        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["waiting"] for x in m))
+        assert any(m["op"] == "heartbeat" and m["waiting"] is True for m in msgs)
+    finally:
+        ch.close(bye=False)
+        conn.close()

@@ -53,3 +53,48 @@ def test_process_faults_are_real(kind, code):
     res = subprocess.run([sys.executable, "-c", prog], env=base_env(), capture_output=True, text=True, timeout=60)
     assert res.returncode == code and "survived" not in res.stdout
     assert f"INJECTED fault kind={kind}" in res.stdout
+
+
+def test_injection_forwarded_by_the_agent_fires_in_any_generation():
+    logs: list[str] = []
+    inj = FaultInjector([], 1, logs.append)
+    inj.arm({"op": "inject", "kind": "network", "step": 5, "phase": None})  # phase defaults to forward
+    inj.maybe_fire(3, 4, "forward")
+    inj.maybe_fire(3, 5, "backward")
+    with pytest.raises(InjectedFault) as err:
+        inj.maybe_fire(3, 5, "forward")
+    assert err.value.kind == "network"
+    inj.maybe_fire(3, 5, "forward")  # once only
+    assert logs[0] == "INJECTED fault kind=network armed by ftctl inject: fires at step 5 forward"
+    assert logs[1] == "INJECTED fault kind=network at step 5 forward"
+
+
+def test_injection_without_a_step_fires_at_the_next_phase_edge_one_per_edge():
+    logs: list[str] = []
+    inj = FaultInjector([], 0, logs.append)
+    inj.arm({"op": "inject", "kind": "uce-low", "step": None, "phase": None})
+    inj.arm({"op": "inject", "kind": "uce-high", "step": None, "phase": None})
+    with pytest.raises(InjectedFault, match="uce-low"):
+        inj.maybe_fire(0, 7, "backward")
+    with pytest.raises(InjectedFault, match="uce-high"):
+        inj.maybe_fire(0, 7, "optimizer")
+    inj.maybe_fire(0, 8, "forward")
+
+
+@pytest.mark.parametrize("msg,why", [({"kind": "boom"}, "kind='boom'"), ({"kind": "hang", "step": -1}, "step=-1"),
+                                     ({"kind": "hang", "step": 2, "phase": "loss"}, "phase='loss'")])
+def test_bad_injection_is_ignored_with_one_line(msg, why):
+    logs: list[str] = []
+    inj = FaultInjector([], 0, logs.append)
+    inj.arm({"op": "inject", **msg})
+    inj.maybe_fire(0, 2, "forward")  # nothing armed
+    assert len(logs) == 1 and logs[0].startswith("ignored injection from the agent") and why in logs[0]
+
+
+def test_kill_forwarded_without_a_step_is_a_real_signal_at_once():
+    prog = ("import time\nfrom launcher.runtime.faultplan import FaultInjector\n"
+            "FaultInjector([], 0, print).arm({'op': 'inject', 'kind': 'kill', 'step': None, 'phase': None})\n"
+            "print('survived')")
+    res = subprocess.run([sys.executable, "-c", prog], env=base_env(), capture_output=True, text=True, timeout=60)
+    assert res.returncode == -signal.SIGKILL and "survived" not in res.stdout
+    assert "INJECTED fault kind=kill" in res.stdout
