@@ -281,8 +281,10 @@ def test_close_is_quiet_and_env_is_restored(etcd_server: EtcdServer) -> None:
         assert "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION" not in os.environ
         kv = EtcdKV("{etcd_server.endpoint}", "/q")
         hs = [kv.watch_prefix("p", lambda ev: None) for _ in range(3)]
-        threading.Timer(0.1, kv.set, args=("w", b"1")).start()
+        setter = threading.Timer(0.1, kv.set, args=("w", b"1"))
+        setter.start()
         assert kv.wait(["w"], 5)
+        setter.join()  # the setter's own call may still be finishing when the watch fires
         kv.close()
         kv.close()
         from rendezvous.etcd import EtcdConf
