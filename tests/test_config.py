@@ -1,8 +1,6 @@
 """LaunchConfig resolution: torchrun's hidden rules, ftrun's additions, clear errors."""
 from __future__ import annotations
 
-import os
-import stat
 
 import pytest
 
