@@ -16,8 +16,10 @@ Reported (one JSON line):
                     replacement), resume (first completed step after the repair);
   transfer_gbps vs raw_tcp_gbps: state transfer throughput against raw loopback TCP, measured
                     here in the same run.
-With --kinds, one more JSON line per fault kind (injected inside the worker at a step):
-detection latency and time to recover.
+With --kinds, one more JSON line per fault kind (injected inside the worker at a step), times
+from the end of the step before the fault: detect_s (first report, or the hang detection),
+resumed_s (every rank resumed training: the time to recover), recover_s (every rank completed
+the interrupted step again), step_s (a fault-free step) and lost_s = recover_s - step_s.
 Sets up the /etc/hosts line `::ffff:127.0.0.1 localhost-v4mapped` first.
 """
 from __future__ import annotations
@@ -232,9 +234,15 @@ def kind_row(kind: str, args: argparse.Namespace) -> dict:
     t_rec, recomputed = regained(job, t_prev, step)
     pids = {r: len({x["pid"] for x in recs}) for r, recs in job["steps"].items()}
     strategy = next((e["strategy"] for e in ev if e["event"] == "plan"), None)
+    resumed = [e["time"] for e in ev if e["event"] == "rank-recovered" and e["time"] >= t_prev]
+    before = sorted(r["time"] for r in job["steps"][0] if r["step"] < step)
+    gaps = sorted(b - a for a, b in zip(before, before[1:]))
+    step_s = gaps[len(gaps) // 2] if gaps else 0.0
     return {"bench": "recovery-kind", "kind": kind, "strategy": strategy,
             "detect_s": round((hang or fired)["time"] - t_prev, 4) if (hang or fired) else None,
-            "recover_s": round(t_rec - t_prev, 3), "recomputed": recomputed,
+            "resumed_s": round(max(resumed) - t_prev, 3) if resumed else None,
+            "recover_s": round(t_rec - t_prev, 3), "step_s": round(step_s, 3),
+            "lost_s": round(t_rec - t_prev - step_s, 3), "recomputed": recomputed,
             "processes_restarted": sum(n - 1 for n in pids.values())}
 
 
