@@ -30,9 +30,10 @@ def events(log_dir: str) -> list[dict]:
     return sorted(out, key=lambda e: e["time"])
 
 
-def ftrun(log_dir: str, out: str, steps: int) -> subprocess.Popen:
+def ftrun(log_dir: str, out: str, steps: int, ckpt: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "launcher", "--nproc_per_node", "4", "--max_restarts", "3",
-           "--log_dir", log_dir, TRAIN, "--steps", str(steps), "--step-time", "0.1", "--out", out]
+           "--log_dir", log_dir, TRAIN, "--steps", str(steps), "--step-time", "0.1", "--out", out,
+           "--checkpoint-dir", ckpt, "--checkpoint-every", "10"]
     env = dict(os.environ, PYTHONPATH=REPO, GLOO_SOCKET_IFNAME="lo")
     print("$ ftrun " + " ".join(cmd[3:]), flush=True)
     return subprocess.Popen(cmd, env=env)
@@ -42,16 +43,18 @@ def main() -> int:
     work = tempfile.mkdtemp(prefix="ftrun_demo_")
     steps = 60
     print(f"== 1. training under ftrun, 4 ranks; a worker will be killed (logs: {work})", flush=True)
-    job = ftrun(os.path.join(work, "faulty"), os.path.join(work, "faulty.pt"), steps)
+    ckpt = os.path.join(work, "ckpt")
+    job = ftrun(os.path.join(work, "faulty"), os.path.join(work, "faulty.pt"), steps, ckpt)
     victim = None
-    deadline = time.monotonic() + 120
+    latest = os.path.join(ckpt, "latest_checkpointed_iteration.txt")
+    deadline = time.monotonic() + 180
     while victim is None and time.monotonic() < deadline and job.poll() is None:
-        ev = events(os.path.join(work, "faulty"))
-        hello = {e["rank"] for e in ev if e["event"] == "hello"}
-        if len(hello) == 4:
-            time.sleep(3.0)  # let it train a few steps (0.1 s each)
+        # strike mid-run: a few steps after the checkpoint of step 20
+        if os.path.exists(latest) and int(open(latest).read().strip() or 0) >= 20:
+            time.sleep(0.5)
+            ev = events(os.path.join(work, "faulty"))
             victim = next(e["pid"] for e in ev if e["event"] == "spawn" and e["rank"] == 1)
-        time.sleep(0.1)
+        time.sleep(0.05)
     if victim is None:
         print("demo: the job did not start", file=sys.stderr)
         job.kill()
@@ -61,11 +64,15 @@ def main() -> int:
     code = job.wait(timeout=300)
     ev = events(os.path.join(work, "faulty"))
     spawns = [e for e in ev if e["event"] == "spawn"]
+    rp = next((e for e in ev if e["event"] == "repair-plan"), None)
+    if rp is not None:
+        print(f"== recovery: {rp['message']}", flush=True)
     print(f"== 3. job exited with {code}; processes started: "
           + ", ".join(f"rank {e['rank']} pid {e['pid']}{' (replacement)' if e.get('replacement') else ''}"
                       for e in spawns), flush=True)
     print("== 4. fault-free run with the same seed, for comparison", flush=True)
-    ref = ftrun(os.path.join(work, "clean"), os.path.join(work, "clean.pt"), steps)
+    ref = ftrun(os.path.join(work, "clean"), os.path.join(work, "clean.pt"), steps,
+                os.path.join(work, "ckpt_clean"))
     ref_code = ref.wait(timeout=300)
     import torch
 
