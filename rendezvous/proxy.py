@@ -17,10 +17,17 @@ in order, so each client's own order is kept. Within a round:
   - WAITs for the same key set join one upstream WAIT, even one sent in an earlier turn:
     when it fires, the keys exist, which is after every joined waiter asked.
 Nothing is cached: every answer comes from the upstream after the request arrived, so no
-stale value is ever served. CANCEL_WAIT detaches the caller; the upstream wait is cancelled
+stale value is ever served (values of keys that can never change could be cached, but the
+protocol cannot tell which keys those are). While requests are in flight upstream, new ones
+are held for at most `max_hold` s so a burst becomes one round (Nagle-style; an idle proxy
+forwards at once). CANCEL_WAIT detaches the caller; the upstream wait is cancelled
 when nobody is left on it. PING and VALIDATE are answered locally. The master thus sees
 O(nodes) connections and, for the process-group init pattern, O(1) requests per node per
 phase instead of O(ranks).
+
+With a KVStore upstream, wire keys map to logical keys by dropping the leading "/"; the few
+keys torch sends without it (its `init/` counter) live under "ftrun/wire/". Queue ops need
+ftrun's server upstream; with a KVStore they close the client connection with a clear line.
 """
 from __future__ import annotations
 
@@ -41,6 +48,8 @@ from rendezvous.server import DropConnection, LoopServer, ServerLimits, _Conn
 Op = P.Op
 _NO_REPLY = frozenset((Op.SET, Op.MULTI_SET, Op.APPEND, Op.QUEUE_PUSH))
 _WAIT_CANCELED = bytes((P.WAIT_CANCELED,))
+_FAST_OPS = frozenset((Op.SET, Op.GET, Op.ADD, Op.WAIT, Op.CHECK, Op.MULTI_GET,
+                       Op.COMPARE_SET, Op.DELETE_KEY))
 _STOP = bytes((P.STOP_WAITING,))
 
 
@@ -84,8 +93,9 @@ class _MuxUpstream:
     def start(self) -> None:
         self._connect()
 
-    def _connect(self) -> None:
-        deadline = time.monotonic() + self.timeout
+    def _connect(self, timeout: float | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         last = ""
         while True:
             try:
@@ -96,7 +106,7 @@ class _MuxUpstream:
                 last = e.strerror or str(e)
                 if time.monotonic() >= deadline:
                     raise StoreError(f"proxy cannot reach the store at {self.address} within "
-                                     f"{self.timeout:g} s: {last}") from None
+                                     f"{timeout:g} s: {last}") from None
                 time.sleep(0.05)
         try:
             s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -136,7 +146,8 @@ class _MuxUpstream:
     def send(self, req: P.Request, cb) -> int | None:
         if self.sock is None:
             try:
-                self._connect()
+                # on the loop thread: try briefly, local clients must not stall for long
+                self._connect(min(self.timeout, 1.0))
                 self.proxy.log(f"proxy reconnected to the store at {self.address}")
             except StoreError as e:
                 if cb is not None:
@@ -489,6 +500,37 @@ class StoreProxy(LoopServer):
             self._up.on_event(ev)
 
     # -- local side ----------------------------------------------------------------------
+
+    def _read(self, c: _Conn) -> None:
+        """Fast path: one complete ordinary request in one read goes straight into the
+        batch; anything else (partial frames, several requests, handshake) via `_consume`."""
+        try:
+            data = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(c)
+            return
+        n = len(data)
+        if not n:
+            self._close(c)
+            return
+        if c.buf or not c.validated or data[0] not in _FAST_OPS:
+            self._consume(c, data)
+            return
+        try:
+            r = P._parse(data, 0, n, self._plimits)
+        except P.ProtocolError:
+            r = None
+        if r is None or r[1] != n or (r[0].op == Op.SET and r[0].keys[0] == AUTH_KEY):
+            self._consume(c, data)
+            return
+        req = r[0]
+        slot = None
+        if req.op != Op.SET:
+            slot = [None]
+            c.slots.append(slot)
+        self._batch.append((c, req, slot))
 
     def _process(self, c: _Conn, buf) -> int:
         pos, n = 0, len(buf)
