@@ -98,6 +98,16 @@ def test_chain_without_retry_recovers_uce_in_place(tmp_path, ref):
     assert_same_params(job.params, ref)
 
 
+def test_chain_with_the_budget_spent_falls_through_to_exit_saying_why(tmp_path):
+    job = run_job(tmp_path, [fault("uce-low")], ["--max_restarts", "0"])
+    assert job.returncode == 1, job.describe()
+    assert job.strategies() == ["exit"], job.describe()
+    why = job.first("decide", rank=1)["reason"]
+    assert why == ("retry: restart budget spent; recover-in-place: restart budget spent; "
+                   "restart-all: restart budget spent; stop the job"), why
+    assert "uce-low" in job.output[job.output.index("Root Cause"):]
+
+
 @pytest.mark.slow  # a full restart: every rank starts again (~30-50 s on the 2-core CI box)
 def test_chain_without_process_level_restarts_all_from_checkpoint(tmp_path, ref):
     job = run_job(tmp_path, [fault("kill")], ["--recover_strategy", "restart-all,exit"],
