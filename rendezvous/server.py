@@ -511,8 +511,9 @@ class StoreServer(LoopServer):
         c.mux_waiters.clear()
 
     def _read(self, c: _Conn) -> None:
-        """Fast path for the common case: one complete SET/GET/ADD/WAIT/CHECK(1 key)/PING
-        in one read on a ready connection; everything else goes through `_consume`."""
+        """Fast path for the common case: complete SET/GET/ADD/WAIT/CHECK(1 key)/PING
+        requests on a ready connection are executed inline; at the first request that is
+        anything else (or incomplete) the rest of the bytes go through `_consume`."""
         try:
             data = c.sock.recv(65536)
         except (BlockingIOError, InterruptedError):
@@ -524,64 +525,69 @@ class StoreServer(LoopServer):
         if not n:
             self._close(c)
             return
-        if c.buf or c.mux or not c.authed or not c.validated or n < 9:
+        if c.buf or c.mux or not c.authed or not c.validated:
             self._consume(c, data)
             return
-        op = data[0]
-        rep = _MISS
-        if op == _GET or op == _WAIT or op == _CHECK:
-            if op == _GET:
-                kl = _U64(data, 1)[0]
-                s0 = 9
-            else:
-                if n < 17 or _U64(data, 1)[0] != 1:
-                    self._consume(c, data)
-                    return
-                kl = _U64(data, 9)[0]
-                s0 = 17
-            if s0 + kl == n and kl <= self._plimits.max_key_bytes:
-                key = data[s0:]
-                t = self.table
+        t = self.table
+        maxk = self._plimits.max_key_bytes
+        out = c.out
+        pos = 0
+        while pos + 9 <= n:
+            op = data[pos]
+            if op == _GET or op == _WAIT or op == _CHECK:
+                if op == _GET:
+                    s0 = pos + 9
+                    kl = _U64(data, pos + 1)[0]
+                else:
+                    s0 = pos + 17
+                    if s0 > n or _U64(data, pos + 1)[0] != 1:
+                        break
+                    kl = _U64(data, pos + 9)[0]
+                e = s0 + kl
+                if kl > maxk or e > n:
+                    break
+                key = data[s0:e]
                 if op == _GET:
                     v = t.get(key)
-                    rep = _enc_bytes(b"" if v is None else v)
+                    out.append(_enc_bytes(b"" if v is None else v))
                 elif op == _WAIT:
                     w = t.wait((key,), self._fire_cb(c, -1))
                     if w is None:
-                        rep = _OK
+                        out.append(_OK)
                     else:
                         if c.waiter is not None and not c.waiter.done:
                             t.cancel(c.waiter)
                         c.waiter = w
-                        rep = None
                 else:
-                    rep = _OK if t.check((key,)) else _CANCELED
-        elif op == _SET or op == _ADD:
-            kl = _U64(data, 1)[0]
-            e = 9 + kl
-            if kl <= self._plimits.max_key_bytes and e + 8 <= n:
-                key = data[9:e]
+                    out.append(_OK if t.check((key,)) else _CANCELED)
+                pos = e
+            elif op == _SET or op == _ADD:
+                kl = _U64(data, pos + 1)[0]
+                e = pos + 9 + kl
+                if kl > maxk or e + 8 > n:
+                    break
+                key = data[pos + 9:e]
                 if op == _ADD:
-                    if e + 8 == n:
-                        try:
-                            rep = _enc_i64(self.table.add(key, _I64(data, e)[0]))
-                        except ValueError as err:
-                            self._drop(c, f"ADD failed: {err}")
-                            return
-                elif key != AUTH_KEY:
+                    try:
+                        out.append(_enc_i64(t.add(key, _I64(data, e)[0])))
+                    except ValueError as err:
+                        self._drop(c, f"ADD failed: {err}")
+                        return
+                    pos = e + 8
+                else:
                     vl = _U64(data, e)[0]
-                    if e + 8 + vl == n and vl <= self._plimits.max_value_bytes:
-                        self.table.set(key, data[e + 8:])
-                        rep = None
-        elif op == _PING and n == 5:
-            rep = data[1:]
-        if rep is _MISS:
-            self._consume(c, data)
+                    ve = e + 8 + vl
+                    if key == AUTH_KEY or vl > self._plimits.max_value_bytes or ve > n:
+                        break
+                    t.set(key, data[e + 8:ve])
+                    pos = ve
+            else:
+                break
+        if pos < n:
+            self._consume(c, data[pos:] if pos else data)
             return
-        if rep is not None:
-            c.out.append(rep)
-            if not c.want_write:
-                self._flush(c)
+        if out and not c.want_write:
+            self._flush(c)
 
     def _drop(self, c: _Conn, why: str) -> None:
         self.log(f"{self._name} closed {c.peer}: {why}")

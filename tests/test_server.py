@@ -195,3 +195,27 @@ def test_bad_arguments() -> None:
         StoreServer(port=70000)
     with pytest.raises(ValueError, match="max_connections=0"):
         ServerLimits(max_connections=0)
+
+
+def test_pipelined_burst_and_byte_by_byte_give_the_same_replies(server: StoreServer) -> None:
+    reqs = []
+    for i in range(50):
+        k = b"/p%d" % (i % 7)
+        reqs += [P.Request(P.Op.SET, (k,), (b"v%d" % i,)), P.Request(P.Op.ADD, (b"/pc",), (), 2),
+                 P.Request(P.Op.GET, (k,)), P.Request(P.Op.WAIT, (k,)),
+                 P.Request(P.Op.CHECK, (k, b"/none")), P.Request(P.Op.PING, num=i),
+                 P.Request(P.Op.CHECK, (k,))]
+    raw = b"".join(P.encode_request(r) for r in reqs)
+    expect = b""
+    for i in range(50):
+        expect += (P.enc_i64(2 * (i + 1)) + P.enc_bytes(b"v%d" % i) + b"\x00" + b"\x01"
+                   + P.enc_u32(i) + b"\x00")
+    burst = raw_conn(server.port)
+    burst.sendall(raw)
+    assert recv_exact(burst, len(expect)) == expect
+    server.kv.delete("pc")
+    slow = raw_conn(server.port)
+    slow.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for i in range(0, len(raw), 7):
+        slow.sendall(raw[i:i + 7])
+    assert recv_exact(slow, len(expect)) == expect
