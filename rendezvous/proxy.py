@@ -354,8 +354,8 @@ class _KVUpstream:
                 self._reply(cb, None, e if isinstance(e, StoreError) else StoreError(
                     f"{type(e).__name__}: {e}"))
             else:
-                self.proxy.call_soon_threadsafe(
-                    lambda: self.proxy.log(f"proxy upstream {P.OP_NAMES[req.op]} failed: {e}"))
+                msg = f"proxy upstream {P.OP_NAMES[req.op]} failed: {e}"  # `e` dies with the block
+                self.proxy.call_soon_threadsafe(lambda: self.proxy.log(msg))
             return
         if cb is not None:
             self._reply(cb, value, None)
