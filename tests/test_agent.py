@@ -230,3 +230,19 @@ def test_unreachable_master_is_one_clear_line(tmp_path) -> None:
     assert r.returncode == 1
     assert f"cannot connect to the store at 127.0.0.1:{port}" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_dynamic_min_max_rendezvous_on_the_embedded_store(tmp_path) -> None:
+    port = free_port()
+    common = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--nnodes", "1:2",
+              "--nproc_per_node", "1"]
+    host = _start(FTRUN + common + ["--rdzv_conf", "is_host=true,last_call_timeout=3",
+                                    "--log_dir", str(tmp_path / "a"), script("ddp_plain.py"),
+                                    "--steps", "3", "--out", str(tmp_path / "out.json")], env_with())
+    time.sleep(0.5)
+    other = _start(FTRUN + common + ["--log_dir", str(tmp_path / "b"), script("ddp_plain.py"),
+                                     "--steps", "3"], env_with())
+    outs = [p.communicate(timeout=120) for p in (host, other)]
+    assert host.returncode == 0 and other.returncode == 0, outs[0][1][-2000:] + outs[1][1][-2000:]
+    with open(tmp_path / "out.json", encoding="utf-8") as f:
+        assert json.load(f)["world"] == 2
