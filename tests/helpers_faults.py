@@ -113,7 +113,8 @@ class LiveJob:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.05)
-        raise AssertionError(f"expected {count} {name} events; job exit {self.proc.poll()}\n{self.output()[-6000:]}")
+        raise AssertionError(f"expected {count} {name} events; job exit {self.proc.poll()}\n"
+                             f"{self.output()[-6000:]}")
 
     def store_addr(self) -> str:
         paths = glob.glob(str(self.workdir / "logs" / "*" / "store.json"))
@@ -164,4 +165,4 @@ def assert_same_params(got: list[dict[str, torch.Tensor]], ref: list[dict[str, t
     for r in range(NPROC):
         assert got[r].keys() == ref[r].keys()
         for k in ref[r]:
-            assert torch.equal(got[r][k], ref[r][k]), f"rank {r}: parameter {k} differs from the fault-free run"
+            assert torch.equal(got[r][k], ref[r][k]), f"rank {r}: parameter {k} differs from fault-free"

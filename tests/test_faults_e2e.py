@@ -18,7 +18,8 @@ from launcher.runtime import checkpoint as ckpt
 FAULT_STEP = 3
 
 
-def fault(kind: str, rank: int = 1, step: int = FAULT_STEP, phase: str = "forward", generation: int = 0) -> dict:
+def fault(kind: str, rank: int = 1, step: int = FAULT_STEP, phase: str = "forward",
+          generation: int = 0) -> dict:
     return {"rank": rank, "step": step, "phase": phase, "kind": kind, "generation": generation}
 
 

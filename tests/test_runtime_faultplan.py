@@ -81,7 +81,8 @@ def test_injection_without_a_step_fires_at_the_next_phase_edge_one_per_edge():
     inj.maybe_fire(0, 8, "forward")
 
 
-@pytest.mark.parametrize("msg,why", [({"kind": "boom"}, "kind='boom'"), ({"kind": "hang", "step": -1}, "step=-1"),
+@pytest.mark.parametrize("msg,why", [({"kind": "boom"}, "kind='boom'"),
+                                     ({"kind": "hang", "step": -1}, "step=-1"),
                                      ({"kind": "hang", "step": 2, "phase": "loss"}, "phase='loss'")])
 def test_bad_injection_is_ignored_with_one_line(msg, why):
     logs: list[str] = []
@@ -95,6 +96,7 @@ def test_kill_forwarded_without_a_step_is_a_real_signal_at_once():
     prog = ("import time\nfrom launcher.runtime.faultplan import FaultInjector\n"
             "FaultInjector([], 0, print).arm({'op': 'inject', 'kind': 'kill', 'step': None, 'phase': None})\n"
             "print('survived')")
-    res = subprocess.run([sys.executable, "-c", prog], env=base_env(), capture_output=True, text=True, timeout=60)
+    res = subprocess.run([sys.executable, "-c", prog], env=base_env(), capture_output=True, text=True,
+                         timeout=60)
     assert res.returncode == -signal.SIGKILL and "survived" not in res.stdout
     assert "INJECTED fault kind=kill" in res.stdout

@@ -3,7 +3,8 @@
 Owns: the unix stream socket to the local agent (`FTRUN_AGENT_SOCKET`), newline-delimited JSON
 both ways, and the two daemon threads that serve it: a reader that turns the agent's
 {"op":"stop","generation":g} into a `StopSignal` request (so a rank blocked in a collective still
-hears it) and hands {"op":"inject",...} (from `ftctl inject`) to the fault injector, and a writer that sends a heartbeat on every progress change and at least every
+hears it) and hands {"op":"inject",...} (from `ftctl inject`) to the fault injector, and a
+writer that sends a heartbeat on every progress change and at least every
 `heartbeat_interval` seconds. The training thread never touches the socket: it only updates
 `Progress` and queues messages.
 
