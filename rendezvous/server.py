@@ -1,15 +1,18 @@
 """The embedded store server: torch's TCPStore protocol over a `MemoryStore`.
 
-Owns: `StoreServer` (listening socket, the event-loop thread, per-connection state, request
-limits, token checks) and `ServerLimits`.
+Owns: `LoopServer` (listening socket, the event-loop thread, accept/read/flush/close,
+per-turn budgets, timeouts; shared with the node proxy), `StoreServer` (request execution,
+handshake and token checks) and `ServerLimits`.
 
-Design: one thread runs a level-triggered epoll loop over non-blocking sockets.
-Each readable connection is drained, every complete request in its buffer is executed
-against the table and the replies are queued; replies are flushed once per loop turn
-(one `send` per connection). Nothing blocks on a client: a stalled reader only grows its
-own bounded output buffer, a slow sender only holds its own partial frame, and a malformed
-frame closes that connection with one log line. WAITs register a waiter in the table; a SET
-that satisfies thousands of waiters queues one byte per waiter and flushes them in one turn.
+Design: one thread runs a level-triggered epoll loop over non-blocking sockets. A readable
+connection is read once (64 KiB), its complete requests are executed against the table (a
+fast path decodes SET/GET/ADD/WAIT/CHECK inline) and its replies are sent at once, in one
+`send`. Nothing blocks on a client: at most 128 requests per connection and 256 accepts run
+per turn (the rest next turn), a stalled reader only grows its own bounded output buffer, a
+slow sender only holds its own partial frame (closed after `stalled_frame_timeout`), and a
+malformed or over-limit frame closes that connection with one log line. WAITs register a
+waiter in the table; a SET that satisfies thousands of waiters queues one byte per waiter
+and flushes them all at the end of that turn.
 Writes from other threads (the in-process `LocalKV` at `.kv`) wake waiters through an
 eventfd. Unmodified torch clients (`TCPStore(is_master=False)`, gloo/NCCL init through
 env://) speak to it directly.
