@@ -102,15 +102,16 @@ def events(log_dir: str) -> list[dict]:
     return sorted(out, key=lambda e: e["time"])
 
 
-def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None) -> dict:
+def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
+            hang_timeout: float = 0.0) -> dict:
     out = tempfile.mkdtemp(prefix=f"bench_recovery_{name}_")
     env = dict(os.environ, OUT_DIR=out, PYTHONPATH=REPO, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     if fault_plan:
         env["FTRUN_FAULT_PLAN"] = fault_plan
     cmd = LAUNCHERS[name] + ["--nproc_per_node", "4", "--max_restarts", "3",
                              "--log_dir", os.path.join(out, "logs")]
-    if name == "ftrun" and args.hang_timeout and fault_plan:
-        cmd += ["--hang_timeout", str(args.hang_timeout)]
+    if name == "ftrun" and hang_timeout:  # only where a hang is injected: a slow first step is no hang
+        cmd += ["--hang_timeout", str(hang_timeout)]
     cmd += [WORKERS[name], "--steps", str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers),
             "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "10"]
     stderr_path = os.path.join(out, "stderr.txt")
@@ -225,7 +226,7 @@ def compare(args: argparse.Namespace) -> dict:
 def kind_row(kind: str, args: argparse.Namespace) -> dict:
     step = args.kill_after_step + 1
     plan = json.dumps([{"rank": 1, "step": step, "phase": "forward", "kind": kind}])
-    job = run_job("ftrun", args, fault_plan=plan)
+    job = run_job("ftrun", args, fault_plan=plan, hang_timeout=args.hang_timeout if kind == "hang" else 0.0)
     ev = job["events"]
     fired = next((e for e in ev if e["event"] in ("worker-failed", "worker-fault")), None)
     hang = next((e for e in ev if e["event"] == "hang"), None)

@@ -95,7 +95,7 @@ def test_inject_goes_to_the_injector_and_waiting_rides_the_next_heartbeat(server
         while not got and time.monotonic() < deadline:
             time.sleep(0.01)
         assert got == [{"op": "inject", "kind": "uce-low", "step": 4, "phase": "backward"}]
-        ch.note(waiting=True)  # quiet: no extra message, carried by the next heartbeat
+        ch.update(waiting=True)
         msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["waiting"] for x in m))
         assert any(m["op"] == "heartbeat" and m["waiting"] is True for m in msgs)
     finally:

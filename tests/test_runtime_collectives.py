@@ -1,5 +1,6 @@
 """Interruptible collectives: a survivor leaves a collective within 1 s of the stop signal while
-a peer was SIGKILLed mid-collective, abandons the old group safely and works in a new one."""
+a peer was SIGKILLed mid-collective (reporting itself busy while blocked), abandons the old group
+safely and works in a new one."""
 from __future__ import annotations
 
 import os
@@ -32,7 +33,8 @@ def on_error(exc, what):  # like the runtime: a failed collective waits for the 
         raise StopRequested(stop.target, "after error")
 
 graveyard = Graveyard()
-coll = Interruptible(stop, graveyard, lambda: 0, 120.0, on_error)
+busy = []  # on_busy calls: True once a wait lasts BUSY_AFTER_S, False when it ends
+coll = Interruptible(stop, graveyard, lambda: 0, 120.0, on_error, on_busy=busy.append)
 t = torch.ones(1 << 16)
 store.add("looping", 1)
 try:
@@ -40,6 +42,8 @@ try:
         coll.all_reduce(t)
 except StopRequested:
     left = time.time()
+# blocked in the ring for 0.5 s before the stop: reported busy, then not busy when it left
+assert busy[-2:] == [True, False] and busy == [i % 2 == 0 for i in range(len(busy))], busy
 store.set(f"left/{rank}", repr(left))
 # abandon generation 0 (kept referenced), rebuild among the survivors
 graveyard.keep(*dist.distributed_c10d._world.pg_map.keys())

@@ -115,12 +115,6 @@ class AgentChannel:
             self._dirty = True
             self._cond.notify_all()
 
-    def note(self, **fields: object) -> None:
-        """Change heartbeat fields without waking the writer: sent with the next heartbeat."""
-        with self._cond:
-            for k, v in fields.items():
-                setattr(self._progress, k, v)
-
     def send(self, message: dict) -> None:
         """Queue one message for the agent (never blocks on the socket)."""
         with self._cond:

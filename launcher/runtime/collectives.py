@@ -38,13 +38,36 @@ class Graveyard:
             return len(self._items)
 
 
+BUSY_AFTER_S = 0.05  # a wait this long is reported through on_busy; shorter ones say nothing
+
+
+class _Busy:
+    """Tells `on_busy` once a wait has lasted BUSY_AFTER_S, and again when it ends."""
+
+    def __init__(self, on_busy: Callable[[bool], None]) -> None:
+        self._on_busy = on_busy
+        self._since = time.monotonic()
+        self._told = False
+
+    def tick(self, now: bool = False) -> None:
+        """`now`: the wait turns into waiting for the agent (a failed collective): say so at once."""
+        if not self._told and (now or time.monotonic() - self._since >= BUSY_AFTER_S):
+            self._told = True
+            self._on_busy(True)
+
+    def done(self) -> None:
+        if self._told:
+            self._on_busy(False)
+
+
 class Interruptible:
     """Issues collectives with async_op=True and waits for them while watching `stop`.
 
     `generation()` is the rank's current generation: a stop for a newer one interrupts the wait
     (StopRequested). `on_error(exc, what)` decides what a failed collective means; it raises.
-    `on_busy(True/False)` brackets every wait (the heartbeat tells the agent's hang check that
-    the rank waits on its peers rather than hangs itself).
+    `on_busy(True)` is called once a wait lasts BUSY_AFTER_S and `on_busy(False)` when it ends
+    (the heartbeat tells the agent's hang check that the rank waits on its peers rather than
+    hangs itself).
     """
 
     def __init__(self, stop: StopSignal, graveyard: Graveyard, generation: Callable[[], int],
@@ -60,13 +83,13 @@ class Interruptible:
         self._abort = abort
 
     def wait(self, work: Any, what: str, keep: tuple[Any, ...] = ()) -> None:
-        self._on_busy(True)
+        busy = _Busy(self._on_busy)
         try:
-            self._wait(work, what, keep)
+            self._wait(work, what, keep, busy)
         finally:
-            self._on_busy(False)
+            busy.done()
 
-    def _wait(self, work: Any, what: str, keep: tuple[Any, ...]) -> None:
+    def _wait(self, work: Any, what: str, keep: tuple[Any, ...], busy: _Busy) -> None:
         deadline = time.monotonic() + self.timeout
         delay = 5e-5
         gen = self._generation()
@@ -76,6 +99,7 @@ class Interruptible:
                     work.wait()
                 except RuntimeError as exc:
                     self._graveyard.keep(work, *keep)
+                    busy.tick(now=True)
                     self._on_error(exc, what)
                     raise CollectiveError(f"{what} failed: {exc}") from exc
                 return
@@ -87,8 +111,10 @@ class Interruptible:
             if time.monotonic() > deadline:
                 self._graveyard.keep(work, *keep)
                 exc = TimeoutError(f"{what} did not complete within {self.timeout:.0f} s")
+                busy.tick(now=True)
                 self._on_error(exc, what)
                 raise CollectiveError(str(exc)) from exc
+            busy.tick()
             self._stop.wait_newer(gen, delay)
             delay = min(delay * 2, 0.002)
 
@@ -116,13 +142,13 @@ class Interruptible:
     def wait_blocking(self, works: list[Any], what: str, keep: tuple[Any, ...] = ()) -> None:
         """For works whose is_completed() only turns true inside wait() (gloo send/recv): a
         daemon thread blocks in wait() while this thread watches the stop signal."""
-        self._on_busy(True)
+        busy = _Busy(self._on_busy)
         try:
-            self._wait_blocking(works, what, keep)
+            self._wait_blocking(works, what, keep, busy)
         finally:
-            self._on_busy(False)
+            busy.done()
 
-    def _wait_blocking(self, works: list[Any], what: str, keep: tuple[Any, ...]) -> None:
+    def _wait_blocking(self, works: list[Any], what: str, keep: tuple[Any, ...], busy: _Busy) -> None:
         done = threading.Event()
         errors: list[BaseException] = []
 
@@ -141,6 +167,7 @@ class Interruptible:
         gen = self._generation()
         delay = 5e-5
         while not done.wait(delay):
+            busy.tick()
             if self._stop.newer_than(gen):
                 self._graveyard.keep(waiter, *works, *keep)
                 if self._abort is not None:
@@ -149,11 +176,13 @@ class Interruptible:
             if time.monotonic() > deadline:
                 self._graveyard.keep(waiter, *works, *keep)
                 exc = TimeoutError(f"{what} did not complete within {self.timeout:.0f} s")
+                busy.tick(now=True)
                 self._on_error(exc, what)
                 raise CollectiveError(str(exc)) from exc
             delay = min(delay * 2, 0.002)
         if errors:
             self._graveyard.keep(*works, *keep)
+            busy.tick(now=True)
             self._on_error(errors[0], what)
             raise CollectiveError(f"{what} failed: {errors[0]}") from errors[0]
 

@@ -200,7 +200,7 @@ class Runtime:
 
     def _note_waiting(self, busy: bool) -> None:
         if self._channel is not None:
-            self._channel.note(waiting=busy)
+            self._channel.update(waiting=busy)
 
     def _abort_groups(self) -> None:
         if dist.is_initialized():
