@@ -20,6 +20,9 @@ Heartbeat phases: "init" (between init() and the first step: the script builds i
 replacement waits for its state), "step", the script's phase names ("forward", "backward", ...),
 "optimizer", "committed", "checkpoint", "recovering" (inside a recovery round; every wait there
 is bounded by FTRUN_STORE_TIMEOUT), "resumed", "done". Rapid phase changes are coalesced.
+"waiting" is true while the rank has been blocked in a runtime collective for over 50 ms, or
+waits for the agent after a collective failed: the agent's hang check spares such a rank (it
+waits on a peer; the collective's own timeout bounds it).
 """
 from __future__ import annotations
 
