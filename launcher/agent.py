@@ -638,6 +638,13 @@ class Agent:
     def _on_plan(self, plan: P.Plan) -> int | None:
         self.generation = plan.generation
         self.log.generation = plan.generation
+        if self.rejoined:
+            cause = plan.root_cause or {}
+            if not (cause.get("evidence", {}).get("node_joined") and cause.get("node") == self.world.group_rank):
+                self.log.info("plan-skipped", f"generation {plan.generation} began before this "
+                              "replacement agent joined; waiting for the round of its arrival")
+                return None
+            self.rejoined = False  # from here on, an ordinary member
         if plan.root_cause and self.root_fault is None:
             self.root_fault = P.Fault(**{k: v for k, v in plan.root_cause.items()
                                          if k in {f.name for f in dataclasses.fields(P.Fault)}})

@@ -109,6 +109,8 @@ class Controller:
         plan = self.current_plan
         if plan is None or fault.generation >= plan.generation:
             return False
+        if fault.evidence.get("node_joined"):
+            return False  # a replacement agent always gets the round that starts its ranks
         if plan.strategy in (P.RESTART_ALL, P.EXIT, P.DUMP):
             return True
         return fault.rank in plan.failed_ranks or fault.rank is None
