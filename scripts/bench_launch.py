@@ -19,20 +19,12 @@ import sys
 import tempfile
 import time
 
+from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(REPO, "tests", "scripts", "launch_probe.py")
 
 
-def ensure_hosts_line() -> str:
-    with open("/etc/hosts", encoding="utf-8") as f:
-        if "localhost-v4mapped" in f.read():
-            return "present"
-    try:
-        with open("/etc/hosts", "a", encoding="utf-8") as f:
-            f.write("\n::ffff:127.0.0.1 localhost-v4mapped\n")
-        return "added"
-    except OSError:
-        return "missing (no permission): store connects may stall"
 
 
 def one_run(launcher: list[str], nproc: int) -> dict:

@@ -37,6 +37,8 @@ import tempfile
 import threading
 import time
 
+from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKERS = {"ftrun": os.path.join(REPO, "scripts", "bench_recovery_worker.py"),
            "torchrun": os.path.join(REPO, "scripts", "bench_recovery_torchrun_worker.py")}
@@ -44,16 +46,6 @@ LAUNCHERS = {"ftrun": [sys.executable, "-m", "launcher"],
              "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
 
 
-def ensure_hosts_line() -> str:
-    with open("/etc/hosts", encoding="utf-8") as f:
-        if "localhost-v4mapped" in f.read():
-            return "present"
-    try:
-        with open("/etc/hosts", "a", encoding="utf-8") as f:
-            f.write("\n::ffff:127.0.0.1 localhost-v4mapped\n")
-        return "added"
-    except OSError:
-        return "missing (no permission)"
 
 
 def raw_tcp_gbps(nbytes: int = 100 << 20, repeat: int = 3) -> float:

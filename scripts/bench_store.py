@@ -32,7 +32,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HOSTS_LINE = "::ffff:127.0.0.1 localhost-v4mapped"
+from hosts_setup import HOSTS_LINE, ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 PER_PROXY = 64
 
 CLIENT = r'''
@@ -110,16 +110,6 @@ for p in ps:
 '''
 
 
-def ensure_hosts_line() -> str:
-    try:
-        with open("/etc/hosts", encoding="utf-8") as f:
-            if "localhost-v4mapped" in f.read():
-                return "present"
-        with open("/etc/hosts", "a", encoding="utf-8") as f:
-            f.write("\n" + HOSTS_LINE + "\n")
-        return "added"
-    except OSError as e:
-        return f"missing (could not add: {e.strerror}); numbers include resolver stalls"
 
 
 def env() -> dict[str, str]:
