@@ -504,17 +504,10 @@ class StoreProxy(LoopServer):
     def _read(self, c: _Conn) -> None:
         """Fast path: one complete ordinary request in one read goes straight into the
         batch; anything else (partial frames, several requests, handshake) via `_consume`."""
-        try:
-            data = c.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close(c)
+        data = self._recv(c)
+        if not data:
             return
         n = len(data)
-        if not n:
-            self._close(c)
-            return
         if c.buf or not c.validated or data[0] not in _FAST_OPS:
             self._consume(c, data)
             return

@@ -423,6 +423,21 @@ class LoopServer:
             c.want_write = True
             self._ep.modify(c.fd, _EPOLLIN | _EPOLLOUT)
 
+    def _recv(self, c: _Conn) -> bytes | None:
+        """One read of up to 64 KiB; None when nothing came (closing the connection on EOF or
+        error)."""
+        try:
+            data = c.sock.recv(65536)
+        except (BlockingIOError, InterruptedError):
+            return None
+        except OSError:
+            self._close(c)
+            return None
+        if not data:
+            self._close(c)
+            return None
+        return data
+
     def _close(self, c: _Conn) -> None:
         if c.closed:
             return
@@ -517,17 +532,10 @@ class StoreServer(LoopServer):
         """Fast path for the common case: complete SET/GET/ADD/WAIT/CHECK(1 key)/PING
         requests on a ready connection are executed inline; at the first request that is
         anything else (or incomplete) the rest of the bytes go through `_consume`."""
-        try:
-            data = c.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close(c)
+        data = self._recv(c)
+        if not data:
             return
         n = len(data)
-        if not n:
-            self._close(c)
-            return
         if c.buf or c.mux or not c.authed or not c.validated:
             self._consume(c, data)
             return
