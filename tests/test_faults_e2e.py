@@ -109,7 +109,6 @@ def test_chain_with_the_budget_spent_falls_through_to_exit_saying_why(tmp_path):
     assert "uce-low" in job.output[job.output.index("Root Cause"):]
 
 
-@pytest.mark.slow  # a full restart: every rank starts again (~30-50 s on the 2-core CI box)
 def test_chain_without_process_level_restarts_all_from_checkpoint(tmp_path, ref):
     job = run_job(tmp_path, [fault("kill")], ["--recover_strategy", "restart-all,exit"],
                   ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"])
@@ -122,8 +121,8 @@ def test_chain_without_process_level_restarts_all_from_checkpoint(tmp_path, ref)
     assert_same_params(job.params, ref)
 
 
-@pytest.mark.slow  # two launches (~50 s on the 2-core CI box)
-@pytest.mark.parametrize("how", ["HIGH_AVAILABILITY=dump", "--recover_strategy dump,exit"])
+@pytest.mark.parametrize("how", ["HIGH_AVAILABILITY=dump",
+                                 pytest.param("--recover_strategy dump,exit", marks=pytest.mark.slow)])
 def test_dump_saves_a_dying_gasp_checkpoint_and_the_next_launch_resumes(tmp_path, ref, how):
     ckpt_dir = tmp_path / "ckpt"
     args = ["--checkpoint-dir", str(ckpt_dir)]
