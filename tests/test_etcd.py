@@ -95,17 +95,21 @@ def test_compare_set_torch_semantics(kv: EtcdKV) -> None:
 
 
 def test_wait_wakes_on_set_and_times_out(kv: EtcdKV) -> None:
-    threading.Timer(0.2, kv.set, args=("late", b"1")).start()
+    setter = threading.Timer(0.2, kv.set, args=("late", b"1"))
+    setter.start()
     t0 = time.monotonic()
     assert kv.wait(["late"], 5.0) is True
     assert time.monotonic() - t0 < 1.5
+    setter.join()  # its own call may still be returning when the watch fires
     # several keys, set one by one (one watch over their range)
     def writer() -> None:
         for k in ("w/2", "w/0", "w/1"):
             time.sleep(0.05)
             kv.set(k, b"")
-    threading.Thread(target=writer, daemon=True).start()
+    wt = threading.Thread(target=writer, daemon=True)
+    wt.start()
     assert kv.wait(["w/0", "w/1", "w/2"], 5.0) is True
+    wt.join(5.0)
     t0 = time.monotonic()
     assert kv.wait(["never"], 0.3) is False
     assert 0.25 < time.monotonic() - t0 < 1.5
