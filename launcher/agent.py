@@ -51,7 +51,7 @@ class SignalEvent:
 
 
 @dataclass
-class NodeWorld:
+class AgentWorld:
     """What this agent knows of the job after node-level rendezvous."""
 
     group_rank: int
@@ -186,11 +186,11 @@ class Agent:
         self.log.info("proxy", f"store proxy for local workers on 127.0.0.1:{self._proxy.port}")
         return "127.0.0.1", int(self._proxy.port)
 
-    def _rendezvous(self) -> NodeWorld:
+    def _rendezvous(self) -> AgentWorld:
         cfg = self.cfg
         assert self.kv is not None
         if cfg.max_nodes == 1 and cfg.store_backend == "embedded":
-            return NodeWorld(0, 1, 0, cfg.nproc_per_node, True)
+            return AgentWorld(0, 1, 0, cfg.nproc_per_node, True)
         from rendezvous.membership import Membership
 
         self._membership = Membership(
@@ -204,7 +204,7 @@ class Agent:
         self._membership.start_heartbeat()
         self._membership.watch_nodes(self._on_node_dead, self._on_node_join)
         self.rejoined = bool(w.rejoined)
-        return NodeWorld(w.group_rank, w.group_world_size, w.nodes[w.group_rank].rank_base,
+        return AgentWorld(w.group_rank, w.group_world_size, w.nodes[w.group_rank].rank_base,
                          w.world_size, w.leader_node == w.group_rank)
 
     def _on_node_join(self, node: int) -> None:
