@@ -11,11 +11,12 @@ connection is dropped and re-opened by the thread's next call.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
 import time
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from rendezvous import protocol as P
 from rendezvous.auth import AUTH_KEY, check_token
@@ -153,15 +154,15 @@ class StoreClient(KVStore):
                                  + (" (no job token given?)" if self.token is None else ""))
             buf += chunk
 
-    def _call(self, req: P.Request, count: int = 0):
-        link = self._link()
+    @contextlib.contextmanager
+    def _using(self, link: _Link, what: str) -> Iterator[None]:
+        """Map a failed exchange on `link` to StoreTimeout/StoreError and drop the link."""
         try:
-            link.sock.sendall(P.encode_request(req))
-            return self._read(link, P.REPLY_OF[req.op], count)
+            yield
         except socket.timeout:
             self._drop(link)
-            raise StoreTimeout(f"store at {self.address} did not answer "
-                               f"{P.OP_NAMES[req.op]} within {self.timeout:g} s") from None
+            raise StoreTimeout(f"store at {self.address} did not answer {what} "
+                               f"within {self.timeout:g} s") from None
         except StoreError:
             self._drop(link)
             raise
@@ -170,9 +171,15 @@ class StoreClient(KVStore):
             raise StoreError(f"lost the connection to the store at {self.address}: "
                              f"{e.strerror or e}") from None
 
+    def _call(self, req: P.Request, count: int = 0):
+        link = self._link()
+        with self._using(link, P.OP_NAMES[req.op]):
+            link.sock.sendall(P.encode_request(req))
+            return self._read(link, P.REPLY_OF[req.op], count)
+
     def _wait_wire(self, wks: tuple, timeout: float) -> bool:
         link = self._link()
-        try:
+        with self._using(link, "CANCEL_WAIT"):
             link.sock.sendall(P.encode_request(P.Request(P.Op.WAIT, wks)))
             link.sock.settimeout(max(timeout, 1e-3))
             try:
@@ -188,17 +195,6 @@ class StoreClient(KVStore):
                 self._read(link, P.Reply.U8)
                 return True
             return False
-        except socket.timeout:
-            self._drop(link)
-            raise StoreTimeout(f"store at {self.address} did not answer CANCEL_WAIT "
-                               f"within {self.timeout:g} s") from None
-        except StoreError:
-            self._drop(link)
-            raise
-        except OSError as e:
-            self._drop(link)
-            raise StoreError(f"lost the connection to the store at {self.address}: "
-                             f"{e.strerror or e}") from None
 
     # -- KVStore -------------------------------------------------------------------------
 

@@ -246,30 +246,26 @@ def _parse(buf, pos: int, n: int, limits: Limits) -> tuple[Request, int] | None:
     raise ProtocolError(f"unknown query type {op}: allowed 0-18 (torch TCPStore) and 240 (ftrun)")
 
 
-def _key(buf, p: int, n: int, limits: Limits):
+def _blob(buf, p: int, n: int, most: int, what: str):
+    """A u64-length-prefixed byte string at p: (bytes, end), None when incomplete."""
     if p + 8 > n:
         return None
     ln = _U64_unpack(buf, p)[0]
-    if ln > limits.max_key_bytes:
-        raise ProtocolError(f"key of {ln} bytes: at most {limits.max_key_bytes} allowed")
+    if ln > most:
+        raise ProtocolError(f"{what} of {ln} bytes: at most {most} allowed")
     p += 8
     e = p + ln
     if e > n:
         return None
     return bytes(buf[p:e]), e
+
+
+def _key(buf, p: int, n: int, limits: Limits):
+    return _blob(buf, p, n, limits.max_key_bytes, "key")
 
 
 def _val(buf, p: int, n: int, limits: Limits):
-    if p + 8 > n:
-        return None
-    ln = _U64_unpack(buf, p)[0]
-    if ln > limits.max_value_bytes:
-        raise ProtocolError(f"value of {ln} bytes: at most {limits.max_value_bytes} allowed")
-    p += 8
-    e = p + ln
-    if e > n:
-        return None
-    return bytes(buf[p:e]), e
+    return _blob(buf, p, n, limits.max_value_bytes, "value")
 
 
 def _keylist(buf, p: int, n: int, limits: Limits):
