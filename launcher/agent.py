@@ -10,23 +10,32 @@ the failure summary. Decisions are not made here: faults go to the controller.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import queue
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 
 from launcher import plan as P
 from launcher.channel import ChannelMessage, ChannelServer
 from launcher.config import LaunchConfig
 from launcher.controller import Controller, aware_key, go_key, post_fault, stopped_key
-from launcher.errors import Failure, copy_root_error_file, failure_from_exit, format_summary
+from launcher.errors import (Failure, copy_root_error_file, failure_from_exit, format_summary,
+                             root_cause)
+from launcher.fault_memory import FaultMemory
 from launcher.faults import FaultKind
+from launcher.inject import RUNTIME_KINDS
 from launcher.logs import AgentLog, RunLogDir, render_prefix
+from launcher.spare import SparePool
 from launcher.workers import Reaper, Worker, WorkerExit, send_signal, spawn, stop_workers
+from rendezvous import auth
 from rendezvous.kv import KVStore, StoreError
 
 DONE = "ftrun/done/{g}"
@@ -101,44 +110,34 @@ class Agent:
         self.rejoined = False
         self.spares = None
         if os.environ.get("FTRUN_WARM_SPARE", "1") != "0" and not cfg.no_python:
-            import sys
-
-            from launcher.spare import SparePool
-
             self.spares = SparePool(os.environ.get("PYTHON_EXEC", sys.executable),
                                     lambda m: self.log.info("spare", m))
         self._progress: dict[int, tuple] = {}
         self._inject_thread: threading.Thread | None = None
-        from launcher.fault_memory import FaultMemory
-
         self.fault_memory = FaultMemory(os.path.join(cfg.log_dir or self.run_dir.path,
                                                      "fault_memory.json"))
 
     # ------------------------------------------------------------------ store and rendezvous
-    def _token(self) -> str | None:
-        from rendezvous import auth
+    def _etcd_kv(self) -> KVStore:
+        """A client of the job's etcd store (the agent's own, and each proxy upstream link)."""
+        from rendezvous.etcd import EtcdConf, EtcdKV, parse_endpoints  # imports gRPC: only for etcd
 
-        if self.cfg.token_file:
-            return auth.load_token_file(self.cfg.token_file)
-        return os.environ.get("FTRUN_JOB_TOKEN") or None
+        cfg = self.cfg
+        return EtcdKV(parse_endpoints(cfg.rdzv_endpoint), root=f"/ftrun/{cfg.rdzv_id}",
+                      conf=EtcdConf.from_rdzv_conf(cfg.rdzv_conf))
 
     def _setup_store(self) -> None:
         cfg = self.cfg
-        token = self._token()
+        token = auth.resolve_token(cfg.token_file)
         if cfg.store_backend == "etcd":
             # The agent forks workers while gRPC threads run; gRPC's fork handlers only warn.
             os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
-            from rendezvous.etcd import EtcdConf, EtcdKV, parse_endpoints
-
-            self.kv = EtcdKV(parse_endpoints(cfg.rdzv_endpoint), root=f"/ftrun/{cfg.rdzv_id}",
-                             conf=EtcdConf.from_rdzv_conf(cfg.rdzv_conf))
+            self.kv = self._etcd_kv()
             self.log.info("store", f"etcd store at {cfg.rdzv_endpoint} (run {cfg.rdzv_id})")
         elif cfg.is_store_host:
             from rendezvous.server import StoreServer
 
             if cfg.proxy and token is None and cfg.max_nodes == 1:
-                from rendezvous import auth
-
                 token = auth.generate_token()  # only this agent and its proxy need it
             if cfg.proxy and token is None:
                 self.log.warning("store-auth", "no job token (FTRUN_JOB_TOKEN or --rdzv-conf "
@@ -172,12 +171,7 @@ class Agent:
         from rendezvous.proxy import StoreProxy
 
         if cfg.store_backend == "etcd":
-            from rendezvous.etcd import EtcdConf, EtcdKV, parse_endpoints
-
-            def upstream() -> KVStore:
-                return EtcdKV(parse_endpoints(cfg.rdzv_endpoint), root=f"/ftrun/{cfg.rdzv_id}",
-                              conf=EtcdConf.from_rdzv_conf(cfg.rdzv_conf))
-            self._proxy = StoreProxy(upstream, listen_host="127.0.0.1", port=0)
+            self._proxy = StoreProxy(self._etcd_kv, listen_host="127.0.0.1", port=0)
         else:
             host = "127.0.0.1" if self._server is not None else cfg.store_host
             self._proxy = StoreProxy((host, self.store_port(), self._token_value),
@@ -264,11 +258,6 @@ class Agent:
         err_file = os.path.join(d, "stderr.log") if (red | tee) & 2 else None
         prefix = render_prefix(cfg.log_line_prefix_template, cfg.role, w.local_rank, w.rank, self.host)
         cmd = cfg.worker_command(w.local_rank)
-        if cfg.run_path:
-            import sys
-            cmd = [os.environ.get("PYTHON_EXEC", sys.executable), "-u", "-c",
-                   "import runpy,sys; sys.argv=sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')",
-                   cfg.script, *cmd[3:]]
         if not shown:  # --local-ranks-filter: this rank's output stays off the console
             out_file, err_file = out_file or os.devnull, err_file or os.devnull
         attempt = self.run_dir.attempt_dir(generation)
@@ -391,8 +380,6 @@ class Agent:
             self.log.error("config-error", f"{e}")
             return 2
         except Exception as e:  # noqa: BLE001 - last resort: one line for people, details in events
-            import traceback
-
             self.log.error("internal-error", f"ftrun internal error: {type(e).__name__}: {e} "
                            f"(traceback in {self.log.events_path})", traceback=traceback.format_exc())
             return 1
@@ -401,8 +388,6 @@ class Agent:
 
     def _publish_store_address(self) -> None:
         """Tell people and `ftctl` where this job's store is (store.json in the run log dir)."""
-        import json
-
         assert self.kv is not None
         if self.cfg.store_backend == "etcd":
             addr = self.cfg.rdzv_endpoint
@@ -579,8 +564,6 @@ class Agent:
             self._last_progress.pop(rank, None)
 
     def _on_inject(self, inj: P.Injection) -> None:
-        from launcher.inject import RUNTIME_KINDS
-
         w = self._worker_by_rank(inj.rank)
         if w is None:
             return  # another node's rank
@@ -716,7 +699,7 @@ class Agent:
             if w.alive and w.proc is not None:
                 try:
                     w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except Exception:  # noqa: BLE001 - timeout: stopped below
+                except subprocess.TimeoutExpired:  # stopped below
                     pass
         self.log.info("dump-done", "survivors saved the current step (dying-gasp checkpoint); exiting")
         return self._exit(plan)
@@ -746,8 +729,6 @@ class Agent:
                       if not any(f.rank == r and f.pid == p for f in failures)]
         text = format_summary(os.path.basename(self.cfg.script), failures, terminated, reason)
         self.log.print_block(text)
-        from launcher.errors import root_cause
-
         rc = root_cause(failures)
         if rc is not None and copy_root_error_file(rc, os.environ.get("TORCHELASTIC_ERROR_FILE")):
             self.log.info("error-file", "root cause error file copied to TORCHELASTIC_ERROR_FILE")

@@ -96,9 +96,12 @@ class LaunchConfig:
     def worker_command(self, local_rank: int) -> list[str]:
         """The argv of one worker: `python -u [-m] script args`, ${local_rank} substituted."""
         args = [a.replace("${local_rank}", str(local_rank)) for a in self.script_args]
+        python = os.environ.get("PYTHON_EXEC", sys.executable)
+        if self.run_path:  # torchrun runs the file with runpy (it takes precedence)
+            return [python, "-u", "-c", "import runpy, sys; sys.argv = sys.argv[1:]; "
+                    "runpy.run_path(sys.argv[0], run_name='__main__')", self.script, *args]
         if self.no_python:
             return [self.script, *args]
-        python = os.environ.get("PYTHON_EXEC", sys.executable)
         if self.module:
             return [python, "-u", "-m", self.script, *args]
         return [python, "-u", self.script, *args]

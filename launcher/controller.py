@@ -9,6 +9,7 @@ the repair plan, fall back to restart-all when peer repair is impossible), and t
 """
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -164,7 +165,7 @@ class Controller:
             st.restarts_used += 1
             self.kv.set(RESTARTS_USED, str(st.restarts_used).encode())
         plan = P.Plan(generation=g, strategy=strategy, failed_ranks=failed_ranks, restart_ranks=restart,
-                      reason=reason, root_cause=fault.__dict__ if hasattr(fault, "__dict__") else None,
+                      reason=reason, root_cause=dataclasses.asdict(fault),
                       restarts_used=st.restarts_used, max_restarts=self.max_restarts)
         st.generation = g
         self.current_plan = plan
