@@ -8,6 +8,7 @@ the same event as one JSON object in `events.jsonl`), the torchrun log-directory
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -106,6 +107,15 @@ class RunLogDir:
     @property
     def events_path(self) -> str:
         return os.path.join(self.path, "events.jsonl")
+
+
+def read_events(log_dir: str) -> list[dict]:
+    """Every event of every run under `log_dir` (the `--log_dir` base), oldest first."""
+    out: list[dict] = []
+    for path in sorted(glob.glob(os.path.join(log_dir, "*", "events.jsonl"))):
+        with open(path, encoding="utf-8") as f:
+            out.extend(json.loads(line) for line in f if line.strip())
+    return sorted(out, key=lambda e: e["time"])
 
 
 def render_prefix(template: str | None, role: str, local_rank: int, rank: int, host: str) -> str:

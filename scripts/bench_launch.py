@@ -19,6 +19,8 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launcher.logs import read_events  # noqa: E402  (the repo, not only an install)
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -44,12 +46,9 @@ def one_run(launcher: list[str], nproc: int) -> dict:
 
     crash = json.load(open(os.path.join(out, "crash.json")))["time"]
     res = {"launch_s": ready(0) - t0, "recover_s": ready(1) - crash}
-    evs = glob.glob(os.path.join(out, "logs", "*", "events.jsonl"))
-    for path in evs:
-        for line in open(path):
-            e = json.loads(line)
-            if e["event"] == "worker-failed":
-                res["detect_ms"] = e["detect_ms"]
+    for e in read_events(os.path.join(out, "logs")):
+        if e["event"] == "worker-failed":
+            res["detect_ms"] = e["detect_ms"]
     return res
 
 

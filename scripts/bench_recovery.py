@@ -37,6 +37,9 @@ import tempfile
 import threading
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launcher.logs import read_events as events  # noqa: E402  (the repo, not only an install)
+
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -86,12 +89,6 @@ def read_steps(out: str) -> dict[int, list[dict]]:
     return res
 
 
-def events(log_dir: str) -> list[dict]:
-    out: list[dict] = []
-    for path in glob.glob(os.path.join(log_dir, "*", "events.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            out += [json.loads(line) for line in f if line.strip()]
-    return sorted(out, key=lambda e: e["time"])
 
 
 def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,

@@ -9,8 +9,6 @@
 """
 from __future__ import annotations
 
-import glob
-import json
 import os
 import signal
 import subprocess
@@ -18,16 +16,13 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from launcher.logs import read_events as events  # noqa: E402  (the repo, not only an install)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "scripts", "examples", "ddp_train.py")
 
 
-def events(log_dir: str) -> list[dict]:
-    out = []
-    for path in glob.glob(os.path.join(log_dir, "*", "events.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            out += [json.loads(line) for line in f if line.strip()]
-    return sorted(out, key=lambda e: e["time"])
 
 
 def ftrun(log_dir: str, out: str, steps: int, ckpt: str) -> subprocess.Popen:

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import socket
 import subprocess
 import sys
 import time
+
+from launcher.logs import read_events as events  # noqa: F401  (re-exported for the tests)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "scripts")
@@ -57,12 +58,6 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 120,
                           timeout=timeout, cwd=cwd or REPO)
 
 
-def events(log_dir: str) -> list[dict]:
-    out: list[dict] = []
-    for path in sorted(glob.glob(os.path.join(log_dir, "*", "events.jsonl"))):
-        with open(path, encoding="utf-8") as f:
-            out.extend(json.loads(line) for line in f if line.strip())
-    return sorted(out, key=lambda e: e["time"])
 
 
 def pid_alive(pid: int) -> bool:
