@@ -24,8 +24,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-ROOT = "ftrun"
-GENERATION_KEY = f"{ROOT}/generation"
+from rendezvous.keys import GENERATION_KEY, ROOT, node_key  # noqa: F401 - re-exported
+
 FAULT_SEQ = f"{ROOT}/fault_seq"
 FINISHED_SEQ = f"{ROOT}/finished_nodes"
 
@@ -61,10 +61,6 @@ def resumed_key(generation: int, rank: int) -> str:
 def pg_prefix(generation: int) -> str:
     """Store prefix the process groups of generation `generation` are built on."""
     return f"{ROOT}/g{generation}/pg"
-
-
-def node_key(node_rank: int) -> str:
-    return f"{ROOT}/node/{node_rank}"
 
 
 INJECT_SEQ = f"{ROOT}/inject_seq"

@@ -44,46 +44,21 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable
 
-from launcher.plan import GENERATION_KEY, ROOT, node_key
+from rendezvous.keys import (EVENT_SEQ_KEY, GENERATION_KEY, JOIN_PREFIX, JOIN_SEQ_KEY, NODE_PREFIX,
+                             RDZV, RUN_ID_KEY, WORLD_KEY, Registration as _Record)
+from rendezvous.keys import dead_key as _dead_key
+from rendezvous.keys import event_key as _event_key
+from rendezvous.keys import hb_key as _hb_key
+from rendezvous.keys import incarnation_key as _incarnation_key
+from rendezvous.keys import join_key as _join_key
+from rendezvous.keys import left_key as _left_key
+from rendezvous.keys import node_key
+from rendezvous.keys import static_join_key as _static_join_key
 from rendezvous.kv import KVStore, StoreError, StoreTimeout
 
 log = logging.getLogger("ftrun.membership")
 
-RDZV = f"{ROOT}/rdzv"
-RUN_ID_KEY = f"{RDZV}/run_id"
-JOIN_SEQ_KEY = f"{RDZV}/join_seq"
-WORLD_KEY = f"{RDZV}/world"
 LEADER_KEY = f"{RDZV}/leader"
-EVENT_SEQ_KEY = f"{RDZV}/event_seq"
-NODE_PREFIX = f"{ROOT}/node/"
-
-
-def _join_key(slot: int) -> str:
-    return f"{RDZV}/join/{slot}"
-
-
-def _static_join_key(node_rank: int) -> str:
-    return f"{RDZV}/join/n{node_rank}"
-
-
-def _incarnation_key(group_rank: int) -> str:
-    return f"{RDZV}/incarnation/{group_rank}"
-
-
-def _hb_key(group_rank: int) -> str:
-    return f"{RDZV}/hb/{group_rank}"
-
-
-def _dead_key(group_rank: int, incarnation: int) -> str:
-    return f"{RDZV}/dead/{group_rank}/{incarnation}"
-
-
-def _left_key(group_rank: int, incarnation: int) -> str:
-    return f"{RDZV}/left/{group_rank}/{incarnation}"
-
-
-def _event_key(seq: int) -> str:
-    return f"{RDZV}/event/{seq}"
 
 
 def _barrier_key(name: str) -> str:
@@ -123,28 +98,6 @@ class NodeWorld:
     @property
     def me(self) -> NodeInfo:
         return self.nodes[self.group_rank]
-
-
-@dataclass
-class _Record:
-    """A registration: who an agent is (written at join, and as the node record)."""
-
-    nonce: str
-    host: str
-    pid: int
-    local_world_size: int
-    node_rank: int | None = None
-    slot: int = -1
-    incarnation: int = 0
-    group_rank: int = -1
-
-    def to_json(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
-
-    @classmethod
-    def from_json(cls, raw: bytes) -> "_Record":
-        d = json.loads(raw)
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
 
 
 @dataclass
@@ -527,7 +480,7 @@ class Membership:
         or crashed earlier run with this run id, and a new rendezvous must start."""
         ranks = [n["node_rank"] for n in world["nodes"]]
         if self.uses_leases:  # live agents hold leased join and node records
-            return not self.kv.keys(NODE_PREFIX) and not self.kv.keys(f"{RDZV}/join/")
+            return not self.kv.keys(NODE_PREFIX) and not self.kv.keys(JOIN_PREFIX)
         pending = []
         for gr in ranks:
             raw = self.kv.try_get(node_key(gr))
