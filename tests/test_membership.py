@@ -115,26 +115,6 @@ def test_join_timeout_wrong_run_and_bad_arguments() -> None:
             Membership(**args)
 
 
-def test_barrier_releases_all_and_times_out() -> None:
-    kv = LocalKV()
-    m = Membership(kv, 0, 1, 1, 1, "h", "job", **FAST)
-    done: list[float] = []
-
-    def enter() -> None:
-        m.barrier("b1", 3, 5.0)
-        done.append(time.monotonic())
-
-    threads = [threading.Thread(target=enter) for _ in range(3)]
-    for t in threads:
-        t.start()
-        time.sleep(0.05)
-    for t in threads:
-        t.join(5)
-    assert len(done) == 3
-    with pytest.raises(StoreTimeout, match="only 1 of 2 arrived"):
-        m.barrier("b2", 2, 0.2)
-
-
 # -- liveness, in-process (heartbeats on a plain KV) ---------------------------------------------
 
 
@@ -202,11 +182,10 @@ def _kill_and_replace(backend: str, endpoint: str, ttl: float) -> None:
         assert w2["rejoined"] and w2["group_rank"] == 1 and w2["hosts"] == ["a", "b2"]
         a.expect("join", 10, node=1)
         if backend == "etcd":
-            # the leader dies: the lowest live node takes over the leader key
+            # node 0 dies too: the replacement, watching since its join, notices it
             time.sleep(0.3)
             killed = a.kill()
             dead = b2.expect("dead", ttl + 3, node=0)
-            b2.expect("leader", 5, node=1)
             assert dead["t"] - killed <= ttl + 0.6
     finally:
         for p in procs:

@@ -1,0 +1,194 @@
+"""Heartbeat-based liveness, for stores without leases (the embedded TCP store, LocalKV).
+
+Owns: `HeartbeatLiveness`. Every agent bumps its heartbeat counter (`keys.hb_key`) each interval.
+The lowest live group rank (the checker) watches everyone's counter; every other agent watches
+the checker. A counter that does not move for the heartbeat timeout — by the observer's own
+clock, so clock skew does not matter — is declared dead exactly once (create-if-absent marker at
+`keys.dead_key`) and published on the membership event log (`keys.event_key`), which every agent
+follows with blocking waits. Joins of replacements and graceful leaves go through the same log.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+from rendezvous.keys import EVENT_SEQ_KEY, Registration, dead_key, event_key, hb_key, node_key
+from rendezvous.kv import StoreError
+from rendezvous.liveness.base import Liveness
+
+log = logging.getLogger("ftrun.membership")
+
+
+class HeartbeatLiveness(Liveness):
+    """Liveness through heartbeat counters and an event log (see module docstring)."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._event_next = 1  # next event-log sequence number to read (set at registration)
+
+    def put(self, key: str, raw: bytes) -> None:
+        self.kv.set(key, raw)
+
+    def register_join(self, key: str, raw: bytes, deadline: float) -> bytes | None:
+        self.kv.set(key, raw)  # no lease to tell a live holder from a dead one: last one wins
+        return None
+
+    def wait_vacant(self, gr: int, patience: float, judge: bool) -> bytes | None:
+        old = self.kv.try_get(node_key(gr))
+        if old is None:
+            return b""
+        inc = Registration.from_json(old).incarnation
+        if not self._marked(gr, inc):
+            # not declared dead yet: a static replacement checks the heartbeat itself (the
+            # others may all be gone); a dynamic one waits for the checker's verdict
+            if not judge or not self._still([gr], patience):
+                return None
+            self._declare_dead(gr, inc)
+        return old
+
+    def write_node(self, gr: int, raw: bytes, replacing: bytes | None) -> bool:
+        if replacing is None:
+            self.kv.set(node_key(gr), raw)
+            return True
+        return self.kv.compare_set(node_key(gr), replacing, raw) == raw
+
+    def registered(self, gr: int, inc: int) -> None:
+        super().registered(gr, inc)
+        self.kv.set(hb_key(gr), f"{inc}:0".encode())
+        self._event_next = int(self.kv.try_get(EVENT_SEQ_KEY) or b"0") + 1
+
+    def announce_join(self, gr: int, inc: int) -> None:
+        self._publish({"kind": "join", "group_rank": gr, "incarnation": inc})
+
+    def world_is_dead(self, ranks: list[int]) -> bool:
+        pending = []
+        for gr in ranks:
+            raw = self.kv.try_get(node_key(gr))
+            if raw is not None and self._marked(gr, Registration.from_json(raw).incarnation):
+                continue
+            pending.append(gr)
+        # undeclared nodes: dead only if none of their heartbeats moves for one timeout
+        return not pending or self._still(pending, 0.0)
+
+    def watch(self, ranks: list[int]) -> None:
+        self._spawn(self._follow_events, "events")
+        self._spawn(self._check_loop, "checker")
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _can_beat(self) -> bool:
+        return self.roster.me[1] > 0  # heartbeat keys are per group rank
+
+    def _beat(self) -> None:
+        gr, inc = self.roster.me
+        seq = 0
+        while not self._stop.wait(self.timing.interval):
+            seq += 1
+            try:
+                self.kv.set(hb_key(gr), f"{inc}:{seq}".encode())
+            except StoreError as exc:
+                log.warning("heartbeat write failed (will retry): %s", exc)
+
+    def _marked(self, gr: int, inc: int) -> bool:
+        return self.kv.try_get(dead_key(gr, inc)) is not None or self._has_left(gr, inc)
+
+    def _announce_leave(self, gr: int, inc: int) -> None:
+        super()._announce_leave(gr, inc)
+        self._publish({"kind": "leave", "group_rank": gr, "incarnation": inc})
+
+    def _still(self, ranks: list[int], patience: float) -> bool:
+        """True once the heartbeats of `ranks` all stay unchanged for one heartbeat timeout;
+        False when that cannot happen within max(patience, timeout) seconds."""
+        timeout = self.timing.timeout
+        end = time.monotonic() + max(patience, timeout)
+        last, since = [self.kv.try_get(hb_key(gr)) for gr in ranks], time.monotonic()
+        while time.monotonic() < end:
+            time.sleep(min(self.timing.interval / 2, 0.25))
+            cur, now = [self.kv.try_get(hb_key(gr)) for gr in ranks], time.monotonic()
+            if cur != last:
+                if end - now < timeout:
+                    return False  # no full quiet timeout fits any more
+                last, since = cur, now
+            elif now - since >= timeout:
+                return True
+        return False
+
+    def _publish(self, event: dict) -> None:
+        seq = self.kv.add(EVENT_SEQ_KEY, 1)
+        self.kv.set(event_key(seq), json.dumps(event, sort_keys=True).encode())
+
+    def _declare_dead(self, gr: int, inc: int) -> None:
+        """Mark (gr, inc) dead exactly once across all agents and publish it."""
+        if self._has_left(gr, inc):
+            return
+        token = f"{self.nonce}:{uuid.uuid4().hex}".encode()
+        if self.kv.compare_set(dead_key(gr, inc), b"", token) == token:
+            log.warning("node %d (incarnation %d) missed heartbeats for %.1fs: declaring it dead",
+                        gr, inc, self.timing.timeout)
+            self._publish({"kind": "dead", "group_rank": gr, "incarnation": inc})
+
+    def _follow_events(self) -> None:
+        stuck_since: float | None = None
+        while not self._stop.is_set():
+            key = event_key(self._event_next)
+            try:
+                if not self.kv.wait([key], min(0.5, self.timing.interval)):
+                    seq = int(self.kv.try_get(EVENT_SEQ_KEY) or b"0")
+                    if seq >= self._event_next:  # allocated but never written (writer died)
+                        stuck_since = stuck_since or time.monotonic()
+                        if time.monotonic() - stuck_since > 2 * self.timing.timeout:
+                            self._event_next += 1
+                            stuck_since = None
+                    continue
+                raw = self.kv.try_get(key)
+            except StoreError as exc:
+                if not self._stop.is_set():
+                    log.warning("membership event read failed (will retry): %s", exc)
+                    self._stop.wait(self.timing.interval)
+                continue
+            stuck_since = None
+            self._event_next += 1
+            if raw is not None:
+                self._apply(json.loads(raw))
+
+    def _apply(self, ev: dict) -> None:
+        gr, inc, kind = int(ev["group_rank"]), int(ev["incarnation"]), ev["kind"]
+        if kind == "join":
+            self.roster.joined(gr, inc)
+            return
+        if (gr, inc) == self.roster.me:
+            if kind == "dead":
+                self.roster.lose("the other nodes declared this agent dead (missed heartbeats)")
+            return
+        self.roster.gone(gr, inc, left=kind == "leave")
+
+    def _check_loop(self) -> None:
+        seen: dict[int, tuple[bytes | None, float]] = {}
+        while not self._stop.wait(self.timing.interval / 2):
+            me = self.roster.me[0]
+            alive = self.roster.alive()
+            lowest = min(alive) if alive else me
+            watch = [gr for gr in alive if gr != me] if lowest == me else [lowest]
+            now = time.monotonic()
+            for gr in list(seen):
+                if gr not in watch:
+                    del seen[gr]
+            for gr in watch:
+                try:
+                    cur = self.kv.try_get(hb_key(gr))
+                except StoreError as exc:
+                    log.warning("heartbeat read failed: %s", exc)
+                    break
+                last = seen.get(gr)
+                if last is None or last[0] != cur:
+                    seen[gr] = (cur, now)
+                elif now - last[1] >= self.timing.timeout:
+                    try:
+                        self._declare_dead(gr, alive[gr])
+                    except StoreError as exc:
+                        log.warning("could not declare node %d dead: %s", gr, exc)
+                        continue
+                    seen[gr] = (cur, now)
