@@ -868,11 +868,6 @@ class EtcdKV(KVStore):
             if "not found" not in str(exc):
                 raise
 
-    def lease_ttl(self, lease: EtcdLease) -> int:
-        """Seconds left on `lease`; -1 when it no longer exists."""
-        info = self._call("lease info", lambda c: c.get_lease_info(lease.id))
-        return int(info.TTL)
-
     def watch_prefix(self, prefix: str, callback: Callable[[WatchEvent], None],
                      start_revision: int = 0) -> WatchHandle:
         """Call `callback(WatchEvent)` for every put/delete under `prefix` (from

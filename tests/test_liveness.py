@@ -1,0 +1,287 @@
+"""Tests for rendezvous.liveness: the roster's bookkeeping (no store), heartbeat liveness on a
+real embedded store (rendezvous.server over TCP), lease liveness on a real etcd."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from typing import Iterator
+
+import pytest
+
+from helpers_etcd import EtcdServer, etcd_server  # noqa: F401 - fixture
+from rendezvous.client import StoreClient
+from rendezvous.keys import Registration, dead_key, incarnation_key, left_key, node_key, \
+    static_join_key
+from rendezvous.liveness import (HeartbeatLiveness, LeaseLiveness, Liveness, Roster, Timing,
+                                 liveness_for)
+from rendezvous.memory import LocalKV
+from rendezvous.server import StoreServer
+
+HB = Timing(interval=0.1, timeout=0.6)
+LEASE = Timing(interval=0.2, timeout=1.0)  # etcd leases are whole seconds
+
+
+class Seen:
+    """Callbacks that record (kind, group rank) in order."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, int]] = []
+        self._cv = threading.Condition()
+
+    def hook(self, roster: Roster) -> None:
+        roster.subscribe(lambda g: self._add("dead", g), lambda g: self._add("join", g),
+                         lambda g: self._add("leader", g))
+
+    def _add(self, kind: str, gr: int) -> None:
+        with self._cv:
+            self.events.append((kind, gr))
+            self._cv.notify_all()
+
+    def wait_for(self, event: tuple[str, int], timeout: float) -> float:
+        """Seconds it took `event` to arrive; AssertionError after `timeout`."""
+        t0 = time.monotonic()
+        with self._cv:
+            if not self._cv.wait_for(lambda: event in self.events, timeout):
+                raise AssertionError(f"no {event} within {timeout}s; saw {self.events}")
+        return time.monotonic() - t0
+
+
+def _register(lv: Liveness, gr: int, replacing: bytes | None = None) -> bool:
+    """What Membership._register does: a new incarnation's node record for `gr`."""
+    inc = lv.kv.add(incarnation_key(gr), 1)
+    rec = Registration(nonce=lv.nonce, host=f"h{gr}", pid=os.getpid(), local_world_size=1,
+                       incarnation=inc, group_rank=gr).to_json()
+    if not lv.write_node(gr, rec, replacing):
+        return False
+    lv.registered(gr, inc)
+    return True
+
+
+def _world(kvs: list, timing: Timing, silent: frozenset[int] | set[int] = frozenset()
+           ) -> tuple[list[Liveness], list[Seen]]:
+    """One registered, watching liveness per store client (group rank = index), beating
+    unless its rank is in `silent`."""
+    lvs = [liveness_for(kv, timing, True, f"n{gr}") for gr, kv in enumerate(kvs)]
+    for gr, lv in enumerate(lvs):
+        lv.begin()
+        assert _register(lv, gr)
+    ranks = list(range(len(kvs)))
+    seen = [Seen() for _ in kvs]
+    for lv, s in zip(lvs, seen):
+        lv.roster.reset({gr: 1 for gr in ranks}, ranks)
+        s.hook(lv.roster)
+        if lv.roster.me[0] not in silent:
+            lv.start()
+        lv.watch(ranks)
+    return lvs, seen
+
+
+# -- roster (no store) -------------------------------------------------------------------------
+
+
+def test_roster_leader_rule_stale_reports_and_join_after_death() -> None:
+    left: set[tuple[int, int]] = set()
+    r = Roster(static=False, has_left=lambda g, i: (g, i) in left)
+    seen = Seen()
+    seen.hook(r)
+    r.set_me(2, 1)
+    assert r.reset({0: 1, 1: 1, 2: 1}, [0, 1, 2, 3]) == 0 and r.dead() == {3}
+    r.gone(0, 7)  # an incarnation nobody holds: ignored
+    r.gone(2, 1)  # this agent itself: liveness reports that through lose()
+    assert seen.events == [] and sorted(r.alive()) == [0, 1, 2]
+    r.gone(0, 1)  # the leader of a dynamic world dies: the lowest live rank leads
+    assert seen.events == [("dead", 0), ("leader", 1)] and r.leader() == 1
+    r.joined(1, 2)  # a newer incarnation of a node believed alive: its death comes first
+    assert seen.events[2:] == [("dead", 1), ("join", 1)]
+    left.add((1, 2))
+    r.gone(1, None)  # left on purpose: no on_dead
+    assert seen.events[4:] == [("leader", 2)] and r.alive() == {2: 1}
+    static = Roster(static=True, has_left=lambda g, i: False)
+    assert static.reset({1: 1, 2: 1}, [0, 1, 2]) == 0  # static: node 0 leads, also when dead
+
+
+def test_roster_survives_failing_callbacks_and_goes_quiet_when_closed() -> None:
+    def broken(_: int) -> None:
+        raise RuntimeError("callback bug")
+
+    def store_down(_g: int, _i: int) -> bool:
+        raise OSError("store down")
+
+    r = Roster(static=True, has_left=store_down)
+    r.subscribe(broken, broken, broken)
+    r.reset({0: 1, 1: 1}, [0, 1])
+    r.gone(1, 1)  # has_left fails -> treated as dead; the callback fails -> logged
+    assert r.alive() == {0: 1} and r.dead() == {1}
+    r.lose("declared dead")
+    assert r.lost.is_set()
+    r2 = Roster(static=True, has_left=lambda g, i: False)
+    seen = Seen()
+    seen.hook(r2)
+    r2.reset({0: 1, 1: 1}, [0, 1])
+    r2.close()
+    r2.gone(1, 1)
+    r2.lose("declared dead")
+    assert seen.events == [] and not r2.lost.is_set()
+
+
+def test_liveness_for_picks_by_store_capabilities() -> None:
+    assert isinstance(liveness_for(LocalKV(), HB, True, "n"), HeartbeatLiveness)
+
+
+# -- heartbeat liveness on the embedded store -------------------------------------------------
+
+
+@pytest.fixture
+def tcp_store() -> Iterator[StoreServer]:
+    server = StoreServer(host="127.0.0.1", port=0).start()
+    yield server
+    server.stop()
+
+
+def _clients(server: StoreServer, n: int) -> list[StoreClient]:
+    return [StoreClient("127.0.0.1", server.port) for _ in range(n)]
+
+
+def test_heartbeat_silent_node_declared_dead_once_and_replaced(tcp_store: StoreServer) -> None:
+    kvs = _clients(tcp_store, 4)
+    lvs, seen = _world(kvs[:3], HB)
+    assert isinstance(lvs[0], HeartbeatLiveness)
+    try:
+        t0 = time.monotonic()
+        lvs[1].stop(leave=False)  # crash: no more heartbeats, record stays
+        for s in (seen[0], seen[2]):
+            s.wait_for(("dead", 1), HB.timeout + 1.5)
+        assert time.monotonic() - t0 < HB.timeout + 1.5
+        assert kvs[0].try_get(dead_key(1, 1)) is not None
+        assert [e for e in seen[0].events + seen[2].events if e[0] == "dead"] == [("dead", 1)] * 2
+        # a replacement takes the rank over the dead record, exactly once
+        new = HeartbeatLiveness(kvs[3], HB, True, "n1b")
+        old = new.wait_vacant(1, 0.0, judge=False)
+        assert old is not None and Registration.from_json(old).incarnation == 1
+        assert _register(new, 1, old) and not _register(new, 1, old)
+        assert new.survey([0, 1, 2], me=1) == {0: 1, 1: 2, 2: 1}
+        new.announce_join(1, 2)
+        seen[0].wait_for(("join", 1), 2.0)
+        seen[2].wait_for(("join", 1), 2.0)
+        new.stop(leave=True)
+    finally:
+        for lv in lvs:
+            lv.stop(leave=True)
+        for kv in kvs:
+            kv.close()
+
+
+def test_heartbeat_leave_is_not_a_death(tcp_store: StoreServer) -> None:
+    kvs = _clients(tcp_store, 3)
+    lvs, seen = _world(kvs, HB)
+    try:
+        lvs[2].stop(leave=True)
+        time.sleep(HB.timeout + 0.5)
+        assert seen[0].events == [] and seen[1].events == []
+        assert lvs[0].roster.alive() == {0: 1, 1: 1} and kvs[0].try_get(left_key(2, 1))
+        assert kvs[0].try_get(dead_key(2, 1)) is None
+    finally:
+        for lv in lvs:
+            lv.stop(leave=True)
+        for kv in kvs:
+            kv.close()
+
+
+def test_heartbeat_silent_agent_hears_it_was_declared_dead(tcp_store: StoreServer) -> None:
+    kvs = _clients(tcp_store, 2)
+    lvs, seen = _world(kvs, HB, silent={1})  # node 1 follows the event log but never beats
+    try:
+        seen[0].wait_for(("dead", 1), HB.timeout + 1.5)
+        assert lvs[1].roster.lost.wait(2.0) and not lvs[0].roster.lost.is_set()
+    finally:
+        for lv in lvs:
+            lv.stop(leave=True)
+        for kv in kvs:
+            kv.close()
+
+
+def test_heartbeat_world_is_dead_only_when_every_heartbeat_is_still(tcp_store: StoreServer) -> None:
+    kvs = _clients(tcp_store, 3)
+    lvs, _ = _world(kvs[:2], HB)
+    probe = HeartbeatLiveness(kvs[2], HB, True, "probe")
+    try:
+        t0 = time.monotonic()
+        assert not probe.world_is_dead([0, 1])  # beating: answered at the first beat
+        assert time.monotonic() - t0 < HB.timeout
+        lvs[0].stop(leave=True)  # left: settled at once
+        lvs[1].stop(leave=False)  # crashed: still heartbeat
+        t0 = time.monotonic()
+        assert probe.world_is_dead([0, 1])
+        assert HB.timeout <= time.monotonic() - t0 < HB.timeout + 1.0
+    finally:
+        for lv in lvs:
+            lv.stop(leave=True)
+        for kv in kvs:
+            kv.close()
+
+
+# -- lease liveness on etcd --------------------------------------------------------------------
+
+
+def _etcd_clients(server: EtcdServer, n: int, root: str) -> list:
+    from rendezvous.etcd import EtcdKV
+
+    return [EtcdKV(server.endpoint, root) for _ in range(n)]
+
+
+@pytest.mark.etcd
+def test_lease_expiry_is_a_death_and_revoke_is_a_leave(etcd_server: EtcdServer) -> None:
+    kvs = _etcd_clients(etcd_server, 4, "/ftrun/lease")
+    lvs, seen = _world(kvs[:3], LEASE)
+    assert isinstance(lvs[0], LeaseLiveness)
+    try:
+        time.sleep(LEASE.timeout + 0.5)  # the refresh thread keeps every record past one TTL
+        assert all(kvs[3].try_get(node_key(gr)) for gr in range(3)) and seen[0].events == []
+        lvs[1].stop(leave=False)  # crash: the lease is not refreshed any more
+        took = seen[0].wait_for(("dead", 1), LEASE.timeout + 2.0)
+        seen[2].wait_for(("dead", 1), 2.0)
+        assert took <= LEASE.timeout + 1.5 and kvs[3].try_get(node_key(1)) is None
+        lvs[2].stop(leave=True)  # graceful: left marker, then the lease is revoked at once
+        deadline = time.monotonic() + 2.0
+        while 2 in lvs[0].roster.alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert lvs[0].roster.alive() == {0: 1} and ("dead", 2) not in seen[0].events
+        # a replacement takes rank 1: the others hear of it through the record's put
+        new = liveness_for(kvs[3], LEASE, True, "n1b")
+        new.begin()
+        assert new.wait_vacant(1, 0.0, judge=True) == b"" and _register(new, 1, b"")
+        seen[0].wait_for(("join", 1), 2.0)
+        assert not new.world_is_dead([0, 1, 2])
+        new.stop(leave=True)
+        lvs[0].stop(leave=True)
+        assert new.world_is_dead([0, 1, 2])
+    finally:
+        for lv in lvs:
+            lv.stop(leave=True)
+        for kv in kvs:
+            kv.close()
+
+
+@pytest.mark.etcd
+def test_lease_duplicate_join_and_lost_record(etcd_server: EtcdServer) -> None:
+    kvs = _etcd_clients(etcd_server, 3, "/ftrun/dup")
+    first, second = (liveness_for(kv, LEASE, True, n) for kv, n in zip(kvs, ("a", "b")))
+    try:
+        first.begin()
+        second.begin()
+        key = static_join_key(0)
+        assert first.register_join(key, b"rec-a", time.monotonic() + 5) is None
+        t0 = time.monotonic()
+        assert second.register_join(key, b"rec-b", time.monotonic() + 0.5) == b"rec-a"
+        assert time.monotonic() - t0 < 2.0
+        assert _register(first, 0)
+        first.roster.reset({0: 1}, [0])
+        first.watch([0])
+        kvs[2].delete(node_key(0))  # this agent's record vanishes: the others think it dead
+        assert first.roster.lost.wait(2.0)
+    finally:
+        first.stop(leave=True)
+        second.stop(leave=True)
+        for kv in kvs:
+            kv.close()
