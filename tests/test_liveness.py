@@ -58,11 +58,25 @@ def _register(lv: Liveness, gr: int, replacing: bytes | None = None) -> bool:
     return True
 
 
-def _world(kvs: list, timing: Timing, silent: frozenset[int] | set[int] = frozenset()
-           ) -> tuple[list[Liveness], list[Seen]]:
+@pytest.fixture
+def owned() -> Iterator[list]:
+    """What a test creates (store clients, then liveness objects): stopped and closed, newest
+    first, when the test ends."""
+    things: list = []
+    yield things
+    for thing in reversed(things):
+        if isinstance(thing, Liveness):
+            thing.stop(leave=True)
+        else:
+            thing.close()
+
+
+def _world(kvs: list, timing: Timing, owned: list,
+           silent: frozenset[int] | set[int] = frozenset()) -> tuple[list[Liveness], list[Seen]]:
     """One registered, watching liveness per store client (group rank = index), beating
     unless its rank is in `silent`."""
     lvs = [liveness_for(kv, timing, True, f"n{gr}") for gr, kv in enumerate(kvs)]
+    owned.extend(lvs)
     for gr, lv in enumerate(lvs):
         lv.begin()
         assert _register(lv, gr)
@@ -139,149 +153,126 @@ def tcp_store() -> Iterator[StoreServer]:
     server.stop()
 
 
-def _clients(server: StoreServer, n: int) -> list[StoreClient]:
-    return [StoreClient("127.0.0.1", server.port) for _ in range(n)]
+def _clients(server: StoreServer, n: int, owned: list) -> list[StoreClient]:
+    kvs = [StoreClient("127.0.0.1", server.port) for _ in range(n)]
+    owned.extend(kvs)
+    return kvs
 
 
-def test_heartbeat_silent_node_declared_dead_once_and_replaced(tcp_store: StoreServer) -> None:
-    kvs = _clients(tcp_store, 4)
-    lvs, seen = _world(kvs[:3], HB)
+def test_heartbeat_silent_node_declared_dead_once_and_replaced(
+        tcp_store: StoreServer, owned: list) -> None:
+    kvs = _clients(tcp_store, 4, owned)
+    lvs, seen = _world(kvs[:3], HB, owned)
     assert isinstance(lvs[0], HeartbeatLiveness)
-    try:
-        t0 = time.monotonic()
-        lvs[1].stop(leave=False)  # crash: no more heartbeats, record stays
-        for s in (seen[0], seen[2]):
-            s.wait_for(("dead", 1), HB.timeout + 1.5)
-        assert time.monotonic() - t0 < HB.timeout + 1.5
-        assert kvs[0].try_get(dead_key(1, 1)) is not None
-        assert [e for e in seen[0].events + seen[2].events if e[0] == "dead"] == [("dead", 1)] * 2
-        # a replacement takes the rank over the dead record, exactly once
-        new = HeartbeatLiveness(kvs[3], HB, True, "n1b")
-        old = new.wait_vacant(1, 0.0, judge=False)
-        assert old is not None and Registration.from_json(old).incarnation == 1
-        assert _register(new, 1, old) and not _register(new, 1, old)
-        assert new.survey([0, 1, 2], me=1) == {0: 1, 1: 2, 2: 1}
-        new.announce_join(1, 2)
-        seen[0].wait_for(("join", 1), 2.0)
-        seen[2].wait_for(("join", 1), 2.0)
-        new.stop(leave=True)
-    finally:
-        for lv in lvs:
-            lv.stop(leave=True)
-        for kv in kvs:
-            kv.close()
+    t0 = time.monotonic()
+    lvs[1].stop(leave=False)  # crash: no more heartbeats, record stays
+    for s in (seen[0], seen[2]):
+        s.wait_for(("dead", 1), HB.timeout + 1.5)
+    assert time.monotonic() - t0 < HB.timeout + 1.5
+    assert kvs[0].try_get(dead_key(1, 1)) is not None
+    assert [e for e in seen[0].events + seen[2].events if e[0] == "dead"] == [("dead", 1)] * 2
+    # a replacement takes the rank over the dead record, exactly once
+    new = HeartbeatLiveness(kvs[3], HB, True, "n1b")
+    owned.append(new)
+    old = new.wait_vacant(1, 0.0, judge=False)
+    assert old is not None and Registration.from_json(old).incarnation == 1
+    assert _register(new, 1, old) and not _register(new, 1, old)
+    assert new.survey([0, 1, 2], me=1) == {0: 1, 1: 2, 2: 1}
+    new.announce_join(1, 2)
+    seen[0].wait_for(("join", 1), 2.0)
+    seen[2].wait_for(("join", 1), 2.0)
+    new.stop(leave=True)
 
 
-def test_heartbeat_leave_is_not_a_death(tcp_store: StoreServer) -> None:
-    kvs = _clients(tcp_store, 3)
-    lvs, seen = _world(kvs, HB)
-    try:
-        lvs[2].stop(leave=True)
-        time.sleep(HB.timeout + 0.5)
-        assert seen[0].events == [] and seen[1].events == []
-        assert lvs[0].roster.alive() == {0: 1, 1: 1} and kvs[0].try_get(left_key(2, 1))
-        assert kvs[0].try_get(dead_key(2, 1)) is None
-    finally:
-        for lv in lvs:
-            lv.stop(leave=True)
-        for kv in kvs:
-            kv.close()
+def test_heartbeat_leave_is_not_a_death(tcp_store: StoreServer, owned: list) -> None:
+    kvs = _clients(tcp_store, 3, owned)
+    lvs, seen = _world(kvs, HB, owned)
+    lvs[2].stop(leave=True)
+    time.sleep(HB.timeout + 0.5)
+    assert seen[0].events == [] and seen[1].events == []
+    assert lvs[0].roster.alive() == {0: 1, 1: 1} and kvs[0].try_get(left_key(2, 1))
+    assert kvs[0].try_get(dead_key(2, 1)) is None
 
 
-def test_heartbeat_silent_agent_hears_it_was_declared_dead(tcp_store: StoreServer) -> None:
-    kvs = _clients(tcp_store, 2)
-    lvs, seen = _world(kvs, HB, silent={1})  # node 1 follows the event log but never beats
-    try:
-        seen[0].wait_for(("dead", 1), HB.timeout + 1.5)
-        assert lvs[1].roster.lost.wait(2.0) and not lvs[0].roster.lost.is_set()
-    finally:
-        for lv in lvs:
-            lv.stop(leave=True)
-        for kv in kvs:
-            kv.close()
+def test_heartbeat_silent_agent_hears_it_was_declared_dead(
+        tcp_store: StoreServer, owned: list) -> None:
+    kvs = _clients(tcp_store, 2, owned)
+    # node 1 follows the event log but never beats
+    lvs, seen = _world(kvs, HB, owned, silent={1})
+    seen[0].wait_for(("dead", 1), HB.timeout + 1.5)
+    assert lvs[1].roster.lost.wait(2.0) and not lvs[0].roster.lost.is_set()
 
 
-def test_heartbeat_world_is_dead_only_when_every_heartbeat_is_still(tcp_store: StoreServer) -> None:
-    kvs = _clients(tcp_store, 3)
-    lvs, _ = _world(kvs[:2], HB)
+def test_heartbeat_world_is_dead_only_when_every_heartbeat_is_still(
+        tcp_store: StoreServer, owned: list) -> None:
+    kvs = _clients(tcp_store, 3, owned)
+    lvs, _ = _world(kvs[:2], HB, owned)
     probe = HeartbeatLiveness(kvs[2], HB, True, "probe")
-    try:
-        t0 = time.monotonic()
-        assert not probe.world_is_dead([0, 1])  # beating: answered at the first beat
-        assert time.monotonic() - t0 < HB.timeout
-        lvs[0].stop(leave=True)  # left: settled at once
-        lvs[1].stop(leave=False)  # crashed: still heartbeat
-        t0 = time.monotonic()
-        assert probe.world_is_dead([0, 1])
-        assert HB.timeout <= time.monotonic() - t0 < HB.timeout + 1.0
-    finally:
-        for lv in lvs:
-            lv.stop(leave=True)
-        for kv in kvs:
-            kv.close()
+    owned.append(probe)
+    t0 = time.monotonic()
+    assert not probe.world_is_dead([0, 1])  # beating: answered at the first beat
+    assert time.monotonic() - t0 < HB.timeout
+    lvs[0].stop(leave=True)  # left: settled at once
+    lvs[1].stop(leave=False)  # crashed: still heartbeat
+    t0 = time.monotonic()
+    assert probe.world_is_dead([0, 1])
+    assert HB.timeout <= time.monotonic() - t0 < HB.timeout + 1.0
 
 
 # -- lease liveness on etcd --------------------------------------------------------------------
 
 
-def _etcd_clients(server: EtcdServer, n: int, root: str) -> list:
+def _etcd_clients(server: EtcdServer, n: int, root: str, owned: list) -> list:
     from rendezvous.etcd import EtcdKV
 
-    return [EtcdKV(server.endpoint, root) for _ in range(n)]
+    kvs = [EtcdKV(server.endpoint, root) for _ in range(n)]
+    owned.extend(kvs)
+    return kvs
 
 
 @pytest.mark.etcd
-def test_lease_expiry_is_a_death_and_revoke_is_a_leave(etcd_server: EtcdServer) -> None:
-    kvs = _etcd_clients(etcd_server, 4, "/ftrun/lease")
-    lvs, seen = _world(kvs[:3], LEASE)
+def test_lease_expiry_is_a_death_and_revoke_is_a_leave(
+        etcd_server: EtcdServer, owned: list) -> None:
+    kvs = _etcd_clients(etcd_server, 4, "/ftrun/lease", owned)
+    lvs, seen = _world(kvs[:3], LEASE, owned)
     assert isinstance(lvs[0], LeaseLiveness)
-    try:
-        time.sleep(LEASE.timeout + 0.5)  # the refresh thread keeps every record past one TTL
-        assert all(kvs[3].try_get(node_key(gr)) for gr in range(3)) and seen[0].events == []
-        lvs[1].stop(leave=False)  # crash: the lease is not refreshed any more
-        took = seen[0].wait_for(("dead", 1), LEASE.timeout + 2.0)
-        seen[2].wait_for(("dead", 1), 2.0)
-        assert took <= LEASE.timeout + 1.5 and kvs[3].try_get(node_key(1)) is None
-        lvs[2].stop(leave=True)  # graceful: left marker, then the lease is revoked at once
-        deadline = time.monotonic() + 2.0
-        while 2 in lvs[0].roster.alive() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert lvs[0].roster.alive() == {0: 1} and ("dead", 2) not in seen[0].events
-        # a replacement takes rank 1: the others hear of it through the record's put
-        new = liveness_for(kvs[3], LEASE, True, "n1b")
-        new.begin()
-        assert new.wait_vacant(1, 0.0, judge=True) == b"" and _register(new, 1, b"")
-        seen[0].wait_for(("join", 1), 2.0)
-        assert not new.world_is_dead([0, 1, 2])
-        new.stop(leave=True)
-        lvs[0].stop(leave=True)
-        assert new.world_is_dead([0, 1, 2])
-    finally:
-        for lv in lvs:
-            lv.stop(leave=True)
-        for kv in kvs:
-            kv.close()
+    time.sleep(LEASE.timeout + 0.5)  # the refresh thread keeps every record past one TTL
+    assert all(kvs[3].try_get(node_key(gr)) for gr in range(3)) and seen[0].events == []
+    lvs[1].stop(leave=False)  # crash: the lease is not refreshed any more
+    took = seen[0].wait_for(("dead", 1), LEASE.timeout + 2.0)
+    seen[2].wait_for(("dead", 1), 2.0)
+    assert took <= LEASE.timeout + 1.5 and kvs[3].try_get(node_key(1)) is None
+    lvs[2].stop(leave=True)  # graceful: left marker, then the lease is revoked at once
+    deadline = time.monotonic() + 2.0
+    while 2 in lvs[0].roster.alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert lvs[0].roster.alive() == {0: 1} and ("dead", 2) not in seen[0].events
+    # a replacement takes rank 1: the others hear of it through the record's put
+    new = liveness_for(kvs[3], LEASE, True, "n1b")
+    owned.append(new)
+    new.begin()
+    assert new.wait_vacant(1, 0.0, judge=True) == b"" and _register(new, 1, b"")
+    seen[0].wait_for(("join", 1), 2.0)
+    assert not new.world_is_dead([0, 1, 2])
+    new.stop(leave=True)
+    lvs[0].stop(leave=True)
+    assert new.world_is_dead([0, 1, 2])
 
 
 @pytest.mark.etcd
-def test_lease_duplicate_join_and_lost_record(etcd_server: EtcdServer) -> None:
-    kvs = _etcd_clients(etcd_server, 3, "/ftrun/dup")
+def test_lease_duplicate_join_and_lost_record(etcd_server: EtcdServer, owned: list) -> None:
+    kvs = _etcd_clients(etcd_server, 3, "/ftrun/dup", owned)
     first, second = (liveness_for(kv, LEASE, True, n) for kv, n in zip(kvs, ("a", "b")))
-    try:
-        first.begin()
-        second.begin()
-        key = static_join_key(0)
-        assert first.register_join(key, b"rec-a", time.monotonic() + 5) is None
-        t0 = time.monotonic()
-        assert second.register_join(key, b"rec-b", time.monotonic() + 0.5) == b"rec-a"
-        assert time.monotonic() - t0 < 2.0
-        assert _register(first, 0)
-        first.roster.reset({0: 1}, [0])
-        first.watch([0])
-        kvs[2].delete(node_key(0))  # this agent's record vanishes: the others think it dead
-        assert first.roster.lost.wait(2.0)
-    finally:
-        first.stop(leave=True)
-        second.stop(leave=True)
-        for kv in kvs:
-            kv.close()
+    owned.extend([first, second])
+    first.begin()
+    second.begin()
+    key = static_join_key(0)
+    assert first.register_join(key, b"rec-a", time.monotonic() + 5) is None
+    t0 = time.monotonic()
+    assert second.register_join(key, b"rec-b", time.monotonic() + 0.5) == b"rec-a"
+    assert time.monotonic() - t0 < 2.0
+    assert _register(first, 0)
+    first.roster.reset({0: 1}, [0])
+    first.watch([0])
+    kvs[2].delete(node_key(0))  # this agent's record vanishes: the others think it dead
+    assert first.roster.lost.wait(2.0)

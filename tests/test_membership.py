@@ -8,6 +8,7 @@ import time
 import pytest
 
 from helpers_etcd import AgentProc, EtcdServer, etcd_server  # noqa: F401 - fixture
+from rendezvous.keys import GENERATION_KEY
 from rendezvous.kv import StoreTimeout
 from rendezvous.membership import Membership, NodeWorld, RendezvousError
 from rendezvous.memory import LocalKV
@@ -50,7 +51,7 @@ def test_static_rendezvous_assigns_ranks_and_bases() -> None:
                 [("host0", 2, 0), ("host1", 3, 2), ("host2", 4, 5)]
             assert not w.rejoined
         assert ms[0].current_generation() == 0
-        kv.set("ftrun/generation", b"3")
+        kv.set(GENERATION_KEY, b"3")
         assert {m.current_generation() for m in ms} == {3}
     finally:
         for m in ms:
@@ -235,7 +236,7 @@ def _fresh_after_dead_run(make_kv, leave: bool, wait_gone: float) -> None:
         first = [Membership(kvs[i], i, 2, 2, 1, f"h{i}", "reused", join_timeout=10, **FAST)
                  for i in range(2)]
         assert all(isinstance(w, NodeWorld) for w in _join_all(first))
-        kvs[0].set("ftrun/generation", b"4")
+        kvs[0].set(GENERATION_KEY, b"4")
         kvs[0].set("worker/stale", b"old")
         for m in first:
             m.stop(leave=leave)
