@@ -3,8 +3,9 @@
 Owns: `EtcdKV`, a `KVStore` over an etcd v3 cluster through the `etcd3` client, plus what only
 etcd offers and the membership code uses: leases (`grant_lease`, `put_with_lease`,
 `refresh_lease`, `revoke_lease`), create-if-absent (`create`), consistent snapshots
-(`get_prefix`) and watches (`watch_prefix`, `watch_key`). Also owns endpoint parsing
-(`parse_endpoints`) and the TLS/auth settings (`EtcdConf.from_rdzv_conf`).
+(`get_prefix`) and watches (`watch_prefix`, `watch_key`). Also owns the TLS/auth settings
+(`EtcdConf.from_rdzv_conf`); endpoint strings are parsed by `rendezvous.endpoints`
+(`parse_endpoints` here only applies etcd's default port).
 
 Logical key `k` is stored as etcd key `f"{root}/{k}"`; the root names the job, so several jobs
 can share one etcd. Counters are decimal ASCII, as in torch's TCPStore.
@@ -34,11 +35,14 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
+from rendezvous.endpoints import ETCD_DEFAULT_PORT
+from rendezvous.endpoints import Endpoint as AnyEndpoint
+from rendezvous.endpoints import parse_endpoints as parse_endpoint_list
 from rendezvous.kv import KVStore, StoreAuthError, StoreError, StoreTimeout
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 2379
+DEFAULT_PORT = ETCD_DEFAULT_PORT
 _PB_ENV = "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"
 
 
@@ -88,67 +92,18 @@ if _ETCD3 is not None:
 
 
 @dataclass(frozen=True)
-class Endpoint:
-    """One etcd client endpoint."""
+class Endpoint(AnyEndpoint):
+    """One etcd client endpoint (port 2379 unless given)."""
 
-    host: str
     port: int = DEFAULT_PORT
 
-    @property
-    def target(self) -> str:
-        """gRPC target "host:port" ("[v6addr]:port" for IPv6)."""
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
-    def __str__(self) -> str:
-        return self.target
-
-
-def _parse_one(item: str) -> Endpoint:
-    raw = item
-    for scheme in ("http://", "https://"):
-        if item.lower().startswith(scheme):
-            item = item[len(scheme):]
-    item = item.rstrip("/")
-    if not item:
-        raise ValueError(f"etcd endpoint {raw!r} is empty; use host[:port] or [ipv6]:port")
-    if item.startswith("["):
-        end = item.find("]")
-        if end < 0:
-            raise ValueError(f"etcd endpoint {raw!r}: missing ']' after the IPv6 address")
-        host, rest = item[1:end], item[end + 1:]
-        if not host:
-            raise ValueError(f"etcd endpoint {raw!r}: empty IPv6 address")
-        if rest and not rest.startswith(":"):
-            raise ValueError(f"etcd endpoint {raw!r}: expected ':port' after ']'")
-        port_s = rest[1:] if rest else ""
-    elif item.count(":") > 1:
-        raise ValueError(f"etcd endpoint {raw!r}: write IPv6 addresses as [addr]:port")
-    else:
-        host, _, port_s = item.partition(":")
-        if not host:
-            raise ValueError(f"etcd endpoint {raw!r}: missing host; use host[:port]")
-    if port_s == "":
-        return Endpoint(host, DEFAULT_PORT)
-    if not port_s.isdigit() or not 0 < int(port_s) < 65536:
-        raise ValueError(f"etcd endpoint {raw!r}: port {port_s!r} is not a number in 1..65535")
-    return Endpoint(host, int(port_s))
-
-
-def parse_endpoints(spec: str | Iterable[str | Endpoint]) -> list[Endpoint]:
-    """Parse "h1[:p],h2[:p],[v6]:p" (or a list of such strings or Endpoints) into endpoints
-    (port 2379 by default). Raises ValueError naming the bad entry."""
-    items = [spec] if isinstance(spec, str) else list(spec)
-    out: list[Endpoint] = []
-    for chunk in items:
-        if isinstance(chunk, Endpoint):
-            out.append(chunk)
-            continue
-        for part in str(chunk).split(","):
-            if part.strip():
-                out.append(_parse_one(part.strip()))
-    if not out:
-        raise ValueError(f"no etcd endpoint given in {spec!r}; use host[:port][,host[:port]...]")
-    return out
+def parse_endpoints(spec: str | Iterable[str | AnyEndpoint]) -> list[Endpoint]:
+    """Parse "h1[:p],h2[:p],[v6]:p" (or a list of such strings or Endpoints) into etcd
+    endpoints (port 2379 by default), with the one parser of `rendezvous.endpoints`.
+    Raises ValueError (`EndpointError`) naming the bad entry."""
+    return [ep if isinstance(ep, Endpoint) else Endpoint(ep.host, ep.port)
+            for ep in parse_endpoint_list(spec, DEFAULT_PORT, what="etcd endpoint")]
 
 
 _CONF_KEYS = ("protocol", "cacert", "cert", "key", "user", "password")
