@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+import warnings
 
 import pytest
 
@@ -44,17 +45,59 @@ def test_worker_env_matches_torchrun(tmp_path) -> None:
         assert o["TORCHELASTIC_ERROR_FILE"].endswith(f"attempt_0/{rank}/error.json")
 
 
+def _ddp_losses(name: str, cmd: list[str], tmp_path, nproc: int, attempt: int = 0):
+    """One run of tests/scripts/ddp_plain.py: (process result, final loss or None when rank 0
+    wrote no complete result file)."""
+    tag = f"{name}{attempt or ''}"
+    out = str(tmp_path / f"{tag}.json")
+    r = run(cmd + ["--nproc_per_node", str(nproc), "--log_dir", str(tmp_path / tag),
+                   script("ddp_plain.py"), "--steps", "10", "--out", out], timeout=180)
+    try:
+        with open(out, encoding="utf-8") as f:
+            return r, json.load(f)["loss"]
+    except (OSError, ValueError, KeyError):
+        return r, None
+
+
+def _failure_reason(stderr: str) -> str:
+    """The most telling line of a failed launcher's stderr (the abort, else the exit code)."""
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip().strip("=-")]
+    for needle in ("Fatal Python error", "exitcode", "Error"):
+        hits = [ln for ln in lines if needle in ln]
+        if hits:
+            return hits[0]
+    return lines[-1] if lines else "(no output)"
+
+
+def _note(text: str) -> None:
+    print(text)
+    warnings.warn(text)  # listed in pytest's summary even when the test passes
+
+
+def _torchrun_reference_loss(tmp_path, nproc: int) -> float:
+    """torchrun's loss on the same script. torchrun's workers sometimes crash in interpreter
+    teardown after the job is done (`terminate called without an active exception`, then
+    `Fatal Python error: Aborted`/segfault, exit -6/-11): torchrun's flake, not ftrun's. A
+    complete result file is used whatever torchrun's exit; without one the reference (and only
+    it) is retried once. Both cases are logged."""
+    r, loss = _ddp_losses("torchrun", TORCHRUN, tmp_path, nproc)
+    if loss is None:
+        _note(f"torchrun reference retried once: first run exited {r.returncode} without a "
+              f"result ({_failure_reason(r.stderr)})")
+        r, loss = _ddp_losses("torchrun", TORCHRUN, tmp_path, nproc, attempt=1)
+    assert loss is not None, f"torchrun reference failed twice:\n{r.stderr[-3000:]}"
+    if r.returncode != 0:
+        _note(f"torchrun reference exited {r.returncode} after writing its result (crash in "
+              f"teardown: {_failure_reason(r.stderr)}); its loss is used")
+    return loss
+
+
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_unmodified_ddp_same_loss_as_torchrun(tmp_path, nproc: int) -> None:
-    losses = {}
-    for name, cmd in (("torchrun", TORCHRUN), ("ftrun", FTRUN)):
-        out = str(tmp_path / f"{name}.json")
-        r = run(cmd + ["--nproc_per_node", str(nproc), "--log_dir", str(tmp_path / name),
-                       script("ddp_plain.py"), "--steps", "10", "--out", out], timeout=180)
-        assert r.returncode == 0, r.stderr[-3000:]
-        with open(out, encoding="utf-8") as f:
-            losses[name] = json.load(f)["loss"]
-    assert losses["ftrun"] == losses["torchrun"]
+    reference = _torchrun_reference_loss(tmp_path, nproc)
+    r, loss = _ddp_losses("ftrun", FTRUN, tmp_path, nproc)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert loss == reference
 
 
 def test_crash_once_restarts_with_budget(tmp_path) -> None:
