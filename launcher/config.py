@@ -2,7 +2,9 @@
 
 Owns: `LaunchConfig` and `build_config()`, which turns raw CLI values (torchrun's flags plus
 ftrun's own) into resolved, checked settings, raising `ConfigError` with one line naming the flag,
-the value and what is allowed. Nothing here starts processes or opens sockets, except probing
+the value and what is allowed. `build_config` runs one named step per concern (what to run,
+topology, supervision, strategy, worker logs, rendezvous, store, proxy); endpoint strings are
+parsed by `rendezvous.endpoints`. Nothing here starts processes or opens sockets, except probing
 whether a local port is free.
 """
 from __future__ import annotations
@@ -16,6 +18,8 @@ import uuid
 from dataclasses import dataclass, field
 
 from launcher import plan
+from rendezvous.endpoints import (ETCD_DEFAULT_PORT, EndpointError, parse_endpoint,
+                                  parse_endpoints)
 
 EMBEDDED_BACKENDS = {"static", "c10d", "parallel", "embedded"}
 ETCD_BACKENDS = {"etcd", "etcd-v3", "etcd-v2"}
@@ -268,31 +272,35 @@ def port_is_free(host: str, port: int) -> bool:
         return False
 
 
-def _parse_endpoint(value: str, default_port: int) -> tuple[str, int]:
-    v = value.strip()
-    if v.startswith("["):
-        host, _, rest = v[1:].partition("]")
-        port = rest.lstrip(":") or str(default_port)
-    elif v.count(":") == 1:
-        host, port = v.split(":")
-    else:
-        host, port = v, str(default_port)
-    try:
-        p = int(port)
-    except ValueError:
-        raise ConfigError(f"--rdzv-endpoint: port {port!r} in {value!r} is not an integer") from None
-    if not 0 <= p <= 65535:
-        raise ConfigError(f"--rdzv-endpoint: port {p} out of range 0-65535")
-    return host or "127.0.0.1", p
-
-
 def _truthy(v: str) -> bool:
     return str(v).strip().lower() in ("1", "true", "yes", "on")
 
 
 def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
-    """Resolve raw CLI values (click's dict, torchrun dest names) into a LaunchConfig."""
+    """Resolve raw CLI values (click's dict, torchrun dest names) into a LaunchConfig.
+
+    One named step per concern, in this order (the first bad value found is the one reported)."""
     env = dict(os.environ if env is None else env)
+    cfg = _what_to_run(raw)
+    _topology(cfg, raw)
+    _supervision(cfg, raw, env)
+    _recover_strategy(cfg, raw, env)
+    _worker_logs(cfg, raw, env)
+    _parity_flags(cfg, raw)
+    _rendezvous(cfg, raw)
+    _store_backend(cfg)
+    _standalone(cfg)
+    if cfg.store_backend == "embedded":
+        _embedded_store(cfg, raw)
+    else:
+        _etcd_node(cfg, raw)
+    _proxy(cfg)
+    _parity_notes(cfg)
+    return cfg
+
+
+def _what_to_run(raw: dict) -> LaunchConfig:
+    """The script (or module / executable) and its arguments."""
     script = raw.get("training_script")
     if not script:
         raise ConfigError("missing training script: ftrun [flags] SCRIPT [args...]")
@@ -307,11 +315,18 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
         cfg.notes.append("--run-path: the script is executed with runpy in each worker process")
     if not (cfg.module or cfg.no_python) and not os.path.exists(script):
         raise ConfigError(f"training script {script!r} does not exist")
+    return cfg
 
+
+def _topology(cfg: LaunchConfig, raw: dict) -> None:
+    """--nnodes, --nproc-per-node, --role."""
     cfg.min_nodes, cfg.max_nodes = parse_nnodes(raw.get("nnodes", "1:1"))
     cfg.nproc_per_node = resolve_nproc(raw.get("nproc_per_node", "1"))
     cfg.role = raw.get("role") or "default"
 
+
+def _supervision(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
+    """Restart budget, polling, shutdown grace, hang detection, forwarded signals."""
     cfg.max_restarts = int(raw.get("max_restarts", 0))
     if cfg.max_restarts < 0:
         raise ConfigError(f"--max-restarts: {cfg.max_restarts} must be >= 0")
@@ -333,6 +348,9 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     cfg.signals_to_handle = parse_signals(raw.get("signals_to_handle") or
                                           "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
 
+
+def _recover_strategy(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
+    """--recover-strategy, else the Ascend HIGH_AVAILABILITY variables, else the default."""
     strategy = raw.get("recover_strategy")
     seed_chain, seed_notes = strategy_from_seed_env(env)
     cfg.notes.extend(seed_notes)
@@ -345,6 +363,9 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     else:
         cfg.recover_strategy = parse_strategy(DEFAULT_RECOVER_STRATEGY)
 
+
+def _worker_logs(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
+    """Where worker output goes: redirects, tee, console filter, log dir, prefix, filters."""
     cfg.redirects = parse_std_map("--redirects", raw.get("redirects", "0"), cfg.nproc_per_node)
     cfg.tee = parse_std_map("--tee", raw.get("tee", "0"), cfg.nproc_per_node)
     lrf = raw.get("local_ranks_filter") or ""
@@ -358,13 +379,19 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
                                     or env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None)
     cfg.duplicate_stdout_filters = list(raw.get("duplicate_stdout_filters") or [])
     cfg.duplicate_stderr_filters = list(raw.get("duplicate_stderr_filters") or [])
+
+
+def _parity_flags(cfg: LaunchConfig, raw: dict) -> None:
+    """torchrun flags accepted for parity (noted at start where ftrun differs)."""
     cfg.start_method = raw.get("start_method") or "spawn"
     cfg.event_log_handler = raw.get("event_log_handler") or "null"
     cfg.logs_specs = raw.get("logs_specs")
     cfg.numa_binding = raw.get("numa_binding")
     cfg.virtual_local_rank = bool(raw.get("virtual_local_rank"))
 
-    # ---- rendezvous and store ------------------------------------------------------------
+
+def _rendezvous(cfg: LaunchConfig, raw: dict) -> None:
+    """The rendezvous flags as given, and the timeouts and token file of --rdzv-conf."""
     cfg.rdzv_conf = parse_rdzv_conf(raw.get("rdzv_conf") or "")
     cfg.rdzv_backend = (raw.get("rdzv_backend") or "static").strip()
     cfg.rdzv_endpoint = (raw.get("rdzv_endpoint") or "").strip()
@@ -388,6 +415,9 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
         cfg.join_timeout = float(cfg.rdzv_conf["timeout"])
     cfg.token_file = cfg.rdzv_conf.get("token_file")
 
+
+def _store_backend(cfg: LaunchConfig) -> None:
+    """Map --rdzv-backend onto the store ftrun runs: embedded, or etcd (endpoints checked)."""
     backend = cfg.rdzv_backend
     if backend in ETCD_BACKENDS:
         cfg.store_backend = "etcd"
@@ -396,49 +426,73 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
         if not cfg.rdzv_endpoint:
             raise ConfigError(f"--rdzv-endpoint is required with --rdzv-backend {backend} "
                               "(host[:port][,host[:port]...])")
+        try:
+            parse_endpoints(cfg.rdzv_endpoint, ETCD_DEFAULT_PORT, what="--rdzv-endpoint")
+        except EndpointError as e:
+            raise ConfigError(str(e)) from None
     elif backend in EMBEDDED_BACKENDS:
         cfg.store_backend = "embedded"
     else:
         raise ConfigError(f"--rdzv-backend: {backend!r} is not one of "
                           f"{', '.join(sorted(EMBEDDED_BACKENDS | ETCD_BACKENDS))}")
 
+
+def _standalone(cfg: LaunchConfig) -> None:
     if cfg.standalone:
         if cfg.max_nodes != 1 or cfg.min_nodes != 1:
             raise ConfigError("--standalone runs a single node; drop --nnodes or set it to 1")
         cfg.rdzv_id = str(uuid.uuid4())
         cfg.notes.append(f"--standalone: local store on a free port, run id {cfg.rdzv_id}")
-    auto_single = (backend == "static" and not cfg.rdzv_endpoint and cfg.master_port is None
-                   and cfg.max_nodes == 1)
-    if cfg.store_backend == "embedded":
-        if cfg.standalone or auto_single:
-            # torchrun's single-node auto-switch: a private store on a free port.
-            cfg.store_host, cfg.store_port = "127.0.0.1", 0
-            cfg.master_addr_for_workers = "localhost"
-            if cfg.rdzv_id == "none":
-                cfg.rdzv_id = str(uuid.uuid4())
-            cfg.node_rank = 0
-        elif backend == "static" or not cfg.rdzv_endpoint:
-            cfg.store_host = cfg.master_addr
-            cfg.store_port = DEFAULT_MASTER_PORT if cfg.master_port is None else cfg.master_port
-            cfg.master_addr_for_workers = cfg.master_addr
-            cfg.node_rank = int(raw.get("node_rank", 0))
-        else:
-            cfg.store_host, cfg.store_port = _parse_endpoint(cfg.rdzv_endpoint, DEFAULT_C10D_PORT)
-            cfg.master_addr_for_workers = cfg.store_host
-            cfg.node_rank = int(raw.get("node_rank", 0)) if cfg.min_nodes == cfg.max_nodes else None
-        if cfg.node_rank is not None and not 0 <= cfg.node_rank < cfg.max_nodes:
-            raise ConfigError(f"--node-rank: {cfg.node_rank} must be in 0..{cfg.max_nodes - 1}")
-        if cfg.node_rank is None:
-            cfg.is_store_host = _truthy(cfg.rdzv_conf.get("is_host", "false"))
-        else:
-            cfg.is_store_host = cfg.node_rank == 0
-        if cfg.is_store_host and cfg.store_port and not port_is_free("0.0.0.0", cfg.store_port):
-            raise ConfigError(f"--master-port: port {cfg.store_port} is already in use on this host")
-    else:
-        cfg.node_rank = (int(raw.get("node_rank", 0)) if cfg.min_nodes == cfg.max_nodes
-                         and raw.get("node_rank") is not None else None)
-        cfg.is_store_host = False
 
+
+def _embedded_store(cfg: LaunchConfig, raw: dict) -> None:
+    """Where the embedded store lives, this node's rank, and whether this node hosts it."""
+    auto_single = (cfg.rdzv_backend == "static" and not cfg.rdzv_endpoint
+                   and cfg.master_port is None and cfg.max_nodes == 1)
+    if cfg.standalone or auto_single:
+        # torchrun's single-node auto-switch: a private store on a free port.
+        cfg.store_host, cfg.store_port = "127.0.0.1", 0
+        cfg.master_addr_for_workers = "localhost"
+        if cfg.rdzv_id == "none":
+            cfg.rdzv_id = str(uuid.uuid4())
+        cfg.node_rank = 0
+    elif cfg.rdzv_backend == "static" or not cfg.rdzv_endpoint:
+        cfg.store_host = cfg.master_addr
+        cfg.store_port = DEFAULT_MASTER_PORT if cfg.master_port is None else cfg.master_port
+        cfg.master_addr_for_workers = cfg.master_addr
+        cfg.node_rank = int(raw.get("node_rank", 0))
+    else:
+        cfg.store_host, cfg.store_port = _rdzv_endpoint(cfg.rdzv_endpoint)
+        cfg.master_addr_for_workers = cfg.store_host
+        cfg.node_rank = int(raw.get("node_rank", 0)) if cfg.min_nodes == cfg.max_nodes else None
+    if cfg.node_rank is not None and not 0 <= cfg.node_rank < cfg.max_nodes:
+        raise ConfigError(f"--node-rank: {cfg.node_rank} must be in 0..{cfg.max_nodes - 1}")
+    if cfg.node_rank is None:
+        cfg.is_store_host = _truthy(cfg.rdzv_conf.get("is_host", "false"))
+    else:
+        cfg.is_store_host = cfg.node_rank == 0
+    if cfg.is_store_host and cfg.store_port and not port_is_free("0.0.0.0", cfg.store_port):
+        raise ConfigError(f"--master-port: port {cfg.store_port} is already in use on this host")
+
+
+def _rdzv_endpoint(value: str) -> tuple[str, int]:
+    """The embedded store's one `--rdzv-endpoint` (port 29400 by default; 0 = a free port)."""
+    try:
+        ep = parse_endpoint(value, DEFAULT_C10D_PORT, what="--rdzv-endpoint", min_port=0)
+    except EndpointError as e:
+        raise ConfigError(str(e)) from None
+    return ep.host, ep.port
+
+
+def _etcd_node(cfg: LaunchConfig, raw: dict) -> None:
+    """With etcd every node is a store client; ranks are static only with a fixed node count."""
+    cfg.node_rank = (int(raw.get("node_rank", 0)) if cfg.min_nodes == cfg.max_nodes
+                     and raw.get("node_rank") is not None else None)
+    cfg.is_store_host = False
+
+
+def _proxy(cfg: LaunchConfig) -> None:
+    """The per-node store proxy: on for several nodes, etcd or the tiered flag; proxy= wins."""
     proxy_conf = cfg.rdzv_conf.get("proxy")
     if proxy_conf is not None:
         cfg.proxy = _truthy(proxy_conf)
@@ -447,10 +501,12 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     if cfg.store_backend == "etcd" and not cfg.proxy:
         raise ConfigError("--rdzv-conf proxy=false is not possible with etcd: unmodified workers "
                           "speak TCPStore, which only the per-node proxy translates to etcd")
+
+
+def _parity_notes(cfg: LaunchConfig) -> None:
     if cfg.enable_tiered_store:
         cfg.notes.append("--enable_tiered_parallel_tcpstore: per-node store proxies on")
     if cfg.event_log_handler != "null":
         cfg.notes.append(f"--event-log-handler {cfg.event_log_handler}: ftrun writes events.jsonl instead")
     if cfg.numa_binding:
         cfg.notes.append(f"--numa-binding {cfg.numa_binding}: accepted; binding is left to the OS on CPU")
-    return cfg
