@@ -88,6 +88,8 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     (["--signals_to_handle", "SIGFOO", SCRIPT], "--signals-to-handle"),
     (["--recover_strategy", "pray", SCRIPT], "--recover-strategy"),
     (["-m", "--no-python", SCRIPT], "--no-python"),
+    (["--rdzv_backend", "etcd", "--rdzv_endpoint", "tcp://h:1", SCRIPT], "--rdzv-endpoint 'tcp://h:1'"),
+    (["--rdzv_backend", "c10d", "--rdzv_endpoint", "::1", "--nnodes", "2", SCRIPT], "[addr]:port"),
     ([], "missing training script"),
 ])
 def test_bad_input_is_one_line_exit_2(args: list[str], needle: str) -> None:
