@@ -2,13 +2,16 @@
 
 Owns: the click group and its job-level subcommands. Store subcommands (`ftctl store serve|get|
 set|ls`) come from `rendezvous.store_cli`; fault injection (`ftctl inject`) from
-`launcher.inject`.
+`launcher.inject`. A store or token error from any subcommand ends as one line and exit 1.
 """
 from __future__ import annotations
 
 import sys
 
 import click
+
+from rendezvous.auth import TokenError
+from rendezvous.kv import StoreError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -43,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.Abort:
+        sys.exit(1)
+    except (StoreError, TokenError) as e:  # unreachable store, refused token: one line, no traceback
+        click.echo(f"ftctl: error: {e}", err=True)
         sys.exit(1)
 
 
