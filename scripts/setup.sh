@@ -32,8 +32,11 @@ install_test_programs() {
   local sudo=""
   [ "$(id -u)" = 0 ] || sudo="sudo"
   echo "setup.sh: installing ${missing[*]} (programs the tests run)"
-  $sudo apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+  if ! { $sudo apt-get update -qq && \
+         DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null; }; then
+    echo "setup.sh: apt-get could not install ${missing[*]} (see above)" >&2
+    return 1
+  fi
   for entry in "${TEST_PROGRAMS[@]}"; do
     read -r path pkg <<<"$entry"
     if [ ! -x "$path" ]; then
