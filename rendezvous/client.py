@@ -20,8 +20,8 @@ from typing import Iterable, Iterator
 
 from rendezvous import protocol as P
 from rendezvous.auth import AUTH_KEY, check_token
-from rendezvous.kv import KVStore, StoreAuthError, StoreError, StoreTimeout
-from rendezvous.memory import check_timeout, logical_key, wire_key
+from rendezvous.kv import KVStore, StoreAuthError, StoreError, StoreTimeout, check_timeout
+from rendezvous.protocol import logical_keys, wire_key
 
 
 class _Link:
@@ -230,14 +230,7 @@ class StoreClient(KVStore):
         return self._call(P.Request(P.Op.DELETE_KEY, (wire_key(key),))) > 0
 
     def keys(self, prefix: str = "") -> list[str]:
-        wp = wire_key(prefix)
-        out = []
-        for wk in self._call(P.Request(P.Op.LIST_KEYS)):
-            if wk.startswith(wp):
-                lk = logical_key(wk)
-                if lk is not None:
-                    out.append(lk)
-        return sorted(out)
+        return logical_keys(self._call(P.Request(P.Op.LIST_KEYS)), prefix)
 
     # -- extras (torch ops beyond KVStore) -----------------------------------------------
 

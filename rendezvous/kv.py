@@ -8,11 +8,13 @@ membership code may ask of a store) and its error types. Implementations live be
 
 Keys are *logical* keys, exactly as a torch `TCPStore` user passes them (`"ftrun/plan/3"`).
 On the wire a torch client sends them with a leading `/` (`"/ftrun/plan/3"`); every
-implementation does the same mapping so that a key set by a torch client and a key set through
-this interface are the same key. Values are bytes. Counters (`add`) are stored as decimal
-ASCII, as torch does.
+implementation maps them with `rendezvous.protocol.wire_key`/`logical_key`, so a key set by a
+torch client and a key set through this interface are the same key (the few keys torch sends
+without the `/` appear under `"ftrun/wire/"`). Values are bytes. Counters (`add`) are stored
+as decimal ASCII, as torch does.
 
-Every call that can block takes a timeout in seconds; nothing waits forever.
+Every call that can block takes a timeout in seconds (checked by `check_timeout`); nothing
+waits forever.
 """
 from __future__ import annotations
 
@@ -30,6 +32,13 @@ class StoreAuthError(StoreError):
 
 class StoreTimeout(StoreError, TimeoutError):
     """A blocking store operation did not complete within its timeout."""
+
+
+def check_timeout(timeout: float) -> float:
+    """A timeout argument as float seconds; ValueError naming it unless a number >= 0."""
+    if not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
+        raise ValueError(f"timeout={timeout!r}: must be a number of seconds >= 0")
+    return float(timeout)
 
 
 class KVStore(abc.ABC):

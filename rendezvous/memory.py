@@ -2,8 +2,10 @@
 
 Owns: `MemoryStore`, the table the embedded server serves (keyed by *wire* keys, as bytes,
 exactly as torch clients send them, e.g. b"/ftrun/plan/3"), with torch TCPStore semantics for
-every op; and `LocalKV`, the `KVStore` facade over the same table for in-process users (the
-leader agent), which maps logical keys "x" <-> wire keys b"/x".
+every op; `apply`, what each data query type (`protocol.Kind.DATA`) does to a table — this
+one, or any object with the same methods (the proxy's view of a `KVStore`) — and the value its
+reply stands for; and `LocalKV`, the `KVStore` facade over the same table for in-process users
+(the leader agent), mapping keys with `protocol.wire_key`/`logical_key`.
 
 Waiting: `wait()` either reports the keys present or registers a `Waiter` whose `fire`
 callback runs once, outside the lock, when the last missing key appears. Waiters are indexed
@@ -14,9 +16,10 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
-from rendezvous.kv import KVStore, StoreError, StoreTimeout
+from rendezvous import protocol as P
+from rendezvous.kv import KVStore, StoreError, StoreTimeout, check_timeout
 
 
 class Waiter:
@@ -271,24 +274,33 @@ class MemoryStore:
             return len(seen)
 
 
-def wire_key(key: str) -> bytes:
-    """Logical key -> wire key (torch clients prefix "/")."""
-    if not isinstance(key, str):
-        raise TypeError(f"store key {key!r}: must be str")
-    return b"/" + key.encode("utf-8", "surrogateescape")
+def _or_empty(v: bytes | None) -> bytes:
+    return b"" if v is None else v
 
 
-def logical_key(wire: bytes) -> str | None:
-    """Wire key -> logical key, or None for a key a torch client could not have set."""
-    if not wire.startswith(b"/"):
-        return None
-    return wire[1:].decode("utf-8", "surrogateescape")
+_APPLY: dict[int, Callable[[Any, P.Request], Any]] = {
+    P.Op.SET: lambda t, r: t.set(r.keys[0], r.values[0]),
+    P.Op.MULTI_SET: lambda t, r: t.multi_set(r.keys, r.values),
+    P.Op.GET: lambda t, r: _or_empty(t.get(r.keys[0])),
+    P.Op.MULTI_GET: lambda t, r: [_or_empty(v) for v in t.multi_get(r.keys)],
+    P.Op.ADD: lambda t, r: t.add(r.keys[0], r.num),
+    P.Op.COMPARE_SET: lambda t, r: t.compare_set(r.keys[0], r.values[0], r.values[1]),
+    P.Op.CHECK: lambda t, r: P.READY if t.check(r.keys) else P.NOT_READY,
+    P.Op.DELETE_KEY: lambda t, r: 1 if t.delete(r.keys[0]) else 0,
+    P.Op.GETNUMKEYS: lambda t, r: t.num_keys(),
+    P.Op.LIST_KEYS: lambda t, r: t.list_keys(),
+    P.Op.APPEND: lambda t, r: t.append(r.keys[0], r.values[0]),
+    P.Op.QUEUE_PUSH: lambda t, r: t.queue_push(r.keys[0], r.values[0]),
+    P.Op.QUEUE_POP: lambda t, r: t.queue_pop(r.keys[0]),
+    P.Op.QUEUE_LEN: lambda t, r: t.queue_len(r.keys[0]),
+}
 
 
-def check_timeout(timeout: float) -> float:
-    if not isinstance(timeout, (int, float)) or timeout != timeout or timeout < 0:
-        raise ValueError(f"timeout={timeout!r}: must be a number of seconds >= 0")
-    return float(timeout)
+def apply(table: Any, req: P.Request) -> Any:
+    """Run the data request `req` on `table` (a MemoryStore or an object with its methods,
+    keyed by wire keys); return the value its reply stands for (`protocol.encode_reply`).
+    Errors of the table (ValueError for a non-integer counter, StoreError) propagate."""
+    return _APPLY[req.op](table, req)
 
 
 class LocalKV(KVStore):
@@ -298,7 +310,7 @@ class LocalKV(KVStore):
         self.table = table if table is not None else MemoryStore()
 
     def set(self, key: str, value: bytes) -> None:
-        self.table.set(wire_key(key), bytes(value))
+        self.table.set(P.wire_key(key), bytes(value))
 
     def _wait_wire(self, wks: tuple, timeout: float) -> bool:
         ev = threading.Event()
@@ -311,7 +323,7 @@ class LocalKV(KVStore):
 
     def get(self, key: str, timeout: float) -> bytes:
         timeout = check_timeout(timeout)
-        wk = wire_key(key)
+        wk = P.wire_key(key)
         if not self._wait_wire((wk,), timeout):
             raise StoreTimeout(f"key {key!r} did not appear within {timeout:g} s")
         v = self.table.get(wk)
@@ -320,30 +332,23 @@ class LocalKV(KVStore):
         return v
 
     def try_get(self, key: str) -> bytes | None:
-        return self.table.get(wire_key(key))
+        return self.table.get(P.wire_key(key))
 
     def add(self, key: str, amount: int) -> int:
         try:
-            return self.table.add(wire_key(key), int(amount))
+            return self.table.add(P.wire_key(key), int(amount))
         except ValueError as e:
             raise StoreError(str(e)) from None
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        return self.table.compare_set(wire_key(key), bytes(expected), bytes(desired))
+        return self.table.compare_set(P.wire_key(key), bytes(expected), bytes(desired))
 
     def wait(self, keys: Iterable[str], timeout: float) -> bool:
         timeout = check_timeout(timeout)
-        return self._wait_wire(tuple(wire_key(k) for k in keys), timeout)
+        return self._wait_wire(tuple(P.wire_key(k) for k in keys), timeout)
 
     def delete(self, key: str) -> bool:
-        return self.table.delete(wire_key(key))
+        return self.table.delete(P.wire_key(key))
 
     def keys(self, prefix: str = "") -> list[str]:
-        wp = wire_key(prefix)
-        out = []
-        for wk in self.table.list_keys():
-            if wk.startswith(wp):
-                lk = logical_key(wk)
-                if lk is not None:
-                    out.append(lk)
-        return sorted(out)
+        return P.logical_keys(self.table.list_keys(), prefix)

@@ -1,13 +1,24 @@
 """Codec for torch's TCPStore wire protocol (torch 2.13-2.15 clients) plus ftrun's extensions.
 
-Owns: the query-type numbers, the request/reply layouts, an incremental request parser that
-works on partial buffers and rejects absurd lengths, request encoders (for our clients) and
-reply encoders/parsers. It does no I/O.
+Owns: the query-type numbers and one table (`SPECS`) that gives each query type its name,
+request layout, reply shape and kind; the size and connection `Limits`; an incremental request
+parser that works on partial buffers and rejects absurd lengths (`parse_request`, plus
+`parse_common`, a shortcut for the frames that dominate a rendezvous that must always agree
+with it); request encoders (for our clients and tests); reply encoders (`encode_reply`) and
+parsers (`parse_reply`), both driven by the reply shape; and the one mapping between wire keys
+and logical keys (`wire_key`, `logical_key`). It does no I/O.
 
 Wire format (native little-endian, as torch's C++ client writes it):
 
 - A request is `u8 query type` followed by its arguments. A key or value is `u64 length` +
-  bytes; a list is `u64 count` + items. Torch clients prefix every key with "/".
+  bytes; a list is `u64 count` + items.
+- Keys: torch clients prefix every user key with "/" (`TCPStore.set("a")` sends "/a") and
+  send exactly one key without it, the worker counter "init/" that a client given a world size
+  increments on connect (recorded from torch 2.13); torch's own LIST_KEYS hides such keys.
+  Logical keys (what `KVStore` users pass) map to wire keys as "x" <-> "/x"; a wire key without
+  the "/" maps to the logical key "ftrun/wire/<key>", so a KVStore upstream (etcd) can hold it
+  and every view of one table (torch client, LocalKV, StoreClient, the proxy) names it alike.
+  The logical namespace "ftrun/wire/" is therefore reserved.
 - Replies carry no type; the reader knows what it asked for.
 
 | code | op          | request args                 | reply                                  |
@@ -51,7 +62,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, Iterable, NamedTuple
 
 VALIDATION_MAGIC = 0x3C85F7CE
 MUX_MAGIC = 0x46544D58
@@ -82,12 +93,14 @@ class Op:
     FT_MUX = 0xF0
 
 
-OP_NAMES = {v: k for k, v in vars(Op).items() if not k.startswith("_")}
+READ_SIZE = 64 * 1024  # bytes one recv() asks for (server, proxy, clients)
 
 READY = 0
 NOT_READY = 1
 STOP_WAITING = 0
 WAIT_CANCELED = 1
+STOP_WAITING_REPLY = bytes((STOP_WAITING,))  # the one byte that releases a WAIT / BARRIER
+WAIT_CANCELED_REPLY = bytes((WAIT_CANCELED,))
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
@@ -104,17 +117,28 @@ class ProtocolError(ValueError):
 
 @dataclass(frozen=True)
 class Limits:
-    """Largest accepted sizes; anything larger is a ProtocolError (the connection closes)."""
+    """What one peer may use. Sizes (`max_key_bytes`, `max_value_bytes`,
+    `max_keys_per_request`) are checked by the parser: a larger frame is a ProtocolError. The
+    rest are enforced by the server's event loop. Exceeding any closes that connection."""
 
     max_key_bytes: int = 32 * 1024
     max_value_bytes: int = 32 * 1024 * 1024
     max_keys_per_request: int = 128 * 1024
+    max_connections: int = 16384
+    max_pending_reply_bytes: int = 256 * 1024 * 1024
+    handshake_timeout: float = 30.0
+    stalled_frame_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("max_key_bytes", "max_value_bytes", "max_keys_per_request"):
+        for name in ("max_key_bytes", "max_value_bytes", "max_keys_per_request",
+                     "max_connections", "max_pending_reply_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Limits.{name}={v!r}: must be a positive integer")
+        for name in ("handshake_timeout", "stalled_frame_timeout"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or v <= 0:
+                raise ValueError(f"Limits.{name}={v!r}: must be seconds > 0")
 
 
 DEFAULT_LIMITS = Limits()
@@ -131,6 +155,86 @@ class Request(NamedTuple):
     keys: tuple = ()
     values: tuple = ()
     num: int = 0
+
+
+# ---------------------------------------------------------------- the query table
+
+
+class Args:
+    """Request argument layouts (after the op byte)."""
+
+    NONE = 0
+    U32 = 1          # u32 magic or nonce -> num
+    KEY = 2
+    KEY_VALUE = 3
+    KEY_I64 = 4      # key, i64 -> num
+    KEY_2VALUES = 5  # key, expected, desired
+    KEYS = 6         # u64 n, n keys
+    PAIRS = 7        # u64 n, n (key, value)
+
+
+class Reply:
+    """Reply shapes, and the Python value each stands for (`encode_reply`/`parse_reply`)."""
+
+    NONE = 0       # no reply; None
+    U8 = 1         # int 0-255
+    U32 = 2        # int
+    I64 = 3        # int
+    BYTES = 4      # bytes
+    MULTI = 5      # list of bytes (as many as keys were asked for)
+    QUEUE_POP = 6  # (queue length before the pop, value), (0, None) when it was empty
+    KEY_LIST = 7   # list of wire keys
+
+
+class Kind:
+    """What an op is about; every component dispatches on it, so it is decided here once."""
+
+    SESSION = "session"    # VALIDATE, PING, FT_MUX: answered by whoever holds the connection
+    DATA = "data"          # reads/writes of the table (rendezvous.memory.apply runs them)
+    BLOCKING = "blocking"  # WAIT, BARRIER: answered once a condition holds
+    CANCEL = "cancel"      # CANCEL_WAIT: withdraws the connection's pending WAIT
+
+
+class OpSpec(NamedTuple):
+    op: int
+    name: str
+    args: int
+    reply: int
+    kind: str
+
+
+SPECS: dict[int, OpSpec] = {s.op: s for s in (
+    OpSpec(Op.VALIDATE, "VALIDATE", Args.U32, Reply.NONE, Kind.SESSION),
+    OpSpec(Op.SET, "SET", Args.KEY_VALUE, Reply.NONE, Kind.DATA),
+    OpSpec(Op.COMPARE_SET, "COMPARE_SET", Args.KEY_2VALUES, Reply.BYTES, Kind.DATA),
+    OpSpec(Op.GET, "GET", Args.KEY, Reply.BYTES, Kind.DATA),
+    OpSpec(Op.ADD, "ADD", Args.KEY_I64, Reply.I64, Kind.DATA),
+    OpSpec(Op.CHECK, "CHECK", Args.KEYS, Reply.U8, Kind.DATA),
+    OpSpec(Op.WAIT, "WAIT", Args.KEYS, Reply.U8, Kind.BLOCKING),
+    OpSpec(Op.GETNUMKEYS, "GETNUMKEYS", Args.NONE, Reply.I64, Kind.DATA),
+    OpSpec(Op.DELETE_KEY, "DELETE_KEY", Args.KEY, Reply.I64, Kind.DATA),
+    OpSpec(Op.APPEND, "APPEND", Args.KEY_VALUE, Reply.NONE, Kind.DATA),
+    OpSpec(Op.MULTI_GET, "MULTI_GET", Args.KEYS, Reply.MULTI, Kind.DATA),
+    OpSpec(Op.MULTI_SET, "MULTI_SET", Args.PAIRS, Reply.NONE, Kind.DATA),
+    OpSpec(Op.CANCEL_WAIT, "CANCEL_WAIT", Args.NONE, Reply.U8, Kind.CANCEL),
+    OpSpec(Op.PING, "PING", Args.U32, Reply.U32, Kind.SESSION),
+    OpSpec(Op.QUEUE_PUSH, "QUEUE_PUSH", Args.KEY_VALUE, Reply.NONE, Kind.DATA),
+    OpSpec(Op.QUEUE_POP, "QUEUE_POP", Args.KEY, Reply.QUEUE_POP, Kind.DATA),
+    OpSpec(Op.QUEUE_LEN, "QUEUE_LEN", Args.KEY, Reply.I64, Kind.DATA),
+    OpSpec(Op.LIST_KEYS, "LIST_KEYS", Args.NONE, Reply.KEY_LIST, Kind.DATA),
+    OpSpec(Op.BARRIER, "BARRIER", Args.KEY_I64, Reply.U8, Kind.BLOCKING),
+    OpSpec(Op.FT_MUX, "FT_MUX", Args.U32, Reply.U32, Kind.SESSION),
+)}
+
+OP_NAMES = {op: s.name for op, s in SPECS.items()}
+REPLY_OF = {op: s.reply for op, s in SPECS.items()}
+KIND_OF = {op: s.kind for op, s in SPECS.items()}
+# Writes the caller gets no answer to (VALIDATE, the other no-reply op, is a handshake).
+NO_REPLY = frozenset(op for op, s in SPECS.items() if s.reply == Reply.NONE and s.kind == Kind.DATA)
+
+
+def op_name(op: int) -> str:
+    return OP_NAMES.get(op, str(op))
 
 
 # ---------------------------------------------------------------- incremental request parser
@@ -171,79 +275,54 @@ def parse_mux_request(
     return tag, r[0], r[1]
 
 
+def parse_common(
+    buf: bytes | bytearray | memoryview, pos: int, limits: Limits = DEFAULT_LIMITS
+) -> tuple[Request, int] | None:
+    """Shortcut decoder for the frames that dominate a rendezvous: GET, SET, ADD, and WAIT or
+    CHECK of one key. For such a complete frame within `limits` it returns exactly what
+    `parse_request` returns; for anything else (another op, an incomplete frame, a length over
+    a limit) it returns None and `parse_request` decides (None or ProtocolError)."""
+    n = len(buf)
+    if pos + 9 > n:
+        return None
+    op = buf[pos]
+    if op == Op.WAIT or op == Op.CHECK:
+        if pos + 17 > n or _U64_unpack(buf, pos + 1)[0] != 1:
+            return None
+        s = pos + 17
+    elif op == Op.GET or op == Op.SET or op == Op.ADD:
+        s = pos + 9
+    else:
+        return None
+    kl = _U64_unpack(buf, s - 8)[0]
+    e = s + kl
+    if kl > limits.max_key_bytes or e > n:
+        return None
+    key = (bytes(buf[s:e]),)
+    if op == Op.SET:
+        if e + 8 > n:
+            return None
+        vl = _U64_unpack(buf, e)[0]
+        ve = e + 8 + vl
+        if vl > limits.max_value_bytes or ve > n:
+            return None
+        return Request(op, key, (bytes(buf[e + 8:ve]),)), ve
+    if op == Op.ADD:
+        if e + 8 > n:
+            return None
+        return Request(op, key, (), _I64_unpack(buf, e)[0]), e + 8
+    return Request(op, key), e
+
+
 def _parse(buf, pos: int, n: int, limits: Limits) -> tuple[Request, int] | None:
     if pos >= n:
         return None
     op = buf[pos]
-    p = pos + 1
-    if op == Op.SET or op == Op.APPEND or op == Op.QUEUE_PUSH:
-        r = _key(buf, p, n, limits)
-        if r is None:
-            return None
-        k, p = r
-        r = _val(buf, p, n, limits)
-        if r is None:
-            return None
-        return Request(op, (k,), (r[0],)), r[1]
-    if op == Op.GET or op == Op.DELETE_KEY or op == Op.QUEUE_POP or op == Op.QUEUE_LEN:
-        r = _key(buf, p, n, limits)
-        if r is None:
-            return None
-        return Request(op, (r[0],)), r[1]
-    if op == Op.WAIT or op == Op.CHECK or op == Op.MULTI_GET:
-        r = _keylist(buf, p, n, limits)
-        if r is None:
-            return None
-        return Request(op, r[0]), r[1]
-    if op == Op.ADD or op == Op.BARRIER:
-        r = _key(buf, p, n, limits)
-        if r is None:
-            return None
-        k, p = r
-        if p + 8 > n:
-            return None
-        return Request(op, (k,), (), _I64_unpack(buf, p)[0]), p + 8
-    if op == Op.COMPARE_SET:
-        r = _key(buf, p, n, limits)
-        if r is None:
-            return None
-        k, p = r
-        r = _val(buf, p, n, limits)
-        if r is None:
-            return None
-        exp, p = r
-        r = _val(buf, p, n, limits)
-        if r is None:
-            return None
-        return Request(op, (k,), (exp, r[0])), r[1]
-    if op == Op.MULTI_SET:
-        if p + 8 > n:
-            return None
-        cnt = _U64_unpack(buf, p)[0]
-        if cnt > limits.max_keys_per_request:
-            raise ProtocolError(
-                f"MULTI_SET with {cnt} keys: at most {limits.max_keys_per_request} allowed")
-        p += 8
-        keys = []
-        vals = []
-        for _ in range(cnt):
-            r = _key(buf, p, n, limits)
-            if r is None:
-                return None
-            keys.append(r[0])
-            r = _val(buf, r[1], n, limits)
-            if r is None:
-                return None
-            vals.append(r[0])
-            p = r[1]
-        return Request(op, tuple(keys), tuple(vals)), p
-    if op == Op.VALIDATE or op == Op.PING or op == Op.FT_MUX:
-        if p + 4 > n:
-            return None
-        return Request(op, (), (), _U32_unpack(buf, p)[0]), p + 4
-    if op == Op.GETNUMKEYS or op == Op.CANCEL_WAIT or op == Op.LIST_KEYS:
-        return Request(op), p
-    raise ProtocolError(f"unknown query type {op}: allowed 0-18 (torch TCPStore) and 240 (ftrun)")
+    decode = _DECODERS[op]
+    if decode is None:
+        raise ProtocolError(
+            f"unknown query type {op}: allowed 0-18 (torch TCPStore) and 240 (ftrun)")
+    return decode(buf, op, pos + 1, n, limits)
 
 
 def _blob(buf, p: int, n: int, most: int, what: str):
@@ -268,13 +347,57 @@ def _val(buf, p: int, n: int, limits: Limits):
     return _blob(buf, p, n, limits.max_value_bytes, "value")
 
 
-def _keylist(buf, p: int, n: int, limits: Limits):
+def _count(buf, p: int, n: int, limits: Limits, what: str) -> int | None:
     if p + 8 > n:
         return None
     cnt = _U64_unpack(buf, p)[0]
     if cnt > limits.max_keys_per_request:
         raise ProtocolError(
-            f"request with {cnt} keys: at most {limits.max_keys_per_request} allowed")
+            f"{what} with {cnt} keys: at most {limits.max_keys_per_request} allowed")
+    return cnt
+
+
+def _args_none(buf, op: int, p: int, n: int, limits: Limits):
+    return Request(op), p
+
+
+def _args_u32(buf, op: int, p: int, n: int, limits: Limits):
+    if p + 4 > n:
+        return None
+    return Request(op, (), (), _U32_unpack(buf, p)[0]), p + 4
+
+
+def _args_key(buf, op: int, p: int, n: int, limits: Limits):
+    r = _key(buf, p, n, limits)
+    return None if r is None else (Request(op, (r[0],)), r[1])
+
+
+def _args_key_i64(buf, op: int, p: int, n: int, limits: Limits):
+    r = _key(buf, p, n, limits)
+    if r is None or r[1] + 8 > n:
+        return None
+    return Request(op, (r[0],), (), _I64_unpack(buf, r[1])[0]), r[1] + 8
+
+
+def _args_key_values(buf, op: int, p: int, n: int, limits: Limits, count: int):
+    r = _key(buf, p, n, limits)
+    if r is None:
+        return None
+    k, p = r
+    vals = []
+    for _ in range(count):
+        r = _val(buf, p, n, limits)
+        if r is None:
+            return None
+        vals.append(r[0])
+        p = r[1]
+    return Request(op, (k,), tuple(vals)), p
+
+
+def _args_keys(buf, op: int, p: int, n: int, limits: Limits):
+    cnt = _count(buf, p, n, limits, "request")
+    if cnt is None:
+        return None
     p += 8
     keys = []
     for _ in range(cnt):
@@ -283,7 +406,40 @@ def _keylist(buf, p: int, n: int, limits: Limits):
             return None
         keys.append(r[0])
         p = r[1]
-    return tuple(keys), p
+    return Request(op, tuple(keys)), p
+
+
+def _args_pairs(buf, op: int, p: int, n: int, limits: Limits):
+    cnt = _count(buf, p, n, limits, OP_NAMES[op])
+    if cnt is None:
+        return None
+    p += 8
+    keys = []
+    vals = []
+    for _ in range(cnt):
+        r = _args_key_values(buf, op, p, n, limits, 1)
+        if r is None:
+            return None
+        keys.append(r[0].keys[0])
+        vals.append(r[0].values[0])
+        p = r[1]
+    return Request(op, tuple(keys), tuple(vals)), p
+
+
+_ARG_DECODERS: dict[int, Callable] = {
+    Args.NONE: _args_none,
+    Args.U32: _args_u32,
+    Args.KEY: _args_key,
+    Args.KEY_VALUE: lambda buf, op, p, n, lim: _args_key_values(buf, op, p, n, lim, 1),
+    Args.KEY_I64: _args_key_i64,
+    Args.KEY_2VALUES: lambda buf, op, p, n, lim: _args_key_values(buf, op, p, n, lim, 2),
+    Args.KEYS: _args_keys,
+    Args.PAIRS: _args_pairs,
+}
+_DECODERS: list = [None] * 256
+for _s in SPECS.values():
+    _DECODERS[_s.op] = _ARG_DECODERS[_s.args]
+del _s
 
 
 # ---------------------------------------------------------------- request encoders
@@ -293,30 +449,30 @@ def _b(x: bytes) -> bytes:
     return _U64_pack(len(x)) + x
 
 
+def _enc_pairs(req: Request) -> bytes:
+    if len(req.keys) != len(req.values):
+        raise ValueError(f"MULTI_SET with {len(req.keys)} keys and {len(req.values)} values")
+    return _U64_pack(len(req.keys)) + b"".join(_b(k) + _b(v) for k, v in zip(req.keys, req.values))
+
+
+_ARG_ENCODERS: dict[int, Callable[[Request], bytes]] = {
+    Args.NONE: lambda r: b"",
+    Args.U32: lambda r: _U32.pack(r.num & 0xFFFFFFFF),
+    Args.KEY: lambda r: _b(r.keys[0]),
+    Args.KEY_VALUE: lambda r: _b(r.keys[0]) + _b(r.values[0]),
+    Args.KEY_I64: lambda r: _b(r.keys[0]) + _I64.pack(r.num),
+    Args.KEY_2VALUES: lambda r: _b(r.keys[0]) + _b(r.values[0]) + _b(r.values[1]),
+    Args.KEYS: lambda r: _U64_pack(len(r.keys)) + b"".join(_b(k) for k in r.keys),
+    Args.PAIRS: _enc_pairs,
+}
+
+
 def encode_request(req: Request) -> bytes:
     """Encode a request exactly as torch's C++ client would (for our clients and tests)."""
-    op = req.op
-    head = bytes((op,))
-    if op in (Op.SET, Op.APPEND, Op.QUEUE_PUSH):
-        return head + _b(req.keys[0]) + _b(req.values[0])
-    if op in (Op.GET, Op.DELETE_KEY, Op.QUEUE_POP, Op.QUEUE_LEN):
-        return head + _b(req.keys[0])
-    if op in (Op.WAIT, Op.CHECK, Op.MULTI_GET):
-        return head + _U64_pack(len(req.keys)) + b"".join(_b(k) for k in req.keys)
-    if op in (Op.ADD, Op.BARRIER):
-        return head + _b(req.keys[0]) + _I64.pack(req.num)
-    if op == Op.COMPARE_SET:
-        return head + _b(req.keys[0]) + _b(req.values[0]) + _b(req.values[1])
-    if op == Op.MULTI_SET:
-        if len(req.keys) != len(req.values):
-            raise ValueError(f"MULTI_SET with {len(req.keys)} keys and {len(req.values)} values")
-        return head + _U64_pack(len(req.keys)) + b"".join(
-            _b(k) + _b(v) for k, v in zip(req.keys, req.values))
-    if op in (Op.VALIDATE, Op.PING, Op.FT_MUX):
-        return head + _U32.pack(req.num & 0xFFFFFFFF)
-    if op in (Op.GETNUMKEYS, Op.CANCEL_WAIT, Op.LIST_KEYS):
-        return head
-    raise ValueError(f"cannot encode query type {op!r}")
+    spec = SPECS.get(req.op)
+    if spec is None:
+        raise ValueError(f"cannot encode query type {req.op!r}")
+    return bytes((req.op,)) + _ARG_ENCODERS[spec.args](req)
 
 
 def encode_mux_request(tag: int, req: Request) -> bytes:
@@ -328,8 +484,8 @@ def encode_mux_request(tag: int, req: Request) -> bytes:
 
 def handshake_bytes(nonce: int) -> bytes:
     """What torch's client sends on connect: VALIDATE then PING(nonce)."""
-    return (bytes((Op.VALIDATE,)) + _U32.pack(VALIDATION_MAGIC)
-            + bytes((Op.PING,)) + _U32.pack(nonce & 0xFFFFFFFF))
+    return (encode_request(Request(Op.VALIDATE, num=VALIDATION_MAGIC))
+            + encode_request(Request(Op.PING, num=nonce)))
 
 
 # ---------------------------------------------------------------- reply encoders (server side)
@@ -351,11 +507,11 @@ def enc_bytes(v: bytes) -> bytes:
     return _U64_pack(len(v)) + v
 
 
-def enc_bytes_list(vals) -> bytes:
+def enc_bytes_list(vals: Iterable[bytes]) -> bytes:
     return b"".join(_U64_pack(len(v)) + v for v in vals)
 
 
-def enc_key_list(keys) -> bytes:
+def enc_key_list(keys: list[bytes]) -> bytes:
     return _I64.pack(len(keys)) + enc_bytes_list(keys)
 
 
@@ -369,32 +525,25 @@ def enc_tag(tag: int) -> bytes:
     return _U32.pack(tag)
 
 
-# ---------------------------------------------------------------- reply parsers (client side)
-
-
-class Reply:
-    """Reply shapes, keyed by what the request's op expects."""
-
-    NONE = 0
-    U8 = 1
-    U32 = 2
-    I64 = 3
-    BYTES = 4
-    MULTI = 5
-    QUEUE_POP = 6
-    KEY_LIST = 7
-
-
-REPLY_OF = {
-    Op.VALIDATE: Reply.NONE, Op.SET: Reply.NONE, Op.APPEND: Reply.NONE,
-    Op.MULTI_SET: Reply.NONE, Op.QUEUE_PUSH: Reply.NONE,
-    Op.COMPARE_SET: Reply.BYTES, Op.GET: Reply.BYTES,
-    Op.ADD: Reply.I64, Op.GETNUMKEYS: Reply.I64, Op.DELETE_KEY: Reply.I64,
-    Op.QUEUE_LEN: Reply.I64,
-    Op.CHECK: Reply.U8, Op.WAIT: Reply.U8, Op.CANCEL_WAIT: Reply.U8, Op.BARRIER: Reply.U8,
-    Op.PING: Reply.U32, Op.FT_MUX: Reply.U32,
-    Op.MULTI_GET: Reply.MULTI, Op.QUEUE_POP: Reply.QUEUE_POP, Op.LIST_KEYS: Reply.KEY_LIST,
+_REPLY_ENCODERS: dict[int, Callable] = {
+    Reply.NONE: lambda v: b"",
+    Reply.U8: enc_u8,
+    Reply.U32: enc_u32,
+    Reply.I64: enc_i64,
+    Reply.BYTES: enc_bytes,
+    Reply.MULTI: enc_bytes_list,
+    Reply.QUEUE_POP: lambda v: enc_queue_pop(v[0], v[1]),
+    Reply.KEY_LIST: enc_key_list,
 }
+_ENCODER_OF = {op: _REPLY_ENCODERS[s.reply] for op, s in SPECS.items()}
+
+
+def encode_reply(op: int, value) -> bytes:
+    """The reply to a request of `op` that stands for `value` (see `Reply` for the types)."""
+    return _ENCODER_OF[op](value)
+
+
+# ---------------------------------------------------------------- reply parsers (client side)
 
 _MAX_REPLY_VALUE = 1 << 32
 _MAX_REPLY_ITEMS = 1 << 24
@@ -403,55 +552,20 @@ _MAX_REPLY_ITEMS = 1 << 24
 def parse_reply(buf: bytes | bytearray | memoryview, pos: int, shape: int, count: int = 0):
     """Decode one reply of `shape` at `buf[pos]`; (value, end) or None when incomplete.
 
-    MULTI needs `count` (the number of keys asked for) and returns a list of bytes;
-    QUEUE_POP returns bytes or None (queue empty); KEY_LIST returns a list of bytes."""
-    n = len(buf)
-    if shape == Reply.NONE:
-        return None, pos
-    if shape == Reply.U8:
-        return (buf[pos], pos + 1) if pos < n else None
-    if shape == Reply.U32:
-        return (_U32_unpack(buf, pos)[0], pos + 4) if pos + 4 <= n else None
-    if shape == Reply.I64:
-        return (_I64_unpack(buf, pos)[0], pos + 8) if pos + 8 <= n else None
-    if shape == Reply.BYTES:
-        return _reply_bytes(buf, pos, n)
-    if shape == Reply.MULTI:
-        out = []
-        for _ in range(count):
-            r = _reply_bytes(buf, pos, n)
-            if r is None:
-                return None
-            out.append(r[0])
-            pos = r[1]
-        return out, pos
-    if shape == Reply.QUEUE_POP:
-        if pos + 8 > n:
-            return None
-        size = _I64_unpack(buf, pos)[0]
-        if size <= 0:
-            return (None, pos + 8)  # the queue was empty
-        r = _reply_bytes(buf, pos + 8, n)
-        return r
-    if shape == Reply.KEY_LIST:
-        if pos + 8 > n:
-            return None
-        cnt = _I64_unpack(buf, pos)[0]
-        if cnt < 0 or cnt > _MAX_REPLY_ITEMS:
-            raise ProtocolError(f"LIST_KEYS reply claims {cnt} keys")
-        pos += 8
-        out = []
-        for _ in range(cnt):
-            r = _reply_bytes(buf, pos, n)
-            if r is None:
-                return None
-            out.append(r[0])
-            pos = r[1]
-        return out, pos
-    raise ValueError(f"unknown reply shape {shape!r}")
+    MULTI needs `count` (the number of keys asked for); the values are those of `Reply`."""
+    parse = _REPLY_PARSERS.get(shape)
+    if parse is None:
+        raise ValueError(f"unknown reply shape {shape!r}")
+    return parse(buf, pos, len(buf), count)
 
 
-def _reply_bytes(buf, pos: int, n: int):
+def _fixed(unpack, size: int):
+    def parse(buf, pos: int, n: int, count: int):
+        return (unpack(buf, pos)[0], pos + size) if pos + size <= n else None
+    return parse
+
+
+def _reply_bytes(buf, pos: int, n: int, count: int = 0):
     if pos + 8 > n:
         return None
     ln = _U64_unpack(buf, pos)[0]
@@ -462,3 +576,72 @@ def _reply_bytes(buf, pos: int, n: int):
     if e > n:
         return None
     return bytes(buf[s:e]), e
+
+
+def _reply_list(buf, pos: int, n: int, count: int):
+    out = []
+    for _ in range(count):
+        r = _reply_bytes(buf, pos, n)
+        if r is None:
+            return None
+        out.append(r[0])
+        pos = r[1]
+    return out, pos
+
+
+def _reply_queue_pop(buf, pos: int, n: int, count: int):
+    if pos + 8 > n:
+        return None
+    size = _I64_unpack(buf, pos)[0]
+    if size <= 0:
+        return (0, None), pos + 8  # the queue was empty
+    r = _reply_bytes(buf, pos + 8, n)
+    return None if r is None else ((size, r[0]), r[1])
+
+
+def _reply_key_list(buf, pos: int, n: int, count: int):
+    if pos + 8 > n:
+        return None
+    cnt = _I64_unpack(buf, pos)[0]
+    if cnt < 0 or cnt > _MAX_REPLY_ITEMS:
+        raise ProtocolError(f"LIST_KEYS reply claims {cnt} keys")
+    return _reply_list(buf, pos + 8, n, cnt)
+
+
+_REPLY_PARSERS: dict[int, Callable] = {
+    Reply.NONE: lambda buf, pos, n, count: (None, pos),
+    Reply.U8: lambda buf, pos, n, count: (buf[pos], pos + 1) if pos < n else None,
+    Reply.U32: _fixed(_U32_unpack, 4),
+    Reply.I64: _fixed(_I64_unpack, 8),
+    Reply.BYTES: _reply_bytes,
+    Reply.MULTI: _reply_list,
+    Reply.QUEUE_POP: _reply_queue_pop,
+    Reply.KEY_LIST: _reply_key_list,
+}
+
+
+# ---------------------------------------------------------------- wire <-> logical keys
+
+RAW_KEY_PREFIX = "ftrun/wire/"
+
+
+def wire_key(key: str) -> bytes:
+    """Logical key -> wire key: "x" -> b"/x"; "ftrun/wire/x" -> b"x" (see the module doc)."""
+    if not isinstance(key, str):
+        raise TypeError(f"store key {key!r}: must be str")
+    if key.startswith(RAW_KEY_PREFIX):
+        return key[len(RAW_KEY_PREFIX):].encode("utf-8", "surrogateescape")
+    return b"/" + key.encode("utf-8", "surrogateescape")
+
+
+def logical_key(wire: bytes) -> str:
+    """Wire key -> logical key: b"/x" -> "x"; b"x" (no "/", e.g. torch's b"init/") ->
+    "ftrun/wire/x". `wire_key(logical_key(w)) == w` for every w outside b"/ftrun/wire/"."""
+    if wire[:1] == b"/":
+        return wire[1:].decode("utf-8", "surrogateescape")
+    return RAW_KEY_PREFIX + wire.decode("utf-8", "surrogateescape")
+
+
+def logical_keys(wire_keys: Iterable[bytes], prefix: str = "") -> list[str]:
+    """The logical names of `wire_keys` that start with `prefix`, sorted (`KVStore.keys`)."""
+    return sorted(k for k in map(logical_key, wire_keys) if k.startswith(prefix))

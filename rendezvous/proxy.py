@@ -25,8 +25,9 @@ when nobody is left on it. PING and VALIDATE are answered locally. The master th
 O(nodes) connections and, for the process-group init pattern, O(1) requests per node per
 phase instead of O(ranks).
 
-With a KVStore upstream, wire keys map to logical keys by dropping the leading "/"; the few
-keys torch sends without it (its `init/` counter) live under "ftrun/wire/". Queue ops need
+With a KVStore upstream, wire keys map to logical keys with `protocol.logical_key` (the few
+keys torch sends without the "/", its `init/` counter, live under "ftrun/wire/") and data ops
+run through `memory.apply`, the same dispatch the embedded server uses. Queue ops need
 ftrun's server upstream; with a KVStore they close the client connection with a clear line.
 """
 from __future__ import annotations
@@ -43,14 +44,11 @@ from typing import Callable
 from rendezvous import protocol as P
 from rendezvous.auth import AUTH_KEY, check_token
 from rendezvous.kv import KVStore, StoreAuthError, StoreError
-from rendezvous.server import DropConnection, LoopServer, ServerLimits, _Conn
+from rendezvous.memory import apply
+from rendezvous.protocol import logical_key, wire_key
+from rendezvous.server import DropConnection, LoopServer, _Conn
 
 Op = P.Op
-_NO_REPLY = frozenset((Op.SET, Op.MULTI_SET, Op.APPEND, Op.QUEUE_PUSH))
-_WAIT_CANCELED = bytes((P.WAIT_CANCELED,))
-_FAST_OPS = frozenset((Op.SET, Op.GET, Op.ADD, Op.WAIT, Op.CHECK, Op.MULTI_GET,
-                       Op.COMPARE_SET, Op.DELETE_KEY))
-_STOP = bytes((P.STOP_WAITING,))
 
 
 class _Group:
@@ -115,7 +113,7 @@ class _MuxUpstream:
             if self.token is not None:
                 hello += P.encode_request(P.Request(Op.SET, (AUTH_KEY,), (self.token.encode(),)))
             hello += P.encode_request(P.Request(Op.PING, num=2))
-            hello += bytes((Op.FT_MUX,)) + P.enc_u32(P.MUX_MAGIC)
+            hello += P.encode_request(P.Request(Op.FT_MUX, num=P.MUX_MAGIC))
             s.sendall(hello)
             got = b""
             while len(got) < 12:
@@ -156,7 +154,7 @@ class _MuxUpstream:
                     self.proxy.log(f"proxy dropped a {P.OP_NAMES[req.op]}: {e}")
                 return None
         self.tag = tag = (self.tag + 1) & 0xFFFFFFFF
-        if req.op not in _NO_REPLY:
+        if req.op not in P.NO_REPLY:
             self.pending[tag] = (P.REPLY_OF[req.op], len(req.keys), cb)
         self.out.append(P.encode_mux_request(tag, req))
         return tag
@@ -199,7 +197,7 @@ class _MuxUpstream:
         if self.sock is None or not ev & (select.EPOLLIN | select.EPOLLERR | select.EPOLLHUP):
             return
         try:
-            data = self.sock.recv(65536)
+            data = self.sock.recv(P.READ_SIZE)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as e:
@@ -214,7 +212,7 @@ class _MuxUpstream:
         pending = self.pending
         try:
             while pos + 4 <= n:
-                tag = P._U32_unpack(buf, pos)[0]
+                tag = P.parse_reply(buf, pos, P.Reply.U32)[0]
                 ent = pending.get(tag)
                 if ent is None:
                     raise P.ProtocolError(f"reply for unknown tag {tag}")
@@ -273,6 +271,7 @@ class _KVUpstream:
         self.factory = factory
         self.owned = owned
         self.kv: KVStore | None = None
+        self.table: _KVTable | None = None
         self.round: list = []
         self.queue: deque = deque()
         self.cv = threading.Condition()
@@ -291,6 +290,7 @@ class _KVUpstream:
         self.kv = self.factory()
         if not isinstance(self.kv, KVStore):
             raise TypeError(f"proxy upstream factory returned {self.kv!r}, not a KVStore")
+        self.table = _KVTable(self.kv)
         self.thread = threading.Thread(target=self._run, name="ftrun-proxy-kv", daemon=True)
         self.thread.start()
 
@@ -336,64 +336,31 @@ class _KVUpstream:
 
     def _exec(self, handle: int, req: P.Request, cb) -> None:
         try:
-            if req.op == Op.WAIT:
-                keys = [_logical(k) for k in req.keys]
-                self.waits.submit(self._wait, handle, keys, cb)
+            if P.KIND_OF[req.op] == P.Kind.BLOCKING:
+                self._block(handle, req, cb)
                 return
-            if req.op == Op.BARRIER:
-                key = _logical(req.keys[0])
-                count = self.kv.add(key, 1)
-                if count >= req.num:
-                    self._reply(cb, P.STOP_WAITING, None)
-                else:
-                    self.waits.submit(self._barrier, handle, key, req.num, cb)
-                return
-            value = self._op(req)
+            value = apply(self.table, req)
         except Exception as e:  # any KVStore failure becomes a closed client connection
             if cb is not None:
                 self._reply(cb, None, e if isinstance(e, StoreError) else StoreError(
                     f"{type(e).__name__}: {e}"))
             else:
-                msg = f"proxy upstream {P.OP_NAMES[req.op]} failed: {e}"  # `e` dies with the block
+                msg = f"proxy upstream {P.op_name(req.op)} failed: {e}"  # `e` dies with the block
                 self.proxy.call_soon_threadsafe(lambda: self.proxy.log(msg))
             return
         if cb is not None:
             self._reply(cb, value, None)
 
-    def _op(self, req: P.Request):
-        kv, op = self.kv, req.op
-        if op == Op.SET or op == Op.MULTI_SET:
-            for k, v in zip(req.keys, req.values):
-                kv.set(_logical(k), v)
-            return None
-        if op == Op.GET:
-            v = kv.try_get(_logical(req.keys[0]))
-            return b"" if v is None else v
-        if op == Op.ADD:
-            return kv.add(_logical(req.keys[0]), req.num)
-        if op == Op.COMPARE_SET:
-            return kv.compare_set(_logical(req.keys[0]), req.values[0], req.values[1])
-        if op == Op.CHECK:
-            ok = all(kv.try_get(_logical(k)) is not None for k in req.keys)
-            return P.READY if ok else P.NOT_READY
-        if op == Op.MULTI_GET:
-            return [kv.try_get(_logical(k)) or b"" for k in req.keys]
-        if op == Op.DELETE_KEY:
-            return 1 if kv.delete(_logical(req.keys[0])) else 0
-        if op == Op.GETNUMKEYS:
-            return len(kv.keys(""))
-        if op == Op.LIST_KEYS:
-            return [_wire(k) for k in kv.keys("")]
-        if op == Op.APPEND:
-            key = _logical(req.keys[0])
-            for _ in range(1000):
-                cur = kv.try_get(key)
-                base = b"" if cur is None else cur
-                if kv.compare_set(key, base, base + req.values[0]) == base + req.values[0]:
-                    return None
-            raise StoreError(f"APPEND to {key!r} kept losing races")
-        raise StoreError(f"{P.OP_NAMES.get(op, op)} is not supported by a "
-                         f"{type(kv).__name__} upstream")
+    def _block(self, handle: int, req: P.Request, cb) -> None:
+        """WAIT or BARRIER: answered now when it holds, else by a thread of `waits`."""
+        if req.op == Op.WAIT:
+            self.waits.submit(self._wait, handle, [logical_key(k) for k in req.keys], cb)
+            return
+        key = logical_key(req.keys[0])
+        if self.kv.add(key, 1) >= req.num:
+            self._reply(cb, P.STOP_WAITING, None)
+        else:
+            self.waits.submit(self._barrier, handle, key, req.num, cb)
 
     def _wait(self, handle: int, keys: list[str], cb) -> None:
         try:
@@ -436,24 +403,95 @@ class _KVUpstream:
             self.kv.close()
 
 
-RAW_PREFIX = "ftrun/wire/"
+class _KVTable:
+    """A KVStore seen as a wire-keyed table: the methods `memory.apply` calls on a
+    MemoryStore, with keys mapped by `protocol.logical_key`/`wire_key`."""
 
+    def __init__(self, kv: KVStore) -> None:
+        self.kv = kv
 
-def _logical(wk: bytes) -> str:
-    """Wire key -> KVStore key. Torch sends a few keys without the "/" prefix (its
-    `init/` worker counter); those live under the logical prefix "ftrun/wire/"."""
-    if wk.startswith(b"/"):
-        return wk[1:].decode("utf-8", "surrogateescape")
-    return RAW_PREFIX + wk.decode("utf-8", "surrogateescape")
+    def set(self, key: bytes, value: bytes) -> None:
+        self.kv.set(logical_key(key), value)
 
+    def multi_set(self, keys: tuple, values: tuple) -> None:
+        for k, v in zip(keys, values):
+            self.kv.set(logical_key(k), v)
 
-def _wire(lk: str) -> bytes:
-    if lk.startswith(RAW_PREFIX):
-        return lk[len(RAW_PREFIX):].encode("utf-8", "surrogateescape")
-    return b"/" + lk.encode("utf-8", "surrogateescape")
+    def get(self, key: bytes) -> bytes | None:
+        return self.kv.try_get(logical_key(key))
+
+    def multi_get(self, keys: tuple) -> list[bytes | None]:
+        return [self.get(k) for k in keys]
+
+    def add(self, key: bytes, amount: int) -> int:
+        return self.kv.add(logical_key(key), amount)
+
+    def compare_set(self, key: bytes, expected: bytes, desired: bytes) -> bytes:
+        return self.kv.compare_set(logical_key(key), expected, desired)
+
+    def check(self, keys: tuple) -> bool:
+        return all(self.get(k) is not None for k in keys)
+
+    def delete(self, key: bytes) -> bool:
+        return self.kv.delete(logical_key(key))
+
+    def num_keys(self) -> int:
+        return len(self.kv.keys(""))
+
+    def list_keys(self) -> list[bytes]:
+        return [wire_key(k) for k in self.kv.keys("")]
+
+    def append(self, key: bytes, value: bytes) -> None:
+        lk = logical_key(key)
+        for _ in range(1000):
+            cur = self.kv.try_get(lk)
+            base = b"" if cur is None else cur
+            if self.kv.compare_set(lk, base, base + value) == base + value:
+                return
+        raise StoreError(f"APPEND to {lk!r} kept losing races")
+
+    def queue_push(self, key: bytes, value: bytes) -> None:
+        self._unsupported(Op.QUEUE_PUSH)
+
+    def queue_pop(self, key: bytes) -> tuple:
+        self._unsupported(Op.QUEUE_POP)
+
+    def queue_len(self, key: bytes) -> int:
+        self._unsupported(Op.QUEUE_LEN)
+
+    def _unsupported(self, op: int):
+        raise StoreError(f"{P.op_name(op)} is not supported by a {type(self.kv).__name__} "
+                         "upstream")
 
 
 # ----------------------------------------------------------------------------- the proxy
+
+
+class _Round:
+    """What one round coalesces: every SET / MULTI_SET into one MULTI_SET, ADDs per key into
+    one ADD of the sum, identical GETs into one GET (see the module doc)."""
+
+    __slots__ = ("set_keys", "set_values", "adds", "gets")
+
+    def __init__(self) -> None:
+        self.set_keys: list = []
+        self.set_values: list = []
+        self.adds: dict = {}
+        self.gets: dict = {}
+
+    def set(self, c: _Conn, slot, req: P.Request) -> None:
+        self.set_keys.extend(req.keys)
+        self.set_values.extend(req.values)
+
+    def add(self, c: _Conn, slot, req: P.Request) -> None:
+        self.adds.setdefault(req.keys[0], []).append((c, slot, req.num))
+
+    def get(self, c: _Conn, slot, req: P.Request) -> None:
+        self.gets.setdefault(req.keys[0], []).append((c, slot))
+
+
+_COALESCED = {Op.SET: _Round.set, Op.MULTI_SET: _Round.set, Op.ADD: _Round.add,
+              Op.GET: _Round.get}
 
 
 class StoreProxy(LoopServer):
@@ -462,7 +500,7 @@ class StoreProxy(LoopServer):
     _name = "proxy"
 
     def __init__(self, upstream, listen_host: str = "127.0.0.1", port: int = 0,
-                 limits: ServerLimits = ServerLimits(),
+                 limits: P.Limits = P.DEFAULT_LIMITS,
                  log: Callable[[str], None] | None = None,
                  upstream_timeout: float = 30.0, max_hold: float = 0.002) -> None:
         super().__init__(listen_host, port, None, limits, log)
@@ -483,6 +521,10 @@ class StoreProxy(LoopServer):
         self._waits: dict[tuple, _Group] = {}
         self.upstream_requests = 0
         self.max_hold = max_hold
+        self._session = {Op.VALIDATE: self._revalidate, Op.PING: self._ping,
+                         Op.FT_MUX: self._refuse_mux}
+        self._forward = {P.Kind.DATA: self._single, P.Kind.BLOCKING: self._block,
+                         P.Kind.CANCEL: self._cancel}
 
     @property
     def upstream_address(self) -> str:
@@ -501,65 +543,36 @@ class StoreProxy(LoopServer):
 
     # -- local side ----------------------------------------------------------------------
 
-    def _read(self, c: _Conn) -> None:
-        """Fast path: one complete ordinary request in one read goes straight into the
-        batch; anything else (partial frames, several requests, handshake) via `_consume`."""
-        data = self._recv(c)
-        if not data:
-            return
-        n = len(data)
-        if c.buf or not c.validated or data[0] not in _FAST_OPS:
-            self._consume(c, data)
-            return
-        try:
-            r = P._parse(data, 0, n, self._plimits)
-        except P.ProtocolError:
-            r = None
-        if r is None or r[1] != n or (r[0].op == Op.SET and r[0].keys[0] == AUTH_KEY):
-            self._consume(c, data)
-            return
-        req = r[0]
+    def _handle(self, c: _Conn, req: P.Request, tag: int) -> None:
+        """Answer session ops here; queue everything else for the next round. Replies go
+        through `c.slots`, so they leave in request order."""
+        op = req.op
+        if not c.validated:
+            self._check_validate(req)
+            c.validated = True
+            return None
+        local = self._session.get(op)
+        if local is not None:
+            return local(c, req)
+        if op == Op.SET and req.keys[0] == AUTH_KEY:
+            return None  # no token on the loopback side; upstream auth is the proxy's own
         slot = None
-        if req.op != Op.SET:
+        if op not in P.NO_REPLY:
             slot = [None]
             c.slots.append(slot)
         self._batch.append((c, req, slot))
+        return None
 
-    def _process(self, c: _Conn, buf) -> int:
-        pos, n = 0, len(buf)
-        lim = self._plimits
-        parse = P._parse
-        batch = self._batch
-        budget = self._budget
-        while pos < n:
-            budget -= 1
-            if budget < 0:
-                c.more = True
-                break
-            r = parse(buf, pos, n, lim)
-            if r is None:
-                break
-            req, pos = r
-            op = req.op
-            if not c.validated:
-                if op != Op.VALIDATE or req.num != P.VALIDATION_MAGIC:
-                    raise DropConnection(f"first message was {P.OP_NAMES.get(op, op)}, "
-                                         "expected VALIDATE")
-                c.validated = True
-                continue
-            if op == Op.VALIDATE or (op == Op.SET and req.keys[0] == AUTH_KEY):
-                continue  # no token on the loopback side; upstream auth is the proxy's own
-            if op == Op.FT_MUX:
-                raise DropConnection("FT_MUX is not offered by the proxy")
-            slot = None
-            if op not in _NO_REPLY:
-                slot = [None]
-                c.slots.append(slot)
-            if op == Op.PING:
-                self._fill(c, slot, P.enc_u32(req.num))
-                continue
-            batch.append((c, req, slot))
-        return pos
+    def _revalidate(self, c: _Conn, req: P.Request) -> None:
+        return None
+
+    def _ping(self, c: _Conn, req: P.Request) -> None:
+        slot = [None]
+        c.slots.append(slot)
+        self._fill(c, slot, P.encode_reply(Op.PING, req.num))
+
+    def _refuse_mux(self, c: _Conn, req: P.Request) -> None:
+        raise DropConnection("FT_MUX is not offered by the proxy")
 
     def _fill(self, c: _Conn, slot: list, data: bytes) -> None:
         slot[0] = data
@@ -626,9 +639,10 @@ class StoreProxy(LoopServer):
         self._up.flush()
 
     def _send(self, req: P.Request, cb, counted: bool = True):
-        """Send upstream; `counted` requests hold back the next batch until answered."""
+        """Send upstream; `counted` requests hold back the next batch until answered (writes
+        without a reply are never counted: a mux upstream never answers them)."""
         self.upstream_requests += 1
-        if cb is not None and counted:
+        if cb is not None and counted and req.op not in P.NO_REPLY:
             self._inflight += 1
             inner = cb
 
@@ -638,62 +652,52 @@ class StoreProxy(LoopServer):
         return self._up.send(req, cb)
 
     def _round(self, items: list) -> None:
-        set_k: list = []
-        set_v: list = []
-        adds: dict = {}
-        gets: dict = {}
+        rnd = _Round()
         for c, req, slot in items:
             if c.closed:
                 continue
-            op = req.op
-            if op == Op.SET or op == Op.MULTI_SET:
-                set_k.extend(req.keys)
-                set_v.extend(req.values)
-            elif op == Op.ADD:
-                adds.setdefault(req.keys[0], []).append((c, slot, req.num))
-            elif op == Op.GET:
-                gets.setdefault(req.keys[0], []).append((c, slot))
-            elif op == Op.WAIT:
-                self._wait(c, slot, req)
-            elif op == Op.CANCEL_WAIT:
-                w = c.waiter
-                if w is not None:
-                    c.waiter = None
-                    self._fill(c, w[1], b"")
-                    self._leave(w[0], c)
-                self._fill(c, slot, _WAIT_CANCELED)
-            elif op == Op.BARRIER:
-                g = _Group(None)
-                g.members.append((c, slot))
-                c.waiter = (g, slot)
-                g.handle = self._send(req, self._group_cb(g, P.OP_NAMES[op]), counted=False)
+            merge = _COALESCED.get(req.op)
+            if merge is not None:
+                merge(rnd, c, slot, req)
             else:
-                self._single(c, slot, req)
-        if set_k:
-            if len(set_k) == 1:
-                self._send(P.Request(Op.SET, (set_k[0],), (set_v[0],)), None)
-            else:
-                self._send(P.Request(Op.MULTI_SET, tuple(set_k), tuple(set_v)), None)
-        for key, members in adds.items():
+                self._forward[P.KIND_OF[req.op]](c, slot, req)
+        keys, values = rnd.set_keys, rnd.set_values
+        if len(keys) == 1:
+            self._send(P.Request(Op.SET, (keys[0],), (values[0],)), None)
+        elif keys:
+            self._send(P.Request(Op.MULTI_SET, tuple(keys), tuple(values)), None)
+        for key, members in rnd.adds.items():
             total = sum(m[2] for m in members)
             self._send(P.Request(Op.ADD, (key,), (), total), self._add_cb(members, total))
-        for key, members in gets.items():
+        for key, members in rnd.gets.items():
             self._send(P.Request(Op.GET, (key,)), self._get_cb(members))
         self._up.end_round()
 
-    def _wait(self, c: _Conn, slot: list, req: P.Request) -> None:
-        key = tuple(sorted(set(req.keys)))
-        g = self._waits.get(key)
-        if g is None:
-            g = self._waits[key] = _Group(key)
-            g.members.append((c, slot))
-            g.handle = self._send(P.Request(Op.WAIT, key), self._group_cb(g, "WAIT"),
-                                  counted=False)
-        else:
-            g.members.append((c, slot))
+    def _block(self, c: _Conn, slot: list, req: P.Request) -> None:
+        """A WAIT joins the group waiting for the same key set (one upstream WAIT); a
+        BARRIER is a group of its own (every call counts)."""
+        key = tuple(sorted(set(req.keys))) if req.op == Op.WAIT else None
+        g = self._waits.get(key) if key is not None else None
+        joined = g is not None
+        if not joined:
+            g = _Group(key)
+            if key is not None:
+                self._waits[key] = g
+        g.members.append((c, slot))
         c.waiter = (g, slot)
+        if not joined:
+            up = req if key is None else P.Request(Op.WAIT, key)
+            g.handle = self._send(up, self._group_cb(g, req.op), counted=False)
 
-    def _group_cb(self, g: _Group, what: str):
+    def _cancel(self, c: _Conn, slot: list, req: P.Request) -> None:
+        w = c.waiter
+        if w is not None:
+            c.waiter = None
+            self._fill(c, w[1], b"")
+            self._leave(w[0], c)
+        self._fill(c, slot, P.encode_reply(Op.CANCEL_WAIT, P.WAIT_CANCELED))
+
+    def _group_cb(self, g: _Group, op: int):
         def done(value, err) -> None:
             if g.key is not None and self._waits.get(g.key) is g:
                 del self._waits[g.key]
@@ -702,9 +706,9 @@ class StoreProxy(LoopServer):
                 if c.waiter is not None and c.waiter[0] is g:
                     c.waiter = None
                 if err is not None:
-                    self._fail(c, what, err)
+                    self._fail(c, P.op_name(op), err)
                 else:
-                    self._fill(c, slot, bytes((value,)))
+                    self._fill(c, slot, P.encode_reply(op, value))
         return done
 
     def _add_cb(self, members: list, total: int):
@@ -715,12 +719,12 @@ class StoreProxy(LoopServer):
                     self._fail(c, "ADD", err)
                 else:
                     run += amount
-                    self._fill(c, slot, P.enc_i64(run))
+                    self._fill(c, slot, P.encode_reply(Op.ADD, run))
         return done
 
     def _get_cb(self, members: list):
         def done(value, err) -> None:
-            data = None if err is not None else P.enc_bytes(value)
+            data = None if err is not None else P.encode_reply(Op.GET, value)
             for c, slot in members:
                 if err is not None:
                     self._fail(c, "GET", err)
@@ -730,45 +734,11 @@ class StoreProxy(LoopServer):
 
     def _single(self, c: _Conn, slot, req: P.Request) -> None:
         op = req.op
-        enc = _ENCODERS.get(op)
-        if enc is None:
-            raise AssertionError(f"proxy has no encoder for {op}")  # pragma: no cover
-        name = P.OP_NAMES[op]
+        name = P.op_name(op)
 
         def done(value, err) -> None:
             if err is not None:
                 self._fail(c, name, err)
             elif slot is not None:
-                self._fill(c, slot, enc(value))
-        self._send(req, done if slot is not None else _log_failure(self, c, name))
-
-
-def _log_failure(proxy: StoreProxy, c: _Conn, name: str):
-    def done(value, err) -> None:
-        if err is not None:
-            proxy._fail(c, name, err)
-    return done
-
-
-def _enc_u8(v: int) -> bytes:
-    return bytes((v,))
-
-
-def _enc_queue_pop(v) -> bytes:
-    return P.enc_queue_pop(1, v) if v is not None else P.enc_i64(0)
-
-
-_ENCODERS: dict[int, Callable] = {
-    Op.COMPARE_SET: P.enc_bytes,
-    Op.GET: P.enc_bytes,
-    Op.ADD: P.enc_i64,
-    Op.CHECK: _enc_u8,
-    Op.GETNUMKEYS: P.enc_i64,
-    Op.DELETE_KEY: P.enc_i64,
-    Op.APPEND: lambda v: b"",
-    Op.QUEUE_PUSH: lambda v: b"",
-    Op.MULTI_GET: P.enc_bytes_list,
-    Op.QUEUE_POP: _enc_queue_pop,
-    Op.QUEUE_LEN: P.enc_i64,
-    Op.LIST_KEYS: P.enc_key_list,
-}
+                self._fill(c, slot, P.encode_reply(op, value))
+        self._send(req, done)

@@ -1,18 +1,20 @@
 """The embedded store server: torch's TCPStore protocol over a `MemoryStore`.
 
 Owns: `LoopServer` (listening socket, the event-loop thread, accept/read/flush/close,
-per-turn budgets, timeouts; shared with the node proxy), `StoreServer` (request execution,
-handshake and token checks) and `ServerLimits`.
+per-turn budgets, timeouts, the request loop `_process` and the VALIDATE gate; shared with the
+node proxy) and `StoreServer` (request execution, handshake and token checks).
 
 Design: one thread runs a level-triggered epoll loop over non-blocking sockets. A readable
-connection is read once (64 KiB), its complete requests are executed against the table (a
-fast path decodes SET/GET/ADD/WAIT/CHECK inline) and its replies are sent at once, in one
+connection is read once (64 KiB), its complete requests are decoded (by
+`protocol.parse_common` for the frames that dominate a rendezvous, else
+`protocol.parse_request`) and executed against the table through one dispatch (`Kind` from the
+codec's table, data ops through `memory.apply`), and its replies are sent at once, in one
 `send`. Nothing blocks on a client: at most 128 requests per connection and 256 accepts run
 per turn (the rest next turn), a stalled reader only grows its own bounded output buffer, a
 slow sender only holds its own partial frame (closed after `stalled_frame_timeout`), and a
 malformed or over-limit frame closes that connection with one log line. WAITs register a
 waiter in the table; a SET that satisfies thousands of waiters queues one byte per waiter
-and flushes them all at the end of that turn.
+and flushes them all at the end of that turn. Limits are a `protocol.Limits`.
 Writes from other threads (the in-process `LocalKV` at `.kv`) wake waiters through an
 eventfd. Unmodified torch clients (`TCPStore(is_master=False)`, gloo/NCCL init through
 env://) speak to it directly.
@@ -27,55 +29,19 @@ import socket
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 from rendezvous import protocol as P
 from rendezvous.auth import AUTH_KEY, check_token, token_matches
 from rendezvous.kv import StoreError
-from rendezvous.memory import LocalKV, MemoryStore
+from rendezvous.memory import LocalKV, MemoryStore, apply
 
 _log = logging.getLogger("ftrun.store")
 
 _EPOLLIN = select.EPOLLIN
 _EPOLLOUT = select.EPOLLOUT
 _EPOLLERRS = select.EPOLLERR | select.EPOLLHUP
-_OK = b"\x00"
-_CANCELED = b"\x01"
-_MISS = object()
-_U64 = P._U64_unpack
-_I64 = P._I64_unpack
-_enc_bytes = P.enc_bytes
-_enc_i64 = P.enc_i64
-_SET, _GET, _ADD, _CHECK, _WAIT, _PING = (P.Op.SET, P.Op.GET, P.Op.ADD, P.Op.CHECK,
-                                          P.Op.WAIT, P.Op.PING)
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """Per-request and per-server limits; exceeding one closes that connection and logs."""
-
-    max_key_bytes: int = 32 * 1024
-    max_value_bytes: int = 32 * 1024 * 1024
-    max_keys_per_request: int = 128 * 1024
-    max_connections: int = 16384
-    max_pending_reply_bytes: int = 256 * 1024 * 1024
-    handshake_timeout: float = 30.0
-    stalled_frame_timeout: float = 60.0
-
-    def __post_init__(self) -> None:
-        for name in ("max_connections", "max_pending_reply_bytes"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"ServerLimits.{name}={v!r}: must be a positive integer")
-        for name in ("handshake_timeout", "stalled_frame_timeout"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or v <= 0:
-                raise ValueError(f"ServerLimits.{name}={v!r}: must be seconds > 0")
-        self.protocol_limits()  # validates the rest
-
-    def protocol_limits(self) -> P.Limits:
-        return P.Limits(self.max_key_bytes, self.max_value_bytes, self.max_keys_per_request)
+Op = P.Op
 
 
 class _Conn:
@@ -119,23 +85,23 @@ def _peer_str(addr) -> str:
 class LoopServer:
     """The event-loop machinery shared by the store server and the node proxy: listening
     socket, epoll loop thread, accept, buffered reads, ordered flushes, timeouts, teardown.
-    Subclasses implement `_process(conn, buf) -> bytes consumed` and may override the hooks
-    `_on_close`, `_end_turn`, `_extra_event` and `_on_start`."""
+    Subclasses implement `_handle(conn, request, tag) -> reply bytes or None` and may override
+    the hooks `_on_close`, `_end_turn`, `_extra_event` and `_on_start`."""
 
     _name = "store"
     _budget = 128  # requests per connection per loop turn
+    _accepts_per_turn = 256
 
-    def __init__(self, host: str, port: int, token: str | None, limits: ServerLimits,
+    def __init__(self, host: str, port: int, token: str | None, limits: P.Limits,
                  log: Callable[[str], None] | None) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port={port!r}: must be an integer in 0-65535")
-        if not isinstance(limits, ServerLimits):
-            raise TypeError(f"limits={limits!r}: must be a ServerLimits")
+        if not isinstance(limits, P.Limits):
+            raise TypeError(f"limits={limits!r}: must be a rendezvous.protocol.Limits")
         self.host = host
         self._req_port = port
         self.token = check_token(token) if token is not None else None
         self.limits = limits
-        self._plimits = limits.protocol_limits()
         self.log = log or _log.warning
         self._port = 0
         self._lsock: socket.socket | None = None
@@ -302,7 +268,7 @@ class LoopServer:
     def _accept(self) -> None:
         now = time.monotonic()
         lim = self.limits.max_connections
-        for _ in range(256):  # the rest next turn (level-triggered), so accepts stay fair
+        for _ in range(self._accepts_per_turn):  # the rest next turn (level-triggered): fair
             try:
                 s, addr = self._lsock.accept()
             except (BlockingIOError, InterruptedError):
@@ -327,17 +293,9 @@ class LoopServer:
             self.stats["accepted"] += 1
 
     def _read(self, c: _Conn) -> None:
-        try:
-            data = c.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close(c)
-            return
-        if not data:
-            self._close(c)
-            return
-        self._consume(c, data)
+        data = self._recv(c)
+        if data:
+            self._consume(c, data)
 
     def _consume(self, c: _Conn, data: bytes) -> None:
         """Execute the complete requests in c's buffer + `data`, at most `_budget` of them
@@ -350,12 +308,7 @@ class LoopServer:
         c.more = False
         try:
             pos = self._process(c, buf)
-        except DropConnection as d:
-            self.log(f"{self._name} closed {c.peer}: {d}")
-            self.stats["dropped"] += 1
-            self._close(c)
-            return
-        except P.ProtocolError as e:
+        except (DropConnection, P.ProtocolError) as e:
             self.log(f"{self._name} closed {c.peer}: {e}")
             self.stats["dropped"] += 1
             self._close(c)
@@ -424,10 +377,10 @@ class LoopServer:
             self._ep.modify(c.fd, _EPOLLIN | _EPOLLOUT)
 
     def _recv(self, c: _Conn) -> bytes | None:
-        """One read of up to 64 KiB; None when nothing came (closing the connection on EOF or
-        error)."""
+        """One read of up to READ_SIZE bytes; None when nothing came (closing the connection on
+        EOF or error)."""
         try:
-            data = c.sock.recv(65536)
+            data = c.sock.recv(P.READ_SIZE)
         except (BlockingIOError, InterruptedError):
             return None
         except OSError:
@@ -469,7 +422,6 @@ class LoopServer:
             self.stats["dropped"] += 1
             self._close(c)
 
-
     def _drain_xq(self) -> None:
         xq = self._xq
         while xq:
@@ -499,118 +451,14 @@ class LoopServer:
     def _on_close(self, c: _Conn) -> None:
         """Hook: connection `c` is being closed."""
 
+    # -- requests ------------------------------------------------------------------------
+
     def _process(self, c: _Conn, buf) -> int:
-        raise NotImplementedError
-
-class StoreServer(LoopServer):
-    """A TCPStore-compatible server hosted in this process.
-
-    `start()` binds (raising StoreError naming host:port when it cannot), starts the loop
-    thread and returns once listening; `port` is the bound port; `kv` is a `LocalKV` over the
-    same table; `stop()` closes every socket and joins the thread (idempotent); usable as a
-    context manager. With `token`, connections must authenticate (see rendezvous.auth)."""
-
-    _name = "store"
-
-    def __init__(self, host: str = "0.0.0.0", port: int = 0, token: str | None = None,
-                 limits: ServerLimits = ServerLimits(),
-                 log: Callable[[str], None] | None = None,
-                 table: MemoryStore | None = None) -> None:
-        super().__init__(host, port, token, limits, log)
-        self.table = table if table is not None else MemoryStore()
-        self.kv = LocalKV(self.table)
-
-    def _on_close(self, c: _Conn) -> None:
-        if c.waiter is not None:
-            self.table.cancel(c.waiter)
-            c.waiter = None
-        for w in c.mux_waiters.values():
-            self.table.cancel(w)
-        c.mux_waiters.clear()
-
-    def _read(self, c: _Conn) -> None:
-        """Fast path for the common case: complete SET/GET/ADD/WAIT/CHECK(1 key)/PING
-        requests on a ready connection are executed inline; at the first request that is
-        anything else (or incomplete) the rest of the bytes go through `_consume`."""
-        data = self._recv(c)
-        if not data:
-            return
-        n = len(data)
-        if c.buf or c.mux or not c.authed or not c.validated:
-            self._consume(c, data)
-            return
-        t = self.table
-        maxk = self._plimits.max_key_bytes
-        out = c.out
-        pos = 0
-        while pos + 9 <= n:
-            op = data[pos]
-            if op == _GET or op == _WAIT or op == _CHECK:
-                if op == _GET:
-                    s0 = pos + 9
-                    kl = _U64(data, pos + 1)[0]
-                else:
-                    s0 = pos + 17
-                    if s0 > n or _U64(data, pos + 1)[0] != 1:
-                        break
-                    kl = _U64(data, pos + 9)[0]
-                e = s0 + kl
-                if kl > maxk or e > n:
-                    break
-                key = data[s0:e]
-                if op == _GET:
-                    v = t.get(key)
-                    out.append(_enc_bytes(b"" if v is None else v))
-                elif op == _WAIT:
-                    w = t.wait((key,), self._fire_cb(c, -1))
-                    if w is None:
-                        out.append(_OK)
-                    else:
-                        if c.waiter is not None and not c.waiter.done:
-                            t.cancel(c.waiter)
-                        c.waiter = w
-                else:
-                    out.append(_OK if t.check((key,)) else _CANCELED)
-                pos = e
-            elif op == _SET or op == _ADD:
-                kl = _U64(data, pos + 1)[0]
-                e = pos + 9 + kl
-                if kl > maxk or e + 8 > n:
-                    break
-                key = data[pos + 9:e]
-                if op == _ADD:
-                    try:
-                        out.append(_enc_i64(t.add(key, _I64(data, e)[0])))
-                    except ValueError as err:
-                        self._drop(c, f"ADD failed: {err}")
-                        return
-                    pos = e + 8
-                else:
-                    vl = _U64(data, e)[0]
-                    ve = e + 8 + vl
-                    if key == AUTH_KEY or vl > self._plimits.max_value_bytes or ve > n:
-                        break
-                    t.set(key, data[e + 8:ve])
-                    pos = ve
-            else:
-                break
-        if pos < n:
-            self._consume(c, data[pos:] if pos else data)
-            return
-        if out and not c.want_write:
-            self._flush(c)
-
-    def _drop(self, c: _Conn, why: str) -> None:
-        self.log(f"{self._name} closed {c.peer}: {why}")
-        self.stats["dropped"] += 1
-        self._close(c)
-
-    def _process(self, c: _Conn, buf: bytes) -> int:
-        pos = 0
-        n = len(buf)
-        lim = self._plimits
-        parse = P._parse
-        parse_mux = P.parse_mux_request
+        """Decode and handle the complete requests in `buf` (at most `_budget`); appends each
+        reply (tagged on a mux connection) to `c.out`; returns the bytes consumed."""
+        pos, n = 0, len(buf)
+        lim = self.limits
+        common, parse, parse_mux = P.parse_common, P.parse_request, P.parse_mux_request
         handle = self._handle
         out = c.out
         budget = self._budget
@@ -625,111 +473,91 @@ class StoreServer(LoopServer):
                     break
                 tag, req, pos = r
             else:
-                r = parse(buf, pos, n, lim)
+                r = common(buf, pos, lim) or parse(buf, pos, lim)
                 if r is None:
                     break
                 req, pos = r
                 tag = -1
-            if c.closed:
-                break
             rep = handle(c, req, tag)
-            if rep is not None:
+            if rep:
                 if tag >= 0:
                     out.append(P.enc_tag(tag))
                 out.append(rep)
                 c.out_bytes += len(rep)
+            if c.closed:
+                break
         self.stats["reads"] += 1
         return pos
 
+    def _handle(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
+        """Execute one request; its reply (None or b"" when there is none yet)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _check_validate(req: P.Request) -> None:
+        """The handshake rule: VALIDATE with torch's magic, and it comes first."""
+        if req.op != Op.VALIDATE:
+            raise DropConnection(f"first message was {P.op_name(req.op)}, expected VALIDATE")
+        if req.num != P.VALIDATION_MAGIC:
+            raise DropConnection(
+                f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}")
+
+
+class StoreServer(LoopServer):
+    """A TCPStore-compatible server hosted in this process.
+
+    `start()` binds (raising StoreError naming host:port when it cannot), starts the loop
+    thread and returns once listening; `port` is the bound port; `kv` is a `LocalKV` over the
+    same table; `stop()` closes every socket and joins the thread (idempotent); usable as a
+    context manager. With `token`, connections must authenticate (see rendezvous.auth)."""
+
+    _name = "store"
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 0, token: str | None = None,
+                 limits: P.Limits = P.DEFAULT_LIMITS,
+                 log: Callable[[str], None] | None = None,
+                 table: MemoryStore | None = None) -> None:
+        super().__init__(host, port, token, limits, log)
+        self.table = table if table is not None else MemoryStore()
+        self.kv = LocalKV(self.table)
+        by_kind = {P.Kind.DATA: self._data, P.Kind.BLOCKING: self._wait,
+                   P.Kind.CANCEL: self._cancel}
+        self._handlers: dict[int, Callable] = {
+            op: by_kind[kind] for op, kind in P.KIND_OF.items() if kind in by_kind}
+        self._handlers.update({
+            Op.SET: self._set, Op.MULTI_SET: self._multi_set, Op.APPEND: self._append,
+            Op.VALIDATE: self._validate, Op.PING: self._ping, Op.FT_MUX: self._mux})
+
+    def _on_close(self, c: _Conn) -> None:
+        if c.waiter is not None:
+            self.table.cancel(c.waiter)
+            c.waiter = None
+        for w in c.mux_waiters.values():
+            self.table.cancel(w)
+        c.mux_waiters.clear()
+
     # -- request execution -------------------------------------------------------------
 
-    def _handle(self, c: _Conn, req: P.Request, tag: int):
-        op = req.op
-        t = self.table
+    def _handle(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
         if not c.authed or not c.validated:
             r = self._gate(c, req)
             if r is not False:
                 return r
-        if op == P.Op.SET:
-            k = req.keys[0]
-            if k == AUTH_KEY:
-                return self._auth(c, req.values[0])
-            t.set(k, req.values[0])
-            return None
-        if op == P.Op.WAIT or op == P.Op.BARRIER:
-            return self._wait(c, req, tag)
-        if op == P.Op.GET:
-            v = t.get(req.keys[0])
-            return P.enc_bytes(b"" if v is None else v)
-        if op == P.Op.ADD:
-            try:
-                return P.enc_i64(t.add(req.keys[0], req.num))
-            except ValueError as e:
-                raise DropConnection(f"ADD failed: {e}") from None
-        if op == P.Op.MULTI_GET:
-            return P.enc_bytes_list([b"" if v is None else v for v in t.multi_get(req.keys)])
-        if op == P.Op.MULTI_SET:
-            if AUTH_KEY in req.keys:
-                raise DropConnection("MULTI_SET of the reserved key /ftrun/auth")
-            t.multi_set(req.keys, req.values)
-            return None
-        if op == P.Op.CHECK:
-            return _OK if t.check(req.keys) else _CANCELED
-        if op == P.Op.COMPARE_SET:
-            return P.enc_bytes(t.compare_set(req.keys[0], req.values[0], req.values[1]))
-        if op == P.Op.PING:
-            return P.enc_u32(req.num)
-        if op == P.Op.CANCEL_WAIT:
-            self._cancel(c, req)
-            return _CANCELED
-        if op == P.Op.GETNUMKEYS:
-            return P.enc_i64(t.num_keys())
-        if op == P.Op.DELETE_KEY:
-            return P.enc_i64(1 if t.delete(req.keys[0]) else 0)
-        if op == P.Op.APPEND:
-            cur = t.get(req.keys[0])
-            if cur is not None and len(cur) + len(req.values[0]) > self._plimits.max_value_bytes:
-                raise DropConnection(
-                    f"APPEND would grow {req.keys[0][:60]!r} to {len(cur) + len(req.values[0])} "
-                    f"bytes: at most {self._plimits.max_value_bytes} allowed")
-            t.append(req.keys[0], req.values[0])
-            return None
-        if op == P.Op.LIST_KEYS:
-            return P.enc_key_list(t.list_keys())
-        if op == P.Op.QUEUE_PUSH:
-            t.queue_push(req.keys[0], req.values[0])
-            return None
-        if op == P.Op.QUEUE_POP:
-            n, v = t.queue_pop(req.keys[0])
-            return P.enc_queue_pop(n, v)
-        if op == P.Op.QUEUE_LEN:
-            return P.enc_i64(t.queue_len(req.keys[0]))
-        if op == P.Op.VALIDATE:
-            if req.num != P.VALIDATION_MAGIC:
-                raise DropConnection(f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}")
-            return None
-        if op == P.Op.FT_MUX:
-            if req.num != P.MUX_MAGIC or tag >= 0:
-                raise DropConnection(f"bad FT_MUX request (magic {req.num:#x})")
-            c.mux = True
-            return P.enc_u32(P.MUX_MAGIC)
-        raise DropConnection(f"unsupported query type {op}")
+        return self._handlers[req.op](c, req, tag)
 
     def _gate(self, c: _Conn, req: P.Request):
         """Handshake and auth checks; False = go on executing the request."""
         op = req.op
         if not c.validated:
-            if op != P.Op.VALIDATE:
-                raise DropConnection(f"first message was {P.OP_NAMES.get(op, op)}, expected VALIDATE")
-            if req.num != P.VALIDATION_MAGIC:
-                raise DropConnection(f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}")
+            self._check_validate(req)
             c.validated = True
             return None
-        if c.authed or op == P.Op.PING or op == P.Op.VALIDATE:
+        if c.authed or op == Op.PING or op == Op.VALIDATE:
             return False
-        if op == P.Op.SET and req.keys[0] == AUTH_KEY:
+        if op == Op.SET and req.keys[0] == AUTH_KEY:
             return self._auth(c, req.values[0])
-        raise DropConnection(f"unauthenticated {P.OP_NAMES.get(op, op)} refused (job token required)")
+        raise DropConnection(
+            f"unauthenticated {P.op_name(op)} refused (job token required)")
 
     def _auth(self, c: _Conn, presented: bytes):
         if self.token is None or c.authed:
@@ -739,9 +567,49 @@ class StoreServer(LoopServer):
         c.authed = True
         return None
 
-    def _wait(self, c: _Conn, req: P.Request, tag: int):
+    def _data(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+        try:
+            return P.encode_reply(req.op, apply(self.table, req))
+        except ValueError as e:  # e.g. ADD to a key that holds no integer
+            raise DropConnection(f"{P.op_name(req.op)} failed: {e}") from None
+
+    def _set(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
+        if req.keys[0] == AUTH_KEY:
+            return self._auth(c, req.values[0])
+        return self._data(c, req, tag)
+
+    def _multi_set(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+        if AUTH_KEY in req.keys:
+            raise DropConnection("MULTI_SET of the reserved key /ftrun/auth")
+        return self._data(c, req, tag)
+
+    def _append(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+        key, value = req.keys[0], req.values[0]
+        cur = self.table.get(key)
+        most = self.limits.max_value_bytes
+        if cur is not None and len(cur) + len(value) > most:
+            raise DropConnection(f"APPEND would grow {key[:60]!r} to {len(cur) + len(value)} "
+                                 f"bytes: at most {most} allowed")
+        return self._data(c, req, tag)
+
+    def _validate(self, c: _Conn, req: P.Request, tag: int) -> None:
+        self._check_validate(req)
+
+    def _ping(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+        return P.encode_reply(Op.PING, req.num)
+
+    def _mux(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+        if req.num != P.MUX_MAGIC or tag >= 0:
+            raise DropConnection(f"bad FT_MUX request (magic {req.num:#x})")
+        c.mux = True
+        return P.encode_reply(Op.FT_MUX, P.MUX_MAGIC)
+
+    # -- waits -------------------------------------------------------------------------
+
+    def _wait(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
+        """WAIT or BARRIER: STOP_WAITING now, or a waiter that answers when it fires."""
         fire = self._fire_cb(c, tag)
-        if req.op == P.Op.WAIT:
+        if req.op == Op.WAIT:
             w = self.table.wait(req.keys, fire)
         else:
             try:
@@ -749,7 +617,7 @@ class StoreServer(LoopServer):
             except ValueError as e:
                 raise DropConnection(f"BARRIER failed: {e}") from None
         if w is None:
-            return _OK
+            return P.STOP_WAITING_REPLY
         if tag >= 0:
             c.mux_waiters[tag] = w
         else:
@@ -759,7 +627,7 @@ class StoreServer(LoopServer):
         return None
 
     def _fire_cb(self, c: _Conn, tag: int) -> Callable[[], None]:
-        data = _OK if tag < 0 else P.enc_tag(tag) + _OK
+        data = P.STOP_WAITING_REPLY if tag < 0 else P.enc_tag(tag) + P.STOP_WAITING_REPLY
 
         def fire() -> None:
             if threading.get_ident() == self._loop_ident:
@@ -779,10 +647,11 @@ class StoreServer(LoopServer):
         c.out_bytes += len(data)
         self._dirty.append(c)
 
-    def _cancel(self, c: _Conn, req: P.Request) -> None:
+    def _cancel(self, c: _Conn, req: P.Request, tag: int) -> bytes:
         if c.mux:
             w = c.mux_waiters.pop(req.num, None)
         else:
             w, c.waiter = c.waiter, None
         if w is not None:
             self.table.cancel(w)
+        return P.encode_reply(Op.CANCEL_WAIT, P.WAIT_CANCELED)

@@ -123,8 +123,8 @@ def test_reply_parsers() -> None:
         (R.I64, P.enc_i64(-5), -5, 0),
         (R.BYTES, P.enc_bytes(b"abc"), b"abc", 0),
         (R.MULTI, P.enc_bytes_list([b"a", b"", b"ccc"]), [b"a", b"", b"ccc"], 3),
-        (R.QUEUE_POP, P.enc_queue_pop(2, b"qq"), b"qq", 0),
-        (R.QUEUE_POP, P.enc_queue_pop(0, None), None, 0),
+        (R.QUEUE_POP, P.enc_queue_pop(2, b"qq"), (2, b"qq"), 0),
+        (R.QUEUE_POP, P.enc_queue_pop(0, None), (0, None), 0),
         (R.KEY_LIST, P.enc_key_list([b"/a", b"/bb"]), [b"/a", b"/bb"], 0),
     ]
     for shape, raw, want, count in cases:

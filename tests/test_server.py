@@ -11,7 +11,7 @@ from helpers_store import run_gloo_world, run_torch_ops
 from rendezvous import protocol as P
 from rendezvous.client import StoreClient
 from rendezvous.kv import StoreError
-from rendezvous.server import ServerLimits, StoreServer
+from rendezvous.server import StoreServer
 
 
 def raw_conn(port: int, handshake: bool = True) -> socket.socket:
@@ -131,7 +131,7 @@ def test_malformed_and_stalled_clients_do_not_delay_others(server: StoreServer) 
 
 def test_limits_close_with_one_log_line() -> None:
     logs: list[str] = []
-    lim = ServerLimits(max_key_bytes=16, max_value_bytes=64, max_keys_per_request=4,
+    lim = P.Limits(max_key_bytes=16, max_value_bytes=64, max_keys_per_request=4,
                        max_connections=3)
     with StoreServer(host="127.0.0.1", limits=lim, log=logs.append) as s:
         c = raw_conn(s.port)
@@ -159,7 +159,7 @@ def test_limits_close_with_one_log_line() -> None:
 
 def test_handshake_timeout_closes_silent_connections() -> None:
     logs: list[str] = []
-    lim = ServerLimits(handshake_timeout=0.3)
+    lim = P.Limits(handshake_timeout=0.3)
     with StoreServer(host="127.0.0.1", limits=lim, log=logs.append) as s:
         c = socket.create_connection(("127.0.0.1", s.port), timeout=5)
         assert is_closed(c, within=4.0)
@@ -194,7 +194,7 @@ def test_bad_arguments() -> None:
     with pytest.raises(ValueError, match="port=70000"):
         StoreServer(port=70000)
     with pytest.raises(ValueError, match="max_connections=0"):
-        ServerLimits(max_connections=0)
+        P.Limits(max_connections=0)
 
 
 def test_pipelined_burst_and_byte_by_byte_give_the_same_replies(server: StoreServer) -> None:

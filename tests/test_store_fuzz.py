@@ -12,12 +12,12 @@ import time
 from helpers_store import FUZZER, STEADY_CLIENT, child_env
 from rendezvous import protocol as P
 from rendezvous.client import StoreClient
-from rendezvous.server import ServerLimits, StoreServer
+from rendezvous.server import StoreServer
 
 
 def test_fuzz_and_slowloris_do_not_disturb_a_well_behaved_client() -> None:
     logs: list[str] = []
-    lim = ServerLimits(max_value_bytes=1 << 20, stalled_frame_timeout=60.0)
+    lim = P.Limits(max_value_bytes=1 << 20, stalled_frame_timeout=60.0)
     with StoreServer(host="127.0.0.1", limits=lim, log=logs.append) as s:
         # slowloris: silent connections, and connections dribbling a large frame
         silent = [socket.create_connection(("127.0.0.1", s.port)) for _ in range(20)]
