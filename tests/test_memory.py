@@ -7,7 +7,8 @@ import time
 import pytest
 
 from rendezvous.kv import StoreError, StoreTimeout
-from rendezvous.memory import LocalKV, MemoryStore
+from rendezvous import protocol as P
+from rendezvous.memory import LocalKV, MemoryStore, apply
 
 
 def test_torch_semantics() -> None:
@@ -139,3 +140,44 @@ def test_local_kv_get_wakes_on_set_from_other_thread() -> None:
     t = time.monotonic()
     assert kv.get("late", 5.0) == b"v"
     assert time.monotonic() - t < 2.0
+
+
+def test_local_kv_names_torch_unprefixed_keys_under_ftrun_wire() -> None:
+    kv = LocalKV()
+    kv.table.add(b"init/", 2)  # torch's worker counter, sent without the "/"
+    assert kv.keys() == ["ftrun/wire/init/"]
+    assert kv.try_get("ftrun/wire/init/") == b"2"
+    assert kv.add("ftrun/wire/init/", 1) == 3 and kv.table.get(b"init/") == b"3"
+    assert kv.delete_prefix("ftrun/wire/") == 1 and kv.table.list_keys() == []
+
+
+def test_apply_runs_every_data_op_with_its_reply_value() -> None:
+    m = MemoryStore()
+    Op, R = P.Op, P.Request
+    steps = [
+        (R(Op.SET, (b"/a",), (b"1",)), None),
+        (R(Op.MULTI_SET, (b"/b", b"/c"), (b"2", b"3")), None),
+        (R(Op.GET, (b"/a",)), b"1"),
+        (R(Op.GET, (b"/none",)), b""),
+        (R(Op.MULTI_GET, (b"/b", b"/none")), [b"2", b""]),
+        (R(Op.ADD, (b"/n",), (), 5), 5),
+        (R(Op.COMPARE_SET, (b"/a",), (b"1", b"9")), b"9"),
+        (R(Op.CHECK, (b"/a", b"/b")), P.READY),
+        (R(Op.CHECK, (b"/a", b"/none")), P.NOT_READY),
+        (R(Op.APPEND, (b"/a",), (b"x",)), None),
+        (R(Op.DELETE_KEY, (b"/c",)), 1),
+        (R(Op.DELETE_KEY, (b"/c",)), 0),
+        (R(Op.GETNUMKEYS), 3),
+        (R(Op.QUEUE_PUSH, (b"/q",), (b"i",)), None),
+        (R(Op.QUEUE_LEN, (b"/q",)), 1),
+        (R(Op.QUEUE_POP, (b"/q",)), (1, b"i")),
+        (R(Op.QUEUE_POP, (b"/q",)), (0, None)),
+    ]
+    for req, want in steps:
+        assert apply(m, req) == want, req
+    assert sorted(apply(m, R(Op.LIST_KEYS))) == [b"/a", b"/b", b"/n"]
+    assert m.get(b"/a") == b"9x"
+    data_ops = {op for op, kind in P.KIND_OF.items() if kind == P.Kind.DATA}
+    assert {req.op for req, _ in steps} | {Op.LIST_KEYS} == data_ops
+    with pytest.raises(ValueError, match="not a decimal integer"):
+        apply(m, R(Op.ADD, (b"/a",), (), 1))

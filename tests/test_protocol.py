@@ -144,3 +144,130 @@ def test_random_garbage_never_crashes_the_parser() -> None:
         except P.ProtocolError:
             continue
         assert r is None or (isinstance(r[0], Request) and r[1] <= len(raw))
+
+
+def test_samples_cover_every_query_type() -> None:
+    assert {r.op for r in SAMPLES} == set(P.SPECS)
+    assert P.OP_NAMES[Op.QUEUE_POP] == "QUEUE_POP" and P.KIND_OF[Op.WAIT] == P.Kind.BLOCKING
+    assert P.NO_REPLY == {Op.SET, Op.MULTI_SET, Op.APPEND, Op.QUEUE_PUSH}
+
+
+# A value of each reply shape, as `encode_reply` takes it and `parse_reply` returns it.
+REPLY_VALUES = {
+    P.Reply.NONE: None, P.Reply.U8: 1, P.Reply.U32: 0xDEADBEEF, P.Reply.I64: -(2**40),
+    P.Reply.BYTES: b"\x00val", P.Reply.MULTI: [b"a", b"", b"ccc"],
+    P.Reply.QUEUE_POP: (3, b"item"), P.Reply.KEY_LIST: [b"/a", b"init/"],
+}
+
+
+@pytest.mark.parametrize("op", sorted(P.SPECS), ids=lambda op: P.OP_NAMES[op])
+def test_encode_reply_and_parse_reply_agree(op: int) -> None:
+    shape = P.REPLY_OF[op]
+    value = REPLY_VALUES[shape]
+    raw = P.encode_reply(op, value)
+    assert P.parse_reply(raw, 0, shape, 3) == (value, len(raw))
+    for cut in range(len(raw) if shape != P.Reply.NONE else 0):
+        assert P.parse_reply(raw[:cut], 0, shape, 3) is None
+    if shape == P.Reply.QUEUE_POP:  # torch: i64 0 and no value when the queue was empty
+        assert P.encode_reply(op, (0, None)) == P.enc_i64(0)
+        assert P.parse_reply(P.enc_i64(0), 0, shape) == ((0, None), 8)
+
+
+def _random_frame(rng: random.Random, lim: P.Limits) -> bytes:
+    """A frame that is valid, over a limit, truncated, or garbage; the common ops (GET, SET,
+    ADD, WAIT/CHECK of one key) are most frequent, as in a rendezvous."""
+    def key() -> bytes:  # now and then longer than max_key_bytes
+        size = 70 if rng.random() < 0.02 else rng.choice((0, 3, 9))
+        return b"/" + bytes(rng.choice(b"abk/") for _ in range(size))
+
+    def val() -> bytes:
+        return rng.randbytes(300 if rng.random() < 0.02 else rng.choice((0, 1, 30)))
+    common = [
+        Request(Op.GET, (key(),)), Request(Op.SET, (key(),), (val(),)),
+        Request(Op.ADD, (key(),), (), rng.randint(-9, 9)),
+        Request(rng.choice((Op.WAIT, Op.CHECK)),
+                tuple(key() for _ in range(9 if rng.random() < 0.02 else rng.choice((1, 1, 0, 2))))),
+    ]
+    r = rng.random()
+    if r < 0.75:
+        return P.encode_request(rng.choice(common))
+    if r < 0.94:
+        s = rng.choice(SAMPLES)
+        return P.encode_request(s._replace(keys=tuple(key() for _ in s.keys)))
+    raw = P.encode_request(rng.choice(common))
+    if r < 0.955:  # a length field that claims too much
+        return raw[:1] + (2**rng.randrange(6, 64)).to_bytes(8, "little") + raw[9:]
+    if r < 0.97:  # a WAIT/CHECK count field that claims too much
+        return bytes((rng.choice((Op.WAIT, Op.CHECK)),)) + rng.randbytes(8)
+    if r < 0.985:
+        return raw[:rng.randrange(1, len(raw))]  # truncated: the next frame's bytes follow
+    return rng.randbytes(rng.randrange(1, 20))
+
+
+def _decode_stream(chunks: list[bytes], lim: P.Limits, common: bool):
+    """Feed `chunks` to a buffer as a connection would and decode what is complete after
+    each one, with `parse_common` tried first (the servers' path) or `parse_request` alone.
+    Returns (requests, error message or None)."""
+    buf = bytearray()
+    got: list = []
+    for chunk in chunks:
+        buf += chunk
+        pos = 0
+        try:
+            while True:
+                r = (common and P.parse_common(buf, pos, lim)) or P.parse_request(buf, pos, lim)
+                if r is None:
+                    break
+                got.append(r[0])
+                pos = r[1]
+        except P.ProtocolError as e:
+            return got, str(e)
+        del buf[:pos]
+    return got, None
+
+
+def test_common_decoder_agrees_with_the_full_parser() -> None:
+    rng = random.Random(8)
+    lim = P.Limits(max_key_bytes=64, max_value_bytes=256, max_keys_per_request=8)
+    errors = decoded = 0
+    for _ in range(3000):
+        stream = b"".join(_random_frame(rng, lim) for _ in range(rng.randrange(1, 12)))
+        cuts = sorted(rng.sample(range(1, len(stream)), min(len(stream) - 1, rng.randrange(0, 6))))
+        chunks = [stream[a:b] for a, b in zip([0] + cuts, cuts + [len(stream)])]
+        fast = _decode_stream(chunks, lim, common=True)
+        assert fast == _decode_stream(chunks, lim, common=False), stream.hex()
+        assert fast == _decode_stream([stream], lim, common=False), stream.hex()
+        errors += fast[1] is not None
+        decoded += len(fast[0])
+    assert errors > 300 and decoded > 5000  # both outcomes were exercised
+
+
+def test_common_decoder_returns_what_the_parser_returns() -> None:
+    lim = P.Limits(max_key_bytes=8, max_value_bytes=8)
+    for req in (Request(Op.GET, (b"/k",)), Request(Op.SET, (b"/k",), (b"v",)),
+                Request(Op.ADD, (b"/n",), (), -3), Request(Op.WAIT, (b"/w",)),
+                Request(Op.CHECK, (b"/c",))):
+        raw = P.encode_request(req) + b"\x07"
+        assert P.parse_common(raw, 0, lim) == P.parse_request(raw, 0, lim) == (req, len(raw) - 1)
+        for cut in range(len(raw) - 1):
+            assert P.parse_common(raw[:cut], 0, lim) is None
+    # everything else, and anything over a limit, is left to the full parser
+    for req in (Request(Op.WAIT, (b"/a", b"/b")), Request(Op.GET, (b"/" + b"k" * 8,)),
+                Request(Op.SET, (b"/k",), (b"v" * 9,)), Request(Op.MULTI_GET, (b"/a",))):
+        assert P.parse_common(P.encode_request(req), 0, lim) is None
+
+
+def test_key_mapping_is_one_bijection_with_torch_init_key_under_ftrun_wire() -> None:
+    # torch 2.13 sends user keys with "/" and its worker counter as b"init/" (recorded)
+    assert P.wire_key("ftrun/plan/3") == b"/ftrun/plan/3"
+    assert P.logical_key(b"/ftrun/plan/3") == "ftrun/plan/3"
+    assert P.logical_key(b"init/") == "ftrun/wire/init/"
+    assert P.wire_key("ftrun/wire/init/") == b"init/"
+    for lk in ("", "a", "x/y", "ftrun/wire/", "ftrun/wire/raw", "ftrun/wirex", "\udcff"):
+        assert P.logical_key(P.wire_key(lk)) == lk
+    for wk in (b"", b"/", b"/a", b"init/", b"raw", b"\xff/x", b"/ftrun/wirex"):
+        assert P.wire_key(P.logical_key(wk)) == wk
+    assert P.logical_keys([b"/b", b"init/", b"/a/x", b"/c"], "a") == ["a/x"]
+    assert P.logical_keys([b"/b", b"init/"]) == ["b", "ftrun/wire/init/"]
+    with pytest.raises(TypeError, match="must be str"):
+        P.wire_key(b"/bytes")

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from helpers_etcd import EtcdServer, etcd_server  # noqa: F401 - fixture
-from helpers_store import run_gloo_world, run_torch_ops
+from helpers_store import run_gloo_world, run_torch, run_torch_ops
 from rendezvous import protocol as P
 from rendezvous.client import StoreClient
 from rendezvous.kv import StoreAuthError, StoreError
@@ -33,6 +33,16 @@ def raw_conn(port: int) -> socket.socket:
     s.sendall(P.handshake_bytes(3))
     assert s.recv(4) == P.enc_u32(3)
     return s
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("closed")
+        out += chunk
+    return out
 
 
 def test_torch_client_every_op_through_proxy(stack) -> None:
@@ -162,3 +172,46 @@ def test_upstream_loss_closes_waiting_clients_with_a_log_line() -> None:
         assert c.recv(1) == b""
         assert any("lost its upstream link" in ln for ln in logs)
         assert any("WAIT failed upstream" in ln for ln in logs)
+
+
+# A torch client given a world size increments the counter "init/" (sent without the "/")
+# on connect.
+INIT_COUNTER = r'''
+import sys
+from datetime import timedelta
+import torch.distributed as d
+d.TCPStore("127.0.0.1", int(sys.argv[1]), world_size=2, is_master=False,
+           timeout=timedelta(seconds=10))
+print("CONNECTED", flush=True)
+'''
+
+
+def test_torch_init_counter_is_one_key_direct_and_through_a_kv_proxy() -> None:
+    with StoreServer(host="127.0.0.1") as s, StoreProxy(s.kv) as px:
+        for port in (s.port, px.port):
+            r = run_torch(INIT_COUNTER, port)
+            assert "CONNECTED" in r.stdout, r.stderr[-3000:]
+        assert s.table.get(b"init/") == b"2"  # the same key, whichever way a client came
+        assert s.kv.try_get("ftrun/wire/init/") == b"2"
+        assert s.kv.keys("ftrun/wire/") == ["ftrun/wire/init/"]
+        c = raw_conn(px.port)  # LIST_KEYS through the proxy names it as torch sent it
+        c.sendall(P.encode_request(P.Request(P.Op.LIST_KEYS)))
+        assert P.parse_reply(recv_exact(c, 8 + 8 + 5), 0, P.Reply.KEY_LIST) == ([b"init/"], 21)
+
+
+def test_queue_pop_through_the_proxy_answers_as_torch_does(stack) -> None:
+    s, px = stack
+    c = raw_conn(px.port)
+    for v in (b"a", b"b", b"c"):
+        c.sendall(P.encode_request(P.Request(P.Op.QUEUE_PUSH, (b"/q",), (v,))))
+    c.sendall(P.encode_request(P.Request(P.Op.QUEUE_POP, (b"/q",))))
+    # torch's own server answers the queue length before the pop, then the value
+    assert recv_exact(c, 17) == P.enc_queue_pop(3, b"a")
+
+
+def test_a_write_without_reply_does_not_hold_back_later_batches(stack) -> None:
+    s, px = stack
+    c = StoreClient("127.0.0.1", px.port, timeout=10)
+    c.append("ap", b"x")  # no reply comes back for it from the upstream
+    assert c.add("n", 1) == 1
+    assert px._inflight == 0  # else every later batch waits max_hold before it goes out
