@@ -57,11 +57,11 @@ class StoreClient(KVStore):
     # -- connection management -----------------------------------------------------------
 
     def _link(self) -> _Link:
+        if self._closed:
+            raise StoreError(f"store client for {self.address} is closed")
         link = getattr(self._local, "link", None)
         if link is not None:
             return link
-        if self._closed:
-            raise StoreError(f"store client for {self.address} is closed")
         link = _Link(self._connect())
         self._local.link = link
         with self._lock:
