@@ -35,6 +35,18 @@ class Waiter:
         self.world_size = world_size
 
 
+def _count_down(w: Waiter, fired: list) -> bool:
+    """One of w's missing keys appeared; True (and w queued in `fired`) when it was the last."""
+    if w.done:
+        return False
+    w.remaining -= 1
+    if w.remaining > 0:
+        return False
+    w.done = True
+    fired.append(w)
+    return True
+
+
 def _to_int(key: bytes, raw: bytes) -> int:
     try:
         return int(raw)
@@ -59,12 +71,7 @@ class MemoryStore:
         ws = self._waiters.pop(key, None)
         if ws:
             for w in ws:
-                if w.done:
-                    continue
-                w.remaining -= 1
-                if w.remaining <= 0:
-                    w.done = True
-                    fired.append(w)
+                _count_down(w, fired)
         bs = self._barriers.get(key)
         if bs:
             try:
@@ -233,15 +240,10 @@ class MemoryStore:
                 q = self._queues[key] = deque()
             q.append(value)
             ws = self._waiters.get(key)
-            while ws:
+            while ws:  # an item wakes one waiter, the oldest
                 w = next(iter(ws))
                 del ws[w]
-                if w.done:
-                    continue
-                w.remaining -= 1
-                if w.remaining <= 0:
-                    w.done = True
-                    fired.append(w)
+                if _count_down(w, fired):
                     break
             if ws is not None and not ws:
                 del self._waiters[key]

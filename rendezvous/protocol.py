@@ -379,34 +379,32 @@ def _args_key_i64(buf, op: int, p: int, n: int, limits: Limits):
     return Request(op, (r[0],), (), _I64_unpack(buf, r[1])[0]), r[1] + 8
 
 
+def _blobs(buf, p: int, n: int, arg, count: int, read: Callable):
+    """`count` items read by `read(buf, p, n, arg)` one after another: (list, end) or None."""
+    out = []
+    for _ in range(count):
+        r = read(buf, p, n, arg)
+        if r is None:
+            return None
+        out.append(r[0])
+        p = r[1]
+    return out, p
+
+
 def _args_key_values(buf, op: int, p: int, n: int, limits: Limits, count: int):
     r = _key(buf, p, n, limits)
     if r is None:
         return None
-    k, p = r
-    vals = []
-    for _ in range(count):
-        r = _val(buf, p, n, limits)
-        if r is None:
-            return None
-        vals.append(r[0])
-        p = r[1]
-    return Request(op, (k,), tuple(vals)), p
+    vals = _blobs(buf, r[1], n, limits, count, _val)
+    return None if vals is None else (Request(op, (r[0],), tuple(vals[0])), vals[1])
 
 
 def _args_keys(buf, op: int, p: int, n: int, limits: Limits):
     cnt = _count(buf, p, n, limits, "request")
     if cnt is None:
         return None
-    p += 8
-    keys = []
-    for _ in range(cnt):
-        r = _key(buf, p, n, limits)
-        if r is None:
-            return None
-        keys.append(r[0])
-        p = r[1]
-    return Request(op, tuple(keys)), p
+    keys = _blobs(buf, p + 8, n, limits, cnt, _key)
+    return None if keys is None else (Request(op, tuple(keys[0])), keys[1])
 
 
 def _args_pairs(buf, op: int, p: int, n: int, limits: Limits):
@@ -579,14 +577,7 @@ def _reply_bytes(buf, pos: int, n: int, count: int = 0):
 
 
 def _reply_list(buf, pos: int, n: int, count: int):
-    out = []
-    for _ in range(count):
-        r = _reply_bytes(buf, pos, n)
-        if r is None:
-            return None
-        out.append(r[0])
-        pos = r[1]
-    return out, pos
+    return _blobs(buf, pos, n, 0, count, _reply_bytes)
 
 
 def _reply_queue_pop(buf, pos: int, n: int, count: int):

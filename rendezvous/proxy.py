@@ -363,33 +363,31 @@ class _KVUpstream:
             self.waits.submit(self._barrier, handle, key, req.num, cb)
 
     def _wait(self, handle: int, keys: list[str], cb) -> None:
-        try:
-            while not self.closing:
-                if handle in self.cancelled:
-                    with self.cv:
-                        self.cancelled.discard(handle)
-                    return
-                if self.kv.wait(keys, 0.5):
-                    self._reply(cb, P.STOP_WAITING, None)
-                    return
-        except Exception as e:
-            self._reply(cb, None, StoreError(f"WAIT failed upstream: {e}"))
+        self._until(handle, cb, "WAIT", lambda: self.kv.wait(keys, 0.5))
 
     def _barrier(self, handle: int, key: str, world: int, cb) -> None:
-        # KVStore has no "value reached N" notification; barriers are rare, so poll.
+        def reached() -> bool:
+            # KVStore has no "value reached N" notification; barriers are rare, so poll.
+            raw = self.kv.try_get(key)
+            if raw is not None and int(raw) >= world:
+                return True
+            time.sleep(0.02)
+            return False
+        self._until(handle, cb, "BARRIER", reached)
+
+    def _until(self, handle: int, cb, what: str, ready: Callable[[], bool]) -> None:
+        """Answer STOP_WAITING once `ready()` (which blocks briefly) holds, unless cancelled."""
         try:
             while not self.closing:
                 if handle in self.cancelled:
                     with self.cv:
                         self.cancelled.discard(handle)
                     return
-                raw = self.kv.try_get(key)
-                if raw is not None and int(raw) >= world:
+                if ready():
                     self._reply(cb, P.STOP_WAITING, None)
                     return
-                time.sleep(0.02)
         except Exception as e:
-            self._reply(cb, None, StoreError(f"BARRIER failed upstream: {e}"))
+            self._reply(cb, None, StoreError(f"{what} failed upstream: {e}"))
 
     def close(self) -> None:
         with self.cv:

@@ -108,6 +108,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    """Exactly n bytes from a blocking socket; ConnectionError when it closes first."""
+    out = b""
+    while len(out) < n:
+        chunk = s.recv(n - len(out))
+        if not chunk:
+            raise ConnectionError("closed")
+        out += chunk
+    return out
+
+
 def child_env(**extra: object) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")

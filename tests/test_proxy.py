@@ -8,7 +8,7 @@ import time
 import pytest
 
 from helpers_etcd import EtcdServer, etcd_server  # noqa: F401 - fixture
-from helpers_store import run_gloo_world, run_torch, run_torch_ops
+from helpers_store import recv_exact, run_gloo_world, run_torch, run_torch_ops
 from rendezvous import protocol as P
 from rendezvous.client import StoreClient
 from rendezvous.kv import StoreAuthError, StoreError
@@ -33,16 +33,6 @@ def raw_conn(port: int) -> socket.socket:
     s.sendall(P.handshake_bytes(3))
     assert s.recv(4) == P.enc_u32(3)
     return s
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = s.recv(n - len(out))
-        if not chunk:
-            raise ConnectionError("closed")
-        out += chunk
-    return out
 
 
 def test_torch_client_every_op_through_proxy(stack) -> None:

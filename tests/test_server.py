@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from helpers_store import run_gloo_world, run_torch_ops
+from helpers_store import recv_exact, run_gloo_world, run_torch_ops
 from rendezvous import protocol as P
 from rendezvous.client import StoreClient
 from rendezvous.kv import StoreError
@@ -20,16 +20,6 @@ def raw_conn(port: int, handshake: bool = True) -> socket.socket:
         s.sendall(P.handshake_bytes(7))
         assert recv_exact(s, 4) == P.enc_u32(7)
     return s
-
-
-def recv_exact(s: socket.socket, n: int) -> bytes:
-    out = b""
-    while len(out) < n:
-        chunk = s.recv(n - len(out))
-        if not chunk:
-            raise ConnectionError("closed")
-        out += chunk
-    return out
 
 
 def is_closed(s: socket.socket, within: float = 3.0) -> bool:
