@@ -1,6 +1,7 @@
 """A blocking `KVStore` client over torch's TCPStore wire protocol.
 
-Owns: `StoreClient`, which talks to anything that speaks the protocol: ftrun's embedded
+Owns: `connect` (a store connection, retried until its timeout; the proxy's upstream link
+uses it too) and `StoreClient`, which talks to anything that speaks the protocol: ftrun's embedded
 server, an ftrun node proxy, or torch's own TCPStore server (LIST_KEYS is part of the torch
 2.13+ protocol, so `keys()` and `delete_prefix()` work everywhere; auth needs ftrun's server).
 
@@ -22,6 +23,30 @@ from rendezvous import protocol as P
 from rendezvous.auth import AUTH_KEY, check_token
 from rendezvous.kv import KVStore, StoreAuthError, StoreError, StoreTimeout, check_timeout
 from rendezvous.protocol import logical_keys, wire_key
+
+
+def connect(host: str, port: int, timeout: float,
+            what: str = "cannot connect to the store") -> socket.socket:
+    """A TCP connection to a store (TCP_NODELAY, `timeout` on every later call), retried
+    until `timeout` s have passed; StoreError "<what> at host:port within T s: <last error>",
+    or naming the host at once when it does not resolve."""
+    deadline = time.monotonic() + timeout
+    last = "no attempt"
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StoreError(f"{what} at {host}:{port} within {timeout:g} s: {last}")
+        try:
+            s = socket.create_connection((host, port), timeout=min(left, 5.0))
+        except socket.gaierror as e:
+            raise StoreError(f"cannot resolve store host {host!r}: {e.strerror}") from None
+        except OSError as e:
+            last = e.strerror or str(e) or type(e).__name__
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+            continue
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        s.settimeout(timeout)
+        return s
 
 
 class _Link:
@@ -62,7 +87,7 @@ class StoreClient(KVStore):
         link = getattr(self._local, "link", None)
         if link is not None:
             return link
-        link = _Link(self._connect())
+        link = _Link(connect(self.host, self.port, self.timeout))
         self._local.link = link
         with self._lock:
             self._links.add(link)
@@ -72,26 +97,6 @@ class StoreClient(KVStore):
             self._drop(link)
             raise
         return link
-
-    def _connect(self) -> socket.socket:
-        deadline = time.monotonic() + self.timeout
-        last = "no attempt"
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise StoreError(f"cannot connect to the store at {self.address} within "
-                                 f"{self.timeout:g} s: {last}")
-            try:
-                s = socket.create_connection((self.host, self.port), timeout=min(left, 5.0))
-            except socket.gaierror as e:
-                raise StoreError(f"cannot resolve store host {self.host!r}: {e.strerror}") from None
-            except OSError as e:
-                last = e.strerror or str(e) or type(e).__name__
-                time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
-                continue
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            s.settimeout(self.timeout)
-            return s
 
     def _handshake(self, link: _Link) -> None:
         nonce = os.getpid() & 0xFFFFFFFF
@@ -143,7 +148,7 @@ class StoreClient(KVStore):
             elif shape == P.Reply.NONE:
                 return None
             try:
-                chunk = link.sock.recv(65536)
+                chunk = link.sock.recv(P.READ_SIZE)
             except socket.timeout:
                 raise
             except OSError as e:

@@ -32,7 +32,6 @@ ftrun's server upstream; with a KVStore they close the client connection with a 
 """
 from __future__ import annotations
 
-import os
 import select
 import socket
 import threading
@@ -43,6 +42,7 @@ from typing import Callable
 
 from rendezvous import protocol as P
 from rendezvous.auth import AUTH_KEY, check_token
+from rendezvous.client import connect
 from rendezvous.kv import KVStore, StoreAuthError, StoreError
 from rendezvous.memory import apply
 from rendezvous.protocol import logical_key, wire_key
@@ -93,21 +93,8 @@ class _MuxUpstream:
 
     def _connect(self, timeout: float | None = None) -> None:
         timeout = self.timeout if timeout is None else timeout
-        deadline = time.monotonic() + timeout
-        last = ""
-        while True:
-            try:
-                s = socket.create_connection((self.host, self.port),
-                                             timeout=max(0.1, deadline - time.monotonic()))
-                break
-            except OSError as e:
-                last = e.strerror or str(e)
-                if time.monotonic() >= deadline:
-                    raise StoreError(f"proxy cannot reach the store at {self.address} within "
-                                     f"{timeout:g} s: {last}") from None
-                time.sleep(0.05)
+        s = connect(self.host, self.port, timeout, "proxy cannot reach the store")
         try:
-            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             s.settimeout(self.timeout)
             hello = P.handshake_bytes(1)
             if self.token is not None:
@@ -610,7 +597,7 @@ class StoreProxy(LoopServer):
     def _poll_timeout(self) -> float:
         if self._batch:
             return max(0.0, self._batch_since + self.max_hold - time.monotonic())
-        return 1.0
+        return super()._poll_timeout()
 
     def _end_turn(self) -> None:
         batch = self._batch
