@@ -12,9 +12,10 @@ Wire format (native little-endian, as torch's C++ client writes it):
 
 - A request is `u8 query type` followed by its arguments. A key or value is `u64 length` +
   bytes; a list is `u64 count` + items.
-- Keys: torch clients prefix every user key with "/" (`TCPStore.set("a")` sends "/a") and
-  send exactly one key without it, the worker counter "init/" that a client given a world size
-  increments on connect (recorded from torch 2.13); torch's own LIST_KEYS hides such keys.
+- Keys: torch clients prefix every user key with "/" (`TCPStore.set("a")` sends "/a"). The one
+  key seen without it (torch 2.13, every op and a process-group init recorded) is the worker
+  counter "init/" that a client given a world size increments on connect; torch's own
+  LIST_KEYS hides such keys.
   Logical keys (what `KVStore` users pass) map to wire keys as "x" <-> "/x"; a wire key without
   the "/" maps to the logical key "ftrun/wire/<key>", so a KVStore upstream (etcd) can hold it
   and every view of one table (torch client, LocalKV, StoreClient, the proxy) names it alike.
