@@ -151,7 +151,7 @@ class LoopServer:
         self._loop_ident = 0
         self._backlog: list = []
         self.stats = {"accepted": 0, "reads": 0, "dropped": 0, "max_turn_s": 0.0,
-                      "max_turn_cpu_s": 0.0}
+                      "max_turn_cpu_s": 0.0, "requests": 0, "busy_s": 0.0}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -289,6 +289,7 @@ class LoopServer:
                 if self._dirty:
                     self._flush_dirty()
                 now = time.monotonic()
+                self.stats["busy_s"] += now - t0
                 if now - t0 > self.stats["max_turn_s"]:
                     self.stats["max_turn_s"] = now - t0
                     self.stats["max_turn_cpu_s"] = time.thread_time() - c0
@@ -542,7 +543,7 @@ class StoreServer(LoopServer):
         t = self.table
         maxk = self._plimits.max_key_bytes
         out = c.out
-        pos = 0
+        pos = nreq = 0
         while pos + 9 <= n:
             op = data[pos]
             if op == _GET or op == _WAIT or op == _CHECK:
@@ -594,6 +595,8 @@ class StoreServer(LoopServer):
                     pos = ve
             else:
                 break
+            nreq += 1
+        self.stats["requests"] += nreq
         if pos < n:
             self._consume(c, data[pos:] if pos else data)
             return
@@ -633,6 +636,7 @@ class StoreServer(LoopServer):
             if c.closed:
                 break
             rep = handle(c, req, tag)
+            self.stats["requests"] += 1
             if rep is not None:
                 if tag >= 0:
                     out.append(P.enc_tag(tag))
