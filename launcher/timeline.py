@@ -306,12 +306,13 @@ class Timeline:
     def _on_progress(self, ev: dict, t: float) -> None:
         for key, p in (ev.get("ranks") or {}).items():
             r = self.rank(int(key))
-            if r.state in ("finished", "failed", "stopped") and r.last_seen >= t - 1.0:
-                continue  # a sample taken as the process ended says less than its exit
             r.step, r.committed_step = p.get("step"), p.get("committed_step")
-            r.phase, r.steps_per_s, r.last_seen = str(p.get("phase", "")), p.get("steps_per_s"), t
-            if r.state not in ("finished", "failed", "stopped"):
-                r.state = _state_of(r.phase, bool(p.get("waiting")), r.state)
+            if r.state in ("finished", "failed", "stopped") and r.last_seen >= t - 1.0:
+                pass  # a sample taken as the process ended: its steps count, not its phase
+            else:
+                r.phase, r.steps_per_s, r.last_seen = str(p.get("phase", "")), p.get("steps_per_s"), t
+                if r.state not in ("finished", "failed", "stopped"):
+                    r.state = _state_of(r.phase, bool(p.get("waiting")), r.state)
             if r.committed_step is not None and r.committed_step >= 0:
                 self._point(r.rank, t, r.committed_step)
 
