@@ -91,6 +91,9 @@ class NodeObserver:
         if not interval > 0:
             raise ValueError(f"FTRUN_PROGRESS_INTERVAL={raw!r}: must be seconds > 0")
         obs = cls(log, run_dir, cfg.max_restarts, port, max(0.05, interval))
+        # the agent logged its `start` before the observer existed
+        obs.timeline.feed({"event": "start", "time": time.time(), "node": cfg.node_rank,
+                           "config": dataclasses.asdict(cfg)})
         if obs.metrics is not None:
             obs.metrics.start()
             log.info("metrics", f"Prometheus metrics on port {obs.metrics.port} (/metrics)",

@@ -307,7 +307,7 @@ class Timeline:
         for key, p in (ev.get("ranks") or {}).items():
             r = self.rank(int(key))
             r.step, r.committed_step = p.get("step"), p.get("committed_step")
-            if r.state in ("finished", "failed", "stopped") and r.last_seen >= t - 1.0:
+            if r.state in ("finished", "failed", "stopped"):
                 pass  # a sample taken as the process ended: its steps count, not its phase
             else:
                 r.phase, r.steps_per_s, r.last_seen = str(p.get("phase", "")), p.get("steps_per_s"), t
