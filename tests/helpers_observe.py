@@ -72,7 +72,8 @@ class ObservedJob:
             return json.load(f)["addr"]
 
     def output(self) -> str:
-        self._out.flush()
+        if not self._out.closed:
+            self._out.flush()
         return Path(self._out.name).read_text(errors="replace")
 
     def finish(self, timeout: float = 240) -> int:
@@ -89,4 +90,5 @@ class ObservedJob:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-        self._out.close()
+        if not self._out.closed:
+            self._out.close()
