@@ -51,6 +51,12 @@ $PIP install -q -e ".[test]"
 if [ "${1:-}" = "--test" ]; then
   install_test_programs
 fi
+# --test: headless Chromium for the `ftctl report` page test (tests/test_report.py)
+if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
+fi
 if ! grep -q "localhost-v4mapped" /etc/hosts 2>/dev/null; then
   if [ -w /etc/hosts ]; then
     echo "::ffff:127.0.0.1 localhost-v4mapped" >> /etc/hosts
