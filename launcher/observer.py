@@ -168,9 +168,14 @@ class NodeObserver:
 
     # ------------------------------------------------------------------ periodic work
     def _run(self) -> None:
-        while not self._stop.wait(PUBLISH_INTERVAL):
+        last_publish = 0.0
+        while not self._stop.wait(min(PUBLISH_INTERVAL, self.progress_interval)):
             try:
-                self._tick()
+                if time.time() - self._last_progress >= self.progress_interval:
+                    self._record_progress(force=False)
+                if time.monotonic() - last_publish >= PUBLISH_INTERVAL * 0.95:
+                    last_publish = time.monotonic()
+                    self._tick()
             except Exception as e:  # noqa: BLE001 - observing must never stop the agent
                 if self._stop.is_set():
                     return
@@ -178,10 +183,7 @@ class NodeObserver:
                 self._stop.wait(5.0)
 
     def _tick(self) -> None:
-        now = time.time()
-        if now - self._last_progress >= self.progress_interval:
-            self._record_progress(force=False)
-        snapshot = self.snapshot(now)
+        snapshot = self.snapshot(time.time())
         self._restarts_used = int(self._timed("get", lambda: self._kv.try_get(RESTARTS_USED)) or 0)
         self._timed("set", lambda: self._kv.set(P.node_status_key(self._node or 0),
                                                 json.dumps(snapshot, default=str).encode()))

@@ -195,7 +195,9 @@ def progress_chart(v: RunView) -> str:
         out.append(f'<text x="{x(f.time) + 3:.1f}" y="22" fill="#d62728">\u26a1 rank {_e(f.rank)}</text>')
     for i, (rank, series) in enumerate(sorted(v.progress.items())):
         color = RANK_COLORS[i % len(RANK_COLORS)]
-        line = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in series)
+        steps = [p for i, (t, s) in enumerate(series)  # the step holds until the next sample
+                 for p in ([(t, series[i - 1][1])] if i else []) + [(t, s)]]
+        line = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in steps)
         out.append(f'<polyline class="rank-line" data-rank="{rank}" fill="none" stroke="{color}" '
                    f'stroke-width="1.5" points="{line}"><title>rank {rank}</title></polyline>')
     out.append(f'<line x1="{left}" x2="{w - 20}" y1="{h - bottom}" y2="{h - bottom}" stroke="#999"/>'
