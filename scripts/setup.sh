@@ -15,6 +15,7 @@ PIP="${PIP:-python3 -m pip}"
 TEST_PROGRAMS=(
   "${FTRUN_TEST_ETCD:-/usr/bin/etcd} etcd-server"
   "${FTRUN_TEST_ETCDCTL:-/usr/bin/etcdctl} etcd-client"
+  "/usr/bin/chromium chromium"  # headless browser of tests/test_report.py (the ftctl report page)
 )
 
 install_test_programs() {
@@ -50,12 +51,6 @@ $PIP install -q "torch==2.13.0" numpy
 $PIP install -q -e ".[test]"
 if [ "${1:-}" = "--test" ]; then
   install_test_programs
-fi
-# --test: headless Chromium for the `ftctl report` page test (tests/test_report.py)
-if [ "${1:-}" = "--test" ] && ! command -v chromium >/dev/null 2>&1; then
-  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
-  $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium >/dev/null
 fi
 if ! grep -q "localhost-v4mapped" /etc/hosts 2>/dev/null; then
   if [ -w /etc/hosts ]; then
