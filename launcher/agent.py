@@ -33,6 +33,7 @@ from launcher.fault_memory import FaultMemory
 from launcher.faults import FaultKind
 from launcher.inject import RUNTIME_KINDS
 from launcher.logs import AgentLog, RunLogDir, render_prefix
+from launcher.observer import NodeObserver
 from launcher.spare import SparePool
 from launcher.workers import Reaper, Worker, WorkerExit, send_signal, spawn, stop_workers
 from rendezvous import auth
@@ -91,6 +92,7 @@ class Agent:
         self.host = socket.gethostname()
         self.run_dir = RunLogDir.create(cfg.log_dir, cfg.rdzv_id)
         self.log = AgentLog(cfg.node_rank, self.run_dir.events_path)
+        self.observer: NodeObserver | None = None  # status, progress records, metrics
         self._console_lock = threading.Lock()
         self._stop = threading.Event()
         self._server = None
@@ -325,6 +327,7 @@ class Agent:
                              "application as needed.")
         self._install_signals()
         try:
+            self.observer = NodeObserver.start(cfg, self.log, self.run_dir.path)
             self._setup_store()
             self.world = self._rendezvous()
             self.log.node_rank = self.world.group_rank
@@ -337,6 +340,8 @@ class Agent:
                           master_port=self.master_port, log_dir=self.run_dir.path)
             assert self.kv is not None
             self._publish_store_address()
+            self.observer.attach(self.kv, self.world.group_rank, self.world.is_leader,
+                                 self._server.stats.copy if self._server is not None else None)
             if self.rejoined:
                 # Plans published from the moment it joined concern it: the leader starts a
                 # round for its arrival, possibly before join() returned.
@@ -524,6 +529,7 @@ class Agent:
                 self.log.info("stop-sent", f"deferred stop for generation {pending['generation']} "
                               f"delivered to rank {rank}", rank=rank)
         elif op == "heartbeat" and isinstance(rank, int):
+            self.log.observe("heartbeat", **msg)
             self._waiting[rank] = bool(msg.get("waiting"))
             mark = (msg.get("step"), msg.get("phase"), msg.get("committed_step"))
             if self._progress.get(rank) != mark:  # progress, not mere liveness, resets the clock
@@ -798,6 +804,8 @@ class Agent:
 
     def shutdown(self) -> None:
         self._stop.set()
+        if self.observer is not None:
+            self.observer.stop()
         stop_workers(list(self.workers.values()), signal.SIGKILL, 0.0)
         if self.controller is not None:
             self.controller.stop()

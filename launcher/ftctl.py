@@ -1,8 +1,9 @@
-"""`ftctl`: operate a live ftrun job (store inspection, fault injection, status).
+"""`ftctl`: operate a live ftrun job (store inspection, fault injection, status, report).
 
 Owns: the click group and its job-level subcommands. Store subcommands (`ftctl store serve|get|
 set|ls`) come from `rendezvous.store_cli`; fault injection (`ftctl inject`) from
-`launcher.inject`. A store or token error from any subcommand ends as one line and exit 1.
+`launcher.inject`; `ftctl status` from `launcher.status`; `ftctl report` from `launcher.report`.
+A store or token error from any subcommand ends as one line and exit 1.
 """
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ def _register() -> None:
         inject = None
     if inject is not None:
         cli.add_command(inject, "inject")
+    from launcher.report import report
+    from launcher.status import status
+
+    cli.add_command(status, "status")
+    cli.add_command(report, "report")
 
 
 _register()

@@ -1,7 +1,9 @@
 """Everything an agent tells people and machines: console lines, events.jsonl, worker output.
 
 Owns: `AgentLog` (one human line per event through rich, with time, node and generation, plus
-the same event as one JSON object in `events.jsonl`), the torchrun log-directory layout
+the same event as one JSON object in `events.jsonl`, plus the sinks that watch the event stream:
+the observer, status and metrics read events here instead of being called from the agent), the
+torchrun log-directory layout
 (`<log_dir>/<run_id>_<rand>/attempt_<n>/<local_rank>/{stdout,stderr}.log,error.json`) and
 `OutputPump`, which copies a worker's pipe to its log file and/or the console with torchrun's
 `[role<local_rank>]:` prefix (or the `--log-line-prefix-template`).
@@ -18,12 +20,13 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from rich.console import Console
 from rich.markup import escape
 
 STYLES = {"error": "bold red", "warning": "yellow", "info": "", "debug": "dim"}
+Sink = Callable[[dict], None]
 
 
 class AgentLog:
@@ -42,9 +45,23 @@ class AgentLog:
         if events_path:
             os.makedirs(os.path.dirname(events_path), exist_ok=True)
             self._events = open(events_path, "a", buffering=1, encoding="utf-8")
+        self._sinks: list[Sink] = []
+        self._sink_errors = 0
 
-    def event(self, kind: str, message: str, level: str = "info", **fields: Any) -> None:
-        """Log one event: a line for people and a JSON object for machines."""
+    def add_sink(self, sink: Sink) -> None:
+        """Call `sink(record)` for every event from now on (any thread, outside the log lock).
+        Observations (`observe`) reach sinks only."""
+        with self._lock:
+            self._sinks = [*self._sinks, sink]
+
+    def remove_sink(self, sink: Sink) -> None:
+        with self._lock:
+            self._sinks = [s for s in self._sinks if s is not sink]
+
+    def event(self, kind: str, message: str, level: str = "info", console: bool = True,
+              **fields: Any) -> None:
+        """Log one event: a line for people (unless `console` is False) and a JSON object for
+        machines; then hand the record to the sinks."""
         now = time.time()
         gen = fields.pop("generation", self.generation)
         rec = {"time": round(now, 6), "event": kind, "node": self.node_rank, "generation": gen,
@@ -52,12 +69,37 @@ class AgentLog:
         with self._lock:
             if self._events is not None:
                 self._events.write(json.dumps(rec, default=str) + "\n")
-            if not self._quiet or level in ("error", "warning"):
+            sinks = self._sinks
+            if console and (not self._quiet or level in ("error", "warning")):
                 stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
                 node = "?" if self.node_rank is None else self.node_rank
                 style = STYLES.get(level, "")
                 text = escape(f"[ftrun {stamp} node{node} gen{gen}] {message}")
                 self._console.print(f"[{style}]{text}[/]" if style else text)
+        self._feed(sinks, rec)
+
+    def record(self, kind: str, message: str, **fields: Any) -> None:
+        """An event for machines only (events.jsonl and sinks, no console line): periodic
+        progress samples and other records people read through `ftctl status|report`."""
+        self.event(kind, message, "debug", console=False, **fields)
+
+    def observe(self, kind: str, **fields: Any) -> None:
+        """A high-rate observation (a worker heartbeat) for the sinks only: not written."""
+        with self._lock:
+            sinks = self._sinks
+        if sinks:
+            rec = {"time": time.time(), "event": kind, "node": self.node_rank, **fields}
+            self._feed(sinks, rec)
+
+    def _feed(self, sinks: list[Sink], rec: dict) -> None:
+        for sink in sinks:
+            try:
+                sink(rec)
+            except Exception as e:  # noqa: BLE001 - an observer bug must never stop the agent
+                self._sink_errors += 1
+                if self._sink_errors <= 3:
+                    self.print_block(f"[ftrun] event sink {getattr(sink, '__qualname__', sink)} "
+                                     f"failed on {rec.get('event')}: {type(e).__name__}: {e}")
 
     def info(self, kind: str, message: str, **fields: Any) -> None:
         self.event(kind, message, "info", **fields)
@@ -113,9 +155,48 @@ def read_events(log_dir: str) -> list[dict]:
     """Every event of every run under `log_dir` (the `--log_dir` base), oldest first."""
     out: list[dict] = []
     for path in sorted(glob.glob(os.path.join(log_dir, "*", "events.jsonl"))):
-        with open(path, encoding="utf-8") as f:
-            out.extend(json.loads(line) for line in f if line.strip())
+        out.extend(read_event_file(path))
     return sorted(out, key=lambda e: e["time"])
+
+
+def read_event_file(path: str) -> list[dict]:
+    """The events of one events.jsonl, in file order. A torn last line (the agent is still
+    writing it) is skipped."""
+    out: list[dict] = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                if line.endswith("\n"):
+                    raise
+    return out
+
+
+def run_event_files(path: str) -> list[str]:
+    """The events.jsonl files of one run, given its run directory (`<log_dir>/<run_id>_<rand>`)
+    or the `--log_dir` base. Under a base, every agent of the newest run is taken (agents of one
+    machine each have their own run directory; a run is identified by its rdzv id)."""
+    own = os.path.join(path, "events.jsonl")
+    if os.path.isfile(own):
+        return [own]
+    files = sorted(glob.glob(os.path.join(path, "*", "events.jsonl")), key=os.path.getmtime)
+    if not files:
+        return []
+    runs = {f: _run_id_of(f) for f in files}
+    newest = runs[files[-1]]
+    return [f for f in files if runs[f] == newest]
+
+
+def _run_id_of(path: str) -> str:
+    with open(path, encoding="utf-8") as f:
+        first = f.readline()
+    try:
+        return str(json.loads(first).get("config", {}).get("rdzv_id", path))
+    except ValueError:
+        return path
 
 
 def render_prefix(template: str | None, role: str, local_rank: int, rank: int, host: str) -> str:

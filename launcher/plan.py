@@ -72,6 +72,11 @@ def inject_key(seq: int) -> str:
     return f"{ROOT}/inject/{seq}"
 
 
+def node_status_key(node_rank: int) -> str:
+    """A node's live status (JSON, `launcher.observer`), refreshed every second for `ftctl status`."""
+    return f"{ROOT}/observe/node/{node_rank}"
+
+
 def replica_key(rank: int) -> str:
     """Where a runtime-aware rank publishes the shard it holds (see RankStatus.shard)."""
     return f"{ROOT}/replica/{rank}"

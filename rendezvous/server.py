@@ -117,7 +117,7 @@ class LoopServer:
         self._loop_ident = 0
         self._backlog: list = []
         self.stats = {"accepted": 0, "reads": 0, "dropped": 0, "max_turn_s": 0.0,
-                      "max_turn_cpu_s": 0.0}
+                      "max_turn_cpu_s": 0.0, "requests": 0, "busy_s": 0.0}
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -255,6 +255,7 @@ class LoopServer:
                 if self._dirty:
                     self._flush_dirty()
                 now = time.monotonic()
+                self.stats["busy_s"] += now - t0
                 if now - t0 > self.stats["max_turn_s"]:
                     self.stats["max_turn_s"] = now - t0
                     self.stats["max_turn_cpu_s"] = time.thread_time() - c0
@@ -462,6 +463,7 @@ class LoopServer:
         handle = self._handle
         out = c.out
         budget = self._budget
+        nreq = 0
         while pos < n:
             budget -= 1
             if budget < 0:
@@ -479,6 +481,7 @@ class LoopServer:
                 req, pos = r
                 tag = -1
             rep = handle(c, req, tag)
+            nreq += 1
             if rep:
                 if tag >= 0:
                     out.append(P.enc_tag(tag))
@@ -487,6 +490,7 @@ class LoopServer:
             if c.closed:
                 break
         self.stats["reads"] += 1
+        self.stats["requests"] += nreq
         return pos
 
     def _handle(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:

@@ -5,7 +5,8 @@
 2. after a few steps, sends SIGKILL to rank 1's process from outside (as a crash would);
 3. ftrun restarts only rank 1, the survivors rebuild their process groups, rank 1 receives its
    state from a replica and the interrupted step is re-run;
-4. a fault-free run with the same seed follows, and the final parameters are compared.
+4. a fault-free run with the same seed follows, and the final parameters are compared;
+5. the demo writes the recovery report of the faulty run (`ftctl report`) and prints its path.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from launcher.logs import read_events as events  # noqa: E402  (the repo, not only an install)
+from launcher.report import build as build_report  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "scripts", "examples", "ddp_train.py")
@@ -77,6 +79,9 @@ def main() -> int:
     restarted = sorted({e["rank"] for e in spawns if e.get("replacement")})
     print(f"== result: exit codes {code}/{ref_code}; restarted ranks {restarted}; "
           f"final parameters bit-identical to the fault-free run: {'yes' if same else 'NO'}", flush=True)
+    report = build_report(os.path.join(work, "faulty"), os.path.join(work, "report.html"))
+    print(f"== 5. the recovery report of the faulty run: {report}\n"
+          f"   (open it in a browser; made by: ftctl report {os.path.join(work, 'faulty')})", flush=True)
     return 0 if code == 0 and ref_code == 0 and same and restarted == [1] else 1
 
 

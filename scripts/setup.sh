@@ -15,6 +15,7 @@ PIP="${PIP:-python3 -m pip}"
 TEST_PROGRAMS=(
   "${FTRUN_TEST_ETCD:-/usr/bin/etcd} etcd-server"
   "${FTRUN_TEST_ETCDCTL:-/usr/bin/etcdctl} etcd-client"
+  "/usr/bin/chromium chromium"  # headless browser of tests/test_report.py (the ftctl report page)
 )
 
 install_test_programs() {

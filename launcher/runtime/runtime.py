@@ -138,6 +138,10 @@ class Runtime:
         self._total_steps: int | None = None
         self.last_recovery: dict[str, float] = {}
         self._t_created = time.monotonic()
+        # wall-clock edges of the current recovery round (sent with "recovered"; events.jsonl
+        # `rank-recovered.marks`, drawn by `ftctl report`) and the state bytes moved in it
+        self._marks: dict[str, float] = {"started": time.time()} if env.replacement else {}
+        self._moved = {"transfer_bytes": 0, "transfer_s": 0.0}
 
     # ================================================================ start-up
     def _start(self) -> None:
@@ -180,6 +184,7 @@ class Runtime:
                                 timeout=timedelta(seconds=self.env.store_timeout))
         if rebuild_groups:
             self._groups.rebuild(generation)
+        self._mark("rebuilt")
 
     def _teardown_world(self) -> None:
         if not dist.is_initialized():
@@ -393,7 +398,8 @@ class Runtime:
             if self._channel is not None:
                 self._channel.send({"op": "recovered", "rank": self.rank, "generation": plan.generation,
                                     "resume_step": resume, "action": plan.action, "replacement": True,
-                                    **{k: round(v, 4) for k, v in self.last_recovery.items()}})
+                                    **{k: round(v, 4) for k, v in self.last_recovery.items()},
+                                    **self._take_marks()})
             return resume
         start = 0
         if self._ckpt_dir:
@@ -504,12 +510,14 @@ class Runtime:
         """Post this rank's status for `generation` and wait for the controller's plan."""
         self.generation = generation
         self._set_phase("recovering")
+        self._mark("status")
         status = self._status(generation)
         self._store.set(P.status_key(generation, self.rank), status.to_json())
         self.log(f"posted status: committed_step={status.committed_step} step={status.step} "
                  f"dirty={status.dirty} replacement={status.replacement} shard={status.shard!r}")
         raw = self._wait_key(P.repair_key(generation), "the controller's repair plan")
         plan = P.RepairPlan.from_json(raw)
+        self._mark("plan")
         self.log(f"repair plan: resume_step={plan.resume_step} action={plan.action} pairs={plan.pairs} "
                  f"fallback={plan.fallback} ({plan.reason})")
         if plan.fallback:
@@ -533,6 +541,7 @@ class Runtime:
     def _recover(self) -> int:
         """Run recovery rounds until one completes; returns the step to resume at."""
         t_stop = time.monotonic()
+        self._mark("stopped")
         if not self._stop.newer_than(self.generation):
             self.log(f"waiting up to {self.env.store_timeout:.0f} s for the agent's stop after the fault")
             if not self._stop.wait_newer(self.generation, self.env.store_timeout):
@@ -566,7 +575,8 @@ class Runtime:
             if self._channel is not None:
                 self._channel.send({"op": "recovered", "rank": self.rank, "generation": target,
                                     "resume_step": resume, "action": plan.action,
-                                    **{k: round(v, 4) for k, v in self.last_recovery.items()}})
+                                    **{k: round(v, 4) for k, v in self.last_recovery.items()},
+                                    **self._take_marks()})
             self.log(f"recovered into generation {target}: resume at step {resume} "
                      f"(plan wait {t1 - t0:.3f} s, rebuild {t2 - t1:.3f} s, repair {t3 - t2:.3f} s)")
             return resume
@@ -592,10 +602,12 @@ class Runtime:
             if src == self.rank:
                 assert snap is not None
                 stats = send_state(self._coll, self._reg.full_state(snap), dst)
+                self._moved["transfer_s"] += stats.seconds
                 self.log(f"sent state to rank {dst}: {stats.nbytes / 1e6:.1f} MB in {stats.tensors} tensors, "
                          f"{stats.seconds:.3f} s ({stats.gbps:.2f} GB/s)")
             elif dst == self.rank:
                 state, stats = recv_state(self._coll, src, self._reg.live_tensors())
+                self._moved = {"transfer_bytes": stats.nbytes, "transfer_s": stats.seconds, "source": src}
                 if state["step"] != resume:
                     raise RuntimeError(f"rank {src} sent the state of step {state['step']}, plan resumes at {resume}")
                 self._reg.load_full_state(state, self.adapter)
@@ -612,8 +624,20 @@ class Runtime:
         self._needs_state = False
         self._in_update = False
         self._store.set(P.resumed_key(plan.generation, self.rank), str(resume).encode())
+        self._mark("repaired")
         self._set_phase("resumed")
         return resume
+
+    def _mark(self, edge: str) -> None:
+        """Wall-clock time of one edge of a recovery round (inside a round only)."""
+        if self._marks or edge in ("stopped", "status"):
+            self._marks[edge] = round(time.time(), 4)
+
+    def _take_marks(self) -> dict:
+        """The round's edges and bytes moved, for the "recovered" message; resets both."""
+        out = {"marks": self._marks, **self._moved}
+        self._marks, self._moved = {}, {"transfer_bytes": 0, "transfer_s": 0.0}
+        return out
 
     def _fallback(self, plan: P.RepairPlan) -> None:
         self.log(f"peer repair impossible, fallback={plan.fallback}: {plan.reason}; exiting so the "

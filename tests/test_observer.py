@@ -1,0 +1,80 @@
+"""launcher/observer.py: the agent's event sink. Heartbeat observations become steps per second,
+`progress` records and `rank-resumed` (the first commit after a round); plus AgentLog's sinks."""
+from __future__ import annotations
+
+import json
+
+from launcher.logs import AgentLog, read_event_file
+from launcher.observer import NodeObserver
+
+
+def setup(tmp_path):
+    path = tmp_path / "events.jsonl"
+    log = AgentLog(0, str(path), quiet=True)
+    obs = NodeObserver(log, str(tmp_path), max_restarts=3, port=None, progress_interval=1.0)
+    log.add_sink(obs.on_event)
+    return log, obs, path
+
+
+def beat(log, t, rank, step, phase, committed, waiting=False):
+    log.observe("heartbeat", op="heartbeat", rank=rank, step=step, phase=phase, committed_step=committed,
+                waiting=waiting, time=t)
+
+
+def names(path):
+    return [e["event"] for e in read_event_file(str(path))]
+
+
+def test_sinks_see_events_records_and_observations_but_only_events_are_written(tmp_path):
+    log = AgentLog(0, str(tmp_path / "events.jsonl"), quiet=True)
+    seen = []
+    log.add_sink(lambda rec: seen.append(rec["event"]))
+    log.info("spawn", "x", rank=0)
+    log.record("progress", "p", ranks={})
+    log.observe("heartbeat", rank=0)
+    log.add_sink(lambda rec: 1 / 0)  # a broken sink never breaks logging
+    log.info("exit", "y")
+    log.close()
+    assert seen == ["spawn", "progress", "heartbeat", "exit"]
+    assert names(tmp_path / "events.jsonl") == ["spawn", "progress", "exit"]
+
+
+def test_replacement_resumes_at_its_first_commit_not_at_its_restored_state(tmp_path):
+    log, obs, path = setup(tmp_path)
+    log.info("spawn", "s", rank=1, local_rank=1, pid=7, generation=2, replacement=True)
+    beat(log, 10.0, 1, -1, "init", -1)
+    beat(log, 10.5, 1, -1, "recovering", -1)
+    beat(log, 11.0, 1, 4, "resumed", 4)  # restored: committed jumps, but no step was done
+    log.info("rank-recovered", "r", rank=1, generation=2, resume_step=5)
+    beat(log, 11.1, 1, 5, "forward", 4)
+    assert "rank-resumed" not in names(path)
+    beat(log, 11.3, 1, 5, "committed", 5)
+    (resumed,) = [e for e in read_event_file(str(path)) if e["event"] == "rank-resumed"]
+    assert resumed["rank"] == 1 and resumed["generation"] == 2 and resumed["step"] == 5
+    beat(log, 11.5, 1, 6, "committed", 6)
+    assert names(path).count("rank-resumed") == 1
+
+
+def test_restarted_rank_resumes_after_a_step_of_its_own(tmp_path):
+    log, obs, path = setup(tmp_path)
+    log.info("spawn", "s", rank=0, local_rank=0, pid=7, generation=1, replacement=False)
+    beat(log, 10.0, 0, -1, "init", -1)
+    beat(log, 12.0, 0, 2, "step", 1)  # loaded the checkpoint of iteration 2: no step done yet
+    assert "rank-resumed" not in names(path)
+    beat(log, 12.4, 0, 2, "committed", 2)
+    assert [e["step"] for e in read_event_file(str(path)) if e["event"] == "rank-resumed"] == [2]
+
+
+def test_steps_per_second_and_progress_records(tmp_path):
+    log, obs, path = setup(tmp_path)
+    log.info("spawn", "s", rank=0, local_rank=0, pid=7, generation=0, replacement=False)
+    for i in range(5):
+        beat(log, 100.0 + i * 0.5, 0, i + 1, "committed", i)
+    obs._record_progress(force=False)
+    obs._record_progress(force=False)  # nothing changed: nothing written
+    (p,) = [e for e in read_event_file(str(path)) if e["event"] == "progress"]
+    assert p["ranks"]["0"]["committed_step"] == 4 and p["ranks"]["0"]["steps_per_s"] == 2.0
+    obs._node = 0
+    snap = obs.snapshot()
+    assert json.loads(json.dumps(snap))["ranks"][0]["steps_per_s"] == 2.0
+    assert snap["ranks"][0]["state"] == "training" and "job" not in snap

@@ -1,0 +1,114 @@
+"""launcher/timeline.py: rounds, phases, faults and costs rebuilt from events (synthetic events
+shaped like the agent's; the real ones are covered by test_report and test_status)."""
+from __future__ import annotations
+
+from launcher.timeline import Timeline
+
+T = 1000.0
+
+
+def ev(t: float, name: str, node: int = 0, generation: int = 0, **fields) -> dict:
+    return {"time": T + t, "event": name, "node": node, "generation": generation, "host": "h",
+            "message": fields.pop("message", name), **fields}
+
+
+def started(world: int = 2) -> list[dict]:
+    out = [ev(0, "start", config={"rdzv_id": "job", "max_restarts": 3, "max_nodes": 1, "script": "t.py"}),
+           ev(0.1, "rendezvous", group_rank=0, world_size=world)]
+    out += [ev(0.2, "spawn", rank=r, local_rank=r, pid=100 + r, replacement=False) for r in range(world)]
+    out += [ev(0.3, "hello", rank=r, pid=100 + r) for r in range(world)]
+    out += [ev(2.0, "progress", ranks={str(r): {"step": 5, "committed_step": 4, "phase": "forward",
+                                                "steps_per_s": 2.0} for r in range(world)})]
+    return out
+
+
+def marks(t0: float) -> dict:
+    return {"status": T + t0, "plan": T + t0 + 1, "rebuilt": T + t0 + 1.5, "repaired": T + t0 + 2}
+
+
+def kill_round() -> list[dict]:
+    return [ev(3.0, "worker-failed", rank=1, pid=101, fault_kind="signal", detect_ms=100.0,
+               message="rank 1 (pid 101) signal: SIGKILL"),
+            ev(3.1, "decide", rank=1, fault_kind="signal", strategy="recover-in-place", reason="why"),
+            ev(3.2, "plan", generation=1, strategy="recover-in-place", failed_ranks=[1], restart_ranks=[1]),
+            ev(3.3, "plan-received", generation=1, strategy="recover-in-place"),
+            ev(3.4, "spawn", generation=1, rank=1, local_rank=1, pid=201, replacement=True, warm=True),
+            ev(4.0, "repair-plan", generation=1, resume_step=5, action="rollback", pairs=[[0, 1]]),
+            ev(5.5, "rank-recovered", generation=1, rank=0, resume_step=5, marks=marks(3.5)),
+            ev(5.6, "rank-recovered", generation=1, rank=1, resume_step=5, marks=marks(3.6),
+               transfer_bytes=4_000_000, transfer_s=0.5, source=0)]
+
+
+def test_process_level_round_phases_and_cost():
+    events = started() + kill_round() + [ev(6.0, "rank-resumed", generation=1, rank=0, step=5),
+                                         ev(6.2, "rank-resumed", generation=1, rank=1, step=5)]
+    v = Timeline().feed_all(events).view()
+    (ro,) = v.rounds
+    assert ro.outcome == "recovered" and ro.end == T + 6.2 and ro.mttr_s == 3.3  # from the exit
+    assert ro.steps_lost == 0 and ro.transfer_bytes == 4_000_000
+    got = {(b.rank, b.phase): (round(b.start - T, 3), round(b.end - T, 3)) for b in ro.bars}
+    assert got[(1, "detect")] == (2.9, 3.0) and got[(1, "decide")] == (3.0, 3.2)
+    assert got[(1, "respawn")] == (3.3, 3.6) and got[(0, "stop")] == (3.3, 3.5)
+    assert got[(0, "wait")] == (3.5, 4.5) and got[(0, "rebuild")] == (4.5, 5.0)
+    assert got[(1, "transfer")] == (5.1, 5.6) and got[(1, "resume")] == (5.6, 6.2)
+    (f,) = v.faults
+    assert f.kind == "signal" and f.strategy == "recover-in-place" and f.round == 1
+    assert f.transfer_rate == 8_000_000 and f.mttr_s == 3.3
+    assert v.restarts_used == 1 and [r.restarts for r in v.ranks] == [0, 1]
+
+
+def test_round_in_progress_has_a_phase_and_open_bars():
+    events = started() + kill_round()[:5]
+    v = Timeline().feed_all(events).view(now=T + 3.5)
+    cur = v.current_round
+    assert cur is not None and cur.phase in ("respawn", "stop") and cur.end is None
+    assert all(b.open for b in cur.bars if b.phase in ("stop", "respawn"))
+    assert {r.rank: r.state for r in v.ranks} == {0: "recovering", 1: "replacement"}
+
+
+def test_restart_all_counts_the_steps_lost_since_the_checkpoint():
+    events = started() + [
+        ev(3.0, "worker-failed", rank=0, pid=100, fault_kind="exit", detect_ms=1.0),
+        ev(3.1, "decide", rank=0, fault_kind="exit", strategy="restart-all", reason="r"),
+        ev(3.2, "plan", generation=1, strategy="restart-all", failed_ranks=[0], restart_ranks=[0, 1]),
+        ev(3.3, "plan-received", generation=1, strategy="restart-all"),
+        ev(4.0, "restart-all-go", generation=1),
+        *[ev(4.1, "spawn", generation=1, rank=r, local_rank=r, pid=300 + r, replacement=False) for r in (0, 1)],
+        ev(4.2, "restarted", generation=1),
+        *[ev(6.0, "hello", generation=1, rank=r, pid=300 + r) for r in (0, 1)],
+        *[ev(8.0, "rank-resumed", generation=1, rank=r, step=2) for r in (0, 1)]]
+    v = Timeline().feed_all(events).view()
+    (ro,) = v.rounds
+    assert ro.outcome == "restarted" and ro.steps_lost == 3  # steps 2, 3, 4 done again
+    assert {b.phase for b in ro.bars if b.rank == 1} == {"stop", "respawn", "resume"}
+
+
+def test_fallback_round_carries_the_same_fault():
+    events = started() + kill_round()[:5] + [
+        ev(4.0, "fallback", strategy="restart-all", reason="no healthy replica"),
+        ev(4.1, "plan", generation=2, strategy="restart-all", failed_ranks=[1], restart_ranks=[0, 1]),
+        ev(4.2, "job-done")]
+    v = Timeline().feed_all(events).view()
+    assert [r.outcome for r in v.rounds][0] == "fallback"
+    assert v.rounds[1].fault is v.rounds[0].fault and v.rounds[1].reason == "fallback: no healthy replica"
+    (f,) = v.faults
+    assert f.strategy == "recover-in-place -> restart-all" and f.round == 1
+    assert v.restarts_used == 1  # the fallback is not counted twice
+
+
+def test_a_fault_during_a_round_supersedes_it():
+    events = started(3) + kill_round()[:5] + [
+        ev(3.6, "worker-failed", generation=1, rank=2, pid=102, fault_kind="signal", detect_ms=1.0),
+        ev(3.7, "round-superseded", generation=1, message="rank 2 failed during recovery"),
+        ev(3.8, "plan", generation=2, strategy="recover-in-place", failed_ranks=[1, 2], restart_ranks=[2])]
+    v = Timeline().feed_all(events).view()
+    assert [r.outcome for r in v.rounds] == ["superseded", "in-progress"]
+    assert [f.rank for f in v.faults] == [1, 2] and v.faults[1].round == 2
+
+
+def test_torn_last_line_is_skipped(tmp_path):
+    from launcher.logs import read_event_file
+
+    p = tmp_path / "events.jsonl"
+    p.write_text('{"time": 1, "event": "start"}\n{"time": 2, "ev')
+    assert read_event_file(str(p)) == [{"time": 1, "event": "start"}]
