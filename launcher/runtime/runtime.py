@@ -137,6 +137,10 @@ class Runtime:
         self._finished = False
         self._total_steps: int | None = None
         self.last_recovery: dict[str, float] = {}
+        self.last_plan: P.RepairPlan | None = None  # the plan of the latest completed round
+        # Called with the generation once a recovery round has rebuilt the default group and
+        # the runtime's own groups: a framework re-creates its groups here (see callbacks).
+        self.on_rebuild: Callable[[int], None] | None = None
         self._t_created = time.monotonic()
         # wall-clock edges of the current recovery round (sent with "recovered"; events.jsonl
         # `rank-recovered.marks`, drawn by `ftctl report`) and the state bytes moved in it
@@ -184,6 +188,8 @@ class Runtime:
                                 timeout=timedelta(seconds=self.env.store_timeout))
         if rebuild_groups:
             self._groups.rebuild(generation)
+            if self.on_rebuild is not None:
+                self.on_rebuild(generation)
         self._mark("rebuilt")
 
     def _teardown_world(self) -> None:
@@ -584,6 +590,7 @@ class Runtime:
     def _execute(self, plan: P.RepairPlan) -> int:
         """Restore/transfer along the plan, post resumed, return the resume step."""
         resume = plan.resume_step
+        self.last_plan = plan
         sources = [src for src, dst in plan.pairs if dst == self.rank]
         if len(sources) > 1:
             raise RuntimeError(f"repair plan names {len(sources)} sources for rank {self.rank}: {plan.pairs}")

@@ -188,7 +188,13 @@ class Registered:
                     raise RuntimeError(f"model {i}: state keys differ from this rank's model: "
                                        f"missing {sorted(set(live) - set(sd))[:5]}, "
                                        f"unexpected {sorted(set(sd) - set(live))[:5]}")
+                other = {k: v for k, v in sd.items() if not isinstance(v, torch.Tensor)
+                         and not (v is None and live[k] is None)}  # e.g. megatron's _extra_state
+                if other:
+                    m.load_state_dict(other, strict=False)
                 for k, v in sd.items():
+                    if not isinstance(v, torch.Tensor):
+                        continue
                     if live[k].shape != v.shape:
                         raise RuntimeError(f"model {i} tensor {k!r}: shape {tuple(v.shape)} "
                                            f"does not match this rank's {tuple(live[k].shape)}")

@@ -1,0 +1,108 @@
+"""megatron-core's process groups across generations (the ARF group rebuild of MindIO TTP).
+
+Owns: `rebuild_parallel_state(models, **init_kwargs)`, the `rebuild_groups` callback body for
+megatron-core: once the runtime has built the new generation's default group, forget
+parallel_state's groups of the old generation (`destroy_model_parallel`), create them again
+(`initialize_model_parallel` with the same arguments, same call order on every rank, the
+replacement doing the same at its start-up), and re-point every group handle the model's
+modules cached at construction (`tp_group`, `pg_collection`, `embd_group`, ...) from the old
+group object to the new one with the same parallel_state name. A cached group parallel_state
+does not know is an error (it would be a stale group of a destroyed generation).
+megatron is imported only when the function runs.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+_ATOMS = (str, bytes, int, float, bool, type(None), torch.Tensor, torch.nn.Module, type)
+
+
+def parallel_state_groups(ps: Any) -> dict[str, Any]:
+    """parallel_state's module globals holding a process group or a list of them."""
+    out: dict[str, Any] = {}
+    for name, value in vars(ps).items():
+        if isinstance(value, dist.ProcessGroup):
+            out[name] = value
+        elif isinstance(value, (list, tuple)) and any(isinstance(v, dist.ProcessGroup) for v in value):
+            out[name] = list(value)
+    return out
+
+
+def group_mapping(old: dict[str, Any], new: dict[str, Any]) -> dict[int, Any]:
+    """id(old group) -> new group, matched by parallel_state name (and list position)."""
+    mapping: dict[int, Any] = {}
+    for name, before in old.items():
+        after = new.get(name)
+        pairs = list(zip(before, after)) if isinstance(before, list) and isinstance(after, list) \
+            and len(before) == len(after) else [(before, after)]
+        for b, a in pairs:
+            if isinstance(b, dist.ProcessGroup):
+                if a is None:
+                    raise RuntimeError(f"parallel_state.{name} was not re-created for the new generation")
+                mapping.setdefault(id(b), a)
+    return mapping
+
+
+class _Repointer:
+    """Replaces old-generation groups inside modules and the plain objects they hold."""
+
+    def __init__(self, mapping: dict[int, Any], current: Iterable[Any]) -> None:
+        self.mapping = mapping
+        self.current = {id(g) for g in current}
+        self.count = 0
+        self._seen: set[int] = set()
+
+    def swap(self, value: Any, where: str) -> Any:
+        if id(value) in self.current:
+            return value
+        new = self.mapping.get(id(value))
+        if new is None:
+            raise RuntimeError(f"{where} holds a process group that megatron's parallel_state does not "
+                               "know; it belongs to an earlier generation and cannot be re-pointed")
+        self.count += 1
+        return new
+
+    def visit(self, obj: Any, where: str, depth: int = 0) -> None:
+        if id(obj) in self._seen or depth > 3:
+            return
+        self._seen.add(id(obj))
+        attrs = vars(obj)
+        for key, value in list(attrs.items()):
+            path = f"{where}.{key}"
+            if isinstance(value, dist.ProcessGroup):
+                attrs[key] = self.swap(value, path)
+            elif isinstance(value, list) and any(isinstance(v, dist.ProcessGroup) for v in value):
+                attrs[key] = [self.swap(v, f"{path}[{i}]") if isinstance(v, dist.ProcessGroup) else v
+                              for i, v in enumerate(value)]
+            elif not isinstance(value, _ATOMS + (dict, list, tuple, set)) and hasattr(value, "__dict__") \
+                    and not callable(value):
+                self.visit(value, path, depth + 1)
+
+
+def repoint_groups(models: Iterable[torch.nn.Module], mapping: dict[int, Any], current: Iterable[Any]) -> int:
+    """Re-point cached groups in every submodule of `models`; returns how many were replaced."""
+    rp = _Repointer(mapping, current)
+    for i, model in enumerate(models):
+        for name, module in model.named_modules():
+            rp.visit(module, f"model[{i}]" + (f".{name}" if name else ""))
+    return rp.count
+
+
+def rebuild_parallel_state(models: torch.nn.Module | Iterable[torch.nn.Module], **init_kwargs: Any) -> int:
+    """destroy_model_parallel + initialize_model_parallel(**init_kwargs) on the current default
+    group, then re-point the groups `models` cached. Returns the number of re-pointed handles.
+    Framework-specific globals (e.g. a CPU replacement of parallel_state's memory buffer) are
+    the caller's to restore afterwards."""
+    ps = importlib.import_module("megatron.core.parallel_state")
+    model_list = [models] if isinstance(models, torch.nn.Module) else list(models)
+    old = parallel_state_groups(ps)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(**init_kwargs)
+    new = parallel_state_groups(ps)
+    current = [g for v in new.values() for g in (v if isinstance(v, list) else [v])
+               if isinstance(g, dist.ProcessGroup)]
+    return repoint_groups(model_list, group_mapping(old, new), current)
