@@ -57,6 +57,15 @@ class FrameworkCallbacks:
     commit: Callable[[int], None] | None = None
 
 
+def resume_callback(callbacks: FrameworkCallbacks, action: str) -> Callable[[int], None] | None:
+    """The callback that ends a round whose plan says `action` ("rollback" or "commit")."""
+    if action not in ("rollback", "commit"):
+        raise ValueError(f"repair plan action {action!r}; allowed: rollback, commit")
+    if action == "commit" and callbacks.commit is not None:
+        return callbacks.commit
+    return callbacks.rollback
+
+
 class FrameworkHooks:
     """What a framework's own training loop calls (see the module docstring for the order)."""
 
@@ -220,8 +229,7 @@ class FrameworkHooks:
             self._callbacks.rebuild_groups(generation)
 
     def _resume_callback(self, plan: P.RepairPlan, step: int) -> None:
-        cb = self._callbacks
-        fn = cb.commit if plan.action == "commit" and cb.commit is not None else cb.rollback
+        fn = resume_callback(self._callbacks, plan.action)
         if fn is not None:
             fn(step)
 
