@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what ftrun needs on a fresh Debian/Ubuntu machine with Python >= 3.10:
 #   - torch pinned to the 2.13.0 CPU build (a bare `pip install torch` pulls a 5 GB CUDA build),
-#   - ftrun itself (editable) with its test extras,
+#   - ftrun itself (editable) with its test extras (pytest; megatron-core 0.16.1 + psutil for the
+#     framework-callbacks example scripts/examples/megatron_train.py),
 #   - with --test: every program the tests run (see TEST_PROGRAMS below), each from its Debian
 #     package, only when missing (a second run installs nothing and takes a few seconds),
 #   - the /etc/hosts line `::ffff:127.0.0.1 localhost-v4mapped`: without it torch's store client
