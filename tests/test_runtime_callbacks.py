@@ -82,6 +82,43 @@ def test_hooks_refuse_out_of_order_calls(monkeypatch):
     assert hooks.committed_step == 1
 
 
+def test_megatron_group_handles_are_repointed_and_stale_ones_refused():
+    import torch.distributed as dist
+
+    from launcher.runtime.megatron import group_mapping, parallel_state_groups, repoint_groups
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        class PgCollection:  # like megatron's ProcessGroupCollection
+            def __init__(self, tp, dp):
+                self.tp, self.dp, self.hcp = tp, dp, [tp]
+
+        class FakeParallelState:  # a module namespace of groups, like megatron's parallel_state
+            pass
+
+        old_tp, old_dp, new_tp, new_dp, stray = (dist.new_group([0]) for _ in range(5))
+        old_ps, new_ps = FakeParallelState(), FakeParallelState()
+        old_ps._TP_GROUP, old_ps._DP_GROUP, old_ps._ALL = old_tp, old_dp, [None, old_tp, old_dp]
+        new_ps._TP_GROUP, new_ps._DP_GROUP, new_ps._ALL = new_tp, new_dp, [None, new_tp, new_dp]
+        mapping = group_mapping(parallel_state_groups(old_ps), parallel_state_groups(new_ps))
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        model[0].tp_group = old_tp
+        shared = PgCollection(old_tp, old_dp)
+        model[0].pg_collection = model[1].pg_collection = shared
+        model[1].tp_group = new_tp  # already current: left alone
+        assert repoint_groups([model], mapping, [new_tp, new_dp]) == 4
+        assert model[0].tp_group is new_tp and shared.tp is new_tp and shared.dp is new_dp
+        assert shared.hcp == [new_tp] and model[1].pg_collection is shared
+        model[1].stale = stray
+        with pytest.raises(RuntimeError, match=r"model\[0\]\.1\.stale holds a process group"):
+            repoint_groups([model], mapping, [new_tp, new_dp])
+        del old_ps._TP_GROUP
+        with pytest.raises(RuntimeError, match="_DP_GROUP was not re-created"):
+            group_mapping(parallel_state_groups(old_ps), {"_TP_GROUP": new_tp})
+    finally:
+        dist.destroy_process_group()
+
+
 ROUTED_WORKER = r"""
 import os, threading, time
 import torch, torch.distributed as dist

@@ -38,6 +38,9 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 TP = 2
+# megatron's group timeout (default 30 min) also bounds creating a group while a rank died during
+# a recovery round; keep it short so such a round fails over to the next one quickly.
+GROUP_TIMEOUT_MIN = 2
 VOCAB = 128
 SEQ = 16
 
@@ -50,7 +53,8 @@ class CpuMemoryBuffer:
 
 
 def init_parallel_state() -> None:
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP,
+                                             distributed_timeout_minutes=GROUP_TIMEOUT_MIN)
     parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
 
 
@@ -165,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     pos = {"batch": 0}
 
     def rebuild_groups(generation: int) -> None:
-        n = rebuild_parallel_state(model, tensor_model_parallel_size=TP)
+        n = rebuild_parallel_state(model, tensor_model_parallel_size=TP,
+                                   distributed_timeout_minutes=GROUP_TIMEOUT_MIN)
         parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
         print(f"rank {hooks.rank}: megatron groups rebuilt for generation {generation} "
               f"({n} cached handles re-pointed)", flush=True)
