@@ -89,3 +89,27 @@ def test_full_state_shape_mismatch_is_a_clear_error():
     state["models"][0]["0.weight"] = torch.zeros(3, 3)
     with pytest.raises(RuntimeError, match="0.weight"):
         make()[-1].load_full_state(state, DeviceAdapter())
+
+
+class WithExtraState(torch.nn.Linear):
+    """A module whose state_dict carries a non-tensor `_extra_state` (megatron's layers: None)."""
+
+    def __init__(self, extra: object) -> None:
+        super().__init__(2, 2)
+        self.extra = extra
+
+    def get_extra_state(self) -> object:
+        return self.extra
+
+    def set_extra_state(self, state: object) -> None:
+        self.extra = state
+
+
+def test_full_state_load_accepts_non_tensor_extra_state():
+    dev = DeviceAdapter()
+    for sent, held in ((None, None), ({"fp8": 3}, {"fp8": 0})):
+        src, dst = WithExtraState(sent), WithExtraState(held)
+        a, b = Registered([src]), Registered([dst])
+        b.load_full_state(a.full_state(a.snapshot(4, dev)), dev)
+        assert dst.extra == sent
+        assert torch.equal(dst.weight, src.weight)
