@@ -70,10 +70,12 @@ def test_dynamic_closes_after_last_call_and_rejects_extra_agent() -> None:
         assert 0.55 <= took < 3.0
         assert sorted(w.group_rank for w in worlds) == [0, 1]
         assert {w.world_size for w in worlds} == {4} and {w.group_world_size for w in worlds} == {2}
-        # the world is closed and every member is alive: a late agent cannot get in
-        late = Membership(kv, None, 2, 3, 2, "late", "job", **FAST)
-        with pytest.raises(RendezvousError, match="still alive"):
-            late.join(timeout=0.5)
+        # the world is closed and every member is alive: a late agent waits as a hot spare
+        late = Membership(kv, None, 2, 3, 2, "late", "job", spare_timeout=0.5, **FAST)
+        with pytest.raises(RendezvousError, match="no node of run job was lost within "
+                                                  "spare_timeout=0.5s"):
+            late.join(timeout=5)
+        assert ms[0].spares() == []  # its record went with it
     finally:
         for m in ms:
             m.stop()
