@@ -48,6 +48,7 @@ CONTROLLER_KEY = f"{RDZV}/controller"
 
 LEAVE_DONE = "done"  # finished: no vacancy
 LEAVE_SIGNAL = "signal"  # stopped by a signal (preemption): its ranks need a new home
+LEAVE_ROUND = "round"  # moved on to the next rendezvous round (scale_up=restart)
 
 
 def node_key(node_rank: int) -> str:
@@ -116,6 +117,7 @@ class Registration:
     group_rank: int = -1
     hosts_store: bool = False  # this agent hosts the embedded store
     beat: float = 0.0  # hot spares on stores without leases: wall time of the last refresh
+    prev_rank: int = -1  # a new round: this agent's group rank in the previous one (-1: new)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

@@ -63,13 +63,14 @@ import time
 import uuid
 from typing import Any, Callable
 
+from rendezvous import rounds
 from rendezvous.election import Election, read_controller
 from rendezvous.errors import (STORE_UNREACHABLE, FencedError, JoinInterrupted,  # noqa: F401
                                NodeLostError, RendezvousError, RendezvousGracefulExit,
                                StoreHostLostError)
-from rendezvous.keys import (GENERATION_KEY, JOIN_SEQ_KEY, LEAVE_DONE, LEAVE_SIGNAL, RUN_ID_KEY,
-                             SPARE_PREFIX, WORLD_KEY, Registration, incarnation_key, join_key,
-                             spare_key, static_join_key)
+from rendezvous.keys import (GENERATION_KEY, JOIN_SEQ_KEY, LEAVE_DONE, LEAVE_ROUND, LEAVE_SIGNAL,
+                             RUN_ID_KEY, SPARE_PREFIX, WORLD_KEY, Registration, incarnation_key,
+                             join_key, spare_key, static_join_key)
 from rendezvous.kv import KVStore, StoreError, StoreTimeout
 from rendezvous.liveness import LeaseLiveness, Lost, Timing, liveness_for
 from rendezvous.settings import RendezvousSettings
@@ -116,19 +117,24 @@ class Membership:
                  last_call_timeout: float = 30.0, heartbeat_interval: float = 1.0,
                  heartbeat_timeout: float = 5.0, *, close_timeout: float = 30.0,
                  read_timeout: float = 60.0, spare_timeout: float | None = None,
-                 hosts_store: bool = False, previous: NodeWorld | None = None) -> None:
+                 scale_up: str = "spare", hosts_store: bool = False,
+                 previous: NodeWorld | None = None, prev_rank: int = -1,
+                 expect: int = 0) -> None:
         _check_args(node_rank, nnodes_min, nnodes_max, local_world_size, run_id,
                     {"join_timeout": join_timeout, "last_call_timeout": last_call_timeout,
                      "heartbeat_interval": heartbeat_interval,
                      "heartbeat_timeout": heartbeat_timeout, "close_timeout": close_timeout,
                      "read_timeout": read_timeout, "spare_timeout": spare_timeout})
+        if scale_up not in ("spare", "restart"):
+            raise ValueError(f"scale_up={scale_up!r}: must be spare (a late node waits as a hot "
+                             "spare) or restart (a new rendezvous round includes it)")
         self._args: dict[str, Any] = dict(
             node_rank=node_rank, nnodes_min=nnodes_min, nnodes_max=nnodes_max,
             local_world_size=local_world_size, host=host, run_id=run_id,
             join_timeout=join_timeout, last_call_timeout=last_call_timeout,
             heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
             close_timeout=close_timeout, read_timeout=read_timeout, spare_timeout=spare_timeout,
-            hosts_store=hosts_store)
+            scale_up=scale_up, hosts_store=hosts_store)
         self.kv = kv
         self.node_rank = node_rank
         self.nnodes_min, self.nnodes_max = nnodes_min, nnodes_max
@@ -143,6 +149,9 @@ class Membership:
         self.read_timeout = float(read_timeout)
         self.spare_timeout = None if spare_timeout is None else float(spare_timeout)
         self.hosts_store = hosts_store
+        self.scale_up = scale_up
+        self.prev_rank = prev_rank  # next_round(): group rank in the previous round
+        self.expect = expect  # next_round(): close as soon as this many arrived
         self.previous = previous  # the world of the lost agent this one renews (renew())
         self.static = node_rank is not None
         self.nonce = uuid.uuid4().hex
@@ -157,6 +166,7 @@ class Membership:
         self._watch_lock = threading.Lock()
         self._watching = False
         self._election: Election | None = None
+        self._round_opened = 0  # the round a retired marker seen at join opened
 
     @classmethod
     def from_settings(cls, kv: KVStore, node_rank: int | None, nnodes_min: int,
@@ -170,7 +180,7 @@ class Membership:
                    heartbeat_interval=s.keep_alive_interval,
                    heartbeat_timeout=s.liveness_timeout, close_timeout=s.close_timeout,
                    read_timeout=s.read_timeout, spare_timeout=s.spare_timeout,
-                   hosts_store=hosts_store)
+                   scale_up=s.scale_up, hosts_store=hosts_store)
 
     def renew(self) -> "Membership":
         """A fresh identity (new nonce, next incarnation) with the same parameters, to rejoin
@@ -274,12 +284,14 @@ class Membership:
     def watch_nodes(self, on_dead: Callable[[int], None],
                     on_join: Callable[[int], None] | None = None,
                     on_leader: Callable[[int], None] | None = None,
-                    on_lost: Callable[[Lost], None] | None = None) -> None:
+                    on_lost: Callable[[Lost], None] | None = None,
+                    on_round: Callable[[int], None] | None = None) -> None:
         """Report other nodes' deaths (`on_dead(group_rank)`, once per incarnation, within the
         heartbeat/lease timeout), replacements and spares taking a rank (`on_join`), leader
-        changes (`on_leader`) and this agent losing its membership (`on_lost(Lost)`: see
-        lost_error()). Callbacks run on a membership thread: keep them short (queue the work).
-        Call once, after join()."""
+        changes (`on_leader`), this agent losing its membership (`on_lost(Lost)`: see
+        lost_error()) and a new rendezvous round being requested (`on_round(round)`: stop the
+        workers, then next_round()). Callbacks run on a membership thread: keep them short
+        (queue the work). Call once, after join()."""
         if self.world is None:
             raise RendezvousError("watch_nodes() needs join() first")
         with self._watch_lock:
@@ -289,6 +301,8 @@ class Membership:
         self.liveness.roster.subscribe(on_dead, on_join, on_leader)
         self.liveness.roster.on_lost(on_lost)
         self.liveness.watch([n.node_rank for n in self.world.nodes])
+        if on_round is not None:
+            self.liveness.spawn(lambda: self._watch_round(on_round), "round")
 
     # ------------------------------------------------------------------------------ leaving
 
@@ -325,6 +339,71 @@ class Membership:
         want = str(new).encode()
         return self.liveness.fenced_compare_set(GENERATION_KEY, str(expected).encode(),
                                                 want) == want
+
+    # ------------------------------------------------------------------------------ rounds
+
+    def request_round(self) -> int:
+        """Ask for a new rendezvous round that includes the waiting spares (scale_up=restart;
+        the controller calls it). Returns the new round number (also when another agent
+        requested it first). Every member hears of it through on_round and calls
+        next_round(). See rendezvous.rounds. FencedError when this agent is stale."""
+        if self.static or self.world is None:
+            raise RendezvousError("a new rendezvous round needs a joined dynamic world "
+                                  "(--nnodes MIN:MAX without --node-rank)")
+        raw = self.kv.get(WORLD_KEY, self.read_timeout)
+        doc = json.loads(raw)
+        if not doc.get("retired"):
+            expect = min(self.nnodes_max, len(self.alive_nodes()) + len(self.spares()))
+            want = rounds.marker(self.world.round + 1, expect, self.nonce)
+            got = self.liveness.fenced_compare_set(WORLD_KEY, raw, want)
+            doc = json.loads(got)
+            if got == want:
+                log.info("node %d asks for rendezvous round %d (%d nodes expected)",
+                         self.world.group_rank, doc["round"], expect)
+        return int(doc.get("round", 0))
+
+    def next_round(self, timeout: float | None = None,
+                   stop: threading.Event | None = None) -> "Membership":
+        """Leave this round and join the requested one (see rendezvous.rounds); returns the new,
+        joined Membership (this one is stopped). Survivors keep their group ranks when nobody
+        was lost. Raises like join()."""
+        assert self.world is not None, "next_round() needs join() first"
+        doc = rounds.pending(self.kv, self.world.round)
+        if doc is None:
+            raise RendezvousError(f"no rendezvous round after {self.world.round} was requested")
+        me = self.liveness.roster.me
+        others = [(gr, inc) for gr, inc in self.liveness.roster.alive().items() if gr != me[0]]
+        self.stop(leave=True, reason=LEAVE_ROUND)
+        if doc.get("by") == self.nonce:
+            waits = Interrupt()
+            waits.follow(stop)
+            if not rounds.wait_left(lambda: all(self.liveness.gone_for_good(g, i)
+                                                for g, i in others),
+                                    self.close_timeout, waits.sleep):
+                log.warning("round %d: not every node left round %d within %gs; going on",
+                            doc["round"], self.world.round, self.close_timeout)
+            rounds.wipe(self.kv, whole_run=False)
+        nxt = Membership(self.kv, **self._args, prev_rank=self.world.group_rank,
+                         expect=int(doc.get("expect", 0)))
+        nxt._round_opened = int(doc["round"])
+        nxt.join(timeout, stop)
+        return nxt
+
+    def _watch_round(self, on_round: Callable[[int], None]) -> None:
+        assert self.world is not None
+        while not self.liveness.stopping.wait(self.heartbeat_interval):
+            try:
+                doc = rounds.pending(self.kv, self.world.round)
+            except StoreError:
+                continue
+            if doc is not None:
+                log.info("node %d: rendezvous round %d was requested", self.world.group_rank,
+                         doc["round"])
+                try:
+                    on_round(int(doc["round"]))
+                except Exception:  # noqa: BLE001 - a failing callback must not kill the thread
+                    log.exception("on_round callback failed")
+                return
 
     # ------------------------------------------------------------------------------ controller
 
@@ -367,6 +446,7 @@ class Membership:
                         else self._join_dynamic(deadline, timeout))
             old = json.loads(raw)
             if old.get("retired"):
+                self._round_opened = max(self._round_opened, int(old.get("round", 0)))
                 self._wait_wiped(deadline)
             elif self.liveness.world_is_dead([n["node_rank"] for n in old["nodes"]]):
                 self._retire(raw, deadline)
@@ -382,7 +462,7 @@ class Membership:
     def _record(self, **kw: Any) -> Registration:
         return Registration(nonce=self.nonce, host=self.host, pid=self.pid,
                             local_world_size=self.local_world_size, node_rank=self.node_rank,
-                            hosts_store=self.hosts_store, **kw)
+                            hosts_store=self.hosts_store, prev_rank=self.prev_rank, **kw)
 
     def _join_static(self, deadline: float, timeout: float) -> NodeWorld:
         assert self.node_rank is not None
@@ -410,6 +490,7 @@ class Membership:
 
     def _join_dynamic(self, deadline: float, timeout: float) -> NodeWorld:
         slot = self.kv.add(JOIN_SEQ_KEY, 1) - 1
+        target = min(self.nnodes_max, self.expect) if self.expect > 0 else self.nnodes_max
         if slot >= self.nnodes_max:
             log.info("rendezvous already has %d nodes; waiting for the world to close",
                      self.nnodes_max)
@@ -419,8 +500,8 @@ class Membership:
         self.liveness.put(join_key(slot), self._record(slot=slot).to_json())
         log.info("joined rendezvous in slot %d (nnodes %d:%d)", slot, self.nnodes_min,
                  self.nnodes_max)
-        if slot == self.nnodes_max - 1:
-            raw = self.kv.try_get(WORLD_KEY) or self._close_dynamic(self.nnodes_max)
+        if slot == target - 1:
+            raw = self.kv.try_get(WORLD_KEY) or self._close_dynamic(slot + 1)
             return self._enter(json.loads(raw), deadline)
         if slot + 1 < self.nnodes_min:
             if not wait_keys(self.kv, [join_key(self.nnodes_min - 1)], deadline,
@@ -448,7 +529,7 @@ class Membership:
 
     def _close(self, members: list[Registration]) -> bytes:
         """Write the world (first writer wins); return the world that won."""
-        world = build_world(members, self.static, self.run_id)
+        world = build_world(members, self.static, self.run_id, self._round_opened)
         raw = json.dumps(world, sort_keys=True).encode()
         won = self.kv.compare_set(WORLD_KEY, b"", raw)
         if won == raw:
@@ -488,14 +569,11 @@ class Membership:
     def _retire(self, old_raw: bytes, deadline: float) -> None:
         """Replace a dead world by a 'retired' marker (one agent wins), wipe the run's keys
         (world last), and let every arriving agent start a fresh rendezvous."""
-        marker = json.dumps({"retired": True, "by": self.nonce}).encode()
+        marker = rounds.marker(0, 0, self.nonce)
         if self.kv.compare_set(WORLD_KEY, old_raw, marker) == marker:
             log.warning("run %s: every node of the earlier rendezvous in this store is gone; "
                         "clearing its keys and starting a new rendezvous", self.run_id)
-            for key in self.kv.keys(""):
-                if key != WORLD_KEY:
-                    self.kv.delete(key)
-            self.kv.delete(WORLD_KEY)
+            rounds.wipe(self.kv, whole_run=True)
         else:
             self._wait_wiped(deadline)
 
@@ -518,7 +596,7 @@ class Membership:
             raise RendezvousError(f"store holds the world of run {world.get('run_id')!r}")
         n = len(world["nodes"])
         if not self.static:
-            for gr in self.liveness.vacancies(list(range(n))):
+            for gr in self._vacancies(n):
                 if self._try_claim(gr, deadline, judge=False):
                     return self._replaced(world, gr)
             return self._wait_as_spare(world)
@@ -543,18 +621,25 @@ class Membership:
         ranks = list(range(len(world["nodes"])))
         key, rec = spare_key(self.nonce), self._record().to_json()
         self.liveness.put_spare(key, rec)
-        log.info("run %s is full (%d nodes alive): %s waits as a hot spare for the next lost "
-                 "node", self.run_id, len(ranks), self.host)
+        log.info("run %s is running with %d nodes: %s waits as a hot spare %s", self.run_id,
+                 len(ranks), self.host, "for the next lost node" if self.scale_up == "spare"
+                 else "for a new rendezvous round (scale_up=restart)")
         end = None if self.spare_timeout is None else time.monotonic() + self.spare_timeout
         try:
             while True:
                 self._interrupt.check("waiting as a hot spare")
                 if self.lost.is_set():
                     raise self.lost_error() or NodeLostError("lost while a spare", "")
-                for gr in self.liveness.vacancies(ranks):
+                for gr in self._vacancies(len(ranks)):
                     if self._try_claim(gr, 0.0, judge=False):
                         log.info("hot spare %s takes over node %d", self.host, gr)
                         return self._replaced(world, gr, from_spare=True)
+                doc = rounds.pending(self.kv, int(world.get("round", 0)))
+                if doc is not None:
+                    log.info("%s joins rendezvous round %d", self.host, doc["round"])
+                    self._round_opened = int(doc["round"])
+                    return self._find_world(time.monotonic() + self.join_timeout,
+                                            self.join_timeout)
                 if self.liveness.all_done(ranks):
                     raise RendezvousGracefulExit(f"run {self.run_id} finished while this agent "
                                                  "waited as a hot spare")
@@ -570,6 +655,11 @@ class Membership:
                 self.kv.delete(key)
             except StoreError:
                 pass  # leased on etcd: it goes with the lease
+
+    def _vacancies(self, n: int) -> list[int]:
+        """Ranks a late dynamic agent may claim: none with scale_up=restart (it waits for a
+        new round instead)."""
+        return self.liveness.vacancies(list(range(n))) if self.scale_up == "spare" else []
 
     def _try_claim(self, gr: int, deadline: float, judge: bool) -> bool:
         """Take over group rank `gr` if its current holder is dead. With `judge`, give the

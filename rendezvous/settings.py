@@ -14,6 +14,9 @@ components (etcd TLS, proxy, is_host, ...) and are ignored here.
   heartbeat_timeout       s   the liveness timeout itself (overrides interval * max_attempt)
   spare_timeout           s   a hot spare gives up after this long (default: waits until the
                               run ends or it is stopped)
+  scale_up                    spare (a node arriving while the job runs waits as a hot spare
+                              and takes the next lost node's ranks) | restart (torchrun: a new
+                              rendezvous round includes it; see rendezvous.rounds)
 `timeout` is accepted as join_timeout when join_timeout is not given (static rendezvous).
 """
 from __future__ import annotations
@@ -36,6 +39,7 @@ class RendezvousSettings:
     keep_alive_max_attempt: int = 5
     heartbeat_timeout: float | None = None  # None: keep_alive_interval * keep_alive_max_attempt
     spare_timeout: float | None = None  # None: a spare waits until the run ends or it is stopped
+    scale_up: str = "spare"  # or "restart"
 
     def __post_init__(self) -> None:
         for name in _SECONDS:
@@ -45,6 +49,8 @@ class RendezvousSettings:
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
                     or v <= 0:
                 raise ValueError(f"--rdzv-conf {name}={v!r}: must be a number of seconds > 0")
+        if self.scale_up not in ("spare", "restart"):
+            raise ValueError(f"--rdzv-conf scale_up={self.scale_up!r}: must be spare or restart")
         n = self.keep_alive_max_attempt
         if not isinstance(n, int) or isinstance(n, bool) or n < 2:
             raise ValueError(f"--rdzv-conf keep_alive_max_attempt={n!r}: must be an integer >= 2")
@@ -75,6 +81,8 @@ class RendezvousSettings:
             except ValueError:
                 raise ValueError(f"--rdzv-conf keep_alive_max_attempt={raw!r}: must be an "
                                  "integer >= 2") from None
+        if conf.get("scale_up") not in (None, ""):
+            vals["scale_up"] = str(conf["scale_up"]).strip().lower()
         return cls(**vals)  # type: ignore[arg-type]
 
 

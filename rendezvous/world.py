@@ -42,6 +42,7 @@ class NodeWorld:
     rejoined: bool = False  # True for a replacement agent that joined a running job
     run_id: str = ""
     from_spare: bool = False  # True when this agent waited as a hot spare first
+    round: int = 0  # rendezvous round (a new one per scale-up restart; see rendezvous.rounds)
 
     @property
     def me(self) -> NodeInfo:
@@ -66,12 +67,14 @@ class SpareInfo:
         return cls(r.host, r.pid, r.local_world_size, r.nonce)
 
 
-def build_world(members: list[Registration], static: bool, run_id: str) -> dict:
-    """The world JSON for `members` (static: by node rank; dynamic: by arrival slot)."""
+def build_world(members: list[Registration], static: bool, run_id: str,
+                round_: int = 0) -> dict:
+    """The world JSON for `members` (static: by node rank; dynamic: survivors of the previous
+    round by their old group rank, then everyone else by arrival slot)."""
     if static:
         members = sorted(members, key=lambda r: r.node_rank if r.node_rank is not None else -1)
     else:
-        members = sorted(members, key=lambda r: r.slot)
+        members = sorted(members, key=lambda r: (r.prev_rank < 0, r.prev_rank, r.slot))
     nodes, base = [], 0
     for gr, r in enumerate(members):
         nodes.append({"node_rank": gr, "host": r.host, "pid": r.pid,
@@ -79,7 +82,7 @@ def build_world(members: list[Registration], static: bool, run_id: str) -> dict:
                       "incarnation": 1, "nonce": r.nonce, "hosts_store": r.hosts_store})
         base += r.local_world_size
     return {"run_id": run_id, "static": static, "nodes": nodes, "world_size": base,
-            "leader_node": 0}
+            "leader_node": 0, "round": round_}
 
 
 def node_world(world: dict, group_rank: int, rejoined: bool, run_id: str) -> NodeWorld:
@@ -90,4 +93,4 @@ def node_world(world: dict, group_rank: int, rejoined: bool, run_id: str) -> Nod
     return NodeWorld(generation=0, group_rank=group_rank, group_world_size=len(nodes),
                      nodes=nodes, world_size=world["world_size"],
                      leader_node=world["leader_node"], rejoined=rejoined,
-                     run_id=world.get("run_id", run_id))
+                     run_id=world.get("run_id", run_id), round=int(world.get("round", 0)))

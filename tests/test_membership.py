@@ -457,13 +457,13 @@ def test_hot_spare_waits_visibly_and_takes_the_lost_nodes_rank(stores: Stores) -
         while not ms[0].spares() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert [s.host for s in ms[0].spares()] == ["spare-host"]
-        lost = ms[1].world.me
-        ms[1].stop(leave=False)  # node 1 crashes
-        ev.wait(("dead", 1), T["heartbeat_timeout"] + 2.5)
-        ev.wait(("join", 1), 3.0)
+        lost = ms[1].world.me  # ranks follow arrival: node 1 may hold group rank 0
+        ms[1].stop(leave=False)  # that node crashes
+        ev.wait(("dead", lost.node_rank), T["heartbeat_timeout"] + 2.5)
+        ev.wait(("join", lost.node_rank), 3.0)
         t.join(5)
         w = box[0]
-        assert w.from_spare and w.rejoined and w.group_rank == 1
+        assert w.from_spare and w.rejoined and w.group_rank == lost.node_rank
         assert w.me.rank_base == lost.rank_base and w.me.host == "spare-host"
         assert ms[0].alive_nodes() == [0, 1] and ms[0].spares() == []
     finally:
@@ -493,13 +493,14 @@ def test_spare_takes_a_signalled_nodes_rank_and_exits_when_the_run_is_done() -> 
         while len(ms[0].spares()) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         t0 = time.monotonic()
+        gone = ms[1].group_rank
         ms[1].leave(LEAVE_SIGNAL)  # preempted: its ranks need a new home
         deadline = time.monotonic() + 3
         while not any(isinstance(o, NodeWorld) for o in out) and time.monotonic() < deadline:
             time.sleep(0.02)
         assert time.monotonic() - t0 < 1.5
         taker = next(i for i in range(2) if isinstance(out[i], NodeWorld))
-        assert out[taker].group_rank == 1
+        assert out[taker].group_rank == gone
         ms[0].stop()  # the run is over: "done"
         spares[taker].stop()
         threads[1 - taker].join(5)
@@ -613,3 +614,56 @@ def test_losing_the_embedded_store_host_is_reported_as_such() -> None:
             m.stop()
         for kv in kvs:
             kv.close()
+
+
+def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(
+        stores: Stores) -> None:
+    kvs = [stores.client() for _ in range(3)]
+    ms = [Membership(kv, None, 1, 3, 2, f"h{i}", "m10", last_call_timeout=0.3,
+                     scale_up="restart", **T) for i, kv in enumerate(kvs[:2])]
+    first = threading.Thread(target=ms[0].join)
+    first.start()
+    time.sleep(0.2)
+    assert isinstance(ms[1].join(timeout=10), NodeWorld)
+    first.join(10)
+    assert sorted(m.group_rank for m in ms) == [0, 1]
+    kvs[0].set(GENERATION_KEY, b"5")
+    kvs[0].set("ftrun/plan/7", b"kept")
+    rounds: list[int] = []
+    for m in ms:
+        m.watch_nodes(lambda g: None, on_round=rounds.append)
+    late = Membership(kvs[2], None, 1, 3, 2, "late", "m10", last_call_timeout=0.3,
+                      scale_up="restart", **T)
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(late.join(timeout=30)))
+    t.start()
+    new: list = [None, None]
+    try:
+        deadline = time.monotonic() + 3
+        while not ms[0].spares() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [s.host for s in ms[0].spares()] == ["late"]
+        assert ms[0].request_round() == 1 and ms[1].request_round() == 1  # one request wins
+        deadline = time.monotonic() + 3
+        while len(rounds) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rounds == [1, 1]
+        movers = [threading.Thread(target=lambda i=i: new.__setitem__(i, ms[i].next_round(10)))
+                  for i in range(2)]
+        for th in movers:
+            th.start()
+        for th in movers + [t]:
+            th.join(15)
+        worlds = [m.world for m in new] + box
+        assert all(isinstance(w, NodeWorld) for w in worlds), worlds
+        assert [w.group_rank for w in worlds] == [0, 1, 2]  # survivors keep their ranks
+        assert {w.round for w in worlds} == {1} and {w.group_world_size for w in worlds} == {3}
+        assert [n.host for n in worlds[0].nodes] == ["h0", "h1", "late"]
+        assert [n.rank_base for n in worlds[2].nodes] == [0, 2, 4]
+        assert kvs[0].try_get(GENERATION_KEY) == b"5" and worlds[0].generation == 5
+        assert kvs[0].try_get("ftrun/plan/7") == b"kept"
+    finally:
+        for m in ms + new + [late]:
+            if m is not None:
+                m.stop()
+        t.join(5)

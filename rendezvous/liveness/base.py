@@ -307,6 +307,22 @@ class Liveness(ABC):
         """True when incarnation `inc` of `gr` is known to be gone (left, or declared dead)."""
         return self._has_left(gr, inc)
 
+    @property
+    def stopping(self) -> threading.Event:
+        """Set by stop(): threads that membership runs with `spawn` end on it."""
+        return self._stop
+
+    def spawn(self, target: Callable[[], None], name: str) -> None:
+        """Run `target` on a thread this liveness owns (stop() joins it)."""
+        self._spawn(target, name)
+
+    def gone_for_good(self, gr: int, inc: int) -> bool:
+        """True when incarnation `inc` of `gr` no longer holds the rank or is marked gone."""
+        raw = self.kv.try_get(node_key(gr))
+        if raw is None or Registration.from_json(raw).incarnation != inc:
+            return True
+        return self._marked(gr, inc)
+
     def _spawn(self, target: Callable[[], None], name: str) -> None:
         t = threading.Thread(target=target, name=f"ftrun-membership-{name}", daemon=True)
         with self._lock:
