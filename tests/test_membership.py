@@ -619,7 +619,7 @@ def test_losing_the_embedded_store_host_is_reported_as_such() -> None:
 def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(
         stores: Stores) -> None:
     kvs = [stores.client() for _ in range(3)]
-    ms = [Membership(kv, None, 1, 3, 2, f"h{i}", "m10", last_call_timeout=0.3,
+    ms = [Membership(kv, None, 2, 3, 2, f"h{i}", "m10", last_call_timeout=0.3,
                      scale_up="restart", **T) for i, kv in enumerate(kvs[:2])]
     first = threading.Thread(target=ms[0].join)
     first.start()
@@ -632,7 +632,7 @@ def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(
     rounds: list[int] = []
     for m in ms:
         m.watch_nodes(lambda g: None, on_round=rounds.append)
-    late = Membership(kvs[2], None, 1, 3, 2, "late", "m10", last_call_timeout=0.3,
+    late = Membership(kvs[2], None, 2, 3, 2, "late", "m10", last_call_timeout=0.3,
                       scale_up="restart", **T)
     box: list = []
     t = threading.Thread(target=lambda: box.append(late.join(timeout=30)))
