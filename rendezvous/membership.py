@@ -167,6 +167,7 @@ class Membership:
         self._watching = False
         self._election: Election | None = None
         self._round_opened = 0  # the round a retired marker seen at join opened
+        self._slot: int | None = None  # dynamic arrival slot while the world is not closed
 
     @classmethod
     def from_settings(cls, kv: KVStore, node_rank: int | None, nnodes_min: int,
@@ -261,11 +262,13 @@ class Membership:
                 self._probe_store()
             self.liveness.begin()
             world = self._find_world(deadline, timeout)
-        except JoinInterrupted:
-            self.stop(leave=True, reason=LEAVE_SIGNAL)
-            raise
-        except BaseException:
-            self.stop(leave=True)  # our registrations disappear (or are marked left)
+        except BaseException as exc:
+            interrupted = self._interrupt.is_set()
+            self._withdraw()
+            self.stop(leave=True, reason=LEAVE_SIGNAL if interrupted else LEAVE_DONE)
+            if interrupted and not isinstance(exc, JoinInterrupted):
+                # stop() from another thread can make a store call fail before the check
+                raise JoinInterrupted(f"rendezvous: interrupted (stop requested): {exc}") from exc
             raise
         self.world = world
         self.start_heartbeat()
@@ -498,6 +501,7 @@ class Membership:
                 raise StoreTimeout(f"rendezvous: the world did not close within {timeout:g}s")
             return self._rejoin(json.loads(self.kv.get(WORLD_KEY, self.read_timeout)), deadline)
         self.liveness.put(join_key(slot), self._record(slot=slot).to_json())
+        self._slot = slot
         log.info("joined rendezvous in slot %d (nnodes %d:%d)", slot, self.nnodes_min,
                  self.nnodes_max)
         if slot == target - 1:
@@ -514,6 +518,17 @@ class Membership:
             count = min(int(self.kv.try_get(JOIN_SEQ_KEY) or b"0"), self.nnodes_max)
             self._close_dynamic(count)
         return self._enter(json.loads(self.kv.get(WORLD_KEY, self.read_timeout)), deadline)
+
+    def _withdraw(self) -> None:
+        """A join that fails before the world closes takes back its arrival slot, so the world
+        does not close with a node that is gone (etcd: leased, it goes with the lease)."""
+        if self._slot is None or self.can_elect:
+            return
+        try:
+            if self.kv.try_get(WORLD_KEY) is None:
+                self.kv.delete(join_key(self._slot))
+        except StoreError:
+            pass
 
     def _close_dynamic(self, count: int) -> bytes:
         keys = [join_key(s) for s in range(count)]

@@ -15,6 +15,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -249,6 +250,12 @@ class AgentProc:
             if ev.get("event") == event and all(ev.get(k) == v for k, v in match.items()):
                 return ev
 
+    def term(self) -> float:
+        """SIGTERM the agent; return the wall time of the signal."""
+        t = time.time()
+        self.proc.send_signal(signal.SIGTERM)
+        return t
+
     def kill(self) -> float:
         """SIGKILL the agent; return the wall time of the kill."""
         t = time.time()
@@ -290,6 +297,8 @@ def _agent_main(argv: list[str]) -> int:
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(threadName)s %(message)s")
+    from rendezvous.errors import JoinInterrupted
+    from rendezvous.keys import LEAVE_SIGNAL
     from rendezvous.membership import Membership
 
     if a.backend == "etcd":
@@ -312,17 +321,33 @@ def _agent_main(argv: list[str]) -> int:
                    a.lws, a.host, a.run_id, join_timeout=a.join_timeout,
                    last_call_timeout=a.last_call, heartbeat_interval=a.hb_interval,
                    heartbeat_timeout=a.hb_timeout, read_timeout=5.0, hosts_store=a.hosts_store)
-    _start(m, out)
+    done, termed = threading.Event(), threading.Event()
+
+    def on_term(_sig: int, _frame: object) -> None:  # what an agent does: no I/O here
+        termed.set()
+        done.set()
+        m.interrupt()
+
+    signal.signal(signal.SIGTERM, on_term)
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    out(event="joining", t=time.time())
+    try:
+        _start(m, out)
+    except JoinInterrupted as exc:
+        out(event="interrupted", error=str(exc), t=time.time())
+        kv.close()
+        return 143
     if a.rejoin:
-        stdin_closed = threading.Event()
-        threading.Thread(target=lambda: (sys.stdin.read(), stdin_closed.set()),
-                         daemon=True).start()
-        m = _rejoin_loop(m, out, stdin_closed)
+        m = _rejoin_loop(m, out, done)
     else:
-        sys.stdin.read()  # parent closes stdin to stop us
-    m.stop()
+        done.wait()  # parent closes stdin (or sends SIGTERM) to stop us
+    if termed.is_set():
+        m.leave(LEAVE_SIGNAL)
+        out(event="left", t=time.time())
+    else:
+        m.stop()
     kv.close()
-    return 0
+    return 143 if termed.is_set() else 0
 
 
 def _start(m, out) -> None:

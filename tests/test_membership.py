@@ -667,3 +667,29 @@ def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(
             if m is not None:
                 m.stop()
         t.join(5)
+
+
+def test_sigterm_ends_a_waiting_agent_at_once_and_a_joined_one_leaves(stores: Stores) -> None:
+    endpoint = f"{stores.host}:{stores.port}"
+    lonely = AgentProc(stores.backend, endpoint, "term1", 0, "2", name="lonely")
+    try:
+        lonely.expect("joining", 20)
+        time.sleep(0.5)  # waiting for a second node
+        sent = lonely.term()
+        ev = lonely.expect("interrupted", 3)
+        assert ev["t"] - sent < 1.0 and lonely.proc.wait(5) == 143
+    finally:
+        lonely.stop()
+    a = AgentProc(stores.backend, endpoint, "term1", 0, "2", name="a", hb_timeout=1.0)
+    b = AgentProc(stores.backend, endpoint, "term1", 1, "2", name="b", hb_timeout=1.0)
+    try:
+        a.expect("world", 20)
+        b.expect("world", 20)
+        time.sleep(0.3)
+        sent = b.term()
+        assert b.expect("left", 3)["t"] - sent < 1.0 and b.proc.wait(5) == 143
+        with pytest.raises(AssertionError, match="no dead"):
+            a.expect("dead", 2.0)  # a leave, not a death
+    finally:
+        for p in (a, b):
+            p.stop()

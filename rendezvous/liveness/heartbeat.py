@@ -223,6 +223,8 @@ class HeartbeatLiveness(Liveness):
     def _check_loop(self) -> None:
         seen: dict[int, tuple[bytes | None, float]] = {}
         while not self._stop.wait(self.timing.interval / 2):
+            if self.roster.lost.is_set():
+                continue  # a lost agent judges nobody (its view is stale)
             me = self.roster.me[0]
             alive = self.roster.alive()
             lowest = min(alive) if alive else me
