@@ -3,7 +3,8 @@
 Owns: `EtcdKV`, a `KVStore` over an etcd v3 cluster through the `etcd3` client, plus what only
 etcd offers and the membership code uses: leases (`grant_lease`, `put_with_lease`,
 `refresh_lease`, `revoke_lease`), create-if-absent (`create`), consistent snapshots
-(`get_prefix`) and watches (`watch_prefix`, `watch_key`). Also owns the TLS/auth settings
+(`get_prefix`) and watches (`watch_prefix`, `watch_key`), and guarded writes for fencing
+(`put_if`, `compare_set_if`, `delete_if`: one transaction each). Also owns the TLS/auth settings
 (`EtcdConf.from_rdzv_conf`); endpoint strings are parsed by `rendezvous.endpoints`
 (`parse_endpoints` here only applies etcd's default port).
 
@@ -790,6 +791,43 @@ class EtcdKV(KVStore):
         ok, _ = self._call("create", lambda c: c.transaction(
             compare=[_TX.Version(k) == 0], success=[_TX.Put(k, v, lease=lid)], failure=[]))
         return bool(ok)
+
+    def put_if(self, key: str, value: bytes, guard_key: str, guard_value: bytes) -> bool:
+        """Set `key` only if `guard_key` holds exactly `guard_value` (one transaction); True
+        when written. Fences writes by an agent whose node record is gone or replaced."""
+        k, v = self._k(key), self._bytes(value)
+        g, gv = self._k(guard_key), self._bytes(guard_value)
+        ok, _ = self._call("put_if", lambda c: c.transaction(
+            compare=[_TX.Value(g) == gv], success=[_TX.Put(k, v)], failure=[]))
+        return bool(ok)
+
+    def delete_if(self, key: str, value: bytes) -> bool:
+        """Delete `key` only while it holds exactly `value`; True when deleted."""
+        k, v = self._k(key), self._bytes(value)
+        ok, _ = self._call("delete_if", lambda c: c.transaction(
+            compare=[_TX.Value(k) == v], success=[_TX.Delete(k)], failure=[]))
+        return bool(ok)
+
+    def compare_set_if(self, key: str, expected: bytes, desired: bytes, guard_key: str,
+                       guard_value: bytes) -> bytes | None:
+        """`compare_set` (torch semantics) that only happens while `guard_key` holds exactly
+        `guard_value`; None when the guard fails (nothing written)."""
+        k, exp, des = self._k(key), self._bytes(expected), self._bytes(desired)
+        g, gv = self._k(guard_key), self._bytes(guard_value)
+        guard = _TX.Value(g) == gv
+        cond = (_TX.Version(k) == 0) if exp == b"" else (_TX.Value(k) == exp)
+        ok, _ = self._call("compare_set_if", lambda c: c.transaction(
+            compare=[guard, cond], success=[_TX.Put(k, des)], failure=[]))
+        if ok:
+            return des
+        ok, responses = self._call("compare_set_if", lambda c: c.transaction(
+            compare=[guard], success=[_TX.Get(k)], failure=[]))
+        if not ok:
+            return None
+        kvs = _range_kvs(responses)
+        if kvs:
+            return bytes(kvs[0].value)
+        return exp
 
     def grant_lease(self, ttl: float) -> EtcdLease:
         """A new lease of `ttl` seconds (rounded up to whole seconds, at least 1)."""

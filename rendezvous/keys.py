@@ -20,6 +20,11 @@ Keys (logical, see `rendezvous.kv`):
   ftrun/rdzv/hb/<gr>                   heartbeat counter "<inc>:<seq>" (heartbeat liveness)
   ftrun/rdzv/dead/<gr>/<inc>           that incarnation was declared dead (heartbeat liveness)
   ftrun/rdzv/event_seq, event/<seq>    membership event log (heartbeat liveness)
+  ftrun/rdzv/spare/<nonce>             `Registration` of a hot spare waiting for a vacancy
+  ftrun/rdzv/controller                the elected controller (etcd election, lease-bound)
+
+The left marker's value says why the agent left (`LEAVE_DONE`: the job is over for it; any
+other reason, e.g. `LEAVE_SIGNAL`, leaves a vacancy a hot spare may take).
 """
 from __future__ import annotations
 
@@ -36,6 +41,14 @@ WORLD_KEY = f"{RDZV}/world"
 JOIN_PREFIX = f"{RDZV}/join/"
 JOIN_SEQ_KEY = f"{RDZV}/join_seq"
 EVENT_SEQ_KEY = f"{RDZV}/event_seq"
+SPARE_PREFIX = f"{RDZV}/spare/"
+DEAD_PREFIX = f"{RDZV}/dead/"
+LEFT_PREFIX = f"{RDZV}/left/"
+CONTROLLER_KEY = f"{RDZV}/controller"
+
+LEAVE_DONE = "done"  # finished: no vacancy
+LEAVE_SIGNAL = "signal"  # stopped by a signal (preemption): its ranks need a new home
+LEAVE_ROUND = "round"  # moved on to the next rendezvous round (scale_up=restart)
 
 
 def node_key(node_rank: int) -> str:
@@ -62,7 +75,20 @@ def incarnation_key(group_rank: int) -> str:
 
 
 def left_key(group_rank: int, incarnation: int) -> str:
-    return f"{RDZV}/left/{group_rank}/{incarnation}"
+    return f"{LEFT_PREFIX}{group_rank}/{incarnation}"
+
+
+def marker_of(key: str) -> tuple[int, int]:
+    """(group rank, incarnation) of a `left_key` or `dead_key`; ValueError otherwise."""
+    for prefix in (LEFT_PREFIX, DEAD_PREFIX):
+        if key.startswith(prefix):
+            gr, _, inc = key[len(prefix):].partition("/")
+            return int(gr), int(inc)
+    raise ValueError(f"{key!r} is not a left or dead marker")
+
+
+def spare_key(nonce: str) -> str:
+    return f"{SPARE_PREFIX}{nonce}"
 
 
 def hb_key(group_rank: int) -> str:
@@ -70,7 +96,7 @@ def hb_key(group_rank: int) -> str:
 
 
 def dead_key(group_rank: int, incarnation: int) -> str:
-    return f"{RDZV}/dead/{group_rank}/{incarnation}"
+    return f"{DEAD_PREFIX}{group_rank}/{incarnation}"
 
 
 def event_key(seq: int) -> str:
@@ -89,6 +115,9 @@ class Registration:
     slot: int = -1
     incarnation: int = 0
     group_rank: int = -1
+    hosts_store: bool = False  # this agent hosts the embedded store
+    beat: float = 0.0  # hot spares on stores without leases: wall time of the last refresh
+    prev_rank: int = -1  # a new round: this agent's group rank in the previous one (-1: new)
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

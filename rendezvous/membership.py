@@ -1,24 +1,49 @@
-"""Node-level rendezvous on any KVStore: join, group ranks, replacements, the leader.
+"""Node-level rendezvous on any KVStore: join, group ranks, hot spares, replacements, leaving,
+self-fencing and the controller role.
 
-Owns: `Membership` (one per agent) and the records it returns (`NodeWorld`, `NodeInfo`). Its
-store keys and the node record are defined in `rendezvous.keys`; how agents show they are alive
-and learn of each other's deaths is `rendezvous.liveness` (one mechanism per store, chosen here
-once: leases on etcd, heartbeats elsewhere).
+Owns: `Membership` (one per agent). The records it returns are in `rendezvous.world`
+(`NodeWorld`, `NodeInfo`, `SpareInfo`), its store keys and node record in `rendezvous.keys`,
+its errors in `rendezvous.errors`, its settings (torchrun's `--rdzv-conf` names) in
+`rendezvous.settings`. How agents show they are alive and learn of each other's deaths is
+`rendezvous.liveness` (leases on etcd, heartbeats elsewhere); the etcd controller election is
+`rendezvous.election`.
 
 Rendezvous (once per run; the world is written once under WORLD_KEY and read by everyone):
   * static (node_rank given, nnodes fixed): each agent registers under its node rank; the
     first agent that sees all nnodes registrations writes the world (create-if-absent).
     group_rank == node_rank.
-  * dynamic (node_rank None, --nnodes MIN:MAX): agents take arrival slots from a counter; the
-    agent taking slot MAX-1 closes the world at once; once MIN have arrived every agent starts a
-    `last_call_timeout` timer and the first timer to fire closes the world with whoever has
-    arrived (at most MAX). Group ranks follow arrival slots.
-  * an agent that arrives after the world is closed is a replacement: static agents take their
-    node rank back once its previous holder is dead; dynamic agents take the lowest dead group
-    rank. They register again (new incarnation) and the others see it through `on_join`.
+  * dynamic (node_rank None, --nnodes MIN:MAX; c10d, etcd, etcd-v2, parallel): agents take
+    arrival slots from a counter; the agent taking slot MAX-1 closes the world at once; once MIN
+    have arrived every agent starts a `last_call_timeout` timer and the first timer to fire
+    closes the world with whoever has arrived (at most MAX). Group ranks follow arrival slots.
+    No node rank is needed (the caller passes None for these backends).
+  * an agent that arrives after the world is closed: a static agent takes its node rank back
+    once its previous holder is dead (a replacement); a dynamic agent takes a vacant group rank
+    (its holder died or left by signal) or, when there is none, waits as a **hot spare**: its
+    record is visible under `keys.spare_key` (`Membership.spares()` lists them with their
+    addresses) and it claims the next vacancy itself (first claim wins), keeping the rank's
+    rank base; the survivors keep theirs and hear of it through `on_join`. A spare ends with
+    `RendezvousGracefulExit` when every node left with reason "done" (the run finished).
+
+The API an agent uses:
+    m = Membership.from_settings(kv, node_rank, nmin, nmax, lws, addr, run_id, settings,
+                                 hosts_store=...)
+    world = m.join(stop=shutdown_event)   # every wait ends within waits.SLICE of stop.set()
+                                          # (JoinInterrupted) or m.interrupt() (signal-safe)
+    m.watch_nodes(on_dead, on_join, on_leader, on_lost=on_lost)
+    ... on SIGTERM/SIGINT/SIGHUP: m.leave(keys.LEAVE_SIGNAL)  (left marker + lease revoked at
+        once: the others see a leave, not a death; a spare may take the ranks)
+    ... at a normal end: m.stop()       (reason LEAVE_DONE)
+    ... on_lost(Lost) / m.lost set: m.lost_error() says what to do (NodeLostError: kill the
+        local workers, m.stop(leave=False), then m.renew().join() as a fresh node;
+        StoreHostLostError: the embedded store is gone, print it and exit)
+    ... controller writes: m.checked_set(key, value), m.advance_generation(old, new)
+        (FencedError when this agent is stale)
+    ... etcd only (m.can_elect): m.elect(on_elected, on_deposed) -> Election
 
 The leader is group rank 0 in a static world and the lowest live group rank in a dynamic one
-(see `rendezvous.liveness.roster`); there is no election.
+(see `rendezvous.liveness.roster`); with etcd, `elect()` makes the controller role move to
+another agent when its node is lost.
 
 A store that still holds the world of an earlier run with the same run id whose nodes are all
 gone (finished or crashed) is detected at join: one agent retires that world, clears the run's
@@ -32,57 +57,35 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any, Callable
 
-from rendezvous.keys import (GENERATION_KEY, JOIN_SEQ_KEY, RUN_ID_KEY, WORLD_KEY, Registration,
-                             incarnation_key, join_key, static_join_key)
+from rendezvous import rounds
+from rendezvous.election import Election, read_controller
+from rendezvous.errors import (STORE_UNREACHABLE, FencedError, JoinInterrupted,  # noqa: F401
+                               NodeLostError, RendezvousError, RendezvousGracefulExit,
+                               StoreHostLostError)
+from rendezvous.keys import (GENERATION_KEY, JOIN_SEQ_KEY, LEAVE_DONE, LEAVE_ROUND, LEAVE_SIGNAL,
+                             RUN_ID_KEY, SPARE_PREFIX, WORLD_KEY, Registration, incarnation_key,
+                             join_key, spare_key, static_join_key)
 from rendezvous.kv import KVStore, StoreError, StoreTimeout
-from rendezvous.liveness import Timing, liveness_for
+from rendezvous.liveness import LeaseLiveness, Lost, Timing, liveness_for
+from rendezvous.settings import RendezvousSettings
+from rendezvous.waits import Interrupt, wait_keys
+from rendezvous.world import NodeInfo, NodeWorld, SpareInfo, build_world, node_world
+
+__all__ = ["FencedError", "JoinInterrupted", "Lost", "Membership", "NodeInfo", "NodeLostError",
+           "NodeWorld", "RendezvousError", "RendezvousGracefulExit", "SpareInfo",
+           "StoreHostLostError"]
 
 log = logging.getLogger("ftrun.membership")
 
 
-class RendezvousError(StoreError):
-    """Rendezvous cannot complete (wrong run, duplicate node rank, no vacancy, timeout)."""
-
-
-@dataclass
-class NodeInfo:
-    """One node of the world. node_rank is its group rank; ranks [rank_base,
-    rank_base + local_world_size) run on it."""
-
-    node_rank: int
-    host: str
-    pid: int
-    local_world_size: int
-    rank_base: int = 0
-    incarnation: int = 0
-
-
-@dataclass
-class NodeWorld:
-    """The result of rendezvous as seen by one agent."""
-
-    generation: int  # global generation when this agent joined (keys.GENERATION_KEY)
-    group_rank: int
-    group_world_size: int
-    nodes: list[NodeInfo]
-    world_size: int
-    leader_node: int
-    rejoined: bool = False  # True for a replacement agent that joined a running job
-    run_id: str = ""
-
-    @property
-    def me(self) -> NodeInfo:
-        return self.nodes[self.group_rank]
-
-
 def _check_args(node_rank: int | None, nnodes_min: int, nnodes_max: int, local_world_size: int,
-                run_id: str, seconds: dict[str, float]) -> None:
+                run_id: str, seconds: dict[str, float | None]) -> None:
     """ValueError naming the first bad constructor argument."""
     if not 1 <= nnodes_min <= nnodes_max:
         raise ValueError(f"nnodes {nnodes_min}:{nnodes_max}: need 1 <= MIN <= MAX")
@@ -97,33 +100,41 @@ def _check_args(node_rank: int | None, nnodes_min: int, nnodes_max: int, local_w
     if not run_id or "/" in run_id:
         raise ValueError(f"run_id={run_id!r} must be a non-empty name without '/'")
     for name, v in seconds.items():
+        if v is None and name == "spare_timeout":
+            continue
         if not (isinstance(v, (int, float)) and v > 0):
             raise ValueError(f"{name}={v!r} must be a number of seconds > 0")
-    if seconds["heartbeat_timeout"] <= seconds["heartbeat_interval"]:
+    if seconds["heartbeat_timeout"] <= seconds["heartbeat_interval"]:  # type: ignore[operator]
         raise ValueError(f"heartbeat_timeout={seconds['heartbeat_timeout']} must exceed "
                          f"heartbeat_interval={seconds['heartbeat_interval']}")
 
 
 class Membership:
-    """Node-level rendezvous and liveness for one agent.
-
-    Typical use by an agent:
-        m = Membership(kv, node_rank, nnodes_min, nnodes_max, local_world_size, host, run_id)
-        world = m.join()                  # blocks until the world is decided
-        m.start_heartbeat()               # (already running after join; idempotent)
-        m.watch_nodes(on_dead, on_join)   # callbacks on a membership thread
-        ...
-        m.stop()                          # graceful leave: others get no on_dead
-    """
+    """Node-level rendezvous and liveness for one agent (API: see the module docstring)."""
 
     def __init__(self, kv: KVStore, node_rank: int | None, nnodes_min: int, nnodes_max: int,
                  local_world_size: int, host: str, run_id: str, join_timeout: float = 600.0,
                  last_call_timeout: float = 30.0, heartbeat_interval: float = 1.0,
-                 heartbeat_timeout: float = 5.0) -> None:
+                 heartbeat_timeout: float = 5.0, *, close_timeout: float = 30.0,
+                 read_timeout: float = 60.0, spare_timeout: float | None = None,
+                 scale_up: str = "spare", hosts_store: bool = False,
+                 previous: NodeWorld | None = None, prev_rank: int = -1,
+                 expect: int = 0) -> None:
         _check_args(node_rank, nnodes_min, nnodes_max, local_world_size, run_id,
                     {"join_timeout": join_timeout, "last_call_timeout": last_call_timeout,
                      "heartbeat_interval": heartbeat_interval,
-                     "heartbeat_timeout": heartbeat_timeout})
+                     "heartbeat_timeout": heartbeat_timeout, "close_timeout": close_timeout,
+                     "read_timeout": read_timeout, "spare_timeout": spare_timeout})
+        if scale_up not in ("spare", "restart"):
+            raise ValueError(f"scale_up={scale_up!r}: must be spare (a late node waits as a hot "
+                             "spare) or restart (a new rendezvous round includes it)")
+        self._args: dict[str, Any] = dict(
+            node_rank=node_rank, nnodes_min=nnodes_min, nnodes_max=nnodes_max,
+            local_world_size=local_world_size, host=host, run_id=run_id,
+            join_timeout=join_timeout, last_call_timeout=last_call_timeout,
+            heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
+            close_timeout=close_timeout, read_timeout=read_timeout, spare_timeout=spare_timeout,
+            scale_up=scale_up, hosts_store=hosts_store)
         self.kv = kv
         self.node_rank = node_rank
         self.nnodes_min, self.nnodes_max = nnodes_min, nnodes_max
@@ -134,18 +145,50 @@ class Membership:
         self.last_call_timeout = float(last_call_timeout)
         self.heartbeat_interval = float(heartbeat_interval)
         self.heartbeat_timeout = float(heartbeat_timeout)
+        self.close_timeout = float(close_timeout)
+        self.read_timeout = float(read_timeout)
+        self.spare_timeout = None if spare_timeout is None else float(spare_timeout)
+        self.hosts_store = hosts_store
+        self.scale_up = scale_up
+        self.prev_rank = prev_rank  # next_round(): group rank in the previous round
+        self.expect = expect  # next_round(): close as soon as this many arrived
+        self.previous = previous  # the world of the lost agent this one renews (renew())
         self.static = node_rank is not None
         self.nonce = uuid.uuid4().hex
         self.pid = os.getpid()
         self.world: NodeWorld | None = None
         self.incarnation = 0
+        self._interrupt = Interrupt()
         self.liveness = liveness_for(kv, Timing(self.heartbeat_interval, self.heartbeat_timeout),
                                      self.static, self.nonce)
-        self.lost = self.liveness.roster.lost  # set when the others consider this agent dead
+        self.liveness.interrupt = self._interrupt
+        self.lost = self.liveness.roster.lost  # set when this agent is no longer a member
         self._watch_lock = threading.Lock()
         self._watching = False
+        self._election: Election | None = None
+        self._round_opened = 0  # the round a retired marker seen at join opened
+        self._slot: int | None = None  # dynamic arrival slot while the world is not closed
 
-    # ------------------------------------------------------------------------------ public API
+    @classmethod
+    def from_settings(cls, kv: KVStore, node_rank: int | None, nnodes_min: int,
+                      nnodes_max: int, local_world_size: int, host: str, run_id: str,
+                      settings: RendezvousSettings | None = None,
+                      hosts_store: bool = False) -> "Membership":
+        """A Membership with torchrun-named settings (`RendezvousSettings.from_rdzv_conf`)."""
+        s = settings or RendezvousSettings()
+        return cls(kv, node_rank, nnodes_min, nnodes_max, local_world_size, host, run_id,
+                   join_timeout=s.join_timeout, last_call_timeout=s.last_call_timeout,
+                   heartbeat_interval=s.keep_alive_interval,
+                   heartbeat_timeout=s.liveness_timeout, close_timeout=s.close_timeout,
+                   read_timeout=s.read_timeout, spare_timeout=s.spare_timeout,
+                   scale_up=s.scale_up, hosts_store=hosts_store)
+
+    def renew(self) -> "Membership":
+        """A fresh identity (new nonce, next incarnation) with the same parameters, to rejoin
+        after this one was lost. Call `stop(leave=False)` on this one first."""
+        return Membership(self.kv, **self._args, previous=self.world or self.previous)
+
+    # ------------------------------------------------------------------------------ reading
 
     @property
     def group_rank(self) -> int:
@@ -159,45 +202,99 @@ class Membership:
         return int(raw) if raw else 0
 
     def leader(self) -> int:
-        """The current leader's group rank (see module docstring)."""
+        """The current leader's group rank by the leader rule (see module docstring)."""
         return self.liveness.roster.leader()
 
     def alive_nodes(self) -> list[int]:
         """Group ranks this agent currently believes alive (itself included)."""
         return sorted(self.liveness.roster.alive())
 
-    def join(self, timeout: float | None = None) -> NodeWorld:
-        """Rendezvous; block until the world is decided (or this agent replaced a dead node).
-        Raises RendezvousError/StoreTimeout after `timeout` (default join_timeout) seconds."""
+    def spares(self) -> list[SpareInfo]:
+        """The hot spares waiting for a vacancy now (address, pid, local world size)."""
+        out = []
+        for raw in self.liveness.spares(SPARE_PREFIX):
+            try:
+                out.append(SpareInfo.from_registration(Registration.from_json(raw)))
+            except (ValueError, TypeError, KeyError):
+                continue
+        return out
+
+    def store_host(self) -> NodeInfo | None:
+        """The node whose agent hosts the embedded store (None with etcd or when unknown)."""
+        world = self.world or self.previous
+        return world.store_host() if world is not None else None
+
+    @property
+    def can_elect(self) -> bool:
+        """True when the store supports a controller election (etcd)."""
+        return isinstance(self.liveness, LeaseLiveness)
+
+    def lost_error(self) -> NodeLostError | None:
+        """None while this agent is a member; else what happened, as the error to act on (its
+        message is one line for the log). Always: kill the local workers (self-fence), call
+        stop(leave=False), then renew().join() to come back as a fresh node."""
+        info = self.liveness.roster.lost_info
+        if info is None:
+            return None
+        msg = info.message
+        if info.kind == STORE_UNREACHABLE and not self.can_elect:
+            msg += (f"; the embedded store is at {self._store_address()}: if it does not answer "
+                    f"within read_timeout={self.read_timeout:g}s on rejoin, the job cannot "
+                    "continue")
+        return NodeLostError(msg, info.kind)
+
+    # ------------------------------------------------------------------------------ joining
+
+    def join(self, timeout: float | None = None,
+             stop: threading.Event | None = None) -> NodeWorld:
+        """Rendezvous; block until the world is decided, this agent replaced a lost node, or a
+        hot spare's wait found a vacancy. Raises JoinInterrupted within waits.SLICE of
+        `stop.set()` / `interrupt()` (after leaving), RendezvousGracefulExit when the run ended
+        while waiting as a spare, StoreHostLostError when a renewed agent cannot reach the
+        embedded store, RendezvousError/StoreTimeout after `timeout` (default join_timeout)."""
         if self.world is not None:
             return self.world
+        self._interrupt.follow(stop)
         timeout = self.join_timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
         try:
+            if self.previous is not None and not self.can_elect:
+                self._probe_store()
             self.liveness.begin()
             world = self._find_world(deadline, timeout)
-        except BaseException:
-            self.stop(leave=True)  # our registrations disappear (or are marked left)
+        except BaseException as exc:
+            interrupted = self._interrupt.is_set()
+            self._withdraw()
+            self.stop(leave=True, reason=LEAVE_SIGNAL if interrupted else LEAVE_DONE)
+            if interrupted and not isinstance(exc, JoinInterrupted):
+                # stop() from another thread can make a store call fail before the check
+                raise JoinInterrupted(f"rendezvous: interrupted (stop requested): {exc}") from exc
             raise
         self.world = world
         self.start_heartbeat()
         log.info("node %d joined run %s: %d nodes, world size %d, leader node %d, generation %d%s",
                  world.group_rank, self.run_id, world.group_world_size, world.world_size,
-                 world.leader_node, world.generation, " (replacement)" if world.rejoined else "")
+                 world.leader_node, world.generation,
+                 " (hot spare)" if world.from_spare else " (replacement)" if world.rejoined
+                 else "")
         return world
 
     def start_heartbeat(self) -> None:
-        """Start the liveness thread (lease refresh on etcd, heartbeat counter elsewhere).
-        Idempotent; join() starts it. Stopped by stop()."""
+        """Start the liveness thread (lease refresh on etcd, heartbeat counter elsewhere) and
+        the self-check. Idempotent; join() starts it. Stopped by stop()."""
         self.liveness.start()
 
     def watch_nodes(self, on_dead: Callable[[int], None],
                     on_join: Callable[[int], None] | None = None,
-                    on_leader: Callable[[int], None] | None = None) -> None:
+                    on_leader: Callable[[int], None] | None = None,
+                    on_lost: Callable[[Lost], None] | None = None,
+                    on_round: Callable[[int], None] | None = None) -> None:
         """Report other nodes' deaths (`on_dead(group_rank)`, once per incarnation, within the
-        heartbeat/lease timeout), replacements joining (`on_join(group_rank)`) and leader
-        changes (`on_leader(group_rank)`). Callbacks run on a membership thread: keep them
-        short (queue the work). Call once, after join()."""
+        heartbeat/lease timeout), replacements and spares taking a rank (`on_join`), leader
+        changes (`on_leader`), this agent losing its membership (`on_lost(Lost)`: see
+        lost_error()) and a new rendezvous round being requested (`on_round(round)`: stop the
+        workers, then next_round()). Callbacks run on a membership thread: keep them short
+        (queue the work). Call once, after join()."""
         if self.world is None:
             raise RendezvousError("watch_nodes() needs join() first")
         with self._watch_lock:
@@ -205,18 +302,146 @@ class Membership:
                 raise RendezvousError("watch_nodes() was already called")
             self._watching = True
         self.liveness.roster.subscribe(on_dead, on_join, on_leader)
+        self.liveness.roster.on_lost(on_lost)
         self.liveness.watch([n.node_rank for n in self.world.nodes])
+        if on_round is not None:
+            self.liveness.spawn(lambda: self._watch_round(on_round), "round")
 
-    def stop(self, leave: bool = True) -> None:
-        """Stop every membership thread and watch. With `leave`, tell the others this node
-        left on purpose (they get no on_dead). Idempotent; does not close the store."""
-        self.liveness.stop(leave)
+    # ------------------------------------------------------------------------------ leaving
+
+    def interrupt(self) -> None:
+        """Ask a running join() to give up (JoinInterrupted). No I/O: safe in a signal
+        handler; call leave() afterwards from a normal thread."""
+        self._interrupt.set()
+
+    def leave(self, reason: str = LEAVE_SIGNAL) -> None:
+        """Leave at once (SIGTERM/SIGINT/SIGHUP): left marker with `reason`, lease revoked, so
+        the others see a leave within ~1 s, not a death after the timeout; with a reason other
+        than LEAVE_DONE a hot spare may take this node's ranks. Same as stop(True, reason)."""
+        self.stop(leave=True, reason=reason)
+
+    def stop(self, leave: bool = True, reason: str = LEAVE_DONE) -> None:
+        """Stop every membership thread, watch and election. With `leave`, tell the others
+        this node left on purpose (they get no on_dead). A lost agent drops its lease either
+        way. Idempotent; does not close the store."""
+        self._interrupt.set()
+        if self._election is not None:
+            self._election.stop(resign=leave)
+        self.liveness.stop(leave, reason)
+
+    # ------------------------------------------------------------------------------ fencing
+
+    def checked_set(self, key: str, value: bytes) -> None:
+        """Write a control key only while this agent is a member holding its group rank
+        (etcd: one transaction guarded by its node record). FencedError when it is stale."""
+        self.liveness.fenced_set(key, value)
+
+    def advance_generation(self, expected: int, new: int) -> bool:
+        """Move keys.GENERATION_KEY from `expected` to `new` (compare-and-set); False when it
+        no longer holds `expected`. FencedError when this agent is stale."""
+        want = str(new).encode()
+        return self.liveness.fenced_compare_set(GENERATION_KEY, str(expected).encode(),
+                                                want) == want
+
+    # ------------------------------------------------------------------------------ rounds
+
+    def request_round(self) -> int:
+        """Ask for a new rendezvous round that includes the waiting spares (scale_up=restart;
+        the controller calls it). Returns the new round number (also when another agent
+        requested it first). Every member hears of it through on_round and calls
+        next_round(). See rendezvous.rounds. FencedError when this agent is stale."""
+        if self.static or self.world is None:
+            raise RendezvousError("a new rendezvous round needs a joined dynamic world "
+                                  "(--nnodes MIN:MAX without --node-rank)")
+        raw = self.kv.get(WORLD_KEY, self.read_timeout)
+        doc = json.loads(raw)
+        if not doc.get("retired"):
+            expect = min(self.nnodes_max, len(self.alive_nodes()) + len(self.spares()))
+            want = rounds.marker(self.world.round + 1, expect, self.nonce)
+            got = self.liveness.fenced_compare_set(WORLD_KEY, raw, want)
+            doc = json.loads(got)
+            if got == want:
+                log.info("node %d asks for rendezvous round %d (%d nodes expected)",
+                         self.world.group_rank, doc["round"], expect)
+        return int(doc.get("round", 0))
+
+    def next_round(self, timeout: float | None = None,
+                   stop: threading.Event | None = None) -> "Membership":
+        """Leave this round and join the requested one (see rendezvous.rounds); returns the new,
+        joined Membership (this one is stopped). Survivors keep their group ranks when nobody
+        was lost. Raises like join()."""
+        assert self.world is not None, "next_round() needs join() first"
+        doc = rounds.pending(self.kv, self.world.round)
+        if doc is None:
+            raise RendezvousError(f"no rendezvous round after {self.world.round} was requested")
+        me = self.liveness.roster.me
+        others = [(gr, inc) for gr, inc in self.liveness.roster.alive().items() if gr != me[0]]
+        self.stop(leave=True, reason=LEAVE_ROUND)
+        if doc.get("by") == self.nonce:
+            waits = Interrupt()
+            waits.follow(stop)
+            if not rounds.wait_left(lambda: all(self.liveness.gone_for_good(g, i)
+                                                for g, i in others),
+                                    self.close_timeout, waits.sleep):
+                log.warning("round %d: not every node left round %d within %gs; going on",
+                            doc["round"], self.world.round, self.close_timeout)
+            rounds.wipe(self.kv, whole_run=False)
+        nxt = Membership(self.kv, **self._args, prev_rank=self.world.group_rank,
+                         expect=int(doc.get("expect", 0)))
+        nxt._round_opened = int(doc["round"])
+        nxt.join(timeout, stop)
+        return nxt
+
+    def _watch_round(self, on_round: Callable[[int], None]) -> None:
+        assert self.world is not None
+        while not self.liveness.stopping.wait(self.heartbeat_interval):
+            try:
+                doc = rounds.pending(self.kv, self.world.round)
+            except StoreError:
+                continue
+            if doc is not None:
+                log.info("node %d: rendezvous round %d was requested", self.world.group_rank,
+                         doc["round"])
+                try:
+                    on_round(int(doc["round"]))
+                except Exception:  # noqa: BLE001 - a failing callback must not kill the thread
+                    log.exception("on_round callback failed")
+                return
+
+    # ------------------------------------------------------------------------------ controller
+
+    def elect(self, on_elected: Callable[[], None],
+              on_deposed: Callable[[], None]) -> Election:
+        """Run for controller (etcd only, after join): `on_elected()` when this agent becomes
+        it, `on_deposed()` when it loses the role (its lease expired). RendezvousError on the
+        embedded store, where the controller stays with the leader rule."""
+        if not isinstance(self.liveness, LeaseLiveness):
+            raise RendezvousError("controller election needs etcd (--rdzv-backend etcd); with the "
+                                  "embedded store the controller runs on the leader node and "
+                                  "losing the store host ends the job")
+        if self.world is None or self._election is not None:
+            raise RendezvousError("elect() needs join() first and runs once")
+        me = self.world.me
+        self._election = Election(self.kv, self.liveness.lease,
+                                  {"group_rank": me.node_rank, "incarnation": self.incarnation,
+                                   "host": self.host, "nonce": self.nonce},
+                                  self.lost, on_elected, on_deposed).start()
+        return self._election
+
+    def controller(self) -> int | None:
+        """The elected controller's group rank (etcd, None while there is none), or the leader
+        by the leader rule on the embedded store."""
+        if not self.can_elect:
+            return self.leader()
+        rec = read_controller(self.kv)
+        return int(rec["group_rank"]) if rec is not None else None
 
     # ------------------------------------------------------------------------------ rendezvous
 
     def _find_world(self, deadline: float, timeout: float) -> NodeWorld:
-        """Join the run's world: a new one, or the running one as a replacement."""
+        """Join the run's world: a new one, or the running one as a replacement or spare."""
         while True:
+            self._interrupt.check("rendezvous")
             self._check_run_id()
             raw = self.kv.try_get(WORLD_KEY)
             if raw is None:
@@ -224,6 +449,7 @@ class Membership:
                         else self._join_dynamic(deadline, timeout))
             old = json.loads(raw)
             if old.get("retired"):
+                self._round_opened = max(self._round_opened, int(old.get("round", 0)))
                 self._wait_wiped(deadline)
             elif self.liveness.world_is_dead([n["node_rank"] for n in old["nodes"]]):
                 self._retire(raw, deadline)
@@ -238,7 +464,8 @@ class Membership:
 
     def _record(self, **kw: Any) -> Registration:
         return Registration(nonce=self.nonce, host=self.host, pid=self.pid,
-                            local_world_size=self.local_world_size, node_rank=self.node_rank, **kw)
+                            local_world_size=self.local_world_size, node_rank=self.node_rank,
+                            hosts_store=self.hosts_store, prev_rank=self.prev_rank, **kw)
 
     def _join_static(self, deadline: float, timeout: float) -> NodeWorld:
         assert self.node_rank is not None
@@ -251,7 +478,7 @@ class Membership:
         keys = [static_join_key(r) for r in range(self.nnodes_max)]
         log.info("node %d registered; waiting for %d nodes", self.node_rank, self.nnodes_max)
         while True:
-            complete = self.kv.wait(keys, max(0.0, deadline - time.monotonic()))
+            complete = wait_keys(self.kv, keys, deadline, self._interrupt, "rendezvous")
             raw = self.kv.try_get(WORLD_KEY)
             if raw is None:
                 if not complete:
@@ -266,33 +493,48 @@ class Membership:
 
     def _join_dynamic(self, deadline: float, timeout: float) -> NodeWorld:
         slot = self.kv.add(JOIN_SEQ_KEY, 1) - 1
+        target = min(self.nnodes_max, self.expect) if self.expect > 0 else self.nnodes_max
         if slot >= self.nnodes_max:
-            log.info("rendezvous already has %d nodes; waiting to replace a dead one",
+            log.info("rendezvous already has %d nodes; waiting for the world to close",
                      self.nnodes_max)
-            if not self.kv.wait([WORLD_KEY], max(0.0, deadline - time.monotonic())):
+            if not wait_keys(self.kv, [WORLD_KEY], deadline, self._interrupt, "rendezvous"):
                 raise StoreTimeout(f"rendezvous: the world did not close within {timeout:g}s")
-            return self._rejoin(json.loads(self.kv.get(WORLD_KEY, 1.0)), deadline)
+            return self._rejoin(json.loads(self.kv.get(WORLD_KEY, self.read_timeout)), deadline)
         self.liveness.put(join_key(slot), self._record(slot=slot).to_json())
+        self._slot = slot
         log.info("joined rendezvous in slot %d (nnodes %d:%d)", slot, self.nnodes_min,
                  self.nnodes_max)
-        if slot == self.nnodes_max - 1:
-            raw = self.kv.try_get(WORLD_KEY) or self._close_dynamic(self.nnodes_max)
+        if slot == target - 1:
+            raw = self.kv.try_get(WORLD_KEY) or self._close_dynamic(slot + 1)
             return self._enter(json.loads(raw), deadline)
         if slot + 1 < self.nnodes_min:
-            if not self.kv.wait([join_key(self.nnodes_min - 1)],
-                                max(0.0, deadline - time.monotonic())):
+            if not wait_keys(self.kv, [join_key(self.nnodes_min - 1)], deadline,
+                             self._interrupt, "rendezvous"):
                 have = int(self.kv.try_get(JOIN_SEQ_KEY) or b"0")
                 raise StoreTimeout(f"rendezvous: {have} of at least {self.nnodes_min} nodes "
                                    f"joined within {timeout:g}s")
-        last_call = time.monotonic() + self.last_call_timeout
-        if not self.kv.wait([WORLD_KEY], max(0.0, min(last_call, deadline) - time.monotonic())):
+        last_call = min(time.monotonic() + self.last_call_timeout, deadline)
+        if not wait_keys(self.kv, [WORLD_KEY], last_call, self._interrupt, "rendezvous"):
             count = min(int(self.kv.try_get(JOIN_SEQ_KEY) or b"0"), self.nnodes_max)
             self._close_dynamic(count)
-        return self._enter(json.loads(self.kv.get(WORLD_KEY, 5.0)), deadline)
+        return self._enter(json.loads(self.kv.get(WORLD_KEY, self.read_timeout)), deadline)
+
+    def _withdraw(self) -> None:
+        """A join that fails before the world closes takes back its arrival slot, so the world
+        does not close with a node that is gone (etcd: leased, it goes with the lease)."""
+        if self._slot is None or self.can_elect:
+            return
+        try:
+            if self.kv.try_get(WORLD_KEY) is None:
+                self.kv.delete(join_key(self._slot))
+        except StoreError:
+            pass
 
     def _close_dynamic(self, count: int) -> bytes:
         keys = [join_key(s) for s in range(count)]
-        self.kv.wait(keys, 5.0)  # slots are written right after they are taken
+        # slots are written right after they are taken; close_timeout bounds a slow writer
+        wait_keys(self.kv, keys, time.monotonic() + self.close_timeout, self._interrupt,
+                  "rendezvous")
         members = []
         for k in keys:
             raw = self.kv.try_get(k)
@@ -302,42 +544,24 @@ class Membership:
 
     def _close(self, members: list[Registration]) -> bytes:
         """Write the world (first writer wins); return the world that won."""
-        if self.static:
-            members.sort(key=lambda r: r.node_rank if r.node_rank is not None else -1)
-        else:
-            members.sort(key=lambda r: r.slot)
-        nodes, base = [], 0
-        for gr, r in enumerate(members):
-            nodes.append({"node_rank": gr, "host": r.host, "pid": r.pid,
-                          "local_world_size": r.local_world_size, "rank_base": base,
-                          "incarnation": 1, "nonce": r.nonce})
-            base += r.local_world_size
-        world = {"run_id": self.run_id, "static": self.static, "nodes": nodes,
-                 "world_size": base, "leader_node": 0}
+        world = build_world(members, self.static, self.run_id, self._round_opened)
         raw = json.dumps(world, sort_keys=True).encode()
         won = self.kv.compare_set(WORLD_KEY, b"", raw)
         if won == raw:
-            log.info("rendezvous closed: %d nodes, world size %d", len(nodes), base)
+            log.info("rendezvous closed: %d nodes, world size %d", len(world["nodes"]),
+                     world["world_size"])
         return won
-
-    def _world_from(self, world: dict, group_rank: int, rejoined: bool) -> NodeWorld:
-        nodes = [NodeInfo(n["node_rank"], n["host"], n["pid"], n["local_world_size"],
-                          n["rank_base"], n.get("incarnation", 1)) for n in world["nodes"]]
-        return NodeWorld(generation=0, group_rank=group_rank, group_world_size=len(nodes),
-                         nodes=nodes, world_size=world["world_size"],
-                         leader_node=world["leader_node"], rejoined=rejoined,
-                         run_id=world.get("run_id", self.run_id))
 
     def _enter(self, world: dict, deadline: float) -> NodeWorld:
         """Take our place in a freshly closed world (or become a replacement if not in it)."""
         mine = [n for n in world["nodes"] if n.get("nonce") == self.nonce]
         if not mine:
-            log.info("the world closed without this agent; trying to replace a dead node")
+            log.info("the world closed without this agent; trying to replace a lost node")
             return self._rejoin(world, deadline)
         gr = mine[0]["node_rank"]
         self._register(gr)
         self.kv.compare_set(GENERATION_KEY, b"", b"0")
-        nw = self._world_from(world, gr, rejoined=False)
+        nw = node_world(world, gr, False, self.run_id)
         nw.generation = self.current_generation()
         nw.me.incarnation = self.incarnation
         self.liveness.roster.reset({n.node_rank: n.incarnation for n in nw.nodes},
@@ -352,7 +576,7 @@ class Membership:
         if not self.liveness.write_node(gr, rec, replacing):
             return False
         self.incarnation = inc
-        self.liveness.registered(gr, inc)
+        self.liveness.registered(gr, inc, rec)
         return True
 
     # ------------------------------------------------------------------------------ stale runs
@@ -360,14 +584,11 @@ class Membership:
     def _retire(self, old_raw: bytes, deadline: float) -> None:
         """Replace a dead world by a 'retired' marker (one agent wins), wipe the run's keys
         (world last), and let every arriving agent start a fresh rendezvous."""
-        marker = json.dumps({"retired": True, "by": self.nonce}).encode()
+        marker = rounds.marker(0, 0, self.nonce)
         if self.kv.compare_set(WORLD_KEY, old_raw, marker) == marker:
             log.warning("run %s: every node of the earlier rendezvous in this store is gone; "
                         "clearing its keys and starting a new rendezvous", self.run_id)
-            for key in self.kv.keys(""):
-                if key != WORLD_KEY:
-                    self.kv.delete(key)
-            self.kv.delete(WORLD_KEY)
+            rounds.wipe(self.kv, whole_run=True)
         else:
             self._wait_wiped(deadline)
 
@@ -380,7 +601,8 @@ class Membership:
             if time.monotonic() >= deadline:
                 raise StoreTimeout("rendezvous: an earlier run's keys were still being cleared "
                                    "when the join timeout ran out")
-            time.sleep(0.05)
+            if not self._interrupt.sleep(0.05):
+                self._interrupt.check("rendezvous")
 
     # ------------------------------------------------------------------------------ replacement
 
@@ -388,22 +610,71 @@ class Membership:
         if world.get("run_id", self.run_id) != self.run_id:
             raise RendezvousError(f"store holds the world of run {world.get('run_id')!r}")
         n = len(world["nodes"])
-        if self.static:
-            assert self.node_rank is not None
-            if self.node_rank >= n:
-                raise RendezvousError(f"node_rank {self.node_rank} is not in the running "
-                                      f"world of {n} nodes")
-        candidates = [self.node_rank] if self.node_rank is not None else list(range(n))
-        while True:
-            for gr in candidates:
-                if self._try_claim(gr, deadline, judge=self.static):
+        if not self.static:
+            for gr in self._vacancies(n):
+                if self._try_claim(gr, deadline, judge=False):
                     return self._replaced(world, gr)
+            return self._wait_as_spare(world)
+        assert self.node_rank is not None
+        if self.node_rank >= n:
+            raise RendezvousError(f"node_rank {self.node_rank} is not in the running "
+                                  f"world of {n} nodes")
+        while True:
+            if self._try_claim(self.node_rank, deadline, judge=True):
+                return self._replaced(world, self.node_rank)
             if time.monotonic() >= deadline:
                 break
-            time.sleep(min(self.heartbeat_interval, max(0.0, deadline - time.monotonic())))
-        who = f"node rank {self.node_rank} is" if self.static else f"all {n} nodes are"
-        raise RendezvousError(f"cannot join run {self.run_id}: {who} still alive (the job is "
-                              "full; a replacement only joins in place of a dead node)")
+            self._interrupt.sleep(min(self.heartbeat_interval,
+                                      max(0.0, deadline - time.monotonic())))
+            self._interrupt.check("rendezvous")
+        raise RendezvousError(f"cannot join run {self.run_id}: node rank {self.node_rank} is "
+                              "still alive (a replacement only joins in place of a lost node)")
+
+    def _wait_as_spare(self, world: dict) -> NodeWorld:
+        """No vacancy: wait as a hot spare, visible under keys.spare_key, until a node is lost
+        (claim its rank), the run finishes, stop, or spare_timeout."""
+        ranks = list(range(len(world["nodes"])))
+        key, rec = spare_key(self.nonce), self._record().to_json()
+        self.liveness.put_spare(key, rec)
+        log.info("run %s is running with %d nodes: %s waits as a hot spare %s", self.run_id,
+                 len(ranks), self.host, "for the next lost node" if self.scale_up == "spare"
+                 else "for a new rendezvous round (scale_up=restart)")
+        end = None if self.spare_timeout is None else time.monotonic() + self.spare_timeout
+        try:
+            while True:
+                self._interrupt.check("waiting as a hot spare")
+                if self.lost.is_set():
+                    raise self.lost_error() or NodeLostError("lost while a spare", "")
+                for gr in self._vacancies(len(ranks)):
+                    if self._try_claim(gr, 0.0, judge=False):
+                        log.info("hot spare %s takes over node %d", self.host, gr)
+                        return self._replaced(world, gr, from_spare=True)
+                doc = rounds.pending(self.kv, int(world.get("round", 0)))
+                if doc is not None:
+                    log.info("%s joins rendezvous round %d", self.host, doc["round"])
+                    self._round_opened = int(doc["round"])
+                    return self._find_world(time.monotonic() + self.join_timeout,
+                                            self.join_timeout)
+                if self.liveness.all_done(ranks):
+                    raise RendezvousGracefulExit(f"run {self.run_id} finished while this agent "
+                                                 "waited as a hot spare")
+                if end is not None and time.monotonic() >= end:
+                    raise RendezvousError(f"no node of run {self.run_id} was lost within "
+                                          f"spare_timeout={self.spare_timeout:g}s; this hot "
+                                          "spare gives up")
+                if not self.can_elect:
+                    self.liveness.put_spare(key, rec)  # refresh its time (no lease here)
+                self._interrupt.sleep(self.heartbeat_interval)
+        finally:
+            try:
+                self.kv.delete(key)
+            except StoreError:
+                pass  # leased on etcd: it goes with the lease
+
+    def _vacancies(self, n: int) -> list[int]:
+        """Ranks a late dynamic agent may claim: none with scale_up=restart (it waits for a
+        new round instead)."""
+        return self.liveness.vacancies(list(range(n))) if self.scale_up == "spare" else []
 
     def _try_claim(self, gr: int, deadline: float, judge: bool) -> bool:
         """Take over group rank `gr` if its current holder is dead. With `judge`, give the
@@ -413,14 +684,44 @@ class Membership:
         replacing = self.liveness.wait_vacant(gr, patience, judge)
         return replacing is not None and self._register(gr, replacing)
 
-    def _replaced(self, world: dict, gr: int) -> NodeWorld:
-        nw = self._world_from(world, gr, rejoined=True)
+    def _replaced(self, world: dict, gr: int, from_spare: bool = False) -> NodeWorld:
+        nw = node_world(world, gr, True, self.run_id)
+        nw.from_spare = from_spare
         me = nw.me
         me.host, me.pid, me.incarnation = self.host, self.pid, self.incarnation
+        me.hosts_store = self.hosts_store
         nw.generation = self.current_generation()
         ranks = [node.node_rank for node in nw.nodes]
         alive = self.liveness.survey(ranks, gr)
         nw.leader_node = self.liveness.roster.reset(alive, ranks)
         self.liveness.announce_join(gr, self.incarnation)
-        log.info("replacement agent took node %d (incarnation %d)", gr, self.incarnation)
+        log.info("%s took node %d (incarnation %d)",
+                 "hot spare" if from_spare else "replacement agent", gr, self.incarnation)
         return nw
+
+    # ------------------------------------------------------------------------------ store host
+
+    def _store_address(self) -> str:
+        node = self.store_host()
+        addr = f"{getattr(self.kv, 'host', '?')}:{getattr(self.kv, 'port', '?')}"
+        return f"{addr} (node {node.node_rank})" if node is not None else addr
+
+    def _probe_store(self) -> None:
+        """A renewed agent on the embedded store: the store must accept a connection within
+        read_timeout, else StoreHostLostError (the job cannot continue without it)."""
+        host, port = getattr(self.kv, "host", None), getattr(self.kv, "port", None)
+        if not isinstance(host, str) or not isinstance(port, int):
+            return  # an in-process store (LocalKV): nothing to reach
+        end = time.monotonic() + self.read_timeout
+        last = ""
+        while time.monotonic() < end:
+            self._interrupt.check("rejoin")
+            try:
+                socket.create_connection((host, port), timeout=min(1.0, self.read_timeout)).close()
+                return
+            except OSError as exc:
+                last = exc.strerror or type(exc).__name__
+                self._interrupt.sleep(min(0.2, max(0.0, end - time.monotonic())))
+        node = self.store_host()
+        raise StoreHostLostError(node.node_rank if node is not None else None,
+                                 f"{host}:{port}", f"no answer for {self.read_timeout:g}s: {last}")

@@ -15,6 +15,7 @@ import json
 import os
 import queue
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -197,7 +198,10 @@ class AgentProc:
     def __init__(self, backend: str, endpoint: str, run_id: str, node_rank: int | None,
                  nnodes: str, local_world_size: int = 1, hb_interval: float = 0.25,
                  hb_timeout: float = 1.5, last_call: float = 1.0, join_timeout: float = 20.0,
-                 name: str = "agent") -> None:
+                 name: str = "agent", rejoin: bool = False, hosts_store: bool = False,
+                 wrap=None, base_env: dict[str, str] | None = None) -> None:
+        """`rejoin`: when lost, self-fence, rejoin as a fresh node and try a stale write (see
+        `_rejoin_loop`). `wrap(argv)` runs the agent elsewhere (a netns `Host.argv`)."""
         self.name = name
         cmd = [sys.executable, os.path.abspath(__file__), "agent", "--backend", backend,
                "--endpoint", endpoint, "--run-id", run_id, "--nnodes", nnodes,
@@ -205,7 +209,10 @@ class AgentProc:
                "--lws", str(local_world_size), "--hb-interval", str(hb_interval),
                "--hb-timeout", str(hb_timeout), "--last-call", str(last_call),
                "--join-timeout", str(join_timeout), "--host", name]
-        env = dict(os.environ)
+        cmd += ["--rejoin"] if rejoin else []
+        cmd += ["--hosts-store"] if hosts_store else []
+        cmd = wrap(cmd) if wrap is not None else cmd
+        env = dict(os.environ if base_env is None else base_env)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         self._err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -243,6 +250,12 @@ class AgentProc:
             if ev.get("event") == event and all(ev.get(k) == v for k, v in match.items()):
                 return ev
 
+    def term(self) -> float:
+        """SIGTERM the agent; return the wall time of the signal."""
+        t = time.time()
+        self.proc.send_signal(signal.SIGTERM)
+        return t
+
     def kill(self) -> float:
         """SIGKILL the agent; return the wall time of the kill."""
         t = time.time()
@@ -279,20 +292,24 @@ def _agent_main(argv: list[str]) -> int:
     ap.add_argument("--last-call", type=float, default=1.0)
     ap.add_argument("--join-timeout", type=float, default=20.0)
     ap.add_argument("--host", default="agent")
+    ap.add_argument("--rejoin", action="store_true")
+    ap.add_argument("--hosts-store", action="store_true")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(threadName)s %(message)s")
+    from rendezvous.errors import JoinInterrupted
+    from rendezvous.keys import LEAVE_SIGNAL
     from rendezvous.membership import Membership
 
     if a.backend == "etcd":
-        from rendezvous.etcd import EtcdKV
+        from rendezvous.etcd import EtcdConf, EtcdKV
 
-        kv = EtcdKV(a.endpoint, f"/ftrun/{a.run_id}")
+        kv = EtcdKV(a.endpoint, f"/ftrun/{a.run_id}", EtcdConf(request_timeout=3.0))
     else:
         from rendezvous.client import StoreClient
 
         host, _, port = a.endpoint.rpartition(":")
-        kv = StoreClient(host, int(port))
+        kv = StoreClient(host, int(port), timeout=5.0)
     lo, _, hi = a.nnodes.partition(":")
     out_lock = threading.Lock()
 
@@ -303,19 +320,76 @@ def _agent_main(argv: list[str]) -> int:
     m = Membership(kv, None if a.node_rank < 0 else a.node_rank, int(lo), int(hi or lo),
                    a.lws, a.host, a.run_id, join_timeout=a.join_timeout,
                    last_call_timeout=a.last_call, heartbeat_interval=a.hb_interval,
-                   heartbeat_timeout=a.hb_timeout)
+                   heartbeat_timeout=a.hb_timeout, read_timeout=5.0, hosts_store=a.hosts_store)
+    done, termed = threading.Event(), threading.Event()
+
+    def on_term(_sig: int, _frame: object) -> None:  # what an agent does: no I/O here
+        termed.set()
+        done.set()
+        m.interrupt()
+
+    signal.signal(signal.SIGTERM, on_term)
+    threading.Thread(target=lambda: (sys.stdin.read(), done.set()), daemon=True).start()
+    out(event="joining", t=time.time())
+    try:
+        _start(m, out)
+    except JoinInterrupted as exc:
+        out(event="interrupted", error=str(exc), t=time.time())
+        kv.close()
+        return 143
+    if a.rejoin:
+        m = _rejoin_loop(m, out, done)
+    else:
+        done.wait()  # parent closes stdin (or sends SIGTERM) to stop us
+    if termed.is_set():
+        m.leave(LEAVE_SIGNAL)
+        out(event="left", t=time.time())
+    else:
+        m.stop()
+    kv.close()
+    return 143 if termed.is_set() else 0
+
+
+def _start(m, out) -> None:
+    """join, report the world, watch (events as JSON lines)."""
     w = m.join()
     out(event="world", group_rank=w.group_rank, world_size=w.world_size,
         group_world_size=w.group_world_size, leader=w.leader_node, rejoined=w.rejoined,
-        generation=w.generation, hosts=[n.host for n in w.nodes],
+        generation=w.generation, hosts=[n.host for n in w.nodes], incarnation=m.incarnation,
         rank_bases=[n.rank_base for n in w.nodes], t=time.time())
     m.watch_nodes(lambda g: out(event="dead", node=g, t=time.time()),
                   lambda g: out(event="join", node=g, t=time.time()),
-                  lambda g: out(event="leader", node=g, t=time.time()))
-    sys.stdin.read()  # parent closes stdin to stop us
-    m.stop()
-    kv.close()
-    return 0
+                  lambda g: out(event="leader", node=g, t=time.time()),
+                  lambda lost: out(event="lost", kind=lost.kind, t=time.time()))
+
+
+def _rejoin_loop(m, out, stdin_closed: threading.Event):
+    """What an agent does when lost: self-fence (stop), rejoin as a fresh node, and show that
+    the old identity's writes are refused. Returns the membership in use at the end."""
+    from rendezvous.errors import FencedError
+    from rendezvous.kv import StoreError
+
+    while not stdin_closed.wait(0.05):
+        if not m.lost.is_set():
+            continue
+        old = m
+        old.stop(leave=False)
+        while not stdin_closed.is_set():
+            try:
+                m = old.renew()
+                _start(m, out)
+                break
+            except StoreError as exc:  # still cut off: try again
+                out(event="rejoin-failed", error=str(exc)[:200], t=time.time())
+                time.sleep(0.5)
+        for what, write in (("checked_set", lambda: old.checked_set("ftrun/test/stale", b"x")),
+                            ("advance_generation", lambda: old.advance_generation(0, 99))):
+            try:
+                write()
+                out(event="stale-write-accepted", what=what)
+            except FencedError as exc:
+                out(event="fenced", what=what, error=str(exc), t=time.time())
+    return m
 
 
 if __name__ == "__main__":

@@ -94,6 +94,21 @@ def test_compare_set_torch_semantics(kv: EtcdKV) -> None:
     assert kv.compare_set("empty", b"", b"filled") == b"filled"
 
 
+def test_guarded_writes_fence_on_another_key(kv: EtcdKV) -> None:
+    kv.set("guard", b"me")
+    assert kv.put_if("ctl", b"1", "guard", b"me") and kv.try_get("ctl") == b"1"
+    assert not kv.put_if("ctl", b"2", "guard", b"other") and kv.try_get("ctl") == b"1"
+    assert not kv.put_if("ctl", b"2", "missing-guard", b"me")
+    assert kv.compare_set_if("gen", b"", b"0", "guard", b"me") == b"0"
+    assert kv.compare_set_if("gen", b"0", b"1", "guard", b"me") == b"1"
+    assert kv.compare_set_if("gen", b"0", b"2", "guard", b"me") == b"1"  # lost the race
+    assert kv.compare_set_if("nokey", b"x", b"y", "guard", b"me") == b"x"  # torch semantics
+    assert kv.compare_set_if("gen", b"1", b"2", "guard", b"other") is None
+    assert kv.try_get("gen") == b"1"
+    assert not kv.delete_if("guard", b"other") and kv.delete_if("guard", b"me")
+    assert kv.try_get("guard") is None
+
+
 def test_wait_wakes_on_set_and_times_out(kv: EtcdKV) -> None:
     setter = threading.Timer(0.2, kv.set, args=("late", b"1"))
     setter.start()

@@ -70,10 +70,12 @@ def test_dynamic_closes_after_last_call_and_rejects_extra_agent() -> None:
         assert 0.55 <= took < 3.0
         assert sorted(w.group_rank for w in worlds) == [0, 1]
         assert {w.world_size for w in worlds} == {4} and {w.group_world_size for w in worlds} == {2}
-        # the world is closed and every member is alive: a late agent cannot get in
-        late = Membership(kv, None, 2, 3, 2, "late", "job", **FAST)
-        with pytest.raises(RendezvousError, match="still alive"):
-            late.join(timeout=0.5)
+        # the world is closed and every member is alive: a late agent waits as a hot spare
+        late = Membership(kv, None, 2, 3, 2, "late", "job", spare_timeout=0.5, **FAST)
+        with pytest.raises(RendezvousError, match="no node of run job was lost within "
+                                                  "spare_timeout=0.5s"):
+            late.join(timeout=5)
+        assert ms[0].spares() == []  # its record went with it
     finally:
         for m in ms:
             m.stop()
@@ -291,3 +293,403 @@ def test_duplicate_node_rank_on_etcd_is_refused(etcd_server: EtcdServer) -> None
         second.stop()
         for kv in kvs:
             kv.close()
+
+
+# -- issue 10: dynamic ranks, interruptible join, leaving at once, hot spares, fencing ---------
+
+import contextlib  # noqa: E402
+
+from helpers_relay import Relay  # noqa: E402
+from rendezvous.errors import (STORE_UNREACHABLE, SUPERSEDED, FencedError,  # noqa: E402
+                               JoinInterrupted, RendezvousGracefulExit, StoreHostLostError)
+from rendezvous.keys import LEAVE_SIGNAL  # noqa: E402
+
+
+class Stores:
+    """Store clients of one backend ("tcp": a real embedded StoreServer, "etcd": a real etcd),
+    optionally through a cuttable relay; closes everything at the end."""
+
+    def __init__(self, backend: str, etcd: EtcdServer | None = None) -> None:
+        self.backend = backend
+        self._owned: list = []
+        if backend == "tcp":
+            from rendezvous.server import StoreServer
+
+            self.server = StoreServer(host="127.0.0.1", port=0).start()
+            self._owned.append(self.server)
+            self.host, self.port = "127.0.0.1", self.server.port
+        else:
+            assert etcd is not None
+            self.host, self.port = "127.0.0.1", etcd.client_port
+
+    def client(self, relay: Relay | None = None):
+        port = relay.port if relay is not None else self.port
+        if self.backend == "tcp":
+            from rendezvous.client import StoreClient
+
+            kv = StoreClient(self.host, port, timeout=30)
+        else:
+            from rendezvous.etcd import EtcdConf, EtcdKV
+
+            kv = EtcdKV(f"{self.host}:{port}", "/ftrun/m10", EtcdConf(request_timeout=3.0))
+        self._owned.append(kv)
+        return kv
+
+    def relay(self) -> Relay:
+        r = Relay(self.host, self.port)
+        self._owned.append(r)
+        return r
+
+    def close(self) -> None:
+        for thing in reversed(self._owned):
+            with contextlib.suppress(Exception):
+                (thing.stop if hasattr(thing, "stop") and not hasattr(thing, "close")
+                 else thing.close)()
+
+
+@pytest.fixture(params=["tcp", pytest.param("etcd", marks=pytest.mark.etcd)])
+def stores(request) -> Stores:
+    etcd = request.getfixturevalue("etcd_server") if request.param == "etcd" else None
+    s = Stores(request.param, etcd)
+    yield s
+    s.close()
+
+
+T = dict(heartbeat_interval=0.2, heartbeat_timeout=1.0)
+
+
+class Events:
+    def __init__(self) -> None:
+        self.items: list[tuple[str, int]] = []
+        self.cv = threading.Condition()
+
+    def hooks(self) -> tuple:
+        return (lambda g: self.add("dead", g), lambda g: self.add("join", g),
+                lambda g: self.add("leader", g))
+
+    def add(self, kind: str, g: int) -> None:
+        with self.cv:
+            self.items.append((kind, g))
+            self.cv.notify_all()
+
+    def wait(self, item: tuple[str, int], timeout: float) -> float:
+        t0 = time.monotonic()
+        with self.cv:
+            assert self.cv.wait_for(lambda: item in self.items, timeout), \
+                f"no {item} within {timeout}s: {self.items}"
+        return time.monotonic() - t0
+
+
+def _members(kvs: list, n: int, static: bool = True, **kw) -> list[Membership]:
+    args = dict(T, join_timeout=15)
+    args.update(kw)
+    ms = [Membership(kv, i if static else None, n, n, 1, f"h{i}", "m10", **args)
+          for i, kv in enumerate(kvs)]
+    worlds = _join_all(ms)
+    assert all(isinstance(w, NodeWorld) for w in worlds), worlds
+    return ms
+
+
+def test_join_ends_promptly_on_stop_event_and_on_interrupt(stores: Stores) -> None:
+    kv = stores.client()
+    for how in ("event", "interrupt"):
+        m = Membership(kv, 0, 2, 2, 1, "alone", f"m10{how}", **T)
+        stop = threading.Event()
+        t0 = time.monotonic()
+        threading.Timer(0.3, stop.set if how == "event" else m.interrupt).start()
+        with pytest.raises(JoinInterrupted):
+            m.join(timeout=30, stop=stop)
+        assert time.monotonic() - t0 < 0.3 + 0.8
+        kv.delete_prefix("ftrun/")  # the next round uses a fresh store
+
+
+def test_dynamic_agents_take_distinct_ranks_by_arrival(stores: Stores) -> None:
+    kvs = [stores.client() for _ in range(3)]
+    ms = [Membership(kv, None, 2, 3, 1, f"h{i}", "m10", last_call_timeout=0.5, **T)
+          for i, kv in enumerate(kvs)]
+    try:
+        w0 = ms[0]
+        first = threading.Thread(target=w0.join)  # arrives first: group rank 0
+        first.start()
+        time.sleep(0.2)
+        worlds = _join_all(ms[1:])
+        first.join(10)
+        assert w0.world is not None and w0.world.group_rank == 0
+        assert sorted(w.group_rank for w in worlds) == [1, 2]
+        assert {n.host for n in w0.world.nodes} == {"h0", "h1", "h2"}
+    finally:
+        for m in ms:
+            m.stop()
+
+
+def test_leave_is_seen_as_a_leave_within_a_second(stores: Stores) -> None:
+    kvs = [stores.client() for _ in range(2)]
+    ms = _members(kvs, 2)
+    ev = Events()
+    ms[0].watch_nodes(*ev.hooks())
+    try:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        ms[1].leave(LEAVE_SIGNAL)
+        deadline = time.monotonic() + 1.0
+        while 1 in ms[0].alive_nodes() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        took = time.monotonic() - t0
+        assert ms[0].alive_nodes() == [0], f"leave not seen after {took:.2f}s"
+        time.sleep(T["heartbeat_timeout"] + 0.5)
+        assert ("dead", 1) not in ev.items
+    finally:
+        for m in ms:
+            m.stop()
+
+
+def test_hot_spare_waits_visibly_and_takes_the_lost_nodes_rank(stores: Stores) -> None:
+    kvs = [stores.client() for _ in range(3)]
+    ms = _members(kvs[:2], 2, static=False, last_call_timeout=0.3)
+    ev = Events()
+    ms[0].watch_nodes(*ev.hooks())
+    spare = Membership(kvs[2], None, 2, 2, 1, "spare-host", "m10", **T)
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(spare.join(timeout=30)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 3
+        while not ms[0].spares() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [s.host for s in ms[0].spares()] == ["spare-host"]
+        lost = ms[1].world.me  # ranks follow arrival: node 1 may hold group rank 0
+        ms[1].stop(leave=False)  # that node crashes
+        ev.wait(("dead", lost.node_rank), T["heartbeat_timeout"] + 2.5)
+        ev.wait(("join", lost.node_rank), 3.0)
+        t.join(5)
+        w = box[0]
+        assert w.from_spare and w.rejoined and w.group_rank == lost.node_rank
+        assert w.me.rank_base == lost.rank_base and w.me.host == "spare-host"
+        assert ms[0].alive_nodes() == [0, 1] and ms[0].spares() == []
+    finally:
+        spare.stop()
+        t.join(5)
+        for m in ms:
+            m.stop()
+
+
+def test_spare_takes_a_signalled_nodes_rank_and_exits_when_the_run_is_done() -> None:
+    kv = LocalKV()
+    ms = _members([kv, kv], 2, static=False, last_call_timeout=0.3)
+    spares = [Membership(kv, None, 2, 2, 1, f"s{i}", "m10", **T) for i in range(2)]
+    out: list = [None, None]
+
+    def run(i: int) -> None:
+        try:
+            out[i] = spares[i].join(timeout=30)
+        except Exception as exc:  # noqa: BLE001 - returned to the test
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.monotonic() + 3
+        while len(ms[0].spares()) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        gone = ms[1].group_rank
+        ms[1].leave(LEAVE_SIGNAL)  # preempted: its ranks need a new home
+        deadline = time.monotonic() + 3
+        while not any(isinstance(o, NodeWorld) for o in out) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert time.monotonic() - t0 < 1.5
+        taker = next(i for i in range(2) if isinstance(out[i], NodeWorld))
+        assert out[taker].group_rank == gone
+        ms[0].stop()  # the run is over: "done"
+        spares[taker].stop()
+        threads[1 - taker].join(5)
+        assert isinstance(out[1 - taker], RendezvousGracefulExit), out
+    finally:
+        for m in ms + spares:
+            m.stop()
+        for t in threads:
+            t.join(5)
+
+
+def test_cut_off_node_notices_alone_rejoins_fresh_and_its_stale_writes_are_refused(
+        stores: Stores) -> None:
+    relay = stores.relay()
+    kvs = [stores.client(), stores.client(relay)]
+    ms = _members(kvs, 2)
+    ev = Events()
+    ms[0].watch_nodes(*ev.hooks())
+    old = ms[1]
+    limit = old.liveness._silence_limit()
+    try:
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        relay.cut()
+        ev.wait(("dead", 1), limit + 2.0)
+        assert old.lost.wait(limit + 1.0), "the cut-off node did not notice on its own"
+        noticed = time.monotonic() - t0
+        assert limit <= noticed + 0.3 and noticed <= limit + 1.0
+        err = old.lost_error()
+        assert err is not None and err.kind == STORE_UNREACHABLE
+        time.sleep(max(0.0, 2 * limit - (time.monotonic() - t0)))
+        relay.heal()
+        old.stop(leave=False)
+        new = old.renew()
+        w = new.join(timeout=15)
+        ms[1] = new
+        assert w.rejoined and w.group_rank == 1 and w.me.incarnation == 2
+        ev.wait(("join", 1), 3.0)
+        with pytest.raises(FencedError, match="incarnation 1\\) is stale"):
+            old.checked_set("ftrun/control/x", b"stale")
+        with pytest.raises(FencedError):
+            old.advance_generation(0, 1)
+        assert kvs[0].try_get("ftrun/control/x") is None
+        assert new.advance_generation(0, 1) and not new.advance_generation(0, 2)
+        new.checked_set("ftrun/control/x", b"fresh")
+        assert kvs[0].try_get("ftrun/control/x") == b"fresh"
+    finally:
+        for m in ms:
+            m.stop()
+
+
+def test_a_stale_node_that_never_noticed_is_refused_at_its_next_heartbeat() -> None:
+    from rendezvous.server import StoreServer
+    from rendezvous.client import StoreClient
+
+    server = StoreServer(host="127.0.0.1", port=0).start()
+    relay = Relay("127.0.0.1", server.port)
+    kvs = [StoreClient("127.0.0.1", p) for p in (server.port, relay.port, server.port)]
+    a = Membership(kvs[0], 0, 2, 2, 1, "a", "m10", **T)
+    # b believes the timeout is long: it will not notice the cut (a long pause looks the same)
+    b = Membership(kvs[1], 1, 2, 2, 1, "b", "m10", heartbeat_interval=0.2, heartbeat_timeout=30)
+    try:
+        assert all(isinstance(w, NodeWorld) for w in _join_all([a, b]))
+        ev = Events()
+        a.watch_nodes(*ev.hooks())
+        relay.cut()
+        ev.wait(("dead", 1), 3.0)
+        c = Membership(kvs[2], 1, 2, 2, 1, "c", "m10", **T)
+        assert c.join(timeout=10).rejoined
+        relay.heal()
+        assert b.lost.wait(3.0) and b.lost_error().kind == SUPERSEDED
+        assert a.alive_nodes() == [0, 1]
+        c.stop()
+    finally:
+        for m in (a, b):
+            m.stop()
+        relay.close()
+        for kv in kvs:
+            kv.close()
+        server.stop()
+
+
+def test_losing_the_embedded_store_host_is_reported_as_such() -> None:
+    from rendezvous.server import StoreServer
+    from rendezvous.client import StoreClient
+
+    server = StoreServer(host="127.0.0.1", port=0).start()
+    port = server.port
+    kvs = [StoreClient("127.0.0.1", port, timeout=2) for _ in range(2)]
+    ms = [Membership(kv, i, 2, 2, 1, f"10.0.0.{i + 1}", "m10", read_timeout=1.0,
+                     hosts_store=(i == 0), **T) for i, kv in enumerate(kvs)]
+    try:
+        assert all(isinstance(w, NodeWorld) for w in _join_all(ms))
+        assert not ms[1].can_elect
+        with pytest.raises(RendezvousError, match="needs etcd"):
+            ms[1].elect(lambda: None, lambda: None)
+        server.stop()  # the store host's node is gone
+        assert ms[1].lost.wait(T["heartbeat_timeout"] + 1.5)
+        err = ms[1].lost_error()
+        assert err.kind == STORE_UNREACHABLE and f"127.0.0.1:{port} (node 0)" in str(err)
+        ms[1].stop(leave=False)
+        t0 = time.monotonic()
+        with pytest.raises(StoreHostLostError) as info:
+            ms[1].renew().join(timeout=10)
+        assert time.monotonic() - t0 < 1.0 + 1.5
+        assert str(info.value).startswith(
+            f"the store host (node 0, 127.0.0.1:{port}) is gone; with the embedded store the "
+            "job cannot continue; use --rdzv-backend etcd to survive it")
+    finally:
+        for m in ms:
+            m.stop()
+        for kv in kvs:
+            kv.close()
+
+
+def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(
+        stores: Stores) -> None:
+    kvs = [stores.client() for _ in range(3)]
+    ms = [Membership(kv, None, 2, 3, 2, f"h{i}", "m10", last_call_timeout=0.3,
+                     scale_up="restart", **T) for i, kv in enumerate(kvs[:2])]
+    first = threading.Thread(target=ms[0].join)
+    first.start()
+    time.sleep(0.2)
+    assert isinstance(ms[1].join(timeout=10), NodeWorld)
+    first.join(10)
+    assert sorted(m.group_rank for m in ms) == [0, 1]
+    kvs[0].set(GENERATION_KEY, b"5")
+    kvs[0].set("ftrun/plan/7", b"kept")
+    rounds: list[int] = []
+    for m in ms:
+        m.watch_nodes(lambda g: None, on_round=rounds.append)
+    late = Membership(kvs[2], None, 2, 3, 2, "late", "m10", last_call_timeout=0.3,
+                      scale_up="restart", **T)
+    box: list = []
+    t = threading.Thread(target=lambda: box.append(late.join(timeout=30)))
+    t.start()
+    new: list = [None, None]
+    try:
+        deadline = time.monotonic() + 3
+        while not ms[0].spares() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert [s.host for s in ms[0].spares()] == ["late"]
+        assert ms[0].request_round() == 1 and ms[1].request_round() == 1  # one request wins
+        deadline = time.monotonic() + 3
+        while len(rounds) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert rounds == [1, 1]
+        movers = [threading.Thread(target=lambda i=i: new.__setitem__(i, ms[i].next_round(10)))
+                  for i in range(2)]
+        for th in movers:
+            th.start()
+        for th in movers + [t]:
+            th.join(15)
+        worlds = [m.world for m in new] + box
+        assert all(isinstance(w, NodeWorld) for w in worlds), worlds
+        assert [w.group_rank for w in worlds] == [0, 1, 2]  # survivors keep their ranks
+        assert {w.round for w in worlds} == {1} and {w.group_world_size for w in worlds} == {3}
+        assert [n.host for n in worlds[0].nodes] == ["h0", "h1", "late"]
+        assert [n.rank_base for n in worlds[2].nodes] == [0, 2, 4]
+        assert kvs[0].try_get(GENERATION_KEY) == b"5" and worlds[0].generation == 5
+        assert kvs[0].try_get("ftrun/plan/7") == b"kept"
+    finally:
+        for m in ms + new + [late]:
+            if m is not None:
+                m.stop()
+        t.join(5)
+
+
+def test_sigterm_ends_a_waiting_agent_at_once_and_a_joined_one_leaves(stores: Stores) -> None:
+    endpoint = f"{stores.host}:{stores.port}"
+    lonely = AgentProc(stores.backend, endpoint, "term1", 0, "2", name="lonely")
+    try:
+        lonely.expect("joining", 20)
+        time.sleep(0.5)  # waiting for a second node
+        sent = lonely.term()
+        ev = lonely.expect("interrupted", 3)
+        assert ev["t"] - sent < 1.0 and lonely.proc.wait(5) == 143
+    finally:
+        lonely.stop()
+    a = AgentProc(stores.backend, endpoint, "term1", 0, "2", name="a", hb_timeout=1.0)
+    b = AgentProc(stores.backend, endpoint, "term1", 1, "2", name="b", hb_timeout=1.0)
+    try:
+        a.expect("world", 20)
+        b.expect("world", 20)
+        time.sleep(0.3)
+        sent = b.term()
+        assert b.expect("left", 3)["t"] - sent < 1.0 and b.proc.wait(5) == 143
+        with pytest.raises(AssertionError, match="no dead"):
+            a.expect("dead", 2.0)  # a leave, not a death
+    finally:
+        for p in (a, b):
+            p.stop()

@@ -14,9 +14,9 @@ from rendezvous.kv import KVStore
 from rendezvous.liveness.base import Liveness, Timing
 from rendezvous.liveness.heartbeat import HeartbeatLiveness
 from rendezvous.liveness.lease import LeaseLiveness, LeaseStore
-from rendezvous.liveness.roster import Roster
+from rendezvous.liveness.roster import Lost, Roster
 
-__all__ = ["HeartbeatLiveness", "LeaseLiveness", "LeaseStore", "Liveness", "Roster", "Timing",
+__all__ = ["HeartbeatLiveness", "LeaseLiveness", "LeaseStore", "Liveness", "Lost", "Roster", "Timing",
            "liveness_for"]
 
 

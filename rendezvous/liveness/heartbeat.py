@@ -6,6 +6,12 @@ the checker. A counter that does not move for the heartbeat timeout — by the o
 clock, so clock skew does not matter — is declared dead exactly once (create-if-absent marker at
 `keys.dead_key`) and published on the membership event log (`keys.event_key`), which every agent
 follows with blocking waits. Joins of replacements and graceful leaves go through the same log.
+
+Fencing: a heartbeat is a compare-and-set from the value this agent wrote last, so once a newer
+incarnation has taken the group rank (and rewritten the counter) the stale agent's heartbeat is
+refused and it knows it was superseded. Hot spares refresh the wall time in their record every
+interval; a spare record older than two liveness timeouts is not listed (clocks are assumed to
+be NTP-synchronised to well under a second).
 """
 from __future__ import annotations
 
@@ -15,9 +21,11 @@ import time
 import uuid
 from typing import Any
 
-from rendezvous.keys import EVENT_SEQ_KEY, Registration, dead_key, event_key, hb_key, node_key
+from rendezvous.errors import SUPERSEDED
+from rendezvous.keys import (DEAD_PREFIX, EVENT_SEQ_KEY, LEAVE_DONE, Registration, dead_key,
+                             event_key, hb_key, left_key, marker_of, node_key)
 from rendezvous.kv import StoreError
-from rendezvous.liveness.base import Liveness
+from rendezvous.liveness.base import Liveness, _reason
 
 log = logging.getLogger("ftrun.membership")
 
@@ -55,8 +63,8 @@ class HeartbeatLiveness(Liveness):
             return True
         return self.kv.compare_set(node_key(gr), replacing, raw) == raw
 
-    def registered(self, gr: int, inc: int) -> None:
-        super().registered(gr, inc)
+    def registered(self, gr: int, inc: int, record: bytes = b"") -> None:
+        super().registered(gr, inc, record)
         self.kv.set(hb_key(gr), f"{inc}:0".encode())
         self._event_next = int(self.kv.try_get(EVENT_SEQ_KEY) or b"0") + 1
 
@@ -77,6 +85,29 @@ class HeartbeatLiveness(Liveness):
         self._spawn(self._follow_events, "events")
         self._spawn(self._check_loop, "checker")
 
+    def vacancies(self, ranks: list[int]) -> list[int]:
+        gone = self._markers(DEAD_PREFIX)
+        gone |= {m for m in self._left_markers() if self._left_reason(*m) != LEAVE_DONE}
+        out = []
+        for gr in sorted({g for g, _ in gone if g in set(ranks)}):
+            raw = self.kv.try_get(node_key(gr))
+            if raw is None or (gr, Registration.from_json(raw).incarnation) in gone:
+                out.append(gr)
+        return out
+
+    def put_spare(self, key: str, raw: bytes) -> None:
+        rec = json.loads(raw)
+        rec["beat"] = time.time()
+        self.kv.set(key, json.dumps(rec, sort_keys=True).encode())
+
+    def spares(self, prefix: str) -> list[bytes]:
+        out, now = [], time.time()
+        for key in self.kv.keys(prefix):
+            raw = self.kv.try_get(key)
+            if raw is not None and now - Registration.from_json(raw).beat < 2 * self.timing.timeout:
+                out.append(raw)
+        return out
+
     # ------------------------------------------------------------------------------ internals
 
     def _can_beat(self) -> bool:
@@ -84,20 +115,43 @@ class HeartbeatLiveness(Liveness):
 
     def _beat(self) -> None:
         gr, inc = self.roster.me
-        seq = 0
-        while not self._stop.wait(self.timing.interval):
+        mine = f"{inc}:".encode()
+        last, seq = f"{inc}:0".encode(), 0
+        while not self._stop.wait(self.timing.interval) and not self.roster.lost.is_set():
             seq += 1
+            new = f"{inc}:{seq}".encode()
             try:
-                self.kv.set(hb_key(gr), f"{inc}:{seq}".encode())
+                got = self.kv.compare_set(hb_key(gr), last, new)
             except StoreError as exc:
-                log.warning("heartbeat write failed (will retry): %s", exc)
+                self._alive_failed(exc)
+                continue
+            if got == new or got.startswith(mine):  # ours (a lost reply: adopt what we wrote)
+                last = got
+                if got == new:
+                    self._alive_ok()
+                continue
+            self.roster.lose(f"its heartbeat was refused: node {gr}'s counter holds {got!r}, a "
+                             "newer incarnation took its place", SUPERSEDED)
+            return
 
     def _marked(self, gr: int, inc: int) -> bool:
         return self.kv.try_get(dead_key(gr, inc)) is not None or self._has_left(gr, inc)
 
-    def _announce_leave(self, gr: int, inc: int) -> None:
-        super()._announce_leave(gr, inc)
-        self._publish({"kind": "leave", "group_rank": gr, "incarnation": inc})
+    def _markers(self, prefix: str) -> set[tuple[int, int]]:
+        out = set()
+        for key in self.kv.keys(prefix):
+            try:
+                out.add(marker_of(key))
+            except ValueError:
+                continue
+        return out
+
+    def _left_reason(self, gr: int, inc: int) -> str:
+        return _reason(self.kv.try_get(left_key(gr, inc)))
+
+    def _announce_leave(self, gr: int, inc: int, reason: str) -> None:
+        super()._announce_leave(gr, inc, reason)
+        self._publish({"kind": "leave", "group_rank": gr, "incarnation": inc, "reason": reason})
 
     def _still(self, ranks: list[int], patience: float) -> bool:
         """True once the heartbeats of `ranks` all stay unchanged for one heartbeat timeout;
@@ -106,7 +160,8 @@ class HeartbeatLiveness(Liveness):
         end = time.monotonic() + max(patience, timeout)
         last, since = [self.kv.try_get(hb_key(gr)) for gr in ranks], time.monotonic()
         while time.monotonic() < end:
-            time.sleep(min(self.timing.interval / 2, 0.25))
+            if not self.interrupt.sleep(min(self.timing.interval / 2, 0.25)):
+                return False
             cur, now = [self.kv.try_get(hb_key(gr)) for gr in ranks], time.monotonic()
             if cur != last:
                 if end - now < timeout:
@@ -146,7 +201,7 @@ class HeartbeatLiveness(Liveness):
                 raw = self.kv.try_get(key)
             except StoreError as exc:
                 if not self._stop.is_set():
-                    log.warning("membership event read failed (will retry): %s", exc)
+                    self._alive_failed(exc)  # logged once per outage
                     self._stop.wait(self.timing.interval)
                 continue
             stuck_since = None
@@ -168,6 +223,8 @@ class HeartbeatLiveness(Liveness):
     def _check_loop(self) -> None:
         seen: dict[int, tuple[bytes | None, float]] = {}
         while not self._stop.wait(self.timing.interval / 2):
+            if self.roster.lost.is_set():
+                continue  # a lost agent judges nobody (its view is stale)
             me = self.roster.me[0]
             alive = self.roster.alive()
             lowest = min(alive) if alive else me
@@ -180,7 +237,8 @@ class HeartbeatLiveness(Liveness):
                 try:
                     cur = self.kv.try_get(hb_key(gr))
                 except StoreError as exc:
-                    log.warning("heartbeat read failed: %s", exc)
+                    self._alive_failed(exc)  # logged once per outage
+                    seen.clear()  # a silence we could not observe is no evidence
                     break
                 last = seen.get(gr)
                 if last is None or last[0] != cur:

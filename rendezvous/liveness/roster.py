@@ -1,8 +1,9 @@
 """What one agent believes about the other nodes, whichever liveness mechanism feeds it.
 
 Owns: `Roster` — the live group ranks (with their incarnations), the dead ones, the leader
-rule, this agent's own (group rank, incarnation), the `lost` flag (the others consider this agent
-dead) and the callbacks (`on_dead`, `on_join`, `on_leader`) that hear of changes. A `Liveness`
+rule, this agent's own (group rank, incarnation), the `lost` flag with why it was set (`Lost`:
+the others consider this agent dead, or it could not reach the store for the liveness timeout)
+and the callbacks (`on_dead`, `on_join`, `on_leader`, `on_lost`) that hear of changes. A `Liveness`
 implementation reports what it observes (`joined`, `gone`, `lose`); the roster turns that into
 state and callbacks, once per incarnation.
 
@@ -13,11 +14,25 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from dataclasses import dataclass
 from typing import Callable
+
+from rendezvous.errors import DECLARED_DEAD
 
 log = logging.getLogger("ftrun.membership")
 
 NodeCallback = Callable[[int], None]
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Why and when (monotonic) this agent stopped being a member; kind is one of the
+    `rendezvous.errors` kinds (declared-dead, lease-expired, store-unreachable, ...)."""
+
+    kind: str
+    message: str
+    at: float
 
 
 class Roster:
@@ -27,6 +42,7 @@ class Roster:
     def __init__(self, static: bool, has_left: Callable[[int, int], bool]) -> None:
         self.static = static
         self.lost = threading.Event()  # set when the others consider this agent dead
+        self.lost_info: Lost | None = None  # why (set before `lost`)
         self._has_left = has_left
         self._lock = threading.Lock()
         self._alive: dict[int, int] = {}  # group rank -> incarnation
@@ -37,6 +53,7 @@ class Roster:
         self._on_dead: NodeCallback | None = None
         self._on_join: NodeCallback | None = None
         self._on_leader: NodeCallback | None = None
+        self._on_lost: Callable[[Lost], None] | None = None
 
     # ---------------------------------------------------------------------------- reading
 
@@ -77,6 +94,15 @@ class Roster:
                   on_leader: NodeCallback | None) -> None:
         with self._lock:
             self._on_dead, self._on_join, self._on_leader = on_dead, on_join, on_leader
+
+    def on_lost(self, callback: Callable[[Lost], None] | None) -> None:
+        """Call `callback(Lost)` once when this agent loses its membership (at once if it
+        already has)."""
+        with self._lock:
+            self._on_lost = callback
+        info = self.lost_info
+        if callback is not None and info is not None and not self._closed.is_set():
+            self._safe(callback, info)
 
     def close(self) -> None:
         """No callback and no `lost` after this (the agent is stopping)."""
@@ -126,12 +152,20 @@ class Roster:
         self._report_gone(gr, cur, left)
         self._leader_changed(old_leader, new_leader)
 
-    def lose(self, why: str) -> None:
-        """The others consider this agent dead: set `lost` (once) and say why."""
-        if self._closed.is_set() or self.lost.is_set():
-            return
-        self.lost.set()
-        log.error("%s", why)
+    def lose(self, why: str, kind: str = DECLARED_DEAD) -> None:
+        """This agent is no longer a member (the others consider it dead, or it cannot tell
+        any more): set `lost` (once), say why, call on_lost."""
+        with self._lock:
+            if self._closed.is_set() or self.lost.is_set():
+                return
+            gr, inc = self._me
+            self.lost_info = info = Lost(kind, f"node {gr} (incarnation {inc}): {why}",
+                                         time.monotonic())
+            self.lost.set()
+            cb = self._on_lost
+        log.error("%s", info.message)
+        if cb is not None:
+            self._safe(cb, info)
 
     # ---------------------------------------------------------------------------- helpers
 
@@ -161,7 +195,11 @@ class Roster:
     def _call(self, cb: NodeCallback | None, gr: int) -> None:
         if cb is None or self._closed.is_set():
             return
+        self._safe(cb, gr)
+
+    @staticmethod
+    def _safe(cb: Callable, arg: object) -> None:
         try:
-            cb(gr)
+            cb(arg)
         except Exception:  # a failing callback must not stop liveness tracking
-            log.exception("membership callback %r failed for node %d", cb, gr)
+            log.exception("membership callback %r failed for %r", cb, arg)

@@ -1,0 +1,66 @@
+"""Tests for rendezvous.hosting: is_host by the endpoint's address, and the second agent on the
+store host joining as a client (the same c10d command started twice on one host)."""
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from helpers_store import free_port
+from rendezvous.hosting import host_or_join, is_local_address, wants_to_host
+from rendezvous.keys import RUN_ID_KEY
+from rendezvous.kv import StoreError
+from rendezvous.membership import Membership, NodeWorld
+
+
+def test_is_host_by_address_and_override() -> None:
+    assert is_local_address("127.0.0.1") and is_local_address("localhost")
+    assert not is_local_address("192.0.2.77")  # TEST-NET-1: never this machine
+    assert not is_local_address("no-such-host.invalid")
+    assert wants_to_host("127.0.0.1", {}) and not wants_to_host("192.0.2.77", {})
+    assert wants_to_host("192.0.2.77", {"is_host": "true"})
+    assert not wants_to_host("127.0.0.1", {"is_host": "False"})
+    with pytest.raises(ValueError, match="is_host='maybe': must be true or false"):
+        wants_to_host("127.0.0.1", {"is_host": "maybe"})
+
+
+def test_same_command_twice_on_one_host_one_hosts_one_joins() -> None:
+    port = free_port()
+    first = host_or_join("127.0.0.1", port, "j1", want_host=True)
+    second = host_or_join("127.0.0.1", port, "j1", want_host=True)
+    try:
+        assert first.hosting and first.server is not None
+        assert not second.hosting and second.server is None
+        ms = [Membership(h.kv, None, 2, 2, 1, f"h{i}", "j1", hosts_store=h.hosting,
+                         heartbeat_interval=0.2, heartbeat_timeout=1.0)
+              for i, h in enumerate((first, second))]
+        out: list = [None, None]
+        ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, ms[i].join(timeout=10)))
+              for i in range(2)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(15)
+        assert all(isinstance(w, NodeWorld) for w in out), out
+        assert sorted(w.group_rank for w in out) == [0, 1]
+        host = out[0].store_host()
+        assert host is not None and host.host == "h0"
+        for m in ms:
+            m.stop()
+        # another run's agent on the same port is told so
+        first.kv.set(RUN_ID_KEY, b"j1")
+        with pytest.raises(StoreError, match="in use by the store of run 'j1', not 'j2'"):
+            host_or_join("127.0.0.1", port, "j2", want_host=True)
+    finally:
+        second.kv.close()
+        first.server.stop()
+
+
+def test_port_held_by_something_else_is_one_clear_error() -> None:
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        with pytest.raises(StoreError, match="in use on this host by something that is not"):
+            host_or_join("127.0.0.1", port, "j", want_host=True)
