@@ -26,12 +26,13 @@ from dataclasses import dataclass, field
 from launcher import plan as P
 from launcher.channel import ChannelMessage, ChannelServer
 from launcher.config import LaunchConfig
-from launcher.controller import Controller, aware_key, go_key, post_fault, stopped_key
+from launcher.controller import Controller, post_fault
 from launcher.errors import (Failure, copy_root_error_file, failure_from_exit, format_summary,
                              root_cause)
 from launcher.fault_memory import FaultMemory
 from launcher.faults import FaultKind
-from launcher.inject import RUNTIME_KINDS
+from launcher.inject import carry_out
+from launcher.messages import Bye, FaultReport, Heartbeat, Hello, Recovered, Stop
 from launcher.logs import AgentLog, RunLogDir, render_prefix
 from launcher.observer import NodeObserver
 from launcher.spare import SparePool
@@ -39,10 +40,7 @@ from launcher.workers import Reaper, Worker, WorkerExit, send_signal, spawn, sto
 from rendezvous import auth
 from rendezvous.kv import KVStore, StoreError
 
-DONE = "ftrun/done/{g}"
 UNTIMED_PHASES = {"init", "recovering", "checkpoint", "done"}
-EXIT_FALLBACK = 75  # launcher.runtime's exit code when a repair plan fell back (not a fault)
-EXITED = "ftrun/exited"
 
 
 @dataclass
@@ -108,7 +106,7 @@ class Agent:
         self._hang_killed: set[int] = set()
         self._waiting: dict[int, bool] = {}  # rank -> its last heartbeat says: inside a collective
         self._aware: set[int] = set()
-        self._pending_stop: dict[int, dict] = {}
+        self._pending_stop: dict[int, Stop] = {}
         self.rejoined = False
         self.spares = None
         if os.environ.get("FTRUN_WARM_SPARE", "1") != "0" and not cfg.no_python:
@@ -402,7 +400,7 @@ class Agent:
         else:
             addr = f"{self.cfg.store_host}:{self.cfg.store_port}"
         if self.world.is_leader:
-            self.kv.set("ftrun/world_size", str(self.world.world_size).encode())
+            self.kv.set(P.WORLD_SIZE_KEY, str(self.world.world_size).encode())
         path = os.path.join(self.run_dir.path, P.STORE_ADDR_FILE)
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
@@ -478,7 +476,7 @@ class Agent:
             self.log.info("exit", f"rank {w.rank} stopped by ftrun (code {ev.code})", rank=w.rank,
                           pid=ev.pid, exitcode=ev.code)
             return None
-        if ev.code == EXIT_FALLBACK and w.rank in self._aware:
+        if ev.code == P.EXIT_FALLBACK and w.rank in self._aware:
             self.log.info("exit", f"rank {w.rank} left for the fallback (pid {ev.pid})", rank=w.rank,
                           pid=ev.pid, exitcode=ev.code)
             return None
@@ -513,86 +511,76 @@ class Agent:
                       rank=fault.rank)
 
     def _on_message(self, ev: ChannelMessage) -> None:
-        msg, op = ev.msg, ev.msg.get("op")
-        rank = ev.rank
-        if op == "hello" and isinstance(rank, int):
-            assert self.kv is not None
-            if rank not in self._aware:
-                self._aware.add(rank)
-                self.kv.set(aware_key(rank), b"1")
-            self.log.info("hello", f"rank {rank} (pid {ev.pid}) uses the ftrun runtime", rank=rank,
-                          pid=ev.pid)
-            pending = self._pending_stop.pop(rank, None)
-            if pending is not None and int(msg.get("generation", -1)) < int(pending["generation"]):
-                assert self.channel is not None
-                self.channel.send(rank, pending)
-                self.log.info("stop-sent", f"deferred stop for generation {pending['generation']} "
-                              f"delivered to rank {rank}", rank=rank)
-        elif op == "heartbeat" and isinstance(rank, int):
-            self.log.observe("heartbeat", **msg)
-            self._waiting[rank] = bool(msg.get("waiting"))
-            mark = (msg.get("step"), msg.get("phase"), msg.get("committed_step"))
-            if self._progress.get(rank) != mark:  # progress, not mere liveness, resets the clock
-                self._progress[rank] = mark
-                self._last_progress[rank] = time.time()
-            if msg.get("phase") in UNTIMED_PHASES:
-                # start-up, recovery and checkpoint writes are bounded by the runtime's own
-                # timeouts; the hang clock only runs while the worker trains
-                self._last_progress.pop(rank, None)
-        elif op == "fault" and isinstance(rank, int):
-            kind = str(msg.get("kind", "exception"))
-            try:
-                kind = FaultKind(kind).value
-            except ValueError:
-                kind = FaultKind.UNKNOWN.value
-            injected = bool(msg.get("injected"))
-            self.log.error("worker-fault", f"rank {rank} reports {kind}"
-                           + (" [injected]" if injected else "") + f": {msg.get('message', '')}",
-                           rank=rank, fault_kind=kind, injected=injected, step=msg.get("step"))
-            w = self._worker_by_rank(rank)
-            evidence = {"step": msg.get("step"), "phase": msg.get("phase")}
-            if kind in (FaultKind.UCE_LOW.value, FaultKind.UCE_HIGH.value) and w is not None:
-                device = f"{self.host}:{msg.get('device', w.local_rank)}"
-                count = self.fault_memory.record_uce(device)
-                evidence.update(device=device, uce_count_24h=count, repeat_uce=count >= 2)
-                if count >= 2:
-                    self.log.warning("uce-repeat", f"device {device} had {count} UCEs within 24 h: "
-                                     "no more in-place retries on it", rank=rank, device=device)
-            self._report(P.Fault(kind=kind, rank=rank, node=self.world.group_rank,
-                                 generation=self.generation, message=str(msg.get("message", "")),
-                                 pid=ev.pid, local_rank=w.local_rank if w else None, host=self.host,
-                                 injected=injected, evidence=evidence))
-        elif op == "recovered" and isinstance(rank, int):
-            timings = {k: v for k, v in msg.items() if k not in ("op", "rank")}
-            self.log.info("rank-recovered", f"rank {rank} resumed generation {msg.get('generation')} at "
-                          f"step {msg.get('resume_step')}", rank=rank, **timings)
-        elif op == "bye" and isinstance(rank, int):
+        msg = ev.msg
+        if isinstance(msg, Hello):
+            self._on_hello(msg, ev.pid)
+        elif isinstance(msg, Heartbeat):
+            self._on_heartbeat(msg)
+        elif isinstance(msg, FaultReport):
+            self._on_fault_report(msg, ev.pid)
+        elif isinstance(msg, Recovered):
+            self.log.info("rank-recovered", f"rank {msg.rank} resumed generation {msg.generation} at "
+                          f"step {msg.resume_step}", rank=msg.rank, generation=msg.generation,
+                          resume_step=msg.resume_step, action=msg.action,
+                          replacement=msg.replacement, marks=msg.marks,
+                          transfer_bytes=msg.transfer_bytes, transfer_s=msg.transfer_s,
+                          source=msg.source, **msg.timings)
+        elif isinstance(msg, Bye):
+            self._last_progress.pop(msg.rank, None)
+
+    def _on_hello(self, msg: Hello, pid: int | None) -> None:
+        assert self.kv is not None
+        rank = msg.rank
+        if rank not in self._aware:
+            self._aware.add(rank)
+            self.kv.set(P.aware_key(rank), b"1")
+        self.log.info("hello", f"rank {rank} (pid {pid}) uses the ftrun runtime", rank=rank, pid=pid)
+        pending = self._pending_stop.pop(rank, None)
+        if pending is not None and msg.generation < pending.generation:
+            assert self.channel is not None
+            self.channel.send(rank, pending)
+            self.log.info("stop-sent", f"deferred stop for generation {pending.generation} "
+                          f"delivered to rank {rank}", rank=rank)
+
+    def _on_heartbeat(self, msg: Heartbeat) -> None:
+        self.log.observe("heartbeat", **dataclasses.asdict(msg))
+        rank = msg.rank
+        self._waiting[rank] = msg.waiting
+        mark = msg.progress()
+        if self._progress.get(rank) != mark:  # progress, not mere liveness, resets the clock
+            self._progress[rank] = mark
+            self._last_progress[rank] = time.time()
+        if msg.phase in UNTIMED_PHASES:
+            # start-up, recovery and checkpoint writes are bounded by the runtime's own
+            # timeouts; the hang clock only runs while the worker trains
             self._last_progress.pop(rank, None)
+
+    def _on_fault_report(self, msg: FaultReport, pid: int | None) -> None:
+        rank = msg.rank
+        kind = FaultKind.parse(msg.kind).value
+        self.log.error("worker-fault", f"rank {rank} reports {kind}"
+                       + (" [injected]" if msg.injected else "") + f": {msg.message}",
+                       rank=rank, fault_kind=kind, injected=msg.injected, step=msg.step)
+        w = self._worker_by_rank(rank)
+        evidence: dict = {"step": msg.step, "phase": msg.phase}
+        if kind in (FaultKind.UCE_LOW.value, FaultKind.UCE_HIGH.value) and w is not None:
+            device = f"{self.host}:{w.local_rank}"
+            count = self.fault_memory.record_uce(device)
+            evidence.update(device=device, uce_count_24h=count, repeat_uce=count >= 2)
+            if count >= 2:
+                self.log.warning("uce-repeat", f"device {device} had {count} UCEs within 24 h: "
+                                 "no more in-place retries on it", rank=rank, device=device)
+        self._report(P.Fault(kind=kind, rank=rank, node=self.world.group_rank,
+                             generation=self.generation, message=msg.message,
+                             pid=pid, local_rank=w.local_rank if w else None, host=self.host,
+                             injected=msg.injected, evidence=evidence))
 
     def _on_inject(self, inj: P.Injection) -> None:
         w = self._worker_by_rank(inj.rank)
         if w is None:
             return  # another node's rank
-        where = f" at step {inj.step} ({inj.phase or 'forward'})" if inj.step is not None else ""
-        if not w.alive:
-            self.log.warning("inject-skipped", f"injection {inj.kind} into rank {inj.rank}: not running",
-                             rank=inj.rank)
-            return
-        aware = inj.rank in self._aware
-        if not aware and (inj.kind in RUNTIME_KINDS or inj.step is not None):
-            self.log.error("inject-refused", f"rank {inj.rank} does not use launcher.runtime: only "
-                           "kill, segv and hang (without --at-step) can be injected", rank=inj.rank)
-            return
-        self.log.warning("inject", f"[injected] {inj.kind} into rank {inj.rank} (pid {w.pid}){where}",
-                         rank=inj.rank, fault_kind=inj.kind, injected=True, step=inj.step)
-        if inj.step is None and inj.kind in ("kill", "segv"):
-            os.kill(w.pid or 0, signal.SIGKILL if inj.kind == "kill" else signal.SIGSEGV)
-        elif inj.step is None and inj.kind == "hang" and not aware:
-            os.kill(w.pid or 0, signal.SIGSTOP)  # a real hang of an unmodified worker
-        else:
-            assert self.channel is not None
-            self.channel.send(inj.rank, {"op": "inject", "kind": inj.kind, "step": inj.step,
-                                         "phase": inj.phase or "forward"})
+        assert self.channel is not None
+        carry_out(inj, w, inj.rank in self._aware, self.channel.send, self.log)
 
     def _worker_by_rank(self, rank: int) -> Worker | None:
         for w in self.workers.values():
@@ -658,9 +646,9 @@ class Agent:
         live = [w for w in self.workers.values() if w.alive]
         stop_workers(list(self.workers.values()), signal.SIGTERM, self.cfg.shutdown_timeout)
         self.terminated.extend((w.rank, w.pid or 0) for w in live)
-        if self.kv.add(stopped_key(g), 1) >= self.world.group_world_size:
-            self.kv.set(stopped_key(g) + "_all", b"1")
-        if not self.kv.wait([go_key(g)], max(self.cfg.join_timeout, 60.0)):
+        if self.kv.add(P.stopped_key(g), 1) >= self.world.group_world_size:
+            self.kv.set(P.all_stopped_key(g), b"1")
+        if not self.kv.wait([P.go_key(g)], max(self.cfg.join_timeout, 60.0)):
             self.log.error("phase-timeout", f"generation {g}: the controller did not release the restart")
             raise JobFailed(1)
         self._aware.clear()
@@ -671,8 +659,7 @@ class Agent:
 
     def _recover(self, plan: P.Plan) -> None:
         g = plan.generation
-        stop_msg = {"op": "stop", "generation": g, "strategy": plan.strategy,
-                    "failed_ranks": plan.failed_ranks}
+        stop_msg = Stop(generation=g, strategy=plan.strategy, failed_ranks=plan.failed_ranks)
         restart = self._local_ranks(plan.restart_ranks)
         for w in self.workers.values():
             if w in restart or not w.alive:
@@ -698,8 +685,8 @@ class Agent:
         for w in self.workers.values():
             if w.alive and w.rank not in plan.failed_ranks:
                 w.stopping = True
-                self.channel.send(w.rank, {"op": "stop", "generation": plan.generation,
-                                           "strategy": plan.strategy, "failed_ranks": plan.failed_ranks})
+                self.channel.send(w.rank, Stop(generation=plan.generation, strategy=plan.strategy,
+                                               failed_ranks=plan.failed_ranks))
         deadline = time.monotonic() + max(self.cfg.shutdown_timeout, 120.0)
         for w in self.workers.values():
             if w.alive and w.proc is not None:
@@ -760,12 +747,12 @@ class Agent:
     def _finish(self) -> int | None:
         assert self.kv is not None
         g = self.generation
-        n = self.kv.add(DONE.format(g=g), 1)
+        n = self.kv.add(P.done_key(g), 1)
         self.log.info("node-done", f"all local workers finished ({n}/{self.world.group_world_size} "
                       "nodes done)", nodes_done=n)
         deadline = time.monotonic() + 300.0
         while time.monotonic() < deadline:
-            raw = self.kv.try_get(DONE.format(g=g))
+            raw = self.kv.try_get(P.done_key(g))
             if raw is not None and int(raw) >= self.world.group_world_size:
                 break
             try:
@@ -777,11 +764,11 @@ class Agent:
                 return self._on_plan(ev.plan)
             if isinstance(ev, SignalEvent):
                 return self._on_signal(ev.signum)
-        self.kv.add(EXITED, 1)
+        self.kv.add(P.EXITED_KEY, 1)
         if self.world.is_leader and self.world.group_world_size > 1:
             end = time.monotonic() + 10.0
             while time.monotonic() < end:
-                raw = self.kv.try_get(EXITED)
+                raw = self.kv.try_get(P.EXITED_KEY)
                 if raw is not None and int(raw) >= self.world.group_world_size:
                     break
                 time.sleep(0.05)

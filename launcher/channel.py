@@ -1,13 +1,14 @@
 """The agent's end of the worker channel: a Unix socket for runtime-aware workers.
 
-Owns: listening on `FTRUN_AGENT_SOCKET`, reading newline-delimited JSON messages from workers
-(`hello`, `heartbeat`, `fault`, `bye`), handing them to the agent as `ChannelMessage` events,
-and pushing messages (`stop`) to a rank's connection. One thread (selectors); `stop()` closes
-every connection and removes the socket file so no stale socket is left behind.
+Owns: listening on `FTRUN_AGENT_SOCKET`, reading the workers' messages (`launcher.messages`:
+Hello, Heartbeat, FaultReport, Recovered, Bye), handing them to the agent as `ChannelMessage`
+events (a connection is tied to its rank by its Hello), and pushing messages (Stop, Inject) to a
+rank's connection. Lines that are not valid messages are dropped (counted in `malformed`). One
+thread (selectors); `stop()` closes every connection and removes the socket file so no stale
+socket is left behind.
 """
 from __future__ import annotations
 
-import json
 import os
 import queue
 import selectors
@@ -15,14 +16,16 @@ import socket
 import threading
 from dataclasses import dataclass
 
+from launcher.messages import Hello, Message, MessageError, decode, encode
+
 MAX_LINE = 1 << 20
 
 
 @dataclass
 class ChannelMessage:
-    rank: int | None
+    rank: int | None  # from the connection's Hello (None before it)
     pid: int | None
-    msg: dict
+    msg: Message
 
 
 class ChannelServer:
@@ -41,6 +44,7 @@ class ChannelServer:
         self._conns: dict[socket.socket, dict] = {}
         self._by_rank: dict[int, socket.socket] = {}
         self._lock = threading.Lock()
+        self.malformed = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-channel", daemon=True)
         self._thread.start()
@@ -86,16 +90,14 @@ class ChannelServer:
             if not line.strip():
                 continue
             try:
-                msg = json.loads(line)
-            except ValueError:
+                msg = decode(line)
+            except MessageError:
+                self.malformed += 1
                 continue
-            if not isinstance(msg, dict):
-                continue
-            if msg.get("op") == "hello":
-                st["rank"], st["pid"] = msg.get("rank"), msg.get("pid")
-                if isinstance(st["rank"], int):
-                    with self._lock:
-                        self._by_rank[st["rank"]] = conn
+            if isinstance(msg, Hello):
+                st["rank"], st["pid"] = msg.rank, msg.pid
+                with self._lock:
+                    self._by_rank[msg.rank] = conn
             self.events.put(ChannelMessage(st["rank"], st["pid"], msg))
 
     def _drop(self, conn: socket.socket) -> None:
@@ -109,9 +111,9 @@ class ChannelServer:
             pass
         conn.close()
 
-    def send(self, rank: int, msg: dict) -> bool:
+    def send(self, rank: int, msg: Message) -> bool:
         """Push one message to `rank`'s connection. False when it has no live connection."""
-        data = (json.dumps(msg) + "\n").encode()
+        data = encode(msg)
         with self._lock:
             conn = self._by_rank.get(rank)
             if conn is None:

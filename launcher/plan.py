@@ -1,8 +1,10 @@
 """The recovery protocol's shared vocabulary: store key names and the JSON records exchanged.
 
-Owns: every store key ftrun's control plane uses (agents, controller and the in-worker runtime
-must agree on them byte for byte) and the dataclasses written under them. Nothing here talks to a
-store; callers pass a `KVStore` (agents) or a torch `Store` (workers).
+Owns: every store key the launcher's control plane uses (agents, controller and the in-worker
+runtime must agree on them byte for byte; the node-level rendezvous keys are `rendezvous`'s), the
+strategy names, the exit code a rank leaves with for a fallback, and the dataclasses written under
+the keys. Nothing here talks to a store; callers pass a `KVStore` (agents) or a torch `Store`
+(workers).
 
 All control keys live under `ftrun/` (logical keys, see `rendezvous.kv`). Worker keys of an
 unmodified script live outside it and are cleared between restart-all generations.
@@ -15,6 +17,10 @@ Flow of one recovery round (generation g -> g+1 = g'):
   5. the controller reads all statuses and writes a `RepairPlan` under `repair_key(g')`;
   6. ranks build process groups on `pg_prefix(g')`, transfer state src->dst, roll back or commit,
      post `resumed_key(g', rank)` and continue.
+A restart-all round instead: every agent stops its workers and adds 1 to `stopped_key(g')` (the
+last sets `all_stopped_key(g')`); the controller clears the worker keys and sets `go_key(g')`.
+A job that ends: each agent adds 1 to `done_key(g)` when its workers finished, then to
+`EXITED_KEY` when it leaves.
 """
 from __future__ import annotations
 
@@ -27,7 +33,13 @@ from typing import Any
 from rendezvous.keys import GENERATION_KEY, ROOT, node_key  # noqa: F401 - re-exported
 
 FAULT_SEQ = f"{ROOT}/fault_seq"
-FINISHED_SEQ = f"{ROOT}/finished_nodes"
+RESTARTS_USED_KEY = f"{ROOT}/restarts_used"  # the controller's budget, kept across leader changes
+WORLD_SIZE_KEY = f"{ROOT}/world_size"  # set by the leader agent; `ftctl inject` checks ranks against it
+EXITED_KEY = f"{ROOT}/exited"  # agents that left after a successful job
+
+# A runtime-aware rank exits with this code when the repair plan fell back (restart-all or dump):
+# the agent does not count it as a fault.
+EXIT_FALLBACK = 75
 
 # Strategies, cheapest first (issue: fault taxonomy and strategy chain).
 RETRY = "retry"
@@ -61,6 +73,36 @@ def resumed_key(generation: int, rank: int) -> str:
 def pg_prefix(generation: int) -> str:
     """Store prefix the process groups of generation `generation` are built on."""
     return f"{ROOT}/g{generation}/pg"
+
+
+def stopped_key(generation: int) -> str:
+    """Counter: nodes that stopped all their workers for a restart-all round."""
+    return f"{ROOT}/g{generation}/stopped"
+
+
+def all_stopped_key(generation: int) -> str:
+    """Set by the last node to stop its workers for a restart-all round."""
+    return f"{ROOT}/g{generation}/stopped_all"
+
+
+def go_key(generation: int) -> str:
+    """Set by the controller: the workers of a restart-all round may start."""
+    return f"{ROOT}/g{generation}/go"
+
+
+def aware_key(rank: int) -> str:
+    """Set when `rank` said hello on the worker channel: it uses launcher.runtime."""
+    return f"{ROOT}/aware/{rank}"
+
+
+def done_key(generation: int) -> str:
+    """Counter: nodes whose workers all finished in generation `generation`."""
+    return f"{ROOT}/done/{generation}"
+
+
+def ckpt_key(generation: int, iteration: int, shard: str) -> str:
+    """Set by a checkpoint writer once its shard file of `iteration` is durable."""
+    return f"{ROOT}/g{generation}/ckpt/{iteration}/{shard}"
 
 
 INJECT_SEQ = f"{ROOT}/inject_seq"
@@ -136,7 +178,6 @@ class Plan(_Record):
     reason: str = ""
     root_cause: dict | None = None  # a Fault as dict
     restarts_used: int = 0
-    max_restarts: int = 0
 
 
 @dataclass
@@ -164,3 +205,4 @@ class RepairPlan(_Record):
     pairs: list[list[int]] = field(default_factory=list)  # [src, dst]
     fallback: str | None = None  # set when peer repair is impossible: the strategy to use
     reason: str = ""
+    writers: dict[str, int] = field(default_factory=dict)  # dump: the rank saving each shard

@@ -7,6 +7,7 @@ import queue
 import socket
 
 from launcher.channel import ChannelMessage, ChannelServer
+from launcher.messages import Heartbeat, Hello, Stop
 
 
 def test_hello_heartbeat_and_push(tmp_path) -> None:
@@ -16,15 +17,18 @@ def test_hello_heartbeat_and_push(tmp_path) -> None:
     try:
         c = socket.socket(socket.AF_UNIX)
         c.connect(path)
-        c.sendall(b'{"op":"hello","rank":3,"pid":99}\n{"op":"heartbeat","rank":3,"step":1}\nnot json\n')
-        m1, m2 = q.get(timeout=5), q.get(timeout=5)
-        assert isinstance(m1, ChannelMessage) and m1.rank == 3 and m1.msg["op"] == "hello"
-        assert m2.msg == {"op": "heartbeat", "rank": 3, "step": 1} and m2.pid == 99
+        c.sendall(b'{"op":"hello","rank":3,"pid":99}\n{"op":"heartbeat","rank":3,"step":1}\nnot json\n'
+                  b'{"op":"stop","generation":"x"}\n{"op":"bye","rank":3}\n')
+        m1, m2, m3 = q.get(timeout=5), q.get(timeout=5), q.get(timeout=5)
+        assert isinstance(m1, ChannelMessage) and m1.rank == 3 and m1.msg == Hello(rank=3, pid=99)
+        assert m2.msg == Heartbeat(rank=3, step=1) and m2.pid == 99
+        assert m3.msg.op == "bye" and srv.malformed == 2  # the two bad lines were dropped
         assert srv.connected_ranks() == {3}
-        assert srv.send(3, {"op": "stop", "generation": 2})
+        assert srv.send(3, Stop(generation=2))
         c.settimeout(5)
-        assert json.loads(c.recv(4096).decode().strip()) == {"op": "stop", "generation": 2}
-        assert not srv.send(4, {"op": "stop"})
+        assert json.loads(c.recv(4096).decode().strip()) == {"op": "stop", "generation": 2,
+                                                              "strategy": "", "failed_ranks": []}
+        assert not srv.send(4, Stop(generation=2))
         c.close()
     finally:
         srv.stop()

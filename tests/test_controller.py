@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from launcher import plan as P
-from launcher.controller import Controller, aware_key, go_key, post_fault, stopped_key
+from launcher.controller import Controller, post_fault
 from launcher.logs import AgentLog
 from rendezvous.memory import LocalKV
 
@@ -37,10 +37,10 @@ def test_unmodified_job_restarts_all_and_clears_worker_keys(kv) -> None:
         post_fault(kv, fault())
         p = plan_of(kv, 1)
         assert p.strategy == P.RESTART_ALL and p.restart_ranks == [0, 1, 2, 3] and p.restarts_used == 1
-        assert kv.try_get(go_key(1)) is None  # not released before every node stopped
-        kv.add(stopped_key(1), 1)
-        kv.set(stopped_key(1) + "_all", b"1")
-        assert kv.wait([go_key(1)], 10.0)
+        assert kv.try_get(P.go_key(1)) is None  # not released before every node stopped
+        kv.add(P.stopped_key(1), 1)
+        kv.set(P.all_stopped_key(1), b"1")
+        assert kv.wait([P.go_key(1)], 10.0)
         assert kv.try_get("worker/key") is None and kv.try_get(P.GENERATION_KEY) == b"1"
     finally:
         c.stop()
@@ -48,7 +48,7 @@ def test_unmodified_job_restarts_all_and_clears_worker_keys(kv) -> None:
 
 def test_runtime_job_recovers_in_place_and_plans_repair(kv) -> None:
     for r in range(4):
-        kv.set(aware_key(r), b"1")
+        kv.set(P.aware_key(r), b"1")
     c = make(kv)
     try:
         post_fault(kv, fault(rank=2))
@@ -66,12 +66,12 @@ def test_runtime_job_recovers_in_place_and_plans_repair(kv) -> None:
 
 def test_no_healthy_replica_falls_back_to_restart_all(kv) -> None:
     for r in range(2):
-        kv.set(aware_key(r), b"1")
+        kv.set(P.aware_key(r), b"1")
     c = make(kv, world=2)
     try:
         post_fault(kv, fault(rank=1))
         assert plan_of(kv, 1).strategy == P.RECOVER_IN_PLACE
-        kv.set(stopped_key(2) + "_all", b"1")  # the agents' part of the fallback round
+        kv.set(P.all_stopped_key(2), b"1")  # the agents' part of the fallback round
         kv.set(P.status_key(1, 0), P.RankStatus(0, 1, False, 3, 4, shard="a").to_json())
         kv.set(P.status_key(1, 1), P.RankStatus(1, 1, True, -1, -1, shard="b").to_json())
         p2 = plan_of(kv, 2)
@@ -91,5 +91,47 @@ def test_budget_spent_exits_and_stale_faults_are_absorbed(kv) -> None:
         post_fault(kv, fault(rank=3, gen=1))
         assert plan_of(kv, 2).failed_ranks == [3]
         assert kv.try_get(P.plan_key(3)) is None
+    finally:
+        c.stop()
+
+
+def test_a_fault_during_status_collection_supersedes_the_round(kv) -> None:
+    for r in range(4):
+        kv.set(P.aware_key(r), b"1")
+    c = make(kv)
+    try:
+        post_fault(kv, fault(rank=2, kind="uce-low"))
+        assert plan_of(kv, 1).strategy == P.RETRY
+        kv.set(P.status_key(1, 0), P.RankStatus(0, 1, False, 4, 5, shard="dp").to_json())
+        post_fault(kv, fault(rank=3, kind="network", gen=1))  # rank 3 fails mid-recovery
+        p2 = plan_of(kv, 2)
+        assert p2.strategy == P.RECOVER_IN_PLACE and p2.failed_ranks == [2, 3] and p2.restart_ranks == [3]
+        assert p2.restarts_used == 2 and kv.try_get(P.repair_key(1)) is None  # round 1 never completes
+        post_fault(kv, fault(rank=3, kind="signal", gen=1))  # its late exit report: part of round 2
+        for r in range(4):
+            kv.set(P.status_key(2, r), P.RankStatus(r, 2, r == 3, -1 if r == 3 else 4, 5,
+                                                     dirty=(r == 2), shard="dp").to_json())
+        rp = P.RepairPlan.from_json(kv.get(P.repair_key(2), 10.0))
+        assert rp.pairs == [[0, 2], [0, 3]] and rp.resume_step == 5
+        assert c.round is not None and not c.round.collecting
+        assert kv.try_get(P.plan_key(3)) is None
+    finally:
+        c.stop()
+
+
+def test_dump_round_names_the_step_and_the_writer_of_each_shard(kv) -> None:
+    for r in range(4):
+        kv.set(P.aware_key(r), b"1")
+    c = make(kv, chain=[P.DUMP, P.EXIT])
+    try:
+        post_fault(kv, fault(rank=1))
+        p = plan_of(kv, 1)
+        assert p.strategy == P.DUMP and p.restarts_used == 0 and p.restart_ranks == []
+        shards = {0: "a", 2: "b", 3: "b"}
+        for r, shard in shards.items():
+            kv.set(P.status_key(1, r), P.RankStatus(r, 1, False, 6 if r != 3 else 5, 7,
+                                                     shard=shard).to_json())
+        rp = P.RepairPlan.from_json(kv.get(P.repair_key(1), 10.0))
+        assert rp.fallback == P.DUMP and rp.resume_step == 7 and rp.writers == {"a": 0, "b": 2}
     finally:
         c.stop()

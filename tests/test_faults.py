@@ -1,42 +1,35 @@
-"""The escalation policy: which strategy of the chain handles which fault."""
+"""The fault taxonomy: one list of kinds, shared by the agent, the controller and the runtime."""
 from __future__ import annotations
 
-import pytest
-
-from launcher import plan as P
-from launcher.faults import FaultKind, pick_strategy
-
-DEFAULT = [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT]
+from launcher.faults import (INJECTION_KINDS, IN_PLACE_KINDS, RUNTIME_INJECTIONS, SIGNAL_INJECTIONS,
+                             WORKER_FAULT_KINDS, FaultKind)
 
 
-@pytest.mark.parametrize("kind, expected", [
-    (FaultKind.UCE_LOW, P.RETRY), (FaultKind.UCE_HIGH, P.RETRY), (FaultKind.NETWORK, P.RETRY),
-    (FaultKind.SIGNAL, P.RECOVER_IN_PLACE), (FaultKind.EXIT, P.RECOVER_IN_PLACE),
-    (FaultKind.HANG, P.RECOVER_IN_PLACE), (FaultKind.EXCEPTION, P.RECOVER_IN_PLACE),
-])
-def test_cheapest_strategy_per_kind(kind: FaultKind, expected: str) -> None:
-    assert pick_strategy(kind, DEFAULT, runtime_aware=True, budget_left=True)[0] == expected
+def test_wire_kinds_parse_and_unknown_ones_do_not_crash() -> None:
+    assert FaultKind.parse("uce-low") is FaultKind.UCE_LOW
+    assert FaultKind.parse("no-such-kind") is FaultKind.UNKNOWN
+    assert FaultKind.parse(None) is FaultKind.UNKNOWN
 
 
-def test_unmodified_scripts_get_torchrun_semantics() -> None:
-    s, why = pick_strategy(FaultKind.SIGNAL, DEFAULT, runtime_aware=False, budget_left=True)
-    assert s == P.RESTART_ALL and "launcher.runtime" in why
+def test_worker_and_in_place_kinds_are_kinds_of_the_taxonomy() -> None:
+    values = {k.value for k in FaultKind}
+    assert set(WORKER_FAULT_KINDS) <= values
+    assert {k.value for k in IN_PLACE_KINDS} < set(WORKER_FAULT_KINDS)  # exception restarts
+    assert FaultKind.EXCEPTION.value in WORKER_FAULT_KINDS and "signal" not in WORKER_FAULT_KINDS
 
 
-def test_chain_falls_through_when_earlier_strategies_are_disabled() -> None:
-    assert pick_strategy(FaultKind.UCE_LOW, [P.RECOVER_IN_PLACE, P.EXIT], True, True)[0] == P.RECOVER_IN_PLACE
-    assert pick_strategy(FaultKind.UCE_LOW, [P.RESTART_ALL, P.EXIT], True, True)[0] == P.RESTART_ALL
-    assert pick_strategy(FaultKind.UCE_LOW, [P.DUMP, P.EXIT], True, True)[0] == P.DUMP
-    assert pick_strategy(FaultKind.UCE_LOW, [P.EXIT], True, True)[0] == P.EXIT
+def test_the_runtime_and_ftctl_use_the_same_lists() -> None:
+    from launcher.inject import inject
+    from launcher.runtime import devices, faultplan
+
+    assert (devices.UCE_LOW, devices.UCE_HIGH, devices.NETWORK, devices.UNSAFE_DATA,
+            devices.EXCEPTION) == WORKER_FAULT_KINDS
+    assert faultplan.KINDS is INJECTION_KINDS
+    kind_option = next(p for p in inject.params if p.name == "kind")
+    assert tuple(kind_option.type.choices) == INJECTION_KINDS
 
 
-def test_budget_spent_skips_restarts_and_says_why() -> None:
-    s, why = pick_strategy(FaultKind.SIGNAL, [P.RECOVER_IN_PLACE, P.RESTART_ALL, P.DUMP, P.EXIT], True, False)
-    assert s == P.DUMP and "budget" in why
-    s, why = pick_strategy(FaultKind.SIGNAL, DEFAULT, True, False)
-    assert s == P.EXIT and "budget" in why
-
-
-def test_repeat_uce_is_not_retried_in_place() -> None:
-    s, why = pick_strategy(FaultKind.UCE_LOW, DEFAULT, True, True, repeat_uce=True)
-    assert s == P.RECOVER_IN_PLACE and "24 h" in why
+def test_injections_split_into_agent_signals_and_runtime_kinds() -> None:
+    assert set(SIGNAL_INJECTIONS) | RUNTIME_INJECTIONS == set(INJECTION_KINDS)
+    assert not set(SIGNAL_INJECTIONS) & RUNTIME_INJECTIONS
+    assert "exit" in RUNTIME_INJECTIONS and set(WORKER_FAULT_KINDS) <= RUNTIME_INJECTIONS

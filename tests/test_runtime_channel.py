@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from launcher.messages import FaultReport, Hello, Inject
 from launcher.runtime.channel import AgentChannel
 from launcher.runtime.signals import StopSignal
 
@@ -50,7 +51,7 @@ def test_hello_heartbeats_faults_stop_and_bye(server):
     stop = StopSignal()
     logs: list[str] = []
     ch = AgentChannel(path, 3, stop, logs.append, heartbeat_interval=0.2)
-    ch.start({"rank": 3, "local_rank": 1, "pid": os.getpid(), "generation": 0, "replacement": False})
+    ch.start(Hello(rank=3, local_rank=1, pid=os.getpid(), generation=0, replacement=False))
     conn, _ = srv.accept()
     try:
         msgs = read_messages(conn, lambda m: len([x for x in m if x["op"] == "heartbeat"]) >= 3)
@@ -59,8 +60,7 @@ def test_hello_heartbeats_faults_stop_and_bye(server):
         beats = [m for m in msgs if m["op"] == "heartbeat"]
         assert len(beats) >= 3 and all(m["rank"] == 3 for m in beats)  # idle heartbeats keep coming
         ch.update(step=7, phase="backward", committed_step=6)
-        ch.send({"op": "fault", "rank": 3, "kind": "network", "message": "x", "step": 7, "phase": "backward",
-                 "injected": False})
+        ch.send(FaultReport(rank=3, kind="network", message="x", step=7, phase="backward"))
         msgs = read_messages(conn, lambda m: any(x["op"] == "fault" for x in m))
         hb = [m for m in msgs if m["op"] == "heartbeat"]
         assert hb and (hb[-1]["step"], hb[-1]["phase"], hb[-1]["committed_step"]) == (7, "backward", 6)
@@ -80,21 +80,21 @@ def test_hello_heartbeats_faults_stop_and_bye(server):
 def test_connect_failure_names_the_socket(tmp_path):
     ch = AgentChannel(str(tmp_path / "missing.sock"), 0, StopSignal(), print, connect_timeout=0.2)
     with pytest.raises(ConnectionError, match="missing.sock"):
-        ch.start({})
+        ch.start(Hello(rank=0))
 
 
 def test_inject_goes_to_the_injector_and_waiting_rides_the_next_heartbeat(server):
     path, srv = server
     got: list[dict] = []
     ch = AgentChannel(path, 1, StopSignal(), print, heartbeat_interval=0.2, on_inject=got.append)
-    ch.start({"rank": 1})
+    ch.start(Hello(rank=1))
     conn, _ = srv.accept()
     try:
         conn.sendall(b'{"op":"inject","kind":"uce-low","step":4,"phase":"backward"}\n')
         deadline = time.monotonic() + 5
         while not got and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert got == [{"op": "inject", "kind": "uce-low", "step": 4, "phase": "backward"}]
+        assert got == [Inject(kind="uce-low", step=4, phase="backward")]
         ch.update(waiting=True)
         msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["waiting"] for x in m))
         assert any(m["op"] == "heartbeat" and m["waiting"] is True for m in msgs)

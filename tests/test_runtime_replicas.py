@@ -136,3 +136,16 @@ def test_controller_import_does_not_load_torch():
     code = "import sys; from launcher.runtime.replicas import plan_repair; print('torch' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], env=base_env(), capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
+
+
+def test_plan_dump_saves_the_newest_healthy_step_written_by_the_lowest_holder() -> None:
+    from launcher.plan import DUMP
+    from launcher.runtime.replicas import plan_dump
+
+    sts = [RankStatus(0, 2, False, 5, 6, shard="a"), RankStatus(1, 2, False, 5, 6, dirty=True, shard="b"),
+           RankStatus(2, 2, False, 5, 6, shard="a"), RankStatus(3, 2, False, 4, 5, shard="b"),
+           RankStatus(4, 2, True, -1, -1, shard="b")]
+    p = plan_dump(sts, 2)
+    assert (p.generation, p.resume_step, p.fallback) == (2, 6, DUMP)
+    assert p.writers == {"a": 0}  # shard b has no healthy holder at step 5: nobody writes it
+    assert plan_dump([RankStatus(0, 2, True, -1, -1, shard="a")], 2).resume_step == 0

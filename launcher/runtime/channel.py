@@ -1,50 +1,23 @@
 """The worker side of the worker <-> agent channel.
 
-Owns: the unix stream socket to the local agent (`FTRUN_AGENT_SOCKET`), newline-delimited JSON
-both ways, and the two daemon threads that serve it: a reader that turns the agent's
-{"op":"stop","generation":g} into a `StopSignal` request (so a rank blocked in a collective still
-hears it) and hands {"op":"inject",...} (from `ftctl inject`) to the fault injector, and a
-writer that sends a heartbeat on every progress change and at least every
-`heartbeat_interval` seconds. The training thread never touches the socket: it only updates
-`Progress` and queues messages.
-
-Messages (one JSON object per line):
-  worker -> agent  {"op":"hello","rank","local_rank","pid","generation","replacement"}
-                   {"op":"heartbeat","rank","step","phase","committed_step","waiting","time"}
-                   {"op":"fault","rank","kind","message","step","phase","injected","fatal"}
-                   {"op":"recovered","rank","generation","resume_step","action", <phase>_s timings}
-                   {"op":"bye","rank"}
-  agent -> worker  {"op":"stop","generation":g}
-                   {"op":"inject","kind","step","phase"}  (step/phase may be null: fire now)
-Heartbeat phases: "init" (between init() and the first step: the script builds its model, a
-replacement waits for its state), "step", the script's phase names ("forward", "backward", ...),
-"optimizer", "committed", "checkpoint", "recovering" (inside a recovery round; every wait there
-is bounded by FTRUN_STORE_TIMEOUT), "resumed", "done". Rapid phase changes are coalesced.
-"waiting" is true while the rank has been blocked in a runtime collective for over 50 ms, or
-waits for the agent after a collective failed: the agent's hang check spares such a rank (it
-waits on a peer; the collective's own timeout bounds it).
+Owns: the unix stream socket to the local agent (`FTRUN_AGENT_SOCKET`) and the two daemon threads
+that serve it: a reader that turns the agent's `Stop` into a `StopSignal` request (so a rank
+blocked in a collective still hears it) and hands `Inject` (from `ftctl inject`) to the fault
+injector, and a writer that sends a `Heartbeat` on every progress change and at least every
+`heartbeat_interval` seconds. The training thread never touches the socket: it only updates the
+heartbeat's fields and queues messages. The messages and their encoding are `launcher.messages`'s.
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import socket
 import threading
 import time
-from dataclasses import asdict, dataclass
-from typing import Callable
+from typing import Any, Callable
 
+from launcher.messages import Bye, Heartbeat, Hello, Inject, MessageError, Stop, decode, encode
 from launcher.runtime.signals import StopSignal
-
-
-@dataclass
-class Progress:
-    """What the heartbeat reports; written by the training thread."""
-
-    step: int = -1
-    phase: str = "init"
-    committed_step: int = -1
-    waiting: bool = False  # inside a collective, waiting on peers (not hung itself)
 
 
 class AgentChannel:
@@ -52,7 +25,7 @@ class AgentChannel:
 
     def __init__(self, path: str, rank: int, stop: StopSignal, log: Callable[[str], None],
                  heartbeat_interval: float = 1.0, connect_timeout: float = 30.0,
-                 on_inject: Callable[[dict], None] | None = None) -> None:
+                 on_inject: Callable[[Inject], None] | None = None) -> None:
         self._path = path
         self._on_inject = on_inject
         self._rank = rank
@@ -62,14 +35,14 @@ class AgentChannel:
         self._connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
         self._cond = threading.Condition()
-        self._outbox: list[dict] = []
-        self._progress = Progress()
+        self._outbox: list[Any] = []
+        self._progress = Heartbeat(rank=rank)
         self._dirty = False
         self._closing = False
         self._threads: list[threading.Thread] = []
 
     # ---- lifecycle -------------------------------------------------------------------
-    def start(self, hello: dict) -> None:
+    def start(self, hello: Hello) -> None:
         deadline = time.monotonic() + self._connect_timeout
         while True:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -82,7 +55,7 @@ class AgentChannel:
                     raise ConnectionError(f"cannot connect to the ftrun agent at {self._path}: {exc}") from exc
                 time.sleep(0.05)
         self._sock = sock
-        self._send_now({"op": "hello", **hello})
+        self._send_now(hello)
         for target, name in ((self._read_loop, "ftrun-agent-reader"), (self._write_loop, "ftrun-agent-writer")):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
@@ -94,7 +67,7 @@ class AgentChannel:
             return
         with self._cond:
             if bye:
-                self._outbox.append({"op": "bye", "rank": self._rank})
+                self._outbox.append(Bye(rank=self._rank))
             self._closing = True
             self._cond.notify_all()
         for t in self._threads:
@@ -110,24 +83,24 @@ class AgentChannel:
         self._sock = None
 
     # ---- used by the training thread -------------------------------------------------
-    def update(self, **fields: object) -> None:
-        """Change heartbeat fields (step, phase, committed_step); wakes the writer."""
+    def update(self, **fields: Any) -> None:
+        """Change heartbeat fields (step, phase, committed_step, waiting); wakes the writer."""
         with self._cond:
             for k, v in fields.items():
                 setattr(self._progress, k, v)
             self._dirty = True
             self._cond.notify_all()
 
-    def send(self, message: dict) -> None:
+    def send(self, message: Any) -> None:
         """Queue one message for the agent (never blocks on the socket)."""
         with self._cond:
             self._outbox.append(message)
             self._cond.notify_all()
 
     # ---- threads ---------------------------------------------------------------------
-    def _send_now(self, message: dict) -> None:
+    def _send_now(self, message: Any) -> None:
         assert self._sock is not None
-        self._sock.sendall(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+        self._sock.sendall(encode(message))
 
     def _write_loop(self) -> None:
         last = 0.0
@@ -138,11 +111,11 @@ class AgentChannel:
                 batch, self._outbox = self._outbox, []
                 beat = self._dirty or time.monotonic() - last >= self._interval
                 self._dirty = False
-                progress = asdict(self._progress)
+                progress = dataclasses.replace(self._progress, time=time.time())
                 closing = self._closing
             try:
                 if beat and not closing:
-                    self._send_now({"op": "heartbeat", "rank": self._rank, **progress, "time": time.time()})
+                    self._send_now(progress)
                     last = time.monotonic()
                 for msg in batch:
                     self._send_now(msg)
@@ -178,24 +151,17 @@ class AgentChannel:
         if not line.strip():
             return
         try:
-            msg = json.loads(line)
-        except ValueError:
-            self._log(f"ignored malformed message from agent: {line[:200]!r}")
+            msg = decode(line)
+        except MessageError as exc:
+            self._log(f"ignored malformed message from agent: {exc}")
             return
-        if not isinstance(msg, dict):
-            self._log(f"ignored non-object message from agent: {line[:200]!r}")
-            return
-        if msg.get("op") == "stop":
-            gen = msg.get("generation")
-            if not isinstance(gen, int):
-                self._log(f"ignored stop without an integer generation: {msg!r}")
-                return
-            if self._stop.request(gen):
-                self._log(f"stop received for generation {gen}")
-        elif msg.get("op") == "inject":
+        if isinstance(msg, Stop):
+            if self._stop.request(msg.generation):
+                self._log(f"stop received for generation {msg.generation}")
+        elif isinstance(msg, Inject):
             if self._on_inject is None:
                 self._log(f"ignored injection (no fault injector in this worker): {msg!r}")
             else:
                 self._on_inject(msg)
         else:
-            self._log(f"ignored unknown agent message op={msg.get('op')!r}")
+            self._log(f"ignored message the agent does not send: {msg.op!r}")

@@ -14,13 +14,15 @@ from typing import Any
 
 import torch
 
-# Fault kinds a worker reports itself (the agent's taxonomy has more: exit, signal, hang).
-UCE_LOW = "uce-low"
-UCE_HIGH = "uce-high"
-NETWORK = "network"
-UNSAFE_DATA = "unsafe-data"
-EXCEPTION = "exception"
-WORKER_FAULT_KINDS = (UCE_LOW, UCE_HIGH, NETWORK, UNSAFE_DATA, EXCEPTION)
+from launcher.faults import FaultKind
+
+# The kinds a worker reports itself, as the strings the adapters classify into (taxonomy:
+# launcher.faults).
+UCE_LOW = FaultKind.UCE_LOW.value
+UCE_HIGH = FaultKind.UCE_HIGH.value
+NETWORK = FaultKind.NETWORK.value
+UNSAFE_DATA = FaultKind.UNSAFE_DATA.value
+EXCEPTION = FaultKind.EXCEPTION.value
 
 _NETWORK_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "Connection refused",

@@ -20,13 +20,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from launcher.runtime.devices import (EXCEPTION, NETWORK, UCE_HIGH, UCE_LOW, UNSAFE_DATA,
-                                      InjectedFault)
+from launcher.faults import INJECTION_KINDS as KINDS
+from launcher.runtime.devices import InjectedFault
 
 PHASES = ("forward", "backward", "optimizer")
-PROCESS_KINDS = ("kill", "segv", "exit", "hang")
-RAISED_KINDS = (EXCEPTION, UCE_LOW, UCE_HIGH, NETWORK, UNSAFE_DATA)
-KINDS = PROCESS_KINDS + RAISED_KINDS
 
 
 @dataclass

@@ -3,8 +3,9 @@
 Owns: which ranks hold equal state (a `Layout`: plain DDP, explicit replica groups, or a
 Megatron-style DP x TP x PP grid with an optional distributed optimizer), and the pure function
 `plan_repair` that turns the ranks' `RankStatus` reports of one recovery round into a
-`RepairPlan` (who sends state to whom, where to resume). The controller imports `plan_repair`;
-the runtime only executes its result.
+`RepairPlan` (who sends state to whom, where to resume), and `plan_dump`, its counterpart for a
+dying-gasp round (which step the survivors save, and which rank writes each shard). The
+controller imports both; the runtime only executes their result.
 
 Replica rules (seed 004 / Megatron): ranks that differ only in their data-parallel index hold
 the same weights, optimizer state, RNG streams and global data position. With a distributed
@@ -18,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from launcher.plan import RESTART_ALL, RankStatus, RepairPlan
+from launcher.plan import DUMP, RESTART_ALL, RankStatus, RepairPlan
 
 
 @dataclass(frozen=True)
@@ -163,3 +164,19 @@ def plan_repair(statuses: Iterable[RankStatus], generation: int) -> RepairPlan:
     why = ", ".join(f"{dst}<-{src}" for src, dst in pairs) or "none"
     return RepairPlan(generation, resume_step=resume, action=action, pairs=pairs,
                       reason=f"resume at step {resume} ({action}); repairs: {why}")
+
+
+def plan_dump(statuses: Iterable[RankStatus], generation: int) -> RepairPlan:
+    """Decide what a dying-gasp round (strategy dump) saves.
+
+    resume_step = (max committed_step over healthy ranks) + 1, as for `plan_repair`; the writer
+    of each shard is its lowest healthy rank at that step. Shards without such a rank have no
+    writer: the runtime saves nothing when its layout has a shard without one."""
+    healthy = [s for s in statuses if not needs_state(s)]
+    top = max((s.committed_step for s in healthy), default=-1)
+    writers: dict[str, int] = {}
+    for s in sorted(healthy, key=lambda s: s.rank):
+        if s.committed_step == top:
+            writers.setdefault(s.shard, s.rank)
+    return RepairPlan(generation, resume_step=top + 1, action="rollback", fallback=DUMP,
+                      reason=f"dying-gasp checkpoint of step {top + 1}", writers=writers)

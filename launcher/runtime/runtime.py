@@ -11,6 +11,7 @@ restart-all start, the dying-gasp dump) are coordinated here and written by `che
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import faulthandler
 import os
 import signal
@@ -26,11 +27,13 @@ import torch
 import torch.distributed as dist
 
 from launcher import plan as P
+from launcher.faults import WORKER_FAULT_KINDS
+from launcher.messages import FaultReport, Hello, Recovered
 from launcher.runtime import checkpoint as ckpt
 from launcher.runtime.channel import AgentChannel
 from launcher.runtime.collectives import CollectiveError, Graveyard, Interruptible
-from launcher.runtime.devices import (EXCEPTION, NETWORK, UCE_HIGH, UNSAFE_DATA, WORKER_FAULT_KINDS,
-                                      DeviceAdapter, InjectedFault, select_adapter)
+from launcher.runtime.devices import (EXCEPTION, NETWORK, UCE_HIGH, UNSAFE_DATA, DeviceAdapter,
+                                      InjectedFault, select_adapter)
 from launcher.runtime.env import RuntimeEnv
 from launcher.runtime.faultplan import FaultInjector, parse_plan
 from launcher.runtime.groups import GroupHandle, GroupRegistry
@@ -40,19 +43,12 @@ from launcher.runtime.signals import StopRequested, StopSignal
 from launcher.runtime.state import Registered, Snapshot
 from launcher.runtime.transfer import recv_state, send_state
 
-EXIT_FALLBACK = 75  # exit code of a rank leaving because the plan fell back to restart-all/dump
-
 
 @dataclass(frozen=True)
 class RuntimeOptions:
     heartbeat_interval: float = 1.0  # seconds between heartbeats when nothing changes
     network_grace: float = 3.0  # after a collective error, wait this long for the agent's stop
     poll_interval: float = 0.01  # store polling while waiting for the controller
-
-
-def ckpt_key(generation: int, iteration: int, shard: str) -> str:
-    """Store key a checkpoint writer sets once its shard file is durable."""
-    return f"{P.ROOT}/g{generation}/ckpt/{iteration}/{shard}"
 
 
 class Step:
@@ -160,9 +156,9 @@ class Runtime:
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         self._channel = AgentChannel(env.agent_socket or "", env.rank, self._stop, self.log,
                                      heartbeat_interval=self.options.heartbeat_interval,
-                                     on_inject=self._injector.arm)
-        self._channel.start({"rank": env.rank, "local_rank": env.local_rank, "pid": os.getpid(),
-                             "generation": env.generation, "replacement": env.replacement})
+                                     on_inject=lambda m: self._injector.arm(dataclasses.asdict(m)))
+        self._channel.start(Hello(rank=env.rank, local_rank=env.local_rank, pid=os.getpid(),
+                                  generation=env.generation, replacement=env.replacement))
         self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                                     timeout=timedelta(seconds=env.store_timeout), wait_for_workers=False)
         if env.replacement:
@@ -402,10 +398,9 @@ class Runtime:
                                   "since_init_s": time.monotonic() - self._t_created}
             self.log(f"replacement resumes at step {resume} (repair {self.last_recovery['repair_s']:.3f} s)")
             if self._channel is not None:
-                self._channel.send({"op": "recovered", "rank": self.rank, "generation": plan.generation,
-                                    "resume_step": resume, "action": plan.action, "replacement": True,
-                                    **{k: round(v, 4) for k, v in self.last_recovery.items()},
-                                    **self._take_marks()})
+                self._channel.send(Recovered(self.rank, plan.generation, resume, plan.action,
+                                             replacement=True, timings=self._timings(),
+                                             **self._take_marks()))
             return resume
         start = 0
         if self._ckpt_dir:
@@ -479,9 +474,11 @@ class Runtime:
         label = "INJECTED " if injected else ""
         self.log(f"{label}fault kind={kind} in step {self._current_step} phase {self._phase}: {message}")
         if self._channel is not None:
-            self._channel.send({"op": "fault", "rank": self.rank, "kind": kind, "message": message[:2000],
-                                "step": self._current_step, "phase": self._phase, "injected": injected,
-                                "fatal": fatal})
+            self._channel.send(FaultReport(self.rank, kind, message[:2000], self._current_step,
+                                           self._phase, injected=injected, fatal=fatal))
+
+    def _timings(self) -> dict[str, float]:
+        return {k: round(v, 4) for k, v in self.last_recovery.items()}
 
     def _on_collective_error(self, exc: BaseException, what: str) -> None:
         if not self.env.managed:
@@ -579,10 +576,8 @@ class Runtime:
             self.last_recovery = {"stop_s": t0 - t_stop, "plan_wait_s": t1 - t0, "rebuild_s": t2 - t1,
                                   "repair_s": t3 - t2, "total_s": t3 - t_stop}
             if self._channel is not None:
-                self._channel.send({"op": "recovered", "rank": self.rank, "generation": target,
-                                    "resume_step": resume, "action": plan.action,
-                                    **{k: round(v, 4) for k, v in self.last_recovery.items()},
-                                    **self._take_marks()})
+                self._channel.send(Recovered(self.rank, target, resume, plan.action,
+                                             timings=self._timings(), **self._take_marks()))
             self.log(f"recovered into generation {target}: resume at step {resume} "
                      f"(plan wait {t1 - t0:.3f} s, rebuild {t2 - t1:.3f} s, repair {t3 - t2:.3f} s)")
             return resume
@@ -651,35 +646,26 @@ class Runtime:
                  "agents restart the job from the last durable checkpoint")
         if plan.fallback == P.DUMP:
             self._dying_gasp(plan)
-        self._hard_exit(EXIT_FALLBACK)
+        self._hard_exit(P.EXIT_FALLBACK)
 
     def _dying_gasp(self, plan: P.RepairPlan) -> None:
-        """Save the resume state of every shard that has a healthy up-to-date holder."""
+        """Save the resume state of every shard when each has a writer (the controller's
+        `plan_dump` chose the step and the writers)."""
         if not self._ckpt_dir or self._needs_state or self._dirty:
             return
-        gen = plan.generation
-        statuses = []
-        for r in range(self.world_size):
-            raw = self._store_try_get(P.status_key(gen, r))
-            if raw is not None:
-                statuses.append(P.RankStatus.from_json(raw))
-        healthy = [s for s in statuses if not (s.replacement or s.dirty)]
-        top = max(s.committed_step for s in healthy)
-        if self._committed != top:
+        if self._committed != plan.resume_step - 1:
             return
-        writers: dict[str, int] = {}
-        for s in sorted(healthy, key=lambda s: s.rank):
-            if s.committed_step == top:
-                writers.setdefault(s.shard, s.rank)
+        writers = plan.writers
         if set(writers) != set(self._layout.names):
             self.log(f"no dying-gasp checkpoint: shards {sorted(set(self._layout.names) - set(writers))} "
                      "have no healthy holder")
             return
-        snap = self._snapshots.get(top + 1)
+        snap = self._snapshots.get(plan.resume_step)
         if snap is None:
             return
         self._reg.restore(snap, self.adapter)
-        self._save(top + 1, snap, gen, writers[self.shard] == self.rank, min(writers.values()) == self.rank)
+        self._save(plan.resume_step, snap, plan.generation, writers[self.shard] == self.rank,
+                   min(writers.values()) == self.rank)
 
     # ================================================================ checkpoints
     def _maybe_checkpoint(self, iteration: int) -> None:
@@ -702,11 +688,11 @@ class Runtime:
         if writer:
             t0 = time.monotonic()
             ckpt.write_shard(self._ckpt_dir, iteration, name, self._reg.full_state(snap))
-            self._store.set(ckpt_key(generation, iteration, name), b"1")
+            self._store.set(P.ckpt_key(generation, iteration, name), b"1")
             self.log(f"checkpoint shard {name} of iteration {iteration} written in {time.monotonic() - t0:.3f} s")
         if committer:
             for shard in self._layout.checkpoint_names:
-                self._wait_key(ckpt_key(generation, iteration, shard), f"checkpoint shard {shard}")
+                self._wait_key(P.ckpt_key(generation, iteration, shard), f"checkpoint shard {shard}")
             final = ckpt.commit(self._ckpt_dir, iteration, list(self._layout.checkpoint_names))
             self.log(f"checkpoint {final} committed")
 

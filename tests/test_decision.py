@@ -1,0 +1,155 @@
+"""The recovery decision: one test per rule of launcher.decision (pure, no store)."""
+from __future__ import annotations
+
+import pytest
+
+from launcher import plan as P
+from launcher.decision import (Budget, Round, Situation, decide, fallback, walk_chain)
+from launcher.faults import FaultKind
+
+DEFAULT = (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT)
+
+
+def fault(rank: int | None = 1, kind: str = "signal", gen: int = 0, **evidence) -> P.Fault:
+    return P.Fault(kind=kind, rank=rank, node=0, generation=gen, message="x", evidence=evidence)
+
+
+def situation(chain=DEFAULT, used=0, limit=3, aware=True, rnd: Round | None = None) -> Situation:
+    return Situation(tuple(chain), Budget(used, limit), aware, 4, rnd)
+
+
+def round_of(strategy: str, failed=(1,), gen: int = 1, collecting: bool = False) -> Round:
+    return Round(gen, strategy, tuple(failed), fault(failed[0] if failed else None), collecting)
+
+
+# ---------------------------------------------------------------- the chain (walk_chain)
+@pytest.mark.parametrize("kind, expected", [
+    (FaultKind.UCE_LOW, P.RETRY), (FaultKind.UCE_HIGH, P.RETRY), (FaultKind.NETWORK, P.RETRY),
+    (FaultKind.SIGNAL, P.RECOVER_IN_PLACE), (FaultKind.EXIT, P.RECOVER_IN_PLACE),
+    (FaultKind.HANG, P.RECOVER_IN_PLACE), (FaultKind.EXCEPTION, P.RECOVER_IN_PLACE),
+])
+def test_cheapest_strategy_per_kind(kind: FaultKind, expected: str) -> None:
+    assert walk_chain(kind, DEFAULT, runtime_aware=True, budget_left=True)[0] == expected
+
+
+def test_unmodified_scripts_get_torchrun_semantics() -> None:
+    s, why = walk_chain(FaultKind.SIGNAL, DEFAULT, runtime_aware=False, budget_left=True)
+    assert s == P.RESTART_ALL and "launcher.runtime" in why
+
+
+def test_chain_falls_through_when_earlier_strategies_are_disabled() -> None:
+    assert walk_chain(FaultKind.UCE_LOW, [P.RECOVER_IN_PLACE, P.EXIT], True, True)[0] == P.RECOVER_IN_PLACE
+    assert walk_chain(FaultKind.UCE_LOW, [P.RESTART_ALL, P.EXIT], True, True)[0] == P.RESTART_ALL
+    assert walk_chain(FaultKind.UCE_LOW, [P.DUMP, P.EXIT], True, True)[0] == P.DUMP
+    assert walk_chain(FaultKind.UCE_LOW, [P.EXIT], True, True)[0] == P.EXIT
+
+
+def test_budget_spent_skips_restarts_and_says_why() -> None:
+    s, why = walk_chain(FaultKind.SIGNAL, [P.RECOVER_IN_PLACE, P.RESTART_ALL, P.DUMP, P.EXIT], True, False)
+    assert s == P.DUMP and "budget" in why
+    s, why = walk_chain(FaultKind.SIGNAL, DEFAULT, True, False)
+    assert s == P.EXIT and "budget" in why
+
+
+def test_repeat_uce_is_not_retried_in_place() -> None:
+    s, why = walk_chain(FaultKind.UCE_LOW, DEFAULT, True, True, repeat_uce=True)
+    assert s == P.RECOVER_IN_PLACE and "24 h" in why
+
+
+# ---------------------------------------------------------------- decide(): a new round
+def test_a_fault_with_no_round_in_progress_starts_one_and_is_charged() -> None:
+    d = decide(fault(rank=2), situation())
+    assert (d.strategy, d.failed_ranks, d.restart_ranks, d.charged) == (P.RECOVER_IN_PLACE, (2,), (2,), True)
+    assert d.cause is not None and d.cause.rank == 2 and d.supersedes is None
+    d = decide(fault(rank=2, kind="uce-low"), situation())
+    assert (d.strategy, d.restart_ranks, d.charged) == (P.RETRY, (), True)
+    d = decide(fault(rank=2), situation(aware=False))
+    assert (d.strategy, d.restart_ranks) == (P.RESTART_ALL, (0, 1, 2, 3))
+
+
+def test_budget_and_repeat_uce_reach_decide() -> None:
+    d = decide(fault(), situation(used=3))
+    assert d.strategy == P.EXIT and not d.charged and "budget" in d.reason
+    d = decide(fault(kind="uce-low", repeat_uce=True), situation())
+    assert d.strategy == P.RECOVER_IN_PLACE and "second UCE" in d.reason
+
+
+def test_an_unknown_kind_is_handled_as_unknown() -> None:
+    assert decide(fault(kind="martian"), situation()).strategy == P.RECOVER_IN_PLACE
+
+
+# ---------------------------------------------------------------- rule 1: absorbed
+@pytest.mark.parametrize("strategy", [P.RESTART_ALL, P.DUMP, P.EXIT])
+def test_bystanders_of_a_whole_job_round_are_absorbed(strategy: str) -> None:
+    d = decide(fault(rank=3, gen=0), situation(rnd=round_of(strategy)))
+    assert d.absorbed and d.strategy is None and "generation 1" in d.reason
+
+
+def test_the_failed_rank_reported_twice_is_absorbed_but_another_rank_is_not() -> None:
+    rnd = round_of(P.RECOVER_IN_PLACE, failed=(1,))
+    assert decide(fault(rank=1, gen=0), situation(rnd=rnd)).absorbed
+    assert not decide(fault(rank=2, gen=0), situation(rnd=rnd)).absorbed
+    assert not decide(fault(rank=1, gen=1), situation(rnd=rnd)).absorbed  # failed again, later
+
+
+def test_a_replacement_agent_is_never_absorbed() -> None:
+    d = decide(fault(rank=None, kind="exit", gen=0, node_joined=True), situation(rnd=round_of(P.RESTART_ALL)))
+    assert not d.absorbed
+
+
+# ---------------------------------------------------------------- rule 3: node loss
+def test_a_lost_node_restarts_every_rank() -> None:
+    d = decide(fault(rank=None, kind="exit", node_joined=True), situation())
+    assert d.strategy == P.RESTART_ALL and d.restart_ranks == (0, 1, 2, 3) and d.failed_ranks == ()
+    assert d.reason.startswith("node 0: x;")
+    d = decide(fault(rank=None, kind="exit"), situation(chain=(P.RECOVER_IN_PLACE, P.DUMP, P.EXIT)))
+    assert d.strategy == P.EXIT  # dump needs the runtime on every rank: a lost node has none
+    d = decide(fault(rank=None, kind="exit"), situation(used=3))
+    assert d.strategy == P.EXIT
+
+
+# ---------------------------------------------------------------- rule 4: superseded
+def test_a_fault_while_the_round_collects_statuses_widens_it() -> None:
+    rnd = round_of(P.RECOVER_IN_PLACE, failed=(1,), gen=1, collecting=True)
+    d = decide(fault(rank=3, kind="network", gen=1), situation(rnd=rnd))
+    # retry is off mid-recovery; the new rank restarts, rank 1's replacement keeps running
+    assert d.strategy == P.RECOVER_IN_PLACE and "mid-recovery" in d.reason
+    assert d.failed_ranks == (1, 3) and d.restart_ranks == (3,) and d.supersedes == 1 and d.charged
+
+
+def test_a_superseding_fault_respects_the_chain_and_the_budget() -> None:
+    rnd = round_of(P.RETRY, failed=(1,), gen=1, collecting=True)
+    d = decide(fault(rank=2, kind="uce-low", gen=1), situation(chain=(P.RETRY, P.RESTART_ALL, P.EXIT), rnd=rnd))
+    assert d.strategy == P.RESTART_ALL and d.failed_ranks == (1, 2) and d.restart_ranks == (0, 1, 2, 3)
+    d = decide(fault(rank=2, gen=1), situation(used=3, rnd=rnd))
+    assert d.strategy == P.EXIT and d.failed_ranks == (1, 2)
+
+
+def test_after_the_repair_plan_a_new_fault_is_a_round_of_its_own() -> None:
+    rnd = round_of(P.RECOVER_IN_PLACE, failed=(1,), gen=1, collecting=False)
+    d = decide(fault(rank=2, kind="uce-low", gen=0), situation(rnd=rnd))
+    assert d.strategy == P.RETRY and d.failed_ranks == (2,) and d.supersedes is None
+    assert d.cause is not None and d.cause.generation == 1  # another rank of generation 1's round
+
+
+def test_a_lost_node_during_a_collecting_round_restarts_every_rank() -> None:
+    rnd = round_of(P.RECOVER_IN_PLACE, failed=(1,), gen=1, collecting=True)
+    d = decide(fault(rank=None, kind="exit", gen=1, node_joined=True), situation(rnd=rnd))
+    assert d.strategy == P.RESTART_ALL and d.restart_ranks == (0, 1, 2, 3)
+
+
+# ---------------------------------------------------------------- rule 5: fallback
+def test_fallback_takes_the_first_strategy_after_the_process_level_ones_uncharged() -> None:
+    rnd = round_of(P.RECOVER_IN_PLACE, failed=(1,), collecting=True)
+    d = fallback(situation(rnd=rnd), "no healthy replica")
+    assert (d.strategy, d.charged, d.restart_ranks) == (P.RESTART_ALL, False, (0, 1, 2, 3))
+    assert d.reason == "fallback: no healthy replica" and d.cause is rnd.cause and d.failed_ranks == (1,)
+    assert fallback(situation(chain=(P.RECOVER_IN_PLACE, P.DUMP, P.EXIT), rnd=rnd), "x").strategy == P.DUMP
+    assert fallback(situation(chain=(P.RECOVER_IN_PLACE,), rnd=rnd), "x").strategy == P.EXIT
+    # the round already used the budget: its fallback is allowed even with none left
+    assert fallback(situation(used=3, rnd=rnd), "x").strategy == P.RESTART_ALL
+
+
+def test_fallback_needs_a_round() -> None:
+    with pytest.raises(ValueError, match="round in progress"):
+        fallback(situation(), "x")
