@@ -3,16 +3,21 @@
 Owns: reading a worker's `TORCHELASTIC_ERROR_FILE` (written by torch's `@record`),
 `Failure` records, choosing the root cause (earliest observed failure), the summary block printed
 when a job fails (root cause first, bystanders the agent terminated listed apart, never as
-failures), and copying the root cause's error file to ftrun's own `TORCHELASTIC_ERROR_FILE`.
+failures), copying the root cause's error file to ftrun's own `TORCHELASTIC_ERROR_FILE`, and
+`JobFailures`, what one agent gathers for that summary (its own workers' failures, the ranks it
+terminated, the controller's root cause, which may have been observed on another node).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
 from dataclasses import dataclass, field
 
-from launcher.workers import signal_name
+from launcher import plan as P
+from launcher.logs import AgentLog
+from launcher.workers import Worker, signal_name
 
 
 @dataclass
@@ -153,3 +158,51 @@ def copy_root_error_file(root: Failure, dest: str | None) -> bool:
         os.fsync(f.fileno())
     os.replace(tmp, dest)
     return True
+
+
+@dataclass
+class JobFailures:
+    """What this agent saw go wrong, for the failure summary."""
+
+    failures: list[Failure] = field(default_factory=list)
+    terminated: list[tuple[int, int]] = field(default_factory=list)  # (rank, pid) stopped by ftrun
+    root_fault: P.Fault | None = None  # the controller's root cause (first plan that named one)
+
+    def add(self, failure: Failure) -> None:
+        self.failures.append(failure)
+
+    def note_terminated(self, workers: list[Worker]) -> None:
+        self.terminated.extend((w.rank, w.pid or 0) for w in workers)
+
+    def note_root_cause(self, cause: dict | None) -> None:
+        if cause and self.root_fault is None:
+            names = {f.name for f in dataclasses.fields(P.Fault)}
+            self.root_fault = P.Fault(**{k: v for k, v in cause.items() if k in names})
+
+    def for_summary(self) -> tuple[list[Failure], list[tuple[int, int]]]:
+        """The failures (the controller's root cause first in time, even when another node
+        observed it) and the terminated bystanders that are not failures."""
+        failures = list(self.failures)
+        rf = self.root_fault
+        same = [f for f in failures if rf is not None and f.rank == rf.rank and f.pid == rf.pid]
+        if rf is not None and not same:
+            failures.append(Failure(rank=rf.rank if rf.rank is not None else -1,
+                                    local_rank=rf.local_rank if rf.local_rank is not None else -1,
+                                    host=rf.host, pid=rf.pid or 0, exitcode=rf.exitcode or 1,
+                                    time=rf.time, generation=rf.generation, node=rf.node,
+                                    kind=rf.kind, message=rf.message,
+                                    traceback=str(rf.evidence.get("traceback", ""))))
+        for f in same:
+            f.time = min(f.time, rf.time)  # type: ignore[union-attr]
+        terminated = [(r, p) for r, p in self.terminated
+                      if not any(f.rank == r and f.pid == p for f in failures)]
+        return failures, terminated
+
+    def print_summary(self, log: AgentLog, title: str, reason: str) -> None:
+        """Print the summary block, copy the root cause's error file, record the event."""
+        failures, terminated = self.for_summary()
+        log.print_block(format_summary(title, failures, terminated, reason))
+        rc = root_cause(failures)
+        if rc is not None and copy_root_error_file(rc, os.environ.get("TORCHELASTIC_ERROR_FILE")):
+            log.info("error-file", "root cause error file copied to TORCHELASTIC_ERROR_FILE")
+        log.event("summary", "job failed", "error", root_cause=dataclasses.asdict(rc) if rc else None)

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 WINDOW_S = 24 * 3600.0
+REPEAT_UCE = 2  # this many UCEs on one device within the window: no more in-place retries
 
 
 @dataclass
@@ -56,3 +57,9 @@ class FaultMemory:
     def uce_count(self, device: str, now: float | None = None) -> int:
         now = time.time() if now is None else now
         return sum(1 for t in self._load().get(device, []) if now - t < self.window_s)
+
+    def record_uce_evidence(self, device: str, now: float | None = None) -> dict:
+        """Record a UCE on `device`; the evidence a fault report carries for the decision
+        (`repeat_uce`: the device reached REPEAT_UCE within the window)."""
+        count = self.record_uce(device, now)
+        return {"device": device, "uce_count_24h": count, "repeat_uce": count >= REPEAT_UCE}

@@ -4,8 +4,9 @@ Owns: spawning a worker (`python -u script args`) in its own session with
 `PR_SET_PDEATHSIG(SIGKILL)` so it dies with its agent, its output plumbing (inherit, redirect to
 files, or tee through an `OutputPump`), stopping it (signal to the whole process group, grace,
 SIGKILL), and `Reaper`: one thread that learns of every exit the moment it happens through
-pidfds and reports `WorkerExit` events on a queue. Single ranks can be stopped and respawned
-without touching the others.
+pidfds and reports `WorkerExit` events on a queue, and `NodeWorkers`, the node's table of ranks
+(one `Worker` per local rank, kept across respawns, and which of them use launcher.runtime).
+Single ranks can be stopped and respawned without touching the others.
 """
 from __future__ import annotations
 
@@ -87,6 +88,34 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.exit_code is None
+
+
+@dataclass
+class NodeWorkers:
+    """This node's ranks: one Worker per local rank, and the ranks that use launcher.runtime
+    (they said hello on the worker channel since their last (re)spawn)."""
+
+    by_local: dict[int, Worker]
+    aware: set[int] = field(default_factory=set)
+
+    @classmethod
+    def create(cls, rank_base: int, nproc: int) -> "NodeWorkers":
+        return cls({lr: Worker(local_rank=lr, rank=rank_base + lr) for lr in range(nproc)})
+
+    def all(self) -> list[Worker]:
+        return list(self.by_local.values())
+
+    def alive(self) -> list[Worker]:
+        return [w for w in self.by_local.values() if w.alive]
+
+    def by_rank(self, rank: int) -> Worker | None:
+        return next((w for w in self.by_local.values() if w.rank == rank), None)
+
+    def of_ranks(self, ranks: list[int]) -> list[Worker]:
+        return [w for w in self.by_local.values() if w.rank in ranks]
+
+    def all_succeeded(self) -> bool:
+        return all(w.exit_code == 0 for w in self.by_local.values())
 
 
 def spawn(worker: Worker, cmd: list[str], env: dict[str, str], stdout_path: str | None,

@@ -27,3 +27,10 @@ def test_corrupt_file_is_set_aside(tmp_path) -> None:
     path.write_text("{not json")
     assert FaultMemory(str(path)).record_uce("h:0", now=1.0) == 1
     assert (tmp_path / "fm.json.corrupt").exists()
+
+
+def test_the_second_uce_within_the_window_is_evidence_of_a_repeat(tmp_path) -> None:
+    m = FaultMemory(str(tmp_path / "fm.json"))
+    assert m.record_uce_evidence("h:0", now=10.0) == {"device": "h:0", "uce_count_24h": 1,
+                                                      "repeat_uce": False}
+    assert m.record_uce_evidence("h:0", now=20.0)["repeat_uce"] is True

@@ -1,0 +1,172 @@
+"""Carrying out the controller's plans on one node, and the barrier of a job that finished.
+
+Owns: what an agent does for each strategy of a `Plan` (the decision is the controller's):
+  retry, recover-in-place  push Stop to the surviving local ranks (deferred for a rank not
+                           connected yet, delivered when it says hello), kill and respawn the
+                           local ranks the plan restarts;
+  restart-all              stop every local worker, count this node in the stopped barrier,
+                           wait for the controller's go, respawn every local rank;
+  dump                     survivors stop and save the current step, then as exit;
+  exit                     stop every worker, print the failure summary, exit code 1;
+and `finish()`, the barrier of a successful job: every node's workers done, then every agent
+leaving (the store host last). Methods return the agent's exit code, or None to keep running.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import time
+
+from launcher import plan as P
+from launcher.agent_events import PlanEvent, SignalEvent
+from launcher.channel import ChannelServer
+from launcher.config import LaunchConfig
+from launcher.errors import JobFailures
+from launcher.logs import AgentLog
+from launcher.messages import Stop
+from launcher.spawner import Spawner
+from launcher.store_stack import AgentWorld
+from launcher.workers import NodeWorkers, stop_workers
+from rendezvous.kv import KVStore
+
+FINISH_TIMEOUT = 300.0  # all nodes' workers done
+LEAVE_TIMEOUT = 10.0  # the store host waits this long for the other agents to leave
+
+
+class JobFailed(Exception):
+    """A phase of a plan cannot complete: the agent exits with `code`."""
+
+    def __init__(self, code: int) -> None:
+        super().__init__(f"job failed (exit code {code})")
+        self.code = code
+
+
+class PlanExecutor:
+    def __init__(self, cfg: LaunchConfig, log: AgentLog, kv: KVStore, world: AgentWorld,
+                 workers: NodeWorkers, spawner: Spawner, channel: ChannelServer,
+                 failures: JobFailures) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.kv = kv
+        self.world = world
+        self.workers = workers
+        self.spawner = spawner
+        self.channel = channel
+        self.failures = failures
+        self._pending_stop: dict[int, Stop] = {}  # rank -> stop it has not received yet
+
+    def execute(self, plan: P.Plan) -> int | None:
+        self.log.info("plan-received", f"executing {plan.strategy} for generation {plan.generation}"
+                      f" ({plan.reason})", strategy=plan.strategy, failed_ranks=plan.failed_ranks)
+        if plan.strategy == P.RESTART_ALL:
+            return self._restart_all(plan)
+        if plan.strategy in (P.RECOVER_IN_PLACE, P.RETRY):
+            self._recover(plan)
+            return None
+        if plan.strategy == P.DUMP:
+            return self._dump(plan)
+        return self._exit(plan)
+
+    # ---------------------------------------------------------------- strategies
+    def _stop_all(self, sig: int) -> None:
+        live = self.workers.alive()
+        stop_workers(self.workers.all(), sig, self.cfg.shutdown_timeout)
+        self.failures.note_terminated(live)
+
+    def _restart_all(self, plan: P.Plan) -> int | None:
+        g = plan.generation
+        t0 = time.monotonic()
+        self._stop_all(signal.SIGTERM)
+        if self.kv.add(P.stopped_key(g), 1) >= self.world.group_world_size:
+            self.kv.set(P.all_stopped_key(g), b"1")
+        if not self.kv.wait([P.go_key(g)], max(self.cfg.join_timeout, 60.0)):
+            self.log.error("phase-timeout", f"generation {g}: the controller did not release the restart")
+            raise JobFailed(1)
+        self.workers.aware.clear()
+        self.spawner.spawn_all(self.workers.all(), g)
+        self.log.info("restarted", f"generation {g}: all {len(self.workers.by_local)} local workers "
+                      f"restarted in {time.monotonic() - t0:.3f}s",
+                      restart_s=round(time.monotonic() - t0, 4))
+        return None
+
+    def _recover(self, plan: P.Plan) -> None:
+        g = plan.generation
+        stop = Stop(generation=g, strategy=plan.strategy, failed_ranks=plan.failed_ranks)
+        restart = self.workers.of_ranks(plan.restart_ranks)
+        for w in self.workers.alive():
+            if w in restart:
+                continue
+            if not self.channel.send(w.rank, stop):
+                # e.g. a replacement still starting: it gets the stop as soon as it says hello
+                self._pending_stop[w.rank] = stop
+                self.log.warning("stop-deferred", f"rank {w.rank} is not connected yet; the stop for "
+                                 f"generation {g} is delivered when it connects", rank=w.rank)
+        for w in restart:
+            self._pending_stop.pop(w.rank, None)
+            if w.alive:
+                stop_workers([w], signal.SIGKILL, 0.0)
+            self.workers.aware.discard(w.rank)
+            self.spawner.spawn(w, g, replacement=True)
+        self.log.info("stop-sent", f"generation {g}: stop sent to survivors, "
+                      f"{len(restart)} local rank(s) respawned", respawned=[w.rank for w in restart])
+
+    def on_hello(self, rank: int, generation: int) -> None:
+        """A rank connected: deliver the stop it missed (when it started before that round)."""
+        pending = self._pending_stop.pop(rank, None)
+        if pending is not None and generation < pending.generation:
+            self.channel.send(rank, pending)
+            self.log.info("stop-sent", f"deferred stop for generation {pending.generation} "
+                          f"delivered to rank {rank}", rank=rank)
+
+    def _dump(self, plan: P.Plan) -> int:
+        """Survivors stop, save the current step (the runtime's dump fallback) and exit."""
+        stop = Stop(generation=plan.generation, strategy=plan.strategy, failed_ranks=plan.failed_ranks)
+        for w in self.workers.alive():
+            if w.rank not in plan.failed_ranks:
+                w.stopping = True
+                self.channel.send(w.rank, stop)
+        deadline = time.monotonic() + max(self.cfg.shutdown_timeout, 120.0)
+        for w in self.workers.alive():
+            if w.proc is not None:
+                try:
+                    w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:  # stopped below
+                    pass
+        self.log.info("dump-done", "survivors saved the current step (dying-gasp checkpoint); exiting")
+        return self._exit(plan)
+
+    def _exit(self, plan: P.Plan) -> int:
+        self._stop_all(signal.SIGTERM)
+        self.failures.print_summary(self.log, os.path.basename(self.cfg.script), plan.reason)
+        return 1
+
+    # ---------------------------------------------------------------- a job that finished
+    def finish(self, generation: int, events: "queue.Queue[object]") -> int | PlanEvent | SignalEvent:
+        """This node's workers all succeeded: wait for every node's, then leave. Returns 0, or
+        the event that interrupted the wait (a new round: another node failed; a signal)."""
+        n = self.kv.add(P.done_key(generation), 1)
+        self.log.info("node-done", f"all local workers finished ({n}/{self.world.group_world_size} "
+                      "nodes done)", nodes_done=n)
+        deadline = time.monotonic() + FINISH_TIMEOUT
+        while time.monotonic() < deadline:
+            raw = self.kv.try_get(P.done_key(generation))
+            if raw is not None and int(raw) >= self.world.group_world_size:
+                break
+            try:
+                ev = events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if isinstance(ev, (PlanEvent, SignalEvent)):
+                return ev
+        self.kv.add(P.EXITED_KEY, 1)
+        if self.world.is_leader and self.world.group_world_size > 1:
+            end = time.monotonic() + LEAVE_TIMEOUT
+            while time.monotonic() < end:
+                raw = self.kv.try_get(P.EXITED_KEY)
+                if raw is not None and int(raw) >= self.world.group_world_size:
+                    break
+                time.sleep(0.05)
+        self.log.info("job-done", "job finished successfully")
+        return 0

@@ -1,0 +1,180 @@
+"""The agent's store stack: the job's store, its token, the node's proxy, the node rendezvous.
+
+Owns, in the order an agent builds them: the job token; the store (hosting the embedded store on
+the store host, connecting to it from other nodes, or an etcd client); the node-level rendezvous
+(`rendezvous.membership`: join, heartbeat, node watch) that says which node this is and how big
+the job is; the per-node store proxy local workers use; publishing where the store is
+(`store.json` in the run log dir for `ftctl`, the world size in the store); and `close()`, which
+takes all of it down in reverse order. Nothing here knows about workers or plans.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from launcher import plan as P
+from launcher.config import LaunchConfig
+from launcher.logs import AgentLog
+from rendezvous import auth
+from rendezvous.kv import KVStore
+
+
+@dataclass(frozen=True)
+class AgentWorld:
+    """What this agent knows of the job after node-level rendezvous."""
+
+    group_rank: int
+    group_world_size: int
+    rank_base: int
+    world_size: int
+    is_leader: bool
+
+
+class StoreStack:
+    """Built by `open()`, `join()`, `start_proxy()`, `publish()`; taken down by `close()`."""
+
+    def __init__(self, cfg: LaunchConfig, log: AgentLog) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.kv: KVStore | None = None
+        self.token: str | None = None
+        self.addr = ""  # where the job's store is, as printed for people and ftctl
+        self.rejoined = False  # this agent replaces a lost node
+        self.generation_before_join = 0
+        self._server: Any = None
+        self._proxy: Any = None
+        self._membership: Any = None
+
+    # ---------------------------------------------------------------- the store
+    def _etcd_kv(self) -> KVStore:
+        """A client of the job's etcd store (the agent's own, and each proxy upstream link)."""
+        from rendezvous.etcd import EtcdConf, EtcdKV, parse_endpoints  # imports gRPC: only for etcd
+
+        cfg = self.cfg
+        return EtcdKV(parse_endpoints(cfg.rdzv_endpoint), root=f"/ftrun/{cfg.rdzv_id}",
+                      conf=EtcdConf.from_rdzv_conf(cfg.rdzv_conf))
+
+    def open(self) -> KVStore:
+        cfg = self.cfg
+        self.token = auth.resolve_token(cfg.token_file)
+        if cfg.store_backend == "etcd":
+            # The agent forks workers while gRPC threads run; gRPC's fork handlers only warn.
+            os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+            self.kv = self._etcd_kv()
+            self.log.info("store", f"etcd store at {cfg.rdzv_endpoint} (run {cfg.rdzv_id})")
+        elif cfg.is_store_host:
+            self.kv = self._host()
+        else:
+            from rendezvous.client import StoreClient
+
+            self.kv = StoreClient(cfg.store_host, cfg.store_port, token=self.token,
+                                  timeout=cfg.join_timeout)
+            self.log.info("store", f"using the store at {cfg.store_host}:{cfg.store_port}")
+        return self.kv
+
+    def _host(self) -> KVStore:
+        from rendezvous.server import StoreServer
+
+        cfg = self.cfg
+        if cfg.proxy and self.token is None and cfg.max_nodes == 1:
+            self.token = auth.generate_token()  # only this agent and its proxy need it
+        if cfg.proxy and self.token is None:
+            self.log.warning("store-auth", "no job token (FTRUN_JOB_TOKEN or --rdzv-conf "
+                             "token_file=...): the store port accepts any client")
+        host = "127.0.0.1" if cfg.store_port == 0 else "0.0.0.0"
+        self._server = StoreServer(host=host, port=cfg.store_port,
+                                   token=self.token if cfg.proxy else None)
+        self._server.start()
+        self.log.info("store", f"hosting the store on {host}:{self._server.port}"
+                      + (" (token required)" if cfg.proxy and self.token else ""),
+                      port=self._server.port)
+        return self._server.kv
+
+    def server_stats(self) -> Callable[[], Any] | None:
+        """The hosted store's request statistics (for the metrics), None when not hosting."""
+        return self._server.stats.copy if self._server is not None else None
+
+    def store_port(self) -> int:
+        if self._server is not None:
+            return int(self._server.port)
+        return self.cfg.store_port
+
+    # ---------------------------------------------------------------- node rendezvous
+    def join(self, host: str, on_node_dead: Callable[[int], None],
+             on_node_join: Callable[[int], None]) -> AgentWorld:
+        """Node-level rendezvous; the callbacks run on the membership thread."""
+        cfg = self.cfg
+        assert self.kv is not None
+        if cfg.max_nodes == 1 and cfg.store_backend == "embedded":
+            return AgentWorld(0, 1, 0, cfg.nproc_per_node, True)
+        from rendezvous.membership import Membership
+
+        self._membership = Membership(
+            self.kv, node_rank=cfg.node_rank, nnodes_min=cfg.min_nodes, nnodes_max=cfg.max_nodes,
+            local_world_size=cfg.nproc_per_node, host=cfg.local_addr or host,
+            run_id=cfg.rdzv_id, join_timeout=cfg.join_timeout,
+            last_call_timeout=cfg.last_call_timeout)
+        raw = self.kv.try_get(P.GENERATION_KEY)
+        self.generation_before_join = int(raw) if raw is not None else 0
+        w = self._membership.join(timeout=cfg.join_timeout)
+        self._membership.start_heartbeat()
+        self._membership.watch_nodes(on_node_dead, on_node_join)
+        self.rejoined = bool(w.rejoined)
+        return AgentWorld(w.group_rank, w.group_world_size, w.nodes[w.group_rank].rank_base,
+                          w.world_size, w.leader_node == w.group_rank)
+
+    # ---------------------------------------------------------------- what workers use
+    def start_proxy(self) -> tuple[str, int]:
+        """Start the per-node proxy when enabled; return the MASTER_ADDR/PORT workers get."""
+        cfg = self.cfg
+        if not cfg.proxy:
+            return cfg.master_addr_for_workers, self.store_port()
+        from rendezvous.proxy import StoreProxy
+
+        if cfg.store_backend == "etcd":
+            self._proxy = StoreProxy(self._etcd_kv, listen_host="127.0.0.1", port=0)
+        else:
+            host = "127.0.0.1" if self._server is not None else cfg.store_host
+            self._proxy = StoreProxy((host, self.store_port(), self.token),
+                                     listen_host="127.0.0.1", port=0)
+        self._proxy.start()
+        self.log.info("proxy", f"store proxy for local workers on 127.0.0.1:{self._proxy.port}")
+        return "127.0.0.1", int(self._proxy.port)
+
+    def publish(self, world: AgentWorld, run_dir: str) -> str:
+        """Tell people and `ftctl` where this job's store is (store.json in the run log dir)."""
+        assert self.kv is not None
+        cfg = self.cfg
+        if cfg.store_backend == "etcd":
+            addr = cfg.rdzv_endpoint
+        elif self._server is not None:
+            host = cfg.store_host if cfg.store_port else "127.0.0.1"
+            addr = f"{host}:{self._server.port}"
+        else:
+            addr = f"{cfg.store_host}:{cfg.store_port}"
+        if world.is_leader:
+            self.kv.set(P.WORLD_SIZE_KEY, str(world.world_size).encode())
+        path = os.path.join(run_dir, P.STORE_ADDR_FILE)
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"addr": addr, "backend": cfg.store_backend,
+                       "token_required": bool(self.token and cfg.proxy)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self.addr = addr
+        self.log.info("store-address", f"job store at {addr} (ftctl --addr {addr})", addr=addr)
+        return addr
+
+    # ---------------------------------------------------------------- shutdown
+    def close(self) -> None:
+        if self._membership is not None:
+            self._membership.stop()
+        if self._proxy is not None:
+            self._proxy.stop()
+        if self.kv is not None and self._server is None:
+            self.kv.close()
+        if self._server is not None:
+            self._server.stop()

@@ -1,0 +1,113 @@
+"""Plans carried out on one node: real worker processes, a real worker channel, an in-process store."""
+from __future__ import annotations
+
+import json
+import queue
+import signal
+import socket
+import threading
+
+import pytest
+
+from launcher import plan as P
+from launcher.agent_events import PlanEvent
+from launcher.channel import ChannelMessage, ChannelServer
+from launcher.cli import parse
+from launcher.config import build_config
+from launcher.errors import JobFailures
+from launcher.logs import AgentLog, RunLogDir
+from launcher.messages import Hello, encode
+from launcher.plan_executor import PlanExecutor
+from launcher.spawner import Spawner, WorkerWorld
+from launcher.store_stack import AgentWorld
+from launcher.workers import NodeWorkers, Reaper, stop_workers
+from rendezvous.memory import LocalKV
+
+
+@pytest.fixture()
+def node(tmp_path, monkeypatch):
+    monkeypatch.setenv("FTRUN_WARM_SPARE", "0")
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\ntime.sleep(120)\n")
+    cfg = build_config(parse(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "logs"), str(script)]),
+                       env={})
+    log = AgentLog(0, None, quiet=True)
+    events: queue.Queue = queue.Queue()
+    kv = LocalKV()
+    channel = ChannelServer(str(tmp_path / "a.sock"), events)
+    reaper = Reaper(events)
+    workers = NodeWorkers.create(0, 2)
+    world = AgentWorld(group_rank=0, group_world_size=2, rank_base=0, world_size=4, is_leader=True)
+    spawner = Spawner(cfg, WorkerWorld(0, 2, 4, "127.0.0.1", 1, channel.path),
+                      RunLogDir.create(str(tmp_path / "logs"), "t"), log, "host", reaper,
+                      on_spawn=lambda w: None)
+    ex = PlanExecutor(cfg, log, kv, world, workers, spawner, channel, JobFailures())
+    spawner.spawn_all(workers.all(), 0)
+    yield ex, kv, events
+    stop_workers(workers.all(), signal.SIGKILL, 0.0)
+    reaper.stop()
+    channel.stop()
+
+
+def test_recover_respawns_the_restarted_rank_and_defers_the_stop_of_an_unconnected_one(node) -> None:
+    ex, kv, events = node
+    w0, w1 = ex.workers.all()
+    old_pid = w1.pid
+    ex.workers.aware.add(1)
+    plan = P.Plan(generation=1, strategy=P.RECOVER_IN_PLACE, failed_ranks=[1], restart_ranks=[1])
+    assert ex.execute(plan) is None
+    assert w1.pid != old_pid and w1.alive and w1.generation == 1 and 1 not in ex.workers.aware
+    assert w0.alive and w0.generation == 0  # the survivor keeps its process
+    c = socket.socket(socket.AF_UNIX)
+    c.connect(ex.channel.path)
+    try:
+        c.sendall(encode(Hello(rank=0, generation=0)))
+        ev = events.get(timeout=5)
+        while not isinstance(ev, ChannelMessage):
+            ev = events.get(timeout=5)
+        ex.on_hello(0, 0)
+        c.settimeout(5)
+        stop = json.loads(c.recv(4096))
+        assert stop == {"op": "stop", "generation": 1, "strategy": P.RECOVER_IN_PLACE, "failed_ranks": [1]}
+        ex.on_hello(0, 0)  # delivered once
+    finally:
+        c.close()
+
+
+def test_restart_all_waits_for_the_controllers_go_and_respawns_every_rank(node) -> None:
+    ex, kv, events = node
+    old = [w.pid for w in ex.workers.all()]
+    ex.workers.aware.update({0, 1})
+    kv.add(P.stopped_key(1), 1)  # the other node already stopped its workers
+
+    def controller() -> None:
+        assert kv.wait([P.all_stopped_key(1)], 10.0)
+        kv.set(P.go_key(1), b"1")
+
+    t = threading.Thread(target=controller)
+    t.start()
+    assert ex.execute(P.Plan(generation=1, strategy=P.RESTART_ALL, restart_ranks=[0, 1, 2, 3])) is None
+    t.join(10)
+    new = [w.pid for w in ex.workers.all()]
+    assert all(w.alive and w.generation == 1 for w in ex.workers.all()) and not set(old) & set(new)
+    assert not ex.workers.aware
+    assert sorted(p for _, p in ex.failures.terminated) == sorted(old)  # bystanders, not failures
+    assert kv.try_get(P.stopped_key(1)) == b"2"
+
+
+def test_finish_waits_for_every_node_and_a_new_round_interrupts_it(node) -> None:
+    ex, kv, events = node
+    kv.add(P.done_key(0), 1)  # the other node finished first
+    assert ex.finish(0, events) == 0
+    assert kv.try_get(P.EXITED_KEY) == b"1"
+    plan_ev = PlanEvent(P.Plan(generation=2, strategy=P.RECOVER_IN_PLACE))
+    events.put(plan_ev)
+    assert ex.finish(1, events) is plan_ev  # node 1 failed after we finished: join its round
+    assert kv.try_get(P.done_key(1)) == b"1" and kv.try_get(P.EXITED_KEY) == b"1"
+
+
+def test_exit_stops_everyone_and_records_them_as_terminated(node) -> None:
+    ex, kv, events = node
+    assert ex.execute(P.Plan(generation=1, strategy=P.EXIT, reason="budget spent")) == 1
+    assert not ex.workers.alive()
+    assert sorted(r for r, _ in ex.failures.terminated) == [0, 1]

@@ -1,0 +1,36 @@
+"""The agent's store stack on one node: hosted store, world, address published atomically."""
+from __future__ import annotations
+
+import json
+import os
+
+from launcher import plan as P
+from launcher.cli import parse
+from launcher.config import build_config
+from launcher.logs import AgentLog
+from launcher.store_stack import AgentWorld, StoreStack
+from rendezvous.client import StoreClient
+
+
+def test_single_node_stack_hosts_the_store_and_tells_ftctl_where(tmp_path) -> None:
+    (tmp_path / "x.py").write_text("")
+    cfg = build_config(parse(["--nproc_per_node", "3", str(tmp_path / "x.py")]), env={})
+    stack = StoreStack(cfg, AgentLog(0, None, quiet=True))
+    try:
+        kv = stack.open()
+        world = stack.join("h", lambda n: None, lambda n: None)
+        assert world == AgentWorld(0, 1, 0, 3, True) and not stack.rejoined
+        host, port = stack.start_proxy()
+        assert port == stack.store_port() > 0
+        addr = stack.publish(world, str(tmp_path))
+        assert addr == f"127.0.0.1:{port}"
+        assert json.loads((tmp_path / P.STORE_ADDR_FILE).read_text())["addr"] == addr
+        assert sorted(os.listdir(tmp_path)) == [P.STORE_ADDR_FILE, "x.py"]  # no temp file left
+        assert kv.try_get(P.WORLD_SIZE_KEY) == b"3"
+        c = StoreClient("127.0.0.1", port, token=stack.token, timeout=5.0)
+        try:
+            assert c.try_get(P.WORLD_SIZE_KEY) == b"3"  # what `ftctl inject --addr` reads
+        finally:
+            c.close()
+    finally:
+        stack.close()
