@@ -62,7 +62,6 @@ class Worker:
     local_rank: int
     rank: int
     generation: int = 0
-    attempt: int = 0
     proc: subprocess.Popen | None = None
     pumps: list[OutputPump] = field(default_factory=list)
     error_file: str = ""

@@ -16,7 +16,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from launcher.messages import Bye, Heartbeat, Hello, Inject, MessageError, Stop, decode, encode
+from launcher.messages import (Bye, Heartbeat, Hello, Inject, Message, MessageError, Stop, decode,
+                               encode)
 from launcher.runtime.signals import StopSignal
 
 
@@ -35,7 +36,7 @@ class AgentChannel:
         self._connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
         self._cond = threading.Condition()
-        self._outbox: list[Any] = []
+        self._outbox: list[Message] = []
         self._progress = Heartbeat(rank=rank)
         self._dirty = False
         self._closing = False
@@ -91,14 +92,14 @@ class AgentChannel:
             self._dirty = True
             self._cond.notify_all()
 
-    def send(self, message: Any) -> None:
+    def send(self, message: Message) -> None:
         """Queue one message for the agent (never blocks on the socket)."""
         with self._cond:
             self._outbox.append(message)
             self._cond.notify_all()
 
     # ---- threads ---------------------------------------------------------------------
-    def _send_now(self, message: Any) -> None:
+    def _send_now(self, message: Message) -> None:
         assert self._sock is not None
         self._sock.sendall(encode(message))
 
