@@ -31,7 +31,6 @@ from launcher.timeline import Timeline
 PUBLISH_INTERVAL = 1.0
 RATE_WINDOW = 30.0  # seconds of heartbeats a steps-per-second figure is computed over
 QUIET_PHASES = ("init", "recovering", "resumed")
-RESTARTS_USED = "ftrun/restarts_used"  # written by the controller
 
 
 @dataclass
@@ -184,7 +183,7 @@ class NodeObserver:
 
     def _tick(self) -> None:
         snapshot = self.snapshot(time.time())
-        self._restarts_used = int(self._timed("get", lambda: self._kv.try_get(RESTARTS_USED)) or 0)
+        self._restarts_used = int(self._timed("get", lambda: self._kv.try_get(P.RESTARTS_USED_KEY)) or 0)
         self._timed("set", lambda: self._kv.set(P.node_status_key(self._node or 0),
                                                 json.dumps(snapshot, default=str).encode()))
         if self.metrics is not None:
