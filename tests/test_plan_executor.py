@@ -5,6 +5,7 @@ import json
 import queue
 import signal
 import socket
+import time
 import threading
 
 import pytest
@@ -109,5 +110,10 @@ def test_finish_waits_for_every_node_and_a_new_round_interrupts_it(node) -> None
 def test_exit_stops_everyone_and_records_them_as_terminated(node) -> None:
     ex, kv, events = node
     assert ex.execute(P.Plan(generation=1, strategy=P.EXIT, reason="budget spent")) == 1
+    # the processes are gone when execute returns; the Reaper thread records their exit codes
+    assert all(w.proc.poll() is not None for w in ex.workers.all())
+    deadline = time.monotonic() + 5
+    while ex.workers.alive() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not ex.workers.alive()
     assert sorted(r for r, _ in ex.failures.terminated) == [0, 1]
