@@ -5,8 +5,8 @@ import json
 import queue
 import signal
 import socket
-import time
 import threading
+import time
 
 import pytest
 
