@@ -10,6 +10,7 @@ the plan executor (`plan_executor`), then spawns the workers. The loop then reac
   PlanEvent       the controller's plan for the next generation: handed to the plan executor
   InjectEvent     `ftctl inject` for a local rank
   SignalEvent     SIGTERM/SIGINT/...: forwarded to the workers, then the agent leaves
+  NodeLostEvent   this node lost its membership (cut off from the store too long): self-fence
 and, every monitor interval, the health check (warm spare, hang watch). Faults are reported to
 the controller (`launcher.decision` decides); nothing is decided here.
 """
@@ -21,6 +22,7 @@ import queue
 import signal
 import socket
 import tempfile
+import threading
 import time
 import traceback
 from typing import Any, Callable
@@ -43,7 +45,26 @@ from launcher.plan_executor import JobFailed, PlanExecutor
 from launcher.spawner import Spawner, WorkerWorld
 from launcher.store_stack import AgentWorld, StoreStack
 from launcher.workers import NodeWorkers, Reaper, WorkerExit, send_signal, stop_workers
+from rendezvous.errors import (JoinInterrupted, NodeLostError, RendezvousGracefulExit,
+                               StoreHostLostError)
+from rendezvous.keys import LEAVE_SIGNAL
 from rendezvous.kv import KVStore, StoreError
+
+
+class AgentSignal(Exception):
+    """Raised by the signal handler while the agent is in the rendezvous (no workers yet), like
+    torchrun's SignalException: ends any wait at once."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"received {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+@dataclasses.dataclass
+class NodeLostEvent:
+    """Membership says this agent is no longer a member (from the membership thread)."""
+
+    reason: str
 
 
 class Agent:
@@ -52,7 +73,11 @@ class Agent:
         self.host = socket.gethostname()
         self.run_dir = RunLogDir.create(cfg.log_dir, cfg.rdzv_id)
         self.log = AgentLog(cfg.node_rank, self.run_dir.events_path)
-        self.events: "queue.Queue[object]" = queue.Queue()
+        # SimpleQueue: put() is reentrant, so the signal handler may use it
+        self.events: "queue.SimpleQueue[object]" = queue.SimpleQueue()
+        self.stopping = threading.Event()  # a signal asked this agent to end
+        self.signum: int | None = None
+        self._raise_on_signal = False  # in the rendezvous: the handler raises AgentSignal
         self.stack = StoreStack(cfg, self.log)
         self.observer: NodeObserver | None = None  # status, progress records, metrics
         self.generation = 0
@@ -66,6 +91,7 @@ class Agent:
         self.kv: KVStore | None = None
         self.world: AgentWorld | None = None
         self.controller: Controller | None = None
+        self._master: tuple[str, int] = ("", 0)  # MASTER_ADDR/PORT local workers use
         self.channel: ChannelServer | None = None
         self.reaper: Reaper | None = None
         self.workers = NodeWorkers({})
@@ -74,7 +100,8 @@ class Agent:
         self._feeds: list[KeyFeed] = []
         self._handlers: dict[type, Callable[[Any], int | None]] = {
             WorkerExit: self._on_exit, ChannelMessage: self._on_message, PlanEvent: self._on_plan,
-            InjectEvent: self._on_inject, SignalEvent: self._on_signal}
+            InjectEvent: self._on_inject, SignalEvent: self._on_signal,
+            NodeLostEvent: self._on_lost}
 
     # ------------------------------------------------------------------ main
     def run(self) -> int:
@@ -94,6 +121,14 @@ class Agent:
             return self._loop()
         except JobFailed as e:
             return e.code
+        except (AgentSignal, JoinInterrupted) as e:
+            return self._signalled_in_rendezvous(e)
+        except RendezvousGracefulExit as e:
+            self.log.info("spare-done", f"{e}; nothing to do, exiting")
+            return 0
+        except NodeLostError as e:
+            self.log.error("node-lost", f"{e}")
+            return 1
         except StoreError as e:
             self.log.error("store-error", f"store: {e}")
             return 1
@@ -111,19 +146,53 @@ class Agent:
             self.shutdown()
 
     def _start(self) -> None:
-        """Store stack, world, controller (leader), channel, reaper, spawner, executor, workers."""
-        cfg = self.cfg
-        self.kv = kv = self.stack.open()
-        self.world = world = self.stack.join(self.host, self._on_node_lost, self._on_node_joined)
+        """Store stack and world, then channel, reaper and the world's parts (`_enter_world`)."""
+        self.kv = self._rendezvous(open_store=True)
+        self.channel = ChannelServer(os.path.join(self._sock_dir, "agent.sock"), self.events)
+        self.reaper = Reaper(self.events)
+        self._master = self.stack.start_proxy()
+        self.stack.publish(self._world(), self.run_dir.path)
+        self._enter_world()
+
+    def _world(self) -> AgentWorld:
+        assert self.world is not None
+        return self.world
+
+    def _rendezvous(self, open_store: bool) -> KVStore:
+        """Open the store (first time) and join; a signal ends either at once (AgentSignal or
+        JoinInterrupted): there are no workers yet."""
+        self._raise_on_signal = True
+        try:
+            if self.stopping.is_set():
+                raise AgentSignal(self.signum or signal.SIGTERM)
+            kv = self.stack.open() if open_store else self.kv
+            assert kv is not None
+            self.world = self.stack.join(self.host, self._on_node_lost, self._on_node_joined,
+                                         stop=self.stopping, on_lost=self._on_lost_news)
+        finally:
+            self._raise_on_signal = False
+        if self.stopping.is_set():
+            raise AgentSignal(self.signum or signal.SIGTERM)
+        return kv
+
+    def _enter_world(self) -> None:
+        """Controller (leader), workers, spawner, executor and feeds for the world just joined;
+        spawn the workers unless this agent replaces a lost node (it waits for its round)."""
+        cfg, kv, world = self.cfg, self.kv, self._world()
+        assert kv is not None and self.channel is not None and self.reaper is not None
         self.rejoined = self.stack.rejoined
+        if world.from_spare:
+            self.log.warning("spare-takes-over", f"hot spare {self.host} takes over node "
+                             f"{world.group_rank} (ranks {world.rank_base}.."
+                             f"{world.rank_base + cfg.nproc_per_node - 1})",
+                             group_rank=world.group_rank)
         self.log.node_rank = world.group_rank
-        master_addr, master_port = self.stack.start_proxy()
+        master_addr, master_port = self._master
         self.log.info("rendezvous", f"node {world.group_rank}/{world.group_world_size}, "
                       f"ranks {world.rank_base}..{world.rank_base + cfg.nproc_per_node - 1} "
                       f"of {world.world_size}; workers use store {master_addr}:{master_port}; "
                       f"logs in {self.run_dir.path}", group_rank=world.group_rank,
                       world_size=world.world_size, master_port=master_port, log_dir=self.run_dir.path)
-        self.stack.publish(world, self.run_dir.path)
         assert self.observer is not None
         self.observer.attach(kv, world.group_rank, world.is_leader, self.stack.server_stats())
         # A replacement agent: plans published from the moment it joined concern it (the leader
@@ -137,8 +206,6 @@ class Agent:
                                          cfg.max_restarts, cfg.recover_strategy,
                                          phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)))
             self.controller.start()
-        self.channel = ChannelServer(os.path.join(self._sock_dir, "agent.sock"), self.events)
-        self.reaper = Reaper(self.events)
         self.workers = NodeWorkers.create(world.rank_base, cfg.nproc_per_node)
         self.spawner = Spawner(cfg, WorkerWorld(world.group_rank, world.group_world_size,
                                                 world.world_size, master_addr, master_port,
@@ -146,7 +213,7 @@ class Agent:
                                self.run_dir, self.log, self.host, self.reaper,
                                on_spawn=lambda w: self.hangs.forget(w.rank))
         self.executor = PlanExecutor(cfg, self.log, kv, world, self.workers, self.spawner,
-                                     self.channel, self.failures)
+                                     self.channel, self.failures, stop=self.stopping)
         if self.rejoined:
             self.log.warning("rejoined", f"replacement agent for node {world.group_rank}: "
                              f"waiting for generation {self.generation + 1}")
@@ -155,6 +222,18 @@ class Agent:
         self._feeds = [plan_feed(kv, self.generation, self.events), inject_feed(kv, self.events)]
         for feed in self._feeds:
             feed.start()
+
+    def _leave_world(self) -> None:
+        """Undo `_enter_world` (workers already killed): before rejoining as a fresh node."""
+        if self.controller is not None:
+            self.controller.stop()
+            self.controller = None
+        for feed in self._feeds:
+            feed.stop()
+        self._feeds = []
+        if self.spawner is not None:
+            self.spawner.stop()
+            self.spawner = None
 
     def _loop(self) -> int:
         next_check = time.monotonic() + self.cfg.monitor_interval
@@ -330,16 +409,64 @@ class Agent:
     def _install_signals(self) -> None:
         for s in self.cfg.signals_to_handle:
             try:
-                signal.signal(s, lambda signum, frame: self.events.put(SignalEvent(signum)))
+                signal.signal(s, self._signal_handler)
             except (ValueError, OSError):
                 pass
 
+    def _signal_handler(self, signum: int, frame: object) -> None:
+        """No I/O here: note the signal, interrupt the rendezvous, wake the loop. In the
+        rendezvous (before any worker exists) raise, as torchrun does, to end any wait."""
+        if self.signum is None:
+            self.signum = signum
+        self.stopping.set()
+        self.stack.interrupt()
+        self.events.put(SignalEvent(signum))
+        if self._raise_on_signal:
+            self._raise_on_signal = False
+            raise AgentSignal(signum)
+
+    def _signalled_in_rendezvous(self, e: Exception) -> int:
+        """A signal (or a stop) ended the rendezvous: torchrun's exit code 1."""
+        name = signal.Signals(self.signum).name if self.signum else "a stop request"
+        self.log.warning("signal", f"received {name} during the rendezvous: leaving at once "
+                         f"({e})", signal=name)
+        return 1
+
     def _on_signal(self, ev: SignalEvent) -> int:
+        """torchrun: SignalException -> workers stopped with the signal, exit code 1."""
         name = signal.Signals(ev.signum).name
-        self.log.warning("signal", f"received {name}: forwarding to workers, then shutting down "
-                         f"(grace {self.cfg.shutdown_timeout:.0f}s)", signal=name)
+        self.log.warning("signal", f"received {name}: forwarding to workers, then leaving the "
+                         f"job (grace {self.cfg.shutdown_timeout:g}s)", signal=name)
         stop_workers(self.workers.all(), ev.signum, self.cfg.shutdown_timeout)
         return 1
+
+    # ------------------------------------------------------------------ self-fencing
+    def _on_lost_news(self, lost: object) -> None:
+        """Membership thread: this agent is no longer a member; the loop self-fences."""
+        self.events.put(NodeLostEvent(str(getattr(lost, "message", lost))))
+
+    def _on_lost(self, ev: NodeLostEvent) -> int | None:
+        """Cut off from the store longer than the liveness timeout: kill the local workers at
+        once (the others already count them lost), then leave with the reason."""
+        err = self.stack.lost_error()
+        reason = str(err) if err is not None else ev.reason
+        self.log.error("self-fence", f"this node lost its membership ({reason}): killing its "
+                       f"{len(self.workers.alive())} local worker(s) at once", reason=reason)
+        stop_workers(self.workers.all(), signal.SIGKILL, 0.0)
+        return self._rejoin_after_loss(err)
+
+    def _rejoin_after_loss(self, err: NodeLostError | None) -> int | None:
+        """Rejoin as a fresh node once the store answers again (a replacement: it waits for the
+        round of its arrival). With the embedded store gone, StoreHostLostError ends the agent
+        with its one line (raised out of join())."""
+        if isinstance(err, StoreHostLostError):
+            raise err
+        self._leave_world()
+        self.stack.renew()
+        self.log.warning("rejoin", "self-fenced; rejoining the job as a fresh node")
+        self._rendezvous(open_store=False)
+        self._enter_world()
+        return None
 
     def shutdown(self) -> None:
         """Stop everything this agent started, workers first, the store last."""
@@ -353,7 +480,7 @@ class Agent:
         for part in (self.channel, self.reaper, self.spawner):
             if part is not None:
                 part.stop()
-        self.stack.close()
+        self.stack.close(LEAVE_SIGNAL if self.signum is not None else None)
         try:
             os.rmdir(self._sock_dir)
         except OSError:

@@ -20,9 +20,14 @@ from dataclasses import dataclass, field
 from launcher import plan
 from rendezvous.endpoints import (ETCD_DEFAULT_PORT, EndpointError, parse_endpoint,
                                   parse_endpoints)
+from rendezvous.hosting import wants_to_host
+from rendezvous.settings import RendezvousSettings
 
 EMBEDDED_BACKENDS = {"static", "c10d", "parallel", "embedded"}
 ETCD_BACKENDS = {"etcd", "etcd-v3", "etcd-v2"}
+# torchrun's dynamic backends: node ranks come from the rendezvous (arrival order), --node-rank
+# is ignored (with a warning when it is not 0, as torchrun does).
+DYNAMIC_BACKENDS = {"c10d", "parallel"} | ETCD_BACKENDS
 DEFAULT_C10D_PORT = 29400
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
@@ -69,6 +74,7 @@ class LaunchConfig:
     token_file: str | None = None
     join_timeout: float = 600.0
     last_call_timeout: float = 30.0
+    rdzv_settings: RendezvousSettings = field(default_factory=RendezvousSettings)
     # supervision
     max_restarts: int = 0
     monitor_interval: float = 0.1
@@ -96,6 +102,11 @@ class LaunchConfig:
     @property
     def static_ranks(self) -> bool:
         return self.node_rank is not None
+
+    @property
+    def dynamic(self) -> bool:
+        """torchrun's dynamic rendezvous (c10d, etcd, etcd-v2, parallel): ranks by arrival."""
+        return self.rdzv_backend in DYNAMIC_BACKENDS
 
     def worker_command(self, local_rank: int) -> list[str]:
         """The argv of one worker: `python -u [-m] script args`, ${local_rank} substituted."""
@@ -405,14 +416,12 @@ def _rendezvous(cfg: LaunchConfig, raw: dict) -> None:
     cfg.standalone = bool(raw.get("standalone"))
     tiered = raw.get("enable_tiered_parallel_tcpstore")
     cfg.enable_tiered_store = _truthy(tiered) if tiered is not None else False
-    for k in ("join_timeout", "last_call_timeout"):
-        if k in cfg.rdzv_conf:
-            try:
-                setattr(cfg, k, float(cfg.rdzv_conf[k]))
-            except ValueError:
-                raise ConfigError(f"--rdzv-conf {k}: {cfg.rdzv_conf[k]!r} is not a number") from None
-    if "timeout" in cfg.rdzv_conf and "join_timeout" not in cfg.rdzv_conf:
-        cfg.join_timeout = float(cfg.rdzv_conf["timeout"])
+    try:
+        cfg.rdzv_settings = RendezvousSettings.from_rdzv_conf(cfg.rdzv_conf)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    cfg.join_timeout = cfg.rdzv_settings.join_timeout
+    cfg.last_call_timeout = cfg.rdzv_settings.last_call_timeout
     cfg.token_file = cfg.rdzv_conf.get("token_file")
 
 
@@ -460,19 +469,37 @@ def _embedded_store(cfg: LaunchConfig, raw: dict) -> None:
         cfg.store_host = cfg.master_addr
         cfg.store_port = DEFAULT_MASTER_PORT if cfg.master_port is None else cfg.master_port
         cfg.master_addr_for_workers = cfg.master_addr
-        cfg.node_rank = int(raw.get("node_rank", 0))
+        cfg.node_rank = _node_rank(cfg, raw)
     else:
         cfg.store_host, cfg.store_port = _rdzv_endpoint(cfg.rdzv_endpoint)
         cfg.master_addr_for_workers = cfg.store_host
-        cfg.node_rank = int(raw.get("node_rank", 0)) if cfg.min_nodes == cfg.max_nodes else None
+        cfg.node_rank = _node_rank(cfg, raw)
     if cfg.node_rank is not None and not 0 <= cfg.node_rank < cfg.max_nodes:
         raise ConfigError(f"--node-rank: {cfg.node_rank} must be in 0..{cfg.max_nodes - 1}")
-    if cfg.node_rank is None:
-        cfg.is_store_host = _truthy(cfg.rdzv_conf.get("is_host", "false"))
-    else:
+    if cfg.node_rank is not None:
         cfg.is_store_host = cfg.node_rank == 0
+    elif cfg.max_nodes == 1:
+        cfg.is_store_host = True
+    else:
+        try:  # torchrun's is_host rule: --rdzv-conf is_host, else the endpoint is local
+            cfg.is_store_host = wants_to_host(cfg.store_host, cfg.rdzv_conf)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        return  # a busy port: joined as a client when it is this run's store (rendezvous.hosting)
     if cfg.is_store_host and cfg.store_port and not port_is_free("0.0.0.0", cfg.store_port):
         raise ConfigError(f"--master-port: port {cfg.store_port} is already in use on this host")
+
+
+def _node_rank(cfg: LaunchConfig, raw: dict) -> int | None:
+    """--node-rank for the static backend; None (ranks by arrival) for the dynamic ones."""
+    given = int(raw.get("node_rank") or 0)
+    if not cfg.dynamic:
+        return given
+    if given != 0:
+        cfg.notes.append(f"--node-rank {given} is only used for the static rendezvous backend; "
+                         f"it is ignored with --rdzv-backend {cfg.rdzv_backend} (node ranks "
+                         "come from the rendezvous, in arrival order)")
+    return None
 
 
 def _rdzv_endpoint(value: str) -> tuple[str, int]:
@@ -485,9 +512,8 @@ def _rdzv_endpoint(value: str) -> tuple[str, int]:
 
 
 def _etcd_node(cfg: LaunchConfig, raw: dict) -> None:
-    """With etcd every node is a store client; ranks are static only with a fixed node count."""
-    cfg.node_rank = (int(raw.get("node_rank", 0)) if cfg.min_nodes == cfg.max_nodes
-                     and raw.get("node_rank") is not None else None)
+    """With etcd every node is a store client; node ranks come from the rendezvous."""
+    cfg.node_rank = _node_rank(cfg, raw)
     cfg.is_store_host = False
 
 

@@ -17,6 +17,7 @@ import os
 import queue
 import signal
 import subprocess
+import threading
 import time
 
 from launcher import plan as P
@@ -46,7 +47,7 @@ class JobFailed(Exception):
 class PlanExecutor:
     def __init__(self, cfg: LaunchConfig, log: AgentLog, kv: KVStore, world: AgentWorld,
                  workers: NodeWorkers, spawner: Spawner, channel: ChannelServer,
-                 failures: JobFailures) -> None:
+                 failures: JobFailures, stop: threading.Event | None = None) -> None:
         self.cfg = cfg
         self.log = log
         self.kv = kv
@@ -56,6 +57,7 @@ class PlanExecutor:
         self.channel = channel
         self.failures = failures
         self._pending_stop: dict[int, Stop] = {}  # rank -> stop it has not received yet
+        self.stop = stop or threading.Event()  # set by a signal: every wait here ends at once
 
     def execute(self, plan: P.Plan) -> int | None:
         self.log.info("plan-received", f"executing {plan.strategy} for generation {plan.generation}"
@@ -81,7 +83,9 @@ class PlanExecutor:
         self._stop_all(signal.SIGTERM)
         if self.kv.add(P.stopped_key(g), 1) >= self.world.group_world_size:
             self.kv.set(P.all_stopped_key(g), b"1")
-        if not self.kv.wait([P.go_key(g)], max(self.cfg.join_timeout, 60.0)):
+        if not self._wait_go(g, max(self.cfg.join_timeout, 60.0)):
+            if self.stop.is_set():
+                raise JobFailed(1)  # a signal: the agent leaves (torchrun's exit code 1)
             self.log.error("phase-timeout", f"generation {g}: the controller did not release the restart")
             raise JobFailed(1)
         self.workers.aware.clear()
@@ -90,6 +94,17 @@ class PlanExecutor:
                       f"restarted in {time.monotonic() - t0:.3f}s",
                       restart_s=round(time.monotonic() - t0, 4))
         return None
+
+    def _wait_go(self, g: int, timeout: float) -> bool:
+        """Wait for the controller's go in slices, ending at once when a signal arrives."""
+        end = time.monotonic() + timeout
+        while not self.stop.is_set():
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            if self.kv.wait([P.go_key(g)], min(0.25, left)):
+                return True
+        return False
 
     def _recover(self, plan: P.Plan) -> None:
         g = plan.generation
@@ -163,7 +178,7 @@ class PlanExecutor:
         self.kv.add(P.EXITED_KEY, 1)
         if self.world.is_leader and self.world.group_world_size > 1:
             end = time.monotonic() + LEAVE_TIMEOUT
-            while time.monotonic() < end:
+            while time.monotonic() < end and not self.stop.is_set():
                 raw = self.kv.try_get(P.EXITED_KEY)
                 if raw is not None and int(raw) >= self.world.group_world_size:
                     break

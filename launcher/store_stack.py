@@ -10,7 +10,9 @@ takes all of it down in reverse order. Nothing here knows about workers or plans
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -19,6 +21,21 @@ from launcher.config import LaunchConfig
 from launcher.logs import AgentLog
 from rendezvous import auth
 from rendezvous.kv import KVStore
+
+
+class MembershipLog(logging.Handler):
+    """Membership news (`ftrun.membership` records: slots, the world closing, a hot spare
+    waiting or taking over, leaves) as agent log events, for people and events.jsonl."""
+
+    def __init__(self, log: AgentLog) -> None:
+        super().__init__(logging.INFO)
+        self.agent_log = log
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.getMessage()
+        kind = "hot-spare" if "hot spare" in msg else "membership"
+        level = "warning" if record.levelno >= logging.WARNING else "info"
+        self.agent_log.event(kind, msg, level=level)
 
 
 @dataclass(frozen=True)
@@ -30,6 +47,7 @@ class AgentWorld:
     rank_base: int
     world_size: int
     is_leader: bool
+    from_spare: bool = False  # a hot spare that took over a lost node's ranks
 
 
 class StoreStack:
@@ -43,9 +61,16 @@ class StoreStack:
         self.addr = ""  # where the job's store is, as printed for people and ftctl
         self.rejoined = False  # this agent replaces a lost node
         self.generation_before_join = 0
+        self.hosting = False  # this agent hosts the embedded store
         self._server: Any = None
         self._proxy: Any = None
         self._membership: Any = None
+        self._interrupted = False
+        self._news = MembershipLog(log)
+        news = logging.getLogger("ftrun.membership")
+        news.addHandler(self._news)
+        news.setLevel(logging.INFO)
+        news.propagate = False
 
     # ---------------------------------------------------------------- the store
     def _etcd_kv(self) -> KVStore:
@@ -64,6 +89,8 @@ class StoreStack:
             os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
             self.kv = self._etcd_kv()
             self.log.info("store", f"etcd store at {cfg.rdzv_endpoint} (run {cfg.rdzv_id})")
+        elif cfg.dynamic and cfg.max_nodes > 1:
+            self.kv = self._host_or_join()
         elif cfg.is_store_host:
             self.kv = self._host()
         else:
@@ -73,6 +100,27 @@ class StoreStack:
                                   timeout=cfg.join_timeout)
             self.log.info("store", f"using the store at {cfg.store_host}:{cfg.store_port}")
         return self.kv
+
+    def _host_or_join(self) -> KVStore:
+        """Dynamic c10d: the agent on the endpoint's host hosts the store (torchrun's is_host
+        rule); every other agent, and one finding the port held by this run's store, joins."""
+        from rendezvous.hosting import host_or_join
+
+        cfg = self.cfg
+        if cfg.proxy and self.token is None and cfg.is_store_host:
+            self.log.warning("store-auth", "no job token (FTRUN_JOB_TOKEN or --rdzv-conf "
+                             "token_file=...): the store port accepts any client")
+        h = host_or_join(cfg.store_host, cfg.store_port, cfg.rdzv_id, cfg.is_store_host,
+                         token=self.token, timeout=cfg.rdzv_settings.read_timeout)
+        self._server, self.hosting = h.server, h.hosting
+        if h.hosting:
+            self.log.info("store", f"hosting the store on 0.0.0.0:{h.server.port} (is_host: "
+                          f"{cfg.store_host} is this host)", port=h.server.port)
+        else:
+            self.log.info("store", f"using the store at {cfg.store_host}:{cfg.store_port}"
+                          + (" (the port is held by another agent of this run)"
+                             if cfg.is_store_host else ""))
+        return h.kv
 
     def _host(self) -> KVStore:
         from rendezvous.server import StoreServer
@@ -87,6 +135,7 @@ class StoreStack:
         self._server = StoreServer(host=host, port=cfg.store_port,
                                    token=self.token if cfg.proxy else None)
         self._server.start()
+        self.hosting = True
         self.log.info("store", f"hosting the store on {host}:{self._server.port}"
                       + (" (token required)" if cfg.proxy and self.token else ""),
                       port=self._server.port)
@@ -103,27 +152,48 @@ class StoreStack:
 
     # ---------------------------------------------------------------- node rendezvous
     def join(self, host: str, on_node_dead: Callable[[int], None],
-             on_node_join: Callable[[int], None]) -> AgentWorld:
-        """Node-level rendezvous; the callbacks run on the membership thread."""
+             on_node_join: Callable[[int], None], stop: threading.Event | None = None,
+             on_lost: Callable[[Any], None] | None = None) -> AgentWorld:
+        """Node-level rendezvous; the callbacks run on the membership thread. Ends with
+        JoinInterrupted within a fraction of a second of `stop.set()` / `interrupt()`,
+        RendezvousGracefulExit when the run finished while this agent waited as a hot spare."""
         cfg = self.cfg
         assert self.kv is not None
         if cfg.max_nodes == 1 and cfg.store_backend == "embedded":
             return AgentWorld(0, 1, 0, cfg.nproc_per_node, True)
         from rendezvous.membership import Membership
 
-        self._membership = Membership(
-            self.kv, node_rank=cfg.node_rank, nnodes_min=cfg.min_nodes, nnodes_max=cfg.max_nodes,
-            local_world_size=cfg.nproc_per_node, host=cfg.local_addr or host,
-            run_id=cfg.rdzv_id, join_timeout=cfg.join_timeout,
-            last_call_timeout=cfg.last_call_timeout)
+        if self._membership is None:
+            self._membership = Membership.from_settings(
+                self.kv, cfg.node_rank, cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node,
+                cfg.local_addr or host, cfg.rdzv_id, cfg.rdzv_settings, hosts_store=self.hosting)
+        if self._interrupted:
+            self._membership.interrupt()
         raw = self.kv.try_get(P.GENERATION_KEY)
         self.generation_before_join = int(raw) if raw is not None else 0
-        w = self._membership.join(timeout=cfg.join_timeout)
+        w = self._membership.join(stop=stop)
         self._membership.start_heartbeat()
-        self._membership.watch_nodes(on_node_dead, on_node_join)
+        self._membership.watch_nodes(on_node_dead, on_node_join, on_lost=on_lost)
         self.rejoined = bool(w.rejoined)
         return AgentWorld(w.group_rank, w.group_world_size, w.nodes[w.group_rank].rank_base,
-                          w.world_size, w.leader_node == w.group_rank)
+                          w.world_size, w.leader_node == w.group_rank,
+                          bool(getattr(w, "from_spare", False)))
+
+    def interrupt(self) -> None:
+        """End a running join() (signal handler safe: no I/O)."""
+        self._interrupted = True
+        if self._membership is not None:
+            self._membership.interrupt()
+
+    def lost_error(self) -> Any:
+        """Why this agent lost its membership (NodeLostError), or None while a member."""
+        return self._membership.lost_error() if self._membership is not None else None
+
+    def renew(self) -> None:
+        """After this agent was lost: drop the old identity; the next join() is a fresh node."""
+        assert self._membership is not None
+        self._membership.stop(leave=False)
+        self._membership = self._membership.renew()
 
     # ---------------------------------------------------------------- what workers use
     def start_proxy(self) -> tuple[str, int]:
@@ -169,12 +239,18 @@ class StoreStack:
         return addr
 
     # ---------------------------------------------------------------- shutdown
-    def close(self) -> None:
+    def close(self, leave_reason: str | None = None) -> None:
+        """Take everything down; `leave_reason` (keys.LEAVE_SIGNAL) tells the other nodes at
+        once that this node left on purpose (default: done)."""
         if self._membership is not None:
-            self._membership.stop()
+            if leave_reason is None:
+                self._membership.stop()
+            else:
+                self._membership.leave(leave_reason)
         if self._proxy is not None:
             self._proxy.stop()
         if self.kv is not None and self._server is None:
             self.kv.close()
         if self._server is not None:
             self._server.stop()
+        logging.getLogger("ftrun.membership").removeHandler(self._news)
