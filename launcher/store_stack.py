@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -20,7 +21,7 @@ from launcher import plan as P
 from launcher.config import LaunchConfig
 from launcher.logs import AgentLog
 from rendezvous import auth
-from rendezvous.kv import KVStore
+from rendezvous.kv import KVStore, StoreError
 
 
 class MembershipLog(logging.Handler):
@@ -107,12 +108,12 @@ class StoreStack:
         from rendezvous.hosting import host_or_join
 
         cfg = self.cfg
-        if cfg.proxy and self.token is None and cfg.is_store_host:
-            self.log.warning("store-auth", "no job token (FTRUN_JOB_TOKEN or --rdzv-conf "
-                             "token_file=...): the store port accepts any client")
         h = host_or_join(cfg.store_host, cfg.store_port, cfg.rdzv_id, cfg.is_store_host,
                          token=self.token, timeout=cfg.rdzv_settings.read_timeout)
         self._server, self.hosting = h.server, h.hosting
+        if h.hosting and cfg.proxy and self.token is None:
+            self.log.warning("store-auth", "no job token (FTRUN_JOB_TOKEN or --rdzv-conf "
+                             "token_file=...): the store port accepts any client")
         if h.hosting:
             self.log.info("store", f"hosting the store on 0.0.0.0:{h.server.port} (is_host: "
                           f"{cfg.store_host} is this host)", port=h.server.port)
@@ -239,12 +240,25 @@ class StoreStack:
         return addr
 
     # ---------------------------------------------------------------- shutdown
+    def _let_spares_see_the_end(self) -> None:
+        """The store host of a finished run keeps the store up until the hot spares have seen
+        the end (they poll once per keep-alive interval and then withdraw), at most 3 of those."""
+        if self._server is None or self._membership is None:
+            return
+        end = time.monotonic() + 3 * self.cfg.rdzv_settings.keep_alive_interval
+        try:
+            while self._membership.spares() and time.monotonic() < end:
+                time.sleep(0.05)
+        except StoreError:
+            pass
+
     def close(self, leave_reason: str | None = None) -> None:
         """Take everything down; `leave_reason` (keys.LEAVE_SIGNAL) tells the other nodes at
         once that this node left on purpose (default: done)."""
         if self._membership is not None:
             if leave_reason is None:
                 self._membership.stop()
+                self._let_spares_see_the_end()
             else:
                 self._membership.leave(leave_reason)
         if self._proxy is not None:

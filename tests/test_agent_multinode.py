@@ -1,0 +1,109 @@
+"""torchrun's multi-node command as is: the same `--rdzv_backend c10d|etcd` command on every
+node (here: several agents on one host), node ranks from the rendezvous, a late node waiting as a
+hot spare, and `--rdzv-conf` checked at start."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from launcher.config import ConfigError
+from tests.helpers_launch import FTRUN, env_with, free_port, run, script
+from tests.test_agent_signals import _events, _wait_event
+
+
+def _same_command(tmp, backend: str, endpoint: str, tag: str, *worker: str) -> subprocess.Popen:
+    out = tmp / f"out{tag}"
+    out.mkdir(exist_ok=True)
+    cmd = FTRUN + ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", backend,
+                   "--rdzv_endpoint", endpoint, "--rdzv_id", "j1", "--log_dir",
+                   str(tmp / f"log{tag}"), *worker]
+    return subprocess.Popen(cmd, env=env_with(OUT_DIR=str(out)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _both_finish(tmp, procs: list[subprocess.Popen]) -> None:
+    outs = [p.communicate(timeout=120) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    ranks = sorted(e["group_rank"] for tag in ("a", "b") for e in _events(str(tmp / f"log{tag}"))
+                   if e["event"] == "rendezvous")
+    assert ranks == [0, 1]
+    with open(tmp / "result.json", encoding="utf-8") as f:
+        assert json.load(f)["world"] == 2
+
+
+def _ddp(tmp) -> list[str]:
+    return [script("ddp_plain.py"), "--steps", "3", "--out", str(tmp / "result.json")]
+
+
+def test_the_same_c10d_command_twice_on_one_host(tmp_path) -> None:
+    ep = f"127.0.0.1:{free_port()}"
+    procs = [_same_command(tmp_path, "c10d", ep, tag, *_ddp(tmp_path)) for tag in ("a", "b")]
+    _both_finish(tmp_path, procs)
+
+
+@pytest.mark.etcd
+def test_the_same_etcd_command_twice(tmp_path) -> None:
+    from tests.helpers_etcd import etcd_available, start_etcd
+
+    if not etcd_available():
+        pytest.skip("etcd binary not installed (Debian package etcd-server)")
+    srv = start_etcd()
+    try:
+        procs = [_same_command(tmp_path, "etcd", srv.endpoint, tag, *_ddp(tmp_path))
+                 for tag in ("a", "b")]
+        _both_finish(tmp_path, procs)
+    finally:
+        srv.stop()
+
+
+def test_a_late_node_waits_as_a_hot_spare_and_exits_0_when_the_job_ends(tmp_path) -> None:
+    ep = f"127.0.0.1:{free_port()}"
+    worker = [script("phase_worker.py"), "--sleep", "6"]
+    procs = [_same_command(tmp_path, "c10d", ep, tag, *worker) for tag in ("a", "b")]
+    try:
+        _wait_event(str(tmp_path / "logb"), lambda e: e["event"] == "spawn")
+        spare = _same_command(tmp_path, "c10d", ep, "s", *worker)
+        procs.append(spare)
+        ev = _wait_event(str(tmp_path / "logs"), lambda e: e["event"] == "hot-spare", timeout=30)
+        assert "waits as a hot spare" in ev["message"]
+        outs = [p.communicate(timeout=60) for p in procs]
+        for p, (_, err) in zip(procs, outs):
+            assert p.returncode == 0, err[-3000:]
+        assert not any(e["event"] == "spawn" for e in _events(str(tmp_path / "logs")))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+@pytest.mark.parametrize("conf, needle", [
+    ("join_timeout=soon", "--rdzv-conf join_timeout='soon': must be a number of seconds > 0"),
+    ("last_call_timeout=-1", "--rdzv-conf last_call_timeout=-1.0"),
+    ("is_host=maybe", "--rdzv-conf is_host='maybe': must be true or false"),
+    ("keep_alive_max_attempt=1", "keep_alive_max_attempt=1: must be an integer >= 2"),
+])
+def test_bad_rdzv_conf_is_one_line_and_exit_2(conf: str, needle: str) -> None:
+    r = run(FTRUN + ["--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                     "127.0.0.1:1", "--rdzv_conf", conf, script("sleeper.py")], timeout=60)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+
+
+def test_node_rank_is_ignored_by_dynamic_backends() -> None:
+    from launcher.cli import parse
+    from launcher.config import build_config
+
+    c = build_config(parse(["--nnodes", "2", "--node_rank", "1", "--rdzv_backend", "c10d",
+                            "--rdzv_endpoint", "10.255.0.1:29400", script("sleeper.py")]), env={})
+    assert c.node_rank is None and not c.is_store_host
+    assert any("--node-rank 1 is only used for the static" in n for n in c.notes)
+    c = build_config(parse(["--nnodes", "1:3", "--rdzv_backend", "c10d", "--rdzv_endpoint",
+                            "127.0.0.1:29400", "--rdzv_conf", "is_host=false,join_timeout=7",
+                            script("sleeper.py")]), env={})
+    assert (c.is_store_host, c.join_timeout, c.rdzv_settings.join_timeout) == (False, 7.0, 7.0)
+    with pytest.raises(ConfigError):
+        build_config(parse(["--rdzv_conf", "read_timeout=0", script("sleeper.py")]), env={})
