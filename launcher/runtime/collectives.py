@@ -118,6 +118,10 @@ class Interruptible:
             self._stop.wait_newer(gen, delay)
             delay = min(delay * 2, 0.002)
 
+    def abandon(self, *objs: Any) -> None:
+        """Keep works (and the tensors they write) this rank no longer waits for."""
+        self._graveyard.keep(*objs)
+
     # ---- the collectives the runtime and scripts use ---------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
                    what: str = "all_reduce") -> torch.Tensor:

@@ -30,6 +30,7 @@ from launcher import plan as P
 from launcher.faults import WORKER_FAULT_KINDS
 from launcher.messages import FaultReport, Hello, Recovered
 from launcher.runtime import checkpoint as ckpt
+from launcher.runtime.buckets import BUCKET_BYTES, GradComm, GradientSyncs
 from launcher.runtime.channel import AgentChannel
 from launcher.runtime.collectives import CollectiveError, Graveyard, Interruptible
 from launcher.runtime.devices import (EXCEPTION, NETWORK, UCE_HIGH, UNSAFE_DATA, DeviceAdapter,
@@ -142,6 +143,9 @@ class Runtime:
         # `rank-recovered.marks`, drawn by `ftctl report`) and the state bytes moved in it
         self._marks: dict[str, float] = {"started": time.time()} if env.replacement else {}
         self._moved = {"transfer_bytes": 0, "transfer_s": 0.0}
+        self._grad_syncs = GradientSyncs()
+        # called with the new generation after every group rebuild (rt.ddp rebuilds DDP there)
+        self._rebuild_listeners: list[Callable[[int], None]] = [lambda g: self._grad_syncs.abandon_all()]
 
     # ================================================================ start-up
     def _start(self) -> None:
@@ -184,6 +188,8 @@ class Runtime:
                                 timeout=timedelta(seconds=self.env.store_timeout))
         if rebuild_groups:
             self._groups.rebuild(generation)
+            for listener in list(self._rebuild_listeners):
+                listener(generation)
             if self.on_rebuild is not None:
                 self.on_rebuild(generation)
         self._mark("rebuilt")
@@ -320,37 +326,27 @@ class Runtime:
 
     def allreduce_gradients(self, model: torch.nn.Module | Sequence[torch.nn.Module],
                             group: GroupHandle | None = None, average: bool = True,
-                            bucket_bytes: int = 32 << 20) -> None:
-        """Sum (and average) the gradients of `model` across `group` (default: all ranks),
-        bucketed into flat tensors; interruptible like every runtime collective."""
+                            bucket_bytes: int = BUCKET_BYTES) -> None:
+        """Sum (and average) the gradients of `model` across `group` (default: all ranks) in
+        buckets, interruptible like every runtime collective. The first call installs hooks:
+        from then on each bucket's all-reduce starts during backward, as soon as its gradients
+        are accumulated, and this call only waits for them (see launcher.runtime.buckets)."""
         models = list(model) if isinstance(model, (list, tuple)) else [model]
-        size = self.world_size if group is None else group.size
-        params = [p for m in models for p in m.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        buckets: list[list[torch.Tensor]] = []
-        cur: list[torch.Tensor] = []
-        nbytes = 0
-        for p in params:
-            if cur and (cur[0].grad.dtype != p.grad.dtype or nbytes >= bucket_bytes):
-                buckets.append(cur)
-                cur, nbytes = [], 0
-            cur.append(p)
-            nbytes += p.grad.numel() * p.grad.element_size()
-        if cur:
-            buckets.append(cur)
-        for bucket in buckets:
-            flat = torch.cat([p.grad.reshape(-1) for p in bucket])
-            if size > 1:
-                self._coll.all_reduce(flat, dist.ReduceOp.SUM, self._pg(group), what="gradient all_reduce")
-            if average:
-                flat.div_(size)
-            off = 0
-            for p in bucket:
-                n = p.grad.numel()
-                p.grad.copy_(flat[off:off + n].view_as(p.grad))
-                off += n
+        params = list({id(p): p for m in models for p in m.parameters() if p.requires_grad}.values())
+        self._grad_syncs.sync(params, None if group is None else group.name, lambda: self._grad_comm(group),
+                              average, bucket_bytes)
+
+    def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
+        """`torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)` whose collectives go
+        through the runtime; `process_group` takes a GroupHandle (see launcher.runtime.ddp)."""
+        from launcher.runtime.ddp import RuntimeDDP
+        return RuntimeDDP.build(self, module, **ddp_kwargs)
+
+    def _grad_comm(self, group: GroupHandle | None) -> GradComm:
+        if group is not None and self.rank not in group.ranks:
+            raise ValueError(f"rank {self.rank} is not a member of group {group.name!r} ({group.ranks})")
+        return GradComm(self._coll, lambda: self._pg(group), self.world_size if group is None else group.size,
+                        0 if group is None else group.ranks[0])
 
     # ================================================================ step loop
     def steps(self, total: int) -> Iterator[Step]:

@@ -1,0 +1,38 @@
+"""Test worker: plain torch DDP under torchrun, the same model, data and optimizer as
+scripts/examples/rt_ddp_train.py (the reference its numerics must equal). Same flags."""
+from __future__ import annotations
+
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "examples"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+from rt_ddp_train import build_model, make_batch, parse, save  # noqa: E402
+
+
+def main() -> int:
+    args = parse(None)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(args.seed)
+    model = DDP(build_model(args.hidden, args.layers, args.norm), bucket_cap_mb=args.bucket_cap_mb)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    loss = torch.zeros(())
+    for step in range(args.steps):
+        x, y = make_batch(args.seed, step, rank, args.batch)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if args.out and (rank == 0 or "{rank}" in args.out):
+        save(args.out.format(rank=rank), model.module, args.steps - 1, loss)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
