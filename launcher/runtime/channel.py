@@ -6,6 +6,10 @@ blocked in a collective still hears it) and hands `Inject` (from `ftctl inject`)
 injector, and a writer that sends a `Heartbeat` on every progress change and at least every
 `heartbeat_interval` seconds. The training thread never touches the socket: it only updates the
 heartbeat's fields and queues messages. The messages and their encoding are `launcher.messages`'s.
+Heartbeats are at most MIN_HEARTBEAT_GAP apart while progress changes (the latest progress is
+sent, nothing is lost but intermediate phases): a fast training loop changes phase several
+times per step and must not pay a message (and the agent a parse) for each. Other messages
+(fault, recovered, bye) go out at once.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ from typing import Any, Callable
 from launcher.messages import (Bye, Heartbeat, Hello, Inject, Message, MessageError, Stop, decode,
                                encode)
 from launcher.runtime.signals import StopSignal
+
+MIN_HEARTBEAT_GAP = 0.05  # seconds: progress heartbeats are coalesced within this gap
 
 
 class AgentChannel:
@@ -40,6 +46,7 @@ class AgentChannel:
         self._progress = Heartbeat(rank=rank)
         self._dirty = False
         self._closing = False
+        self._coalescing = False  # the writer holds back a heartbeat: updates need not wake it
         self._threads: list[threading.Thread] = []
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -85,12 +92,14 @@ class AgentChannel:
 
     # ---- used by the training thread -------------------------------------------------
     def update(self, **fields: Any) -> None:
-        """Change heartbeat fields (step, phase, committed_step, waiting); wakes the writer."""
+        """Change heartbeat fields (step, phase, committed_step, waiting); wakes the writer unless
+        it already waits to send a coalesced heartbeat."""
         with self._cond:
             for k, v in fields.items():
                 setattr(self._progress, k, v)
             self._dirty = True
-            self._cond.notify_all()
+            if not self._coalescing:
+                self._cond.notify_all()
 
     def send(self, message: Message) -> None:
         """Queue one message for the agent (never blocks on the socket)."""
@@ -109,6 +118,11 @@ class AgentChannel:
             with self._cond:
                 self._cond.wait_for(lambda: self._closing or self._outbox or self._dirty,
                                     timeout=max(0.0, self._interval - (time.monotonic() - last)))
+                gap = MIN_HEARTBEAT_GAP - (time.monotonic() - last)
+                if gap > 0 and not (self._closing or self._outbox):
+                    self._coalescing = True  # progress only: let more changes pile up first
+                    self._cond.wait_for(lambda: self._closing or self._outbox, timeout=gap)
+                    self._coalescing = False
                 batch, self._outbox = self._outbox, []
                 beat = self._dirty or time.monotonic() - last >= self._interval
                 self._dirty = False

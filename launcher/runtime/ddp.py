@@ -85,9 +85,11 @@ def _done(value: torch.Tensor) -> torch.futures.Future:
 class BucketComm:
     """State of the comm hook of one RuntimeDDP (see the module docstring)."""
 
-    def __init__(self, comm: GradComm, step: Callable[[], int]) -> None:
+    def __init__(self, comm: GradComm, step: Callable[[], int], log: Callable[[str], None]) -> None:
         self._comm = comm
         self._step = step
+        self._log = log
+        self._told_repack = False
         self._lock = threading.Lock()
         self._params: list[torch.Tensor] = []  # the reducer's parameters, by reducer index
         self._index: dict[int, int] = {}  # id(param) -> reducer index
@@ -112,6 +114,7 @@ class BucketComm:
         self._ready = None
         self._order = {}
         self._scratch = {}
+        self._told_repack = False
         self._remove_recorders()
         self._recorders = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self._order.setdefault(i))
                            for i, p in enumerate(params)]
@@ -154,6 +157,10 @@ class BucketComm:
                 self._target = self._ready = self._learn_layout()
             if self._slow_from is not None:
                 self._repack(self._target[self._slow_from:])
+                if not self._told_repack:
+                    self._told_repack = True
+                    self._log(f"DDP's buckets differ from the layout of step {self._step()}: "
+                              f"{len(self._target) - self._slow_from} buckets repacked into it")
             for work, buf in self._fast:
                 self._comm.coll.wait(work, "DDP gradient all_reduce", (buf,))
             self._fast = []
@@ -192,6 +199,8 @@ class BucketComm:
         self._order = {}
         layout, _ = dist._compute_bucket_assignment_by_size(
             [self._params[i] for i in order], self._caps, [False] * n, order)
+        self._log(f"DDP bucket layout for steps >= 1: {len(layout)} buckets in rank {self._comm.root}'s "
+                  "gradient-ready order")
         return [list(b) for b in layout]
 
     def abandon(self) -> None:
@@ -217,7 +226,7 @@ class RuntimeDDP(DistributedDataParallel):
         handle: GroupHandle | None = kwargs.pop("process_group", None)
         init_sync = bool(kwargs.pop("init_sync", True))
         comm = rt._grad_comm(handle)
-        ft = BucketComm(comm, lambda: rt._current_step)
+        ft = BucketComm(comm, lambda: rt._current_step, rt.log)
         ddp = cls(module, process_group=_solo_group(rt.rank), init_sync=False, **kwargs)
         ddp._ft_comm = ft
         ddp._ft_install()

@@ -1,0 +1,128 @@
+"""Stock DDP under the runtime (`rt.ddp`, launcher.runtime.ddp).
+
+- numerics: scripts/examples/rt_ddp_train.py under ftrun gives exactly the parameters of plain
+  torch DDP under torchrun (tests/scripts/ddp_reference.py), 3 ranks (the sum order depends on
+  the bucket layout), several buckets, a BatchNorm whose buffers DDP broadcasts every forward;
+- recovery through the real CLI: ranks SIGKILLed in forward, backward and the optimizer update
+  (three rounds in one run) and the result is still bit-identical to plain DDP; the first step
+  after each rebuild repacks DDP's fresh buckets into the step's layout;
+- options whose collectives would bypass the runtime are refused with one line naming them.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers_launch import FTRUN, TORCHRUN, env_with, events, run, script
+from helpers_runtime import EXAMPLES, load_params, master_store, run_workers, worker_logs
+
+NPROC = 3
+STEPS = 6
+ARGS = ["--steps", str(STEPS), "--hidden", "128", "--layers", "4", "--norm", "--bucket-cap-mb", "0.1"]
+
+
+def params_of(wd: Path) -> list[dict[str, torch.Tensor]]:
+    return [load_params(wd / f"out{r}.pt") for r in range(NPROC)]
+
+
+def assert_equal_params(got: list[dict], ref: list[dict]) -> None:
+    for r in range(NPROC):
+        assert got[r].keys() == ref[r].keys()
+        for k in ref[r]:
+            assert torch.equal(got[r][k], ref[r][k]), f"rank {r}: {k} differs from plain DDP"
+
+
+@pytest.fixture(scope="module")
+def plain_ddp(tmp_path_factory) -> list[dict[str, torch.Tensor]]:
+    wd = tmp_path_factory.mktemp("plain")
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node", str(NPROC), script("ddp_reference.py"), *ARGS,
+                      "--out", str(wd / "out{rank}.pt")]
+    res = run(cmd, env_with(OMP_NUM_THREADS="1"), timeout=300, cwd=str(wd))
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    return params_of(wd)
+
+
+def ftrun(wd: Path, plan: list[dict] | None = None) -> tuple[list[dict], list[dict], str]:
+    wd.mkdir()
+    cmd = FTRUN + ["--nproc_per_node", str(NPROC), "--max_restarts", "5", "--log_dir", str(wd / "logs"),
+                   str(EXAMPLES / "rt_ddp_train.py"), *ARGS, "--out", str(wd / "out{rank}.pt")]
+    res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan or [])), timeout=400, cwd=str(wd))
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, f"exit {res.returncode}\n{out[-8000:]}"
+    return params_of(wd), events(str(wd / "logs")), out
+
+
+def test_same_parameters_as_plain_ddp_under_torchrun(tmp_path, plain_ddp):
+    params, _, out = ftrun(tmp_path / "clean")
+    assert_equal_params(params, plain_ddp)
+    assert "DDP bucket layout for steps >= 1: 4 buckets" in out
+    assert "repacked" not in out  # fault-free: DDP's own buckets are the layout every step
+
+
+def test_kills_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, plain_ddp):
+    plan = [{"rank": 1, "step": 1, "phase": "forward", "kind": "kill"},
+            {"rank": 2, "step": 3, "phase": "backward", "kind": "kill", "generation": 1},
+            {"rank": 0, "step": 4, "phase": "optimizer", "kind": "kill", "generation": 2}]
+    params, ev, out = ftrun(tmp_path / "kills", plan)
+    spawns: dict[int, int] = {}
+    for e in ev:
+        if e["event"] == "spawn":
+            spawns[e["rank"]] = spawns.get(e["rank"], 0) + 1
+    assert spawns == {0: 2, 1: 2, 2: 2}  # each victim restarted once, nobody else
+    resumes = [e["resume_step"] for e in ev if e["event"] == "repair-plan"]
+    assert resumes == [1, 3, 5]
+    assert out.count("buckets repacked into it") == 3 * NPROC  # the first step after each rebuild
+    assert_equal_params(params, plain_ddp)
+
+
+REFUSALS = r"""
+import os, sys, torch
+import launcher.runtime as ftr
+rt = ftr.init(backend="gloo")
+net = lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+cases = {
+    "find_unused_parameters": dict(find_unused_parameters=True),
+    "static_graph": dict(static_graph=True),
+    "delay_all_reduce_named_params": dict(delay_all_reduce_named_params=[("0.weight", None)],
+                                          param_to_hook_all_reduce=None),
+    "mixed_precision": dict(mixed_precision=object()),
+    "process_group": dict(process_group=torch.distributed.distributed_c10d._get_default_group()),
+}
+for option, kwargs in cases.items():
+    try:
+        rt.ddp(net(), **kwargs)
+        print("ACCEPTED", option)
+    except ValueError as exc:
+        print("REFUSED", option, "|", exc)
+sbn = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.SyncBatchNorm(4))
+try:
+    rt.ddp(sbn)
+except ValueError as exc:
+    print("REFUSED SyncBatchNorm |", exc)
+model = rt.ddp(net())
+assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+for name, call in (("join", lambda: model.join()), ("register_comm_hook", lambda: model.register_comm_hook(None, print)),
+                   ("static_graph", lambda: model._set_static_graph())):
+    try:
+        call()
+        print("ACCEPTED", name)
+    except ValueError as exc:
+        print("REFUSED", name, "|", exc)
+rt.finish()
+"""
+
+
+def test_options_that_bypass_the_runtime_are_refused_with_one_line(tmp_path):
+    store = master_store()
+    procs = run_workers(REFUSALS, 1, tmp_path, store)
+    assert procs[0].wait(timeout=120) == 0, worker_logs(tmp_path, 1)
+    lines = [ln for ln in (tmp_path / "worker0.log").read_text().splitlines() if ln.startswith(("REFUSED", "ACCEPTED"))]
+    refused = {ln.split()[1]: ln.split("|", 1)[1].strip() for ln in lines if ln.startswith("REFUSED")}
+    assert not [ln for ln in lines if ln.startswith("ACCEPTED")], lines
+    for option in ("find_unused_parameters", "static_graph", "delay_all_reduce_named_params", "mixed_precision",
+                   "process_group", "SyncBatchNorm", "join", "register_comm_hook"):
+        msg = refused[option]
+        assert msg.startswith("rt.ddp: ") and option in msg and "\n" not in msg, msg
