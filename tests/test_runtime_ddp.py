@@ -2,7 +2,8 @@
 
 - numerics: scripts/examples/rt_ddp_train.py under ftrun gives exactly the parameters of plain
   torch DDP under torchrun (tests/scripts/ddp_reference.py), 3 ranks (the sum order depends on
-  the bucket layout), several buckets, a BatchNorm whose buffers DDP broadcasts every forward;
+  the bucket layout), several buckets, a BatchNorm whose buffers DDP broadcasts every forward
+  (every rank ends with plain DDP's rank-0 buffers);
 - recovery through the real CLI: ranks SIGKILLed in forward, backward and the optimizer update
   (three rounds in one run) and the result is still bit-identical to plain DDP; the first step
   after each rebuild repacks DDP's fresh buckets into the step's layout;
@@ -11,13 +12,16 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers_launch import FTRUN, TORCHRUN, env_with, events, run, script
-from helpers_runtime import EXAMPLES, load_params, master_store, run_workers, worker_logs
+from helpers_launch import FTRUN, TORCHRUN, env_with, events, free_port, run, script
+from helpers_runtime import EXAMPLES, base_env, load_params
 
 NPROC = 3
 STEPS = 6
@@ -28,11 +32,18 @@ def params_of(wd: Path) -> list[dict[str, torch.Tensor]]:
     return [load_params(wd / f"out{r}.pt") for r in range(NPROC)]
 
 
+BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
+
+
 def assert_equal_params(got: list[dict], ref: list[dict]) -> None:
+    """Parameters equal plain DDP's on every rank; buffers equal plain DDP's rank 0 buffers on
+    every rank (rt.ddp broadcasts them after each forward, plain DDP before the next one, so
+    between steps plain DDP's other ranks hold their own rank-local updates)."""
     for r in range(NPROC):
         assert got[r].keys() == ref[r].keys()
         for k in ref[r]:
-            assert torch.equal(got[r][k], ref[r][k]), f"rank {r}: {k} differs from plain DDP"
+            want = ref[0][k] if k.endswith(BUFFERS) else ref[r][k]
+            assert torch.equal(got[r][k], want), f"rank {r}: {k} differs from plain DDP"
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +69,8 @@ def ftrun(wd: Path, plan: list[dict] | None = None) -> tuple[list[dict], list[di
 def test_same_parameters_as_plain_ddp_under_torchrun(tmp_path, plain_ddp):
     params, _, out = ftrun(tmp_path / "clean")
     assert_equal_params(params, plain_ddp)
-    assert "DDP bucket layout for steps >= 1: 4 buckets" in out
+    layouts = re.findall(r"DDP bucket layout for steps >= 1: (\d+) buckets", out)
+    assert len(layouts) == NPROC and int(layouts[0]) >= 2, layouts  # several buckets: order matters
     assert "repacked" not in out  # fault-free: DDP's own buckets are the layout every step
 
 
@@ -116,10 +128,12 @@ rt.finish()
 
 
 def test_options_that_bypass_the_runtime_are_refused_with_one_line(tmp_path):
-    store = master_store()
-    procs = run_workers(REFUSALS, 1, tmp_path, store)
-    assert procs[0].wait(timeout=120) == 0, worker_logs(tmp_path, 1)
-    lines = [ln for ln in (tmp_path / "worker0.log").read_text().splitlines() if ln.startswith(("REFUSED", "ACCEPTED"))]
+    env = base_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(free_port())})
+    res = subprocess.run([sys.executable, "-c", REFUSALS], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("REFUSED", "ACCEPTED"))]
     refused = {ln.split()[1]: ln.split("|", 1)[1].strip() for ln in lines if ln.startswith("REFUSED")}
     assert not [ln for ln in lines if ln.startswith("ACCEPTED")], lines
     for option in ("find_unused_parameters", "static_graph", "delay_all_reduce_named_params", "mixed_precision",

@@ -14,7 +14,10 @@ How it works:
   results into .grad. A stop raised there comes out of `loss.backward()` as StopRequested.
 - Module buffers (`broadcast_buffers`) and the initial parameter sync (`init_sync`) are
   broadcast from the group's first rank through the runtime; a replacement rank skips the
-  initial sync (its state comes from a replica).
+  initial sync (its state comes from a replica). Buffers are broadcast right after each synced
+  forward instead of before the next: forwards compute exactly as under plain DDP and every
+  rank holds the same buffers between steps (plain DDP leaves rank-local values there, which
+  could not be recovered when rank 0 is lost).
 - After every recovery round each rank rebuilds DDP's reducer on the new generation (no
   collective) and re-registers the hook: survivors and replacements hold the same fresh state.
 - Bit-identity: the bucket layout that is all-reduced in a step depends on the step alone. Step 0
@@ -230,16 +233,17 @@ class RuntimeDDP(DistributedDataParallel):
         ddp = cls(module, process_group=_solo_group(rt.rank), init_sync=False, **kwargs)
         ddp._ft_comm = ft
         ddp._ft_install()
-        if init_sync and not rt._needs_state:  # a replacement receives its state from a replica
-            ddp._ft_initial_sync(sync_buffers=ddp.forward_sync_buffers or "forward_sync_buffers" in kwargs)
+        if not rt._needs_state:  # a replacement receives its state from a replica
+            # plain DDP: params (and buffers) at init_sync, buffers again before the first forward
+            ddp._ft_initial_sync(init_sync, ddp.forward_sync_buffers or (init_sync and "forward_sync_buffers" in kwargs))
         rt._rebuild_listeners.append(_rebuilder(weakref.ref(ddp), rt.rank))
         return ddp
 
-    def _ft_initial_sync(self, sync_buffers: bool) -> None:
+    def _ft_initial_sync(self, params: bool, buffers: bool) -> None:
         """What DDP's init_sync does (rank 0's parameters and buffers to all), through the runtime."""
         ignore = self.parameters_to_ignore
-        tensors = [p for n, p in self.module.named_parameters() if n not in ignore]
-        if sync_buffers:
+        tensors = [p for n, p in self.module.named_parameters() if n not in ignore] if params else []
+        if buffers:
             tensors += [b for n, b in self.module.named_buffers() if n not in ignore]
         self._ft_comm.broadcast(tensors, "DDP initial sync")
 
@@ -263,8 +267,20 @@ class RuntimeDDP(DistributedDataParallel):
         self.require_forward_param_sync = True
         self._ft_install()
 
+    def _check_sync_bufs_pre_fwd(self) -> bool:
+        return False  # moved after the forward: see _check_sync_bufs_post_fwd
+
+    def _check_sync_bufs_post_fwd(self) -> bool:
+        """broadcast_buffers: rank 0's buffers are broadcast right after each synced forward
+        rather than before the next one. Every forward computes with the same values as under
+        plain DDP (rank 0's, as left by the previous synced forward), and every rank holds the
+        same buffers between steps, so a rank repaired from any replica holds them too (plain
+        DDP's rank-local values between forwards could not be recovered for rank 0)."""
+        return bool(self.forward_sync_buffers and self.modules_buffers and torch.is_grad_enabled()
+                    and self.require_backward_grad_sync)
+
     def _sync_buffers(self) -> None:
-        """DDP's per-forward buffer broadcast (broadcast_buffers=True), through the runtime."""
+        """DDP's buffer broadcast (broadcast_buffers=True), through the runtime."""
         with torch.no_grad():
             self._assign_modules_buffers()
             with torch.autograd._unsafe_preserve_version_counter(tuple(self.modules_buffers)):
@@ -285,6 +301,10 @@ class RuntimeDDP(DistributedDataParallel):
 
     def _set_static_graph(self) -> None:
         raise _refuse("static_graph", True, REFUSED["static_graph"])
+
+    def _register_buffer_comm_hook(self, state: object, hook: Callable, comm_hook_location: Any = None) -> None:
+        raise _refuse("_register_buffer_comm_hook", getattr(hook, "__name__", hook),
+                      "rt.ddp broadcasts buffers through the runtime")
 
 
 def _rebuilder(ref: "weakref.ReferenceType[RuntimeDDP]", rank: int) -> Callable[[int], None]:
