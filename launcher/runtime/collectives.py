@@ -49,6 +49,10 @@ class _Busy:
         self._since = time.monotonic()
         self._told = False
 
+    def due(self) -> float:
+        """When tick() next has something to say (monotonic time; inf once it told)."""
+        return float("inf") if self._told else self._since + BUSY_AFTER_S
+
     def tick(self, now: bool = False) -> None:
         """`now`: the wait turns into waiting for the agent (a failed collective): say so at once."""
         if not self._told and (now or time.monotonic() - self._since >= BUSY_AFTER_S):
@@ -91,10 +95,10 @@ class Interruptible:
 
     def _wait(self, work: Any, what: str, keep: tuple[Any, ...], busy: _Busy) -> None:
         deadline = time.monotonic() + self.timeout
-        delay = 5e-5
         gen = self._generation()
+        done, poll = self._completion(work)
         while True:
-            if work.is_completed():
+            if done() or work.is_completed():  # the future may complete a moment before the work
                 try:
                     work.wait()
                 except RuntimeError as exc:
@@ -108,15 +112,30 @@ class Interruptible:
                 if self._abort is not None:
                     self._abort()
                 raise StopRequested(self._stop.target, f"left {what}")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 self._graveyard.keep(work, *keep)
                 exc = TimeoutError(f"{what} did not complete within {self.timeout:.0f} s")
                 busy.tick(now=True)
                 self._on_error(exc, what)
                 raise CollectiveError(str(exc)) from exc
             busy.tick()
-            self._stop.wait_newer(gen, delay)
-            delay = min(delay * 2, 0.002)
+            self._stop.wait_either(gen, done, max(0.0, min(deadline, busy.due(), now + poll) - now))
+
+    def _completion(self, work: Any) -> tuple[Callable[[], bool], float]:
+        """(done, poll): a flag the work's future sets, waking the waiter, when the work
+        completes, so the wait blocks until completion or a stop instead of polling; a backend
+        without futures is polled every `poll` seconds."""
+        flag = [False]
+
+        def on_done(_fut: Any) -> None:
+            flag[0] = True
+            self._stop.wake()
+        try:
+            work.get_future().add_done_callback(on_done)
+        except RuntimeError:
+            return (lambda: bool(work.is_completed())), 0.001
+        return (lambda: flag[0]), float("inf")
 
     def abandon(self, *objs: Any) -> None:
         """Keep works (and the tensors they write) this rank no longer waits for."""

@@ -409,8 +409,9 @@ class Runtime:
 
     def _begin_step(self, step: Step) -> None:
         self._current_step = step.index
-        self._snapshots = {k: v for k, v in self._snapshots.items() if k > step.index}
-        self._snapshots[step.index] = self._reg.snapshot(step.index, self.adapter)
+        self._snapshots = {k: v for k, v in self._snapshots.items() if k >= step.index}
+        if step.index not in self._snapshots:  # usually taken when the previous step committed
+            self._snapshots[step.index] = self._reg.snapshot(step.index, self.adapter)
         self._set_phase("step")
 
     def _enter_phase(self, step: Step, name: str, check: bool = True) -> None:

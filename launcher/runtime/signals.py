@@ -7,6 +7,7 @@ unwinds the training step when a stop arrives.
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 
 class StopRequested(Exception):
@@ -47,3 +48,14 @@ class StopSignal:
         """Block up to `timeout` s until a stop newer than `generation` exists."""
         with self._cond:
             return self._cond.wait_for(lambda: self._target > generation, timeout=timeout)
+
+    def wait_either(self, generation: int, done: Callable[[], bool], timeout: float) -> None:
+        """Block up to `timeout` s until `done()` or a stop newer than `generation`; whoever
+        makes `done()` true calls `wake()`."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._target > generation or done(), timeout=timeout)
+
+    def wake(self) -> None:
+        """Wake every waiter (what a `wait_either` waits for may have happened)."""
+        with self._cond:
+            self._cond.notify_all()
