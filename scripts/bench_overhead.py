@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """Benchmark: the steady-state cost of recovery (no fault), against plain torch DDP under torchrun.
 
-Trains the same MLP on the same data (scripts/bench_overhead_worker.py) three ways:
-  ddp     plain torch DistributedDataParallel under torchrun (the baseline);
-  rtddp   the same DDP loop through `rt.ddp(module)` inside the runtime's step loop, under ftrun;
-  native  the runtime's own loop with `rt.allreduce_gradients` (overlapped buckets), under ftrun;
-at two model sizes: "small" (an MLP of about 0.2 M parameters) and "large" (about 12.7 M
+Trains the same MLP on the same data (scripts/bench_overhead_worker.py) four ways:
+  ddp        plain torch DistributedDataParallel under torchrun (the baseline);
+  ddp_ftrun  the same unmodified script under ftrun (the launcher alone);
+  rtddp      the same DDP loop through `rt.ddp(module)` inside the runtime's step loop, under ftrun;
+  native     the runtime's own loop with `rt.allreduce_gradients` (overlapped buckets), under ftrun;
+at two model sizes: "small" (an MLP of 0.14 M parameters) and "large" (about 12.7 M
 parameters: 50.6 MB of float32 gradients). Runs are interleaved (each repeat runs every mode once,
 the order rotating between repeats); the first --warmup steps of each run are skipped. Per mode:
 the median step time over all kept steps of all repeats, each run's own median, and the overhead
@@ -33,16 +34,18 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "scripts", "bench_overhead_worker.py")
 SIZES = {"small": {"hidden": 256, "layers": 4, "batch": 32},
          "large": {"hidden": 2048, "layers": 5, "batch": 32}}
-LAUNCHERS = {"ddp": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
-             "rtddp": [sys.executable, "-m", "launcher"],
-             "native": [sys.executable, "-m", "launcher"]}
-MODES = tuple(LAUNCHERS)
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+FTRUN = [sys.executable, "-m", "launcher"]
+RUNS = {"ddp": (TORCHRUN, "ddp"), "ddp_ftrun": (FTRUN, "ddp"), "rtddp": (FTRUN, "rtddp"),
+        "native": (FTRUN, "native")}  # name -> (launcher, worker --mode)
+MODES = tuple(RUNS)
 
 
-def run_once(mode: str, size: dict, args: argparse.Namespace, workdir: str) -> dict:
-    out = os.path.join(workdir, f"{mode}-{time.monotonic_ns()}.json")
-    cmd = [*LAUNCHERS[mode], "--nproc_per_node", str(args.nproc)]
-    if mode != "ddp":
+def run_once(name: str, size: dict, args: argparse.Namespace, workdir: str) -> dict:
+    launcher, mode = RUNS[name]
+    out = os.path.join(workdir, f"{name}-{time.monotonic_ns()}.json")
+    cmd = [*launcher, "--nproc_per_node", str(args.nproc)]
+    if launcher is FTRUN:
         cmd += ["--log_dir", os.path.join(workdir, "logs", os.path.basename(out)[:-5])]
     cmd += [WORKER, "--mode", mode, "--steps", str(args.steps), "--out", out,
             *[x for k, v in size.items() for x in (f"--{k}", str(v))]]
@@ -51,7 +54,7 @@ def run_once(mode: str, size: dict, args: argparse.Namespace, workdir: str) -> d
         env.pop(k)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=workdir)
     if res.returncode != 0 or not os.path.exists(out):
-        raise RuntimeError(f"{mode} run failed (exit {res.returncode}): {' '.join(cmd)}\n{res.stderr[-3000:]}")
+        raise RuntimeError(f"{name} run failed (exit {res.returncode}): {' '.join(cmd)}\n{res.stderr[-3000:]}")
     with open(out, encoding="utf-8") as f:
         result = json.load(f)
     result["kept_s"] = result["step_s"][args.warmup:]
@@ -75,7 +78,7 @@ def measure(name: str, args: argparse.Namespace, workdir: str) -> dict:
         medians[mode] = statistics.median(pooled)
         report[f"{mode}_step_s"] = round(medians[mode], 5)
         report[f"{mode}_run_medians_s"] = [round(statistics.median(r["kept_s"]), 5) for r in runs[mode]]
-    for mode in ("rtddp", "native"):
+    for mode in MODES[1:]:
         report[f"{mode}_overhead_pct"] = round(100.0 * (medians[mode] / medians["ddp"] - 1.0), 2)
     return report
 

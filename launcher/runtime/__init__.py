@@ -35,10 +35,14 @@ Complete example (a plain data-parallel loop; ~10 lines differ from the torch or
                 loss = torch.nn.functional.mse_loss(model(x), y)
             with step.phase("backward"):
                 loss.backward()
-                rt.allreduce_gradients(model)        # interruptible gradient all_reduce
+                rt.allreduce_gradients(model)        # waits for the bucket all-reduces backward started
             with step.optimizer_update():            # completing it commits the step
                 opt.step(); sched.step(); opt.zero_grad()
     rt.finish()                                      # call last: may os._exit after a recovery
+
+A stock torch DDP loop works too: `model = rt.ddp(module, **ddp_kwargs)` in place of
+`DistributedDataParallel(module, **ddp_kwargs)` (no `rt.allreduce_gradients`), inside the same
+step loop; DDP's collectives then go through the runtime (see launcher.runtime.ddp).
 
 Rules the script keeps:
 - every collective goes through the runtime (`rt.all_reduce`, `rt.broadcast`, `rt.all_gather`,
@@ -53,7 +57,7 @@ Rules the script keeps:
 - `rt.finish()` is the last call.
 
 Public API: `init`, `Runtime` (register, set_layout, set_replica_groups, new_group, group,
-steps, all_reduce, broadcast, all_gather, barrier, allreduce_gradients, report_fault,
+steps, all_reduce, broadcast, all_gather, barrier, allreduce_gradients, ddp, report_fault,
 save_checkpoint, load_checkpoint, finish), `Step` (phase, optimizer_update), `StopRequested`,
 `GroupHandle`, `Layout`, `plan_repair`.
 """
