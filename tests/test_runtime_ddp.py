@@ -4,9 +4,10 @@
   torch DDP under torchrun (tests/scripts/ddp_reference.py), 3 ranks (the sum order depends on
   the bucket layout), several buckets, a BatchNorm whose buffers DDP broadcasts every forward
   (every rank ends with plain DDP's rank-0 buffers);
-- recovery through the real CLI: ranks SIGKILLed in forward, backward and the optimizer update
-  (three rounds in one run) and the result is still bit-identical to plain DDP; the first step
-  after each rebuild repacks DDP's fresh buckets into the step's layout;
+- recovery through the real CLI: a rank SIGKILLed in forward, one hung in backward (its peers
+  wait in DDP's all-reduces until the stop), rank 0 SIGKILLed in the optimizer update (three
+  rounds in one run), and the result is still bit-identical to plain DDP; the first step after
+  each rebuild repacks DDP's fresh buckets into the step's layout;
 - options whose collectives would bypass the runtime are refused with one line naming them.
 """
 from __future__ import annotations
@@ -56,10 +57,11 @@ def plain_ddp(tmp_path_factory) -> list[dict[str, torch.Tensor]]:
     return params_of(wd)
 
 
-def ftrun(wd: Path, plan: list[dict] | None = None) -> tuple[list[dict], list[dict], str]:
+def ftrun(wd: Path, plan: list[dict] | None = None,
+          launcher_args: tuple[str, ...] = ()) -> tuple[list[dict], list[dict], str]:
     wd.mkdir()
     cmd = FTRUN + ["--nproc_per_node", str(NPROC), "--max_restarts", "5", "--log_dir", str(wd / "logs"),
-                   str(EXAMPLES / "rt_ddp_train.py"), *ARGS, "--out", str(wd / "out{rank}.pt")]
+                   *launcher_args, str(EXAMPLES / "rt_ddp_train.py"), *ARGS, "--out", str(wd / "out{rank}.pt")]
     res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan or [])), timeout=400, cwd=str(wd))
     out = res.stdout + res.stderr
     assert res.returncode == 0, f"exit {res.returncode}\n{out[-8000:]}"
@@ -74,11 +76,14 @@ def test_same_parameters_as_plain_ddp_under_torchrun(tmp_path, plain_ddp):
     assert "repacked" not in out  # fault-free: DDP's own buckets are the layout every step
 
 
-def test_kills_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, plain_ddp):
+def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, plain_ddp):
+    """A kill in forward, a hang in backward (its peers sit in DDP's bucket all-reduces until the
+    stop lets them leave), a kill in the optimizer update of rank 0 (DDP's buffer source)."""
     plan = [{"rank": 1, "step": 1, "phase": "forward", "kind": "kill"},
-            {"rank": 2, "step": 3, "phase": "backward", "kind": "kill", "generation": 1},
+            {"rank": 2, "step": 3, "phase": "backward", "kind": "hang", "generation": 1},
             {"rank": 0, "step": 4, "phase": "optimizer", "kind": "kill", "generation": 2}]
-    params, ev, out = ftrun(tmp_path / "kills", plan)
+    params, ev, out = ftrun(tmp_path / "faults", plan, ("--hang_timeout", "2", "--monitor_interval", "0.5"))
+    assert [e["rank"] for e in ev if e["event"] == "hang"] == [2]
     spawns: dict[int, int] = {}
     for e in ev:
         if e["event"] == "spawn":
@@ -116,7 +121,8 @@ except ValueError as exc:
     print("REFUSED SyncBatchNorm |", exc)
 model = rt.ddp(net())
 assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
-for name, call in (("join", lambda: model.join()), ("register_comm_hook", lambda: model.register_comm_hook(None, print)),
+for name, call in (("join", lambda: model.join()),
+                   ("register_comm_hook", lambda: model.register_comm_hook(None, print)),
                    ("static_graph", lambda: model._set_static_graph())):
     try:
         call()

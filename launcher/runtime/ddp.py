@@ -29,7 +29,6 @@ How it works:
 """
 from __future__ import annotations
 
-import threading
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -93,7 +92,6 @@ class BucketComm:
         self._step = step
         self._log = log
         self._told_repack = False
-        self._lock = threading.Lock()
         self._params: list[torch.Tensor] = []  # the reducer's parameters, by reducer index
         self._index: dict[int, int] = {}  # id(param) -> reducer index
         self._caps: list[int] = []
@@ -235,7 +233,8 @@ class RuntimeDDP(DistributedDataParallel):
         ddp._ft_install()
         if not rt._needs_state:  # a replacement receives its state from a replica
             # plain DDP: params (and buffers) at init_sync, buffers again before the first forward
-            ddp._ft_initial_sync(init_sync, ddp.forward_sync_buffers or (init_sync and "forward_sync_buffers" in kwargs))
+            buffers = ddp.forward_sync_buffers or (init_sync and "forward_sync_buffers" in kwargs)
+            ddp._ft_initial_sync(init_sync, buffers)
         rt._rebuild_listeners.append(_rebuilder(weakref.ref(ddp), rt.rank))
         return ddp
 
