@@ -33,6 +33,7 @@ from launcher.runtime import checkpoint as ckpt
 from launcher.runtime.buckets import BUCKET_BYTES, GradComm, GradientSyncs
 from launcher.runtime.channel import AgentChannel
 from launcher.runtime.collectives import CollectiveError, Graveyard, Interruptible
+from launcher.runtime.ddp import RuntimeDDP
 from launcher.runtime.devices import (EXCEPTION, NETWORK, UCE_HIGH, UNSAFE_DATA, DeviceAdapter,
                                       InjectedFault, select_adapter)
 from launcher.runtime.env import RuntimeEnv
@@ -339,7 +340,6 @@ class Runtime:
     def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
         """`torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)` whose collectives go
         through the runtime; `process_group` takes a GroupHandle (see launcher.runtime.ddp)."""
-        from launcher.runtime.ddp import RuntimeDDP
         return RuntimeDDP.build(self, module, **ddp_kwargs)
 
     def _grad_comm(self, group: GroupHandle | None) -> GradComm:
@@ -410,7 +410,9 @@ class Runtime:
     def _begin_step(self, step: Step) -> None:
         self._current_step = step.index
         self._snapshots = {k: v for k, v in self._snapshots.items() if k >= step.index}
-        if step.index not in self._snapshots:  # usually taken when the previous step committed
+        # Usually taken when the previous step committed: that snapshot already is the state a
+        # committed recovery resumes from (so it is complete), and re-taking it costs per step.
+        if step.index not in self._snapshots:
             self._snapshots[step.index] = self._reg.snapshot(step.index, self.adapter)
         self._set_phase("step")
 
