@@ -101,8 +101,6 @@ class BucketComm:
         self._recorders: list[Any] = []
         self._scratch: dict[tuple[int, ...], FlatBucket] = {}
         self._begin_backward()
-        self.fast_buckets = 0  # DDP buckets all-reduced in place (the layouts matched)
-        self.repacked_buckets = 0  # layout buckets repacked from DDP's buckets
 
     # ---- (re)build -------------------------------------------------------------------
     def built(self, params: list[torch.Tensor], initial: list[list[int]], caps: list[int]) -> None:
@@ -144,7 +142,6 @@ class BucketComm:
         if self._slow_from is None and target is not None and k < len(target) and target[k] == members:
             buf.mul_(1.0 / self._comm.size)
             self._fast.append((self._comm.all_reduce_async(buf), buf))
-            self.fast_buckets += 1
         else:
             if self._slow_from is None:
                 self._slow_from = k
@@ -183,7 +180,6 @@ class BucketComm:
             flat.mul_(1.0 / self._comm.size)
             flat_bucket.work = self._comm.all_reduce_async(flat)
             launched.append((flat_bucket, members))
-            self.repacked_buckets += 1
         for flat_bucket, members in launched:
             self._comm.coll.wait(flat_bucket.work, "DDP gradient all_reduce", (flat_bucket.flat,))
             flat_bucket.work = None
