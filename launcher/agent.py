@@ -11,8 +11,9 @@ the plan executor (`plan_executor`), then spawns the workers. The loop then reac
   InjectEvent     `ftctl inject` for a local rank
   SignalEvent     SIGTERM/SIGINT/...: forwarded to the workers, then the agent leaves
   NodeLostEvent   this node lost its membership (cut off from the store too long): self-fence
-and, every monitor interval, the health check (warm spare, hang watch). Faults are reported to
-the controller (`launcher.decision` decides); nothing is decided here.
+and, every monitor interval, the health check (warm spare, hang guard: hung ranks, progress
+records). Faults are reported to the controller (`launcher.decision` decides); nothing is decided
+here.
 """
 from __future__ import annotations
 
@@ -35,8 +36,8 @@ from launcher.config import LaunchConfig
 from launcher.controller import Controller, post_fault
 from launcher.errors import JobFailures, failure_from_exit
 from launcher.fault_memory import FaultMemory
-from launcher.faults import FaultKind
-from launcher.hang_watch import HangWatch
+from launcher.faults import FaultKind, collective_failure
+from launcher.hang_guard import HangGuard
 from launcher.inject import carry_out
 from launcher.logs import AgentLog, RunLogDir
 from launcher.messages import Bye, FaultReport, Heartbeat, Hello, Recovered
@@ -82,7 +83,7 @@ class Agent:
         self.observer: NodeObserver | None = None  # status, progress records, metrics
         self.generation = 0
         self.failures = JobFailures()
-        self.hangs = HangWatch(cfg.hang_timeout)
+        self.hangs = HangGuard(cfg, self.log, self.run_dir, self.host, lambda: self.workers)
         self.fault_memory = FaultMemory(os.path.join(cfg.log_dir or self.run_dir.path,
                                                      "fault_memory.json"))
         self.rejoined = False  # a replacement for a lost node, until the round of its arrival
@@ -109,6 +110,8 @@ class Agent:
         self.log.info("start", f"ftrun {cfg.describe()}", config=dataclasses.asdict(cfg))
         for note in cfg.notes:
             self.log.info("note", note)
+        self.log.info("hang-policy", f"hang detection: {cfg.hang.describe()}",
+                      hang_timeout=cfg.hang_timeout)
         if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
             self.log.warning("omp", "Setting OMP_NUM_THREADS environment variable for each process "
                              "to be 1 in default, to avoid your system being overloaded, please "
@@ -195,6 +198,7 @@ class Agent:
                       world_size=world.world_size, master_port=master_port, log_dir=self.run_dir.path)
         assert self.observer is not None
         self.observer.attach(kv, world.group_rank, world.is_leader, self.stack.server_stats())
+        self.hangs.attach(kv, world.group_rank, world.group_world_size)
         # A replacement agent: plans published from the moment it joined concern it (the leader
         # starts a round for its arrival, possibly before join() returned).
         raw = kv.try_get(P.GENERATION_KEY)
@@ -204,16 +208,18 @@ class Agent:
         if world.is_leader:
             self.controller = Controller(kv, self.log, world.world_size, world.group_world_size,
                                          cfg.max_restarts, cfg.recover_strategy,
-                                         phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)))
+                                         phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)),
+                                         window=cfg.fault_window)
             self.controller.start()
         self.workers = NodeWorkers.create(world.rank_base, cfg.nproc_per_node)
         self.spawner = Spawner(cfg, WorkerWorld(world.group_rank, world.group_world_size,
                                                 world.world_size, master_addr, master_port,
                                                 self.channel.path),
                                self.run_dir, self.log, self.host, self.reaper,
-                               on_spawn=lambda w: self.hangs.forget(w.rank))
+                               on_spawn=self.hangs.on_spawn)
         self.executor = PlanExecutor(cfg, self.log, kv, world, self.workers, self.spawner,
-                                     self.channel, self.failures, stop=self.stopping)
+                                     self.channel, self.failures, stop=self.stopping,
+                                     dump=lambda w: self.hangs.dump(w, w.rank in self.workers.aware))
         if self.rejoined:
             self.log.warning("rejoined", f"replacement agent for node {world.group_rank}: "
                              f"waiting for generation {self.generation + 1}")
@@ -271,10 +277,19 @@ class Agent:
             self.log.info("exit", f"rank {w.rank} finished (pid {ev.pid})", rank=w.rank, pid=ev.pid,
                           exitcode=0)
             return self._finish() if self.workers.all_succeeded() else None
-        kind = FaultKind.HANG if self.hangs.take_killed(w.rank) else (
-            FaultKind.SIGNAL if ev.code < 0 else FaultKind.EXIT)
+        hang = self.hangs.take_killed(w.rank)
         f = failure_from_exit(w.rank, w.local_rank, self.host, ev.pid, ev.code, ev.time,
                               w.generation, self.world.group_rank, w.error_file)
+        evidence: dict = {"traceback": f.traceback[-4000:], "error_file": f.error_file}
+        kind = FaultKind.HANG if hang else FaultKind.SIGNAL if ev.code < 0 else FaultKind.EXIT
+        if hang is not None:
+            evidence.update(hang.evidence())
+            f.message = f"hung: {hang.basis}; killed by ftrun ({f.message})"
+        elif w.rank not in self.workers.aware:
+            broken = collective_failure(f.message + "\n" + f.traceback + "\n" + self._stderr_tail(w))
+            if broken:  # a peer's fault may explain it: the controller blames the rank that hangs
+                kind = FaultKind.NETWORK
+                evidence["collective"] = broken
         f.kind = kind.value
         self.failures.add(f)
         self.log.error("worker-failed", f"rank {w.rank} (pid {ev.pid}) {kind.value}: {f.message}",
@@ -283,9 +298,18 @@ class Agent:
         self._report(P.Fault(kind=kind.value, rank=w.rank, node=self.world.group_rank,
                              generation=self.generation, message=f.message, exitcode=ev.code,
                              signal=f.signal, pid=ev.pid, local_rank=w.local_rank, host=self.host,
-                             time=ev.time, evidence={"traceback": f.traceback[-4000:],
-                                                     "error_file": f.error_file}))
+                             time=ev.time, evidence=evidence))
         return None
+
+    def _stderr_tail(self, w: Any) -> str:
+        """The end of a worker's stderr.log (--redirects/--tee), "" without one."""
+        path = os.path.join(self.run_dir.attempt_dir(w.generation), str(w.local_rank), "stderr.log")
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 8192))
+                return f.read().decode(errors="replace")
+        except OSError:
+            return ""
 
     def _report(self, fault: P.Fault) -> None:
         assert self.kv is not None
@@ -311,7 +335,7 @@ class Agent:
                           transfer_bytes=msg.transfer_bytes, transfer_s=msg.transfer_s,
                           source=msg.source, **msg.timings)
         elif isinstance(msg, Bye):
-            self.hangs.stop_clock(msg.rank)
+            self.hangs.on_bye(msg.rank)
 
     def _on_hello(self, msg: Hello, pid: int | None) -> None:
         assert self.kv is not None and self.executor is not None
@@ -330,6 +354,8 @@ class Agent:
                        rank=msg.rank, fault_kind=kind.value, injected=msg.injected, step=msg.step)
         w = self.workers.by_rank(msg.rank)
         evidence: dict = {"step": msg.step, "phase": msg.phase}
+        if msg.collective:
+            evidence["collective"] = msg.collective  # possibly a consequence: the controller blames
         if kind in (FaultKind.UCE_LOW, FaultKind.UCE_HIGH) and w is not None:
             evidence.update(self.fault_memory.record_uce_evidence(f"{self.host}:{w.local_rank}"))
             if evidence["repeat_uce"]:
@@ -337,7 +363,8 @@ class Agent:
                                  f"{evidence['uce_count_24h']} UCEs within 24 h: no more in-place "
                                  "retries on it", rank=msg.rank, device=evidence["device"])
         self._report(P.Fault(kind=kind.value, rank=msg.rank, node=self.world.group_rank,
-                             generation=self.generation, message=msg.message, pid=pid,
+                             generation=msg.generation if msg.generation >= 0 else self.generation,
+                             message=msg.message, pid=pid,
                              local_rank=w.local_rank if w else None, host=self.host,
                              injected=msg.injected, evidence=evidence))
 
@@ -349,21 +376,11 @@ class Agent:
         carry_out(ev.injection, w, w.rank in self.workers.aware, self.channel.send, self.log)
 
     def _health_check(self) -> None:
-        """Every monitor interval: keep the warm spare, kill ranks that stopped progressing."""
-        assert self.spawner is not None
+        """Every monitor interval: keep the warm spare, find hung ranks, publish progress."""
+        assert self.spawner is not None and self.world is not None
         if self.workers.aware:
             self.spawner.keep_spare(self.workers.all()[0])
-        timed = [w.rank for w in self.workers.alive() if not w.stopping and w.rank in self.workers.aware]
-        for rank, idle in self.hangs.overdue(timed):
-            w = self.workers.by_rank(rank)
-            assert w is not None
-            self.log.error("hang", f"rank {rank} made no progress for {idle:.1f}s "
-                           f"(--hang-timeout {self.cfg.hang_timeout}); dumping its stacks, "
-                           "then killing it", rank=rank, pid=w.pid, idle_s=round(idle, 3))
-            send_signal(w, signal.SIGUSR1)  # the runtime registers faulthandler on SIGUSR1
-            time.sleep(0.2)
-            self.hangs.killed(rank)
-            send_signal(w, signal.SIGKILL)
+        self.hangs.check(self.generation, self.world.group_rank)
 
     # ------------------------------------------------------------------ plans
     def _on_plan(self, ev: PlanEvent) -> int | None:
@@ -378,7 +395,7 @@ class Agent:
                               "replacement agent joined; waiting for the round of its arrival")
                 return None
             self.rejoined = False  # from here on, an ordinary member
-        self.failures.note_root_cause(plan.root_cause)
+        self.failures.note_plan(plan)
         return self.executor.execute(plan)
 
     def _finish(self) -> int | None:

@@ -85,8 +85,9 @@ TORCHRUN_OPTIONS: tuple[Opt, ...] = (
 FTRUN_OPTIONS: tuple[Opt, ...] = (
     Opt(_both("recover_strategy"), "recover_strategy", None,
         help="Strategy chain, cheapest first (default retry,recover-in-place,restart-all,exit)."),
-    Opt(_both("hang_timeout"), "hang_timeout", 0.0, float,
-        help="Seconds without progress from a runtime-aware worker before it counts as hung (0 = off)."),
+    Opt(_both("hang_timeout"), "hang_timeout", "auto",
+        help="Seconds without progress before a worker counts as hung: auto (adapts to the step "
+             "times; 600 s for unmodified scripts), SECONDS, or 0 (off)."),
     Opt(("--enable_tiered_parallel_tcpstore", "--enable-tiered-parallel-tcpstore"),
         "enable_tiered_parallel_tcpstore", None, help="torch_npu_run's flag: true turns the store proxies on."),
 )

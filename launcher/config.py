@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from launcher import plan
+from launcher.hang_watch import HangPolicy
 from rendezvous.endpoints import (ETCD_DEFAULT_PORT, EndpointError, parse_endpoint,
                                   parse_endpoints)
 from rendezvous.hosting import wants_to_host
@@ -78,7 +79,9 @@ class LaunchConfig:
     # supervision
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    hang_timeout: float = 0.0  # 0 = off
+    hang_timeout: float | None = None  # None = auto (adaptive), 0 = off
+    hang: HangPolicy = field(default_factory=HangPolicy)  # --hang-timeout + FTRUN_HANG_* knobs
+    fault_window: float = 2.0  # FTRUN_FAULT_WINDOW: s the controller holds possible consequences
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     signals_to_handle: list[int] = field(default_factory=list)
     recover_strategy: list[str] = field(default_factory=list)
@@ -353,11 +356,35 @@ def _supervision(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
         raise ConfigError(f"--shutdown-timeout: {st!r} is not a number of seconds") from None
     if cfg.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout: {st} must be >= 0")
-    cfg.hang_timeout = float(raw.get("hang_timeout") or 0.0)
-    if cfg.hang_timeout < 0:
-        raise ConfigError(f"--hang-timeout: {cfg.hang_timeout} must be >= 0 (0 = off)")
+    cfg.hang_timeout = parse_hang_timeout(raw.get("hang_timeout"))
+    try:
+        cfg.hang = HangPolicy.from_env(cfg.hang_timeout, env)
+    except ValueError as e:
+        raise ConfigError(f"{e} (hang detection knob, seconds)") from None
+    raw_window = env.get("FTRUN_FAULT_WINDOW", "2")
+    try:
+        cfg.fault_window = float(raw_window)
+    except ValueError:
+        cfg.fault_window = -1.0
+    if not 0 <= cfg.fault_window <= 60:
+        raise ConfigError(f"FTRUN_FAULT_WINDOW={raw_window!r}: must be seconds in 0..60")
     cfg.signals_to_handle = parse_signals(raw.get("signals_to_handle") or
                                           "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+
+
+def parse_hang_timeout(value: object) -> float | None:
+    """--hang-timeout: "auto" (None: adaptive), 0 (off) or seconds > 0."""
+    text = "auto" if value is None or value == "" else str(value).strip()
+    if text.lower() == "auto":
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        raise ConfigError(f"--hang-timeout: {text!r} is not 'auto' or a number of seconds "
+                          "(0 = off)") from None
+    if seconds < 0 or seconds != seconds or seconds == float("inf"):
+        raise ConfigError(f"--hang-timeout: {text!r} must be 'auto', 0 (off) or seconds > 0")
+    return seconds
 
 
 def _recover_strategy(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:

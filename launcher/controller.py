@@ -8,6 +8,12 @@ workers, clear the worker keys, release them), process-level (collect every rank
 the repair plan; a new fault meanwhile or an impossible repair leads to the decision's next
 round), dump (collect the survivors' statuses, write the dying-gasp plan). Agents execute plans;
 the in-worker runtime executes repair plans.
+
+Reports that may be consequences of another rank's fault (`decision.may_be_consequence`) are held
+up to `window` seconds: the reports of that window and every node's progress records
+(`launcher.progress`) become one fault (`decision.merge`), so one event is one round. The
+controller also keeps the job's fault history (each fault, the strategies tried for it in order,
+and how it ended), published with every plan for the failure summary.
 """
 from __future__ import annotations
 
@@ -17,7 +23,9 @@ import time
 from dataclasses import dataclass, field
 
 from launcher import plan as P
-from launcher.decision import PROCESS_LEVEL, Budget, Decision, Round, Situation, decide, fallback
+from launcher.decision import (PROCESS_LEVEL, Budget, Decision, Round, Situation, blame,
+                               covered_by, decide, fallback, may_be_consequence, merge)
+from launcher.progress import read_progress
 from launcher.logs import AgentLog
 from rendezvous.kv import KVStore, StoreError
 
@@ -33,8 +41,10 @@ class Controller:
     """Leader-side decision loop. Owned by the leader agent: `start()` / `stop()`."""
 
     def __init__(self, kv: KVStore, log: AgentLog, world_size: int, nnodes: int, max_restarts: int,
-                 chain: list[str], phase_timeout: float = 120.0) -> None:
+                 chain: list[str], phase_timeout: float = 120.0, window: float = 2.0) -> None:
         self.kv = kv
+        self.window = window
+        self.history: list[dict] = []  # every fault handled: strategies tried, outcome
         self.log = log
         self.world_size = world_size
         self.nnodes = nnodes
@@ -72,7 +82,7 @@ class Controller:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                fault = self._next_fault(0.5)
+                fault = self._take_fault(0.5)
                 if fault is not None:
                     self.handle(fault)
             except StoreError as e:
@@ -80,6 +90,31 @@ class Controller:
                     return
                 self.log.error("controller", f"store error in controller: {e}")
                 time.sleep(0.2)
+
+    def _take_fault(self, timeout: float) -> P.Fault | None:
+        """The next fault to decide about: a report that may be a consequence is held for the
+        window and merged with what else arrives (see the module docstring)."""
+        fault = self._next_fault(timeout)
+        if fault is None or not may_be_consequence(fault) or covered_by(fault, self.round):
+            return fault
+        batch = [fault]
+        deadline = time.monotonic() + self.window
+        while True:
+            progress = read_progress(self.kv, self.nnodes)
+            reporters = sorted({f.rank for f in batch if f.rank is not None})
+            if (not all(may_be_consequence(f) for f in batch) or blame(progress, reporters)
+                    or len(reporters) >= self.world_size or time.monotonic() >= deadline):
+                break
+            more = self._next_fault(min(0.2, max(0.0, deadline - time.monotonic())))
+            if more is not None:
+                batch.append(more)
+        merged = merge(batch, progress)
+        if len(batch) > 1 or merged.rank != fault.rank or merged.kind != fault.kind:
+            self.log.warning("fault-merged", f"{len(batch)} report(s) from ranks {reporters} are one "
+                             f"fault: rank {merged.rank} {merged.kind} ({merged.message})",
+                             rank=merged.rank, fault_kind=merged.kind, reporters=reporters,
+                             reports=len(batch))
+        return merged
 
     def all_aware(self) -> bool:
         return all(self.kv.try_get(P.aware_key(r)) is not None for r in range(self.world_size))
@@ -140,9 +175,11 @@ class Controller:
         if decision.charged:
             st.budget = st.budget.charge()
             self.kv.set(P.RESTARTS_USED_KEY, str(st.budget.used).encode())
+        self._note_history(decision, g)
         plan = P.Plan(generation=g, strategy=strategy, failed_ranks=list(decision.failed_ranks),
                       restart_ranks=list(decision.restart_ranks), reason=decision.reason,
-                      root_cause=dataclasses.asdict(decision.cause), restarts_used=st.budget.used)
+                      root_cause=dataclasses.asdict(decision.cause), restarts_used=st.budget.used,
+                      history=[dict(h) for h in self.history])
         st.generation = g
         self.round = Round(g, strategy, decision.failed_ranks, decision.cause,
                            collecting=strategy in PROCESS_LEVEL)
@@ -153,6 +190,31 @@ class Controller:
                       f"{st.budget.used}/{st.budget.limit}", generation=g, strategy=strategy,
                       failed_ranks=plan.failed_ranks, restart_ranks=plan.restart_ranks)
         return plan
+
+    def _note_history(self, decision: Decision, g: int) -> None:
+        """The fault history: a fallback continues the current fault's handling; any other
+        decision starts a new entry (the previous one ends: superseded, or already recovered)."""
+        assert decision.strategy is not None and decision.cause is not None
+        cur = self.history[-1] if self.history else None
+        if decision.continues and cur is not None:
+            cur["handling"].append([decision.strategy, g])
+        else:
+            if cur is not None and cur["outcome"] == "in progress":
+                cur["outcome"] = (f"superseded by rank {decision.cause.rank} {decision.cause.kind} "
+                                  f"in generation {g}")
+            c = decision.cause
+            self.history.append({"rank": c.rank, "kind": c.kind, "node": c.node, "pid": c.pid,
+                                 "message": c.message[:500], "injected": c.injected, "time": c.time,
+                                 "handling": [[decision.strategy, g]], "outcome": "in progress",
+                                 "consequences": len(c.evidence.get("consequences", []))})
+        if decision.strategy in (P.EXIT, P.DUMP):
+            self.history[-1]["outcome"] = f"failed: {decision.reason}"
+
+    def _outcome(self, g: int, outcome: str) -> None:
+        """Generation `g`'s round completed: its fault's outcome."""
+        cur = self.history[-1] if self.history else None
+        if cur is not None and cur["handling"][-1][1] == g and cur["outcome"] == "in progress":
+            cur["outcome"] = outcome
 
     # ---- dying-gasp round -----------------------------------------------------------------
     def _drive_dump(self, plan: P.Plan) -> None:
@@ -186,6 +248,7 @@ class Controller:
                 break
         n = self.kv.clear_except(P.ROOT + "/")
         self.kv.set(P.go_key(g), b"1")
+        self._outcome(g, "restarted (restart-all)")
         self.log.info("restart-all-go", f"generation {g}: all nodes stopped; cleared {n} worker keys; "
                       "workers restart", generation=g, cleared=n)
 
@@ -200,7 +263,7 @@ class Controller:
         t0 = time.monotonic()
         deadline = t0 + self.phase_timeout
         while not self.kv.wait(keys, 0.2):
-            newer = self._next_fault(0.0)
+            newer = self._take_fault(0.0)
             if newer is not None:
                 d = self._decide(newer)
                 if not d.absorbed:
@@ -224,6 +287,7 @@ class Controller:
                       status_wait_s=round(time.monotonic() - t0, 4))
         if repair.fallback:
             return self._fallback(g, repair.reason or "no healthy replica")
+        self._outcome(g, "recovered")
         return None
 
     def _fallback(self, g: int, reason: str) -> Decision:

@@ -26,6 +26,19 @@ The rules, in the order `decide()` applies them (tests/test_decision.py has a te
   5. fallback (`fallback()`): when a process-level round cannot complete (no healthy replica,
      ranks that never reported), the first strategy after the process-level ones takes over;
      it is the same round for the budget, so it is not charged again.
+
+One event, one fault (`merge()`, before `decide()`): reports that may be consequences of another
+rank's fault (`may_be_consequence`: a collective that failed or timed out on the reporting rank,
+a hang blamed only for going silent first) are held by the controller for a short window; every
+report of that window becomes one fault:
+  - a report that is not a consequence (an exit, a hang the agent proved, a UCE) is the fault,
+    the others its consequences;
+  - else `blame()` looks at every rank's progress record: the rank that does not progress while
+    its peers wait (its process stopped or stuck, its heartbeats silent, or simply idle while not
+    waiting in a collective) is the fault, a `hang` of that rank;
+  - else the earliest report is the fault (a real network error), the rest its consequences.
+A network report from a generation older than the round in progress is a consequence of that
+round's stop (rule 1): it never starts a round.
 """
 from __future__ import annotations
 
@@ -34,6 +47,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from launcher import plan as P
+from launcher.faults import FROZEN_STATES as FROZEN
 from launcher.faults import IN_PLACE_KINDS, FaultKind
 
 PROCESS_LEVEL = (P.RETRY, P.RECOVER_IN_PLACE)  # the ranks that did not fail keep running
@@ -88,6 +102,7 @@ class Decision:
     restart_ranks: tuple[int, ...] = ()
     charged: bool = False  # counts against the restart budget
     supersedes: int | None = None  # the generation of the collecting round this one widens
+    continues: bool = False  # a fallback: the same fault's handling goes on (history)
 
     @property
     def absorbed(self) -> bool:
@@ -151,6 +166,8 @@ def covered_by(fault: P.Fault, rnd: Round | None) -> bool:
         return False  # a replacement agent always gets the round that starts its ranks
     if rnd.strategy in (P.RESTART_ALL, P.EXIT, P.DUMP):
         return True
+    if FaultKind.parse(fault.kind) == FaultKind.NETWORK:
+        return True  # a peer's collective broken by the round's own stop
     return fault.rank in rnd.failed_ranks or fault.rank is None
 
 
@@ -168,7 +185,9 @@ def decide(fault: P.Fault, s: Situation) -> Decision:
     rnd = s.round
     if covered_by(fault, rnd):
         assert rnd is not None
-        return Decision(None, f"part of generation {rnd.generation}'s {rnd.strategy} round")
+        why = ("a consequence of the stop of generation " if fault.kind == FaultKind.NETWORK.value
+               else "part of generation ")
+        return Decision(None, f"{why}{rnd.generation}'s {rnd.strategy} round")
     kind = FaultKind.parse(fault.kind)
     own = () if fault.rank is None else (fault.rank,)
     cause = fault
@@ -203,4 +222,113 @@ def fallback(s: Situation, reason: str) -> Decision:
     strategy = rest[0] if rest else P.EXIT
     own = () if rnd.cause.rank is None else (rnd.cause.rank,)
     return Decision(strategy, f"fallback: {reason}", rnd.cause, own,
-                    restart_ranks(strategy, own, s.world_size), charged=False)
+                    restart_ranks(strategy, own, s.world_size), charged=False, continues=True)
+
+
+# ---------------------------------------------------------------- one event, one fault
+MIN_BLAME_IDLE = 2.0  # a rank idle for less than this is not blamed for its peers' timeouts
+
+
+@dataclass(frozen=True)
+class RankProgress:
+    """One rank's progress record as its agent published it (`launcher.progress`)."""
+
+    rank: int
+    node: int
+    aware: bool  # uses launcher.runtime (heartbeats); else only /proc progress is known
+    idle_s: float  # seconds since its last progress
+    waiting: bool = False  # blocked in a collective on its peers
+    silent_s: float = 0.0  # seconds since its last heartbeat (aware ranks)
+    state: str = ""  # process state letter
+    phase: str = ""
+    pid: int | None = None
+    local_rank: int | None = None
+    host: str = ""
+
+
+def may_be_consequence(fault: P.Fault) -> bool:
+    """A report that another rank's fault may explain: held for the merge window."""
+    if fault.rank is None:
+        return False
+    ev = fault.evidence
+    if FaultKind.parse(fault.kind) == FaultKind.NETWORK:
+        return bool(ev.get("collective"))
+    return FaultKind.parse(fault.kind) == FaultKind.HANG and bool(ev.get("weak"))
+
+
+def blame(progress: Sequence[RankProgress], reporters: Sequence[int],
+          min_idle: float = MIN_BLAME_IDLE) -> tuple[RankProgress, str] | None:
+    """The rank that does not progress while `reporters` wait on it, and why; None when no rank
+    stands out. Order: a frozen process (stopped or stuck), then silent heartbeats, then a rank
+    idle while not waiting in a collective; the longest idle first within each."""
+    others = [p for p in progress if p.rank not in reporters and p.phase != "done"]
+    frozen = [p for p in others if p.state in FROZEN and p.idle_s >= min_idle]
+    if frozen:
+        p = max(frozen, key=lambda p: p.idle_s)
+        return p, f"its process is {FROZEN[p.state]}, no progress for {p.idle_s:.1f}s"
+    silent = [p for p in others if p.aware and p.silent_s >= min_idle + 3.0]
+    if silent:
+        p = max(silent, key=lambda p: p.silent_s)
+        return p, f"its heartbeats stopped {p.silent_s:.1f}s ago (the process is frozen)"
+    idle = [p for p in others if not p.waiting and p.idle_s >= min_idle
+            and p.phase not in ("init", "recovering")]
+    if idle:
+        p = max(idle, key=lambda p: p.idle_s)
+        return p, f"no progress for {p.idle_s:.1f}s while not waiting in a collective"
+    return None
+
+
+def _consequence(f: P.Fault) -> dict:
+    return {"rank": f.rank, "kind": f.kind, "node": f.node, "message": f.message[:300]}
+
+
+def merge(batch: Sequence[P.Fault], progress: Sequence[RankProgress]) -> P.Fault:
+    """The one fault of a window of reports (see the module docstring)."""
+    if not batch:
+        raise ValueError("merge() needs at least one report")
+    strong = [f for f in batch if not may_be_consequence(f)]
+    first = min(strong or list(batch), key=lambda f: f.time)
+    rest = [f for f in batch if f is not first]
+    if not strong:
+        reporters = sorted({f.rank for f in batch if f.rank is not None})
+        found = blame(progress, reporters)
+        if found is not None:
+            p, why = found
+            cause = P.Fault(kind=FaultKind.HANG.value, rank=p.rank, node=p.node,
+                            generation=min(f.generation for f in batch),
+                            message=f"rank {p.rank} hangs: {why}; ranks {reporters} waited on it",
+                            pid=p.pid, local_rank=p.local_rank, host=p.host,
+                            time=min(f.time for f in batch),
+                            evidence={"blamed_by": "controller", "basis": why,
+                                      "proc_state": p.state, "idle_s": round(p.idle_s, 3)})
+            rest = list(batch)
+            first = cause
+    if not rest:
+        return first
+    ev = dict(first.evidence)
+    ev["consequences"] = list(ev.get("consequences", [])) + [_consequence(f) for f in rest]
+    return dataclasses.replace(first, evidence=ev)
+
+
+def blame_local(silent: Sequence[RankProgress], outside: Sequence[int] = ()
+                ) -> tuple[RankProgress, str, bool]:
+    """Among this node's silent unmodified workers, the one to blame: a frozen process, else one
+    whose stacks are not inside a torch.distributed call (`outside`, from py-spy), else the first
+    to go silent (weak: the controller may find a better culprit). (rank, why, weak)."""
+    if not silent:
+        raise ValueError("blame_local() needs at least one silent worker")
+    frozen = [p for p in silent if p.state in FROZEN]
+    if frozen:
+        p = max(frozen, key=lambda p: p.idle_s)
+        return p, f"its process is {FROZEN[p.state]}, no progress for {p.idle_s:.1f}s", False
+    apart = [p for p in silent if p.rank in outside]
+    if apart:
+        p = max(apart, key=lambda p: p.idle_s)
+        return p, (f"no progress for {p.idle_s:.1f}s and its stacks are not inside a "
+                   "torch.distributed call (its peers' are)"), False
+    p = max(silent, key=lambda p: p.idle_s)
+    others = sorted(q.rank for q in silent if q is not p)
+    why = (f"no CPU time and no I/O for {p.idle_s:.1f}s; first of the silent ranks to go silent"
+           + (f" (ranks {others} silent too)" if others else "")
+           + ": nothing tells which one waits on which (install py-spy for stacks)")
+    return p, why, True

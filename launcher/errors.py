@@ -1,11 +1,17 @@
 """Worker failures as people read them: error files, the root cause, the failure summary.
 
 Owns: reading a worker's `TORCHELASTIC_ERROR_FILE` (written by torch's `@record`),
-`Failure` records, choosing the root cause (earliest observed failure), the summary block printed
-when a job fails (root cause first, bystanders the agent terminated listed apart, never as
+`Failure` records, choosing the root cause, the summary block printed when a job fails (root
+cause first, with the strategies tried for it; earlier faults of the job, recovered, listed
+apart as history with their outcome; bystanders the agent terminated listed apart, never as
 failures), copying the root cause's error file to ftrun's own `TORCHELASTIC_ERROR_FILE`, and
 `JobFailures`, what one agent gathers for that summary (its own workers' failures, the ranks it
-terminated, the controller's root cause, which may have been observed on another node).
+terminated, and from the controller's latest plan the root cause, which may have been observed on
+another node, and the job's fault history).
+
+The root cause is the fault whose handling failed: the cause of the controller's last plan (the
+exit or dump that ended the job). Without a plan (a failure before any round), the earliest
+observed failure.
 """
 from __future__ import annotations
 
@@ -103,21 +109,48 @@ def _block(idx: int, f: Failure) -> list[str]:
     return lines
 
 
-def format_summary(title: str, failures: list[Failure], terminated: list[tuple[int, int]],
-                   reason: str = "") -> str:
-    """The failure summary: root cause first, other failures, then terminated bystanders.
+def handling_line(entry: dict) -> str:
+    """`recover-in-place (gen 2) -> restart-all (gen 3) -> exit (gen 4)`."""
+    return " -> ".join(f"{s} (gen {g})" for s, g in entry.get("handling", []))
 
+
+def history_line(entry: dict) -> str:
+    """One earlier fault: what it was, what was tried, how it ended."""
+    tag = " [injected]" if entry.get("injected") else ""
+    msg = (str(entry.get("message") or "").splitlines() or [""])[0][:120]
+    merged = entry.get("consequences") or 0
+    more = f" ({merged} consequence report(s) merged)" if merged else ""
+    return (f"  rank {entry.get('rank')} {entry.get('kind')}{tag} on node {entry.get('node')}: "
+            f"{msg}{more} -> {handling_line(entry)}: {entry.get('outcome')}")
+
+
+def format_summary(title: str, failures: list[Failure], terminated: list[tuple[int, int]],
+                   reason: str = "", root: Failure | None = None,
+                   history: list[dict] | None = None) -> str:
+    """The failure summary: root cause first (with the strategies tried for it when `history`
+    holds it last), the job's earlier faults and their outcome, other failures, then terminated
+    bystanders. `root`: the controller's root cause (else the earliest of `failures`);
     `terminated` holds (rank, pid) pairs the agent stopped on purpose."""
-    root = root_cause(failures)
+    history = list(history or [])
+    label = "the fault whose handling failed" if root is not None else "first observed failure"
+    root = root if root is not None else root_cause(failures)
     body: list[str] = [f"{title} FAILED"]
     if reason:
         body.append(f"reason: {reason}")
     body.append("-")
-    body.append("Root Cause (first observed failure):")
+    body.append(f"Root Cause ({label}):")
     body.extend(_block(0, root) if root else ["  <UNKNOWN>"])
+    last = history.pop() if history and root is not None and history[-1].get("rank") == root.rank else None
+    if last is not None:
+        body.append(f"  handling  : {handling_line(last)}: {last.get('outcome')}")
+    if history:
+        body.append("-")
+        body.append("Earlier faults (history, oldest first):")
+        body.extend(history_line(h) for h in history)
     body.append("-")
     body.append("Other Failures:")
-    others = [f for f in failures if f is not root]
+    earlier = {(h.get("rank"), h.get("pid")) for h in history}
+    others = [f for f in failures if f is not root and (f.rank, f.pid) not in earlier]
     if others:
         for i, f in enumerate(sorted(others, key=lambda f: f.time), 1):
             body.extend(_block(i, f))
@@ -166,7 +199,8 @@ class JobFailures:
 
     failures: list[Failure] = field(default_factory=list)
     terminated: list[tuple[int, int]] = field(default_factory=list)  # (rank, pid) stopped by ftrun
-    root_fault: P.Fault | None = None  # the controller's root cause (first plan that named one)
+    root_fault: P.Fault | None = None  # the cause of the controller's latest plan
+    history: list[dict] = field(default_factory=list)  # the job's faults (the latest plan's)
 
     def add(self, failure: Failure) -> None:
         self.failures.append(failure)
@@ -174,35 +208,41 @@ class JobFailures:
     def note_terminated(self, workers: list[Worker]) -> None:
         self.terminated.extend((w.rank, w.pid or 0) for w in workers)
 
-    def note_root_cause(self, cause: dict | None) -> None:
-        if cause and self.root_fault is None:
+    def note_plan(self, plan: P.Plan) -> None:
+        """The controller's latest plan: its cause is the root cause should the job end now."""
+        if plan.root_cause:
             names = {f.name for f in dataclasses.fields(P.Fault)}
-            self.root_fault = P.Fault(**{k: v for k, v in cause.items() if k in names})
+            self.root_fault = P.Fault(**{k: v for k, v in plan.root_cause.items() if k in names})
+        self.history = [dict(h) for h in plan.history]
 
-    def for_summary(self) -> tuple[list[Failure], list[tuple[int, int]]]:
-        """The failures (the controller's root cause first in time, even when another node
-        observed it) and the terminated bystanders that are not failures."""
+    def for_summary(self) -> tuple[Failure | None, list[Failure], list[tuple[int, int]]]:
+        """The root cause (the controller's, even when another node observed it; else the
+        earliest failure), all failures, and the terminated bystanders that are not failures."""
         failures = list(self.failures)
         rf = self.root_fault
-        same = [f for f in failures if rf is not None and f.rank == rf.rank and f.pid == rf.pid]
-        if rf is not None and not same:
-            failures.append(Failure(rank=rf.rank if rf.rank is not None else -1,
-                                    local_rank=rf.local_rank if rf.local_rank is not None else -1,
-                                    host=rf.host, pid=rf.pid or 0, exitcode=rf.exitcode or 1,
-                                    time=rf.time, generation=rf.generation, node=rf.node,
-                                    kind=rf.kind, message=rf.message,
-                                    traceback=str(rf.evidence.get("traceback", ""))))
-        for f in same:
-            f.time = min(f.time, rf.time)  # type: ignore[union-attr]
+        root: Failure | None = None
+        if rf is not None:
+            root = next((f for f in failures if f.rank == rf.rank and f.pid == rf.pid), None)
+            if root is None:
+                root = Failure(rank=rf.rank if rf.rank is not None else -1,
+                               local_rank=rf.local_rank if rf.local_rank is not None else -1,
+                               host=rf.host, pid=rf.pid or 0, exitcode=rf.exitcode or 1,
+                               time=rf.time, generation=rf.generation, node=rf.node,
+                               kind=rf.kind, message=rf.message,
+                               traceback=str(rf.evidence.get("traceback", "")))
+                failures.append(root)
+            root.kind, root.time = rf.kind, min(root.time, rf.time)
         terminated = [(r, p) for r, p in self.terminated
                       if not any(f.rank == r and f.pid == p for f in failures)]
-        return failures, terminated
+        return root, failures, terminated
 
     def print_summary(self, log: AgentLog, title: str, reason: str) -> None:
         """Print the summary block, copy the root cause's error file, record the event."""
-        failures, terminated = self.for_summary()
-        log.print_block(format_summary(title, failures, terminated, reason))
-        rc = root_cause(failures)
+        root, failures, terminated = self.for_summary()
+        log.print_block(format_summary(title, failures, terminated, reason, root, self.history))
+        rc = root if root is not None else root_cause(failures)
         if rc is not None and copy_root_error_file(rc, os.environ.get("TORCHELASTIC_ERROR_FILE")):
             log.info("error-file", "root cause error file copied to TORCHELASTIC_ERROR_FILE")
-        log.event("summary", "job failed", "error", root_cause=dataclasses.asdict(rc) if rc else None)
+        log.event("summary", f"job failed; root cause: rank {rc.rank if rc else '?'} "
+                  f"{rc.kind if rc else 'unknown'}", "error",
+                  root_cause=dataclasses.asdict(rc) if rc else None, history=self.history)

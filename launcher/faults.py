@@ -47,3 +47,23 @@ PROCESS_INJECTIONS: tuple[str, ...] = ("kill", "segv", "exit", "hang")
 INJECTION_KINDS: tuple[str, ...] = PROCESS_INJECTIONS + WORKER_FAULT_KINDS
 # Kinds only the runtime can produce (an unmodified worker has no one to raise them).
 RUNTIME_INJECTIONS = frozenset(INJECTION_KINDS) - frozenset(SIGNAL_INJECTIONS)
+
+# Process states (/proc/<pid>/stat) in which a process counts as hung once it stops progressing.
+FROZEN_STATES = {"T": "stopped (SIGSTOP, state T)", "t": "stopped by a tracer (state t)",
+                 "D": "stuck in the kernel (uninterruptible sleep, state D)"}
+
+# What a backend prints when a collective failed because of a peer (a peer that hangs or died):
+# the exit of a worker that says so may be a consequence of another rank's fault.
+COLLECTIVE_FAILURE_TEXT = (
+    ("timed out waiting", "gloo collective timeout"),
+    ("watchdog caught collective operation timeout", "NCCL collective timeout"),
+    ("collective operation timeout", "collective timeout"),
+    ("connection closed by peer", "peer connection closed"),
+    ("connection reset by peer", "peer connection reset"),
+)
+
+
+def collective_failure(text: str) -> str:
+    """The collective failure a worker's last output or error file reports ("" when none)."""
+    low = text.lower()
+    return next((what for needle, what in COLLECTIVE_FAILURE_TEXT if needle in low), "")

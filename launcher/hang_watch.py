@@ -1,78 +1,246 @@
-"""Hang detection for runtime-aware ranks: a progress clock per rank, fed by its heartbeats.
+"""Hang detection for runtime-aware ranks: a progress clock per rank, fed by its heartbeats, with
+a timeout that adapts to the job.
 
-Owns: for each local rank, when its heartbeat last showed progress (a new step, phase or committed
-step; mere liveness does not count), whether it says it waits on its peers inside a collective,
-the phases that are not timed (start-up, recovery and checkpoint writes are bounded by the
-runtime's own timeouts), `overdue()`: the ranks whose clock ran past the timeout, and the ranks
-it had killed, so that their exit is reported as a hang. The agent acts on what it returns
-(stack dump, kill); `--hang-timeout 0` turns the check off.
+Owns: `HangPolicy` (how long a rank may go without progress: `--hang-timeout auto` derives it
+from the step times seen so far, `--hang-timeout S` fixes it, `0` turns it off; the knobs
+`FTRUN_HANG_FLOOR`, `FTRUN_HANG_MULTIPLIER`, `FTRUN_HANG_FIRST_STEP`, `FTRUN_HANG_UNMODIFIED`),
+and `HangWatch`: for each local rank, when its heartbeat last showed progress (a new step, phase
+or committed step; mere liveness does not count), when it last sent a heartbeat at all, whether
+it says it waits on its peers inside a collective, its recent step and checkpoint durations,
+and `overdue()`: the ranks that hang, each as a `Hang` with the evidence. The agent acts on what
+it returns (stack dump, kill) and remembers the ranks it killed, so their exit is a hang.
+
+The rule (auto):
+  - a step: max(floor, multiplier x the slowest of the rank's last 20 steps) without progress
+    (defaults: 30 s floor, x10);
+  - the first step of a process (no step time known yet) and checkpoint saves: the first-step
+    allowance (default 300 s), or multiplier x the slowest save seen, whichever is longer;
+  - start-up ("init"), recovery rounds and "done" are not timed (the runtime's own timeouts and
+    the controller's phase timeouts bound them);
+  - a rank blocked in a collective (`waiting`) waits on a peer and is not hung itself, unless its
+    process is stopped (SIGSTOP, state T) or stuck in the kernel (state D), or its heartbeats
+    stopped (the runtime's heartbeat thread only stops when the whole process is frozen): then it
+    counts as hung in any phase.
 """
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
+from launcher.faults import FROZEN_STATES
 from launcher.messages import Heartbeat
 
-UNTIMED_PHASES = frozenset({"init", "recovering", "checkpoint", "done"})
+UNTIMED_PHASES = frozenset({"init", "recovering", "done"})
+RECENT_STEPS = 20
+
+DEFAULT_FLOOR = 30.0
+DEFAULT_MULTIPLIER = 10.0
+DEFAULT_FIRST_STEP = 300.0
+DEFAULT_UNMODIFIED = 600.0  # unmodified scripts with auto: NCCL's default collective timeout
+
+
+def _env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    raw = env.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"{name}={raw!r} must be > 0")
+    return value
+
+
+@dataclass(frozen=True)
+class HangPolicy:
+    """How long a rank may go without progress. `explicit`: None = auto, 0 = off, else seconds."""
+
+    explicit: float | None = None
+    floor: float = DEFAULT_FLOOR
+    multiplier: float = DEFAULT_MULTIPLIER
+    first_step: float = DEFAULT_FIRST_STEP
+    unmodified: float = DEFAULT_UNMODIFIED
+
+    @classmethod
+    def from_env(cls, explicit: float | None, env: Mapping[str, str]) -> "HangPolicy":
+        """The policy for `--hang-timeout` and the FTRUN_HANG_* knobs; ValueError (one line)."""
+        return cls(explicit, _env_seconds(env, "FTRUN_HANG_FLOOR", DEFAULT_FLOOR),
+                   _env_seconds(env, "FTRUN_HANG_MULTIPLIER", DEFAULT_MULTIPLIER),
+                   _env_seconds(env, "FTRUN_HANG_FIRST_STEP", DEFAULT_FIRST_STEP),
+                   _env_seconds(env, "FTRUN_HANG_UNMODIFIED", DEFAULT_UNMODIFIED))
+
+    @property
+    def enabled(self) -> bool:
+        return self.explicit != 0
+
+    def step_timeout(self, recent: "deque[float] | list[float]") -> float:
+        """A step after the first: the explicit value, or max(floor, multiplier x slowest)."""
+        if not recent:
+            return self.first_timeout()
+        if self.explicit:
+            return self.explicit
+        return max(self.floor, self.multiplier * max(recent))
+
+    def first_timeout(self) -> float:
+        """The first step of a process (no step time known yet)."""
+        return max(self.explicit or 0.0, self.first_step)
+
+    def checkpoint_timeout(self, recent: "deque[float] | list[float]") -> float:
+        longest = max(recent) if recent else 0.0
+        return max(self.first_timeout(), self.multiplier * longest)
+
+    def unmodified_timeout(self) -> float:
+        """Workers that do not use launcher.runtime (no heartbeats): explicit, or the default."""
+        return self.explicit or self.unmodified
+
+    def describe(self) -> str:
+        if not self.enabled:
+            return "off"
+        steps = (f"{self.explicit:g}s" if self.explicit else
+                 f"max({self.floor:g}s, {self.multiplier:g} x slowest of the last {RECENT_STEPS} steps)")
+        return (f"{steps}; first step and checkpoints {self.first_timeout():g}s; "
+                f"unmodified scripts {self.unmodified_timeout():g}s")
+
+
+@dataclass
+class Hang:
+    """A rank found hung, with the evidence the fault report carries."""
+
+    rank: int
+    idle_s: float  # seconds since its last progress
+    timeout_s: float  # the allowance it ran past
+    basis: str  # why it counts as hung, for people
+    state: str = ""  # its process state (/proc/<pid>/stat), when read
+    waiting: bool = False  # its last heartbeat said it waits in a collective
+    silent_s: float = 0.0  # seconds since its last heartbeat (runtime-aware ranks)
+    weak: bool = False  # blamed only for going silent first: the controller may blame another
+
+    def evidence(self) -> dict:
+        return {"idle_s": round(self.idle_s, 3), "timeout_s": round(self.timeout_s, 3),
+                "basis": self.basis, "proc_state": self.state, "waiting": self.waiting,
+                "silent_s": round(self.silent_s, 3), "weak": self.weak}
+
+
+@dataclass
+class RankClock:
+    """One rank's progress as its heartbeats tell it."""
+
+    mark: tuple | None = None
+    phase: str = "init"
+    waiting: bool = False
+    last_progress: float = 0.0
+    last_beat: float = 0.0
+    step_start: tuple[int, float] | None = None  # (step, when it was first seen)
+    ckpt_start: float | None = None
+    steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+    checkpoints: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
+
+    def beat(self, hb: Heartbeat, now: float) -> None:
+        self.last_beat = now
+        self.waiting = hb.waiting
+        mark = hb.progress()
+        if mark == self.mark:
+            return  # alive, same place: no progress
+        self.mark, self.last_progress = mark, now
+        if self.phase == "checkpoint" and hb.phase != "checkpoint" and self.ckpt_start is not None:
+            self.checkpoints.append(now - self.ckpt_start)
+            self.step_start = None  # the save is not part of a step's time
+        if hb.phase == "checkpoint" and self.phase != "checkpoint":
+            self.ckpt_start = now
+        self.phase = hb.phase
+        if hb.phase in UNTIMED_PHASES or hb.phase == "resumed":
+            self.step_start = None  # a recovery round is not a step
+        elif hb.step >= 0 and hb.phase != "checkpoint":
+            if self.step_start is not None and hb.step > self.step_start[0]:
+                s0, t0 = self.step_start
+                self.steps.append((now - t0) / (hb.step - s0))
+            if self.step_start is None or hb.step != self.step_start[0]:
+                self.step_start = (hb.step, now)
+
+    def allowance(self, policy: HangPolicy) -> float:
+        if self.phase == "checkpoint":
+            return policy.checkpoint_timeout(self.checkpoints)
+        return policy.step_timeout(self.steps)
+
+
+StateReader = Callable[[int], str]  # rank -> process state letter ("" when unknown)
 
 
 @dataclass
 class HangWatch:
-    timeout: float  # seconds without progress; <= 0: off
-    _last_progress: dict[int, float] = field(default_factory=dict)  # rank -> time.time()
-    _progress: dict[int, tuple] = field(default_factory=dict)  # rank -> its last progress mark
-    _waiting: dict[int, bool] = field(default_factory=dict)  # rank -> blocked on its peers
-    _killed: set[int] = field(default_factory=set)
+    policy: HangPolicy
+    clocks: dict[int, RankClock] = field(default_factory=dict)
+    _killed: dict[int, Hang] = field(default_factory=dict)
 
     @property
     def enabled(self) -> bool:
-        return self.timeout > 0
+        return self.policy.enabled
 
     def on_heartbeat(self, hb: Heartbeat, now: float | None = None) -> None:
-        rank = hb.rank
-        self._waiting[rank] = hb.waiting
-        mark = hb.progress()
-        if self._progress.get(rank) != mark:  # progress, not mere liveness, resets the clock
-            self._progress[rank] = mark
-            self._last_progress[rank] = time.time() if now is None else now
-        if hb.phase in UNTIMED_PHASES:
-            self._last_progress.pop(rank, None)  # the clock only runs while the worker trains
+        self.clocks.setdefault(hb.rank, RankClock()).beat(hb, time.time() if now is None else now)
 
     def stop_clock(self, rank: int) -> None:
         """The rank said goodbye: it is not training any more."""
-        self._last_progress.pop(rank, None)
+        clock = self.clocks.get(rank)
+        if clock is not None:
+            clock.phase = "done"
 
     def forget(self, rank: int) -> None:
         """The rank got a new process: its clock starts with that process's first heartbeat."""
-        self._last_progress.pop(rank, None)
-        self._progress.pop(rank, None)
-        self._waiting.pop(rank, None)
+        self.clocks.pop(rank, None)
 
-    def overdue(self, ranks: list[int], now: float | None = None) -> list[tuple[int, float]]:
-        """(rank, seconds idle) for every rank of `ranks` past the timeout. A rank blocked in a
-        collective waits on a peer (a hung one, or one still recovering): not hung itself; the
-        collective's own timeout (FTRUN_STORE_TIMEOUT) bounds that wait."""
+    def overdue(self, ranks: list[int], now: float | None = None,
+                state_of: StateReader = lambda rank: "") -> list[Hang]:
+        """The ranks of `ranks` that hang (see the module docstring for the rule)."""
         if not self.enabled:
             return []
         now = time.time() if now is None else now
         out = []
         for rank in ranks:
-            last = self._last_progress.get(rank)
-            if last is None or self._waiting.get(rank):
+            clock = self.clocks.get(rank)
+            if clock is None or clock.phase == "done" or rank in self._killed:
                 continue
-            if now - last > self.timeout:
-                out.append((rank, now - last))
+            hang = self._judge(rank, clock, now, state_of)
+            if hang is not None:
+                out.append(hang)
         return out
 
-    def killed(self, rank: int) -> None:
-        """The agent kills `rank` for hanging: its exit is a hang, not a signal."""
-        self._killed.add(rank)
-        self._last_progress.pop(rank, None)
+    def _judge(self, rank: int, clock: RankClock, now: float, state_of: StateReader) -> Hang | None:
+        timed = clock.phase not in UNTIMED_PHASES
+        limit = clock.allowance(self.policy) if timed else self.policy.first_timeout()
+        idle, silent = now - clock.last_progress, now - clock.last_beat
+        if idle <= limit:
+            return None
+        state = state_of(rank)
+        frozen = FROZEN_STATES.get(state)
+        if frozen is None and silent > limit:
+            frozen = f"its heartbeats stopped {silent:.1f}s ago (the process is frozen)"
+        if frozen is not None:
+            basis = f"process {frozen}" if state in FROZEN_STATES else frozen
+        elif not timed or clock.waiting:
+            return None  # untimed phase, or blocked in a collective: it waits on a peer
+        else:
+            basis = (f"no progress in phase {clock.phase!r} for {idle:.1f}s "
+                     f"(allowance {limit:.1f}s) while not waiting in a collective")
+        return Hang(rank, idle, limit, basis, state, clock.waiting, silent)
 
-    def take_killed(self, rank: int) -> bool:
-        """Whether the exit of `rank` is the hang kill (asked once per exit)."""
-        if rank in self._killed:
-            self._killed.discard(rank)
-            return True
-        return False
+    def killed(self, hang: Hang) -> None:
+        """The agent kills `hang.rank` for hanging: its exit is a hang, not a signal."""
+        self._killed[hang.rank] = hang
+
+    def take_killed(self, rank: int) -> Hang | None:
+        """The hang that made the agent kill `rank` (asked once per exit)."""
+        return self._killed.pop(rank, None)
+
+    def progress_of(self, rank: int, now: float) -> dict | None:
+        """The rank's progress record (published for the controller's blame), None without one."""
+        clock = self.clocks.get(rank)
+        if clock is None:
+            return None
+        return {"aware": True, "phase": clock.phase, "waiting": clock.waiting,
+                "idle_s": round(now - clock.last_progress, 3),
+                "silent_s": round(now - clock.last_beat, 3),
+                "step": clock.mark[0] if clock.mark else -1}

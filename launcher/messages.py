@@ -91,6 +91,8 @@ class FaultReport:
     phase: str = ""
     injected: bool = False
     fatal: bool = False  # the process cannot continue: it exits, the agent restarts it
+    generation: int = -1  # the generation the rank was in (-1: unknown, the agent's is used)
+    collective: str = ""  # the collective that failed or timed out: possibly a peer's fault
 
 
 @message("recovered")

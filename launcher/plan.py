@@ -119,6 +119,11 @@ def node_status_key(node_rank: int) -> str:
     return f"{ROOT}/observe/node/{node_rank}"
 
 
+def progress_key(node: int) -> str:
+    """A node's per-rank progress records (`launcher.progress`), read by the controller's blame."""
+    return f"{ROOT}/progress/{node}"
+
+
 def replica_key(rank: int) -> str:
     """Where a runtime-aware rank publishes the shard it holds (see RankStatus.shard)."""
     return f"{ROOT}/replica/{rank}"
@@ -178,6 +183,10 @@ class Plan(_Record):
     reason: str = ""
     root_cause: dict | None = None  # a Fault as dict
     restarts_used: int = 0
+    # every fault of the job so far, in order (this round's last): its rank, kind, node,
+    # message, "handling" ([strategy, generation] pairs tried) and "outcome" (in progress,
+    # recovered, restarted, superseded by ..., failed)
+    history: list[dict] = field(default_factory=list)
 
 
 @dataclass

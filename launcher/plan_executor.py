@@ -19,6 +19,7 @@ import signal
 import subprocess
 import threading
 import time
+from typing import Callable
 
 from launcher import plan as P
 from launcher.agent_events import PlanEvent, SignalEvent
@@ -29,7 +30,7 @@ from launcher.logs import AgentLog
 from launcher.messages import Stop
 from launcher.spawner import Spawner
 from launcher.store_stack import AgentWorld
-from launcher.workers import NodeWorkers, stop_workers
+from launcher.workers import NodeWorkers, Worker, stop_workers
 from rendezvous.kv import KVStore
 
 FINISH_TIMEOUT = 300.0  # all nodes' workers done
@@ -47,7 +48,8 @@ class JobFailed(Exception):
 class PlanExecutor:
     def __init__(self, cfg: LaunchConfig, log: AgentLog, kv: KVStore, world: AgentWorld,
                  workers: NodeWorkers, spawner: Spawner, channel: ChannelServer,
-                 failures: JobFailures, stop: threading.Event | None = None) -> None:
+                 failures: JobFailures, stop: threading.Event | None = None,
+                 dump: Callable[[Worker], object] | None = None) -> None:
         self.cfg = cfg
         self.log = log
         self.kv = kv
@@ -58,6 +60,7 @@ class PlanExecutor:
         self.failures = failures
         self._pending_stop: dict[int, Stop] = {}  # rank -> stop it has not received yet
         self.stop = stop or threading.Event()  # set by a signal: every wait here ends at once
+        self._dump = dump  # stack dump of a live rank the controller blamed for a hang
 
     def execute(self, plan: P.Plan) -> int | None:
         self.log.info("plan-received", f"executing {plan.strategy} for generation {plan.generation}"
@@ -118,9 +121,12 @@ class PlanExecutor:
                 self._pending_stop[w.rank] = stop
                 self.log.warning("stop-deferred", f"rank {w.rank} is not connected yet; the stop for "
                                  f"generation {g} is delivered when it connects", rank=w.rank)
+        hang = (plan.root_cause or {}).get("kind") == "hang"
         for w in restart:
             self._pending_stop.pop(w.rank, None)
             if w.alive:
+                if hang and w.rank in plan.failed_ranks and self._dump is not None:
+                    self._dump(w)  # blamed by the controller: its stacks before it goes
                 stop_workers([w], signal.SIGKILL, 0.0)
             self.workers.aware.discard(w.rank)
             self.spawner.spawn(w, g, replacement=True)

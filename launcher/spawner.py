@@ -86,6 +86,8 @@ class Spawner:
             env["CUDA_VISIBLE_DEVICES"] = str(w.local_rank)
         if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
             env["OMP_NUM_THREADS"] = "1"
+        # a hung unmodified worker dumps every thread's stack on SIGABRT (launcher.stacks)
+        env.setdefault("PYTHONFAULTHANDLER", "1")
         return env
 
     def spawn(self, w: Worker, generation: int, replacement: bool) -> None:

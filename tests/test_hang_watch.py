@@ -1,53 +1,143 @@
-"""The hang watch: progress (not liveness) resets a rank's clock; waiting ranks are spared."""
+"""The hang watch: progress (not liveness) resets a rank's clock; the allowance adapts to the step
+times (floor, multiplier, first step, checkpoints); waiting ranks are spared unless their process
+is frozen; the knobs come from --hang-timeout and FTRUN_HANG_*."""
 from __future__ import annotations
 
-from launcher.hang_watch import HangWatch
+import pytest
+
+from launcher.hang_watch import HangPolicy, HangWatch
 from launcher.messages import Heartbeat
+
+AUTO = HangPolicy(None, floor=3.0, multiplier=10.0, first_step=50.0, unmodified=600.0)
 
 
 def beat(rank=1, step=3, phase="forward", committed=2, waiting=False) -> Heartbeat:
     return Heartbeat(rank=rank, step=step, phase=phase, committed_step=committed, waiting=waiting)
 
 
+def steps(h: HangWatch, times: list[float], rank: int = 1, start: float = 0.0) -> float:
+    """Feed steps 0.. with the given durations; returns when the last one started."""
+    t = start
+    for i, d in enumerate([0.0] + times):
+        t += d
+        h.on_heartbeat(beat(rank, step=i, phase="step", committed=i - 1), now=t)
+        h.on_heartbeat(beat(rank, step=i, phase="forward", committed=i - 1), now=t)
+    return t
+
+
+def ranks(found) -> list[int]:
+    return [h.rank for h in found]
+
+
 def test_only_progress_resets_the_clock() -> None:
-    h = HangWatch(timeout=10.0)
-    h.on_heartbeat(beat(), now=100.0)
-    h.on_heartbeat(beat(), now=108.0)  # alive, same place: no progress
+    h = HangWatch(HangPolicy(10.0))
+    steps(h, [1.0])
+    h.on_heartbeat(beat(step=1, phase="backward", committed=0), now=100.0)
+    h.on_heartbeat(beat(step=1, phase="backward", committed=0), now=108.0)  # alive, same place
     assert h.overdue([1], now=109.0) == []
-    assert h.overdue([1], now=111.0) == [(1, 11.0)]
-    h.on_heartbeat(beat(phase="backward"), now=111.5)
+    found = h.overdue([1], now=111.0)
+    assert ranks(found) == [1] and found[0].idle_s == 11.0 and found[0].timeout_s == 10.0
+    assert "not waiting in a collective" in found[0].basis
+    h.on_heartbeat(beat(step=1, phase="optimizer", committed=0), now=111.5)
     assert h.overdue([1], now=112.0) == []
     assert h.overdue([2], now=500.0) == []  # a rank without heartbeats has no clock
 
 
-def test_waiting_and_untimed_phases_are_not_hangs() -> None:
-    h = HangWatch(timeout=1.0)
-    h.on_heartbeat(beat(waiting=True), now=0.0)
-    assert h.overdue([1], now=50.0) == []  # blocked on a peer inside a collective
-    h.on_heartbeat(beat(step=4, waiting=False), now=60.0)
-    assert h.overdue([1], now=62.0) == [(1, 2.0)]
-    for phase in ("init", "recovering", "checkpoint", "done"):
+def test_auto_timeout_is_the_floor_or_ten_times_the_slowest_recent_step() -> None:
+    h = HangWatch(AUTO)
+    t = steps(h, [0.1, 0.1, 0.1])  # fast steps: the floor (3 s)
+    assert h.overdue([1], now=t + 2.9) == []
+    assert [x.timeout_s for x in h.overdue([1], now=t + 3.1)] == [3.0]
+    h2 = HangWatch(AUTO)
+    t = steps(h2, [0.5, 1.0, 0.5])  # slowest 1.0 s: 10 s
+    assert h2.overdue([1], now=t + 9.9) == []
+    assert [x.timeout_s for x in h2.overdue([1], now=t + 10.1)] == [10.0]
+    # only the last 20 steps count: an old slow step ages out
+    h3 = HangWatch(AUTO)
+    t = steps(h3, [2.0] + [0.1] * 20)
+    assert [x.timeout_s for x in h3.overdue([1], now=t + 3.5)] == [3.0]
+
+
+def test_first_step_and_checkpoints_get_the_longer_allowance() -> None:
+    h = HangWatch(AUTO)
+    h.on_heartbeat(beat(step=0, phase="forward", committed=-1), now=0.0)  # no step time known
+    assert h.overdue([1], now=49.0) == []
+    assert [x.timeout_s for x in h.overdue([1], now=51.0)] == [50.0]
+    t = steps(h, [0.1, 0.1], start=60.0)
+    h.on_heartbeat(beat(step=2, phase="checkpoint", committed=1), now=t + 0.1)
+    assert h.overdue([1], now=t + 40.0) == []  # a save: first-step allowance, not the floor
+    h.on_heartbeat(beat(step=3, phase="step", committed=2), now=t + 45.0)  # the save took ~45 s
+    h.on_heartbeat(beat(step=3, phase="checkpoint", committed=2), now=t + 46.0)
+    assert h.overdue([1], now=t + 46.0 + 448.0) == []  # 10 x the slowest save (44.9 s)
+    assert ranks(h.overdue([1], now=t + 46.0 + 451.0)) == [1]
+
+
+def test_explicit_timeout_replaces_the_step_rule_but_keeps_the_first_step_allowance() -> None:
+    pol = HangPolicy(2.0, first_step=50.0)
+    assert pol.step_timeout([5.0]) == 2.0 and pol.first_timeout() == 50.0
+    assert HangPolicy(80.0, first_step=50.0).first_timeout() == 80.0
+    h = HangWatch(pol)
+    t = steps(h, [0.1])
+    assert ranks(h.overdue([1], now=t + 2.5)) == [1]
+
+
+def test_waiting_ranks_are_spared_unless_frozen_or_silent() -> None:
+    h = HangWatch(AUTO)
+    t = steps(h, [0.1, 0.1])
+    h.on_heartbeat(beat(step=2, phase="backward", committed=1, waiting=True), now=t + 0.1)
+    for k in range(1, 60):  # heartbeats keep coming, no progress: it waits on a peer
+        h.on_heartbeat(beat(step=2, phase="backward", committed=1, waiting=True), now=t + k)
+    assert h.overdue([1], now=t + 60.0, state_of=lambda r: "S") == []
+    stopped = h.overdue([1], now=t + 60.0, state_of=lambda r: "T")
+    assert ranks(stopped) == [1] and "SIGSTOP" in stopped[0].basis and stopped[0].state == "T"
+    assert ranks(h.overdue([1], now=t + 60.0, state_of=lambda r: "D")) == [1]
+    # heartbeats stopped (the whole process is frozen), state unknown
+    silent = h.overdue([1], now=t + 90.0, state_of=lambda r: "")
+    assert ranks(silent) == [1] and "heartbeats stopped" in silent[0].basis
+
+
+def test_untimed_phases_only_count_when_frozen() -> None:
+    h = HangWatch(AUTO)
+    for phase in ("init", "recovering"):
         h.on_heartbeat(beat(step=5, phase=phase), now=70.0)
-        assert h.overdue([1], now=100.0) == [], phase
-
-
-def test_a_new_process_or_a_goodbye_stops_the_clock_and_zero_turns_it_off() -> None:
-    h = HangWatch(timeout=1.0)
-    h.on_heartbeat(beat(), now=0.0)
-    h.forget(1)
-    assert h.overdue([1], now=10.0) == []
-    h.on_heartbeat(beat(), now=20.0)  # the same mark counts as progress for the new process
-    assert h.overdue([1], now=22.0) == [(1, 2.0)]
+        for k in range(1, 100):
+            h.on_heartbeat(beat(step=5, phase=phase), now=70.0 + k)
+        assert h.overdue([1], now=170.0) == [], phase
+        assert ranks(h.overdue([1], now=170.0, state_of=lambda r: "T")) == [1], phase
     h.stop_clock(1)
-    assert h.overdue([1], now=30.0) == []
-    off = HangWatch(timeout=0.0)
+    assert h.overdue([1], now=1e6, state_of=lambda r: "T") == []  # said goodbye
+
+
+def test_a_new_process_starts_a_new_clock_and_zero_turns_it_off() -> None:
+    h = HangWatch(AUTO)
+    steps(h, [0.1])
+    h.forget(1)
+    assert h.overdue([1], now=1000.0) == []
+    h.on_heartbeat(beat(step=0, phase="forward", committed=-1), now=1000.0)
+    assert h.overdue([1], now=1040.0) == []  # a new process: its first step again
+    off = HangWatch(HangPolicy(0.0))
     off.on_heartbeat(beat(), now=0.0)
-    assert not off.enabled and off.overdue([1], now=1e9) == []
+    assert not off.enabled and off.overdue([1], now=1e9, state_of=lambda r: "T") == []
+    assert off.policy.describe() == "off"
 
 
 def test_a_killed_rank_exits_as_a_hang_once() -> None:
-    h = HangWatch(timeout=1.0)
-    h.on_heartbeat(beat(), now=0.0)
-    h.killed(1)
-    assert h.overdue([1], now=10.0) == []  # not killed twice
-    assert h.take_killed(1) and not h.take_killed(1) and not h.take_killed(2)
+    h = HangWatch(HangPolicy(1.0))
+    t = steps(h, [0.1])
+    (hang,) = h.overdue([1], now=t + 10.0)
+    h.killed(hang)
+    assert h.overdue([1], now=t + 20.0) == []  # not killed twice
+    assert h.take_killed(1) is hang and h.take_killed(1) is None and h.take_killed(2) is None
+    assert hang.evidence()["basis"] == hang.basis and hang.evidence()["weak"] is False
+
+
+def test_policy_from_env_and_its_one_line_errors() -> None:
+    pol = HangPolicy.from_env(None, {"FTRUN_HANG_FLOOR": "2.5", "FTRUN_HANG_MULTIPLIER": "4"})
+    assert (pol.floor, pol.multiplier, pol.first_step, pol.unmodified) == (2.5, 4.0, 300.0, 600.0)
+    assert pol.step_timeout([1.0]) == 4.0 and pol.unmodified_timeout() == 600.0
+    assert HangPolicy.from_env(7.0, {}).unmodified_timeout() == 7.0
+    assert "max(30s, 10 x slowest of the last 20 steps)" in HangPolicy().describe()
+    for name, raw in (("FTRUN_HANG_FLOOR", "x"), ("FTRUN_HANG_MULTIPLIER", "0"),
+                      ("FTRUN_HANG_FIRST_STEP", "-1"), ("FTRUN_HANG_UNMODIFIED", "nan")):
+        with pytest.raises(ValueError, match=f"^{name}="):
+            HangPolicy.from_env(None, {name: raw})

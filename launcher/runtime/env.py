@@ -54,6 +54,7 @@ class RuntimeEnv:
     log_dir: str | None
     fault_plan: str | None
     store_timeout: float
+    collective_timeout: float = 300.0  # a runtime collective waits this long before it reports
 
     @property
     def managed(self) -> bool:
@@ -88,4 +89,6 @@ class RuntimeEnv:
             log_dir=env.get("FTRUN_LOG_DIR") or None,
             fault_plan=env.get("FTRUN_FAULT_PLAN") or None,
             store_timeout=_float(env, "FTRUN_STORE_TIMEOUT", 300.0),
+            collective_timeout=_float(env, "FTRUN_COLLECTIVE_TIMEOUT",
+                                      _float(env, "FTRUN_STORE_TIMEOUT", 300.0)),
         )

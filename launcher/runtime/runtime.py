@@ -112,7 +112,7 @@ class Runtime:
         self._stop = StopSignal()
         self._graveyard = Graveyard()
         self._coll = Interruptible(self._stop, self._graveyard, lambda: self.generation,
-                                   env.store_timeout, self._on_collective_error, self._abort_groups,
+                                   env.collective_timeout, self._on_collective_error, self._abort_groups,
                                    on_busy=self._note_waiting)
         self._groups = GroupRegistry(env.rank, env.world_size, backend)
         self._reg = Registered()
@@ -465,7 +465,8 @@ class Runtime:
         step.interrupted = True
         return True
 
-    def report_fault(self, kind: str, message: str, injected: bool = False, fatal: bool = False) -> None:
+    def report_fault(self, kind: str, message: str, injected: bool = False, fatal: bool = False,
+                     collective: str = "") -> None:
         """Tell the agent about a fault this worker detected itself (the agent answers with a
         stop, which the runtime handles at the next phase edge or collective)."""
         if kind not in WORKER_FAULT_KINDS:
@@ -474,7 +475,8 @@ class Runtime:
         self.log(f"{label}fault kind={kind} in step {self._current_step} phase {self._phase}: {message}")
         if self._channel is not None:
             self._channel.send(FaultReport(self.rank, kind, message[:2000], self._current_step,
-                                           self._phase, injected=injected, fatal=fatal))
+                                           self._phase, injected=injected, fatal=fatal,
+                                           generation=self.generation, collective=collective))
 
     def _timings(self) -> dict[str, float]:
         return {k: round(v, 4) for k, v in self.last_recovery.items()}
@@ -487,7 +489,7 @@ class Runtime:
                  "for the agent's stop")
         if self._stop.wait_newer(gen, self.options.network_grace):
             raise StopRequested(self._stop.target, f"after {what} error")
-        self.report_fault(NETWORK, f"{what}: {exc}")
+        self.report_fault(NETWORK, f"{what}: {exc}", collective=what)
         if self._stop.wait_newer(gen, self.env.store_timeout):
             raise StopRequested(self._stop.target, f"after {what} error")
 

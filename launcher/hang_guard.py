@@ -1,0 +1,148 @@
+"""What one agent does about hangs: find the local rank that hangs, dump its stacks, kill it, and
+publish its ranks' progress for the controller's blame.
+
+Owns, for the agent's health check (every monitor interval):
+  - runtime-aware ranks: `HangWatch` (heartbeats, adaptive timeout; process state read from
+    /proc for the ranks past their allowance);
+  - unmodified ranks (no heartbeats): `SilenceWatch` (CPU time and I/O of the worker's process
+    tree). A silent rank is declared hung when its process is stopped or stuck, or when every
+    live rank of this node is silent and no rank of another node progressed within the timeout
+    (a rank blocked on a hung peer is silent too: `decision.blame_local` picks the one to blame,
+    and says when it could only pick the first to go silent);
+  - the node's progress record in the store (`launcher.progress`), at most once a second;
+and `act()`: log the hang, dump the stacks (`launcher.stacks`), remember the kill so that the exit
+is reported as a `hang` with its evidence, kill the process. `dump()` is the same dump for a rank
+the controller blamed (the plan executor calls it before it kills that rank).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Callable
+
+from launcher.config import LaunchConfig
+from launcher.decision import RankProgress, blame_local
+from launcher.faults import FROZEN_STATES
+from launcher.hang_watch import Hang, HangWatch
+from launcher.logs import AgentLog, RunLogDir
+from launcher.messages import Heartbeat
+from launcher.proc_watch import SilenceWatch, proc_state
+from launcher.progress import ProgressBoard, read_progress
+from launcher.stacks import Dump, dump_stacks, py_spy_available, py_spy_dump
+from launcher.workers import NodeWorkers, Worker, send_signal
+from rendezvous.kv import KVStore
+
+
+class HangGuard:
+    """Owned by the agent; `attach()` once the store and the node are known."""
+
+    def __init__(self, cfg: LaunchConfig, log: AgentLog, run_dir: RunLogDir, host: str,
+                 workers: Callable[[], NodeWorkers]) -> None:
+        self.cfg = cfg
+        self.policy = cfg.hang
+        self.log = log
+        self.run_dir = run_dir
+        self.host = host
+        self._workers = workers
+        self.watch = HangWatch(cfg.hang)
+        self.silence = SilenceWatch()
+        self.board: ProgressBoard | None = None
+        self._kv: KVStore | None = None
+        self._nnodes = 1
+        self._declared: int | None = None  # generation in which an unmodified hang was declared
+
+    def attach(self, kv: KVStore, node: int, nnodes: int) -> None:
+        self._kv, self._nnodes = kv, nnodes
+        self.board = ProgressBoard(kv, node)
+
+    # ---- fed by the agent ---------------------------------------------------------------
+    def on_heartbeat(self, hb: Heartbeat) -> None:
+        self.watch.on_heartbeat(hb)
+
+    def on_bye(self, rank: int) -> None:
+        self.watch.stop_clock(rank)
+
+    def on_spawn(self, w: Worker) -> None:
+        self.watch.forget(w.rank)
+        self.silence.forget(w.rank)
+
+    def take_killed(self, rank: int) -> Hang | None:
+        return self.watch.take_killed(rank)
+
+    # ---- the health check ---------------------------------------------------------------
+    def check(self, generation: int, node: int) -> None:
+        now = time.time()
+        workers = self._workers()
+        live = [w for w in workers.alive() if not w.stopping]
+        aware = [w for w in live if w.rank in workers.aware]
+        plain = [w for w in live if w.rank not in workers.aware]
+        pids = {w.rank: w.pid for w in live}
+        for hang in self.watch.overdue([w.rank for w in aware], now,
+                                       state_of=lambda r: proc_state(pids.get(r))):
+            self.act(workers.by_rank(hang.rank), hang, aware=True)  # type: ignore[arg-type]
+        if plain and self.policy.enabled:
+            self.silence.sample({w.rank: w.pid for w in plain if w.pid}, now)
+            self._check_plain(plain, generation, node, now)
+        if self.board is not None and self.board.due(now):
+            self.board.publish({w.rank: self._record(w, w.rank in workers.aware, now) for w in live}, now)
+
+    def _record(self, w: Worker, aware: bool, now: float) -> dict:
+        rec = self.watch.progress_of(w.rank, now) if aware else None
+        if rec is None:
+            rec = {"aware": aware, "phase": "", "waiting": False, "silent_s": 0.0,
+                   "idle_s": round(self.silence.silent_for(w.rank, now), 3)}
+        rec.update(state=proc_state(w.pid), pid=w.pid, local_rank=w.local_rank, host=self.host)
+        return rec
+
+    def _check_plain(self, plain: list[Worker], generation: int, node: int, now: float) -> None:
+        """Unmodified workers: declare at most one hang per generation on this node."""
+        if self._declared == generation:
+            return
+        limit = self.policy.unmodified_timeout()
+        silent = [RankProgress(w.rank, node, False, self.silence.silent_for(w.rank, now),
+                               state=proc_state(w.pid), pid=w.pid, local_rank=w.local_rank,
+                               host=self.host)
+                  for w in plain if self.silence.silent_for(w.rank, now) > limit]
+        frozen = [p for p in silent if p.state in FROZEN_STATES]
+        if not frozen and (not silent or len(silent) < len(plain) or self._others_progress(node, limit)):
+            return  # some rank still progresses: a slow job, not a hung one
+        outside: list[int] = []
+        if not frozen and py_spy_available():
+            outside = [q.rank for q in silent
+                       if Dump("py-spy", py_spy_dump(q.pid or 0) or "").in_collective is False]
+        p, why, weak = blame_local(frozen or silent, outside)
+        self._declared = generation
+        w = next(w for w in plain if w.rank == p.rank)
+        self.act(w, Hang(p.rank, p.idle_s, limit, why, p.state, weak=weak), aware=False)
+
+    def _others_progress(self, node: int, limit: float) -> bool:
+        """Whether a rank of another node progressed within `limit` s (its agent's record)."""
+        if self._kv is None or self._nnodes <= 1:
+            return False
+        return any(p.node != node and p.idle_s < limit
+                   for p in read_progress(self._kv, self._nnodes))
+
+    # ---- acting on a hang ---------------------------------------------------------------
+    def act(self, w: Worker, hang: Hang, aware: bool) -> None:
+        """Log the hang, dump the stacks, kill the process; its exit is reported as a hang."""
+        timeout = (f"--hang-timeout {self.cfg.hang_timeout:g}" if self.cfg.hang_timeout
+                   else "--hang-timeout auto")
+        self.log.error("hang", f"rank {w.rank} (pid {w.pid}) hangs: {hang.basis} ({timeout}, "
+                       f"allowance {hang.timeout_s:.1f}s); dumping its stacks, then killing it",
+                       rank=w.rank, pid=w.pid, **hang.evidence())
+        self.watch.killed(hang)
+        self.dump(w, aware)
+        send_signal(w, signal.SIGKILL)
+
+    def dump(self, w: Worker, aware: bool) -> Dump:
+        """Dump the stacks of `w` (alive), log where they went, record them in the events."""
+        err = os.path.join(self.run_dir.attempt_dir(w.generation), str(w.local_rank), "stderr.log")
+        d = dump_stacks(w.pid or 0, aware, err if os.path.exists(err) else None)
+        self.log.warning("hang-stacks", f"rank {w.rank} stacks dumped by {d.how} to {d.where}"
+                         + ("" if d.in_collective is None else
+                            f"; inside a torch.distributed call: {d.in_collective}"),
+                         rank=w.rank, pid=w.pid, how=d.how, stacks=d.text[-20000:])
+        if d.how == "py-spy":
+            self.log.print_block(f"[ftrun] stacks of rank {w.rank} (pid {w.pid}):\n{d.text}")
+        return d

@@ -1,0 +1,129 @@
+"""Progress of a worker as the kernel sees it: process state, CPU time and I/O of its process tree.
+
+Owns: reading `/proc/<pid>/stat` (state, parent, utime+stime) and `/proc/<pid>/io` (rchar,
+wchar: every byte read or written, output to the console or a log file included) for a worker
+and all its descendants, and `SilenceWatch`, which tells for each worker that does not use
+launcher.runtime (so sends no heartbeats) since when its process tree has shown no progress at
+all: no CPU time, no byte read or written. A rank blocked in a collective on a hung peer is
+silent too; which silent rank is blamed is `launcher.decision.blame_local`'s.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+SAMPLE_INTERVAL = 1.0  # seconds between /proc samples of a worker tree
+
+
+def proc_stat(pid: int) -> tuple[str, int, int] | None:
+    """(state letter, parent pid, utime + stime in clock ticks), None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    fields = raw[raw.rfind(")") + 2:].split()
+    try:
+        return fields[0], int(fields[1]), int(fields[11]) + int(fields[12])
+    except (IndexError, ValueError):
+        return None
+
+
+def proc_state(pid: int | None) -> str:
+    """The process state letter (R, S, D, T, Z, ...), "" when unknown."""
+    st = proc_stat(pid) if pid else None
+    return st[0] if st else ""
+
+
+def proc_io(pid: int) -> int:
+    """rchar + wchar of one process (0 when unreadable)."""
+    total = 0
+    try:
+        with open(f"/proc/{pid}/io", encoding="utf-8") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in ("rchar", "wchar"):
+                    total += int(value)
+    except (OSError, ValueError):
+        return 0
+    return total
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (one scan of /proc)."""
+    parent: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            st = proc_stat(int(name))
+            if st is not None:
+                parent[int(name)] = st[1]
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [p for p, pp in parent.items() if pp in frontier and p not in tree]
+        tree.extend(frontier)
+    return tree
+
+
+def tree_progress(pid: int) -> tuple[int, int] | None:
+    """(CPU ticks, I/O bytes) summed over the process tree of `pid`; None when it is gone."""
+    if proc_stat(pid) is None:
+        return None
+    cpu = io = 0
+    for p in descendants(pid):
+        st = proc_stat(p)
+        if st is not None:
+            cpu += st[2]
+            io += proc_io(p)
+    return cpu, io
+
+
+@dataclass
+class Silence:
+    """One worker's progress as sampled."""
+
+    pid: int
+    mark: tuple[int, int] | None = None
+    since: float = 0.0  # when the mark last changed (or sampling began)
+
+
+@dataclass
+class SilenceWatch:
+    """Since when each watched worker (rank -> pid) shows no progress in its process tree."""
+
+    interval: float = SAMPLE_INTERVAL
+    _seen: dict[int, Silence] = field(default_factory=dict)
+    _last_sample: float = 0.0
+
+    def sample(self, pids: dict[int, int], now: float | None = None) -> None:
+        """Sample the workers of `pids` (rank -> pid), at most every `interval` s."""
+        now = time.time() if now is None else now
+        if now - self._last_sample < self.interval:
+            return
+        self._last_sample = now
+        for rank in [r for r in self._seen if r not in pids]:
+            del self._seen[rank]
+        for rank, pid in pids.items():
+            s = self._seen.get(rank)
+            if s is None or s.pid != pid:
+                s = self._seen[rank] = Silence(pid, None, now)
+            mark = tree_progress(pid)
+            if mark is not None and mark != s.mark:
+                s.mark, s.since = mark, now
+
+    def note(self, rank: int, pid: int, mark: tuple[int, int], now: float) -> None:
+        """Record one observation directly (tests, or a caller that sampled itself)."""
+        s = self._seen.get(rank)
+        if s is None or s.pid != pid:
+            s = self._seen[rank] = Silence(pid, None, now)
+        if mark != s.mark:
+            s.mark, s.since = mark, now
+
+    def silent_for(self, rank: int, now: float | None = None) -> float:
+        """Seconds since `rank`'s tree last progressed (0 when not watched)."""
+        s = self._seen.get(rank)
+        now = time.time() if now is None else now
+        return 0.0 if s is None else now - s.since
+
+    def forget(self, rank: int) -> None:
+        self._seen.pop(rank, None)
