@@ -6,6 +6,7 @@ import pytest
 from launcher import plan as P
 from launcher.controller import Controller, post_fault
 from launcher.logs import AgentLog
+from launcher.progress import ProgressBoard
 from rendezvous.memory import LocalKV
 
 
@@ -14,10 +15,11 @@ def kv():
     return LocalKV()
 
 
-def make(kv, world=4, max_restarts=3, chain=None, tmp_path=None) -> Controller:
+def make(kv, world=4, max_restarts=3, chain=None, tmp_path=None, window=2.0) -> Controller:
     log = AgentLog(0, None, quiet=True)
     c = Controller(kv, log, world, 1, max_restarts,
-                   chain or [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=5.0)
+                   chain or [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=5.0,
+                   window=window)
     c.start()
     return c
 
@@ -133,5 +135,77 @@ def test_dump_round_names_the_step_and_the_writer_of_each_shard(kv) -> None:
                                                      shard=shard).to_json())
         rp = P.RepairPlan.from_json(kv.get(P.repair_key(1), 10.0))
         assert rp.fallback == P.DUMP and rp.resume_step == 7 and rp.writers == {"a": 0, "b": 2}
+    finally:
+        c.stop()
+
+
+def net(rank: int, gen: int = 0) -> P.Fault:
+    return P.Fault(kind="network", rank=rank, node=0, generation=gen, message="all_reduce timed out",
+                   evidence={"collective": "gradient all_reduce"})
+
+
+def board(kv, idle: dict[int, float], waiting: set[int]) -> None:
+    ProgressBoard(kv, 0).publish({r: {"aware": True, "phase": "forward", "waiting": r in waiting,
+                                      "idle_s": t, "silent_s": 0.3, "state": "S", "pid": 100 + r,
+                                      "local_rank": r} for r, t in idle.items()})
+
+
+def test_survivors_timing_out_in_one_collective_are_one_hang_of_the_rank_they_wait_on(kv) -> None:
+    for r in range(4):
+        kv.set(P.aware_key(r), b"1")
+    board(kv, {0: 9.0, 1: 12.0, 2: 9.0, 3: 8.8}, waiting={0, 2, 3})
+    c = make(kv)
+    try:
+        for r in (3, 2, 0):
+            post_fault(kv, net(r))
+        p = plan_of(kv, 1)
+        assert (p.strategy, p.failed_ranks, p.restart_ranks) == (P.RECOVER_IN_PLACE, [1], [1])
+        assert p.root_cause["kind"] == "hang" and p.root_cause["pid"] == 101 and p.restarts_used == 1
+        for r in range(4):
+            kv.set(P.status_key(1, r), P.RankStatus(r, 1, r == 1, -1 if r == 1 else 4, 5,
+                                                     shard="dp").to_json())
+        assert kv.wait([P.repair_key(1)], 10.0)
+        assert kv.try_get(P.plan_key(2)) is None  # one event, one round
+        assert [h["outcome"] for h in c.history] == ["recovered"]
+    finally:
+        c.stop()
+
+
+def test_unexplained_collective_reports_in_one_window_are_one_network_fault(kv) -> None:
+    for r in range(4):
+        kv.set(P.aware_key(r), b"1")
+    board(kv, {r: 5.0 for r in range(4)}, waiting={0, 1, 2, 3})
+    c = make(kv, window=1.0)
+    try:
+        post_fault(kv, net(2))
+        post_fault(kv, net(0))
+        p = plan_of(kv, 1)
+        assert p.strategy == P.RETRY and p.root_cause["rank"] == 2 and p.root_cause["kind"] == "network"
+        assert [x["rank"] for x in p.root_cause["evidence"]["consequences"]] == [0]
+        assert p.history[-1]["consequences"] == 1
+        post_fault(kv, net(3))  # from generation 0, after round 1 began: a consequence of its stop
+        for r in range(4):
+            kv.set(P.status_key(1, r), P.RankStatus(r, 1, False, 4, 5, shard="dp").to_json())
+        assert kv.wait([P.repair_key(1)], 10.0)
+        assert kv.try_get(P.plan_key(2)) is None
+    finally:
+        c.stop()
+
+
+def test_the_exit_plan_names_the_fault_that_ended_the_job_and_the_history(kv) -> None:
+    for r in range(4):
+        kv.set(P.aware_key(r), b"1")
+    c = make(kv, max_restarts=1)
+    try:
+        post_fault(kv, fault(rank=2, kind="uce-low"))
+        assert plan_of(kv, 1).strategy == P.RETRY
+        for r in range(4):
+            kv.set(P.status_key(1, r), P.RankStatus(r, 1, False, 4, 5, shard="dp").to_json())
+        assert kv.wait([P.repair_key(1)], 10.0)
+        post_fault(kv, fault(rank=1, kind="hang", gen=1))
+        p = plan_of(kv, 2)
+        assert p.strategy == P.EXIT and p.root_cause["rank"] == 1 and p.root_cause["kind"] == "hang"
+        assert [(h["rank"], h["kind"], h["handling"], h["outcome"][:7]) for h in p.history] == [
+            (2, "uce-low", [[P.RETRY, 1]], "recover"), (1, "hang", [[P.EXIT, 2]], "failed:")]
     finally:
         c.stop()

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 
 from launcher import plan as P
-from launcher.decision import (Budget, Round, Situation, decide, fallback, walk_chain)
+from launcher.decision import (Budget, RankProgress, Round, Situation, blame, blame_local, decide,
+                               fallback, may_be_consequence, merge, walk_chain)
 from launcher.faults import FaultKind
 
 DEFAULT = (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT)
@@ -153,3 +154,91 @@ def test_fallback_takes_the_first_strategy_after_the_process_level_ones_uncharge
 def test_fallback_needs_a_round() -> None:
     with pytest.raises(ValueError, match="round in progress"):
         fallback(situation(), "x")
+
+
+# ---------------------------------------------------------------- one event, one fault
+def net(rank: int, gen: int = 0, t: float = 100.0) -> P.Fault:
+    f = fault(rank, "network", gen, collective="gradient all_reduce")
+    f.time = t
+    return f
+
+
+def rec(rank: int, idle: float, waiting: bool = False, state: str = "S", silent: float = 0.5,
+        aware: bool = True, phase: str = "forward") -> RankProgress:
+    return RankProgress(rank=rank, node=rank // 2, aware=aware, idle_s=idle, waiting=waiting,
+                        silent_s=silent, state=state, phase=phase, pid=1000 + rank,
+                        local_rank=rank % 2, host="h")
+
+
+WAITERS = [rec(0, 9.0, True), rec(2, 9.0, True), rec(3, 8.5, True)]
+
+
+def test_which_reports_may_be_consequences() -> None:
+    assert may_be_consequence(net(0))
+    assert not may_be_consequence(fault(0, "network"))  # raised at a phase edge, not a collective
+    assert may_be_consequence(fault(0, "hang", weak=True))
+    assert not may_be_consequence(fault(0, "hang"))  # proven: stopped, or idle while not waiting
+    assert not may_be_consequence(fault(0, "signal")) and not may_be_consequence(fault(None, "network",
+                                                                                        collective="x"))
+
+
+def test_blame_the_rank_that_does_not_progress_while_its_peers_wait() -> None:
+    p, why = blame(WAITERS + [rec(1, 12.0)], reporters=[0, 2, 3])
+    assert p.rank == 1 and "not waiting in a collective" in why
+    p, why = blame(WAITERS + [rec(1, 12.0, waiting=True, state="T")], reporters=[0])
+    assert p.rank == 1 and "state T" in why  # stopped while inside a collective: still hung
+    p, why = blame(WAITERS + [rec(1, 12.0, waiting=True, silent=12.0)], reporters=[0])
+    assert p.rank == 1 and "heartbeats stopped" in why
+    assert blame(WAITERS + [rec(1, 0.3)], reporters=[0, 2, 3]) is None  # rank 1 progresses
+    assert blame(WAITERS + [rec(1, 30.0, phase="recovering")], reporters=[0]) is None
+    assert blame(WAITERS, reporters=[0, 2, 3]) is None  # everyone waits: a real network fault
+
+
+def test_reports_of_one_collective_timeout_merge_into_one_hang_of_the_culprit() -> None:
+    batch = [net(0, t=100.0), net(2, t=100.2), net(3, t=100.1)]
+    one = merge(batch, WAITERS + [rec(1, 12.0)])
+    assert (one.kind, one.rank, one.node, one.pid, one.time) == ("hang", 1, 0, 1001, 100.0)
+    assert one.evidence["blamed_by"] == "controller"
+    assert sorted(c["rank"] for c in one.evidence["consequences"]) == [0, 2, 3]
+    d = decide(one, situation())
+    assert d.strategy == P.RECOVER_IN_PLACE and d.failed_ranks == (1,) and d.restart_ranks == (1,)
+
+
+def test_with_no_culprit_the_earliest_report_is_the_fault_and_the_rest_its_consequences() -> None:
+    one = merge([net(2, t=100.2), net(0, t=100.0)], WAITERS)
+    assert (one.kind, one.rank) == ("network", 0) and [c["rank"] for c in one.evidence["consequences"]] == [2]
+    assert decide(one, situation()).strategy == P.RETRY
+    assert merge([net(3)], WAITERS) == net(3)  # alone and unexplained: unchanged
+
+
+def test_a_proven_fault_in_the_window_wins_over_the_reports_it_explains() -> None:
+    exit1 = fault(1, "signal")
+    exit1.time = 101.0
+    one = merge([net(0, t=100.0), exit1, net(2, t=100.5)], WAITERS + [rec(1, 12.0)])
+    assert (one.kind, one.rank) == ("signal", 1)
+    assert sorted(c["rank"] for c in one.evidence["consequences"]) == [0, 2]
+    with pytest.raises(ValueError):
+        merge([], WAITERS)
+
+
+def test_network_reports_from_before_the_round_are_its_consequences_not_new_rounds() -> None:
+    rnd = round_of(P.RECOVER_IN_PLACE, failed=(1,), gen=1, collecting=True)
+    for rank in (0, 2, 3):  # the issue: three reports used to start three rounds
+        d = decide(net(rank, gen=0), situation(rnd=rnd))
+        assert d.absorbed and "consequence of the stop of generation 1" in d.reason
+    d = decide(net(2, gen=1), situation(rnd=rnd))  # a collective of the new generation failed
+    assert not d.absorbed
+    assert not decide(fault(2, "signal", gen=0), situation(rnd=rnd)).absorbed  # a real death
+
+
+def test_local_blame_prefers_a_frozen_process_then_stacks_then_the_first_silent() -> None:
+    silent = [rec(0, 40.0, aware=False), rec(1, 31.0, aware=False, state="T"), rec(2, 35.0, aware=False)]
+    p, why, weak = blame_local(silent)
+    assert p.rank == 1 and "state T" in why and not weak
+    plain = [rec(0, 40.0, aware=False), rec(2, 35.0, aware=False)]
+    p, why, weak = blame_local(plain, outside=[2])
+    assert p.rank == 2 and "not inside a torch.distributed call" in why and not weak
+    p, why, weak = blame_local(plain)
+    assert p.rank == 0 and weak and "first of the silent ranks" in why and "ranks [2]" in why
+    with pytest.raises(ValueError):
+        blame_local([])

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import json
 
-from launcher.errors import (Failure, copy_root_error_file, failure_from_exit, format_summary,
-                             read_error_file, root_cause)
+from launcher import plan as P
+from launcher.errors import (Failure, JobFailures, copy_root_error_file, failure_from_exit,
+                             format_summary, read_error_file, root_cause)
 
 
 def write_error(path, msg: str, ts: float) -> None:
@@ -48,3 +49,46 @@ def test_copy_root_error_file_is_atomic_and_sets_error_code(tmp_path) -> None:
     assert data["message"]["errorCode"] == 7 and data["message"]["message"] == "ValueError: x"
     assert sorted(p.name for p in dest.parent.iterdir()) == ["error.json"]
     assert not copy_root_error_file(f, None)
+
+
+HISTORY = [
+    {"rank": 2, "kind": "uce-low", "node": 0, "pid": 22, "message": "injected uce-low", "injected": True,
+     "handling": [["retry", 1]], "outcome": "recovered", "consequences": 0},
+    {"rank": 0, "kind": "signal", "node": 0, "pid": 20, "message": "Signal 9", "injected": False,
+     "handling": [["recover-in-place", 2]], "outcome": "recovered", "consequences": 0},
+    {"rank": 1, "kind": "hang", "node": 0, "pid": 21, "message": "rank 1 hangs", "injected": False,
+     "handling": [["recover-in-place", 3], ["restart-all", 3], ["exit", 4]],
+     "outcome": "failed: restart budget spent", "consequences": 3},
+]
+
+
+def test_the_root_cause_is_the_fault_whose_handling_failed_and_earlier_faults_are_history() -> None:
+    jf = JobFailures()
+    jf.add(Failure(0, 0, "h", 20, -9, 50.0, 1, node=0, kind="signal", message="Signal 9"))  # recovered
+    jf.add(Failure(1, 1, "h", 21, -9, 90.0, 3, node=0, kind="hang", message="hung: stopped"))
+    jf.add(Failure(3, 3, "h", 23, 1, 95.0, 3, node=0, message="exited with code 1"))
+    plan = P.Plan(4, P.EXIT, [1], [], "budget spent", history=HISTORY,
+                  root_cause={"kind": "hang", "rank": 1, "node": 0, "generation": 3, "pid": 21,
+                              "time": 89.0, "message": "rank 1 hangs"})
+    jf.note_plan(plan)
+    root, failures, _ = jf.for_summary()
+    assert root is not None and (root.rank, root.kind, root.time) == (1, "hang", 89.0)
+    text = format_summary("train.py", failures, [], "budget spent", root, jf.history)
+    head = text[text.index("Root Cause"):text.index("Earlier faults")]
+    assert "(the fault whose handling failed)" in head and "rank      : 1" in head
+    assert ("handling  : recover-in-place (gen 3) -> restart-all (gen 3) -> exit (gen 4): "
+            "failed: restart budget spent") in head
+    hist = text[text.index("Earlier faults"):text.index("Other Failures")]
+    assert "rank 2 uce-low [injected] on node 0: injected uce-low -> retry (gen 1): recovered" in hist
+    assert "rank 0 signal" in hist
+    other = text[text.index("Other Failures"):]
+    assert "rank      : 3" in other and "rank      : 0" not in other  # rank 0 is history
+
+
+def test_a_root_cause_seen_on_another_node_is_summarised_from_the_plan() -> None:
+    jf = JobFailures()
+    jf.note_plan(P.Plan(2, P.EXIT, [5], [], "r", history=HISTORY[2:],
+                        root_cause={"kind": "hang", "rank": 5, "node": 1, "generation": 1, "pid": 55,
+                                    "time": 10.0, "message": "rank 5 hangs", "host": "other"}))
+    root, failures, _ = jf.for_summary()
+    assert root is not None and root.rank == 5 and root in failures and root.host == "other"
