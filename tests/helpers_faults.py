@@ -96,12 +96,13 @@ class LiveJob:
     """A job running in the background, for `ftctl inject` against it."""
 
     def __init__(self, workdir: Path, launcher_args: list[str] | None = None,
-                 script_args: list[str] | None = None, steps: int = STEPS) -> None:
+                 script_args: list[str] | None = None, steps: int = STEPS,
+                 env: dict[str, str] | None = None) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self._out = open(workdir / "ftrun.out", "w+", encoding="utf-8")
         cmd = job_command(workdir, ["--max_restarts", "3", *(launcher_args or [])], script_args or [], steps)
-        self.proc = subprocess.Popen(cmd, env=job_env(None, None), stdout=self._out,
+        self.proc = subprocess.Popen(cmd, env=job_env(None, env), stdout=self._out,
                                      stderr=subprocess.STDOUT, text=True, cwd=str(workdir))
 
     def wait_for(self, name: str, count: int, timeout: float = 120) -> list[dict]:
