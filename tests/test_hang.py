@@ -23,6 +23,9 @@ import pytest
 
 from helpers_faults import LiveJob, assert_same_params, run_job
 from helpers_launch import FTRUN, env_with, events, script
+from launcher.plan import progress_key
+from launcher.progress import read_progress
+from rendezvous.client import StoreClient
 
 STEPS = 40
 STEP_TIME = "0.1"  # seconds of sleep per step (does not change the numbers)
@@ -37,6 +40,24 @@ def ref(tmp_path_factory):
     job = run_job(tmp_path_factory.mktemp("hang_ref"), steps=STEPS)
     assert job.returncode == 0, job.describe()
     return job.params
+
+
+def wait_for_step(job: LiveJob, step: int, timeout: float = 120.0) -> None:
+    """Until every rank's progress record (the agents' records in the store) is at `step`."""
+    host, port = job.store_addr().rsplit(":", 1)
+    kv = StoreClient(host, int(port), timeout=10.0)
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            recs = read_progress(kv, 1)
+            if len(recs) == 4 and all(r.aware and r.phase and r.idle_s < 5 for r in recs):
+                raw = kv.try_get(progress_key(0))
+                if raw and min(v["step"] for v in json.loads(raw)["ranks"].values()) >= step:
+                    return
+            time.sleep(0.2)
+    finally:
+        kv.close()
+    raise AssertionError(f"the ranks did not reach step {step}\n{job.output()[-4000:]}")
 
 
 def one_round_for(job, rank: int) -> dict:
@@ -54,10 +75,7 @@ def test_sigstop_of_a_random_rank_is_found_with_default_flags(tmp_path, ref):
     job = LiveJob(tmp_path, script_args=["--step-time", STEP_TIME], steps=STEPS)
     spawns = job.wait_for("spawn", 4)
     pid = next(e["pid"] for e in spawns if e["rank"] == victim)
-    deadline = time.monotonic() + 120
-    while job.output().count("joined generation 0") < 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(2.0)  # a few steps: the step times are known, the first-step allowance is over
+    wait_for_step(job, 3)  # the step times are known: the first-step allowance is over
     os.kill(pid, signal.SIGSTOP)
     stopped = time.time()
     result = job.finish(timeout=300)
