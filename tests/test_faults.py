@@ -33,3 +33,15 @@ def test_injections_split_into_agent_signals_and_runtime_kinds() -> None:
     assert set(SIGNAL_INJECTIONS) | RUNTIME_INJECTIONS == set(INJECTION_KINDS)
     assert not set(SIGNAL_INJECTIONS) & RUNTIME_INJECTIONS
     assert "exit" in RUNTIME_INJECTIONS and set(WORKER_FAULT_KINDS) <= RUNTIME_INJECTIONS
+
+
+def test_collective_failures_of_peers_are_recognised_in_backend_text() -> None:
+    from launcher.faults import collective_failure
+
+    gloo = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+            "Timed out waiting 1800000ms for recv operation to complete")
+    assert collective_failure(gloo) == "gloo collective timeout"
+    assert collective_failure("[Rank 1] Watchdog caught collective operation timeout: "
+                              "WorkNCCL(SeqNum=5, OpType=ALLREDUCE)") == "NCCL collective timeout"
+    assert collective_failure("gloo: Connection closed by peer [127.0.0.1]:1234") == "peer connection closed"
+    assert collective_failure("ValueError: bad shape") == ""

@@ -1,0 +1,79 @@
+"""The agent's hang guard for unmodified workers (real sleeping processes, a recorded silence):
+a stopped rank is blamed even while others progress; with every rank silent the first to go
+silent is blamed, weakly; a node where one rank still progresses is not hung; one hang per
+generation; the progress records reach the store."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from launcher.config import LaunchConfig
+from launcher.hang_guard import HangGuard
+from launcher.hang_watch import HangPolicy
+from launcher.logs import AgentLog, RunLogDir, read_events
+from launcher.progress import read_progress
+from launcher.workers import NodeWorkers
+from rendezvous.memory import LocalKV
+
+
+@pytest.fixture()
+def guard(tmp_path):
+    cfg = LaunchConfig(script="x.py", script_args=[], hang_timeout=5.0, hang=HangPolicy(5.0))
+    run_dir = RunLogDir.create(str(tmp_path), "job")
+    log = AgentLog(0, run_dir.events_path, quiet=True)
+    workers = NodeWorkers.create(0, 3)
+    for w in workers.all():
+        w.attach(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    g = HangGuard(cfg, log, run_dir, "h", lambda: workers)
+    g.attach(LocalKV(), 0, 1)
+    g.silence._last_sample = time.time() + 3600  # the test records the silence itself
+    yield g, workers, run_dir
+    for w in workers.all():
+        w.proc.kill()
+        w.proc.wait()
+    log.close()
+
+
+def silent(g: HangGuard, workers: NodeWorkers, ago: dict[int, float]) -> None:
+    now = time.time()
+    for w in workers.all():
+        g.silence.note(w.rank, w.pid, (0, 0), now - ago.get(w.rank, 0.0))
+
+
+def test_a_stopped_rank_is_blamed_even_while_others_progress(guard) -> None:
+    g, workers, run_dir = guard
+    w1 = workers.by_rank(1)
+    w1.proc.send_signal(signal.SIGSTOP)
+    time.sleep(0.1)
+    silent(g, workers, {1: 8.0})
+    g.check(generation=0, node=0)
+    assert w1.proc.wait(10) < 0 and workers.by_rank(0).proc.poll() is None
+    hang = g.take_killed(1)
+    assert hang is not None and hang.state == "T" and not hang.weak and "SIGSTOP" in hang.basis
+    ev = [e for e in read_events(str(run_dir.path + "/..")) if e["event"] in ("hang", "hang-stacks")]
+    assert [e["event"] for e in ev] == ["hang", "hang-stacks"] and ev[1]["how"] == "faulthandler (SIGABRT)"
+
+
+def test_all_silent_blames_the_first_to_go_silent_weakly_and_once(guard) -> None:
+    g, workers, _ = guard
+    silent(g, workers, {0: 6.0, 1: 9.0, 2: 7.0})
+    g.check(generation=0, node=0)
+    hang = g.take_killed(1)
+    assert hang is not None and hang.weak and "first of the silent ranks" in hang.basis
+    assert workers.by_rank(1).proc.wait(10) < 0
+    g.check(generation=0, node=0)  # the others are silent too, but one hang per generation
+    assert g.take_killed(0) is None and g.take_killed(2) is None
+
+
+def test_a_node_where_a_rank_progresses_is_not_hung_and_records_are_published(guard) -> None:
+    g, workers, _ = guard
+    silent(g, workers, {0: 9.0, 1: 9.0, 2: 1.0})
+    g.check(generation=0, node=0)
+    assert all(g.take_killed(r) is None for r in range(3))
+    recs = {r.rank: r for r in read_progress(g._kv, 1)}
+    assert sorted(recs) == [0, 1, 2] and not recs[0].aware and recs[0].idle_s >= 9.0
+    assert recs[2].state in ("R", "S") and recs[2].pid == workers.by_rank(2).pid
