@@ -14,6 +14,7 @@ from launcher.workers import NodeWorkers, Reaper, WorkerExit, stop_workers
 def test_environment_and_spawn(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("FTRUN_WARM_SPARE", "0")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("PYTHONFAULTHANDLER", raising=False)
     script = tmp_path / "w.py"
     script.write_text("import os, sys\nsys.exit(int(os.environ['RANK']) + 10)\n")
     cfg = build_config(parse(["--nproc_per_node", "2", "--max_restarts", "2", str(script)]), env={})
@@ -37,6 +38,9 @@ def test_environment_and_spawn(tmp_path, monkeypatch) -> None:
             "TORCHELASTIC_RESTART_COUNT": "3", "TORCHELASTIC_MAX_RESTARTS": "2"}
         assert (env["FTRUN_AGENT_SOCKET"], env["FTRUN_GENERATION"], env["FTRUN_REPLACEMENT"],
                 env["FTRUN_NODE_RANK"], env["OMP_NUM_THREADS"]) == ("/tmp/x.sock", "3", "1", "2", "1")
+        assert env["PYTHONFAULTHANDLER"] == "1"  # a hung unmodified worker dumps its stacks on SIGABRT
+        monkeypatch.setenv("PYTHONFAULTHANDLER", "0")
+        assert sp.env(w, replacement=False)["PYTHONFAULTHANDLER"] == "0"  # the user's choice wins
         sp.spawn_all(workers.all(), 1)
         assert spawned == workers.all() and all(x.generation == 1 for x in workers.all())
         codes = sorted(ev.code for ev in (q.get(timeout=30), q.get(timeout=30)) if isinstance(ev, WorkerExit))
