@@ -270,7 +270,8 @@ def blame(progress: Sequence[RankProgress], reporters: Sequence[int],
     if silent:
         p = max(silent, key=lambda p: p.silent_s)
         return p, f"its heartbeats stopped {p.silent_s:.1f}s ago (the process is frozen)"
-    idle = [p for p in others if not p.waiting and p.idle_s >= min_idle
+    # idleness is evidence only with heartbeats: an unmodified rank blocked on a peer is idle too
+    idle = [p for p in others if p.aware and not p.waiting and p.idle_s >= min_idle
             and p.phase not in ("init", "recovering")]
     if idle:
         p = max(idle, key=lambda p: p.idle_s)

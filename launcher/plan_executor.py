@@ -80,9 +80,19 @@ class PlanExecutor:
         stop_workers(self.workers.all(), sig, self.cfg.shutdown_timeout)
         self.failures.note_terminated(live)
 
+    def _dump_blamed(self, plan: P.Plan) -> None:
+        """A live local rank the controller blamed for a hang: its stacks before it is stopped."""
+        cause = plan.root_cause or {}
+        if cause.get("kind") != "hang" or self._dump is None:
+            return
+        for w in self.workers.of_ranks(plan.failed_ranks):
+            if w.alive and w.pid == cause.get("pid", w.pid):
+                self._dump(w)
+
     def _restart_all(self, plan: P.Plan) -> int | None:
         g = plan.generation
         t0 = time.monotonic()
+        self._dump_blamed(plan)
         self._stop_all(signal.SIGTERM)
         if self.kv.add(P.stopped_key(g), 1) >= self.world.group_world_size:
             self.kv.set(P.all_stopped_key(g), b"1")
@@ -121,12 +131,10 @@ class PlanExecutor:
                 self._pending_stop[w.rank] = stop
                 self.log.warning("stop-deferred", f"rank {w.rank} is not connected yet; the stop for "
                                  f"generation {g} is delivered when it connects", rank=w.rank)
-        hang = (plan.root_cause or {}).get("kind") == "hang"
+        self._dump_blamed(plan)
         for w in restart:
             self._pending_stop.pop(w.rank, None)
             if w.alive:
-                if hang and w.rank in plan.failed_ranks and self._dump is not None:
-                    self._dump(w)  # blamed by the controller: its stacks before it goes
                 stop_workers([w], signal.SIGKILL, 0.0)
             self.workers.aware.discard(w.rank)
             self.spawner.spawn(w, g, replacement=True)
