@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 
 from launcher import plan as P
-from launcher.decision import (PROCESS_LEVEL, Budget, Decision, Round, Situation, blame,
-                               covered_by, decide, fallback, may_be_consequence, merge)
+from launcher.decision import (PROCESS_LEVEL, Budget, Decision, Round, Situation, covered_by,
+                               culprit, decide, fallback, may_be_consequence, merge)
 from launcher.progress import read_progress
 from launcher.logs import AgentLog
 from rendezvous.kv import KVStore, StoreError
@@ -102,7 +102,7 @@ class Controller:
         while True:
             progress = read_progress(self.kv, self.nnodes)
             reporters = sorted({f.rank for f in batch if f.rank is not None})
-            if (not all(may_be_consequence(f) for f in batch) or blame(progress, reporters)
+            if (not all(may_be_consequence(f) for f in batch) or culprit(batch, progress)
                     or len(reporters) >= self.world_size or time.monotonic() >= deadline):
                 break
             more = self._next_fault(min(0.2, max(0.0, deadline - time.monotonic())))

@@ -257,10 +257,13 @@ def may_be_consequence(fault: P.Fault) -> bool:
 
 
 def blame(progress: Sequence[RankProgress], reporters: Sequence[int],
-          min_idle: float = MIN_BLAME_IDLE) -> tuple[RankProgress, str] | None:
+          min_idle: float = MIN_BLAME_IDLE, first_silent: bool = True
+          ) -> tuple[RankProgress, str] | None:
     """The rank that does not progress while `reporters` wait on it, and why; None when no rank
     stands out. Order: a frozen process (stopped or stuck), then silent heartbeats, then a rank
-    idle while not waiting in a collective; the longest idle first within each."""
+    idle while not waiting in a collective, then (unmodified ranks, which say nothing about
+    waiting) the first to go silent, when `first_silent` (the reporters timed out waiting, so
+    they are not it); the longest idle first within each."""
     others = [p for p in progress if p.rank not in reporters and p.phase != "done"]
     frozen = [p for p in others if p.state in FROZEN and p.idle_s >= min_idle]
     if frozen:
@@ -276,7 +279,20 @@ def blame(progress: Sequence[RankProgress], reporters: Sequence[int],
     if idle:
         p = max(idle, key=lambda p: p.idle_s)
         return p, f"no progress for {p.idle_s:.1f}s while not waiting in a collective"
+    quiet = [p for p in others if first_silent and not p.aware and p.idle_s >= min_idle]
+    if quiet:  # the reporters timed out waiting: of the silent others, the first to go silent
+        p = max(quiet, key=lambda p: p.idle_s)
+        return p, (f"no CPU time and no I/O for {p.idle_s:.1f}s, the first of the silent ranks to "
+                   "go silent while the reporters timed out waiting (nothing else tells them apart)")
     return None
+
+
+def culprit(batch: Sequence[P.Fault], progress: Sequence[RankProgress]
+            ) -> tuple[RankProgress, str] | None:
+    """`blame()` for a window of reports that may all be consequences."""
+    reporters = sorted({f.rank for f in batch if f.rank is not None})
+    waited = all(FaultKind.parse(f.kind) == FaultKind.NETWORK for f in batch)
+    return blame(progress, reporters, first_silent=waited)
 
 
 def _consequence(f: P.Fault) -> dict:
@@ -292,7 +308,7 @@ def merge(batch: Sequence[P.Fault], progress: Sequence[RankProgress]) -> P.Fault
     rest = [f for f in batch if f is not first]
     if not strong:
         reporters = sorted({f.rank for f in batch if f.rank is not None})
-        found = blame(progress, reporters)
+        found = culprit(batch, progress)
         if found is not None:
             p, why = found
             cause = P.Fault(kind=FaultKind.HANG.value, rank=p.rank, node=p.node,

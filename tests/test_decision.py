@@ -192,9 +192,14 @@ def test_blame_the_rank_that_does_not_progress_while_its_peers_wait() -> None:
     assert blame(WAITERS + [rec(1, 0.3)], reporters=[0, 2, 3]) is None  # rank 1 progresses
     assert blame(WAITERS + [rec(1, 30.0, phase="recovering")], reporters=[0]) is None
     assert blame(WAITERS, reporters=[0, 2, 3]) is None  # everyone waits: a real network fault
-    plain = [rec(0, 40.0, aware=False), rec(2, 35.0, aware=False)]  # no heartbeats: idle proves nothing
-    assert blame(plain, reporters=[1]) is None
+    plain = [rec(0, 40.0, aware=False), rec(2, 35.0, aware=False)]  # no heartbeats, no waiting flag
     assert blame(plain + [rec(3, 20.0, aware=False, state="D")], reporters=[1])[0].rank == 3
+    p, why = blame(plain, reporters=[1])  # rank 1 timed out waiting: of the others, first silent
+    assert p.rank == 0 and "first of the silent ranks" in why
+    assert blame([rec(0, 1.0, aware=False)], reporters=[1]) is None
+    assert blame(plain, reporters=[1], first_silent=False) is None
+    weak = fault(1, "hang", weak=True)  # rank 1 was the first to go silent on its node: it stays
+    assert merge([weak], plain) == weak
 
 
 def test_reports_of_one_collective_timeout_merge_into_one_hang_of_the_culprit() -> None:
