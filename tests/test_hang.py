@@ -170,3 +170,26 @@ def test_an_unmodified_script_with_a_stopped_rank_is_restarted_blaming_that_rank
     assert [p["strategy"] for p in plans] == ["restart-all"]
     decide = next(e for e in ev if e["event"] == "decide")
     assert decide["rank"] == victim and decide["fault_kind"] == "hang"
+
+
+def test_an_unmodified_scripts_backend_timeouts_blame_the_rank_that_went_silent_first(tmp_path):
+    out = tmp_path / "result.json"
+    cmd = FTRUN + ["--nproc_per_node", "3", "--max_restarts", "1", "--monitor_interval", "0.5",
+                   "--log_dir", str(tmp_path / "logs"), script("plain_hang.py"), "--hang-rank", "1",
+                   "--timeout", "5", "--work", "2", "--out", str(out)]
+    res = subprocess.run(cmd, env=env_with(), capture_output=True, text=True, timeout=240, cwd=str(tmp_path))
+    ev = events(str(tmp_path / "logs"))
+    text = res.stdout + res.stderr
+    assert res.returncode == 0, text[-6000:]
+    assert json.loads(out.read_text()) == {"sum": 3.0, "restart_count": 1}
+    failed = [e for e in ev if e["event"] == "worker-failed"]
+    assert failed and {e["fault_kind"] for e in failed} == {"network"}, failed  # the victims' timeouts
+    assert {e["rank"] for e in failed} <= {0, 2}
+    merged = next(e for e in ev if e["event"] == "fault-merged")
+    assert merged["rank"] == 1 and merged["fault_kind"] == "hang", merged
+    decide = next(e for e in ev if e["event"] == "decide")
+    assert decide["rank"] == 1 and decide["fault_kind"] == "hang"
+    assert [e["strategy"] for e in ev if e["event"] == "plan"] == ["restart-all"]
+    stacks = next(e for e in ev if e["event"] == "hang-stacks")
+    assert stacks["rank"] == 1 and stacks["how"] == "faulthandler (SIGABRT)"
+    assert "Fatal Python error: Aborted" in text
