@@ -50,31 +50,40 @@ def proc_io(pid: int) -> int:
     return total
 
 
-def descendants(pid: int) -> list[int]:
-    """`pid` and every process below it (one scan of /proc)."""
-    parent: dict[int, int] = {}
+Table = dict[int, tuple[str, int, int]]  # pid -> (state, parent pid, CPU ticks)
+
+
+def process_table() -> Table:
+    """One scan of /proc: every process's state, parent and CPU ticks."""
+    table: Table = {}
     for name in os.listdir("/proc"):
         if name.isdigit():
             st = proc_stat(int(name))
             if st is not None:
-                parent[int(name)] = st[1]
-    tree, frontier = [pid], [pid]
+                table[int(name)] = st
+    return table
+
+
+def descendants(pid: int, table: Table | None = None) -> list[int]:
+    """`pid` and every process below it."""
+    table = process_table() if table is None else table
+    tree, frontier = [pid], {pid}
     while frontier:
-        frontier = [p for p, pp in parent.items() if pp in frontier and p not in tree]
-        tree.extend(frontier)
+        frontier = {p for p, st in table.items() if st[1] in frontier and p not in tree}
+        tree.extend(sorted(frontier))
     return tree
 
 
-def tree_progress(pid: int) -> tuple[int, int] | None:
-    """(CPU ticks, I/O bytes) summed over the process tree of `pid`; None when it is gone."""
-    if proc_stat(pid) is None:
+def tree_progress(pid: int, table: Table | None = None) -> tuple[int, int] | None:
+    """(CPU ticks, I/O bytes) summed over the process tree of `pid`; None when it is gone.
+    `table`: a `process_table()` shared by several calls (one /proc scan per sample)."""
+    table = process_table() if table is None else table
+    if pid not in table:
         return None
     cpu = io = 0
-    for p in descendants(pid):
-        st = proc_stat(p)
-        if st is not None:
-            cpu += st[2]
-            io += proc_io(p)
+    for p in descendants(pid, table):
+        cpu += table[p][2]
+        io += proc_io(p)
     return cpu, io
 
 
@@ -103,11 +112,12 @@ class SilenceWatch:
         self._last_sample = now
         for rank in [r for r in self._seen if r not in pids]:
             del self._seen[rank]
+        table = process_table() if pids else {}
         for rank, pid in pids.items():
             s = self._seen.get(rank)
             if s is None or s.pid != pid:
                 s = self._seen[rank] = Silence(pid, None, now)
-            mark = tree_progress(pid)
+            mark = tree_progress(pid, table)
             if mark is not None and mark != s.mark:
                 s.mark, s.since = mark, now
 
