@@ -60,7 +60,7 @@ class PlanExecutor:
         self.failures = failures
         self._pending_stop: dict[int, Stop] = {}  # rank -> stop it has not received yet
         self.stop = stop or threading.Event()  # set by a signal: every wait here ends at once
-        self._dump = dump  # stack dump of a live rank the controller blamed for a hang
+        self._dump_stacks = dump  # stack dump of a live rank the controller blamed for a hang
 
     def execute(self, plan: P.Plan) -> int | None:
         self.log.info("plan-received", f"executing {plan.strategy} for generation {plan.generation}"
@@ -83,11 +83,11 @@ class PlanExecutor:
     def _dump_blamed(self, plan: P.Plan) -> None:
         """A live local rank the controller blamed for a hang: its stacks before it is stopped."""
         cause = plan.root_cause or {}
-        if cause.get("kind") != "hang" or self._dump is None:
+        if cause.get("kind") != "hang" or self._dump_stacks is None:
             return
         for w in self.workers.of_ranks(plan.failed_ranks):
             if w.alive and w.pid == cause.get("pid", w.pid):
-                self._dump(w)
+                self._dump_stacks(w)
 
     def _restart_all(self, plan: P.Plan) -> int | None:
         g = plan.generation
