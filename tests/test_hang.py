@@ -8,7 +8,9 @@
     that rank, blamed by the controller), one round;
   - a budget exhausted by a hang after a repaired UCE: the summary names the hang;
   - an unmodified script with one rank stopped: detected within --hang-timeout, stacks dumped,
-    that rank blamed, restart-all, the job completes.
+    that rank blamed, restart-all, the job completes;
+  - (slow) an unmodified script whose peers' gloo collectives time out on a sleeping rank: their
+    exits are consequences, the rank that went silent first is blamed.
 """
 from __future__ import annotations
 
@@ -172,6 +174,7 @@ def test_an_unmodified_script_with_a_stopped_rank_is_restarted_blaming_that_rank
     assert decide["rank"] == victim and decide["fault_kind"] == "hang"
 
 
+@pytest.mark.slow  # extra coverage of item 6 (the SIGSTOP test above is the CI one)
 def test_an_unmodified_scripts_backend_timeouts_blame_the_rank_that_went_silent_first(tmp_path):
     out = tmp_path / "result.json"
     cmd = FTRUN + ["--nproc_per_node", "3", "--max_restarts", "1", "--monitor_interval", "0.5",
