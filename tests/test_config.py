@@ -73,3 +73,21 @@ def test_redirect_maps() -> None:
 def test_shutdown_timeout_env_fallback() -> None:
     assert cfg(env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}).shutdown_timeout == 7.0
     assert cfg("--shutdown_timeout", "3").shutdown_timeout == 3.0
+
+
+def test_hang_timeout_is_auto_by_default_seconds_or_zero_and_bad_values_are_one_line() -> None:
+    c = cfg()
+    assert c.hang_timeout is None and c.hang.enabled and c.hang.floor == 30.0 and c.fault_window == 2.0
+    assert cfg("--hang-timeout", "auto").hang_timeout is None
+    assert cfg("--hang_timeout", "45").hang.step_timeout([1.0]) == 45.0
+    assert not cfg("--hang-timeout", "0").hang.enabled
+    for bad, why in (("x", "is not 'auto' or a number"), ("-1", "must be 'auto', 0 (off)"),
+                     ("inf", "must be 'auto', 0 (off)")):
+        with pytest.raises(ConfigError, match=f"^--hang-timeout: '{bad}' {why}"):
+            cfg("--hang-timeout", bad)
+    c = cfg(env={"FTRUN_HANG_FLOOR": "2", "FTRUN_HANG_MULTIPLIER": "5", "FTRUN_FAULT_WINDOW": "0.5"})
+    assert (c.hang.floor, c.hang.multiplier, c.fault_window) == (2.0, 5.0, 0.5)
+    with pytest.raises(ConfigError, match="^FTRUN_HANG_FLOOR='0' must be > 0"):
+        cfg(env={"FTRUN_HANG_FLOOR": "0"})
+    with pytest.raises(ConfigError, match="^FTRUN_FAULT_WINDOW='soon': must be seconds in 0..60"):
+        cfg(env={"FTRUN_FAULT_WINDOW": "soon"})
