@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 
+import re
+
 import pytest
 
 from launcher import plan as P
@@ -83,7 +85,7 @@ def test_hang_timeout_is_auto_by_default_seconds_or_zero_and_bad_values_are_one_
     assert not cfg("--hang-timeout", "0").hang.enabled
     for bad, why in (("x", "is not 'auto' or a number"), ("-1", "must be 'auto', 0 (off)"),
                      ("inf", "must be 'auto', 0 (off)")):
-        with pytest.raises(ConfigError, match=f"^--hang-timeout: '{bad}' {why}"):
+        with pytest.raises(ConfigError, match=re.escape(f"--hang-timeout: '{bad}' {why}")):
             cfg("--hang-timeout", bad)
     c = cfg(env={"FTRUN_HANG_FLOOR": "2", "FTRUN_HANG_MULTIPLIER": "5", "FTRUN_FAULT_WINDOW": "0.5"})
     assert (c.hang.floor, c.hang.multiplier, c.fault_window) == (2.0, 5.0, 0.5)
