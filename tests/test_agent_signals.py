@@ -111,7 +111,9 @@ def test_sigterm_to_the_store_host_while_running_is_a_leave(tmp_path) -> None:
     b = None
     try:
         _wait_event(str(tmp_path / "loga"), lambda e: "hosting the store" in e["message"])
-        b = _agent(tmp_path, "b", port, [], grace=5)
+        # b learns the store host is gone after the liveness timeout, then tries to rejoin for
+        # read_timeout before it ends with the one line naming etcd
+        b = _agent(tmp_path, "b", port, [], "--rdzv_conf", "read_timeout=8", grace=5)
         pid = _worker_pid(tmp_path, "a")
         _worker_pid(tmp_path, "b")
         took = _signal_and_time(a)
@@ -120,7 +122,8 @@ def test_sigterm_to_the_store_host_while_running_is_a_leave(tmp_path) -> None:
         assert not pid_alive(pid)  # a worker ignoring SIGTERM is killed after the grace
         assert _events(str(tmp_path / "loga"))  # and the agent's own log says why
         assert any(e["event"] == "signal" for e in _events(str(tmp_path / "loga")))
-        b.wait(timeout=30)  # the store is gone with its host: b ends too
+        _, berr = b.communicate(timeout=40)  # the store is gone with its host: b ends too
+        assert b.returncode != 0 and "store" in berr.strip().splitlines()[-1], berr[-2000:]
     finally:
         _cleanup(a, *([b] if b else []))
 
