@@ -25,6 +25,7 @@ from launcher.runtime.collectives import Interruptible
 
 FIRST_BUCKET_BYTES = 1 << 20  # a small first bucket: its all-reduce starts early in backward
 BUCKET_BYTES = 25 << 20  # torch DDP's default cap
+FUSED_DIV_NUMEL = 1 << 16  # from this size a gradient is averaged and copied back in one pass
 
 
 @dataclass(frozen=True)
@@ -202,19 +203,22 @@ class OverlappedAllReduce:
     def _hand_back(self) -> None:
         """Copy the sums back (as torch DDP does by default: a .grad that aliased the bucket
         would see the in-place all-reduce when gradients accumulate over several passes)."""
+        n = self._comm.size
         dst, src = [], []
         for b, bucket in enumerate(self._buckets):
-            if self._average:
-                bucket.buffer().div_(self._comm.size)
             for i, view in zip(self._members[b], bucket.views):
                 p = self._params[i]
                 if p.grad is None:
-                    p.grad = view.clone()
+                    p.grad = view / n if self._average else view.clone()
+                elif self._average and view.numel() >= FUSED_DIV_NUMEL:
+                    torch.div(view, n, out=p.grad)  # the average and the copy in one pass
                 else:
                     dst.append(p.grad)
                     src.append(view)
         if dst:
             torch._foreach_copy_(dst, src)
+            if self._average:
+                torch._foreach_div_(dst, n)
 
     def _reset(self) -> None:
         with self._lock:

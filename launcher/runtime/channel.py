@@ -24,7 +24,10 @@ from launcher.messages import (Bye, Heartbeat, Hello, Inject, Message, MessageEr
                                encode)
 from launcher.runtime.signals import StopSignal
 
-MIN_HEARTBEAT_GAP = 0.05  # seconds: progress heartbeats are coalesced within this gap
+# seconds: progress heartbeats are coalesced within this gap. Their readers work in seconds (hang
+# watch, blame, status); at 0.05 s two ranks of a fast loop cost the agent ~1 % of a core on a
+# 2-core box, which the workers paid for (scripts/bench_overhead.py); 0.2 s is a quarter of that.
+MIN_HEARTBEAT_GAP = 0.2
 
 
 class AgentChannel:
