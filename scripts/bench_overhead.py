@@ -9,8 +9,9 @@ Trains the same MLP on the same data (scripts/bench_overhead_worker.py) four way
 at two model sizes: "small" (an MLP of 0.14 M parameters) and "large" (about 12.7 M
 parameters: 50.6 MB of float32 gradients). Runs are interleaved (each repeat runs every mode once,
 the order rotating between repeats); the first --warmup steps of each run are skipped. Per mode:
-the median step time over all kept steps of all repeats, each run's own median, and the overhead
-against ddp in percent. Prints one JSON line. Sets up the /etc/hosts line
+the median step time over all kept steps of all repeats, each run's own median, the overhead
+against ddp in percent, and the paired overhead (the median, and the range, over repeats of each
+run's median against the ddp run of the same repeat). Prints one JSON line. Sets up the /etc/hosts line
 `::ffff:127.0.0.1 localhost-v4mapped` first (see hosts_setup.py).
 
     python scripts/bench_overhead.py --repeats 5 --steps 40
@@ -80,6 +81,12 @@ def measure(name: str, args: argparse.Namespace, workdir: str) -> dict:
         report[f"{mode}_run_medians_s"] = [round(statistics.median(r["kept_s"]), 5) for r in runs[mode]]
     for mode in MODES[1:]:
         report[f"{mode}_overhead_pct"] = round(100.0 * (medians[mode] / medians["ddp"] - 1.0), 2)
+        # paired: each repeat's run against the ddp run of the same repeat (runs next to each
+        # other share the machine's state, so slow drifts of a shared machine cancel out)
+        paired = [100.0 * (statistics.median(r["kept_s"]) / statistics.median(b["kept_s"]) - 1.0)
+                  for r, b in zip(runs[mode], runs["ddp"])]
+        report[f"{mode}_paired_overhead_pct"] = round(statistics.median(paired), 2)
+        report[f"{mode}_paired_range_pct"] = [round(min(paired), 2), round(max(paired), 2)]
     return report
 
 
