@@ -11,7 +11,9 @@ parameters: 50.6 MB of float32 gradients). Runs are interleaved (each repeat run
 the order rotating between repeats); the first --warmup steps of each run are skipped. Per mode:
 the median step time over all kept steps of all repeats, each run's own median, the overhead
 against ddp in percent, and the paired overhead (the median, and the range, over repeats of each
-run's median against the ddp run of the same repeat). Prints one JSON line. Sets up the /etc/hosts line
+run's median against the ddp run of the same repeat), and the CPU time rank 0's process spent
+per step (median; every thread of it) with its overhead against ddp: on a shared machine
+wall-time medians of one mode spread by more than 1 %, CPU time per step much less. Prints one JSON line. Sets up the /etc/hosts line
 `::ffff:127.0.0.1 localhost-v4mapped` first (see hosts_setup.py).
 
     python scripts/bench_overhead.py --repeats 5 --steps 40
@@ -59,6 +61,7 @@ def run_once(name: str, size: dict, args: argparse.Namespace, workdir: str) -> d
     with open(out, encoding="utf-8") as f:
         result = json.load(f)
     result["kept_s"] = result["step_s"][args.warmup:]
+    result["kept_cpu_s"] = result["cpu_s"][args.warmup:]
     if not result["kept_s"]:
         raise RuntimeError(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
     return result
@@ -79,6 +82,8 @@ def measure(name: str, args: argparse.Namespace, workdir: str) -> dict:
         medians[mode] = statistics.median(pooled)
         report[f"{mode}_step_s"] = round(medians[mode], 5)
         report[f"{mode}_run_medians_s"] = [round(statistics.median(r["kept_s"]), 5) for r in runs[mode]]
+        report[f"{mode}_cpu_step_s"] = round(statistics.median(
+            [s for r in runs[mode] for s in r["kept_cpu_s"]]), 5)
     for mode in MODES[1:]:
         report[f"{mode}_overhead_pct"] = round(100.0 * (medians[mode] / medians["ddp"] - 1.0), 2)
         # paired: each repeat's run against the ddp run of the same repeat (runs next to each
@@ -87,6 +92,8 @@ def measure(name: str, args: argparse.Namespace, workdir: str) -> dict:
                   for r, b in zip(runs[mode], runs["ddp"])]
         report[f"{mode}_paired_overhead_pct"] = round(statistics.median(paired), 2)
         report[f"{mode}_paired_range_pct"] = [round(min(paired), 2), round(max(paired), 2)]
+        report[f"{mode}_cpu_overhead_pct"] = round(
+            100.0 * (report[f"{mode}_cpu_step_s"] / report["ddp_cpu_step_s"] - 1.0), 2)
     return report
 
 

@@ -6,8 +6,9 @@
 --mode native  the runtime's own loop with `rt.allreduce_gradients` (under ftrun)
 
 MLP (--hidden, --layers), Adam, a fresh random batch per step (same generator in every mode).
-Rank 0 writes {"mode", "params", "grad_bytes", "step_s": [...]} to --out (temp name + rename):
-the wall time of every step, from the start of one step to the start of the next.
+Rank 0 writes {"mode", "params", "grad_bytes", "step_s": [...], "cpu_s": [...]} to --out (temp name + rename):
+the wall time of every step, from the start of one step to the start of the next, and the CPU
+time this process (every thread of it: training, gloo, the runtime's) spent in it.
 """
 from __future__ import annotations
 
@@ -96,13 +97,14 @@ def main() -> int:
     args = ap.parse_args()
     torch.manual_seed(0)
     module = build_model(args.hidden, args.layers)
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     runner = run_ddp if args.mode == "ddp" else run_runtime
-    rank = runner(args, module, lambda: stamps.append(time.perf_counter()))
+    rank = runner(args, module, lambda: stamps.append((time.perf_counter(), time.process_time())))
     if rank == 0:
         params = sum(p.numel() for p in module.parameters())
         result = {"mode": args.mode, "params": params, "grad_bytes": params * 4,
-                  "step_s": [b - a for a, b in zip(stamps, stamps[1:])]}
+                  "step_s": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
+                  "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])]}
         tmp = f"{args.out}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump(result, f)
