@@ -339,13 +339,15 @@ def blame_local(silent: Sequence[RankProgress], outside: Sequence[int] = ()
         p = max(frozen, key=lambda p: p.idle_s)
         return p, f"its process is {FROZEN[p.state]}, no progress for {p.idle_s:.1f}s", False
     apart = [p for p in silent if p.rank in outside]
-    if apart:
+    if apart and len(apart) < len(silent):  # stacks tell only when some ranks wait and some not
         p = max(apart, key=lambda p: p.idle_s)
         return p, (f"no progress for {p.idle_s:.1f}s and its stacks are not inside a "
                    "torch.distributed call (its peers' are)"), False
     p = max(silent, key=lambda p: p.idle_s)
     others = sorted(q.rank for q in silent if q is not p)
+    hint = ("none of their stacks is inside a torch.distributed call" if apart
+            else "install py-spy for stacks")
     why = (f"no CPU time and no I/O for {p.idle_s:.1f}s; first of the silent ranks to go silent"
            + (f" (ranks {others} silent too)" if others else "")
-           + ": nothing tells which one waits on which (install py-spy for stacks)")
+           + f": nothing tells which one waits on which ({hint})")
     return p, why, True

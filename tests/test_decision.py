@@ -250,3 +250,12 @@ def test_local_blame_prefers_a_frozen_process_then_stacks_then_the_first_silent(
     assert p.rank == 0 and weak and "first of the silent ranks" in why and "ranks [2]" in why
     with pytest.raises(ValueError):
         blame_local([])
+
+
+def test_stacks_that_all_sit_outside_a_collective_blame_no_one_strongly() -> None:
+    """Bug (CI with py-spy installed): three sleeping ranks, none inside a collective, and one was
+    blamed strongly for being "not inside a torch.distributed call (its peers' are)"."""
+    plain = [rec(0, 6.0, aware=False), rec(1, 9.0, aware=False), rec(2, 7.0, aware=False)]
+    p, why, weak = blame_local(plain, outside=[0, 1, 2])
+    assert p.rank == 1 and weak and "first of the silent ranks" in why
+    assert "none of their stacks is inside a torch.distributed call" in why and "peers'" not in why
