@@ -88,6 +88,9 @@ FTRUN_OPTIONS: tuple[Opt, ...] = (
     Opt(_both("hang_timeout"), "hang_timeout", "auto",
         help="Seconds without progress before a worker counts as hung: auto (adapts to the step "
              "times; 600 s for unmodified scripts), SECONDS, or 0 (off)."),
+    Opt(_both("warm_spares"), "warm_spares", None,
+        help="Warm spare processes per node (torch imported, ready to replace a rank): 0-8, "
+             "default $FTRUN_WARM_SPARES or 2 (FTRUN_WARM_SPARE=0: none)."),
     Opt(("--enable_tiered_parallel_tcpstore", "--enable-tiered-parallel-tcpstore"),
         "enable_tiered_parallel_tcpstore", None, help="torch_npu_run's flag: true turns the store proxies on."),
 )

@@ -82,6 +82,7 @@ class LaunchConfig:
     hang_timeout: float | None = None  # None = auto (adaptive), 0 = off
     hang: HangPolicy = field(default_factory=HangPolicy)  # --hang-timeout + FTRUN_HANG_* knobs
     fault_window: float = 2.0  # FTRUN_FAULT_WINDOW: s the controller holds possible consequences
+    warm_spares: int = 2  # --warm-spares / FTRUN_WARM_SPARES: pre-started replacements per node
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     signals_to_handle: list[int] = field(default_factory=list)
     recover_strategy: list[str] = field(default_factory=list)
@@ -368,8 +369,32 @@ def _supervision(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
         cfg.fault_window = -1.0
     if not 0 <= cfg.fault_window <= 60:
         raise ConfigError(f"FTRUN_FAULT_WINDOW={raw_window!r}: must be seconds in 0..60")
+    cfg.warm_spares = parse_warm_spares(raw.get("warm_spares"), env)
     cfg.signals_to_handle = parse_signals(raw.get("signals_to_handle") or
                                           "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+
+
+MAX_WARM_SPARES = 8
+
+
+def parse_warm_spares(value: object, env: dict[str, str]) -> int:
+    """--warm-spares, else FTRUN_WARM_SPARES, else 0 when FTRUN_WARM_SPARE=0, else 2."""
+    if value not in (None, ""):
+        text = str(value).strip()
+        name = f"--warm-spares: {text!r}"
+    elif env.get("FTRUN_WARM_SPARES", "") != "":
+        text = env["FTRUN_WARM_SPARES"].strip()
+        name = f"FTRUN_WARM_SPARES={text!r}:"
+    else:
+        return 0 if env.get("FTRUN_WARM_SPARE", "1") == "0" else 2
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if not 0 <= n <= MAX_WARM_SPARES:
+        raise ConfigError(f"{name} must be a whole number of spare processes per node "
+                          f"in 0..{MAX_WARM_SPARES}")
+    return n
 
 
 def parse_hang_timeout(value: object) -> float | None:

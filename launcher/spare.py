@@ -4,9 +4,13 @@ Owns: both ends of a spare. `python -m launcher.spare` is the spare itself: it i
 the runtime (the 1-3 s a cold replacement spends before it can do anything), then blocks on its
 stdin for one assignment line (JSON: env, argv, cwd, module) and runs the training script in
 this very process with `runpy`, exactly as `python -u script args` would. EOF on stdin means
-"not needed": it exits 0. `SparePool` is the agent's side: it keeps at most one spare per node,
-started only once the job is known to use `launcher.runtime`, hands it out for a
-process-level replacement and starts the next one later, away from the recovery's CPU burst.
+"not needed": it exits 0. `SparePool` is the agent's side: it keeps `count` spares per node
+(`--warm-spares`, default 2, so two faults in a row on one node both get a warm start), started
+only once the job is known to use `launcher.runtime`, hands one out for a process-level
+replacement and starts its successor at once. A spare warms up 10 nice levels below the agent
+when it may come back afterwards (root, or RLIMIT_NICE allows it), so a successor's `import torch`
+yields the CPU to the recovery that used its predecessor; it runs the script at the agent's
+priority.
 """
 from __future__ import annotations
 
@@ -20,55 +24,88 @@ from typing import Callable
 from launcher.workers import _child_setup
 
 
-class SparePool:
-    """At most one warm spare; owned by the agent (`stop()` at shutdown)."""
+WARM_UP_NICE = 10  # the spare's niceness while it imports torch (only if it can return to 0)
 
-    def __init__(self, python: str, log: Callable[[str], None], refill_delay: float = 5.0) -> None:
+
+class SparePool:
+    """Up to `count` warm spares; owned by the agent (`stop()` at shutdown). The first fill waits
+    `start_delay` seconds (out of the job's own start-up); a taken spare's successor starts at
+    the next `ensure()`."""
+
+    def __init__(self, python: str, log: Callable[[str], None], count: int = 2,
+                 start_delay: float = 5.0) -> None:
+        if count < 0:
+            raise ValueError(f"count {count} must be >= 0")
         self.python = python
         self.log = log
-        self.refill_delay = refill_delay
-        self._proc: subprocess.Popen | None = None
-        self._not_before = time.monotonic() + refill_delay  # stay out of the job's start-up
+        self.count = count
+        self._procs: list[subprocess.Popen] = []
+        self._not_before = time.monotonic() + start_delay
+
+    def ready(self) -> int:
+        """Spares alive now (warm or still warming up)."""
+        self._procs = [p for p in self._procs if p.poll() is None]
+        return len(self._procs)
 
     def ensure(self, env: dict[str, str]) -> None:
-        """Start a spare if none is alive and the refill delay has passed."""
-        if self._proc is not None and self._proc.poll() is None:
-            return
+        """Start spares until `count` are alive (once the start delay has passed)."""
         if time.monotonic() < self._not_before:
             return
+        while self.ready() < self.count:
+            self._start(env)
+
+    def _start(self, env: dict[str, str]) -> None:
         parent = os.getpid()
-        self._proc = subprocess.Popen([self.python, "-u", "-m", "launcher.spare"], env=env,
-                                      stdin=subprocess.PIPE, stdout=None, stderr=None,
-                                      preexec_fn=lambda: _child_setup(parent), close_fds=True)
-        self.log(f"warm spare started (pid {self._proc.pid})")
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
+        proc = subprocess.Popen([self.python, "-u", "-m", "launcher.spare"],
+                                env=dict(env, FTRUN_SPARE_NICE=f"{warm},{base}"),
+                                stdin=subprocess.PIPE, stdout=None, stderr=None,
+                                preexec_fn=lambda: _child_setup(parent), close_fds=True)
+        self._procs.append(proc)
+        self.log(f"warm spare started (pid {proc.pid}; {len(self._procs)} of {self.count})")
 
     def take(self, env: dict[str, str], argv: list[str], module: bool) -> subprocess.Popen | None:
-        """Hand the spare its assignment; None when no live spare is available."""
-        proc, self._proc = self._proc, None
-        self._not_before = time.monotonic() + self.refill_delay
-        if proc is None or proc.poll() is not None or proc.stdin is None:
-            return None
-        line = json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(), "module": module}) + "\n"
-        try:
-            proc.stdin.write(line.encode())
-            proc.stdin.close()
-        except OSError:
-            proc.kill()
-            proc.wait()
-            return None
-        return proc
-
-    def stop(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        proc.kill()  # idle: nothing to lose
-        proc.wait()
-        if proc.stdin is not None:
+        """Hand the oldest live spare its assignment; None when no live spare is available."""
+        while self._procs:
+            proc = self._procs.pop(0)
+            if proc.poll() is not None or proc.stdin is None:
+                continue
+            line = json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(), "module": module}) + "\n"
             try:
+                proc.stdin.write(line.encode())
                 proc.stdin.close()
             except OSError:
-                pass
+                proc.kill()
+                proc.wait()
+                continue
+            return proc
+        return None
+
+    def stop(self) -> None:
+        procs, self._procs = self._procs, []
+        for proc in procs:
+            proc.kill()  # idle: nothing to lose
+        for proc in procs:
+            proc.wait()
+            if proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                except OSError:
+                    pass
+
+
+def may_return_to(nice: int) -> bool:
+    """Whether a process of ours, made nicer, may lower its niceness back to `nice`."""
+    if os.geteuid() == 0:
+        return True
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    except (ImportError, AttributeError, OSError, ValueError):
+        return False
+    return soft == resource.RLIM_INFINITY or soft >= 20 - nice  # RLIMIT_NICE counts 20 - nice
 
 
 def _warm_imports() -> None:
@@ -84,10 +121,19 @@ def _warm_imports() -> None:
 
 
 def main() -> None:
+    warm, base = (int(x) for x in os.environ.get("FTRUN_SPARE_NICE", "0,0").split(","))
+    if warm != base:
+        os.setpriority(os.PRIO_PROCESS, 0, warm)
     _warm_imports()
     line = sys.stdin.readline()
     if not line.strip():
         sys.exit(0)
+    if warm != base:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, base)  # run the rank at the agent's priority
+        except OSError as exc:
+            print(f"[ftrun spare] could not return to nice {base} ({exc}); running at nice {warm}",
+                  file=sys.stderr, flush=True)
     job = json.loads(line)
     os.environ.clear()
     os.environ.update(job["env"])

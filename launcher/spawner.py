@@ -1,10 +1,11 @@
-"""Starting this node's workers: torchrun's environment, per-rank logs, the warm spare.
+"""Starting this node's workers: torchrun's environment, per-rank logs, the warm spares.
 
 Owns: the environment each worker gets (torchrun's exact variables plus `FTRUN_*` for the
 runtime), starting a rank's process with its log files, tee and output filters, a process-level
-replacement taken from the warm spare when it can be, and keeping one warm spare once the job is
-known to use launcher.runtime. Every new process is handed to the reaper and announced through
-`on_spawn` (the hang watch restarts that rank's clock). `stop()` ends the spare.
+replacement taken from a warm spare when it can be, and keeping `--warm-spares` of them (the used
+one's successor starts at the next health check) once the job is known to use launcher.runtime.
+Every new process is handed to the reaper and announced through `on_spawn` (the hang watch
+restarts that rank's clock). `stop()` ends the spares.
 """
 from __future__ import annotations
 
@@ -47,9 +48,9 @@ class Spawner:
 
     def __post_init__(self) -> None:
         self.spares = None
-        if os.environ.get("FTRUN_WARM_SPARE", "1") != "0" and not self.cfg.no_python:
+        if self.cfg.warm_spares > 0 and not self.cfg.no_python:
             self.spares = SparePool(os.environ.get("PYTHON_EXEC", sys.executable),
-                                    lambda m: self.log.info("spare", m))
+                                    lambda m: self.log.info("spare", m), count=self.cfg.warm_spares)
 
     def env(self, w: Worker, replacement: bool) -> dict[str, str]:
         cfg, world = self.cfg, self.world
@@ -147,8 +148,9 @@ class Spawner:
         return True
 
     def keep_spare(self, template: Worker) -> None:
-        """One warm spare per node (call once the job is known to use the runtime; unmodified
-        jobs pay nothing). `template`: any local rank; the spare gets its environment."""
+        """Keep `--warm-spares` spares on this node (call once the job is known to use the
+        runtime; unmodified jobs pay nothing). `template`: any local rank; the spares get its
+        environment."""
         if self.spares is not None:
             self.spares.ensure(self.env(template, replacement=True))
 

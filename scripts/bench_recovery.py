@@ -20,6 +20,9 @@ With --kinds, one more JSON line per fault kind (injected inside the worker at a
 from the end of the step before the fault: detect_s (first report, or the hang detection),
 resumed_s (every rank resumed training: the time to recover), recover_s (every rank completed
 the interrupted step again), step_s (a fault-free step) and lost_s = recover_s - step_s.
+With --churn, one more line: two kills on one node, the second --churn-gap steps after the first
+recovery (ranks 1 then 2), each fault's lost_s and whether its replacement came warm
+(--warm-spares N sets ftrun's spare count; 1 shows the old single-spare behaviour).
 Sets up the /etc/hosts line `::ffff:127.0.0.1 localhost-v4mapped` first.
 """
 from __future__ import annotations
@@ -92,7 +95,7 @@ def read_steps(out: str) -> dict[int, list[dict]]:
 
 
 def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
-            hang_timeout: float = 0.0) -> dict:
+            hang_timeout: float = 0.0, extra_args: list[str] | None = None) -> dict:
     out = tempfile.mkdtemp(prefix=f"bench_recovery_{name}_")
     env = dict(os.environ, OUT_DIR=out, PYTHONPATH=REPO, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     if fault_plan:
@@ -101,6 +104,7 @@ def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
                              "--log_dir", os.path.join(out, "logs")]
     if name == "ftrun" and hang_timeout:  # only where a hang is injected: a slow first step is no hang
         cmd += ["--hang_timeout", str(hang_timeout)]
+    cmd += extra_args or []
     cmd += [WORKERS[name], "--steps", str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers),
             "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "10"]
     stderr_path = os.path.join(out, "stderr.txt")
@@ -236,6 +240,33 @@ def kind_row(kind: str, args: argparse.Namespace) -> dict:
             "processes_restarted": sum(n - 1 for n in pids.values())}
 
 
+def fault_times(job: dict, rank: int, step: int, step_s: float) -> dict:
+    """One injected fault (rank, step): times from the end of the victim's step before."""
+    t_prev = max(r["time"] for r in job["steps"][rank] if r["step"] == step - 1)
+    t_rec, _ = regained(job, t_prev, step)
+    return {"recover_s": round(t_rec - t_prev, 3), "lost_s": round(t_rec - t_prev - step_s, 3)}
+
+
+def churn_row(args: argparse.Namespace) -> dict:
+    """Two kills on one node, the second soon after the first recovery: does the second one
+    still get a warm replacement, and does it lose as little time as the first?"""
+    first, second = args.kill_after_step + 1, args.kill_after_step + 1 + args.churn_gap
+    plan = json.dumps([{"rank": 1, "step": first, "phase": "forward", "kind": "kill", "generation": 0},
+                       {"rank": 2, "step": second, "phase": "forward", "kind": "kill", "generation": 1}])
+    job = run_job("ftrun", args, fault_plan=plan, extra_args=["--warm-spares", str(args.warm_spares)])
+    ev = job["events"]
+    before = sorted(r["time"] for r in job["steps"][0] if r["step"] < first)
+    gaps = sorted(b - a for a, b in zip(before, before[1:]))
+    step_s = gaps[len(gaps) // 2] if gaps else 0.0
+    spawns = [e for e in ev if e["event"] == "spawn" and e.get("replacement")]
+    one, two = fault_times(job, 1, first, step_s), fault_times(job, 2, second, step_s)
+    return {"bench": "recovery-churn", "warm_spares": args.warm_spares, "gap_steps": args.churn_gap,
+            "step_s": round(step_s, 3), "first_lost_s": one["lost_s"], "second_lost_s": two["lost_s"],
+            "first_warm": bool(spawns and spawns[0].get("warm")),
+            "second_warm": bool(len(spawns) > 1 and spawns[1].get("warm")),
+            "strategies": [e["strategy"] for e in ev if e["event"] == "plan"]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
@@ -247,6 +278,10 @@ def main() -> None:
     ap.add_argument("--kinds", default="", help="comma list of fault kinds for per-kind rows "
                     "(kill,segv,exit,exception,hang,uce-low,uce-high,network)")
     ap.add_argument("--no-compare", action="store_true", help="only the per-kind rows")
+    ap.add_argument("--churn", action="store_true", help="one more row: two kills in a row on one "
+                    "node (ranks 1 then 2, --churn-gap steps apart), lost time of each")
+    ap.add_argument("--churn-gap", type=int, default=3)
+    ap.add_argument("--warm-spares", type=int, default=2, help="ftrun's --warm-spares for --churn")
     args = ap.parse_args()
     hosts = ensure_hosts_line()
     if not args.no_compare:
@@ -255,6 +290,8 @@ def main() -> None:
         print(json.dumps(row), flush=True)
     for kind in [k for k in args.kinds.split(",") if k]:
         print(json.dumps(kind_row(kind, args)), flush=True)
+    if args.churn:
+        print(json.dumps(churn_row(args)), flush=True)
 
 
 if __name__ == "__main__":

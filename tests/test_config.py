@@ -93,3 +93,17 @@ def test_hang_timeout_is_auto_by_default_seconds_or_zero_and_bad_values_are_one_
         cfg(env={"FTRUN_HANG_FLOOR": "0"})
     with pytest.raises(ConfigError, match="^FTRUN_FAULT_WINDOW='soon': must be seconds in 0..60"):
         cfg(env={"FTRUN_FAULT_WINDOW": "soon"})
+
+
+def test_warm_spares_flag_env_and_bad_values_are_one_line() -> None:
+    assert cfg().warm_spares == 2  # two faults in a row on one node both start warm
+    assert cfg("--warm-spares", "0").warm_spares == 0
+    assert cfg("--warm_spares", "3", env={"FTRUN_WARM_SPARES": "5"}).warm_spares == 3  # flag wins
+    assert cfg(env={"FTRUN_WARM_SPARES": "5"}).warm_spares == 5
+    assert cfg(env={"FTRUN_WARM_SPARE": "0"}).warm_spares == 0  # the older switch still turns them off
+    for bad in ("-1", "9", "two", "1.5"):
+        with pytest.raises(ConfigError, match=re.escape(f"--warm-spares: '{bad}' must be a whole "
+                                                        "number of spare processes per node in 0..8")):
+            cfg("--warm-spares", bad)
+    with pytest.raises(ConfigError, match="^FTRUN_WARM_SPARES='x': must be"):
+        cfg(env={"FTRUN_WARM_SPARES": "x"})

@@ -27,10 +27,9 @@ from rendezvous.memory import LocalKV
 
 @pytest.fixture()
 def node(tmp_path, monkeypatch):
-    monkeypatch.setenv("FTRUN_WARM_SPARE", "0")
     script = tmp_path / "sleeper.py"
     script.write_text("import time\ntime.sleep(120)\n")
-    cfg = build_config(parse(["--nproc_per_node", "2", "--log_dir", str(tmp_path / "logs"), str(script)]),
+    cfg = build_config(parse(["--nproc_per_node", "2", "--warm_spares", "0", "--log_dir", str(tmp_path / "logs"), str(script)]),
                        env={})
     log = AgentLog(0, None, quiet=True)
     events: queue.Queue = queue.Queue()

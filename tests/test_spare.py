@@ -6,7 +6,7 @@ import os
 import sys
 import time
 
-from launcher.spare import SparePool
+from launcher.spare import SparePool, may_return_to
 
 
 def test_spare_runs_the_assigned_script_with_its_env_and_argv(tmp_path) -> None:
@@ -17,7 +17,7 @@ def test_spare_runs_the_assigned_script_with_its_env_and_argv(tmp_path) -> None:
         f"json.dump({{'argv': sys.argv, 'path0': sys.path[0], 'rank': os.environ.get('RANK'),"
         f" 'torch': 'torch' in sys.modules, 'name': __name__}}, open({str(out)!r}, 'w'))\n")
     logs: list[str] = []
-    pool = SparePool(sys.executable, logs.append, refill_delay=0.0)
+    pool = SparePool(sys.executable, logs.append, count=1, start_delay=0.0)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     pool.ensure(env)
     assert logs and "warm spare started" in logs[0]
@@ -26,13 +26,79 @@ def test_spare_runs_the_assigned_script_with_its_env_and_argv(tmp_path) -> None:
     res = json.loads(out.read_text())
     assert res == {"argv": [str(script), "--x", "1"], "path0": str(tmp_path), "rank": "3",
                    "torch": True, "name": "__main__"}
-    assert pool.take(env, [str(script)], module=False) is None  # used up until refilled
+    assert pool.take(env, [str(script)], module=False) is None  # used up until the next ensure()
     pool.stop()
 
 
 def test_idle_spare_is_stopped_at_once() -> None:
-    pool = SparePool(sys.executable, lambda m: None, refill_delay=0.0)
+    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0)
     pool.ensure(dict(os.environ, PYTHONPATH=os.getcwd()))
     t0 = time.monotonic()
     pool.stop()
     assert time.monotonic() - t0 < 2.0
+
+
+def test_pool_keeps_count_spares_and_a_taken_one_is_replaced_at_the_next_ensure(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(str(os.getpriority(os.PRIO_PROCESS, 0)))\n")
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=2, start_delay=0.0)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        pool.ensure(env)
+        assert pool.ready() == 2 and len(logs) == 2 and "2 of 2" in logs[1]
+        first = pool.take(env, [str(script), str(tmp_path / "a")], module=False)
+        assert first is not None and pool.ready() == 1  # the second spare is still there
+        pool.ensure(env)  # its successor starts at once: no refill delay
+        assert pool.ready() == 2 and len(logs) == 3
+        second = pool.take(env, [str(script), str(tmp_path / "b")], module=False)
+        assert second is not None and second.pid != first.pid
+        assert first.wait(timeout=120) == 0 and second.wait(timeout=120) == 0
+        # the spare warmed up nicer, then runs the rank at the agent's own priority
+        agent_nice = os.getpriority(os.PRIO_PROCESS, 0)
+        assert (tmp_path / "a").read_text() == str(agent_nice)
+    finally:
+        pool.stop()
+    assert pool.ready() == 0
+
+
+def test_spare_warms_up_nicer_than_the_agent() -> None:
+    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        pool.ensure(env)
+        pid = pool._procs[0].pid
+        deadline = time.monotonic() + 10
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        while os.getpriority(os.PRIO_PROCESS, pid) == base and time.monotonic() < deadline:
+            time.sleep(0.01)
+        expected = min(19, base + 10) if may_return_to(base) else base
+        assert os.getpriority(os.PRIO_PROCESS, pid) == expected
+    finally:
+        pool.stop()
+
+
+def test_pool_of_zero_starts_nothing_and_a_negative_count_is_refused() -> None:
+    pool = SparePool(sys.executable, lambda m: None, count=0, start_delay=0.0)
+    pool.ensure(dict(os.environ))
+    assert pool.ready() == 0 and pool.take({}, ["x.py"], module=False) is None
+    import pytest
+    with pytest.raises(ValueError):
+        SparePool(sys.executable, lambda m: None, count=-1)
+
+
+def test_two_faults_in_a_row_on_one_node_both_start_from_a_warm_spare(tmp_path) -> None:
+    """Issue 12 (spares under churn): with the default two spares, a second kill soon after the
+    first recovery also gets a warm replacement (before: one spare, refilled 5 s later, so the
+    second replacement imported torch cold)."""
+    from helpers_faults import run_job
+
+    plan = [{"rank": 1, "step": 14, "phase": "forward", "kind": "kill", "generation": 0},
+            {"rank": 2, "step": 17, "phase": "forward", "kind": "kill", "generation": 1}]
+    job = run_job(tmp_path, plan, script_args=["--step-time", "0.4"], steps=20)
+    assert job.returncode == 0, job.describe()
+    assert job.strategies() == ["recover-in-place", "recover-in-place"], job.describe()
+    spawns = [e for e in job.events if e["event"] == "spawn" and e.get("replacement")]
+    assert [(e["rank"], e.get("warm")) for e in spawns] == [(1, True), (2, True)], job.describe()
+    started = [e for e in job.events if e["event"] == "spare" and "warm spare started" in e["message"]]
+    assert len(started) >= 3, started  # two at the start, the used one's successor after the first fault

@@ -12,12 +12,11 @@ from launcher.workers import NodeWorkers, Reaper, WorkerExit, stop_workers
 
 
 def test_environment_and_spawn(tmp_path, monkeypatch) -> None:
-    monkeypatch.setenv("FTRUN_WARM_SPARE", "0")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("PYTHONFAULTHANDLER", raising=False)
     script = tmp_path / "w.py"
     script.write_text("import os, sys\nsys.exit(int(os.environ['RANK']) + 10)\n")
-    cfg = build_config(parse(["--nproc_per_node", "2", "--max_restarts", "2", str(script)]), env={})
+    cfg = build_config(parse(["--nproc_per_node", "2", "--max_restarts", "2", "--warm_spares", "0", str(script)]), env={})
     q: queue.Queue = queue.Queue()
     reaper = Reaper(q)
     spawned = []
