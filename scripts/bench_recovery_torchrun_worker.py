@@ -4,7 +4,8 @@ Plain torch (no launcher.runtime): the same model as bench_recovery_worker.py, g
 all-reduced by hand, a checkpoint every --checkpoint-every steps (rank 0, written atomically), and
 on every (re)start the latest checkpoint is loaded and the steps since are recomputed. The
 process group is built on a per-attempt store prefix: torch 2.13's torchrun reuses its store
-across restarts, and without the prefix a restarted gloo job reads the dead attempt's addresses.
+across restarts, and without the prefix a restarted gloo job reads the dead attempt's addresses
+(membership restarts keep the restart count, so the prefix also counts this rank's starts).
 """
 from __future__ import annotations
 
@@ -26,13 +27,17 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=9)
     ap.add_argument("--checkpoint-dir", required=True)
     ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--step-time", type=float, default=0.0, help="sleep per step (slow steps)")
     a = ap.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=300))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
-                            world_size=world)
+    # membership restarts (a node lost or added) keep TORCHELASTIC_RESTART_COUNT: count this
+    # rank's starts too (every rank starts once per restart-all, so the prefixes agree)
+    starts = store.add(f"bench/starts/{rank}", 1)
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}.{starts}", store),
+                            rank=rank, world_size=world)
     torch.manual_seed(7)
     layers: list[torch.nn.Module] = [torch.nn.Linear(64, a.hidden), torch.nn.ReLU()]
     for _ in range(a.layers - 2):
@@ -52,6 +57,8 @@ def main() -> int:
     for step in range(start, a.steps):
         g = torch.Generator().manual_seed(step * 100 + rank)
         loss = model(torch.randn(8, 64, generator=g)).pow(2).mean()
+        if a.step_time:
+            time.sleep(a.step_time)
         loss.backward()
         flat = torch.cat([p.grad.reshape(-1) for p in params])
         dist.all_reduce(flat)

@@ -19,6 +19,10 @@ Environment: torch's client resolves the reverse name of ::ffff:127.0.0.1; witho
 resolver. The script checks for (and adds, when it may) the line
 `::ffff:127.0.0.1 localhost-v4mapped` and says so on its first output line.
 
+Environment switches (used by scripts/bench_multinode.py, which runs these pieces in network
+namespaces): BENCH_STORE_HOST the address clients connect to, BENCH_STORE_BIND the address torch's
+master binds, BENCH_STORE_UPSTREAM the address proxies forward to (all default 127.0.0.1).
+
 Usage: python scripts/bench_store.py [--sizes 256,1024,4096] [--repeat 1]
 """
 from __future__ import annotations
@@ -43,6 +47,7 @@ world, first, count = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 ports = [int(p) for p in sys.argv[4].split(",")]
 per_port = int(sys.argv[5])
 UID = bytes(range(128))
+HOST = os.environ.get("BENCH_STORE_HOST", "127.0.0.1")
 stores = [None] * count
 errors = []
 go = threading.Event()
@@ -51,7 +56,7 @@ finished = threading.Barrier(count + 1)
 def rank_main(i):
     r = first + i
     try:
-        stores[i] = d.TCPStore("127.0.0.1", ports[r // per_port], is_master=False,
+        stores[i] = d.TCPStore(HOST, ports[r // per_port], is_master=False,
                                timeout=timedelta(seconds=300))
     except Exception as e:
         errors.append(f"connect {r}: {e}")
@@ -91,18 +96,19 @@ os._exit(0)
 '''
 
 TORCH_SERVER = r'''
-import sys, time
+import os, sys, time
 import torch.distributed as d
-s = d.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+s = d.TCPStore(os.environ.get("BENCH_STORE_BIND", "127.0.0.1"), 0, is_master=True, wait_for_workers=False, use_libuv=True)
 print("port", s.port, flush=True)
 sys.stdin.readline()
 '''
 
 PROXY_HOST = r'''
-import sys
+import os, sys
 from rendezvous.proxy import StoreProxy
 up_port, n = int(sys.argv[1]), int(sys.argv[2])
-ps = [StoreProxy(("127.0.0.1", up_port)).start() for _ in range(n)]
+up = os.environ.get("BENCH_STORE_UPSTREAM", "127.0.0.1")
+ps = [StoreProxy((up, up_port)).start() for _ in range(n)]
 print("ports", ",".join(str(p.port) for p in ps), flush=True)
 sys.stdin.readline()
 for p in ps:
