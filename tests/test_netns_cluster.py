@@ -81,3 +81,14 @@ def test_close_removes_everything_even_after_a_failure_and_kill_all_crashes_a_ho
             h.popen([sys.executable, "-c", "import time; time.sleep(600)"])  # left running on purpose
             raise RuntimeError("test failed midway")
     assert c.leftovers() == []
+
+
+def test_a_prefix_names_everything_and_close_removes_it():
+    with Cluster(1, prefix="bm") as c:
+        h = c.hosts[0]
+        assert h.name.startswith("bm") and h.veth.startswith("bmv") and c.bridge.startswith("bmbr")
+        assert c.leftovers() == sorted([h.name, h.veth, c.bridge])
+        assert h.run(["ip", "-o", "-4", "addr", "show", "eth0"]).stdout.count(h.addr) == 1
+    assert c.leftovers() == []
+    with pytest.raises(ValueError, match="prefix"):
+        Cluster(1, prefix="Bad-1")
