@@ -11,6 +11,8 @@ MLP with slowed steps. Scenarios (one JSON line each, `--scenarios` picks):
                 (`worker-failed`) and until the controller on another node decided about it
                 (`decide`; goal <= 50 ms). torchrun (`LOGLEVEL=INFO`): time until the victim's
                 agent and until another node's agent react (their log lines, ms resolution).
+                Both: time until every rank completed a step again, steps computed twice,
+                survivors' processes kept or not.
   node-crash    every process of the last host is SIGKILLed (agent and workers: a node crash).
                 ftrun: time until a survivor declares the node lost (`node-lost`; bound: the
                 liveness timeout keep_alive_interval x keep_alive_max_attempt, 5 s by default),
@@ -284,18 +286,24 @@ def poll(pred: Callable[[], object], timeout: float, interval: float = 0.02) -> 
         time.sleep(interval)
 
 
-def last_error(job: Job, hosts: list[Host]) -> str | None:
-    """The last error-ish line of these hosts' torchrun logs (exceptions included)."""
-    found: str | None = None
-    for h in hosts:
-        try:
-            with open(job.stderr_path(h), encoding="utf-8", errors="replace") as f:
-                for line in f:
-                    if re.search(r"Error|error|timeout|failed", line) and "[rank" not in line:
-                        found = f"host {h.index}: {line.strip()[-200:]}"
-        except OSError:
-            pass
-    return found
+_EXC = re.compile(r"^[\w.]*(Error|Exception): ")
+
+
+def torch_outcome(path: str) -> str:
+    """Where a torchrun agent got to: its last exception line when it raised one, else its
+    last log message (e.g. still "Rendezvous'ing worker group")."""
+    exc = None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if _EXC.match(line.strip()):
+                    exc = line.strip()
+    except OSError:
+        return "(no log)"
+    if exc:
+        return exc[:200]
+    lines = torch_log_lines(path)
+    return lines[-1][1][:200] if lines else "(no log line)"
 
 
 def crash(h: Host) -> tuple[float, set[int]]:
@@ -364,6 +372,10 @@ class Bench:
                 res["agent_line"] = local and local[1][:120]
                 res["other_node_reacts_ms"] = ms(remote and remote[0], t0)
                 res["other_node_line"] = remote and remote[1][:120]
+            poll(lambda: recovery_summary(job.steps(), t0, n, {pid})["resume_s"], 40, 0.05)
+            rec = recovery_summary(job.steps(), t0, n, {pid})
+            res.update({"resume_s": rec["resume_s"], "steps_lost": rec["steps_lost"],
+                        "survivors_kept_pids": rec["survivors_kept_pids"]})
             return res
 
     # -- 2. node crash
@@ -454,7 +466,8 @@ class Bench:
                                         for recs in job.steps().values() for r in recs)
                 if res["resume_s"] is None:  # what its agents said last
                     res["waited_s"] = round(time.time() - t0, 1)
-                    res["outcome"] = last_error(job, [h for h in c.hosts if h is not victim])
+                    res["outcome"] = {f"host{h.index}": torch_outcome(job.stderr_path(h))
+                                      for h in c.hosts if h is not victim}
             return res
 
     # -- 4. the store pattern over the links

@@ -99,6 +99,19 @@ def test_worker_death_on_two_hosts_against_torchrun_leaves_nothing_behind() -> N
     assert 0 < f["agent_detect_ms"] <= f["controller_knows_ms"] < 2000
     assert t["agent_detect_ms"] > 0 and "exitcode: -9" in t["agent_line"]
     assert t["other_node_reacts_ms"] is not None
+    assert f["resume_s"] > 0 and f["survivors_kept_pids"] is True  # recovered in place
+    assert t["resume_s"] > 0 and t["survivors_kept_pids"] is False  # restart-all
     assert not os.path.exists(rows[0]["run_dir"])  # no --keep-logs: the run directory is gone
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [w for w in left.split() if w.startswith(f"bm{p.pid % 100000}")]
+
+
+def test_torch_outcome_names_the_exception_or_the_last_message(tmp_path) -> None:
+    path = tmp_path / "stderr.txt"
+    path.write_text(LINE + "\nI1126 06:41:19.000000 1 x.py:1] [default] Rendezvous'ing worker group\n")
+    assert bm.torch_outcome(str(path)) == "[default] Rendezvous'ing worker group"
+    with open(path, "a") as f:
+        f.write("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                "torch.distributed.DistStoreError: wait timeout after 60000ms, keys: /a/MASTER_ADDR\n")
+    assert bm.torch_outcome(str(path)).startswith("torch.distributed.DistStoreError: wait timeout")
+    assert bm.torch_outcome(str(tmp_path / "none.txt")) == "(no log)"
