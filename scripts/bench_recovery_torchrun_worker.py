@@ -5,7 +5,7 @@ all-reduced by hand, a checkpoint every --checkpoint-every steps (rank 0, writte
 on every (re)start the latest checkpoint is loaded and the steps since are recomputed. The
 process group is built on a per-attempt store prefix: torch 2.13's torchrun reuses its store
 across restarts, and without the prefix a restarted gloo job reads the dead attempt's addresses
-(membership restarts keep the restart count, so the prefix also counts this rank's starts).
+(membership restarts keep the restart count, so the prefix counts this rank's starts instead).
 """
 from __future__ import annotations
 
@@ -29,14 +29,14 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--step-time", type=float, default=0.0, help="sleep per step (slow steps)")
     a = ap.parse_args()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           timeout=timedelta(seconds=300))
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    # membership restarts (a node lost or added) keep TORCHELASTIC_RESTART_COUNT: count this
-    # rank's starts too (every rank starts once per restart-all, so the prefixes agree)
+    # the prefix counts this rank's starts, not TORCHELASTIC_RESTART_COUNT: an agent that
+    # restarts for a membership change (another node's worker failed) keeps its count while the
+    # failed node's agent counts one more. Every rank starts once per restart-all: prefixes agree.
     starts = store.add(f"bench/starts/{rank}", 1)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}.{starts}", store),
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{starts}", store),
                             rank=rank, world_size=world)
     torch.manual_seed(7)
     layers: list[torch.nn.Module] = [torch.nn.Linear(64, a.hidden), torch.nn.ReLU()]
