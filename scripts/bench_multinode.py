@@ -427,7 +427,7 @@ class Bench:
             raise ValueError("mttr needs --hosts >= 3 (two training nodes and a spare)")
         world = n - 1
         with Cluster(n, prefix="bm") as c:
-            job = Job(tool, c, self.job_dir(f"mttr-{tool}"), nnodes=world)
+            job = Job(tool, c, self.job_dir(f"mttr-{tool}"), nnodes=world, conf=self.args.mttr_conf)
             for h in c.hosts[:world]:
                 job.start(h)
             job.wait_training(world)
@@ -443,7 +443,8 @@ class Bench:
             job.check_alive()
             victim = c.hosts[world - 1]  # a training node, not the store host
             t0, lost_pids = crash(victim)
-            res: dict = {"world": world, "spare_host": spare.index, "crashed_host": victim.index}
+            res: dict = {"world": world, "spare_host": spare.index, "crashed_host": victim.index,
+                         "liveness_s": liveness_of(tool, self.args.mttr_conf)}
             survivors = [job.procs[h.index] for h in c.hosts if h is not victim]
             poll(lambda: recovery_summary(job.steps(), t0, world, lost_pids)["resume_s"]
                  or all(p.poll() is not None for p in survivors), self.args.mttr_timeout, 0.1)
@@ -630,6 +631,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     default=["torch", "ftrun-proxy"])
     ap.add_argument("--mttr-timeout", type=float, default=45.0,
                     help="how long to wait for training to resume after the crash")
+    ap.add_argument("--mttr-conf", default="", help="--rdzv_conf for both tools in mttr "
+                    f"(e.g. {SHORT_CONF}; default: each tool's defaults)")
     ap.add_argument("--keep-logs", action="store_true")
     a = ap.parse_args(argv)
     if not 2 <= a.hosts <= 16 or not 1 <= a.store_hosts <= 16:
