@@ -276,3 +276,25 @@ def test_lease_duplicate_join_and_lost_record(etcd_server: EtcdServer, owned: li
     first.watch([0])
     kvs[2].delete(node_key(0))  # this agent's record vanishes: the others think it dead
     assert first.roster.lost.wait(2.0)
+
+
+def test_check_cadence_keeps_a_crash_verdict_within_the_timeout_without_judging_live_nodes() -> None:
+    """Bug (bench_multinode): a crashed node was declared lost up to 0.3 s after the 5 s
+    liveness timeout, because the checker looked every interval/2 and waited a full timeout
+    from the last change it had seen."""
+    from rendezvous.liveness.heartbeat import JITTER_MARGIN, check_cadence
+    for timing, watched in ((Timing(1.0, 5.0), 3), (Timing(1.0, 2.0), 3), (Timing(0.5, 5.0), 2000),
+                            (Timing(1.0, 5.0), 400)):
+        period, quiet = check_cadence(timing, watched)
+        assert timing.interval / 10 <= period <= timing.interval / 2
+        assert watched / period <= 500.0 or period == timing.interval / 2  # bounded store reads
+        if quiet < timing.timeout:
+            # worst case from a crash right after a beat: seen one period late, judged one later
+            assert quiet + 2 * period <= timing.timeout + 1e-9
+            # a live node's next beat (one interval later, seen one period late) always comes first
+            assert quiet - period >= timing.interval + JITTER_MARGIN - 1e-9
+        else:
+            assert quiet == timing.timeout
+    assert check_cadence(Timing(1.0, 5.0), 3) == (0.1, pytest.approx(4.8))
+    assert check_cadence(Timing(1.0, 2.0), 3) == (0.1, pytest.approx(1.8))
+    assert check_cadence(Timing(0.1, 0.6), 3)[1] == 0.6  # too few intervals to shorten safely

@@ -3,7 +3,9 @@
 Owns: `HeartbeatLiveness`. Every agent bumps its heartbeat counter (`keys.hb_key`) each interval.
 The lowest live group rank (the checker) watches everyone's counter; every other agent watches
 the checker. A counter that does not move for the heartbeat timeout — by the observer's own
-clock, so clock skew does not matter — is declared dead exactly once (create-if-absent marker at
+clock, so clock skew does not matter; `check_cadence` sets how often it looks and shortens the
+quiet time by its own lateness, so a crash is declared within the timeout — is declared dead
+exactly once (create-if-absent marker at
 `keys.dead_key`) and published on the membership event log (`keys.event_key`), which every agent
 follows with blocking waits. Joins of replacements and graceful leaves go through the same log.
 
@@ -25,9 +27,30 @@ from rendezvous.errors import SUPERSEDED
 from rendezvous.keys import (DEAD_PREFIX, EVENT_SEQ_KEY, LEAVE_DONE, Registration, dead_key,
                              event_key, hb_key, left_key, marker_of, node_key)
 from rendezvous.kv import StoreError
-from rendezvous.liveness.base import Liveness, _reason
+from rendezvous.liveness.base import Liveness, Timing, _reason
 
 log = logging.getLogger("ftrun.membership")
+
+
+READS_PER_SECOND = 500.0  # the checker's heartbeat reads on the store, at most (many nodes)
+JITTER_MARGIN = 0.5  # s a live node's beat may come late (store latency, GC) without a verdict
+
+
+def check_cadence(timing: Timing, watched: int) -> tuple[float, float]:
+    """(period, quiet): how often the checker reads the heartbeats of `watched` nodes, and how
+    long a counter must stay unchanged, by the checker's clock, to declare its node dead.
+
+    A crash right after a beat is seen at most one period late and judged at most one period
+    after the quiet time is up, so `quiet = timeout - 2 * period` keeps crash-to-verdict within
+    the documented timeout. A live node's next beat must still arrive before the verdict:
+    `interval + period` (its next beat seen) plus JITTER_MARGIN must fit in `quiet - period`;
+    when it does not (a timeout of few intervals and a slow cadence), quiet is the timeout."""
+    period = max(timing.interval / 10, watched / READS_PER_SECOND)
+    period = min(period, timing.interval / 2)
+    quiet = timing.timeout - 2 * period
+    if quiet - period < timing.interval + JITTER_MARGIN:
+        quiet = timing.timeout
+    return period, quiet
 
 
 class HeartbeatLiveness(Liveness):
@@ -222,13 +245,15 @@ class HeartbeatLiveness(Liveness):
 
     def _check_loop(self) -> None:
         seen: dict[int, tuple[bytes | None, float]] = {}
-        while not self._stop.wait(self.timing.interval / 2):
+        period, quiet = check_cadence(self.timing, 1)
+        while not self._stop.wait(period):
             if self.roster.lost.is_set():
                 continue  # a lost agent judges nobody (its view is stale)
             me = self.roster.me[0]
             alive = self.roster.alive()
             lowest = min(alive) if alive else me
             watch = [gr for gr in alive if gr != me] if lowest == me else [lowest]
+            period, quiet = check_cadence(self.timing, len(watch))
             now = time.monotonic()
             for gr in list(seen):
                 if gr not in watch:
@@ -243,7 +268,7 @@ class HeartbeatLiveness(Liveness):
                 last = seen.get(gr)
                 if last is None or last[0] != cur:
                     seen[gr] = (cur, now)
-                elif now - last[1] >= self.timing.timeout:
+                elif now - last[1] >= quiet:
                     try:
                         self._declare_dead(gr, alive[gr])
                     except StoreError as exc:
