@@ -546,6 +546,9 @@ def test_cut_off_node_notices_alone_rejoins_fresh_and_its_stale_writes_are_refus
         assert kvs[0].try_get("ftrun/control/x") is None
         assert new.advance_generation(0, 1) and not new.advance_generation(0, 2)
         new.checked_set("ftrun/control/x", b"fresh")
+        # a TCPStore SET has no reply: read it back on the writer's connection first (ordered
+        # after the SET), then the other node sees it too
+        assert kvs[1].try_get("ftrun/control/x") == b"fresh"
         assert kvs[0].try_get("ftrun/control/x") == b"fresh"
     finally:
         for m in ms:
