@@ -209,7 +209,9 @@ class Agent:
             self.controller = Controller(kv, self.log, world.world_size, world.group_world_size,
                                          cfg.max_restarts, cfg.recover_strategy,
                                          phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)),
-                                         window=cfg.fault_window)
+                                         window=cfg.fault_window,
+                                         node_replace_timeout=cfg.node_replace_timeout,
+                                         min_nodes=cfg.min_nodes)
             self.controller.start()
         self.workers = NodeWorkers.create(world.rank_base, cfg.nproc_per_node)
         self.spawner = Spawner(cfg, WorkerWorld(world.group_rank, world.group_world_size,
@@ -223,6 +225,10 @@ class Agent:
         if self.rejoined:
             self.log.warning("rejoined", f"replacement agent for node {world.group_rank}: "
                              f"waiting for generation {self.generation + 1}")
+            if self.controller is not None:
+                # It took over the leader's node and runs the controller itself: no other agent
+                # reports its arrival, so it does (else no round would ever start its ranks).
+                self._report_arrival(world.group_rank)
         else:
             self.spawner.spawn_all(self.workers.all(), self.generation)
         self._feeds = [plan_feed(kv, self.generation, self.events), inject_feed(kv, self.events)]
@@ -404,23 +410,46 @@ class Agent:
         return out if isinstance(out, int) else self._dispatch(out)
 
     # ------------------------------------------------------------------ membership news
+    def _loss_reason(self) -> str:
+        """Why membership declares a node lost, in words: the liveness mechanism that saw it."""
+        t = self.cfg.rdzv_settings.liveness_timeout
+        if self.cfg.store_backend == "etcd":
+            return f"its etcd lease expired (TTL {t:g}s)"
+        return f"no heartbeat for {t:g}s"
+
+    def _node_ranks(self, node: int) -> list[int]:
+        n = self.cfg.nproc_per_node
+        return list(range(node * n, (node + 1) * n))
+
     def _on_node_lost(self, node: int) -> None:
         """Membership thread: handled here, not in the main loop, which may be waiting on a
         round that this very death holds up."""
-        self.log.error("node-lost", f"node {node} stopped heartbeating; its ranks restart when a "
-                       f"replacement agent joins as node {node}", lost_node=node)
+        why = self._loss_reason()
+        who = ("a hot spare or a replacement agent (same --node_rank) takes over its ranks "
+               f"{self._node_ranks(node)} within node_replace_timeout="
+               f"{self.cfg.node_replace_timeout:g}s, else the job falls back")
+        self.log.error("node-lost", f"node {node} lost ({why}): {who}", lost_node=node,
+                       reason=why, node_ranks=self._node_ranks(node))
         if self.controller is not None:
-            # No round yet: without the node's agent nothing can restart its ranks. Survivors'
-            # own failures are handled as usual; the replacement's arrival starts the round.
-            self.controller.note_node(node, lost=True)
+            # Reported as a node-lost fault: survivors stop (runtime-aware jobs) and the
+            # replacement's arrival starts the round that starts its ranks.
+            self.controller.note_node(node, lost=True, why=why)
 
     def _on_node_joined(self, node: int) -> None:
-        self.log.warning("node-joined", f"a replacement agent joined as node {node}", joined_node=node)
+        self.log.warning("node-joined", f"a hot spare or replacement agent took over node {node} "
+                         f"(ranks {self._node_ranks(node)})", joined_node=node)
         if self.controller is not None:
-            self.controller.note_node(node, lost=False)
-            self._report(P.Fault(kind=FaultKind.EXIT.value, rank=None, node=node,
-                                 generation=self.generation, message=f"replacement agent for node {node}",
-                                 host=self.host, evidence={"node_joined": True}))
+            self._report_arrival(node)
+
+    def _report_arrival(self, node: int) -> None:
+        """Tell the controller a new agent holds `node`: the round that starts its ranks."""
+        assert self.controller is not None
+        self.controller.note_node(node, lost=False)
+        self._report(P.Fault(kind=FaultKind.NODE_LOST.value, rank=None, node=node,
+                             generation=self.generation,
+                             message=f"hot spare or replacement agent for node {node}",
+                             host=self.host, evidence={"node_joined": True,
+                                                       "node_ranks": self._node_ranks(node)}))
 
     # ------------------------------------------------------------------ signals and shutdown
     def _install_signals(self) -> None:

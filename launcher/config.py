@@ -9,6 +9,7 @@ whether a local port is free.
 """
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import signal
@@ -76,6 +77,7 @@ class LaunchConfig:
     join_timeout: float = 600.0
     last_call_timeout: float = 30.0
     rdzv_settings: RendezvousSettings = field(default_factory=RendezvousSettings)
+    node_replace_timeout: float = 600.0  # s a lost node's ranks wait for a spare/replacement
     # supervision
     max_restarts: int = 0
     monitor_interval: float = 0.1
@@ -303,6 +305,7 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     _worker_logs(cfg, raw, env)
     _parity_flags(cfg, raw)
     _rendezvous(cfg, raw)
+    cfg.node_replace_timeout = parse_node_replace_timeout(cfg.rdzv_conf, env)
     _store_backend(cfg)
     _standalone(cfg)
     if cfg.store_backend == "embedded":
@@ -475,6 +478,26 @@ def _rendezvous(cfg: LaunchConfig, raw: dict) -> None:
     cfg.join_timeout = cfg.rdzv_settings.join_timeout
     cfg.last_call_timeout = cfg.rdzv_settings.last_call_timeout
     cfg.token_file = cfg.rdzv_conf.get("token_file")
+
+
+def parse_node_replace_timeout(conf: dict[str, str], env: dict[str, str]) -> float:
+    """How long a lost node's ranks wait for a hot spare or a replacement agent before the
+    controller falls back: `--rdzv-conf node_replace_timeout=S`, else FTRUN_NODE_REPLACE_TIMEOUT,
+    else 600 s. ConfigError names the key and what is allowed."""
+    if conf.get("node_replace_timeout") not in (None, ""):
+        name, text = "--rdzv-conf node_replace_timeout", conf["node_replace_timeout"]
+    elif env.get("FTRUN_NODE_REPLACE_TIMEOUT") not in (None, ""):
+        name, text = "FTRUN_NODE_REPLACE_TIMEOUT", env["FTRUN_NODE_REPLACE_TIMEOUT"]
+    else:
+        return 600.0
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name}={text!r}: must be a number of seconds > 0 (how long a lost "
+                          "node's ranks wait for a hot spare or a replacement agent)")
+    return value
 
 
 def _store_backend(cfg: LaunchConfig) -> None:

@@ -14,6 +14,13 @@ up to `window` seconds: the reports of that window and every node's progress rec
 (`launcher.progress`) become one fault (`decision.merge`), so one event is one round. The
 controller also keeps the job's fault history (each fault, the strategies tried for it in order,
 and how it ended), published with every plan for the failure summary.
+
+Node loss (membership news from the leader agent, `note_node`): a lost node becomes a `node-lost`
+fault naming its ranks, reported like any other (so it is ordered with the ranks' own reports);
+its arrival (a hot spare or a replacement agent taking it over) is reported by the agent. While
+a process-level round waits for the statuses of a lost node's ranks, the phase timeout does not
+apply: the node has `node_replace_timeout` seconds from its loss to be taken over, after which
+`decision.unreplaced` ends the job with the reason.
 """
 from __future__ import annotations
 
@@ -24,7 +31,8 @@ from dataclasses import dataclass, field
 
 from launcher import plan as P
 from launcher.decision import (PROCESS_LEVEL, Budget, Decision, Round, Situation, covered_by,
-                               culprit, decide, fallback, may_be_consequence, merge)
+                               culprit, decide, fallback, may_be_consequence, merge, unreplaced)
+from launcher.faults import FaultKind
 from launcher.progress import read_progress
 from launcher.logs import AgentLog
 from rendezvous.kv import KVStore, StoreError
@@ -41,7 +49,8 @@ class Controller:
     """Leader-side decision loop. Owned by the leader agent: `start()` / `stop()`."""
 
     def __init__(self, kv: KVStore, log: AgentLog, world_size: int, nnodes: int, max_restarts: int,
-                 chain: list[str], phase_timeout: float = 120.0, window: float = 2.0) -> None:
+                 chain: list[str], phase_timeout: float = 120.0, window: float = 2.0,
+                 node_replace_timeout: float = 600.0, min_nodes: int | None = None) -> None:
         self.kv = kv
         self.window = window
         self.history: list[dict] = []  # every fault handled: strategies tried, outcome
@@ -52,6 +61,9 @@ class Controller:
         self.phase_timeout = phase_timeout
         self.round: Round | None = None  # the latest plan's round
         self.lost_nodes: set[int] = set()  # nodes whose agent is gone: they cannot stop workers
+        self.node_replace_timeout = node_replace_timeout
+        self.min_nodes = nnodes if min_nodes is None else min_nodes
+        self._lost_at: dict[int, tuple[float, P.Fault]] = {}  # lost node -> (when, its fault)
         self._nodes_lock = threading.Lock()
         raw, used, seq = (kv.try_get(k) for k in (P.GENERATION_KEY, P.RESTARTS_USED_KEY, P.FAULT_SEQ))
         self.state = ControllerState(generation=int(raw) if raw is not None else 0,
@@ -82,6 +94,10 @@ class Controller:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
+                overdue = self._unreplaced()
+                if overdue is not None:
+                    self._run_rounds(overdue)
+                    continue
                 fault = self._take_fault(0.5)
                 if fault is not None:
                     self.handle(fault)
@@ -122,19 +138,65 @@ class Controller:
     def situation(self) -> Situation:
         return Situation(self.chain, self.state.budget, self.all_aware(), self.world_size, self.round)
 
-    def note_node(self, node: int, lost: bool) -> None:
-        """Membership news (any thread): a lost node cannot take part in a restart barrier."""
+    def ranks_of(self, node: int) -> list[int]:
+        """The global ranks of group rank `node` (every node runs the same number)."""
+        per = self.world_size // max(1, self.nnodes)
+        return list(range(node * per, (node + 1) * per))
+
+    def note_node(self, node: int, lost: bool, why: str = "", host: str = "") -> None:
+        """Membership news (any thread): a lost node cannot take part in a restart barrier; its
+        loss is reported as a `node-lost` fault (first news of it only), its deadline for a
+        replacement starts."""
         with self._nodes_lock:
-            if lost:
-                self.lost_nodes.add(node)
-            else:
+            if not lost:
                 self.lost_nodes.discard(node)
+                self._lost_at.pop(node, None)
+                return
+            first = node not in self.lost_nodes
+            self.lost_nodes.add(node)
+        if not first:
+            return
+        fault = P.Fault(kind=FaultKind.NODE_LOST.value, rank=None, node=node,
+                        generation=self.state.generation, message=why or "its agent is gone",
+                        host=host, evidence={"node_lost": why or True,
+                                             "node_ranks": self.ranks_of(node)})
+        with self._nodes_lock:
+            self._lost_at[node] = (time.monotonic(), fault)
+        seq = post_fault(self.kv, fault)
+        self.log.info("fault-reported", f"node {node} lost ({fault.message}): reported as fault "
+                      f"#{seq}; its ranks {fault.evidence['node_ranks']} wait up to "
+                      f"node_replace_timeout={self.node_replace_timeout:g}s for a hot spare or a "
+                      "replacement agent", seq=seq, lost_node=node)
+
+    def _unreplaced(self) -> Decision | None:
+        """The decision for a lost node not taken over within node_replace_timeout (once)."""
+        now = time.monotonic()
+        with self._nodes_lock:
+            late = [(n, at, f) for n, (at, f) in self._lost_at.items()
+                    if now - at >= self.node_replace_timeout]
+            for n, _, _ in late:
+                del self._lost_at[n]
+            left = self.nnodes - len(self.lost_nodes)
+        if not late:
+            return None
+        node, at, fault = min(late, key=lambda x: x[1])
+        d = unreplaced(fault, now - at, self.node_replace_timeout, left, self.min_nodes)
+        self.log.error("node-not-replaced", d.reason, lost_node=node, strategy=d.strategy)
+        return d
+
+    def _waiting_for_node(self, missing: list[int]) -> bool:
+        """True when every rank in `missing` is on a lost node that may still be taken over."""
+        with self._nodes_lock:
+            waiting = {r for n in self._lost_at for r in self.ranks_of(n)}
+        return bool(missing) and set(missing) <= waiting
+
+    def _run_rounds(self, decision: Decision | None) -> None:
+        while decision is not None and not decision.absorbed:
+            decision = self.execute(decision)
 
     def handle(self, fault: P.Fault) -> None:
         """Decide about one reported fault, then run rounds until none follows."""
-        decision: Decision | None = self._decide(fault)
-        while decision is not None and not decision.absorbed:
-            decision = self.execute(decision)
+        self._run_rounds(self._decide(fault))
 
     def _decide(self, fault: P.Fault) -> Decision:
         d = decide(fault, self.situation())
@@ -269,8 +331,13 @@ class Controller:
                 if not d.absorbed:
                     return d
                 continue
+            overdue = self._unreplaced()
+            if overdue is not None:
+                return overdue
             if time.monotonic() > deadline or self._stop.is_set():
                 missing = [r for r, k in enumerate(keys) if self.kv.try_get(k) is None]
+                if not self._stop.is_set() and self._waiting_for_node(missing):
+                    continue  # node_replace_timeout bounds this wait (_unreplaced)
                 self.log.error("phase-timeout", f"generation {g}: ranks {missing} did not report "
                                f"within {self.phase_timeout:.0f}s")
                 return self._fallback(g, f"ranks {missing} did not report status")

@@ -17,8 +17,15 @@ The rules, in the order `decide()` applies them (tests/test_decision.py has a te
      - unmodified workers (some rank does not use launcher.runtime) get torchrun's semantics:
        restart-all or exit;
      - retry, recover-in-place and restart-all need restart budget left.
-  3. node loss: a fault without a rank (a node's agent was lost and replaced) cannot be handled
-     by a process-level strategy: every rank restarts (or the job ends).
+  3. node loss: a fault without a rank names a node (`node_ranks`: its ranks, in the evidence):
+     lost (`node_lost`: its agent is gone) or taken over (`node_joined`: a hot spare or a
+     replacement agent arrived). When every rank uses launcher.runtime and recover-in-place is
+     in the chain, the node's ranks are the failed ranks and they are repaired from replicas on
+     the other nodes: the loss starts a round that stops the survivors and waits for the new
+     agent (nobody can start the ranks yet); the arrival starts the round in which the new agent
+     starts them (not charged again when the loss's round already was). Unmodified workers keep
+     torchrun's semantics: the loss waits (absorbed), the arrival restarts every rank. A node not
+     taken over within node_replace_timeout ends the job (`unreplaced()`).
   4. superseded: a fault while a process-level round still collects the ranks' statuses widens
      that round: the failed ranks accumulate, retry is off (the ranks are mid-recovery, the new
      one restarts), and only the new failed rank restarts (earlier replacements keep running).
@@ -162,8 +169,8 @@ def covered_by(fault: P.Fault, rnd: Round | None) -> bool:
     """Rule 1: a late report that the round in progress already covers."""
     if rnd is None or fault.generation >= rnd.generation:
         return False
-    if fault.evidence.get("node_joined"):
-        return False  # a replacement agent always gets the round that starts its ranks
+    if fault.evidence.get("node_joined") or fault.evidence.get("node_lost"):
+        return False  # a node's loss and its new agent always get a round of their own
     if rnd.strategy in (P.RESTART_ALL, P.EXIT, P.DUMP):
         return True
     if FaultKind.parse(fault.kind) == FaultKind.NETWORK:
@@ -198,6 +205,8 @@ def decide(fault: P.Fault, s: Situation) -> Decision:
     if collecting and P.RETRY in chain and fault.rank is not None:
         chain.remove(P.RETRY)
         skipped.append(f"retry: rank {fault.rank} failed while the ranks were mid-recovery")
+    if fault.rank is None and node_ranks(fault):
+        return _node_decision(fault, s)
     strategy, why = walk_chain(kind, chain, s.runtime_aware, s.budget.left,
                                repeat_uce=bool(fault.evidence.get("repeat_uce")), skipped=skipped)
     if fault.rank is None and strategy in PROCESS_LEVEL:
@@ -211,6 +220,58 @@ def decide(fault: P.Fault, s: Situation) -> Decision:
     failed = tuple(sorted(set(rnd.failed_ranks) | set(own)))
     return Decision(strategy, why, cause, failed, restart_ranks(strategy, own, s.world_size),
                     charged=strategy in CHARGED, supersedes=rnd.generation)
+
+
+def node_ranks(fault: P.Fault) -> tuple[int, ...]:
+    """The ranks of the node a rank-less fault names (its evidence), () when it names none."""
+    return tuple(sorted(int(r) for r in fault.evidence.get("node_ranks") or ()))
+
+
+def _node_decision(fault: P.Fault, s: Situation) -> Decision:
+    """Rule 3: a node lost or taken over (see the module docstring)."""
+    rnd = s.round
+    ranks = node_ranks(fault)
+    joined = bool(fault.evidence.get("node_joined"))
+    what = (f"node {fault.node} taken over ({fault.message})" if joined
+            else f"node {fault.node} lost ({fault.message})")
+    collecting = rnd is not None and rnd.collecting
+    prior = set(rnd.failed_ranks) if collecting and rnd is not None else set()
+    continues = joined and collecting and set(ranks) <= prior
+    chain = [x for x in s.chain if x != P.RETRY]  # the node's processes are gone
+    strategy, why = walk_chain(FaultKind.NODE_LOST, chain, s.runtime_aware,
+                               s.budget.left or continues,
+                               skipped=["retry: the node's processes are gone"])
+    if strategy == P.RECOVER_IN_PLACE:
+        failed = tuple(sorted(prior | set(ranks)))
+        restart = ranks if joined else ()  # the lost node has no agent to start them yet
+        why = (f"{what}: its ranks {list(ranks)} " + ("start on the new agent and are repaired "
+               "from replicas on the other nodes" if joined else "wait for a hot spare or a "
+               "replacement agent; the survivors stop and keep their processes"))
+        return Decision(strategy, why, fault, failed, restart, charged=not continues,
+                        supersedes=rnd.generation if collecting and rnd is not None else None,
+                        continues=continues)
+    if not joined and strategy == P.RESTART_ALL:
+        return Decision(None, f"{what}: unmodified workers restart every rank once a hot spare "
+                        "or a replacement agent takes over the node")
+    failed = tuple(sorted(prior | set(ranks)))
+    return Decision(strategy, f"{what}; {why}", fault, failed,
+                    restart_ranks(strategy, ranks, s.world_size), charged=strategy in CHARGED,
+                    supersedes=rnd.generation if collecting and rnd is not None else None)
+
+
+def unreplaced(fault: P.Fault, waited: float, timeout: float, nodes_left: int,
+               min_nodes: int) -> Decision:
+    """A lost node (`fault`, its node_lost report) that no hot spare or replacement agent took
+    over within node_replace_timeout: the job ends, saying why. Continuing on the remaining
+    nodes (allowed by --nnodes MIN) is not supported: ftrun does not shrink a running world."""
+    if nodes_left >= min_nodes:
+        rest = (f"continuing on the {nodes_left} remaining node(s) (--nnodes MIN={min_nodes} "
+                "allows it) is not supported: ftrun does not shrink a running world")
+    else:
+        rest = f"--nnodes MIN={min_nodes} does not allow continuing on {nodes_left} node(s)"
+    why = (f"node {fault.node} lost ({fault.message}): no hot spare or replacement agent took "
+           f"it over within node_replace_timeout={timeout:g}s (waited {waited:.1f}s); {rest}")
+    return Decision(P.EXIT, why, fault, node_ranks(fault), (), charged=False)
 
 
 def fallback(s: Situation, reason: str) -> Decision:

@@ -19,6 +19,7 @@ class FaultKind(str, enum.Enum):
     NETWORK = "network"  # collective/link error, retryable
     UNSAFE_DATA = "unsafe-data"  # access to data marked unsafe after a fault
     EXCEPTION = "exception"  # any other exception reported by the runtime
+    NODE_LOST = "node-lost"  # a node's agent is gone (lease expired, no heartbeat, left by signal)
     UNKNOWN = "unknown"
 
     @classmethod

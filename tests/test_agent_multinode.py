@@ -85,6 +85,7 @@ def test_a_late_node_waits_as_a_hot_spare_and_exits_0_when_the_job_ends(tmp_path
     ("last_call_timeout=-1", "--rdzv-conf last_call_timeout=-1.0"),
     ("is_host=maybe", "--rdzv-conf is_host='maybe': must be true or false"),
     ("keep_alive_max_attempt=1", "keep_alive_max_attempt=1: must be an integer >= 2"),
+    ("node_replace_timeout=never", "--rdzv-conf node_replace_timeout='never': must be a number"),
 ])
 def test_bad_rdzv_conf_is_one_line_and_exit_2(conf: str, needle: str) -> None:
     r = run(FTRUN + ["--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint",

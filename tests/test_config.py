@@ -107,3 +107,26 @@ def test_warm_spares_flag_env_and_bad_values_are_one_line() -> None:
             cfg("--warm-spares", bad)
     with pytest.raises(ConfigError, match="^FTRUN_WARM_SPARES='x': must be"):
         cfg(env={"FTRUN_WARM_SPARES": "x"})
+
+
+def test_node_replace_timeout_from_rdzv_conf_env_or_default() -> None:
+    assert cfg().node_replace_timeout == 600.0
+    assert cfg(env={"FTRUN_NODE_REPLACE_TIMEOUT": "12.5"}).node_replace_timeout == 12.5
+    c = cfg("--rdzv_conf", "node_replace_timeout=3", env={"FTRUN_NODE_REPLACE_TIMEOUT": "12"})
+    assert c.node_replace_timeout == 3.0  # the flag wins over the environment
+
+
+@pytest.mark.parametrize("args, env, needle", [
+    (("--rdzv_conf", "node_replace_timeout=soon"), {},
+     "--rdzv-conf node_replace_timeout='soon': must be a number of seconds > 0"),
+    (("--rdzv_conf", "node_replace_timeout=0"), {},
+     "--rdzv-conf node_replace_timeout='0': must be a number of seconds > 0"),
+    ((), {"FTRUN_NODE_REPLACE_TIMEOUT": "-4"},
+     "FTRUN_NODE_REPLACE_TIMEOUT='-4': must be a number of seconds > 0"),
+    ((), {"FTRUN_NODE_REPLACE_TIMEOUT": "inf"},
+     "FTRUN_NODE_REPLACE_TIMEOUT='inf': must be a number of seconds > 0"),
+])
+def test_bad_node_replace_timeout_is_one_line_naming_the_key(args, env, needle) -> None:
+    with pytest.raises(ConfigError) as e:
+        cfg(*args, env=env)
+    assert needle in str(e.value) and "\n" not in str(e.value)
