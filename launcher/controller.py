@@ -206,12 +206,16 @@ class Controller:
                           fault_kind=fault.kind)
             return d
         if d.supersedes is not None:  # one event for it (events.jsonl readers rely on that)
-            self.log.warning("round-superseded", f"generation {d.supersedes}: rank {fault.rank} failed "
-                             f"({fault.kind}) during recovery; starting a new round", rank=fault.rank,
+            what = (f"rank {fault.rank} failed ({fault.kind})" if fault.rank is not None else
+                    f"node {fault.node} "
+                    + ("taken over" if fault.evidence.get("node_joined") else "lost"))
+            self.log.warning("round-superseded", f"generation {d.supersedes}: {what} during "
+                             f"recovery; starting a new round ({d.reason})", rank=fault.rank,
                              fault_kind=fault.kind, strategy=d.strategy, reason=d.reason)
             return d
         label = " [injected]" if fault.injected else ""
-        self.log.info("decide", f"fault: rank {fault.rank} {fault.kind}{label} on node {fault.node} -> "
+        who = f"rank {fault.rank} {fault.kind}" if fault.rank is not None else f"no rank, {fault.kind}"
+        self.log.info("decide", f"fault: {who}{label} on node {fault.node} -> "
                       f"{d.strategy} ({d.reason})", rank=fault.rank, fault_kind=fault.kind,
                       strategy=d.strategy, reason=d.reason, injected=fault.injected)
         return d

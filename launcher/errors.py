@@ -22,8 +22,11 @@ import time
 from dataclasses import dataclass, field
 
 from launcher import plan as P
+from launcher.faults import FaultKind
 from launcher.logs import AgentLog
 from launcher.workers import Worker, signal_name
+
+NODE_LOST = FaultKind.NODE_LOST.value
 
 
 @dataclass
@@ -96,7 +99,9 @@ def _block(idx: int, f: Failure) -> list[str]:
     lines = [f"[{idx}]:",
              f"  time      : {time.strftime('%Y-%m-%d_%H:%M:%S', time.localtime(f.time))}",
              f"  host      : {f.host}",
-             f"  rank      : {f.rank} (local_rank: {f.local_rank}, node: {f.node})",
+             (f"  rank      : none (node {f.node} lost: {f.message.splitlines()[0][:200]})"
+              if f.kind == NODE_LOST and f.rank < 0 else
+              f"  rank      : {f.rank} (local_rank: {f.local_rank}, node: {f.node})"),
              f"  generation: {f.generation}",
              f"  kind      : {f.kind}",
              f"  exitcode  : {code}",
@@ -120,8 +125,10 @@ def history_line(entry: dict) -> str:
     msg = (str(entry.get("message") or "").splitlines() or [""])[0][:120]
     merged = entry.get("consequences") or 0
     more = f" ({merged} consequence report(s) merged)" if merged else ""
-    return (f"  rank {entry.get('rank')} {entry.get('kind')}{tag} on node {entry.get('node')}: "
-            f"{msg}{more} -> {handling_line(entry)}: {entry.get('outcome')}")
+    who = (f"node {entry.get('node')} lost" if entry.get("rank") is None
+           and entry.get("kind") == NODE_LOST else
+           f"rank {entry.get('rank')} {entry.get('kind')}{tag} on node {entry.get('node')}")
+    return f"  {who}: {msg}{more} -> {handling_line(entry)}: {entry.get('outcome')}"
 
 
 def format_summary(title: str, failures: list[Failure], terminated: list[tuple[int, int]],
@@ -243,6 +250,7 @@ class JobFailures:
         rc = root if root is not None else root_cause(failures)
         if rc is not None and copy_root_error_file(rc, os.environ.get("TORCHELASTIC_ERROR_FILE")):
             log.info("error-file", "root cause error file copied to TORCHELASTIC_ERROR_FILE")
-        log.event("summary", f"job failed; root cause: rank {rc.rank if rc else '?'} "
-                  f"{rc.kind if rc else 'unknown'}", "error",
+        what = (f"node {rc.node} lost" if rc is not None and rc.kind == NODE_LOST and rc.rank < 0
+                else f"rank {rc.rank if rc else '?'} {rc.kind if rc else 'unknown'}")
+        log.event("summary", f"job failed; root cause: {what}", "error",
                   root_cause=dataclasses.asdict(rc) if rc else None, history=self.history)

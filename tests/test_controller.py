@@ -1,6 +1,8 @@
 """The controller's decisions and round driving, on an in-process store (LocalKV)."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from launcher import plan as P
@@ -207,5 +209,57 @@ def test_the_exit_plan_names_the_fault_that_ended_the_job_and_the_history(kv) ->
         assert p.strategy == P.EXIT and p.root_cause["rank"] == 1 and p.root_cause["kind"] == "hang"
         assert [(h["rank"], h["kind"], h["handling"], h["outcome"][:7]) for h in p.history] == [
             (2, "uce-low", [[P.RETRY, 1]], "recover"), (1, "hang", [[P.EXIT, 2]], "failed:")]
+    finally:
+        c.stop()
+
+
+def _two_nodes(kv, node_replace_timeout: float) -> Controller:
+    for r in range(4):
+        kv.set(P.aware_key(r), b"1")
+    c = Controller(kv, AgentLog(0, None, quiet=True), 4, 2, 3,
+                   [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=0.5,
+                   window=0.1, node_replace_timeout=node_replace_timeout, min_nodes=2)
+    c.start()
+    return c
+
+
+def test_a_lost_node_is_repaired_from_peers_once_its_new_agent_arrives(kv) -> None:
+    c = _two_nodes(kv, node_replace_timeout=30.0)
+    try:
+        c.note_node(1, lost=True, why="no heartbeat for 2s")
+        p1 = plan_of(kv, 1)
+        assert p1.strategy == P.RECOVER_IN_PLACE and p1.failed_ranks == [2, 3]
+        assert p1.restart_ranks == [] and p1.root_cause["kind"] == "node-lost"
+        for r in (0, 1):  # the survivors report; node 1's ranks cannot, yet
+            kv.set(P.status_key(1, r), P.RankStatus(r, 1, False, 4, 5, shard="dp").to_json())
+        time.sleep(1.5)  # longer than the phase timeout: the round still waits for node 1
+        assert kv.try_get(P.plan_key(2)) is None and kv.try_get(P.repair_key(1)) is None
+        c.note_node(1, lost=False)
+        post_fault(kv, P.Fault(kind="node-lost", rank=None, node=1, generation=1, message="spare",
+                               evidence={"node_joined": True, "node_ranks": [2, 3]}))
+        p2 = plan_of(kv, 2)
+        assert p2.strategy == P.RECOVER_IN_PLACE and p2.restart_ranks == [2, 3]
+        assert p2.restarts_used == 1  # the arrival continues the loss's round
+        for r in range(4):
+            st = P.RankStatus(r, 2, r >= 2, -1 if r >= 2 else 4, -1 if r >= 2 else 5, shard="dp")
+            kv.set(P.status_key(2, r), st.to_json())
+        rp = P.RepairPlan.from_json(kv.get(P.repair_key(2), 10.0))
+        assert rp.pairs == [[0, 2], [0, 3]] and not rp.fallback
+    finally:
+        c.stop()
+
+
+def test_a_lost_node_not_taken_over_within_the_timeout_ends_the_job(kv) -> None:
+    c = _two_nodes(kv, node_replace_timeout=1.0)
+    try:
+        c.note_node(1, lost=True, why="its etcd lease expired (TTL 5s)")
+        c.note_node(1, lost=True, why="again")  # news of the same loss: one fault
+        assert plan_of(kv, 1).strategy == P.RECOVER_IN_PLACE
+        for r in (0, 1):
+            kv.set(P.status_key(1, r), P.RankStatus(r, 1, False, 4, 5, shard="dp").to_json())
+        p2 = plan_of(kv, 2)
+        assert p2.strategy == P.EXIT and p2.failed_ranks == [2, 3]
+        assert p2.reason.startswith("node 1 lost (its etcd lease expired (TTL 5s)): no hot spare")
+        assert kv.try_get(P.FAULT_SEQ) == b"1"
     finally:
         c.stop()

@@ -259,3 +259,57 @@ def test_stacks_that_all_sit_outside_a_collective_blame_no_one_strongly() -> Non
     p, why, weak = blame_local(plain, outside=[0, 1, 2])
     assert p.rank == 1 and weak and "first of the silent ranks" in why
     assert "none of their stacks is inside a torch.distributed call" in why and "peers'" not in why
+
+
+# ---------------------------------------------------------------- rule 3: node loss repaired from peers
+def node_fault(joined: bool, gen: int = 0, ranks=(2, 3)) -> P.Fault:
+    ev = {"node_joined": True} if joined else {"node_lost": "no heartbeat for 5s"}
+    return P.Fault(kind="node-lost", rank=None, node=1, generation=gen, message="x",
+                   evidence={**ev, "node_ranks": list(ranks)})
+
+
+def test_a_lost_node_of_a_runtime_job_stops_the_survivors_and_waits_for_its_new_agent() -> None:
+    d = decide(node_fault(joined=False), situation())
+    assert d.strategy == P.RECOVER_IN_PLACE and d.failed_ranks == (2, 3)
+    assert d.restart_ranks == () and d.charged and "wait for a hot spare" in d.reason
+
+
+def test_the_new_agent_of_a_lost_node_starts_its_ranks_repaired_from_peers_uncharged() -> None:
+    rnd = Round(1, P.RECOVER_IN_PLACE, (2, 3), node_fault(joined=False), collecting=True)
+    d = decide(node_fault(joined=True, gen=1), situation(used=1, limit=1, rnd=rnd))
+    assert d.strategy == P.RECOVER_IN_PLACE and d.restart_ranks == (2, 3)
+    assert d.failed_ranks == (2, 3) and d.supersedes == 1 and not d.charged and d.continues
+    # an arrival nobody saw the loss of (the node left by signal): a round of its own, charged
+    d = decide(node_fault(joined=True), situation())
+    assert d.strategy == P.RECOVER_IN_PLACE and d.restart_ranks == (2, 3) and d.charged
+
+
+def test_a_node_loss_is_never_absorbed_by_an_older_round() -> None:
+    rnd = round_of(P.RECOVER_IN_PLACE, failed=(1,), gen=3)
+    assert not decide(node_fault(joined=False, gen=0), situation(rnd=rnd)).absorbed
+
+
+def test_unmodified_workers_wait_for_the_new_agent_then_every_rank_restarts() -> None:
+    d = decide(node_fault(joined=False), situation(aware=False))
+    assert d.absorbed and "once a hot spare" in d.reason
+    d = decide(node_fault(joined=True), situation(aware=False))
+    assert d.strategy == P.RESTART_ALL and d.restart_ranks == (0, 1, 2, 3)
+
+
+def test_without_recover_in_place_in_the_chain_a_node_loss_follows_the_chain() -> None:
+    d = decide(node_fault(joined=True), situation(chain=(P.RESTART_ALL, P.EXIT)))
+    assert d.strategy == P.RESTART_ALL and "node 1 taken over" in d.reason
+    d = decide(node_fault(joined=False), situation(used=3))
+    assert d.strategy == P.EXIT and d.failed_ranks == (2, 3)
+
+
+def test_a_node_not_taken_over_in_time_ends_the_job_saying_why() -> None:
+    from launcher.decision import unreplaced
+
+    d = unreplaced(node_fault(joined=False), 12.3, 10.0, nodes_left=1, min_nodes=2)
+    assert d.strategy == P.EXIT and d.failed_ranks == (2, 3) and not d.charged
+    assert d.reason.startswith("node 1 lost (x): no hot spare or replacement agent took it over "
+                               "within node_replace_timeout=10s (waited 12.3s)")
+    assert "--nnodes MIN=2 does not allow continuing on 1 node(s)" in d.reason
+    d = unreplaced(node_fault(joined=False), 10.0, 10.0, nodes_left=3, min_nodes=2)
+    assert d.strategy == P.EXIT and "does not shrink a running world" in d.reason
