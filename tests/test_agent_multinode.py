@@ -108,3 +108,69 @@ def test_node_rank_is_ignored_by_dynamic_backends() -> None:
     assert (c.is_store_host, c.join_timeout, c.rdzv_settings.join_timeout) == (False, 7.0, 7.0)
     with pytest.raises(ConfigError):
         build_config(parse(["--rdzv_conf", "read_timeout=0", script("sleeper.py")]), env={})
+
+
+@pytest.mark.etcd
+def test_a_spare_that_takes_over_the_controllers_node_reports_its_own_arrival(tmp_path) -> None:
+    """etcd: node 0 (the controller's node) crashes; the hot spare takes node 0, runs the
+    controller itself and must report its own arrival, or no round would start rank 0. The
+    survivor (rank 1) keeps its process; the result is bit-identical to a fault-free run."""
+    import os
+    import signal
+    import time
+
+    from tests.helpers_etcd import start_etcd
+    from tests.helpers_launch import REPO
+    from tests.helpers_runtime import assert_bit_identical, load_params
+
+    train = [os.path.join(REPO, "scripts", "examples", "ddp_train.py"), "--steps", "40",
+             "--step-time", "0.15"]
+    env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")
+    ref = run(FTRUN + ["--nproc_per_node", "2", "--log_dir", str(tmp_path / "logref"), *train[:3],
+                       "--out", str(tmp_path / "ref{rank}.pt")], env=env, timeout=120)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    srv = start_etcd()
+    procs: list[subprocess.Popen] = []
+    try:
+        def agent(tag: str) -> subprocess.Popen:
+            p = subprocess.Popen(FTRUN + [
+                "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "etcd",
+                "--rdzv_endpoint", srv.endpoint, "--rdzv_id", "n0", "--max_restarts", "3",
+                "--rdzv_conf", "keep_alive_interval=0.5,heartbeat_timeout=2,node_replace_timeout=60",
+                "--log_dir", str(tmp_path / f"log{tag}"), *train, "--out",
+                str(tmp_path / "out{rank}.pt")], env=env, stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE, text=True)
+            procs.append(p)
+            return p
+
+        a, b = agent("a"), agent("b")
+        hello = _wait_event(str(tmp_path / "loga"), lambda e: e["event"] == "hello", 60)
+        _wait_event(str(tmp_path / "logb"), lambda e: e["event"] == "hello", 60)
+        node0, node1 = (a, b) if hello["rank"] == 0 else (b, a)
+        tag0, tag1 = ("a", "b") if node0 is a else ("b", "a")
+        spare = agent("s")
+        _wait_event(str(tmp_path / "logs"), lambda e: e["event"] == "hot-spare", 30)
+        time.sleep(1.0)
+        w0 = next(e["pid"] for e in _events(str(tmp_path / f"log{tag0}")) if e["event"] == "spawn")
+        for pid in (node0.pid, w0):  # node 0 crashes: its agent (controller) and its worker
+            os.kill(pid, signal.SIGKILL)
+        node0.wait(10)
+        _, err1 = node1.communicate(timeout=90)
+        _, errs = spare.communicate(timeout=30)
+        assert node1.returncode == 0, err1[-4000:]
+        assert spare.returncode == 0, errs[-4000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        srv.stop()
+    evs, ev1 = _events(str(tmp_path / "logs")), _events(str(tmp_path / f"log{tag1}"))
+    assert any(e["event"] == "spare-takes-over" and e["group_rank"] == 0 for e in evs)
+    assert any(e["event"] == "plan" and e["strategy"] == "recover-in-place" for e in evs)
+    assert not any(e["event"] == "plan" and e["strategy"] == "restart-all" for e in evs)
+    assert [e["rank"] for e in ev1 if e["event"] == "spawn"] == [1]  # the survivor kept its pid
+    assert [(e["rank"], e["replacement"]) for e in evs if e["event"] == "spawn"] == [(0, True)]
+    for r in (0, 1):
+        assert_bit_identical(load_params(tmp_path / f"ref{r}.pt"),
+                             load_params(tmp_path / f"out{r}.pt"))
