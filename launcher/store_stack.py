@@ -97,8 +97,11 @@ class StoreStack:
         else:
             from rendezvous.client import StoreClient
 
+            # the store host may come up within join_timeout; every call after that is bounded
+            # by read_timeout (a hung store must not block a store call for join_timeout)
             self.kv = StoreClient(cfg.store_host, cfg.store_port, token=self.token,
-                                  timeout=cfg.join_timeout)
+                                  timeout=cfg.rdzv_settings.read_timeout,
+                                  connect_timeout=cfg.join_timeout)
             self.log.info("store", f"using the store at {cfg.store_host}:{cfg.store_port}")
         return self.kv
 

@@ -26,10 +26,11 @@ from rendezvous.protocol import logical_keys, wire_key
 
 
 def connect(host: str, port: int, timeout: float,
-            what: str = "cannot connect to the store") -> socket.socket:
-    """A TCP connection to a store (TCP_NODELAY, `timeout` on every later call), retried
-    until `timeout` s have passed; StoreError "<what> at host:port within T s: <last error>",
-    or naming the host at once when it does not resolve."""
+            what: str = "cannot connect to the store",
+            call_timeout: float | None = None) -> socket.socket:
+    """A TCP connection to a store (TCP_NODELAY, `call_timeout` (default `timeout`) on every
+    later call), retried until `timeout` s have passed; StoreError "<what> at host:port within
+    T s: <last error>", or naming the host at once when it does not resolve."""
     deadline = time.monotonic() + timeout
     last = "no attempt"
     while True:
@@ -45,7 +46,7 @@ def connect(host: str, port: int, timeout: float,
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
             continue
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        s.settimeout(timeout)
+        s.settimeout(timeout if call_timeout is None else call_timeout)
         return s
 
 
@@ -60,16 +61,22 @@ class _Link:
 
 
 class StoreClient(KVStore):
-    """`KVStore` over TCP; thread-safe (one connection per calling thread)."""
+    """`KVStore` over TCP; thread-safe (one connection per calling thread).
+
+    `timeout` bounds every call (and connecting, after the first connection); `connect_timeout`
+    (default `timeout`) is how long the first connection may take: an agent waits up to
+    join_timeout for the store host to come up, but once joined its calls use read_timeout."""
 
     def __init__(self, host: str, port: int, token: str | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, connect_timeout: float | None = None) -> None:
         if not isinstance(port, int) or not 0 < port <= 65535:
             raise ValueError(f"store port {port!r}: must be an integer in 1-65535")
         self.host = host
         self.port = port
         self.token = check_token(token) if token is not None else None
         self.timeout = check_timeout(timeout)
+        self._first_connect: float | None = (None if connect_timeout is None
+                                             else check_timeout(connect_timeout))
         self._local = threading.local()
         self._links: set[_Link] = set()
         self._lock = threading.Lock()
@@ -87,12 +94,18 @@ class StoreClient(KVStore):
         link = getattr(self._local, "link", None)
         if link is not None:
             return link
-        link = _Link(connect(self.host, self.port, self.timeout))
+        first, self._first_connect = self._first_connect, None
+        link = _Link(connect(self.host, self.port, self.timeout if first is None else first,
+                             call_timeout=self.timeout))
         self._local.link = link
         with self._lock:
             self._links.add(link)
         try:
             self._handshake(link)
+        except socket.timeout:  # a peer that accepts but never answers: a store error too
+            self._drop(link)
+            raise StoreTimeout(f"store at {self.address} did not answer the handshake within "
+                               f"{self.timeout:g} s") from None
         except BaseException:
             self._drop(link)
             raise

@@ -126,3 +126,30 @@ def test_non_store_peer_is_a_clear_error() -> None:
     with pytest.raises(StoreError, match="answered the handshake wrongly"):
         StoreClient("127.0.0.1", ls.getsockname()[1], timeout=2).set("x", b"1")
     ls.close()
+
+
+def test_calls_after_the_first_connection_use_the_call_timeout_not_the_connect_timeout() -> None:
+    """An agent waits join_timeout for the store host to come up, but a store that stops
+    answering must not block a later call for join_timeout (only read_timeout)."""
+    port = free_port()
+    late = StoreServer(host="127.0.0.1", port=port)
+    threading.Timer(0.6, late.start).start()  # the store host comes up after a while
+    c = StoreClient("127.0.0.1", port, timeout=0.3, connect_timeout=10.0)
+    try:
+        c.set("k", b"v")  # the first connection waited for it (longer than the call timeout)
+        assert c.get("k", 1.0) == b"v"
+    finally:
+        c.close()
+        late.stop()
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)  # accepts connections (backlog) but never answers
+    c = StoreClient("127.0.0.1", mute.getsockname()[1], timeout=0.3, connect_timeout=30.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(StoreError):
+            c.set("k", b"v")
+        assert time.monotonic() - t0 < 3.0
+    finally:
+        c.close()
+        mute.close()
