@@ -70,11 +70,15 @@ class SpareInfo:
 def build_world(members: list[Registration], static: bool, run_id: str,
                 round_: int = 0) -> dict:
     """The world JSON for `members` (static: by node rank; dynamic: survivors of the previous
-    round by their old group rank, then everyone else by arrival slot)."""
+    round by their old group rank, then the agent hosting the embedded store, then everyone
+    else by arrival slot). The store host first: group rank 0 runs the controller, so with the
+    embedded store the controller is lost only with the store (which ends the job anyway), never
+    with another node whose ranks a spare could take over."""
     if static:
         members = sorted(members, key=lambda r: r.node_rank if r.node_rank is not None else -1)
     else:
-        members = sorted(members, key=lambda r: (r.prev_rank < 0, r.prev_rank, r.slot))
+        members = sorted(members, key=lambda r: (r.prev_rank < 0, r.prev_rank,
+                                                 not r.hosts_store, r.slot))
     nodes, base = [], 0
     for gr, r in enumerate(members):
         nodes.append({"node_rank": gr, "host": r.host, "pid": r.pid,
