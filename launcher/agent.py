@@ -171,7 +171,8 @@ class Agent:
             kv = self.stack.open() if open_store else self.kv
             assert kv is not None
             self.world = self.stack.join(self.host, self._on_node_lost, self._on_node_joined,
-                                         stop=self.stopping, on_lost=self._on_lost_news)
+                                         stop=self.stopping, on_lost=self._on_lost_news,
+                                         on_left=self._on_node_left)
         finally:
             self._raise_on_signal = False
         if self.stopping.is_set():
@@ -421,10 +422,17 @@ class Agent:
         n = self.cfg.nproc_per_node
         return list(range(node * n, (node + 1) * n))
 
-    def _on_node_lost(self, node: int) -> None:
+    def _on_node_left(self, node: int, reason: str) -> None:
+        """Membership thread: a node left on purpose. Stopped by a signal (preemption): its
+        ranks need a new home, as after a crash; any other reason (done, a new round) is not a
+        loss."""
+        if reason == LEAVE_SIGNAL and not self.stopping.is_set():
+            self._on_node_lost(node, "its agent left on a signal (stopped or preempted)")
+
+    def _on_node_lost(self, node: int, why: str = "") -> None:
         """Membership thread: handled here, not in the main loop, which may be waiting on a
         round that this very death holds up."""
-        why = self._loss_reason()
+        why = why or self._loss_reason()
         who = ("a hot spare or a replacement agent (same --node_rank) takes over its ranks "
                f"{self._node_ranks(node)} within node_replace_timeout="
                f"{self.cfg.node_replace_timeout:g}s, else the job falls back")

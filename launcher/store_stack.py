@@ -157,7 +157,8 @@ class StoreStack:
     # ---------------------------------------------------------------- node rendezvous
     def join(self, host: str, on_node_dead: Callable[[int], None],
              on_node_join: Callable[[int], None], stop: threading.Event | None = None,
-             on_lost: Callable[[Any], None] | None = None) -> AgentWorld:
+             on_lost: Callable[[Any], None] | None = None,
+             on_left: Callable[[int, str], None] | None = None) -> AgentWorld:
         """Node-level rendezvous; the callbacks run on the membership thread. Ends with
         JoinInterrupted within a fraction of a second of `stop.set()` / `interrupt()`,
         RendezvousGracefulExit when the run finished while this agent waited as a hot spare."""
@@ -177,7 +178,7 @@ class StoreStack:
         self.generation_before_join = int(raw) if raw is not None else 0
         w = self._membership.join(stop=stop)
         self._membership.start_heartbeat()
-        self._membership.watch_nodes(on_node_dead, on_node_join, on_lost=on_lost)
+        self._membership.watch_nodes(on_node_dead, on_node_join, on_lost=on_lost, on_left=on_left)
         self.rejoined = bool(w.rejoined)
         return AgentWorld(w.group_rank, w.group_world_size, w.nodes[w.group_rank].rank_base,
                           w.world_size, w.leader_node == w.group_rank,

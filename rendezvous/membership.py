@@ -288,12 +288,14 @@ class Membership:
                     on_join: Callable[[int], None] | None = None,
                     on_leader: Callable[[int], None] | None = None,
                     on_lost: Callable[[Lost], None] | None = None,
-                    on_round: Callable[[int], None] | None = None) -> None:
+                    on_round: Callable[[int], None] | None = None,
+                    on_left: Callable[[int, str], None] | None = None) -> None:
         """Report other nodes' deaths (`on_dead(group_rank)`, once per incarnation, within the
         heartbeat/lease timeout), replacements and spares taking a rank (`on_join`), leader
         changes (`on_leader`), this agent losing its membership (`on_lost(Lost)`: see
-        lost_error()) and a new rendezvous round being requested (`on_round(round)`: stop the
-        workers, then next_round()). Callbacks run on a membership thread: keep them short
+        lost_error()), a new rendezvous round being requested (`on_round(round)`: stop the
+        workers, then next_round()) and other nodes leaving on purpose (`on_left(group_rank,
+        reason)`, the keys.LEAVE_* reason of their left marker). Callbacks run on a membership thread: keep them short
         (queue the work). Call once, after join()."""
         if self.world is None:
             raise RendezvousError("watch_nodes() needs join() first")
@@ -303,6 +305,7 @@ class Membership:
             self._watching = True
         self.liveness.roster.subscribe(on_dead, on_join, on_leader)
         self.liveness.roster.on_lost(on_lost)
+        self.liveness.roster.on_left(on_left)
         self.liveness.watch([n.node_rank for n in self.world.nodes])
         if on_round is not None:
             self.liveness.spawn(lambda: self._watch_round(on_round), "round")

@@ -298,3 +298,27 @@ def test_check_cadence_keeps_a_crash_verdict_within_the_timeout_without_judging_
     assert check_cadence(Timing(1.0, 5.0), 3) == (0.1, pytest.approx(4.8))
     assert check_cadence(Timing(1.0, 2.0), 3) == (0.1, pytest.approx(1.8))
     assert check_cadence(Timing(0.1, 0.6), 3)[1] == 0.6  # too few intervals to shorten safely
+
+
+def test_roster_tells_why_a_node_left_and_a_leave_is_no_death() -> None:
+    markers = {(1, 1): "signal", (2, 1): "done"}
+    r = Roster(static=False, has_left=lambda g, i: (g, i) in markers,
+               left_reason=lambda g, i: markers.get((g, i), ""))
+    r.set_me(0, 1)
+    r.reset({0: 1, 1: 1, 2: 1, 3: 1}, [0, 1, 2, 3])
+    left: list[tuple[int, str]] = []
+    dead: list[int] = []
+    r.subscribe(dead.append, None, None)
+    r.on_left(lambda g, why: left.append((g, why)))
+    r.gone(1, 1)  # left marker "signal": a vacancy for a spare, reported with its reason
+    r.gone(2, 1, left=True)  # finished
+    r.gone(3, 1)  # no marker: a death
+    assert left == [(1, "signal"), (2, "done")] and dead == [3]
+    # a store that cannot tell the reason: still a leave, reason unknown
+    r2 = Roster(static=False, has_left=lambda g, i: True,
+                left_reason=lambda g, i: (_ for _ in ()).throw(OSError("down")))
+    r2.reset({0: 1, 1: 1}, [0, 1])
+    got: list[tuple[int, str]] = []
+    r2.on_left(lambda g, why: got.append((g, why)))
+    r2.gone(1, 1)
+    assert got == [(1, "")]

@@ -58,7 +58,7 @@ class Liveness(ABC):
         self.kv = kv
         self.timing = timing
         self.nonce = nonce
-        self.roster = Roster(static, self._has_left)
+        self.roster = Roster(static, self._has_left, self._left_reason)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._beating = False
@@ -255,6 +255,10 @@ class Liveness(ABC):
 
     def _release(self) -> None:
         """After a graceful stop (or once lost): drop what keeps this agent's records alive."""
+
+    def _left_reason(self, gr: int, inc: int) -> str:
+        """The reason in the left marker of incarnation `inc` of `gr` ("" without one)."""
+        return _reason(self.kv.try_get(left_key(gr, inc)))
 
     def _has_left(self, gr: int, inc: int) -> bool:
         return self.kv.try_get(left_key(gr, inc)) is not None

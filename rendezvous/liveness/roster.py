@@ -23,6 +23,7 @@ from rendezvous.errors import DECLARED_DEAD
 log = logging.getLogger("ftrun.membership")
 
 NodeCallback = Callable[[int], None]
+LeftCallback = Callable[[int, str], None]  # (group rank, the reason in its left marker)
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,10 @@ class Roster:
     """Thread-safe view of the world's live nodes for one agent. `has_left(gr, inc)` tells
     whether that incarnation left on purpose (then its going is not a death)."""
 
-    def __init__(self, static: bool, has_left: Callable[[int, int], bool]) -> None:
+    def __init__(self, static: bool, has_left: Callable[[int, int], bool],
+                 left_reason: Callable[[int, int], str] | None = None) -> None:
         self.static = static
+        self._left_reason = left_reason
         self.lost = threading.Event()  # set when the others consider this agent dead
         self.lost_info: Lost | None = None  # why (set before `lost`)
         self._has_left = has_left
@@ -54,6 +57,7 @@ class Roster:
         self._on_join: NodeCallback | None = None
         self._on_leader: NodeCallback | None = None
         self._on_lost: Callable[[Lost], None] | None = None
+        self._on_left: LeftCallback | None = None
 
     # ---------------------------------------------------------------------------- reading
 
@@ -94,6 +98,12 @@ class Roster:
                   on_leader: NodeCallback | None) -> None:
         with self._lock:
             self._on_dead, self._on_join, self._on_leader = on_dead, on_join, on_leader
+
+    def on_left(self, callback: LeftCallback | None) -> None:
+        """Call `callback(group_rank, reason)` when a node leaves on purpose (its left marker's
+        reason, e.g. keys.LEAVE_SIGNAL; "" when unknown)."""
+        with self._lock:
+            self._on_left = callback
 
     def on_lost(self, callback: Callable[[Lost], None] | None) -> None:
         """Call `callback(Lost)` once when this agent loses its membership (at once if it
@@ -175,9 +185,20 @@ class Roster:
     def _report_gone(self, gr: int, inc: int, left: bool) -> None:
         if left or self._left(gr, inc):
             log.info("node %d left", gr)
+            cb = self._on_left
+            if cb is not None and not self._closed.is_set():
+                self._safe(lambda g: cb(g, self._reason(g, inc)), gr)
             return
         log.warning("node %d is dead", gr)
         self._call(self._on_dead, gr)
+
+    def _reason(self, gr: int, inc: int) -> str:
+        if self._left_reason is None:
+            return ""
+        try:
+            return self._left_reason(gr, inc)
+        except Exception:  # noqa: BLE001 - a store hiccup: the reason is unknown
+            return ""
 
     def _left(self, gr: int, inc: int) -> bool:
         try:
