@@ -3,8 +3,9 @@
 Owns: the life of one node's part of a job and the event loop at its centre. Start-up builds the
 observer (`observer`: status, progress, metrics), the store stack (`store_stack`: store, token,
 node rendezvous, proxy, store address), the controller on the leader node, the worker channel
-(`channel`), the reaper (`workers`), the spawner (`spawner`: worker environment, warm spare) and
-the plan executor (`plan_executor`), then spawns the workers. The loop then reacts to one event at a time:
+(`channel`), the reaper (`workers`), the spawner (`spawner`: worker environment, warm spare),
+the plan executor (`plan_executor`) and the fault reporter (`fault_reports`: reports to the
+controller off the loop, refused once this node is stale), then spawns the workers. The loop then reacts to one event at a time:
   WorkerExit      a worker ended (seen at once): success, a stop ftrun asked for, or a fault
   ChannelMessage  a runtime-aware worker's Hello, Heartbeat, FaultReport, Recovered, Bye
   PlanEvent       the controller's plan for the next generation: handed to the plan executor
@@ -33,9 +34,10 @@ from launcher.agent_events import (InjectEvent, KeyFeed, PlanEvent, SignalEvent,
                                    plan_feed)
 from launcher.channel import ChannelMessage, ChannelServer
 from launcher.config import LaunchConfig
-from launcher.controller import Controller, post_fault
+from launcher.controller import Controller
 from launcher.errors import JobFailures, failure_from_exit
 from launcher.fault_memory import FaultMemory
+from launcher.fault_reports import FaultReporter
 from launcher.faults import FaultKind, collective_failure
 from launcher.hang_guard import HangGuard
 from launcher.inject import carry_out
@@ -98,6 +100,7 @@ class Agent:
         self.workers = NodeWorkers({})
         self.spawner: Spawner | None = None
         self.executor: PlanExecutor | None = None
+        self.reporter: FaultReporter | None = None  # fault reports to the controller
         self._feeds: list[KeyFeed] = []
         self._handlers: dict[type, Callable[[Any], int | None]] = {
             WorkerExit: self._on_exit, ChannelMessage: self._on_message, PlanEvent: self._on_plan,
@@ -151,6 +154,7 @@ class Agent:
     def _start(self) -> None:
         """Store stack and world, then channel, reaper and the world's parts (`_enter_world`)."""
         self.kv = self._rendezvous(open_store=True)
+        self.reporter = FaultReporter(self.kv, self.log, self.stack.me, self.stack.check_member)
         self.channel = ChannelServer(os.path.join(self._sock_dir, "agent.sock"), self.events)
         self.reaper = Reaper(self.events)
         self._master = self.stack.start_proxy()
@@ -212,7 +216,8 @@ class Agent:
                                          phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)),
                                          window=cfg.fault_window,
                                          node_replace_timeout=cfg.node_replace_timeout,
-                                         min_nodes=cfg.min_nodes)
+                                         min_nodes=cfg.min_nodes, stale=self.stack.stale,
+                                         fence=self.stack.check_member)
             self.controller.start()
         self.workers = NodeWorkers.create(world.rank_base, cfg.nproc_per_node)
         self.spawner = Spawner(cfg, WorkerWorld(world.group_rank, world.group_world_size,
@@ -319,10 +324,10 @@ class Agent:
             return ""
 
     def _report(self, fault: P.Fault) -> None:
-        assert self.kv is not None
-        seq = post_fault(self.kv, fault)
-        self.log.info("fault-reported", f"fault #{seq} reported to the controller", seq=seq,
-                      rank=fault.rank)
+        """To the controller, off this loop (`launcher.fault_reports`): a store that does not
+        answer (this node cut off) never holds up the loop, and so never its self-fencing."""
+        assert self.reporter is not None
+        self.reporter.report(fault)
 
     # ------------------------------------------------------------------ worker channel
     def _on_message(self, ev: ChannelMessage) -> None:
@@ -526,7 +531,7 @@ class Agent:
         """Stop everything this agent started, workers first, the store last."""
         stop_workers(self.workers.all(), signal.SIGKILL, 0.0)
         _stop_together([self.observer, self.controller, *self._feeds, self.channel, self.reaper,
-                        self.spawner])
+                        self.spawner, self.reporter])
         self.stack.close(LEAVE_SIGNAL if self.signum is not None else None)
         try:
             os.rmdir(self._sock_dir)

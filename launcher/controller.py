@@ -12,6 +12,10 @@ the in-worker runtime executes repair plans.
 Reports that may be consequences of another rank's fault (`decision.may_be_consequence`) are held
 up to `window` seconds: the reports of that window and every node's progress records
 (`launcher.progress`) become one fault (`decision.merge`), so one event is one round. The
+controller refuses (logs `stale-write-refused`, decides nothing) a report stamped by an agent that
+is no longer a member (`Fault.by_node`/`by_incarnation`, checked with `stale`): a node cut off,
+declared dead or replaced cannot start a round in the job's newer generation. Before it writes a
+plan it checks its own agent is still a member (`fence`); a fenced controller stops. The
 controller also keeps the job's fault history (each fault, the strategies tried for it in order,
 and how it ended), published with every plan for the failure summary.
 
@@ -28,6 +32,7 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from launcher import plan as P
 from launcher.decision import (PROCESS_LEVEL, Budget, Decision, Round, Situation, covered_by,
@@ -35,6 +40,7 @@ from launcher.decision import (PROCESS_LEVEL, Budget, Decision, Round, Situation
 from launcher.faults import FaultKind
 from launcher.progress import read_progress
 from launcher.logs import AgentLog
+from rendezvous.errors import FencedError
 from rendezvous.kv import KVStore, StoreError
 
 
@@ -50,8 +56,12 @@ class Controller:
 
     def __init__(self, kv: KVStore, log: AgentLog, world_size: int, nnodes: int, max_restarts: int,
                  chain: list[str], phase_timeout: float = 120.0, window: float = 2.0,
-                 node_replace_timeout: float = 600.0, min_nodes: int | None = None) -> None:
+                 node_replace_timeout: float = 600.0, min_nodes: int | None = None,
+                 stale: Callable[[int, int], str] | None = None,
+                 fence: Callable[[str], None] | None = None) -> None:
         self.kv = kv
+        self._stale = stale  # why a report's writer (node, incarnation) is stale, "" when not
+        self._fence = fence  # raises FencedError when this controller's agent is stale
         self.window = window
         self.history: list[dict] = []  # every fault handled: strategies tried, outcome
         self.log = log
@@ -88,8 +98,20 @@ class Controller:
             self.kv.get(key, 5.0) if self.kv.wait([key], timeout) else None)
         if raw is None:
             return None
+        seq = self.state.next_fault
         self.state.next_fault += 1
-        return P.Fault.from_json(raw)
+        fault = P.Fault.from_json(raw)
+        why = self._stale(fault.by_node, fault.by_incarnation) if (
+            self._stale is not None and fault.by_node is not None and fault.by_incarnation) else ""
+        if why:
+            self.log.error("stale-write-refused", f"fault #{seq} of rank {fault.rank} from node "
+                           f"{fault.by_node} (incarnation {fault.by_incarnation}, generation "
+                           f"{fault.generation}) refused: the writer is stale ({why}); the job is "
+                           f"at generation {self.state.generation}", rank=fault.rank,
+                           stale_node=fault.by_node, incarnation=fault.by_incarnation,
+                           stale_generation=fault.generation, seq=seq, where="controller")
+            return None
+        return fault
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -101,6 +123,9 @@ class Controller:
                 fault = self._take_fault(0.5)
                 if fault is not None:
                     self.handle(fault)
+            except FencedError as e:
+                self.log.error("controller-fenced", f"this controller is stale and stops: {e}")
+                return
             except StoreError as e:
                 if self._stop.is_set():
                     return
@@ -238,6 +263,8 @@ class Controller:
         st = self.state
         g = st.generation + 1
         strategy = decision.strategy
+        if self._fence is not None:
+            self._fence(P.plan_key(g))  # a stale controller publishes nothing
         if decision.charged:
             st.budget = st.budget.charge()
             self.kv.set(P.RESTARTS_USED_KEY, str(st.budget.used).encode())

@@ -159,6 +159,10 @@ class Fault(_Record):
     time: float = field(default_factory=time.time)
     injected: bool = False
     evidence: dict = field(default_factory=dict)
+    # the reporting agent (group rank, incarnation): the controller refuses a report of an agent
+    # that is no longer a member (cut off, declared dead, replaced): a stale node's write
+    by_node: int | None = None
+    by_incarnation: int = 0
 
 
 @dataclass

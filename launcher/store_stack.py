@@ -194,6 +194,30 @@ class StoreStack:
         """Why this agent lost its membership (NodeLostError), or None while a member."""
         return self._membership.lost_error() if self._membership is not None else None
 
+    # ---------------------------------------------------------------- fencing
+    def me(self) -> tuple[int | None, int]:
+        """(group rank, incarnation) of this agent's membership; (None, 0) without one."""
+        if self._membership is None:
+            return None, 0
+        gr, inc = self._membership.me
+        return (gr if inc else None), inc
+
+    def check_member(self, what: str) -> None:
+        """FencedError (logged) when this agent is stale and may not write `what`; a no-op
+        without membership (one node, embedded store)."""
+        if self._membership is not None:
+            self._membership.check_member(what)
+
+    def stale(self, node: int, incarnation: int) -> str:
+        """Why a record written by incarnation `incarnation` of `node` must be refused ("" when
+        its writer is still the node's live holder, or without membership)."""
+        if self._membership is None or incarnation <= 0:
+            return ""
+        try:
+            return self._membership.stale(node, incarnation)
+        except StoreError:
+            return ""
+
     def renew(self) -> None:
         """After this agent was lost: drop the old identity; the next join() is a fresh node."""
         assert self._membership is not None

@@ -38,7 +38,8 @@ The API an agent uses:
         local workers, m.stop(leave=False), then m.renew().join() as a fresh node;
         StoreHostLostError: the embedded store is gone, print it and exit)
     ... controller writes: m.checked_set(key, value), m.advance_generation(old, new)
-        (FencedError when this agent is stale)
+        (FencedError when this agent is stale); m.check_member(what) before any other control
+        write; m.stale(group_rank, incarnation) for a reader to refuse a stale writer's record
     ... etcd only (m.can_elect): m.elect(on_elected, on_deposed) -> Election
 
 The leader is group rank 0 in a static world and the lowest live group rank in a dynamic one
@@ -338,6 +339,25 @@ class Membership:
         """Write a control key only while this agent is a member holding its group rank
         (etcd: one transaction guarded by its node record). FencedError when it is stale."""
         self.liveness.fenced_set(key, value)
+
+    def check_member(self, what: str) -> None:
+        """Refuse (FencedError, logged) a write described by `what` when this agent is stale:
+        lost, declared dead, or its group rank belongs to another agent now. One read; the
+        reader of the write must still check the writer (see `stale()`)."""
+        self.liveness.check_member(what)
+
+    @property
+    def me(self) -> tuple[int, int]:
+        """(group rank, incarnation) this agent holds; (-1, 0) before join()."""
+        return self.liveness.roster.me
+
+    def stale(self, group_rank: int, incarnation: int) -> str:
+        """Why incarnation `incarnation` of node `group_rank` may write nothing any more ("" while
+        it is the node's live holder): declared dead, left, or replaced."""
+        if self.liveness.gone_for_good(group_rank, incarnation):
+            return (f"node {group_rank} incarnation {incarnation} was declared dead, left or "
+                    "was replaced")
+        return ""
 
     def advance_generation(self, expected: int, new: int) -> bool:
         """Move keys.GENERATION_KEY from `expected` to `new` (compare-and-set); False when it

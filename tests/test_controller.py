@@ -263,3 +263,51 @@ def test_a_lost_node_not_taken_over_within_the_timeout_ends_the_job(kv) -> None:
         assert kv.try_get(P.FAULT_SEQ) == b"1"
     finally:
         c.stop()
+
+
+def test_a_report_of_a_stale_agent_is_refused_and_logged(kv, tmp_path) -> None:
+    """A fault stamped by an agent incarnation that is no longer a member (cut off, declared
+    dead, replaced) starts no round; the next live report does."""
+    log = AgentLog(0, str(tmp_path / "events.jsonl"), quiet=True)
+    stale = {(1, 1)}
+    c = Controller(kv, log, 4, 2, 3, [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
+                   phase_timeout=5.0, window=0.1,
+                   stale=lambda n, i: "declared dead" if (n, i) in stale else "")
+    c.start()
+    try:
+        old = fault(rank=1)
+        old.by_node, old.by_incarnation = 1, 1
+        post_fault(kv, old)
+        live = fault(rank=2)
+        live.by_node, live.by_incarnation = 1, 2
+        post_fault(kv, live)
+        p = plan_of(kv, 1)
+        assert p.failed_ranks == [2]  # the stale report of rank 1 decided nothing
+        assert kv.try_get(P.plan_key(2)) is None
+    finally:
+        c.stop()
+        log.close()
+    from launcher.logs import read_event_file
+
+    refused = [e for e in read_event_file(str(tmp_path / "events.jsonl"))
+               if e["event"] == "stale-write-refused"]
+    assert len(refused) == 1 and refused[0]["stale_node"] == 1 and refused[0]["incarnation"] == 1
+    assert "refused: the writer is stale (declared dead)" in refused[0]["message"]
+
+
+def test_a_fenced_controller_publishes_nothing_and_stops(kv) -> None:
+    from rendezvous.errors import FencedError
+
+    def fence(key: str) -> None:
+        raise FencedError(f"node 0 (incarnation 1) is stale: write to {key!r} refused (lost)")
+
+    log = AgentLog(0, None, quiet=True)
+    c = Controller(kv, log, 4, 1, 3, [P.RESTART_ALL, P.EXIT], phase_timeout=5.0, fence=fence)
+    c.start()
+    try:
+        post_fault(kv, fault(rank=1))
+        c._thread.join(5.0)
+        assert not c._thread.is_alive()
+        assert kv.try_get(P.plan_key(1)) is None and kv.try_get(P.GENERATION_KEY) is None
+    finally:
+        c.stop()

@@ -160,6 +160,10 @@ class Liveness(ABC):
         self._check_member(key)
         return self.kv.compare_set(key, expected, desired)
 
+    def check_member(self, key: str) -> None:
+        """FencedError (logged) when this agent may not write `key` any more (see fenced_set)."""
+        self._check_member(key)
+
     def _check_member(self, key: str) -> None:
         gr, inc = self.roster.me
         why = ""
