@@ -2,10 +2,12 @@
 
 Owns: the life of one node's part of a job and the event loop at its centre. Start-up builds the
 observer (`observer`: status, progress, metrics), the store stack (`store_stack`: store, token,
-node rendezvous, proxy, store address), the controller on the leader node, the worker channel
-(`channel`), the reaper (`workers`), the spawner (`spawner`: worker environment, warm spare),
-the plan executor (`plan_executor`) and the fault reporter (`fault_reports`: reports to the
-controller off the loop, refused once this node is stale), then spawns the workers. The loop then reacts to one event at a time:
+node rendezvous, proxy, store address), the controller role (`controller_role`: on the leader
+node, or elected with etcd so it moves when its node is lost), the worker channel (`channel`),
+the reaper (`workers`), the spawner (`spawner`: worker environment, warm spare), the plan
+executor (`plan_executor`) and the fault reporter (`fault_reports`: reports to the controller
+off the loop, refused once this node is stale), then spawns the workers. The loop then reacts
+to one event at a time:
   WorkerExit      a worker ended (seen at once): success, a stop ftrun asked for, or a fault
   ChannelMessage  a runtime-aware worker's Hello, Heartbeat, FaultReport, Recovered, Bye
   PlanEvent       the controller's plan for the next generation: handed to the plan executor
@@ -35,6 +37,7 @@ from launcher.agent_events import (InjectEvent, KeyFeed, PlanEvent, SignalEvent,
 from launcher.channel import ChannelMessage, ChannelServer
 from launcher.config import LaunchConfig
 from launcher.controller import Controller
+from launcher.controller_role import ControllerRole
 from launcher.errors import JobFailures, failure_from_exit
 from launcher.fault_memory import FaultMemory
 from launcher.fault_reports import FaultReporter
@@ -93,7 +96,7 @@ class Agent:
         # built by _start(), in this order
         self.kv: KVStore | None = None
         self.world: AgentWorld | None = None
-        self.controller: Controller | None = None
+        self.role: ControllerRole | None = None  # the controller, on the leader / elected agent
         self._master: tuple[str, int] = ("", 0)  # MASTER_ADDR/PORT local workers use
         self.channel: ChannelServer | None = None
         self.reaper: Reaper | None = None
@@ -210,15 +213,9 @@ class Agent:
         self.generation = self.stack.generation_before_join if self.rejoined else (
             int(raw) if raw is not None else 0)
         self.log.generation = self.generation
-        if world.is_leader:
-            self.controller = Controller(kv, self.log, world.world_size, world.group_world_size,
-                                         cfg.max_restarts, cfg.recover_strategy,
-                                         phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)),
-                                         window=cfg.fault_window,
-                                         node_replace_timeout=cfg.node_replace_timeout,
-                                         min_nodes=cfg.min_nodes, stale=self.stack.stale,
-                                         fence=self.stack.check_member)
-            self.controller.start()
+        self.role = ControllerRole(self.log, self.stack, self._new_controller, world.group_rank,
+                                   self.host)
+        self.role.start(world.is_leader)
         self.workers = NodeWorkers.create(world.rank_base, cfg.nproc_per_node)
         self.spawner = Spawner(cfg, WorkerWorld(world.group_rank, world.group_world_size,
                                                 world.world_size, master_addr, master_port,
@@ -241,11 +238,26 @@ class Agent:
         for feed in self._feeds:
             feed.start()
 
+    @property
+    def controller(self) -> Controller | None:
+        """The controller when this agent runs it (leader, or elected with etcd), else None."""
+        return self.role.controller if self.role is not None else None
+
+    def _new_controller(self) -> Controller:
+        cfg, world = self.cfg, self._world()
+        assert self.kv is not None
+        return Controller(self.kv, self.log, world.world_size, world.group_world_size,
+                          cfg.max_restarts, cfg.recover_strategy,
+                          phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)),
+                          window=cfg.fault_window,
+                          node_replace_timeout=cfg.node_replace_timeout, min_nodes=cfg.min_nodes,
+                          stale=self.stack.stale, fence=self.stack.check_member)
+
     def _leave_world(self) -> None:
         """Undo `_enter_world` (workers already killed): before rejoining as a fresh node."""
-        if self.controller is not None:
-            self.controller.stop()
-            self.controller = None
+        if self.role is not None:
+            self.role.stop()
+            self.role = None
         for feed in self._feeds:
             feed.stop()
         self._feeds = []
@@ -530,7 +542,7 @@ class Agent:
     def shutdown(self) -> None:
         """Stop everything this agent started, workers first, the store last."""
         stop_workers(self.workers.all(), signal.SIGKILL, 0.0)
-        _stop_together([self.observer, self.controller, *self._feeds, self.channel, self.reaper,
+        _stop_together([self.observer, self.role, *self._feeds, self.channel, self.reaper,
                         self.spawner, self.reporter])
         self.stack.close(LEAVE_SIGNAL if self.signum is not None else None)
         try:

@@ -2,8 +2,9 @@
 
 Owns: reading reported `Fault`s from the store in order, asking `launcher.decision` what to do
 (the decision rules live there, nowhere else), publishing the resulting `Plan` for the next
-generation, keeping the job-wide `--max_restarts` budget in the store, and driving the phases of
-a round through the store with a timeout each: restart-all (wait until every node stopped its
+generation, keeping the job-wide `--max_restarts` budget and the next fault to read in the
+store (a controller elected on another node goes on from both), and driving the phases of a
+round through the store with a timeout each: restart-all (wait until every node stopped its
 workers, clear the worker keys, release them), process-level (collect every rank's status, write
 the repair plan; a new fault meanwhile or an impossible repair leads to the decision's next
 round), dump (collect the survivors' statuses, write the dying-gasp plan). Agents execute plans;
@@ -75,9 +76,11 @@ class Controller:
         self.min_nodes = nnodes if min_nodes is None else min_nodes
         self._lost_at: dict[int, tuple[float, P.Fault]] = {}  # lost node -> (when, its fault)
         self._nodes_lock = threading.Lock()
-        raw, used, seq = (kv.try_get(k) for k in (P.GENERATION_KEY, P.RESTARTS_USED_KEY, P.FAULT_SEQ))
+        raw, used, seq, nxt = (kv.try_get(k) for k in (P.GENERATION_KEY, P.RESTARTS_USED_KEY,
+                                                        P.FAULT_SEQ, P.FAULT_NEXT_KEY))
         self.state = ControllerState(generation=int(raw) if raw is not None else 0,
-                                     next_fault=int(seq) + 1 if seq is not None else 1,
+                                     next_fault=int(nxt) if nxt is not None else (
+                                         int(seq) + 1 if seq is not None else 1),
                                      budget=Budget(int(used) if used is not None else 0, max_restarts))
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
@@ -100,6 +103,7 @@ class Controller:
             return None
         seq = self.state.next_fault
         self.state.next_fault += 1
+        self.kv.set(P.FAULT_NEXT_KEY, str(self.state.next_fault).encode())
         fault = P.Fault.from_json(raw)
         why = self._stale(fault.by_node, fault.by_incarnation) if (
             self._stale is not None and fault.by_node is not None and fault.by_incarnation) else ""

@@ -33,6 +33,9 @@ from typing import Any
 from rendezvous.keys import GENERATION_KEY, ROOT, node_key  # noqa: F401 - re-exported
 
 FAULT_SEQ = f"{ROOT}/fault_seq"
+# the next fault the controller reads: a controller elected after its predecessor's node was
+# lost goes on from there (reports posted meanwhile are not skipped, decided ones not replayed)
+FAULT_NEXT_KEY = f"{ROOT}/fault_next"
 RESTARTS_USED_KEY = f"{ROOT}/restarts_used"  # the controller's budget, kept across leader changes
 WORLD_SIZE_KEY = f"{ROOT}/world_size"  # set by the leader agent; `ftctl inject` checks ranks against it
 EXITED_KEY = f"{ROOT}/exited"  # agents that left after a successful job

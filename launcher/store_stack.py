@@ -174,7 +174,10 @@ class StoreStack:
                 cfg.local_addr or host, cfg.rdzv_id, cfg.rdzv_settings, hosts_store=self.hosting)
         if self._interrupted:
             self._membership.interrupt()
-        raw = self.kv.try_get(P.GENERATION_KEY)
+        try:
+            raw = self.kv.try_get(P.GENERATION_KEY)
+        except StoreError:  # no answer: join() says why (the embedded store's host is gone...)
+            raw = None
         self.generation_before_join = int(raw) if raw is not None else 0
         w = self._membership.join(stop=stop)
         self._membership.start_heartbeat()
@@ -193,6 +196,29 @@ class StoreStack:
     def lost_error(self) -> Any:
         """Why this agent lost its membership (NodeLostError), or None while a member."""
         return self._membership.lost_error() if self._membership is not None else None
+
+    # ---------------------------------------------------------------- the controller role
+    @property
+    def can_elect(self) -> bool:
+        """True when the controller role is elected (etcd): it moves when its node is lost."""
+        return self._membership is not None and bool(self._membership.can_elect)
+
+    def elect(self, on_elected: Callable[[], None], on_deposed: Callable[[], None]) -> Any:
+        """Run for controller (etcd; see rendezvous.election); returns the Election."""
+        assert self._membership is not None
+        return self._membership.elect(on_elected, on_deposed)
+
+    def lost_nodes(self) -> list[int]:
+        """Group ranks of the world this agent believes have no live holder now."""
+        if self._membership is None or self._membership.world is None:
+            return []
+        alive = set(self._membership.alive_nodes())
+        return [n.node_rank for n in self._membership.world.nodes if n.node_rank not in alive]
+
+    def why_gone(self, node: int, incarnation: int) -> str:
+        """How that incarnation of `node` went (left with a reason, lease expired, ...)."""
+        assert self._membership is not None
+        return self._membership.why_gone(node, incarnation)
 
     # ---------------------------------------------------------------- fencing
     def me(self) -> tuple[int | None, int]:

@@ -4,7 +4,8 @@ over when its node is lost.
 Owns: `Election`, one agent's candidacy for the controller role, and `read_controller`.
 
 Protocol (one key, `keys.CONTROLLER_KEY`):
-  * a candidate creates the key (create-if-absent) bound to its membership lease, with its
+  * a candidate creates the key (create-if-absent; all but the preferred one, group rank 0,
+    first wait up to `defer` s for it, so the controller starts where the leader rule puts it) bound to its membership lease, with its
     candidacy record (group rank, incarnation, host, nonce) as value; whoever created it is the
     controller, and `on_elected()` runs once;
   * the key disappears when the controller's lease expires (node crashed or cut off), when it
@@ -22,6 +23,9 @@ There is no election on the embedded store (static/c10d): the controller stays w
 rule of `rendezvous.liveness.roster`, and losing the store host ends the job
 (`errors.StoreHostLostError`).
 
+`Election.previous` is the last controller record this candidate saw hold the key (None when it
+never saw one): who it took over from, for the log line of a handoff.
+
 Callbacks run on the election thread: keep them short (queue the work).
 """
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from typing import Any, Callable
 
 from rendezvous.keys import CONTROLLER_KEY
@@ -56,7 +61,7 @@ class Election:
 
     def __init__(self, kv: Any, lease: Any, candidate: dict, lost: threading.Event,
                  on_elected: Callable[[], None], on_deposed: Callable[[], None],
-                 key: str = CONTROLLER_KEY) -> None:
+                 key: str = CONTROLLER_KEY, defer: float = 0.0) -> None:
         if lease is None:
             raise ValueError("an election needs the membership lease (join() first)")
         self.kv = kv
@@ -71,6 +76,8 @@ class Election:
         self._leading = threading.Event()
         self._thread: threading.Thread | None = None
         self._failing = False
+        self.previous: dict | None = None  # the last other controller seen (see module doc)
+        self._defer = max(0.0, float(defer))  # first campaign only: let the preferred win
 
     @property
     def leading(self) -> bool:
@@ -100,6 +107,7 @@ class Election:
     # ------------------------------------------------------------------------------ internals
 
     def _run(self) -> None:
+        self._wait_for_preferred()
         while not self._stop.is_set():
             if self._lost.is_set():
                 self._depose("this agent lost its membership")
@@ -117,12 +125,26 @@ class Election:
                     log.warning("controller election: store call failed (will retry): %s", exc)
                 self._stop.wait(SLICE)
 
+    def _wait_for_preferred(self) -> None:
+        """Before the first campaign, up to `defer` s for another candidate to be elected (the
+        preferred one, group rank 0, runs at once), in slices so stop() ends it."""
+        end = time.monotonic() + self._defer
+        while not self._stop.is_set() and time.monotonic() < end:
+            try:
+                if self.kv.wait([self.key], min(SLICE, max(0.0, end - time.monotonic()))):
+                    return
+            except StoreError:
+                return
+
     def _campaign(self) -> None:
         if self.kv.create(self.key, self.value, self.lease):
             self._leading.set()
-            log.info("node %s is the controller now (elected)", self.candidate.get("group_rank"))
+            log.debug("node %s is the controller now (elected)", self.candidate.get("group_rank"))
             self._call(self._on_elected)
             return
+        holder = read_controller(self.kv, self.key)
+        if holder is not None and holder.get("nonce") != self.candidate.get("nonce"):
+            self.previous = holder
         self.kv.wait_deleted(self.key, SLICE)
 
     def _depose(self, why: str) -> None:

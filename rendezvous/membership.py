@@ -71,7 +71,7 @@ from rendezvous.errors import (STORE_UNREACHABLE, FencedError, JoinInterrupted, 
                                StoreHostLostError)
 from rendezvous.keys import (GENERATION_KEY, JOIN_SEQ_KEY, LEAVE_DONE, LEAVE_ROUND, LEAVE_SIGNAL,
                              RUN_ID_KEY, SPARE_PREFIX, WORLD_KEY, Registration, incarnation_key,
-                             join_key, spare_key, static_join_key)
+                             join_key, left_key, spare_key, static_join_key)
 from rendezvous.kv import KVStore, StoreError, StoreTimeout
 from rendezvous.liveness import LeaseLiveness, Lost, Timing, liveness_for
 from rendezvous.settings import RendezvousSettings
@@ -434,10 +434,12 @@ class Membership:
     # ------------------------------------------------------------------------------ controller
 
     def elect(self, on_elected: Callable[[], None],
-              on_deposed: Callable[[], None]) -> Election:
+              on_deposed: Callable[[], None], defer: float | None = None) -> Election:
         """Run for controller (etcd only, after join): `on_elected()` when this agent becomes
-        it, `on_deposed()` when it loses the role (its lease expired). RendezvousError on the
-        embedded store, where the controller stays with the leader rule."""
+        it, `on_deposed()` when it loses the role (its lease expired); all but the leader-rule
+        leader first wait `defer` s (default two keep-alive intervals) for it to be elected.
+        RendezvousError on the embedded store, where the controller stays with the leader
+        rule."""
         if not isinstance(self.liveness, LeaseLiveness):
             raise RendezvousError("controller election needs etcd (--rdzv-backend etcd); with the "
                                   "embedded store the controller runs on the leader node and "
@@ -448,8 +450,28 @@ class Membership:
         self._election = Election(self.kv, self.liveness.lease,
                                   {"group_rank": me.node_rank, "incarnation": self.incarnation,
                                    "host": self.host, "nonce": self.nonce},
-                                  self.lost, on_elected, on_deposed).start()
+                                  self.lost, on_elected, on_deposed,
+                                  defer=(0.0 if me.node_rank == self.leader() else
+                                         2 * self.heartbeat_interval) if defer is None
+                                  else defer).start()
         return self._election
+
+    def why_gone(self, group_rank: int, incarnation: int) -> str:
+        """One phrase for how incarnation `incarnation` of node `group_rank` went: the reason of
+        its left marker, else its lease expired / heartbeats stopped (crashed or cut off)."""
+        try:
+            raw = self.kv.try_get(left_key(group_rank, incarnation))
+        except StoreError:
+            raw = None
+        if raw is not None:
+            try:
+                reason = str(json.loads(raw).get("reason", "")) or "left"
+            except (ValueError, AttributeError):
+                reason = "left"
+            return f"it left ({reason})"
+        if self.can_elect:
+            return "its lease expired (node crashed or cut off from etcd)"
+        return "it stopped heartbeating (node crashed or cut off from the store)"
 
     def controller(self) -> int | None:
         """The elected controller's group rank (etcd, None while there is none), or the leader

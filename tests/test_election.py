@@ -105,3 +105,27 @@ def test_cut_off_controller_is_deposed_and_replaced(etcd_server: EtcdServer) -> 
         assert ms[0].controller() == 1 and roles.seen.count(("elected", 0)) == 1
     finally:
         _close(kvs, ms, relay)
+
+
+def test_the_leader_rule_leader_is_preferred_and_a_takeover_knows_its_predecessor(
+        etcd_server: EtcdServer) -> None:
+    """Others defer their first campaign (two keep-alive intervals), so node 0 wins even when
+    it runs last; the one that takes over after node 0's crash names it (`previous`)."""
+    kvs, ms, relay = _world(etcd_server, 3)
+    roles = Roles()
+    try:
+        others = [ms[gr].elect(*roles.hooks(gr)) for gr in (2, 1)]
+        time.sleep(0.1)
+        ms[0].elect(*roles.hooks(0))
+        roles.wait(lambda s: len(s) >= 1, 2.0)
+        time.sleep(0.5)
+        assert roles.seen == [("elected", 0)]
+        ms[0].stop(leave=False)  # node 0 crashes
+        roles.wait(lambda s: len(s) == 2, 1.0 + 2.5)
+        new = roles.seen[1][1]
+        winner = others[0] if new == 2 else others[1]
+        assert winner.previous is not None and winner.previous["group_rank"] == 0
+        assert winner.previous["host"] == "h0"
+        assert "lease expired" in ms[new].why_gone(0, winner.previous["incarnation"])
+    finally:
+        _close(kvs, ms, relay)

@@ -1,0 +1,96 @@
+"""Which agent runs the controller, and the handoff when its node is lost.
+
+Owns: `ControllerRole`, this agent's part in the controller role for one world. On the embedded
+store (static/c10d) the controller runs on the leader node (group rank 0 at join) and stays
+there: losing that node loses the store too, which ends the job (`StoreHostLostError`). With
+etcd every agent runs for controller (`rendezvous.election`, lease-bound key): the first one
+elected starts it; when the controller's node is lost (its lease expired: crashed or cut off)
+or left, the key vanishes, another agent is elected and starts a controller that goes on from
+the store (generation, restart budget, next fault; `launcher.controller`), with the nodes it
+already knows lost marked as such. One log line per handoff names the node lost, why, and who
+takes over. A deposed controller (its own lease expired) stops; its agent self-fences.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from launcher.controller import Controller
+from launcher.logs import AgentLog
+
+
+class ControllerRole:
+    """`start(is_leader)` after join; `controller` is the running Controller or None; `stop()`."""
+
+    def __init__(self, log: AgentLog, stack: Any, build: Callable[[], Controller],
+                 group_rank: int, host: str) -> None:
+        self.log = log
+        self.stack = stack  # launcher.store_stack.StoreStack
+        self._build = build
+        self.group_rank = group_rank
+        self.host = host
+        self._lock = threading.Lock()
+        self._controller: Controller | None = None
+        self._election: Any = None
+        self._stopped = False
+
+    @property
+    def controller(self) -> Controller | None:
+        with self._lock:
+            return self._controller
+
+    @property
+    def elected(self) -> bool:
+        """True when the role is decided by election (etcd)."""
+        return self._election is not None
+
+    def start(self, is_leader: bool) -> None:
+        if self.stack.can_elect:
+            self._election = self.stack.elect(self._on_elected, self._on_deposed)
+        elif is_leader:
+            self._take(self._build())
+
+    def stop(self) -> None:
+        """Stop the controller (the election ends with the membership). Idempotent."""
+        with self._lock:
+            self._stopped = True
+            c, self._controller = self._controller, None
+        if c is not None:
+            c.stop()
+
+    # ------------------------------------------------------------------ election callbacks
+    def _on_elected(self) -> None:
+        """Election thread: this agent is the controller now."""
+        prev = self._election.previous if self._election is not None else None
+        me = f"node {self.group_rank} ({self.host})"
+        if prev is None:
+            self.log.info("controller-elected", f"{me} is the controller (elected)",
+                          controller=self.group_rank)
+        else:
+            node, inc = int(prev.get("group_rank", -1)), int(prev.get("incarnation", 0))
+            why = self.stack.why_gone(node, inc)
+            self.log.warning("controller-takeover", f"the controller's node {node} "
+                             f"({prev.get('host', '?')}) is lost: {why}; {me} takes over as "
+                             "controller (elected)", lost_node=node, reason=why,
+                             controller=self.group_rank)
+        c = self._build()
+        for node in self.stack.lost_nodes():
+            c.note_node(node, lost=True)
+        self._take(c)
+
+    def _on_deposed(self) -> None:
+        """Election thread: this agent's lease expired while it was the controller."""
+        self.log.error("controller-deposed", f"node {self.group_rank} is no longer the "
+                       "controller (its lease expired); its controller stops",
+                       controller=self.group_rank)
+        with self._lock:
+            c, self._controller = self._controller, None
+        if c is not None:
+            c.stop()
+
+    def _take(self, c: Controller) -> None:
+        with self._lock:
+            if self._stopped:
+                return
+            self._controller = c
+        c.start()
