@@ -311,3 +311,21 @@ def test_a_fenced_controller_publishes_nothing_and_stops(kv) -> None:
         assert kv.try_get(P.plan_key(1)) is None and kv.try_get(P.GENERATION_KEY) is None
     finally:
         c.stop()
+
+
+def test_a_controller_elected_later_goes_on_from_the_next_unread_fault(kv) -> None:
+    """A handoff neither replays a decided fault nor skips one posted while there was none."""
+    c = make(kv, chain=[P.RESTART_ALL, P.EXIT])
+    try:
+        post_fault(kv, fault(rank=1))
+        assert plan_of(kv, 1).failed_ranks == [1]
+    finally:
+        c.stop()  # its node is lost
+    post_fault(kv, fault(rank=3))  # reported while no controller runs
+    c2 = make(kv, chain=[P.RESTART_ALL, P.EXIT])
+    try:
+        p = plan_of(kv, 2)
+        assert p.failed_ranks == [3] and p.restarts_used == 2
+        assert kv.try_get(P.plan_key(3)) is None
+    finally:
+        c2.stop()
