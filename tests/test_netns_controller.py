@@ -141,7 +141,9 @@ def test_c10d_losing_the_store_hosts_host_ends_the_job_with_one_line_naming_etcd
         _, err = procs[1].communicate(timeout=30)
         took = time.monotonic() - t0
     assert procs[1].returncode == 1, err[-3000:]
-    assert took < 2 + 3 + 5, took  # liveness timeout + read_timeout + slack
+    # liveness timeout + read_timeout, plus the self-fence, the leave attempt toward the gone
+    # store (bounded at 1 s) and the agent's shutdown (measured 7-10 s in all on a busy box)
+    assert took < 2 + 3 + 10, took
     lines = [ln for ln in err.splitlines() if "the store host" in ln and "is gone" in ln]
     assert len(lines) == 1, err[-3000:]
     assert "use --rdzv-backend etcd to survive it" in lines[0]
