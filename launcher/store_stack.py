@@ -67,6 +67,7 @@ class StoreStack:
         self._proxy: Any = None
         self._membership: Any = None
         self._interrupted = False
+        self._renewed = False  # joining again after this agent's membership was lost
         self._news = MembershipLog(log)
         news = logging.getLogger("ftrun.membership")
         news.addHandler(self._news)
@@ -176,8 +177,10 @@ class StoreStack:
             self._membership.interrupt()
         try:
             raw = self.kv.try_get(P.GENERATION_KEY)
-        except StoreError:  # no answer: join() says why (the embedded store's host is gone...)
-            raw = None
+        except StoreError:
+            if not self._renewed:
+                raise  # the first join: the store is not there (one line, within join_timeout)
+            raw = None  # a renewed agent: join() says why (the embedded store's host is gone...)
         self.generation_before_join = int(raw) if raw is not None else 0
         w = self._membership.join(stop=stop)
         self._membership.start_heartbeat()
@@ -249,6 +252,7 @@ class StoreStack:
         assert self._membership is not None
         self._membership.stop(leave=False)
         self._membership = self._membership.renew()
+        self._renewed = True
 
     # ---------------------------------------------------------------- what workers use
     def start_proxy(self) -> tuple[str, int]:
