@@ -23,6 +23,9 @@ the interrupted step again), step_s (a fault-free step) and lost_s = recover_s -
 With --churn, one more line: two kills on one node, the second --churn-gap steps after the first
 recovery (ranks 1 then 2), each fault's lost_s and whether its replacement came warm
 (--warm-spares N sets ftrun's spare count; 1 shows the old single-spare behaviour).
+With --transfer-rows, two more lines, ftrun only: 4 ranks declared as dp=2 replica groups (rank 1's
+state comes from one replica) and 6 ranks as dp=3 (from two replicas, striped), transfer_gbps
+against raw_tcp_gbps each.
 Sets up the /etc/hosts line `::ffff:127.0.0.1 localhost-v4mapped` first.
 """
 from __future__ import annotations
@@ -95,18 +98,19 @@ def read_steps(out: str) -> dict[int, list[dict]]:
 
 
 def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
-            hang_timeout: float = 0.0, extra_args: list[str] | None = None) -> dict:
+            hang_timeout: float = 0.0, extra_args: list[str] | None = None, nproc: int = 4,
+            worker_args: list[str] | None = None) -> dict:
     out = tempfile.mkdtemp(prefix=f"bench_recovery_{name}_")
     env = dict(os.environ, OUT_DIR=out, PYTHONPATH=REPO, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     if fault_plan:
         env["FTRUN_FAULT_PLAN"] = fault_plan
-    cmd = LAUNCHERS[name] + ["--nproc_per_node", "4", "--max_restarts", "3",
+    cmd = LAUNCHERS[name] + ["--nproc_per_node", str(nproc), "--max_restarts", "3",
                              "--log_dir", os.path.join(out, "logs")]
     if name == "ftrun" and hang_timeout:  # only where a hang is injected: a slow first step is no hang
         cmd += ["--hang_timeout", str(hang_timeout)]
     cmd += extra_args or []
     cmd += [WORKERS[name], "--steps", str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers),
-            "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "10"]
+            "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "10"] + (worker_args or [])
     stderr_path = os.path.join(out, "stderr.txt")
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
@@ -115,7 +119,7 @@ def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
         while proc.poll() is None and time.monotonic() < deadline:
             if fault_plan is None and kill_time is None:
                 steps = read_steps(out)
-                if len(steps) == 4 and all(s and s[-1]["step"] >= args.kill_after_step for s in steps.values()):
+                if len(steps) == nproc and all(s and s[-1]["step"] >= args.kill_after_step for s in steps.values()):
                     victim = steps[1][-1]
                     killed_step = victim["step"] + 1
                     kill_time = time.time()
@@ -182,7 +186,7 @@ def ftrun_phases(job: dict, t_fault: float) -> dict:
 
 
 def transfer_gbps(stderr: str) -> float | None:
-    m = re.findall(r"received state from rank \d+: ([\d.]+) MB in \d+ tensors, ([\d.]+) s", stderr)
+    m = re.findall(r"received state from rank [\d,]+: ([\d.]+) MB in \d+ tensors, ([\d.]+) s", stderr)
     if not m:
         return None
     mb, s = max((float(a), float(b)) for a, b in m)
@@ -206,7 +210,7 @@ def compare(args: argparse.Namespace) -> dict:
             res["ftrun_phases"] = phases
             gbps = transfer_gbps(job["stderr"])
             res["transfer_gbps"] = round(gbps, 3) if gbps else None
-            m = re.search(r"received state from rank \d+: ([\d.]+) MB", job["stderr"])
+            m = re.search(r"received state from rank [\d,]+: ([\d.]+) MB", job["stderr"])
             state_mb = float(m.group(1)) if m else None
     res["state_mb"] = state_mb
     res["raw_tcp_gbps"] = round(tcp, 3)
@@ -267,6 +271,22 @@ def churn_row(args: argparse.Namespace) -> dict:
             "strategies": [e["strategy"] for e in ev if e["event"] == "plan"]}
 
 
+def transfer_row(args: argparse.Namespace, nproc: int, dp: int, tcp: float) -> dict:
+    """ftrun only, `nproc` ranks declared as `dp`-way replica groups (rank r replicates r +- k*nproc/dp):
+    rank 1 is killed and receives its state from its dp-1 healthy replicas (striped when >= 2)."""
+    shards = nproc // dp
+    groups = [[r for r in range(nproc) if r % shards == i] for i in range(shards)]
+    job = run_job("ftrun", args, nproc=nproc, worker_args=["--replica-groups", json.dumps(groups)])
+    phases, _ = ftrun_phases(job, job["kill_time"])
+    gbps = transfer_gbps(job["stderr"])
+    m = re.search(r"received state from rank ([\d,]+): ([\d.]+) MB", job["stderr"])
+    return {"bench": "transfer", "ranks": nproc, "dp": dp, "replica_groups": groups,
+            "sources": [int(x) for x in m.group(1).split(",")] if m else None,
+            "state_mb": float(m.group(2)) if m else None,
+            "transfer_gbps": round(gbps, 3) if gbps else None, "raw_tcp_gbps": round(tcp, 3),
+            "transfer_vs_tcp": round(gbps / tcp, 3) if gbps else None, "ftrun_phases": phases}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)
@@ -282,6 +302,8 @@ def main() -> None:
                     "node (ranks 1 then 2, --churn-gap steps apart), lost time of each")
     ap.add_argument("--churn-gap", type=int, default=3)
     ap.add_argument("--warm-spares", type=int, default=2, help="ftrun's --warm-spares for --churn")
+    ap.add_argument("--transfer-rows", action="store_true", help="two more rows, ftrun only: 4 ranks "
+                    "as dp=2 replica groups (one source) and 6 ranks as dp=3 (two sources, striped)")
     args = ap.parse_args()
     hosts = ensure_hosts_line()
     if not args.no_compare:
@@ -292,6 +314,10 @@ def main() -> None:
         print(json.dumps(kind_row(kind, args)), flush=True)
     if args.churn:
         print(json.dumps(churn_row(args)), flush=True)
+    if args.transfer_rows:
+        tcp = raw_tcp_gbps()
+        for nproc, dp in ((4, 2), (6, 3)):
+            print(json.dumps(transfer_row(args, nproc, dp, tcp)), flush=True)
 
 
 if __name__ == "__main__":

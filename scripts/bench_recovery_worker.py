@@ -28,6 +28,7 @@ def main() -> int:
     ap.add_argument("--checkpoint-dir", required=True)
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--step-time", type=float, default=0.0)
+    ap.add_argument("--replica-groups", default="", help="JSON list of replica groups (default: all ranks)")
     a = ap.parse_args()
     rt = ftr.init(backend="gloo")
     torch.manual_seed(7)
@@ -38,6 +39,8 @@ def main() -> int:
     model = torch.nn.Sequential(*layers)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     pos = {"batch": 0}
+    if a.replica_groups:
+        rt.set_replica_groups(json.loads(a.replica_groups))
     rt.register(model=model, optimizer=opt, data=(lambda: dict(pos), lambda p: pos.update(p)),
                 checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every)
     log = open(os.path.join(os.environ["OUT_DIR"], f"steps.{rt.rank}.jsonl"), "a", buffering=1)

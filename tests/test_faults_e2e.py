@@ -23,8 +23,9 @@ def _repaired_besides_laggards(pairs: list[list[int]]) -> set[int]:
     stop came (descheduled on a loaded machine: it had not committed the step its replica had,
     so it is repaired from that replica too, which the protocol allows). The faulty rank 1 is
     the only one that must be repaired; survivor destinations are 0, 2 and 3."""
-    dsts = {dst for _, dst in pairs}
-    assert all(src != dst for src, dst in pairs) and len(dsts) == len(pairs), pairs
+    dsts = {dst for _, dst in pairs}  # a destination with several sources receives striped
+    assert all(src != dst for src, dst in pairs) and len({tuple(p) for p in pairs}) == len(pairs), pairs
+    assert not dsts & {src for src, _ in pairs}, pairs
     return dsts & {1}
 
 
@@ -155,6 +156,25 @@ def test_dump_saves_a_dying_gasp_checkpoint_and_the_next_launch_resumes(tmp_path
     assert second.returncode == 0, second.describe()
     assert f"loaded checkpoint iteration {FAULT_STEP}" in second.output  # only step 3 is recomputed
     assert_same_params(second.params, ref)
+
+
+# ---------------------------------------------------------------- a stripe's sender dies
+def test_stripe_sender_killed_mid_transfer_next_round_repairs_from_the_rest(tmp_path, ref):
+    """Rank 1 is killed; in the repair round its state comes striped from ranks 0 and 2, and
+    rank 0 is killed halfway through sending its stripe. The round fails, the next one repairs
+    both replacements from the remaining replicas, and training ends bit-identical."""
+    plan = [fault("kill"), fault("kill", rank=0, step=FAULT_STEP, phase="transfer", generation=1)]
+    job = run_job(tmp_path, plan)
+    assert job.returncode == 0, job.describe()
+    plans = [e for e in job.events if e["event"] == "repair-plan"]
+    first = next(p for p in plans if p.get("generation") == 1)
+    assert [s for s, d in first["pairs"] if d == 1][:2] == [0, 2], first  # striped from 0 and 2
+    assert "INJECTED fault kind=kill at step 3 transfer" in job.output
+    assert job.strategies() == ["recover-in-place", "recover-in-place"], job.describe()
+    assert job.restarted() == {0: 1, 1: 1}
+    last = plans[-1]
+    assert {d for _, d in last["pairs"]} >= {0, 1} and not {s for s, _ in last["pairs"]} & {0, 1}, last
+    assert_same_params(job.params, ref)
 
 
 # ---------------------------------------------------------------- fault memory

@@ -100,3 +100,13 @@ def test_kill_forwarded_without_a_step_is_a_real_signal_at_once():
                          timeout=60)
     assert res.returncode == -signal.SIGKILL and "survived" not in res.stdout
     assert "INJECTED fault kind=kill" in res.stdout
+
+
+def test_transfer_phase_fires_only_at_the_transfer_edge_of_its_round():
+    logs: list[str] = []
+    spec = '[{"rank":0,"step":3,"phase":"transfer","kind":"uce-low","generation":1}]'
+    inj = FaultInjector(parse_plan(spec), 0, logs.append)
+    inj.maybe_fire(1, 3, "forward")  # a training edge of the same step and generation
+    inj.maybe_fire(0, 3, "transfer")  # the transfer edge of another round
+    with pytest.raises(InjectedFault, match="step 3 transfer"):
+        inj.maybe_fire(1, 3, "transfer")

@@ -62,25 +62,25 @@ def test_parallel_groups():
 
 def test_replacement_gets_lowest_healthy_replica_and_rollback():
     sts = [st(0, 4), st(1, 4), st(2, -1, replacement=True), st(3, 4)]
-    p = plan_repair(sts, 1)
+    p = plan_repair(sts, 1, max_stripes=1)
     assert (p.resume_step, p.action, p.pairs, p.fallback) == (5, "rollback", [[0, 2]], None)
 
 
 def test_commit_when_update_finished_everywhere():
     sts = [st(0, 5, step=5), st(1, 5, step=5), st(2, -1, replacement=True), st(3, 5, step=5)]
-    p = plan_repair(sts, 1)
+    p = plan_repair(sts, 1, max_stripes=1)
     assert (p.resume_step, p.action, p.pairs) == (6, "commit", [[0, 2]])
 
 
 def test_dirty_ranks_need_repair():
     sts = [st(0, 4, step=5, dirty=True), st(1, 5, step=5), st(2, -1, replacement=True), st(3, 5, step=5)]
-    p = plan_repair(sts, 1)
+    p = plan_repair(sts, 1, max_stripes=1)
     assert p.pairs == [[1, 0], [1, 2]] and p.resume_step == 6
 
 
 def test_healthy_ranks_with_lower_committed_step_need_repair():
     sts = [st(0, 4, step=5), st(1, 5, step=5), st(2, -1, replacement=True), st(3, 5, step=5)]
-    p = plan_repair(sts, 1)
+    p = plan_repair(sts, 1, max_stripes=1)
     assert p.pairs == [[1, 0], [1, 2]] and p.resume_step == 6
 
 
@@ -88,7 +88,7 @@ def test_source_comes_from_the_same_shard():
     sh = ["tp0-pp0", "tp1-pp0", "tp0-pp0", "tp1-pp0"]
     sts = [st(0, 7, shard=sh[0], replacement=True), st(1, 7, shard=sh[1]),
            st(2, 7, shard=sh[2]), st(3, 7, shard=sh[3], replacement=True)]
-    p = plan_repair(sts, 1)
+    p = plan_repair(sts, 1, max_stripes=1)
     assert p.pairs == [[2, 0], [1, 3]] and p.fallback is None
 
 
@@ -96,14 +96,14 @@ def test_no_healthy_replica_for_a_shard_falls_back_to_restart_all():
     sh = ["tp0-pp0", "tp1-pp0", "tp0-pp0", "tp1-pp0"]
     sts = [st(0, 7, shard=sh[0], replacement=True), st(1, 7, shard=sh[1]),
            st(2, 7, shard=sh[2], dirty=True), st(3, 7, shard=sh[3])]
-    p = plan_repair(sts, 1)
+    p = plan_repair(sts, 1, max_stripes=1)
     assert p.fallback == RESTART_ALL and p.pairs == [] and "tp0-pp0" in p.reason
 
 
 def test_lagging_only_holder_is_not_a_source():
     sts = [st(0, 3, shard="a"), st(1, 4, shard="b"), st(2, -1, shard="a", replacement=True),
            st(3, 4, shard="b")]
-    p = plan_repair(sts, 1)
+    p = plan_repair(sts, 1, max_stripes=1)
     assert p.fallback == RESTART_ALL and "'a'" in p.reason
 
 
@@ -149,3 +149,16 @@ def test_plan_dump_saves_the_newest_healthy_step_written_by_the_lowest_holder() 
     assert (p.generation, p.resume_step, p.fallback) == (2, 6, DUMP)
     assert p.writers == {"a": 0}  # shard b has no healthy holder at step 5: nobody writes it
     assert plan_dump([RankStatus(0, 2, True, -1, -1, shard="a")], 2).resume_step == 0
+
+
+def test_striped_repair_lists_up_to_max_stripes_sources_per_target_in_rank_order():
+    sts = [st(0, 4), st(1, 4), st(2, -1, replacement=True), st(3, 4), st(4, 3), st(5, 4, dirty=True)]
+    p = plan_repair(sts, 1, max_stripes=2)
+    assert p.pairs == [[0, 2], [1, 2], [0, 4], [1, 4], [0, 5], [1, 5]]
+    assert plan_repair(sts, 1, max_stripes=8).pairs[:3] == [[0, 2], [1, 2], [3, 2]]
+    # only up-to-date healthy ranks of the same shard send
+    sts = [st(0, 4, shard="a"), st(1, 4, shard="b"), st(2, 4, shard="a", replacement=True),
+           st(3, 4, shard="b"), st(4, 4, shard="a"), st(5, 4, shard="b", replacement=True)]
+    assert plan_repair(sts, 1, max_stripes=3).pairs == [[0, 2], [4, 2], [1, 5], [3, 5]]
+    with pytest.raises(ValueError, match="max_stripes=0"):
+        plan_repair(sts, 1, max_stripes=0)

@@ -1,10 +1,14 @@
-"""Peer state transfer between real gloo processes: the received state is bit-identical."""
+"""Peer state transfer between real gloo processes: the received state is bit-identical, whether
+it comes from one replica or striped across two, and lands in place on a replacement whose
+optimizer state was materialised first; the stripes cover every byte of the stream exactly once."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from helpers_runtime import master_store, run_workers, worker_logs
+from launcher.runtime.state import Registered
+from launcher.runtime.transfer import stripe_bounds, stripe_segments
 
 WORKER = r"""
 import os, random, sys, json
@@ -19,7 +23,8 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
 dist.init_process_group("gloo", store=dist.PrefixStore("t", store), rank=rank, world_size=world)
 hidden = int(os.environ["HIDDEN"])
-torch.manual_seed(100 + rank)  # different initial weights on every rank
+senders = [0, 3] if os.environ["STRIPED"] == "1" else [0]  # rank 3 is a replica of rank 0 when striped
+torch.manual_seed(100 if rank in senders else 100 + rank)  # receivers start from other weights
 model = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(),
                             torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1))
 opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -38,23 +43,33 @@ def train(n, seed):
 
 coll = Interruptible(StopSignal(), Graveyard(), lambda: 0, 60.0, lambda e, w: None)
 dev = DeviceAdapter()
-if rank == 0:
+if rank in senders:
     train(3, 1)
     random.seed(5); np.random.seed(6); torch.manual_seed(7)
     snap = reg.snapshot(3, dev)
-    for dst in range(1, world):
-        stats = send_state(coll, reg.full_state(snap), dst)
-        print("sent", stats.nbytes, stats.tensors, f"{stats.seconds:.4f}", flush=True)
-else:
+    for dst in (1, 2):
+        srcs = senders if dst == 1 else [0]
+        if rank in srcs:
+            stats = send_state(coll, reg.full_state(snap), dst, srcs.index(rank), len(srcs))
+            print("sent", dst, stats.nbytes, stats.tensors, f"{stats.seconds:.4f}", flush=True)
+elif rank in (1, 2):
+    made = 0
     if rank == 2:
         train(2, 50)  # a 'dirty' survivor: optimizer state exists, values differ
+    else:
+        made = reg.materialize_optimizer_state()  # a replacement: Adam has no state yet
+        assert made == 1 and len(opt.state) == len(list(model.parameters())), (made, len(opt.state))
     live = reg.live_tensors()
-    param_ptrs = [p.data_ptr() for p in model.parameters()]
-    state, stats = recv_state(coll, 0, live)
+    ptrs = [p.data_ptr() for p in model.parameters()] + \
+           [v.data_ptr() for s in opt.state.values() for v in s.values()]
+    state, stats = recv_state(coll, senders if rank == 1 else 0, live)
     reg.load_full_state(state, dev)
-    assert [p.data_ptr() for p in model.parameters()] == param_ptrs  # written in place
-    assert state["step"] == 3
-    print("received", stats.nbytes, stats.tensors, f"{stats.seconds:.4f}", flush=True)
+    after = [p.data_ptr() for p in model.parameters()] + \
+            [v.data_ptr() for s in opt.state.values() for v in s.values()]
+    assert after == ptrs  # parameters and optimizer state written in place
+    assert stats.phases["fresh_tensors"] == 0, stats.phases  # nothing allocated during the receive
+    assert state["step"] == 3 and stats.stripes == (len(senders) if rank == 1 else 1)
+    print("received", stats.nbytes, stats.tensors, f"{stats.seconds:.4f}", stats.phases, flush=True)
 # one more identical step everywhere, then dump everything
 train(1, 999)
 out = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
@@ -79,14 +94,54 @@ def _equal(a, b, path="") -> None:
         assert a == b, path
 
 
-@pytest.mark.parametrize("hidden", [8, 600])  # 600: tensors above the packing threshold
-def test_state_transfer_is_bit_identical(tmp_path, hidden):
+@pytest.mark.parametrize("hidden,striped", [(8, "0"), (600, "0"), (600, "1"), (20000, "1")])
+def test_state_transfer_is_bit_identical(tmp_path, hidden, striped):
+    """600/20000: tensors above the packing threshold; striped: rank 1 gets half the stream from
+    rank 0 and half from rank 3 (20000: stripe boundaries fall inside large tensors)."""
     store = master_store()
-    procs = run_workers(WORKER, 3, tmp_path, store, {"HIDDEN": str(hidden)})
+    procs = run_workers(WORKER, 4, tmp_path, store, {"HIDDEN": str(hidden), "STRIPED": striped})
     codes = [p.wait(timeout=90) for p in procs]
-    assert codes == [0, 0, 0], worker_logs(tmp_path, 3)
-    outs = [torch.load(tmp_path / f"out{r}.pt", weights_only=False) for r in range(3)]
+    assert codes == [0, 0, 0, 0], worker_logs(tmp_path, 4)
+    outs = [torch.load(tmp_path / f"out{r}.pt", weights_only=False) for r in range(4)]
     for r in (1, 2):
         _equal(outs[0], outs[r], f"rank{r}")
+    if striped == "1":
+        _equal(outs[0], outs[3], "rank3")
     assert outs[0]["pos"] == {"batch": 4} and outs[0]["sched"]["last_epoch"] == 4
     assert "received" in (tmp_path / "worker1.log").read_text()
+
+
+@pytest.mark.parametrize("sizes", [[5], [1 << 16, 3, 1 << 20, 70000], [0, 7, 0, 9], [1] * 13])
+@pytest.mark.parametrize("stripes", [1, 2, 3, 5])
+def test_stripes_cover_every_byte_exactly_once(sizes, stripes):
+    seen = [[0] * n for n in sizes]
+    for lo, hi in stripe_bounds(sum(sizes), stripes):
+        for piece, a, b in stripe_segments(sizes, lo, hi):
+            assert 0 <= a < b <= sizes[piece]
+            for j in range(a, b):
+                seen[piece][j] += 1
+    assert all(c == 1 for row in seen for c in row)
+
+
+def test_stripe_bounds_rejects_zero_stripes():
+    with pytest.raises(ValueError, match="stripes=0"):
+        stripe_bounds(10, 0)
+
+
+def test_materialize_leaves_parameters_and_skips_stateful_or_foreign_optimizers():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    before = [p.detach().clone() for p in model.parameters()]
+    adam = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    reg = Registered([model], [adam])
+    assert reg.materialize_optimizer_state() == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # lr 0: untouched
+    assert adam.param_groups[0]["lr"] == 0.1 and all(p.grad is None for p in model.parameters())
+    assert {k for s in adam.state.values() for k in s} == {"step", "exp_avg", "exp_avg_sq"}
+    assert reg.materialize_optimizer_state() == 0  # already has state
+
+    class Foreign(torch.optim.SGD):  # e.g. a distributed optimizer whose step() communicates
+        pass
+    Foreign.__module__ = "somewhere.else"
+    other = Registered([model], [Foreign(model.parameters(), lr=0.1, momentum=0.9)])
+    assert other.materialize_optimizer_state() == 0 and not other.optimizers[0].state

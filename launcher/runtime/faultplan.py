@@ -23,7 +23,8 @@ from typing import Callable
 from launcher.faults import INJECTION_KINDS as KINDS
 from launcher.runtime.devices import InjectedFault
 
-PHASES = ("forward", "backward", "optimizer")
+PHASES = ("forward", "backward", "optimizer", "transfer")  # transfer: a sender, midway through
+# sending its state (or stripe) in a repair round; step = the resume step, generation = the round's
 
 
 @dataclass

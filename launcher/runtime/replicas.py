@@ -22,6 +22,9 @@ from typing import Iterable, Sequence
 from launcher.plan import DUMP, RESTART_ALL, RankStatus, RepairPlan
 
 
+MAX_STRIPES = 2  # default: a replacement's state comes from up to this many replicas at once
+
+
 @dataclass(frozen=True)
 class Layout:
     """A partition of ranks 0..world_size-1 into replica groups, one shard name per group."""
@@ -123,12 +126,14 @@ def needs_state(status: RankStatus) -> bool:
     return bool(status.replacement or status.dirty)
 
 
-def plan_repair(statuses: Iterable[RankStatus], generation: int) -> RepairPlan:
+def plan_repair(statuses: Iterable[RankStatus], generation: int,
+                max_stripes: int = MAX_STRIPES) -> RepairPlan:
     """Decide how generation `generation` repairs its ranks.
 
     resume_step = (max committed_step over healthy ranks) + 1. Every rank that is a replacement,
-    dirty, or healthy but behind that step receives the full state from the lowest up-to-date
-    healthy rank with the same shard. When some shard has no such rank, the plan carries
+    dirty, or healthy but behind that step receives the full state from the up-to-date healthy
+    ranks with the same shard: the lowest `max_stripes` of them, each sending one stripe (pairs
+    [src, dst] list a target's sources in stripe order). When some shard has no such rank, the plan carries
     fallback="restart-all" and no pairs. action is "rollback" when some healthy rank had
     already started the resume step (it is re-run), else "commit".
     """
@@ -147,10 +152,12 @@ def plan_repair(statuses: Iterable[RankStatus], generation: int) -> RepairPlan:
                           reason="no rank holds a trusted state")
     top = max(s.committed_step for s in healthy)
     resume = top + 1
-    sources: dict[str, int] = {}
+    if max_stripes < 1:
+        raise ValueError(f"max_stripes={max_stripes} must be >= 1")
+    sources: dict[str, list[int]] = {}
     for s in sorted(healthy, key=lambda s: s.rank):
-        if s.committed_step == top:
-            sources.setdefault(s.shard, s.rank)
+        if s.committed_step == top and len(sources.setdefault(s.shard, [])) < max_stripes:
+            sources[s.shard].append(s.rank)
     missing = sorted({s.shard for s in sts} - set(sources))
     if missing:
         return RepairPlan(generation, resume_step=resume, action="rollback", fallback=RESTART_ALL,
@@ -158,7 +165,7 @@ def plan_repair(statuses: Iterable[RankStatus], generation: int) -> RepairPlan:
                                  + ", ".join(repr(m) for m in missing))
     targets = sorted((s for s in sts if needs_state(s) or s.committed_step < top),
                      key=lambda s: s.rank)
-    pairs = [[sources[s.shard], s.rank] for s in targets]
+    pairs = [[src, s.rank] for s in targets for src in sources[s.shard]]
     interrupted = max(s.step for s in healthy)
     action = "rollback" if interrupted >= resume else "commit"
     why = ", ".join(f"{dst}<-{src}" for src, dst in pairs) or "none"

@@ -587,9 +587,9 @@ class Runtime:
         """Restore/transfer along the plan, post resumed, return the resume step."""
         resume = plan.resume_step
         self.last_plan = plan
-        sources = [src for src, dst in plan.pairs if dst == self.rank]
-        if len(sources) > 1:
-            raise RuntimeError(f"repair plan names {len(sources)} sources for rank {self.rank}: {plan.pairs}")
+        sources = [src for src, dst in plan.pairs if dst == self.rank]  # >1: striped, in stripe order
+        if len(set(sources)) != len(sources) or self.rank in sources:
+            raise RuntimeError(f"repair plan names sources {sources} for rank {self.rank}: {plan.pairs}")
         if sources and not self._registered:
             raise RuntimeError("a replacement must call rt.register(...) before rt.steps()")
         snap: Snapshot | None = None
@@ -601,21 +601,30 @@ class Runtime:
                 raise RuntimeError(f"rank {self.rank} has no step-start state for step {resume} "
                                    f"(has {sorted(self._snapshots)}); the plan does not match this rank")
             self._reg.restore(snap, self.adapter)
+        stripes: dict[int, list[int]] = {}
         for src, dst in plan.pairs:
-            if src == self.rank:
+            stripes.setdefault(dst, []).append(src)
+        for dst, srcs in stripes.items():
+            if self.rank in srcs:
                 assert snap is not None
-                stats = send_state(self._coll, self._reg.full_state(snap), dst)
+                stats = send_state(self._coll, self._reg.full_state(snap), dst, srcs.index(self.rank), len(srcs),
+                                   midway=lambda: self._injector.maybe_fire(plan.generation, resume, "transfer"))
                 self._moved["transfer_s"] += stats.seconds
-                self.log(f"sent state to rank {dst}: {stats.nbytes / 1e6:.1f} MB in {stats.tensors} tensors, "
+                part = f"stripe {srcs.index(self.rank)}/{len(srcs)} of " if len(srcs) > 1 else ""
+                self.log(f"sent {part}state to rank {dst}: {stats.nbytes / 1e6:.1f} MB in {stats.tensors} tensors, "
                          f"{stats.seconds:.3f} s ({stats.gbps:.2f} GB/s)")
             elif dst == self.rank:
-                state, stats = recv_state(self._coll, src, self._reg.live_tensors())
-                self._moved = {"transfer_bytes": stats.nbytes, "transfer_s": stats.seconds, "source": src}
+                t_mat = time.perf_counter()
+                made = self._reg.materialize_optimizer_state() if self._needs_state else 0
+                t_mat = time.perf_counter() - t_mat
+                state, stats = recv_state(self._coll, srcs, self._reg.live_tensors())
+                self._moved = {"transfer_bytes": stats.nbytes, "transfer_s": stats.seconds, "source": srcs[0]}
                 if state["step"] != resume:
-                    raise RuntimeError(f"rank {src} sent the state of step {state['step']}, plan resumes at {resume}")
+                    raise RuntimeError(f"ranks {srcs} sent the state of step {state['step']}, plan resumes at {resume}")
                 self._reg.load_full_state(state, self.adapter)
-                self.log(f"received state from rank {src}: {stats.nbytes / 1e6:.1f} MB in {stats.tensors} "
-                         f"tensors, {stats.seconds:.3f} s ({stats.gbps:.2f} GB/s)")
+                self.log(f"received state from rank {','.join(map(str, srcs))}: {stats.nbytes / 1e6:.1f} MB in "
+                         f"{stats.tensors} tensors, {stats.seconds:.3f} s ({stats.gbps:.2f} GB/s; "
+                         f"{made} optimizer(s) materialised first in {t_mat:.3f} s; phases {stats.phases})")
                 snap = self._reg.snapshot(resume, self.adapter)
                 if self._reg.on_rollback is not None:
                     self._reg.on_rollback(resume)

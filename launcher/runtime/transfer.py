@@ -1,25 +1,35 @@
-"""Peer-to-peer state transfer between replicas.
+"""Peer-to-peer state transfer between replicas, optionally striped across several senders.
 
 Owns: the wire format one rank uses to hand its full state to another over the default process
-group: a 3 x int64 header (metadata bytes, tensor count, packed bytes), the metadata (the state's
-skeleton with tensors replaced by slots, plus each tensor's dtype and shape) as torch.save bytes,
-then every large tensor sent directly as raw bytes into a same-shaped tensor on the receiver
-(its live tensor when one exists at the same path, so parameters are overwritten in place), then
-one packed blob of all small tensors. Metadata is loaded with weights_only=False; it only ever
-comes from a peer of the same job. Every send/recv is interruptible (see collectives).
+group, and how that stream is cut into stripes when several replicas send one state together.
+
+Each sender posts a 5 x int64 header (metadata bytes, tensor count, packed bytes, stripe index,
+stripe count), the metadata (the state's skeleton with tensors replaced by slots, plus each
+tensor's dtype and shape) as pickle bytes, then its stripe of the payload stream. The stream is
+every large tensor's raw bytes in order, then one packed blob of all small tensors; stripe i of
+k covers bytes [i*n/k, (i+1)*n/k) of it, sent as views of the tensors (no copy). The receiver
+lands every large tensor directly in a same-shaped tensor (its live tensor when one exists at
+the same path, so parameters and materialised optimizer state are overwritten in place), posts
+all stripes' receives at once so the senders stream in parallel, and checks every sender
+announced the same tensor specs. Metadata is unpickled; it only ever comes from a peer of the
+same job. Every send/recv is interruptible (see collectives): a sender that dies mid-stripe
+fails the round, and the controller's next round plans the repair from the remaining replicas.
 """
 from __future__ import annotations
 
-import io
+import pickle
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from launcher.runtime.collectives import Interruptible
 from launcher.runtime.state import flatten, slot_paths, unflatten
 
 SMALL_BYTES = 1 << 16  # tensors below this travel together in one packed blob
+HEADER_LEN = 5
 _DTYPES = {str(d): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
@@ -30,6 +40,8 @@ class TransferStats:
     nbytes: int
     tensors: int
     seconds: float
+    stripes: int = 1
+    phases: dict[str, float] = field(default_factory=dict)  # meta / alloc / payload seconds
 
     @property
     def gbps(self) -> float:
@@ -41,40 +53,78 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8)
 
 
-def send_state(coll: Interruptible, state: dict, dst: int) -> TransferStats:
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def stripe_bounds(total: int, stripes: int) -> list[tuple[int, int]]:
+    """Byte ranges [lo, hi) of `stripes` near-equal contiguous stripes covering [0, total)."""
+    if stripes < 1:
+        raise ValueError(f"stripes={stripes} must be >= 1")
+    return [(total * i // stripes, total * (i + 1) // stripes) for i in range(stripes)]
+
+
+def stripe_segments(sizes: list[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The pieces of the stream (pieces of `sizes` bytes laid end to end) inside [lo, hi), as
+    (piece index, start, end) with offsets local to the piece; empty segments are omitted."""
+    out, base = [], 0
+    for i, n in enumerate(sizes):
+        a, b = max(lo, base), min(hi, base + n)
+        if a < b:
+            out.append((i, a - base, b - base))
+        base += n
+        if base >= hi:
+            break
+    return out
+
+
+def _pieces(tensors: list[torch.Tensor], packed: torch.Tensor | None) -> list[torch.Tensor]:
+    """The payload stream: large tensors' bytes in order, then the packed blob of small ones."""
+    out = [_as_bytes(t) for t in tensors if _nbytes(t) >= SMALL_BYTES]
+    if packed is not None:
+        out.append(packed)
+    return out
+
+
+def _stripe_views(pieces: list[torch.Tensor], stripe: int, stripes: int) -> list[torch.Tensor]:
+    lo, hi = stripe_bounds(sum(p.numel() for p in pieces), stripes)[stripe]
+    return [pieces[i][a:b] for i, a, b in stripe_segments([p.numel() for p in pieces], lo, hi)]
+
+
+def send_state(coll: Interruptible, state: dict, dst: int, stripe: int = 0, stripes: int = 1,
+               midway: Callable[[], None] | None = None) -> TransferStats:
+    """Send stripe `stripe` of `stripes` of `state` to `dst` (the whole state when stripes=1).
+    `midway` (fault injection) runs once the first half of the stripe's tensors is sent."""
+    if not 0 <= stripe < stripes:
+        raise ValueError(f"stripe {stripe} outside 0..{stripes - 1}")
     t0 = time.perf_counter()
     tensors: list[torch.Tensor] = []
     skeleton = flatten(state, tensors)
-    tensors = [t.detach().cpu().contiguous() if t.device.type == "cpu" else t.detach().contiguous()
-               for t in tensors]
+    tensors = [t.detach().contiguous() for t in tensors]
     specs = [(str(t.dtype), tuple(t.shape)) for t in tensors]
-    buf = io.BytesIO()
-    torch.save({"skeleton": skeleton, "specs": specs}, buf)
-    meta = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8)
-    small = [t for t in tensors if 0 < t.numel() and t.numel() * t.element_size() < SMALL_BYTES]
-    packed_n = sum(t.numel() * t.element_size() for t in small)
-    header = torch.tensor([meta.numel(), len(tensors), packed_n], dtype=torch.int64)
-    coll.send([header, meta], dst, "state header")
-    payload = [_as_bytes(t) for t in tensors if t.numel() * t.element_size() >= SMALL_BYTES]
-    if packed_n:
-        payload.append(torch.cat([_as_bytes(t) for t in small]))
-    coll.send(payload, dst, "state tensors")
-    total = meta.numel() + sum(p.numel() for p in payload)
-    return TransferStats(total, len(tensors), time.perf_counter() - t0)
+    meta = torch.frombuffer(bytearray(pickle.dumps({"skeleton": skeleton, "specs": specs}, protocol=5)),
+                            dtype=torch.uint8)
+    small = [t for t in tensors if 0 < _nbytes(t) < SMALL_BYTES]
+    packed = torch.cat([_as_bytes(t) for t in small]) if small else None
+    packed_n = packed.numel() if packed is not None else 0
+    header = torch.tensor([meta.numel(), len(tensors), packed_n, stripe, stripes], dtype=torch.int64)
+    views = _stripe_views(_pieces(tensors, packed), stripe, stripes)
+    what = "state stripe" if stripes > 1 else "state"
+    if midway is None:
+        coll.send([header, meta] + views, dst, what)
+    else:
+        half = (len(views) + 1) // 2
+        coll.send([header, meta] + views[:half], dst, what)
+        midway()
+        coll.send(views[half:], dst, what)
+    total = meta.numel() + sum(v.numel() for v in views)
+    return TransferStats(total, len(tensors), time.perf_counter() - t0, stripes)
 
 
-def recv_state(coll: Interruptible, src: int, live: dict[tuple, torch.Tensor]) -> tuple[dict, TransferStats]:
-    """Receive a state from `src`; tensors land in `live` (path -> tensor) where they fit."""
-    t0 = time.perf_counter()
-    header = coll.recv([torch.zeros(3, dtype=torch.int64)], src, "state header")[0]
-    meta_n, count, packed_n = (int(x) for x in header.tolist())
-    meta = coll.recv([torch.empty(meta_n, dtype=torch.uint8)], src, "state metadata")[0]
-    info = torch.load(io.BytesIO(meta.numpy().tobytes()), weights_only=False)  # in-job peer only
-    skeleton, specs = info["skeleton"], info["specs"]
-    if len(specs) != count:
-        raise RuntimeError(f"state metadata lists {len(specs)} tensors, header said {count}")
+def _targets(specs: list, skeleton: object, live: dict[tuple, torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+    """One receive tensor per spec (the live one when it fits); the count freshly allocated."""
     paths = slot_paths(skeleton)
-    tensors: list[torch.Tensor] = []
+    tensors, fresh = [], 0
     for i, (dtype_name, shape) in enumerate(specs):
         dtype = _DTYPES.get(dtype_name)
         if dtype is None:
@@ -83,19 +133,63 @@ def recv_state(coll: Interruptible, src: int, live: dict[tuple, torch.Tensor]) -
         if target is None or target.dtype != dtype or tuple(target.shape) != tuple(shape) \
                 or not target.is_contiguous() or target.device.type != "cpu":
             target = torch.empty(shape, dtype=dtype)
+            fresh += 1
         tensors.append(target)
-    small = [t for t in tensors if 0 < t.numel() * t.element_size() < SMALL_BYTES]
-    if sum(t.numel() * t.element_size() for t in small) != packed_n:
+    return tensors, fresh
+
+
+def recv_state(coll: Interruptible, src: int | list[int],
+               live: dict[tuple, torch.Tensor]) -> tuple[dict, TransferStats]:
+    """Receive a state from `src` (one rank, or the senders of its stripes in stripe order);
+    tensors land in `live` (path -> tensor) where they fit."""
+    srcs = [src] if isinstance(src, int) else list(src)
+    if not srcs or len(set(srcs)) != len(srcs):
+        raise ValueError(f"state sources {srcs} must be distinct and non-empty")
+    k = len(srcs)
+    t0 = time.perf_counter()
+    headers = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in srcs]
+    coll.wait_blocking([dist.irecv(h, s) for h, s in zip(headers, srcs)], "state header", tuple(headers))
+    vals = [[int(x) for x in h.tolist()] for h in headers]
+    for i, (s, (_, count, packed_n, stripe, stripes)) in enumerate(zip(srcs, vals)):
+        if (stripe, stripes) != (i, k):
+            raise RuntimeError(f"rank {s} sent stripe {stripe}/{stripes}, expected {i}/{k}")
+        if (count, packed_n) != tuple(vals[0][1:3]):
+            raise RuntimeError(f"rank {s} announces {count} tensors/{packed_n} packed bytes, "
+                               f"rank {srcs[0]} {vals[0][1]}/{vals[0][2]}: replicas differ")
+    metas = [torch.empty(v[0], dtype=torch.uint8) for v in vals]
+    coll.wait_blocking([dist.irecv(m, s) for m, s in zip(metas, srcs)], "state metadata", tuple(metas))
+    infos = [pickle.loads(m.numpy().tobytes()) for m in metas]  # in-job peers only
+    skeleton, specs = infos[0]["skeleton"], infos[0]["specs"]
+    count, packed_n = vals[0][1], vals[0][2]
+    for s, info in zip(srcs[1:], infos[1:]):
+        if info["specs"] != specs:
+            raise RuntimeError(f"rank {s} sends tensors of other dtypes/shapes than rank {srcs[0]}")
+    if len(specs) != count:
+        raise RuntimeError(f"state metadata lists {len(specs)} tensors, header said {count}")
+    t1 = time.perf_counter()
+    tensors, fresh = _targets(specs, skeleton, live)
+    small = [t for t in tensors if 0 < _nbytes(t) < SMALL_BYTES]
+    if sum(_nbytes(t) for t in small) != packed_n:
         raise RuntimeError(f"packed size mismatch: peer sends {packed_n} bytes of small tensors")
-    payload = [_as_bytes(t) for t in tensors if t.numel() * t.element_size() >= SMALL_BYTES]
-    blob = torch.empty(packed_n, dtype=torch.uint8)
+    blob = torch.empty(packed_n, dtype=torch.uint8) if packed_n else None
+    pieces = _pieces(tensors, blob)
+    t2 = time.perf_counter()
     with torch.no_grad():
-        coll.recv(payload + ([blob] if packed_n else []), src, "state tensors")
-        total = meta_n + sum(p.numel() for p in payload) + packed_n
-        if packed_n:
+        works, keep = [], []
+        for i, s in enumerate(srcs):
+            views = _stripe_views(pieces, i, k)
+            works += [dist.irecv(v, s) for v in views]
+            keep += views
+        coll.wait_blocking(works, "state stripes" if k > 1 else "state tensors", tuple(keep))
+        t3 = time.perf_counter()
+        if blob is not None:
             off = 0
             for t in small:
-                n = t.numel() * t.element_size()
+                n = _nbytes(t)
                 _as_bytes(t).copy_(blob[off:off + n])
                 off += n
-    return unflatten(skeleton, tensors), TransferStats(total, count, time.perf_counter() - t0)
+    total = sum(m.numel() for m in metas) + sum(p.numel() for p in pieces)
+    t4 = time.perf_counter()
+    phases = {"meta_s": round(t1 - t0, 5), "alloc_s": round(t2 - t1, 5), "payload_s": round(t3 - t2, 5),
+              "unpack_s": round(t4 - t3, 5), "fresh_tensors": fresh}
+    return unflatten(skeleton, tensors), TransferStats(total, count, t4 - t0, k, phases)
