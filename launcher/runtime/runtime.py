@@ -614,17 +614,13 @@ class Runtime:
                 self.log(f"sent {part}state to rank {dst}: {stats.nbytes / 1e6:.1f} MB in {stats.tensors} tensors, "
                          f"{stats.seconds:.3f} s ({stats.gbps:.2f} GB/s)")
             elif dst == self.rank:
-                t_mat = time.perf_counter()
-                made = self._reg.materialize_optimizer_state() if self._needs_state else 0
-                t_mat = time.perf_counter() - t_mat
                 state, stats = recv_state(self._coll, srcs, self._reg.live_tensors())
                 self._moved = {"transfer_bytes": stats.nbytes, "transfer_s": stats.seconds, "source": srcs[0]}
                 if state["step"] != resume:
                     raise RuntimeError(f"ranks {srcs} sent the state of step {state['step']}, plan resumes at {resume}")
                 self._reg.load_full_state(state, self.adapter)
                 self.log(f"received state from rank {','.join(map(str, srcs))}: {stats.nbytes / 1e6:.1f} MB in "
-                         f"{stats.tensors} tensors, {stats.seconds:.3f} s ({stats.gbps:.2f} GB/s; "
-                         f"{made} optimizer(s) materialised first in {t_mat:.3f} s; phases {stats.phases})")
+                         f"{stats.tensors} tensors, {stats.seconds:.3f} s ({stats.gbps:.2f} GB/s; {stats.phases})")
                 snap = self._reg.snapshot(resume, self.adapter)
                 if self._reg.on_rollback is not None:
                     self._reg.on_rollback(resume)

@@ -153,41 +153,6 @@ class Registered:
             self.on_rollback(snap.step)
 
     # ---- full state (peer transfer and durable checkpoints) --------------------------
-    def materialize_optimizer_state(self) -> int:
-        """Create the lazily-built state of every empty built-in torch optimizer (e.g. Adam's
-        exp_avg/exp_avg_sq before its first step) so a received state lands in place.
-
-        Only for a rank whose every tensor is about to be overwritten by a received state: it
-        runs one optimizer step with zero gradients and lr 0 (torch.distributed.checkpoint's
-        recipe). Optimizers outside torch.optim (which may communicate inside step()) are left
-        alone. Returns how many optimizers got state."""
-        done = 0
-        for o in self.optimizers:
-            if o.state or not type(o).__module__.startswith("torch.optim"):
-                continue
-            params = [p for g in o.param_groups for p in g["params"]]
-            if any(p.grad is not None for p in params):
-                continue
-            lrs = [g.get("lr") for g in o.param_groups]
-            try:
-                for p in params:
-                    if p.requires_grad:
-                        p.grad = torch.zeros_like(p)
-                for g in o.param_groups:
-                    if "lr" in g:
-                        g["lr"] = torch.tensor(0.0) if isinstance(g["lr"], torch.Tensor) else 0.0
-                o.step()
-                done += 1
-            except Exception:  # noqa: BLE001 - e.g. LBFGS needs a closure: receive into fresh tensors
-                pass
-            finally:
-                for g, lr in zip(o.param_groups, lrs):
-                    if lr is not None:
-                        g["lr"] = lr
-                for p in params:
-                    p.grad = None
-        return done
-
     def live_tensors(self) -> dict[tuple, torch.Tensor]:
         """Tensors a received state may be written into in place, by full-state path."""
         return tensor_paths({

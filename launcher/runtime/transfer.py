@@ -9,7 +9,7 @@ tensor's dtype and shape) as pickle bytes, then its stripe of the payload stream
 every large tensor's raw bytes in order, then one packed blob of all small tensors; stripe i of
 k covers bytes [i*n/k, (i+1)*n/k) of it, sent as views of the tensors (no copy). The receiver
 lands every large tensor directly in a same-shaped tensor (its live tensor when one exists at
-the same path, so parameters and materialised optimizer state are overwritten in place), posts
+the same path, so parameters and existing optimizer state are overwritten in place), posts
 all stripes' receives at once so the senders stream in parallel, and checks every sender
 announced the same tensor specs. Metadata is unpickled; it only ever comes from a peer of the
 same job. Every send/recv is interruptible (see collectives): a sender that dies mid-stripe
