@@ -57,6 +57,15 @@ def test_process_level_round_phases_and_cost():
     assert v.restarts_used == 1 and [r.restarts for r in v.ranks] == [0, 1]
 
 
+def test_striped_transfer_names_every_source():
+    events = started() + [e if e["event"] != "repair-plan" else {**e, "pairs": [[0, 1], [2, 1]]}
+                          for e in kill_round()]
+    (ro,) = Timeline().feed_all(events).view().rounds
+    notes = {(b.rank, b.phase): b.note for b in ro.bars}
+    assert notes[(1, "transfer")] == "received 4.0 MB from ranks 0, 2 (striped) in 0.500 s"
+    assert notes[(0, "transfer")] == "sent state to rank 1"
+
+
 def test_round_in_progress_has_a_phase_and_open_bars():
     events = started() + kill_round()[:5]
     v = Timeline().feed_all(events).view(now=T + 3.5)
