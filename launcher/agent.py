@@ -251,7 +251,8 @@ class Agent:
                           phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)),
                           window=cfg.fault_window,
                           node_replace_timeout=cfg.node_replace_timeout, min_nodes=cfg.min_nodes,
-                          stale=self.stack.stale, fence=self.stack.check_member)
+                          stale=self.stack.stale, fence=self.stack.check_member,
+                          transfer_stripes=cfg.transfer_stripes)
 
     def _leave_world(self) -> None:
         """Undo `_enter_world` (workers already killed): before rejoining as a fresh node."""

@@ -59,10 +59,11 @@ class Controller:
                  chain: list[str], phase_timeout: float = 120.0, window: float = 2.0,
                  node_replace_timeout: float = 600.0, min_nodes: int | None = None,
                  stale: Callable[[int, int], str] | None = None,
-                 fence: Callable[[str], None] | None = None) -> None:
+                 fence: Callable[[str], None] | None = None, transfer_stripes: int = 2) -> None:
         self.kv = kv
         self._stale = stale  # why a report's writer (node, incarnation) is stale, "" when not
         self._fence = fence  # raises FencedError when this controller's agent is stale
+        self.transfer_stripes = transfer_stripes  # replicas that send one replacement its state
         self.window = window
         self.history: list[dict] = []  # every fault handled: strategies tried, outcome
         self.log = log
@@ -377,7 +378,7 @@ class Controller:
                                f"within {self.phase_timeout:.0f}s")
                 return self._fallback(g, f"ranks {missing} did not report status")
         statuses = [P.RankStatus.from_json(self.kv.get(k, 5.0)) for k in keys]
-        repair = plan_repair(statuses, g)
+        repair = plan_repair(statuses, g, self.transfer_stripes)
         self.kv.set(P.repair_key(g), repair.to_json())
         if self.round is not None and self.round.generation == g:
             self.round = dataclasses.replace(self.round, collecting=False)
