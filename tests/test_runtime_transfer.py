@@ -124,3 +124,13 @@ def test_stripes_cover_every_byte_exactly_once(sizes, stripes):
 def test_stripe_bounds_rejects_zero_stripes():
     with pytest.raises(ValueError, match="stripes=0"):
         stripe_bounds(10, 0)
+
+
+def test_stripe_halves_split_the_stripe_bytes():
+    """The midway hook (fault injection) runs between two halves of a stripe's bytes, even when
+    the stripe is one piece (a small model's packed blob)."""
+    from launcher.runtime.transfer import _stripe_views
+    pieces = [torch.arange(10, dtype=torch.uint8)]
+    first, second = (_stripe_views(pieces, 1, 2, h) for h in (0, 1))
+    assert [v.tolist() for v in first + second] == [[5, 6], [7, 8, 9]]
+    assert torch.cat(_stripe_views(pieces, 0, 1, 0) + _stripe_views(pieces, 0, 1, 1)).tolist() == list(range(10))

@@ -86,15 +86,19 @@ def _pieces(tensors: list[torch.Tensor], packed: torch.Tensor | None) -> list[to
     return out
 
 
-def _stripe_views(pieces: list[torch.Tensor], stripe: int, stripes: int) -> list[torch.Tensor]:
+def _stripe_views(pieces: list[torch.Tensor], stripe: int, stripes: int,
+                  half: int | None = None) -> list[torch.Tensor]:
+    """Views of the stripe's bytes; `half` 0/1: only the first/second half of them."""
     lo, hi = stripe_bounds(sum(p.numel() for p in pieces), stripes)[stripe]
+    if half is not None:
+        lo, hi = ((lo, (lo + hi) // 2), ((lo + hi) // 2, hi))[half]
     return [pieces[i][a:b] for i, a, b in stripe_segments([p.numel() for p in pieces], lo, hi)]
 
 
 def send_state(coll: Interruptible, state: dict, dst: int, stripe: int = 0, stripes: int = 1,
                midway: Callable[[], None] | None = None) -> TransferStats:
     """Send stripe `stripe` of `stripes` of `state` to `dst` (the whole state when stripes=1).
-    `midway` (fault injection) runs once the first half of the stripe's tensors is sent."""
+    `midway` (fault injection) runs once the first half of the stripe's bytes is sent."""
     if not 0 <= stripe < stripes:
         raise ValueError(f"stripe {stripe} outside 0..{stripes - 1}")
     t0 = time.perf_counter()
@@ -108,15 +112,17 @@ def send_state(coll: Interruptible, state: dict, dst: int, stripe: int = 0, stri
     packed = torch.cat([_as_bytes(t) for t in small]) if small else None
     packed_n = packed.numel() if packed is not None else 0
     header = torch.tensor([meta.numel(), len(tensors), packed_n, stripe, stripes], dtype=torch.int64)
-    views = _stripe_views(_pieces(tensors, packed), stripe, stripes)
+    # on the wire a stripe is always its two byte halves (the receiver posts the same messages);
+    # fault injection (`midway`) fires between them
+    first, second = (_stripe_views(_pieces(tensors, packed), stripe, stripes, h) for h in (0, 1))
     what = "state stripe" if stripes > 1 else "state"
     if midway is None:
-        coll.send([header, meta] + views, dst, what)
+        coll.send([header, meta] + first + second, dst, what)
     else:
-        half = (len(views) + 1) // 2
-        coll.send([header, meta] + views[:half], dst, what)
+        coll.send([header, meta] + first, dst, what)
         midway()
-        coll.send(views[half:], dst, what)
+        coll.send(second, dst, what)
+    views = first + second
     total = meta.numel() + sum(v.numel() for v in views)
     return TransferStats(total, len(tensors), time.perf_counter() - t0, stripes)
 
@@ -177,7 +183,7 @@ def recv_state(coll: Interruptible, src: int | list[int],
     with torch.no_grad():
         works, keep = [], []
         for i, s in enumerate(srcs):
-            views = _stripe_views(pieces, i, k)
+            views = _stripe_views(pieces, i, k, 0) + _stripe_views(pieces, i, k, 1)
             works += [dist.irecv(v, s) for v in views]
             keep += views
         coll.wait_blocking(works, "state stripes" if k > 1 else "state tensors", tuple(keep))
