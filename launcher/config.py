@@ -85,7 +85,7 @@ class LaunchConfig:
     hang: HangPolicy = field(default_factory=HangPolicy)  # --hang-timeout + FTRUN_HANG_* knobs
     fault_window: float = 2.0  # FTRUN_FAULT_WINDOW: s the controller holds possible consequences
     warm_spares: int = 2  # --warm-spares / FTRUN_WARM_SPARES: pre-started replacements per node
-    transfer_stripes: int = 2  # FTRUN_TRANSFER_STRIPES: replicas that send one replacement its state
+    transfer_stripes: int = 1  # FTRUN_TRANSFER_STRIPES: replicas that send one replacement its state
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     signals_to_handle: list[int] = field(default_factory=list)
     recover_strategy: list[str] = field(default_factory=list)
@@ -374,7 +374,7 @@ def _supervision(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
     if not 0 <= cfg.fault_window <= 60:
         raise ConfigError(f"FTRUN_FAULT_WINDOW={raw_window!r}: must be seconds in 0..60")
     cfg.warm_spares = parse_warm_spares(raw.get("warm_spares"), env)
-    raw_stripes = env.get("FTRUN_TRANSFER_STRIPES", "").strip() or "2"
+    raw_stripes = env.get("FTRUN_TRANSFER_STRIPES", "").strip() or "1"
     cfg.transfer_stripes = int(raw_stripes) if raw_stripes.isdigit() else 0
     if not 1 <= cfg.transfer_stripes <= 16:
         raise ConfigError(f"FTRUN_TRANSFER_STRIPES={raw_stripes!r}: must be a whole number of "

@@ -59,7 +59,7 @@ class Controller:
                  chain: list[str], phase_timeout: float = 120.0, window: float = 2.0,
                  node_replace_timeout: float = 600.0, min_nodes: int | None = None,
                  stale: Callable[[int, int], str] | None = None,
-                 fence: Callable[[str], None] | None = None, transfer_stripes: int = 2) -> None:
+                 fence: Callable[[str], None] | None = None, transfer_stripes: int = 1) -> None:
         self.kv = kv
         self._stale = stale  # why a report's writer (node, incarnation) is stale, "" when not
         self._fence = fence  # raises FencedError when this controller's agent is stale

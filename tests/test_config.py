@@ -91,7 +91,7 @@ def test_hang_timeout_is_auto_by_default_seconds_or_zero_and_bad_values_are_one_
     assert (c.hang.floor, c.hang.multiplier, c.fault_window) == (2.0, 5.0, 0.5)
     with pytest.raises(ConfigError, match="^FTRUN_HANG_FLOOR='0' must be > 0"):
         cfg(env={"FTRUN_HANG_FLOOR": "0"})
-    assert cfg().transfer_stripes == 2 and cfg(env={"FTRUN_TRANSFER_STRIPES": "1"}).transfer_stripes == 1
+    assert cfg().transfer_stripes == 1 and cfg(env={"FTRUN_TRANSFER_STRIPES": "3"}).transfer_stripes == 3
     for bad in ("0", "two", "-1", "17"):
         with pytest.raises(ConfigError, match=f"^FTRUN_TRANSFER_STRIPES='{bad}': must be a whole number"):
             cfg(env={"FTRUN_TRANSFER_STRIPES": bad})

@@ -164,7 +164,7 @@ def test_stripe_sender_killed_mid_transfer_next_round_repairs_from_the_rest(tmp_
     rank 0 is killed halfway through sending its stripe. The round fails, the next one repairs
     both replacements from the remaining replicas, and training ends bit-identical."""
     plan = [fault("kill"), fault("kill", rank=0, step=FAULT_STEP, phase="transfer", generation=1)]
-    job = run_job(tmp_path, plan)
+    job = run_job(tmp_path, plan, env={"FTRUN_TRANSFER_STRIPES": "2"})
     assert job.returncode == 0, job.describe()
     plans = [e for e in job.events if e["event"] == "repair-plan"]
     first = next(p for p in plans if p.get("generation") == 1)

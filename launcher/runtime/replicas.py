@@ -22,7 +22,10 @@ from typing import Iterable, Sequence
 from launcher.plan import DUMP, RESTART_ALL, RankStatus, RepairPlan
 
 
-MAX_STRIPES = 2  # default: a replacement's state comes from up to this many replicas at once
+# default: a replacement's state comes from this many replicas at once. 1: on the 2-core test box a
+# striped receive was slower inside a running job (0.51-0.77 GB/s striped vs 0.74-0.87 from one
+# sender, bench_recovery.py) and only ~15 % faster with nothing else running; FTRUN_TRANSFER_STRIPES
+MAX_STRIPES = 1
 
 
 @dataclass(frozen=True)
