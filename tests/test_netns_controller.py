@@ -11,13 +11,12 @@ import os
 import subprocess
 import tempfile
 import time
-import urllib.request
 
 import pytest
 
 from helpers_etcd import ETCD_BIN, etcd_available
 from helpers_launch import FTRUN, REPO, env_with, events, free_port, run
-from helpers_netns import Cluster, unavailable, wait_until
+from helpers_netns import Cluster, start_etcd_in, unavailable, wait_until
 from helpers_runtime import assert_bit_identical, load_params
 
 _WHY = unavailable()
@@ -25,25 +24,6 @@ pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 TRAIN = f"{REPO}/scripts/examples/ddp_train.py"
 STEPS = 40
 CONF = "keep_alive_interval=0.5,heartbeat_timeout=2"
-
-
-def _start_etcd(host, port: int, data_dir: str) -> None:
-    url = f"http://{host.addr}:{port}"
-    peer = f"http://127.0.0.1:{free_port()}"
-    host.popen([ETCD_BIN, "--name", "t", "--data-dir", data_dir, "--listen-client-urls", url,
-                "--advertise-client-urls", url, "--listen-peer-urls", peer,
-                "--initial-advertise-peer-urls", peer, "--initial-cluster", f"t={peer}",
-                "--log-level", "error", "--heartbeat-interval", "10", "--election-timeout", "100"],
-               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=0.5) as r:
-                return b'"true"' in r.read()
-        except OSError:
-            return False
-
-    assert wait_until(healthy, 20), "etcd did not become healthy"
 
 
 def _reference(tmp_path) -> None:
@@ -75,7 +55,7 @@ def test_etcd_the_controller_moves_by_election_when_its_host_crashes(tmp_path) -
     with tempfile.TemporaryDirectory(prefix="ftrun-etcd-") as data, \
             Cluster(4, prefix="fc") as c:
         port = free_port()
-        _start_etcd(c.hosts[0], port, os.path.join(data, "etcd"))
+        start_etcd_in(c.hosts[0], port, os.path.join(data, "etcd"))
         endpoint = f"{c.hosts[0].addr}:{port}"
         env = env_with(OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")
         procs = {}

@@ -11,36 +11,16 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 import pytest
 
 from helpers_etcd import ETCD_BIN, AgentProc, etcd_available, free_port
-from helpers_netns import Cluster, unavailable, wait_until
+from helpers_netns import Cluster, start_etcd_in, unavailable, wait_until
 
 _WHY = unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 
 HB_INTERVAL, HB_TIMEOUT = 0.25, 1.5
-
-
-def _start_etcd(host, port: int, data_dir: str) -> None:
-    url = f"http://{host.addr}:{port}"
-    peer = f"http://127.0.0.1:{free_port()}"
-    host.popen([ETCD_BIN, "--name", "t", "--data-dir", data_dir, "--listen-client-urls", url,
-                "--advertise-client-urls", url, "--listen-peer-urls", peer,
-                "--initial-advertise-peer-urls", peer, "--initial-cluster", f"t={peer}",
-                "--log-level", "error", "--heartbeat-interval", "10", "--election-timeout", "100"],
-               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=0.5) as r:
-                return b'"true"' in r.read()
-        except OSError:
-            return False
-
-    assert wait_until(healthy, 20), "etcd in host 0 did not become healthy"
 
 
 def _start_store(host, port: int) -> None:
@@ -66,7 +46,7 @@ def test_cut_host_is_lost_notices_alone_and_rejoins_fresh(backend: str) -> None:
     with tempfile.TemporaryDirectory(prefix="ftrun-netns-") as tmp, Cluster(3) as c:
         port = free_port()
         if backend == "etcd":
-            _start_etcd(c.hosts[0], port, os.path.join(tmp, "etcd"))
+            start_etcd_in(c.hosts[0], port, os.path.join(tmp, "etcd"))
         else:
             _start_store(c.hosts[0], port)
         endpoint = f"{c.hosts[0].addr}:{port}"
