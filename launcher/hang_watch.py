@@ -12,6 +12,8 @@ it returns (stack dump, kill) and remembers the ranks it killed, so their exit i
 
 The rule (auto):
   - a step: max(floor, multiplier x the slowest of the rank's last 20 steps) without progress
+    (step times as the rank measured them, sent with its heartbeats; the agent's own clock for
+    ranks that do not send them)
     (defaults: 30 s floor, x10);
   - the first step of a process (no step time known yet) and checkpoint saves: the first-step
     allowance (default 300 s), or multiplier x the slowest save seen, whichever is longer;
@@ -134,6 +136,7 @@ class RankClock:
     last_progress: float = 0.0
     last_beat: float = 0.0
     step_start: tuple[int, float] | None = None  # (step, when it was first seen)
+    committed_seen: int = -1  # the last committed step a heartbeat showed
     ckpt_start: float | None = None
     steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     checkpoints: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
@@ -154,11 +157,15 @@ class RankClock:
         if hb.phase in UNTIMED_PHASES or hb.phase == "resumed":
             self.step_start = None  # a recovery round is not a step
         elif hb.step >= 0 and hb.phase != "checkpoint":
-            if self.step_start is not None and hb.step > self.step_start[0]:
+            if hb.step_s > 0:  # the rank timed its steps itself
+                if hb.committed_step != self.committed_seen:
+                    self.steps.append(hb.step_s)
+            elif self.step_start is not None and hb.step > self.step_start[0]:
                 s0, t0 = self.step_start
                 self.steps.append((now - t0) / (hb.step - s0))
             if self.step_start is None or hb.step != self.step_start[0]:
                 self.step_start = (hb.step, now)
+        self.committed_seen = hb.committed_step
 
     def allowance(self, policy: HangPolicy) -> float:
         if self.phase == "checkpoint":

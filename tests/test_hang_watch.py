@@ -141,3 +141,24 @@ def test_policy_from_env_and_its_one_line_errors() -> None:
                       ("FTRUN_HANG_FIRST_STEP", "-1"), ("FTRUN_HANG_UNMODIFIED", "nan")):
         with pytest.raises(ValueError, match=f"^{name}="):
             HangPolicy.from_env(None, {name: raw})
+
+
+def test_step_times_the_rank_sent_count_even_when_the_agent_never_saw_two_step_starts() -> None:
+    """Bug (CI): a fast loop's heartbeats are coalesced (0.2 s), so the agent's first timed beat
+    can already show step 3 hung in forward; with no step time known it allowed the first-step
+    300 s, and the hang went unseen until the 60 s collective timeout."""
+    h = HangWatch(HangPolicy(2.0, first_step=300.0))
+    h.on_heartbeat(Heartbeat(rank=1, step=-1, phase="init"), now=0.0)
+    hb = Heartbeat(rank=1, step=3, phase="forward", committed_step=2, step_s=0.01)
+    h.on_heartbeat(hb, now=1.0)
+    found = h.overdue([1], now=3.5)
+    assert ranks(found) == [1] and found[0].timeout_s == 2.0
+    auto = HangWatch(AUTO)  # auto: max(floor, multiplier x the rank's own step times)
+    auto.on_heartbeat(Heartbeat(rank=1, step=-1, phase="init"), now=0.0)
+    auto.on_heartbeat(Heartbeat(rank=1, step=3, phase="forward", committed_step=2, step_s=0.5),
+                      now=1.0)
+    assert auto.overdue([1], now=5.9) == [] and ranks(auto.overdue([1], now=6.1)) == [1]
+    # a rank's repeated beats carry the same step time: it counts once per committed step
+    auto.on_heartbeat(Heartbeat(rank=1, step=3, phase="backward", committed_step=2, step_s=0.5),
+                      now=2.0)
+    assert list(auto.clocks[1].steps) == [0.5]

@@ -124,6 +124,7 @@ class Runtime:
         self._snapshots: dict[int, Snapshot] = {}
         self._committed = -1
         self._current_step = -1
+        self._step_t0: float | None = None  # when the current step began (monotonic)
         self._phase = "init"
         self._in_update = False
         self._dirty = False
@@ -409,6 +410,7 @@ class Runtime:
 
     def _begin_step(self, step: Step) -> None:
         self._current_step = step.index
+        self._step_t0 = time.monotonic()
         self._snapshots = {k: v for k, v in self._snapshots.items() if k >= step.index}
         # Usually taken when the previous step committed: that snapshot already is the state a
         # committed recovery resumes from (so it is complete), and re-taking it costs per step.
@@ -434,6 +436,10 @@ class Runtime:
     def _commit(self, index: int) -> None:
         self._committed = index
         self._snapshots[index + 1] = self._reg.snapshot(index + 1, self.adapter)
+        if self._channel is not None and self._step_t0 is not None:
+            # the agent's hang watch learns step times from this, however the heartbeats of a
+            # fast loop are coalesced (it may never see two steps' starts apart)
+            self._channel.update(step_s=time.monotonic() - self._step_t0)
         self._set_phase("committed")
 
     def _end_step(self, step: Step, exc: BaseException | None) -> bool:
