@@ -575,6 +575,10 @@ def test_a_stale_node_that_never_noticed_is_refused_at_its_next_heartbeat() -> N
         assert c.join(timeout=10).rejoined
         relay.heal()
         assert b.lost.wait(3.0) and b.lost_error().kind == SUPERSEDED
+        # a hears of c's join through the event log, a moment after c.join() returns
+        deadline = time.monotonic() + 5.0
+        while a.alive_nodes() != [0, 1] and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert a.alive_nodes() == [0, 1]
         c.stop()
     finally:
