@@ -101,8 +101,8 @@ def test_worker_death_on_two_hosts_against_torchrun_leaves_nothing_behind() -> N
     assert t["other_node_reacts_ms"] is not None
     assert f["resume_s"] > 0 and f["survivors_kept_pids"] is True  # recovered in place
     # torchrun restarts all, but whether the other host's worker is replaced before a short job
-    # ends depends on when its agent polls: torchrun's behaviour, not ours to assert
-    assert t["resume_s"] > 0 and t["survivors_kept_pids"] in (True, False)
+    # ends depends on when its agent polls: torchrun's behaviour, not asserted here
+    assert t["resume_s"] > 0 and "survivors_kept_pids" in t
     assert not os.path.exists(rows[0]["run_dir"])  # no --keep-logs: the run directory is gone
     left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not [w for w in left.split() if w.startswith(f"bm{p.pid % 100000}")]
