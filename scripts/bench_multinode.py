@@ -524,21 +524,10 @@ def store_run(c: Cluster, backend: str, n: int) -> dict:
             bench_store.read_line(cl, "ready")
         cpu0 = bench_store.cpu_seconds(master.pid)
         pcpu0 = sum(bench_store.cpu_seconds(p.pid) for p in helpers)
-        t0 = time.time()
-        for cl in clients:
-            cl.stdin.write("connect\n")
-            cl.stdin.flush()
-        ends = [bench_store.read_line(cl, "connected") for cl in clients]
-        connect_s = max(float(e[1]) for e in ends) - t0
-        errors = sum(int(e[2]) for e in ends)
+        connect_s, errors = bench_store.client_phase(clients, "connect", "connected")
         cpu1 = bench_store.cpu_seconds(master.pid)
-        t1 = time.time()
-        for cl in clients:
-            cl.stdin.write("go\n")
-            cl.stdin.flush()
-        ends = [bench_store.read_line(cl, "done") for cl in clients]
-        pattern_s = max(float(e[1]) for e in ends) - t1
-        errors += sum(int(e[2]) for e in ends)
+        pattern_s, more = bench_store.client_phase(clients, "go", "done")
+        errors += more
         cpu2 = bench_store.cpu_seconds(master.pid)
         pcpu2 = sum(bench_store.cpu_seconds(p.pid) for p in helpers)
         return {"backend": backend, "clients": n, "hosts": len(c.hosts),

@@ -144,6 +144,17 @@ def spawn(code: str, *args: object) -> subprocess.Popen:
                             text=True, bufsize=1)
 
 
+def client_phase(clients: list[subprocess.Popen], command: str, reply: str) -> tuple[float, int]:
+    """Tell every client process `command`, wait for each one's `reply` line
+    (`reply <end time> <errors>`): (seconds from the command to the last end, errors)."""
+    t0 = time.time()
+    for c in clients:
+        c.stdin.write(command + "\n")
+        c.stdin.flush()
+    ends = [read_line(c, reply) for c in clients]
+    return max(float(e[1]) for e in ends) - t0, sum(int(e[2]) for e in ends)
+
+
 def read_line(p: subprocess.Popen, want: str, timeout: float = 300) -> list[str]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -211,22 +222,11 @@ def run_scenario(kind: str, n: int, procs: int) -> dict:
             read_line(c, "ready")
         cpu0 = cpu_seconds(master.pid)
         pcpu0 = sum(cpu_seconds(h.pid) for h in helpers)
-        t0 = time.time()
-        for c in clients:
-            c.stdin.write("connect\n")
-            c.stdin.flush()
-        ends = [read_line(c, "connected") for c in clients]
-        connect_s = max(float(e[1]) for e in ends) - t0
-        errs = sum(int(e[2]) for e in ends)
+        connect_s, errs = client_phase(clients, "connect", "connected")
         cpu1 = cpu_seconds(master.pid)
         pcpu1 = sum(cpu_seconds(h.pid) for h in helpers)
-        t1 = time.time()
-        for c in clients:
-            c.stdin.write("go\n")
-            c.stdin.flush()
-        ends = [read_line(c, "done") for c in clients]
-        pattern_s = max(float(e[1]) for e in ends) - t1
-        errs += sum(int(e[2]) for e in ends)
+        pattern_s, more = client_phase(clients, "go", "done")
+        errs += more
         cpu2 = cpu_seconds(master.pid)
         pcpu2 = sum(cpu_seconds(h.pid) for h in helpers)
         ops = 7 * n  # set, add, wait, (get = wait + get | set), add, wait per rank

@@ -17,6 +17,7 @@ TEST_PROGRAMS=(
   "${FTRUN_TEST_ETCD:-/usr/bin/etcd} etcd-server"
   "${FTRUN_TEST_ETCDCTL:-/usr/bin/etcdctl} etcd-client"
   "/usr/bin/chromium chromium"  # headless browser of tests/test_report.py (the ftctl report page)
+  "/sbin/ip iproute2"  # network namespaces, veths and the bridge of the multi-node (netns) tests
 )
 
 install_test_programs() {
