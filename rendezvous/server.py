@@ -42,6 +42,9 @@ _EPOLLIN = select.EPOLLIN
 _EPOLLOUT = select.EPOLLOUT
 _EPOLLERRS = select.EPOLLERR | select.EPOLLHUP
 Op = P.Op
+_GET, _SET, _ADD, _WAIT = Op.GET, Op.SET, Op.ADD, Op.WAIT
+_u64, _i64 = P._U64_unpack, P._I64_unpack
+_u64_pack, _i64_pack = P._U64_pack, P._I64.pack
 
 
 class _Conn:
@@ -87,6 +90,11 @@ class LoopServer:
     socket, epoll loop thread, accept, buffered reads, ordered flushes, timeouts, teardown.
     Subclasses implement `_handle(conn, request, tag) -> reply bytes or None` and may override
     the hooks `_on_close`, `_end_turn`, `_extra_event` and `_on_start`."""
+
+    # Hook: (buf, pos, n) -> (reply, end) | None. Executes the request at buf[pos] of a
+    # validated, authenticated, plain connection without building a Request when it is one of
+    # the frames that dominate a rendezvous; None takes the general path (`_handle`).
+    _quick: Callable[[bytes | bytearray, int, int], tuple[bytes | None, int] | None] | None = None
 
     _name = "store"
     _budget = 128  # requests per connection per loop turn
@@ -464,11 +472,21 @@ class LoopServer:
         out = c.out
         budget = self._budget
         nreq = 0
+        quick = self._quick if not c.mux and c.validated and c.authed else None
         while pos < n:
             budget -= 1
             if budget < 0:
                 c.more = True
                 break
+            if quick is not None:
+                r = quick(buf, pos, n)
+                if r is not None:
+                    rep, pos = r
+                    nreq += 1
+                    if rep:
+                        out.append(rep)
+                        c.out_bytes += len(rep)
+                    continue
             if c.mux:
                 r = parse_mux(buf, pos, lim)
                 if r is None:
@@ -524,6 +542,8 @@ class StoreServer(LoopServer):
         super().__init__(host, port, token, limits, log)
         self.table = table if table is not None else MemoryStore()
         self.kv = LocalKV(self.table)
+        self._table_data = self.table._data  # read-only use by _quick (GET, WAIT present)
+        self._max_key, self._max_value = limits.max_key_bytes, limits.max_value_bytes
         by_kind = {P.Kind.DATA: self._data, P.Kind.BLOCKING: self._wait,
                    P.Kind.CANCEL: self._cancel}
         self._handlers: dict[int, Callable] = {
@@ -569,6 +589,50 @@ class StoreServer(LoopServer):
         if not token_matches(self.token, presented):
             raise DropConnection("wrong job token")
         c.authed = True
+        return None
+
+    def _quick(self, buf, pos: int, n: int) -> tuple[bytes | None, int] | None:
+        """GET, SET, ADD and a one-key WAIT that is already satisfied, decoded and executed
+        in place (the same checks as `protocol.parse_common` and `_handle`); anything else —
+        another op, an incomplete frame, a length over a limit, the auth key, a WAIT that must
+        wait, an ADD to a non-counter — returns None and takes the general path."""
+        if pos + 9 > n:
+            return None
+        op = buf[pos]
+        if op == _WAIT:
+            if pos + 17 > n or _u64(buf, pos + 1)[0] != 1:
+                return None
+            s = pos + 17
+        elif op == _GET or op == _SET or op == _ADD:
+            s = pos + 9
+        else:
+            return None
+        kl = _u64(buf, s - 8)[0]
+        e = s + kl
+        if kl > self._max_key or e > n:
+            return None
+        key = bytes(buf[s:e])
+        if op == _GET:
+            v = self._table_data.get(key)
+            return (_u64_pack(0) if v is None else _u64_pack(len(v)) + v), e
+        if op == _SET:
+            if e + 8 > n or key == AUTH_KEY:
+                return None
+            vl = _u64(buf, e)[0]
+            ve = e + 8 + vl
+            if vl > self._max_value or ve > n:
+                return None
+            self.table.set(key, bytes(buf[e + 8:ve]))
+            return None, ve
+        if op == _ADD:
+            if e + 8 > n:
+                return None
+            try:
+                return _i64_pack(self.table.add(key, _i64(buf, e)[0])), e + 8
+            except ValueError:
+                return None  # the general path drops the connection, saying why
+        if key in self._table_data:  # WAIT for one key that is there (else register a waiter)
+            return P.STOP_WAITING_REPLY, e
         return None
 
     def _data(self, c: _Conn, req: P.Request, tag: int) -> bytes:

@@ -209,3 +209,82 @@ def test_pipelined_burst_and_byte_by_byte_give_the_same_replies(server: StoreSer
     for i in range(0, len(raw), 7):
         slow.sendall(raw[i:i + 7])
     assert recv_exact(slow, len(expect)) == expect
+
+
+def _frames_for_quick_path() -> list[bytes]:
+    """Frames the quick path executes (GET, SET, ADD, a satisfied one-key WAIT) and frames
+    it must hand to the general path (missing WAIT key, multi-key WAIT, CHECK, non-counter
+    ADD, the auth key, an over-limit key), interleaved."""
+    def req(op, keys=(), values=(), num=0):
+        return P.encode_request(P.Request(op, tuple(keys), tuple(values), num))
+    k, cnt, q = b"/k", b"/cnt", b"/q"
+    return [
+        req(P.Op.GET, [k]),  # missing: empty value
+        req(P.Op.SET, [k], [b"v1"]),
+        req(P.Op.GET, [k]),
+        req(P.Op.ADD, [cnt], num=5), req(P.Op.ADD, [cnt], num=-2),
+        req(P.Op.WAIT, [k]),  # present
+        req(P.Op.WAIT, [k, cnt]),  # two keys: general path
+        req(P.Op.CHECK, [k]),
+        req(P.Op.QUEUE_PUSH, [q], [b"x"]), req(P.Op.WAIT, [q]),  # a queue key: general path
+        req(P.Op.SET, [k], [b""]), req(P.Op.GET, [k]),
+        req(P.Op.WAIT, [b"/absent"]),  # registers a waiter: no reply now
+        req(P.Op.SET, [b"/absent"], [b"here"]),
+    ]
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 7])
+def test_quick_path_gives_the_general_paths_replies(chunk: int) -> None:
+    """The in-place decoder (StoreServer._quick) answers exactly as the general path does,
+    whole bursts and byte-by-byte."""
+    stream = b"".join(_frames_for_quick_path())
+    seen = []
+    for quick in (True, False):
+        srv = StoreServer(host="127.0.0.1")
+        if not quick:
+            srv._quick = None
+        a, b = socket.socketpair()
+        try:
+            from rendezvous.server import _Conn
+            c = _Conn(a, "test", True, 0.0)
+            c.validated = True
+            srv._loop_ident = threading.get_ident()
+            pieces = [stream] if chunk == 0 else [stream[i:i + chunk]
+                                                  for i in range(0, len(stream), chunk)]
+            for p in pieces:
+                srv._consume(c, p)
+            srv._flush_dirty()
+            b.setblocking(False)  # a socketpair: what was sent is readable at once
+            got = b""
+            while True:
+                try:
+                    more = b.recv(65536)
+                except BlockingIOError:
+                    break
+                if not more:
+                    break
+                got += more
+            seen.append((got, dict(srv.table._data)))
+        finally:
+            a.close()
+            b.close()
+    assert seen[0] == seen[1]
+    assert seen[0][1][b"/cnt"] == b"3"
+
+
+def test_quick_path_leaves_auth_and_bad_counters_to_the_general_path() -> None:
+    """The auth key is never stored through the quick path, and an ADD to a non-counter still
+    closes that connection with the general path's log line."""
+    logs: list[str] = []
+    with StoreServer(host="127.0.0.1", log=logs.append) as srv:
+        s = raw_conn(srv.port)
+        s.sendall(P.encode_request(P.Request(P.Op.SET, (b"/s",), (b"text",))))
+        s.sendall(P.encode_request(P.Request(P.Op.ADD, (b"/s",), (), 1)))
+        assert is_closed(s)
+        assert any("ADD failed" in line for line in logs), logs
+        s2 = raw_conn(srv.port)
+        from rendezvous.auth import AUTH_KEY
+        s2.sendall(P.encode_request(P.Request(P.Op.SET, (AUTH_KEY,), (b"tok",))))
+        s2.sendall(P.encode_request(P.Request(P.Op.GET, (AUTH_KEY,))))
+        assert recv_exact(s2, 8) == P.enc_u32(0) * 2  # empty: the key was not stored
+        s2.close()
