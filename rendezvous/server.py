@@ -5,9 +5,9 @@ per-turn budgets, timeouts, the request loop `_process` and the VALIDATE gate; s
 node proxy) and `StoreServer` (request execution, handshake and token checks).
 
 Design: one thread runs a level-triggered epoll loop over non-blocking sockets. A readable
-connection is read once (64 KiB), its complete requests are decoded (by
-`protocol.parse_common` for the frames that dominate a rendezvous, else
-`protocol.parse_request`) and executed against the table through one dispatch (`Kind` from the
+connection is read once (64 KiB), its complete requests are decoded and executed (GET, SET,
+ADD and a satisfied one-key WAIT in place by `StoreServer._quick`; the rest through
+`protocol.parse_common` / `protocol.parse_request`) against the table through one dispatch (`Kind` from the
 codec's table, data ops through `memory.apply`), and its replies are sent at once, in one
 `send`. Nothing blocks on a client: at most 128 requests per connection and 256 accepts run
 per turn (the rest next turn), a stalled reader only grows its own bounded output buffer, a
