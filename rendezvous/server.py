@@ -7,8 +7,8 @@ node proxy) and `StoreServer` (request execution, handshake and token checks).
 Design: one thread runs a level-triggered epoll loop over non-blocking sockets. A readable
 connection is read once (64 KiB), its complete requests are decoded and executed (GET, SET,
 ADD and a satisfied one-key WAIT in place by `StoreServer._quick`; the rest through
-`protocol.parse_common` / `protocol.parse_request`) against the table through one dispatch (`Kind` from the
-codec's table, data ops through `memory.apply`), and its replies are sent at once, in one
+`protocol.parse_common` / `protocol.parse_request`) against the table through one dispatch
+(`Kind` from the codec's table, data ops through `memory.apply`), and its replies are sent at once, in one
 `send`. Nothing blocks on a client: at most 128 requests per connection and 256 accepts run
 per turn (the rest next turn), a stalled reader only grows its own bounded output buffer, a
 slow sender only holds its own partial frame (closed after `stalled_frame_timeout`), and a
