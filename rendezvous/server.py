@@ -5,17 +5,17 @@ per-turn budgets, timeouts, the request loop `_process` and the VALIDATE gate; s
 node proxy) and `StoreServer` (request execution, handshake and token checks).
 
 Design: one thread runs a level-triggered epoll loop over non-blocking sockets. A readable
-connection is read once (64 KiB), its complete requests are decoded and executed (GET, SET,
-ADD and a satisfied one-key WAIT in place by `StoreServer._quick`; the rest through
+connection is read once (64 KiB), its complete requests are decoded and executed (GET, SET, ADD
+and a satisfied one-key WAIT in place by `StoreServer._quick`; the rest through
 `protocol.parse_common` / `protocol.parse_request`) against the table through one dispatch
-(`Kind` from the codec's table, data ops through `memory.apply`), and its replies are sent at once, in one
-`send`. Nothing blocks on a client: at most 128 requests per connection and 256 accepts run
-per turn (the rest next turn), a stalled reader only grows its own bounded output buffer, a
-slow sender only holds its own partial frame (closed after `stalled_frame_timeout`), and a
-malformed or over-limit frame closes that connection with one log line. WAITs register a
-waiter in the table; a SET that satisfies thousands of waiters queues one byte per waiter
-and flushes them all at the end of that turn. Limits are a `protocol.Limits`.
-Writes from other threads (the in-process `LocalKV` at `.kv`) wake waiters through an
+(`Kind` from the codec's table, data ops through `memory.apply`), and its replies are sent at
+once, in one `send`. Nothing blocks on a client: at most 128 requests per connection and 256
+accepts run per turn (the rest next turn), a stalled reader only grows its own bounded output
+buffer, a slow sender only holds its own partial frame (closed after `stalled_frame_timeout`),
+and a malformed or over-limit frame closes that connection with one log line. WAITs register a
+waiter in the table; a SET that satisfies thousands of waiters queues one byte per waiter and
+flushes them all at the end of that turn. Limits are a `protocol.Limits`. Writes from other
+threads (the in-process `LocalKV` at `.kv`) wake waiters through an
 eventfd. Unmodified torch clients (`TCPStore(is_master=False)`, gloo/NCCL init through
 env://) speak to it directly.
 """
