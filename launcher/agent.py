@@ -10,7 +10,10 @@ off the loop, refused once this node is stale), then spawns the workers. The loo
 to one event at a time:
   WorkerExit      a worker ended (seen at once): success, a stop ftrun asked for, or a fault
   ChannelMessage  a runtime-aware worker's Hello, Heartbeat, FaultReport, Recovered, Bye
-  PlanEvent       the controller's plan for the next generation: handed to the plan executor
+  PlanEvent       the controller's plan for the next generation: handed to the plan executor;
+                  a plan with `new_round` (the world shrinks: a lost node was not taken over)
+                  stops the workers, moves this agent to that rendezvous round and enters the
+                  new world (renumbered ranks), restarting every worker (`_next_round`)
   InjectEvent     `ftctl inject` for a local rank
   SignalEvent     SIGTERM/SIGINT/...: forwarded to the workers, then the agent leaves
   NodeLostEvent   this node lost its membership (cut off from the store too long): self-fence
@@ -168,18 +171,22 @@ class Agent:
         assert self.world is not None
         return self.world
 
-    def _rendezvous(self, open_store: bool) -> KVStore:
-        """Open the store (first time) and join; a signal ends either at once (AgentSignal or
-        JoinInterrupted): there are no workers yet."""
+    def _rendezvous(self, open_store: bool, next_round: bool = False) -> KVStore:
+        """Open the store (first time) and join (or move to the next rendezvous round); a
+        signal ends either at once (AgentSignal or JoinInterrupted): there are no workers."""
         self._raise_on_signal = True
         try:
             if self.stopping.is_set():
                 raise AgentSignal(self.signum or signal.SIGTERM)
             kv = self.stack.open() if open_store else self.kv
             assert kv is not None
-            self.world = self.stack.join(self.host, self._on_node_lost, self._on_node_joined,
-                                         stop=self.stopping, on_lost=self._on_lost_news,
-                                         on_left=self._on_node_left)
+            if next_round:
+                self.world = self.stack.next_round(stop=self.stopping)
+            else:
+                self.world = self.stack.join(self.host, self._on_node_lost,
+                                             self._on_node_joined, stop=self.stopping,
+                                             on_lost=self._on_lost_news,
+                                             on_left=self._on_node_left)
         finally:
             self._raise_on_signal = False
         if self.stopping.is_set():
@@ -252,7 +259,8 @@ class Agent:
                           window=cfg.fault_window,
                           node_replace_timeout=cfg.node_replace_timeout, min_nodes=cfg.min_nodes,
                           stale=self.stack.stale, fence=self.stack.check_member,
-                          transfer_stripes=cfg.transfer_stripes)
+                          transfer_stripes=cfg.transfer_stripes,
+                          new_round=self.stack.request_round if self.stack.can_renumber else None)
 
     def _leave_world(self) -> None:
         """Undo `_enter_world` (workers already killed): before rejoining as a fresh node."""
@@ -421,7 +429,39 @@ class Agent:
                 return None
             self.rejoined = False  # from here on, an ordinary member
         self.failures.note_plan(plan)
+        if plan.new_round:
+            return self._next_round(plan)
         return self.executor.execute(plan)
+
+    def _next_round(self, plan: P.Plan) -> int | None:
+        """Restart-all in a smaller world: stop every local worker, leave this world, join
+        rendezvous round `plan.new_round` (without the lost nodes; survivors keep their order,
+        renumbered), then enter the new world and start every worker with its new RANK,
+        GROUP_RANK and WORLD_SIZE (torchrun's semantics: the script resumes from its own
+        checkpoint). A signal meanwhile ends the agent as in the rendezvous."""
+        g, before = plan.generation, self._world()
+        t0 = time.monotonic()
+        self.log.info("plan-received", f"executing {plan.strategy} for generation {g} in "
+                      f"rendezvous round {plan.new_round} ({plan.reason})", strategy=plan.strategy,
+                      failed_ranks=plan.failed_ranks, new_round=plan.new_round)
+        live = self.workers.alive()
+        stop_workers(self.workers.all(), signal.SIGTERM, self.cfg.shutdown_timeout)
+        self.failures.note_terminated(live)
+        self._leave_world()
+        self._rendezvous(open_store=False, next_round=True)
+        world = self._world()
+        self.stack.publish(world, self.run_dir.path)
+        self.log.info("round-joined", f"rendezvous round {plan.new_round}: node "
+                      f"{before.group_rank} -> {world.group_rank} of {world.group_world_size}, "
+                      f"world size {before.world_size} -> {world.world_size}",
+                      new_round=plan.new_round, old_group_rank=before.group_rank,
+                      group_rank=world.group_rank, world_size=world.world_size,
+                      old_world_size=before.world_size, nnodes=world.group_world_size)
+        self._enter_world()
+        self.log.info("restarted", f"generation {g}: all {len(self.workers.by_local)} local "
+                      f"workers restarted in a world of {world.world_size} in "
+                      f"{time.monotonic() - t0:.3f}s", restart_s=round(time.monotonic() - t0, 4))
+        return None
 
     def _finish(self) -> int | None:
         assert self.executor is not None

@@ -25,7 +25,11 @@ fault naming its ranks, reported like any other (so it is ordered with the ranks
 its arrival (a hot spare or a replacement agent taking it over) is reported by the agent. While
 a process-level round waits for the statuses of a lost node's ranks, the phase timeout does not
 apply: the node has `node_replace_timeout` seconds from its loss to be taken over, after which
-`decision.unreplaced` ends the job with the reason.
+`decision.unreplaced` decides: the world shrinks (`_shrink`: the agent's `new_round` opens a new
+rendezvous round without the lost node, then the plan, restart-all with `new_round` set, sends
+every remaining agent into it; they stop their workers, rejoin, and restart every worker in the
+smaller world), or the job ends with the reason (below --nnodes MIN, no restart-all in the chain,
+no budget, a static rendezvous).
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ from launcher.decision import (PROCESS_LEVEL, Budget, Decision, Round, Situation
 from launcher.faults import FaultKind
 from launcher.progress import read_progress
 from launcher.logs import AgentLog
-from rendezvous.errors import FencedError
+from rendezvous.errors import FencedError, RendezvousError
 from rendezvous.kv import KVStore, StoreError
 
 
@@ -59,8 +63,12 @@ class Controller:
                  chain: list[str], phase_timeout: float = 120.0, window: float = 2.0,
                  node_replace_timeout: float = 600.0, min_nodes: int | None = None,
                  stale: Callable[[int, int], str] | None = None,
-                 fence: Callable[[str], None] | None = None, transfer_stripes: int = 1) -> None:
+                 fence: Callable[[str], None] | None = None, transfer_stripes: int = 1,
+                 new_round: Callable[[], int] | None = None) -> None:
         self.kv = kv
+        # opens a new rendezvous round without the lost nodes (Membership.request_round); None:
+        # the rendezvous is static (node ranks fixed by --node-rank), the world cannot shrink
+        self._new_round = new_round
         self._stale = stale  # why a report's writer (node, incarnation) is stale, "" when not
         self._fence = fence  # raises FencedError when this controller's agent is stale
         self.transfer_stripes = transfer_stripes  # replicas that send one replacement its state
@@ -210,8 +218,18 @@ class Controller:
         if not late:
             return None
         node, at, fault = min(late, key=lambda x: x[1])
-        d = unreplaced(fault, now - at, self.node_replace_timeout, left, self.min_nodes)
-        self.log.error("node-not-replaced", d.reason, lost_node=node, strategy=d.strategy)
+        renumber = "" if self._new_round is not None else (
+            "a static rendezvous (--node-rank) cannot renumber the nodes; restart the lost "
+            "node's agent with the same --node-rank, or use --rdzv-backend c10d|etcd")
+        d = unreplaced(fault, now - at, self.node_replace_timeout, left, self.min_nodes,
+                       self.situation(), self.nnodes, renumber)
+        if d.shrink:
+            self.log.warning("world-shrink", d.reason, lost_node=node, reason=fault.message,
+                             strategy=d.strategy, nodes_left=left, world_size=self.world_size,
+                             new_world_size=len(d.restart_ranks), waited_s=round(now - at, 3),
+                             node_replace_timeout=self.node_replace_timeout)
+        else:
+            self.log.error("node-not-replaced", d.reason, lost_node=node, strategy=d.strategy)
         return d
 
     def _waiting_for_node(self, missing: list[int]) -> bool:
@@ -254,6 +272,8 @@ class Controller:
         """Publish the decision's plan and drive its round; returns what must follow (a fault
         that superseded the round, or its fallback), None when the round is in the agents' and
         workers' hands."""
+        if decision.shrink:
+            return self._shrink(decision)
         plan = self.publish(decision)
         if plan.strategy == P.RESTART_ALL:
             self._release_restart_all(plan.generation)
@@ -263,7 +283,22 @@ class Controller:
             self._drive_dump(plan)
         return None
 
-    def publish(self, decision: Decision) -> P.Plan:
+    def _shrink(self, decision: Decision) -> Decision | None:
+        """Restart-all on the remaining nodes: open the new rendezvous round first (so every
+        agent that reads the plan finds it), then publish the plan that sends them into it.
+        The agents stop their workers, rejoin, and restart every worker in the smaller world; a
+        new controller starts on the new leader (this one is stopped with its world)."""
+        assert self._new_round is not None and decision.cause is not None
+        try:
+            rnd = self._new_round()
+        except RendezvousError as e:
+            return dataclasses.replace(decision, strategy=P.EXIT, shrink=False, charged=False,
+                                       restart_ranks=(), reason=f"{decision.reason}; but the "
+                                       f"new rendezvous round could not start: {e}")
+        self.publish(decision, new_round=rnd)
+        return None
+
+    def publish(self, decision: Decision, new_round: int = 0) -> P.Plan:
         assert decision.strategy is not None and decision.cause is not None
         st = self.state
         g = st.generation + 1
@@ -277,16 +312,21 @@ class Controller:
         plan = P.Plan(generation=g, strategy=strategy, failed_ranks=list(decision.failed_ranks),
                       restart_ranks=list(decision.restart_ranks), reason=decision.reason,
                       root_cause=dataclasses.asdict(decision.cause), restarts_used=st.budget.used,
-                      history=[dict(h) for h in self.history])
+                      history=[dict(h) for h in self.history], new_round=new_round)
         st.generation = g
         self.round = Round(g, strategy, decision.failed_ranks, decision.cause,
                            collecting=strategy in PROCESS_LEVEL)
         self.kv.set(P.plan_key(g), plan.to_json())
         self.kv.set(P.GENERATION_KEY, str(g).encode())
-        self.log.info("plan", f"generation {g}: {strategy}, failed ranks {plan.failed_ranks}, restart "
+        where = (f" in rendezvous round {new_round} without node(s) "
+                 f"{sorted(self.lost_nodes)} (world size {len(plan.restart_ranks)})"
+                 if new_round else "")
+        self.log.info("plan", f"generation {g}: {strategy}{where}, failed ranks "
+                      f"{plan.failed_ranks}, restart "
                       f"{'all' if strategy == P.RESTART_ALL else plan.restart_ranks}; restarts used "
                       f"{st.budget.used}/{st.budget.limit}", generation=g, strategy=strategy,
-                      failed_ranks=plan.failed_ranks, restart_ranks=plan.restart_ranks)
+                      failed_ranks=plan.failed_ranks, restart_ranks=plan.restart_ranks,
+                      **({"new_round": new_round} if new_round else {}))
         return plan
 
     def _note_history(self, decision: Decision, g: int) -> None:

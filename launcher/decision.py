@@ -25,7 +25,10 @@ The rules, in the order `decide()` applies them (tests/test_decision.py has a te
      agent (nobody can start the ranks yet); the arrival starts the round in which the new agent
      starts them (not charged again when the loss's round already was). Unmodified workers keep
      torchrun's semantics: the loss waits (absorbed), the arrival restarts every rank. A node not
-     taken over within node_replace_timeout ends the job (`unreplaced()`).
+     taken over within node_replace_timeout (`unreplaced()`) shrinks the world: restart-all in a
+     new rendezvous round without it, when the nodes left are at least --nnodes MIN, the chain
+     has restart-all and the budget has room (the node-loss round already charged counts);
+     otherwise the job ends, saying which of these stopped it.
   4. superseded: a fault while a process-level round still collects the ranks' statuses widens
      that round: the failed ranks accumulate, retry is off (the ranks are mid-recovery, the new
      one restarts), and only the new failed rank restarts (earlier replacements keep running).
@@ -110,6 +113,7 @@ class Decision:
     charged: bool = False  # counts against the restart budget
     supersedes: int | None = None  # the generation of the collecting round this one widens
     continues: bool = False  # a fallback: the same fault's handling goes on (history)
+    shrink: bool = False  # restart-all in a new rendezvous round without the lost node(s)
 
     @property
     def absorbed(self) -> bool:
@@ -260,18 +264,38 @@ def _node_decision(fault: P.Fault, s: Situation) -> Decision:
 
 
 def unreplaced(fault: P.Fault, waited: float, timeout: float, nodes_left: int,
-               min_nodes: int) -> Decision:
+               min_nodes: int, s: Situation | None = None, nnodes: int = 0,
+               renumber: str = "") -> Decision:
     """A lost node (`fault`, its node_lost report) that no hot spare or replacement agent took
-    over within node_replace_timeout: the job ends, saying why. Continuing on the remaining
-    nodes (allowed by --nnodes MIN) is not supported: ftrun does not shrink a running world."""
-    if nodes_left >= min_nodes:
-        rest = (f"continuing on the {nodes_left} remaining node(s) (--nnodes MIN={min_nodes} "
-                "allows it) is not supported: ftrun does not shrink a running world")
-    else:
+    over within node_replace_timeout. The world shrinks (restart-all in a new rendezvous round
+    on the `nodes_left` remaining nodes of `nnodes`, `shrink=True`) when --nnodes MIN allows
+    it, the chain `s.chain` has restart-all and the budget has room (not charged again when the
+    round in progress is this node's loss round, already charged); `renumber` says why the
+    rendezvous cannot start a new round ("" when it can). Otherwise the job ends, saying why."""
+    what = (f"node {fault.node} lost ({fault.message}): no hot spare or replacement agent took "
+            f"it over within node_replace_timeout={timeout:g}s (waited {waited:.1f}s)")
+    failed = node_ranks(fault)
+    rnd = s.round if s is not None else None
+    continues = (rnd is not None and rnd.cause.node == fault.node and rnd.cause.rank is None
+                 and bool(rnd.cause.evidence.get("node_lost")) and rnd.strategy in PROCESS_LEVEL)
+    if nodes_left < min_nodes:
         rest = f"--nnodes MIN={min_nodes} does not allow continuing on {nodes_left} node(s)"
-    why = (f"node {fault.node} lost ({fault.message}): no hot spare or replacement agent took "
-           f"it over within node_replace_timeout={timeout:g}s (waited {waited:.1f}s); {rest}")
-    return Decision(P.EXIT, why, fault, node_ranks(fault), (), charged=False)
+    elif s is None or P.RESTART_ALL not in s.chain:
+        rest = (f"continuing on the {nodes_left} remaining node(s) needs restart-all in "
+                "--recover-strategy")
+    elif not (s.budget.left or continues):
+        rest = (f"continuing on the {nodes_left} remaining node(s) needs a restart: restart "
+                f"budget spent (--max_restarts={s.budget.limit})")
+    elif renumber:
+        rest = f"continuing on the {nodes_left} remaining node(s) is not possible: {renumber}"
+    else:
+        before = s.world_size
+        after = before // max(1, nnodes) * nodes_left if nnodes else before - len(failed)
+        why = (f"{what}; continuing on {nodes_left} node(s): world size {before} -> {after} "
+               "(restart-all)")
+        return Decision(P.RESTART_ALL, why, fault, failed, tuple(range(after)),
+                        charged=not continues, continues=continues, shrink=True)
+    return Decision(P.EXIT, f"{what}; {rest}", fault, failed, (), charged=False)
 
 
 def fallback(s: Situation, reason: str) -> Decision:

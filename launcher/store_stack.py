@@ -3,7 +3,8 @@
 Owns, in the order an agent builds them: the job token; the store (hosting the embedded store on
 the store host, connecting to it from other nodes, or an etcd client); the node-level rendezvous
 (`rendezvous.membership`: join, heartbeat, node watch) that says which node this is and how big
-the job is; the per-node store proxy local workers use; publishing where the store is
+the job is, and moving it to a new rendezvous round (`request_round`, `next_round`: the world
+shrinks when a lost node is not taken over); the per-node store proxy local workers use; publishing where the store is
 (`store.json` in the run log dir for `ftctl`, the world size in the store); and `close()`, which
 takes all of it down in reverse order. Nothing here knows about workers or plans.
 """
@@ -67,6 +68,7 @@ class StoreStack:
         self._proxy: Any = None
         self._membership: Any = None
         self._interrupted = False
+        self._watchers: tuple[Any, Any, Any, Any] = (None, None, None, None)  # join()'s callbacks
         self._renewed = False  # joining again after this agent's membership was lost
         self._news = MembershipLog(log)
         news = logging.getLogger("ftrun.membership")
@@ -182,13 +184,40 @@ class StoreStack:
                 raise  # the first join: the store is not there (one line, within join_timeout)
             raw = None  # a renewed agent: join() says why (the embedded store's host is gone...)
         self.generation_before_join = int(raw) if raw is not None else 0
-        w = self._membership.join(stop=stop)
-        self._membership.start_heartbeat()
-        self._membership.watch_nodes(on_node_dead, on_node_join, on_lost=on_lost, on_left=on_left)
+        self._watchers = (on_node_dead, on_node_join, on_lost, on_left)
+        self._membership.join(stop=stop)
+        return self._watch()
+
+    def _watch(self) -> AgentWorld:
+        """Heartbeat and node watch of the membership just joined; its world for the agent."""
+        m = self._membership
+        on_node_dead, on_node_join, on_lost, on_left = self._watchers
+        m.start_heartbeat()
+        m.watch_nodes(on_node_dead, on_node_join, on_lost=on_lost, on_left=on_left)
+        w = m.world
         self.rejoined = bool(w.rejoined)
         return AgentWorld(w.group_rank, w.group_world_size, w.nodes[w.group_rank].rank_base,
                           w.world_size, w.leader_node == w.group_rank,
                           bool(getattr(w, "from_spare", False)))
+
+    @property
+    def can_renumber(self) -> bool:
+        """True when a new rendezvous round can renumber the nodes (a dynamic rendezvous)."""
+        return self._membership is not None and not self._membership.static
+
+    def request_round(self) -> int:
+        """Open a new rendezvous round (the controller, to shrink the world); its number."""
+        assert self._membership is not None
+        return int(self._membership.request_round())
+
+    def next_round(self, stop: threading.Event | None = None) -> AgentWorld:
+        """Leave this round and join the requested one (this agent's workers are stopped);
+        the same callbacks as join(). Raises like join()."""
+        assert self._membership is not None
+        raw = self.kv.try_get(P.GENERATION_KEY) if self.kv is not None else None
+        self.generation_before_join = int(raw) if raw is not None else 0
+        self._membership = self._membership.next_round(stop=stop)
+        return self._watch()
 
     def interrupt(self) -> None:
         """End a running join() (signal handler safe: no I/O)."""

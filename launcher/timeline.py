@@ -266,6 +266,33 @@ class Timeline:
         if isinstance(ev.get("joined_node"), int):
             self._node(ev["joined_node"]).state = "running"
 
+    def _on_world_shrink(self, ev: dict, t: float) -> None:
+        """A lost node nobody took over: the controller continues on the remaining nodes (a
+        restart-all in a new rendezvous round, whose `plan` follows without a `decide`)."""
+        node = ev.get("lost_node")
+        if isinstance(node, int):
+            self._node(node).state = "lost"
+        f = FaultRow(time=t, rank=None, node=node if isinstance(node, int) else None,
+                     host=str(ev.get("host", "")), kind="node-lost",
+                     evidence=str(ev.get("reason", "")), generation=int(ev.get("generation", 0)),
+                     detected=t, strategy=str(ev.get("strategy", "restart-all")),
+                     reason=str(ev.get("message", "")))
+        self.v.faults.append(f)
+        self._last_decided = f
+
+    def _on_round_joined(self, ev: dict, t: float) -> None:
+        """An agent entered a smaller world (new rendezvous round): node and rank rows beyond
+        it belonged to the old numbering."""
+        nnodes, world = ev.get("nnodes"), ev.get("world_size")
+        if isinstance(nnodes, int):
+            for n in [n for n in self._nodes if n >= nnodes]:
+                del self._nodes[n]
+            self.v.nnodes = nnodes
+        if isinstance(world, int):
+            for r in [r for r in self._ranks if r >= world]:
+                del self._ranks[r]
+            self.v.world_size = world
+
     def _on_spare(self, ev: dict, t: float) -> None:
         if isinstance(ev.get("node"), int) and "started" in str(ev.get("message", "")):
             self._node(ev["node"]).spare = True
@@ -656,6 +683,7 @@ _HANDLERS = {
     "summary": Timeline._on_job_failed, "internal-error": Timeline._on_job_failed,
     "node-done": Timeline._on_node_done, "signal": Timeline._on_signal,
     "node-lost": Timeline._on_node_lost, "node-joined": Timeline._on_node_joined,
+    "world-shrink": Timeline._on_world_shrink, "round-joined": Timeline._on_round_joined,
     "spare": Timeline._on_spare, "spawn": Timeline._on_spawn, "hello": Timeline._on_hello,
     "exit": Timeline._on_exit, "progress": Timeline._on_progress,
     "worker-failed": Timeline._on_worker_failed, "worker-fault": Timeline._on_worker_fault,

@@ -1,6 +1,7 @@
 """Rendezvous rounds: closing the current world so that a new dynamic rendezvous can include
 agents waiting to get in (`--rdzv-conf scale_up=restart`, torchrun's behaviour), and retiring
-the world of an earlier run whose nodes are all gone.
+the world of an earlier run whose nodes are all gone. The launcher uses a new round for
+scale-up and to shrink the world when a lost node is not taken over (launcher.controller).
 
 Owns: the "retired" marker that replaces the world under `keys.WORLD_KEY`, and wiping what a
 retired world leaves behind. Nothing here decides *when* a round is needed (the controller
@@ -15,7 +16,9 @@ A new round (round r -> r+1):
      fresh dynamic rendezvous; waiting spares leave their wait and join it too;
   3. the requester waits (up to close_timeout) until every live member of round r has left,
      then wipes round r's rendezvous keys and node records (not the generation, not the
-     launcher's keys) and deletes the marker: the new rendezvous starts;
+     launcher's keys) and the workers' keys (every key outside keys.ROOT: every worker restarts
+     in the new world and must not read a previous world's keys) and deletes the marker: the
+     new rendezvous starts;
   4. the new world orders survivors by their old group rank, then newcomers by arrival, so
      surviving nodes keep their group ranks when nobody was lost; it closes as soon as N agents
      arrived (or after last_call_timeout with at least MIN).
@@ -27,7 +30,7 @@ import logging
 import time
 from typing import Callable
 
-from rendezvous.keys import GENERATION_KEY, NODE_PREFIX, RDZV, RUN_ID_KEY, WORLD_KEY
+from rendezvous.keys import GENERATION_KEY, NODE_PREFIX, RDZV, ROOT, RUN_ID_KEY, WORLD_KEY
 from rendezvous.kv import KVStore
 
 log = logging.getLogger("ftrun.membership")
@@ -54,14 +57,15 @@ def pending(kv: KVStore, current_round: int) -> dict | None:
 
 def wipe(kv: KVStore, whole_run: bool) -> int:
     """Delete a retired world's keys, the marker last. `whole_run` (an earlier run): every key;
-    otherwise (a new round) only the rendezvous keys and node records, keeping the run id, the
-    generation and the launcher's keys."""
+    otherwise (a new round) the rendezvous keys, the node records and the workers' keys (outside
+    ROOT), keeping the run id, the generation and the launcher's keys."""
     n = 0
     if whole_run:
         doomed = [k for k in kv.keys("") if k != WORLD_KEY]
     else:
-        doomed = [k for k in kv.keys(RDZV + "/") + kv.keys(NODE_PREFIX)
-                  if k not in (WORLD_KEY, RUN_ID_KEY, GENERATION_KEY)]
+        doomed = [k for k in kv.keys("") if (k.startswith((RDZV + "/", NODE_PREFIX))
+                                             or not k.startswith(ROOT + "/"))
+                  and k not in (WORLD_KEY, RUN_ID_KEY, GENERATION_KEY)]
     for key in doomed:
         n += bool(kv.delete(key))
     kv.delete(WORLD_KEY)

@@ -176,3 +176,70 @@ def test_a_spare_that_takes_over_the_controllers_node_reports_its_own_arrival(tm
     for r in (0, 1):
         assert_bit_identical(load_params(tmp_path / f"ref{r}.pt"),
                              load_params(tmp_path / f"out{r}.pt"))
+
+
+def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path) -> None:
+    """--nnodes 2:3, c10d: node 1 crashes (agent and worker SIGKILLed), nobody takes it over
+    within node_replace_timeout: the two other agents move to a new rendezvous round without
+    it (node 2 becomes node 1) and every worker restarts in a world of 2; the job finishes and
+    the controller's line says why (torchrun semantics: the script starts again)."""
+    import os
+    import signal
+    import time
+
+    ep = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "result.json"
+    worker = [script("ddp_plain.py"), "--steps", "40", "--step-time", "0.1", "--out", str(out)]
+    conf = ("keep_alive_interval=0.5,heartbeat_timeout=2,node_replace_timeout=2,"
+            "last_call_timeout=5")
+    env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    procs: dict[str, subprocess.Popen] = {}
+    for tag in ("a", "b", "c"):
+        procs[tag] = subprocess.Popen(FTRUN + [
+            "--nnodes", "2:3", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", ep, "--rdzv_id", "shrink1", "--max_restarts", "3",
+            "--rdzv_conf", conf, "--log_dir", str(tmp_path / f"log{tag}"), *worker],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        node = {}
+        for tag in procs:
+            ev = _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "rendezvous", 60)
+            assert ev["world_size"] == 3
+            node[ev["group_rank"]] = tag
+        lost, host, other = node[1], node[0], node[2]
+        spawn = _wait_event(str(tmp_path / f"log{lost}"), lambda e: e["event"] == "spawn", 30)
+        time.sleep(3.0)  # training (import torch and gloo take about 2 s; 40 steps 4 s more)
+        for pid in (procs[lost].pid, spawn["pid"]):  # node 1 crashes: agent and worker
+            os.kill(pid, signal.SIGKILL)
+        procs[lost].wait(10)
+        outs = {t: procs[t].communicate(timeout=90) for t in (host, other)}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for t in (host, other):
+        assert procs[t].returncode == 0, outs[t][1][-4000:]
+    with open(out, encoding="utf-8") as f:
+        result = json.load(f)
+    assert result["world"] == 2 and result["restart_count"] >= 1, result
+    line = next((ln for ln in outs[host][1].splitlines() if "node 1 lost (no heartbeat for 2s): "
+                 "no hot spare or replacement agent took it over within "
+                 "node_replace_timeout=2s" in ln), None)
+    assert line is not None, outs[host][1][-4000:]
+    assert line.endswith("continuing on 2 node(s): world size 3 -> 2 (restart-all)"), line
+    evh, evo = _events(str(tmp_path / f"log{host}")), _events(str(tmp_path / f"log{other}"))
+    shrink = [e for e in evh if e["event"] == "world-shrink"]
+    assert len(shrink) == 1 and shrink[0]["lost_node"] == 1
+    assert (shrink[0]["world_size"], shrink[0]["new_world_size"]) == (3, 2)
+    plans = [e for e in evh if e["event"] == "plan"]
+    assert plans[-1]["strategy"] == "restart-all" and plans[-1]["new_round"] == 1
+    assert plans[-1]["restart_ranks"] == [0, 1]
+    # the survivors keep their order, renumbered: node 2 is node 1 of the new world, rank 1
+    assert [e["group_rank"] for e in evo if e["event"] == "rendezvous"] == [2, 1]
+    assert [e["rank"] for e in evo if e["event"] == "spawn"][-1] == 1
+    assert [e["world_size"] for e in evh if e["event"] == "rendezvous"] == [3, 2]
+    from launcher.timeline import Timeline
+
+    view = Timeline().feed_all(evh + evo).view()
+    assert view.outcome == "succeeded" and view.world_size == 2

@@ -303,13 +303,51 @@ def test_without_recover_in_place_in_the_chain_a_node_loss_follows_the_chain() -
     assert d.strategy == P.EXIT and d.failed_ranks == (2, 3)
 
 
-def test_a_node_not_taken_over_in_time_ends_the_job_saying_why() -> None:
+def test_a_node_not_taken_over_in_time_ends_the_job_below_min_saying_why() -> None:
     from launcher.decision import unreplaced
 
-    d = unreplaced(node_fault(joined=False), 12.3, 10.0, nodes_left=1, min_nodes=2)
-    assert d.strategy == P.EXIT and d.failed_ranks == (2, 3) and not d.charged
+    d = unreplaced(node_fault(joined=False), 12.3, 10.0, nodes_left=1, min_nodes=2,
+                   s=situation(aware=False), nnodes=2)
+    assert d.strategy == P.EXIT and d.failed_ranks == (2, 3) and not d.charged and not d.shrink
     assert d.reason.startswith("node 1 lost (x): no hot spare or replacement agent took it over "
                                "within node_replace_timeout=10s (waited 12.3s)")
     assert "--nnodes MIN=2 does not allow continuing on 1 node(s)" in d.reason
-    d = unreplaced(node_fault(joined=False), 10.0, 10.0, nodes_left=3, min_nodes=2)
-    assert d.strategy == P.EXIT and "does not shrink a running world" in d.reason
+
+
+def test_a_node_not_taken_over_in_time_shrinks_the_world_when_min_allows() -> None:
+    from launcher.decision import unreplaced
+
+    # 3 nodes of 2 ranks (world 6), node 1 lost, --nnodes 2:3, unmodified workers
+    s = Situation(DEFAULT, Budget(1, 3), False, 6, None)
+    d = unreplaced(node_fault(joined=False), 3.2, 3.0, nodes_left=2, min_nodes=2, s=s, nnodes=3)
+    assert (d.strategy, d.shrink, d.charged, d.continues) == (P.RESTART_ALL, True, True, False)
+    assert d.failed_ranks == (2, 3) and d.restart_ranks == (0, 1, 2, 3)
+    assert d.reason == ("node 1 lost (x): no hot spare or replacement agent took it over within "
+                        "node_replace_timeout=3s (waited 3.2s); continuing on 2 node(s): world "
+                        "size 6 -> 4 (restart-all)")
+    # a runtime job: the loss's recover-in-place round was charged; the shrink continues it
+    rnd = Round(1, P.RECOVER_IN_PLACE, (2, 3), node_fault(joined=False), collecting=True)
+    s = Situation(DEFAULT, Budget(3, 3), True, 6, rnd)
+    d = unreplaced(node_fault(joined=False), 3.2, 3.0, nodes_left=2, min_nodes=1, s=s, nnodes=3)
+    assert (d.strategy, d.shrink, d.charged, d.continues) == (P.RESTART_ALL, True, False, True)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"used": 3}, "needs a restart: restart budget spent (--max_restarts=3)"),
+    ({"chain": (P.RECOVER_IN_PLACE, P.DUMP, P.EXIT)}, "needs restart-all in --recover-strategy"),
+])
+def test_a_node_not_taken_over_without_budget_or_restart_all_ends_the_job(kw, needle) -> None:
+    from launcher.decision import unreplaced
+
+    d = unreplaced(node_fault(joined=False), 3.0, 3.0, nodes_left=2, min_nodes=2,
+                   s=situation(aware=False, **kw), nnodes=3)
+    assert d.strategy == P.EXIT and not d.shrink and not d.charged
+    assert f"; continuing on the 2 remaining node(s) {needle}" in d.reason, d.reason
+
+
+def test_a_static_rendezvous_cannot_shrink_and_says_so() -> None:
+    from launcher.decision import unreplaced
+
+    d = unreplaced(node_fault(joined=False), 3.0, 3.0, nodes_left=2, min_nodes=2,
+                   s=situation(aware=False), nnodes=3, renumber="a static rendezvous")
+    assert d.strategy == P.EXIT and d.reason.endswith("is not possible: a static rendezvous")

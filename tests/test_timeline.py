@@ -121,3 +121,27 @@ def test_torn_last_line_is_skipped(tmp_path):
     p = tmp_path / "events.jsonl"
     p.write_text('{"time": 1, "event": "start"}\n{"time": 2, "ev')
     assert read_event_file(str(p)) == [{"time": 1, "event": "start"}]
+
+
+def test_a_world_that_shrinks_shows_the_lost_node_its_round_and_the_smaller_world():
+    """A lost node nobody took over: `world-shrink` (no `decide`) is the fault of the restart-all
+    round that follows; after `round-joined` rows of the old numbering beyond the new world go."""
+    events = started(world=3) + [
+        ev(0.1, "rendezvous", node=2, group_rank=2, world_size=3),
+        ev(3.0, "node-lost", lost_node=1),
+        ev(5.0, "world-shrink", lost_node=1, reason="no heartbeat for 2s", strategy="restart-all",
+           world_size=3, new_world_size=2, message="node 1 lost ...; continuing on 2 node(s)"),
+        ev(5.1, "plan", generation=1, strategy="restart-all", failed_ranks=[1],
+           restart_ranks=[0, 1], new_round=1),
+        ev(5.2, "plan-received", generation=1, strategy="restart-all"),
+        ev(6.0, "round-joined", node=2, generation=1, group_rank=1, world_size=2, nnodes=2),
+        ev(6.1, "rendezvous", node=1, generation=1, group_rank=1, world_size=2),
+        ev(6.2, "spawn", node=1, generation=1, rank=1, local_rank=0, pid=301, replacement=False)]
+    v = Timeline().feed_all(events).view()
+    (f,) = v.faults
+    assert (f.kind, f.node, f.strategy, f.round) == ("node-lost", 1, "restart-all", 1)
+    assert f.evidence == "no heartbeat for 2s"
+    (ro,) = v.rounds
+    assert ro.strategy == "restart-all" and ro.fault is f and v.restarts_used == 1
+    assert v.world_size == 2 and [n.node for n in v.nodes] == [0, 1]
+    assert [r.rank for r in v.ranks] == [0, 1] and v.nodes[1].state == "running"
