@@ -178,18 +178,28 @@ def test_a_spare_that_takes_over_the_controllers_node_reports_its_own_arrival(tm
                              load_params(tmp_path / f"out{r}.pt"))
 
 
-def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path) -> None:
+@pytest.mark.parametrize("kind", ["unmodified", "runtime"])
+def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, kind) -> None:
     """--nnodes 2:3, c10d: node 1 crashes (agent and worker SIGKILLed), nobody takes it over
     within node_replace_timeout: the two other agents move to a new rendezvous round without
     it (node 2 becomes node 1) and every worker restarts in a world of 2; the job finishes and
-    the controller's line says why (torchrun semantics: the script starts again)."""
+    the controller's line says why (torchrun semantics: the script starts again, here from its
+    own checkpoint with launcher.runtime). The restart budget is charged once for the loss."""
     import os
     import signal
     import time
 
+    from tests.helpers_launch import REPO
+
     ep = f"127.0.0.1:{free_port()}"
     out = tmp_path / "result.json"
-    worker = [script("ddp_plain.py"), "--steps", "40", "--step-time", "0.1", "--out", str(out)]
+    if kind == "unmodified":
+        worker = [script("ddp_plain.py"), "--steps", "40", "--step-time", "0.1", "--out",
+                  str(out)]
+    else:
+        worker = [os.path.join(REPO, "scripts", "examples", "ddp_train.py"), "--steps", "40",
+                  "--step-time", "0.1", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                  "--checkpoint-every", "5", "--out", str(tmp_path / "params.pt")]
     conf = ("keep_alive_interval=0.5,heartbeat_timeout=2,node_replace_timeout=2,"
             "last_call_timeout=5")
     env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
@@ -208,7 +218,12 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path) 
             node[ev["group_rank"]] = tag
         lost, host, other = node[1], node[0], node[2]
         spawn = _wait_event(str(tmp_path / f"log{lost}"), lambda e: e["event"] == "spawn", 30)
-        time.sleep(3.0)  # training (import torch and gloo take about 2 s; 40 steps 4 s more)
+        if kind == "runtime":  # every rank said hello: recover-in-place applies to the loss
+            for tag in procs:
+                _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "hello", 30)
+            time.sleep(2.5)  # some steps, a checkpoint every 5
+        else:
+            time.sleep(3.0)  # training (import torch and gloo take about 2 s; 40 steps 4 s more)
         for pid in (procs[lost].pid, spawn["pid"]):  # node 1 crashes: agent and worker
             os.kill(pid, signal.SIGKILL)
         procs[lost].wait(10)
@@ -220,9 +235,14 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path) 
                 p.communicate()
     for t in (host, other):
         assert procs[t].returncode == 0, outs[t][1][-4000:]
-    with open(out, encoding="utf-8") as f:
-        result = json.load(f)
-    assert result["world"] == 2 and result["restart_count"] >= 1, result
+    if kind == "unmodified":
+        with open(out, encoding="utf-8") as f:
+            result = json.load(f)
+        assert result["world"] == 2 and result["restart_count"] >= 1, result
+    else:  # the restarted ranks resumed from the script's own checkpoint
+        assert (tmp_path / "params.pt").exists()
+        both = outs[host][0] + outs[host][1]
+        assert "loaded checkpoint iteration" in both, both[-4000:]
     line = next((ln for ln in outs[host][1].splitlines() if "node 1 lost (no heartbeat for 2s): "
                  "no hot spare or replacement agent took it over within "
                  "node_replace_timeout=2s" in ln), None)
@@ -235,6 +255,12 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path) 
     plans = [e for e in evh if e["event"] == "plan"]
     assert plans[-1]["strategy"] == "restart-all" and plans[-1]["new_round"] == 1
     assert plans[-1]["restart_ranks"] == [0, 1]
+    used = [int(e["message"].split("restarts used ")[1].split("/")[0]) for e in plans]
+    if kind == "runtime":  # the loss's round (survivors wait for a spare) is the one charged
+        assert [e["strategy"] for e in plans] == ["recover-in-place", "restart-all"], plans
+        assert used == [1, 1]
+    else:  # survivors' workers failed on the dead peer (a restart-all), then the shrink
+        assert used[-1] == used[-2] + 1, used
     # the survivors keep their order, renumbered: node 2 is node 1 of the new world, rank 1
     assert [e["group_rank"] for e in evo if e["event"] == "rendezvous"] == [2, 1]
     assert [e["rank"] for e in evo if e["event"] == "spawn"][-1] == 1

@@ -265,6 +265,50 @@ def test_a_lost_node_not_taken_over_within_the_timeout_ends_the_job(kv) -> None:
         c.stop()
 
 
+def _three_nodes(kv, new_round) -> Controller:
+    """3 nodes of 2 unmodified ranks, --nnodes 2:3, node_replace_timeout 0.5 s."""
+    c = Controller(kv, AgentLog(0, None, quiet=True), 6, 3, 3,
+                   [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=0.5,
+                   window=0.1, node_replace_timeout=0.5, min_nodes=2, new_round=new_round)
+    c.start()
+    return c
+
+
+def test_a_lost_node_not_taken_over_shrinks_the_world_in_a_new_rendezvous_round(kv) -> None:
+    asked: list[int] = []
+    c = _three_nodes(kv, lambda: asked.append(1) or 1)
+    try:
+        c.note_node(1, lost=True, why="no heartbeat for 2s")
+        p = plan_of(kv, 1)  # the loss itself waits (unmodified workers); the timeout shrinks
+        assert asked == [1] and p.new_round == 1 and p.strategy == P.RESTART_ALL
+        assert p.failed_ranks == [2, 3] and p.restart_ranks == [0, 1, 2, 3]
+        assert p.restarts_used == 1 and kv.try_get(P.RESTARTS_USED_KEY) == b"1"
+        assert p.reason.endswith("continuing on 2 node(s): world size 6 -> 4 (restart-all)")
+        assert kv.try_get(P.go_key(1)) is None  # the agents restart in the new round, no barrier
+    finally:
+        c.stop()
+
+
+def test_a_static_world_or_a_round_that_cannot_start_ends_the_job(kv) -> None:
+    from rendezvous.errors import RendezvousError
+
+    def refuse() -> int:
+        raise RendezvousError("the world is already retired")
+
+    for new_round, needle in ((None, "a static rendezvous (--node-rank) cannot renumber"),
+                              (refuse, "the new rendezvous round could not start: the world")):
+        for k in kv.keys(""):
+            kv.delete(k)
+        c = _three_nodes(kv, new_round)
+        try:
+            c.note_node(1, lost=True, why="no heartbeat for 2s")
+            p = plan_of(kv, 1)
+            assert p.strategy == P.EXIT and p.new_round == 0 and needle in p.reason, p.reason
+            assert p.restarts_used == 0
+        finally:
+            c.stop()
+
+
 def test_a_report_of_a_stale_agent_is_refused_and_logged(kv, tmp_path) -> None:
     """A fault stamped by an agent incarnation that is no longer a member (cut off, declared
     dead, replaced) starts no round; the next live report does."""

@@ -636,6 +636,7 @@ def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(
     assert sorted(m.group_rank for m in ms) == [0, 1]
     kvs[0].set(GENERATION_KEY, b"5")
     kvs[0].set("ftrun/plan/7", b"kept")
+    kvs[0].set("worker/key", b"old world")
     rounds: list[int] = []
     for m in ms:
         m.watch_nodes(lambda g: None, on_round=rounds.append)
@@ -669,11 +670,52 @@ def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(
         assert [n.rank_base for n in worlds[2].nodes] == [0, 2, 4]
         assert kvs[0].try_get(GENERATION_KEY) == b"5" and worlds[0].generation == 5
         assert kvs[0].try_get("ftrun/plan/7") == b"kept"
+        assert kvs[0].try_get("worker/key") is None  # the previous world's workers' keys
     finally:
         for m in ms + new + [late]:
             if m is not None:
                 m.stop()
         t.join(5)
+
+
+def test_a_new_round_without_a_dead_node_renumbers_the_survivors_in_order(
+        stores: Stores) -> None:
+    """The world shrinks (launcher: a lost node not taken over): node 1 of 3 dies; the round
+    the controller's agent requests expects the 2 survivors, which keep their order (node 2
+    becomes node 1, rank base 2)."""
+    kvs = [stores.client() for _ in range(3)]
+    ms = [Membership(kv, None, 2, 3, 2, f"h{i}", "m11", last_call_timeout=2.0, **T)
+          for i, kv in enumerate(kvs)]
+    new: list = [None, None]
+    try:
+        _join_all(ms)
+        order = sorted(ms, key=lambda m: m.group_rank)
+        dead_seen = threading.Event()
+        for m in order:
+            m.watch_nodes(lambda g: dead_seen.set() if g == 1 else None)
+        order[1].stop(leave=False)  # node 1 crashes: no left marker, heartbeats stop
+        assert dead_seen.wait(T["heartbeat_timeout"] + 3)
+        kvs[0].set("worker/key", b"old world")
+        survivors = [order[0], order[2]]
+        deadline = time.monotonic() + 3
+        while 1 in survivors[0].alive_nodes() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert survivors[0].request_round() == 1
+        movers = [threading.Thread(target=lambda i=i: new.__setitem__(
+            i, survivors[i].next_round(10))) for i in range(2)]
+        for th in movers:
+            th.start()
+        for th in movers:
+            th.join(15)
+        worlds = [m.world for m in new]
+        assert [w.group_rank for w in worlds] == [0, 1] and worlds[1].group_world_size == 2
+        assert [n.host for n in worlds[0].nodes] == [survivors[0].host, survivors[1].host]
+        assert [n.rank_base for n in worlds[1].nodes] == [0, 2] and worlds[0].world_size == 4
+        assert kvs[0].try_get("worker/key") is None
+    finally:
+        for m in ms + new:
+            if m is not None:
+                m.stop()
 
 
 def test_sigterm_ends_a_waiting_agent_at_once_and_a_joined_one_leaves(stores: Stores) -> None:
