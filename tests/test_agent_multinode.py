@@ -178,9 +178,12 @@ def test_a_spare_that_takes_over_the_controllers_node_reports_its_own_arrival(tm
                              load_params(tmp_path / f"out{r}.pt"))
 
 
-@pytest.mark.parametrize("kind", ["unmodified", "runtime"])
-def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, kind) -> None:
-    """--nnodes 2:3, c10d: node 1 crashes (agent and worker SIGKILLed), nobody takes it over
+@pytest.mark.parametrize("backend, kind", [
+    ("c10d", "unmodified"), ("c10d", "runtime"),
+    pytest.param("etcd", "unmodified", marks=pytest.mark.etcd)])
+def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, backend,
+                                                                      kind) -> None:
+    """--nnodes 2:3, c10d or etcd: node 1 crashes (agent and worker SIGKILLed), nobody takes it over
     within node_replace_timeout: the two other agents move to a new rendezvous round without
     it (node 2 becomes node 1) and every worker restarts in a world of 2; the job finishes and
     the controller's line says why (torchrun semantics: the script starts again, here from its
@@ -191,7 +194,17 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
 
     from tests.helpers_launch import REPO
 
-    ep = f"127.0.0.1:{free_port()}"
+    srv = None
+    if backend == "etcd":
+        from tests.helpers_etcd import etcd_available, start_etcd
+
+        if not etcd_available():
+            pytest.skip("etcd binary not installed (Debian package etcd-server)")
+        srv = start_etcd()
+        ep = srv.endpoint
+    else:
+        ep = f"127.0.0.1:{free_port()}"
+    why = "its etcd lease expired (TTL 2s)" if backend == "etcd" else "no heartbeat for 2s"
     out = tmp_path / "result.json"
     if kind == "unmodified":
         worker = [script("ddp_plain.py"), "--steps", "40", "--step-time", "0.1", "--out",
@@ -206,7 +219,7 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
     procs: dict[str, subprocess.Popen] = {}
     for tag in ("a", "b", "c"):
         procs[tag] = subprocess.Popen(FTRUN + [
-            "--nnodes", "2:3", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+            "--nnodes", "2:3", "--nproc_per_node", "1", "--rdzv_backend", backend,
             "--rdzv_endpoint", ep, "--rdzv_id", "shrink1", "--max_restarts", "3",
             "--rdzv_conf", conf, "--log_dir", str(tmp_path / f"log{tag}"), *worker],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -233,6 +246,8 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+        if srv is not None:
+            srv.stop()
     for t in (host, other):
         assert procs[t].returncode == 0, outs[t][1][-4000:]
     if kind == "unmodified":
@@ -243,7 +258,7 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
         assert (tmp_path / "params.pt").exists()
         both = outs[host][0] + outs[host][1]
         assert "loaded checkpoint iteration" in both, both[-4000:]
-    line = next((ln for ln in outs[host][1].splitlines() if "node 1 lost (no heartbeat for 2s): "
+    line = next((ln for ln in outs[host][1].splitlines() if f"node 1 lost ({why}): "
                  "no hot spare or replacement agent took it over within "
                  "node_replace_timeout=2s" in ln), None)
     assert line is not None, outs[host][1][-4000:]
