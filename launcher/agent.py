@@ -260,7 +260,9 @@ class Agent:
                           node_replace_timeout=cfg.node_replace_timeout, min_nodes=cfg.min_nodes,
                           stale=self.stack.stale, fence=self.stack.check_member,
                           transfer_stripes=cfg.transfer_stripes,
-                          new_round=self.stack.request_round if self.stack.can_renumber else None)
+                          new_round=self.stack.request_round if self.stack.can_renumber else None,
+                          waiting=(self.stack.waiting if cfg.rdzv_settings.scale_up == "restart"
+                                   else None), max_nodes=cfg.max_nodes)
 
     def _leave_world(self) -> None:
         """Undo `_enter_world` (workers already killed): before rejoining as a fresh node."""

@@ -25,11 +25,13 @@ fault naming its ranks, reported like any other (so it is ordered with the ranks
 its arrival (a hot spare or a replacement agent taking it over) is reported by the agent. While
 a process-level round waits for the statuses of a lost node's ranks, the phase timeout does not
 apply: the node has `node_replace_timeout` seconds from its loss to be taken over, after which
-`decision.unreplaced` decides: the world shrinks (`_shrink`: the agent's `new_round` opens a new
+`decision.unreplaced` decides: the world shrinks (`_regroup`: the agent's `new_round` opens a new
 rendezvous round without the lost node, then the plan, restart-all with `new_round` set, sends
 every remaining agent into it; they stop their workers, rejoin, and restart every worker in the
 smaller world), or the job ends with the reason (below --nnodes MIN, no restart-all in the chain,
-no budget, a static rendezvous).
+no budget, a static rendezvous). The same new-round path grows the world with `--rdzv-conf
+scale_up=restart` (torchrun's behaviour): agents waiting to get in (`waiting`) start a restart-all
+in a new round that includes them (`decision.scale_up`).
 """
 from __future__ import annotations
 
@@ -41,7 +43,8 @@ from typing import Callable
 
 from launcher import plan as P
 from launcher.decision import (PROCESS_LEVEL, Budget, Decision, Round, Situation, covered_by,
-                               culprit, decide, fallback, may_be_consequence, merge, unreplaced)
+                               culprit, decide, fallback, may_be_consequence, merge, scale_up,
+                               unreplaced)
 from launcher.faults import FaultKind
 from launcher.progress import read_progress
 from launcher.logs import AgentLog
@@ -64,8 +67,13 @@ class Controller:
                  node_replace_timeout: float = 600.0, min_nodes: int | None = None,
                  stale: Callable[[int, int], str] | None = None,
                  fence: Callable[[str], None] | None = None, transfer_stripes: int = 1,
-                 new_round: Callable[[], int] | None = None) -> None:
+                 new_round: Callable[[], int] | None = None,
+                 waiting: Callable[[], int] | None = None, max_nodes: int = 0) -> None:
         self.kv = kv
+        # scale_up=restart: how many agents wait to get in (None: they wait as hot spares)
+        self._waiting = waiting if new_round is not None else None
+        self.max_nodes = max(max_nodes, nnodes)
+        self._regrouping = False  # a new rendezvous round was requested: this world ends
         # opens a new rendezvous round without the lost nodes (Membership.request_round); None:
         # the rendezvous is static (node ranks fixed by --node-rank), the world cannot shrink
         self._new_round = new_round
@@ -128,8 +136,11 @@ class Controller:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if self._regrouping:  # this world ends: its agents move to the new round
+                self._stop.wait(0.2)
+                continue
             try:
-                overdue = self._unreplaced()
+                overdue = self._unreplaced() or self._scale_up()
                 if overdue is not None:
                     self._run_rounds(overdue)
                     continue
@@ -209,6 +220,8 @@ class Controller:
     def _unreplaced(self) -> Decision | None:
         """The decision for a lost node not taken over within node_replace_timeout (once)."""
         now = time.monotonic()
+        if self._regrouping:
+            return None
         with self._nodes_lock:
             late = [(n, at, f) for n, (at, f) in self._lost_at.items()
                     if now - at >= self.node_replace_timeout]
@@ -230,6 +243,21 @@ class Controller:
                              node_replace_timeout=self.node_replace_timeout)
         else:
             self.log.error("node-not-replaced", d.reason, lost_node=node, strategy=d.strategy)
+        return d
+
+    def _scale_up(self) -> Decision | None:
+        """scale_up=restart: a new round for the agents waiting to get in (once per world)."""
+        if self._waiting is None or self._regrouping:
+            return None
+        with self._nodes_lock:
+            nodes = self.nnodes - len(self.lost_nodes)
+        if nodes >= self.max_nodes:
+            return None
+        d = scale_up(self._waiting(), nodes, self.max_nodes,
+                     self.world_size // max(1, self.nnodes), self.round)
+        if d is not None:
+            self.log.warning("world-grow", d.reason, strategy=d.strategy, nodes=nodes,
+                             world_size=self.world_size)
         return d
 
     def _waiting_for_node(self, missing: list[int]) -> bool:
@@ -272,8 +300,8 @@ class Controller:
         """Publish the decision's plan and drive its round; returns what must follow (a fault
         that superseded the round, or its fallback), None when the round is in the agents' and
         workers' hands."""
-        if decision.shrink:
-            return self._shrink(decision)
+        if decision.shrink or decision.grow:
+            return self._regroup(decision)
         plan = self.publish(decision)
         if plan.strategy == P.RESTART_ALL:
             self._release_restart_all(plan.generation)
@@ -283,18 +311,24 @@ class Controller:
             self._drive_dump(plan)
         return None
 
-    def _shrink(self, decision: Decision) -> Decision | None:
-        """Restart-all on the remaining nodes: open the new rendezvous round first (so every
-        agent that reads the plan finds it), then publish the plan that sends them into it.
-        The agents stop their workers, rejoin, and restart every worker in the smaller world; a
-        new controller starts on the new leader (this one is stopped with its world)."""
+    def _regroup(self, decision: Decision) -> Decision | None:
+        """Restart-all in a new world (without the lost nodes, or with the waiting ones): open
+        the new rendezvous round first (so every agent that reads the plan finds it), then
+        publish the plan that sends them into it. The agents stop their workers, rejoin, and
+        restart every worker in the new world; a new controller starts on the new leader (this
+        one is stopped with its world)."""
         assert self._new_round is not None and decision.cause is not None
         try:
             rnd = self._new_round()
         except RendezvousError as e:
+            if decision.grow:  # the world goes on as it is
+                self.log.error("world-grow", f"the new rendezvous round could not start: {e}")
+                self._waiting = None
+                return None
             return dataclasses.replace(decision, strategy=P.EXIT, shrink=False, charged=False,
                                        restart_ranks=(), reason=f"{decision.reason}; but the "
                                        f"new rendezvous round could not start: {e}")
+        self._regrouping = True
         self.publish(decision, new_round=rnd)
         return None
 
@@ -318,15 +352,17 @@ class Controller:
                            collecting=strategy in PROCESS_LEVEL)
         self.kv.set(P.plan_key(g), plan.to_json())
         self.kv.set(P.GENERATION_KEY, str(g).encode())
-        where = (f" in rendezvous round {new_round} without node(s) "
-                 f"{sorted(self.lost_nodes)} (world size {len(plan.restart_ranks)})"
-                 if new_round else "")
+        where = "" if not new_round else (
+            f" in rendezvous round {new_round} with the waiting node(s)" if decision.grow else
+            f" in rendezvous round {new_round} without node(s) {sorted(self.lost_nodes)} "
+            f"(world size {len(plan.restart_ranks)})")
         self.log.info("plan", f"generation {g}: {strategy}{where}, failed ranks "
                       f"{plan.failed_ranks}, restart "
                       f"{'all' if strategy == P.RESTART_ALL else plan.restart_ranks}; restarts used "
                       f"{st.budget.used}/{st.budget.limit}", generation=g, strategy=strategy,
                       failed_ranks=plan.failed_ranks, restart_ranks=plan.restart_ranks,
-                      **({"new_round": new_round} if new_round else {}))
+                      **({"new_round": new_round} if new_round else {}),
+                      **({"scale_up": True} if decision.grow else {}))
         return plan
 
     def _note_history(self, decision: Decision, g: int) -> None:
@@ -407,7 +443,7 @@ class Controller:
                 if not d.absorbed:
                     return d
                 continue
-            overdue = self._unreplaced()
+            overdue = self._unreplaced() or self._scale_up()
             if overdue is not None:
                 return overdue
             if time.monotonic() > deadline or self._stop.is_set():

@@ -114,6 +114,7 @@ class Decision:
     supersedes: int | None = None  # the generation of the collecting round this one widens
     continues: bool = False  # a fallback: the same fault's handling goes on (history)
     shrink: bool = False  # restart-all in a new rendezvous round without the lost node(s)
+    grow: bool = False  # restart-all in a new rendezvous round with the waiting nodes (scale-up)
 
     @property
     def absorbed(self) -> bool:
@@ -296,6 +297,29 @@ def unreplaced(fault: P.Fault, waited: float, timeout: float, nodes_left: int,
         return Decision(P.RESTART_ALL, why, fault, failed, tuple(range(after)),
                         charged=not continues, continues=continues, shrink=True)
     return Decision(P.EXIT, f"{what}; {rest}", fault, failed, (), charged=False)
+
+
+def scale_up(waiting: int, nodes: int, max_nodes: int, per_node: int,
+             rnd: Round | None) -> Decision | None:
+    """`--rdzv-conf scale_up=restart` (torchrun's behaviour): `waiting` agents wait to get in
+    while the world has `nodes` live nodes (of `per_node` ranks) of at most `max_nodes`: restart-all in a new rendezvous round
+    that includes them, not charged (torchrun does not count membership changes against
+    --max_restarts). None while nobody waits, the world is full, or a process-level round is
+    still collecting (it goes first), unless that round waits for a lost node to be taken over:
+    with scale_up=restart nobody takes it over, the new round includes the waiting nodes."""
+    waits_for_node = rnd is not None and rnd.cause.rank is None and bool(
+        rnd.cause.evidence.get("node_lost"))
+    if waiting <= 0 or nodes >= max_nodes or (rnd is not None and rnd.collecting
+                                              and not waits_for_node):
+        return None
+    join = min(waiting, max_nodes - nodes)
+    cause = P.Fault(kind="scale-up", rank=None, node=nodes, generation=rnd.generation if rnd
+                    else 0, message=f"{waiting} node(s) waiting to join",
+                    evidence={"scale_up": waiting})
+    why = (f"{waiting} node(s) waiting to join (scale_up=restart): restart-all in a new "
+           f"rendezvous round with {join} of them: {nodes} -> {nodes + join} node(s), world size "
+           f"{nodes * per_node} -> {(nodes + join) * per_node}")
+    return Decision(P.RESTART_ALL, why, cause, (), (), charged=False, grow=True)
 
 
 def fallback(s: Situation, reason: str) -> Decision:

@@ -210,6 +210,10 @@ class StoreStack:
         assert self._membership is not None
         return int(self._membership.request_round())
 
+    def waiting(self) -> int:
+        """How many agents wait to get in (hot spares; with scale_up=restart, for a round)."""
+        return len(self._membership.spares()) if self._membership is not None else 0
+
     def next_round(self, stop: threading.Event | None = None) -> AgentWorld:
         """Leave this round and join the requested one (this agent's workers are stopped);
         the same callbacks as join(). Raises like join()."""

@@ -424,7 +424,8 @@ class Timeline:
             ro.fault, ro.reason, ro.start = fault, fault.reason, fault.time
             fault.round, fault.strategy = g, ro.strategy
         self.v.generation = max(self.v.generation, g)
-        if ro.strategy in (*PROCESS_LEVEL, "restart-all") and not fallback:
+        charged = not fallback and not ev.get("scale_up")  # scale-up: not against the budget
+        if ro.strategy in (*PROCESS_LEVEL, "restart-all") and charged:
             self.v.restarts_used += 1
 
     def _on_superseded(self, ev: dict, t: float) -> None:

@@ -284,3 +284,50 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
 
     view = Timeline().feed_all(evh + evo).view()
     assert view.outcome == "succeeded" and view.world_size == 2
+
+
+def test_scale_up_restart_grows_the_world_with_a_late_node(tmp_path) -> None:
+    """--nnodes 2:3 --rdzv-conf scale_up=restart, c10d: a third agent arriving while the job
+    runs waits for a new rendezvous round; the controller opens it (torchrun's behaviour: a
+    restart-all, not counted against --max_restarts) and the job finishes with world size 3."""
+    import time
+
+    ep = f"127.0.0.1:{free_port()}"
+    out = tmp_path / "result.json"
+    worker = [script("ddp_plain.py"), "--steps", "40", "--step-time", "0.1", "--out", str(out)]
+    conf = "keep_alive_interval=0.5,heartbeat_timeout=2,scale_up=restart,last_call_timeout=1"
+    env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+
+    def agent(tag: str) -> subprocess.Popen:
+        return subprocess.Popen(FTRUN + [
+            "--nnodes", "2:3", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+            "--rdzv_endpoint", ep, "--rdzv_id", "grow1", "--max_restarts", "0",
+            "--rdzv_conf", conf, "--log_dir", str(tmp_path / f"log{tag}"), *worker],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    procs = {tag: agent(tag) for tag in ("a", "b")}
+    try:
+        for tag in ("a", "b"):
+            _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "spawn", 60)
+        time.sleep(2.0)
+        procs["c"] = agent("c")
+        outs = {t: p.communicate(timeout=90) for t, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for t, p in procs.items():
+        assert p.returncode == 0, outs[t][1][-4000:]
+    with open(out, encoding="utf-8") as f:
+        result = json.load(f)
+    assert result["world"] == 3 and result["restart_count"] == 1, result
+    evs = {t: _events(str(tmp_path / f"log{t}")) for t in procs}
+    assert any(e["event"] == "hot-spare" and "for a new rendezvous round" in e["message"]
+               for e in evs["c"])
+    grow = [e for t in procs for e in evs[t] if e["event"] == "world-grow"]
+    assert len(grow) == 1 and "2 -> 3 node(s), world size 2 -> 3" in grow[0]["message"]
+    plans = [e for t in procs for e in evs[t] if e["event"] == "plan"]
+    assert len(plans) == 1 and plans[0]["scale_up"] and "restarts used 0/0" in plans[0]["message"]
+    assert sorted(e["world_size"] for t in procs for e in evs[t] if e["event"] == "rendezvous") \
+        == [2, 2, 3, 3, 3]

@@ -309,6 +309,27 @@ def test_a_static_world_or_a_round_that_cannot_start_ends_the_job(kv) -> None:
             c.stop()
 
 
+def test_scale_up_restart_opens_a_round_for_a_waiting_node_uncharged(kv) -> None:
+    asked: list[int] = []
+    waiting = [0]
+    c = Controller(kv, AgentLog(0, None, quiet=True), 4, 2, 3,
+                   [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=0.5,
+                   window=0.1, min_nodes=2, new_round=lambda: asked.append(1) or 1,
+                   waiting=lambda: waiting[0], max_nodes=3)
+    c.start()
+    try:
+        time.sleep(0.7)
+        assert kv.try_get(P.plan_key(1)) is None and not asked  # nobody waits
+        waiting[0] = 1
+        p = plan_of(kv, 1)
+        assert p.strategy == P.RESTART_ALL and p.new_round == 1 and asked == [1]
+        assert p.restarts_used == 0 and "2 -> 3 node(s), world size 4 -> 6" in p.reason
+        time.sleep(1.2)
+        assert asked == [1] and kv.try_get(P.plan_key(2)) is None  # once per world
+    finally:
+        c.stop()
+
+
 def test_a_report_of_a_stale_agent_is_refused_and_logged(kv, tmp_path) -> None:
     """A fault stamped by an agent incarnation that is no longer a member (cut off, declared
     dead, replaced) starts no round; the next live report does."""

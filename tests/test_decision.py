@@ -351,3 +351,20 @@ def test_a_static_rendezvous_cannot_shrink_and_says_so() -> None:
     d = unreplaced(node_fault(joined=False), 3.0, 3.0, nodes_left=2, min_nodes=2,
                    s=situation(aware=False), nnodes=3, renumber="a static rendezvous")
     assert d.strategy == P.EXIT and d.reason.endswith("is not possible: a static rendezvous")
+
+
+def test_scale_up_restart_grows_the_world_uncharged_when_nodes_wait() -> None:
+    from launcher.decision import scale_up
+
+    d = scale_up(waiting=2, nodes=2, max_nodes=3, per_node=2, rnd=None)
+    assert d is not None and (d.strategy, d.grow, d.charged) == (P.RESTART_ALL, True, False)
+    assert d.reason == ("2 node(s) waiting to join (scale_up=restart): restart-all in a new "
+                        "rendezvous round with 1 of them: 2 -> 3 node(s), world size 4 -> 6")
+    assert scale_up(waiting=0, nodes=2, max_nodes=3, per_node=2, rnd=None) is None
+    assert scale_up(waiting=1, nodes=3, max_nodes=3, per_node=2, rnd=None) is None  # full
+    busy = round_of(P.RECOVER_IN_PLACE, collecting=True)
+    assert scale_up(waiting=1, nodes=2, max_nodes=3, per_node=2, rnd=busy) is None
+    # a round waiting for a lost node to be taken over: with scale_up=restart nobody will
+    lost = Round(1, P.RECOVER_IN_PLACE, (2, 3), node_fault(joined=False), collecting=True)
+    d = scale_up(waiting=1, nodes=1, max_nodes=2, per_node=2, rnd=lost)
+    assert d is not None and d.grow and "1 -> 2 node(s), world size 2 -> 4" in d.reason
