@@ -361,6 +361,7 @@ class Controller:
                       f"{'all' if strategy == P.RESTART_ALL else plan.restart_ranks}; restarts used "
                       f"{st.budget.used}/{st.budget.limit}", generation=g, strategy=strategy,
                       failed_ranks=plan.failed_ranks, restart_ranks=plan.restart_ranks,
+                      charged=decision.charged,
                       **({"new_round": new_round} if new_round else {}),
                       **({"scale_up": True} if decision.grow else {}))
         return plan

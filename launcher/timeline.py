@@ -424,7 +424,7 @@ class Timeline:
             ro.fault, ro.reason, ro.start = fault, fault.reason, fault.time
             fault.round, fault.strategy = g, ro.strategy
         self.v.generation = max(self.v.generation, g)
-        charged = not fallback and not ev.get("scale_up")  # scale-up: not against the budget
+        charged = not fallback and ev.get("charged", True) is not False  # as the controller
         if ro.strategy in (*PROCESS_LEVEL, "restart-all") and charged:
             self.v.restarts_used += 1
 

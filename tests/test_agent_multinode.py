@@ -284,6 +284,7 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
 
     view = Timeline().feed_all(evh + evo).view()
     assert view.outcome == "succeeded" and view.world_size == 2
+    assert view.restarts_used == used[-1]  # as the controller counted
 
 
 def test_scale_up_restart_grows_the_world_with_a_late_node(tmp_path) -> None:
