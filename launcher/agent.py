@@ -11,9 +11,10 @@ to one event at a time:
   WorkerExit      a worker ended (seen at once): success, a stop ftrun asked for, or a fault
   ChannelMessage  a runtime-aware worker's Hello, Heartbeat, FaultReport, Recovered, Bye
   PlanEvent       the controller's plan for the next generation: handed to the plan executor;
-                  a plan with `new_round` (the world shrinks: a lost node was not taken over)
-                  stops the workers, moves this agent to that rendezvous round and enters the
-                  new world (renumbered ranks), restarting every worker (`_next_round`)
+                  a plan with `new_round` (the world shrinks: a lost node was not taken over;
+                  or grows: scale_up=restart) stops the workers, moves this agent to that
+                  rendezvous round and enters the new world (renumbered ranks), restarting
+                  every worker (`_next_round`)
   InjectEvent     `ftctl inject` for a local rank
   SignalEvent     SIGTERM/SIGINT/...: forwarded to the workers, then the agent leaves
   NodeLostEvent   this node lost its membership (cut off from the store too long): self-fence
@@ -436,9 +437,9 @@ class Agent:
         return self.executor.execute(plan)
 
     def _next_round(self, plan: P.Plan) -> int | None:
-        """Restart-all in a smaller world: stop every local worker, leave this world, join
-        rendezvous round `plan.new_round` (without the lost nodes; survivors keep their order,
-        renumbered), then enter the new world and start every worker with its new RANK,
+        """Restart-all in a new world: stop every local worker, leave this world, join
+        rendezvous round `plan.new_round` (without the lost nodes, or with the agents waiting to
+        get in; survivors keep their order, renumbered), then enter the new world and start every worker with its new RANK,
         GROUP_RANK and WORLD_SIZE (torchrun's semantics: the script resumes from its own
         checkpoint). A signal meanwhile ends the agent as in the rendezvous."""
         g, before = plan.generation, self._world()

@@ -28,7 +28,9 @@ The rules, in the order `decide()` applies them (tests/test_decision.py has a te
      taken over within node_replace_timeout (`unreplaced()`) shrinks the world: restart-all in a
      new rendezvous round without it, when the nodes left are at least --nnodes MIN, the chain
      has restart-all and the budget has room (the node-loss round already charged counts);
-     otherwise the job ends, saying which of these stopped it.
+     otherwise the job ends, saying which of these stopped it. With --rdzv-conf
+     scale_up=restart, agents waiting to get in grow the world the same way (`scale_up()`:
+     restart-all in a new round that includes them, not charged, as in torchrun).
   4. superseded: a fault while a process-level round still collects the ranks' statuses widens
      that round: the failed ranks accumulate, retry is off (the ranks are mid-recovery, the new
      one restarts), and only the new failed rank restarts (earlier replacements keep running).
@@ -302,9 +304,9 @@ def unreplaced(fault: P.Fault, waited: float, timeout: float, nodes_left: int,
 def scale_up(waiting: int, nodes: int, max_nodes: int, per_node: int,
              rnd: Round | None) -> Decision | None:
     """`--rdzv-conf scale_up=restart` (torchrun's behaviour): `waiting` agents wait to get in
-    while the world has `nodes` live nodes (of `per_node` ranks) of at most `max_nodes`: restart-all in a new rendezvous round
-    that includes them, not charged (torchrun does not count membership changes against
-    --max_restarts). None while nobody waits, the world is full, or a process-level round is
+    while the world has `nodes` live nodes (of `per_node` ranks each) of at most `max_nodes`:
+    restart-all in a new rendezvous round that includes them, not charged (torchrun does not
+    count membership changes against --max_restarts). None while nobody waits, the world is full, or a process-level round is
     still collecting (it goes first), unless that round waits for a lost node to be taken over:
     with scale_up=restart nobody takes it over, the new round includes the waiting nodes."""
     waits_for_node = rnd is not None and rnd.cause.rank is None and bool(

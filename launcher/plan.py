@@ -194,8 +194,9 @@ class Plan(_Record):
     # message, "handling" ([strategy, generation] pairs tried) and "outcome" (in progress,
     # recovered, restarted, superseded by ..., failed)
     history: list[dict] = field(default_factory=list)
-    # restart-all in a smaller world: the rendezvous round (rendezvous.rounds) every agent
-    # rejoins without the lost node(s), then restarts its workers; 0 = the same world
+    # restart-all in a new world: the rendezvous round (rendezvous.rounds) every agent rejoins
+    # (without the lost node(s), or with the agents waiting to get in: scale_up=restart), then
+    # restarts its workers; 0 = the same world
     new_round: int = 0
 
 
