@@ -101,8 +101,11 @@ class NodeObserver:
         return obs
 
     def attach(self, kv: Any, node: int, leader: bool, store_stats: Any = None) -> None:
-        """The store and this node's place are known: start publishing."""
+        """The store and this node's place are known: start publishing. Again in a new world
+        (a new rendezvous round, a rejoin): the one publisher goes on with the new place."""
         self._kv, self._node, self._leader = kv, node, leader
+        if self._thread is not None and self._thread.is_alive():
+            return
         if self.metrics is not None and store_stats is not None:
             self.metrics.serve_store_stats(store_stats)
         self._thread = threading.Thread(target=self._run, name="ftrun-observer", daemon=True)

@@ -78,3 +78,23 @@ def test_steps_per_second_and_progress_records(tmp_path):
     snap = obs.snapshot()
     assert json.loads(json.dumps(snap))["ranks"][0]["steps_per_s"] == 2.0
     assert snap["ranks"][0]["state"] == "training" and "job" not in snap
+
+
+def test_attaching_again_in_a_new_world_keeps_one_publisher(tmp_path):
+    """Bug: an agent entering a new world (a new rendezvous round, a rejoin after self-fencing)
+    attached the observer again and started a second publishing thread each time."""
+    import threading
+
+    from rendezvous.memory import LocalKV
+
+    log, obs, _ = setup(tmp_path)
+    kv = LocalKV()
+    try:
+        obs.attach(kv, 2, False)
+        first = obs._thread
+        obs.attach(kv, 1, True)  # the new world: node 2 became node 1
+        assert obs._thread is first and (obs._node, obs._leader) == (1, True)
+        assert sum(t.name == "ftrun-observer" for t in threading.enumerate()) == 1
+    finally:
+        obs.stop()
+        log.close()
