@@ -6,9 +6,11 @@
 --mode native  the runtime's own loop with `rt.allreduce_gradients` (under ftrun)
 
 MLP (--hidden, --layers), Adam, a fresh random batch per step (same generator in every mode).
-Rank 0 writes {"mode", "params", "grad_bytes", "step_s": [...], "cpu_s": [...]} to --out (temp name + rename):
-the wall time of every step, from the start of one step to the start of the next, and the CPU
-time this process (every thread of it: training, gloo, the runtime's) spent in it.
+Every rank writes {"mode", "rank", "core", "params", "grad_bytes", "step_s": [...], "cpu_s": [...]}
+to `<--out>.rank<r>` (temp name + rename): the wall time of every step, from the start of one step
+to the start of the next, and the CPU time this process (every thread of it: training, gloo, the
+runtime's) spent in it. `--pin` pins the process (before torch starts any thread, so every thread
+of it) to core LOCAL_RANK modulo the cores it may use: every mode gets the same placement.
 """
 from __future__ import annotations
 
@@ -20,6 +22,17 @@ import time
 from typing import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def pin_to_core() -> int:
+    """Pin this process to one core: LOCAL_RANK modulo the allowed cores. Returns the core."""
+    cores = sorted(os.sched_getaffinity(0))
+    core = cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]
+    os.sched_setaffinity(0, {core})
+    return core
+
+
+CORE = pin_to_core() if "--pin" in sys.argv[1:] else -1  # before torch's threads exist
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -94,23 +107,22 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--pin", action="store_true", help="pin to core LOCAL_RANK (see the docstring)")
     args = ap.parse_args()
     torch.manual_seed(0)
     module = build_model(args.hidden, args.layers)
     stamps: list[tuple[float, float]] = []
     runner = run_ddp if args.mode == "ddp" else run_runtime
     rank = runner(args, module, lambda: stamps.append((time.perf_counter(), time.process_time())))
-    if rank == 0:
-        params = sum(p.numel() for p in module.parameters())
-        result = {"mode": args.mode, "params": params, "grad_bytes": params * 4,
-                  "step_s": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
-                  "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])]}
-        tmp = f"{args.out}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(result, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, args.out)
+    params = sum(p.numel() for p in module.parameters())
+    result = {"mode": args.mode, "rank": rank, "core": CORE, "params": params, "grad_bytes": params * 4,
+              "step_s": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
+              "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])]}
+    out = f"{args.out}.rank{rank}"
+    tmp = f"{out}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(result, f)
+    os.replace(tmp, out)
     return 0
 
 
