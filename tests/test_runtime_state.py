@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from launcher.runtime.devices import DeviceAdapter
-from launcher.runtime.state import Registered, flatten, slot_paths, tensor_paths, unflatten
+from launcher.runtime.state import (NumpyRng, PythonRng, Registered, capture_rng, flatten, restore_rng,
+                                    slot_paths, tensor_paths, unflatten)
 
 
 def make():
@@ -113,3 +114,64 @@ def test_full_state_load_accepts_non_tensor_extra_state():
         b.load_full_state(a.full_state(a.snapshot(4, dev)), dev)
         assert dst.extra == sent
         assert torch.equal(dst.weight, src.weight)
+
+
+def _same_numpy_state(a, b):
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and tuple(a[2:]) == tuple(b[2:])
+
+
+DRAWS = {
+    "nothing": lambda: None,
+    "uniform": lambda: (random.random(), np.random.rand()),
+    "gaussian": lambda: (random.gauss(0, 1), np.random.standard_normal()),  # caches one half of a pair
+    "gaussian again": lambda: (random.gauss(0, 1), np.random.standard_normal()),  # uses the cached half
+    "nothing again": lambda: None,
+    "seed": lambda: (random.seed(7), np.random.seed(7)),
+    "bits": lambda: (random.getrandbits(64), np.random.randint(0, 9)),
+    "set back": lambda: None,
+}
+
+
+def test_rng_reads_reuse_a_state_only_while_it_is_unchanged():
+    """The cheap reads return exactly what random.getstate()/np.random.get_state() would, after
+    every kind of draw (a cached gaussian changes the state without moving the generator)."""
+    py, npr = PythonRng(), NumpyRng()
+    saved = None
+    for name, act in DRAWS.items():
+        if name == "set back":
+            random.setstate(saved[0])
+            np.random.set_state(saved[1])
+        act()
+        assert py.get() == random.getstate(), name
+        assert _same_numpy_state(npr.get(), np.random.get_state()), name
+        saved = saved or (random.getstate(), np.random.get_state())
+    assert py._addr, "the raw layout check failed on CPython: the fast path is off"
+    unchanged = py.get()
+    assert py.get() is unchanged  # nothing drawn: the same tuple, not a fresh read
+
+
+def test_restoring_a_reused_rng_state_replays_the_same_draws():
+    dev = DeviceAdapter()
+    first = capture_rng(dev)
+    second = capture_rng(dev)  # nothing drawn in between: shares the first's python/numpy states
+    expected = draw()
+    draw()
+    restore_rng(second, dev)
+    assert draw()[:2] == expected[:2]
+    restore_rng(first, dev)
+    assert torch.equal(draw()[2], expected[2])
+
+
+def test_buffers_match_module_buffers_after_reassignment_and_new_buffers():
+    shared = torch.nn.BatchNorm1d(3)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), shared, torch.nn.Sequential(shared, torch.nn.BatchNorm1d(3)))
+    other = torch.nn.BatchNorm1d(2)
+    reg = Registered([model, other])
+
+    def expected():
+        return [id(b) for m in (model, other) for b in m.buffers()]
+    assert [id(b) for b in reg.buffers()] == expected()
+    shared.running_mean = torch.ones(3)  # a buffer replaced by assignment
+    model[0].register_buffer("scale", torch.ones(1))  # a buffer added to a registered module
+    model[2][1].running_var = None
+    assert [id(b) for b in reg.buffers()] == expected()

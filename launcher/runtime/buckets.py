@@ -242,14 +242,24 @@ class OverlappedAllReduce:
 
 
 class GradientSyncs:
-    """One OverlappedAllReduce per (parameter set, group, options), made on first use."""
+    """One OverlappedAllReduce per (parameter set, group, options), made on first use. The
+    parameter set of a tuple of models (their parameters with requires_grad, each once) is read
+    at its first use: a step then costs two dict lookups, not a walk of the module tree."""
 
     def __init__(self) -> None:
         self._syncs: dict[tuple, OverlappedAllReduce] = {}
+        # ids of the models -> (the models, kept alive so their ids stay theirs; the sync's key)
+        self._params_of: dict[tuple[int, ...], tuple[tuple[torch.nn.Module, ...], tuple]] = {}
 
-    def sync(self, params: list[torch.Tensor], group_key: Any, comm: Callable[[], GradComm],
+    def sync(self, models: tuple[torch.nn.Module, ...], group_key: Any, comm: Callable[[], GradComm],
              average: bool, bucket_bytes: int) -> None:
-        key = (tuple(id(p) for p in params), group_key, average, bucket_bytes)
+        ids = tuple(map(id, models))
+        known = self._params_of.get(ids)
+        if known is None:
+            params = list({id(p): p for m in models for p in m.parameters() if p.requires_grad}.values())
+            known = self._params_of[ids] = (models, (tuple(map(id, params)), params))
+        param_ids, params = known[1]
+        key = (param_ids, group_key, average, bucket_bytes)
         s = self._syncs.get(key)
         if s is None:
             s = self._syncs[key] = OverlappedAllReduce(params, comm(), average, bucket_bytes)

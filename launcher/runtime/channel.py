@@ -44,7 +44,7 @@ class AgentChannel:
         self._interval = heartbeat_interval
         self._connect_timeout = connect_timeout
         self._sock: socket.socket | None = None
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())
         self._outbox: list[Message] = []
         self._progress = Heartbeat(rank=rank)
         self._dirty = False
@@ -100,6 +100,18 @@ class AgentChannel:
         with self._cond:
             for k, v in fields.items():
                 setattr(self._progress, k, v)
+            self._dirty = True
+            if not self._coalescing:
+                self._cond.notify_all()
+
+    def progress(self, step: int, phase: str, committed_step: int, step_s: float | None = None) -> None:
+        """`update(step=, phase=, committed_step=[, step_s=])` without the keyword plumbing: the
+        training loop calls it at every phase edge."""
+        with self._cond:
+            p = self._progress
+            p.step, p.phase, p.committed_step = step, phase, committed_step
+            if step_s is not None:
+                p.step_s = step_s
             self._dirty = True
             if not self._coalescing:
                 self._cond.notify_all()

@@ -89,9 +89,22 @@ class Interruptible:
     def wait(self, work: Any, what: str, keep: tuple[Any, ...] = ()) -> None:
         busy = _Busy(self._on_busy)
         try:
-            self._wait(work, what, keep, busy)
+            if work.is_completed():  # already done (common at the end of backward): no wait
+                self._finish(work, what, keep, busy)
+            else:
+                self._wait(work, what, keep, busy)
         finally:
             busy.done()
+
+    def _finish(self, work: Any, what: str, keep: tuple[Any, ...], busy: _Busy) -> None:
+        """A completed work: its wait() returns at once, or raises its error."""
+        try:
+            work.wait()
+        except RuntimeError as exc:
+            self._graveyard.keep(work, *keep)
+            busy.tick(now=True)
+            self._on_error(exc, what)
+            raise CollectiveError(f"{what} failed: {exc}") from exc
 
     def _wait(self, work: Any, what: str, keep: tuple[Any, ...], busy: _Busy) -> None:
         deadline = time.monotonic() + self.timeout
@@ -99,13 +112,7 @@ class Interruptible:
         done, poll = self._completion(work)
         while True:
             if done() or work.is_completed():  # the future may complete a moment before the work
-                try:
-                    work.wait()
-                except RuntimeError as exc:
-                    self._graveyard.keep(work, *keep)
-                    busy.tick(now=True)
-                    self._on_error(exc, what)
-                    raise CollectiveError(f"{what} failed: {exc}") from exc
+                self._finish(work, what, keep, busy)
                 return
             if self._stop.newer_than(gen):
                 self._graveyard.keep(work, *keep)

@@ -118,6 +118,8 @@ class FaultInjector:
             self._specs.append(spec)
 
     def maybe_fire(self, generation: int, step: int, phase: str) -> None:
+        if not self._specs:  # the common case, checked at every phase edge without the lock
+            return
         with self._lock:  # one fault per edge: a second due entry fires at the next edge
             spec = next((s for s in self._specs if not s.fired and s.matches(generation, step, phase)), None)
             if spec is None:

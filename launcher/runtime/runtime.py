@@ -18,7 +18,6 @@ import signal
 import socket
 import sys
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Iterator, Sequence
@@ -56,6 +55,8 @@ class RuntimeOptions:
 class Step:
     """One training step; use as `with step:` and mark phases inside it."""
 
+    __slots__ = ("_rt", "index", "entered", "interrupted", "updated")
+
     def __init__(self, rt: "Runtime", index: int) -> None:
         self._rt = rt
         self.index = index
@@ -71,25 +72,57 @@ class Step:
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
         return self._rt._end_step(self, exc)
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
+    def phase(self, name: str) -> "_Phase":
         """A named part of the step (forward, backward, ...): heartbeat + stop check at its edges."""
-        self._rt._enter_phase(self, name)
-        yield
-        self._rt._check_stop(f"end of {name}")
+        return _Phase(self, name)
 
-    @contextmanager
-    def optimizer_update(self) -> Iterator[None]:
+    def optimizer_update(self) -> "_OptimizerUpdate":
         """The optimizer update: completing it commits the step; a stop inside it marks the
         rank dirty (its state is repaired from a replica)."""
-        rt = self._rt
+        return _OptimizerUpdate(self)
+
+
+class _Phase:
+    """`with step.phase(name):` (a plain context manager: it runs several times per step)."""
+
+    __slots__ = ("_step", "_name")
+
+    def __init__(self, step: Step, name: str) -> None:
+        self._step = step
+        self._name = name
+
+    def __enter__(self) -> None:
+        self._step._rt._enter_phase(self._step, self._name)
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        rt = self._step._rt
+        if exc_type is None and rt._stop.newer_than(rt.generation):
+            raise StopRequested(rt._stop.target, f"end of {self._name}")
+        return False
+
+
+class _OptimizerUpdate:
+    """`with step.optimizer_update():` -- an exception inside leaves the rank marked as inside
+    the update (dirty), as the step's exit expects."""
+
+    __slots__ = ("_step",)
+
+    def __init__(self, step: Step) -> None:
+        self._step = step
+
+    def __enter__(self) -> None:
+        rt = self._step._rt
         rt._check_stop("before optimizer update")
         rt._in_update = True
-        rt._enter_phase(self, "optimizer", check=False)
-        yield
-        rt._in_update = False
-        self.updated = True
-        rt._commit(self.index)
+        rt._enter_phase(self._step, "optimizer", check=False)
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc_type is None:
+            rt = self._step._rt
+            rt._in_update = False
+            self._step.updated = True
+            rt._commit(self._step.index)
+        return False
 
 
 class Runtime:
@@ -332,10 +365,10 @@ class Runtime:
         """Sum (and average) the gradients of `model` across `group` (default: all ranks) in
         buckets, interruptible like every runtime collective. The first call installs hooks:
         from then on each bucket's all-reduce starts during backward, as soon as its gradients
-        are accumulated, and this call only waits for them (see launcher.runtime.buckets)."""
-        models = list(model) if isinstance(model, (list, tuple)) else [model]
-        params = list({id(p): p for m in models for p in m.parameters() if p.requires_grad}.values())
-        self._grad_syncs.sync(params, None if group is None else group.name, lambda: self._grad_comm(group),
+        are accumulated, and this call only waits for them (see launcher.runtime.buckets). The
+        parameters taking part (those with requires_grad) are read at the first call for `model`."""
+        models = tuple(model) if isinstance(model, (list, tuple)) else (model,)
+        self._grad_syncs.sync(models, None if group is None else group.name, lambda: self._grad_comm(group),
                               average, bucket_bytes)
 
     def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
@@ -411,7 +444,8 @@ class Runtime:
     def _begin_step(self, step: Step) -> None:
         self._current_step = step.index
         self._step_t0 = time.monotonic()
-        self._snapshots = {k: v for k, v in self._snapshots.items() if k >= step.index}
+        if len(self._snapshots) > 1 or step.index not in self._snapshots:
+            self._snapshots = {k: v for k, v in self._snapshots.items() if k >= step.index}
         # Usually taken when the previous step committed: that snapshot already is the state a
         # committed recovery resumes from (so it is complete), and re-taking it costs per step.
         if step.index not in self._snapshots:
@@ -419,15 +453,15 @@ class Runtime:
         self._set_phase("step")
 
     def _enter_phase(self, step: Step, name: str, check: bool = True) -> None:
-        if check:
-            self._check_stop(f"start of {name}")
+        if check and self._stop.newer_than(self.generation):
+            raise StopRequested(self._stop.target, f"start of {name}")
         self._set_phase(name)
         self._injector.maybe_fire(self.generation, step.index, name)
 
-    def _set_phase(self, name: str) -> None:
+    def _set_phase(self, name: str, step_s: float | None = None) -> None:
         self._phase = name
         if self._channel is not None:
-            self._channel.update(step=self._current_step, phase=name, committed_step=self._committed)
+            self._channel.progress(self._current_step, name, self._committed, step_s)
 
     def _check_stop(self, where: str) -> None:
         if self._stop.newer_than(self.generation):
@@ -436,11 +470,9 @@ class Runtime:
     def _commit(self, index: int) -> None:
         self._committed = index
         self._snapshots[index + 1] = self._reg.snapshot(index + 1, self.adapter)
-        if self._channel is not None and self._step_t0 is not None:
-            # the agent's hang watch learns step times from this, however the heartbeats of a
-            # fast loop are coalesced (it may never see two steps' starts apart)
-            self._channel.update(step_s=time.monotonic() - self._step_t0)
-        self._set_phase("committed")
+        # the agent's hang watch learns step times from this, however the heartbeats of a fast
+        # loop are coalesced (it may never see two steps' starts apart)
+        self._set_phase("committed", None if self._step_t0 is None else time.monotonic() - self._step_t0)
 
     def _end_step(self, step: Step, exc: BaseException | None) -> bool:
         if exc is None:

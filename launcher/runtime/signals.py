@@ -37,12 +37,11 @@ class StopSignal:
 
     @property
     def target(self) -> int:
-        with self._cond:
-            return self._target
+        return self._target  # one int, only ever replaced whole: no lock needed to read it
 
     def newer_than(self, generation: int) -> bool:
-        with self._cond:
-            return self._target > generation
+        """Checked at every phase edge and collective: a plain read, no lock."""
+        return self._target > generation
 
     def wait_newer(self, generation: int, timeout: float) -> bool:
         """Block up to `timeout` s until a stop newer than `generation` exists."""

@@ -5,10 +5,18 @@ position getter/setter, extra global tensors, an optional rollback hook), RNG ca
 (python, numpy, torch CPU, device via the adapter), `Snapshot`s (RNG + data position + model
 buffers + extra tensors at the start of a step) and the flattening of a state into a small
 picklable skeleton plus an ordered list of tensors, used by peer transfer and checkpoints.
+
+A snapshot is taken at every step's start (when the step before it commits), so it is kept
+cheap: numpy's and python's global RNG states (~30 us and ~6 us to read through their APIs)
+are read only when their raw generator bytes changed since the last read (`NumpyRng`,
+`PythonRng`), and a model's buffers are found through the modules' buffer tables listed once,
+not by walking the module tree.
 """
 from __future__ import annotations
 
+import ctypes
 import random
+import struct
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -79,10 +87,84 @@ def slot_paths(skeleton: Any, path: tuple = ()) -> dict[int, tuple]:
     return out
 
 
+MT19937_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos
+
+
+class NumpyRng:
+    """numpy's legacy global RNG state (`np.random.get_state()`), re-read only when it may differ.
+
+    Reading it through numpy's API costs ~30 us (a Python loop over 624 words); comparing the
+    generator's raw 2.5 kB state with the bytes seen at the last read costs well under 1 us. The
+    legacy state is (key, pos, has_gauss, gauss): every draw moves key/pos, except taking a
+    cached gaussian (has_gauss 1 -> 0), so the last state is reused only when the raw bytes are
+    unchanged and it held no cached gaussian. Snapshots share the reused tuple; nothing mutates it.
+    """
+
+    def __init__(self) -> None:
+        self._gen: Any = None  # the bit generator whose raw state we read
+        self._addr = 0
+        self._raw = b""
+        self._state: Any = None
+
+    def get(self) -> Any:
+        gen = np.random.mtrand._rand._bit_generator
+        if gen is not self._gen:
+            self._gen, self._state, self._raw = gen, None, b""
+            try:
+                self._addr = int(gen.ctypes.state_address) if type(gen).__name__ == "MT19937" else 0
+            except (AttributeError, TypeError, ValueError):
+                self._addr = 0
+        if not self._addr:
+            return np.random.get_state()
+        raw = ctypes.string_at(self._addr, MT19937_STATE_BYTES)
+        if self._state is None or raw != self._raw or self._state[3]:
+            self._state = np.random.get_state()
+            self._raw = raw
+        return self._state
+
+
+class PythonRng:
+    """`random.getstate()`, re-read only when the generator's raw state or gauss_next changed.
+
+    getstate() builds a tuple of 625 ints (~6 us). CPython's generator object holds, right after
+    the object header, `int index; uint32_t state[624]` -- exactly getstate()'s numbers. That
+    layout is checked against getstate() at every full read (the first one included); on any
+    mismatch the raw comparison is dropped for good and every call reads getstate().
+    """
+
+    def __init__(self, inst: Any = None) -> None:
+        self._inst = inst if inst is not None else random._inst  # type: ignore[attr-defined]
+        offset = object.__basicsize__
+        fits = type(self._inst).__basicsize__ >= offset + 4 + 624 * 4
+        self._addr = id(self._inst) + offset if fits else 0
+        self._raw = b""
+        self._gauss: Any = None
+        self._state: Any = None
+
+    def get(self) -> Any:
+        if not self._addr:
+            return self._inst.getstate()
+        raw = ctypes.string_at(self._addr, 4 + 624 * 4)
+        gauss = self._inst.gauss_next
+        if self._state is not None and raw == self._raw and gauss is self._gauss:
+            return self._state
+        state = self._inst.getstate()
+        words = state[1]
+        if len(words) != 625 or struct.unpack_from("i624I", raw) != (words[624], *words[:624]):
+            self._addr = 0  # not the layout we read: never trust the raw bytes again
+            return state
+        self._raw, self._gauss, self._state = raw, gauss, state
+        return state
+
+
+_NUMPY_RNG = NumpyRng()
+_PYTHON_RNG = PythonRng()
+
+
 def capture_rng(device: DeviceAdapter) -> dict:
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": _PYTHON_RNG.get(),
+        "numpy": _NUMPY_RNG.get(),
         "torch": torch.get_rng_state(),
         "device": device.rng_state(),
     }
@@ -116,9 +198,23 @@ class Registered:
     data: tuple[Callable[[], Any], Callable[[Any], None]] | None = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     on_rollback: Callable[[int], None] | None = None
+    # per model, the buffer tables (`Module._buffers`) of its modules in `modules()` order, listed
+    # at the first use: the module tree is the one registered (as for parameters)
+    _buffer_tables: list[list[dict]] | None = field(default=None, init=False, repr=False, compare=False)
 
     def buffers(self) -> list[torch.Tensor]:
-        return [b for m in self.models for b in m.buffers()]
+        """`[b for m in models for b in m.buffers()]`, without walking the module tree."""
+        if self._buffer_tables is None:
+            self._buffer_tables = [[mod._buffers for mod in m.modules()] for m in self.models]
+        out: list[torch.Tensor] = []
+        for tables in self._buffer_tables:
+            seen: set[int] = set()
+            for table in tables:
+                for b in table.values():
+                    if b is not None and id(b) not in seen:
+                        seen.add(id(b))
+                        out.append(b)
+        return out
 
     def params(self) -> list[torch.Tensor]:
         return [p for m in self.models for p in m.parameters()]
