@@ -7,6 +7,8 @@ bucket size, in these modes (--modes, default ddp,rtddp,native):
   ddp_ftrun  the same unmodified script under ftrun (the launcher alone);
   rtddp      the same DDP loop through `rt.ddp(module)` inside the runtime's step loop, under ftrun;
   native     the runtime's own loop with `rt.allreduce_gradients` (overlapped buckets), under ftrun;
+  rtddp_torchrun, native_torchrun   the same two under plain torchrun (the runtime without an
+             agent: no channel, no recovery), to tell the loop's cost from the agent's;
 at two model sizes: "small" (an MLP of 0.14 M parameters) and "large" (about 12.7 M
 parameters: 50.6 MB of float32 gradients).
 
@@ -54,7 +56,8 @@ SIZES = {"small": {"hidden": 256, "layers": 4, "batch": 32},
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 FTRUN = [sys.executable, "-m", "launcher"]
 RUNS = {"ddp": (TORCHRUN, "ddp"), "ddp_ftrun": (FTRUN, "ddp"), "rtddp": (FTRUN, "rtddp"),
-        "native": (FTRUN, "native")}  # name -> (launcher, worker --mode)
+        "native": (FTRUN, "native"), "rtddp_torchrun": (TORCHRUN, "rtddp"),
+        "native_torchrun": (TORCHRUN, "native")}  # name -> (launcher, worker --mode)
 MODES = tuple(RUNS)
 
 
