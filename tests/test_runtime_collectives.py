@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch.distributed as dist
 
 from helpers_runtime import master_store, run_workers, worker_logs
@@ -34,7 +35,8 @@ def on_error(exc, what):  # like the runtime: a failed collective waits for the 
 
 graveyard = Graveyard()
 busy = []  # on_busy calls: True once a wait lasts BUSY_AFTER_S, False when it ends
-coll = Interruptible(stop, graveyard, lambda: 0, 120.0, on_error, on_busy=busy.append)
+sliced = os.environ["SLICED"] == "1"  # gloo's own wait in slices, or the future-callback wait
+coll = Interruptible(stop, graveyard, lambda: 0, 120.0, on_error, on_busy=busy.append, sliced=sliced)
 t = torch.ones(1 << 16)
 store.add("looping", 1)
 try:
@@ -54,7 +56,7 @@ survivors = [r for r in range(world) if r != int(os.environ["VICTIM"])]
 dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=survivors.index(rank),
                         world_size=len(survivors))
 x = torch.ones(3)
-coll2 = Interruptible(stop, graveyard, lambda: 1, 60.0, on_error)
+coll2 = Interruptible(stop, graveyard, lambda: 1, 60.0, on_error, sliced=sliced)
 coll2.all_reduce(x)
 print(f"destroy {destroy_s:.4f}s new-group sum {x.tolist()}", flush=True)
 assert x.tolist() == [float(len(survivors))] * 3
@@ -63,9 +65,10 @@ os._exit(0)  # abandoned groups: never run their destructors
 """
 
 
-def test_survivors_leave_within_one_second_of_stop(tmp_path):
+@pytest.mark.parametrize("sliced", [True, False], ids=["sliced-wait", "future-wait"])
+def test_survivors_leave_within_one_second_of_stop(tmp_path, sliced):
     store = master_store()
-    procs = run_workers(WORKER, 4, tmp_path, store, {"VICTIM": "2"})
+    procs = run_workers(WORKER, 4, tmp_path, store, {"VICTIM": "2", "SLICED": "1" if sliced else "0"})
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and (not store.check(["looping"]) or store.add("looping", 0) < 4):
