@@ -364,6 +364,8 @@ class Agent:
         elif isinstance(msg, FaultReport):
             self._on_fault_report(msg, ev.pid)
         elif isinstance(msg, Recovered):
+            if self.spawner is not None:
+                self.spawner.rank_recovered(msg.rank, msg.generation)
             self.log.info("rank-recovered", f"rank {msg.rank} resumed generation {msg.generation} at "
                           f"step {msg.resume_step}", rank=msg.rank, generation=msg.generation,
                           resume_step=msg.resume_step, action=msg.action,
@@ -434,6 +436,9 @@ class Agent:
         self.failures.note_plan(plan)
         if plan.new_round:
             return self._next_round(plan)
+        if plan.strategy == P.RECOVER_IN_PLACE and self.spawner is not None:
+            # every local runtime rank takes part in the round and reports it done
+            self.spawner.hold_spares(plan.generation, set(self.workers.aware) & {w.rank for w in self.workers.all()})
         return self.executor.execute(plan)
 
     def _next_round(self, plan: P.Plan) -> int | None:

@@ -7,10 +7,12 @@ this very process with `runpy`, exactly as `python -u script args` would. EOF on
 "not needed": it exits 0. `SparePool` is the agent's side: it keeps `count` spares per node
 (`--warm-spares`, default 2, so two faults in a row on one node both get a warm start), started
 only once the job is known to use `launcher.runtime`, hands one out for a process-level
-replacement and starts its successor at once. A spare warms up 10 nice levels below the agent
-when it may come back afterwards (root, or RLIMIT_NICE allows it), so a successor's `import torch`
-yields the CPU to the recovery that used its predecessor; it runs the script at the agent's
-priority.
+replacement and starts its successor as soon as the recovery round that used it is over (its
+`import torch` would otherwise share the CPUs with the state transfer and the redone step). A spare warms up 10 nice levels below the agent
+and under SCHED_IDLE when it may come back afterwards (root, or RLIMIT_NICE allows it), so a
+successor's `import torch` yields the CPU to the recovery that used its predecessor; it runs the
+script at the agent's priority, and returns to it the moment it is assigned (its stdin is read on
+a thread during the imports), also when it is taken before its imports finished.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -25,6 +28,7 @@ from launcher.workers import _child_setup
 
 
 WARM_UP_NICE = 10  # the spare's niceness while it imports torch (only if it can return to 0)
+REFILL_HOLD_S = 10.0  # a recovery round holds back new spares at most this long
 
 
 class SparePool:
@@ -41,15 +45,35 @@ class SparePool:
         self.count = count
         self._procs: list[subprocess.Popen] = []
         self._not_before = time.monotonic() + start_delay
+        self._hold: tuple[int, set[int], float] | None = None  # (generation, ranks, until)
 
     def ready(self) -> int:
         """Spares alive now (warm or still warming up)."""
         self._procs = [p for p in self._procs if p.poll() is None]
         return len(self._procs)
 
+    def hold(self, generation: int, ranks: set[int], timeout: float = REFILL_HOLD_S) -> None:
+        """A recovery round of `generation` runs on this node: start no spare until `ranks` have
+        all reported it done (`recovered`) or `timeout` s passed, so no `import torch` runs
+        beside the state transfer and the redone step on the node's CPUs."""
+        self._hold = (generation, set(ranks), time.monotonic() + timeout) if ranks else None
+
+    def recovered(self, rank: int, generation: int) -> None:
+        """Rank `rank` finished the recovery round of `generation` (or a later one)."""
+        if self._hold is not None and generation >= self._hold[0]:
+            self._hold[1].discard(rank)
+            if not self._hold[1]:
+                self._hold = None
+
+    def held(self) -> bool:
+        if self._hold is not None and time.monotonic() >= self._hold[2]:
+            self._hold = None
+        return self._hold is not None
+
     def ensure(self, env: dict[str, str]) -> None:
-        """Start spares until `count` are alive (once the start delay has passed)."""
-        if time.monotonic() < self._not_before:
+        """Start spares until `count` are alive (once the start delay has passed, and not while
+        a recovery round holds them back)."""
+        if time.monotonic() < self._not_before or self.held():
             return
         while self.ready() < self.count:
             self._start(env)
@@ -120,20 +144,79 @@ def _warm_imports() -> None:
         pass
 
 
+def _threads() -> list[int]:
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
+
+
+def _warm_priority(warm: int) -> None:
+    """Warm up out of the way: `warm` niceness and, where the OS has it, SCHED_IDLE (runs only
+    when a CPU has nothing else to do, so a successor's import never slows the recovery or the
+    training that used its predecessor)."""
+    os.setpriority(os.PRIO_PROCESS, 0, warm)
+    if hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        except OSError:
+            pass
+
+
+def _run_priority(base: int) -> str | None:
+    """Every thread back to the agent's priority (SCHED_OTHER, nice `base`); an error text or None."""
+    err = None
+    for tid in _threads():
+        try:
+            if hasattr(os, "SCHED_OTHER") and os.sched_getscheduler(tid) != os.SCHED_OTHER:
+                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
+            os.setpriority(os.PRIO_PROCESS, tid, base)
+        except OSError as exc:  # a thread may have ended meanwhile; remember real refusals
+            if exc.errno != 3:  # ESRCH
+                err = str(exc)
+    return err
+
+
+class _Assignment:
+    """Reads the assignment line on a thread while the imports run: a spare taken while still
+    warming up returns to the agent's priority at once instead of finishing `import torch` at
+    the warm-up priority."""
+
+    def __init__(self, warm: int, base: int) -> None:
+        self.line = ""
+        self.error: str | None = None
+        self._done = threading.Event()
+        self._warm, self._base = warm, base
+        threading.Thread(target=self._read, name="ftrun-spare-stdin", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            self.line = sys.stdin.readline()
+            if self.line.strip() and self._warm != self._base:
+                self.error = _run_priority(self._base)
+        finally:
+            self._done.set()
+
+    def wait(self) -> str:
+        self._done.wait()
+        return self.line
+
+
 def main() -> None:
     warm, base = (int(x) for x in os.environ.get("FTRUN_SPARE_NICE", "0,0").split(","))
     if warm != base:
-        os.setpriority(os.PRIO_PROCESS, 0, warm)
+        _warm_priority(warm)
+    assignment = _Assignment(warm, base)
     _warm_imports()
-    line = sys.stdin.readline()
+    line = assignment.wait()
     if not line.strip():
         sys.exit(0)
     if warm != base:
-        try:
-            os.setpriority(os.PRIO_PROCESS, 0, base)  # run the rank at the agent's priority
-        except OSError as exc:
-            print(f"[ftrun spare] could not return to nice {base} ({exc}); running at nice {warm}",
-                  file=sys.stderr, flush=True)
+        # threads the imports started after the assignment arrived inherited the warm-up priority
+        err = _run_priority(base) or assignment.error
+        if err:
+            print(f"[ftrun spare] could not return to nice {base} ({err}); some threads run at "
+                  f"nice {warm}", file=sys.stderr, flush=True)
     job = json.loads(line)
     os.environ.clear()
     os.environ.update(job["env"])

@@ -154,6 +154,15 @@ class Spawner:
         if self.spares is not None:
             self.spares.ensure(self.env(template, replacement=True))
 
+    def hold_spares(self, generation: int, ranks: set[int]) -> None:
+        """A recovery round runs: no new spare until `ranks` recovered (see SparePool.hold)."""
+        if self.spares is not None:
+            self.spares.hold(generation, ranks)
+
+    def rank_recovered(self, rank: int, generation: int) -> None:
+        if self.spares is not None:
+            self.spares.recovered(rank, generation)
+
     def stop(self) -> None:
         if self.spares is not None:
             self.spares.stop()

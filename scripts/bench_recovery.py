@@ -86,6 +86,49 @@ def raw_tcp_gbps(nbytes: int = 100 << 20, repeat: int = 3) -> float:
     return best
 
 
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
+            return [int(x) for x in f.read().split()]
+    except OSError:
+        return []
+
+
+def warm_spares(root: int) -> list[int] | None:
+    """Pids of the job's warm spares (`launcher.spare` descendants of `root` whose imports are
+    done: main thread asleep in a futex wait, no CPU time used over 20 ms), None while a spare
+    is still warming up or none was started yet."""
+    todo, spares = [root], []
+    while todo:
+        pid = todo.pop()
+        kids = _children(pid)
+        todo += kids
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"launcher.spare" in f.read():
+                    spares.append(pid)
+        except OSError:
+            pass
+
+    def cpu(pid: int) -> tuple[int, str] | None:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/syscall", encoding="ascii") as f:
+                nr = f.read().split()[0]
+        except (OSError, IndexError):
+            return None
+        return int(fields[11]) + int(fields[12]), fields[0] + nr
+    if not spares:
+        return None
+    before = [cpu(p) for p in spares]
+    time.sleep(0.02)
+    after = [cpu(p) for p in spares]
+    if any(a is None or a != b or a[1] != "S202" for a, b in zip(after, before)):
+        return None
+    return spares
+
+
 def read_steps(out: str) -> dict[int, list[dict]]:
     res: dict[int, list[dict]] = {}
     for path in glob.glob(os.path.join(out, "steps.*.jsonl")):
@@ -114,11 +157,18 @@ def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
     stderr_path = os.path.join(out, "stderr.txt")
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
-        kill_time, killed_step = None, None
+        kill_time, killed_step, warm_at = None, None, None
+        t_start = time.time()
         deadline = time.monotonic() + args.timeout
         while proc.poll() is None and time.monotonic() < deadline:
             if fault_plan is None and kill_time is None:
                 steps = read_steps(out)
+                if warm_at is None and name == "ftrun" and args.wait_warm:
+                    if warm_spares(proc.pid) is not None:
+                        warm_at = time.time()
+                    else:
+                        time.sleep(0.05)
+                        continue
                 if len(steps) == nproc and all(s and s[-1]["step"] >= args.kill_after_step for s in steps.values()):
                     victim = steps[1][-1]
                     killed_step = victim["step"] + 1
@@ -132,7 +182,11 @@ def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
         raise RuntimeError(f"{name}: job failed ({proc.returncode}); see {stderr_path}")
     with open(stderr_path, encoding="utf-8", errors="replace") as f:
         stderr = f.read()
+    if fault_plan is None and kill_time is None:
+        raise RuntimeError(f"{name}: the job ended before the kill (spares warm: {warm_at is not None}; "
+                           f"logs in {out}); use more --steps")
     return {"out": out, "kill_time": kill_time, "killed_step": killed_step, "stderr": stderr,
+            "spares_warm_after_s": round(warm_at - t_start, 2) if warm_at else None,
             "steps": read_steps(out), "events": events(os.path.join(out, "logs"))}
 
 
@@ -208,6 +262,7 @@ def compare(args: argparse.Namespace) -> dict:
             if last_rec is not None:
                 phases["resume_s"] = round(t_rec - last_rec, 4)
             res["ftrun_phases"] = phases
+            res["ftrun_spares_warm_after_s"] = job["spares_warm_after_s"]
             gbps = transfer_gbps(job["stderr"])
             res["transfer_gbps"] = round(gbps, 3) if gbps else None
             m = re.search(r"received state from rank [\d,]+: ([\d.]+) MB", job["stderr"])
@@ -284,12 +339,13 @@ def transfer_row(args: argparse.Namespace, nproc: int, dp: int, tcp: float) -> d
             "sources": [int(x) for x in m.group(1).split(",")] if m else None,
             "state_mb": float(m.group(2)) if m else None,
             "transfer_gbps": round(gbps, 3) if gbps else None, "raw_tcp_gbps": round(tcp, 3),
-            "transfer_vs_tcp": round(gbps / tcp, 3) if gbps else None, "ftrun_phases": phases}
+            "transfer_vs_tcp": round(gbps / tcp, 3) if gbps else None, "ftrun_phases": phases,
+            "spares_warm_after_s": job["spares_warm_after_s"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kill-after-step", type=int, default=15)
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=9)
@@ -302,6 +358,9 @@ def main() -> None:
                     "node (ranks 1 then 2, --churn-gap steps apart), lost time of each")
     ap.add_argument("--churn-gap", type=int, default=3)
     ap.add_argument("--warm-spares", type=int, default=2, help="ftrun's --warm-spares for --churn")
+    ap.add_argument("--no-wait-warm", dest="wait_warm", action="store_false",
+                    help="kill at --kill-after-step even while ftrun's warm spares are still importing "
+                         "torch (default: wait until they are warm, the steady state of a long job)")
     ap.add_argument("--transfer-rows", action="store_true", help="two more rows, ftrun only: 4 ranks "
                     "as dp=2 replica groups (one source) and 6 ranks as dp=3 (two sources, striped)")
     args = ap.parse_args()

@@ -102,3 +102,64 @@ def test_two_faults_in_a_row_on_one_node_both_start_from_a_warm_spare(tmp_path) 
     assert [(e["rank"], e.get("warm")) for e in spawns] == [(1, True), (2, True)], job.describe()
     started = [e for e in job.events if e["event"] == "spare" and "warm spare started" in e["message"]]
     assert len(started) >= 3, started  # two at the start, the used one's successor after the first fault
+
+
+def test_spare_taken_while_warming_up_returns_to_the_agent_priority_at_once(tmp_path) -> None:
+    """A spare assigned before its imports finished used to finish `import torch` at its warm-up
+    priority (seconds on a busy node); it now returns to the agent's priority on assignment."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if not may_return_to(base) or not hasattr(os, "SCHED_IDLE"):
+        import pytest
+        pytest.skip("this user may not lower a process's niceness again")
+    script = tmp_path / "job.py"
+    out = tmp_path / "out.json"
+    script.write_text(
+        "import json, os, sys\n"
+        "json.dump({'nice': os.getpriority(os.PRIO_PROCESS, 0), 'policy': os.sched_getscheduler(0)},"
+        f" open({str(out)!r}, 'w'))\n")
+    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        pool.ensure(env)
+        pid = pool._procs[0].pid
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (
+                os.getpriority(os.PRIO_PROCESS, pid) != base and os.sched_getscheduler(pid) == os.SCHED_IDLE):
+            time.sleep(0.002)
+        assert os.sched_getscheduler(pid) == os.SCHED_IDLE  # warming up: only idle CPU time
+        proc = pool.take(env, [str(script)], module=False)
+        assert proc is not None
+        deadline = time.monotonic() + 5
+        while os.getpriority(os.PRIO_PROCESS, pid) != base and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert os.getpriority(os.PRIO_PROCESS, pid) == base
+        assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+        assert not out.exists()  # back to normal priority before `import torch` had finished
+        assert proc.wait(timeout=120) == 0
+        assert json.loads(out.read_text()) == {"nice": base, "policy": os.SCHED_OTHER}
+    finally:
+        pool.stop()
+
+
+def test_recovery_round_holds_back_new_spares_until_its_ranks_recovered() -> None:
+    """A successor spare's `import torch` used to start during the state transfer it competes with."""
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=1, start_delay=0.0)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        pool.hold(3, {0, 1})
+        pool.ensure(env)
+        assert pool.ready() == 0 and pool.held()
+        pool.recovered(0, 2)  # an older round's report does not count
+        pool.recovered(0, 3)
+        pool.ensure(env)
+        assert pool.ready() == 0
+        pool.recovered(1, 4)  # a later round covers this one
+        assert not pool.held()
+        pool.ensure(env)
+        assert pool.ready() == 1 and "warm spare started" in logs[0]
+        pool.hold(5, {2}, timeout=0.05)  # a round whose ranks never report holds only so long
+        time.sleep(0.06)
+        assert not pool.held()
+    finally:
+        pool.stop()

@@ -216,26 +216,29 @@ class Interruptible:
                 errors.append(exc)
             finally:
                 done.set()
+                self._stop.wake()  # the waiting thread sleeps until this (or a stop) wakes it
 
         waiter = threading.Thread(target=run, name="ftrun-p2p-wait", daemon=True)
         waiter.start()
         deadline = time.monotonic() + self.timeout
         gen = self._generation()
-        delay = 5e-5
-        while not done.wait(delay):
+        while not done.is_set():
             busy.tick()
             if self._stop.newer_than(gen):
                 self._graveyard.keep(waiter, *works, *keep)
                 if self._abort is not None:
                     self._abort()
                 raise StopRequested(self._stop.target, f"left {what}")
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if now > deadline:
                 self._graveyard.keep(waiter, *works, *keep)
                 exc = TimeoutError(f"{what} did not complete within {self.timeout:.0f} s")
                 busy.tick(now=True)
                 self._on_error(exc, what)
                 raise CollectiveError(str(exc)) from exc
-            delay = min(delay * 2, 0.002)
+            # sleeps (no polling: the CPUs belong to the transfer) until the works complete, a
+            # stop arrives, the busy report is due or the deadline passes
+            self._stop.wait_either(gen, done.is_set, max(0.0, min(deadline, busy.due()) - now))
         if errors:
             self._graveyard.keep(*works, *keep)
             busy.tick(now=True)

@@ -662,6 +662,11 @@ class Runtime:
                 snap = self._reg.snapshot(resume, self.adapter)
                 if self._reg.on_rollback is not None:
                     self._reg.on_rollback(resume)
+        if plan.pairs:
+            # every rank leaves the round together: ranks outside the transfers sleep in this
+            # barrier instead of computing the resume step on the CPUs the transfer needs (their
+            # step would block on the replacement's gradients anyway)
+            self._coll.barrier(what="end of state transfer")
         assert snap is not None
         self._snapshots = {resume: snap}
         self._committed = resume - 1
