@@ -14,6 +14,7 @@ from launcher.workers import NodeWorkers, Reaper, WorkerExit, stop_workers
 def test_environment_and_spawn(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.delenv("PYTHONFAULTHANDLER", raising=False)
+    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
     script = tmp_path / "w.py"
     script.write_text("import os, sys\nsys.exit(int(os.environ['RANK']) + 10)\n")
     cfg = build_config(parse(["--nproc_per_node", "2", "--max_restarts", "2", "--warm_spares", "0", str(script)]), env={})
@@ -40,6 +41,9 @@ def test_environment_and_spawn(tmp_path, monkeypatch) -> None:
         assert env["PYTHONFAULTHANDLER"] == "1"  # a hung unmodified worker dumps its stacks on SIGABRT
         monkeypatch.setenv("PYTHONFAULTHANDLER", "0")
         assert sp.env(w, replacement=False)["PYTHONFAULTHANDLER"] == "0"  # the user's choice wins
+        assert env["THP_MEM_ALLOC_ENABLE"] == "1"  # huge pages: a killed rank is torn down sooner
+        monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+        assert sp.env(w, replacement=False)["THP_MEM_ALLOC_ENABLE"] == "0"
         sp.spawn_all(workers.all(), 1)
         assert spawned == workers.all() and all(x.generation == 1 for x in workers.all())
         codes = sorted(ev.code for ev in (q.get(timeout=30), q.get(timeout=30)) if isinstance(ev, WorkerExit))
