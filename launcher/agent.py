@@ -438,7 +438,8 @@ class Agent:
             return self._next_round(plan)
         if plan.strategy == P.RECOVER_IN_PLACE and self.spawner is not None:
             # every local runtime rank takes part in the round and reports it done
-            self.spawner.hold_spares(plan.generation, set(self.workers.aware) & {w.rank for w in self.workers.all()})
+            local = {w.rank for w in self.workers.all()}
+            self.spawner.hold_spares(plan.generation, set(self.workers.aware) & local)
         return self.executor.execute(plan)
 
     def _next_round(self, plan: P.Plan) -> int | None:
