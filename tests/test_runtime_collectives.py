@@ -90,3 +90,52 @@ def test_survivors_leave_within_one_second_of_stop(tmp_path, sliced):
         print(f"rank {r} left its collective {left - t_stop:.4f} s after the stop")
         assert left - t_stop < 1.0, f"rank {r} left {left - t_stop:.3f} s after the stop"
     assert "new-group sum [3.0, 3.0, 3.0]" in (tmp_path / "worker0.log").read_text()
+
+
+class _BlockingWork:
+    """A gloo-like send/recv work whose wait() blocks until released (no futures)."""
+
+    def __init__(self, release) -> None:
+        self._release = release
+
+    def wait(self) -> bool:
+        self._release.wait(10)
+        return True
+
+
+def test_p2p_wait_sleeps_instead_of_polling() -> None:
+    """wait_blocking used to wake every <= 2 ms while a state transfer ran (its thread took CPU
+    time from the transfer on a busy node); it now sleeps until the works complete or a stop."""
+    import threading
+
+    from launcher.runtime.collectives import Graveyard, Interruptible
+    from launcher.runtime.signals import StopRequested, StopSignal
+
+    class CountingStop(StopSignal):
+        checks = 0
+
+        def newer_than(self, generation: int) -> bool:
+            CountingStop.checks += 1
+            return super().newer_than(generation)
+
+    stop = CountingStop()
+    busy: list[bool] = []
+    coll = Interruptible(stop, Graveyard(), lambda: 0, 30.0, lambda e, w: None, on_busy=busy.append)
+    release = threading.Event()
+    threading.Timer(0.4, release.set).start()
+    t0 = time.monotonic()
+    coll.wait_blocking([_BlockingWork(release)], "state tensors")
+    assert 0.35 < time.monotonic() - t0 < 2.0
+    assert CountingStop.checks <= 5, f"{CountingStop.checks} wake-ups during a 0.4 s wait"
+    assert busy == [True, False]  # the busy report still goes out after BUSY_AFTER_S
+    # and a stop still ends the wait at once
+    release2 = threading.Event()
+    threading.Timer(0.1, lambda: stop.request(1)).start()
+    t0 = time.monotonic()
+    try:
+        coll.wait_blocking([_BlockingWork(release2)], "state tensors")
+        raise AssertionError("the stop did not interrupt the wait")
+    except StopRequested:
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        release2.set()
