@@ -53,6 +53,12 @@ def test_sigkill_in_each_phase(tmp_path, ddp_ref, phase):
     repair = [e for e in ev if e["event"] == "repair-plan"]
     assert repair[-1]["pairs"] == [[0, 1]]
     assert repair[-1]["resume_step"] == (5 if phase == "optimizer" else 4)
+    # ranks outside the transfer leave the round only once the replacement holds its state (they
+    # wait in a barrier instead of computing beside the transfer on the same CPUs)
+    rec = {e["rank"]: e for e in ev if e["event"] == "rank-recovered"}
+    received = rec[1]["marks"]["rebuilt"] + rec[1]["transfer_s"]
+    for r in (2, 3):
+        assert rec[r]["marks"]["repaired"] >= received - 0.001, (rec[r], rec[1])
     for r in range(4):
         assert_bit_identical(params[r], ddp_ref[0])
 
