@@ -37,10 +37,13 @@ def test_worker_env_matches_torchrun(tmp_path) -> None:
         t, o = theirs[rank], ours[rank]
         missing = set(t) - set(o)
         assert not missing, f"rank {rank}: ftrun lacks {missing}"
-        # PYTHONFAULTHANDLER=1: a hung unmodified worker dumps its stacks when ftrun aborts it
-        extra = {k for k in set(o) - set(t) if not k.startswith("FTRUN_")} - {"PYTHONFAULTHANDLER"}
+        # PYTHONFAULTHANDLER=1: a hung unmodified worker dumps its stacks when ftrun aborts it;
+        # THP_MEM_ALLOC_ENABLE=1: huge pages for large CPU tensors (faster teardown and repair)
+        extra = ({k for k in set(o) - set(t) if not k.startswith("FTRUN_")}
+                 - {"PYTHONFAULTHANDLER", "THP_MEM_ALLOC_ENABLE"})
         assert not extra, f"rank {rank}: ftrun sets unexpected {extra}"
         assert o["PYTHONFAULTHANDLER"] == "1"
+        assert o["THP_MEM_ALLOC_ENABLE"] == "1"
         for k in t:
             if k not in IGNORED:
                 assert o[k] == t[k], f"rank {rank}: {k}: ftrun {o[k]!r} torchrun {t[k]!r}"
