@@ -55,8 +55,8 @@ from launcher.plan_executor import JobFailed, PlanExecutor
 from launcher.spawner import Spawner, WorkerWorld
 from launcher.store_stack import AgentWorld, StoreStack
 from launcher.workers import NodeWorkers, Reaper, WorkerExit, send_signal, stop_workers
-from rendezvous.errors import (JoinInterrupted, NodeLostError, RendezvousGracefulExit,
-                               StoreHostLostError)
+from rendezvous.errors import (FencedError, JoinInterrupted, NodeLostError,
+                               RendezvousGracefulExit, StoreHostLostError)
 from rendezvous.keys import LEAVE_SIGNAL
 from rendezvous.kv import KVStore, StoreError
 
@@ -513,18 +513,23 @@ class Agent:
     def _on_node_joined(self, node: int) -> None:
         self.log.warning("node-joined", f"a hot spare or replacement agent took over node {node} "
                          f"(ranks {self._node_ranks(node)})", joined_node=node)
-        if self.controller is not None:
-            self._report_arrival(node)
+        self._report_arrival(node)
 
     def _report_arrival(self, node: int) -> None:
         """Tell the controller a new agent holds `node`: the round that starts its ranks."""
-        assert self.controller is not None
-        self.controller.note_node(node, lost=False)
-        self._report(P.Fault(kind=FaultKind.NODE_LOST.value, rank=None, node=node,
-                             generation=self.generation,
-                             message=f"hot spare or replacement agent for node {node}",
-                             host=self.host, evidence={"node_joined": True,
-                                                       "node_ranks": self._node_ranks(node)}))
+        c = self.controller
+        if c is None:
+            return  # no controller here: the one elected next finds the arrival (reconcile)
+        try:
+            c.note_arrival(node, self.stack.incarnation_of(node), host=self.host)
+        except (FencedError, StoreError) as e:  # the reporter retries it, or refuses it if stale
+            self.log.warning("fault-report-retry", f"arrival of node {node} not reported yet "
+                             f"({e}); retrying off the loop", joined_node=node)
+            self._report(P.Fault(kind=FaultKind.NODE_LOST.value, rank=None, node=node,
+                                 generation=self.generation,
+                                 message=f"hot spare or replacement agent for node {node}",
+                                 host=self.host, evidence={"node_joined": True,
+                                                           "node_ranks": self._node_ranks(node)}))
 
     # ------------------------------------------------------------------ signals and shutdown
     def _install_signals(self) -> None:

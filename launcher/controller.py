@@ -32,15 +32,29 @@ smaller world), or the job ends with the reason (below --nnodes MIN, no restart-
 no budget, a static rendezvous). The same new-round path grows the world with `--rdzv-conf
 scale_up=restart` (torchrun's behaviour): agents waiting to get in (`waiting`) start a restart-all
 in a new round that includes them (`decision.scale_up`).
+
+Handoff (a controller elected on another node, `launcher.controller_role`): a controller goes on
+from the store: generation, restart budget, next unread fault, and what it saves as it goes
+(`launcher.controller_state`, fenced by its term): the fault history, the lost nodes waiting for
+a new agent (their loss is not reported again, their node_replace_timeout runs on) and the agent
+incarnations accounted for. `reconcile()` (before `start()`) compares that with the membership
+now: a node lost meanwhile is reported lost, a node taken over meanwhile (a hot spare that
+claimed it before this controller was elected) is reported as an arrival. The round the lost
+controller was driving (its plan published, its phase not done) is taken up: the reports that
+arrived meanwhile are decided first (a lost node's loss or arrival supersedes it with a new
+generation that includes the node's ranks), else the round is driven to its end (statuses and
+repair plan, the restart-all release, the dump plan).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from launcher import controller_state as CS
 from launcher import plan as P
 from launcher.decision import (PROCESS_LEVEL, Budget, Decision, Round, Situation, covered_by,
                                culprit, decide, fallback, may_be_consequence, merge, scale_up,
@@ -99,8 +113,99 @@ class Controller:
                                      next_fault=int(nxt) if nxt is not None else (
                                          int(seq) + 1 if seq is not None else 1),
                                      budget=Budget(int(used) if used is not None else 0, max_restarts))
+        self.term = CS.take_term(kv)  # fences the saved state against earlier controllers
+        self.known: dict[int, int] = {}  # node -> agent incarnation accounted for
+        self._save_lock = threading.Lock()
+        self._inherited = self._restore()  # the latest plan, when an earlier controller wrote it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
+
+    # ---- handoff: the state an earlier controller left in the store ------------------------
+    def _restore(self) -> P.Plan | None:
+        """History, lost nodes and known incarnations from the saved state; the round of the
+        latest plan. Returns that plan (None at the job's start)."""
+        saved = CS.load(self.kv)
+        g = self.state.generation
+        raw = self.kv.try_get(P.plan_key(g)) if g > 0 else None
+        plan = P.Plan.from_json(raw) if raw is not None else None
+        if saved is not None:
+            self.known = dict(saved.known)
+            now_wall, now = time.time(), time.monotonic()
+            for node, rec in saved.lost.items():
+                fault = P.Fault.from_json(rec["fault"])
+                self.lost_nodes.add(node)
+                self._lost_at[node] = (now - max(0.0, now_wall - float(rec["at"])), fault)
+        if saved is not None and (plan is None or saved.generation >= g):
+            self.history = [dict(h) for h in saved.history]
+        elif plan is not None:  # it died between publishing the plan and saving its state
+            self.history = [dict(h) for h in plan.history]
+        if plan is not None:
+            cause = P.Fault.from_json(json.dumps(plan.root_cause or {
+                "kind": "exit", "rank": None, "node": -1, "generation": g}))
+            collecting = (plan.strategy in PROCESS_LEVEL
+                          and self.kv.try_get(P.repair_key(g)) is None)
+            self.round = Round(g, plan.strategy, tuple(plan.failed_ranks), cause,
+                               collecting=collecting)
+        return plan
+
+    def _unfinished(self, plan: P.Plan) -> bool:
+        """True when `plan`'s round is not done: its phase key is not written yet."""
+        g = plan.generation
+        if plan.strategy in PROCESS_LEVEL or plan.strategy == P.DUMP:
+            return self.kv.try_get(P.repair_key(g)) is None
+        if plan.strategy == P.RESTART_ALL:
+            return self.kv.try_get(P.go_key(g)) is None
+        return False
+
+    def _resume(self) -> Decision | None:
+        """Take up the round an earlier controller was driving (see the module docstring)."""
+        plan, self._inherited = self._inherited, None
+        if plan is None or not self._unfinished(plan):
+            return None
+        g = plan.generation
+        self.log.warning("round-resumed", f"generation {g}: the {plan.strategy} round of the "
+                         "previous controller was in progress; this controller takes it up "
+                         f"(failed ranks {plan.failed_ranks})", generation=g,
+                         strategy=plan.strategy, failed_ranks=plan.failed_ranks)
+        while True:  # what was reported meanwhile first: it may supersede the round
+            fault = self._take_fault(0.0)
+            if fault is None:
+                break
+            d = self._decide(fault)
+            if not d.absorbed:
+                return d
+        if plan.strategy in PROCESS_LEVEL:
+            return self._drive_repair(plan)
+        if plan.strategy == P.RESTART_ALL:
+            self._release_restart_all(g)
+        elif plan.strategy == P.DUMP:
+            self._drive_dump(plan)
+        return None
+
+    def reconcile(self, members: dict[int, int], lost: list[int]) -> None:
+        """Before `start()`: what changed in the membership while no controller heard of it.
+        `members`: live node -> its agent's incarnation; `lost`: nodes with no live agent."""
+        for node in sorted(lost):
+            self.note_node(node, lost=True)  # a no-op for a loss already reported
+        for node, inc in sorted(members.items()):
+            was = self.known.get(node)
+            if was is None:
+                with self._nodes_lock:
+                    self.known[node] = inc
+            elif inc > was or node in self.lost_nodes:
+                self.note_arrival(node, inc, host="", why="taken over while no controller ran")
+        self._save()
+
+    def _save(self) -> None:
+        """The state a successor needs (`launcher.controller_state`); FencedError when a newer
+        controller took over."""
+        with self._nodes_lock:
+            lost = {n: {"at": time.time() - (time.monotonic() - at), "fault": f.to_json().decode()}
+                    for n, (at, f) in self._lost_at.items()}
+            known = dict(self.known)
+        with self._save_lock:
+            CS.save(self.kv, CS.SavedState(self.term, self.state.generation,
+                                           [dict(h) for h in self.history], lost, known))
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -135,6 +240,13 @@ class Controller:
         return fault
 
     def _run(self) -> None:
+        try:
+            self._run_rounds(self._resume())
+        except FencedError as e:
+            self.log.error("controller-fenced", f"this controller is stale and stops: {e}")
+            return
+        except StoreError as e:
+            self.log.error("controller", f"store error in controller: {e}")
         while not self._stop.is_set():
             if self._regrouping:  # this world ends: its agents move to the new round
                 self._stop.wait(0.2)
@@ -212,10 +324,38 @@ class Controller:
         with self._nodes_lock:
             self._lost_at[node] = (time.monotonic(), fault)
         seq = post_fault(self.kv, fault)
+        self._save()
         self.log.info("fault-reported", f"node {node} lost ({fault.message}): reported as fault "
                       f"#{seq}; its ranks {fault.evidence['node_ranks']} wait up to "
                       f"node_replace_timeout={self.node_replace_timeout:g}s for a hot spare or a "
                       "replacement agent", seq=seq, lost_node=node)
+
+    def note_arrival(self, node: int, incarnation: int, host: str = "",
+                     why: str = "") -> int | None:
+        """A hot spare or replacement agent (agent incarnation `incarnation`; 0 when unknown)
+        holds `node` now: report its arrival, the round that starts the node's ranks. Once per
+        incarnation; returns the fault's number, None when already reported."""
+        with self._nodes_lock:
+            if incarnation and self.known.get(node) == incarnation and node not in self.lost_nodes:
+                return None
+        if self._fence is not None:
+            self._fence(P.FAULT_SEQ)
+        msg = f"hot spare or replacement agent for node {node}" + (f" ({why})" if why else "")
+        seq = post_fault(self.kv, P.Fault(kind=FaultKind.NODE_LOST.value, rank=None, node=node,
+                                          generation=self.state.generation, message=msg,
+                                          host=host, evidence={"node_joined": True,
+                                                               "node_ranks": self.ranks_of(node),
+                                                               "incarnation": incarnation}))
+        with self._nodes_lock:  # accounted for once its report is in the store
+            if incarnation:
+                self.known[node] = incarnation
+            self.lost_nodes.discard(node)
+            self._lost_at.pop(node, None)
+        self.log.info("fault-reported", f"node {node} taken over (incarnation {incarnation}"
+                      + (f", {why}" if why else "") + f"): reported as fault #{seq}", seq=seq,
+                      joined_node=node)
+        self._save()
+        return seq
 
     def _unreplaced(self) -> Decision | None:
         """The decision for a lost node not taken over within node_replace_timeout (once)."""
@@ -267,7 +407,7 @@ class Controller:
         return bool(missing) and set(missing) <= waiting
 
     def _run_rounds(self, decision: Decision | None) -> None:
-        while decision is not None and not decision.absorbed:
+        while decision is not None and not decision.absorbed and not self._stop.is_set():
             decision = self.execute(decision)
 
     def handle(self, fault: P.Fault) -> None:
@@ -339,6 +479,7 @@ class Controller:
         strategy = decision.strategy
         if self._fence is not None:
             self._fence(P.plan_key(g))  # a stale controller publishes nothing
+        CS.check_term(self.kv, self.term, P.plan_key(g))  # nor one a successor took over from
         if decision.charged:
             st.budget = st.budget.charge()
             self.kv.set(P.RESTARTS_USED_KEY, str(st.budget.used).encode())
@@ -352,6 +493,7 @@ class Controller:
                            collecting=strategy in PROCESS_LEVEL)
         self.kv.set(P.plan_key(g), plan.to_json())
         self.kv.set(P.GENERATION_KEY, str(g).encode())
+        self._save()
         where = "" if not new_round else (
             f" in rendezvous round {new_round} with the waiting node(s)" if decision.grow else
             f" in rendezvous round {new_round} without node(s) {sorted(self.lost_nodes)} "
@@ -390,6 +532,7 @@ class Controller:
         cur = self.history[-1] if self.history else None
         if cur is not None and cur["handling"][-1][1] == g and cur["outcome"] == "in progress":
             cur["outcome"] = outcome
+            self._save()
 
     # ---- dying-gasp round -----------------------------------------------------------------
     def _drive_dump(self, plan: P.Plan) -> None:
@@ -417,7 +560,9 @@ class Controller:
             raw = self.kv.try_get(P.stopped_key(g))
             if raw is not None and int(raw) >= need:
                 break
-            if time.monotonic() > deadline or self._stop.is_set():
+            if self._stop.is_set():
+                return  # stopped (deposed, or its agent leaves): a successor releases it
+            if time.monotonic() > deadline:
                 self.log.error("phase-timeout", f"generation {g}: not every node stopped its workers "
                                f"within {self.phase_timeout:.0f}s; releasing anyway")
                 break
@@ -447,9 +592,11 @@ class Controller:
             overdue = self._unreplaced() or self._scale_up()
             if overdue is not None:
                 return overdue
-            if time.monotonic() > deadline or self._stop.is_set():
+            if self._stop.is_set():
+                return None  # stopped (deposed, or its agent leaves): a successor takes it up
+            if time.monotonic() > deadline:
                 missing = [r for r, k in enumerate(keys) if self.kv.try_get(k) is None]
-                if not self._stop.is_set() and self._waiting_for_node(missing):
+                if self._waiting_for_node(missing):
                     continue  # node_replace_timeout bounds this wait (_unreplaced)
                 self.log.error("phase-timeout", f"generation {g}: ranks {missing} did not report "
                                f"within {self.phase_timeout:.0f}s")

@@ -6,9 +6,11 @@ there: losing that node loses the store too, which ends the job (`StoreHostLostE
 etcd every agent runs for controller (`rendezvous.election`, lease-bound key): the first one
 elected starts it; when the controller's node is lost (its lease expired: crashed or cut off)
 or left, the key vanishes, another agent is elected and starts a controller that goes on from
-the store (generation, restart budget, next fault; `launcher.controller`), with the nodes it
-already knows lost marked as such. One log line per handoff names the node lost, why, and who
-takes over. A deposed controller (its own lease expired) stops; its agent self-fences.
+the store (generation, restart budget, next fault, fault history, lost nodes and the round in
+progress; `launcher.controller`). The new controller is installed before it looks at the
+membership (`Controller.reconcile`: nodes lost, and nodes a hot spare took over, while no
+controller ran), so membership news from then on reaches it and nothing falls in between; then
+it starts. One log line per handoff names the node lost, why, and who takes over. A deposed controller (its own lease expired) stops; its agent self-fences.
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ class ControllerRole:
         if self.stack.can_elect:
             self._election = self.stack.elect(self._on_elected, self._on_deposed)
         elif is_leader:
-            self._take(self._build())
+            self._take(self._build(), self.stack.members(), [])
 
     def stop(self) -> None:
         """Stop the controller (the election ends with the membership). Idempotent."""
@@ -73,10 +75,7 @@ class ControllerRole:
                              f"({prev.get('host', '?')}) is lost: {why}; {me} takes over as "
                              "controller (elected)", lost_node=node, reason=why,
                              controller=self.group_rank)
-        c = self._build()
-        for node in self.stack.lost_nodes():
-            c.note_node(node, lost=True)
-        self._take(c)
+        self._take(self._build(), None, None)
 
     def _on_deposed(self) -> None:
         """Election thread: this agent's lease expired while it was the controller."""
@@ -88,9 +87,15 @@ class ControllerRole:
         if c is not None:
             c.stop()
 
-    def _take(self, c: Controller) -> None:
+    def _take(self, c: Controller, members: dict[int, int] | None,
+              lost: list[int] | None) -> None:
+        """Install `c` (membership news reaches it from here on), reconcile it with the
+        membership now (read after installing: a join in between is reported either way, once
+        per incarnation), then start it. `None`: ask the store stack."""
         with self._lock:
             if self._stopped:
                 return
             self._controller = c
+        c.reconcile(self.stack.members() if members is None else members,
+                    self.stack.lost_nodes() if lost is None else lost)
         c.start()

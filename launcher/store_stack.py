@@ -251,6 +251,16 @@ class StoreStack:
         alive = set(self._membership.alive_nodes())
         return [n.node_rank for n in self._membership.world.nodes if n.node_rank not in alive]
 
+    def members(self) -> dict[int, int]:
+        """Group rank -> agent incarnation of every node this agent believes alive now."""
+        if self._membership is None or self._membership.world is None:
+            return {}
+        return self._membership.liveness.roster.alive()
+
+    def incarnation_of(self, node: int) -> int:
+        """The incarnation of `node`'s live agent as this agent knows it (0: unknown)."""
+        return self.members().get(node, 0)
+
     def why_gone(self, node: int, incarnation: int) -> str:
         """How that incarnation of `node` went (left with a reason, lease expired, ...)."""
         assert self._membership is not None

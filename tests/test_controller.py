@@ -386,11 +386,146 @@ def test_a_controller_elected_later_goes_on_from_the_next_unread_fault(kv) -> No
         assert plan_of(kv, 1).failed_ranks == [1]
     finally:
         c.stop()  # its node is lost
-    post_fault(kv, fault(rank=3))  # reported while no controller runs
+    post_fault(kv, fault(rank=3, gen=1))  # reported while no controller runs
     c2 = make(kv, chain=[P.RESTART_ALL, P.EXIT])
     try:
         p = plan_of(kv, 2)
         assert p.failed_ranks == [3] and p.restarts_used == 2
         assert kv.try_get(P.plan_key(3)) is None
+    finally:
+        c2.stop()
+
+
+# ---- handoff: a controller elected on another node goes on from what the lost one left -------
+def _node_world(kv, start: bool = True) -> Controller:
+    """Two nodes of two ranks (node 0: ranks 0, 1; node 1: ranks 2, 3), runtime-aware."""
+    for r in range(4):
+        kv.set(P.aware_key(r), b"1")
+    c = Controller(kv, AgentLog(0, None, quiet=True), 4, 2, 3,
+                   [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=5.0,
+                   window=0.1, node_replace_timeout=30.0, min_nodes=2)
+    if start:
+        c.start()
+    return c
+
+
+def test_a_stopped_controller_publishes_no_fallback_for_its_round(kv) -> None:
+    """Stopping (deposed, or its agent leaving) ends the round's driving: the successor takes
+    it up; it used to publish the fallback's plan on its way out."""
+    c = _node_world(kv)
+    try:
+        post_fault(kv, fault(rank=3, gen=0))
+        assert plan_of(kv, 1).strategy == P.RECOVER_IN_PLACE
+    finally:
+        c.stop()
+    assert kv.try_get(P.plan_key(2)) is None and kv.try_get(P.repair_key(1)) is None
+
+
+def test_a_successor_supersedes_the_round_in_progress_with_the_lost_nodes_ranks(kv) -> None:
+    """The controller's node (node 0) died while its recover-in-place round for rank 3 collected
+    statuses: the successor takes the round up, and the loss of node 0 supersedes it with a
+    new generation whose failed ranks include node 0's. The history goes on too."""
+    c1 = _node_world(kv)
+    c1.reconcile({0: 1, 1: 1}, [])
+    try:
+        post_fault(kv, fault(rank=1, kind="exit", gen=0))  # an earlier fault, recovered
+        assert plan_of(kv, 1).failed_ranks == [1]
+        for r in range(4):
+            kv.set(P.status_key(1, r), P.RankStatus(r, 1, r == 1, 4, 5, shard="dp").to_json())
+        kv.get(P.repair_key(1), 10.0)
+        post_fault(kv, fault(rank=3, kind="exit", gen=1))
+        p2 = plan_of(kv, 2)
+        assert p2.strategy == P.RECOVER_IN_PLACE and p2.failed_ranks == [3]
+        kv.set(P.status_key(2, 2), P.RankStatus(2, 2, False, 6, 7, shard="dp").to_json())
+    finally:
+        c1.stop()  # its node is lost mid-round
+    assert kv.try_get(P.repair_key(2)) is None
+    c2 = _node_world(kv, start=False)
+    assert c2.round is not None and c2.round.generation == 2 and c2.round.collecting
+    assert [h["rank"] for h in c2.history] == [1, 3] and c2.history[0]["outcome"] == "recovered"
+    c2.reconcile({1: 1}, [0])
+    c2.start()
+    try:
+        p3 = plan_of(kv, 3)
+        assert p3.strategy == P.RECOVER_IN_PLACE and p3.failed_ranks == [0, 1, 3]
+        assert p3.restart_ranks == [] and p3.root_cause["kind"] == "node-lost"
+        assert [h["rank"] for h in p3.history] == [1, 3, None]
+        assert p3.history[1]["outcome"].startswith("superseded")
+    finally:
+        c2.stop()
+
+
+def test_a_successor_finishes_the_round_in_progress_when_nothing_supersedes_it(kv) -> None:
+    c1 = _node_world(kv)
+    try:
+        post_fault(kv, fault(rank=3, kind="exit", gen=0))
+        assert plan_of(kv, 1).failed_ranks == [3]
+    finally:
+        c1.stop()
+    c2 = _node_world(kv, start=False)
+    c2.reconcile({0: 1, 1: 1}, [])
+    c2.start()
+    try:
+        for r in range(4):
+            kv.set(P.status_key(1, r), P.RankStatus(r, 1, r == 3, -1 if r == 3 else 4,
+                                                    -1 if r == 3 else 5, shard="dp").to_json())
+        rp = P.RepairPlan.from_json(kv.get(P.repair_key(1), 10.0))
+        assert rp.pairs == [[0, 3]] and not rp.fallback
+        assert kv.try_get(P.plan_key(2)) is None
+    finally:
+        c2.stop()
+
+
+def test_a_successor_releases_a_restart_all_round_the_lost_controller_published(kv) -> None:
+    c1 = make(kv, chain=[P.RESTART_ALL, P.EXIT])
+    try:
+        post_fault(kv, fault(rank=1))
+        assert plan_of(kv, 1).strategy == P.RESTART_ALL
+    finally:
+        c1.stop()  # before the nodes stopped: no go
+    assert kv.try_get(P.go_key(1)) is None
+    c2 = make(kv, chain=[P.RESTART_ALL, P.EXIT])
+    try:
+        kv.add(P.stopped_key(1), 1)  # the one node stops its workers
+        assert kv.get(P.go_key(1), 10.0) == b"1"
+        assert kv.try_get(P.plan_key(2)) is None
+    finally:
+        c2.stop()
+
+
+def test_a_successor_does_not_report_a_known_loss_again_and_its_timeout_runs_on(kv) -> None:
+    c1 = _node_world(kv)
+    c1.node_replace_timeout = 30.0
+    try:
+        c1.note_node(1, lost=True, why="its etcd lease expired (TTL 2s)")
+        assert plan_of(kv, 1).failed_ranks == [2, 3]
+    finally:
+        c1.stop()
+    time.sleep(0.3)
+    c2 = _node_world(kv, start=False)
+    assert c2.lost_nodes == {1}
+    at, f = c2._lost_at[1]
+    assert 0.3 <= time.monotonic() - at < 5.0 and f.message == "its etcd lease expired (TTL 2s)"
+    c2.reconcile({0: 1}, [1])
+    assert kv.try_get(P.FAULT_SEQ) == b"1"  # not reported again
+
+
+def test_a_node_taken_over_before_the_successor_was_elected_is_reported_to_it(kv) -> None:
+    """A hot spare claimed node 0 (incarnation 2) while no controller ran: nobody heard of its
+    arrival. The successor compares the membership with the incarnations the lost controller
+    accounted for, reports the arrival, and the round starts node 0's ranks on the spare."""
+    c1 = _node_world(kv)
+    c1.reconcile({0: 1, 1: 1}, [])
+    c1.stop()
+    c2 = _node_world(kv, start=False)
+    assert c2.known == {0: 1, 1: 1}
+    c2.reconcile({0: 2, 1: 1}, [])
+    c2.start()
+    try:
+        p1 = plan_of(kv, 1)
+        assert p1.strategy == P.RECOVER_IN_PLACE and p1.restart_ranks == [0, 1]
+        assert p1.root_cause["evidence"]["node_joined"] and p1.root_cause["node"] == 0
+        assert c2.note_arrival(0, 2) is None  # the membership's own news of it: once only
+        assert kv.try_get(P.FAULT_SEQ) == b"1"
     finally:
         c2.stop()

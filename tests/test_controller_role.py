@@ -18,8 +18,10 @@ class FakeElection:
 class FakeStack:
     """What the role uses of launcher.store_stack.StoreStack."""
 
-    def __init__(self, can_elect: bool, lost: list[int] | None = None) -> None:
+    def __init__(self, can_elect: bool, lost: list[int] | None = None,
+                 members: dict[int, int] | None = None) -> None:
         self.can_elect = can_elect
+        self._members = {1: 1} if members is None else members
         self.election: FakeElection | None = None
         self._lost = lost or []
 
@@ -30,12 +32,15 @@ class FakeStack:
     def lost_nodes(self) -> list[int]:
         return list(self._lost)
 
+    def members(self) -> dict[int, int]:
+        return dict(self._members)
+
     def why_gone(self, node: int, incarnation: int) -> str:
         return "its lease expired (node crashed or cut off from etcd)"
 
 
-def _role(tmp_path, stack, built: list) -> tuple[ControllerRole, AgentLog]:
-    kv = LocalKV()
+def _role(tmp_path, stack, built: list, kv=None) -> tuple[ControllerRole, AgentLog]:
+    kv = LocalKV() if kv is None else kv
     log = AgentLog(1, str(tmp_path / "events.jsonl"), quiet=True)
 
     def build() -> Controller:
@@ -91,3 +96,29 @@ def test_a_stopped_role_starts_no_controller_on_a_late_election(tmp_path) -> Non
     stack.election.on_elected()
     assert role.controller is None and not any(c._thread.is_alive() for c in built)
     log.close()
+
+
+def test_a_spare_that_took_the_lost_controllers_node_before_the_election_is_reported(
+        tmp_path) -> None:
+    """The hot spare claimed node 0 (incarnation 2) before node 1 was elected: the membership's
+    join news found no controller on node 1. On election the new controller sees node 0 held by
+    an incarnation its predecessor never accounted for and reports the arrival (one round)."""
+    from launcher import controller_state as CS
+
+    kv = LocalKV()
+    CS.save(kv, CS.SavedState(CS.take_term(kv), 0, known={0: 1, 1: 1}))
+    built: list = []
+    stack = FakeStack(can_elect=True, lost=[], members={0: 2, 1: 1})
+    role, log = _role(tmp_path, stack, built, kv)
+    try:
+        role.start(is_leader=False)
+        stack.election.previous = {"group_rank": 0, "incarnation": 1, "host": "hostA"}
+        stack.election.on_elected()
+        raw = kv.get(P.fault_key(1), 5.0)
+        f = P.Fault.from_json(raw)
+        assert f.node == 0 and f.evidence["node_joined"] and f.evidence["incarnation"] == 2
+        assert role.controller.note_arrival(0, 2) is None  # the late join news: no second one
+        assert kv.try_get(P.FAULT_SEQ) == b"1"
+    finally:
+        role.stop()
+        log.close()
