@@ -49,6 +49,7 @@ from launcher.faults import FaultKind, collective_failure
 from launcher.hang_guard import HangGuard
 from launcher.inject import carry_out
 from launcher.logs import AgentLog, RunLogDir
+from launcher.loop_store import LoopStore
 from launcher.messages import Bye, FaultReport, Heartbeat, Hello, Recovered
 from launcher.observer import NodeObserver
 from launcher.plan_executor import JobFailed, PlanExecutor
@@ -108,6 +109,7 @@ class Agent:
         self.spawner: Spawner | None = None
         self.executor: PlanExecutor | None = None
         self.reporter: FaultReporter | None = None  # fault reports to the controller
+        self.loop_store: LoopStore | None = None  # the loop's other store writes, off the loop
         self._feeds: list[KeyFeed] = []
         self._handlers: dict[type, Callable[[Any], int | None]] = {
             WorkerExit: self._on_exit, ChannelMessage: self._on_message, PlanEvent: self._on_plan,
@@ -162,6 +164,7 @@ class Agent:
         """Store stack and world, then channel, reaper and the world's parts (`_enter_world`)."""
         self.kv = self._rendezvous(open_store=True)
         self.reporter = FaultReporter(self.kv, self.log, self.stack.me, self.stack.check_member)
+        self.loop_store = LoopStore(self.kv, self.log)
         self.channel = ChannelServer(os.path.join(self._sock_dir, "agent.sock"), self.events)
         self.reaper = Reaper(self.events)
         self._master = self.stack.start_proxy()
@@ -214,7 +217,8 @@ class Agent:
                       world_size=world.world_size, master_port=master_port, log_dir=self.run_dir.path)
         assert self.observer is not None
         self.observer.attach(kv, world.group_rank, world.is_leader, self.stack.server_stats())
-        self.hangs.attach(kv, world.group_rank, world.group_world_size)
+        assert self.loop_store is not None
+        self.hangs.attach(kv, world.group_rank, world.group_world_size, put=self.loop_store.put)
         # A replacement agent: plans published from the moment it joined concern it (the leader
         # starts a round for its arrival, possibly before join() returned).
         raw = kv.try_get(P.GENERATION_KEY)
@@ -232,7 +236,9 @@ class Agent:
                                on_spawn=self.hangs.on_spawn)
         self.executor = PlanExecutor(cfg, self.log, kv, world, self.workers, self.spawner,
                                      self.channel, self.failures, stop=self.stopping,
-                                     dump=lambda w: self.hangs.dump(w, w.rank in self.workers.aware))
+                                     dump=lambda w: self.hangs.dump(w, w.rank in self.workers.aware),
+                                     store=self.loop_store,
+                                     lost=lambda: self.stack.lost_error() is not None)
         if self.rejoined:
             self.log.warning("rejoined", f"replacement agent for node {world.group_rank}: "
                              f"waiting for generation {self.generation + 1}")
@@ -376,10 +382,10 @@ class Agent:
             self.hangs.on_bye(msg.rank)
 
     def _on_hello(self, msg: Hello, pid: int | None) -> None:
-        assert self.kv is not None and self.executor is not None
+        assert self.loop_store is not None and self.executor is not None
         if msg.rank not in self.workers.aware:
             self.workers.aware.add(msg.rank)
-            self.kv.set(P.aware_key(msg.rank), b"1")
+            self.loop_store.put(P.aware_key(msg.rank), b"1")
         self.log.info("hello", f"rank {msg.rank} (pid {pid}) uses the ftrun runtime", rank=msg.rank,
                       pid=pid)
         self.executor.on_hello(msg.rank, msg.generation)
@@ -598,7 +604,7 @@ class Agent:
         """Stop everything this agent started, workers first, the store last."""
         stop_workers(self.workers.all(), signal.SIGKILL, 0.0)
         _stop_together([self.observer, self.role, *self._feeds, self.channel, self.reaper,
-                        self.spawner, self.reporter])
+                        self.spawner, self.reporter, self.loop_store])
         self.stack.close(LEAVE_SIGNAL if self.signum is not None else None)
         try:
             os.rmdir(self._sock_dir)

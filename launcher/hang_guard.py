@@ -9,7 +9,10 @@ Owns, for the agent's health check (every monitor interval):
     live rank of this node is silent and no rank of another node progressed within the timeout
     (a rank blocked on a hung peer is silent too: `decision.blame_local` picks the one to blame,
     and says when it could only pick the first to go silent);
-  - the node's progress record in the store (`launcher.progress`), at most once a second;
+  - the node's progress record in the store (`launcher.progress`), at most once a second,
+    written off the agent's loop (`launcher.loop_store`); the other nodes' records are read on
+    a thread the loop waits for at most READ_WAIT s (a store that does not answer holds up
+    neither the health check nor, so, the self-fencing);
 and `act()`: log the hang, dump the stacks (`launcher.stacks`), remember the kill so that the exit
 is reported as a `hang` with its evidence, kill the process. `dump()` is the same dump for a rank
 the controller blamed (the plan executor calls it before it kills that rank).
@@ -30,8 +33,11 @@ from launcher.messages import Heartbeat
 from launcher.proc_watch import SilenceWatch, proc_state
 from launcher.progress import ProgressBoard, read_progress
 from launcher.stacks import Dump, dump_stacks, py_spy_available, py_spy_dump
+from launcher.loop_store import Call
 from launcher.workers import NodeWorkers, Worker, send_signal
 from rendezvous.kv import KVStore
+
+READ_WAIT = 0.2  # s the health check waits for the other nodes' progress records
 
 
 class HangGuard:
@@ -51,10 +57,12 @@ class HangGuard:
         self._kv: KVStore | None = None
         self._nnodes = 1
         self._declared: int | None = None  # generation in which an unmodified hang was declared
+        self._reading: Call | None = None  # the other nodes' records, being read
 
-    def attach(self, kv: KVStore, node: int, nnodes: int) -> None:
+    def attach(self, kv: KVStore, node: int, nnodes: int,
+               put: Callable[[str, bytes], None] | None = None) -> None:
         self._kv, self._nnodes = kv, nnodes
-        self.board = ProgressBoard(kv, node)
+        self.board = ProgressBoard(kv, node, put=put)
 
     # ---- fed by the agent ---------------------------------------------------------------
     def on_heartbeat(self, hb: Heartbeat) -> None:
@@ -120,8 +128,15 @@ class HangGuard:
         """Whether a rank of another node progressed within `limit` s (its agent's record)."""
         if self._kv is None or self._nnodes <= 1:
             return False
-        return any(p.node != node and p.idle_s < limit
-                   for p in read_progress(self._kv, self._nnodes))
+        kv, nnodes = self._kv, self._nnodes
+        if self._reading is None:
+            self._reading = Call.start(lambda: read_progress(kv, nnodes), "progress")
+        if not self._reading.wait(READ_WAIT):
+            return True  # unknown (the store does not answer): not a reason to kill a rank
+        call, self._reading = self._reading, None
+        if call.error is not None:
+            return True
+        return any(p.node != node and p.idle_s < limit for p in call.value)
 
     # ---- acting on a hang ---------------------------------------------------------------
     def act(self, w: Worker, hang: Hang, aware: bool) -> None:

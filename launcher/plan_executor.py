@@ -10,6 +10,9 @@ Owns: what an agent does for each strategy of a `Plan` (the decision is the cont
   exit                     stop every worker, print the failure summary, exit code 1;
 and `finish()`, the barrier of a successful job: every node's workers done, then every agent
 leaving (the store host last). Methods return the agent's exit code, or None to keep running.
+They run on the agent's event loop: the restart barrier's count is written off it
+(`launcher.loop_store`) and the wait for the go ends as soon as this node loses its membership
+(the loop then self-fences), so a store that does not answer never holds the loop up.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ from launcher.channel import ChannelServer
 from launcher.config import LaunchConfig
 from launcher.errors import JobFailures
 from launcher.logs import AgentLog
+from launcher.loop_store import Call, LoopStore
 from launcher.messages import Stop
 from launcher.spawner import Spawner
 from launcher.store_stack import AgentWorld
@@ -49,7 +53,9 @@ class PlanExecutor:
     def __init__(self, cfg: LaunchConfig, log: AgentLog, kv: KVStore, world: AgentWorld,
                  workers: NodeWorkers, spawner: Spawner, channel: ChannelServer,
                  failures: JobFailures, stop: threading.Event | None = None,
-                 dump: Callable[[Worker], object] | None = None) -> None:
+                 dump: Callable[[Worker], object] | None = None,
+                 store: LoopStore | None = None,
+                 lost: Callable[[], bool] | None = None) -> None:
         self.cfg = cfg
         self.log = log
         self.kv = kv
@@ -61,6 +67,8 @@ class PlanExecutor:
         self._pending_stop: dict[int, Stop] = {}  # rank -> stop it has not received yet
         self.stop = stop or threading.Event()  # set by a signal: every wait here ends at once
         self._dump_stacks = dump  # stack dump of a live rank the controller blamed for a hang
+        self._store = store  # the agent's off-loop writes (None: written here, tests)
+        self._lost = lost or (lambda: False)  # this node lost its membership (it self-fences)
 
     def execute(self, plan: P.Plan) -> int | None:
         self.log.info("plan-received", f"executing {plan.strategy} for generation {plan.generation}"
@@ -94,11 +102,23 @@ class PlanExecutor:
         t0 = time.monotonic()
         self._dump_blamed(plan)
         self._stop_all(signal.SIGTERM)
-        if self.kv.add(P.stopped_key(g), 1) >= self.world.group_world_size:
-            self.kv.set(P.all_stopped_key(g), b"1")
+        nodes = self.world.group_world_size
+
+        def counted(n: int) -> None:
+            if n >= nodes:
+                self.kv.set(P.all_stopped_key(g), b"1")
+
+        if self._store is not None:
+            self._store.add(P.stopped_key(g), 1, then=counted)
+        else:
+            counted(self.kv.add(P.stopped_key(g), 1))
         if not self._wait_go(g, max(self.cfg.join_timeout, 60.0)):
             if self.stop.is_set():
                 raise JobFailed(1)  # a signal: the agent leaves (torchrun's exit code 1)
+            if self._lost():
+                self.log.warning("restart-abandoned", f"generation {g}: this node lost its "
+                                 "membership while it waited for the restart; it self-fences")
+                return None
             self.log.error("phase-timeout", f"generation {g}: the controller did not release the restart")
             raise JobFailed(1)
         self.workers.aware.clear()
@@ -109,14 +129,24 @@ class PlanExecutor:
         return None
 
     def _wait_go(self, g: int, timeout: float) -> bool:
-        """Wait for the controller's go in slices, ending at once when a signal arrives."""
+        """Wait for the controller's go in slices, ending at once when a signal arrives or this
+        node loses its membership. Each slice's store call runs off the loop (a store that does
+        not answer blocks a call until read_timeout); an error is retried the next slice."""
         end = time.monotonic() + timeout
-        while not self.stop.is_set():
+        call: Call | None = None
+        while not self.stop.is_set() and not self._lost():
             left = end - time.monotonic()
             if left <= 0:
                 return False
-            if self.kv.wait([P.go_key(g)], min(0.25, left)):
+            if call is None:
+                call = Call.start(lambda: self.kv.wait([P.go_key(g)], min(0.25, left)), "go")
+            if not call.wait(0.3):
+                continue  # the store has not answered yet
+            done, call = call, None
+            if done.error is None and done.value:
                 return True
+            if done.error is not None:
+                self.stop.wait(0.25)
         return False
 
     def _recover(self, plan: P.Plan) -> None:

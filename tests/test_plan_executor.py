@@ -116,3 +116,37 @@ def test_exit_stops_everyone_and_records_them_as_terminated(node) -> None:
         time.sleep(0.01)
     assert not ex.workers.alive()
     assert sorted(r for r, _ in ex.failures.terminated) == [0, 1]
+
+
+def test_a_restart_barrier_ends_at_once_when_the_node_loses_its_membership(node, tmp_path) -> None:
+    """restart-all on the agent's loop, the store behind a cut link (its calls hang until
+    read_timeout): the barrier's count is written off the loop, and the wait for the go ends
+    within a slice of this node losing its membership, so the loop can self-fence."""
+    from helpers_relay import Relay
+
+    from launcher.loop_store import LoopStore
+    from rendezvous.client import StoreClient
+    from rendezvous.server import StoreServer
+
+    ex, _, _ = node
+    lost = threading.Event()
+    with StoreServer(host="127.0.0.1") as server, Relay("127.0.0.1", server.port) as relay:
+        kv = StoreClient("127.0.0.1", relay.port, timeout=10.0)
+        store = LoopStore(kv, ex.log)
+        try:
+            kv.try_get("warm")
+            ex.kv, ex._store, ex._lost = kv, store, lost.is_set
+            relay.cut()
+            time.sleep(0.3)
+            threading.Timer(1.0, lost.set).start()
+            t0 = time.monotonic()
+            plan = P.Plan(generation=1, strategy=P.RESTART_ALL, failed_ranks=[1])
+            assert ex.execute(plan) is None
+            took = time.monotonic() - t0
+            assert took < 1.0 + 0.6, took  # not read_timeout (10 s)
+            assert all(not w.alive for w in ex.workers.all())  # stopped, not respawned
+            relay.heal()
+            assert server.kv.wait([P.stopped_key(1)], 10.0)  # the count lands after all
+        finally:
+            store.stop()
+            kv.close()
