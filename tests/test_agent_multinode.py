@@ -332,3 +332,69 @@ def test_scale_up_restart_grows_the_world_with_a_late_node(tmp_path) -> None:
     assert len(plans) == 1 and plans[0]["scale_up"] and "restarts used 0/0" in plans[0]["message"]
     assert sorted(e["world_size"] for t in procs for e in evs[t] if e["event"] == "rendezvous") \
         == [2, 2, 3, 3, 3]
+
+@pytest.mark.etcd
+def test_a_node_cut_off_from_etcd_self_fences_within_the_lease_ttl_plus_1s(tmp_path) -> None:
+    """etcd, two agents of a runtime-aware job; one reaches etcd through a relay whose link is
+    then cut (its calls hang until etcd's request_timeout, 10 s). Its loop publishes progress
+    every second and counts barriers: none of that may hold it up, so it kills its worker
+    within the lease TTL + 1 s of the cut (before, an etcd put on the loop held the self-fence
+    up to the request timeout). The link comes back; it rejoins and the job finishes."""
+    import os
+    import time
+
+    from tests.helpers_etcd import start_etcd
+    from tests.helpers_launch import REPO
+    from tests.helpers_relay import Relay
+
+    ttl = 2.0
+    train = [os.path.join(REPO, "scripts", "examples", "ddp_train.py"), "--steps", "60",
+             "--step-time", "0.1"]
+    env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")
+    srv = start_etcd()
+    relay = Relay("127.0.0.1", srv.client_port)
+    procs: list[subprocess.Popen] = []
+    files = []
+    try:
+        def agent(tag: str, endpoint: str) -> subprocess.Popen:
+            f = open(tmp_path / f"agent{tag}.txt", "w+")
+            files.append(f)
+            p = subprocess.Popen(FTRUN + [
+                "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "etcd",
+                "--rdzv_endpoint", endpoint, "--rdzv_id", "fence", "--max_restarts", "3",
+                "--rdzv_conf", f"keep_alive_interval=0.5,heartbeat_timeout={ttl:g},"
+                "node_replace_timeout=60", "--log_dir", str(tmp_path / f"log{tag}"), *train,
+                "--out", str(tmp_path / "out{rank}.pt")], env=env, stdout=f,
+                stderr=subprocess.STDOUT, text=True)
+            procs.append(p)
+            return p
+
+        agent("a", srv.endpoint)
+        agent("b", relay.endpoint)
+        for tag in ("a", "b"):
+            _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "hello", 60)
+        time.sleep(1.5)  # a few progress records in
+        t_cut = time.time()
+        relay.cut()
+        fence = _wait_event(str(tmp_path / "logb"), lambda e: e["event"] == "self-fence", 30)
+        relay.heal()
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(120))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+        text = [f.seek(0) or f.read() for f in files]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+        relay.close()
+        srv.stop()
+    took = fence["time"] - t_cut
+    print(f"self-fence {took:.2f}s after the cut (lease TTL {ttl:g}s)")
+    assert took <= ttl + 1.0, (took, text[1][-3000:])
+    assert codes == [0, 0], f"{codes}\n{text[0][-3000:]}\n----\n{text[1][-3000:]}"
