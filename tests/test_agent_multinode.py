@@ -398,3 +398,91 @@ def test_a_node_cut_off_from_etcd_self_fences_within_the_lease_ttl_plus_1s(tmp_p
     print(f"self-fence {took:.2f}s after the cut (lease TTL {ttl:g}s)")
     assert took <= ttl + 1.0, (took, text[1][-3000:])
     assert codes == [0, 0], f"{codes}\n{text[0][-3000:]}\n----\n{text[1][-3000:]}"
+
+
+@pytest.mark.etcd
+def test_a_round_in_progress_when_the_controllers_node_dies_is_taken_up_by_its_successor(
+        tmp_path) -> None:
+    """etcd, 3 training nodes + a hot spare. Rank 2's worker dies; the controller (node 0)
+    publishes its recover-in-place round and is killed with its node while the round collects
+    statuses (the replacement of rank 2 is still importing torch: no warm spares). The agent
+    elected next takes the round up (`round-resumed`), node 0's loss supersedes it with a
+    round whose failed ranks include node 0's, the spare takes node 0, everyone is repaired
+    from rank 1's replica, and the result is bit-identical to a fault-free run."""
+    import os
+    import signal
+    import time
+
+    from tests.helpers_etcd import start_etcd
+    from tests.helpers_launch import REPO
+    from tests.helpers_runtime import assert_bit_identical, load_params
+
+    train = [os.path.join(REPO, "scripts", "examples", "ddp_train.py"), "--steps", "60",
+             "--step-time", "0.1"]
+    env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")
+    ref = run(FTRUN + ["--nproc_per_node", "3", "--log_dir", str(tmp_path / "logref"), *train[:3],
+                       "--out", str(tmp_path / "ref{rank}.pt")], env=env, timeout=120)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    srv = start_etcd()
+    procs: dict[str, subprocess.Popen] = {}
+    files = []
+    try:
+        def agent(tag: str) -> None:
+            f = open(tmp_path / f"agent{tag}.txt", "w+")
+            files.append(f)
+            procs[tag] = subprocess.Popen(FTRUN + [
+                "--nnodes", "3", "--nproc_per_node", "1", "--rdzv_backend", "etcd",
+                "--rdzv_endpoint", srv.endpoint, "--rdzv_id", "resume", "--max_restarts", "5",
+                "--warm_spares", "0", "--rdzv_conf",
+                "keep_alive_interval=0.5,heartbeat_timeout=2,node_replace_timeout=60",
+                "--log_dir", str(tmp_path / f"log{tag}"), *train, "--out",
+                str(tmp_path / "out{rank}.pt")], env=env, stdout=f, stderr=subprocess.STDOUT,
+                text=True)
+
+        for tag in ("a", "b", "c"):
+            agent(tag)
+        rank_of = {tag: _wait_event(str(tmp_path / f"log{tag}"),
+                                    lambda e: e["event"] == "hello", 90)["rank"]
+                   for tag in ("a", "b", "c")}
+        tag_of = {r: t for t, r in rank_of.items()}
+        agent("s")
+        _wait_event(str(tmp_path / "logs"), lambda e: e["event"] == "hot-spare", 30)
+        time.sleep(1.0)
+
+        def worker(tag: str) -> int:
+            return next(e["pid"] for e in _events(str(tmp_path / f"log{tag}"))
+                        if e["event"] == "spawn")
+
+        os.kill(worker(tag_of[2]), signal.SIGKILL)  # rank 2 dies: the controller's round
+        _wait_event(str(tmp_path / f"log{tag_of[0]}"),
+                    lambda e: e["event"] == "plan" and e["generation"] == 1, 30)
+        for pid in (procs[tag_of[0]].pid, worker(tag_of[0])):  # node 0 dies mid-round
+            os.kill(pid, signal.SIGKILL)
+        codes = {}
+        for tag in (tag_of[1], tag_of[2], "s"):
+            try:
+                codes[tag] = procs[tag].wait(120)
+            except subprocess.TimeoutExpired:
+                codes[tag] = None
+        text = {tag: (f.seek(0) or f.read()) for tag, f in zip(("a", "b", "c", "s"), files)}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for f in files:
+            f.close()
+        srv.stop()
+    dump = "\n----\n".join(t[-2500:] for t in text.values())
+    assert all(c == 0 for c in codes.values()), f"{codes}\n{dump}"
+    evs = [e for tag in (tag_of[1], tag_of[2], "s") for e in _events(str(tmp_path / f"log{tag}"))]
+    assert not any(e["event"] == "repair-plan" and e["generation"] == 1
+                   for e in _events(str(tmp_path / f"log{tag_of[0]}"))), "round 1 ended early"
+    resumed = [e for e in evs if e["event"] == "round-resumed"]
+    assert resumed and resumed[0]["generation"] == 1 and resumed[0]["failed_ranks"] == [2], dump
+    plans = {e["generation"]: e for e in evs if e["event"] == "plan"}
+    assert plans and all(p["strategy"] == "recover-in-place" for p in plans.values()), plans
+    assert set(plans[2]["failed_ranks"]) >= {0, 2}, plans  # superseded with node 0's rank
+    for r in range(3):
+        assert_bit_identical(load_params(tmp_path / f"ref{r}.pt"),
+                             load_params(tmp_path / f"out{r}.pt"))
