@@ -18,6 +18,11 @@ MLP with slowed steps. Scenarios (one JSON line each, `--scenarios` picks):
                 liveness timeout keep_alive_interval x keep_alive_max_attempt, 5 s by default),
                 with the default and with a shorter `--rdzv-conf`. torchrun with the same
                 `--rdzv-conf`: its first reaction on a survivor and what it was.
+  node-crash-etcd  the same with `--rdzv_backend etcd` (ftrun only: torchrun's etcd backends
+                need python-etcd and etcd's v2 API): etcd runs in one more host of its own,
+                every training host is an etcd client; time until a survivor declares the node
+                lost (its etcd lease expired: bound the lease TTL, 5 s by default, 2 s with the
+                shorter `--rdzv-conf`).
   mttr          hosts-1 nodes train, the last host joins later as a hot spare; a training node
                 (not the store host) crashes. Time from the crash until every rank completed a
                 step again, steps computed twice, which strategy ran, survivors' processes kept
@@ -36,7 +41,8 @@ hostname's, `localhost`). Times are wall-clock (every namespace shares the clock
 the kill. Namespaces, links and processes are removed even on failure or a signal;
 --keep-logs keeps the run directory (logs, events, step files) and prints its path.
 
-Usage: python scripts/bench_multinode.py [--scenarios worker-death,node-crash,mttr,store]
+Usage: python scripts/bench_multinode.py
+       [--scenarios worker-death,node-crash,node-crash-etcd,mttr,store]
        [--hosts 3] [--store-hosts 4] [--store-sizes 256,1024] [--keep-logs]
 """
 from __future__ import annotations
@@ -63,9 +69,10 @@ from launcher.logs import read_events  # noqa: E402  (the repo, not only an inst
 
 import bench_store  # noqa: E402  (scripts/ is sys.path[0])
 from hosts_setup import ensure_hosts_line  # noqa: E402
-from netns_cluster import Cluster, Host, unavailable  # noqa: E402
+from netns_cluster import Cluster, Host, start_etcd, unavailable  # noqa: E402
 
-SCENARIOS = ("worker-death", "node-crash", "mttr", "store")
+SCENARIOS = ("worker-death", "node-crash", "node-crash-etcd", "mttr", "store")
+ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
 TOOLS = ("ftrun", "torchrun")
 WORKERS = {"ftrun": os.path.join(REPO, "scripts", "bench_recovery_worker.py"),
            "torchrun": os.path.join(REPO, "scripts", "bench_recovery_torchrun_worker.py")}
@@ -199,12 +206,14 @@ class Job:
     nnodes: int
     conf: str = ""
     step_time: float = 0.05
-    endpoint: str = ""
+    endpoint: str = ""  # c10d: host 0's address and a free port; etcd: the etcd endpoint
+    backend: str = "c10d"
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         os.makedirs(self.out, exist_ok=True)
-        self.endpoint = f"{self.cluster.hosts[0].addr}:{free_port()}"
+        if not self.endpoint:
+            self.endpoint = f"{self.cluster.hosts[0].addr}:{free_port()}"
 
     def log_dir(self, h: Host) -> str:
         return os.path.join(self.out, f"log{h.index}")
@@ -214,7 +223,7 @@ class Job:
 
     def command(self, h: Host) -> list[str]:
         cmd = LAUNCHERS[self.tool] + [
-            "--nnodes", str(self.nnodes), "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+            "--nnodes", str(self.nnodes), "--nproc_per_node", "1", "--rdzv_backend", self.backend,
             "--rdzv_endpoint", self.endpoint, "--rdzv_id", "bm", "--max_restarts", "3",
             "--monitor_interval", "0.1"]
         conf = [self.conf] if self.conf else []
@@ -225,7 +234,7 @@ class Job:
             cmd += ["--rdzv_conf", ",".join(conf)]
         if self.tool == "torchrun":  # else rank 0's agent publishes getfqdn() ("localhost")
             cmd += ["--local_addr", h.addr]
-        if self.tool == "ftrun":
+        if self.tool == "ftrun" and self.backend == "c10d":
             cmd += ["--master_addr", self.cluster.hosts[0].addr]
         return cmd + [WORKERS[self.tool], "--steps", "100000", "--hidden", "64", "--layers", "3",
                       "--checkpoint-dir", os.path.join(self.out, "ckpt"),
@@ -318,6 +327,21 @@ def crash(h: Host) -> tuple[float, set[int]]:
     return t0, pids
 
 
+def ftrun_node_lost(job: Job, others: list[Host], t0: float, live: float) -> dict:
+    """When a survivor declared the crashed node lost (`node-lost`) and the first reaction."""
+    lost = poll(lambda: next((e for h in others for e in job.events(h)
+                              if e["time"] >= t0 and e["event"] == "node-lost"
+                              and "lost_node" in e), None), live + 5)
+    first = min((e for h in others for e in job.events(h) if e["time"] >= t0
+                 and e["event"] in ("worker-failed", "worker-fault", "node-lost")),
+                key=lambda e: e["time"], default=None)
+    return {"node_lost_s": round(lost["time"] - t0, 3) if lost else None,
+            "within_liveness": bool(lost) and lost["time"] - t0 <= live,
+            "node_lost_line": lost and lost["message"][:120],
+            "first_reaction_s": round(first["time"] - t0, 3) if first else None,
+            "first_reaction": first and first["event"]}
+
+
 def rank_on(job: Job, h: Host) -> tuple[int, int]:
     """(rank, pid) of the worker living on host `h` (its latest step record)."""
     inside = set(h.pids())
@@ -393,17 +417,7 @@ class Bench:
             res: dict = {"conf": conf or "(default)", "liveness_s": live,
                          "killed_procs": len(killed)}
             if tool == "ftrun":
-                lost = poll(lambda: next((e for h in others for e in job.events(h)
-                                          if e["time"] >= t0 and e["event"] == "node-lost"
-                                          and "lost_node" in e), None), live + 5)
-                first = min((e for h in others for e in job.events(h) if e["time"] >= t0
-                             and e["event"] in ("worker-failed", "worker-fault", "node-lost")),
-                            key=lambda e: e["time"], default=None)
-                res["node_lost_s"] = round(lost["time"] - t0, 3) if lost else None
-                res["within_liveness"] = bool(lost) and lost["time"] - t0 <= live
-                res["node_lost_line"] = lost and lost["message"][:120]
-                res["first_reaction_s"] = round(first["time"] - t0, 3) if first else None
-                res["first_reaction"] = first and first["event"]
+                res.update(ftrun_node_lost(job, others, t0, live))
             else:  # torchrun has no node-lost notice: what its survivors do, and when
                 window = live + 5
                 time.sleep(window)
@@ -418,6 +432,30 @@ class Bench:
                 steps = job.steps()
                 res["training_resumed"] = all(any(r["time"] > t0 + 0.5 for r in recs)
                                               for recs in steps.values())
+            return res
+
+    # -- 2b. node crash, etcd backend
+    def node_crash_etcd(self, conf: str) -> dict:
+        """ftrun with --rdzv_backend etcd; etcd in host 0, the job on hosts 1..--hosts."""
+        n = self.args.hosts
+        live = liveness_of("ftrun", conf)
+        name = f"node-crash-etcd-{'short' if conf else 'default'}"
+        with tempfile.TemporaryDirectory(prefix="bm-etcd-") as data, \
+                Cluster(n + 1, prefix="bm") as c:
+            port = free_port()
+            start_etcd(c.hosts[0], port, free_port(), os.path.join(data, "etcd"), ETCD_BIN)
+            job = Job("ftrun", c, self.job_dir(name), nnodes=n, conf=conf, backend="etcd",
+                      endpoint=f"{c.hosts[0].addr}:{port}")
+            train = c.hosts[1:]
+            for h in train:
+                job.start(h)
+            job.wait_training(n)
+            time.sleep(1.0)  # leases refreshed a few times in steady state
+            victim, others = train[-1], train[:-1]
+            t0, killed = crash(victim)
+            res: dict = {"backend": "etcd", "conf": conf or "(default)", "lease_ttl_s": live,
+                         "killed_procs": len(killed)}
+            res.update(ftrun_node_lost(job, others, t0, live))
             return res
 
     # -- 3. MTTR with a hot spare
@@ -567,6 +605,17 @@ def run_scenario(bench: Bench, name: str, tools: list[str]) -> dict:
             v: dict = {"conf": conf or "(default)"}
             for tool in tools:
                 v[tool] = guarded(lambda: bench.node_crash(tool, conf))
+            row["variants"].append(v)
+    elif name == "node-crash-etcd":
+        row["hosts"] = a.hosts
+        row["variants"] = []
+        for conf in ("", SHORT_CONF):
+            v = {"conf": conf or "(default)"}
+            if "ftrun" in tools:
+                v["ftrun"] = guarded(lambda: bench.node_crash_etcd(conf))
+            if "torchrun" in tools:
+                v["torchrun"] = {"not_measured": "torchrun's etcd and etcd-v2 backends need "
+                                 "python-etcd and etcd's v2 API"}
             row["variants"].append(v)
     elif name == "mttr":
         row["hosts"] = a.hosts

@@ -190,6 +190,32 @@ class Cluster:
                        if self.tag in w and w.startswith(self.prefix)})
 
 
+def start_etcd(host: Host, port: int, peer_port: int, data_dir: str,
+               binary: str = "/usr/bin/etcd") -> str:
+    """Start etcd inside `host` on its bridge address, `port`; wait until healthy (20 s); its
+    client URL. The process belongs to the host (the cluster's close() stops it)."""
+    import urllib.request
+
+    url = f"http://{host.addr}:{port}"
+    peer = f"http://127.0.0.1:{peer_port}"
+    host.popen([binary, "--name", "t", "--data-dir", data_dir, "--listen-client-urls", url,
+                "--advertise-client-urls", url, "--listen-peer-urls", peer,
+                "--initial-advertise-peer-urls", peer, "--initial-cluster", f"t={peer}",
+                "--log-level", "error", "--heartbeat-interval", "10", "--election-timeout", "100"],
+               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=0.5) as r:
+                return b'"true"' in r.read()
+        except OSError:
+            return False
+
+    if not wait_until(healthy, 20):
+        raise RuntimeError(f"etcd in host {host.addr} did not become healthy within 20 s")
+    return url
+
+
 def wait_until(pred, timeout: float, interval: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

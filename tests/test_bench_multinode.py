@@ -117,3 +117,18 @@ def test_torch_outcome_names_the_exception_or_the_last_message(tmp_path) -> None
                 "torch.distributed.DistStoreError: wait timeout after 60000ms, keys: /a/MASTER_ADDR\n")
     assert bm.torch_outcome(str(path)).startswith("torch.distributed.DistStoreError: wait timeout")
     assert bm.torch_outcome(str(tmp_path / "none.txt")) == "(no log)"
+
+
+def test_the_etcd_node_crash_scenario_is_ftrun_only_and_says_why_for_torchrun() -> None:
+    a = bm.parse_args(["--scenarios", "node-crash-etcd", "--tools", "torchrun"])
+    assert a.scenarios == ["node-crash-etcd"]
+    import shutil
+
+    bench = bm.Bench(a)
+    try:
+        row = bm.run_scenario(bench, "node-crash-etcd", a.tools)  # nothing to start
+    finally:
+        shutil.rmtree(bench.root)
+    assert [v["conf"] for v in row["variants"]] == ["(default)", bm.SHORT_CONF]
+    assert all("python-etcd" in v["torchrun"]["not_measured"] for v in row["variants"])
+    assert not bm.has_error(row)
