@@ -159,8 +159,9 @@ class Controller:
 
     def _resume(self) -> Decision | None:
         """Take up the round an earlier controller was driving (see the module docstring)."""
-        plan, self._inherited = self._inherited, None
+        plan = self._inherited
         if plan is None or not self._unfinished(plan):
+            self._inherited = None
             return None
         g = plan.generation
         self.log.warning("round-resumed", f"generation {g}: the {plan.strategy} round of the "
@@ -173,13 +174,17 @@ class Controller:
                 break
             d = self._decide(fault)
             if not d.absorbed:
+                self._inherited = None
                 return d
         if plan.strategy in PROCESS_LEVEL:
-            return self._drive_repair(plan)
+            d = self._drive_repair(plan)
+            self._inherited = None
+            return d
         if plan.strategy == P.RESTART_ALL:
             self._release_restart_all(g)
         elif plan.strategy == P.DUMP:
             self._drive_dump(plan)
+        self._inherited = None
         return None
 
     def reconcile(self, members: dict[int, int], lost: list[int]) -> None:
@@ -240,18 +245,14 @@ class Controller:
         return fault
 
     def _run(self) -> None:
-        try:
-            self._run_rounds(self._resume())
-        except FencedError as e:
-            self.log.error("controller-fenced", f"this controller is stale and stops: {e}")
-            return
-        except StoreError as e:
-            self.log.error("controller", f"store error in controller: {e}")
         while not self._stop.is_set():
             if self._regrouping:  # this world ends: its agents move to the new round
                 self._stop.wait(0.2)
                 continue
             try:
+                if self._inherited is not None:  # again after a store error
+                    self._run_rounds(self._resume())
+                    continue
                 overdue = self._unreplaced() or self._scale_up()
                 if overdue is not None:
                     self._run_rounds(overdue)
