@@ -19,6 +19,8 @@ from typing import Any, Callable
 
 from launcher.controller import Controller
 from launcher.logs import AgentLog
+from rendezvous.errors import RendezvousError
+from rendezvous.kv import StoreError
 
 
 class ControllerRole:
@@ -96,6 +98,11 @@ class ControllerRole:
             if self._stopped:
                 return
             self._controller = c
-        c.reconcile(self.stack.members() if members is None else members,
-                    self.stack.lost_nodes() if lost is None else lost)
+        try:
+            c.reconcile(self.stack.members() if members is None else members,
+                        self.stack.lost_nodes() if lost is None else lost)
+        except (StoreError, RendezvousError) as e:  # it starts anyway: its own writes are fenced
+            self.log.error("controller", f"node {self.group_rank}: the membership was not "
+                           f"compared with the previous controller's state: {e}",
+                           controller=self.group_rank)
         c.start()
