@@ -269,7 +269,8 @@ class Agent:
                           transfer_stripes=cfg.transfer_stripes,
                           new_round=self.stack.request_round if self.stack.can_renumber else None,
                           waiting=(self.stack.waiting if cfg.rdzv_settings.scale_up == "restart"
-                                   else None), max_nodes=cfg.max_nodes)
+                                   else None), max_nodes=cfg.max_nodes,
+                          world_round=self.stack.world_round())
 
     def _leave_world(self) -> None:
         """Undo `_enter_world` (workers already killed): before rejoining as a fresh node."""

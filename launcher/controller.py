@@ -82,7 +82,8 @@ class Controller:
                  stale: Callable[[int, int], str] | None = None,
                  fence: Callable[[str], None] | None = None, transfer_stripes: int = 1,
                  new_round: Callable[[], int] | None = None,
-                 waiting: Callable[[], int] | None = None, max_nodes: int = 0) -> None:
+                 waiting: Callable[[], int] | None = None, max_nodes: int = 0,
+                 world_round: int = 0) -> None:
         self.kv = kv
         # scale_up=restart: how many agents wait to get in (None: they wait as hot spares)
         self._waiting = waiting if new_round is not None else None
@@ -114,6 +115,7 @@ class Controller:
                                          int(seq) + 1 if seq is not None else 1),
                                      budget=Budget(int(used) if used is not None else 0, max_restarts))
         self.term = CS.take_term(kv)  # fences the saved state against earlier controllers
+        self.world_round = world_round  # the rendezvous round of this world (node numbering)
         self.known: dict[int, int] = {}  # node -> agent incarnation accounted for
         self._save_lock = threading.Lock()
         self._inherited = self._restore()  # the latest plan, when an earlier controller wrote it
@@ -128,7 +130,7 @@ class Controller:
         g = self.state.generation
         raw = self.kv.try_get(P.plan_key(g)) if g > 0 else None
         plan = P.Plan.from_json(raw) if raw is not None else None
-        if saved is not None:
+        if saved is not None and saved.world_round == self.world_round:
             self.known = dict(saved.known)
             now_wall, now = time.time(), time.monotonic()
             for node, rec in saved.lost.items():
@@ -149,8 +151,11 @@ class Controller:
         return plan
 
     def _unfinished(self, plan: P.Plan) -> bool:
-        """True when `plan`'s round is not done: its phase key is not written yet."""
+        """True when `plan`'s round is not done: its phase key is not written yet. A plan that
+        moved the job to a new rendezvous round (shrink, grow) ended with its world."""
         g = plan.generation
+        if plan.new_round:
+            return False
         if plan.strategy in PROCESS_LEVEL or plan.strategy == P.DUMP:
             return self.kv.try_get(P.repair_key(g)) is None
         if plan.strategy == P.RESTART_ALL:
@@ -210,7 +215,8 @@ class Controller:
             known = dict(self.known)
         with self._save_lock:
             CS.save(self.kv, CS.SavedState(self.term, self.state.generation,
-                                           [dict(h) for h in self.history], lost, known))
+                                           [dict(h) for h in self.history], lost, known,
+                                           self.world_round))
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:

@@ -12,7 +12,10 @@ here: the latest plan (`plan.plan_key`) and its phase keys (repair plan, go) say
 Fencing: every controller takes a term (`TERM_KEY`, a counter) when it is built, and writes the
 record only by compare-and-set over a record whose term is not newer than its own; a deposed
 controller that still runs (cut off, then back) gets `FencedError` instead of overwriting its
-successor's state. The record's generation is the job's generation when it was written.
+successor's state. The record's generation is the job's generation when it was written; its
+world round is the rendezvous round of the world it describes (after the world shrank or grew in
+a new round, node ranks are renumbered: the lost nodes and incarnations of the old world mean
+nothing in the new one, only the history carries over).
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ class SavedState:
     history: list[dict] = field(default_factory=list)
     lost: dict[int, dict] = field(default_factory=dict)  # node -> {"at": unix time, "fault": json}
     known: dict[int, int] = field(default_factory=dict)  # node -> incarnation accounted for
+    world_round: int = 0  # the rendezvous round of the world the lost nodes and known refer to
 
     def to_json(self) -> bytes:
         d = asdict(self)
@@ -48,7 +52,8 @@ class SavedState:
         return cls(term=int(d["term"]), generation=int(d["generation"]),
                    history=list(d.get("history") or []),
                    lost={int(k): dict(v) for k, v in (d.get("lost") or {}).items()},
-                   known={int(k): int(v) for k, v in (d.get("known") or {}).items()})
+                   known={int(k): int(v) for k, v in (d.get("known") or {}).items()},
+                   world_round=int(d.get("world_round", 0)))
 
 
 def take_term(kv: KVStore) -> int:

@@ -257,6 +257,12 @@ class StoreStack:
             return {}
         return self._membership.liveness.roster.alive()
 
+    def world_round(self) -> int:
+        """The rendezvous round of the world this agent is in (0 before a new round)."""
+        if self._membership is None or self._membership.world is None:
+            return 0
+        return int(getattr(self._membership.world, "round", 0))
+
     def incarnation_of(self, node: int) -> int:
         """The incarnation of `node`'s live agent as this agent knows it (0: unknown)."""
         return self.members().get(node, 0)

@@ -529,3 +529,26 @@ def test_a_node_taken_over_before_the_successor_was_elected_is_reported_to_it(kv
         assert kv.try_get(P.FAULT_SEQ) == b"1"
     finally:
         c2.stop()
+
+
+def test_a_controller_of_a_new_world_keeps_the_history_but_not_the_old_worlds_nodes(kv) -> None:
+    """After the world shrank (a restart-all plan into a new rendezvous round) node ranks are
+    renumbered: the first controller of the new world does not take the old world's lost nodes
+    or incarnations, nor the regroup plan as a round to drive; the history goes on."""
+    from launcher.decision import Decision
+
+    c1 = _node_world(kv, start=False)
+    c1.reconcile({0: 1, 1: 1}, [])
+    c1.note_node(1, lost=True, why="no heartbeat for 2s")
+    cause = P.Fault(kind="node-lost", rank=None, node=1, generation=0, message="lost",
+                    evidence={"node_lost": True, "node_ranks": [2, 3]})
+    c1.publish(Decision(P.RESTART_ALL, "shrink", cause, (2, 3), (0, 1), charged=True),
+               new_round=1)
+    c2 = Controller(kv, AgentLog(0, None, quiet=True), 2, 1, 3,
+                    [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=5.0,
+                    window=0.1, world_round=1)
+    assert c2.lost_nodes == set() and c2.known == {} and not c2._unfinished(plan_of(kv, 1))
+    assert [h["node"] for h in c2.history] == [1]
+    c3 = Controller(kv, AgentLog(0, None, quiet=True), 4, 2, 3, [P.RESTART_ALL, P.EXIT],
+                    world_round=0)  # a controller of the old world would have them
+    assert c3.lost_nodes == {1} and c3.known == {0: 1, 1: 1}
