@@ -676,7 +676,8 @@ class StoreServer(LoopServer):
 
     def _wait(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
         """WAIT or BARRIER: STOP_WAITING now, or a waiter that answers when it fires."""
-        fire = self._fire_cb(c, tag)
+        ref: list = []  # the waiter, once registered (its delivery checks it is still current)
+        fire = self._fire_cb(c, tag, ref)
         if req.op == Op.WAIT:
             w = self.table.wait(req.keys, fire)
         else:
@@ -686,6 +687,7 @@ class StoreServer(LoopServer):
                 raise DropConnection(f"BARRIER failed: {e}") from None
         if w is None:
             return P.STOP_WAITING_REPLY
+        ref.append(w)
         if tag >= 0:
             c.mux_waiters[tag] = w
         else:
@@ -694,32 +696,48 @@ class StoreServer(LoopServer):
             c.waiter = w
         return None
 
-    def _fire_cb(self, c: _Conn, tag: int) -> Callable[[], None]:
-        data = P.STOP_WAITING_REPLY if tag < 0 else P.enc_tag(tag) + P.STOP_WAITING_REPLY
-
+    def _fire_cb(self, c: _Conn, tag: int, ref: list) -> Callable[[], None]:
         def fire() -> None:
             if threading.get_ident() == self._loop_ident:
-                self._deliver(c, data, tag)
-            else:
-                self.call_soon_threadsafe(lambda: self._deliver(c, data, tag))
+                self._deliver(c, ref[0], tag)
+            else:  # a write of another thread (LocalKV): ref is filled by the time this runs
+                self.call_soon_threadsafe(lambda: self._deliver(c, ref[0], tag))
         return fire
 
-    def _deliver(self, c: _Conn, data: bytes, tag: int) -> None:
+    @staticmethod
+    def _stop_waiting(tag: int) -> bytes:
+        return P.STOP_WAITING_REPLY if tag < 0 else P.enc_tag(tag) + P.STOP_WAITING_REPLY
+
+    def _deliver(self, c: _Conn, w, tag: int) -> None:
+        """Answer waiter `w` of `c` with STOP_WAITING, unless it is no longer the connection's
+        current waiter: a CANCEL_WAIT that arrived while this delivery was queued (a write of
+        another thread) has answered it already, in the order torch's client expects."""
         if c.closed:
             return
         if tag >= 0:
-            c.mux_waiters.pop(tag, None)
+            if c.mux_waiters.get(tag) is not w:
+                return
+            del c.mux_waiters[tag]
         else:
+            if c.waiter is not w:
+                return
             c.waiter = None
+        data = self._stop_waiting(tag)
         c.out.append(data)
         c.out_bytes += len(data)
         self._dirty.append(c)
 
     def _cancel(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+        """CANCEL_WAIT. A waiter that fired but whose STOP_WAITING is still queued (fired by a
+        write of another thread) is answered now, ahead of the cancel's reply: the client reads
+        STOP_WAITING, then WAIT_CANCELED (before: the queued STOP_WAITING came after the cancel's
+        reply and the next request of that client read it as its own reply)."""
         if c.mux:
             w = c.mux_waiters.pop(req.num, None)
         else:
             w, c.waiter = c.waiter, None
-        if w is not None:
-            self.table.cancel(w)
+        if w is not None and not self.table.cancel(w):
+            data = self._stop_waiting(req.num if c.mux else -1)
+            c.out.append(data)
+            c.out_bytes += len(data)
         return P.encode_reply(Op.CANCEL_WAIT, P.WAIT_CANCELED)

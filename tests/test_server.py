@@ -1,6 +1,7 @@
 """StoreServer with real torch clients, gloo workers, raw sockets and limits."""
 from __future__ import annotations
 
+import os
 import socket
 import threading
 import time
@@ -288,3 +289,36 @@ def test_quick_path_leaves_auth_and_bad_counters_to_the_general_path() -> None:
         s2.sendall(P.encode_request(P.Request(P.Op.GET, (AUTH_KEY,))))
         assert recv_exact(s2, 8) == P.enc_u32(0) * 2  # empty: the key was not stored
         s2.close()
+
+
+def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
+    """A WAIT fired by a write of another thread (the hosting agent's LocalKV) queues its
+    STOP_WAITING for the loop; a CANCEL_WAIT the client sent at the same moment (its wait slice
+    ran out) must be answered STOP_WAITING then WAIT_CANCELED, with nothing left over. Before,
+    the queued STOP_WAITING came after WAIT_CANCELED, and the client's next request read it as
+    its own reply (an agent joining a rendezvous hung: CI failure of
+    test_scale_up_restart_grows_the_world_with_a_late_node)."""
+    from rendezvous.server import _Conn
+    srv = StoreServer(host="127.0.0.1")
+    a, b = socket.socketpair()
+    try:
+        c = _Conn(a, "test", True, 0.0)
+        c.validated = True
+        srv._loop_ident = -1  # this thread is "another thread": wake-ups are queued
+        srv._wake_fd = os.eventfd(0, os.EFD_NONBLOCK)
+        srv._consume(c, P.encode_request(P.Request(P.Op.WAIT, (b"/world",))))
+        srv.kv.set("world", b"w")  # fires the waiter from "another thread": queued
+        assert srv._xq, "the wake-up should be queued for the loop"
+        srv._consume(c, bytes((P.Op.CANCEL_WAIT,)))
+        srv._drain_xq()
+        srv._flush_dirty()
+        b.setblocking(False)
+        got = b.recv(100)
+        assert got == bytes((P.STOP_WAITING, P.WAIT_CANCELED)), got
+        srv._consume(c, P.encode_request(P.Request(P.Op.GET, (b"/world",))))
+        assert b.recv(100) == P.enc_bytes(b"w")
+    finally:
+        os.close(srv._wake_fd)
+        srv._wake_fd = -1
+        a.close()
+        b.close()
