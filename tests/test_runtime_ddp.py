@@ -47,21 +47,30 @@ def assert_equal_params(got: list[dict], ref: list[dict]) -> None:
             assert torch.equal(got[r][k], want), f"rank {r}: {k} differs from plain DDP"
 
 
-@pytest.fixture(scope="module")
-def plain_ddp(tmp_path_factory) -> list[dict[str, torch.Tensor]]:
-    wd = tmp_path_factory.mktemp("plain")
-    cmd = TORCHRUN + ["--standalone", "--nproc_per_node", str(NPROC), script("ddp_reference.py"), *ARGS,
+# gradient accumulation under model.no_sync() into .grad kept between steps (no BatchNorm: plain
+# DDP's buffer broadcast under no_sync is not what rt.ddp does, see launcher.runtime.ddp)
+ACCUM_ARGS = ["--steps", "5", "--hidden", "128", "--layers", "4", "--bucket-cap-mb", "0.1", "--accum", "3",
+              "--keep-grads"]
+
+
+def plain_run(wd: Path, args: list[str]) -> list[dict[str, torch.Tensor]]:
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node", str(NPROC), script("ddp_reference.py"), *args,
                       "--out", str(wd / "out{rank}.pt")]
     res = run(cmd, env_with(OMP_NUM_THREADS="1"), timeout=300, cwd=str(wd))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     return params_of(wd)
 
 
-def ftrun(wd: Path, plan: list[dict] | None = None,
-          launcher_args: tuple[str, ...] = ()) -> tuple[list[dict], list[dict], str]:
+@pytest.fixture(scope="module")
+def plain_ddp(tmp_path_factory) -> list[dict[str, torch.Tensor]]:
+    return plain_run(tmp_path_factory.mktemp("plain"), ARGS)
+
+
+def ftrun(wd: Path, plan: list[dict] | None = None, launcher_args: tuple[str, ...] = (),
+          args: list[str] = ARGS) -> tuple[list[dict], list[dict], str]:
     wd.mkdir()
     cmd = FTRUN + ["--nproc_per_node", str(NPROC), "--max_restarts", "5", "--log_dir", str(wd / "logs"),
-                   *launcher_args, str(EXAMPLES / "rt_ddp_train.py"), *ARGS, "--out", str(wd / "out{rank}.pt")]
+                   *launcher_args, str(EXAMPLES / "rt_ddp_train.py"), *args, "--out", str(wd / "out{rank}.pt")]
     res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan or [])), timeout=400, cwd=str(wd))
     out = res.stdout + res.stderr
     assert res.returncode == 0, f"exit {res.returncode}\n{out[-8000:]}"
@@ -93,6 +102,45 @@ def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, p
     assert resumes == [1, 3, 5]
     assert out.count("buckets repacked into it") == 3 * NPROC  # the first step after each rebuild
     assert_equal_params(params, plain_ddp)
+
+
+def test_no_sync_accumulation_into_kept_bucket_view_grads_stays_bit_identical(tmp_path):
+    """rt.ddp's default .grad are views into DDP's buckets: micro-batches accumulated under
+    model.no_sync() into .grad kept between steps (zero_grad(set_to_none=False)), a kill in
+    backward and one in forward, still plain DDP's parameters (default: .grad copied back)."""
+    ref = plain_run(tmp_path / "plain", ACCUM_ARGS)
+    plan = [{"rank": 1, "step": 1, "phase": "backward", "kind": "kill"},
+            {"rank": 2, "step": 3, "phase": "forward", "kind": "kill", "generation": 1}]
+    params, ev, _ = ftrun(tmp_path / "accum", plan, args=ACCUM_ARGS)
+    assert [e["resume_step"] for e in ev if e["event"] == "repair-plan"] == [1, 3]
+    assert_equal_params(params, ref)
+
+
+VIEWS = r"""
+import torch
+import launcher.runtime as ftr
+rt = ftr.init(backend="gloo")
+for kwargs in ({}, {"gradient_as_bucket_view": False}):
+    model = rt.ddp(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), **kwargs)
+    model(torch.randn(2, 4)).sum().backward()
+    buckets = model.reducer._get_zeros_like_grad_buckets()
+    sizes = sum(b.buffer().numel() for b in buckets)
+    grads = [p.grad for p in model.parameters()]
+    views = [g.untyped_storage().nbytes() == 4 * sizes for g in grads]
+    print("CASE", sorted(kwargs.items()), model.gradient_as_bucket_view, all(views), any(views))
+rt.finish()
+"""
+
+
+def test_grads_are_bucket_views_unless_the_user_chooses(tmp_path):
+    env = base_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(free_port())})
+    res = subprocess.run([sys.executable, "-c", VIEWS], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    cases = [ln for ln in res.stdout.splitlines() if ln.startswith("CASE")]
+    assert cases == ["CASE [] True True True",
+                     "CASE [('gradient_as_bucket_view', False)] False False False"], res.stdout
 
 
 REFUSALS = r"""

@@ -18,6 +18,16 @@ How it works:
   forward instead of before the next: forwards compute exactly as under plain DDP and every
   rank holds the same buffers between steps (plain DDP leaves rank-local values there, which
   could not be recovered when rank 0 is lost).
+- Gradients are bucket views: unless the caller passes `gradient_as_bucket_view`, rt.ddp builds
+  DDP with gradient_as_bucket_view=True. With a comm hook DDP copies each gradient into its
+  bucket without scaling it and, by default, copies the result back into .grad: with the hook's
+  own scaling that is three passes over the gradients where plain DDP (no hook) makes two (one
+  fused scale-and-copy in, one copy out). With .grad a view of its bucket there is no copy back
+  (and no copy in when .grad is kept between steps, zero_grad(set_to_none=False)): the values
+  are the same as plain DDP's (x * (1/N) in both). What the user sees: each .grad is a view into
+  a bucket (an in-place `p.grad.detach_()` raises; `zero_grad()` works either way; a reference
+  to an old .grad kept across steps is overwritten by the next step's result, as torch
+  documents for this option). `gradient_as_bucket_view=False` gives DDP's default copies back.
 - After every recovery round each rank rebuilds DDP's reducer on the new generation (no
   collective) and re-registers the hook: survivors and replacements hold the same fresh state.
 - Bit-identity: the bucket layout that is all-reduced in a step depends on the step alone. Step 0
@@ -223,6 +233,9 @@ class RuntimeDDP(DistributedDataParallel):
         handle: GroupHandle | None = kwargs.pop("process_group", None)
         init_sync = bool(kwargs.pop("init_sync", True))
         comm = rt._grad_comm(handle)
+        # .grad as views into DDP's buckets unless the user chose: the hook's scaling is then the
+        # only pass over the gradients (see "Gradients are bucket views" in the module docstring)
+        kwargs.setdefault("gradient_as_bucket_view", True)
         ft = BucketComm(comm, lambda: rt._current_step, rt.log)
         ddp = cls(module, process_group=_solo_group(rt.rank), init_sync=False, **kwargs)
         ddp._ft_comm = ft

@@ -50,10 +50,15 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--norm", action="store_true", help="add a BatchNorm1d (buffers broadcast by DDP)")
     ap.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's bucket_cap_mb")
+    ap.add_argument("--accum", type=int, default=1,
+                    help="micro-batches per step: the first accum-1 backwards under model.no_sync()")
+    ap.add_argument("--keep-grads", action="store_true", help="opt.zero_grad(set_to_none=False)")
     ap.add_argument("--out", default=None, help="write final parameters here ('{rank}' for every rank)")
     args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error(f"--layers {args.layers} must be >= 2")
+    if args.accum < 1:
+        ap.error(f"--accum {args.accum} must be >= 1")
     return args
 
 
@@ -77,11 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     for step in rt.steps(args.steps):
         with step:
             with step.phase("forward"):
+                if args.accum > 1:
+                    opt.zero_grad(set_to_none=not args.keep_grads)
+                    for _ in range(args.accum - 1):  # gradients accumulate locally, no all-reduce
+                        with model.no_sync():
+                            x, y = make_batch(args.seed, pos["batch"], rt.rank, args.batch)
+                            pos["batch"] += 1
+                            torch.nn.functional.mse_loss(model(x), y).backward()
                 x, y = make_batch(args.seed, pos["batch"], rt.rank, args.batch)
                 pos["batch"] += 1
                 loss = torch.nn.functional.mse_loss(model(x), y)
             with step.phase("backward"):
-                opt.zero_grad()
+                if args.accum == 1:
+                    opt.zero_grad(set_to_none=not args.keep_grads)
                 loss.backward()  # bucket all-reduces overlap this, through the runtime
             with step.optimizer_update():
                 opt.step()

@@ -23,9 +23,13 @@ def main() -> int:
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     loss = torch.zeros(())
     for step in range(args.steps):
-        x, y = make_batch(args.seed, step, rank, args.batch)
+        opt.zero_grad(set_to_none=not args.keep_grads)
+        for micro in range(args.accum - 1):
+            with model.no_sync():
+                x, y = make_batch(args.seed, step * args.accum + micro, rank, args.batch)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+        x, y = make_batch(args.seed, step * args.accum + args.accum - 1, rank, args.batch)
         loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
         loss.backward()
         opt.step()
     if args.out and (rank == 0 or "{rank}" in args.out):
