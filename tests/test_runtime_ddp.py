@@ -54,6 +54,7 @@ ACCUM_ARGS = ["--steps", "5", "--hidden", "128", "--layers", "4", "--bucket-cap-
 
 
 def plain_run(wd: Path, args: list[str]) -> list[dict[str, torch.Tensor]]:
+    wd.mkdir(exist_ok=True)
     cmd = TORCHRUN + ["--standalone", "--nproc_per_node", str(NPROC), script("ddp_reference.py"), *args,
                       "--out", str(wd / "out{rank}.pt")]
     res = run(cmd, env_with(OMP_NUM_THREADS="1"), timeout=300, cwd=str(wd))
