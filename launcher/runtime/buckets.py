@@ -106,15 +106,12 @@ class FlatBucket:
             self.views = [v.view(s) for v, s in zip(self.flat.split(self.numels), self.shapes)]
         return self.flat
 
-    def pack(self, sources: Sequence[torch.Tensor | None],
-             skip: frozenset[int] | set[int] = frozenset()) -> torch.Tensor:
+    def pack(self, sources: Sequence[torch.Tensor | None]) -> torch.Tensor:
         """Copy `sources` into the flat tensor (None: zeros; a source that already is its view
-        of the flat tensor, or whose position is in `skip` (already copied), is left in place)."""
+        of the flat tensor is left in place)."""
         flat = self.buffer()
         dst, src = [], []
-        for j, (view, g) in enumerate(zip(self.views, sources)):
-            if j in skip:
-                continue
+        for view, g in zip(self.views, sources):
             if g is None:
                 view.zero_()
             elif g.data_ptr() != view.data_ptr() or g.shape != view.shape:
@@ -152,50 +149,34 @@ class OverlappedAllReduce:
         self._buckets = [FlatBucket([self._params[i] for i in idx]) for idx in layout]
         self._lock = threading.Lock()
         self._pending = [len(idx) for idx in layout]
-        self._copied: list[set[int]] = [set() for _ in layout]  # bucket positions packed early
         self._next = 0  # the next bucket to launch
         self._redo = False
         self._handles = []
         if comm.size > 1:
             for b, idx in enumerate(layout):
-                for j, i in enumerate(idx):
+                for i in idx:
                     self._handles.append(self._params[i].register_post_accumulate_grad_hook(
-                        functools.partial(self._on_ready, b, j)))
+                        functools.partial(self._on_ready, b)))
 
     @property
     def layout(self) -> list[list[int]]:
         return [list(idx) for idx in self._members]
 
-    def _on_ready(self, b: int, j: int, param: torch.Tensor) -> None:
+    def _on_ready(self, b: int, _param: torch.Tensor) -> None:
         with self._lock:
             if self._redo:
                 return
-            bucket = self._buckets[b]
-            if bucket.work is not None or self._pending[b] == 0:
+            if self._buckets[b].work is not None or self._pending[b] == 0:
                 self._redo = True  # accumulated again before finish(): redo the sum there
                 return
             self._pending[b] -= 1
-            # pack the gradient now, while backward just wrote it (in cache), as DDP's reducer
-            # does, rather than the whole bucket at launch
-            grad = param.grad
-            if grad is not None:
-                bucket.buffer()
-                bucket.views[j].copy_(grad)
-                self._copied[b].add(j)
             while self._next < len(self._buckets) and self._pending[self._next] == 0:
                 self._launch(self._next)
                 self._next += 1
 
     def _launch(self, b: int) -> None:
         bucket = self._buckets[b]
-        copied = self._copied[b]
-        members = self._members[b]
-        if len(copied) == len(members):
-            flat = bucket.buffer()
-        else:  # pack what the hooks did not (None: zeros)
-            flat = bucket.pack([None if j in copied else self._params[i].grad for j, i in enumerate(members)],
-                               skip=copied)
-        copied.clear()
+        flat = bucket.pack([self._params[i].grad for i in self._members[b]])
         bucket.work = self._comm.all_reduce_async(flat)
 
     def finish(self) -> None:
@@ -211,8 +192,6 @@ class OverlappedAllReduce:
                 if self._redo:
                     self._wait(self._next)
                     self._next = 0
-                    for copied in self._copied:
-                        copied.clear()  # repack everything from the final gradients
                 while self._next < len(self._buckets):
                     self._launch(self._next)
                     self._next += 1
@@ -253,8 +232,6 @@ class OverlappedAllReduce:
     def _reset(self) -> None:
         with self._lock:
             self._pending = [len(idx) for idx in self._members]
-            for copied in self._copied:
-                copied.clear()
             self._next = 0
             self._redo = False
 
