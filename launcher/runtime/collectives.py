@@ -76,17 +76,19 @@ class Interruptible:
     (the heartbeat tells the agent's hang check that the rank waits on its peers rather than
     hangs itself).
 
-    `sliced` (gloo): wait in the work's own blocking `wait(timeout)`, SLICE_S at a time, checking
-    the stop between slices -- the thread sleeps in C++ as torch DDP's does. Otherwise (NCCL/HCCL,
-    whose wait() does not block the host) a callback on the work's future wakes a condition
-    variable; on gloo that costs ~0.1 ms of CPU per wait (a Python callback on gloo's thread,
-    two thread hand-offs), several percent of a small model's step.
+    `sliced` (gloo only; off by default and in the runtime: with it, survivors of a recovered
+    hang were reported hung themselves, cause not found -- see README): wait in the work's own
+    blocking `wait(timeout)`, SLICE_S at a time, checking the stop between slices -- the thread
+    sleeps in C++ as torch DDP's does. Otherwise (NCCL/HCCL, whose wait() does not block the
+    host) a callback on the work's future wakes a condition variable; on gloo that costs ~0.1 ms
+    of CPU per wait (a Python callback on gloo's thread, two thread hand-offs), several percent
+    of a small model's step.
     """
 
     def __init__(self, stop: StopSignal, graveyard: Graveyard, generation: Callable[[], int],
                  timeout: float, on_error: Callable[[BaseException, str], None],
                  abort: Callable[[], None] | None = None,
-                 on_busy: Callable[[bool], None] | None = None, sliced: bool = True) -> None:
+                 on_busy: Callable[[bool], None] | None = None, sliced: bool = False) -> None:
         self._sliced = sliced
         self._stop = stop
         self._on_busy = on_busy or (lambda busy: None)

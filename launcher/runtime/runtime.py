@@ -146,10 +146,7 @@ class Runtime:
         self._graveyard = Graveyard()
         self._coll = Interruptible(self._stop, self._graveyard, lambda: self.generation,
                                    env.collective_timeout, self._on_collective_error, self._abort_groups,
-                                   # sliced (gloo's own wait in 5 ms slices) is off: with it,
-                                   # survivors of a recovered hang were reported hung themselves
-                                   # (test_hang ...floor_knob failed every time); see README
-                                   on_busy=self._note_waiting, sliced=False)
+                                   on_busy=self._note_waiting)
         self._groups = GroupRegistry(env.rank, env.world_size, backend)
         self._reg = Registered()
         self._registered = False
