@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from launcher import plan
 from launcher.hang_watch import HangPolicy
+from launcher.runtime.replicas import AUTO_STRIPES, MAX_STRIPES
 from rendezvous.endpoints import (ETCD_DEFAULT_PORT, EndpointError, parse_endpoint,
                                   parse_endpoints)
 from rendezvous.hosting import wants_to_host
@@ -85,7 +86,7 @@ class LaunchConfig:
     hang: HangPolicy = field(default_factory=HangPolicy)  # --hang-timeout + FTRUN_HANG_* knobs
     fault_window: float = 2.0  # FTRUN_FAULT_WINDOW: s the controller holds possible consequences
     warm_spares: int = 2  # --warm-spares / FTRUN_WARM_SPARES: pre-started replacements per node
-    transfer_stripes: int = 1  # FTRUN_TRANSFER_STRIPES: replicas that send one replacement its state
+    transfer_stripes: int = 0  # FTRUN_TRANSFER_STRIPES: senders per replacement; 0 = auto (one per node)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     signals_to_handle: list[int] = field(default_factory=list)
     recover_strategy: list[str] = field(default_factory=list)
@@ -374,16 +375,26 @@ def _supervision(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
     if not 0 <= cfg.fault_window <= 60:
         raise ConfigError(f"FTRUN_FAULT_WINDOW={raw_window!r}: must be seconds in 0..60")
     cfg.warm_spares = parse_warm_spares(raw.get("warm_spares"), env)
-    raw_stripes = env.get("FTRUN_TRANSFER_STRIPES", "").strip() or "1"
-    cfg.transfer_stripes = int(raw_stripes) if raw_stripes.isdigit() else 0
-    if not 1 <= cfg.transfer_stripes <= 16:
-        raise ConfigError(f"FTRUN_TRANSFER_STRIPES={raw_stripes!r}: must be a whole number of "
-                          "sending replicas in 1..16 (1: no striping)")
+    cfg.transfer_stripes = parse_transfer_stripes(env.get("FTRUN_TRANSFER_STRIPES", ""))
     cfg.signals_to_handle = parse_signals(raw.get("signals_to_handle") or
                                           "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
 
 
 MAX_WARM_SPARES = 8
+
+
+def parse_transfer_stripes(raw: str) -> int:
+    """FTRUN_TRANSFER_STRIPES: `auto` (default; one sending replica per node, returned as
+    `AUTO_STRIPES`) or how many replicas send one replacement its state, 1..MAX_STRIPES."""
+    value = raw.strip().lower() or "auto"
+    if value == "auto":
+        return AUTO_STRIPES
+    n = int(value) if value.isdigit() else 0
+    if not 1 <= n <= MAX_STRIPES:
+        raise ConfigError(f"FTRUN_TRANSFER_STRIPES={raw.strip()!r}: must be 'auto' (one sending "
+                          f"replica per node) or a whole number of sending replicas in "
+                          f"1..{MAX_STRIPES} (1: no striping)")
+    return n
 
 
 def parse_warm_spares(value: object, env: dict[str, str]) -> int:

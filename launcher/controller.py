@@ -80,7 +80,7 @@ class Controller:
                  chain: list[str], phase_timeout: float = 120.0, window: float = 2.0,
                  node_replace_timeout: float = 600.0, min_nodes: int | None = None,
                  stale: Callable[[int, int], str] | None = None,
-                 fence: Callable[[str], None] | None = None, transfer_stripes: int = 1,
+                 fence: Callable[[str], None] | None = None, transfer_stripes: int = 0,
                  new_round: Callable[[], int] | None = None,
                  waiting: Callable[[], int] | None = None, max_nodes: int = 0,
                  world_round: int = 0) -> None:
@@ -94,7 +94,7 @@ class Controller:
         self._new_round = new_round
         self._stale = stale  # why a report's writer (node, incarnation) is stale, "" when not
         self._fence = fence  # raises FencedError when this controller's agent is stale
-        self.transfer_stripes = transfer_stripes  # replicas that send one replacement its state
+        self.transfer_stripes = transfer_stripes  # senders per replacement, 0: one per node (replicas.AUTO_STRIPES)
         self.window = window
         self.history: list[dict] = []  # every fault handled: strategies tried, outcome
         self.log = log
@@ -305,6 +305,10 @@ class Controller:
 
     def situation(self) -> Situation:
         return Situation(self.chain, self.state.budget, self.all_aware(), self.world_size, self.round)
+
+    def node_of(self, rank: int) -> int:
+        """The group rank (node) running global rank `rank` (the inverse of `ranks_of`)."""
+        return rank // max(1, self.world_size // max(1, self.nnodes))
 
     def ranks_of(self, node: int) -> list[int]:
         """The global ranks of group rank `node` (every node runs the same number)."""
@@ -609,7 +613,7 @@ class Controller:
                                f"within {self.phase_timeout:.0f}s")
                 return self._fallback(g, f"ranks {missing} did not report status")
         statuses = [P.RankStatus.from_json(self.kv.get(k, 5.0)) for k in keys]
-        repair = plan_repair(statuses, g, self.transfer_stripes)
+        repair = plan_repair(statuses, g, self.transfer_stripes, self.node_of)
         self.kv.set(P.repair_key(g), repair.to_json())
         if self.round is not None and self.round.generation == g:
             self.round = dataclasses.replace(self.round, collecting=False)

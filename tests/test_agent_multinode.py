@@ -486,3 +486,50 @@ def test_a_round_in_progress_when_the_controllers_node_dies_is_taken_up_by_its_s
     for r in range(3):
         assert_bit_identical(load_params(tmp_path / f"ref{r}.pt"),
                              load_params(tmp_path / f"out{r}.pt"))
+
+
+def test_a_replacement_is_repaired_by_one_replica_on_each_other_node(tmp_path) -> None:
+    """c10d, 3 nodes x 1 rank, the runtime's DDP example. Rank 1's worker is SIGKILLed; with the
+    default FTRUN_TRANSFER_STRIPES=auto the repair plan names one sender per node holding an
+    up-to-date replica (ranks 0 and 2, one stripe each), and the result is bit-identical to a
+    fault-free run."""
+    import os
+    import signal
+    import time
+
+    from tests.helpers_launch import REPO
+    from tests.helpers_runtime import assert_bit_identical, load_params
+
+    train = [os.path.join(REPO, "scripts", "examples", "ddp_train.py"), "--steps", "30",
+             "--step-time", "0.1"]
+    env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    ref = run(FTRUN + ["--nproc_per_node", "3", "--log_dir", str(tmp_path / "logref"), *train,
+                       "--out", str(tmp_path / "ref{rank}.pt")], env=env, timeout=120)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    ep = f"127.0.0.1:{free_port()}"
+    procs = {tag: subprocess.Popen(FTRUN + [
+        "--nnodes", "3", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", ep,
+        "--rdzv_id", "stripes", "--max_restarts", "3", "--log_dir", str(tmp_path / f"log{tag}"),
+        *train, "--out", str(tmp_path / "out{rank}.pt")], env=env, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for tag in ("a", "b", "c")}
+    try:
+        hello = {tag: _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "hello", 90)
+                 for tag in procs}
+        tag1 = next(t for t, e in hello.items() if e["rank"] == 1)
+        time.sleep(1.5)  # a few steps in
+        w1 = next(e["pid"] for e in _events(str(tmp_path / f"log{tag1}")) if e["event"] == "spawn")
+        os.kill(w1, signal.SIGKILL)
+        outs = {tag: p.communicate(timeout=120) for tag, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for tag, p in procs.items():
+        assert p.returncode == 0, outs[tag][1][-3000:]
+    evs = [e for tag in procs for e in _events(str(tmp_path / f"log{tag}"))]
+    repairs = [e for e in evs if e["event"] == "repair-plan"]
+    assert [e["pairs"] for e in repairs] == [[[0, 1], [2, 1]]], repairs
+    for r in range(3):
+        assert_bit_identical(load_params(tmp_path / f"ref{r}.pt"),
+                             load_params(tmp_path / f"out{r}.pt"))

@@ -91,9 +91,12 @@ def test_hang_timeout_is_auto_by_default_seconds_or_zero_and_bad_values_are_one_
     assert (c.hang.floor, c.hang.multiplier, c.fault_window) == (2.0, 5.0, 0.5)
     with pytest.raises(ConfigError, match="^FTRUN_HANG_FLOOR='0' must be > 0"):
         cfg(env={"FTRUN_HANG_FLOOR": "0"})
-    assert cfg().transfer_stripes == 1 and cfg(env={"FTRUN_TRANSFER_STRIPES": "3"}).transfer_stripes == 3
+    assert cfg().transfer_stripes == 0  # auto: one sending replica per node
+    assert cfg(env={"FTRUN_TRANSFER_STRIPES": "Auto"}).transfer_stripes == 0
+    assert cfg(env={"FTRUN_TRANSFER_STRIPES": "3"}).transfer_stripes == 3
     for bad in ("0", "two", "-1", "17"):
-        with pytest.raises(ConfigError, match=f"^FTRUN_TRANSFER_STRIPES='{bad}': must be a whole number"):
+        with pytest.raises(ConfigError, match=f"^FTRUN_TRANSFER_STRIPES='{bad}': must be 'auto' "
+                                              r"\(one sending replica per node\) or a whole number"):
             cfg(env={"FTRUN_TRANSFER_STRIPES": bad})
     with pytest.raises(ConfigError, match="^FTRUN_FAULT_WINDOW='soon': must be seconds in 0..60"):
         cfg(env={"FTRUN_FAULT_WINDOW": "soon"})

@@ -470,7 +470,7 @@ def test_a_successor_finishes_the_round_in_progress_when_nothing_supersedes_it(k
             kv.set(P.status_key(1, r), P.RankStatus(r, 1, r == 3, -1 if r == 3 else 4,
                                                     -1 if r == 3 else 5, shard="dp").to_json())
         rp = P.RepairPlan.from_json(kv.get(P.repair_key(1), 10.0))
-        assert rp.pairs == [[0, 3]] and not rp.fallback
+        assert rp.pairs == [[0, 3], [2, 3]] and not rp.fallback  # one replica per node sends
         assert kv.try_get(P.plan_key(2)) is None
     finally:
         c2.stop()

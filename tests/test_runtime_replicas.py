@@ -160,5 +160,27 @@ def test_striped_repair_lists_up_to_max_stripes_sources_per_target_in_rank_order
     sts = [st(0, 4, shard="a"), st(1, 4, shard="b"), st(2, 4, shard="a", replacement=True),
            st(3, 4, shard="b"), st(4, 4, shard="a"), st(5, 4, shard="b", replacement=True)]
     assert plan_repair(sts, 1, max_stripes=3).pairs == [[0, 2], [4, 2], [1, 5], [3, 5]]
-    with pytest.raises(ValueError, match="max_stripes=0"):
-        plan_repair(sts, 1, max_stripes=0)
+    for bad in (-1, 17):
+        with pytest.raises(ValueError, match=f"max_stripes={bad} must be 0 \\(auto"):
+            plan_repair(sts, 1, max_stripes=bad)
+
+
+def test_auto_striping_takes_the_lowest_up_to_date_replica_on_each_node():
+    from launcher.runtime.replicas import AUTO_STRIPES
+
+    # 3 nodes x 2 ranks, plain DDP: rank 3 (node 1) was replaced, rank 4 (node 2) is behind
+    sts = [st(0, 4), st(1, 4), st(2, 4), st(3, -1, replacement=True), st(4, 3), st(5, 4)]
+    node = lambda r: r // 2  # noqa: E731
+    p = plan_repair(sts, 1, AUTO_STRIPES, node)
+    assert p.pairs == [[0, 3], [2, 3], [5, 3], [0, 4], [2, 4], [5, 4]]  # one per node, rank order
+    # on one node (the default without a map, and every single-host job) one replica sends
+    assert plan_repair(sts, 1, AUTO_STRIPES).pairs == [[0, 3], [0, 4]]
+    assert plan_repair(sts, 1).pairs == [[0, 3], [0, 4]]  # AUTO is the default
+    # per shard: only the shard's own up-to-date holders count, and a node without one adds none
+    sts = [st(0, 4, shard="a"), st(1, 4, shard="b"), st(2, 4, shard="a"), st(3, 4, shard="b"),
+           st(4, -1, shard="a", replacement=True), st(5, 4, shard="b")]
+    assert plan_repair(sts, 1, AUTO_STRIPES, node).pairs == [[0, 4], [2, 4]]
+    # never more than MAX_STRIPES senders, however many nodes hold a replica
+    sts = [st(r, 4) for r in range(20)] + [st(20, -1, replacement=True)]
+    p = plan_repair(sts, 1, AUTO_STRIPES, lambda r: r)
+    assert [src for src, _ in p.pairs] == list(range(16))

@@ -17,15 +17,19 @@ pipeline (`rank = pp * dp * tp + d * tp + t`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from launcher.plan import DUMP, RESTART_ALL, RankStatus, RepairPlan
 
 
-# default: a replacement's state comes from this many replicas at once. 1: on the 2-core test box a
-# striped receive was slower inside a running job (0.51-0.77 GB/s striped vs 0.74-0.87 from one
-# sender, bench_recovery.py) and only ~15 % faster with nothing else running; FTRUN_TRANSFER_STRIPES
-MAX_STRIPES = 1
+# How many replicas send one replacement its state. AUTO (the default, FTRUN_TRANSFER_STRIPES=auto):
+# one sender per node that holds an up-to-date replica, so each stripe leaves through a network
+# interface of its own. Senders on one host share its CPUs and memory bandwidth: on the 2-core
+# test box a striped receive from one host was slower inside a running job (0.51-0.77 GB/s striped
+# vs 0.74-0.87 from one sender, bench_recovery.py), so on a single node AUTO means one sender.
+# A number N (1..16) takes the lowest N up-to-date replicas wherever they run.
+AUTO_STRIPES = 0
+MAX_STRIPES = 16
 
 
 @dataclass(frozen=True)
@@ -129,14 +133,16 @@ def needs_state(status: RankStatus) -> bool:
     return bool(status.replacement or status.dirty)
 
 
-def plan_repair(statuses: Iterable[RankStatus], generation: int,
-                max_stripes: int = MAX_STRIPES) -> RepairPlan:
+def plan_repair(statuses: Iterable[RankStatus], generation: int, max_stripes: int = AUTO_STRIPES,
+                node_of: Callable[[int], int] | None = None) -> RepairPlan:
     """Decide how generation `generation` repairs its ranks.
 
     resume_step = (max committed_step over healthy ranks) + 1. Every rank that is a replacement,
     dirty, or healthy but behind that step receives the full state from the up-to-date healthy
-    ranks with the same shard: the lowest `max_stripes` of them, each sending one stripe (pairs
-    [src, dst] list a target's sources in stripe order). When some shard has no such rank, the plan carries
+    ranks with the same shard, each sending one stripe (pairs [src, dst] list a target's sources
+    in stripe order): the lowest `max_stripes` of them, or with `AUTO_STRIPES` the lowest one on
+    each node (`node_of(rank)`; every rank on one node when it is None), at most `MAX_STRIPES`.
+    When some shard has no such rank, the plan carries
     fallback="restart-all" and no pairs. action is "rollback" when some healthy rank had
     already started the resume step (it is re-run), else "commit".
     """
@@ -155,12 +161,24 @@ def plan_repair(statuses: Iterable[RankStatus], generation: int,
                           reason="no rank holds a trusted state")
     top = max(s.committed_step for s in healthy)
     resume = top + 1
-    if max_stripes < 1:
-        raise ValueError(f"max_stripes={max_stripes} must be >= 1")
+    if not (max_stripes == AUTO_STRIPES or 1 <= max_stripes <= MAX_STRIPES):
+        raise ValueError(f"max_stripes={max_stripes} must be {AUTO_STRIPES} (auto: one sender "
+                         f"per node) or in 1..{MAX_STRIPES}")
     sources: dict[str, list[int]] = {}
+    nodes_used: dict[str, set[int]] = {}
     for s in sorted(healthy, key=lambda s: s.rank):
-        if s.committed_step == top and len(sources.setdefault(s.shard, [])) < max_stripes:
-            sources[s.shard].append(s.rank)
+        if s.committed_step != top:
+            continue
+        chosen = sources.setdefault(s.shard, [])
+        if max_stripes == AUTO_STRIPES:
+            node = node_of(s.rank) if node_of is not None else 0
+            used = nodes_used.setdefault(s.shard, set())
+            if node in used or len(chosen) >= MAX_STRIPES:
+                continue
+            used.add(node)
+        elif len(chosen) >= max_stripes:
+            continue
+        chosen.append(s.rank)
     missing = sorted({s.shard for s in sts} - set(sources))
     if missing:
         return RepairPlan(generation, resume_step=resume, action="rollback", fallback=RESTART_ALL,
