@@ -70,8 +70,12 @@ class MemoryStore:
     def _changed(self, key: bytes, fired: list) -> None:
         ws = self._waiters.pop(key, None)
         if ws:
-            for w in ws:
-                _count_down(w, fired)
+            for w in ws:  # _count_down, inlined: a SET may release thousands
+                if not w.done:
+                    w.remaining -= 1
+                    if w.remaining <= 0:
+                        w.done = True
+                        fired.append(w)
         bs = self._barriers.get(key)
         if bs:
             try:
@@ -176,7 +180,10 @@ class MemoryStore:
     def wait(self, keys: Iterable[bytes], fire: Callable[[], None]) -> Waiter | None:
         """None when every key is present now; else a registered Waiter (fires later)."""
         with self._lock:
-            missing = tuple(k for k in dict.fromkeys(keys) if not self._present(k))
+            if type(keys) is tuple and len(keys) == 1:  # the usual WAIT: one key
+                missing = keys if not self._present(keys[0]) else ()
+            else:
+                missing = tuple(k for k in dict.fromkeys(keys) if not self._present(k))
             if not missing:
                 return None
             w = Waiter(missing, fire)

@@ -72,6 +72,25 @@ class _Conn:
         self.more = False  # stopped at the per-turn request budget with requests left over
 
 
+class _Wake:
+    """The callback of one registered waiter of connection `c` (tag -1: a plain connection's
+    only waiter; >= 0: a mux tag): delivers its STOP_WAITING on the loop thread. `_deliver`
+    recognises the waiter by this object (`waiter.fire is wake`), so nothing refers back to
+    the waiter and no reference cycle is left for the garbage collector."""
+
+    __slots__ = ("srv", "c", "tag")
+
+    def __init__(self, srv: "StoreServer", c: _Conn, tag: int) -> None:
+        self.srv, self.c, self.tag = srv, c, tag
+
+    def __call__(self) -> None:
+        srv = self.srv
+        if threading.get_ident() == srv._loop_ident:
+            srv._deliver(self.c, self, self.tag)
+        else:  # a write of another thread (LocalKV)
+            srv.call_soon_threadsafe(lambda: srv._deliver(self.c, self, self.tag))
+
+
 class DropConnection(Exception):
     """Close this connection; the message is the log line."""
 
@@ -91,10 +110,11 @@ class LoopServer:
     Subclasses implement `_handle(conn, request, tag) -> reply bytes or None` and may override
     the hooks `_on_close`, `_end_turn`, `_extra_event` and `_on_start`."""
 
-    # Hook: (buf, pos, n) -> (reply, end) | None. Executes the request at buf[pos] of a
+    # Hook: (conn, buf, pos, n) -> (reply, end) | None. Executes the request at buf[pos] of a
     # validated, authenticated, plain connection without building a Request when it is one of
     # the frames that dominate a rendezvous; None takes the general path (`_handle`).
-    _quick: Callable[[bytes | bytearray, int, int], tuple[bytes | None, int] | None] | None = None
+    _quick: Callable[[_Conn, bytes | bytearray, int, int],
+                     tuple[bytes | None, int] | None] | None = None
 
     _name = "store"
     _budget = 128  # requests per connection per loop turn
@@ -302,9 +322,40 @@ class LoopServer:
             self.stats["accepted"] += 1
 
     def _read(self, c: _Conn) -> None:
-        data = self._recv(c)
-        if data:
+        """One read. The common case of a rendezvous — one complete request that `_quick`
+        executes, on a connection with nothing buffered either way — is answered here with
+        one `send` and no further calls; everything else goes through `_consume`."""
+        try:
+            data = c.sock.recv(P.READ_SIZE)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._close(c)
+            return
+        if not data:
+            self._close(c)
+            return
+        quick = self._quick
+        if quick is None or c.buf or c.out or c.mux or not c.validated or not c.authed:
             self._consume(c, data)
+            return
+        n = len(data)
+        r = quick(c, data, 0, n)
+        if r is None:
+            self._consume(c, data)
+            return
+        rep, pos = r
+        stats = self.stats
+        stats["requests"] += 1
+        if pos != n:  # more requests behind the first (executed): the rest the usual way
+            if rep:
+                c.out.append(rep)
+                c.out_bytes += len(rep)
+            self._consume(c, data[pos:])
+            return
+        stats["reads"] += 1
+        if rep:
+            self._send_now(c, rep)
 
     def _consume(self, c: _Conn, data: bytes) -> None:
         """Execute the complete requests in c's buffer + `data`, at most `_budget` of them
@@ -346,6 +397,28 @@ class LoopServer:
         for c in d:
             if c.out and not c.closed and not c.want_write:
                 self._flush(c)
+
+    def _send_now(self, c: _Conn, data: bytes) -> None:
+        """Send `data` to c at once, unless output is queued before it (then it queues behind
+        and goes with that). A short send queues the rest (`_flush`)."""
+        if c.out or c.want_write:
+            if not c.closed:
+                c.out.append(data)
+                c.out_bytes += len(data)
+                self._dirty.append(c)
+            return
+        try:
+            sent = c.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:
+            self._close(c)
+            return
+        if sent != len(data):
+            rest = data[sent:]
+            c.out.append(rest)
+            c.out_bytes += len(rest)
+            self._flush(c)
 
     def _flush(self, c: _Conn) -> None:
         if c.closed:
@@ -479,7 +552,7 @@ class LoopServer:
                 c.more = True
                 break
             if quick is not None:
-                r = quick(buf, pos, n)
+                r = quick(c, buf, pos, n)
                 if r is not None:
                     rep, pos = r
                     nreq += 1
@@ -591,11 +664,12 @@ class StoreServer(LoopServer):
         c.authed = True
         return None
 
-    def _quick(self, buf, pos: int, n: int) -> tuple[bytes | None, int] | None:
-        """GET, SET, ADD and a one-key WAIT that is already satisfied, decoded and executed
-        in place (the same checks as `protocol.parse_common` and `_handle`); anything else —
-        another op, an incomplete frame, a length over a limit, the auth key, a WAIT that must
-        wait, an ADD to a non-counter — returns None and takes the general path."""
+    def _quick(self, c: _Conn, buf, pos: int, n: int) -> tuple[bytes | None, int] | None:
+        """GET, SET, ADD and a one-key WAIT of plain connection `c`, decoded and executed in
+        place (the same checks as `protocol.parse_common` and `_handle`; a WAIT that must wait
+        registers its waiter as `_wait` does and has no reply yet); anything else — another
+        op, an incomplete frame, a length over a limit, the auth key, an ADD to a non-counter —
+        returns None and takes the general path."""
         if pos + 9 > n:
             return None
         op = buf[pos]
@@ -633,7 +707,7 @@ class StoreServer(LoopServer):
                 return None  # the general path drops the connection, saying why
         if key in self._table_data:  # WAIT for one key that is there (else register a waiter)
             return P.STOP_WAITING_REPLY, e
-        return None
+        return self._wait_keys(c, -1, (key,)), e
 
     def _data(self, c: _Conn, req: P.Request, tag: int) -> bytes:
         try:
@@ -676,18 +750,23 @@ class StoreServer(LoopServer):
 
     def _wait(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
         """WAIT or BARRIER: STOP_WAITING now, or a waiter that answers when it fires."""
-        ref: list = []  # the waiter, once registered (its delivery checks it is still current)
-        fire = self._fire_cb(c, tag, ref)
         if req.op == Op.WAIT:
-            w = self.table.wait(req.keys, fire)
-        else:
-            try:
-                w = self.table.barrier(req.keys[0], req.num, fire)
-            except ValueError as e:
-                raise DropConnection(f"BARRIER failed: {e}") from None
+            return self._wait_keys(c, tag, req.keys)
+        wake = _Wake(self, c, tag)
+        try:
+            w = self.table.barrier(req.keys[0], req.num, wake)
+        except ValueError as e:
+            raise DropConnection(f"BARRIER failed: {e}") from None
+        return self._registered(c, tag, w)
+
+    def _wait_keys(self, c: _Conn, tag: int, keys: tuple) -> bytes | None:
+        """WAIT for `keys`: STOP_WAITING now, or a registered waiter (no reply yet)."""
+        return self._registered(c, tag, self.table.wait(keys, _Wake(self, c, tag)))
+
+    def _registered(self, c: _Conn, tag: int, w) -> bytes | None:
+        """Make waiter `w` (None: satisfied already) the current one of c (or of its tag)."""
         if w is None:
             return P.STOP_WAITING_REPLY
-        ref.append(w)
         if tag >= 0:
             c.mux_waiters[tag] = w
         else:
@@ -696,36 +775,28 @@ class StoreServer(LoopServer):
             c.waiter = w
         return None
 
-    def _fire_cb(self, c: _Conn, tag: int, ref: list) -> Callable[[], None]:
-        def fire() -> None:
-            if threading.get_ident() == self._loop_ident:
-                self._deliver(c, ref[0], tag)
-            else:  # a write of another thread (LocalKV): ref is filled by the time this runs
-                self.call_soon_threadsafe(lambda: self._deliver(c, ref[0], tag))
-        return fire
-
     @staticmethod
     def _stop_waiting(tag: int) -> bytes:
         return P.STOP_WAITING_REPLY if tag < 0 else P.enc_tag(tag) + P.STOP_WAITING_REPLY
 
-    def _deliver(self, c: _Conn, w, tag: int) -> None:
-        """Answer waiter `w` of `c` with STOP_WAITING, unless it is no longer the connection's
-        current waiter: a CANCEL_WAIT that arrived while this delivery was queued (a write of
-        another thread) has answered it already, in the order torch's client expects."""
+    def _deliver(self, c: _Conn, wake: "_Wake", tag: int) -> None:
+        """Answer the waiter of `c` whose callback is `wake` with STOP_WAITING, unless it is no
+        longer the connection's current waiter: a CANCEL_WAIT that arrived while this delivery
+        was queued (a write of another thread) has answered it already, in the order torch's
+        client expects."""
         if c.closed:
             return
         if tag >= 0:
-            if c.mux_waiters.get(tag) is not w:
+            w = c.mux_waiters.get(tag)
+            if w is None or w.fire is not wake:
                 return
             del c.mux_waiters[tag]
         else:
-            if c.waiter is not w:
+            w = c.waiter
+            if w is None or w.fire is not wake:
                 return
             c.waiter = None
-        data = self._stop_waiting(tag)
-        c.out.append(data)
-        c.out_bytes += len(data)
-        self._dirty.append(c)
+        self._send_now(c, P.STOP_WAITING_REPLY if tag < 0 else self._stop_waiting(tag))
 
     def _cancel(self, c: _Conn, req: P.Request, tag: int) -> bytes:
         """CANCEL_WAIT. A waiter that fired but whose STOP_WAITING is still queued (fired by a

@@ -24,6 +24,7 @@ namespaces): BENCH_STORE_HOST the address clients connect to, BENCH_STORE_BIND t
 master binds, BENCH_STORE_UPSTREAM the address proxies forward to (all default 127.0.0.1).
 
 Usage: python scripts/bench_store.py [--sizes 256,1024,4096] [--repeat 1]
+       [--backends torch,ftrun,ftrun-proxy,ftrun@OLD_CHECKOUT,ftrun-proxy@OLD_CHECKOUT]
 """
 from __future__ import annotations
 
@@ -118,9 +119,9 @@ for p in ps:
 
 
 
-def env() -> dict[str, str]:
+def env(repo: str = REPO) -> dict[str, str]:
     e = dict(os.environ)
-    e["PYTHONPATH"] = REPO + os.pathsep + e.get("PYTHONPATH", "")
+    e["PYTHONPATH"] = repo + os.pathsep + e.get("PYTHONPATH", "")
     e["OMP_NUM_THREADS"] = "1"
     e.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     return e
@@ -138,8 +139,8 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def spawn(code: str, *args: object) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env(),
+def spawn(code: str, *args: object, repo: str = REPO) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env(repo),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, bufsize=1)
 
@@ -167,12 +168,19 @@ def read_line(p: subprocess.Popen, want: str, timeout: float = 300) -> list[str]
     raise RuntimeError(f"timed out waiting for {want!r}")
 
 
+def split_kind(kind: str) -> tuple[str, str]:
+    """"ftrun-proxy@/path/to/checkout" -> ("ftrun-proxy", that checkout); no "@": this one."""
+    base, _, repo = kind.partition("@")
+    return base, os.path.abspath(repo) if repo else REPO
+
+
 def start_master(kind: str) -> tuple[subprocess.Popen, int]:
+    kind, repo = split_kind(kind)
     if kind == "torch":
         p = spawn(TORCH_SERVER)
         return p, int(read_line(p, "port")[1])
     p = subprocess.Popen([sys.executable, "-m", "rendezvous.store_cli", "serve", "--host",
-                          "127.0.0.1", "--port", "0"], env=env(), stdin=subprocess.PIPE,
+                          "127.0.0.1", "--port", "0"], env=env(repo), stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     line = p.stdout.readline()
     if "listening on" not in line:
@@ -205,13 +213,14 @@ def run_scenario(kind: str, n: int, procs: int) -> dict:
     try:
         ports = [mport]
         per_port = n
-        if kind == "ftrun-proxy":
+        base, repo = split_kind(kind)
+        if base == "ftrun-proxy":
             nproxies = max(1, n // PER_PROXY)
             hosts = nproxies  # one proxy per process, as on real nodes
             ports = []
             for h in range(hosts):
                 k = nproxies // hosts + (1 if h < nproxies % hosts else 0)
-                p = spawn(PROXY_HOST, mport, k)
+                p = spawn(PROXY_HOST, mport, k, repo=repo)
                 helpers.append(p)
                 ports += [int(x) for x in read_line(p, "ports")[1].split(",")]
             per_port = PER_PROXY
@@ -232,7 +241,7 @@ def run_scenario(kind: str, n: int, procs: int) -> dict:
         ops = 7 * n  # set, add, wait, (get = wait + get | set), add, wait per rank
         return {
             "backend": kind, "clients": n, "client_procs": procs,
-            "master_connections": n if kind != "ftrun-proxy" else len(ports),
+            "master_connections": n if base != "ftrun-proxy" else len(ports),
             "connect_s": round(connect_s, 4), "pattern_s": round(pattern_s, 4),
             "ops_per_s": round(ops / pattern_s), "master_cpu_connect_s": round(cpu1 - cpu0, 4),
             "master_cpu_pattern_s": round(cpu2 - cpu1, 4),
@@ -252,7 +261,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="256,1024,4096")
     ap.add_argument("--repeat", type=int, default=1, help="runs per scenario; the best is kept")
-    ap.add_argument("--backends", default="torch,ftrun,ftrun-proxy")
+    ap.add_argument("--backends", default="torch,ftrun,ftrun-proxy",
+                    help="comma-separated; NAME@PATH runs ftrun's server/proxies from the "
+                         "checkout at PATH (e.g. ftrun@/work/main: a before/after in one run)")
     a = ap.parse_args()
     print(json.dumps({"setup": "/etc/hosts", "line": HOSTS_LINE,
                       "status": ensure_hosts_line(),

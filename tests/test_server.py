@@ -234,10 +234,12 @@ def _frames_for_quick_path() -> list[bytes]:
     ]
 
 
+@pytest.mark.parametrize("entry", ["consume", "read"])
 @pytest.mark.parametrize("chunk", [0, 1, 7])
-def test_quick_path_gives_the_general_paths_replies(chunk: int) -> None:
+def test_quick_path_gives_the_general_paths_replies(chunk: int, entry: str) -> None:
     """The in-place decoder (StoreServer._quick) answers exactly as the general path does,
-    whole bursts and byte-by-byte."""
+    whole bursts and byte-by-byte, fed to the request loop directly (`_consume`) or read from
+    the socket (`_read`, which answers a lone quick request itself)."""
     stream = b"".join(_frames_for_quick_path())
     seen = []
     for quick in (True, False):
@@ -253,7 +255,11 @@ def test_quick_path_gives_the_general_paths_replies(chunk: int) -> None:
             pieces = [stream] if chunk == 0 else [stream[i:i + chunk]
                                                   for i in range(0, len(stream), chunk)]
             for p in pieces:
-                srv._consume(c, p)
+                if entry == "read":
+                    b.sendall(p)
+                    srv._read(c)
+                else:
+                    srv._consume(c, p)
             srv._flush_dirty()
             b.setblocking(False)  # a socketpair: what was sent is readable at once
             got = b""
@@ -322,3 +328,98 @@ def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
         srv._wake_fd = -1
         a.close()
         b.close()
+
+
+def _pair_conn(srv: StoreServer):
+    """A validated plain connection of `srv` over a socketpair: (conn, the client's end)."""
+    from rendezvous.server import _Conn
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    b.settimeout(5)
+    c = _Conn(a, "test", True, 0.0)
+    c.validated = True
+    srv._conns[c.fd] = c
+    return c, b
+
+
+def test_read_runs_each_request_of_a_burst_once() -> None:
+    """`_read` executes a lone quick request itself; when more follow in the same read, the
+    first (already executed) is answered first and only the rest go to the request loop (an
+    ADD executed twice would make the counter 3)."""
+    srv = StoreServer(host="127.0.0.1")
+    srv._loop_ident = threading.get_ident()
+    c, b = _pair_conn(srv)
+    add = P.encode_request(P.Request(P.Op.ADD, (b"/n",), (), 1))
+    b.sendall(add + add + P.encode_request(P.Request(P.Op.GET, (b"/n",))))
+    srv._read(c)
+    srv._flush_dirty()
+    assert recv_exact(b, 8 + 8 + 9) == P.enc_i64(1) + P.enc_i64(2) + P.enc_bytes(b"2")
+    b.sendall(add)
+    srv._read(c)
+    assert recv_exact(b, 8) == P.enc_i64(3)
+    assert srv.table.get(b"/n") == b"3"
+    assert srv.stats["requests"] == 4
+    c.sock.close()
+    b.close()
+
+
+def test_wakeups_are_sent_by_the_write_that_satisfies_them() -> None:
+    """A SET that satisfies waiters sends each STOP_WAITING at once, in the loop over the
+    waiters (as libuv's server does), not after the rest of the loop turn; a waiter whose
+    connection still has output queued gets it behind that output."""
+    srv = StoreServer(host="127.0.0.1")
+    srv._loop_ident = threading.get_ident()
+    waiters = [_pair_conn(srv) for _ in range(5)]
+    wait = P.encode_request(P.Request(P.Op.WAIT, (b"/all",)))
+    for c, b in waiters:
+        b.sendall(wait)
+        srv._read(c)
+        assert c.waiter is not None
+    queued, qb = waiters[0]
+    queued.out.append(b"Q")  # output that is not sent yet: the wake-up must come after it
+    setter, sb = _pair_conn(srv)
+    sb.sendall(P.encode_request(P.Request(P.Op.SET, (b"/all",), (b"1",))))
+    srv._read(setter)
+    for c, b in waiters[1:]:  # no end-of-turn flush: already sent
+        assert recv_exact(b, 1) == P.STOP_WAITING_REPLY
+        assert c.waiter is None
+    srv._flush_dirty()
+    assert recv_exact(qb, 2) == b"Q" + P.STOP_WAITING_REPLY
+
+
+def test_waiters_leave_no_garbage_cycles() -> None:
+    """A fired or cancelled waiter is freed by reference counting (its callback does not
+    refer back to it), so a rendezvous of thousands of waits gives the cyclic garbage
+    collector nothing to find."""
+    import gc
+    from rendezvous.memory import Waiter
+
+    def waiters() -> int:
+        return sum(1 for o in gc.get_objects() if type(o) is Waiter)
+
+    srv = StoreServer(host="127.0.0.1")
+    srv._loop_ident = threading.get_ident()
+    conns = [_pair_conn(srv) for _ in range(3)]
+    gc.collect()
+    gc.disable()
+    try:
+        before = waiters()
+        for c, b in conns:
+            b.sendall(P.encode_request(P.Request(P.Op.WAIT, (b"/k",))))
+            srv._read(c)
+        assert waiters() == before + 3
+        srv.table.set(b"/k", b"v")
+        srv._flush_dirty()
+        for c, b in conns:
+            assert recv_exact(b, 1) == P.STOP_WAITING_REPLY
+        assert waiters() == before
+        c, b = conns[2]
+        b.sendall(P.encode_request(P.Request(P.Op.WAIT, (b"/other",))))
+        srv._read(c)
+        b.sendall(bytes((P.Op.CANCEL_WAIT,)))
+        srv._read(c)
+        srv._flush_dirty()
+        assert recv_exact(b, 1) == P.WAIT_CANCELED_REPLY
+        assert waiters() == before
+    finally:
+        gc.enable()
