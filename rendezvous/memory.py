@@ -104,11 +104,12 @@ class MemoryStore:
     # -- torch ops -----------------------------------------------------------------------
 
     def set(self, key: bytes, value: bytes) -> None:
-        fired: list = []
         with self._lock:
             self._data[key] = value
-            if key in self._waiters or key in self._barriers:
-                self._changed(key, fired)
+            if key not in self._waiters and key not in self._barriers:
+                return
+            fired: list = []
+            self._changed(key, fired)
         if fired:
             self._fire(fired)
 
@@ -132,13 +133,14 @@ class MemoryStore:
             return [data.get(k) for k in keys]
 
     def add(self, key: bytes, amount: int) -> int:
-        fired: list = []
         with self._lock:
             old = self._data.get(key)
             new = amount if old is None else _to_int(key, old) + amount
             self._data[key] = str(new).encode()
-            if key in self._waiters or key in self._barriers:
-                self._changed(key, fired)
+            if key not in self._waiters and key not in self._barriers:
+                return new
+            fired: list = []
+            self._changed(key, fired)
         if fired:
             self._fire(fired)
         return new

@@ -45,6 +45,8 @@ Op = P.Op
 _GET, _SET, _ADD, _WAIT = Op.GET, Op.SET, Op.ADD, Op.WAIT
 _u64, _i64 = P._U64_unpack, P._I64_unpack
 _u64_pack, _i64_pack = P._U64_pack, P._I64.pack
+_EMPTY_VALUE = _u64_pack(0)
+_STOP = P.STOP_WAITING_REPLY
 
 
 class _Conn:
@@ -673,22 +675,21 @@ class StoreServer(LoopServer):
         if pos + 9 > n:
             return None
         op = buf[pos]
-        if op == _WAIT:
+        if op == _SET or op == _ADD or op == _GET:
+            s = pos + 9
+        elif op == _WAIT:
             if pos + 17 > n or _u64(buf, pos + 1)[0] != 1:
                 return None
             s = pos + 17
-        elif op == _GET or op == _SET or op == _ADD:
-            s = pos + 9
         else:
             return None
         kl = _u64(buf, s - 8)[0]
         e = s + kl
         if kl > self._max_key or e > n:
             return None
-        key = bytes(buf[s:e])
-        if op == _GET:
-            v = self._table_data.get(key)
-            return (_u64_pack(0) if v is None else _u64_pack(len(v)) + v), e
+        key = buf[s:e]  # bytes when buf is (a fresh read); a buffered bytearray is copied:
+        if type(key) is not bytes:
+            key = bytes(key)
         if op == _SET:
             if e + 8 > n or key == AUTH_KEY:
                 return None
@@ -696,7 +697,8 @@ class StoreServer(LoopServer):
             ve = e + 8 + vl
             if vl > self._max_value or ve > n:
                 return None
-            self.table.set(key, bytes(buf[e + 8:ve]))
+            v = buf[e + 8:ve]
+            self.table.set(key, v if type(v) is bytes else bytes(v))
             return None, ve
         if op == _ADD:
             if e + 8 > n:
@@ -705,8 +707,11 @@ class StoreServer(LoopServer):
                 return _i64_pack(self.table.add(key, _i64(buf, e)[0])), e + 8
             except ValueError:
                 return None  # the general path drops the connection, saying why
+        if op == _GET:
+            v = self._table_data.get(key)
+            return (_EMPTY_VALUE if v is None else _u64_pack(len(v)) + v), e
         if key in self._table_data:  # WAIT for one key that is there (else register a waiter)
-            return P.STOP_WAITING_REPLY, e
+            return _STOP, e
         return self._wait_keys(c, -1, (key,)), e
 
     def _data(self, c: _Conn, req: P.Request, tag: int) -> bytes:
