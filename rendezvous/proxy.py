@@ -687,13 +687,14 @@ class StoreProxy(LoopServer):
             if g.key is not None and self._waits.get(g.key) is g:
                 del self._waits[g.key]
             members, g.members = g.members, []
+            data = None if err is not None else P.encode_reply(op, value)  # one for all
             for c, slot in members:
                 if c.waiter is not None and c.waiter[0] is g:
                     c.waiter = None
-                if err is not None:
+                if data is None:
                     self._fail(c, P.op_name(op), err)
                 else:
-                    self._fill(c, slot, P.encode_reply(op, value))
+                    self._fill(c, slot, data)
         return done
 
     def _add_cb(self, members: list, total: int):
