@@ -93,6 +93,12 @@ def go_key(generation: int) -> str:
     return f"{ROOT}/g{generation}/go"
 
 
+def skip_init_off_key() -> str:
+    """Set by a replacement whose skipped parameter init could not be proven harmless: later
+    replacements of the job init normally (launcher.runtime.skip_init)."""
+    return f"{ROOT}/skip_init_off"
+
+
 def aware_key(rank: int) -> str:
     """Set when `rank` said hello on the worker channel: it uses launcher.runtime."""
     return f"{ROOT}/aware/{rank}"

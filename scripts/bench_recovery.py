@@ -146,9 +146,11 @@ def read_steps(out: str) -> dict[int, list[dict]]:
 
 def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
             hang_timeout: float = 0.0, extra_args: list[str] | None = None, nproc: int = 4,
-            worker_args: list[str] | None = None) -> dict:
+            worker_args: list[str] | None = None, repo: str = REPO) -> dict:
+    """One job of launcher `name` ("ftrun"/"torchrun"); `repo`: the checkout whose launcher,
+    runtime and worker script run (another one for a before/after comparison in one run)."""
     out = tempfile.mkdtemp(prefix=f"bench_recovery_{name}_")
-    env = dict(os.environ, OUT_DIR=out, PYTHONPATH=REPO, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    env = dict(os.environ, OUT_DIR=out, PYTHONPATH=repo, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     if fault_plan:
         env["FTRUN_FAULT_PLAN"] = fault_plan
     cmd = LAUNCHERS[name] + ["--nproc_per_node", str(nproc), "--max_restarts", "3",
@@ -156,11 +158,12 @@ def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
     if name == "ftrun" and hang_timeout:  # only where a hang is injected: a slow first step is no hang
         cmd += ["--hang_timeout", str(hang_timeout)]
     cmd += extra_args or []
-    cmd += [WORKERS[name], "--steps", str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers),
+    worker = os.path.join(repo, os.path.relpath(WORKERS[name], REPO))
+    cmd += [worker, "--steps", str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers),
             "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "10"] + (worker_args or [])
     stderr_path = os.path.join(out, "stderr.txt")
     with open(stderr_path, "w") as err:
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=repo)
         kill_time, killed_step, warm_at = None, None, None
         t_start = time.time()
         deadline = time.monotonic() + args.timeout
@@ -251,34 +254,67 @@ def transfer_gbps(stderr: str) -> float | None:
     return mb / 1e3 / s if s > 0 else None
 
 
-def compare(args: argparse.Namespace) -> dict:
-    tcp = raw_tcp_gbps()
+def replacement_path(job: dict, t_fault: float) -> dict:
+    """The replacement's own path, edge to edge (s): spawn (the agent hands it a spare) ->
+    started (its runtime exists) -> status (posted) -> plan (the controller's plan read) ->
+    rebuilt (groups built) -> registered (the script built model + optimizer) -> received (state
+    in) -> repaired (every rank past the end-of-transfer barrier)."""
+    ev = job["events"]
+    spawn = next((e for e in ev if e["event"] == "spawn" and e.get("replacement") and e["time"] >= t_fault - 1), None)
+    rec = next((e for e in ev if e["event"] == "rank-recovered" and e.get("replacement")
+                and e["time"] >= t_fault - 1), None)
+    if spawn is None or rec is None:
+        return {}
+    edges = [("spawn", spawn["time"])] + sorted(((k, v) for k, v in (rec.get("marks") or {}).items()),
+                                                 key=lambda kv: kv[1])
+    return {f"{a}->{b}": round(tb - ta, 4) for (a, ta), (b, tb) in zip(edges, edges[1:])}
+
+
+def ftrun_row(job: dict, res: dict, prefix: str) -> None:
+    """The ftrun job's numbers into `res`, keys starting with `prefix`."""
+    t_rec, recomputed = regained(job, job["kill_time"], job["killed_step"])
+    res[f"{prefix}_recover_s"] = round(t_rec - job["kill_time"], 3)
+    res[f"{prefix}_recomputed"] = recomputed
+    phases, last_rec = ftrun_phases(job, job["kill_time"])
+    if last_rec is not None:
+        phases["resume_s"] = round(t_rec - last_rec, 4)
+        # the recovery overhead: from the kill until every rank resumed training (what
+        # follows, resume_s, is the interrupted step computed again)
+        res[f"{prefix}_overhead_s"] = round(last_rec - job["kill_time"], 4)
+    res[f"{prefix}_phases"] = phases
+    res[f"{prefix}_replacement_path"] = replacement_path(job, job["kill_time"])
+    res[f"{prefix}_spares_warm_after_s"] = job["spares_warm_after_s"]
+    gbps = transfer_gbps(job["stderr"])
+    res[f"{prefix}_transfer_gbps"] = round(gbps, 3) if gbps else None
+    m = re.search(r"received state from rank [\d,]+: ([\d.]+) MB", job["stderr"])
+    res[f"{prefix}_state_mb"] = float(m.group(1)) if m else None
+
+
+def compare(args: argparse.Namespace, tcp: float) -> dict:
     res: dict = {"bench": "recovery", "ranks": 4, "hidden": args.hidden, "layers": args.layers}
-    state_mb = None
-    for name in ("torchrun", "ftrun"):
-        job = run_job(name, args)
+    if args.torchrun:
+        job = run_job("torchrun", args)
         t_rec, recomputed = regained(job, job["kill_time"], job["killed_step"])
-        res[f"{name}_recover_s"] = round(t_rec - job["kill_time"], 3)
-        res[f"{name}_recomputed"] = recomputed
-        res[f"{name}_killed_step"] = job["killed_step"]
-        if name == "ftrun":
-            phases, last_rec = ftrun_phases(job, job["kill_time"])
-            if last_rec is not None:
-                phases["resume_s"] = round(t_rec - last_rec, 4)
-                # the recovery overhead: from the kill until every rank resumed training (what
-                # follows, resume_s, is the interrupted step computed again)
-                res["ftrun_overhead_s"] = round(last_rec - job["kill_time"], 4)
-            res["ftrun_phases"] = phases
-            res["ftrun_spares_warm_after_s"] = job["spares_warm_after_s"]
-            gbps = transfer_gbps(job["stderr"])
-            res["transfer_gbps"] = round(gbps, 3) if gbps else None
-            m = re.search(r"received state from rank [\d,]+: ([\d.]+) MB", job["stderr"])
-            state_mb = float(m.group(1)) if m else None
-    res["state_mb"] = state_mb
+        res["torchrun_recover_s"] = round(t_rec - job["kill_time"], 3)
+        res["torchrun_recomputed"] = recomputed
+        res["torchrun_killed_step"] = job["killed_step"]
+    # with --baseline-repo, that checkout's ftrun runs too (same run; order alternates by --repeat)
+    variants = [("ftrun", REPO)] + ([("base", args.baseline_repo)] if args.baseline_repo else [])
+    if args.round % 2:
+        variants.reverse()
+    for prefix, repo in variants:
+        job = run_job("ftrun", args, repo=repo)
+        ftrun_row(job, res, prefix)
+        res[f"{prefix}_killed_step"] = job["killed_step"]
+    res["state_mb"] = res.get("ftrun_state_mb")
+    res["transfer_gbps"] = res.get("ftrun_transfer_gbps")
     res["raw_tcp_gbps"] = round(tcp, 3)
     if res.get("transfer_gbps"):
         res["transfer_vs_tcp"] = round(res["transfer_gbps"] / tcp, 3)
-    res["ratio_ftrun_vs_torchrun"] = round(res["ftrun_recover_s"] / res["torchrun_recover_s"], 3)
+    if args.baseline_repo:
+        res["baseline_repo"] = args.baseline_repo
+    if "torchrun_recover_s" in res:
+        res["ratio_ftrun_vs_torchrun"] = round(res["ftrun_recover_s"] / res["torchrun_recover_s"], 3)
     return res
 
 
@@ -370,12 +406,24 @@ def main() -> None:
                          "torch (default: wait until they are warm, the steady state of a long job)")
     ap.add_argument("--transfer-rows", action="store_true", help="two more rows, ftrun only: 4 ranks "
                     "as dp=2 replica groups (one source) and 6 ranks as dp=3 (two sources, striped)")
+    ap.add_argument("--no-torchrun", dest="torchrun", action="store_false",
+                    help="leave torchrun's restart-all out of the main row (ftrun only)")
+    ap.add_argument("--baseline-repo", default="", help="another checkout (e.g. main's) whose ftrun "
+                    "runs in the main row too, keys prefixed base_ (a before/after in one run)")
+    ap.add_argument("--repeat", type=int, default=1, help="main rows to run (baseline and this "
+                    "checkout alternate which goes first)")
     args = ap.parse_args()
+    if args.baseline_repo and not os.path.isfile(os.path.join(args.baseline_repo, "launcher", "agent.py")):
+        sys.exit(f"bench_recovery: --baseline-repo {args.baseline_repo} holds no launcher/agent.py")
+    if args.repeat < 1:
+        sys.exit(f"bench_recovery: --repeat {args.repeat} must be >= 1")
     hosts = ensure_hosts_line()
     if not args.no_compare:
-        row = compare(args)
-        row["hosts_line"] = hosts
-        print(json.dumps(row), flush=True)
+        tcp = raw_tcp_gbps()
+        for args.round in range(args.repeat):
+            row = compare(args, tcp)
+            row["hosts_line"] = hosts
+            print(json.dumps(row), flush=True)
     for kind in [k for k in args.kinds.split(",") if k]:
         print(json.dumps(kind_row(kind, args)), flush=True)
     if args.churn:

@@ -16,12 +16,13 @@ from helpers_runtime import EXAMPLES, assert_bit_identical, load_params
 STEPS = 8
 
 
-def ftrun_job(tmp_path: Path, name: str, script: str, plan=None, extra=(), max_restarts: int = 3):
+def ftrun_job(tmp_path: Path, name: str, script: str, plan=None, extra=(), max_restarts: int = 3,
+              env: dict[str, str] | None = None):
     wd = tmp_path / name
     wd.mkdir()
     cmd = FTRUN + ["--nproc_per_node", "4", "--max_restarts", str(max_restarts), "--log_dir", str(wd / "logs"),
                    str(EXAMPLES / script), "--steps", str(STEPS), "--out", str(wd / "out{rank}.pt"), *extra]
-    res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan or [])), timeout=300, cwd=str(wd))
+    res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan or []), **(env or {})), timeout=300, cwd=str(wd))
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-6000:]}\n{res.stderr[-6000:]}"
     ev = events(str(wd / "logs"))
     pids: dict[int, list[int]] = {}
@@ -61,6 +62,36 @@ def test_sigkill_in_each_phase(tmp_path, ddp_ref, phase):
         assert rec[r]["marks"]["repaired"] >= received - 0.001, (rec[r], rec[1])
     for r in range(4):
         assert_bit_identical(params[r], ddp_ref[0])
+
+
+def test_replacement_skips_the_random_init_it_receives_over(tmp_path, ddp_ref):
+    plan = [{"rank": 1, "step": 4, "phase": "forward", "kind": "kill"}]
+    ev, pids, params, res = ftrun_job(tmp_path, "skip", "ddp_train.py", plan)
+    out = res.stdout + res.stderr
+    assert "skipped 6 random parameter inits the received state overwrites" in out  # 3 Linear layers
+    assert new_processes(pids) == {1: 1}
+    for r in range(4):
+        assert_bit_identical(params[r], ddp_ref[0])
+    # FTRUN_SKIP_INIT=0: the replacement inits normally (and is just as bit-identical)
+    ev, pids, params, res = ftrun_job(tmp_path, "noskip", "ddp_train.py", plan, env={"FTRUN_SKIP_INIT": "0"})
+    assert "skipped" not in res.stdout + res.stderr
+    for r in range(4):
+        assert_bit_identical(params[r], ddp_ref[0])
+
+
+def test_replacement_that_draws_after_a_skipped_init_falls_back_to_a_normal_init(tmp_path):
+    """The script draws a fixed projection after building its model, outside the registered
+    state: a replacement that skipped its init would draw it from another generator state. It
+    says so, exits before any state moves, and the next replacement inits normally."""
+    ref = ftrun_job(tmp_path, "ref", "ddp_train.py", extra=["--fixed-projection"])[2]
+    plan = [{"rank": 1, "step": 4, "phase": "forward", "kind": "kill"}]
+    ev, pids, params, res = ftrun_job(tmp_path, "draw", "ddp_train.py", plan, extra=["--fixed-projection"])
+    out = res.stdout + res.stderr
+    assert "skipped random parameter inits cannot be proven harmless" in out
+    assert new_processes(pids) == {1: 2}  # the refusing replacement, then one that inits normally
+    assert "skipped 6 random parameter inits" not in out
+    for r in range(4):
+        assert_bit_identical(params[r], ref[0])
 
 
 def test_three_faults_including_the_same_rank_twice(tmp_path, ddp_ref):

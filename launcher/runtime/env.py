@@ -55,6 +55,7 @@ class RuntimeEnv:
     fault_plan: str | None
     store_timeout: float
     collective_timeout: float = 300.0  # a runtime collective waits this long before it reports
+    skip_init: bool = True  # FTRUN_SKIP_INIT: a replacement skips the random init it receives over
 
     @property
     def managed(self) -> bool:
@@ -71,6 +72,9 @@ class RuntimeEnv:
         replacement = env.get("FTRUN_REPLACEMENT", "0")
         if replacement not in ("0", "1"):
             raise ValueError(f"FTRUN_REPLACEMENT={replacement!r}; allowed: '0' or '1'")
+        skip_init = env.get("FTRUN_SKIP_INIT", "1")
+        if skip_init not in ("0", "1"):
+            raise ValueError(f"FTRUN_SKIP_INIT={skip_init!r}; allowed: '0' or '1'")
         addr = env.get("MASTER_ADDR")
         if not addr:
             raise ValueError("environment variable MASTER_ADDR is not set; launch with ftrun or torchrun")
@@ -91,4 +95,5 @@ class RuntimeEnv:
             store_timeout=_float(env, "FTRUN_STORE_TIMEOUT", 300.0),
             collective_timeout=_float(env, "FTRUN_COLLECTIVE_TIMEOUT",
                                       _float(env, "FTRUN_STORE_TIMEOUT", 300.0)),
+            skip_init=skip_init == "1",
         )

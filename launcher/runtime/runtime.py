@@ -41,6 +41,7 @@ from launcher.runtime.groups import GroupHandle, GroupRegistry
 from launcher.runtime.logs import RankLog
 from launcher.runtime.replicas import Layout, parallel_groups
 from launcher.runtime.signals import StopRequested, StopSignal
+from launcher.runtime.skip_init import InitSkip
 from launcher.runtime.state import Registered, Snapshot
 from launcher.runtime.transfer import recv_state, send_state
 
@@ -163,6 +164,7 @@ class Runtime:
         self._dirty = False
         self._needs_state = env.replacement  # True until this rank holds a trusted state
         self._pending_plan: P.RepairPlan | None = None
+        self._init_skip: InitSkip | None = None  # a replacement's skipped random init (skip_init)
         self._pending_exc: BaseException | None = None
         self._ckpt_dir: str | None = None
         self._ckpt_every = 0
@@ -212,6 +214,9 @@ class Runtime:
                              f"generation {self._stop.target}")
                     self.generation = self._stop.target
             self._build_world(self.generation, rebuild_groups=False)
+            if env.skip_init and self._store_try_get(P.skip_init_off_key()) is None:
+                self._init_skip = InitSkip()
+                self._init_skip.open()  # closed before the received state is applied
         else:
             self._build_world(self.generation, rebuild_groups=False)
         self.log(f"joined generation {self.generation} (world {self.world_size}, backend {self.backend}, "
@@ -292,6 +297,7 @@ class Runtime:
         self._ckpt_dir = os.fspath(checkpoint_dir) if checkpoint_dir else None
         self._ckpt_every = checkpoint_every
         self._registered = True
+        self._mark("registered")  # a replacement: its script has built model and optimizer
 
     def set_layout(self, dp: int, tp: int = 1, pp: int = 1, optimizer_shards: int = 1) -> dict[str, GroupHandle]:
         """Megatron-style layout: creates the "dp", "tp" and "pp" groups (those larger than one
@@ -652,11 +658,13 @@ class Runtime:
                 self.log(f"sent {part}state to rank {dst}: {stats.nbytes / 1e6:.1f} MB in {stats.tensors} tensors, "
                          f"{stats.seconds:.3f} s ({stats.gbps:.2f} GB/s)")
             elif dst == self.rank:
+                self._close_init_skip(self._reg.overwritten())
                 state, stats = recv_state(self._coll, srcs, self._reg.live_tensors())
                 self._moved = {"transfer_bytes": stats.nbytes, "transfer_s": stats.seconds, "source": srcs[0]}
                 if state["step"] != resume:
                     raise RuntimeError(f"ranks {srcs} sent the state of step {state['step']}, plan resumes at {resume}")
                 self._reg.load_full_state(state, self.adapter)
+                self._mark("received")
                 self.log(f"received state from rank {','.join(map(str, srcs))}: {stats.nbytes / 1e6:.1f} MB in "
                          f"{stats.tensors} tensors, {stats.seconds:.3f} s ({stats.gbps:.2f} GB/s; {stats.phases})")
                 snap = self._reg.snapshot(resume, self.adapter)
@@ -678,6 +686,22 @@ class Runtime:
         self._mark("repaired")
         self._set_phase("resumed")
         return resume
+
+    def _close_init_skip(self, covered: Any) -> None:
+        """End the skipped-init window before a received state is applied (see skip_init); exit
+        (1) when the skip cannot be proven harmless, after marking the job so that the next
+        replacement inits normally."""
+        if self._init_skip is None:
+            return
+        res, self._init_skip = self._init_skip.close(covered), None
+        if res.diverged is None:
+            if res.skipped:
+                self.log(f"skipped {res.skipped} random parameter inits the received state overwrites")
+            return
+        self._store.set(P.skip_init_off_key(), b"1")
+        self.log(f"skipped random parameter inits cannot be proven harmless: {res.diverged}; exiting so "
+                 "that a new replacement inits normally (FTRUN_SKIP_INIT=0 turns the skip off)")
+        self._hard_exit(1)
 
     def _mark(self, edge: str) -> None:
         """Wall-clock time of one edge of a recovery round (inside a round only)."""

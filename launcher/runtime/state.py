@@ -257,6 +257,12 @@ class Registered:
             "extras": dict(self.extras),
         })
 
+    def overwritten(self) -> list[torch.Tensor]:
+        """The live tensors a received full state always overwrites (`load_full_state` copies
+        into each one): every model's `state_dict()` tensors and the extras."""
+        out = [t for m in self.models for t in m.state_dict().values() if isinstance(t, torch.Tensor)]
+        return out + list(self.extras.values())
+
     def full_state(self, snap: Snapshot) -> dict:
         """Everything a replica needs to continue at `snap.step`; tensors alias live state."""
         return {

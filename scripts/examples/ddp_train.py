@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (sleep in forward)")
+    ap.add_argument("--fixed-projection", action="store_true", help="draw a fixed random input projection "
+                    "after building the model, kept outside the registered state (a replacement must not "
+                    "skip its parameter init then: see launcher.runtime.skip_init)")
     args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error(f"--layers {args.layers} must be >= 2")
@@ -47,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     rt = ftr.init(backend="gloo")
     torch.manual_seed(args.seed)  # replicas share the seed (and so their dropout masks)
     model = build_model(args.hidden, args.layers)
+    proj = torch.randn(32, 32) if args.fixed_projection else None  # same on every rank (seeded)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=10, gamma=0.5)
     pos = {"batch": 0}
@@ -55,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         g = torch.Generator().manual_seed(args.seed * 1_000_003 + pos["batch"] * 1009 + rt.rank)
         pos["batch"] += 1
         x = torch.randn(args.batch, 32, generator=g)
+        if proj is not None:
+            x = x @ proj
         return x, x[:, :1] * 0.5 - x[:, 1:2]
 
     rt.register(model=model, optimizer=opt, scheduler=sched,

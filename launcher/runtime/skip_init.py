@@ -1,0 +1,171 @@
+"""Skipping a replacement's random parameter init, which the state it receives overwrites.
+
+Owns: `InitSkip`, the window in which a replacement rank's `torch.nn.init` random fills
+(`uniform_`, `normal_`, `trunc_normal_`, `kaiming_*`, `xavier_*`, `orthogonal_`, `sparse_`) on
+CPU tensors drawing from torch's default generator are recorded instead of run, and the check at
+its end that this changed nothing a normal start would have produced.
+
+A replacement builds its model and optimizer only to receive a replica's state over them; at
+~170 MB of state the random fills of the model's construction took ~55 ms, about a quarter of
+the recovery. The window opens in `init()` of a replacement (unless FTRUN_SKIP_INIT=0 or an
+earlier replacement of the job had to fall back, see below) and closes right before the received
+state is applied (its generator states replace the rank's). At the close:
+
+- every skipped tensor must lie inside a tensor the received state overwrites: a registered
+  model's `state_dict()` tensor (parameters, persistent buffers) or a registered extra (not,
+  e.g., a non-persistent buffer or a module that is not registered);
+- torch's default CPU generator must be where the first skipped fill found it: otherwise code
+  ran after a skipped fill that drew random numbers a normal start would have drawn from a later
+  generator state, and those numbers may live outside the state that arrives. A reseed in the
+  window (`torch.manual_seed`, `torch.set_rng_state`, `torch.seed`, watched) with nothing drawn
+  since the first skipped fill is fine (from there the generator is where a normal start's is); a
+  reseed after such a draw counts as that draw. When either rule is broken the replacement cannot be
+  proven equal to its replicas: it says so in one line, marks the job (store key `plan.skip_init_off_key`) so later
+  replacements init normally, and exits 1 before any state moves -- the agent starts another
+  replacement in a new round.
+
+A skipped tensor holds NaN until the state arrives, so a copy taken of it in between (say, a
+frozen reference model deep-copied from the model and not registered) is loudly wrong, never
+silently random: register such a copy too (as a model or an extra), or set FTRUN_SKIP_INIT=0.
+Everything else of the state -- optimizer state, schedulers, RNG states, data position -- comes
+with the transfer as before; the generator state is restored from it too.
+"""
+from __future__ import annotations
+
+import functools
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.init as nn_init
+
+RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
+                "xavier_uniform_", "xavier_normal_", "orthogonal_", "sparse_")
+RESEEDS = ("manual_seed", "set_rng_state", "seed")  # torch.<name>, watched while the window is open
+
+
+@dataclass
+class Skipped:
+    fn: Callable[..., Any]  # the original init function
+    tensor: torch.Tensor
+    args: tuple
+    kwargs: dict
+
+
+@dataclass
+class SkipResult:
+    skipped: int  # fills recorded instead of run
+    diverged: str | None  # why the skip cannot be proven harmless (None: it can)
+
+
+@dataclass
+class InitSkip:
+    """The open window (see the module docstring); `close()` ends it, once."""
+
+    records: list[Skipped] = field(default_factory=list)
+    first_rng: torch.Tensor | None = None  # the default generator's state at the first skip
+    diverged: str | None = None  # why the skip can no longer be proven harmless
+    _saved: dict[tuple[Any, str], Any] = field(default_factory=dict)
+    _open: bool = False
+
+    def open(self) -> None:
+        if self._open:
+            return
+        self._open = True
+        # torch.nn.init's own names, and where torch.nn's modules imported them by name (e.g.
+        # MultiheadAttention's xavier_uniform_): a fill that ran would move the generator
+        mods = [nn_init] + [m for n, m in list(sys.modules.items())
+                            if n.startswith("torch.nn.") and m is not None and m is not nn_init]
+        for name in RANDOM_INITS:
+            orig = getattr(nn_init, name, None)
+            if orig is None:
+                continue
+            wrapped = self._wrap_init(orig)
+            for mod in mods:
+                if getattr(mod, name, None) is orig:
+                    self._patch(mod, name, wrapped)
+        for name in RESEEDS:
+            for mod in (torch, torch.random):
+                orig = getattr(mod, name, None)
+                if orig is not None:
+                    self._patch(mod, name, self._wrap_reseed(name, orig))
+
+    def _patch(self, mod: Any, name: str, new: Any) -> None:
+        self._saved[(mod, name)] = getattr(mod, name)
+        setattr(mod, name, new)
+
+    def _wrap_init(self, orig: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(orig)
+        def init(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+            if (not self._open or not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu"
+                    or kwargs.get("generator") is not None or type(tensor) not in (torch.Tensor, torch.nn.Parameter)):
+                return orig(tensor, *args, **kwargs)
+            state = torch.get_rng_state()
+            if self.first_rng is None:
+                self.first_rng = state
+            elif not torch.equal(state, self.first_rng) and self.diverged is None:
+                self.diverged = "random numbers were drawn between two skipped inits"
+            self.records.append(Skipped(orig, tensor, args, kwargs))
+            with torch.no_grad():  # poison, not stale memory, until the state arrives
+                tensor.fill_(float("nan") if tensor.is_floating_point() or tensor.is_complex() else 0)
+            return tensor
+        return init
+
+    def _wrap_reseed(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(orig)
+        def reseed(*args: Any, **kwargs: Any) -> Any:
+            if self._open and self.first_rng is not None and self.diverged is None:
+                if torch.equal(torch.get_rng_state(), self.first_rng):
+                    # nothing drew since the first skipped fill, and from here the generator is
+                    # where a normal start's would be: the next skipped fill sets a new baseline
+                    self.first_rng = None
+                else:
+                    self.diverged = f"random numbers were drawn after a skipped init, then torch.{name}()"
+            return orig(*args, **kwargs)
+        return reseed
+
+    def close(self, covered: Iterable[torch.Tensor]) -> SkipResult:
+        """End the window, right before a received state sets the generator; `covered`: the
+        tensors that state overwrites."""
+        if not self._open:
+            return SkipResult(0, None)
+        self._open = False
+        for (mod, name), orig in self._saved.items():
+            setattr(mod, name, orig)
+        self._saved.clear()
+        records, self.records = self.records, []
+        diverged = self.diverged
+        if diverged is None and self.first_rng is not None and not torch.equal(torch.get_rng_state(), self.first_rng):
+            diverged = "random numbers were drawn after a skipped init, before the state arrived"
+        if diverged is None:
+            spans = _spans(covered)
+            outside = [r for r in records if not _inside(r.tensor, spans)]
+            if outside:
+                diverged = (f"{len(outside)} skipped inits ({outside[0].fn.__name__} of a "
+                            f"{tuple(outside[0].tensor.shape)} tensor first) wrote tensors outside the received state")
+        self.first_rng = None
+        return SkipResult(len(records), diverged)
+
+
+def _spans(tensors: Iterable[torch.Tensor]) -> dict[int, list[tuple[int, int]]]:
+    """Storage address -> byte ranges [lo, hi) of contiguous tensors on it."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
+            continue
+        lo = t.storage_offset() * t.element_size()
+        out.setdefault(t.untyped_storage().data_ptr(), []).append((lo, lo + t.numel() * t.element_size()))
+    return out
+
+
+def _inside(t: torch.Tensor, spans: dict[int, list[tuple[int, int]]]) -> bool:
+    """Whether every element of `t` lies in one of `spans` (on the same storage)."""
+    if t.numel() == 0:
+        return True
+    esz = t.element_size()
+    lo = t.storage_offset() * esz
+    hi = lo + (sum((n - 1) * abs(s) for n, s in zip(t.shape, t.stride())) + 1) * esz
+    if any(s < 0 for s in t.stride()):
+        return False
+    return any(a <= lo and hi <= b for a, b in spans.get(t.untyped_storage().data_ptr(), ()))
