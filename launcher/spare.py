@@ -12,7 +12,9 @@ replacement and starts its successor as soon as the recovery round that used it 
 and under SCHED_IDLE when it may come back afterwards (root, or RLIMIT_NICE allows it), so a
 successor's `import torch` yields the CPU to the recovery that used its predecessor; it runs the
 script at the agent's priority, and returns to it the moment it is assigned (its stdin is read on
-a thread during the imports), also when it is taken before its imports finished.
+a thread during the imports), also when it is taken before its imports finished, and when its
+imports still run after `idle_limit` (2 s): training that keeps every CPU busy leaves SCHED_IDLE
+no time, and a spare that never finishes `import torch` makes the next fault start cold.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from launcher.workers import _child_setup
 
 
 WARM_UP_NICE = 10  # the spare's niceness while it imports torch (only if it can return to 0)
+WARM_UP_IDLE_S = 2.0  # after this long still importing, a spare continues at the agent's priority
 REFILL_HOLD_S = 10.0  # a recovery round holds back new spares at most this long
 
 
@@ -37,9 +40,12 @@ class SparePool:
     the next `ensure()`."""
 
     def __init__(self, python: str, log: Callable[[str], None], count: int = 2,
-                 start_delay: float = 5.0) -> None:
+                 start_delay: float = 5.0, idle_limit: float = WARM_UP_IDLE_S) -> None:
         if count < 0:
             raise ValueError(f"count {count} must be >= 0")
+        if idle_limit < 0:
+            raise ValueError(f"idle_limit {idle_limit} must be >= 0")
+        self.idle_limit = idle_limit
         self.python = python
         self.log = log
         self.count = count
@@ -83,7 +89,7 @@ class SparePool:
         base = os.getpriority(os.PRIO_PROCESS, 0)
         warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
         proc = subprocess.Popen([self.python, "-u", "-m", "launcher.spare"],
-                                env=dict(env, FTRUN_SPARE_NICE=f"{warm},{base}"),
+                                env=dict(env, FTRUN_SPARE_NICE=f"{warm},{base},{self.idle_limit}"),
                                 stdin=subprocess.PIPE, stdout=None, stderr=None,
                                 preexec_fn=lambda: _child_setup(parent), close_fds=True)
         self._procs.append(proc)
@@ -203,11 +209,22 @@ class _Assignment:
 
 
 def main() -> None:
-    warm, base = (int(x) for x in os.environ.get("FTRUN_SPARE_NICE", "0,0").split(","))
+    fields = os.environ.get("FTRUN_SPARE_NICE", "0,0").split(",")
+    warm, base = int(fields[0]), int(fields[1])
+    idle_limit = float(fields[2]) if len(fields) > 2 else WARM_UP_IDLE_S
+    escalate: threading.Timer | None = None
     if warm != base:
         _warm_priority(warm)
+        # on a node whose training keeps every CPU busy, idle time may never come: an import
+        # still running after `idle_limit` s goes on at the agent's priority, so the spare is
+        # warm a few seconds later instead of never (the next fault would start cold)
+        escalate = threading.Timer(idle_limit, _run_priority, args=(base,))
+        escalate.daemon = True
+        escalate.start()
     assignment = _Assignment(warm, base)
     _warm_imports()
+    if escalate is not None:
+        escalate.cancel()
     line = assignment.wait()
     if not line.strip():
         sys.exit(0)

@@ -26,7 +26,11 @@ def test_covered_fills_are_skipped_and_leave_the_generator_untouched():
     res = skip.close(covered(m))
     assert (res.skipped, res.diverged) == (4, None)  # 2 weights + 2 biases
     assert torch.equal(torch.get_rng_state(), before)  # nothing drew
-    assert all(torch.isnan(t).all() for t in covered(m))  # poisoned until the state arrives
+    for t in covered(m):  # poisoned until the state arrives
+        assert torch.isnan(t.reshape(-1)[0]) and torch.isnan(t.reshape(-1)[-1])
+    copy = torch.nn.Sequential(*[torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2)])
+    copy.load_state_dict(m.state_dict())
+    assert torch.isnan(copy(torch.ones(3, 8))).all()  # a copy taken meanwhile is loudly wrong
 
 
 def test_functions_are_restored_after_close():
