@@ -24,9 +24,14 @@ With --kinds, one more JSON line per fault kind (injected inside the worker at a
 from the end of the step before the fault: detect_s (first report, or the hang detection),
 resumed_s (every rank resumed training: the time to recover), recover_s (every rank completed
 the interrupted step again), step_s (a fault-free step) and lost_s = recover_s - step_s.
-With --churn, one more line: two kills on one node, the second --churn-gap steps after the first
-recovery (ranks 1 then 2), each fault's lost_s and whether its replacement came warm
-(--warm-spares N sets ftrun's spare count; 1 shows the old single-spare behaviour).
+With --churn, one more line: two SIGKILLs on one node (rank 1 once the spares are warm, rank 2
+--churn-gap steps after the step the first one interrupted), each fault's lost_s and whether its
+replacement came warm (--warm-spares N sets ftrun's spare count; 1 shows the old single-spare
+behaviour).
+--no-torchrun leaves torchrun out; --baseline-repo DIR runs DIR's ftrun (e.g. an export of main)
+in the same run, keys prefixed base_ (churn rows: checkout "base"); --repeat N repeats the main
+and churn rows, alternating which checkout goes first. *_replacement_path: the replacement's
+edges (spawn, started, status, plan, rebuilt, registered, received, repaired) apart.
 With --transfer-rows, two more lines, ftrun only: 4 ranks declared as dp=2 replica groups (rank 1's
 state comes from one replica) and 6 ranks as dp=3 (from two replicas, striped), transfer_gbps
 against raw_tcp_gbps each.
@@ -146,7 +151,8 @@ def read_steps(out: str) -> dict[int, list[dict]]:
 
 def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
             hang_timeout: float = 0.0, extra_args: list[str] | None = None, nproc: int = 4,
-            worker_args: list[str] | None = None, repo: str = REPO) -> dict:
+            worker_args: list[str] | None = None, repo: str = REPO,
+            kills: list[tuple[int, int]] | None = None) -> dict:
     """One job of launcher `name` ("ftrun"/"torchrun"); `repo`: the checkout whose launcher,
     runtime and worker script run (another one for a before/after comparison in one run)."""
     out = tempfile.mkdtemp(prefix=f"bench_recovery_{name}_")
@@ -162,13 +168,19 @@ def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
     cmd += [worker, "--steps", str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers),
             "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "10"] + (worker_args or [])
     stderr_path = os.path.join(out, "stderr.txt")
+    # external SIGKILLs (no fault plan): (rank, gap) -- the first once every rank completed
+    # --kill-after-step (and the warm spares are warm), each next one once every rank completed
+    # `gap` more steps than the step the previous kill interrupted
+    kills = list(kills or [(1, 0)]) if fault_plan is None else []
+    kill_times: list[float] = []
+    killed_steps: list[int] = []
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=repo)
-        kill_time, killed_step, warm_at = None, None, None
+        warm_at = None
         t_start = time.time()
         deadline = time.monotonic() + args.timeout
         while proc.poll() is None and time.monotonic() < deadline:
-            if fault_plan is None and kill_time is None:
+            if len(kill_times) < len(kills):
                 steps = read_steps(out)
                 if warm_at is None and name == "ftrun" and args.wait_warm:
                     if warm_spares(proc.pid) is not None:
@@ -176,10 +188,12 @@ def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
                     else:
                         time.sleep(0.05)
                         continue
-                if len(steps) == nproc and all(s and s[-1]["step"] >= args.kill_after_step for s in steps.values()):
-                    victim = steps[1][-1]
-                    killed_step = victim["step"] + 1
-                    kill_time = time.time()
+                rank, gap = kills[len(kill_times)]
+                need = killed_steps[-1] + gap if killed_steps else args.kill_after_step
+                if len(steps) == nproc and all(s and s[-1]["step"] >= need for s in steps.values()):
+                    victim = steps[rank][-1]
+                    killed_steps.append(victim["step"] + 1)
+                    kill_times.append(time.time())
                     os.kill(victim["pid"], signal.SIGKILL)
             time.sleep(0.002)
         if proc.poll() is None:
@@ -189,10 +203,12 @@ def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
         raise RuntimeError(f"{name}: job failed ({proc.returncode}); see {stderr_path}")
     with open(stderr_path, encoding="utf-8", errors="replace") as f:
         stderr = f.read()
-    if fault_plan is None and kill_time is None:
-        raise RuntimeError(f"{name}: the job ended before the kill (spares warm: {warm_at is not None}; "
-                           f"logs in {out}); use more --steps")
-    return {"out": out, "kill_time": kill_time, "killed_step": killed_step, "stderr": stderr,
+    if len(kill_times) < len(kills):
+        raise RuntimeError(f"{name}: the job ended before kill {len(kill_times) + 1} (spares warm: "
+                           f"{warm_at is not None}; logs in {out}); use more --steps")
+    return {"out": out, "kill_time": kill_times[0] if kill_times else None,
+            "killed_step": killed_steps[0] if killed_steps else None,
+            "kill_times": kill_times, "killed_steps": killed_steps, "stderr": stderr,
             "spares_warm_after_s": round(warm_at - t_start, 2) if warm_at else None,
             "steps": read_steps(out), "events": events(os.path.join(out, "logs"))}
 
@@ -342,30 +358,29 @@ def kind_row(kind: str, args: argparse.Namespace) -> dict:
             "processes_restarted": sum(n - 1 for n in pids.values())}
 
 
-def fault_times(job: dict, rank: int, step: int, step_s: float) -> dict:
-    """One injected fault (rank, step): times from the end of the victim's step before."""
-    t_prev = max(r["time"] for r in job["steps"][rank] if r["step"] == step - 1)
-    t_rec, _ = regained(job, t_prev, step)
-    return {"recover_s": round(t_rec - t_prev, 3), "lost_s": round(t_rec - t_prev - step_s, 3)}
-
-
-def churn_row(args: argparse.Namespace) -> dict:
+def churn_row(args: argparse.Namespace, repo: str = REPO) -> dict:
     """Two kills on one node, the second soon after the first recovery: does the second one
-    still get a warm replacement, and does it lose as little time as the first?"""
-    first, second = args.kill_after_step + 1, args.kill_after_step + 1 + args.churn_gap
-    plan = json.dumps([{"rank": 1, "step": first, "phase": "forward", "kind": "kill", "generation": 0},
-                       {"rank": 2, "step": second, "phase": "forward", "kind": "kill", "generation": 1}])
-    job = run_job("ftrun", args, fault_plan=plan, extra_args=["--warm-spares", str(args.warm_spares)])
+    still get a warm replacement, and does it lose as little time as the first? External
+    SIGKILLs: rank 1 once the warm spares are warm, rank 2 --churn-gap steps later."""
+    job = run_job("ftrun", args, extra_args=["--warm-spares", str(args.warm_spares)], repo=repo,
+                  kills=[(1, 0), (2, args.churn_gap)])
     ev = job["events"]
+    first = job["killed_steps"][0]
     before = sorted(r["time"] for r in job["steps"][0] if r["step"] < first)
     gaps = sorted(b - a for a, b in zip(before, before[1:]))
     step_s = gaps[len(gaps) // 2] if gaps else 0.0
     spawns = [e for e in ev if e["event"] == "spawn" and e.get("replacement")]
-    one, two = fault_times(job, 1, first, step_s), fault_times(job, 2, second, step_s)
+    lost = []
+    for rank, t_kill, step in zip((1, 2), job["kill_times"], job["killed_steps"]):
+        # from the end of the victim's step before the kill, as the per-kind rows
+        t_prev = max(r["time"] for r in job["steps"][rank] if r["step"] == step - 1 and r["time"] <= t_kill)
+        t_rec, _ = regained(job, t_kill, step)
+        lost.append(round(t_rec - t_prev - step_s, 3))
     return {"bench": "recovery-churn", "warm_spares": args.warm_spares, "gap_steps": args.churn_gap,
-            "step_s": round(step_s, 3), "first_lost_s": one["lost_s"], "second_lost_s": two["lost_s"],
+            "step_s": round(step_s, 3), "first_lost_s": lost[0], "second_lost_s": lost[1],
             "first_warm": bool(spawns and spawns[0].get("warm")),
             "second_warm": bool(len(spawns) > 1 and spawns[1].get("warm")),
+            "spares_warm_after_s": job["spares_warm_after_s"],
             "strategies": [e["strategy"] for e in ev if e["event"] == "plan"]}
 
 
@@ -427,7 +442,10 @@ def main() -> None:
     for kind in [k for k in args.kinds.split(",") if k]:
         print(json.dumps(kind_row(kind, args)), flush=True)
     if args.churn:
-        print(json.dumps(churn_row(args)), flush=True)
+        for i in range(args.repeat):
+            runs = [("this", REPO)] + ([("base", args.baseline_repo)] if args.baseline_repo else [])
+            for label, repo in (runs if i % 2 == 0 else runs[::-1]):
+                print(json.dumps(dict(churn_row(args, repo), checkout=label)), flush=True)
     if args.transfer_rows:
         tcp = raw_tcp_gbps()
         for nproc, dp in ((4, 2), (6, 3)):

@@ -51,6 +51,7 @@ class RuntimeOptions:
     heartbeat_interval: float = 1.0  # seconds between heartbeats when nothing changes
     network_grace: float = 3.0  # after a collective error, wait this long for the agent's stop
     poll_interval: float = 0.01  # store polling while waiting for the controller
+    plan_poll_interval: float = 0.001  # ... for the repair plan of a recovery round
 
 
 class Step:
@@ -563,7 +564,10 @@ class Runtime:
         self._store.set(P.status_key(generation, self.rank), status.to_json())
         self.log(f"posted status: committed_step={status.committed_step} step={status.step} "
                  f"dirty={status.dirty} replacement={status.replacement} shard={status.shard!r}")
-        raw = self._wait_key(P.repair_key(generation), "the controller's repair plan")
+        # the round's critical path: every rank of the round waits for this key, the slowest
+        # reader holds up the group rebuild, so poll it finely (a round lasts ~0.1 s)
+        raw = self._wait_key(P.repair_key(generation), "the controller's repair plan",
+                             max_delay=self.options.plan_poll_interval)
         plan = P.RepairPlan.from_json(raw)
         self._mark("plan")
         self.log(f"repair plan: resume_step={plan.resume_step} action={plan.action} pairs={plan.pairs} "
@@ -572,10 +576,11 @@ class Runtime:
             self._fallback(plan)
         return plan
 
-    def _wait_key(self, key: str, what: str) -> bytes:
+    def _wait_key(self, key: str, what: str, max_delay: float | None = None) -> bytes:
         gen = self.generation
         deadline = time.monotonic() + self.env.store_timeout
-        delay = 0.002
+        cap = self.options.poll_interval if max_delay is None else max_delay
+        delay = min(0.002, cap)
         while True:
             if self._store.check([key]):
                 return self._store.get(key)
@@ -584,7 +589,7 @@ class Runtime:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} ({key}) did not appear within {self.env.store_timeout:.0f} s")
             self._stop.wait_newer(gen, delay)
-            delay = min(delay * 2, self.options.poll_interval)
+            delay = min(delay * 2, cap)
 
     def _recover(self) -> int:
         """Run recovery rounds until one completes; returns the step to resume at."""
