@@ -14,7 +14,8 @@ Reported (one JSON line):
                     i.e. progress is regained (torchrun's recomputed steps included);
   *_recomputed      steps completed before the kill and completed again after it;
   ftrun_overhead_s  from the kill until every rank resumed training (the recovery overhead; the
-                    rest of ftrun_recover_s is resume_s, the interrupted step computed again);
+                    rest of ftrun_recover_s is resume_s, the interrupted step computed again), as
+                    the agent logs it; ftrun_overhead_ranks_s by the ranks' own `repaired` edges;
   ftrun_phases      detect, decide, respawn (new process up and joined), stop (survivors out of
                     their collectives), rebuild (process groups), transfer (state to the
                     replacement), resume (first completed step after the repair);
@@ -297,6 +298,12 @@ def ftrun_row(job: dict, res: dict, prefix: str) -> None:
         # the recovery overhead: from the kill until every rank resumed training (what
         # follows, resume_s, is the interrupted step computed again)
         res[f"{prefix}_overhead_s"] = round(last_rec - job["kill_time"], 4)
+    # the same, by the ranks' own clocks: the last rank's `repaired` edge (the agent logs its
+    # `rank-recovered` a message later)
+    repaired = [e["marks"]["repaired"] for e in job["events"] if e["event"] == "rank-recovered"
+                and e["time"] >= job["kill_time"] and "repaired" in (e.get("marks") or {})]
+    if repaired:
+        res[f"{prefix}_overhead_ranks_s"] = round(max(repaired) - job["kill_time"], 4)
     res[f"{prefix}_phases"] = phases
     res[f"{prefix}_replacement_path"] = replacement_path(job, job["kill_time"])
     res[f"{prefix}_spares_warm_after_s"] = job["spares_warm_after_s"]

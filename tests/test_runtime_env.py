@@ -19,12 +19,14 @@ def test_ftrun_environment():
                                    "FTRUN_RUN_ID": "r", "FTRUN_NODE_RANK": "2"})
     assert env.managed and env.generation == 3 and env.replacement and env.store_timeout == 12.5
     assert env.node_rank == 2 and env.run_id == "r"
+    assert env.skip_init and not RuntimeEnv.from_environ({**BASE, "FTRUN_SKIP_INIT": "0"}).skip_init
 
 
 @pytest.mark.parametrize("change,match", [
     ({"RANK": "4"}, "RANK=4 must be < WORLD_SIZE=4"),
     ({"RANK": "x"}, "RANK='x' is not an integer"),
     ({"FTRUN_REPLACEMENT": "yes"}, "FTRUN_REPLACEMENT='yes'"),
+    ({"FTRUN_SKIP_INIT": "off"}, "FTRUN_SKIP_INIT='off'"),
     ({"FTRUN_STORE_TIMEOUT": "0"}, "FTRUN_STORE_TIMEOUT=0.0 must be > 0"),
     ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
 ])
