@@ -368,11 +368,13 @@ class Agent:
         elif isinstance(msg, Heartbeat):
             self.log.observe("heartbeat", **dataclasses.asdict(msg))
             self.hangs.on_heartbeat(msg)
+            if self.spawner is not None:
+                self.spawner.rank_progressed(msg.rank, msg.committed_step)
         elif isinstance(msg, FaultReport):
             self._on_fault_report(msg, ev.pid)
         elif isinstance(msg, Recovered):
             if self.spawner is not None:
-                self.spawner.rank_recovered(msg.rank, msg.generation)
+                self.spawner.rank_recovered(msg.rank, msg.generation, msg.resume_step)
             self.log.info("rank-recovered", f"rank {msg.rank} resumed generation {msg.generation} at "
                           f"step {msg.resume_step}", rank=msg.rank, generation=msg.generation,
                           resume_step=msg.resume_step, action=msg.action,

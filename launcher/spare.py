@@ -12,9 +12,11 @@ replacement and starts its successor as soon as the recovery round that used it 
 and under SCHED_IDLE when it may come back afterwards (root, or RLIMIT_NICE allows it), so a
 successor's `import torch` yields the CPU to the recovery that used its predecessor; it runs the
 script at the agent's priority, and returns to it the moment it is assigned (its stdin is read on
-a thread during the imports), also when it is taken before its imports finished, and when its
-imports still run after `idle_limit` (2 s): training that keeps every CPU busy leaves SCHED_IDLE
-no time, and a spare that never finishes `import torch` makes the next fault start cold.
+a thread during the imports), also when it is taken before its imports finished. The pool moves
+a spare to the agent's priority itself after `idle_limit` (2 s) of warm-up, except while a
+recovery round and the step it resumes at run: training that keeps every CPU busy leaves
+SCHED_IDLE no time, and a spare that never finishes `import torch` makes the next fault start
+cold.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ from launcher.workers import _child_setup
 
 
 WARM_UP_NICE = 10  # the spare's niceness while it imports torch (only if it can return to 0)
-WARM_UP_IDLE_S = 2.0  # after this long still importing, a spare continues at the agent's priority
+WARM_UP_IDLE_S = 2.0  # after this long warming up, a spare goes on at the agent's priority (not while held)
 REFILL_HOLD_S = 10.0  # a recovery round holds back new spares at most this long
 
 
@@ -50,8 +52,11 @@ class SparePool:
         self.log = log
         self.count = count
         self._procs: list[subprocess.Popen] = []
+        # pid -> (start time, the agent's niceness to return to after idle_limit; None: done)
+        self._born: dict[int, tuple[float, int | None]] = {}
         self._not_before = time.monotonic() + start_delay
         self._hold: tuple[int, set[int], float] | None = None  # (generation, ranks, until)
+        self._resume: dict[int, int] = {}  # held rank -> the step it must commit to count as done
 
     def ready(self) -> int:
         """Spares alive now (warm or still warming up)."""
@@ -59,17 +64,33 @@ class SparePool:
         return len(self._procs)
 
     def hold(self, generation: int, ranks: set[int], timeout: float = REFILL_HOLD_S) -> None:
-        """A recovery round of `generation` runs on this node: start no spare until `ranks` have
-        all reported it done (`recovered`) or `timeout` s passed, so no `import torch` runs
-        beside the state transfer and the redone step on the node's CPUs."""
+        """A recovery round of `generation` runs on this node: start no spare, and let none
+        leave its idle warm-up priority, until `ranks` have all finished it and committed the
+        step they resumed at (`recovered`, `progressed`) or `timeout` s passed, so no
+        `import torch` runs beside the state transfer and the redone step on the node's CPUs."""
         self._hold = (generation, set(ranks), time.monotonic() + timeout) if ranks else None
+        self._resume = {}
 
-    def recovered(self, rank: int, generation: int) -> None:
-        """Rank `rank` finished the recovery round of `generation` (or a later one)."""
-        if self._hold is not None and generation >= self._hold[0]:
-            self._hold[1].discard(rank)
-            if not self._hold[1]:
-                self._hold = None
+    def recovered(self, rank: int, generation: int, resume_step: int | None = None) -> None:
+        """Rank `rank` finished the recovery round of `generation` (or a later one); with
+        `resume_step`, it counts as done once it committed that step (`progressed`)."""
+        if self._hold is not None and generation >= self._hold[0] and rank in self._hold[1]:
+            if resume_step is None:
+                self._done(rank)
+            else:
+                self._resume[rank] = resume_step
+
+    def progressed(self, rank: int, committed_step: int) -> None:
+        """Rank `rank` reports its last committed step."""
+        if rank in self._resume and committed_step >= self._resume[rank]:
+            self._done(rank)
+
+    def _done(self, rank: int) -> None:
+        assert self._hold is not None
+        self._hold[1].discard(rank)
+        self._resume.pop(rank, None)
+        if not self._hold[1]:
+            self._hold = None
 
     def held(self) -> bool:
         if self._hold is not None and time.monotonic() >= self._hold[2]:
@@ -78,27 +99,43 @@ class SparePool:
 
     def ensure(self, env: dict[str, str]) -> None:
         """Start spares until `count` are alive (once the start delay has passed, and not while
-        a recovery round holds them back)."""
+        a recovery round holds them back); spares warming up for `idle_limit` s go on at the
+        agent's priority (not while held)."""
         if time.monotonic() < self._not_before or self.held():
             return
         while self.ready() < self.count:
             self._start(env)
+        self._escalate()
+
+    def _escalate(self) -> None:
+        """On a node whose training keeps every CPU busy, SCHED_IDLE may never get time: a
+        spare still importing torch at the next fault makes it start cold (0.8-2.5 s lost). So
+        after `idle_limit` s a spare goes on at the agent's priority (an idle, warm one only
+        sleeps there)."""
+        now = time.monotonic()
+        for proc in self._procs:
+            born, base = self._born.get(proc.pid, (now, None))
+            if base is not None and now - born >= self.idle_limit and proc.poll() is None:
+                run_priority(base, proc.pid)
+                self._born[proc.pid] = (born, None)
 
     def _start(self, env: dict[str, str]) -> None:
         parent = os.getpid()
         base = os.getpriority(os.PRIO_PROCESS, 0)
         warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
         proc = subprocess.Popen([self.python, "-u", "-m", "launcher.spare"],
-                                env=dict(env, FTRUN_SPARE_NICE=f"{warm},{base},{self.idle_limit}"),
+                                env=dict(env, FTRUN_SPARE_NICE=f"{warm},{base}"),
                                 stdin=subprocess.PIPE, stdout=None, stderr=None,
                                 preexec_fn=lambda: _child_setup(parent), close_fds=True)
         self._procs.append(proc)
+        self._born[proc.pid] = (time.monotonic(), base if warm != base else None)
         self.log(f"warm spare started (pid {proc.pid}; {len(self._procs)} of {self.count})")
 
     def take(self, env: dict[str, str], argv: list[str], module: bool) -> subprocess.Popen | None:
         """Hand the oldest live spare its assignment; None when no live spare is available."""
         while self._procs:
             proc = self._procs.pop(0)
+            self._born.pop(proc.pid, None)
             if proc.poll() is not None or proc.stdin is None:
                 continue
             line = json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(), "module": module}) + "\n"
@@ -114,6 +151,7 @@ class SparePool:
 
     def stop(self) -> None:
         procs, self._procs = self._procs, []
+        self._born.clear()
         for proc in procs:
             proc.kill()  # idle: nothing to lose
         for proc in procs:
@@ -150,11 +188,11 @@ def _warm_imports() -> None:
         pass
 
 
-def _threads() -> list[int]:
+def _threads(pid: int | None = None) -> list[int]:
     try:
-        return [int(t) for t in os.listdir("/proc/self/task")]
+        return [int(t) for t in os.listdir(f"/proc/{'self' if pid is None else pid}/task")]
     except OSError:
-        return [0]
+        return [0] if pid is None else []
 
 
 def _warm_priority(warm: int) -> None:
@@ -170,9 +208,14 @@ def _warm_priority(warm: int) -> None:
 
 
 def _run_priority(base: int) -> str | None:
-    """Every thread back to the agent's priority (SCHED_OTHER, nice `base`); an error text or None."""
+    return run_priority(base)
+
+
+def run_priority(base: int, pid: int | None = None) -> str | None:
+    """Every thread of process `pid` (default: this one) back to the agent's priority
+    (SCHED_OTHER, nice `base`); an error text or None."""
     err = None
-    for tid in _threads():
+    for tid in _threads(pid):
         try:
             if hasattr(os, "SCHED_OTHER") and os.sched_getscheduler(tid) != os.SCHED_OTHER:
                 os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
@@ -209,22 +252,11 @@ class _Assignment:
 
 
 def main() -> None:
-    fields = os.environ.get("FTRUN_SPARE_NICE", "0,0").split(",")
-    warm, base = int(fields[0]), int(fields[1])
-    idle_limit = float(fields[2]) if len(fields) > 2 else WARM_UP_IDLE_S
-    escalate: threading.Timer | None = None
+    warm, base = (int(x) for x in os.environ.get("FTRUN_SPARE_NICE", "0,0").split(","))
     if warm != base:
         _warm_priority(warm)
-        # on a node whose training keeps every CPU busy, idle time may never come: an import
-        # still running after `idle_limit` s goes on at the agent's priority, so the spare is
-        # warm a few seconds later instead of never (the next fault would start cold)
-        escalate = threading.Timer(idle_limit, _run_priority, args=(base,))
-        escalate.daemon = True
-        escalate.start()
     assignment = _Assignment(warm, base)
     _warm_imports()
-    if escalate is not None:
-        escalate.cancel()
     line = assignment.wait()
     if not line.strip():
         sys.exit(0)

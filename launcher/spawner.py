@@ -164,9 +164,13 @@ class Spawner:
         if self.spares is not None:
             self.spares.hold(generation, ranks)
 
-    def rank_recovered(self, rank: int, generation: int) -> None:
+    def rank_recovered(self, rank: int, generation: int, resume_step: int | None = None) -> None:
         if self.spares is not None:
-            self.spares.recovered(rank, generation)
+            self.spares.recovered(rank, generation, resume_step)
+
+    def rank_progressed(self, rank: int, committed_step: int) -> None:
+        if self.spares is not None:
+            self.spares.progressed(rank, committed_step)
 
     def stop(self) -> None:
         if self.spares is not None:
