@@ -33,6 +33,17 @@ def test_resume_callback_dispatch():
         resume_callback(both, "restart")
 
 
+def test_the_framework_path_inits_replacements_normally_unless_asked():
+    from launcher.runtime.callbacks import framework_environ
+    from launcher.runtime.env import RuntimeEnv
+
+    base = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert RuntimeEnv.from_environ(base).skip_init  # ftr.init(): the skip is on by default
+    assert not RuntimeEnv.from_environ(framework_environ(base)).skip_init  # attach(): off
+    assert RuntimeEnv.from_environ(framework_environ({**base, "FTRUN_SKIP_INIT": "1"})).skip_init
+    assert "FTRUN_SKIP_INIT" not in base  # the caller's mapping is not changed
+
+
 def test_hooks_refuse_out_of_order_calls(monkeypatch):
     import torch.distributed as dist
 
@@ -244,11 +255,10 @@ def test_megatron_killed_in_every_phase_is_bit_identical_to_a_run_without_ftrun(
     t0 = time.monotonic()
     res = run(FTRUN + ["--nproc_per_node", "4", "--max_restarts", "3", "--log_dir", str(wd / "logs"), example,
                        "--steps", "8", "--out", str(wd / "out{rank}.pt")],
-              # Megatron's CPU init fills a master weight outside the state and copies slices of
-              # it into the parameters: a replacement that skipped that init cannot prove it
-              # harmless and falls back (one more round, which shifts this plan's generations;
-              # the fallback is tested in test_runtime_recovery), so it inits normally here
-              env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="90", FTRUN_SKIP_INIT="0"),
+              # the framework path inits a replacement normally by default (attach): Megatron's
+              # CPU init fills a master weight outside the state, a skipped init would fall back
+              # (one more round, which would shift this plan's generations)
+              env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="90"),
               timeout=420, cwd=str(wd))
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-8000:]}\n{res.stderr[-4000:]}"
     ev = events(str(wd / "logs"))

@@ -22,6 +22,7 @@ Order of one recovery (every rank of the round, the replacement included from "r
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
@@ -251,9 +252,20 @@ class FrameworkHooks:
         self.runtime.finish()
 
 
+def framework_environ(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The launch environment as the framework path reads it: FTRUN_SKIP_INIT defaults to 0."""
+    env = dict(os.environ if environ is None else environ)
+    env.setdefault("FTRUN_SKIP_INIT", "0")
+    return env
+
+
 def attach(backend: str = "gloo", device: str | None = None, options: RuntimeOptions | None = None,
            environ: dict[str, str] | None = None) -> FrameworkHooks:
     """Join the job (`launcher.runtime.init`) and route torch.distributed's collectives through
-    the runtime. Call it before the framework creates its process groups."""
-    rt = init(backend=backend, device=device, options=options, environ=environ)
+    the runtime. Call it before the framework creates its process groups.
+
+    A framework owns its initialisation (Megatron's CPU init fills full master weights outside the
+    state it hands over), so here a replacement runs its random init like any start unless
+    FTRUN_SKIP_INIT=1 asks for the skip (`launcher.runtime.skip_init`)."""
+    rt = init(backend=backend, device=device, options=options, environ=framework_environ(environ))
     return FrameworkHooks(rt, CollectiveRouting(rt._coll).install())
