@@ -22,7 +22,12 @@ The rule (auto):
   - a rank blocked in a collective (`waiting`) waits on a peer and is not hung itself, unless its
     process is stopped (SIGSTOP, state T) or stuck in the kernel (state D), or its heartbeats
     stopped (the runtime's heartbeat thread only stops when the whole process is frozen): then it
-    counts as hung in any phase.
+    counts as hung in any phase;
+  - leaving a collective wait (waiting turns false) restarts the rank's clock: the time spent
+    waiting on peers is not its own. (Before, a survivor that left a long wait on a hung peer
+    because of the agent's stop sent one heartbeat "backward, not waiting" before its
+    "recovering" one, and a health check in between found it idle since the wait began: the
+    survivors of a recovered hang were killed as hung themselves.)
 """
 from __future__ import annotations
 
@@ -143,9 +148,15 @@ class RankClock:
 
     def beat(self, hb: Heartbeat, now: float) -> None:
         self.last_beat = now
+        left_wait = self.waiting and not hb.waiting
         self.waiting = hb.waiting
         mark = hb.progress()
         if mark == self.mark:
+            if left_wait:
+                # It left a collective (completed, failed or interrupted by a stop) and still
+                # shows the phase it waited in: its own idleness starts now, not when it began
+                # to wait (the first heartbeat after a stop often carries the old phase).
+                self.last_progress = now
             return  # alive, same place: no progress
         self.mark, self.last_progress = mark, now
         if self.phase == "checkpoint" and hb.phase != "checkpoint" and self.ckpt_start is not None:

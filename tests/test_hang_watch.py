@@ -162,3 +162,21 @@ def test_step_times_the_rank_sent_count_even_when_the_agent_never_saw_two_step_s
     auto.on_heartbeat(Heartbeat(rank=1, step=3, phase="backward", committed_step=2, step_s=0.5),
                       now=2.0)
     assert list(auto.clocks[1].steps) == [0.5]
+
+
+def test_leaving_a_collective_wait_restarts_the_clock() -> None:
+    # A survivor waits 4 s on a hung peer; the agent's stop makes it leave the wait: its first
+    # heartbeat after the stop still shows the phase it waited in, no longer waiting. The time
+    # it waited is not its own idleness (before: found hung right away, idle 4 s > 3 s).
+    h = HangWatch(AUTO)
+    t = steps(h, [0.1, 0.1])
+    h.on_heartbeat(beat(step=2, phase="backward", committed=1), now=t + 0.05)
+    for k in range(1, 5):
+        h.on_heartbeat(beat(step=2, phase="backward", committed=1, waiting=True), now=t + k)
+    h.on_heartbeat(beat(step=2, phase="backward", committed=1, waiting=False), now=t + 4.1)
+    assert h.overdue([1], now=t + 4.15) == []
+    # from then on it is timed like any rank: no progress for the allowance is a hang (liveness
+    # beats that do not leave a wait do not restart the clock)
+    h.on_heartbeat(beat(step=2, phase="backward", committed=1), now=t + 6.0)
+    found = h.overdue([1], now=t + 4.1 + 3.1)
+    assert ranks(found) == [1] and "not waiting in a collective" in found[0].basis
