@@ -403,24 +403,15 @@ class LoopServer:
     def _send_now(self, c: _Conn, data: bytes) -> None:
         """Send `data` to c at once, unless output is queued before it (then it queues behind
         and goes with that). A short send queues the rest (`_flush`)."""
-        if c.out or c.want_write:
-            if not c.closed:
-                c.out.append(data)
-                c.out_bytes += len(data)
-                self._dirty.append(c)
+        if c.closed:
             return
-        try:
-            sent = c.sock.send(data)
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        except OSError:
-            self._close(c)
-            return
-        if sent != len(data):
-            rest = data[sent:]
-            c.out.append(rest)
-            c.out_bytes += len(rest)
-            self._flush(c)
+        queued = bool(c.out) or c.want_write
+        c.out.append(data)
+        c.out_bytes += len(data)
+        if queued:
+            self._dirty.append(c)
+        else:
+            self._flush(c)  # one item: sent as is, no join
 
     def _flush(self, c: _Conn) -> None:
         if c.closed:
