@@ -380,7 +380,7 @@ class Agent:
                           resume_step=msg.resume_step, action=msg.action,
                           replacement=msg.replacement, marks=msg.marks,
                           transfer_bytes=msg.transfer_bytes, transfer_s=msg.transfer_s,
-                          source=msg.source, **msg.timings)
+                          source=msg.source, transfer_path=msg.transfer_path, **msg.timings)
         elif isinstance(msg, Bye):
             self.hangs.on_bye(msg.rank)
 

@@ -110,6 +110,7 @@ class Recovered:
     transfer_bytes: int = 0  # state received in this round
     transfer_s: float = 0.0  # time spent sending or receiving state
     source: int | None = None  # the rank the state came from
+    transfer_path: str = ""  # how it came: "wire", "memory" (same host), "memory+wire"
 
 
 @message("bye")

@@ -588,7 +588,8 @@ class Timeline:
         if n:
             srcs = [p[0] for p in rd.round.pairs if p and p[1] == rank] or [e.get("source")]
             who = f"rank {srcs[0]}" if len(srcs) == 1 else "ranks " + ", ".join(map(str, srcs)) + " (striped)"
-            return f"received {n / 1e6:.1f} MB from {who} in {float(e.get('transfer_s') or 0):.3f} s"
+            how = " (read from its memory)" if e.get("transfer_path") == "memory" else ""
+            return f"received {n / 1e6:.1f} MB from {who}{how} in {float(e.get('transfer_s') or 0):.3f} s"
         pairs = [p for p in rd.round.pairs if p and p[0] == rank]
         if pairs:
             return "sent state to rank " + ", ".join(str(p[1]) for p in pairs)

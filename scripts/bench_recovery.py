@@ -20,7 +20,9 @@ Reported (one JSON line):
                     their collectives), rebuild (process groups), transfer (state to the
                     replacement), resume (first completed step after the repair);
   transfer_gbps vs raw_tcp_gbps: state transfer throughput against raw loopback TCP, measured
-                    here in the same run.
+                    here in the same run; *_transfer_path: "memory" when the replacement read the
+                    state straight from its replica's memory (same host), "wire" over gloo
+                    (FTRUN_TRANSFER_LOCAL=0 in the environment measures the wire path).
 With --kinds, one more JSON line per fault kind (injected inside the worker at a step), times
 from the end of the step before the fault: detect_s (first report, or the hang detection),
 resumed_s (every rank resumed training: the time to recover), recover_s (every rank completed
@@ -271,11 +273,21 @@ def ftrun_phases(job: dict, t_fault: float) -> dict:
     return {k: round(v, 4) for k, v in phases.items()}, (max(e["time"] for e in rec) if rec else None)
 
 
+# the replacement's log line (before the same-host path: no "(path)" after the ranks)
+RECEIVED = r"received state from rank ([\d,]+)(?: \(([\w+]+)\))?:"
+
+
+def transfer_path(stderr: str) -> str | None:
+    """How the state came: "wire", "memory" (same host) or "memory+wire"; None if not logged."""
+    m = re.search(RECEIVED, stderr)
+    return (m.group(2) or "wire") if m else None
+
+
 def transfer_gbps(stderr: str) -> float | None:
-    m = re.findall(r"received state from rank [\d,]+: ([\d.]+) MB in \d+ tensors, ([\d.]+) s", stderr)
+    m = re.findall(RECEIVED + r" ([\d.]+) MB in \d+ tensors, ([\d.]+) s", stderr)
     if not m:
         return None
-    mb, s = max((float(a), float(b)) for a, b in m)
+    mb, s = max((float(a), float(b)) for _, _, a, b in m)
     return mb / 1e3 / s if s > 0 else None
 
 
@@ -317,8 +329,9 @@ def ftrun_row(job: dict, res: dict, prefix: str) -> None:
     res[f"{prefix}_spares_warm_after_s"] = job["spares_warm_after_s"]
     gbps = transfer_gbps(job["stderr"])
     res[f"{prefix}_transfer_gbps"] = round(gbps, 3) if gbps else None
-    m = re.search(r"received state from rank [\d,]+: ([\d.]+) MB", job["stderr"])
-    res[f"{prefix}_state_mb"] = float(m.group(1)) if m else None
+    m = re.search(RECEIVED + r" ([\d.]+) MB", job["stderr"])
+    res[f"{prefix}_state_mb"] = float(m.group(3)) if m else None
+    res[f"{prefix}_transfer_path"] = transfer_path(job["stderr"])
 
 
 def compare(args: argparse.Namespace, tcp: float) -> dict:
@@ -413,10 +426,10 @@ def transfer_row(args: argparse.Namespace, nproc: int, dp: int, tcp: float) -> d
     job = run_job("ftrun", args, nproc=nproc, worker_args=["--replica-groups", json.dumps(groups)])
     phases, _ = ftrun_phases(job, job["kill_time"])
     gbps = transfer_gbps(job["stderr"])
-    m = re.search(r"received state from rank ([\d,]+): ([\d.]+) MB", job["stderr"])
+    m = re.search(RECEIVED + r" ([\d.]+) MB", job["stderr"])
     return {"bench": "transfer", "ranks": nproc, "dp": dp, "replica_groups": groups,
             "sources": [int(x) for x in m.group(1).split(",")] if m else None,
-            "state_mb": float(m.group(2)) if m else None,
+            "state_mb": float(m.group(3)) if m else None, "transfer_path": transfer_path(job["stderr"]),
             "transfer_gbps": round(gbps, 3) if gbps else None, "raw_tcp_gbps": round(tcp, 3),
             "transfer_vs_tcp": round(gbps / tcp, 3) if gbps else None, "ftrun_phases": phases,
             "spares_warm_after_s": job["spares_warm_after_s"]}

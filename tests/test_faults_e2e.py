@@ -159,12 +159,14 @@ def test_dump_saves_a_dying_gasp_checkpoint_and_the_next_launch_resumes(tmp_path
 
 
 # ---------------------------------------------------------------- a stripe's sender dies
-def test_stripe_sender_killed_mid_transfer_next_round_repairs_from_the_rest(tmp_path, ref):
+@pytest.mark.parametrize("local", ["1", "0"], ids=["memory", "wire"])
+def test_stripe_sender_killed_mid_transfer_next_round_repairs_from_the_rest(tmp_path, ref, local):
     """Rank 1 is killed; in the repair round its state comes striped from ranks 0 and 2, and
-    rank 0 is killed halfway through sending its stripe. The round fails, the next one repairs
-    both replacements from the remaining replicas, and training ends bit-identical."""
+    rank 0 is killed halfway through sending its stripe (wire), or while the replacement reads
+    it from rank 0's memory (memory: same host). The round fails, the next one repairs both
+    replacements from the remaining replicas, and training ends bit-identical."""
     plan = [fault("kill"), fault("kill", rank=0, step=FAULT_STEP, phase="transfer", generation=1)]
-    job = run_job(tmp_path, plan, env={"FTRUN_TRANSFER_STRIPES": "2"})
+    job = run_job(tmp_path, plan, env={"FTRUN_TRANSFER_STRIPES": "2", "FTRUN_TRANSFER_LOCAL": local})
     assert job.returncode == 0, job.describe()
     plans = [e for e in job.events if e["event"] == "repair-plan"]
     first = next(p for p in plans if p.get("generation") == 1)
@@ -174,6 +176,9 @@ def test_stripe_sender_killed_mid_transfer_next_round_repairs_from_the_rest(tmp_
     assert job.restarted() == {0: 1, 1: 1}
     last = plans[-1]
     assert {d for _, d in last["pairs"]} >= {0, 1} and not {s for s, _ in last["pairs"]} & {0, 1}, last
+    paths = {e.get("transfer_path") for e in job.events if e["event"] == "rank-recovered"
+             and e.get("transfer_bytes")}
+    assert paths == {"memory" if local == "1" else "wire"}, paths
     assert_same_params(job.params, ref)
 
 

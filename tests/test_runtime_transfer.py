@@ -23,6 +23,8 @@ store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
 dist.init_process_group("gloo", store=dist.PrefixStore("t", store), rank=rank, world_size=world)
 hidden = int(os.environ["HIDDEN"])
 senders = [0, 3] if os.environ["STRIPED"] == "1" else [0]  # rank 3 is a replica of rank 0 when striped
+if rank in (1, 2) and "RECEIVERS_LOCAL" in os.environ:
+    os.environ["FTRUN_TRANSFER_LOCAL"] = os.environ["RECEIVERS_LOCAL"]
 torch.manual_seed(100 if rank in senders else 100 + rank)  # receivers start from other weights
 model = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(),
                             torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1))
@@ -68,6 +70,7 @@ elif rank in (1, 2):
     assert stats.phases["fresh_tensors"] == 1 + (3 * n_params if rank == 1 else 0), stats.phases
     assert state["step"] == 3 and stats.stripes == (len(senders) if rank == 1 else 1)
     print("received", stats.nbytes, stats.tensors, f"{stats.seconds:.4f}", stats.phases, flush=True)
+    print("path", stats.path, "fallback", repr(stats.fallback), flush=True)
 # one more identical step everywhere, then dump everything
 train(1, 999)
 out = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
@@ -92,12 +95,21 @@ def _equal(a, b, path="") -> None:
         assert a == b, path
 
 
-@pytest.mark.parametrize("hidden,striped", [(8, "0"), (600, "0"), (600, "1"), (20000, "1")])
-def test_state_transfer_is_bit_identical(tmp_path, hidden, striped):
+@pytest.mark.parametrize("hidden,striped,local", [(8, "0", "1"), (600, "0", "1"), (600, "1", "1"),
+                                                  (20000, "1", "1"), (600, "0", "0"), (20000, "1", "0"),
+                                                  (20000, "1", "off-at-receivers")])
+def test_state_transfer_is_bit_identical(tmp_path, hidden, striped, local):
     """600/20000: tensors above the packing threshold; striped: rank 1 gets half the stream from
-    rank 0 and half from rank 3 (20000: stripe boundaries fall inside large tensors)."""
+    rank 0 and half from rank 3 (20000: stripe boundaries fall inside large tensors). local "1":
+    the ranks share a host, so receivers read the senders' memory; "0": same-host reads are off
+    everywhere (the stream goes over gloo); "off-at-receivers": the senders offer their memory,
+    the receivers decline and the senders stream instead."""
     store = master_store()
-    procs = run_workers(WORKER, 4, tmp_path, store, {"HIDDEN": str(hidden), "STRIPED": striped})
+    env = {"HIDDEN": str(hidden), "STRIPED": striped,
+           "FTRUN_TRANSFER_LOCAL": "0" if local == "0" else "1"}
+    if local == "off-at-receivers":
+        env["RECEIVERS_LOCAL"] = "0"
+    procs = run_workers(WORKER, 4, tmp_path, store, env)
     codes = [p.wait(timeout=90) for p in procs]
     assert codes == [0, 0, 0, 0], worker_logs(tmp_path, 4)
     outs = [torch.load(tmp_path / f"out{r}.pt", weights_only=False) for r in range(4)]
@@ -106,7 +118,10 @@ def test_state_transfer_is_bit_identical(tmp_path, hidden, striped):
     if striped == "1":
         _equal(outs[0], outs[3], "rank3")
     assert outs[0]["pos"] == {"batch": 4} and outs[0]["sched"]["last_epoch"] == 4
-    assert "received" in (tmp_path / "worker1.log").read_text()
+    for r in (1, 2):
+        log = (tmp_path / f"worker{r}.log").read_text()
+        assert "received" in log
+        assert f"path {'memory' if local == '1' else 'wire'} fallback ''" in log, log
 
 
 @pytest.mark.parametrize("sizes", [[5], [1 << 16, 3, 1 << 20, 70000], [0, 7, 0, 9], [1] * 13])

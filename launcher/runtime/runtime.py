@@ -661,18 +661,24 @@ class Runtime:
                                    midway=lambda: self._injector.maybe_fire(plan.generation, resume, "transfer"))
                 self._moved["transfer_s"] += stats.seconds
                 part = f"stripe {srcs.index(self.rank)}/{len(srcs)} of " if len(srcs) > 1 else ""
-                self.log(f"sent {part}state to rank {dst}: {stats.nbytes / 1e6:.1f} MB in {stats.tensors} tensors, "
-                         f"{stats.seconds:.3f} s ({stats.gbps:.2f} GB/s)")
+                how = "read from this rank's memory" if stats.path == "memory" else "sent"
+                self.log(f"{how}: {part}state to rank {dst}, {stats.nbytes / 1e6:.1f} MB in {stats.tensors} "
+                         f"tensors, {stats.seconds:.3f} s ({stats.gbps:.2f} GB/s)")
             elif dst == self.rank:
                 self._close_init_skip(self._reg.overwritten())
                 state, stats = recv_state(self._coll, srcs, self._reg.live_tensors())
-                self._moved = {"transfer_bytes": stats.nbytes, "transfer_s": stats.seconds, "source": srcs[0]}
+                self._moved = {"transfer_bytes": stats.nbytes, "transfer_s": stats.seconds, "source": srcs[0],
+                               "transfer_path": stats.path}
                 if state["step"] != resume:
                     raise RuntimeError(f"ranks {srcs} sent the state of step {state['step']}, plan resumes at {resume}")
                 self._reg.load_full_state(state, self.adapter)
                 self._mark("received")
-                self.log(f"received state from rank {','.join(map(str, srcs))}: {stats.nbytes / 1e6:.1f} MB in "
-                         f"{stats.tensors} tensors, {stats.seconds:.3f} s ({stats.gbps:.2f} GB/s; {stats.phases})")
+                if stats.fallback:
+                    self.log(f"reading the state from the sender's memory failed ({stats.fallback}); "
+                             f"it came over the network")
+                self.log(f"received state from rank {','.join(map(str, srcs))} ({stats.path}): "
+                         f"{stats.nbytes / 1e6:.1f} MB in {stats.tensors} tensors, {stats.seconds:.3f} s "
+                         f"({stats.gbps:.2f} GB/s; {stats.phases})")
                 snap = self._reg.snapshot(resume, self.adapter)
                 if self._reg.on_rollback is not None:
                     self._reg.on_rollback(resume)

@@ -12,7 +12,14 @@ lands every large tensor directly in a same-shaped tensor (its live tensor when 
 the same path, so parameters and existing optimizer state are overwritten in place), posts
 all stripes' receives at once so the senders stream in parallel, and checks every sender
 announced the same tensor specs. Metadata is unpickled; it only ever comes from a peer of the
-same job. Every send/recv is interruptible (see collectives): a sender that dies mid-stripe
+same job.
+
+On one host the payload need not cross a socket: the metadata carries an offer (`local_copy`:
+this process's pid and where each byte range lives), the receiver copies the stripe straight out
+of the sender's memory and answers "read" (1) or "send it" (0, e.g. another host, or the kernel
+refused); only then does the sender stream the stripe.
+
+Every send/recv is interruptible (see collectives): a sender that dies mid-stripe (or mid-read)
 fails the round, and the controller's next round plans the repair from the remaining replicas.
 """
 from __future__ import annotations
@@ -25,11 +32,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from launcher.runtime import local_copy
 from launcher.runtime.collectives import Interruptible
 from launcher.runtime.state import flatten, slot_paths, unflatten
 
 SMALL_BYTES = 1 << 16  # tensors below this travel together in one packed blob
 HEADER_LEN = 5
+READ_DONE, SEND_IT = 1, 0  # a receiver's answer to a same-host offer
 _DTYPES = {str(d): d for d in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
     torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
@@ -42,6 +51,8 @@ class TransferStats:
     seconds: float
     stripes: int = 1
     phases: dict[str, float] = field(default_factory=dict)  # meta / alloc / payload seconds
+    path: str = "wire"  # "memory": read from the sender's memory on the same host (local_copy)
+    fallback: str = ""  # why an offered same-host read was not used (the stripe came by wire)
 
     @property
     def gbps(self) -> float:
@@ -98,7 +109,8 @@ def _stripe_views(pieces: list[torch.Tensor], stripe: int, stripes: int,
 def send_state(coll: Interruptible, state: dict, dst: int, stripe: int = 0, stripes: int = 1,
                midway: Callable[[], None] | None = None) -> TransferStats:
     """Send stripe `stripe` of `stripes` of `state` to `dst` (the whole state when stripes=1).
-    `midway` (fault injection) runs once the first half of the stripe's bytes is sent."""
+    `midway` (fault injection) runs once the first half of the stripe's bytes is sent, or, when
+    the receiver may read them from this process's memory, while it reads."""
     if not 0 <= stripe < stripes:
         raise ValueError(f"stripe {stripe} outside 0..{stripes - 1}")
     t0 = time.perf_counter()
@@ -106,24 +118,37 @@ def send_state(coll: Interruptible, state: dict, dst: int, stripe: int = 0, stri
     skeleton = flatten(state, tensors)
     tensors = [t.detach().contiguous() for t in tensors]
     specs = [(str(t.dtype), tuple(t.shape)) for t in tensors]
-    meta = torch.frombuffer(bytearray(pickle.dumps({"skeleton": skeleton, "specs": specs}, protocol=5)),
-                            dtype=torch.uint8)
     small = [t for t in tensors if 0 < _nbytes(t) < SMALL_BYTES]
     packed = torch.cat([_as_bytes(t) for t in small]) if small else None
     packed_n = packed.numel() if packed is not None else 0
-    header = torch.tensor([meta.numel(), len(tensors), packed_n, stripe, stripes], dtype=torch.int64)
     # on the wire a stripe is always its two byte halves (the receiver posts the same messages);
     # fault injection (`midway`) fires between them
     first, second = (_stripe_views(_pieces(tensors, packed), stripe, stripes, h) for h in (0, 1))
+    views = first + second
+    offer = local_copy.Offer.of(views) if local_copy.enabled() else None
+    meta = torch.frombuffer(bytearray(pickle.dumps(
+        {"skeleton": skeleton, "specs": specs, "local": offer.as_dict() if offer else None}, protocol=5)),
+        dtype=torch.uint8)
+    header = torch.tensor([meta.numel(), len(tensors), packed_n, stripe, stripes], dtype=torch.int64)
     what = "state stripe" if stripes > 1 else "state"
-    if midway is None:
-        coll.send([header, meta] + first + second, dst, what)
+    total = meta.numel() + sum(v.numel() for v in views)
+    if offer is not None:
+        # the receiver reads the bytes from this process's memory if it can (same host) and
+        # answers; `views` must stay unchanged until then. Fault injection fires while it reads.
+        coll.send([header, meta], dst, what)
+        if midway is not None:
+            midway()
+        answer = torch.zeros(1, dtype=torch.int64)
+        coll.recv([answer], dst, "state read answer")
+        if int(answer[0]) == READ_DONE:
+            return TransferStats(total, len(tensors), time.perf_counter() - t0, stripes, path="memory")
+        coll.send(views, dst, what)
+    elif midway is None:
+        coll.send([header, meta] + views, dst, what)
     else:
         coll.send([header, meta] + first, dst, what)
         midway()
         coll.send(second, dst, what)
-    views = first + second
-    total = meta.numel() + sum(v.numel() for v in views)
     return TransferStats(total, len(tensors), time.perf_counter() - t0, stripes)
 
 
@@ -181,12 +206,14 @@ def recv_state(coll: Interruptible, src: int | list[int],
     pieces = _pieces(tensors, blob)
     t2 = time.perf_counter()
     with torch.no_grad():
+        stripe_views = [_stripe_views(pieces, i, k, 0) + _stripe_views(pieces, i, k, 1) for i in range(k)]
+        wire, fallback = _read_local(coll, srcs, infos, stripe_views)
         works, keep = [], []
-        for i, s in enumerate(srcs):
-            views = _stripe_views(pieces, i, k, 0) + _stripe_views(pieces, i, k, 1)
-            works += [dist.irecv(v, s) for v in views]
-            keep += views
-        coll.wait_blocking(works, "state stripes" if k > 1 else "state tensors", tuple(keep))
+        for i in wire:
+            works += [dist.irecv(v, srcs[i]) for v in stripe_views[i]]
+            keep += stripe_views[i]
+        if works:
+            coll.wait_blocking(works, "state stripes" if k > 1 else "state tensors", tuple(keep))
         t3 = time.perf_counter()
         if blob is not None:
             off = 0
@@ -198,4 +225,28 @@ def recv_state(coll: Interruptible, src: int | list[int],
     t4 = time.perf_counter()
     phases = {"meta_s": round(t1 - t0, 5), "alloc_s": round(t2 - t1, 5), "payload_s": round(t3 - t2, 5),
               "unpack_s": round(t4 - t3, 5), "fresh_tensors": fresh}
-    return unflatten(skeleton, tensors), TransferStats(total, count, t4 - t0, k, phases)
+    path = "wire" if len(wire) == k else "memory" if not wire else "memory+wire"
+    return unflatten(skeleton, tensors), TransferStats(total, count, t4 - t0, k, phases, path, fallback)
+
+
+def _read_local(coll: Interruptible, srcs: list[int], infos: list[dict],
+                stripe_views: list[list[torch.Tensor]]) -> tuple[list[int], str]:
+    """Read every stripe whose sender offered its memory (same host) straight from it and
+    answer each such sender; the indices of the stripes that must come over the wire, and why
+    an offered read failed ("" when none did)."""
+    wire, answers, reasons = [], [], []
+    for i, (src, info) in enumerate(zip(srcs, infos)):
+        offer = local_copy.Offer.from_dict(info.get("local"))
+        if offer is None:
+            wire.append(i)
+            continue
+        why = local_copy.read(offer, stripe_views[i]) if local_copy.enabled() else "off here"
+        if why is not None:
+            wire.append(i)
+            if local_copy.enabled():  # turned off here on purpose is no failure
+                reasons.append(f"rank {src}: {why}")
+        answers.append((src, torch.tensor([SEND_IT if why else READ_DONE], dtype=torch.int64)))
+    if answers:
+        coll.wait_blocking([dist.isend(a, s) for s, a in answers], "state read answer",
+                           tuple(a for _, a in answers))
+    return wire, "; ".join(reasons)
