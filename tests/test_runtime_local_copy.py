@@ -92,3 +92,14 @@ def test_offer_survives_its_dict_form():
     offer = _offer([torch.ones(4).view(torch.uint8)])
     assert Offer.from_dict(offer.as_dict()) == offer
     assert Offer.from_dict(None) is None
+
+
+def test_readers_allowed_is_harmless_without_yama_and_reads_still_work():
+    """Without Yama (this kernel) PR_SET_PTRACER fails and nothing changes; with it, the window
+    is closed again on exit. Either way a read inside the window works."""
+    src = torch.arange(16, dtype=torch.float32)
+    with local_copy.ReadersAllowed() as allowed:
+        assert isinstance(allowed.set, bool)
+        dst = torch.empty(16)
+        assert local_copy.read(_offer([src.view(torch.uint8)]), [dst.view(torch.uint8)]) is None
+    assert torch.equal(src, dst)

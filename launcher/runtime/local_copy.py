@@ -8,10 +8,11 @@ address space into the receiver's own tensors, one copy, no socket, split across
 Over loopback TCP a state crosses the kernel twice (send copy, receive copy) and waits on the
 socket's flow control; here it is copied once at memory speed. The sender holds its state still
 until the receiver answers (the recovery round stops training on every rank), so the read sees
-a consistent state. Any failure (another host or pid namespace, a kernel or seccomp profile
-without the call, Yama's ptrace scope or a non-dumpable sender refusing access, the sender
-dying mid-read) makes `read` return the reason and the stripe goes over the wire as before;
-nothing is lost but the attempt. `FTRUN_TRANSFER_LOCAL=0` turns the path off.
+a consistent state; while its offer is open it lets processes of its own user read it under
+Yama's ptrace scope 1 (`ReadersAllowed`). Any failure (another host or pid namespace, a kernel
+or seccomp profile without the call, Yama scope 2-3 or a non-dumpable sender refusing access,
+the sender dying mid-read) makes `read` return the reason and the stripe goes over the wire as
+before; nothing is lost but the attempt. `FTRUN_TRANSFER_LOCAL=0` turns the path off.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+PR_SET_PTRACER = 0x59616D61  # Yama: who besides ancestors may ptrace (and so read) this process
+PR_SET_PTRACER_ANY = ctypes.c_ulong(-1).value
 IOV_MAX = 1024  # iovecs per process_vm_readv call (the kernel's UIO_MAXIOV)
 SPLIT_BYTES = 8 << 20  # a read below this runs on one thread
 MAX_THREADS = 4
@@ -46,6 +49,30 @@ def _load_readv():
 
 
 _READV = _load_readv()  # the libc entry point, resolved once (None: not available)
+
+
+class ReadersAllowed:
+    """While a sender's offer is open: under Yama's `ptrace_scope` 1 (Ubuntu's default) only a
+    process's ancestors may read its memory, so the sender lets any process of its own user
+    (the kernel's usual same-user check still applies) read it, and withdraws that on exit.
+    Without Yama the call fails with EINVAL and nothing changes."""
+
+    def __enter__(self) -> ReadersAllowed:
+        self.set = _prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.set:
+            _prctl(PR_SET_PTRACER, 0)
+
+
+def _prctl(option: int, value: int) -> bool:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0),
+                          ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def enabled() -> bool:

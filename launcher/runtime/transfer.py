@@ -135,11 +135,12 @@ def send_state(coll: Interruptible, state: dict, dst: int, stripe: int = 0, stri
     if offer is not None:
         # the receiver reads the bytes from this process's memory if it can (same host) and
         # answers; `views` must stay unchanged until then. Fault injection fires while it reads.
-        coll.send([header, meta], dst, what)
-        if midway is not None:
-            midway()
         answer = torch.zeros(1, dtype=torch.int64)
-        coll.recv([answer], dst, "state read answer")
+        with local_copy.ReadersAllowed():
+            coll.send([header, meta], dst, what)
+            if midway is not None:
+                midway()
+            coll.recv([answer], dst, "state read answer")
         if int(answer[0]) == READ_DONE:
             return TransferStats(total, len(tensors), time.perf_counter() - t0, stripes, path="memory")
         coll.send(views, dst, what)
