@@ -47,6 +47,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -157,8 +158,25 @@ def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
             worker_args: list[str] | None = None, repo: str = REPO,
             kills: list[tuple[int, int]] | None = None) -> dict:
     """One job of launcher `name` ("ftrun"/"torchrun"); `repo`: the checkout whose launcher,
-    runtime and worker script run (another one for a before/after comparison in one run)."""
+    runtime and worker script run (another one for a before/after comparison in one run). The
+    job's checkpoints are always removed afterwards (a 1 GB state writes ~8 GB of them); its
+    logs too, unless the job failed or --keep-logs is given."""
     out = tempfile.mkdtemp(prefix=f"bench_recovery_{name}_")
+    try:
+        job = _run_job(out, name, args, fault_plan, hang_timeout, extra_args, nproc, worker_args,
+                       repo, kills)
+    finally:
+        shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)
+    if getattr(args, "keep_logs", False):
+        print(f"[bench_recovery] {name} run kept in {out}", file=sys.stderr, flush=True)
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+    return job
+
+
+def _run_job(out: str, name: str, args: argparse.Namespace, fault_plan: str | None,
+             hang_timeout: float, extra_args: list[str] | None, nproc: int,
+             worker_args: list[str] | None, repo: str, kills: list[tuple[int, int]] | None) -> dict:
     env = dict(os.environ, OUT_DIR=out, PYTHONPATH=repo, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     if fault_plan:
         env["FTRUN_FAULT_PLAN"] = fault_plan
@@ -461,6 +479,8 @@ def main() -> None:
                     help="leave torchrun's restart-all out of the main row (ftrun only)")
     ap.add_argument("--baseline-repo", default="", help="another checkout (e.g. main's) whose ftrun "
                     "runs in the main row too, keys prefixed base_ (a before/after in one run)")
+    ap.add_argument("--keep-logs", action="store_true", help="keep each job's run directory (logs, "
+                    "events, step files; checkpoints are removed either way) and print its path")
     ap.add_argument("--repeat", type=int, default=1, help="main rows to run (baseline and this "
                     "checkout alternate which goes first)")
     args = ap.parse_args()
