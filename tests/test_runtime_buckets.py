@@ -125,6 +125,34 @@ elif MODE == "stop":
     backward(1)
     check(1)
     print("rebuilt ok", flush=True)
+elif MODE == "stop-in-backward":
+    # a stop that arrives while backward runs aborts it at the next gradient instead of letting
+    # it compute the rest (the survivors' time to stop holds up every recovery round)
+    last = model[-1].weight  # its gradient is the first one ready
+    def request_stop(_p):
+        stop.request(1)
+
+    handle = last.register_post_accumulate_grad_hook(request_stop)
+    for p in params:
+        p.grad = None
+    try:
+        backward(0)
+        raise AssertionError("backward ran to the end despite the stop")
+    except StopRequested as exc:
+        assert "backward" in str(exc), exc
+    done = sum(p.grad is not None for p in params)
+    assert done < len(params) - len(list(unused.parameters())), f"{done} of {len(params)} gradients"
+    handle.remove()
+    sync.abandon()
+    graveyard.keep(*dist.distributed_c10d._world.pg_map.keys())
+    dist.destroy_process_group()
+    gen[0] = 1
+    dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=rank, world_size=world)
+    for p in params:
+        p.grad = None
+    backward(1)
+    check(1)
+    print(f"aborted after {done} gradients; rebuilt ok", flush=True)
 sys.stdout.flush()
 os._exit(0)
 """
@@ -164,3 +192,10 @@ def test_a_stop_interrupts_the_wait_and_the_buckets_work_again_in_a_new_group(tm
     left = float(store.get("left").decode())
     assert left - t_stop[0] < 1.0, f"left {left - t_stop[0]:.3f} s after the stop"
     assert "rebuilt ok" in (tmp_path / "worker0.log").read_text()
+
+
+def test_a_stop_during_backward_aborts_it_at_the_next_gradient(tmp_path):
+    codes, _ = run(tmp_path, "stop-in-backward")
+    assert codes == [0, 0], worker_logs(tmp_path, 2)
+    for r in (0, 1):
+        assert "rebuilt ok" in (tmp_path / f"worker{r}.log").read_text()

@@ -6,9 +6,10 @@ layout and adds the same numbers in the same order, which keeps recovered runs b
 `FlatBucket` (one bucket's gradients packed into one flat tensor), `GradComm` (what gradient
 communication needs from the runtime), `OverlappedAllReduce` (post-accumulate-grad hooks launch a
 bucket's async all_reduce on the runtime's current group as soon as all its gradients are
-accumulated, always in bucket order so every rank issues the same sequence; `finish()` waits for
-them through the runtime's interruptible wait, so a stop still leaves within milliseconds, and
-copies the averaged gradients back) and `GradientSyncs` (one
+accumulated, always in bucket order so every rank issues the same sequence, and a pending stop
+aborts backward at the next gradient; `finish()` waits for them through the runtime's
+interruptible wait, so a stop still leaves within milliseconds, and copies the averaged
+gradients back) and `GradientSyncs` (one
 `OverlappedAllReduce` per parameter set, for `Runtime.allreduce_gradients`).
 """
 from __future__ import annotations
@@ -163,6 +164,9 @@ class OverlappedAllReduce:
         return [list(idx) for idx in self._members]
 
     def _on_ready(self, b: int, _param: torch.Tensor) -> None:
+        # a stop that arrives during backward ends it at the next gradient (the exception leaves
+        # loss.backward()); computing the rest would only hold up the recovery round
+        self._comm.coll.check_stop("backward (gradient hook)")
         with self._lock:
             if self._redo:
                 return

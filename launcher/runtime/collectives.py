@@ -100,6 +100,12 @@ class Interruptible:
         self._on_error = on_error
         self._abort = abort
 
+    def check_stop(self, where: str) -> None:
+        """Raise StopRequested when a stop for a newer generation is pending (a plain read:
+        cheap enough for every gradient hook)."""
+        if self._stop.newer_than(self._generation()):
+            raise StopRequested(self._stop.target, where)
+
     def wait(self, work: Any, what: str, keep: tuple[Any, ...] = ()) -> None:
         busy = _Busy(self._on_busy)
         try:
