@@ -26,9 +26,15 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Union
 
+from launcher.adopted import AdoptedChild, reap_orphans, set_subreaper
 from launcher.workers import _child_setup
+
+if TYPE_CHECKING:
+    from launcher.zygote import ForkServer
+
+SpareProc = Union[subprocess.Popen, AdoptedChild]
 
 
 WARM_UP_NICE = 10  # the spare's niceness while it imports torch (only if it can return to 0)
@@ -42,7 +48,8 @@ class SparePool:
     the next `ensure()`."""
 
     def __init__(self, python: str, log: Callable[[str], None], count: int = 2,
-                 start_delay: float = 5.0, idle_limit: float = WARM_UP_IDLE_S) -> None:
+                 start_delay: float = 5.0, idle_limit: float = WARM_UP_IDLE_S,
+                 fork: bool | None = None) -> None:
         if count < 0:
             raise ValueError(f"count {count} must be >= 0")
         if idle_limit < 0:
@@ -51,7 +58,10 @@ class SparePool:
         self.python = python
         self.log = log
         self.count = count
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[SpareProc] = []
+        # spares forked from a warm fork server (launcher.zygote); FTRUN_SPARE_FORK=0: off
+        self.fork = os.environ.get("FTRUN_SPARE_FORK", "1") != "0" if fork is None else fork
+        self._server: "ForkServer | None" = None
         # pid -> (start time, the agent's niceness to return to after idle_limit; None: done)
         self._born: dict[int, tuple[float, int | None]] = {}
         self._not_before = time.monotonic() + start_delay
@@ -101,23 +111,73 @@ class SparePool:
         """Start spares until `count` are alive (once the start delay has passed, and not while
         a recovery round holds them back); spares warming up for `idle_limit` s go on at the
         agent's priority (not while held)."""
-        if time.monotonic() < self._not_before or self.held():
+        if time.monotonic() < self._not_before or self.count == 0:
+            return
+        for pid, code in reap_orphans() if self._server is not None else []:
+            self.log(f"reaped orphan pid {pid} (exit {code})")
+        if self.fork and self._fork_spares(env):
+            return
+        if self.held():
             return
         while self.ready() < self.count:
             self._start(env)
         self._escalate()
+
+    def _fork_spares(self, env: dict[str, str]) -> bool:
+        """Spares from the fork server (started at the first fill, not while held): True when it
+        serves or is still warming up, False when the pool must start spares itself (the server
+        is off, gone or unsafe to fork; said in one line)."""
+        from launcher.zygote import ForkServer
+
+        try:
+            if self._server is None:
+                if self.held():
+                    return True
+                base = os.getpriority(os.PRIO_PROCESS, 0)
+                warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
+                self._server = ForkServer(self.python, env, (warm, base))
+                self._born[self._server.proc.pid] = (time.monotonic(), base if warm != base else None)
+                self.log(f"spare fork server started (pid {self._server.proc.pid}); spares are "
+                         "forked from it once it has imported torch")
+            if not self._server.poll_ready():
+                if not self.held():  # same escalation as a spare that imports torch itself
+                    self._escalate_proc(self._server.proc.pid, self._server.proc)
+                return True
+            while self.ready() < self.count:
+                t0 = time.monotonic()
+                proc = self._server.fork()
+                self._procs.append(proc)
+                self.log(f"warm spare started (pid {proc.pid}, forked in "
+                         f"{(time.monotonic() - t0) * 1e3:.1f} ms; {len(self._procs)} of {self.count})")
+            return True
+        except (OSError, ValueError) as exc:
+            self.log(f"spare fork server unusable ({exc}); warm spares import torch themselves")
+            self.fork = False
+            self._stop_server()
+            return False
+
+    def _stop_server(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            self._born.pop(server.proc.pid, None)
+            server.stop(self.log)
+            set_subreaper(False)
+            reap_orphans()
 
     def _escalate(self) -> None:
         """On a node whose training keeps every CPU busy, SCHED_IDLE may never get time: a
         spare still importing torch at the next fault makes it start cold (0.8-2.5 s lost). So
         after `idle_limit` s a spare goes on at the agent's priority (an idle, warm one only
         sleeps there)."""
-        now = time.monotonic()
         for proc in self._procs:
-            born, base = self._born.get(proc.pid, (now, None))
-            if base is not None and now - born >= self.idle_limit and proc.poll() is None:
-                run_priority(base, proc.pid)
-                self._born[proc.pid] = (born, None)
+            self._escalate_proc(proc.pid, proc)
+
+    def _escalate_proc(self, pid: int, proc: SpareProc) -> None:
+        now = time.monotonic()
+        born, base = self._born.get(pid, (now, None))
+        if base is not None and now - born >= self.idle_limit and proc.poll() is None:
+            run_priority(base, pid)
+            self._born[pid] = (born, None)
 
     def _start(self, env: dict[str, str]) -> None:
         parent = os.getpid()
@@ -131,7 +191,7 @@ class SparePool:
         self._born[proc.pid] = (time.monotonic(), base if warm != base else None)
         self.log(f"warm spare started (pid {proc.pid}; {len(self._procs)} of {self.count})")
 
-    def take(self, env: dict[str, str], argv: list[str], module: bool) -> subprocess.Popen | None:
+    def take(self, env: dict[str, str], argv: list[str], module: bool) -> SpareProc | None:
         """Hand the oldest live spare its assignment; None when no live spare is available."""
         while self._procs:
             proc = self._procs.pop(0)
@@ -144,23 +204,31 @@ class SparePool:
                 proc.stdin.close()
             except OSError:
                 proc.kill()
-                proc.wait()
+                _wait(proc, self.log)
                 continue
             return proc
         return None
 
     def stop(self) -> None:
         procs, self._procs = self._procs, []
-        self._born.clear()
         for proc in procs:
             proc.kill()  # idle: nothing to lose
         for proc in procs:
-            proc.wait()
+            _wait(proc, self.log)
             if proc.stdin is not None:
                 try:
                     proc.stdin.close()
                 except OSError:
                     pass
+        self._stop_server()
+        self._born.clear()
+
+
+def _wait(proc: SpareProc, log: Callable[[str], None], timeout: float = 5.0) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:  # pragma: no cover - D-state after SIGKILL
+        log(f"warm spare pid {proc.pid} did not exit {timeout:.0f} s after SIGKILL")
 
 
 def may_return_to(nice: int) -> bool:
@@ -252,6 +320,11 @@ class _Assignment:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--fork-server"]:  # the node's fork server (launcher.zygote)
+        from launcher import zygote
+
+        zygote.main(int(sys.argv[2]))
+        return
     warm, base = (int(x) for x in os.environ.get("FTRUN_SPARE_NICE", "0,0").split(","))
     if warm != base:
         _warm_priority(warm)
@@ -266,7 +339,11 @@ def main() -> None:
         if err:
             print(f"[ftrun spare] could not return to nice {base} ({err}); some threads run at "
                   f"nice {warm}", file=sys.stderr, flush=True)
-    job = json.loads(line)
+    run_job(json.loads(line))
+
+
+def run_job(job: dict) -> None:
+    """Run the assigned script in this process as `python -u [-m] script args` would."""
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])

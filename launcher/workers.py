@@ -21,6 +21,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from launcher.adopted import AdoptedChild
 from launcher.logs import OutputPump
 
 PR_SET_PDEATHSIG = 1
@@ -62,7 +63,7 @@ class Worker:
     local_rank: int
     rank: int
     generation: int = 0
-    proc: subprocess.Popen | None = None
+    proc: subprocess.Popen | AdoptedChild | None = None  # AdoptedChild: a forked warm spare
     pumps: list[OutputPump] = field(default_factory=list)
     error_file: str = ""
     started: float = 0.0
@@ -71,7 +72,7 @@ class Worker:
     stopping: bool = False  # the agent is stopping it: its exit is not a failure
     spawns: int = 0
 
-    def attach(self, proc: subprocess.Popen) -> None:
+    def attach(self, proc: subprocess.Popen | AdoptedChild) -> None:
         """Make `proc` this rank's current process (a fresh spawn or a warm spare)."""
         self.proc = proc
         self.exit_code = None
@@ -193,7 +194,7 @@ class Reaper:
             return
         self._sel.register(fd, selectors.EVENT_READ, (worker, proc))
 
-    def _reap(self, worker: Worker, proc: subprocess.Popen, fd: int | None) -> None:
+    def _reap(self, worker: Worker, proc: subprocess.Popen | AdoptedChild, fd: int | None) -> None:
         if fd is not None:
             self._sel.unregister(fd)
             os.close(fd)
