@@ -57,26 +57,28 @@ def serve(sock_fd: int) -> None:
     if warm != base:  # warm now: forks must not wait for idle CPU time
         spare.run_priority(base)
     threads = len(spare._threads())
-    sock.send(json.dumps({"ready": True, "threads": threads}).encode())
-    if threads != 1:
-        return  # the agent falls back to spares that import torch themselves
-    while True:
-        try:
+    try:
+        sock.send(json.dumps({"ready": True, "threads": threads}).encode())
+        if threads != 1:
+            return  # the agent falls back to spares that import torch themselves
+        while True:
             req = sock.recv(4096)
-        except OSError:
-            return
-        if not req:
-            return  # the agent closed its end: done
-        if len(spare._threads()) != 1:
-            sock.send(json.dumps({"error": f"{len(spare._threads())} threads; not forking"}).encode())
-            continue
-        try:
-            pid, w = _fork_spare(sock, agent)
-        except OSError as exc:
-            sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
-            continue
-        socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [w])
-        os.close(w)
+            if not req:
+                return  # the agent closed its end: done
+            if len(spare._threads()) != 1:
+                sock.send(json.dumps({"error": f"{len(spare._threads())} threads; not forking"}).encode())
+                continue
+            try:
+                pid, w = _fork_spare(sock, agent)
+            except OSError as exc:
+                sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
+                continue
+            try:
+                socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [w])
+            finally:
+                os.close(w)
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the agent is gone or stopped us
 
 
 def _fork_spare(sock: socket.socket, agent: int) -> tuple[int, int]:
@@ -239,17 +241,15 @@ class ForkServer:
         return self.proc.poll() is None
 
     def stop(self, log: Callable[[str], None] | None = None) -> None:
-        """Close the socket (the server exits), kill it if it does not within 2 s."""
+        """End the server at once: it holds nothing (every spare it forked is the agent's own
+        child already, and no fork is under way outside `fork()`)."""
         try:
             self.sock.close()
         except OSError:
             pass
+        self.proc.kill()
         try:
-            self.proc.wait(timeout=2.0)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            try:
-                self.proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:  # pragma: no cover - D-state
-                if log:
-                    log(f"spare fork server pid {self.proc.pid} did not exit after SIGKILL")
+            self.proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:  # pragma: no cover - D-state
+            if log:
+                log(f"spare fork server pid {self.proc.pid} did not exit 5 s after SIGKILL")

@@ -6,28 +6,46 @@ import os
 import sys
 import time
 
+import pytest
+
 from launcher.spare import SparePool, may_return_to
 
 
-def test_spare_runs_the_assigned_script_with_its_env_and_argv(tmp_path) -> None:
+def _fill(pool: SparePool, env: dict[str, str], timeout: float = 60.0) -> None:
+    """The agent's health check until the pool has its spares (a fork server imports torch first)."""
+    deadline = time.monotonic() + timeout
+    while pool.ready() < pool.count and time.monotonic() < deadline:
+        pool.ensure(env)
+        time.sleep(0.02)
+    assert pool.ready() == pool.count
+
+
+@pytest.mark.parametrize("fork", [False, True])
+def test_spare_runs_the_assigned_script_with_its_env_and_argv(tmp_path, monkeypatch, fork: bool) -> None:
     script = tmp_path / "job.py"
     out = tmp_path / "out.json"
     script.write_text(
         "import json, os, sys\n"
         f"json.dump({{'argv': sys.argv, 'path0': sys.path[0], 'rank': os.environ.get('RANK'),"
-        f" 'torch': 'torch' in sys.modules, 'name': __name__}}, open({str(out)!r}, 'w'))\n")
+        f" 'torch': 'torch' in sys.modules, 'name': __name__, 'cwd': os.getcwd(),"
+        f" 'sid': os.getsid(0) == os.getpid()}}, open({str(out)!r}, 'w'))\n")
     logs: list[str] = []
-    pool = SparePool(sys.executable, logs.append, count=1, start_delay=0.0)
+    pool = SparePool(sys.executable, logs.append, count=1, start_delay=0.0, fork=fork)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
-    pool.ensure(env)
-    assert logs and "warm spare started" in logs[0]
-    proc = pool.take(dict(env, RANK="3"), [str(script), "--x", "1"], module=False)
-    assert proc is not None and proc.wait(timeout=120) == 0
-    res = json.loads(out.read_text())
-    assert res == {"argv": [str(script), "--x", "1"], "path0": str(tmp_path), "rank": "3",
-                   "torch": True, "name": "__main__"}
-    assert pool.take(env, [str(script)], module=False) is None  # used up until the next ensure()
-    pool.stop()
+    try:
+        _fill(pool, env)
+        assert "warm spare started" in logs[-1] and ("forked in" in logs[-1]) == fork
+        run_in = tmp_path / "cwd"
+        run_in.mkdir()
+        monkeypatch.chdir(run_in)
+        proc = pool.take(dict(env, RANK="3"), [str(script), "--x", "1"], module=False)
+        assert proc is not None and proc.wait(timeout=120) == 0
+        res = json.loads(out.read_text())
+        assert res == {"argv": [str(script), "--x", "1"], "path0": str(tmp_path), "rank": "3",
+                       "torch": True, "name": "__main__", "cwd": str(run_in), "sid": True}
+        assert pool.take(env, [str(script)], module=False) is None  # used up until the next ensure()
+    finally:
+        pool.stop()
 
 
 def test_idle_spare_is_stopped_at_once() -> None:
@@ -42,7 +60,7 @@ def test_pool_keeps_count_spares_and_a_taken_one_is_replaced_at_the_next_ensure(
     script = tmp_path / "job.py"
     script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(str(os.getpriority(os.PRIO_PROCESS, 0)))\n")
     logs: list[str] = []
-    pool = SparePool(sys.executable, logs.append, count=2, start_delay=0.0)
+    pool = SparePool(sys.executable, logs.append, count=2, start_delay=0.0, fork=False)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         pool.ensure(env)
@@ -63,7 +81,7 @@ def test_pool_keeps_count_spares_and_a_taken_one_is_replaced_at_the_next_ensure(
 
 
 def test_spare_warms_up_nicer_than_the_agent() -> None:
-    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0)
+    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=False)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         pool.ensure(env)
@@ -117,7 +135,7 @@ def test_spare_taken_while_warming_up_returns_to_the_agent_priority_at_once(tmp_
         "import json, os, sys\n"
         "json.dump({'nice': os.getpriority(os.PRIO_PROCESS, 0), 'policy': os.sched_getscheduler(0)},"
         f" open({str(out)!r}, 'w'))\n")
-    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0)
+    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=False)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         pool.ensure(env)
@@ -149,7 +167,7 @@ def test_spare_still_importing_after_the_idle_limit_continues_at_the_agent_prior
     if not may_return_to(base) or not hasattr(os, "SCHED_IDLE"):
         import pytest
         pytest.skip("this user may not lower a process's niceness again")
-    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, idle_limit=0.3)
+    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, idle_limit=0.3, fork=False)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         pool.ensure(env)
@@ -179,7 +197,7 @@ def test_no_spare_leaves_idle_priority_during_a_round_and_its_resume_step() -> N
     if not may_return_to(base) or not hasattr(os, "SCHED_IDLE"):
         import pytest
         pytest.skip("this user may not lower a process's niceness again")
-    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, idle_limit=0.2)
+    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, idle_limit=0.2, fork=False)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         pool.ensure(env)
@@ -208,7 +226,7 @@ def test_no_spare_leaves_idle_priority_during_a_round_and_its_resume_step() -> N
 def test_recovery_round_holds_back_new_spares_until_its_ranks_recovered() -> None:
     """A successor spare's `import torch` used to start during the state transfer it competes with."""
     logs: list[str] = []
-    pool = SparePool(sys.executable, logs.append, count=1, start_delay=0.0)
+    pool = SparePool(sys.executable, logs.append, count=1, start_delay=0.0, fork=False)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         pool.hold(3, {0, 1})
@@ -227,3 +245,181 @@ def test_recovery_round_holds_back_new_spares_until_its_ranks_recovered() -> Non
         assert not pool.held()
     finally:
         pool.stop()
+
+
+# ------------------------------------------------------------------ spares forked from a fork server
+def _state(pid: int) -> str | None:
+    """A process's state letter, None once it is gone (reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None
+
+
+def _gone(pids: list[int], timeout: float = 10.0) -> dict[int, str | None]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_state(p) not in (None, "Z") for p in pids):
+        time.sleep(0.02)
+    return {p: _state(p) for p in pids if _state(p) not in (None, "Z")}
+
+
+def test_forked_successor_is_ready_at_once_without_importing_torch(tmp_path) -> None:
+    """Issue 12 (spares under churn): a used spare's successor used to import torch again
+    (1.5-2 CPU-s, slowing the steps around the next fault); forked from the warm server it is
+    ready within milliseconds of the next health check."""
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=2, start_delay=0.0, fork=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    script = tmp_path / "job.py"
+    script.write_text("import sys, time\nopen(sys.argv[1], 'w').write(repr(time.time()))\n")
+    try:
+        _fill(pool, env)
+        first = pool.take(env, [str(script), str(tmp_path / "a")], module=False)
+        assert first is not None and pool.ready() == 1
+        t0 = time.monotonic()
+        pool.ensure(env)
+        took = time.monotonic() - t0
+        assert pool.ready() == 2 and took < 0.5, (took, logs)
+        assert "forked in" in logs[-1]
+        for name in "bc":  # both, the old one and the successor, run a job at once
+            t1 = time.time()
+            proc = pool.take(env, [str(script), str(tmp_path / name)], module=False)
+            assert proc is not None and proc.wait(timeout=30) == 0
+            assert float((tmp_path / name).read_text()) - t1 < 0.5  # no `import torch` first
+        assert first.wait(timeout=30) == 0
+    finally:
+        pool.stop()
+
+
+def test_sigkill_of_a_forked_spare_turned_worker_is_reported_as_minus_9(tmp_path) -> None:
+    """The fault the tests inject: the Reaper must see -9 for a spare the agent adopted, and
+    the stop path (signal its process group, wait) must work on it too."""
+    import queue
+    import signal
+
+    from launcher.workers import Reaper, Worker, stop_workers
+
+    pool = SparePool(sys.executable, lambda m: None, count=2, start_delay=0.0, fork=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    script = tmp_path / "job.py"
+    script.write_text("import time\ntime.sleep(60)\n")
+    events: "queue.Queue[object]" = queue.Queue()
+    reaper = Reaper(events)
+    try:
+        _fill(pool, env)
+        w = Worker(local_rank=1, rank=1)
+        w.attach(pool.take(env, [str(script)], module=False))
+        reaper.watch(w)
+        time.sleep(0.2)
+        os.kill(w.pid, signal.SIGKILL)
+        ev = events.get(timeout=5)
+        assert (ev.pid, ev.code) == (w.pid, -9) and w.exit_code == -9
+        w2 = Worker(local_rank=2, rank=2)
+        w2.attach(pool.take(env, [str(script)], module=False))
+        reaper.watch(w2)
+        time.sleep(0.2)
+        stop_workers([w2], signal.SIGTERM, grace=5.0)
+        ev = events.get(timeout=5)
+        assert (ev.pid, ev.code) == (w2.pid, -15)
+    finally:
+        reaper.stop()
+        pool.stop()
+
+
+_AGENT = """
+import json, os, sys, time
+from launcher.spare import SparePool
+pool = SparePool(sys.executable, lambda m: print(m, file=sys.stderr), count=2, start_delay=0.0, fork=True)
+env = dict(os.environ)
+deadline = time.monotonic() + 60
+while pool.ready() < 2 and time.monotonic() < deadline:
+    pool.ensure(env); time.sleep(0.02)
+worker = pool.take(env, [sys.argv[1]], module=False)
+pool.ensure(env)
+print(json.dumps({"server": pool._server.proc.pid, "spares": [p.pid for p in pool._procs],
+                  "worker": worker.pid}), flush=True)
+if sys.argv[2] == "stop":
+    time.sleep(0.5)
+    worker.kill(); worker.wait(timeout=5)
+    pool.stop()
+    print("stopped", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("how", ["stop", "sigkill"])
+def test_no_process_outlives_the_agent(tmp_path, how: str) -> None:
+    """The fork server, idle forked spares and a forked spare-turned-worker (with a child of its
+    own) all end with the agent: at `stop()`, and when the agent is SIGKILLed (death signals)."""
+    import signal
+    import subprocess
+
+    job = tmp_path / "job.py"
+    job.write_text("import subprocess, sys, time\n"
+                   "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+                   f"open({str(tmp_path / 'grandchild')!r}, 'w').write(str(p.pid))\n"
+                   "time.sleep(60)\n")
+    agent = subprocess.Popen([sys.executable, "-c", _AGENT, str(job), how], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True,
+                             env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    try:
+        info = json.loads(agent.stdout.readline())
+        deadline = time.monotonic() + 10
+        while not (tmp_path / "grandchild").exists() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        grandchild = int((tmp_path / "grandchild").read_text())
+        pids = [info["server"], info["worker"], *info["spares"]]
+        assert len(info["spares"]) == 2 and all(_state(p) not in (None, "Z") for p in pids)
+        if how == "stop":
+            assert agent.stdout.readline().strip() == "stopped"
+            assert _gone(pids, 5) == {}  # reaped by the agent itself
+            agent.kill()
+        else:
+            agent.kill()
+        agent.wait(timeout=10)
+        assert _gone(pids) == {}
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait(timeout=10)
+        try:  # the worker's own child has no death signal (as with a Popen'd worker): not ours to check
+            os.kill(grandchild, signal.SIGKILL)
+        except (ProcessLookupError, NameError):
+            pass
+
+
+def test_pool_falls_back_to_importing_spares_when_the_fork_server_is_gone(tmp_path) -> None:
+    import signal
+
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=1, start_delay=0.0, fork=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    script = tmp_path / "job.py"
+    script.write_text("import sys, torch\nopen(sys.argv[1], 'w').write('ok')\n")
+    try:
+        _fill(pool, env)
+        assert pool._server is not None
+        server = pool._server.proc
+        server.send_signal(signal.SIGKILL)
+        server.wait(timeout=5)
+        used = pool.take(env, [str(script), str(tmp_path / "a")], module=False)  # forked earlier
+        assert used is not None and used.wait(timeout=30) == 0
+        pool.ensure(env)
+        assert any("fork server unusable" in m for m in logs), logs
+        assert "warm spare started" in logs[-1] and "forked" not in logs[-1]
+        assert pool.ready() == 1 and not pool.fork and pool._server is None
+        proc = pool.take(env, [str(script), str(tmp_path / "b")], module=False)
+        assert proc is not None and proc.wait(timeout=120) == 0
+        assert (tmp_path / "b").read_text() == "ok"
+    finally:
+        pool.stop()
+
+
+def test_fork_server_switch(monkeypatch) -> None:
+    monkeypatch.setenv("FTRUN_SPARE_FORK", "0")
+    assert not SparePool(sys.executable, lambda m: None).fork
+    monkeypatch.setenv("FTRUN_SPARE_FORK", "1")
+    assert SparePool(sys.executable, lambda m: None).fork
+    monkeypatch.delenv("FTRUN_SPARE_FORK")
+    assert SparePool(sys.executable, lambda m: None).fork
