@@ -17,6 +17,7 @@ Popen'd spare (`launcher.spare.run_job`). EOF on that pipe means "not needed": i
 """
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -29,6 +30,9 @@ from typing import Callable
 from launcher.adopted import AdoptedChild, set_subreaper
 from launcher.workers import PR_SET_PDEATHSIG, _child_setup, _libc
 
+PR_SET_NAME = 15
+SERVER_NAME = b"ftrun-spare-srv"  # `ps` names: the server, and a forked spare until it is assigned
+SPARE_NAME = b"ftrun-spare"
 FORK_TIMEOUT_S = 2.0  # the server answers a fork request within this long, or is given up
 REPARENT_TIMEOUT_S = 5.0  # a forked spare waits this long to see the agent as its parent
 
@@ -37,10 +41,22 @@ class _Forked(Exception):
     """Raised in a forked spare: unwinds the server's loop so the job runs at the top level
     (its exceptions, exit code and atexit handlers as in `python script`)."""
 
-    def __init__(self, assignment_fd: int, agent: int) -> None:
+    def __init__(self, assignment_fd: int, agent: int, comm: bytes) -> None:
         super().__init__("forked spare")
         self.assignment_fd = assignment_fd
         self.agent = agent
+        self.comm = comm  # the process name to take back when the job starts
+
+
+def _name(name: bytes) -> bytes:
+    """Set this process's name (`ps`, /proc/PID/comm); the previous one."""
+    try:
+        with open("/proc/self/comm", "rb") as f:
+            old = f.read().strip()
+    except OSError:
+        old = b"python"
+    _libc.prctl(PR_SET_NAME, ctypes.c_char_p(name[:15]), 0, 0, 0)
+    return old
 
 
 # ------------------------------------------------------------------ the server process
@@ -50,6 +66,7 @@ def serve(sock_fd: int) -> None:
 
     agent = os.getppid()
     sock = socket.socket(fileno=sock_fd)
+    comm = _name(SERVER_NAME)
     warm, base = (int(x) for x in os.environ.get("FTRUN_SPARE_NICE", "0,0").split(","))
     if warm != base:
         spare._warm_priority(warm)
@@ -69,7 +86,7 @@ def serve(sock_fd: int) -> None:
                 sock.send(json.dumps({"error": f"{len(spare._threads())} threads; not forking"}).encode())
                 continue
             try:
-                pid, w = _fork_spare(sock, agent)
+                pid, w = _fork_spare(sock, agent, comm)
             except OSError as exc:
                 sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
                 continue
@@ -81,7 +98,7 @@ def serve(sock_fd: int) -> None:
         return  # the agent is gone or stopped us
 
 
-def _fork_spare(sock: socket.socket, agent: int) -> tuple[int, int]:
+def _fork_spare(sock: socket.socket, agent: int, comm: bytes) -> tuple[int, int]:
     """Double-fork a spare; (its pid, the write end of its assignment pipe). In the spare this
     raises `_Forked`."""
     r, w = os.pipe()
@@ -101,7 +118,8 @@ def _fork_spare(sock: socket.socket, agent: int) -> tuple[int, int]:
             for fd in (w, pr, pw):
                 os.close(fd)
             sock.close()
-            raise _Forked(r, agent)
+            _name(SPARE_NAME)
+            raise _Forked(r, agent, comm)
         try:
             os.write(pw, pid.to_bytes(4, "little"))
         finally:
@@ -149,6 +167,7 @@ def become_spare(forked: _Forked) -> None:
     os.close(forked.assignment_fd)
     if not line.strip():
         sys.exit(0)
+    _name(forked.comm)  # a rank looks like any worker in `ps`
     spare.run_job(json.loads(line))
 
 

@@ -108,8 +108,8 @@ def _children(pid: int) -> list[int]:
 
 
 def warm_spares(root: int) -> list[int] | None:
-    """Pids of the job's warm spares (`launcher.spare` descendants of `root` whose imports are
-    done: main thread asleep waiting for its assignment, in a futex wait or a read of its stdin,
+    """Pids of the job's warm spares (`launcher.spare` descendants of `root`, the fork server
+    aside, whose imports are done: main thread asleep waiting for its assignment, in a futex wait or a read of its stdin,
     no CPU time used over 20 ms), None while a spare is still warming up or none was started."""
     todo, spares = [root], []
     while todo:
@@ -118,8 +118,13 @@ def warm_spares(root: int) -> list[int] | None:
         todo += kids
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"launcher.spare" in f.read():
-                    spares.append(pid)
+                cmd = f.read()
+            with open(f"/proc/{pid}/comm", "rb") as f:
+                comm = f.read().strip()
+            # the fork server (launcher.zygote, named ftrun-spare-srv) is not a spare; the
+            # spares it forked are (they keep its command line)
+            if b"launcher.spare" in cmd and comm != b"ftrun-spare-srv":
+                spares.append(pid)
         except OSError:
             pass
 
