@@ -3,20 +3,25 @@
 Owns: both ends of a spare. `python -m launcher.spare` is the spare itself: it imports torch and
 the runtime (the 1-3 s a cold replacement spends before it can do anything), then blocks on its
 stdin for one assignment line (JSON: env, argv, cwd, module) and runs the training script in
-this very process with `runpy`, exactly as `python -u script args` would. EOF on stdin means
-"not needed": it exits 0. `SparePool` is the agent's side: it keeps `count` spares per node
-(`--warm-spares`, default 2, so two faults in a row on one node both get a warm start), started
-only once the job is known to use `launcher.runtime`, hands one out for a process-level
-replacement and starts its successor as soon as the recovery round that used it is over (its
-`import torch` would otherwise share the CPUs with the state transfer and the redone step). A spare warms up 10 nice levels below the agent
-and under SCHED_IDLE when it may come back afterwards (root, or RLIMIT_NICE allows it), so a
-successor's `import torch` yields the CPU to the recovery that used its predecessor; it runs the
-script at the agent's priority, and returns to it the moment it is assigned (its stdin is read on
-a thread during the imports), also when it is taken before its imports finished. The pool moves
-a spare to the agent's priority itself after `idle_limit` (2 s) of warm-up, except while a
-recovery round and the step it resumes at run: training that keeps every CPU busy leaves
+this very process with `runpy` (`run_job`), exactly as `python -u script args` would. EOF on
+stdin means "not needed": it exits 0. `python -m launcher.spare --fork-server FD` is the node's
+spare fork server instead (`launcher.zygote`): it imports once and forks spares that behave the
+same way. `SparePool` is the agent's side: it keeps `count` spares per node (`--warm-spares`,
+default 2, so two faults in a row on one node both get a warm start), started only once the job
+is known to use `launcher.runtime`, hands one out for a process-level replacement and starts its
+successor as soon as the recovery round that used it is over. By default the spares are forked
+from the fork server (started with the first fill; `FTRUN_SPARE_FORK=0` turns it off), so a
+successor costs a fork (20-50 ms) instead of a second `import torch` (1.5-2 CPU-s); when the
+server cannot be used the pool says why in one line and starts spares that import torch
+themselves. The server, or such a spare, warms up 10 nice levels below the agent and under
+SCHED_IDLE when it may come back afterwards (root, or RLIMIT_NICE allows it), so its
+`import torch` yields the CPU to the recovery and training; a spare runs the script at the
+agent's priority, and returns to it the moment it is assigned (its stdin is read on a thread
+during the imports), also when it is taken before its imports finished. The pool moves a spare
+(or the server) to the agent's priority itself after `idle_limit` (2 s) of warm-up, except while
+a recovery round and the step it resumes at run: training that keeps every CPU busy leaves
 SCHED_IDLE no time, and a spare that never finishes `import torch` makes the next fault start
-cold.
+cold. No spare is started or forked while a round holds the pool.
 """
 from __future__ import annotations
 
@@ -124,9 +129,9 @@ class SparePool:
         self._escalate()
 
     def _fork_spares(self, env: dict[str, str]) -> bool:
-        """Spares from the fork server (started at the first fill, not while held): True when it
-        serves or is still warming up, False when the pool must start spares itself (the server
-        is off, gone or unsafe to fork; said in one line)."""
+        """Spares from the fork server (started at the first fill; neither started nor forking
+        while held): True when it serves or is still warming up, False when the pool must start
+        spares itself (the server is off, gone or unsafe to fork; said in one line)."""
         from launcher.zygote import ForkServer
 
         try:
@@ -142,6 +147,8 @@ class SparePool:
             if not self._server.poll_ready():
                 if not self.held():  # same escalation as a spare that imports torch itself
                     self._escalate_proc(self._server.proc.pid, self._server.proc)
+                return True
+            if self.held():  # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
                 return True
             while self.ready() < self.count:
                 t0 = time.monotonic()

@@ -277,6 +277,10 @@ def test_forked_successor_is_ready_at_once_without_importing_torch(tmp_path) -> 
         _fill(pool, env)
         first = pool.take(env, [str(script), str(tmp_path / "a")], module=False)
         assert first is not None and pool.ready() == 1
+        pool.hold(4, {1})  # the round that used it: no fork beside it
+        pool.ensure(env)
+        assert pool.ready() == 1
+        pool.recovered(1, 4)
         t0 = time.monotonic()
         pool.ensure(env)
         took = time.monotonic() - t0
