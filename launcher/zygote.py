@@ -197,6 +197,7 @@ class ForkServer:
                 preexec_fn=lambda: _child_setup(parent))
         except BaseException:
             ours.close()
+            set_subreaper(False)
             raise
         finally:
             theirs.close()

@@ -4,7 +4,8 @@
 Same model (about 100 MB of parameters + Adam state), 4 ranks, gloo on loopback, in the same run.
 Rank 1 is killed with SIGKILL from outside after --kill-after-step completed steps and, under ftrun,
 once its warm spares have finished importing torch (the steady state of a long job; the time they
-took is `*spares_warm_after_s`; --no-wait-warm kills at the step regardless). torchrun
+took is `*spares_warm_after_s`; --no-wait-warm kills at the step regardless), at the end of the
+next step every rank completes (every kill here lands at a step's end). torchrun
 restarts every worker of a plain-torch script (bench_recovery_torchrun_worker.py), which reload
 the checkpoint saved every 10 steps and recompute; ftrun restarts rank 1 of the same model on
 launcher.runtime (bench_recovery_worker.py) and repairs it from a replica.
@@ -203,6 +204,7 @@ def _run_job(out: str, name: str, args: argparse.Namespace, fault_plan: str | No
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=repo)
         warm_at = None
+        warm_floor = 0  # the first kill waits for a step completed after the spares were warm
         t_start = time.time()
         deadline = time.monotonic() + args.timeout
         while proc.poll() is None and time.monotonic() < deadline:
@@ -211,11 +213,14 @@ def _run_job(out: str, name: str, args: argparse.Namespace, fault_plan: str | No
                 if warm_at is None and name == "ftrun" and args.wait_warm:
                     if warm_spares(proc.pid) is not None:
                         warm_at = time.time()
+                        # then kill at the end of a step, as every other kill here (at a random
+                        # point of a step the lost time also holds the part done before the kill)
+                        warm_floor = 1 + max((s[-1]["step"] for s in steps.values() if s), default=-1)
                     else:
                         time.sleep(0.05)
                         continue
                 rank, gap = kills[len(kill_times)]
-                need = killed_steps[-1] + gap if killed_steps else args.kill_after_step
+                need = killed_steps[-1] + gap if killed_steps else max(args.kill_after_step, warm_floor)
                 if len(steps) == nproc and all(s and s[-1]["step"] >= need for s in steps.values()):
                     victim = steps[rank][-1]
                     killed_steps.append(victim["step"] + 1)
