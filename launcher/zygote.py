@@ -172,12 +172,17 @@ def become_spare(forked: _Forked) -> None:
 
 
 def main(sock_fd: int) -> None:
+    forked = None
     try:
         serve(sock_fd)
-    except _Forked as forked:
-        become_spare(forked)
-        return
-    sys.exit(0)
+    except _Forked as exc:
+        forked = exc
+        exc.__traceback__ = None  # drop the server's frames
+    if forked is None:
+        sys.exit(0)
+    # outside the except block: the job must not run "while handling" _Forked (sys.exc_info(),
+    # and the context of its own exceptions, as in a fresh `python script`)
+    become_spare(forked)
 
 
 # ------------------------------------------------------------------ the agent's side

@@ -427,3 +427,22 @@ def test_fork_server_switch(monkeypatch) -> None:
     assert SparePool(sys.executable, lambda m: None).fork
     monkeypatch.delenv("FTRUN_SPARE_FORK")
     assert SparePool(sys.executable, lambda m: None).fork
+
+
+def test_forked_spare_runs_the_job_as_a_fresh_interpreter_would(tmp_path, capfd) -> None:
+    """No trace of the fork server in the job: no exception being handled, its own exceptions'
+    tracebacks without the server's frames, the exit code of an uncaught exception."""
+    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nprint('handling', sys.exc_info()[0], flush=True)\n"
+                      "raise ValueError('boom')\n")
+    try:
+        _fill(pool, env)
+        proc = pool.take(env, [str(script)], module=False)
+        assert proc is not None and proc.wait(timeout=30) == 1
+    finally:
+        pool.stop()
+    out, err = capfd.readouterr()
+    assert "handling None" in out
+    assert "ValueError: boom" in err and "During handling" not in err and "_Forked" not in err, err
