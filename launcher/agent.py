@@ -607,7 +607,8 @@ class Agent:
         """Stop everything this agent started, workers first, the store last."""
         stop_workers(self.workers.all(), signal.SIGKILL, 0.0)
         _stop_together([self.observer, self.role, *self._feeds, self.channel, self.reaper,
-                        self.spawner, self.reporter, self.loop_store])
+                        self.spawner, self.reporter, self.loop_store],
+                       lambda msg: self.log.warning("shutdown-slow", msg))
         self.stack.close(LEAVE_SIGNAL if self.signum is not None else None)
         try:
             os.rmdir(self._sock_dir)
@@ -616,16 +617,24 @@ class Agent:
         self.log.close()
 
 
-def _stop_together(parts: list[Any]) -> None:
+STOP_TOGETHER_S = 10.0  # all of an agent's parts stop within this long, or are left behind
+
+
+def _stop_together(parts: list[Any], log: Callable[[str], None] | None = None) -> None:
     """Stop independent parts at the same time. Each `stop()` waits for its own thread to see
     the request (up to its poll interval); one after another those waits add up and a signalled
-    agent overran --shutdown-timeout + 1 s. Every stop() bounds its own join."""
+    agent overran --shutdown-timeout + 1 s. Every stop() bounds its own join; all of them get
+    STOP_TOGETHER_S in total, and the ones still running then are named (`log`)."""
     threads = [threading.Thread(target=p.stop, name=f"ftrun-stop-{type(p).__name__}", daemon=True)
                for p in parts if p is not None]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + STOP_TOGETHER_S
     for t in threads:
-        t.join(10.0)
+        t.join(max(0.0, deadline - time.monotonic()))
+    late = [t.name.removeprefix("ftrun-stop-") for t in threads if t.is_alive()]
+    if late and log is not None:
+        log(f"shutdown: {', '.join(late)} did not stop within {STOP_TOGETHER_S:g} s; going on without them")
 
 
 def run_agent(cfg: LaunchConfig) -> int:

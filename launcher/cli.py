@@ -213,7 +213,29 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.agent import run_agent  # imported late: keeps `ftrun --help` fast
 
     code = run_agent(cfg)
+    _exit_within(code, EXIT_GRACE_S)
     sys.exit(code)
+
+
+EXIT_GRACE_S = 10.0  # the interpreter's own exit (joining threads, atexit) may take this long
+
+
+def _exit_within(code: int, grace: float) -> None:
+    """Everything the agent started is stopped when run_agent returns; if the interpreter's
+    exit still hangs (a library thread that is not a daemon, an atexit handler), leave after
+    `grace` seconds with the same code, naming the threads still running."""
+    import os
+    import threading
+
+    def force() -> None:
+        names = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
+        print(f"ftrun: exit took longer than {grace:g} s (threads still running: "
+              f"{', '.join(names) or 'none'}); exiting with code {code}", file=sys.stderr, flush=True)
+        os._exit(code)
+
+    timer = threading.Timer(grace, force)
+    timer.daemon = True
+    timer.start()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -296,3 +296,32 @@ def test_dynamic_min_max_rendezvous_on_the_embedded_store(tmp_path) -> None:
     assert host.returncode == 0 and other.returncode == 0, outs[0][1][-2000:] + outs[1][1][-2000:]
     with open(tmp_path / "out.json", encoding="utf-8") as f:
         assert json.load(f)["world"] == 2
+
+
+def test_stop_together_bounds_the_whole_shutdown_and_names_the_late_part(monkeypatch):
+    import threading
+    import time
+
+    from launcher import agent as agent_mod
+
+    class Quick:
+        stopped = False
+
+        def stop(self):
+            self.stopped = True
+
+    class Stuck:
+        def __init__(self):
+            self.release = threading.Event()
+
+        def stop(self):
+            self.release.wait(30)
+
+    monkeypatch.setattr(agent_mod, "STOP_TOGETHER_S", 0.3)
+    quick, stuck, said = Quick(), Stuck(), []
+    t0 = time.monotonic()
+    agent_mod._stop_together([stuck, quick, stuck, None], said.append)
+    assert time.monotonic() - t0 < 2.0
+    assert quick.stopped
+    assert said == ["shutdown: Stuck, Stuck did not stop within 0.3 s; going on without them"]
+    stuck.release.set()

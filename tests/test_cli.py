@@ -124,3 +124,22 @@ def test_print_completion() -> None:
     r = run_cli("--print-completion", "bash")
     assert r.returncode == 0 and "_FTRUN_COMPLETE" in r.stdout
     assert COMMAND.name == "ftrun"
+
+
+def test_an_exit_that_hangs_is_cut_short_with_the_same_code_and_the_threads_named():
+    """run_agent has stopped everything it started; a library thread that is not a daemon must
+    not keep the finished agent alive (a job whose agent never exits never ends)."""
+    import subprocess
+    import sys
+    import time
+
+    code = ("import threading, time, sys\n"
+            "from launcher.cli import _exit_within\n"
+            "threading.Thread(target=time.sleep, args=(60,), name='stuck-library-thread').start()\n"
+            "_exit_within(3, 0.5)\n"
+            "sys.exit(3)\n")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert res.returncode == 3, res.stderr
+    assert time.monotonic() - t0 < 20
+    assert "ftrun: exit took longer than 0.5 s" in res.stderr and "stuck-library-thread" in res.stderr, res.stderr
