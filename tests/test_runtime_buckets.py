@@ -91,6 +91,16 @@ def check(step):
         want /= world
         assert torch.equal(p.grad, want), f"step {step}: {tuple(p.shape)} differs"
 
+def rebuild_and_check():  # after a stop: a new group of generation 1, the buckets sum right in it
+    graveyard.keep(*dist.distributed_c10d._world.pg_map.keys())
+    dist.destroy_process_group()
+    gen[0] = 1
+    dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=rank, world_size=world)
+    for p in params:
+        p.grad = None
+    backward(1)
+    check(1)
+
 MODE = os.environ["MODE"]
 if MODE == "sum":
     for step in range(4):
@@ -116,14 +126,7 @@ elif MODE == "stop":
         assert len(graveyard) >= nb - 1 and all(b.flat is None for b in sync._buckets[:nb - 1])
     else:
         store.wait(["stop"])
-    graveyard.keep(*dist.distributed_c10d._world.pg_map.keys())
-    dist.destroy_process_group()
-    gen[0] = 1
-    dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=rank, world_size=world)
-    for p in params:
-        p.grad = None
-    backward(1)
-    check(1)
+    rebuild_and_check()
     print("rebuilt ok", flush=True)
 elif MODE == "stop-in-backward":
     # a stop that arrives while backward runs aborts it at the next gradient instead of letting
@@ -144,14 +147,7 @@ elif MODE == "stop-in-backward":
     assert done < len(params) - len(list(unused.parameters())), f"{done} of {len(params)} gradients"
     handle.remove()
     sync.abandon()
-    graveyard.keep(*dist.distributed_c10d._world.pg_map.keys())
-    dist.destroy_process_group()
-    gen[0] = 1
-    dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=rank, world_size=world)
-    for p in params:
-        p.grad = None
-    backward(1)
-    check(1)
+    rebuild_and_check()
     print(f"aborted after {done} gradients; rebuilt ok", flush=True)
 sys.stdout.flush()
 os._exit(0)
