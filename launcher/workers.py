@@ -4,7 +4,8 @@ Owns: spawning a worker (`python -u script args`) in its own session with
 `PR_SET_PDEATHSIG(SIGKILL)` so it dies with its agent, its output plumbing (inherit, redirect to
 files, or tee through an `OutputPump`), stopping it (signal to the whole process group, grace,
 SIGKILL), and `Reaper`: one thread that learns of every exit the moment it happens through
-pidfds and reports `WorkerExit` events on a queue, and `NodeWorkers`, the node's table of ranks
+pidfds, kills what the exited worker left in its process group (`sweep_group`) and reports
+`WorkerExit` events on a queue, and `NodeWorkers`, the node's table of ranks
 (one `Worker` per local rank, kept across respawns, and which of them use launcher.runtime).
 Single ranks can be stopped and respawned without touching the others.
 """
@@ -164,6 +165,16 @@ def send_signal(worker: Worker, sig: int) -> None:
             pass
 
 
+def sweep_group(pid: int) -> None:
+    """SIGKILL whatever a worker that has exited (`pid`, a session leader) left in its process
+    group: its children and their children, unless they started sessions of their own (torchrun
+    kills the same group when it closes a worker). Call it before the worker is reaped."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 class Reaper:
     """Reports worker exits as they happen (pidfd readiness), on `events` as WorkerExit.
 
@@ -198,6 +209,8 @@ class Reaper:
         if fd is not None:
             self._sel.unregister(fd)
             os.close(fd)
+        if proc.returncode is None:  # still a zombie: its pid (= its group's id) cannot be reused
+            sweep_group(proc.pid)
         code = proc.wait()
         now = time.time()
         if worker.proc is proc:

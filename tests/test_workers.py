@@ -69,3 +69,49 @@ time.sleep(60)
     while pid_alive(child) and time.monotonic() < deadline:
         time.sleep(0.02)
     assert not pid_alive(child)
+
+
+def _child_pid_of(kill_self: str, tmp_path) -> tuple[Worker, int, "queue.Queue"]:
+    """Start a worker that leaves `sleep 60` behind in its own process group, then ends itself
+    with `kill_self`; returns the worker, the sleeper's pid and the Reaper's queue."""
+    pidfile = tmp_path / "child"
+    q: queue.Queue = queue.Queue()
+    w = Worker(0, 3)
+    start(w, f"import os, signal, subprocess, sys\n"
+             f"p = subprocess.Popen(['sleep', '60'])\n"
+             f"open({str(pidfile)!r} + '.tmp', 'w').write(str(p.pid))\n"
+             f"os.rename({str(pidfile)!r} + '.tmp', {str(pidfile)!r})\n{kill_self}\n")
+    deadline = time.monotonic() + 20
+    while not pidfile.exists():
+        assert time.monotonic() < deadline, "the worker never started its child"
+        time.sleep(0.02)
+    return w, int(pidfile.read_text()), q
+
+
+def _gone_within(pid: int, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_what_a_dead_worker_left_in_its_group_is_killed_with_it(tmp_path) -> None:
+    """A worker SIGKILLed (or exiting) leaves no orphan behind: its process group is swept the
+    moment its exit is seen (torchrun kills the worker groups when it closes them)."""
+    for kill_self in ("os.kill(os.getpid(), signal.SIGKILL)", "sys.exit(3)"):
+        w, child, q = _child_pid_of(kill_self, tmp_path)
+        r = Reaper(q)
+        try:
+            r.watch(w)
+            ev = q.get(timeout=10)
+            assert isinstance(ev, WorkerExit)
+            assert _gone_within(child, 5), f"worker's child {child} outlived it ({kill_self})"
+        finally:
+            r.stop()
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            (tmp_path / "child").unlink()
