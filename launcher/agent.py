@@ -319,11 +319,13 @@ class Agent:
         if ev.code == 0:
             self.log.info("exit", f"rank {w.rank} finished (pid {ev.pid})", rank=w.rank, pid=ev.pid,
                           exitcode=0)
+            self._mark_finished(w)
             return self._finish() if self.workers.all_succeeded() else None
         hang = self.hangs.take_killed(w.rank)
         f = failure_from_exit(w.rank, w.local_rank, self.host, ev.pid, ev.code, ev.time,
                               w.generation, self.world.group_rank, w.error_file)
-        evidence: dict = {"traceback": f.traceback[-4000:], "error_file": f.error_file}
+        evidence: dict = {"traceback": f.traceback[-4000:], "error_file": f.error_file,
+                          "finished_ranks": self.workers.finished()}
         kind = FaultKind.HANG if hang else FaultKind.SIGNAL if ev.code < 0 else FaultKind.EXIT
         if hang is not None:
             evidence.update(hang.evidence())
@@ -343,6 +345,12 @@ class Agent:
                              signal=f.signal, pid=ev.pid, local_rank=w.local_rank, host=self.host,
                              time=ev.time, evidence=evidence))
         return None
+
+    def _mark_finished(self, w: Any) -> None:
+        """Tell the controller `w`'s process is done with the job (`P.finished_key`): no
+        recovery round can count on it any more."""
+        assert self.loop_store is not None
+        self.loop_store.put(P.finished_key(w.rank), str(w.generation).encode())
 
     def _stderr_tail(self, w: Any) -> str:
         """The end of a worker's stderr.log (--redirects/--tee), "" without one."""
@@ -383,6 +391,10 @@ class Agent:
                           source=msg.source, transfer_path=msg.transfer_path, **msg.timings)
         elif isinstance(msg, Bye):
             self.hangs.on_bye(msg.rank)
+            w = self.workers.by_rank(msg.rank)
+            if w is not None and w.alive and (ev.pid is None or ev.pid == w.pid):
+                w.said_bye = True
+                self._mark_finished(w)
 
     def _on_hello(self, msg: Hello, pid: int | None) -> None:
         assert self.loop_store is not None and self.executor is not None
@@ -400,7 +412,8 @@ class Agent:
                        + (" [injected]" if msg.injected else "") + f": {msg.message}",
                        rank=msg.rank, fault_kind=kind.value, injected=msg.injected, step=msg.step)
         w = self.workers.by_rank(msg.rank)
-        evidence: dict = {"step": msg.step, "phase": msg.phase}
+        evidence: dict = {"step": msg.step, "phase": msg.phase,
+                          "finished_ranks": self.workers.finished()}
         if msg.collective:
             evidence["collective"] = msg.collective  # possibly a consequence: the controller blames
         if kind in (FaultKind.UCE_LOW, FaultKind.UCE_HIGH) and w is not None:

@@ -118,6 +118,9 @@ class Controller:
         self.world_round = world_round  # the rendezvous round of this world (node numbering)
         self.known: dict[int, int] = {}  # node -> agent incarnation accounted for
         self._save_lock = threading.Lock()
+        # rank -> generation of the latest plan that started a new process for it: a finished
+        # mark from an earlier process of the rank (`finished_ranks`) is stale
+        self._spawned_at: dict[int, int] = {}
         self._inherited = self._restore()  # the latest plan, when an earlier controller wrote it
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
@@ -141,6 +144,10 @@ class Controller:
             self.history = [dict(h) for h in saved.history]
         elif plan is not None:  # it died between publishing the plan and saving its state
             self.history = [dict(h) for h in plan.history]
+        for gen in range(1, g + 1):  # who each published plan restarted
+            raw_plan = self.kv.try_get(P.plan_key(gen))
+            if raw_plan is not None:
+                self._note_spawns(P.Plan.from_json(raw_plan))
         if plan is not None:
             cause = P.Fault.from_json(json.dumps(plan.root_cause or {
                 "kind": "exit", "rank": None, "node": -1, "generation": g}))
@@ -303,8 +310,30 @@ class Controller:
     def all_aware(self) -> bool:
         return all(self.kv.try_get(P.aware_key(r)) is not None for r in range(self.world_size))
 
-    def situation(self) -> Situation:
-        return Situation(self.chain, self.state.budget, self.all_aware(), self.world_size, self.round)
+    def situation(self, fault: P.Fault | None = None) -> Situation:
+        return Situation(self.chain, self.state.budget, self.all_aware(), self.world_size,
+                         self.round, self.finished_ranks(fault))
+
+    def _note_spawns(self, plan: P.Plan) -> None:
+        for r in plan.restart_ranks:  # every rank for restart-all
+            self._spawned_at[r] = plan.generation
+
+    def finished_ranks(self, fault: P.Fault | None = None) -> tuple[int, ...]:
+        """Ranks whose current process is done with the job (`P.finished_key`, set by their
+        agents), with the ones `fault`'s agent saw finished when it reported (its evidence; it
+        may be ahead of the store)."""
+        out = set()
+        for key in self.kv.keys(P.FINISHED_PREFIX):
+            raw = self.kv.try_get(key)
+            try:
+                rank, gen = int(key[len(P.FINISHED_PREFIX):]), int(raw or b"-1")
+            except ValueError:
+                continue
+            if gen >= self._spawned_at.get(rank, 0):
+                out.add(rank)
+        if fault is not None and fault.generation >= self.state.generation:
+            out.update(int(r) for r in fault.evidence.get("finished_ranks") or ())
+        return tuple(sorted(r for r in out if 0 <= r < self.world_size))
 
     def node_of(self, rank: int) -> int:
         """The group rank (node) running global rank `rank` (the inverse of `ranks_of`)."""
@@ -426,7 +455,9 @@ class Controller:
         self._run_rounds(self._decide(fault))
 
     def _decide(self, fault: P.Fault) -> Decision:
-        d = decide(fault, self.situation())
+        d = decide(fault, self.situation(fault))
+        if d.peers_finished and not d.absorbed:
+            self._log_peers_finished(fault, d)
         if d.absorbed:
             self.log.info("fault-absorbed", f"fault of rank {fault.rank} ({fault.kind}) from "
                           f"generation {fault.generation}: {d.reason}", rank=fault.rank,
@@ -446,6 +477,16 @@ class Controller:
                       f"{d.strategy} ({d.reason})", rank=fault.rank, fault_kind=fault.kind,
                       strategy=d.strategy, reason=d.reason, injected=fault.injected)
         return d
+
+    def _log_peers_finished(self, fault: P.Fault, d: Decision, g: int | None = None) -> None:
+        """One line: the root cause first, then why no process-level round can repair it."""
+        who = (f"rank {fault.rank}" if fault.rank is not None else f"node {fault.node}")
+        gen = fault.generation if g is None else g
+        self.log.warning("peers-finished", f"{who} (generation {gen}) failed: {fault.kind}: "
+                         f"{fault.message}; its peers {list(d.peers_finished)} had already finished "
+                         f"the job, so process-level repair is impossible: {d.strategy}",
+                         rank=fault.rank, fault_kind=fault.kind, generation=gen,
+                         finished_ranks=list(d.peers_finished), strategy=d.strategy)
 
     def execute(self, decision: Decision) -> Decision | None:
         """Publish the decision's plan and drive its round; returns what must follow (a fault
@@ -500,6 +541,7 @@ class Controller:
                       root_cause=dataclasses.asdict(decision.cause), restarts_used=st.budget.used,
                       history=[dict(h) for h in self.history], new_round=new_round)
         st.generation = g
+        self._note_spawns(plan)
         self.round = Round(g, strategy, decision.failed_ranks, decision.cause,
                            collecting=strategy in PROCESS_LEVEL)
         self.kv.set(P.plan_key(g), plan.to_json())
@@ -553,9 +595,19 @@ class Controller:
         g = plan.generation
         live = [r for r in range(self.world_size) if r not in plan.failed_ranks]
         keys = [P.status_key(g, r) for r in live]
-        if not self.kv.wait(keys, self.phase_timeout):
-            self.log.error("phase-timeout", f"generation {g}: survivors did not report within "
-                           f"{self.phase_timeout:.0f}s; the dying-gasp checkpoint may be incomplete")
+        deadline = time.monotonic() + self.phase_timeout
+        while not self.kv.wait(keys, 0.2):
+            gone = self._finished_without_status(g, plan.failed_ranks)
+            if gone:
+                self.log.error("dump-incomplete", f"generation {g}: ranks {gone} finished the job "
+                               "instead of reporting their status; the dying-gasp checkpoint "
+                               "has the other survivors' state only", finished_ranks=gone)
+                break
+            if time.monotonic() > deadline:
+                self.log.error("phase-timeout", f"generation {g}: survivors did not report within "
+                               f"{self.phase_timeout:.0f}s; the dying-gasp checkpoint may be "
+                               "incomplete")
+                break
         statuses = [P.RankStatus.from_json(raw) for raw in (self.kv.try_get(k) for k in keys) if raw]
         repair = plan_dump(statuses, g)
         self.kv.set(P.repair_key(g), repair.to_json())
@@ -605,6 +657,10 @@ class Controller:
                 return overdue
             if self._stop.is_set():
                 return None  # stopped (deposed, or its agent leaves): a successor takes it up
+            gone = self._finished_without_status(g, plan.failed_ranks)
+            if gone:
+                return self._fallback(g, f"ranks {gone} finished the job instead of reporting "
+                                      "their status (the stop came after their last step)")
             if time.monotonic() > deadline:
                 missing = [r for r, k in enumerate(keys) if self.kv.try_get(k) is None]
                 if self._waiting_for_node(missing):
@@ -628,9 +684,17 @@ class Controller:
         self._outcome(g, "recovered")
         return None
 
+    def _finished_without_status(self, g: int, failed: list[int]) -> list[int]:
+        """Ranks of generation `g`'s round that finished the job without reporting a status:
+        they never will."""
+        return [r for r in self.finished_ranks() if r not in failed
+                and self.kv.try_get(P.status_key(g, r)) is None]
+
     def _fallback(self, g: int, reason: str) -> Decision:
         """Peer repair impossible: the decision's fallback rule picks what follows."""
         d = fallback(self.situation(), reason)
+        if d.peers_finished and self.round is not None:
+            self._log_peers_finished(self.round.cause, d, g)
         self.log.warning("fallback", f"generation {g}: peer recovery impossible ({reason}); "
                          f"falling back to {d.strategy}", strategy=d.strategy, reason=reason)
         return d

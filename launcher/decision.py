@@ -36,8 +36,15 @@ The rules, in the order `decide()` applies them (tests/test_decision.py has a te
      one restarts), and only the new failed rank restarts (earlier replacements keep running).
      A report from an older generation of another rank joins the round in progress as its cause.
   5. fallback (`fallback()`): when a process-level round cannot complete (no healthy replica,
-     ranks that never reported), the first strategy after the process-level ones takes over;
-     it is the same round for the budget, so it is not charged again.
+     ranks that never reported, peers that finished meanwhile), the first strategy after the
+     process-level ones takes over; it is the same round for the budget, so it is not charged
+     again.
+  6. peers finished (`Situation.finished`, applied within 2, 3 and 5): a rank done with the job
+     (it said goodbye after `rt.finish()`, or exited 0) takes part in no round, so when any
+     rank other than the failed ones finished, retry, recover-in-place and dump are impossible
+     (nobody live to repair from or to save the step): they are skipped at once, saying which
+     ranks finished, and the chain goes on to restart-all (torchrun's answer to a failed
+     worker: the whole group restarts, from the script's last checkpoint) or exit.
 
 One event, one fault (`merge()`, before `decide()`): reports that may be consequences of another
 rank's fault (`may_be_consequence`: a collective that failed or timed out on the reporting rank,
@@ -63,6 +70,7 @@ from launcher.faults import FROZEN_STATES as FROZEN
 from launcher.faults import IN_PLACE_KINDS, FaultKind
 
 PROCESS_LEVEL = (P.RETRY, P.RECOVER_IN_PLACE)  # the ranks that did not fail keep running
+NEEDS_PEERS = (P.RETRY, P.RECOVER_IN_PLACE, P.DUMP)  # rounds the live peers take part in
 CHARGED = (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL)  # rounds that use the restart budget
 
 
@@ -101,6 +109,7 @@ class Situation:
     runtime_aware: bool  # every rank said hello: all use launcher.runtime
     world_size: int
     round: Round | None = None
+    finished: tuple[int, ...] = ()  # ranks done with the job: they take part in no round (rule 6)
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,7 @@ class Decision:
     continues: bool = False  # a fallback: the same fault's handling goes on (history)
     shrink: bool = False  # restart-all in a new rendezvous round without the lost node(s)
     grow: bool = False  # restart-all in a new rendezvous round with the waiting nodes (scale-up)
+    peers_finished: tuple[int, ...] = ()  # rule 6 cut the chain: these peers had finished
 
     @property
     def absorbed(self) -> bool:
@@ -172,6 +182,20 @@ def walk_chain(kind: FaultKind, chain: Sequence[str], runtime_aware: bool, budge
     return P.EXIT, "; ".join(notes + ["nothing else left: exit"])
 
 
+def without_finished(chain: Sequence[str], finished: Sequence[int], failed: Sequence[int]
+                     ) -> tuple[list[str], list[str], tuple[int, ...]]:
+    """Rule 6: `chain` without the strategies the finished peers would have to take part in.
+    Returns (chain left, one note per strategy removed, the finished peers)."""
+    peers = tuple(sorted(set(finished) - set(failed)))
+    if not peers:
+        return list(chain), [], ()
+    what = f"ranks {list(peers)} already finished the job"
+    notes = [f"{x}: {what}, " + ("no live survivor to save the current step" if x == P.DUMP
+                                 else "no live peer to repair from")
+             for x in chain if x in NEEDS_PEERS]
+    return [x for x in chain if x not in NEEDS_PEERS], notes, peers
+
+
 def covered_by(fault: P.Fault, rnd: Round | None) -> bool:
     """Rule 1: a late report that the round in progress already covers."""
     if rnd is None or fault.generation >= rnd.generation:
@@ -208,12 +232,14 @@ def decide(fault: P.Fault, s: Situation) -> Decision:
     if rnd is not None and rnd.strategy in PROCESS_LEVEL and fault.generation < rnd.generation:
         cause = dataclasses.replace(fault, generation=rnd.generation)  # another rank of that round
     collecting = rnd is not None and rnd.collecting
-    chain, skipped = list(s.chain), []
+    if fault.rank is None and node_ranks(fault):
+        return _node_decision(fault, s)
+    failed = tuple(sorted(set(rnd.failed_ranks if collecting and rnd is not None else ())
+                          | set(own)))
+    chain, skipped, peers = without_finished(s.chain, s.finished, failed)
     if collecting and P.RETRY in chain and fault.rank is not None:
         chain.remove(P.RETRY)
         skipped.append(f"retry: rank {fault.rank} failed while the ranks were mid-recovery")
-    if fault.rank is None and node_ranks(fault):
-        return _node_decision(fault, s)
     strategy, why = walk_chain(kind, chain, s.runtime_aware, s.budget.left,
                                repeat_uce=bool(fault.evidence.get("repeat_uce")), skipped=skipped)
     if fault.rank is None and strategy in PROCESS_LEVEL:
@@ -222,11 +248,10 @@ def decide(fault: P.Fault, s: Situation) -> Decision:
         why = f"node {fault.node}: {fault.message}; {why}"
     if not collecting:
         return Decision(strategy, why, cause, own, restart_ranks(strategy, own, s.world_size),
-                        charged=strategy in CHARGED)
+                        charged=strategy in CHARGED, peers_finished=peers)
     assert rnd is not None
-    failed = tuple(sorted(set(rnd.failed_ranks) | set(own)))
     return Decision(strategy, why, cause, failed, restart_ranks(strategy, own, s.world_size),
-                    charged=strategy in CHARGED, supersedes=rnd.generation)
+                    charged=strategy in CHARGED, supersedes=rnd.generation, peers_finished=peers)
 
 
 def node_ranks(fault: P.Fault) -> tuple[int, ...]:
@@ -244,10 +269,12 @@ def _node_decision(fault: P.Fault, s: Situation) -> Decision:
     collecting = rnd is not None and rnd.collecting
     prior = set(rnd.failed_ranks) if collecting and rnd is not None else set()
     continues = joined and collecting and set(ranks) <= prior
-    chain = [x for x in s.chain if x != P.RETRY]  # the node's processes are gone
+    chain, skipped, peers = without_finished(s.chain, s.finished, sorted(prior | set(ranks)))
+    if P.RETRY in chain:
+        chain.remove(P.RETRY)  # the node's processes are gone
+        skipped.append("retry: the node's processes are gone")
     strategy, why = walk_chain(FaultKind.NODE_LOST, chain, s.runtime_aware,
-                               s.budget.left or continues,
-                               skipped=["retry: the node's processes are gone"])
+                               s.budget.left or continues, skipped=skipped)
     if strategy == P.RECOVER_IN_PLACE:
         failed = tuple(sorted(prior | set(ranks)))
         restart = ranks if joined else ()  # the lost node has no agent to start them yet
@@ -263,7 +290,8 @@ def _node_decision(fault: P.Fault, s: Situation) -> Decision:
     failed = tuple(sorted(prior | set(ranks)))
     return Decision(strategy, f"{what}; {why}", fault, failed,
                     restart_ranks(strategy, ranks, s.world_size), charged=strategy in CHARGED,
-                    supersedes=rnd.generation if collecting and rnd is not None else None)
+                    supersedes=rnd.generation if collecting and rnd is not None else None,
+                    peers_finished=peers)
 
 
 def unreplaced(fault: P.Fault, waited: float, timeout: float, nodes_left: int,
@@ -329,11 +357,14 @@ def fallback(s: Situation, reason: str) -> Decision:
     rnd = s.round
     if rnd is None:
         raise ValueError("fallback() needs the round in progress")
-    rest = [x for x in s.chain if x not in PROCESS_LEVEL]
+    rest, notes, peers = without_finished([x for x in s.chain if x not in PROCESS_LEVEL],
+                                          s.finished, rnd.failed_ranks)
     strategy = rest[0] if rest else P.EXIT
     own = () if rnd.cause.rank is None else (rnd.cause.rank,)
-    return Decision(strategy, f"fallback: {reason}", rnd.cause, own,
-                    restart_ranks(strategy, own, s.world_size), charged=False, continues=True)
+    why = "; ".join([f"fallback: {reason}", *notes])
+    return Decision(strategy, why, rnd.cause, own,
+                    restart_ranks(strategy, own, s.world_size), charged=False, continues=True,
+                    peers_finished=peers)
 
 
 # ---------------------------------------------------------------- one event, one fault

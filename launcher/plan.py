@@ -19,8 +19,9 @@ Flow of one recovery round (generation g -> g+1 = g'):
      post `resumed_key(g', rank)` and continue.
 A restart-all round instead: every agent stops its workers and adds 1 to `stopped_key(g')` (the
 last sets `all_stopped_key(g')`); the controller clears the worker keys and sets `go_key(g')`.
-A job that ends: each agent adds 1 to `done_key(g)` when its workers finished, then to
-`EXITED_KEY` when it leaves.
+A job that ends: each agent sets `finished_key(rank)` for every rank done with the job (said
+goodbye or exited 0), adds 1 to `done_key(g)` when its workers finished, then to `EXITED_KEY`
+when it leaves.
 """
 from __future__ import annotations
 
@@ -107,6 +108,16 @@ def aware_key(rank: int) -> str:
 def done_key(generation: int) -> str:
     """Counter: nodes whose workers all finished in generation `generation`."""
     return f"{ROOT}/done/{generation}"
+
+
+FINISHED_PREFIX = f"{ROOT}/finished/"
+
+
+def finished_key(rank: int) -> str:
+    """Set by `rank`'s agent when its process is done with the job (it said goodbye after
+    `rt.finish()`, or exited 0): the generation that process was started in. A finished rank
+    takes part in no recovery round of that process's life (the controller, `decision`)."""
+    return f"{FINISHED_PREFIX}{rank}"
 
 
 def ckpt_key(generation: int, iteration: int, shard: str) -> str:

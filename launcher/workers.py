@@ -72,12 +72,14 @@ class Worker:
     exited_at: float = 0.0
     stopping: bool = False  # the agent is stopping it: its exit is not a failure
     spawns: int = 0
+    said_bye: bool = False  # its runtime said goodbye (rt.finish()): done with the job
 
     def attach(self, proc: subprocess.Popen | AdoptedChild) -> None:
         """Make `proc` this rank's current process (a fresh spawn or a warm spare)."""
         self.proc = proc
         self.exit_code = None
         self.stopping = False
+        self.said_bye = False
         self.started = time.time()
         self.spawns += 1
         self.pumps = []
@@ -89,6 +91,12 @@ class Worker:
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.exit_code is None
+
+    @property
+    def finished(self) -> bool:
+        """Its current process is done with the job: said goodbye, or exited 0 unasked."""
+        return self.proc is not None and not self.stopping and (
+            self.said_bye or self.exit_code == 0)
 
 
 @dataclass
@@ -114,6 +122,10 @@ class NodeWorkers:
 
     def of_ranks(self, ranks: list[int]) -> list[Worker]:
         return [w for w in self.by_local.values() if w.rank in ranks]
+
+    def finished(self) -> list[int]:
+        """The ranks whose current process is done with the job (`Worker.finished`)."""
+        return sorted(w.rank for w in self.by_local.values() if w.finished)
 
     def all_succeeded(self) -> bool:
         return all(w.exit_code == 0 for w in self.by_local.values())

@@ -552,3 +552,84 @@ def test_a_controller_of_a_new_world_keeps_the_history_but_not_the_old_worlds_no
     c3 = Controller(kv, AgentLog(0, None, quiet=True), 4, 2, 3, [P.RESTART_ALL, P.EXIT],
                     world_round=0)  # a controller of the old world would have them
     assert c3.lost_nodes == {1} and c3.known == {0: 1, 1: 1}
+
+
+# ---------------------------------------------------------------- peers that finished the job
+def _finished_world(kv, tmp_path, phase_timeout: float = 120.0) -> tuple[Controller, AgentLog]:
+    for r in range(4):
+        kv.set(P.aware_key(r), b"1")
+    log = AgentLog(0, str(tmp_path / "events.jsonl"), quiet=True)
+    c = Controller(kv, log, 4, 1, 3, [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
+                   phase_timeout=phase_timeout, window=0.1)
+    c.start()
+    return c, log
+
+
+def _events(tmp_path, name: str) -> list[dict]:
+    from launcher.logs import read_event_file
+
+    return [e for e in read_event_file(str(tmp_path / "events.jsonl")) if e["event"] == name]
+
+
+def test_a_rank_failing_after_its_peers_finished_restarts_all_at_once_saying_why(kv, tmp_path) -> None:
+    c, log = _finished_world(kv, tmp_path)
+    try:
+        for r in (0, 2, 3):
+            kv.set(P.finished_key(r), b"0")  # their agents saw them finish in generation 0
+        f = fault(rank=1)
+        f.message = "Signal 6 (SIGABRT) received by PID 42"
+        t0 = time.monotonic()
+        post_fault(kv, f)
+        p = plan_of(kv, 1)
+        assert time.monotonic() - t0 < 5.0
+        assert p.strategy == P.RESTART_ALL and p.restarts_used == 1 and p.failed_ranks == [1]
+        assert "ranks [0, 2, 3] already finished the job" in p.reason, p.reason
+    finally:
+        c.stop()
+        log.close()
+    line = _events(tmp_path, "peers-finished")
+    assert len(line) == 1 and line[0]["finished_ranks"] == [0, 2, 3] and line[0]["rank"] == 1
+    assert line[0]["message"].startswith("rank 1 (generation 0) failed: signal: Signal 6 (SIGABRT)")
+
+
+def test_peers_finishing_while_the_replacement_waits_end_the_round_at_once(kv, tmp_path) -> None:
+    """The stop came after the survivors' last step: they finish instead of reporting; the
+    round falls back at once, not after the phase timeout (the replacement's plan never comes)."""
+    c, log = _finished_world(kv, tmp_path, phase_timeout=120.0)
+    try:
+        post_fault(kv, fault(rank=1))
+        assert plan_of(kv, 1).strategy == P.RECOVER_IN_PLACE
+        kv.set(P.status_key(1, 1), P.RankStatus(1, 1, True, -1, -1, shard="dp").to_json())
+        time.sleep(0.5)
+        assert kv.try_get(P.plan_key(2)) is None  # nobody finished yet: the round waits
+        t0 = time.monotonic()
+        for r in (0, 2, 3):
+            kv.set(P.finished_key(r), b"0")
+        p2 = plan_of(kv, 2)
+        assert time.monotonic() - t0 < 5.0
+        assert p2.strategy == P.RESTART_ALL and p2.restarts_used == 1  # not charged again
+        assert "ranks [0, 2, 3] finished the job instead of reporting their status" in p2.reason
+        assert kv.try_get(P.repair_key(1)) is None
+    finally:
+        c.stop()
+        log.close()
+    assert [e["generation"] for e in _events(tmp_path, "peers-finished")] == [1]
+
+
+def test_a_finished_mark_of_an_earlier_process_of_the_rank_is_stale(kv, tmp_path) -> None:
+    c, log = _finished_world(kv, tmp_path)
+    try:
+        for r in (0, 2, 3):
+            kv.set(P.finished_key(r), b"0")
+        post_fault(kv, fault(rank=1))
+        assert plan_of(kv, 1).strategy == P.RESTART_ALL  # every rank gets a new process
+        kv.set(P.all_stopped_key(1), b"1")
+        assert kv.wait([P.go_key(1)], 10.0)
+        post_fault(kv, fault(rank=2, gen=1))  # the new processes run: ranks 0 and 3 repair it
+        assert plan_of(kv, 2).strategy == P.RECOVER_IN_PLACE
+        assert c.finished_ranks() == ()
+        kv.set(P.finished_key(3), b"1")  # rank 3's generation-1 process finished
+        assert c.finished_ranks() == (3,)
+    finally:
+        c.stop()
+        log.close()

@@ -15,8 +15,9 @@ def fault(rank: int | None = 1, kind: str = "signal", gen: int = 0, **evidence) 
     return P.Fault(kind=kind, rank=rank, node=0, generation=gen, message="x", evidence=evidence)
 
 
-def situation(chain=DEFAULT, used=0, limit=3, aware=True, rnd: Round | None = None) -> Situation:
-    return Situation(tuple(chain), Budget(used, limit), aware, 4, rnd)
+def situation(chain=DEFAULT, used=0, limit=3, aware=True, rnd: Round | None = None,
+              finished=()) -> Situation:
+    return Situation(tuple(chain), Budget(used, limit), aware, 4, rnd, tuple(finished))
 
 
 def round_of(strategy: str, failed=(1,), gen: int = 1, collecting: bool = False) -> Round:
@@ -154,6 +155,48 @@ def test_fallback_takes_the_first_strategy_after_the_process_level_ones_uncharge
 def test_fallback_needs_a_round() -> None:
     with pytest.raises(ValueError, match="round in progress"):
         fallback(situation(), "x")
+
+
+# ---------------------------------------------------------------- rule 6: peers finished
+def test_a_rank_failing_after_its_peers_finished_restarts_every_rank_at_once() -> None:
+    d = decide(fault(rank=1), situation(finished=(0, 2, 3)))
+    assert (d.strategy, d.charged, d.restart_ranks, d.peers_finished) == (
+        P.RESTART_ALL, True, (0, 1, 2, 3), (0, 2, 3))
+    assert d.reason.startswith("retry: ranks [0, 2, 3] already finished the job, no live peer to "
+                               "repair from; recover-in-place: ranks [0, 2, 3] already finished"), d.reason
+    # the failed rank's own goodbye does not count; one finished peer is enough
+    assert decide(fault(rank=1), situation(finished=(1, 3))).strategy == P.RESTART_ALL
+    assert decide(fault(rank=1), situation(finished=(1,))).strategy == P.RECOVER_IN_PLACE
+    # a UCE is not retried either: the finished ranks cannot roll back with it
+    assert decide(fault(rank=1, kind="uce-low"), situation(finished=(0,))).strategy == P.RESTART_ALL
+
+
+@pytest.mark.parametrize("chain, used, expected, needle", [
+    ((P.RECOVER_IN_PLACE, P.DUMP, P.EXIT), 0, P.EXIT, "no live survivor to save the current step"),
+    (DEFAULT, 3, P.EXIT, "restart-all: restart budget spent"),
+])
+def test_with_its_peers_finished_and_no_restart_left_the_job_exits_saying_so(chain, used, expected,
+                                                                             needle) -> None:
+    d = decide(fault(rank=1), situation(chain=chain, used=used, finished=(0, 2, 3)))
+    assert (d.strategy, d.charged, d.peers_finished) == (expected, False, (0, 2, 3))
+    assert "ranks [0, 2, 3] already finished the job" in d.reason and needle in d.reason, d.reason
+
+
+def test_a_round_whose_peers_finished_meanwhile_falls_back_past_dump() -> None:
+    rnd = round_of(P.RECOVER_IN_PLACE, failed=(1,), collecting=True)
+    d = fallback(situation(chain=(P.RECOVER_IN_PLACE, P.DUMP, P.RESTART_ALL, P.EXIT), rnd=rnd,
+                           finished=(0, 2)), "ranks [0, 2] finished")
+    assert (d.strategy, d.charged, d.peers_finished) == (P.RESTART_ALL, False, (0, 2))
+    assert "dump: ranks [0, 2] already finished the job" in d.reason, d.reason
+    # a replacement failing while its peers finished: the superseding round cannot repair it
+    d = decide(fault(rank=1, gen=1), situation(rnd=rnd, finished=(0, 2, 3)))
+    assert (d.strategy, d.supersedes) == (P.RESTART_ALL, 1)
+
+
+def test_a_lost_node_whose_peers_finished_is_not_repaired_from_them() -> None:
+    f = fault(rank=None, kind="node-lost", node_joined=True, node_ranks=[2, 3])
+    d = decide(f, situation(finished=(0, 1)))
+    assert d.strategy == P.RESTART_ALL and d.peers_finished == (0, 1), d
 
 
 # ---------------------------------------------------------------- one event, one fault
