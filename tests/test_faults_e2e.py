@@ -9,10 +9,13 @@ restart-all, dump and `ftctl inject` of every kind are marked slow."""
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 
 import pytest
 
-from helpers_faults import STEPS, LiveJob, assert_same_params, run_job, stamp_of
+from helpers_faults import STEPS, JobResult, LiveJob, assert_same_params, run_job, stamp_of
+from helpers_launch import FTRUN, env_with, events, script
 from launcher.runtime import checkpoint as ckpt
 
 FAULT_STEP = 3
@@ -232,3 +235,44 @@ def test_ftctl_inject_every_kind_at_a_step(tmp_path, ref, kind, strategy):
     assert job.restarted() == ({} if strategy == "retry" else {2: 1})
     assert job.first("repair-plan")["resume_step"] == STEPS - 2
     assert_same_params(job.params, ref)
+
+
+# ---------------------------------------------------------------- a rank dies after its peers finished
+def _dies_after_peers(tmp_path, after: str, chain: str | None = None) -> tuple[JobResult, float]:
+    """3 ranks; rank 1 aborts (SIGABRT) in generation 0 once its peers are done (`after`).
+    Bounded at 60 s: the old behaviour (a replacement waiting for a repair plan that could never
+    come, FTRUN_STORE_TIMEOUT=60 s per attempt) cannot pass."""
+    out = tmp_path / "out"
+    out.mkdir(parents=True)
+    cmd = FTRUN + ["--nproc_per_node", "3", "--max_restarts", "3", "--tee", "2",
+                   "--log_dir", str(tmp_path / "logs"),
+                   *(["--recover_strategy", chain] if chain else []),
+                   script("dies_after_peers.py"), "--after", after, "--ckpt", str(tmp_path / "ckpt")]
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, env=env_with(OUT_DIR=str(out), FTRUN_STORE_TIMEOUT="60"),
+                         capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+    took = time.monotonic() - t0
+    return JobResult(res.returncode, tmp_path, res.stdout + res.stderr,
+                     events(str(tmp_path / "logs"))), took
+
+
+def test_a_rank_dying_after_its_peers_exited_restarts_every_rank_at_once(tmp_path):
+    job, took = _dies_after_peers(tmp_path, "exited")
+    assert job.returncode == 0, job.describe()
+    assert job.strategies() == ["restart-all"], job.describe()  # no recover-in-place attempt
+    why = job.first("peers-finished")
+    assert why["rank"] == 1 and why["finished_ranks"] == [0, 2] and why["generation"] == 0, why
+    assert why["message"].startswith("rank 1 (generation 0) failed: signal: Signal 6 (SIGABRT)")
+    assert "ranks [0, 2] already finished the job" in job.first("decide", rank=1)["reason"]
+    assert job.output.count("loaded checkpoint iteration 4") == 3, job.describe()  # torchrun's answer
+    print(f"job with a rank dying after its peers exited: {took:.1f}s")
+
+
+def test_a_rank_dying_after_its_peers_said_goodbye_exits_with_a_report_saying_so(tmp_path):
+    job, took = _dies_after_peers(tmp_path, "goodbye", chain="recover-in-place,exit")
+    assert job.returncode == 1, job.describe()
+    assert job.strategies()[-1] == "exit" and "restart-all" not in job.strategies(), job.describe()
+    summary = job.output[job.output.index("FAILED"):]
+    assert "ranks [0, 2] already finished the job" in summary, summary
+    assert "rank      : 1 (local_rank: 1" in summary and "SIGABRT" in summary, summary
+    print(f"job with a rank dying after its peers said goodbye: {took:.1f}s")
