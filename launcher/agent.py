@@ -61,6 +61,8 @@ from rendezvous.errors import (FencedError, JoinInterrupted, NodeLostError,
 from rendezvous.keys import LEAVE_SIGNAL
 from rendezvous.kv import KVStore, StoreError
 
+STDERR_LINES = 20  # of a failed worker's stderr.log, in its failure when it left no error file
+
 
 class AgentSignal(Exception):
     """Raised by the signal handler while the agent is in the rendezvous (no workers yet), like
@@ -324,21 +326,29 @@ class Agent:
         hang = self.hangs.take_killed(w.rank)
         f = failure_from_exit(w.rank, w.local_rank, self.host, ev.pid, ev.code, ev.time,
                               w.generation, self.world.group_rank, w.error_file)
+        tail = self._stderr_tail(w)
+        if tail:
+            f.stderr_file = self._stderr_path(w)
+            if not f.traceback:  # a signal or a bare exit: what the process said last is the clue
+                lines = tail.rstrip().splitlines()[-STDERR_LINES:]
+                f.traceback = f"last {len(lines)} lines of {f.stderr_file}:\n" + "\n".join(lines)
         evidence: dict = {"traceback": f.traceback[-4000:], "error_file": f.error_file,
-                          "finished_ranks": self.workers.finished()}
+                          "stderr_file": f.stderr_file, "finished_ranks": self.workers.finished()}
         kind = FaultKind.HANG if hang else FaultKind.SIGNAL if ev.code < 0 else FaultKind.EXIT
         if hang is not None:
             evidence.update(hang.evidence())
             f.message = f"hung: {hang.basis}; killed by ftrun ({f.message})"
         elif w.rank not in self.workers.aware:
-            broken = collective_failure(f.message + "\n" + f.traceback + "\n" + self._stderr_tail(w))
+            broken = collective_failure(f.message + "\n" + f.traceback + "\n" + tail)
             if broken:  # a peer's fault may explain it: the controller blames the rank that hangs
                 kind = FaultKind.NETWORK
                 evidence["collective"] = broken
         f.kind = kind.value
         self.failures.add(f)
-        self.log.error("worker-failed", f"rank {w.rank} (pid {ev.pid}) {kind.value}: {f.message}",
+        self.log.error("worker-failed", f"rank {w.rank} (pid {ev.pid}) {kind.value}: {f.message}"
+                       + (f" (its stderr: {f.stderr_file})" if f.stderr_file else ""),
                        rank=w.rank, pid=ev.pid, exitcode=ev.code, signal=f.signal,
+                       stderr_file=f.stderr_file or None,
                        fault_kind=kind.value, detect_ms=round((time.time() - ev.time) * 1000, 3))
         self._report(P.Fault(kind=kind.value, rank=w.rank, node=self.world.group_rank,
                              generation=self.generation, message=f.message, exitcode=ev.code,
@@ -352,9 +362,12 @@ class Agent:
         assert self.loop_store is not None
         self.loop_store.put(P.finished_key(w.rank), str(w.generation).encode())
 
+    def _stderr_path(self, w: Any) -> str:
+        return os.path.join(self.run_dir.attempt_dir(w.generation), str(w.local_rank), "stderr.log")
+
     def _stderr_tail(self, w: Any) -> str:
         """The end of a worker's stderr.log (--redirects/--tee), "" without one."""
-        path = os.path.join(self.run_dir.attempt_dir(w.generation), str(w.local_rank), "stderr.log")
+        path = self._stderr_path(w)
         try:
             with open(path, "rb") as f:
                 f.seek(max(0, os.path.getsize(path) - 8192))

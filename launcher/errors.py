@@ -44,6 +44,7 @@ class Failure:
     message: str = ""
     traceback: str = ""
     evidence: dict = field(default_factory=dict)
+    stderr_file: str = ""  # its stderr.log (--redirects/--tee), "" when its stderr went to the console
 
     @property
     def signal(self) -> str | None:
@@ -106,6 +107,8 @@ def _block(idx: int, f: Failure) -> list[str]:
              f"  kind      : {f.kind}",
              f"  exitcode  : {code}",
              f"  error_file: {f.error_file or '<N/A>'}"]
+    if f.stderr_file:
+        lines.append(f"  stderr    : {f.stderr_file}")
     tb = (f.traceback or f.message).rstrip().splitlines() or [""]
     lines.append(f"  traceback : {tb[0]}")
     lines.extend("    " + t for t in tb[1:])
@@ -236,7 +239,8 @@ class JobFailures:
                                host=rf.host, pid=rf.pid or 0, exitcode=rf.exitcode or 1,
                                time=rf.time, generation=rf.generation, node=rf.node,
                                kind=rf.kind, message=rf.message,
-                               traceback=str(rf.evidence.get("traceback", "")))
+                               traceback=str(rf.evidence.get("traceback", "")),
+                               stderr_file=str(rf.evidence.get("stderr_file") or ""))
                 failures.append(root)
             root.kind, root.time = rf.kind, min(root.time, rf.time)
         terminated = [(r, p) for r, p in self.terminated

@@ -226,7 +226,10 @@ def _fault_row(f: FaultRow) -> str:
     rate = "-" if not f.transfer_rate else f"{f.transfer_rate / 1e6:.1f} MB/s"
     gen = f"{f.generation} \u2192 {f.round}" if f.round is not None else str(f.generation)
     cells = [_clock(f.time), "node" if f.rank is None else f.rank, f.node,
-             f.kind + (" [injected]" if f.injected else ""), f.evidence[:300], f.strategy or "-",
+             f.kind + (" [injected]" if f.injected else ""),
+             f.evidence[:300] + (f" (its stderr: {f.stderr_file})" if f.stderr_file
+                                 and f.stderr_file not in f.evidence[:300] else ""),
+             f.strategy or "-",
              f.reason, gen, _dur(f.mttr_s), "-" if f.steps_lost is None else f.steps_lost,
              _bytes(f.transfer_bytes), rate]
     return "<tr class=fault>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>"

@@ -58,6 +58,7 @@ class FaultRow:
     steps_lost: int | None = None
     transfer_bytes: int = 0
     transfer_rate: float | None = None  # bytes per second
+    stderr_file: str = ""  # the failed rank's stderr.log (--redirects/--tee)
 
 
 @dataclass
@@ -359,7 +360,8 @@ class Timeline:
         self._pending[rank] = FaultRow(
             time=began, rank=rank, node=ev.get("node"), host=str(ev.get("host", "")),
             kind=str(ev.get("fault_kind", "unknown")), evidence=str(ev.get("message", "")),
-            generation=int(ev.get("generation", 0)), injected=rank in self._injected, detected=t)
+            generation=int(ev.get("generation", 0)), injected=rank in self._injected, detected=t,
+            stderr_file=str(ev.get("stderr_file") or ""))
         self._injected.discard(rank)
 
     def _on_worker_fault(self, ev: dict, t: float) -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from helpers_launch import FTRUN, env_with, events
+from helpers_launch import FTRUN, env_with, events, failed_worker_logs
 from helpers_runtime import EXAMPLES, load_params
 
 NPROC = 4
@@ -50,7 +50,11 @@ class JobResult:
         raise AssertionError(f"no {name} event matching {match} in events.jsonl")
 
     def describe(self) -> str:
-        return f"exit {self.returncode}\n{self.output[-8000:]}"
+        """For assertion messages: the exit code, what the failed workers said last (their
+        stderr.log tails and error.json), then the end of the job's output."""
+        failed = failed_worker_logs(str(self.workdir / "logs"))
+        return (f"exit {self.returncode}\n" + (f"failed workers:\n{failed}\n" if failed else "")
+                + f"--- the job's output (end):\n{self.output[-8000:]}")
 
 
 def job_command(workdir: Path, launcher_args: list[str], script_args: list[str],
@@ -114,8 +118,10 @@ class LiveJob:
             if self.proc.poll() is not None:
                 break
             time.sleep(0.05)
+        failed = failed_worker_logs(str(self.workdir / "logs"))
         raise AssertionError(f"expected {count} {name} events; job exit {self.proc.poll()}\n"
-                             f"{self.output()[-6000:]}")
+                             + (f"failed workers:\n{failed}\n" if failed else "")
+                             + f"{self.output()[-6000:]}")
 
     def store_addr(self) -> str:
         paths = glob.glob(str(self.workdir / "logs" / "*" / "store.json"))

@@ -60,6 +60,54 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 120,
 
 
 
+FAILED_TAIL_LINES = 40
+
+
+def _tail(path: str, lines: int) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.path.getsize(path) - 64 * 1024))
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    return "\n".join(text.rstrip().splitlines()[-lines:])
+
+
+def failed_worker_logs(log_dir: str, lines: int = FAILED_TAIL_LINES) -> str:
+    """What each worker that failed in the ftrun job(s) under `log_dir` (the --log_dir base)
+    said last: for every `worker-failed` event, the last `lines` lines of that process's
+    stderr.log (`--tee 2` / `--redirects 2`; else its stderr went to the console) and its
+    error.json, if any. "" when no worker failed. For assertion messages: the cause of a
+    failure shows in the next CI log."""
+    try:
+        evs = events(log_dir)
+    except (OSError, ValueError) as e:
+        return f"(no events under {log_dir}: {e})"
+    spawns = {(e.get("node"), e.get("pid")): e for e in evs if e["event"] == "spawn"}
+    out: list[str] = []
+    for e in evs:
+        if e["event"] != "worker-failed":
+            continue
+        sp = spawns.get((e.get("node"), e.get("pid")), {})
+        gen, local = sp.get("generation", e.get("generation", 0)), sp.get("local_rank")
+        head = (f"--- rank {e.get('rank')} (pid {e.get('pid')}, node {e.get('node')}, generation "
+                f"{gen}) failed: {e.get('message', '')}")
+        dirs = ([] if local is None else
+                sorted(glob.glob(os.path.join(log_dir, "*", f"attempt_{gen}", str(local)))))
+        err = e.get("stderr_file") or next(
+            (os.path.join(d, "stderr.log") for d in dirs if os.path.isfile(os.path.join(d, "stderr.log"))), "")
+        tail = _tail(err, lines) if err else None
+        out.append(head)
+        out.append(f"last {lines} lines of {err}:\n{tail}" if tail is not None else
+                   "no stderr.log (the job ran without --tee 2/--redirects 2: its stderr is in "
+                   "the job's output)")
+        for d in dirs:
+            ej = _tail(os.path.join(d, "error.json"), lines)
+            if ej is not None:
+                out.append(f"{os.path.join(d, 'error.json')}:\n{ej}")
+    return "\n".join(out)
+
+
 def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

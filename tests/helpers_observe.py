@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from helpers_launch import FTRUN, env_with
+from helpers_launch import FTRUN, env_with, failed_worker_logs
 from helpers_runtime import EXAMPLES
 from launcher.logs import read_events
 
@@ -62,9 +62,15 @@ class ObservedJob:
                      and all(e.get(k) == v for k, v in match.items())]
             if len(found) >= count:
                 return found
-            assert self.proc.poll() is None, f"job exited {self.proc.poll()}\n{self.output()[-6000:]}"
+            assert self.proc.poll() is None, self.describe(f"job exited {self.proc.poll()}")
             time.sleep(0.1)
-        raise AssertionError(f"no {count} {name} events {match}\n{self.output()[-6000:]}")
+        raise AssertionError(self.describe(f"no {count} {name} events {match}"))
+
+    def describe(self, what: str) -> str:
+        """`what`, the failed workers' last words (`failed_worker_logs`), the output's end."""
+        failed = failed_worker_logs(str(self.logs))
+        return (f"{what}\n" + (f"failed workers:\n{failed}\n" if failed else "")
+                + self.output()[-6000:])
 
     def store_addr(self) -> str:
         self.wait_for("store-address")

@@ -92,3 +92,22 @@ def test_a_root_cause_seen_on_another_node_is_summarised_from_the_plan() -> None
                                     "time": 10.0, "message": "rank 5 hangs", "host": "other"}))
     root, failures, _ = jf.for_summary()
     assert root is not None and root.rank == 5 and root in failures and root.host == "other"
+
+
+def test_a_signal_death_points_at_the_ranks_stderr_file_and_shows_its_end() -> None:
+    f = Failure(1, 1, "h", 42, -6, 100.0, 0, node=0, kind="signal",
+                message="Signal 6 (SIGABRT) received by PID 42", stderr_file="/logs/attempt_0/1/stderr.log",
+                traceback="last 1 lines of /logs/attempt_0/1/stderr.log:\nterminate called after throwing")
+    text = format_summary("train.py", [f], [])
+    assert "  exitcode  : -6 (pid: 42)  (SIGABRT)" in text
+    assert "  stderr    : /logs/attempt_0/1/stderr.log" in text
+    assert "    terminate called after throwing" in text and "message   : Signal 6 (SIGABRT)" in text
+    # seen on another node: the controller's root cause carries the file in its evidence
+    jf = JobFailures()
+    jf.note_plan(P.Plan(2, P.EXIT, [1], [], "r", root_cause={
+        "kind": "signal", "rank": 1, "node": 1, "generation": 0, "pid": 42, "time": 10.0,
+        "message": "Signal 6 (SIGABRT) received by PID 42", "host": "other",
+        "evidence": {"stderr_file": "/logs/attempt_0/1/stderr.log", "traceback": "terminate"}}))
+    root, _, _ = jf.for_summary()
+    assert root is not None and root.stderr_file == "/logs/attempt_0/1/stderr.log"
+    assert "  stderr    : /logs/attempt_0/1/stderr.log" in format_summary("t.py", [root], [], root=root)

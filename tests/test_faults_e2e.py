@@ -15,7 +15,7 @@ import time
 import pytest
 
 from helpers_faults import STEPS, JobResult, LiveJob, assert_same_params, run_job, stamp_of
-from helpers_launch import FTRUN, env_with, events, script
+from helpers_launch import FTRUN, env_with, events, failed_worker_logs, script
 from launcher.runtime import checkpoint as ckpt
 
 FAULT_STEP = 3
@@ -39,7 +39,9 @@ def fault(kind: str, rank: int = 1, step: int = FAULT_STEP, phase: str = "forwar
 
 @pytest.fixture(scope="module")
 def ref(tmp_path_factory):
-    job = run_job(tmp_path_factory.mktemp("faults_ref"))
+    # --tee 2: each rank's stderr also in its stderr.log, so a failure's message (describe())
+    # shows what the failed rank said last (a CI run lost a SIGABRT's cause without it)
+    job = run_job(tmp_path_factory.mktemp("faults_ref"), launcher_args=["--tee", "2"])
     assert job.returncode == 0, job.describe()
     assert job.strategies() == [] and job.restarted() == {}
     return job.params
@@ -265,6 +267,11 @@ def test_a_rank_dying_after_its_peers_exited_restarts_every_rank_at_once(tmp_pat
     assert why["message"].startswith("rank 1 (generation 0) failed: signal: Signal 6 (SIGABRT)")
     assert "ranks [0, 2] already finished the job" in job.first("decide", rank=1)["reason"]
     assert job.output.count("loaded checkpoint iteration 4") == 3, job.describe()  # torchrun's answer
+    # what the failed rank said last reaches the assertion messages of the test helpers
+    last = failed_worker_logs(str(tmp_path / "logs"))
+    assert last.startswith("--- rank 1 (pid ") and "generation 0) failed: rank 1" in last, last
+    assert "rank 1: peers [0, 2] are done (exited); dying by abort" in last, last
+    assert "rank 1: peers" in job.describe().split("--- the job's output")[0]
     print(f"job with a rank dying after its peers exited: {took:.1f}s")
 
 
@@ -275,4 +282,7 @@ def test_a_rank_dying_after_its_peers_said_goodbye_exits_with_a_report_saying_so
     summary = job.output[job.output.index("FAILED"):]
     assert "ranks [0, 2] already finished the job" in summary, summary
     assert "rank      : 1 (local_rank: 1" in summary and "SIGABRT" in summary, summary
+    # the signal death points at the rank's stderr file and shows how it ends
+    assert "stderr    : " in summary and "attempt_0/1/stderr.log" in summary, summary
+    assert "rank 1: peers [0, 2] are done (goodbye); dying by abort" in summary, summary
     print(f"job with a rank dying after its peers said goodbye: {took:.1f}s")

@@ -148,3 +148,15 @@ def test_a_world_that_shrinks_shows_the_lost_node_its_round_and_the_smaller_worl
     assert Timeline().feed_all(events).view().restarts_used == 0
     assert v.world_size == 2 and [n.node for n in v.nodes] == [0, 1]
     assert [r.rank for r in v.ranks] == [0, 1] and v.nodes[1].state == "running"
+
+
+def test_a_failed_rank_names_its_stderr_file_in_the_fault_table():
+    from launcher.report import fault_table
+
+    v = Timeline().feed_all(started() + [ev(
+        3.0, "worker-failed", rank=1, pid=101, fault_kind="signal", detect_ms=1.0,
+        message="rank 1 (pid 101) signal: Signal 6 (SIGABRT)",
+        stderr_file="/logs/attempt_0/1/stderr.log"),
+        ev(3.1, "decide", rank=1, fault_kind="signal", strategy="restart-all", reason="why")]).view()
+    assert v.faults[0].stderr_file == "/logs/attempt_0/1/stderr.log"
+    assert "(its stderr: /logs/attempt_0/1/stderr.log)" in fault_table(v)
