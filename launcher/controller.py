@@ -10,6 +10,11 @@ the repair plan; a new fault meanwhile or an impossible repair leads to the deci
 round), dump (collect the survivors' statuses, write the dying-gasp plan). Agents execute plans;
 the in-worker runtime executes repair plans.
 
+Ranks done with the job (`finished_ranks`: their agents set `P.finished_key` when a rank says
+goodbye or exits 0; a mark from a process older than the rank's latest restart is stale) take
+part in no round: every decision knows them (`decision` rule 6), and a round whose survivors
+finish instead of reporting their status falls back at once, logging `peers-finished`.
+
 Reports that may be consequences of another rank's fault (`decision.may_be_consequence`) are held
 up to `window` seconds: the reports of that window and every node's progress records
 (`launcher.progress`) become one fault (`decision.merge`), so one event is one round. The
@@ -479,13 +484,15 @@ class Controller:
         return d
 
     def _log_peers_finished(self, fault: P.Fault, d: Decision, g: int | None = None) -> None:
-        """One line: the root cause first, then why no process-level round can repair it."""
+        """One line: the root cause first, then why no process-level round can repair it
+        (`g`: the round whose survivors finished meanwhile)."""
         who = (f"rank {fault.rank}" if fault.rank is not None else f"node {fault.node}")
-        gen = fault.generation if g is None else g
-        self.log.warning("peers-finished", f"{who} (generation {gen}) failed: {fault.kind}: "
-                         f"{fault.message}; its peers {list(d.peers_finished)} had already finished "
-                         f"the job, so process-level repair is impossible: {d.strategy}",
-                         rank=fault.rank, fault_kind=fault.kind, generation=gen,
+        when = "" if g is None else f" during generation {g}'s recovery round"
+        self.log.warning("peers-finished", f"{who} (generation {fault.generation}) failed: "
+                         f"{fault.kind}: {fault.message}; its peers {list(d.peers_finished)} "
+                         f"finished the job{when}, so process-level repair is impossible: "
+                         f"{d.strategy}", rank=fault.rank, fault_kind=fault.kind,
+                         generation=fault.generation, round=g,
                          finished_ranks=list(d.peers_finished), strategy=d.strategy)
 
     def execute(self, decision: Decision) -> Decision | None:

@@ -613,7 +613,9 @@ def test_peers_finishing_while_the_replacement_waits_end_the_round_at_once(kv, t
     finally:
         c.stop()
         log.close()
-    assert [e["generation"] for e in _events(tmp_path, "peers-finished")] == [1]
+    (line,) = _events(tmp_path, "peers-finished")
+    assert (line["rank"], line["generation"], line["round"], line["finished_ranks"]) == (1, 0, 1, [0, 2, 3])
+    assert "finished the job during generation 1's recovery round" in line["message"], line
 
 
 def test_a_finished_mark_of_an_earlier_process_of_the_rank_is_stale(kv, tmp_path) -> None:
