@@ -632,10 +632,14 @@ class Agent:
     def shutdown(self) -> None:
         """Stop everything this agent started, workers first, the store last."""
         stop_workers(self.workers.all(), signal.SIGKILL, 0.0)
+        slow = lambda msg: self.log.warning("shutdown-slow", msg)  # noqa: E731
         _stop_together([self.observer, self.role, *self._feeds, self.channel, self.reaper,
-                        self.spawner, self.reporter, self.loop_store],
-                       lambda msg: self.log.warning("shutdown-slow", msg))
-        self.stack.close(LEAVE_SIGNAL if self.signum is not None else None)
+                        self.spawner, self.reporter, self.loop_store], slow)
+        reason = LEAVE_SIGNAL if self.signum is not None else None
+        # the store last, and bounded too: its calls wait up to the store timeout each, and the
+        # store host waits up to 3 keep-alive intervals for the hot spares to see the end
+        _within("store", lambda: self.stack.close(reason),
+                STORE_CLOSE_S + 3 * self.cfg.rdzv_settings.keep_alive_interval, slow)
         try:
             os.rmdir(self._sock_dir)
         except OSError:
@@ -661,6 +665,33 @@ def _stop_together(parts: list[Any], log: Callable[[str], None] | None = None) -
     late = [t.name.removeprefix("ftrun-stop-") for t in threads if t.is_alive()]
     if late and log is not None:
         log(f"shutdown: {', '.join(late)} did not stop within {STOP_TOGETHER_S:g} s; going on without them")
+
+
+STORE_CLOSE_S = 10.0  # the store stack closes within this (+ the spares' wait on the store host)
+
+
+def _within(name: str, fn: Callable[[], None], timeout: float,
+            log: Callable[[str], None] | None = None) -> bool:
+    """Run `fn` on a daemon thread for at most `timeout` s: False (and one line to `log`) when it
+    is still running then (the agent goes on without it); its exception is raised here."""
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            failed.append(exc)
+
+    t = threading.Thread(target=run, name=f"ftrun-stop-{name}", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        if log is not None:
+            log(f"shutdown: {name} did not stop within {timeout:g} s; going on without it")
+        return False
+    if failed:
+        raise failed[0]
+    return True
 
 
 def run_agent(cfg: LaunchConfig) -> int:

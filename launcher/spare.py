@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -45,6 +46,8 @@ SpareProc = Union[subprocess.Popen, AdoptedChild]
 WARM_UP_NICE = 10  # the spare's niceness while it imports torch (only if it can return to 0)
 WARM_UP_IDLE_S = 2.0  # after this long warming up, a spare goes on at the agent's priority (not while held)
 REFILL_HOLD_S = 10.0  # a recovery round holds back new spares at most this long
+ASSIGN_TIMEOUT_S = 2.0  # a spare takes its assignment line within this long, or is killed
+STOP_S = 5.0  # stop(): the spares and the fork server all exit within this long after SIGKILL
 
 
 class SparePool:
@@ -163,11 +166,11 @@ class SparePool:
             self._stop_server()
             return False
 
-    def _stop_server(self) -> None:
+    def _stop_server(self, timeout: float = STOP_S) -> None:
         server, self._server = self._server, None
         if server is not None:
             self._born.pop(server.proc.pid, None)
-            server.stop(self.log)
+            server.stop(self.log, timeout)
             set_subreaper(False)
             reap_orphans()
 
@@ -199,43 +202,82 @@ class SparePool:
         self.log(f"warm spare started (pid {proc.pid}; {len(self._procs)} of {self.count})")
 
     def take(self, env: dict[str, str], argv: list[str], module: bool) -> SpareProc | None:
-        """Hand the oldest live spare its assignment; None when no live spare is available."""
+        """Hand the oldest live spare its assignment; None when no live spare is available. A
+        spare that does not take the line within ASSIGN_TIMEOUT_S (its pipe full: stopped, or
+        starved) is killed and the next one is tried, so the loop never blocks on a spare."""
         while self._procs:
             proc = self._procs.pop(0)
             self._born.pop(proc.pid, None)
             if proc.poll() is not None or proc.stdin is None:
                 continue
             line = json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(), "module": module}) + "\n"
-            try:
-                proc.stdin.write(line.encode())
-                proc.stdin.close()
-            except OSError:
+            err = _assign(proc, line.encode(), ASSIGN_TIMEOUT_S)
+            if err is not None:
+                self.log(f"warm spare pid {proc.pid} not used ({err}); killed")
                 proc.kill()
-                _wait(proc, self.log)
+                _wait(proc, self.log, STOP_S)
                 continue
             return proc
         return None
 
     def stop(self) -> None:
+        """Kill the idle spares and the fork server at once; all of them get STOP_S in total to
+        exit (the ones still there then are named and left behind), so the pool's stop fits in
+        the agent's shutdown bound (launcher.agent.STOP_TOGETHER_S)."""
         procs, self._procs = self._procs, []
         for proc in procs:
             proc.kill()  # idle: nothing to lose
+        if self._server is not None:
+            self._server.proc.kill()
+        deadline = time.monotonic() + STOP_S
         for proc in procs:
-            _wait(proc, self.log)
+            _wait(proc, self.log, max(0.0, deadline - time.monotonic()))
             if proc.stdin is not None:
                 try:
                     proc.stdin.close()
                 except OSError:
                     pass
-        self._stop_server()
+        self._stop_server(max(0.0, deadline - time.monotonic()))
         self._born.clear()
 
 
-def _wait(proc: SpareProc, log: Callable[[str], None], timeout: float = 5.0) -> None:
+def _wait(proc: SpareProc, log: Callable[[str], None], timeout: float) -> None:
     try:
         proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:  # pragma: no cover - D-state after SIGKILL
-        log(f"warm spare pid {proc.pid} did not exit {timeout:.0f} s after SIGKILL")
+    except subprocess.TimeoutExpired:  # D-state after SIGKILL, or starved of CPU
+        log(f"warm spare pid {proc.pid} did not exit within {timeout:.1f} s of SIGKILL; left behind")
+
+
+def _assign(proc: SpareProc, data: bytes, timeout: float) -> str | None:
+    """Write a spare's assignment line and close its stdin within `timeout` s; None, or why not.
+    A pipe holds 64 KiB: a longer line (a large environment) needs the spare to read it."""
+    f = proc.stdin
+    assert f is not None
+    try:
+        f.flush()
+        fd = f.fileno()
+        os.set_blocking(fd, False)
+        deadline = time.monotonic() + timeout
+        view = memoryview(data)
+        while view:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return f"it took {len(data) - len(view)} of the {len(data)} bytes of its " \
+                       f"assignment in {timeout:g} s"
+            if not select.select([], [fd], [], left)[1]:
+                continue
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                continue
+        return None
+    except OSError as exc:
+        return str(exc) or type(exc).__name__
+    finally:
+        try:
+            f.close()
+        except OSError:
+            pass
 
 
 def may_return_to(nice: int) -> bool:

@@ -238,9 +238,11 @@ class ForkServer:
     def fork(self, timeout: float = FORK_TIMEOUT_S) -> AdoptedChild:
         """A new warm spare, the agent's own child; raises OSError when the server cannot."""
         assert self.ready
+        deadline = time.monotonic() + timeout  # one bound for the request and its answer
         self.sock.settimeout(timeout)
         try:
             self.sock.send(b"fork")
+            self.sock.settimeout(max(0.001, deadline - time.monotonic()))
             msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 1)
         except (OSError, socket.timeout) as exc:
             raise OSError(f"no answer from the fork server ({exc or 'timeout'})") from exc
@@ -265,16 +267,17 @@ class ForkServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def stop(self, log: Callable[[str], None] | None = None) -> None:
+    def stop(self, log: Callable[[str], None] | None = None, timeout: float = 5.0) -> None:
         """End the server at once: it holds nothing (every spare it forked is the agent's own
-        child already, and no fork is under way outside `fork()`)."""
+        child already, and no fork is under way outside `fork()`); waits `timeout` s for it."""
         try:
             self.sock.close()
         except OSError:
             pass
         self.proc.kill()
         try:
-            self.proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:  # pragma: no cover - D-state
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # D-state, or starved of CPU
             if log:
-                log(f"spare fork server pid {self.proc.pid} did not exit 5 s after SIGKILL")
+                log(f"spare fork server pid {self.proc.pid} did not exit within {timeout:.1f} s "
+                    "of SIGKILL; left behind")

@@ -325,3 +325,42 @@ def test_stop_together_bounds_the_whole_shutdown_and_names_the_late_part(monkeyp
     assert quick.stopped
     assert said == ["shutdown: Stuck, Stuck did not stop within 0.3 s; going on without them"]
     stuck.release.set()
+
+
+def test_shutdown_bounds_the_store_close_and_names_it(tmp_path, monkeypatch) -> None:
+    """The store stack closed after the parts with no bound (each store call may wait up to the
+    store timeout, 60 s in some tests): a finished agent could stay alive that long after
+    job-done. Now it gets STORE_CLOSE_S (+ 3 keep-alive intervals) and is named."""
+    import threading
+
+    from launcher import agent as agent_mod
+    from launcher.cli import parse
+    from launcher.config import build_config
+    from launcher.logs import read_events
+
+    monkeypatch.setattr(agent_mod, "STORE_CLOSE_S", 0.3, raising=False)
+    cfg = build_config(parse(["--log_dir", str(tmp_path / "logs"), "--rdzv_conf",
+                              "keep_alive_interval=0.1", script("sleeper.py")]), env={})
+    agent = agent_mod.Agent(cfg)
+    release = threading.Event()
+    monkeypatch.setattr(agent.stack, "close", lambda reason=None: release.wait(20))
+    t0 = time.monotonic()
+    try:
+        agent.shutdown()
+        took = time.monotonic() - t0
+    finally:
+        release.set()
+    assert took < 3.0
+    slow = [e["message"] for e in read_events(str(tmp_path / "logs")) if e["event"] == "shutdown-slow"]
+    assert slow == ["shutdown: store did not stop within 0.6 s; going on without it"], slow
+
+
+def test_within_hands_the_callers_exception_back() -> None:
+    from launcher import agent as agent_mod
+
+    def boom() -> None:
+        raise RuntimeError("store said no")
+
+    with pytest.raises(RuntimeError, match="store said no"):
+        agent_mod._within("store", boom, 5.0)
+    assert agent_mod._within("store", lambda: None, 5.0)

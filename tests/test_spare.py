@@ -446,3 +446,80 @@ def test_forked_spare_runs_the_job_as_a_fresh_interpreter_would(tmp_path, capfd)
     out, err = capfd.readouterr()
     assert "handling None" in out
     assert "ValueError: boom" in err and "During handling" not in err and "_Forked" not in err, err
+
+
+class _Undying:
+    """A spare that SIGKILL does not end (D-state, or starved of CPU): its wait times out."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.stdin = pid, None
+
+    def kill(self) -> None:
+        pass
+
+    def poll(self) -> None:
+        return None
+
+    def wait(self, timeout: float | None = None) -> int:
+        import subprocess
+
+        time.sleep(timeout or 0.0)
+        raise subprocess.TimeoutExpired(["spare"], timeout or 0.0)
+
+
+def test_stop_gives_all_spares_one_bound_and_names_the_ones_left_behind(monkeypatch) -> None:
+    """Three spares that do not exit after SIGKILL: stop() waited 5 s for each in turn (15 s,
+    past the agent's 10 s shutdown bound); now they share one STOP_S."""
+    from launcher import spare as spare_mod
+
+    monkeypatch.setattr(spare_mod, "STOP_S", 0.6, raising=False)
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=3, start_delay=0.0)
+    pool._procs = [_Undying(101), _Undying(102), _Undying(103)]
+    t0 = time.monotonic()
+    pool.stop()
+    assert time.monotonic() - t0 < 1.5
+    assert [m.split(" did not exit")[0] for m in logs] == [
+        "warm spare pid 101", "warm spare pid 102", "warm spare pid 103"], logs
+    assert all("left behind" in m for m in logs) and pool._procs == []
+
+
+def test_a_spare_that_does_not_read_its_assignment_is_killed_and_the_next_one_used(
+        tmp_path, monkeypatch) -> None:
+    """take() wrote the assignment line with a blocking write: a spare that does not read it
+    (stopped, starved) held up the agent's loop forever once the line (its environment) is
+    longer than the pipe holds. Now it gets ASSIGN_TIMEOUT_S, is killed, and the next spare
+    takes the rank."""
+    import subprocess
+    import threading
+
+    from launcher import spare as spare_mod
+
+    monkeypatch.setattr(spare_mod, "ASSIGN_TIMEOUT_S", 0.5, raising=False)
+    deaf = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            stdin=subprocess.PIPE)
+    out = tmp_path / "line"
+    reader = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'w').write("
+                               "sys.stdin.readline())", str(out)], stdin=subprocess.PIPE)
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=2, start_delay=0.0, fork=False)
+    pool._procs = [deaf, reader]
+    env = {"BIG": "x" * 200_000}  # more than a pipe holds (64 KiB)
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(pool.take(env, ["job.py"], module=False)),
+                         daemon=True)
+    try:
+        t.start()
+        t.join(5.0)
+        assert not t.is_alive(), "take() blocked on a spare that does not read its stdin"
+        assert got == [reader]
+        assert reader.wait(timeout=10) == 0
+        assert json.loads(out.read_text())["env"] == env
+        assert deaf.wait(timeout=5) == -9
+        assert any(m.startswith(f"warm spare pid {deaf.pid} not used (it took ") for m in logs), logs
+    finally:
+        for p in (deaf, reader):
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=5)
+        t.join(5.0)
