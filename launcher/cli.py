@@ -218,24 +218,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 EXIT_GRACE_S = 10.0  # the interpreter's own exit (joining threads, atexit) may take this long
+EXIT_LAST_RESORT_S = 5.0  # past the grace: a hang in the interpreter's finalization ends here
 
 
-def _exit_within(code: int, grace: float) -> None:
+def _exit_within(code: int, grace: float, last_resort: float = EXIT_LAST_RESORT_S) -> None:
     """Everything the agent started is stopped when run_agent returns; if the interpreter's
     exit still hangs (a library thread that is not a daemon, an atexit handler), leave after
-    `grace` seconds with the same code, naming the threads still running."""
+    `grace` seconds with the same code, naming the threads still running and printing their
+    stacks. A hang later in the exit (module teardown, a `__del__`), where no Python thread runs
+    any more, is ended `last_resort` s after that by faulthandler's own thread: every thread's
+    stack on stderr, exit code 1."""
+    import faulthandler
     import os
     import threading
 
     def force() -> None:
         names = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
         print(f"ftrun: exit took longer than {grace:g} s (threads still running: "
-              f"{', '.join(names) or 'none'}); exiting with code {code}", file=sys.stderr, flush=True)
+              f"{', '.join(names) or 'none'}); exiting with code {code}; their stacks:",
+              file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         os._exit(code)
 
     timer = threading.Timer(grace, force)
     timer.daemon = True
     timer.start()
+    faulthandler.dump_traceback_later(grace + last_resort, exit=True)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -143,3 +143,26 @@ def test_an_exit_that_hangs_is_cut_short_with_the_same_code_and_the_threads_name
     assert res.returncode == 3, res.stderr
     assert time.monotonic() - t0 < 20
     assert "ftrun: exit took longer than 0.5 s" in res.stderr and "stuck-library-thread" in res.stderr, res.stderr
+
+
+def test_an_exit_that_hangs_in_the_interpreters_finalization_still_ends() -> None:
+    """A hang in module teardown (a `__del__`) stops every Python thread, the guard's timer
+    too: the process stayed (here 20 s, for good with a lock a left-behind thread holds). Now
+    faulthandler's watchdog dumps the stacks and exits 1 after grace + last resort."""
+    import subprocess
+    import time
+
+    code = ("import sys, time\n"
+            "from launcher.cli import _exit_within\n"
+            "class Stuck:\n"
+            "    def __del__(self):\n"
+            "        time.sleep(20)\n"
+            "stuck_at_teardown = Stuck()\n"
+            "_exit_within(0, 0.3, 0.5)\n"
+            "sys.exit(0)\n")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    assert took < 10, f"took {took:.1f} s"
+    assert res.returncode == 1, res.stderr
+    assert "Timeout" in res.stderr and "__del__" in res.stderr, res.stderr
