@@ -43,6 +43,7 @@ from launcher.config import LaunchConfig
 from launcher.controller import Controller
 from launcher.controller_role import ControllerRole
 from launcher.errors import JobFailures, failure_from_exit
+from launcher.exit_guard import ExitGuard
 from launcher.fault_memory import FaultMemory
 from launcher.fault_reports import FaultReporter
 from launcher.faults import FaultKind, collective_failure
@@ -132,8 +133,21 @@ class Agent:
                              "further tune the variable for optimal performance in your "
                              "application as needed.")
         self._install_signals()
+        code = 1
         try:
-            self.observer = NodeObserver.start(cfg, self.log, self.run_dir.path)
+            code = self._run()
+            return code
+        finally:
+            # every part's stop is bounded; this bounds the whole way out, wherever it hangs
+            guard = ExitGuard(code, SHUTDOWN_LIMIT_S + 3 * cfg.rdzv_settings.keep_alive_interval,
+                              "shutdown")
+            self.shutdown()
+            guard.cancel()
+
+    def _run(self) -> int:
+        """Start, run the loop; the exit code (failures: one line each)."""
+        try:
+            self.observer = NodeObserver.start(self.cfg, self.log, self.run_dir.path)
             self._start()
             return self._loop()
         except JobFailed as e:
@@ -159,8 +173,6 @@ class Agent:
             self.log.error("internal-error", f"ftrun internal error: {type(e).__name__}: {e} "
                            f"(traceback in {self.log.events_path})", traceback=traceback.format_exc())
             return 1
-        finally:
-            self.shutdown()
 
     def _start(self) -> None:
         """Store stack and world, then channel, reaper and the world's parts (`_enter_world`)."""
@@ -668,6 +680,9 @@ def _stop_together(parts: list[Any], log: Callable[[str], None] | None = None) -
 
 
 STORE_CLOSE_S = 10.0  # the store stack closes within this (+ the spares' wait on the store host)
+# the whole shutdown (+ 3 keep-alives): the parts, the store, and 5 s for the rest (the workers'
+# SIGKILL, the log); past it the agent leaves with its code and every thread's stack on stderr
+SHUTDOWN_LIMIT_S = STOP_TOGETHER_S + STORE_CLOSE_S + 5.0
 
 
 def _within(name: str, fn: Callable[[], None], timeout: float,

@@ -225,25 +225,11 @@ def _exit_within(code: int, grace: float, last_resort: float = EXIT_LAST_RESORT_
     """Everything the agent started is stopped when run_agent returns; if the interpreter's
     exit still hangs (a library thread that is not a daemon, an atexit handler), leave after
     `grace` seconds with the same code, naming the threads still running and printing their
-    stacks. A hang later in the exit (module teardown, a `__del__`), where no Python thread runs
-    any more, is ended `last_resort` s after that by faulthandler's own thread: every thread's
-    stack on stderr, exit code 1."""
-    import faulthandler
-    import os
-    import threading
+    stacks; a hang in the interpreter's finalization ends `last_resort` s later (exit code 1,
+    stacks printed by faulthandler). See `launcher.exit_guard`."""
+    from launcher.exit_guard import ExitGuard
 
-    def force() -> None:
-        names = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
-        print(f"ftrun: exit took longer than {grace:g} s (threads still running: "
-              f"{', '.join(names) or 'none'}); exiting with code {code}; their stacks:",
-              file=sys.stderr, flush=True)
-        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-        os._exit(code)
-
-    timer = threading.Timer(grace, force)
-    timer.daemon = True
-    timer.start()
-    faulthandler.dump_traceback_later(grace + last_resort, exit=True)
+    ExitGuard(code, grace, "exit", last_resort)
 
 
 if __name__ == "__main__":  # pragma: no cover

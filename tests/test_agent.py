@@ -364,3 +364,36 @@ def test_within_hands_the_callers_exception_back() -> None:
     with pytest.raises(RuntimeError, match="store said no"):
         agent_mod._within("store", boom, 5.0)
     assert agent_mod._within("store", lambda: None, 5.0)
+
+
+def test_a_shutdown_that_hangs_anywhere_ends_with_the_agents_code_and_its_stacks(tmp_path) -> None:
+    """Past its bounded parts the shutdown still had unbounded steps (the log's lock, the
+    workers' last wait); a hang there kept a finished agent alive for good (the exit guard is
+    armed only after run_agent returns). Now the whole shutdown has SHUTDOWN_LIMIT_S: the agent
+    leaves with its exit code, naming where each thread was."""
+    import subprocess
+    import sys
+
+    code = ("import time, sys\n"
+            "from launcher import agent as agent_mod\n"
+            "from launcher.cli import parse\n"
+            "from launcher.config import build_config\n"
+            "agent_mod.SHUTDOWN_LIMIT_S = 0.5\n"
+            f"cfg = build_config(parse(['--log_dir', {str(tmp_path / 'logs')!r}, '--rdzv_conf', "
+            f"'keep_alive_interval=0.1', {script('sleeper.py')!r}]), env={{}})\n"
+            "agent = agent_mod.Agent(cfg)\n"
+            "def bad_start():\n"
+            "    raise ValueError('bad membership parameter')\n"
+            "def stuck_log_close():\n"
+            "    time.sleep(30)\n"
+            "agent._start = bad_start\n"
+            "agent.log.close = stuck_log_close\n"
+            "sys.exit(agent.run() + 10)\n")
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env=env_with())
+    took = time.monotonic() - t0
+    assert res.returncode == 2, res.stderr[-3000:]  # config-error, as without the hang
+    assert took < 20, f"took {took:.1f} s"
+    assert "ftrun: shutdown took longer than 0.8 s" in res.stderr, res.stderr[-3000:]
+    assert "stuck_log_close" in res.stderr, res.stderr[-3000:]
