@@ -141,8 +141,10 @@ class Agent:
             # every part's stop is bounded; this bounds the whole way out, wherever it hangs
             guard = ExitGuard(code, SHUTDOWN_LIMIT_S + 3 * cfg.rdzv_settings.keep_alive_interval,
                               "shutdown")
-            self.shutdown()
-            guard.cancel()
+            try:
+                self.shutdown()
+            finally:
+                guard.cancel()
 
     def _run(self) -> int:
         """Start, run the loop; the exit code (failures: one line each)."""
