@@ -29,6 +29,7 @@ import os
 import queue
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -669,16 +670,36 @@ def _stop_together(parts: list[Any], log: Callable[[str], None] | None = None) -
     the request (up to its poll interval); one after another those waits add up and a signalled
     agent overran --shutdown-timeout + 1 s. Every stop() bounds its own join; all of them get
     STOP_TOGETHER_S in total, and the ones still running then are named (`log`)."""
-    threads = [threading.Thread(target=p.stop, name=f"ftrun-stop-{type(p).__name__}", daemon=True)
-               for p in parts if p is not None]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + STOP_TOGETHER_S
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    late = [t.name.removeprefix("ftrun-stop-") for t in threads if t.is_alive()]
+    late, failed = _run_bounded([(type(p).__name__, p.stop) for p in parts if p is not None],
+                                STOP_TOGETHER_S)
+    for name, exc in failed:  # as an uncaught exception of its thread would be shown
+        print(f"Exception in ftrun-stop-{name}:", file=sys.stderr)
+        traceback.print_exception(exc)
     if late and log is not None:
         log(f"shutdown: {', '.join(late)} did not stop within {STOP_TOGETHER_S:g} s; going on without them")
+
+
+def _run_bounded(calls: list[tuple[str, Callable[[], None]]], timeout: float
+                 ) -> tuple[list[str], list[tuple[str, BaseException]]]:
+    """Run each (name, fn) on a daemon thread of its own, all at once, for at most `timeout` s
+    in total; returns the names still running then (left behind) and the exceptions of the
+    calls that raised."""
+    failed: list[tuple[str, BaseException]] = []
+
+    def run(name: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            failed.append((name, exc))
+
+    threads = [threading.Thread(target=run, args=(name, fn), name=f"ftrun-stop-{name}", daemon=True)
+               for name, fn in calls]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return [t.name.removeprefix("ftrun-stop-") for t in threads if t.is_alive()], failed
 
 
 STORE_CLOSE_S = 10.0  # the store stack closes within this (+ the spares' wait on the store host)
@@ -691,23 +712,13 @@ def _within(name: str, fn: Callable[[], None], timeout: float,
             log: Callable[[str], None] | None = None) -> bool:
     """Run `fn` on a daemon thread for at most `timeout` s: False (and one line to `log`) when it
     is still running then (the agent goes on without it); its exception is raised here."""
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            failed.append(exc)
-
-    t = threading.Thread(target=run, name=f"ftrun-stop-{name}", daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
+    late, failed = _run_bounded([(name, fn)], timeout)
+    if late:
         if log is not None:
             log(f"shutdown: {name} did not stop within {timeout:g} s; going on without it")
         return False
     if failed:
-        raise failed[0]
+        raise failed[0][1]
     return True
 
 

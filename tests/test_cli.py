@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 
 import pytest
 from torch.distributed.run import get_args_parser
@@ -126,22 +127,23 @@ def test_print_completion() -> None:
     assert COMMAND.name == "ftrun"
 
 
+def _run_python(code: str, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    """Run `code` in a fresh interpreter; returns its result and how long it took."""
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    return res, time.monotonic() - t0
+
+
 def test_an_exit_that_hangs_is_cut_short_with_the_same_code_and_the_threads_named():
     """run_agent has stopped everything it started; a library thread that is not a daemon must
     not keep the finished agent alive (a job whose agent never exits never ends)."""
-    import subprocess
-    import sys
-    import time
-
-    code = ("import threading, time, sys\n"
-            "from launcher.cli import _exit_within\n"
-            "threading.Thread(target=time.sleep, args=(60,), name='stuck-library-thread').start()\n"
-            "_exit_within(3, 0.5)\n"
-            "sys.exit(3)\n")
-    t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    res, took = _run_python("import threading, time, sys\n"
+                            "from launcher.cli import _exit_within\n"
+                            "threading.Thread(target=time.sleep, args=(60,), name='stuck-library-thread').start()\n"
+                            "_exit_within(3, 0.5)\n"
+                            "sys.exit(3)\n", timeout=30)
     assert res.returncode == 3, res.stderr
-    assert time.monotonic() - t0 < 20
+    assert took < 20
     assert "ftrun: exit took longer than 0.5 s" in res.stderr and "stuck-library-thread" in res.stderr, res.stderr
 
 
@@ -149,20 +151,14 @@ def test_an_exit_that_hangs_in_the_interpreters_finalization_still_ends() -> Non
     """A hang in module teardown (a `__del__`) stops every Python thread, the guard's timer
     too: the process stayed (here 20 s, for good with a lock a left-behind thread holds). Now
     faulthandler's watchdog dumps the stacks and exits 1 after grace + last resort."""
-    import subprocess
-    import time
-
-    code = ("import sys, time\n"
-            "from launcher.cli import _exit_within\n"
-            "class Stuck:\n"
-            "    def __del__(self):\n"
-            "        time.sleep(20)\n"
-            "stuck_at_teardown = Stuck()\n"
-            "_exit_within(0, 0.3, 0.5)\n"
-            "sys.exit(0)\n")
-    t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    took = time.monotonic() - t0
+    res, took = _run_python("import sys, time\n"
+                            "from launcher.cli import _exit_within\n"
+                            "class Stuck:\n"
+                            "    def __del__(self):\n"
+                            "        time.sleep(20)\n"
+                            "stuck_at_teardown = Stuck()\n"
+                            "_exit_within(0, 0.3, 0.5)\n"
+                            "sys.exit(0)\n", timeout=60)
     assert took < 10, f"took {took:.1f} s"
     assert res.returncode == 1, res.stderr
     assert "Timeout" in res.stderr and "__del__" in res.stderr, res.stderr
