@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from typing import Callable
 
@@ -37,7 +38,8 @@ CORE = pin_to_core() if "--pin" in sys.argv[1:] else -1  # before torch's thread
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-MODES = ("ddp", "rtddp", "native")
+MODES = ("ddp", "rtddp", "native", "interleaved_rtddp", "interleaved_native", "interleaved_bucketview",
+         "interleaved_torchhook")
 
 
 def build_model(hidden: int, layers: int, inputs: int = 32) -> torch.nn.Module:
@@ -99,6 +101,105 @@ def run_runtime(args: argparse.Namespace, module: torch.nn.Module, tick: Callabl
     return rank
 
 
+def _thread_cpu_s(native_ids: list[int]) -> float:
+    """CPU seconds (user + system) the given threads of this process have used so far."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for tid in native_ids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread has ended
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / tick
+
+
+def run_interleaved(args: argparse.Namespace, module: torch.nn.Module, tick: Callable[[], None]) -> int:
+    """Plain DDP and the runtime's path (rt.ddp or the native loop) in the same processes, on copies
+    of the same model, alternating in blocks of --block steps (the order flips every cycle).
+
+    Both see the same process, core, caches, background threads and machine drift, so the ratio of
+    adjacent blocks isolates what the runtime's step path adds. Plain DDP runs on a gloo group of
+    its own, outside `rt.steps()`; the runtime's model is the one registered with the runtime.
+    Controls (the loop under `rt.steps()` as for rt.ddp, the model a plain DDP otherwise):
+    `bucketview` DDP with gradient_as_bucket_view=True and no hook (the runtime's step bookkeeping
+    alone), `torchhook` the same with torch's own Python `allreduce_hook` (any Python comm hook).
+    `tick` is unused: the per-block step times go to the output as "blocks"."""
+    import copy
+
+    import launcher.runtime as ftr
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rt = ftr.init(backend="gloo")
+    plain = DDP(copy.deepcopy(module), process_group=dist.new_group(backend="gloo"))
+    kind = args.mode.split("_", 1)[1]
+    if kind == "rtddp":
+        ours = rt.ddp(copy.deepcopy(module))
+    elif kind in ("bucketview", "torchhook"):
+        ours = DDP(copy.deepcopy(module), process_group=dist.new_group(backend="gloo"), gradient_as_bucket_view=True)
+        if kind == "torchhook":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+            ours.register_comm_hook(None, allreduce_hook)
+    else:
+        ours = copy.deepcopy(module)
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=1e-4)
+    opt = torch.optim.Adam(ours.parameters(), lr=1e-4)
+    pos = {"batch": 0}
+    rt.register(model=ours, optimizer=opt, data=(lambda: dict(pos), lambda p: pos.update(p)))
+    runtime_threads = [t.native_id for t in threading.enumerate()
+                       if t.name.startswith("ftrun") and t.native_id is not None]
+    blocks: list[dict] = []
+
+    def timed(name: str, cycle: int, run_step: Callable[[int], None], first: int) -> None:
+        stamps = [(time.perf_counter(), time.process_time())]
+        for k in range(args.block):
+            run_step(first + k)
+            stamps.append((time.perf_counter(), time.process_time()))
+        blocks.append({"mode": name, "cycle": cycle,
+                       "step_s": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
+                       "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])], **args.extra})
+
+    def plain_step(i: int) -> None:
+        x, y = make_batch(i, rt.rank, args.batch)
+        loss = torch.nn.functional.mse_loss(plain(x), y)
+        plain_opt.zero_grad()
+        loss.backward()
+        plain_opt.step()
+
+    cycles = args.steps // (2 * args.block)
+    steps = rt.steps(cycles * args.block)
+
+    def runtime_step(i: int) -> None:
+        step = next(steps)
+        with step:
+            with step.phase("forward"):
+                x, y = make_batch(pos["batch"], rt.rank, args.batch)
+                pos["batch"] += 1
+                loss = torch.nn.functional.mse_loss(ours(x), y)
+            with step.phase("backward"):
+                opt.zero_grad()
+                loss.backward()
+                if kind == "native":
+                    rt.allreduce_gradients(ours)
+            with step.optimizer_update():
+                opt.step()
+
+    cpu0, wall0 = _thread_cpu_s(runtime_threads), time.perf_counter()
+    for cycle in range(cycles):
+        pair = [("ddp", plain_step), (kind, runtime_step)]
+        for name, fn in (pair if cycle % 2 == 0 else pair[::-1]):
+            timed(name, cycle, fn, cycle * args.block)
+    elapsed = time.perf_counter() - wall0
+    threads_cpu = _thread_cpu_s(runtime_threads) - cpu0
+    for _ in steps:  # the generator's end: the runtime marks the job done
+        raise RuntimeError("rt.steps() yielded more steps than were planned")
+    rank = rt.rank
+    rt.finish()
+    args.extra = {"blocks": blocks, "runtime_thread_cpu_s": threads_cpu, "elapsed_s": elapsed,
+                  "runtime_threads": len(runtime_threads)}
+    return rank
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=MODES, required=True)
@@ -107,17 +208,20 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--block", type=int, default=20, help="interleaved modes: steps per block")
     ap.add_argument("--pin", action="store_true", help="pin to core LOCAL_RANK (see the docstring)")
     args = ap.parse_args()
     torch.manual_seed(0)
     module = build_model(args.hidden, args.layers)
     stamps: list[tuple[float, float]] = []
-    runner = run_ddp if args.mode == "ddp" else run_runtime
+    args.extra = {}
+    runner = (run_ddp if args.mode == "ddp" else run_interleaved if args.mode.startswith("interleaved")
+              else run_runtime)
     rank = runner(args, module, lambda: stamps.append((time.perf_counter(), time.process_time())))
     params = sum(p.numel() for p in module.parameters())
     result = {"mode": args.mode, "rank": rank, "core": CORE, "params": params, "grad_bytes": params * 4,
               "step_s": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
-              "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])]}
+              "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])], **args.extra}
     out = f"{args.out}.rank{rank}"
     tmp = f"{out}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
