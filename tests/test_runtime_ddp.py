@@ -195,3 +195,76 @@ def test_options_that_bypass_the_runtime_are_refused_with_one_line(tmp_path):
                    "process_group", "SyncBatchNorm", "join", "register_comm_hook"):
         msg = refused[option]
         assert msg.startswith("rt.ddp: ") and option in msg and "\n" not in msg, msg
+
+
+class _FakeColl:
+    def wait(self, work, what, tensors):  # noqa: ANN001 - the all_reduce "completes" at once
+        pass
+
+    def abandon(self, work, *tensors):  # noqa: ANN001
+        pass
+
+
+class _FakeComm:
+    """Two ranks; records which tensors were all-reduced (by their element count)."""
+
+    size, root, coll = 2, 0, _FakeColl()
+
+    def __init__(self) -> None:
+        self.reduced: list[int] = []
+
+    def all_reduce_async(self, flat: torch.Tensor) -> object:
+        self.reduced.append(flat.numel())
+        return object()
+
+
+class _FakeBucket:
+    """What BucketComm reads of torch's GradBucket: a flat buffer with views of its gradients."""
+
+    def __init__(self, k: int, params: list[torch.Tensor]) -> None:
+        self.k, self.params = k, params
+        self.flat = torch.ones(sum(p.numel() for p in params))
+        self.grads = list(self.flat.split([p.numel() for p in params]))
+
+    def index(self) -> int:
+        return self.k
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
+
+    def buffer(self) -> torch.Tensor:
+        return self.flat
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self.grads
+
+
+def _backward_with(comm, buckets) -> None:  # noqa: ANN001
+    """Hand `buckets` to the hook from inside a real backward (its finish() runs at the end)."""
+    x = torch.ones(1, requires_grad=True)
+    y = x * 1.0
+    y.register_hook(lambda g: [comm.on_bucket(b) for b in buckets] and g)
+    y.sum().backward()
+
+
+def test_a_bucket_ddp_rebuilt_is_checked_again_not_taken_from_the_last_layout():
+    """The hook checks once per layout that DDP's bucket k holds the step's layout bucket k (and
+    then all-reduces DDP's buffer as it is). When DDP rebuilds its buckets, that check is made
+    again: a rebuilt bucket that differs from the layout is repacked into the layout's buckets."""
+    from launcher.runtime.ddp import BucketComm
+    params = [torch.zeros(n, requires_grad=True) for n in (3, 5, 7)]
+    fake = _FakeComm()
+    comm = BucketComm(fake, step=lambda: 1, log=lambda line: None)  # type: ignore[arg-type]
+    comm.built(params, initial=[[2, 1, 0]], caps=[1 << 20])
+    comm._ready = [[2], [1, 0]]  # the learnt (ready-order) layout of steps >= 1
+    comm._layouts_learnt = 1
+    rebuilt = {"flag": False}
+    comm.ddp_rebuilt = lambda: rebuilt["flag"]
+    same = [_FakeBucket(0, [params[2]]), _FakeBucket(1, [params[1], params[0]])]
+    _backward_with(comm, same)
+    _backward_with(comm, same)
+    assert fake.reduced == [7, 8, 7, 8]  # DDP's own buffers, as they are, both steps
+    fake.reduced.clear()
+    rebuilt["flag"] = True  # DDP rebuilt: its first bucket now holds params 2 and 1
+    _backward_with(comm, [_FakeBucket(0, [params[2], params[1]]), _FakeBucket(1, [params[0]])])
+    assert fake.reduced == [7, 8]  # repacked into the layout's buckets, not DDP's [12, 3]

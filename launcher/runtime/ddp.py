@@ -36,6 +36,10 @@ How it works:
   the runtime once after each (re)build; same bucket caps as DDP). When DDP's own buckets differ
   from that layout (the first step after a recovery, before DDP rebuilt) they are repacked into
   it. So a run gives the same numbers as plain DDP under torchrun, with or without recoveries.
+  Whether DDP's bucket k holds the layout's bucket k is checked once per layout (a new target
+  layout, or DDP's own rebuild), not every step; on a one-rank group the 1/N scaling (x * 1.0) is
+  skipped. What the hook costs per step against plain DDP in the same process:
+  scripts/bench_step_cost.py.
 """
 from __future__ import annotations
 
@@ -110,6 +114,13 @@ class BucketComm:
         self._order: dict[int, None] = {}  # reducer indices in the order gradients became ready
         self._recorders: list[Any] = []
         self._scratch: dict[tuple[int, ...], FlatBucket] = {}
+        self._scale = 1.0 / comm.size  # DDP's averaging factor (1.0 on a one-rank group: no pass)
+        self.ddp_rebuilt: Callable[[], bool] = lambda: False  # set by RuntimeDDP.build
+        # per DDP bucket index: does it hold exactly the target layout's bucket k? Checked once
+        # per layout (the target's, DDP's own), not per step (bucket.parameters() builds a list)
+        self._matches: dict[int, bool] = {}
+        self._layout_key: tuple | None = None
+        self._layouts_learnt = 0
         self._begin_backward()
 
     # ---- (re)build -------------------------------------------------------------------
@@ -123,6 +134,8 @@ class BucketComm:
         self._ready = None
         self._order = {}
         self._scratch = {}
+        self._matches = {}
+        self._layout_key = None
         self._told_repack = False
         self._remove_recorders()
         self._recorders = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self._order.setdefault(i))
@@ -144,25 +157,37 @@ class BucketComm:
         k = bucket.index()
         if k == 0:
             self._begin_backward()
-            self._target = self._initial if self._step() <= 0 else self._ready
+            initial = self._step() <= 0
+            self._target = self._initial if initial else self._ready
+            key = (initial, self._layouts_learnt, self.ddp_rebuilt())
+            if key != self._layout_key:  # another target layout or DDP rebuilt its buckets
+                self._layout_key, self._matches = key, {}
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        members = [self._index[id(p)] for p in bucket.parameters()]
         buf = bucket.buffer()
         target = self._target
-        if self._slow_from is None and target is not None and k < len(target) and target[k] == members:
-            buf.mul_(1.0 / self._comm.size)
-            self._fast.append((self._comm.all_reduce_async(buf), buf))
-        else:
-            if self._slow_from is None:
-                self._slow_from = k
-            self._views.update(zip(members, bucket.gradients()))
+        if self._slow_from is None and target is not None:
+            match = self._matches.get(k)
+            if match is None:
+                match = self._matches[k] = (k < len(target) and target[k] == self._members(bucket))
+            if match:
+                if self._scale != 1.0:
+                    buf.mul_(self._scale)
+                self._fast.append((self._comm.all_reduce_async(buf), buf))
+                return _done(buf)
+        if self._slow_from is None:
+            self._slow_from = k
+        self._views.update(zip(self._members(bucket), bucket.gradients()))
         return _done(buf)
+
+    def _members(self, bucket: dist.GradBucket) -> list[int]:
+        return [self._index[id(p)] for p in bucket.parameters()]
 
     def finish(self) -> None:
         """Runs on the autograd engine after the last bucket, before DDP copies results."""
         try:
             if self._target is None:  # the first backward after a (re)build, past step 0
                 self._target = self._ready = self._learn_layout()
+                self._layouts_learnt += 1
             if self._slow_from is not None:
                 self._repack(self._target[self._slow_from:])
                 if not self._told_repack:
@@ -174,6 +199,7 @@ class BucketComm:
             self._fast = []
             if self._ready is None:  # step 0: learn the layout of the steps after it
                 self._ready = self._learn_layout()
+                self._layouts_learnt += 1
         except BaseException:
             self.abandon()
             raise
@@ -187,7 +213,8 @@ class BucketComm:
             if flat_bucket is None:
                 flat_bucket = self._scratch[tuple(members)] = FlatBucket([self._params[i] for i in members])
             flat = flat_bucket.pack([self._views[i] for i in members])
-            flat.mul_(1.0 / self._comm.size)
+            if self._scale != 1.0:
+                flat.mul_(self._scale)
             flat_bucket.work = self._comm.all_reduce_async(flat)
             launched.append((flat_bucket, members))
         for flat_bucket, members in launched:
@@ -239,6 +266,8 @@ class RuntimeDDP(DistributedDataParallel):
         ft = BucketComm(comm, lambda: rt._current_step, rt.log)
         ddp = cls(module, process_group=_solo_group(rt.rank), init_sync=False, **kwargs)
         ddp._ft_comm = ft
+        ref = weakref.ref(ddp)
+        ft.ddp_rebuilt = lambda: bool(getattr(ref(), "_has_rebuilt_buckets", False))
         ddp._ft_install()
         if not rt._needs_state:  # a replacement receives its state from a replica
             # plain DDP: params (and buffers) at init_sync, buffers again before the first forward
