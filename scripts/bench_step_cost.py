@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -50,6 +51,7 @@ SIZES = {"small": {"hidden": 256, "layers": 4, "batch": 32},
          "large": {"hidden": 2048, "layers": 5, "batch": 32}}
 MODES = ("rtddp", "native", "bucketview", "torchhook")
 WARM_CYCLES = 2
+STOP_GRACE_S = 30.0  # after SIGTERM, ftrun's time to stop its workers before SIGKILL
 
 
 def run_once(mode: str, size: dict, args: argparse.Namespace, workdir: str) -> dict:
@@ -63,10 +65,22 @@ def run_once(mode: str, size: dict, args: argparse.Namespace, workdir: str) -> d
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     for k in [k for k in env if k.startswith("FTRUN_")]:
         env.pop(k)
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=workdir)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir)
+    try:
+        _, stderr = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        stderr = f"timed out after --timeout {args.timeout} s"
+    finally:  # also on Ctrl-C / SIGTERM: ftrun stops its workers on SIGTERM, as torchrun does
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
     path = f"{out}.rank0"
-    if res.returncode != 0 or not os.path.exists(path):
-        raise RuntimeError(f"{mode} run failed (exit {res.returncode}): {' '.join(cmd)}\n{res.stderr[-3000:]}")
+    if proc.returncode != 0 or not os.path.exists(path):
+        raise RuntimeError(f"{mode} run failed (exit {proc.returncode}): {' '.join(cmd)}\n{stderr[-3000:]}")
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
@@ -143,6 +157,7 @@ def main() -> int:
     if args.steps // (2 * args.block) <= WARM_CYCLES:
         ap.error(f"--steps {args.steps} with --block {args.block} leaves no cycle after the "
                  f"{WARM_CYCLES} warm-up cycles: need --steps > {2 * args.block * (WARM_CYCLES + 1) - 1}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_once's finally stops the launch
     hosts = ensure_hosts_line()
     with tempfile.TemporaryDirectory(prefix="ftrun-bench-step-cost-") as workdir:
         results = {name: measure(name, modes, args, workdir) for name in sizes}
