@@ -338,6 +338,11 @@ class Agent:
                           exitcode=0)
             self._mark_finished(w)
             return self._finish() if self.workers.all_succeeded() else None
+        if self.hangs.take_exit_kill(w.rank, ev.pid):
+            self.log.warning("exit", f"rank {w.rank} killed after hanging at exit (pid {ev.pid}, code "
+                             f"{ev.code}); finished: it had said goodbye", rank=w.rank, pid=ev.pid,
+                             exitcode=ev.code, hung_at_exit=True)
+            return self._finish() if self.workers.all_succeeded() else None
         hang = self.hangs.take_killed(w.rank)
         f = failure_from_exit(w.rank, w.local_rank, self.host, ev.pid, ev.code, ev.time,
                               w.generation, self.world.group_rank, w.error_file)

@@ -9,6 +9,12 @@ Owns, for the agent's health check (every monitor interval):
     live rank of this node is silent and no rank of another node progressed within the timeout
     (a rank blocked on a hung peer is silent too: `decision.blame_local` picks the one to blame,
     and says when it could only pick the first to go silent);
+  - ranks that said goodbye (`rt.finish()`) but have not exited: the same `SilenceWatch` from
+    the goodbye on. One silent for longer than the unmodified-script limit (`--hang-timeout S`:
+    S; auto: FTRUN_HANG_UNMODIFIED, 600 s) hangs at exit (a teardown deadlock, e.g. a process
+    group destroyed while its thread needs the GIL): its stacks are dumped and it is killed,
+    and since its work for the job was done it counts as finished (`Worker.hung_at_exit`) --
+    the job ends instead of waiting forever, and nothing is restarted;
   - the node's progress record in the store (`launcher.progress`), at most once a second,
     written off the agent's loop (`launcher.loop_store`); the other nodes' records are read on
     a thread the loop waits for at most READ_WAIT s (a store that does not answer holds up
@@ -57,6 +63,7 @@ class HangGuard:
         self._kv: KVStore | None = None
         self._nnodes = 1
         self._declared: int | None = None  # generation in which an unmodified hang was declared
+        self._exit_kills: dict[int, int] = {}  # rank -> pid killed for hanging at exit
         self._reading: Call | None = None  # the other nodes' records, being read
 
     def attach(self, kv: KVStore, node: int, nnodes: int,
@@ -78,6 +85,13 @@ class HangGuard:
     def take_killed(self, rank: int) -> Hang | None:
         return self.watch.take_killed(rank)
 
+    def take_exit_kill(self, rank: int, pid: int | None) -> bool:
+        """Whether `pid` of `rank` was killed by `check` for hanging at exit (asked once)."""
+        if pid is not None and self._exit_kills.get(rank) == pid:
+            del self._exit_kills[rank]
+            return True
+        return False
+
     # ---- the health check ---------------------------------------------------------------
     def check(self, generation: int, node: int) -> None:
         now = time.time()
@@ -89,9 +103,12 @@ class HangGuard:
         for hang in self.watch.overdue([w.rank for w in aware], now,
                                        state_of=lambda r: proc_state(pids.get(r))):
             self.act(workers.by_rank(hang.rank), hang, aware=True)  # type: ignore[arg-type]
-        if plain and self.policy.enabled:
-            self.silence.sample({w.rank: w.pid for w in plain if w.pid}, now)
-            self._check_plain(plain, generation, node, now)
+        leaving = [w for w in live if w.said_bye]
+        if (plain or leaving) and self.policy.enabled:
+            self.silence.sample({w.rank: w.pid for w in plain + leaving if w.pid}, now)
+            if plain:
+                self._check_plain(plain, generation, node, now)
+            self._check_exits(leaving, now)
         if self.board is not None and self.board.due(now):
             self.board.publish({w.rank: self._record(w, w.rank in workers.aware, now) for w in live}, now)
 
@@ -123,6 +140,25 @@ class HangGuard:
         self._declared = generation
         w = next(w for w in plain if w.rank == p.rank)
         self.act(w, Hang(p.rank, p.idle_s, limit, why, p.state, weak=weak), aware=False)
+
+    def _check_exits(self, leaving: list[Worker], now: float) -> None:
+        """Ranks that said goodbye: kill the ones silent past the limit (they hang at exit)."""
+        limit = self.policy.unmodified_timeout()
+        for w in leaving:
+            idle = self.silence.silent_for(w.rank, now)
+            if idle <= limit or w.pid is None or self._exit_kills.get(w.rank) == w.pid:
+                continue
+            timeout = (f"--hang-timeout {self.cfg.hang_timeout:g}" if self.cfg.hang_timeout
+                       else "--hang-timeout auto")
+            self.log.error("exit-hang", f"rank {w.rank} (pid {w.pid}) said goodbye (rt.finish()) but has not "
+                           f"exited: no CPU time and no I/O for {idle:.1f}s ({timeout}, allowance "
+                           f"{limit:g}s); dumping its stacks, then killing it. Its work for the job was "
+                           "done, so it counts as finished", rank=w.rank, pid=w.pid,
+                           idle_s=round(idle, 3), timeout_s=limit, state=proc_state(w.pid))
+            self._exit_kills[w.rank] = w.pid
+            w.hung_at_exit = True
+            self.dump(w, aware=False)
+            send_signal(w, signal.SIGKILL)
 
     def _others_progress(self, node: int, limit: float) -> bool:
         """Whether a rank of another node progressed within `limit` s (its agent's record)."""

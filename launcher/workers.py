@@ -73,6 +73,7 @@ class Worker:
     stopping: bool = False  # the agent is stopping it: its exit is not a failure
     spawns: int = 0
     said_bye: bool = False  # its runtime said goodbye (rt.finish()): done with the job
+    hung_at_exit: bool = False  # killed by ftrun: silent past the hang limit after its goodbye
 
     def attach(self, proc: subprocess.Popen | AdoptedChild) -> None:
         """Make `proc` this rank's current process (a fresh spawn or a warm spare)."""
@@ -80,6 +81,7 @@ class Worker:
         self.exit_code = None
         self.stopping = False
         self.said_bye = False
+        self.hung_at_exit = False
         self.started = time.time()
         self.spawns += 1
         self.pumps = []
@@ -128,7 +130,10 @@ class NodeWorkers:
         return sorted(w.rank for w in self.by_local.values() if w.finished)
 
     def all_succeeded(self) -> bool:
-        return all(w.exit_code == 0 for w in self.by_local.values())
+        """Every rank's process has exited 0, or was killed by ftrun for hanging at exit after
+        its goodbye (its work for the job was done: see `HangGuard`)."""
+        return all(w.exit_code == 0 or (w.hung_at_exit and w.exit_code is not None)
+                   for w in self.by_local.values())
 
 
 def spawn(worker: Worker, cmd: list[str], env: dict[str, str], stdout_path: str | None,

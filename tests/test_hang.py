@@ -10,7 +10,10 @@
   - an unmodified script with one rank stopped: detected within --hang-timeout, stacks dumped,
     that rank blamed, restart-all, the job completes;
   - (slow) an unmodified script whose peers' gloo collectives time out on a sleeping rank: their
-    exits are consequences, the rank that went silent first is blamed.
+    exits are consequences, the rank that went silent first is blamed;
+  - a rank that hangs at exit after its goodbye (rt.finish()): killed after --hang-timeout of
+    silence, stacks dumped, counted as finished: the job ends with 0, nothing restarted (before:
+    the job waited for it forever).
 """
 from __future__ import annotations
 
@@ -200,3 +203,26 @@ def test_an_unmodified_scripts_backend_timeouts_blame_the_rank_that_went_silent_
         assert "dumped by py-spy" in text
     else:
         assert "Fatal Python error: Aborted" in text
+
+
+def test_a_rank_hanging_at_exit_after_its_goodbye_is_killed_and_the_job_ends(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = FTRUN + ["--nproc_per_node", "3", "--max_restarts", "2", "--hang-timeout", "3",
+                   "--monitor_interval", "0.5", "--tee", "3", "--log_dir", str(tmp_path / "logs"),
+                   script("hangs_at_exit.py"), "--victim", "1"]
+    t0 = time.monotonic()
+    res = subprocess.run(cmd, env=env_with(OUT_DIR=str(out)), capture_output=True, text=True, timeout=90,
+                         cwd=str(tmp_path))
+    took = time.monotonic() - t0
+    text = res.stdout + res.stderr
+    ev = events(str(tmp_path / "logs"))
+    assert res.returncode == 0, text[-6000:]
+    hung = next(e for e in ev if e["event"] == "exit-hang")
+    assert hung["rank"] == 1 and hung["pid"] == int((out / "hung.1").read_text()) and hung["idle_s"] > 3.0
+    stacks = next(e for e in ev if e["event"] == "hang-stacks")
+    assert stacks["rank"] == 1 and "hangs_at_exit.py" in (stacks["stacks"] or text), stacks
+    assert [e["rank"] for e in ev if e["event"] == "spawn"] == [0, 1, 2]  # nothing restarted
+    assert not [e for e in ev if e["event"] in ("worker-failed", "plan", "decide")], text[-4000:]
+    assert "killed after hanging at exit" in text and "job finished successfully" in text
+    print(f"job with a rank hanging at exit: {took:.1f}s")

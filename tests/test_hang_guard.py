@@ -77,3 +77,29 @@ def test_a_node_where_a_rank_progresses_is_not_hung_and_records_are_published(gu
     recs = {r.rank: r for r in read_progress(g._kv, 1)}
     assert sorted(recs) == [0, 1, 2] and not recs[0].aware and recs[0].idle_s >= 9.0
     assert recs[2].state in ("R", "S") and recs[2].pid == workers.by_rank(2).pid
+
+
+def test_a_rank_silent_past_the_limit_after_its_goodbye_is_killed_as_hung_at_exit(guard) -> None:
+    """Runtime-aware ranks that said goodbye (rt.finish()) are watched for silence too: one that
+    stays silent past the limit hangs at exit (dumped, killed, counted as finished); one still
+    busy after its goodbye (writing its results, say) is left alone."""
+    g, workers, run_dir = guard
+    workers.aware.update({0, 1, 2})
+    for r in (0, 1):
+        workers.by_rank(r).said_bye = True
+    silent(g, workers, {0: 9.0, 1: 1.0, 2: 9.0})  # rank 2 has not said goodbye: its heartbeats rule
+    g.check(generation=0, node=0)
+    w0 = workers.by_rank(0)
+    assert w0.proc.wait(10) < 0 and w0.hung_at_exit
+    assert workers.by_rank(1).proc.poll() is None and not workers.by_rank(1).hung_at_exit
+    assert workers.by_rank(2).proc.poll() is None
+    assert g.take_exit_kill(0, w0.pid) and not g.take_exit_kill(0, w0.pid)  # told once
+    assert g.take_killed(0) is None  # not a training hang: no fault for the controller
+    ev = [e for e in read_events(str(run_dir.path + "/..")) if e["event"] in ("exit-hang", "hang-stacks")]
+    assert [(e["event"], e["rank"]) for e in ev] == [("exit-hang", 0), ("hang-stacks", 0)]
+    assert "said goodbye (rt.finish()) but has not exited" in ev[0]["message"] and ev[0]["idle_s"] >= 9.0
+    w0.exit_code = w0.proc.returncode
+    for w in (workers.by_rank(1), workers.by_rank(2)):
+        w.proc.kill()
+        w.exit_code = 0  # as if both had exited 0
+    assert workers.all_succeeded()  # the rank killed at exit counts as finished
