@@ -338,7 +338,7 @@ class Agent:
                           exitcode=0)
             self._mark_finished(w)
             return self._finish() if self.workers.all_succeeded() else None
-        if self.hangs.take_exit_kill(w.rank, ev.pid):
+        if w.hung_at_exit:  # killed by the hang guard after its goodbye (see HangGuard)
             self.log.warning("exit", f"rank {w.rank} killed after hanging at exit (pid {ev.pid}, code "
                              f"{ev.code}); finished: it had said goodbye", rank=w.rank, pid=ev.pid,
                              exitcode=ev.code, hung_at_exit=True)

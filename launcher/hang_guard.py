@@ -63,7 +63,6 @@ class HangGuard:
         self._kv: KVStore | None = None
         self._nnodes = 1
         self._declared: int | None = None  # generation in which an unmodified hang was declared
-        self._exit_kills: dict[int, int] = {}  # rank -> pid killed for hanging at exit
         self._reading: Call | None = None  # the other nodes' records, being read
 
     def attach(self, kv: KVStore, node: int, nnodes: int,
@@ -84,13 +83,6 @@ class HangGuard:
 
     def take_killed(self, rank: int) -> Hang | None:
         return self.watch.take_killed(rank)
-
-    def take_exit_kill(self, rank: int, pid: int | None) -> bool:
-        """Whether `pid` of `rank` was killed by `check` for hanging at exit (asked once)."""
-        if pid is not None and self._exit_kills.get(rank) == pid:
-            del self._exit_kills[rank]
-            return True
-        return False
 
     # ---- the health check ---------------------------------------------------------------
     def check(self, generation: int, node: int) -> None:
@@ -146,17 +138,14 @@ class HangGuard:
         limit = self.policy.unmodified_timeout()
         for w in leaving:
             idle = self.silence.silent_for(w.rank, now)
-            if idle <= limit or w.pid is None or self._exit_kills.get(w.rank) == w.pid:
+            if idle <= limit or w.pid is None or w.hung_at_exit:
                 continue
-            timeout = (f"--hang-timeout {self.cfg.hang_timeout:g}" if self.cfg.hang_timeout
-                       else "--hang-timeout auto")
             self.log.error("exit-hang", f"rank {w.rank} (pid {w.pid}) said goodbye (rt.finish()) but has not "
-                           f"exited: no CPU time and no I/O for {idle:.1f}s ({timeout}, allowance "
+                           f"exited: no CPU time and no I/O for {idle:.1f}s ({self._timeout_flag()}, allowance "
                            f"{limit:g}s); dumping its stacks, then killing it. Its work for the job was "
                            "done, so it counts as finished", rank=w.rank, pid=w.pid,
                            idle_s=round(idle, 3), timeout_s=limit, state=proc_state(w.pid))
-            self._exit_kills[w.rank] = w.pid
-            w.hung_at_exit = True
+            w.hung_at_exit = True  # the agent reads it at the exit: finished, not a fault
             self.dump(w, aware=False)
             send_signal(w, signal.SIGKILL)
 
@@ -177,14 +166,15 @@ class HangGuard:
     # ---- acting on a hang ---------------------------------------------------------------
     def act(self, w: Worker, hang: Hang, aware: bool) -> None:
         """Log the hang, dump the stacks, kill the process; its exit is reported as a hang."""
-        timeout = (f"--hang-timeout {self.cfg.hang_timeout:g}" if self.cfg.hang_timeout
-                   else "--hang-timeout auto")
-        self.log.error("hang", f"rank {w.rank} (pid {w.pid}) hangs: {hang.basis} ({timeout}, "
+        self.log.error("hang", f"rank {w.rank} (pid {w.pid}) hangs: {hang.basis} ({self._timeout_flag()}, "
                        f"allowance {hang.timeout_s:.1f}s); dumping its stacks, then killing it",
                        rank=w.rank, pid=w.pid, **hang.evidence())
         self.watch.killed(hang)
         self.dump(w, aware)
         send_signal(w, signal.SIGKILL)
+
+    def _timeout_flag(self) -> str:
+        return f"--hang-timeout {self.cfg.hang_timeout:g}" if self.cfg.hang_timeout else "--hang-timeout auto"
 
     def dump(self, w: Worker, aware: bool) -> Dump:
         """Dump the stacks of `w` (alive), log where they went, record them in the events."""
