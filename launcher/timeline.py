@@ -326,9 +326,10 @@ class Timeline:
         r = self.rank(int(ev["rank"]))
         if ev.get("pid") not in (None, r.pid):
             return
-        r.state = "finished" if ev.get("exitcode") == 0 else "stopped"
-        r.phase, r.last_seen = "done" if ev.get("exitcode") == 0 else r.phase, t
-        if ev.get("exitcode") == 0:
+        done = ev.get("exitcode") == 0 or bool(ev.get("hung_at_exit"))  # killed after its goodbye
+        r.state = "finished" if done else "stopped"
+        r.phase, r.last_seen = "done" if done else r.phase, t
+        if done:
             r.steps_per_s = None
 
     def _on_progress(self, ev: dict, t: float) -> None:

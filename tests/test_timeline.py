@@ -160,3 +160,12 @@ def test_a_failed_rank_names_its_stderr_file_in_the_fault_table():
         ev(3.1, "decide", rank=1, fault_kind="signal", strategy="restart-all", reason="why")]).view()
     assert v.faults[0].stderr_file == "/logs/attempt_0/1/stderr.log"
     assert "(its stderr: /logs/attempt_0/1/stderr.log)" in fault_table(v)
+
+
+def test_a_rank_killed_for_hanging_at_exit_after_its_goodbye_is_finished_not_stopped():
+    v = Timeline().feed_all(started() + [
+        ev(3.0, "exit", rank=0, pid=100, exitcode=0),
+        ev(9.0, "exit-hang", rank=1, pid=101, idle_s=5.0, timeout_s=5.0),
+        ev(9.5, "exit", rank=1, pid=101, exitcode=-9, hung_at_exit=True)]).view()
+    assert [(r.rank, r.state, r.phase) for r in v.ranks] == [(0, "finished", "done"), (1, "finished", "done")]
+    assert v.faults == []  # not a fault of the training
