@@ -32,7 +32,9 @@ ddp run of the same repeat: median and range over repeats) and `<mode>_cpu_overh
 `<mode>_cpu_paired_overhead_pct`, `<mode>_cpu_paired_range_pct` (the same for CPU per step). On a
 shared 2-core machine wall time spreads by several percent between runs of one mode; CPU time
 per step much less. `--nproc 1` takes the cross-process wake-ups out (DDP on a one-rank world;
-the launchers and agents still run beside it); here its run medians still spread 7-12 %.
+the launchers and agents still run beside it); here its run medians still spread 7-12 %. To
+resolve a 1 % difference at the small model use scripts/bench_step_cost.py (both sides in the
+same worker processes, blocks alternating).
 Prints one JSON line. Sets up the /etc/hosts line
 `::ffff:127.0.0.1 localhost-v4mapped` first (see hosts_setup.py).
 
