@@ -56,6 +56,32 @@ def make_batch(step: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Te
     return x, x[:, :1] * 0.5 - x[:, 1:2]
 
 
+def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, index: int, rank: int, batch: int) -> None:
+    """One training step of plain DDP (the baseline's loop body)."""
+    x, y = make_batch(index, rank, batch)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+
+
+def runtime_step(rt, step, model: torch.nn.Module, opt: torch.optim.Optimizer, pos: dict,  # noqa: ANN001
+                 batch: int, native: bool) -> None:
+    """One step of the runtime's loop (rt.ddp, or the plain module with rt.allreduce_gradients)."""
+    with step:
+        with step.phase("forward"):
+            x, y = make_batch(pos["batch"], rt.rank, batch)
+            pos["batch"] += 1
+            loss = torch.nn.functional.mse_loss(model(x), y)
+        with step.phase("backward"):
+            opt.zero_grad()
+            loss.backward()
+            if native:
+                rt.allreduce_gradients(model)
+        with step.optimizer_update():
+            opt.step()
+
+
 def run_ddp(args: argparse.Namespace, module: torch.nn.Module, tick: Callable[[], None]) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
     dist.init_process_group("gloo")
@@ -64,11 +90,7 @@ def run_ddp(args: argparse.Namespace, module: torch.nn.Module, tick: Callable[[]
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     for step in range(args.steps):
         tick()
-        x, y = make_batch(step, rank, args.batch)
-        loss = torch.nn.functional.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        plain_step(model, opt, step, rank, args.batch)
     tick()
     dist.destroy_process_group()
     return rank
@@ -83,18 +105,7 @@ def run_runtime(args: argparse.Namespace, module: torch.nn.Module, tick: Callabl
     rt.register(model=model, optimizer=opt, data=(lambda: dict(pos), lambda p: pos.update(p)))
     for step in rt.steps(args.steps):
         tick()
-        with step:
-            with step.phase("forward"):
-                x, y = make_batch(pos["batch"], rt.rank, args.batch)
-                pos["batch"] += 1
-                loss = torch.nn.functional.mse_loss(model(x), y)
-            with step.phase("backward"):
-                opt.zero_grad()
-                loss.backward()
-                if args.mode == "native":
-                    rt.allreduce_gradients(model)
-            with step.optimizer_update():
-                opt.step()
+        runtime_step(rt, step, model, opt, pos, args.batch, args.mode == "native")
     tick()
     rank = rt.rank
     rt.finish()
@@ -157,36 +168,16 @@ def run_interleaved(args: argparse.Namespace, module: torch.nn.Module, tick: Cal
             stamps.append((time.perf_counter(), time.process_time()))
         blocks.append({"mode": name, "cycle": cycle,
                        "step_s": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
-                       "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])], **args.extra})
-
-    def plain_step(i: int) -> None:
-        x, y = make_batch(i, rt.rank, args.batch)
-        loss = torch.nn.functional.mse_loss(plain(x), y)
-        plain_opt.zero_grad()
-        loss.backward()
-        plain_opt.step()
+                       "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])]})
 
     cycles = args.steps // (2 * args.block)
     steps = rt.steps(cycles * args.block)
-
-    def runtime_step(i: int) -> None:
-        step = next(steps)
-        with step:
-            with step.phase("forward"):
-                x, y = make_batch(pos["batch"], rt.rank, args.batch)
-                pos["batch"] += 1
-                loss = torch.nn.functional.mse_loss(ours(x), y)
-            with step.phase("backward"):
-                opt.zero_grad()
-                loss.backward()
-                if kind == "native":
-                    rt.allreduce_gradients(ours)
-            with step.optimizer_update():
-                opt.step()
-
+    native = kind == "native"
+    sides = {"ddp": lambda i: plain_step(plain, plain_opt, i, rt.rank, args.batch),
+             kind: lambda i: runtime_step(rt, next(steps), ours, opt, pos, args.batch, native)}
     cpu0, wall0 = _thread_cpu_s(runtime_threads), time.perf_counter()
     for cycle in range(cycles):
-        pair = [("ddp", plain_step), (kind, runtime_step)]
+        pair = list(sides.items())
         for name, fn in (pair if cycle % 2 == 0 else pair[::-1]):
             timed(name, cycle, fn, cycle * args.block)
     elapsed = time.perf_counter() - wall0

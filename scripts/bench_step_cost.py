@@ -43,12 +43,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_overhead import REPO, SIZES, WORKER  # noqa: E402  (the same worker, models and sizes)
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "scripts", "bench_overhead_worker.py")
-SIZES = {"small": {"hidden": 256, "layers": 4, "batch": 32},
-         "large": {"hidden": 2048, "layers": 5, "batch": 32}}
 MODES = ("rtddp", "native", "bucketview", "torchhook")
 WARM_CYCLES = 2
 STOP_GRACE_S = 30.0  # after SIGTERM, ftrun's time to stop its workers before SIGKILL
