@@ -51,6 +51,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Callable, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -112,13 +113,19 @@ def _paired(runs: list[dict], base: list[dict], key: str) -> list[float]:
     return [100.0 * (statistics.median(r[key]) / statistics.median(b[key]) - 1.0) for r, b in zip(runs, base)]
 
 
+def rotating_runs(modes: Sequence[str], repeats: int, run: Callable[[str], dict]) -> dict[str, list[dict]]:
+    """Each repeat runs every mode once, back to back, the order rotating between repeats (ABC,
+    BCA, CAB, ...), so slow drifts of a shared machine hit every mode alike."""
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
+    for rep in range(repeats):
+        for mode in [*modes[rep % len(modes):], *modes[:rep % len(modes)]]:
+            runs[mode].append(run(mode))
+    return runs
+
+
 def measure(name: str, modes: tuple[str, ...], args: argparse.Namespace, workdir: str) -> dict:
     size = SIZES[name]
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for rep in range(args.repeats):
-        order = modes[rep % len(modes):] + modes[:rep % len(modes)]
-        for mode in order:
-            runs[mode].append(run_once(mode, size, args, workdir))
+    runs = rotating_runs(modes, args.repeats, lambda mode: run_once(mode, size, args, workdir))
     first = runs["ddp"][0]
     report: dict = {**size, "params": first["params"], "grad_mb": round(first["grad_bytes"] / 1e6, 1),
                     "cores": first["cores"]}

@@ -43,7 +43,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_overhead import REPO, SIZES, WORKER  # noqa: E402  (the same worker, models and sizes)
+from bench_overhead import REPO, SIZES, WORKER, rotating_runs  # noqa: E402  (the same worker, models and sizes)
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 
 MODES = ("rtddp", "native", "bucketview", "torchhook")
@@ -108,11 +108,7 @@ def summarize(ratios: list[float], rng: random.Random) -> dict:
 
 def measure(size_name: str, modes: list[str], args: argparse.Namespace, workdir: str) -> dict:
     size = SIZES[size_name]
-    runs: dict[str, list[dict]] = {m: [] for m in modes}
-    for rep in range(args.repeats):
-        order = modes[rep % len(modes):] + modes[:rep % len(modes)]
-        for mode in order:
-            runs[mode].append(run_once(mode, size, args, workdir))
+    runs = rotating_runs(modes, args.repeats, lambda mode: run_once(mode, size, args, workdir))
     rng = random.Random(0)
     report: dict = {**size, "params": runs[modes[0]][0]["params"],
                     "grad_mb": round(runs[modes[0]][0]["grad_bytes"] / 1e6, 1)}

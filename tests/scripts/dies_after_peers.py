@@ -26,6 +26,26 @@ def gone(pid: int) -> bool:
     return not os.path.exists(f"/proc/{pid}")
 
 
+def train(rt: ftr.Runtime, steps: int, rank: int, **register: object) -> None:
+    """A tiny linear model trained `steps` steps in the runtime's loop (`register`: more
+    arguments of rt.register, e.g. checkpoints)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rt.register(model=model, optimizer=opt, **register)
+    for step in rt.steps(steps):
+        with step:
+            with step.phase("forward"):
+                g = torch.Generator().manual_seed(step.index * 100 + rank)
+                loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
+            with step.phase("backward"):
+                loss.backward()
+                rt.allreduce_gradients(model)
+            with step.optimizer_update():
+                opt.step()
+                opt.zero_grad()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=4)
@@ -39,21 +59,7 @@ def main() -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     generation = int(os.environ.get("FTRUN_GENERATION", "0"))
     rt = ftr.init(backend="gloo")
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rt.register(model=model, optimizer=opt, checkpoint_dir=a.ckpt, checkpoint_every=2)
-    for step in rt.steps(a.steps):
-        with step:
-            with step.phase("forward"):
-                g = torch.Generator().manual_seed(step.index * 100 + rank)
-                loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
-            with step.phase("backward"):
-                loss.backward()
-                rt.allreduce_gradients(model)
-            with step.optimizer_update():
-                opt.step()
-                opt.zero_grad()
+    train(rt, a.steps, rank, checkpoint_dir=a.ckpt, checkpoint_every=2)
     with open(os.path.join(out, f"pid.{rank}"), "w", encoding="utf-8") as f:
         f.write(str(os.getpid()))
     rt.finish()

@@ -1,6 +1,6 @@
 """Test worker: a tiny launcher.runtime job in which --victim hangs at exit after its goodbye.
 
-Every rank trains --steps steps and calls rt.finish(); the others exit 0, the victim then blocks
+Every rank trains --steps steps (dies_after_peers.train) and calls rt.finish(); the others exit 0, the victim then blocks
 forever without using CPU or doing I/O (a teardown deadlock, as when a process group is destroyed
 while its thread needs the GIL), having written $OUT_DIR/hung.<RANK> first. Only generation 0's
 victim hangs."""
@@ -13,9 +13,8 @@ import threading
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-import torch  # noqa: E402
-
 import launcher.runtime as ftr  # noqa: E402
+from dies_after_peers import train  # noqa: E402  (the same tiny job; tests/scripts is sys.path[0])
 
 
 def main() -> int:
@@ -25,21 +24,7 @@ def main() -> int:
     a = ap.parse_args()
     rank = int(os.environ["RANK"])
     rt = ftr.init(backend="gloo")
-    torch.manual_seed(0)
-    model = torch.nn.Linear(8, 1)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    rt.register(model=model, optimizer=opt)
-    for step in rt.steps(a.steps):
-        with step:
-            with step.phase("forward"):
-                g = torch.Generator().manual_seed(step.index * 100 + rank)
-                loss = model(torch.randn(4, 8, generator=g)).pow(2).mean()
-            with step.phase("backward"):
-                loss.backward()
-                rt.allreduce_gradients(model)
-            with step.optimizer_update():
-                opt.step()
-                opt.zero_grad()
+    train(rt, a.steps, rank)
     rt.finish()
     if rank == a.victim and os.environ.get("FTRUN_GENERATION", "0") == "0":
         with open(os.path.join(os.environ["OUT_DIR"], f"hung.{rank}"), "w", encoding="utf-8") as f:
