@@ -69,6 +69,13 @@ RUNS = {"ddp": (TORCHRUN, "ddp"), "ddp_ftrun": (FTRUN, "ddp"), "rtddp": (FTRUN, 
 MODES = tuple(RUNS)
 
 
+def worker_env(threads: int) -> dict[str, str]:
+    """The benchmarks' launch environment: this checkout on PYTHONPATH, `threads` OpenMP threads,
+    gloo on loopback, and no FTRUN_* setting inherited from the caller's shell."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=str(threads), GLOO_SOCKET_IFNAME="lo")
+    return {k: v for k, v in env.items() if not k.startswith("FTRUN_")}
+
+
 def run_once(name: str, size: dict, args: argparse.Namespace, workdir: str) -> dict:
     """One launch of one mode; returns rank 0's kept step times, the ranks' CPU per kept step
     (summed over ranks) and the process tree's CPU time."""
@@ -81,9 +88,7 @@ def run_once(name: str, size: dict, args: argparse.Namespace, workdir: str) -> d
     cmd += [WORKER, "--mode", mode, "--steps", str(args.steps), "--out", out,
             *(["--pin"] if args.pin else []),
             *[x for k, v in size.items() for x in (f"--{k}", str(v))]]
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS=str(args.threads), GLOO_SOCKET_IFNAME="lo")
-    for k in [k for k in env if k.startswith("FTRUN_")]:
-        env.pop(k)
+    env = worker_env(args.threads)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=workdir)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)

@@ -43,7 +43,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_overhead import REPO, SIZES, WORKER, rotating_runs  # noqa: E402  (the same worker, models and sizes)
+from bench_overhead import SIZES, WORKER, rotating_runs, worker_env  # noqa: E402  (the same worker, models and sizes)
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 
 MODES = ("rtddp", "native", "bucketview", "torchhook")
@@ -59,9 +59,7 @@ def run_once(mode: str, size: dict, args: argparse.Namespace, workdir: str) -> d
            WORKER, "--mode", f"interleaved_{mode}", "--steps", str(args.steps), "--block", str(args.block),
            "--out", out, *(["--pin"] if args.pin else []),
            *[x for k, v in size.items() for x in (f"--{k}", str(v))]]
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    for k in [k for k in env if k.startswith("FTRUN_")]:
-        env.pop(k)
+    env = worker_env(threads=1)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir)
     try:
         _, stderr = proc.communicate(timeout=args.timeout)
