@@ -219,7 +219,7 @@ def test_a_rank_hanging_at_exit_after_its_goodbye_is_killed_and_the_job_ends(tmp
     ev = events(str(tmp_path / "logs"))
     assert res.returncode == 0, text[-6000:]
     hung = next(e for e in ev if e["event"] == "exit-hang")
-    assert hung["rank"] == 1 and hung["pid"] == int((out / "hung.1").read_text()) and hung["idle_s"] > 3.0
+    assert hung["rank"] == 1 and hung["pid"] == int((out / "hung.1").read_text()) and hung["idle_s"] >= 3.0  # rounded to ms
     stacks = next(e for e in ev if e["event"] == "hang-stacks")
     assert stacks["rank"] == 1 and "hangs_at_exit.py" in (stacks["stacks"] or text), stacks
     assert [e["rank"] for e in ev if e["event"] == "spawn"] == [0, 1, 2]  # nothing restarted
