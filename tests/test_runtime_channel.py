@@ -101,3 +101,30 @@ def test_inject_goes_to_the_injector_and_waiting_rides_the_next_heartbeat(server
     finally:
         ch.close(bye=False)
         conn.close()
+
+
+def test_a_wait_probe_is_asked_while_nothing_changes_and_its_answer_rides_the_heartbeat(server):
+    """rt.ddp's C++ waits cannot say they wait: the writer asks the probe (every PERIOD_S, even
+    with no progress) and ORs its answer into `waiting`; it turns false again when the probe does."""
+    path, srv = server
+    answer = {"waiting": False}
+    asked: list[float] = []
+
+    def probe() -> bool:
+        asked.append(time.monotonic())
+        return answer["waiting"]
+    ch = AgentChannel(path, 2, StopSignal(), print, heartbeat_interval=5.0)
+    ch.start(Hello(rank=2))
+    conn, _ = srv.accept()
+    try:
+        ch.set_wait_probe(probe)
+        answer["waiting"] = True
+        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["waiting"] for x in m))
+        assert any(m["op"] == "heartbeat" and m["waiting"] for m in msgs)  # no progress, 5 s interval
+        answer["waiting"] = False
+        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and not x["waiting"] for x in m))
+        assert any(m["op"] == "heartbeat" and not m["waiting"] for m in msgs)
+        assert len(asked) >= 2
+    finally:
+        ch.close(bye=False)
+        conn.close()

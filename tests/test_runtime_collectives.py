@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -139,3 +140,24 @@ def test_p2p_wait_sleeps_instead_of_polling() -> None:
         assert time.monotonic() - t0 < 1.0
     finally:
         release2.set()
+
+
+def test_backend_failures_are_told_from_other_errors() -> None:
+    from launcher.runtime.collectives import is_backend_failure
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+                        "closed by peer [127.0.0.1]:23450")
+    assert is_backend_failure(gloo)
+    assert is_backend_failure(dist.DistBackendError("NCCL communicator was aborted"))
+    assert not is_backend_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x4)"))
+    assert not is_backend_failure(ValueError("bad batch"))
+
+
+def test_stop_listeners_hear_each_newer_stop_once_on_the_requesting_thread() -> None:
+    from launcher.runtime.signals import StopSignal
+    heard: list[tuple[int, str]] = []
+    stop = StopSignal()
+    stop.on_request(lambda g: heard.append((g, threading.current_thread().name)))
+    t = threading.Thread(target=lambda: (stop.request(2), stop.request(1), stop.request(2)), name="reader")
+    t.start()
+    t.join(5)
+    assert heard == [(2, "reader")]

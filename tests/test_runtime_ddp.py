@@ -5,9 +5,13 @@
   the bucket layout), several buckets, a BatchNorm whose buffers DDP broadcasts every forward
   (every rank ends with plain DDP's rank-0 buffers);
 - recovery through the real CLI: a rank SIGKILLed in forward, one hung in backward (its peers
-  wait in DDP's all-reduces until the stop), rank 0 SIGKILLed in the optimizer update (three
-  rounds in one run), and the result is still bit-identical to plain DDP; the first step after
-  each rebuild repacks DDP's fresh buckets into the step's layout;
+  wait in DDP's C++ all-reduces, reported as waiting, until the stop breaks the wait), rank 0
+  SIGKILLed in the optimizer update (three rounds in one run), and the result is still
+  bit-identical to plain DDP; after each round DDP's reducer is rebuilt on the new group with the
+  layout of steps >= 1 from a rank that knows it;
+- restart-all from a checkpoint (no rank knows the layout): the first step runs through the
+  runtime's comm hook and learns it, then DDP's reducer takes over; bit-identical;
+- FTRUN_DDP_COMM=hook (the comm hook for every step) through a kill: bit-identical;
 - options whose collectives would bypass the runtime are refused with one line naming them.
 """
 from __future__ import annotations
@@ -67,12 +71,15 @@ def plain_ddp(tmp_path_factory) -> list[dict[str, torch.Tensor]]:
     return plain_run(tmp_path_factory.mktemp("plain"), ARGS)
 
 
+NATIVE = "DDP's reducer all-reduces on the runtime's group (in C++)"
+
+
 def ftrun(wd: Path, plan: list[dict] | None = None, launcher_args: tuple[str, ...] = (),
-          args: list[str] = ARGS) -> tuple[list[dict], list[dict], str]:
+          args: list[str] = ARGS, **env: str) -> tuple[list[dict], list[dict], str]:
     wd.mkdir()
     cmd = FTRUN + ["--nproc_per_node", str(NPROC), "--max_restarts", "5", "--log_dir", str(wd / "logs"),
                    *launcher_args, str(EXAMPLES / "rt_ddp_train.py"), *args, "--out", str(wd / "out{rank}.pt")]
-    res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan or [])), timeout=400, cwd=str(wd))
+    res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan or []), **env), timeout=400, cwd=str(wd))
     out = res.stdout + res.stderr
     assert res.returncode == 0, f"exit {res.returncode}\n{out[-8000:]}"
     return params_of(wd), events(str(wd / "logs")), out
@@ -83,12 +90,14 @@ def test_same_parameters_as_plain_ddp_under_torchrun(tmp_path, plain_ddp):
     assert_equal_params(params, plain_ddp)
     layouts = re.findall(r"DDP bucket layout for steps >= 1: (\d+) buckets", out)
     assert len(layouts) == NPROC and int(layouts[0]) >= 2, layouts  # several buckets: order matters
-    assert "repacked" not in out  # fault-free: DDP's own buckets are the layout every step
+    assert "repacked" not in out and "comm hook" not in out  # fault-free: DDP's own reducer throughout
+    assert out.count(NATIVE + ": step 0 with DDP's first-iteration layout") == NPROC
 
 
 def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, plain_ddp):
-    """A kill in forward, a hang in backward (its peers sit in DDP's bucket all-reduces until the
-    stop lets them leave), a kill in the optimizer update of rank 0 (DDP's buffer source)."""
+    """A kill in forward, a hang in backward (its peers sit in DDP's C++ all-reduces, reported
+    as waiting, until the stop breaks the wait), a kill in the optimizer update of rank 0 (DDP's
+    buffer source)."""
     plan = [{"rank": 1, "step": 1, "phase": "forward", "kind": "kill"},
             {"rank": 2, "step": 3, "phase": "backward", "kind": "hang", "generation": 1},
             {"rank": 0, "step": 4, "phase": "optimizer", "kind": "kill", "generation": 2}]
@@ -101,18 +110,59 @@ def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, p
     assert spawns == {0: 2, 1: 2, 2: 2}  # each victim restarted once, nobody else
     resumes = [e["resume_step"] for e in ev if e["event"] == "repair-plan"]
     assert resumes == [1, 3, 5]
-    assert out.count("buckets repacked into it") == 3 * NPROC  # the first step after each rebuild
+    # DDP's reducer on every new group: at the start and after each of the three rounds
+    assert out.count(NATIVE) == 4 * NPROC
     assert_equal_params(params, plain_ddp)
 
 
-def test_no_sync_accumulation_into_kept_bucket_view_grads_stays_bit_identical(tmp_path):
-    """rt.ddp's default .grad are views into DDP's buckets: micro-batches accumulated under
-    model.no_sync() into .grad kept between steps (zero_grad(set_to_none=False)), a kill in
-    backward and one in forward, still plain DDP's parameters (default: .grad copied back)."""
+def test_peers_waiting_in_cpp_on_a_live_faulty_rank_leave_when_the_stop_breaks_the_wait(tmp_path, plain_ddp):
+    """Rank 1 pauses 1 s after its forward, then reports a fault (uce-low) and stays alive, waiting
+    for the agent: ranks 0 and 2 sit in DDP's C++ all-reduce on rank 1's open sockets, which no
+    peer death would end. The agent's stop shuts down their groups' sockets; they leave at once
+    (not after the 120 s group timeout) and the run stays bit-identical."""
+    plan = [{"rank": 1, "step": 2, "phase": "backward", "kind": "uce-low"}]
+    params, ev, out = ftrun(tmp_path / "uce", plan, args=ARGS + ["--pause", "1,2,1.0"], FTRUN_STORE_TIMEOUT="120")
+    left = re.findall(r"rank (\d) gen 0\].*stopped in step 2 phase backward.*left DDP's collective in C\+\+", out)
+    assert sorted(left) == ["0", "2"], out[-6000:]
+    assert "Timed out" not in out
+    assert re.search(r"stop for generation 1: shut down \d+ sockets of the older groups", out)
+    stops = [e["time"] for e in ev if e["event"] in ("decide", "recovered")]
+    assert stops and stops[-1] - stops[0] < 20, stops
+    assert_equal_params(params, plain_ddp)
+
+
+def test_restart_all_from_a_checkpoint_learns_the_layout_in_its_first_step(tmp_path, plain_ddp):
+    """Every rank starts anew at step 3 (checkpoint of iteration 3): nobody knows the layout DDP
+    rebuilt at step 1, so step 3 runs through the comm hook (which learns it from rank 0's
+    gradient order and repacks DDP's first buckets into it), then DDP's reducer takes over."""
+    wd = tmp_path / "restart_all"
+    plan = [{"rank": 1, "step": 4, "phase": "backward", "kind": "kill"}]
+    params, ev, out = ftrun(wd, plan, ("--recover-strategy", "restart-all,exit"),
+                            args=ARGS + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"])
+    assert [e["strategy"] for e in ev if e["event"] == "plan"] == ["restart-all"]
+    assert out.count("step 3 all-reduces through the runtime's comm hook, which learns it") == NPROC
+    assert out.count(NATIVE + ": step 4 with the bucket layout of steps >= 1") == NPROC
+    assert_equal_params(params, plain_ddp)
+
+
+def test_the_comm_hook_path_chosen_by_env_stays_bit_identical_through_a_kill(tmp_path, plain_ddp):
+    plan = [{"rank": 2, "step": 2, "phase": "backward", "kind": "kill"}]
+    params, _, out = ftrun(tmp_path / "hook", plan, FTRUN_DDP_COMM="hook")
+    assert NATIVE not in out and "buckets repacked into it" in out
+    assert_equal_params(params, plain_ddp)
+
+
+@pytest.mark.parametrize("comm", ["reducer", "hook"])
+def test_no_sync_accumulation_into_kept_grads_stays_bit_identical(tmp_path, comm):
+    """Micro-batches accumulated under model.no_sync() into .grad kept between steps
+    (zero_grad(set_to_none=False)), a kill in backward and one in forward, still plain DDP's
+    parameters. DDP's reducer keeps DDP's default (.grad copied back: a bucket-view .grad would be
+    divided by N in place, plain DDP multiplies by 1/N, which differs in the last bit for N=3);
+    the comm hook's default .grad are bucket views (its own x * (1/N))."""
     ref = plain_run(tmp_path / "plain", ACCUM_ARGS)
     plan = [{"rank": 1, "step": 1, "phase": "backward", "kind": "kill"},
             {"rank": 2, "step": 3, "phase": "forward", "kind": "kill", "generation": 1}]
-    params, ev, _ = ftrun(tmp_path / "accum", plan, args=ACCUM_ARGS)
+    params, ev, _ = ftrun(tmp_path / "accum", plan, args=ACCUM_ARGS, FTRUN_DDP_COMM=comm)
     assert [e["resume_step"] for e in ev if e["event"] == "repair-plan"] == [1, 3]
     assert_equal_params(params, ref)
 
@@ -121,7 +171,7 @@ VIEWS = r"""
 import torch
 import launcher.runtime as ftr
 rt = ftr.init(backend="gloo")
-for kwargs in ({}, {"gradient_as_bucket_view": False}):
+for kwargs in ({}, {"gradient_as_bucket_view": False}, {"gradient_as_bucket_view": True}):
     model = rt.ddp(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), **kwargs)
     model(torch.randn(2, 4)).sum().backward()
     buckets = model.reducer._get_zeros_like_grad_buckets()
@@ -133,15 +183,19 @@ rt.finish()
 """
 
 
-def test_grads_are_bucket_views_unless_the_user_chooses(tmp_path):
+@pytest.mark.parametrize("comm, default_views", [("reducer", False), ("hook", True)])
+def test_grads_are_bucket_views_as_the_user_chooses(tmp_path, comm, default_views):
+    """DDP's reducer: DDP's default (.grad copied back); the comm hook: bucket views by default."""
     env = base_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(free_port())})
+                    "MASTER_PORT": str(free_port()), "FTRUN_DDP_COMM": comm})
     res = subprocess.run([sys.executable, "-c", VIEWS], env=env, capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     cases = [ln for ln in res.stdout.splitlines() if ln.startswith("CASE")]
-    assert cases == ["CASE [] True True True",
-                     "CASE [('gradient_as_bucket_view', False)] False False False"], res.stdout
+    v = default_views
+    assert cases == [f"CASE [] {v} {v} {v}",
+                     "CASE [('gradient_as_bucket_view', False)] False False False",
+                     "CASE [('gradient_as_bucket_view', True)] True True True"], res.stdout
 
 
 REFUSALS = r"""

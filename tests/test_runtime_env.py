@@ -20,6 +20,7 @@ def test_ftrun_environment():
     assert env.managed and env.generation == 3 and env.replacement and env.store_timeout == 12.5
     assert env.node_rank == 2 and env.run_id == "r"
     assert env.skip_init and not RuntimeEnv.from_environ({**BASE, "FTRUN_SKIP_INIT": "0"}).skip_init
+    assert env.ddp_comm == "reducer" and RuntimeEnv.from_environ({**BASE, "FTRUN_DDP_COMM": "hook"}).ddp_comm == "hook"
 
 
 @pytest.mark.parametrize("change,match", [
@@ -27,6 +28,7 @@ def test_ftrun_environment():
     ({"RANK": "x"}, "RANK='x' is not an integer"),
     ({"FTRUN_REPLACEMENT": "yes"}, "FTRUN_REPLACEMENT='yes'"),
     ({"FTRUN_SKIP_INIT": "off"}, "FTRUN_SKIP_INIT='off'"),
+    ({"FTRUN_DDP_COMM": "nccl"}, "FTRUN_DDP_COMM='nccl'; allowed: reducer, hook"),
     ({"FTRUN_STORE_TIMEOUT": "0"}, "FTRUN_STORE_TIMEOUT=0.0 must be > 0"),
     ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
 ])

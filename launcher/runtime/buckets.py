@@ -39,6 +39,7 @@ class GradComm:
     group: Callable[[], Any]  # the torch group of the current generation (None: the default group)
     size: int  # ranks in that group
     root: int  # global rank of the group's first member (the source of broadcasts)
+    ranks: Sequence[int] = ()  # global ranks of the group's members, in group order
 
     def all_reduce_async(self, flat: torch.Tensor) -> Any:
         """Start a SUM all_reduce of `flat` on the current group; returns its work. Called for

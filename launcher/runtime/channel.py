@@ -9,7 +9,9 @@ heartbeat's fields and queues messages. The messages and their encoding are `lau
 Heartbeats are at most MIN_HEARTBEAT_GAP apart while progress changes (the latest progress is
 sent, nothing is lost but intermediate phases): a fast training loop changes phase several
 times per step and must not pay a message (and the agent a parse) for each. Other messages
-(fault, recovered, bye) go out at once.
+(fault, recovered, bye) go out at once. With a wait probe set (`set_wait_probe`: rt.ddp's native
+reducer, whose waits run in C++), the writer also asks it every PERIOD_S whether the training
+thread sits in such a wait, and reports it as `waiting` as the runtime's own waits do.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from typing import Any, Callable
 from launcher.messages import (Bye, Heartbeat, Hello, Inject, Message, MessageError, Stop, decode,
                                encode)
 from launcher.runtime.signals import StopSignal
+from launcher.runtime.wait_probe import PERIOD_S
 
 # seconds: progress heartbeats are coalesced within this gap. Their readers work in seconds (hang
 # watch, blame, status); at 0.05 s two ranks of a fast loop cost the agent ~1 % of a core on a
@@ -51,6 +54,8 @@ class AgentChannel:
         self._closing = False
         self._coalescing = False  # the writer holds back a heartbeat: updates need not wake it
         self._threads: list[threading.Thread] = []
+        self._probe: Callable[[], bool] | None = None
+        self._probed = False  # the probe's last answer
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self, hello: Hello) -> None:
@@ -116,6 +121,13 @@ class AgentChannel:
             if not self._coalescing:
                 self._cond.notify_all()
 
+    def set_wait_probe(self, probe: Callable[[], bool]) -> None:
+        """`probe()` (asked by the writer every PERIOD_S): does the training thread wait on its
+        peers where it cannot say so itself? Its answer is OR-ed into the heartbeat's `waiting`."""
+        with self._cond:
+            self._probe = probe
+            self._cond.notify_all()
+
     def send(self, message: Message) -> None:
         """Queue one message for the agent (never blocks on the socket)."""
         with self._cond:
@@ -131,8 +143,13 @@ class AgentChannel:
         last = 0.0
         while True:
             with self._cond:
+                timeout = max(0.0, self._interval - (time.monotonic() - last))
                 self._cond.wait_for(lambda: self._closing or self._outbox or self._dirty,
-                                    timeout=max(0.0, self._interval - (time.monotonic() - last)))
+                                    timeout=timeout if self._probe is None else min(timeout, PERIOD_S))
+                if self._probe is not None:
+                    probed = bool(self._probe())
+                    if probed != self._probed:
+                        self._probed, self._dirty = probed, True
                 gap = MIN_HEARTBEAT_GAP - (time.monotonic() - last)
                 if gap > 0 and not (self._closing or self._outbox):
                     self._coalescing = True  # progress only: let more changes pile up first
@@ -141,7 +158,8 @@ class AgentChannel:
                 batch, self._outbox = self._outbox, []
                 beat = self._dirty or time.monotonic() - last >= self._interval
                 self._dirty = False
-                progress = dataclasses.replace(self._progress, time=time.time())
+                progress = dataclasses.replace(self._progress, time=time.time(),
+                                               waiting=self._progress.waiting or self._probed)
                 closing = self._closing
             try:
                 if beat and not closing:

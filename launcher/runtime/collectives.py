@@ -23,6 +23,20 @@ class CollectiveError(RuntimeError):
     """A collective failed (peer gone, connection reset, timeout)."""
 
 
+# what the errors of a failed backend collective say (gloo's transport, a timed-out or closed pair)
+_BACKEND_MARKERS = ("/gloo/", "ProcessGroupGloo", "Connection closed by peer", "Connection reset by peer",
+                    "NCCL", "HCCL")
+
+
+def is_backend_failure(exc: BaseException) -> bool:
+    """Did a collective fail inside the communication backend (a peer gone, a timeout)?"""
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    text = str(exc)
+    return any(marker in text for marker in _BACKEND_MARKERS)
+
+
 class Graveyard:
     """Abandoned works and groups, referenced until the process ends."""
 

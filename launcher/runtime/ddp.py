@@ -1,50 +1,56 @@
 """Stock torch DistributedDataParallel under the runtime: `model = rt.ddp(module, **ddp_kwargs)`.
 
-Owns: `RuntimeDDP`, a real `DistributedDataParallel` whose every collective goes through the
-runtime (on the current generation's group, interruptible by a stop), the check of DDP options
-(those whose collectives would bypass the runtime are refused with one line naming the option),
-and `BucketComm`, the communication hook.
+Owns: `RuntimeDDP`, a real `DistributedDataParallel` that survives recoveries bit-identically:
+which reducer runs (DDP's own, or one with the runtime's comm hook), the bucket layout each step
+all-reduces, the check of DDP options (those whose collectives would bypass the runtime are
+refused with one line naming the option), and `BucketComm`, the comm hook.
 
-How it works:
-- DDP itself runs on a one-rank gloo group of its own, so nothing inside DDP talks to other
-  ranks: its post-construction bucket rebuild (a broadcast in the second forward) stays local.
-- The comm hook scales each bucket by 1/N (as DDP does) and starts its all_reduce on the
-  runtime's group at once, asynchronously, while backward goes on; a callback queued on the
+Steady state: DDP's own reducer (FTRUN_DDP_COMM=reducer, the default).
+- DDP's C++ reducer runs on the runtime's group of the current generation, exactly as plain DDP
+  runs on its group: bucketed all-reduces start while backward goes on, DDP averages and waits
+  in C++, no Python per bucket; numerics and default options are plain DDP's (.grad copied back
+  unless the caller passes gradient_as_bucket_view=True: with a bucket-view .grad kept between
+  steps DDP divides by N in place where the copy path multiplies by 1/N, which differs in the
+  last bit for N=3, so the default stays DDP's).
+- Leaving its waits: a stop makes the runtime shut down the sockets of the older generations'
+  groups (launcher.runtime.group_sockets), so a C++ wait on a peer that will never answer fails
+  at once; a peer's death fails it by itself. `loss.backward()` (or the forward, for DDP's
+  bucket-rebuild broadcast) then raises; the step's exit turns that into the stop
+  (Runtime._end_step). While it waits, the agent channel's writer reports the rank as waiting on
+  its peers (launcher.runtime.wait_probe), so the hang watch blames the hung rank, not them.
+- After every recovery round each rank drops its reducer (a one-rank stand-in, no collective)
+  and the first forward of the resumed step settles the new one (`_ft_settle`): at step 0 DDP's
+  first-iteration layout, which DDP rebuilds at step 1 from rank 0's gradient-ready order as
+  plain DDP does; at a later step the layout DDP rebuilt, taken from the first rank that knows
+  it (a survivor) and given to the new reducer, so the step adds the same numbers in the same
+  order as without the fault. When no rank knows it (every rank started anew from a checkpoint)
+  that one step runs through the comm hook below, which learns it, and the next forward hands
+  the learnt layout to DDP's reducer.
+
+The comm hook (FTRUN_DDP_COMM=hook for every step; otherwise only for such a learning step):
+- DDP runs on a one-rank gloo group of its own; the hook scales each bucket by 1/N and starts
+  its all_reduce on the runtime's group at once, asynchronously; a callback queued on the
   autograd engine waits for them through the runtime's interruptible wait before DDP copies the
   results into .grad. A stop raised there comes out of `loss.backward()` as StopRequested.
-- Module buffers (`broadcast_buffers`) and the initial parameter sync (`init_sync`) are
-  broadcast from the group's first rank through the runtime; a replacement rank skips the
-  initial sync (its state comes from a replica). Buffers are broadcast right after each synced
-  forward instead of before the next: forwards compute exactly as under plain DDP and every
-  rank holds the same buffers between steps (plain DDP leaves rank-local values there, which
-  could not be recovered when rank 0 is lost).
-- Gradients are bucket views: unless the caller passes `gradient_as_bucket_view`, rt.ddp builds
-  DDP with gradient_as_bucket_view=True. With a comm hook DDP copies each gradient into its
-  bucket without scaling it and, by default, copies the result back into .grad: with the hook's
-  own scaling that is three passes over the gradients where plain DDP (no hook) makes two (one
-  fused scale-and-copy in, one copy out). With .grad a view of its bucket there is no copy back
-  (and no copy in when .grad is kept between steps, zero_grad(set_to_none=False)): the values
-  are the same as plain DDP's (x * (1/N) in both). What the user sees: each .grad is a view into
-  a bucket (an in-place `p.grad.detach_()` raises; `zero_grad()` works either way; a reference
-  to an old .grad kept across steps is overwritten by the next step's result, as torch
-  documents for this option). `gradient_as_bucket_view=False` gives DDP's default copies back.
-- After every recovery round each rank rebuilds DDP's reducer on the new generation (no
-  collective) and re-registers the hook: survivors and replacements hold the same fresh state.
-- Bit-identity: the bucket layout that is all-reduced in a step depends on the step alone. Step 0
-  uses DDP's initial layout (one bucket, as plain DDP's first iteration); later steps use the
-  layout DDP rebuilds from the order gradients became ready (rank 0's order, broadcast through
-  the runtime once after each (re)build; same bucket caps as DDP). When DDP's own buckets differ
-  from that layout (the first step after a recovery, before DDP rebuilt) they are repacked into
-  it. So a run gives the same numbers as plain DDP under torchrun, with or without recoveries.
-  Whether DDP's bucket k holds the layout's bucket k is checked once per layout (a new target
-  layout, or DDP's own rebuild), not every step; on a one-rank group the 1/N scaling (x * 1.0) is
-  skipped. What the hook costs per step against plain DDP in the same process:
-  scripts/bench_step_cost.py.
+- .grad are bucket views by default here (the hook's scaling is then the only pass over them).
+- The layout: step 0 uses DDP's initial one; later steps the one DDP rebuilds from the order
+  gradients became ready (rank 0's order, broadcast through the runtime); DDP's buckets that
+  differ from it are repacked into it. Whether DDP's bucket k holds the layout's bucket k is
+  checked once per layout, not every step.
+
+Both: module buffers (`broadcast_buffers`) and the initial parameter sync (`init_sync`) are
+broadcast from the group's first rank through the runtime; a replacement rank skips the initial
+sync (its state comes from a replica). Buffers are broadcast right after each synced forward
+instead of before the next: forwards compute exactly as under plain DDP and every rank holds the
+same buffers between steps (plain DDP leaves rank-local values there, which could not be
+recovered when rank 0 is lost). What each path costs per step against plain DDP in the same
+process: scripts/bench_step_cost.py.
 """
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -249,6 +255,15 @@ class BucketComm:
     def broadcast(self, tensors: list[torch.Tensor], what: str) -> None:
         self._comm.broadcast(tensors, what)
 
+    def learnt(self) -> list[list[int]] | None:
+        """The layout of steps >= 1 the hook learnt (None before its first backward past step 0)."""
+        return self._ready
+
+    def release(self) -> None:
+        """The reducer no longer calls this hook (rt.ddp moved to DDP's own reducer)."""
+        self.abandon()
+        self._remove_recorders()
+
 
 class RuntimeDDP(DistributedDataParallel):
     """DistributedDataParallel whose collectives go through the runtime. Make it with
@@ -260,12 +275,22 @@ class RuntimeDDP(DistributedDataParallel):
         handle: GroupHandle | None = kwargs.pop("process_group", None)
         init_sync = bool(kwargs.pop("init_sync", True))
         comm = rt._grad_comm(handle)
-        # .grad as views into DDP's buckets unless the user chose: the hook's scaling is then the
-        # only pass over the gradients (see "Gradients are bucket views" in the module docstring)
-        kwargs.setdefault("gradient_as_bucket_view", True)
+        if rt.env.ddp_comm == "hook":
+            # .grad as views into DDP's buckets unless the user chose: the hook's scaling is then
+            # the only pass over the gradients (see "FTRUN_DDP_COMM=hook" in the module docstring)
+            kwargs.setdefault("gradient_as_bucket_view", True)
         ft = BucketComm(comm, lambda: rt._current_step, rt.log)
         ddp = cls(module, process_group=_solo_group(rt.rank), init_sync=False, **kwargs)
         ddp._ft_comm = ft
+        ddp._ft_grad = comm
+        ddp._ft_rank = rt.rank
+        ddp._ft_log = rt.log
+        ddp._ft_reducer_ok = rt.env.ddp_comm == "reducer"
+        ddp._ft_enable_cpp_waits = rt._enable_cpp_waits
+        ddp._ft_native = False  # DDP's own reducer on the runtime's group (else the comm hook's)
+        ddp._ft_layout = None  # the bucket layout of steps >= 1, once this rank knows it
+        ddp._ft_hooked_step = None  # the step that runs through the comm hook to learn that layout
+        ddp._ft_pending = True  # the next forward settles which reducer runs (see _ft_settle)
         ref = weakref.ref(ddp)
         ft.ddp_rebuilt = lambda: bool(getattr(ref(), "_has_rebuilt_buckets", False))
         ddp._ft_install()
@@ -295,14 +320,121 @@ class RuntimeDDP(DistributedDataParallel):
         DistributedDataParallel.register_comm_hook(self, self._ft_comm, _comm_hook)
 
     def _ft_rebuild(self, rank: int) -> None:
-        """After a recovery round: a fresh reducer on the new generation (no collective)."""
+        """After a recovery round: a fresh hooked reducer on a one-rank group (no collective, no
+        reference to the old generation's groups); the next forward settles which one runs."""
+        known = self._ft_known()
+        if known is not None:
+            self._ft_layout = known
         self._ft_comm.abandon()
-        self.process_group = _solo_group(rank)
+        self._ft_new_reducer(_solo_group(rank))
+        self._ft_install()
+        self._ft_native = False
+        self._ft_hooked_step = None
+        self._ft_pending = True
+
+    def _ft_new_reducer(self, group: Any, layout: list[list[int]] | None = None) -> None:
+        """DDP's reducer rebuilt on `group`, with `layout` as its buckets (None: DDP's own first
+        layout), as DDP.__init__ builds it."""
+        self.process_group = group
         params, sparse = self._build_params_for_reducer()
-        self._ddp_init_helper(params, sparse, self._build_debug_param_to_name_mapping(params), False)
+        with _given_layout(layout, len(params)):
+            self._ddp_init_helper(params, sparse, self._build_debug_param_to_name_mapping(params), False)
         self._has_rebuilt_buckets = False
         self.require_forward_param_sync = True
-        self._ft_install()
+        self._comm_hooks = []
+
+    # ---- which reducer runs: DDP's own (C++), or the comm hook's ------------------------
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._ft_pending:
+            self._ft_settle()
+        return super().forward(*inputs, **kwargs)
+
+    def _ft_settle(self) -> None:
+        """At a forward after a (re)build: put DDP's own reducer on the runtime's group, with the
+        bucket layout of this step (DDP's first layout at step 0; at a later step the layout DDP
+        rebuilt, from a rank that knows it). When no rank knows it (every rank restarted from a
+        checkpoint) this step runs through the comm hook, which learns it, and the next forward
+        settles again. On DDP's reducer: once DDP rebuilt its buckets (the forward of step 1, or
+        the step after a given layout), read the layout it chose."""
+        step = self._ft_comm._step()
+        if self._ft_native:
+            if self._has_rebuilt_buckets:
+                self._ft_pending = False
+                self._ft_adopt_rebuilt()
+            return
+        if not self._ft_reducer_ok:
+            self._ft_pending = False  # FTRUN_DDP_COMM=hook: the comm hook's reducer for good
+            return
+        if self._ft_hooked_step == step:
+            return  # this step runs through the hook
+        layout = None
+        if step > 0:
+            layout, source = self._ft_agree_layout()
+            if layout is None:
+                self._ft_hooked_step = step
+                self._ft_log(f"no rank knows DDP's bucket layout of steps >= 1 (every rank started anew): "
+                             f"step {step} all-reduces through the runtime's comm hook, which learns it")
+                return
+        self._ft_comm.release()
+        self._ft_new_reducer(self._ft_grad_group(), layout)
+        self._ft_native = True
+        self._ft_layout = layout
+        self._ft_enable_cpp_waits()
+        how = ("DDP's first-iteration layout" if layout is None else
+               f"the bucket layout of steps >= 1 ({len(layout)} buckets, from rank {source})")
+        self._ft_log(f"DDP's reducer all-reduces on the runtime's group (in C++): step {step} with {how}")
+
+    def _ft_grad_group(self) -> Any:
+        group = self._ft_grad.group()
+        return dist.distributed_c10d._get_default_group() if group is None else group
+
+    def _ft_known(self) -> list[list[int]] | None:
+        """The bucket layout of steps >= 1, if this rank knows it."""
+        if self._ft_native and self._has_rebuilt_buckets:
+            return self._ft_reducer_layout()
+        return self._ft_layout if self._ft_layout is not None else self._ft_comm.learnt()
+
+    def _ft_reducer_layout(self) -> list[list[int]]:
+        params, _ = self._build_params_for_reducer()
+        index = {id(p): i for i, p in enumerate(params)}
+        return [[index[id(p)] for p in b.parameters()] for b in self.reducer._get_zeros_like_grad_buckets()]
+
+    def _ft_adopt_rebuilt(self) -> None:
+        rebuilt = self._ft_reducer_layout()
+        if self._ft_layout is None:
+            self._ft_log(f"DDP bucket layout for steps >= 1: {len(rebuilt)} buckets, rebuilt by DDP in "
+                         "gradient-ready order")
+        elif rebuilt != self._ft_layout:
+            self._ft_log(f"DDP rebuilt its buckets into a layout other than the one it was given "
+                         f"({len(rebuilt)} buckets against {len(self._ft_layout)}); later recoveries use DDP's")
+        self._ft_layout = rebuilt
+
+    def _ft_agree_layout(self) -> tuple[list[list[int]] | None, int]:
+        """The layout of steps >= 1 from the first group member that knows it (None: nobody
+        does), through the runtime's interruptible collectives; and that member's global rank."""
+        known = self._ft_known()
+        comm = self._ft_grad
+        ranks = list(comm.ranks)
+        n = len(self._build_params_for_reducer()[0])
+        if len(ranks) <= 1:
+            return known, self._ft_rank
+        first = torch.tensor([ranks.index(self._ft_rank) if known is not None else len(ranks)], dtype=torch.int64)
+        comm.coll.all_reduce(first, op=dist.ReduceOp.MIN, group=comm.group(), what="DDP bucket layout")
+        src = int(first.item())
+        if src >= len(ranks):
+            return None, -1
+        flat = torch.full((1 + 2 * n,), -1, dtype=torch.int64)
+        if known is not None:
+            flat[:1 + len(known) + n] = torch.tensor([len(known)] + [len(b) for b in known]
+                                                     + [i for b in known for i in b], dtype=torch.int64)
+        comm.coll.broadcast(flat, ranks[src], comm.group(), what="DDP bucket layout")
+        values = flat.tolist()
+        sizes, members = values[1:1 + values[0]], values[1 + values[0]:]
+        layout, off = [], 0
+        for size in sizes:
+            layout.append(members[off:off + size])
+            off += size
+        return layout, ranks[src]
 
     def _check_sync_bufs_pre_fwd(self) -> bool:
         return False  # moved after the forward: see _check_sync_bufs_post_fwd
@@ -342,6 +474,27 @@ class RuntimeDDP(DistributedDataParallel):
     def _register_buffer_comm_hook(self, state: object, hook: Callable, comm_hook_location: Any = None) -> None:
         raise _refuse("_register_buffer_comm_hook", getattr(hook, "__name__", hook),
                       "rt.ddp broadcasts buffers through the runtime")
+
+
+@contextmanager
+def _given_layout(layout: list[list[int]] | None, n: int) -> Iterator[None]:
+    """While DDP builds a reducer: its bucket assignment is `layout` (reducer order) instead
+    of the one DDP computes. DDP reverses what `_compute_bucket_assignment_by_size` returns, so
+    the layout is handed over reversed; the per-bucket limits only feed DDP's logging."""
+    if layout is None:
+        yield
+        return
+    if sorted(i for b in layout for i in b) != list(range(n)):
+        raise RuntimeError(f"DDP bucket layout {layout} does not cover the reducer's {n} parameters")
+    real = dist._compute_bucket_assignment_by_size
+
+    def given(*args: Any, **kwargs: Any) -> tuple[list[list[int]], list[int]]:
+        return [list(b) for b in reversed(layout)], [dist._DEFAULT_FIRST_BUCKET_BYTES] * len(layout)
+    dist._compute_bucket_assignment_by_size = given
+    try:
+        yield
+    finally:
+        dist._compute_bucket_assignment_by_size = real
 
 
 def _rebuilder(ref: "weakref.ReferenceType[RuntimeDDP]", rank: int) -> Callable[[int], None]:

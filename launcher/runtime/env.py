@@ -38,6 +38,9 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
     return value
 
 
+DDP_COMMS = ("reducer", "hook")
+
+
 @dataclass(frozen=True)
 class RuntimeEnv:
     rank: int
@@ -56,6 +59,9 @@ class RuntimeEnv:
     store_timeout: float
     collective_timeout: float = 300.0  # a runtime collective waits this long before it reports
     skip_init: bool = True  # FTRUN_SKIP_INIT: a replacement skips the random init it receives over
+    # FTRUN_DDP_COMM: how rt.ddp all-reduces gradients: "reducer" (DDP's own C++ reducer on the
+    # runtime's group, no Python per bucket) or "hook" (the runtime's Python comm hook)
+    ddp_comm: str = "reducer"
 
     @property
     def managed(self) -> bool:
@@ -75,6 +81,9 @@ class RuntimeEnv:
         skip_init = env.get("FTRUN_SKIP_INIT", "1")
         if skip_init not in ("0", "1"):
             raise ValueError(f"FTRUN_SKIP_INIT={skip_init!r}; allowed: '0' or '1'")
+        ddp_comm = env.get("FTRUN_DDP_COMM", "reducer")
+        if ddp_comm not in DDP_COMMS:
+            raise ValueError(f"FTRUN_DDP_COMM={ddp_comm!r}; allowed: {', '.join(DDP_COMMS)}")
         addr = env.get("MASTER_ADDR")
         if not addr:
             raise ValueError("environment variable MASTER_ADDR is not set; launch with ftrun or torchrun")
@@ -96,4 +105,5 @@ class RuntimeEnv:
             collective_timeout=_float(env, "FTRUN_COLLECTIVE_TIMEOUT",
                                       _float(env, "FTRUN_STORE_TIMEOUT", 300.0)),
             skip_init=skip_init == "1",
+            ddp_comm=ddp_comm,
         )

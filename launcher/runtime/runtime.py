@@ -31,12 +31,13 @@ from launcher.messages import FaultReport, Hello, Recovered
 from launcher.runtime import checkpoint as ckpt
 from launcher.runtime.buckets import BUCKET_BYTES, GradComm, GradientSyncs
 from launcher.runtime.channel import AgentChannel
-from launcher.runtime.collectives import CollectiveError, Graveyard, Interruptible
+from launcher.runtime.collectives import CollectiveError, Graveyard, Interruptible, is_backend_failure
 from launcher.runtime.ddp import RuntimeDDP
 from launcher.runtime.devices import (EXCEPTION, NETWORK, UCE_HIGH, UNSAFE_DATA, DeviceAdapter,
                                       InjectedFault, select_adapter)
 from launcher.runtime.env import RuntimeEnv
 from launcher.runtime.faultplan import FaultInjector, parse_plan
+from launcher.runtime.group_sockets import SocketLedger
 from launcher.runtime.groups import GroupHandle, GroupRegistry
 from launcher.runtime.logs import RankLog
 from launcher.runtime.replicas import Layout, parallel_groups
@@ -44,6 +45,7 @@ from launcher.runtime.signals import StopRequested, StopSignal
 from launcher.runtime.skip_init import InitSkip
 from launcher.runtime.state import Registered, Snapshot
 from launcher.runtime.transfer import recv_state, send_state
+from launcher.runtime.wait_probe import CppWaitProbe, cpp_wait_codes
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,9 @@ class Runtime:
         self.replacement = env.replacement
         self.log = RankLog(env.rank, lambda: self.generation)
         self._stop = StopSignal()
+        # sockets of every gloo group, so that a stop can break waits torch runs in C++ (rt.ddp)
+        self._sockets = SocketLedger(lambda: self._stop.target)
+        self._stop.on_request(self._break_old_groups)
         self._graveyard = Graveyard()
         self._coll = Interruptible(self._stop, self._graveyard, lambda: self.generation,
                                    env.collective_timeout, self._on_collective_error, self._abort_groups,
@@ -226,10 +231,12 @@ class Runtime:
 
     def _build_world(self, generation: int, rebuild_groups: bool) -> None:
         store = dist.PrefixStore(P.pg_prefix(generation), self._store)
-        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=self.env.store_timeout))
+        with self._sockets.track(generation):
+            dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                    timeout=timedelta(seconds=self.env.store_timeout))
+            if rebuild_groups:
+                self._groups.rebuild(generation)
         if rebuild_groups:
-            self._groups.rebuild(generation)
             for listener in list(self._rebuild_listeners):
                 listener(generation)
             if self.on_rebuild is not None:
@@ -242,6 +249,7 @@ class Runtime:
         c10d = dist.distributed_c10d
         groups = list(c10d._world.pg_map.keys())
         self._graveyard.keep(*groups)  # never let a group with a stuck op be destroyed
+        self._sockets.forget(self._stop.target)  # every group is about to be destroyed
         self.adapter.abort_groups(groups)
         try:
             dist.destroy_process_group()
@@ -252,6 +260,25 @@ class Runtime:
                           c10d._world.pg_backend_config, c10d._world.pg_to_tag, c10d._world.tags_to_pg):
                 table.clear()
             c10d._world.group_count = 0
+
+    def _break_old_groups(self, target: int) -> None:
+        """On a stop (the channel's reader thread): with collectives that wait in C++ (rt.ddp's
+        native reducer), shut down the sockets of the older generations' groups so that such a
+        wait fails at once instead of waiting for a hung peer (see group_sockets)."""
+        if self._sockets.enabled:
+            n = self._sockets.break_before(target)
+            if n:
+                self.log(f"stop for generation {target}: shut down {n} sockets of the older groups "
+                         "(leaves DDP's waits in C++)")
+
+    def _enable_cpp_waits(self) -> None:
+        """Something waits for collectives in C++ from now on (rt.ddp's native reducer): break
+        those waits on a stop, and report them to the agent as waiting on peers."""
+        if self._sockets.enabled:
+            return
+        self._sockets.enabled = True
+        if self._channel is not None:
+            self._channel.set_wait_probe(CppWaitProbe(cpp_wait_codes()))
 
     def _note_waiting(self, busy: bool) -> None:
         if self._channel is not None:
@@ -333,7 +360,8 @@ class Runtime:
         """Create a process group every rank calls in the same order; the handle's `.group` is
         re-pointed after each recovery. `ranks` is one list or a partition (list of lists)."""
         partition = [list(r) for r in ranks] if ranks and isinstance(ranks[0], (list, tuple)) else [list(ranks)]
-        return self._groups.create(name, partition, self.generation)  # type: ignore[arg-type]
+        with self._sockets.track(self.generation):
+            return self._groups.create(name, partition, self.generation)  # type: ignore[arg-type]
 
     def group(self, name: str) -> GroupHandle:
         return self._groups.get(name)
@@ -388,7 +416,8 @@ class Runtime:
         if group is not None and self.rank not in group.ranks:
             raise ValueError(f"rank {self.rank} is not a member of group {group.name!r} ({group.ranks})")
         return GradComm(self._coll, lambda: self._pg(group), self.world_size if group is None else group.size,
-                        0 if group is None else group.ranks[0])
+                        0 if group is None else group.ranks[0],
+                        tuple(range(self.world_size)) if group is None else tuple(group.ranks))
 
     # ================================================================ step loop
     def steps(self, total: int) -> Iterator[Step]:
@@ -486,16 +515,17 @@ class Runtime:
         if exc is None:
             return False
         if isinstance(exc, StopRequested):
-            step.interrupted = True
-            self._dirty = self._dirty or self._in_update
-            self.log(f"stopped in step {step.index} phase {self._phase} "
-                     f"({'inside the optimizer update' if self._in_update else 'state clean'}): {exc}")
-            self._in_update = False
-            return True
+            return self._stopped(step, exc)
         if not isinstance(exc, Exception) or not self.env.managed:
             return False
         if isinstance(exc, CollectiveError):
             return False  # the agent never answered: let it propagate
+        if self._sockets.enabled and isinstance(exc, RuntimeError):
+            stop = self._left_cpp_wait(exc)
+            if stop is not None:
+                return self._stopped(step, stop)
+            if is_backend_failure(exc):
+                return False  # the agent never answered: let it propagate
         found = self.adapter.classify_exception(exc)
         kind = found.kind if found else EXCEPTION
         injected = isinstance(exc, InjectedFault)
@@ -510,6 +540,30 @@ class Runtime:
         self._pending_exc = exc
         step.interrupted = True
         return True
+
+    def _stopped(self, step: Step, exc: StopRequested) -> bool:
+        step.interrupted = True
+        self._dirty = self._dirty or self._in_update
+        self.log(f"stopped in step {step.index} phase {self._phase} "
+                 f"({'inside the optimizer update' if self._in_update else 'state clean'}): {exc}")
+        self._in_update = False
+        return True
+
+    def _left_cpp_wait(self, exc: RuntimeError) -> StopRequested | None:
+        """A collective torch waited for in C++ (rt.ddp's reducer) failed: because a stop broke
+        it (a stop is pending) or a peer is gone (then wait for the agent's stop, as a failed
+        runtime collective does). The stop to handle, or None: not a collective failure, or
+        the agent never answered."""
+        first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+        if self._stop.newer_than(self.generation):
+            return StopRequested(self._stop.target, f"left DDP's collective in C++: {first}")
+        if not is_backend_failure(exc):
+            return None
+        try:
+            self._on_collective_error(exc, "DDP collective")
+        except StopRequested as stop:
+            return stop
+        return None
 
     def report_fault(self, kind: str, message: str, injected: bool = False, fatal: bool = False,
                      collective: str = "") -> None:

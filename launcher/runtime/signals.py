@@ -25,6 +25,12 @@ class StopSignal:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._target = -1
+        self._listeners: list[Callable[[int], None]] = []
+
+    def on_request(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(generation)` on the requesting thread after every newer request (the
+        runtime breaks waits there that the training thread cannot leave by itself)."""
+        self._listeners.append(listener)
 
     def request(self, generation: int) -> bool:
         """Record a stop for `generation`; True when it is newer than any earlier request."""
@@ -33,7 +39,9 @@ class StopSignal:
                 return False
             self._target = generation
             self._cond.notify_all()
-            return True
+        for listener in list(self._listeners):
+            listener(generation)
+        return True
 
     @property
     def target(self) -> int:

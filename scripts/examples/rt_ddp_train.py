@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
@@ -54,11 +55,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="micro-batches per step: the first accum-1 backwards under model.no_sync()")
     ap.add_argument("--keep-grads", action="store_true", help="opt.zero_grad(set_to_none=False)")
     ap.add_argument("--out", default=None, help="write final parameters here ('{rank}' for every rank)")
+    ap.add_argument("--pause", default=None, metavar="RANK,STEP,SECONDS",
+                    help="rank RANK sleeps SECONDS at the end of step STEP's forward, while its peers wait in "
+                         "DDP's all-reduce (a fault plan can fire at its backward then)")
+    ap.add_argument("--checkpoint-dir", default=None, help="durable checkpoints (a restart-all resumes there)")
+    ap.add_argument("--checkpoint-every", type=int, default=0)
     args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error(f"--layers {args.layers} must be >= 2")
     if args.accum < 1:
         ap.error(f"--accum {args.accum} must be >= 1")
+    if args.pause is not None:
+        try:
+            rank, step, seconds = args.pause.split(",")
+            args.pause = (int(rank), int(step), float(seconds))
+        except ValueError:
+            ap.error(f"--pause {args.pause!r} must be RANK,STEP,SECONDS (e.g. 1,2,1.0)")
     return args
 
 
@@ -77,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     model = rt.ddp(build_model(args.hidden, args.layers, args.norm), bucket_cap_mb=args.bucket_cap_mb)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     pos = {"batch": 0}
-    rt.register(model=model, optimizer=opt, data=(lambda: dict(pos), lambda p: pos.update(p)))
+    rt.register(model=model, optimizer=opt, data=(lambda: dict(pos), lambda p: pos.update(p)),
+                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
     loss = torch.zeros(())
     for step in rt.steps(args.steps):
         with step:
@@ -92,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                 x, y = make_batch(args.seed, pos["batch"], rt.rank, args.batch)
                 pos["batch"] += 1
                 loss = torch.nn.functional.mse_loss(model(x), y)
+                if args.pause and args.pause[:2] == (rt.rank, step.index):
+                    time.sleep(args.pause[2])
             with step.phase("backward"):
                 if args.accum == 1:
                     opt.zero_grad(set_to_none=not args.keep_grads)
