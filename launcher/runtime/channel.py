@@ -111,9 +111,21 @@ class AgentChannel:
 
     def progress(self, step: int, phase: str, committed_step: int, step_s: float | None = None) -> None:
         """`update(step=, phase=, committed_step=[, step_s=])` without the keyword plumbing: the
-        training loop calls it at every phase edge."""
+        training loop calls it at every phase edge (five times per step), right after the step's
+        computation has evicted it from the caches, so it is kept short: while the writer
+        coalesces (most of the time in a fast loop) it sets the fields without the lock. The
+        writer clears `_dirty` before it copies the fields, and they are set before `_dirty`: a
+        heartbeat may mix two adjacent phase edges, the next one carries the latest, none is
+        lost. A change that races with the end of coalescing is sent at the next wake-up (at
+        most one heartbeat interval later)."""
+        p = self._progress
+        if self._coalescing:
+            p.step, p.phase, p.committed_step = step, phase, committed_step
+            if step_s is not None:
+                p.step_s = step_s
+            self._dirty = True
+            return
         with self._cond:
-            p = self._progress
             p.step, p.phase, p.committed_step = step, phase, committed_step
             if step_s is not None:
                 p.step_s = step_s

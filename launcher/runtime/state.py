@@ -88,35 +88,47 @@ def slot_paths(skeleton: Any, path: tuple = ()) -> dict[int, tuple]:
 
 
 MT19937_STATE_BYTES = 624 * 4 + 4  # numpy's mt19937_state: uint32 key[624]; int pos
+# An MT19937 state is compared by its position and its first FINGERPRINT_WORDS words, not all 624:
+# a draw moves the position; the regeneration after 624 draws (the "twist") rewrites every word,
+# each one equal to its old value with probability 2^-32, so an unchanged fingerprint after a
+# change has probability 2^-128. Reading 20 bytes instead of 2.5 kB matters because a snapshot
+# runs right after the step's computation has evicted them from the caches (~10 us per state).
+FINGERPRINT_WORDS = 4
 
 
 class NumpyRng:
     """numpy's legacy global RNG state (`np.random.get_state()`), re-read only when it may differ.
 
     Reading it through numpy's API costs ~30 us (a Python loop over 624 words); comparing the
-    generator's raw 2.5 kB state with the bytes seen at the last read costs well under 1 us. The
+    generator's raw position and first words (FINGERPRINT_WORDS) with those seen at the last
+    read costs well under 1 us. The
     legacy state is (key, pos, has_gauss, gauss): every draw moves key/pos, except taking a
     cached gaussian (has_gauss 1 -> 0), so the last state is reused only when the raw bytes are
     unchanged and it held no cached gaussian. Snapshots share the reused tuple; nothing mutates it.
     """
 
     def __init__(self) -> None:
+        self._mtrand = np.random.mtrand  # the module holding the global RandomState `_rand`
         self._gen: Any = None  # the bit generator whose raw state we read
-        self._addr = 0
+        self._words: memoryview | None = None  # its first words and its position, in place
+        self._pos: memoryview | None = None
         self._raw = b""
         self._state: Any = None
 
     def get(self) -> Any:
-        gen = np.random.mtrand._rand._bit_generator
+        gen = self._mtrand._rand._bit_generator
         if gen is not self._gen:
-            self._gen, self._state, self._raw = gen, None, b""
+            self._gen, self._state, self._raw, self._words = gen, None, b"", None
             try:
-                self._addr = int(gen.ctypes.state_address) if type(gen).__name__ == "MT19937" else 0
+                if type(gen).__name__ == "MT19937":
+                    addr = int(gen.ctypes.state_address)
+                    self._words = memoryview((ctypes.c_char * (4 * FINGERPRINT_WORDS)).from_address(addr))
+                    self._pos = memoryview((ctypes.c_char * 4).from_address(addr + 624 * 4))
             except (AttributeError, TypeError, ValueError):
-                self._addr = 0
-        if not self._addr:
+                self._words = None
+        if self._words is None or self._pos is None:
             return np.random.get_state()
-        raw = ctypes.string_at(self._addr, MT19937_STATE_BYTES)
+        raw = self._words.tobytes() + self._pos.tobytes()
         if self._state is None or raw != self._raw or self._state[3]:
             self._state = np.random.get_state()
             self._raw = raw
@@ -127,9 +139,10 @@ class PythonRng:
     """`random.getstate()`, re-read only when the generator's raw state or gauss_next changed.
 
     getstate() builds a tuple of 625 ints (~6 us). CPython's generator object holds, right after
-    the object header, `int index; uint32_t state[624]` -- exactly getstate()'s numbers. That
-    layout is checked against getstate() at every full read (the first one included); on any
-    mismatch the raw comparison is dropped for good and every call reads getstate().
+    the object header, `int index; uint32_t state[624]` -- exactly getstate()'s numbers. Between
+    full reads only the index and the first words are compared (FINGERPRINT_WORDS). The layout is
+    checked against getstate() at every full read (the first one included); on any mismatch the
+    raw comparison is dropped for good and every call reads getstate().
     """
 
     def __init__(self, inst: Any = None) -> None:
@@ -137,23 +150,28 @@ class PythonRng:
         offset = object.__basicsize__
         fits = type(self._inst).__basicsize__ >= offset + 4 + 624 * 4
         self._addr = id(self._inst) + offset if fits else 0
+        # the index and the first words, read in place (a view made once: ctypes.string_at per
+        # call costs several us right after a step's computation)
+        self._head = memoryview((ctypes.c_char * (4 + 4 * FINGERPRINT_WORDS)).from_address(self._addr)) \
+            if self._addr else None
         self._raw = b""
         self._gauss: Any = None
         self._state: Any = None
 
     def get(self) -> Any:
-        if not self._addr:
+        if not self._addr or self._head is None:
             return self._inst.getstate()
-        raw = ctypes.string_at(self._addr, 4 + 624 * 4)
+        raw = self._head.tobytes()
         gauss = self._inst.gauss_next
         if self._state is not None and raw == self._raw and gauss is self._gauss:
             return self._state
         state = self._inst.getstate()
         words = state[1]
-        if len(words) != 625 or struct.unpack_from("i624I", raw) != (words[624], *words[:624]):
+        full = ctypes.string_at(self._addr, 4 + 624 * 4)
+        if len(words) != 625 or struct.unpack_from("i624I", full) != (words[624], *words[:624]):
             self._addr = 0  # not the layout we read: never trust the raw bytes again
             return state
-        self._raw, self._gauss, self._state = raw, gauss, state
+        self._raw, self._gauss, self._state = full[:4 + 4 * FINGERPRINT_WORDS], gauss, state
         return state
 
 
