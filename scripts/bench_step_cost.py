@@ -20,7 +20,9 @@ step / plain DDP block's, minus 1; the CPU time of every thread of the process) 
 bootstrap 95 % interval of the median); the same for wall time (`<mode>_wall_*`); the plain DDP
 and runtime medians per step (`<mode>_ddp_cpu_step_s`, `<mode>_ours_cpu_step_s`);
 `<mode>_agent_thread_cpu_pct` the CPU time of the runtime's own threads (the channel to the
-agent) against the process's. `--variants` adds two controls beside `rtddp` (same loop under
+agent) against the process's. `rtddp` is rt.ddp as users get it (DDP's own C++ reducer on the
+runtime's group); `rtddphook` the same with FTRUN_DDP_COMM=hook (the runtime's Python comm hook,
+rt.ddp's only path before). `--variants` adds two controls beside `rtddp` (same loop under
 `rt.steps()`, plain DDP on both sides otherwise): `bucketview` (DDP with bucket-view gradients,
 no hook: the runtime's step bookkeeping alone) and `torchhook` (DDP with torch's own Python
 `allreduce_hook`: what any Python comm hook costs). Prints one JSON line. Sets up the /etc/hosts
@@ -46,7 +48,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_overhead import SIZES, WORKER, rotating_runs, worker_env  # noqa: E402  (the same worker, models and sizes)
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 
-MODES = ("rtddp", "native", "bucketview", "torchhook")
+MODES = ("rtddp", "rtddphook", "native", "bucketview", "torchhook")
+WORKER_MODE = {"rtddphook": "rtddp"}  # rt.ddp with FTRUN_DDP_COMM=hook: the runtime's Python comm hook
 WARM_CYCLES = 2
 STOP_GRACE_S = 30.0  # after SIGTERM, ftrun's time to stop its workers before SIGKILL
 
@@ -56,10 +59,13 @@ def run_once(mode: str, size: dict, args: argparse.Namespace, workdir: str) -> d
     out = os.path.join(workdir, f"{mode}-{time.monotonic_ns()}.json")
     cmd = [sys.executable, "-m", "launcher", "--nproc_per_node", str(args.nproc), "--warm-spares", "0",
            "--log_dir", os.path.join(workdir, "logs", os.path.basename(out)[:-5]),
-           WORKER, "--mode", f"interleaved_{mode}", "--steps", str(args.steps), "--block", str(args.block),
+           WORKER, "--mode", f"interleaved_{WORKER_MODE.get(mode, mode)}", "--steps", str(args.steps),
+           "--block", str(args.block),
            "--out", out, *(["--pin"] if args.pin else []),
            *[x for k, v in size.items() for x in (f"--{k}", str(v))]]
     env = worker_env(threads=1)
+    if mode == "rtddphook":
+        env["FTRUN_DDP_COMM"] = "hook"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir)
     try:
         _, stderr = proc.communicate(timeout=args.timeout)

@@ -33,8 +33,8 @@ STEPS = 6
 ARGS = ["--steps", str(STEPS), "--hidden", "128", "--layers", "4", "--norm", "--bucket-cap-mb", "0.1"]
 
 
-def params_of(wd: Path) -> list[dict[str, torch.Tensor]]:
-    return [load_params(wd / f"out{r}.pt") for r in range(NPROC)]
+def params_of(wd: Path, nproc: int = NPROC) -> list[dict[str, torch.Tensor]]:
+    return [load_params(wd / f"out{r}.pt") for r in range(nproc)]
 
 
 BUFFERS = ("running_mean", "running_var", "num_batches_tracked")
@@ -44,7 +44,8 @@ def assert_equal_params(got: list[dict], ref: list[dict]) -> None:
     """Parameters equal plain DDP's on every rank; buffers equal plain DDP's rank 0 buffers on
     every rank (rt.ddp broadcasts them after each forward, plain DDP before the next one, so
     between steps plain DDP's other ranks hold their own rank-local updates)."""
-    for r in range(NPROC):
+    assert len(got) == len(ref)
+    for r in range(len(ref)):
         assert got[r].keys() == ref[r].keys()
         for k in ref[r]:
             want = ref[0][k] if k.endswith(BUFFERS) else ref[r][k]
@@ -57,13 +58,13 @@ ACCUM_ARGS = ["--steps", "5", "--hidden", "128", "--layers", "4", "--bucket-cap-
               "--keep-grads"]
 
 
-def plain_run(wd: Path, args: list[str]) -> list[dict[str, torch.Tensor]]:
+def plain_run(wd: Path, args: list[str], nproc: int = NPROC) -> list[dict[str, torch.Tensor]]:
     wd.mkdir(exist_ok=True)
-    cmd = TORCHRUN + ["--standalone", "--nproc_per_node", str(NPROC), script("ddp_reference.py"), *args,
+    cmd = TORCHRUN + ["--standalone", "--nproc_per_node", str(nproc), script("ddp_reference.py"), *args,
                       "--out", str(wd / "out{rank}.pt")]
     res = run(cmd, env_with(OMP_NUM_THREADS="1"), timeout=300, cwd=str(wd))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
-    return params_of(wd)
+    return params_of(wd, nproc)
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +76,14 @@ NATIVE = "DDP's reducer all-reduces on the runtime's group (in C++)"
 
 
 def ftrun(wd: Path, plan: list[dict] | None = None, launcher_args: tuple[str, ...] = (),
-          args: list[str] = ARGS, **env: str) -> tuple[list[dict], list[dict], str]:
+          args: list[str] = ARGS, nproc: int = NPROC, **env: str) -> tuple[list[dict], list[dict], str]:
     wd.mkdir()
-    cmd = FTRUN + ["--nproc_per_node", str(NPROC), "--max_restarts", "5", "--log_dir", str(wd / "logs"),
+    cmd = FTRUN + ["--nproc_per_node", str(nproc), "--max_restarts", "5", "--log_dir", str(wd / "logs"),
                    *launcher_args, str(EXAMPLES / "rt_ddp_train.py"), *args, "--out", str(wd / "out{rank}.pt")]
     res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan or []), **env), timeout=400, cwd=str(wd))
     out = res.stdout + res.stderr
     assert res.returncode == 0, f"exit {res.returncode}\n{out[-8000:]}"
-    return params_of(wd), events(str(wd / "logs")), out
+    return params_of(wd, nproc), events(str(wd / "logs")), out
 
 
 def test_same_parameters_as_plain_ddp_under_torchrun(tmp_path, plain_ddp):
@@ -152,17 +153,18 @@ def test_the_comm_hook_path_chosen_by_env_stays_bit_identical_through_a_kill(tmp
     assert_equal_params(params, plain_ddp)
 
 
-@pytest.mark.parametrize("comm", ["reducer", "hook"])
-def test_no_sync_accumulation_into_kept_grads_stays_bit_identical(tmp_path, comm):
+@pytest.mark.parametrize("comm, nproc", [("reducer", 3), ("reducer", 2), ("hook", 3)])
+def test_no_sync_accumulation_into_kept_grads_stays_bit_identical(tmp_path, comm, nproc):
     """Micro-batches accumulated under model.no_sync() into .grad kept between steps
     (zero_grad(set_to_none=False)), a kill in backward and one in forward, still plain DDP's
-    parameters. DDP's reducer keeps DDP's default (.grad copied back: a bucket-view .grad would be
-    divided by N in place, plain DDP multiplies by 1/N, which differs in the last bit for N=3);
-    the comm hook's default .grad are bucket views (its own x * (1/N))."""
-    ref = plain_run(tmp_path / "plain", ACCUM_ARGS)
+    parameters (DDP's default: .grad copied back). DDP's reducer with 3 ranks keeps that default
+    (a bucket-view .grad is divided by 3 in place, plain DDP multiplies by 1/3: the last bit
+    differs); with 2 ranks its .grad are bucket views (x / 2 == x * 0.5); the comm hook's are
+    bucket views for any N (its own x * (1/N))."""
+    ref = plain_run(tmp_path / "plain", ACCUM_ARGS, nproc)
     plan = [{"rank": 1, "step": 1, "phase": "backward", "kind": "kill"},
-            {"rank": 2, "step": 3, "phase": "forward", "kind": "kill", "generation": 1}]
-    params, ev, _ = ftrun(tmp_path / "accum", plan, args=ACCUM_ARGS, FTRUN_DDP_COMM=comm)
+            {"rank": nproc - 1, "step": 3, "phase": "forward", "kind": "kill", "generation": 1}]
+    params, ev, _ = ftrun(tmp_path / "accum", plan, args=ACCUM_ARGS, nproc=nproc, FTRUN_DDP_COMM=comm)
     assert [e["resume_step"] for e in ev if e["event"] == "repair-plan"] == [1, 3]
     assert_equal_params(params, ref)
 
@@ -183,17 +185,16 @@ rt.finish()
 """
 
 
-@pytest.mark.parametrize("comm, default_views", [("reducer", False), ("hook", True)])
-def test_grads_are_bucket_views_as_the_user_chooses(tmp_path, comm, default_views):
-    """DDP's reducer: DDP's default (.grad copied back); the comm hook: bucket views by default."""
+@pytest.mark.parametrize("comm", ["reducer", "hook"])
+def test_grads_are_bucket_views_unless_the_user_chooses(tmp_path, comm):
+    """One rank (a power of two): bucket views by default on both paths; the option is obeyed."""
     env = base_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(free_port()), "FTRUN_DDP_COMM": comm})
     res = subprocess.run([sys.executable, "-c", VIEWS], env=env, capture_output=True, text=True, timeout=120,
                          cwd=tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
     cases = [ln for ln in res.stdout.splitlines() if ln.startswith("CASE")]
-    v = default_views
-    assert cases == [f"CASE [] {v} {v} {v}",
+    assert cases == ["CASE [] True True True",
                      "CASE [('gradient_as_bucket_view', False)] False False False",
                      "CASE [('gradient_as_bucket_view', True)] True True True"], res.stdout
 

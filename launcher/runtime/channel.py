@@ -9,7 +9,10 @@ heartbeat's fields and queues messages. The messages and their encoding are `lau
 Heartbeats are at most MIN_HEARTBEAT_GAP apart while progress changes (the latest progress is
 sent, nothing is lost but intermediate phases): a fast training loop changes phase several
 times per step and must not pay a message (and the agent a parse) for each. Other messages
-(fault, recovered, bye) go out at once. With a wait probe set (`set_wait_probe`: rt.ddp's native
+(fault, recovered, bye) go out at once. With a progress source set (`set_progress_source`: the
+runtime), the training thread does not even call the channel at a phase edge: the writer reads
+(step, phase, committed step, step time) from the source every MIN_HEARTBEAT_GAP and sends a
+heartbeat when they changed; the runtime only `wake()`s it for phases worth telling at once. With a wait probe set (`set_wait_probe`: rt.ddp's native
 reducer, whose waits run in C++), the writer also asks it every PERIOD_S whether the training
 thread sits in such a wait, and reports it as `waiting` as the runtime's own waits do.
 """
@@ -56,6 +59,7 @@ class AgentChannel:
         self._threads: list[threading.Thread] = []
         self._probe: Callable[[], bool] | None = None
         self._probed = False  # the probe's last answer
+        self._source: Callable[[], tuple[int, str, int, float | None]] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
     def start(self, hello: Hello) -> None:
@@ -133,6 +137,38 @@ class AgentChannel:
             if not self._coalescing:
                 self._cond.notify_all()
 
+    def set_progress_source(self, source: Callable[[], tuple[int, str, int, float | None]]) -> None:
+        """`source()` -> (step, phase, committed_step, step_s): read by the writer every
+        MIN_HEARTBEAT_GAP (and when woken) instead of being told at every phase edge; what it
+        returns replaces what `progress()`/`update()` set for those fields."""
+        with self._cond:
+            self._source = source
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Progress worth sending now (a recovery starts, the job is done): the writer reads the
+        source at once instead of at its next poll."""
+        with self._cond:
+            self._dirty = True
+            if not self._coalescing:
+                self._cond.notify_all()
+
+    def _pull(self) -> None:
+        """(writer, under the lock) Fold the source's and the probe's answers into the heartbeat."""
+        if self._source is not None:
+            step, phase, committed, step_s = self._source()
+            p = self._progress
+            if (p.step, p.phase, p.committed_step) != (step, phase, committed) or \
+                    (step_s is not None and step_s != p.step_s):
+                p.step, p.phase, p.committed_step = step, phase, committed
+                if step_s is not None:
+                    p.step_s = step_s
+                self._dirty = True
+        if self._probe is not None:
+            probed = bool(self._probe())
+            if probed != self._probed:
+                self._probed, self._dirty = probed, True
+
     def set_wait_probe(self, probe: Callable[[], bool]) -> None:
         """`probe()` (asked by the writer every PERIOD_S): does the training thread wait on its
         peers where it cannot say so itself? Its answer is OR-ed into the heartbeat's `waiting`."""
@@ -156,17 +192,18 @@ class AgentChannel:
         while True:
             with self._cond:
                 timeout = max(0.0, self._interval - (time.monotonic() - last))
-                self._cond.wait_for(lambda: self._closing or self._outbox or self._dirty,
-                                    timeout=timeout if self._probe is None else min(timeout, PERIOD_S))
+                if self._source is not None:
+                    timeout = min(timeout, MIN_HEARTBEAT_GAP)
                 if self._probe is not None:
-                    probed = bool(self._probe())
-                    if probed != self._probed:
-                        self._probed, self._dirty = probed, True
+                    timeout = min(timeout, PERIOD_S)
+                self._cond.wait_for(lambda: self._closing or self._outbox or self._dirty, timeout=timeout)
+                self._pull()
                 gap = MIN_HEARTBEAT_GAP - (time.monotonic() - last)
-                if gap > 0 and not (self._closing or self._outbox):
+                if gap > 0 and not (self._closing or self._outbox) and self._dirty:
                     self._coalescing = True  # progress only: let more changes pile up first
                     self._cond.wait_for(lambda: self._closing or self._outbox, timeout=gap)
                     self._coalescing = False
+                    self._pull()
                 batch, self._outbox = self._outbox, []
                 beat = self._dirty or time.monotonic() - last >= self._interval
                 self._dirty = False

@@ -8,10 +8,17 @@ refused with one line naming the option), and `BucketComm`, the comm hook.
 Steady state: DDP's own reducer (FTRUN_DDP_COMM=reducer, the default).
 - DDP's C++ reducer runs on the runtime's group of the current generation, exactly as plain DDP
   runs on its group: bucketed all-reduces start while backward goes on, DDP averages and waits
-  in C++, no Python per bucket; numerics and default options are plain DDP's (.grad copied back
-  unless the caller passes gradient_as_bucket_view=True: with a bucket-view .grad kept between
-  steps DDP divides by N in place where the copy path multiplies by 1/N, which differs in the
-  last bit for N=3, so the default stays DDP's).
+  in C++, no Python per bucket; numerics are plain DDP's.
+- Gradients: .grad are views into DDP's buckets (gradient_as_bucket_view=True) unless the caller
+  passes the option, when the group's size N is a power of two. DDP's default copies each
+  gradient into its bucket multiplied by 1/N and the result back into .grad; as views there is
+  no copy back (one pass over the gradients less per step), and a .grad kept between steps
+  (zero_grad(set_to_none=False), no_sync() accumulation) is divided by N in place. x / N and
+  x * (1/N) are the same number when N is a power of two (1/N is exact), so the parameters are
+  plain DDP's bit for bit; for other N (3 ranks: the last bit differs) the default stays DDP's.
+  What the user sees with views: an in-place `p.grad.detach_()` raises (`zero_grad()` works
+  either way), and a reference to an old .grad kept across steps is overwritten by the next
+  step's result, as torch documents for the option.
 - Leaving its waits: a stop makes the runtime shut down the sockets of the older generations'
   groups (launcher.runtime.group_sockets), so a C++ wait on a peer that will never answer fails
   at once; a peer's death fails it by itself. `loss.backward()` (or the forward, for DDP's
@@ -32,7 +39,8 @@ The comm hook (FTRUN_DDP_COMM=hook for every step; otherwise only for such a lea
   its all_reduce on the runtime's group at once, asynchronously; a callback queued on the
   autograd engine waits for them through the runtime's interruptible wait before DDP copies the
   results into .grad. A stop raised there comes out of `loss.backward()` as StopRequested.
-- .grad are bucket views by default here (the hook's scaling is then the only pass over them).
+- .grad are bucket views by default here for any N (the hook's own x * (1/N) is then the only
+  pass over them).
 - The layout: step 0 uses DDP's initial one; later steps the one DDP rebuilds from the order
   gradients became ready (rank 0's order, broadcast through the runtime); DDP's buckets that
   differ from it are repacked into it. Whether DDP's bucket k holds the layout's bucket k is
@@ -275,10 +283,9 @@ class RuntimeDDP(DistributedDataParallel):
         handle: GroupHandle | None = kwargs.pop("process_group", None)
         init_sync = bool(kwargs.pop("init_sync", True))
         comm = rt._grad_comm(handle)
-        if rt.env.ddp_comm == "hook":
-            # .grad as views into DDP's buckets unless the user chose: the hook's scaling is then
-            # the only pass over the gradients (see "FTRUN_DDP_COMM=hook" in the module docstring)
-            kwargs.setdefault("gradient_as_bucket_view", True)
+        # .grad as views into DDP's buckets unless the user chose, where that gives DDP's own
+        # numbers (see "Gradients" in the module docstring): one pass over the gradients less
+        kwargs.setdefault("gradient_as_bucket_view", rt.env.ddp_comm == "hook" or _power_of_two(comm.size))
         ft = BucketComm(comm, lambda: rt._current_step, rt.log)
         ddp = cls(module, process_group=_solo_group(rt.rank), init_sync=False, **kwargs)
         ddp._ft_comm = ft
@@ -495,6 +502,10 @@ def _given_layout(layout: list[list[int]] | None, n: int) -> Iterator[None]:
         yield
     finally:
         dist._compute_bucket_assignment_by_size = real
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def _rebuilder(ref: "weakref.ReferenceType[RuntimeDDP]", rank: int) -> Callable[[int], None]:

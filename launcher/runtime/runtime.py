@@ -48,6 +48,11 @@ from launcher.runtime.transfer import recv_state, send_state
 from launcher.runtime.wait_probe import CppWaitProbe, cpp_wait_codes
 
 
+# phases the agent hears at once (the channel's writer is woken); a step's phase edges are read at
+# its next poll (MIN_HEARTBEAT_GAP), as coalesced heartbeats always were
+_PROMPT_PHASES = frozenset({"recovering", "resumed", "checkpoint", "done"})
+
+
 @dataclass(frozen=True)
 class RuntimeOptions:
     heartbeat_interval: float = 1.0  # seconds between heartbeats when nothing changes
@@ -166,6 +171,7 @@ class Runtime:
         self._committed = -1
         self._current_step = -1
         self._step_t0: float | None = None  # when the current step began (monotonic)
+        self._last_step_s: float | None = None  # how long the last committed step took
         self._phase = "init"
         self._in_update = False
         self._dirty = False
@@ -207,6 +213,7 @@ class Runtime:
                                      on_inject=lambda m: self._injector.arm(dataclasses.asdict(m)))
         self._channel.start(Hello(rank=env.rank, local_rank=env.local_rank, pid=os.getpid(),
                                   generation=env.generation, replacement=env.replacement))
+        self._channel.set_progress_source(self._progress_now)
         self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                                     timeout=timedelta(seconds=env.store_timeout), wait_for_workers=False)
         if env.replacement:
@@ -496,9 +503,18 @@ class Runtime:
         self._injector.maybe_fire(self.generation, step.index, name)
 
     def _set_phase(self, name: str, step_s: float | None = None) -> None:
+        """The rank's phase. The agent channel's writer reads it (`_progress_now`) at its next
+        poll: a phase edge of a step costs an attribute store, no call into the channel; the
+        runtime's own phases outside steps (recovering, resumed, checkpoint, done) wake it."""
         self._phase = name
-        if self._channel is not None:
-            self._channel.progress(self._current_step, name, self._committed, step_s)
+        if step_s is not None:
+            self._last_step_s = step_s
+        if name in _PROMPT_PHASES and self._channel is not None:
+            self._channel.wake()
+
+    def _progress_now(self) -> tuple[int, str, int, float | None]:
+        """(step, phase, committed step, last step time) for the channel's heartbeats."""
+        return self._current_step, self._phase, self._committed, self._last_step_s
 
     def _check_stop(self, where: str) -> None:
         if self._stop.newer_than(self.generation):
