@@ -128,3 +128,31 @@ def test_a_wait_probe_is_asked_while_nothing_changes_and_its_answer_rides_the_he
     finally:
         ch.close(bye=False)
         conn.close()
+
+
+def test_a_progress_source_is_read_without_the_training_thread_calling_the_channel(server):
+    """The runtime only stores its phase: the writer reads the source every MIN_HEARTBEAT_GAP and
+    sends what changed; wake() sends at once (a recovery starting) even with a long interval."""
+    path, srv = server
+    now = {"v": (3, "forward", 2, None)}
+    ch = AgentChannel(path, 0, StopSignal(), print, heartbeat_interval=30.0)
+    ch.start(Hello(rank=0))
+    conn, _ = srv.accept()
+    try:
+        ch.set_progress_source(lambda: now["v"])
+        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["phase"] == "forward" for x in m))
+        assert any(m["op"] == "heartbeat" and (m["step"], m["phase"], m["committed_step"]) == (3, "forward", 2)
+                   for m in msgs)
+        now["v"] = (3, "committed", 3, 0.25)  # no call into the channel: the writer polls
+        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["phase"] == "committed" for x in m))
+        beat = next(m for m in msgs if m["op"] == "heartbeat" and m["phase"] == "committed")
+        assert (beat["committed_step"], beat["step_s"]) == (3, 0.25)
+        now["v"] = (4, "recovering", 3, None)
+        t0 = time.monotonic()
+        ch.wake()
+        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["phase"] == "recovering" for x in m))
+        assert any(m["op"] == "heartbeat" and m["phase"] == "recovering" for m in msgs)
+        assert time.monotonic() - t0 < 1.0
+    finally:
+        ch.close(bye=False)
+        conn.close()

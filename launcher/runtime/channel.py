@@ -143,6 +143,7 @@ class AgentChannel:
         returns replaces what `progress()`/`update()` set for those fields."""
         with self._cond:
             self._source = source
+            self._dirty = True  # the writer may sit in a long wait: make it loop and poll
             self._cond.notify_all()
 
     def wake(self) -> None:
@@ -174,6 +175,7 @@ class AgentChannel:
         peers where it cannot say so itself? Its answer is OR-ed into the heartbeat's `waiting`."""
         with self._cond:
             self._probe = probe
+            self._dirty = True
             self._cond.notify_all()
 
     def send(self, message: Message) -> None:

@@ -100,6 +100,7 @@ class FaultInjector:
         self._rank = rank
         self._lock = threading.Lock()
         self._specs = [s for s in specs if s.rank == rank]
+        self.armed = bool(self._specs)  # read at every phase edge: anything to fire at all?
         self._log = log
 
     def arm(self, msg: dict) -> None:
@@ -116,6 +117,7 @@ class FaultInjector:
         self._log(f"INJECTED fault kind={spec.kind} armed by ftctl inject: fires at {spec.where()}")
         with self._lock:
             self._specs.append(spec)
+            self.armed = True
 
     def maybe_fire(self, generation: int, step: int, phase: str) -> None:
         if not self._specs:  # the common case, checked at every phase edge without the lock
