@@ -294,7 +294,7 @@ class RuntimeDDP(DistributedDataParallel):
         ddp._ft_log = rt.log
         ddp._ft_reducer_ok = rt.env.ddp_comm == "reducer"
         ddp._ft_enable_cpp_waits = rt._enable_cpp_waits
-        ddp._ft_native = False  # DDP's own reducer on the runtime's group (else the comm hook's)
+        ddp._ft_on_reducer = False  # DDP's own reducer on the runtime's group (else the comm hook's)
         ddp._ft_layout = None  # the bucket layout of steps >= 1, once this rank knows it
         ddp._ft_hooked_step = None  # the step that runs through the comm hook to learn that layout
         ddp._ft_pending = True  # the next forward settles which reducer runs (see _ft_settle)
@@ -335,7 +335,7 @@ class RuntimeDDP(DistributedDataParallel):
         self._ft_comm.abandon()
         self._ft_new_reducer(_solo_group(rank))
         self._ft_install()
-        self._ft_native = False
+        self._ft_on_reducer = False
         self._ft_hooked_step = None
         self._ft_pending = True
 
@@ -364,7 +364,7 @@ class RuntimeDDP(DistributedDataParallel):
         settles again. On DDP's reducer: once DDP rebuilt its buckets (the forward of step 1, or
         the step after a given layout), read the layout it chose."""
         step = self._ft_comm._step()
-        if self._ft_native:
+        if self._ft_on_reducer:
             if self._has_rebuilt_buckets:
                 self._ft_pending = False
                 self._ft_adopt_rebuilt()
@@ -384,7 +384,7 @@ class RuntimeDDP(DistributedDataParallel):
                 return
         self._ft_comm.release()
         self._ft_new_reducer(self._ft_grad_group(), layout)
-        self._ft_native = True
+        self._ft_on_reducer = True
         self._ft_layout = layout
         self._ft_enable_cpp_waits()
         how = ("DDP's first-iteration layout" if layout is None else
@@ -397,7 +397,7 @@ class RuntimeDDP(DistributedDataParallel):
 
     def _ft_known(self) -> list[list[int]] | None:
         """The bucket layout of steps >= 1, if this rank knows it."""
-        if self._ft_native and self._has_rebuilt_buckets:
+        if self._ft_on_reducer and self._has_rebuilt_buckets:
             return self._ft_reducer_layout()
         return self._ft_layout if self._ft_layout is not None else self._ft_comm.learnt()
 
