@@ -323,3 +323,27 @@ def test_a_bucket_ddp_rebuilt_is_checked_again_not_taken_from_the_last_layout():
     rebuilt["flag"] = True  # DDP rebuilt: its first bucket now holds params 2 and 1
     _backward_with(comm, [_FakeBucket(0, [params[2], params[1]]), _FakeBucket(1, [params[0]])])
     assert fake.reduced == [7, 8]  # repacked into the layout's buckets, not DDP's [12, 3]
+
+
+def test_ddp_on_a_group_handle_repairs_a_rank_from_its_own_pair(tmp_path):
+    """rt.ddp(process_group=<"dp" handle>) with two replica pairs ({0, 2}, {1, 3}) on DDP's own
+    reducer: rank 2 is SIGKILLed in backward (rank 0 waits for it in DDP's C++ all-reduce on the
+    pair's group), repaired from rank 0, and every rank ends bit-identical to a fault-free run."""
+    def job(name: str, plan: list[dict]) -> tuple[list[dict], list[dict], str]:
+        wd = tmp_path / name
+        wd.mkdir()
+        cmd = FTRUN + ["--nproc_per_node", "4", "--max_restarts", "3", "--log_dir", str(wd / "logs"),
+                       script("rt_ddp_groups.py"), "--steps", "6", "--out", str(wd / "out{rank}.pt")]
+        res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan)), timeout=300, cwd=str(wd))
+        out = res.stdout + res.stderr
+        assert res.returncode == 0, out[-6000:]
+        return params_of(wd, 4), events(str(wd / "logs")), out
+    ref, _, clean = job("clean", [])
+    assert clean.count(NATIVE + ": step 0") == 4
+    assert not torch.equal(ref[0]["0.weight"], ref[1]["0.weight"])  # two different models
+    got, ev, out = job("kill", [{"rank": 2, "step": 3, "phase": "backward", "kind": "kill"}])
+    assert [e["pairs"] for e in ev if e["event"] == "repair-plan"] == [[[0, 2]]]
+    assert out.count(NATIVE + ": step 3 with the bucket layout of steps >= 1") == 4
+    for r in range(4):
+        for k in ref[r]:
+            assert torch.equal(got[r][k], ref[r][k]), f"rank {r}: {k} differs from the fault-free run"

@@ -138,7 +138,7 @@ class SocketLedger:
         self._lock = threading.Lock()
         self._by_generation: dict[int, list[GroupSocket]] = {}
         self._stop_target = stop_target
-        self.enabled = False  # set when something waits in C++ (rt.ddp's native reducer)
+        self.enabled = False  # set when something waits in C++ (DDP's own reducer under rt.ddp)
 
     @contextmanager
     def track(self, generation: int) -> Iterator[None]:

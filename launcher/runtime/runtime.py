@@ -279,8 +279,8 @@ class Runtime:
             c10d._world.group_count = 0
 
     def _break_old_groups(self, target: int) -> None:
-        """On a stop (the channel's reader thread): with collectives that wait in C++ (rt.ddp's
-        native reducer), shut down the sockets of the older generations' groups so that such a
+        """On a stop (the channel's reader thread): with collectives that wait in C++ (DDP's own
+        reducer under rt.ddp), shut down the sockets of the older generations' groups so that such a
         wait fails at once instead of waiting for a hung peer (see group_sockets)."""
         if self._sockets.enabled:
             n = self._sockets.break_before(target)
@@ -289,7 +289,7 @@ class Runtime:
                          "(leaves DDP's waits in C++)")
 
     def _enable_cpp_waits(self) -> None:
-        """Something waits for collectives in C++ from now on (rt.ddp's native reducer): break
+        """Something waits for collectives in C++ from now on (DDP's own reducer): break
         those waits on a stop, and report them to the agent as waiting on peers."""
         if self._sockets.enabled:
             return

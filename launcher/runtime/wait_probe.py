@@ -1,6 +1,6 @@
 """Is the training thread blocked in a collective wait that torch runs in C++?
 
-Owns: `CppWaitProbe`. rt.ddp's native reducer waits for its all-reduces inside
+Owns: `CppWaitProbe`. DDP's own reducer under rt.ddp waits for its all-reduces inside
 `loss.backward()` (and for its bucket-rebuild broadcast inside DDP's `_pre_forward`), in C++,
 where no Python code runs to tell the agent "this rank waits on its peers" as the runtime's own
 waits do (`Interruptible`'s on_busy). The agent's hang watch needs that to blame the hung rank
