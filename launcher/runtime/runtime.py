@@ -290,8 +290,12 @@ class Runtime:
 
     def _enable_cpp_waits(self) -> None:
         """Something waits for collectives in C++ from now on (DDP's own reducer): break
-        those waits on a stop, and report them to the agent as waiting on peers."""
-        if self._sockets.enabled:
+        those waits on a stop, and report them to the agent as waiting on peers. gloo only: its
+        waits block the training thread on sockets. NCCL/HCCL waits do not block the host (the
+        stream waits), their groups are aborted through the device adapter, and there the
+        backward runs on device threads, so a training thread without CPU inside backward is
+        computing, not waiting: the probe would be wrong."""
+        if self._sockets.enabled or self.backend != "gloo":
             return
         self._sockets.enabled = True
         if self._channel is not None:
