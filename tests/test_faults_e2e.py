@@ -96,7 +96,9 @@ def test_hang_is_detected_dumped_and_recovered(tmp_path, ref):
     fired = next(line for line in job.output.splitlines() if "INJECTED fault kind=hang" in line)
     assert fired.startswith("[ftrun rank 1 gen 0]")
     latency = detected["time"] - stamp_of(fired, detected["time"])
-    assert 0 < latency <= hang_timeout + 2 * monitor, latency
+    # 2.3-2.5 s on an idle box, before and after the step-path change of 2026-11-27; 3.24 s once
+    # in a clean-clone CI run (2 cores, the suite's other jobs): scheduling slack of 1 s
+    assert 0 < latency <= hang_timeout + 2 * monitor + 1.0, latency
     # the hung worker's Python stacks (py-spy when installed, else faulthandler via SIGUSR1; only
     # the hung rank is dumped): its training thread sits in the injected hang, called from the
     # script's forward phase
