@@ -113,34 +113,10 @@ class AgentChannel:
             if not self._coalescing:
                 self._cond.notify_all()
 
-    def progress(self, step: int, phase: str, committed_step: int, step_s: float | None = None) -> None:
-        """`update(step=, phase=, committed_step=[, step_s=])` without the keyword plumbing: the
-        training loop calls it at every phase edge (five times per step), right after the step's
-        computation has evicted it from the caches, so it is kept short: while the writer
-        coalesces (most of the time in a fast loop) it sets the fields without the lock. The
-        writer clears `_dirty` before it copies the fields, and they are set before `_dirty`: a
-        heartbeat may mix two adjacent phase edges, the next one carries the latest, none is
-        lost. A change that races with the end of coalescing is sent at the next wake-up (at
-        most one heartbeat interval later)."""
-        p = self._progress
-        if self._coalescing:
-            p.step, p.phase, p.committed_step = step, phase, committed_step
-            if step_s is not None:
-                p.step_s = step_s
-            self._dirty = True
-            return
-        with self._cond:
-            p.step, p.phase, p.committed_step = step, phase, committed_step
-            if step_s is not None:
-                p.step_s = step_s
-            self._dirty = True
-            if not self._coalescing:
-                self._cond.notify_all()
-
     def set_progress_source(self, source: Callable[[], tuple[int, str, int, float | None]]) -> None:
         """`source()` -> (step, phase, committed_step, step_s): read by the writer every
         MIN_HEARTBEAT_GAP (and when woken) instead of being told at every phase edge; what it
-        returns replaces what `progress()`/`update()` set for those fields."""
+        returns replaces what `update()` set for those fields."""
         with self._cond:
             self._source = source
             self._dirty = True  # the writer may sit in a long wait: make it loop and poll

@@ -520,13 +520,11 @@ class Runtime:
         self._set_phase(name)
         self._injector.maybe_fire(self.generation, step.index, name)
 
-    def _set_phase(self, name: str, step_s: float | None = None) -> None:
+    def _set_phase(self, name: str) -> None:
         """The rank's phase. The agent channel's writer reads it (`_progress_now`) at its next
         poll: a phase edge of a step costs an attribute store, no call into the channel; the
         runtime's own phases outside steps (recovering, resumed, checkpoint, done) wake it."""
         self._phase = name
-        if step_s is not None:
-            self._last_step_s = step_s
         if name in _PROMPT_PHASES and self._channel is not None:
             self._channel.wake()
 
