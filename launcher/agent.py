@@ -57,6 +57,7 @@ from launcher.observer import NodeObserver
 from launcher.plan_executor import JobFailed, PlanExecutor
 from launcher.spawner import Spawner, WorkerWorld
 from launcher.store_stack import AgentWorld, StoreStack
+from launcher.death_notice import NoticeBoard
 from launcher.workers import NodeWorkers, Reaper, WorkerExit, send_signal, stop_workers
 from rendezvous.errors import (FencedError, JoinInterrupted, NodeLostError,
                                RendezvousGracefulExit, StoreHostLostError)
@@ -109,6 +110,7 @@ class Agent:
         self._master: tuple[str, int] = ("", 0)  # MASTER_ADDR/PORT local workers use
         self.channel: ChannelServer | None = None
         self.reaper: Reaper | None = None
+        self.notices: NoticeBoard | None = None  # workers' death notices (launcher.death_notice)
         self.workers = NodeWorkers({})
         self.spawner: Spawner | None = None
         self.executor: PlanExecutor | None = None
@@ -184,6 +186,7 @@ class Agent:
         self.loop_store = LoopStore(self.kv, self.log)
         self.channel = ChannelServer(os.path.join(self._sock_dir, "agent.sock"), self.events)
         self.reaper = Reaper(self.events)
+        self.notices = NoticeBoard(self.cfg.nproc_per_node)
         self._master = self.stack.start_proxy()
         self.stack.publish(self._world(), self.run_dir.path)
         self._enter_world()
@@ -250,7 +253,7 @@ class Agent:
                                                 world.world_size, master_addr, master_port,
                                                 self.channel.path),
                                self.run_dir, self.log, self.host, self.reaper,
-                               on_spawn=self.hangs.on_spawn)
+                               on_spawn=self.hangs.on_spawn, notices=self.notices)
         self.executor = PlanExecutor(cfg, self.log, kv, world, self.workers, self.spawner,
                                      self.channel, self.failures, stop=self.stopping,
                                      dump=lambda w: self.hangs.dump(w, w.rank in self.workers.aware),
@@ -369,7 +372,8 @@ class Agent:
                        + (f" (its stderr: {f.stderr_file})" if f.stderr_file else ""),
                        rank=w.rank, pid=ev.pid, exitcode=ev.code, signal=f.signal,
                        stderr_file=f.stderr_file or None,
-                       fault_kind=kind.value, detect_ms=round((time.time() - ev.time) * 1000, 3))
+                       fault_kind=kind.value, detect_ms=round((time.time() - ev.time) * 1000, 3),
+                       early_notice=ev.early)
         self._report(P.Fault(kind=kind.value, rank=w.rank, node=self.world.group_rank,
                              generation=self.generation, message=f.message, exitcode=ev.code,
                              signal=f.signal, pid=ev.pid, local_rank=w.local_rank, host=self.host,
@@ -436,7 +440,18 @@ class Agent:
             self.loop_store.put(P.aware_key(msg.rank), b"1")
         self.log.info("hello", f"rank {msg.rank} (pid {pid}) uses the ftrun runtime", rank=msg.rank,
                       pid=pid)
+        self._watch_death(msg, pid)
         self.executor.on_hello(msg.rank, msg.generation)
+
+    def _watch_death(self, msg: Hello, pid: int | None) -> None:
+        """The rank holds its death-notice slot: report its exit the moment it starts dying."""
+        w = self.workers.by_rank(msg.rank)
+        if (not msg.notice_tid or w is None or not w.notice or w.proc is None or pid != w.pid
+                or self.notices is None or self.reaper is None):
+            return
+        proc, reaper = w.proc, self.reaper
+        self.notices.watch(w.notice, w.proc.pid, msg.notice_tid,
+                           lambda code: reaper.announce(w, proc, code))
 
     def _on_fault_report(self, msg: FaultReport, pid: int | None) -> None:
         assert self.world is not None
@@ -654,7 +669,7 @@ class Agent:
         stop_workers(self.workers.all(), signal.SIGKILL, 0.0)
         slow = lambda msg: self.log.warning("shutdown-slow", msg)  # noqa: E731
         _stop_together([self.observer, self.role, *self._feeds, self.channel, self.reaper,
-                        self.spawner, self.reporter, self.loop_store], slow)
+                        self.notices, self.spawner, self.reporter, self.loop_store], slow)
         reason = LEAVE_SIGNAL if self.signum is not None else None
         # the store last, and bounded too: its calls wait up to the store timeout each, and the
         # store host waits up to 3 keep-alive intervals for the hot spares to see the end

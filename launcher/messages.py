@@ -62,6 +62,7 @@ class Hello:
     pid: int = 0
     generation: int = 0
     replacement: bool = False
+    notice_tid: int = 0  # the thread holding its FTRUN_DEATH_NOTICE slot (0: none held)
 
 
 @message("heartbeat")

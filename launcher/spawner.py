@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from launcher.config import LaunchConfig
+from launcher.death_notice import ENV as NOTICE_ENV
+from launcher.death_notice import NoticeBoard
 from launcher.logs import AgentLog, RunLogDir, render_prefix
 from launcher.spare import SparePool
 from launcher.workers import Reaper, Worker, spawn
@@ -44,6 +46,7 @@ class Spawner:
     reaper: Reaper
     on_spawn: Callable[[Worker], None]
     console_lock: threading.Lock = field(default_factory=threading.Lock)
+    notices: NoticeBoard | None = None  # the agent's death-notice slots (None: pidfds only)
     spares: SparePool | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -112,6 +115,10 @@ class Spawner:
             out_file, err_file = out_file or os.devnull, err_file or os.devnull
         attempt = self.run_dir.attempt_dir(generation)
         env = self.env(w, replacement)
+        env.pop(NOTICE_ENV, None)
+        w.notice = (self.notices.arm(w.local_rank, w.spawns) if self.notices else None) or ""
+        if w.notice:
+            env[NOTICE_ENV] = w.notice
         if replacement and self._from_spare(w, cmd, env, inherit=not (red or tee) and shown):
             return
         spawn(w, cmd, env, out_file, err_file,

@@ -46,6 +46,7 @@ class WorkerExit:
     code: int
     time: float
     generation: int
+    early: bool = False  # seen through its death notice, before the kernel tore it down
 
 
 def signal_name(code: int) -> str | None:
@@ -74,6 +75,7 @@ class Worker:
     spawns: int = 0
     said_bye: bool = False  # its runtime said goodbye (rt.finish()): done with the job
     hung_at_exit: bool = False  # killed by ftrun: silent past the hang limit after its goodbye
+    notice: str = ""  # its process's FTRUN_DEATH_NOTICE slot ("" without one)
 
     def attach(self, proc: subprocess.Popen | AdoptedChild) -> None:
         """Make `proc` this rank's current process (a fresh spawn or a warm spare)."""
@@ -204,6 +206,8 @@ class Reaper:
         os.set_blocking(self._wake_r, False)
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._pending: "queue.Queue[Worker]" = queue.Queue()
+        self._announced: set[int] = set()  # pids whose exit `announce` reported already
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ftrun-reaper", daemon=True)
         self._thread.start()
@@ -222,6 +226,16 @@ class Reaper:
             return
         self._sel.register(fd, selectors.EVENT_READ, (worker, proc))
 
+    def announce(self, worker: Worker, proc: subprocess.Popen | AdoptedChild, code: int) -> None:
+        """`proc` is dying with `code` (its death notice, `launcher.death_notice`): report its
+        exit now, on any thread; when its pidfd turns readable it is only reaped."""
+        with self._lock:
+            if proc.pid in self._announced or proc.returncode is not None:
+                return
+            self._announced.add(proc.pid)
+        sweep_group(proc.pid)  # not reaped yet: its pid (= its group's id) cannot be reused
+        self._report(worker, proc, code, early=True)
+
     def _reap(self, worker: Worker, proc: subprocess.Popen | AdoptedChild, fd: int | None) -> None:
         if fd is not None:
             self._sel.unregister(fd)
@@ -229,12 +243,20 @@ class Reaper:
         if proc.returncode is None:  # still a zombie: its pid (= its group's id) cannot be reused
             sweep_group(proc.pid)
         code = proc.wait()
+        with self._lock:
+            if proc.pid in self._announced:
+                self._announced.discard(proc.pid)
+                return
+        self._report(worker, proc, code, early=False)
+
+    def _report(self, worker: Worker, proc: subprocess.Popen | AdoptedChild, code: int,
+                early: bool) -> None:
         now = time.time()
         if worker.proc is proc:
             worker.exit_code = code
             worker.exited_at = now
         self.events.put(WorkerExit(worker.local_rank, worker.rank, proc.pid, code, now,
-                                   worker.generation))
+                                   worker.generation, early))
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -167,6 +167,18 @@ def stamp_of(line: str, near: float) -> float:
     return t
 
 
+def repaired_besides_laggards(pairs: list[list[int]]) -> set[int]:
+    """Ranks that received state, other than a survivor that was still one step behind when the
+    stop came (descheduled on a loaded machine, or stopped within a millisecond of the fault by
+    the death notice while it finished the step before: it had not committed the step its
+    replica had, so it is repaired from that replica too, which the protocol allows). The faulty
+    rank 1 is the only one that must be repaired; survivor destinations are 0, 2 and 3."""
+    dsts = {dst for _, dst in pairs}  # a destination with several sources receives striped
+    assert all(src != dst for src, dst in pairs) and len({tuple(p) for p in pairs}) == len(pairs), pairs
+    assert not dsts & {src for src, _ in pairs}, pairs
+    return dsts & {1}
+
+
 def assert_same_params(got: list[dict[str, torch.Tensor]], ref: list[dict[str, torch.Tensor]]) -> None:
     assert len(got) == len(ref) == NPROC
     for r in range(NPROC):

@@ -14,22 +14,12 @@ import time
 
 import pytest
 
-from helpers_faults import STEPS, JobResult, LiveJob, assert_same_params, run_job, stamp_of
+from helpers_faults import (STEPS, JobResult, LiveJob, assert_same_params, repaired_besides_laggards,
+                           run_job, stamp_of)
 from helpers_launch import FTRUN, env_with, events, failed_worker_logs, script
 from launcher.runtime import checkpoint as ckpt
 
 FAULT_STEP = 3
-
-
-def _repaired_besides_laggards(pairs: list[list[int]]) -> set[int]:
-    """Ranks that received state, other than a survivor that was still one step behind when the
-    stop came (descheduled on a loaded machine: it had not committed the step its replica had,
-    so it is repaired from that replica too, which the protocol allows). The faulty rank 1 is
-    the only one that must be repaired; survivor destinations are 0, 2 and 3."""
-    dsts = {dst for _, dst in pairs}  # a destination with several sources receives striped
-    assert all(src != dst for src, dst in pairs) and len({tuple(p) for p in pairs}) == len(pairs), pairs
-    assert not dsts & {src for src, _ in pairs}, pairs
-    return dsts & {1}
 
 
 def fault(kind: str, rank: int = 1, step: int = FAULT_STEP, phase: str = "forward",
@@ -61,7 +51,7 @@ def test_device_faults_retry_without_restarting_any_process(tmp_path, ref, kind)
     repair = job.first("repair-plan")
     assert repair["resume_step"] == FAULT_STEP and repair["action"] == "rollback"
     # UCE high level: the state objects are lost and repaired from a replica; the others roll back
-    assert _repaired_besides_laggards(repair["pairs"]) == ({1} if kind == "uce-high" else set())
+    assert repaired_besides_laggards(repair["pairs"]) == ({1} if kind == "uce-high" else set())
     assert_same_params(job.params, ref)
 
 
@@ -78,9 +68,11 @@ def test_process_faults_restart_only_the_faulty_rank(tmp_path, ref, kind, eviden
     if kind in ("kill", "segv", "exit"):
         failed = job.first("worker-failed", rank=1)
         assert evidence in failed["message"] or evidence == f"exitcode: {failed['exitcode']}", failed
+        # seen through the rank's death notice, before the kernel tore the process down
+        assert failed["early_notice"] is True, failed
     else:
         assert job.first("worker-fault", rank=1)["injected"] is True
-    assert _repaired_besides_laggards(job.first("repair-plan")["pairs"]) == {1}
+    assert repaired_besides_laggards(job.first("repair-plan")["pairs"]) == {1}
     assert_same_params(job.params, ref)
 
 

@@ -56,7 +56,7 @@ def test_hello_heartbeats_faults_stop_and_bye(server):
     try:
         msgs = read_messages(conn, lambda m: len([x for x in m if x["op"] == "heartbeat"]) >= 3)
         assert msgs[0] == {"op": "hello", "rank": 3, "local_rank": 1, "pid": os.getpid(), "generation": 0,
-                           "replacement": False}
+                           "replacement": False, "notice_tid": 0}
         beats = [m for m in msgs if m["op"] == "heartbeat"]
         assert len(beats) >= 3 and all(m["rank"] == 3 for m in beats)  # idle heartbeats keep coming
         ch.update(step=7, phase="backward", committed_step=6)

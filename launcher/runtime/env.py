@@ -62,6 +62,9 @@ class RuntimeEnv:
     # FTRUN_DDP_COMM: how rt.ddp all-reduces gradients: "reducer" (DDP's own C++ reducer on the
     # runtime's group, no Python per bucket) or "hook" (the runtime's Python comm hook)
     ddp_comm: str = "reducer"
+    # FTRUN_DEATH_NOTICE: the agent's slot this process holds so that its death is seen at once
+    # (launcher.death_notice); None: the agent sees the exit through its pidfd
+    death_notice: str | None = None
 
     @property
     def managed(self) -> bool:
@@ -106,4 +109,5 @@ class RuntimeEnv:
                                       _float(env, "FTRUN_STORE_TIMEOUT", 300.0)),
             skip_init=skip_init == "1",
             ddp_comm=ddp_comm,
+            death_notice=env.get("FTRUN_DEATH_NOTICE") or None,
         )

@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from launcher import death_notice
 from launcher import plan as P
 from launcher.faults import WORKER_FAULT_KINDS
 from launcher.messages import FaultReport, Hello, Recovered
@@ -176,6 +177,7 @@ class Runtime:
         self._layout = Layout.ddp(env.world_size)
         self._injector = FaultInjector(parse_plan(env.fault_plan), env.rank, self.log)
         self._channel: AgentChannel | None = None
+        self._death_notice: death_notice.Held | None = None
         self._store: Any = None
         self._snapshots: dict[int, Snapshot] = {}
         self._committed = -1
@@ -218,11 +220,15 @@ class Runtime:
             self._store = dist.distributed_c10d._get_default_store()
             return
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # held on this (the training) thread until the process ends: the agent learns of this
+        # process's death before the kernel has torn it down (launcher.death_notice)
+        self._death_notice = death_notice.hold(env.death_notice)
         self._channel = AgentChannel(env.agent_socket or "", env.rank, self._stop, self.log,
                                      heartbeat_interval=self.options.heartbeat_interval,
                                      on_inject=lambda m: self._injector.arm(dataclasses.asdict(m)))
         self._channel.start(Hello(rank=env.rank, local_rank=env.local_rank, pid=os.getpid(),
-                                  generation=env.generation, replacement=env.replacement))
+                                  generation=env.generation, replacement=env.replacement,
+                                  notice_tid=self._death_notice.tid if self._death_notice else 0))
         self._channel.set_progress_source(self._progress_now)
         self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                                     timeout=timedelta(seconds=env.store_timeout), wait_for_workers=False)
