@@ -37,6 +37,7 @@ RUNTIME_MAY_IMPORT = (
     "launcher.faults",
     "launcher.messages",
     "launcher.keys",
+    "launcher.death_notice",  # both ends of the death notice (stdlib only), as messages
 )
 
 
