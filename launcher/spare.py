@@ -25,6 +25,7 @@ cold. No spare is started or forked while a round holds the pool.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import select
@@ -44,6 +45,9 @@ SpareProc = Union[subprocess.Popen, AdoptedChild]
 
 
 WARM_UP_NICE = 10  # the spare's niceness while it imports torch (only if it can return to 0)
+# a taken spare runs this many nice levels above the agent until its rank has recovered (only
+# where the agent may lower niceness: root, or RLIMIT_NICE): every other rank waits for it
+REPAIR_BOOST_NICE = 10
 WARM_UP_IDLE_S = 2.0  # after this long warming up, a spare goes on at the agent's priority (not while held)
 REFILL_HOLD_S = 10.0  # a recovery round holds back new spares at most this long
 ASSIGN_TIMEOUT_S = 2.0  # a spare takes its assignment line within this long, or is killed
@@ -75,6 +79,7 @@ class SparePool:
         self._not_before = time.monotonic() + start_delay
         self._hold: tuple[int, set[int], float] | None = None  # (generation, ranks, until)
         self._resume: dict[int, int] = {}  # held rank -> the step it must commit to count as done
+        self._boosted: dict[int, tuple[SpareProc, int]] = {}  # rank -> (its process, nice to return to)
 
     def ready(self) -> int:
         """Spares alive now (warm or still warming up)."""
@@ -91,7 +96,11 @@ class SparePool:
 
     def recovered(self, rank: int, generation: int, resume_step: int | None = None) -> None:
         """Rank `rank` finished the recovery round of `generation` (or a later one); with
-        `resume_step`, it counts as done once it committed that step (`progressed`)."""
+        `resume_step`, it counts as done once it committed that step (`progressed`). A spare
+        that replaced it returns to the agent's priority."""
+        boosted = self._boosted.pop(rank, None)
+        if boosted is not None and boosted[0].poll() is None:
+            run_priority(boosted[1], boosted[0].pid)
         if self._hold is not None and generation >= self._hold[0] and rank in self._hold[1]:
             if resume_step is None:
                 self._done(rank)
@@ -205,18 +214,24 @@ class SparePool:
         """Hand the oldest live spare its assignment; None when no live spare is available. A
         spare that does not take the line within ASSIGN_TIMEOUT_S (its pipe full: stopped, or
         starved) is killed and the next one is tried, so the loop never blocks on a spare."""
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        boost = max(-20, base - REPAIR_BOOST_NICE)
+        nice = boost if boost < base and may_return_to(boost) else None
         while self._procs:
             proc = self._procs.pop(0)
             self._born.pop(proc.pid, None)
             if proc.poll() is not None or proc.stdin is None:
                 continue
-            line = json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(), "module": module}) + "\n"
+            line = json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(), "module": module,
+                               "nice": nice}) + "\n"
             err = _assign(proc, line.encode(), ASSIGN_TIMEOUT_S)
             if err is not None:
                 self.log(f"warm spare pid {proc.pid} not used ({err}); killed")
                 proc.kill()
                 _wait(proc, self.log, STOP_S)
                 continue
+            if nice is not None and "RANK" in env:
+                self._boosted[int(env["RANK"])] = (proc, base)
             return proc
         return None
 
@@ -303,6 +318,12 @@ def _warm_imports() -> None:
         import torch._dynamo  # noqa: F401
     except Exception:  # noqa: BLE001 - optional warm-up only
         pass
+    # what the imports built lives as long as the process: out of the collector's sight. A full
+    # collection over it takes ~50 ms (torch's ~170k objects), and the first one came while the
+    # replacement started its script, 20-25 ms into the recovery; in a forked spare it would also
+    # copy every page those objects live on
+    gc.collect()
+    gc.freeze()
 
 
 def _threads(pid: int | None = None) -> list[int]:
@@ -359,7 +380,7 @@ class _Assignment:
         try:
             self.line = sys.stdin.readline()
             if self.line.strip() and self._warm != self._base:
-                self.error = _run_priority(self._base)
+                self.error = _run_priority(_job_nice(self.line, self._base))
         finally:
             self._done.set()
 
@@ -384,15 +405,27 @@ def main() -> None:
         sys.exit(0)
     if warm != base:
         # threads the imports started after the assignment arrived inherited the warm-up priority
-        err = _run_priority(base) or assignment.error
+        err = _run_priority(_job_nice(line, base)) or assignment.error
         if err:
             print(f"[ftrun spare] could not return to nice {base} ({err}); some threads run at "
                   f"nice {warm}", file=sys.stderr, flush=True)
     run_job(json.loads(line))
 
 
+def _job_nice(line: str, base: int) -> int:
+    """The niceness an assignment line asks for (a boosted replacement), else `base`."""
+    try:
+        nice = json.loads(line).get("nice")
+    except (ValueError, AttributeError):
+        return base
+    return base if nice is None else int(nice)
+
+
 def run_job(job: dict) -> None:
-    """Run the assigned script in this process as `python -u [-m] script args` would."""
+    """Run the assigned script in this process as `python -u [-m] script args` would (at the
+    assignment's `nice` when it has one: the agent returns it to its own after the repair)."""
+    if job.get("nice") is not None:
+        run_priority(int(job["nice"]))
     os.environ.clear()
     os.environ.update(job["env"])
     os.chdir(job["cwd"])

@@ -12,6 +12,10 @@ the agent as its parent (the death signal would fire at the reparenting), reads 
 line (the same JSON as `launcher.spare`'s stdin) from a pipe the server made for it, whose write
 end goes to the agent with the reply (`socket.send_fds`), and then runs the script exactly like a
 Popen'd spare (`launcher.spare.run_job`). EOF on that pipe means "not needed": it exits 0.
+Before it waits for the assignment, a forked spare makes every page it shares with the server
+its own (`own_pages`): otherwise the replacement's first pass through the interpreter's and
+torch's state pays a copy-on-write fault per page it writes to (refcounts: nearly every page it
+touches), ~15 ms of its start-up inside the recovery, measured here.
 `ForkServer` is the agent's side (owned by `SparePool`): start, `poll_ready()` without blocking,
 `fork()` with a timeout, `stop()`.
 """
@@ -31,6 +35,8 @@ from launcher.adopted import AdoptedChild, set_subreaper
 from launcher.workers import PR_SET_PDEATHSIG, _child_setup, _libc
 
 PR_SET_NAME = 15
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in for writing (breaks copy-on-write)
+PAGE = os.sysconf("SC_PAGE_SIZE")
 SERVER_NAME = b"ftrun-spare-srv"  # `ps` names: the server, and a forked spare until it is assigned
 SPARE_NAME = b"ftrun-spare"
 FORK_TIMEOUT_S = 2.0  # the server answers a fork request within this long, or is given up
@@ -142,6 +148,44 @@ def _fork_spare(sock: socket.socket, agent: int, comm: bytes) -> tuple[int, int]
     return int.from_bytes(data, "little"), w
 
 
+def own_pages() -> tuple[int, str | None]:
+    """Break copy-on-write on every page of this process's private writable mappings that is
+    present (shared with the process it was forked from), and on no other page (populating
+    untouched ones would only cost memory); (bytes made private, why not all could be, or
+    None). Needs MADV_POPULATE_WRITE (Linux 5.14): without it nothing is done."""
+    try:
+        import numpy as np  # torch's own dependency; the fork server imported it with torch
+    except ImportError:
+        return 0, "numpy is not installed"
+    madvise = _libc.madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    done, why = 0, None
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            maps = [ln.split() for ln in f]
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError as exc:
+        return 0, f"cannot read /proc/self/maps or pagemap: {exc.strerror}"
+    try:
+        for parts in maps:
+            perms = parts[1]
+            if perms[:2] != "rw" or perms[3] != "p" or (len(parts) > 5 and parts[5] == "[vsyscall]"):
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            n = (hi - lo) // PAGE
+            raw = os.pread(fd, n * 8, (lo // PAGE) * 8)
+            present = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(63)).astype(np.int8)
+            edges = np.flatnonzero(np.diff(np.concatenate(([0], present, [0]))))
+            for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist()):
+                if madvise(lo + start * PAGE, (stop - start) * PAGE, MADV_POPULATE_WRITE) == 0:
+                    done += (stop - start) * PAGE
+                elif why is None:
+                    why = os.strerror(ctypes.get_errno())
+    finally:
+        os.close(fd)
+    return done, why
+
+
 def become_spare(forked: _Forked) -> None:
     """In a forked spare: own session, wait to be the agent's child, die with it, then read the
     assignment and run the job (returns only by raising or when the job returns)."""
@@ -158,6 +202,7 @@ def become_spare(forked: _Forked) -> None:
         os._exit(1)
     if "numpy.random" in sys.modules:  # a fresh process seeds numpy's global RNG from entropy
         sys.modules["numpy.random"].seed()
+    own_pages()  # the pages it cannot own are copied on first write, as before
     line = b""
     while not line.endswith(b"\n"):
         chunk = os.read(forked.assignment_fd, 65536)
