@@ -112,9 +112,18 @@ def test_two_ranks_of_different_replica_groups_at_once(tmp_path, hybrid_ref):
     plan = [{"rank": 0, "step": 3, "phase": "forward", "kind": "kill"},
             {"rank": 3, "step": 3, "phase": "forward", "kind": "kill"}]
     ev, pids, params, _ = ftrun_job(tmp_path, "two", "hybrid_train.py", plan)
-    # The two deaths may land in one round or two (a superseded round respawns rank 0 again).
-    assert set(new_processes(pids)) == {0, 3}
-    assert [e for e in ev if e["event"] == "repair-plan"][-1]["pairs"] == [[2, 0], [1, 3]]
+    fallback = [e for e in ev if e["event"] == "fallback"]
+    if fallback:
+        # Rank 0 died first and the stop reached ranks 1 and 3 (the other replica group, which
+        # runs up to a step behind) within milliseconds, before they committed the step rank 2
+        # had: their shard has no replica at the resume step, so the round restarts all (rank 3
+        # never reached its own kill). Both outcomes end bit-identical.
+        assert "no healthy replica" in fallback[0]["message"], fallback
+        assert set(new_processes(pids)) == {0, 1, 2, 3}
+    else:
+        # The two deaths may land in one round or two (a superseded round respawns rank 0 again).
+        assert set(new_processes(pids)) == {0, 3}
+        assert [e for e in ev if e["event"] == "repair-plan"][-1]["pairs"] == [[2, 0], [1, 3]]
     for r in range(4):
         assert_bit_identical(params[r], hybrid_ref[r])
 
