@@ -414,7 +414,7 @@ class Agent:
             self.log.observe("heartbeat", **dataclasses.asdict(msg))
             self.hangs.on_heartbeat(msg)
             if self.spawner is not None:
-                self.spawner.rank_progressed(msg.rank, msg.committed_step)
+                self.spawner.rank_progressed(msg.rank, msg.committed_step, msg.state_bytes)
         elif isinstance(msg, FaultReport):
             self._on_fault_report(msg, ev.pid)
         elif isinstance(msg, Recovered):

@@ -80,6 +80,8 @@ class SparePool:
         self._hold: tuple[int, set[int], float] | None = None  # (generation, ranks, until)
         self._resume: dict[int, int] = {}  # held rank -> the step it must commit to count as done
         self._boosted: dict[int, tuple[SpareProc, int]] = {}  # rank -> (its process, nice to return to)
+        # heap a forked spare faults in while it waits: the largest state a rank reported
+        self.heap_bytes = 0
 
     def ready(self) -> int:
         """Spares alive now (warm or still warming up)."""
@@ -106,6 +108,11 @@ class SparePool:
                 self._done(rank)
             else:
                 self._resume[rank] = resume_step
+
+    def state_size(self, nbytes: int) -> None:
+        """A rank holds `nbytes` of state: spares forked from now on fault in that much heap
+        (at least the largest size reported; `launcher.runtime.heap`)."""
+        self.heap_bytes = max(self.heap_bytes, int(nbytes))
 
     def progressed(self, rank: int, committed_step: int) -> None:
         """Rank `rank` reports its last committed step."""
@@ -164,7 +171,7 @@ class SparePool:
                 return True
             while self.ready() < self.count:
                 t0 = time.monotonic()
-                proc = self._server.fork()
+                proc = self._server.fork(heap_bytes=self.heap_bytes)
                 self._procs.append(proc)
                 self.log(f"warm spare started (pid {proc.pid}, forked in "
                          f"{(time.monotonic() - t0) * 1e3:.1f} ms; {len(self._procs)} of {self.count})")

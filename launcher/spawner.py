@@ -175,9 +175,11 @@ class Spawner:
         if self.spares is not None:
             self.spares.recovered(rank, generation, resume_step)
 
-    def rank_progressed(self, rank: int, committed_step: int) -> None:
+    def rank_progressed(self, rank: int, committed_step: int, state_bytes: int = 0) -> None:
         if self.spares is not None:
             self.spares.progressed(rank, committed_step)
+            if state_bytes:
+                self.spares.state_size(state_bytes)
 
     def stop(self) -> None:
         if self.spares is not None:

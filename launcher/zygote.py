@@ -32,6 +32,7 @@ import time
 from typing import Callable
 
 from launcher.adopted import AdoptedChild, set_subreaper
+from launcher.runtime import heap
 from launcher.workers import PR_SET_PDEATHSIG, _child_setup, _libc
 
 PR_SET_NAME = 15
@@ -47,11 +48,12 @@ class _Forked(Exception):
     """Raised in a forked spare: unwinds the server's loop so the job runs at the top level
     (its exceptions, exit code and atexit handlers as in `python script`)."""
 
-    def __init__(self, assignment_fd: int, agent: int, comm: bytes) -> None:
+    def __init__(self, assignment_fd: int, agent: int, comm: bytes, heap_bytes: int = 0) -> None:
         super().__init__("forked spare")
         self.assignment_fd = assignment_fd
         self.agent = agent
         self.comm = comm  # the process name to take back when the job starts
+        self.heap_bytes = heap_bytes  # heap to fault in before the assignment (launcher.runtime.heap)
 
 
 def _name(name: bytes) -> bytes:
@@ -88,11 +90,15 @@ def serve(sock_fd: int) -> None:
             req = sock.recv(4096)
             if not req:
                 return  # the agent closed its end: done
+            try:
+                heap_bytes = max(0, int(json.loads(req).get("heap_bytes", 0)))
+            except (ValueError, AttributeError, TypeError):
+                heap_bytes = 0
             if len(spare._threads()) != 1:
                 sock.send(json.dumps({"error": f"{len(spare._threads())} threads; not forking"}).encode())
                 continue
             try:
-                pid, w = _fork_spare(sock, agent, comm)
+                pid, w = _fork_spare(sock, agent, comm, heap_bytes)
             except OSError as exc:
                 sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
                 continue
@@ -104,7 +110,7 @@ def serve(sock_fd: int) -> None:
         return  # the agent is gone or stopped us
 
 
-def _fork_spare(sock: socket.socket, agent: int, comm: bytes) -> tuple[int, int]:
+def _fork_spare(sock: socket.socket, agent: int, comm: bytes, heap_bytes: int = 0) -> tuple[int, int]:
     """Double-fork a spare; (its pid, the write end of its assignment pipe). In the spare this
     raises `_Forked`."""
     r, w = os.pipe()
@@ -125,7 +131,7 @@ def _fork_spare(sock: socket.socket, agent: int, comm: bytes) -> tuple[int, int]
                 os.close(fd)
             sock.close()
             _name(SPARE_NAME)
-            raise _Forked(r, agent, comm)
+            raise _Forked(r, agent, comm, heap_bytes)
         try:
             os.write(pw, pid.to_bytes(4, "little"))
         finally:
@@ -203,6 +209,7 @@ def become_spare(forked: _Forked) -> None:
     if "numpy.random" in sys.modules:  # a fresh process seeds numpy's global RNG from entropy
         sys.modules["numpy.random"].seed()
     own_pages()  # the pages it cannot own are copied on first write, as before
+    prepared = heap.prepare(forked.heap_bytes)
     line = b""
     while not line.endswith(b"\n"):
         chunk = os.read(forked.assignment_fd, 65536)
@@ -213,7 +220,10 @@ def become_spare(forked: _Forked) -> None:
     if not line.strip():
         sys.exit(0)
     _name(forked.comm)  # a rank looks like any worker in `ps`
-    spare.run_job(json.loads(line))
+    job = json.loads(line)
+    if prepared:
+        job["env"][heap.ENV] = str(prepared)  # the runtime settles the heap after its repair
+    spare.run_job(job)
 
 
 def main(sock_fd: int) -> None:
@@ -280,13 +290,14 @@ class ForkServer:
         self.ready = True
         return True
 
-    def fork(self, timeout: float = FORK_TIMEOUT_S) -> AdoptedChild:
-        """A new warm spare, the agent's own child; raises OSError when the server cannot."""
+    def fork(self, timeout: float = FORK_TIMEOUT_S, heap_bytes: int = 0) -> AdoptedChild:
+        """A new warm spare, the agent's own child, that faults in `heap_bytes` of heap while
+        it waits (`launcher.runtime.heap`); raises OSError when the server cannot."""
         assert self.ready
         deadline = time.monotonic() + timeout  # one bound for the request and its answer
         self.sock.settimeout(timeout)
         try:
-            self.sock.send(b"fork")
+            self.sock.send(json.dumps({"fork": True, "heap_bytes": int(heap_bytes)}).encode())
             self.sock.settimeout(max(0.001, deadline - time.monotonic()))
             msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 1)
         except (OSError, socket.timeout) as exc:

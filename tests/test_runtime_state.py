@@ -179,3 +179,14 @@ def test_buffers_match_module_buffers_after_reassignment_and_new_buffers():
     model[0].register_buffer("scale", torch.ones(1))  # a buffer added to a registered module
     model[2][1].running_var = None
     assert [id(b) for b in reg.buffers()] == expected()
+
+
+def test_state_bytes_counts_model_optimizer_state_and_extras_once():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 2))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(3, 8)).sum().backward()
+    opt.step()
+    reg = Registered(models=[model], optimizers=[opt], extras={"scale": torch.ones(5, dtype=torch.float64)})
+    params = sum(p.numel() for p in model.parameters()) * 4
+    # Adam: exp_avg and exp_avg_sq per parameter (float32) and a float32 step per parameter
+    assert reg.state_bytes() == params + 2 * params + 4 * 4 + 5 * 8

@@ -604,3 +604,23 @@ def test_a_forked_spare_owns_its_pages_before_it_is_assigned(tmp_path) -> None:
         pool.stop()
     # a forked spare without own_pages() shares ~150-250 MB with its server
     assert json.loads(out.read_text())["shared_bytes"] < 8 << 20
+
+
+def test_a_forked_spare_faults_in_the_heap_the_largest_state_needs(tmp_path) -> None:
+    """Once a rank reported its state size, spares forked from then on grow and fault in that
+    much heap while they wait, and tell their replacement (FTRUN_SPARE_HEAP) to settle it."""
+    script = tmp_path / "job.py"
+    out = tmp_path / "out.json"
+    script.write_text("import json, os, sys\n"
+                      f"json.dump({{'heap': os.environ.get('FTRUN_SPARE_HEAP')}}, open({str(out)!r}, 'w'))\n")
+    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=True)
+    pool.state_size(48 << 20)
+    pool.state_size(16 << 20)  # the largest one counts
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        _fill(pool, env)
+        proc = pool.take(env, [str(script)], module=False)
+        assert proc is not None and proc.wait(timeout=120) == 0
+    finally:
+        pool.stop()
+    assert int(json.loads(out.read_text())["heap"]) >= 48 << 20

@@ -30,6 +30,7 @@ from launcher import plan as P
 from launcher.faults import WORKER_FAULT_KINDS
 from launcher.messages import FaultReport, Hello, Recovered
 from launcher.runtime import checkpoint as ckpt
+from launcher.runtime import heap
 from launcher.runtime.buckets import BUCKET_BYTES, GradComm, GradientSyncs
 from launcher.runtime.channel import AgentChannel
 from launcher.runtime.collectives import CollectiveError, Graveyard, Interruptible, is_backend_failure
@@ -178,6 +179,7 @@ class Runtime:
         self._injector = FaultInjector(parse_plan(env.fault_plan), env.rank, self.log)
         self._channel: AgentChannel | None = None
         self._death_notice: death_notice.Held | None = None
+        self._state_told = False  # the agent knows the bytes of this rank's state
         self._store: Any = None
         self._snapshots: dict[int, Snapshot] = {}
         self._committed = -1
@@ -495,6 +497,7 @@ class Runtime:
                 self._channel.send(Recovered(self.rank, plan.generation, resume, plan.action,
                                              replacement=True, timings=self._timings(),
                                              **self._take_marks()))
+            heap.settle()  # the heap its spare faulted in is used: shrink like any process again
             return resume
         start = 0
         if self._ckpt_dir:
@@ -545,6 +548,10 @@ class Runtime:
     def _commit(self, index: int) -> None:
         self._committed = index
         self._snapshots[index + 1] = self._reg.snapshot(index + 1, self.adapter)
+        if not self._state_told and self._channel is not None:
+            # once, when the optimizer state exists: the agent's spares fault in that much heap
+            self._state_told = True
+            self._channel.update(state_bytes=self._reg.state_bytes())
         # the agent's hang watch learns step times from this, however the heartbeats of a fast
         # loop are coalesced (it may never see two steps' starts apart)
         if self._step_t0 is not None:
