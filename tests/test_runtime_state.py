@@ -186,7 +186,9 @@ def test_state_bytes_counts_model_optimizer_state_and_extras_once():
     opt = torch.optim.Adam(model.parameters())
     model(torch.ones(3, 8)).sum().backward()
     opt.step()
-    reg = Registered(models=[model], optimizers=[opt], extras={"scale": torch.ones(5, dtype=torch.float64)})
+    reg = Registered(models=[model], optimizers=[opt], extras={"scale": torch.ones(5, dtype=torch.float64),
+                                                               "on_meta": torch.empty(1000, device="meta")})
     params = sum(p.numel() for p in model.parameters()) * 4
-    # Adam: exp_avg and exp_avg_sq per parameter (float32) and a float32 step per parameter
+    # Adam: exp_avg and exp_avg_sq per parameter (float32) and a float32 step per parameter; a
+    # tensor off the host (a device's; here torch's meta device) needs no heap in a replacement
     assert reg.state_bytes() == params + 2 * params + 4 * 4 + 5 * 8

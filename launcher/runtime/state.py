@@ -285,14 +285,15 @@ class Registered:
         return out + list(self.extras.values())
 
     def state_bytes(self) -> int:
-        """The bytes of tensors a full state carries: model state, optimizer state, extras."""
+        """The bytes of host-memory tensors a full state carries (model state, optimizer
+        state, extras): what a replacement on this device allocates in its process's heap."""
         tensors = [t for m in self.models for t in m.state_dict().values()]
         for o in self.optimizers:
             tensors += [v for st in o.state.values() for v in st.values()]
         tensors += list(self.extras.values())
         seen, total = set(), 0
         for t in tensors:
-            if isinstance(t, torch.Tensor) and t.data_ptr() not in seen:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
                 total += t.nelement() * t.element_size()
         return total
