@@ -38,6 +38,7 @@ from launcher.workers import PR_SET_PDEATHSIG, _child_setup, _libc
 PR_SET_NAME = 15
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in for writing (breaks copy-on-write)
 PAGE = os.sysconf("SC_PAGE_SIZE")
+PAGEMAP_CHUNK = 1 << 16  # pages per /proc/self/pagemap read (512 KB of entries)
 SERVER_NAME = b"ftrun-spare-srv"  # `ps` names: the server, and a forked spare until it is assigned
 SPARE_NAME = b"ftrun-spare"
 FORK_TIMEOUT_S = 2.0  # the server answers a fork request within this long, or is given up
@@ -178,15 +179,16 @@ def own_pages() -> tuple[int, str | None]:
             if perms[:2] != "rw" or perms[3] != "p" or (len(parts) > 5 and parts[5] == "[vsyscall]"):
                 continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
-            n = (hi - lo) // PAGE
-            raw = os.pread(fd, n * 8, (lo // PAGE) * 8)
-            present = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(63)).astype(np.int8)
-            edges = np.flatnonzero(np.diff(np.concatenate(([0], present, [0]))))
-            for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist()):
-                if madvise(lo + start * PAGE, (stop - start) * PAGE, MADV_POPULATE_WRITE) == 0:
-                    done += (stop - start) * PAGE
-                elif why is None:
-                    why = os.strerror(ctypes.get_errno())
+            for base in range(lo, hi, PAGEMAP_CHUNK * PAGE):  # bounded reads of a large mapping
+                n = min(PAGEMAP_CHUNK, (hi - base) // PAGE)
+                raw = os.pread(fd, n * 8, (base // PAGE) * 8)
+                present = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(63)).astype(np.int8)
+                edges = np.flatnonzero(np.diff(np.concatenate(([0], present, [0]))))
+                for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist()):
+                    if madvise(base + start * PAGE, (stop - start) * PAGE, MADV_POPULATE_WRITE) == 0:
+                        done += (stop - start) * PAGE
+                    elif why is None:
+                        why = os.strerror(ctypes.get_errno())
     finally:
         os.close(fd)
     return done, why

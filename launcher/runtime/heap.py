@@ -26,6 +26,7 @@ MMAP_THRESHOLD = 32 << 20  # glibc's upper bound for M_MMAP_THRESHOLD on 64-bit 
 SETTLED_TRIM = 2 * MMAP_THRESHOLD  # what glibc's dynamic threshold rule sets beside it
 MADV_HUGEPAGE = 14
 HUGE = 2 << 20
+MEMORY_SHARE = 4  # a spare takes at most 1/4 of the available memory for its heap
 ENV = "FTRUN_SPARE_HEAP"  # set in a replacement's environment by its spare: bytes prepared
 
 
@@ -44,10 +45,24 @@ def _libc():
         return None
 
 
+def available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (0 when unknown)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def prepare(nbytes: int) -> int:
-    """Grow and fault in this process's heap by `nbytes` for the allocations to come; the bytes
-    prepared (0 when nothing was done: not glibc, or nothing asked)."""
+    """Grow and fault in this process's heap by `nbytes` (at most a quarter of the memory the
+    kernel has available) for the allocations to come; the bytes prepared (0 when nothing was
+    done: not glibc, or nothing asked)."""
     lib = _libc()
+    nbytes = min(nbytes, available_bytes() // MEMORY_SHARE)
     if lib is None or nbytes <= 0:
         return 0
     if lib.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or lib.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1) != 1:
