@@ -145,6 +145,7 @@ class NoticeBoard:
         self._fd = -1
         self._map: mmap.mmap | None = None
         self._base = 0
+        self.path = ""  # /proc/<agent pid>/fd/<memfd> once enabled
         self._lock = threading.Lock()
         self._watched: dict[int, threading.Thread] = {}  # slot -> watcher
         self._stop = threading.Event()
