@@ -129,8 +129,11 @@ def test_two_ranks_of_different_replica_groups_at_once(tmp_path, hybrid_ref):
 
 
 def test_no_healthy_replica_restarts_all_from_checkpoint(tmp_path, hybrid_ref):
+    """Rank 0 dies; its shard's only other replica, rank 2, dies while it sends the replacement
+    that state (the round's transfer). (Both killed at the same step was racy: the stop of the
+    first death, within milliseconds, often reached rank 2 before its own kill.)"""
     plan = [{"rank": 0, "step": 5, "phase": "backward", "kind": "kill"},
-            {"rank": 2, "step": 5, "phase": "backward", "kind": "kill"}]
+            {"rank": 2, "step": 5, "phase": "transfer", "kind": "kill", "generation": 1}]
     extra = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
     ev, pids, params, res = ftrun_job(tmp_path, "fallback", "hybrid_train.py", plan, extra)
     assert any(e["event"] == "repair-plan" and e.get("fallback") == "restart-all" for e in ev)
