@@ -569,6 +569,20 @@ def test_a_taken_spare_runs_boosted_until_its_rank_recovered(tmp_path, fork: boo
         pool.stop()
 
 
+def _run_on_a_forked_spare(argv: list[str], setup=lambda pool: None) -> None:
+    """Run `argv` (a script and its arguments) on a spare forked from a fork server, after
+    `setup(pool)`; it must exit 0."""
+    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=True)
+    setup(pool)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        _fill(pool, env)
+        proc = pool.take(env, argv, module=False)
+        assert proc is not None and proc.wait(timeout=120) == 0
+    finally:
+        pool.stop()
+
+
 SHARED_PAGES = r"""
 import json, os, sys
 page = os.sysconf("SC_PAGE_SIZE")
@@ -594,14 +608,7 @@ def test_a_forked_spare_owns_its_pages_before_it_is_assigned(tmp_path) -> None:
     script = tmp_path / "job.py"
     script.write_text(SHARED_PAGES)
     out = tmp_path / "out.json"
-    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=True)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    try:
-        _fill(pool, env)
-        proc = pool.take(env, [str(script), str(out)], module=False)
-        assert proc is not None and proc.wait(timeout=120) == 0
-    finally:
-        pool.stop()
+    _run_on_a_forked_spare([str(script), str(out)])
     # a forked spare without own_pages() shares ~150-250 MB with its server
     assert json.loads(out.read_text())["shared_bytes"] < 8 << 20
 
@@ -613,14 +620,10 @@ def test_a_forked_spare_faults_in_the_heap_the_largest_state_needs(tmp_path) -> 
     out = tmp_path / "out.json"
     script.write_text("import json, os, sys\n"
                       f"json.dump({{'heap': os.environ.get('FTRUN_SPARE_HEAP')}}, open({str(out)!r}, 'w'))\n")
-    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=True)
-    pool.state_size(48 << 20)
-    pool.state_size(16 << 20)  # the largest one counts
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    try:
-        _fill(pool, env)
-        proc = pool.take(env, [str(script)], module=False)
-        assert proc is not None and proc.wait(timeout=120) == 0
-    finally:
-        pool.stop()
+
+    def sizes(pool: SparePool) -> None:
+        pool.state_size(48 << 20)
+        pool.state_size(16 << 20)  # the largest one counts
+
+    _run_on_a_forked_spare([str(script)], sizes)
     assert int(json.loads(out.read_text())["heap"]) >= 48 << 20
