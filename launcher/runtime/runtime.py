@@ -88,8 +88,9 @@ class Step:
         return _Phase(self, name)
 
     def optimizer_update(self) -> "_OptimizerUpdate":
-        """The optimizer update: completing it commits the step; a stop inside it marks the
-        rank dirty (its state is repaired from a replica)."""
+        """The optimizer update: completing it commits the step (it runs even when a stop came
+        after the step's gradients were complete); a stop that breaks a collective inside it
+        marks the rank dirty (its state is repaired from a replica)."""
         return _OptimizerUpdate(self)
 
 
@@ -113,9 +114,8 @@ class _Phase:
             rt._injector.maybe_fire(rt.generation, self._step.index, self._name)
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        rt = self._step._rt
-        if exc_type is None and rt._stop.newer_than(rt.generation):
-            raise StopRequested(rt._stop.target, f"end of {self._name}")
+        # no stop check here: a phase that completed (its collectives included) is kept; the
+        # next phase's start, a collective or the next step takes the stop (see _OptimizerUpdate)
         return False
 
 
@@ -129,9 +129,12 @@ class _OptimizerUpdate:
         self._step = step
 
     def __enter__(self) -> None:
+        # A stop pending here does not keep the update from running: the step's gradients are
+        # complete (a collective the stop broke has raised already), so the rank commits the
+        # step and the round finds it up to date instead of one step behind (a laggard needs a
+        # replica's whole state, and a shard whose replicas all lag leaves only restart-all).
+        # A collective inside the update still takes the stop: the rank is then dirty.
         rt = self._step._rt
-        if rt._stop.newer_than(rt.generation):
-            raise StopRequested(rt._stop.target, "before optimizer update")
         rt._in_update = True
         rt._phase = "optimizer"
         if rt._injector.armed:
