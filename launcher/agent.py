@@ -43,6 +43,7 @@ from launcher.channel import ChannelMessage, ChannelServer
 from launcher.config import LaunchConfig
 from launcher.controller import Controller
 from launcher.controller_role import ControllerRole
+from launcher.death_notice import NoticeBoard
 from launcher.errors import JobFailures, failure_from_exit
 from launcher.exit_guard import ExitGuard
 from launcher.fault_memory import FaultMemory
@@ -57,7 +58,6 @@ from launcher.observer import NodeObserver
 from launcher.plan_executor import JobFailed, PlanExecutor
 from launcher.spawner import Spawner, WorkerWorld
 from launcher.store_stack import AgentWorld, StoreStack
-from launcher.death_notice import NoticeBoard
 from launcher.workers import NodeWorkers, Reaper, WorkerExit, send_signal, stop_workers
 from rendezvous.errors import (FencedError, JoinInterrupted, NodeLostError,
                                RendezvousGracefulExit, StoreHostLostError)

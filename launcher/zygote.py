@@ -164,8 +164,10 @@ def own_pages() -> tuple[int, str | None]:
         import numpy as np  # torch's own dependency; the fork server imported it with torch
     except ImportError:
         return 0, "numpy is not installed"
-    madvise = _libc.madvise
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    lib = heap.libc()
+    if lib is None:
+        return 0, "not glibc on Linux"
+    madvise = lib.madvise
     done, why = 0, None
     try:
         with open("/proc/self/maps", encoding="ascii", errors="replace") as f:

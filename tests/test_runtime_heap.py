@@ -28,7 +28,7 @@ faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
 del ts, t
 before = rss()
 heap.settle()
-libc = heap._libc()
+libc = heap.libc()
 libc.free(libc.malloc(1 << 20))  # a free that consolidates lets glibc trim the heap's top
 print(json.dumps({{"prepared": prepared, "faults": faults, "rss_before_settle": before, "rss_after": rss()}}))
 """

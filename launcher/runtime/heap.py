@@ -17,6 +17,7 @@ else: a no-op.
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 
@@ -30,7 +31,10 @@ MEMORY_SHARE = 4  # a spare takes at most 1/4 of the available memory for its he
 ENV = "FTRUN_SPARE_HEAP"  # set in a replacement's environment by its spare: bytes prepared
 
 
-def _libc():
+@functools.lru_cache(maxsize=1)
+def libc():
+    """glibc with the prototypes of the calls used here and by `launcher.zygote.own_pages`
+    (malloc, free, mallopt, madvise); None when this is not glibc on Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -61,7 +65,7 @@ def prepare(nbytes: int) -> int:
     """Grow and fault in this process's heap by `nbytes` (at most a quarter of the memory the
     kernel has available) for the allocations to come; the bytes prepared (0 when nothing was
     done: not glibc, or nothing asked)."""
-    lib = _libc()
+    lib = libc()
     nbytes = min(nbytes, available_bytes() // MEMORY_SHARE)
     if lib is None or nbytes <= 0:
         return 0
@@ -91,6 +95,6 @@ def prepare(nbytes: int) -> int:
 
 def settle() -> None:
     """After the repair: let the heap shrink again like any process's (trim above 64 MB)."""
-    lib = _libc()
+    lib = libc()
     if lib is not None and os.environ.get(ENV):
         lib.mallopt(M_TRIM_THRESHOLD, SETTLED_TRIM)
