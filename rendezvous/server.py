@@ -5,8 +5,10 @@ per-turn budgets, timeouts, the request loop `_process` and the VALIDATE gate; s
 node proxy) and `StoreServer` (request execution, handshake and token checks).
 
 Design: one thread runs a level-triggered epoll loop over non-blocking sockets. A readable
-connection is read once (64 KiB), its complete requests are decoded and executed (GET, SET, ADD
-and a satisfied one-key WAIT in place by `StoreServer._quick`; the rest through
+connection is read once (64 KiB), its complete requests are decoded and executed (on a plain
+connection with nothing buffered, GET, SET, ADD and satisfied WAIT / CHECK by the C read path
+`rendezvous._quickstore`, which also reads and answers them, when it was built; else GET, SET,
+ADD and a satisfied one-key WAIT in place by `StoreServer._quick`; the rest through
 `protocol.parse_common` / `protocol.parse_request`) against the table through one dispatch
 (`Kind` from the codec's table, data ops through `memory.apply`), and its replies are sent at
 once, in one `send`. Nothing blocks on a client: at most 128 requests per connection and 256
@@ -47,6 +49,20 @@ _u64, _i64 = P._U64_unpack, P._I64_unpack
 _u64_pack, _i64_pack = P._U64_pack, P._I64.pack
 _EMPTY_VALUE = _u64_pack(0)
 _STOP = P.STOP_WAITING_REPLY
+
+
+def _c_read_path(table: MemoryStore, limits: P.Limits, budget: int) -> tuple[Callable | None, tuple]:
+    """The C read path over `table` (see `rendezvous/_quickstore.c`) and its context, or
+    (None, ()) when the extension was not built, `FTRUN_STORE_ACCEL=0` turns it off, or the
+    table is not a plain `MemoryStore` (a subclass may do more on a write)."""
+    if os.environ.get("FTRUN_STORE_ACCEL", "1") == "0" or type(table) is not MemoryStore:
+        return None, ()
+    try:
+        from rendezvous._quickstore import read_quick
+    except ImportError:
+        return None, ()
+    return read_quick, (table._data, table._waiters, table._barriers, table._lock,
+                        limits.max_key_bytes, limits.max_value_bytes, AUTH_KEY, budget)
 
 
 class _Conn:
@@ -117,6 +133,10 @@ class LoopServer:
     # the frames that dominate a rendezvous; None takes the general path (`_handle`).
     _quick: Callable[[_Conn, bytes | bytearray, int, int],
                      tuple[bytes | None, int] | None] | None = None
+    # Hook: the C read path (`rendezvous._quickstore.read_quick`) and its context tuple, or
+    # None: reads, executes and answers a plain connection's common frames without Python.
+    _read_quick: Callable | None = None
+    _quick_ctx: tuple = ()
 
     _name = "store"
     _budget = 128  # requests per connection per loop turn
@@ -326,7 +346,33 @@ class LoopServer:
     def _read(self, c: _Conn) -> None:
         """One read. The common case of a rendezvous — one complete request that `_quick`
         executes, on a connection with nothing buffered either way — is answered here with
-        one `send` and no further calls; everything else goes through `_consume`."""
+        one `send` and no further calls; everything else goes through `_consume`. With the C
+        read path, such a connection's read, execution and reply all happen in C."""
+        rq = self._read_quick
+        if (rq is not None and c.validated and c.authed and not c.mux and not c.buf
+                and not c.out and not c.want_write):
+            r = rq(c.fd, self._quick_ctx)
+            if r is None:
+                return
+            if r is False:
+                self._close(c)
+                return
+            stats = self.stats
+            if type(r) is int:
+                stats["reads"] += 1
+                stats["requests"] += r
+                return
+            nreq, unsent, rest = r
+            stats["requests"] += nreq
+            if unsent:
+                c.out.append(unsent)
+                c.out_bytes += len(unsent)
+            if rest:
+                self._consume(c, rest)  # counts the read; flushes what is queued
+            else:
+                stats["reads"] += 1
+                self._flush(c)
+            return
         try:
             data = c.sock.recv(P.READ_SIZE)
         except (BlockingIOError, InterruptedError):
@@ -609,6 +655,7 @@ class StoreServer(LoopServer):
         self.table = table if table is not None else MemoryStore()
         self.kv = LocalKV(self.table)
         self._table_data = self.table._data  # read-only use by _quick (GET, WAIT present)
+        self._read_quick, self._quick_ctx = _c_read_path(self.table, limits, self._budget)
         self._max_key, self._max_value = limits.max_key_bytes, limits.max_value_bytes
         by_kind = {P.Kind.DATA: self._data, P.Kind.BLOCKING: self._wait,
                    P.Kind.CANCEL: self._cancel}

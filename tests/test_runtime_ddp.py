@@ -110,7 +110,11 @@ def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, p
             spawns[e["rank"]] = spawns.get(e["rank"], 0) + 1
     assert spawns == {0: 2, 1: 2, 2: 2}  # each victim restarted once, nobody else
     resumes = [e["resume_step"] for e in ev if e["event"] == "repair-plan"]
-    assert resumes == [1, 3, 5]
+    # Rank 0 dies in step 4's optimizer update, after its side of the last all-reduce: the
+    # survivors commit step 4 (resume 5) when their side completed too; when the stop (the death
+    # notice sees the exit within a few ms) comes while one still waits for rank 0's last chunk,
+    # it leaves step 4 uncommitted and everyone redoes it (resume 4). Both are bit-identical.
+    assert resumes[:2] == [1, 3] and resumes[2] in (4, 5), resumes
     # DDP's reducer on every new group: at the start and after each of the three rounds
     assert out.count(NATIVE) == 4 * NPROC
     assert_equal_params(params, plain_ddp)
