@@ -13,6 +13,15 @@ from tests.helpers_launch import FTRUN, env_with, free_port, run, script
 from tests.test_agent_signals import _events, _wait_event
 
 
+def _wait_for(cond, timeout: float, what: str) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
+        time.sleep(0.05)
+
+
 def _same_command(tmp, backend: str, endpoint: str, tag: str, *worker: str) -> subprocess.Popen:
     out = tmp / f"out{tag}"
     out.mkdir(exist_ok=True)
@@ -208,7 +217,7 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
     out = tmp_path / "result.json"
     if kind == "unmodified":
         worker = [script("ddp_plain.py"), "--steps", "40", "--step-time", "0.1", "--out",
-                  str(out)]
+                  str(out), "--started-dir", str(tmp_path / "started")]
     else:
         worker = [os.path.join(REPO, "scripts", "examples", "ddp_train.py"), "--steps", "40",
                   "--step-time", "0.1", "--checkpoint-dir", str(tmp_path / "ckpt"),
@@ -231,12 +240,19 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
             node[ev["group_rank"]] = tag
         lost, host, other = node[1], node[0], node[2]
         spawn = _wait_event(str(tmp_path / f"log{lost}"), lambda e: e["event"] == "spawn", 30)
-        if kind == "runtime":  # every rank said hello: recover-in-place applies to the loss
+        # Fault a job that trains: with the runtime once every rank said hello (recover-in-place
+        # applies to the loss) and the first checkpoint (every 5 steps) is there; unmodified
+        # once every rank finished a step (its peers then fail on the dead one). A fixed wait
+        # instead failed on a machine where `import torch` takes 2.7 s: the workers were still
+        # starting, and the survivors sat in their process-group init, where nothing fails.
+        if kind == "runtime":
             for tag in procs:
-                _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "hello", 30)
-            time.sleep(2.5)  # some steps, a checkpoint every 5
+                _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "hello", 60)
+            _wait_for(lambda: any((tmp_path / "ckpt").glob("*")), 60, "the first checkpoint")
         else:
-            time.sleep(3.0)  # training (import torch and gloo take about 2 s; 40 steps 4 s more)
+            _wait_for(lambda: len(list((tmp_path / "started").glob("rank*"))) == 3, 60,
+                      "every rank's first step")
+        time.sleep(0.5)
         for pid in (procs[lost].pid, spawn["pid"]):  # node 1 crashes: agent and worker
             os.kill(pid, signal.SIGKILL)
         procs[lost].wait(10)

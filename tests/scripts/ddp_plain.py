@@ -2,7 +2,8 @@
 
 Trains a tiny MLP for --steps steps with a fixed seed; rank 0 writes the final loss and the
 restart count to --out. With --crash-rank R, rank R exits with code 3 at --crash-step in the
-first attempt (TORCHELASTIC_RESTART_COUNT == 0) only.
+first attempt (TORCHELASTIC_RESTART_COUNT == 0) only. With --started-dir, each rank creates
+<dir>/rank<r> once its first step is done (tests wait for it before they fault a running job).
 """
 import argparse
 import json
@@ -25,6 +26,7 @@ def main() -> None:
     p.add_argument("--crash-step", type=int, default=3)
     p.add_argument("--crash-always", action="store_true")
     p.add_argument("--step-time", type=float, default=0.0)
+    p.add_argument("--started-dir", default="")
     a = p.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -45,6 +47,9 @@ def main() -> None:
         opt.step()
         if a.step_time:
             time.sleep(a.step_time)
+        if step == 0 and a.started_dir:
+            os.makedirs(a.started_dir, exist_ok=True)
+            open(os.path.join(a.started_dir, f"rank{rank}"), "w").close()
     t = loss.detach().clone()
     dist.all_reduce(t)
     if rank == 0 and a.out:
