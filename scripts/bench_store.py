@@ -32,6 +32,7 @@ import argparse
 import glob
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -260,7 +261,9 @@ def run_scenario(kind: str, n: int, procs: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="256,1024,4096")
-    ap.add_argument("--repeat", type=int, default=1, help="runs per scenario; the best is kept")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per scenario, interleaved across the backends (round-robin, the "
+                         "order rotating each round); the best is kept, the median reported too")
     ap.add_argument("--backends", default="torch,ftrun,ftrun-proxy",
                     help="comma-separated; NAME@PATH runs ftrun's server/proxies from the "
                          "checkout at PATH (e.g. ftrun@/work/main: a before/after in one run)")
@@ -271,18 +274,28 @@ def main() -> None:
                               "avoids resolver stalls for every backend"}), flush=True)
     for n in [int(x) for x in a.sizes.split(",")]:
         procs = max(2, min(16, n // 64))
+        kinds = list(dict.fromkeys(a.backends.split(",")))
+        runs: dict[str, list[dict]] = {k: [] for k in kinds}
+        for i in range(a.repeat):  # interleaved: drift of the shared machine hits every backend
+            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
+                runs[kind].append(run_scenario(kind, n, procs))
         res = {}
-        for kind in a.backends.split(","):
-            best = None
-            for _ in range(a.repeat):
-                r = run_scenario(kind, n, procs)
-                if best is None or r["pattern_s"] < best["pattern_s"]:
-                    best = r
+        for kind in kinds:
+            best = dict(min(runs[kind], key=lambda r: r["pattern_s"]))
+            if a.repeat > 1:
+                best["runs"] = a.repeat
+                best["pattern_s_median"] = round(statistics.median(
+                    r["pattern_s"] for r in runs[kind]), 4)
+                best["master_cpu_pattern_s_median"] = round(statistics.median(
+                    r["master_cpu_pattern_s"] for r in runs[kind]), 4)
             res[kind] = best
         base = res.get("torch")
         for kind, r in res.items():
             if base and kind != "torch":
                 r["pattern_time_vs_torch"] = round(r["pattern_s"] / base["pattern_s"], 3)
+                if "pattern_s_median" in r:
+                    r["pattern_median_vs_torch"] = round(
+                        r["pattern_s_median"] / base["pattern_s_median"], 3)
                 r["connect_time_vs_torch"] = round(r["connect_s"] / base["connect_s"], 3)
                 if r["master_cpu_total_s"] > 0:
                     r["master_cpu_reduction_vs_torch"] = round(
