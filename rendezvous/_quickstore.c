@@ -152,8 +152,8 @@ static Py_ssize_t one(const Table *t, const char *buf, size_t pos, size_t n, Out
         PyObject *v = PyDict_GetItemWithError(t->data, key); /* borrowed */
         Py_DECREF(key);
         if (v == NULL && PyErr_Occurred()) return -1;
-        uint64_t vl = v == NULL ? 0 : (uint64_t)PyBytes_GET_SIZE(v);
         if (v != NULL && !PyBytes_Check(v)) return 0;
+        uint64_t vl = v == NULL ? 0 : (uint64_t)PyBytes_GET_SIZE(v);
         if (out_put(o, &vl, 8) < 0) return -1;
         if (vl && out_put(o, PyBytes_AS_STRING(v), vl) < 0) return -1;
         return (Py_ssize_t)e;

@@ -290,8 +290,9 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
     if kind == "runtime":  # the loss's round (survivors wait for a spare) is the one charged
         assert [e["strategy"] for e in plans] == ["recover-in-place", "restart-all"], plans
         assert used == [1, 1]
-    else:  # survivors' workers failed on the dead peer (a restart-all), then the shrink
-        assert used[-1] == used[-2] + 1, used
+    else:  # survivors' workers failed on the dead peer: a restart-all, then the shrink; or their
+        # reports came within the fault window of the loss and merged into it: one round
+        assert used == list(range(1, len(plans) + 1)) and len(plans) in (1, 2), used
     # the survivors keep their order, renumbered: node 2 is node 1 of the new world, rank 1
     assert [e["group_rank"] for e in evo if e["event"] == "rendezvous"] == [2, 1]
     assert [e["rank"] for e in evo if e["event"] == "spawn"][-1] == 1

@@ -9,6 +9,7 @@ restart-all, dump and `ftctl inject` of every kind are marked slow."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import time
 
@@ -164,13 +165,20 @@ def test_stripe_sender_killed_mid_transfer_next_round_repairs_from_the_rest(tmp_
     rank 0 is killed halfway through sending its stripe (wire), or while the replacement reads
     it from rank 0's memory (memory: same host). The round fails, the next one repairs both
     replacements from the remaining replicas, and training ends bit-identical."""
-    plan = [fault("kill"), fault("kill", rank=0, step=FAULT_STEP, phase="transfer", generation=1)]
+    # The round resumes at the step the survivors committed last: 3, or 2 when the stop (the
+    # death notice hears of the kill within ms) came before a survivor's commit of step 2; rank
+    # 0's kill is armed for the transfer of either (only generation 1's one transfer fires it).
+    plan = [fault("kill")] + [fault("kill", rank=0, step=s, phase="transfer", generation=1)
+                              for s in (FAULT_STEP - 1, FAULT_STEP)]
     job = run_job(tmp_path, plan, env={"FTRUN_TRANSFER_STRIPES": "2", "FTRUN_TRANSFER_LOCAL": local})
     assert job.returncode == 0, job.describe()
     plans = [e for e in job.events if e["event"] == "repair-plan"]
     first = next(p for p in plans if p.get("generation") == 1)
-    assert [s for s, d in first["pairs"] if d == 1][:2] == [0, 2], first  # striped from 0 and 2
-    assert "INJECTED fault kind=kill at step 3 transfer" in job.output
+    # striped from two replicas, rank 0 (the lowest) one of them; usually 0 and 2, 0 and 3 when
+    # rank 2 stopped a step behind and is repaired in the same round
+    senders = [s for s, d in first["pairs"] if d == 1]
+    assert len(senders) == 2 and senders[0] == 0, first
+    assert re.search(r"INJECTED fault kind=kill at step [23] transfer", job.output), job.describe()
     assert job.strategies() == ["recover-in-place", "recover-in-place"], job.describe()
     assert job.restarted() == {0: 1, 1: 1}
     last = plans[-1]
