@@ -26,35 +26,18 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+from bench_store import start_master, stop  # noqa: E402  (scripts/ is sys.path[0])
 from rendezvous import protocol as P  # noqa: E402
 
-TORCH_SERVER = r'''
-import sys
-import torch.distributed as d
-s = d.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
-print("port", s.port, flush=True)
-sys.stdin.readline()
-'''
 BACKENDS = ("torch", "ftrun", "ftrun-python")
 
 
 def start(kind: str) -> tuple[subprocess.Popen, int]:
-    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    """bench_store's master for `kind`; ftrun-python is ftrun's with FTRUN_STORE_ACCEL=0."""
     if kind == "torch":
-        cmd = [sys.executable, "-c", TORCH_SERVER]
-    else:
-        env["FTRUN_STORE_ACCEL"] = "0" if kind == "ftrun-python" else "1"
-        cmd = [sys.executable, "-m", "rendezvous.store_cli", "serve", "--host", "127.0.0.1",
-               "--port", "0"]
-    p = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    line = p.stdout.readline()  # torch: "port N"; store_cli: "... listening on HOST:PORT ..."
-    if line.startswith("port "):
-        return p, int(line.split()[1])
-    if "listening on " in line:
-        return p, int(line.split("listening on ")[1].split()[0].rsplit(":", 1)[1])
-    p.kill()
-    p.wait()
-    raise RuntimeError(f"the {kind} server did not start: {line!r}")
+        return start_master("torch")
+    os.environ["FTRUN_STORE_ACCEL"] = "0" if kind == "ftrun-python" else "1"
+    return start_master("ftrun")
 
 
 def cpu_seconds(pid: int) -> float:
@@ -120,15 +103,7 @@ def one(kind: str, conns: int, rounds: int) -> dict:
         n, wall = drive(port, conns, rounds)
         cpu = cpu_seconds(p.pid) - c0
     finally:
-        try:
-            p.stdin.close()
-        except OSError:
-            pass
-        try:
-            p.wait(10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+        stop(p)
     return {"requests": n, "server_cpu_s": cpu, "wall_s": wall}
 
 

@@ -17,6 +17,7 @@ TEST_PROGRAMS=(
   "${FTRUN_TEST_ETCD:-/usr/bin/etcd} etcd-server"
   "${FTRUN_TEST_ETCDCTL:-/usr/bin/etcdctl} etcd-client"
   "/usr/bin/chromium chromium"  # headless browser of tests/test_report.py (the ftctl report page)
+  "/usr/bin/gcc gcc"  # builds rendezvous/_quickstore.c at install (tests/test_quickstore.py)
   "/sbin/ip iproute2"  # network namespaces, veths and the bridge of the multi-node (netns) tests
 )
 
@@ -49,11 +50,11 @@ install_test_programs() {
   done
 }
 
-$PIP install -q "torch==2.13.0" numpy
-$PIP install -q -e ".[test]"
-if [ "${1:-}" = "--test" ]; then
+if [ "${1:-}" = "--test" ]; then  # first: the install below compiles the C extension with gcc
   install_test_programs
 fi
+$PIP install -q "torch==2.13.0" numpy
+$PIP install -q -e ".[test]"
 if ! grep -q "localhost-v4mapped" /etc/hosts 2>/dev/null; then
   if [ -w /etc/hosts ]; then
     echo "::ffff:127.0.0.1 localhost-v4mapped" >> /etc/hosts
