@@ -4,8 +4,11 @@ Owns: reading `/proc/<pid>/stat` (state, parent, utime+stime) and `/proc/<pid>/i
 wchar: every byte read or written, output to the console or a log file included) for a worker
 and all its descendants, and `SilenceWatch`, which tells for each worker that does not use
 launcher.runtime (so sends no heartbeats) since when its process tree has shown no progress at
-all: no CPU time, no byte read or written. A rank blocked in a collective on a hung peer is
-silent too; which silent rank is blamed is `launcher.decision.blame_local`'s.
+all: no byte read or written and no more CPU time than an idle poller's (`IDLE_CPU_SHARE` of one
+CPU: a communication library's event-loop thread wakes on its timers even in a process that
+hangs, and one clock tick every few seconds must not restart the silence clock). A rank blocked
+in a collective on a hung peer is silent too; which silent rank is blamed is
+`launcher.decision.blame_local`'s.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 SAMPLE_INTERVAL = 1.0  # seconds between /proc samples of a worker tree
+IDLE_CPU_SHARE = 0.02  # a tree using at most this share of one CPU (and doing no I/O) is silent
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
@@ -92,8 +97,17 @@ class Silence:
     """One worker's progress as sampled."""
 
     pid: int
-    mark: tuple[int, int] | None = None
-    since: float = 0.0  # when the mark last changed (or sampling began)
+    mark: tuple[int, int] | None = None  # (CPU ticks, I/O bytes) when the silence began
+    since: float = 0.0  # when the tree last progressed (or sampling began)
+
+    def observe(self, mark: tuple[int, int], now: float) -> None:
+        """Restart the clock when the tree did I/O or used more CPU than an idle poller would."""
+        if self.mark is None or mark[1] != self.mark[1] or mark[0] < self.mark[0]:
+            self.mark, self.since = mark, now
+            return
+        idle_ticks = 1 + IDLE_CPU_SHARE * CLOCK_TICKS * max(0.0, now - self.since)
+        if mark[0] - self.mark[0] > idle_ticks:
+            self.mark, self.since = mark, now
 
 
 @dataclass
@@ -118,16 +132,15 @@ class SilenceWatch:
             if s is None or s.pid != pid:
                 s = self._seen[rank] = Silence(pid, None, now)
             mark = tree_progress(pid, table)
-            if mark is not None and mark != s.mark:
-                s.mark, s.since = mark, now
+            if mark is not None:
+                s.observe(mark, now)
 
     def note(self, rank: int, pid: int, mark: tuple[int, int], now: float) -> None:
         """Record one observation directly (tests, or a caller that sampled itself)."""
         s = self._seen.get(rank)
         if s is None or s.pid != pid:
             s = self._seen[rank] = Silence(pid, None, now)
-        if mark != s.mark:
-            s.mark, s.since = mark, now
+        s.observe(mark, now)
 
     def silent_for(self, rank: int, now: float | None = None) -> float:
         """Seconds since `rank`'s tree last progressed (0 when not watched)."""

@@ -65,9 +65,13 @@ def test_silence_watch_measures_since_the_last_change() -> None:
     w.note(1, 100, (5, 10), now=0.0)
     w.note(1, 100, (5, 10), now=4.0)
     assert w.silent_for(1, now=6.0) == 6.0
-    w.note(1, 100, (6, 10), now=7.0)
-    assert w.silent_for(1, now=8.0) == 1.0
-    w.note(1, 101, (6, 10), now=9.0)  # a new process of the rank starts a new clock
+    w.note(1, 100, (6, 10), now=7.0)  # one clock tick in 7 s: an idle poller's wake-ups
+    assert w.silent_for(1, now=8.0) == 8.0
+    w.note(1, 100, (26, 10), now=7.5)  # 21 ticks in 7.5 s: more than 2 % of a CPU
+    assert w.silent_for(1, now=8.0) == 0.5
+    w.note(1, 100, (26, 11), now=8.0)  # one byte of I/O
+    assert w.silent_for(1, now=9.0) == 1.0
+    w.note(1, 101, (26, 11), now=9.0)  # a new process of the rank starts a new clock
     assert w.silent_for(1, now=10.0) == 1.0
     w.forget(1)
     assert w.silent_for(1, now=50.0) == 0.0
