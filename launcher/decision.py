@@ -424,7 +424,7 @@ def blame(progress: Sequence[RankProgress], reporters: Sequence[int],
     quiet = [p for p in others if first_silent and not p.aware and p.idle_s >= min_idle]
     if quiet:  # the reporters timed out waiting: of the silent others, the first to go silent
         p = max(quiet, key=lambda p: p.idle_s)
-        return p, (f"no I/O and no CPU beyond an idle poller's for {p.idle_s:.1f}s, the first of the silent ranks to "
+        return p, (f"silent (no I/O, idle CPU) for {p.idle_s:.1f}s, the first of the silent ranks to "
                    "go silent while the reporters timed out waiting (nothing else tells them apart)")
     return None
 
@@ -489,7 +489,7 @@ def blame_local(silent: Sequence[RankProgress], outside: Sequence[int] = ()
     others = sorted(q.rank for q in silent if q is not p)
     hint = ("none of their stacks is inside a torch.distributed call" if apart
             else "install py-spy for stacks")
-    why = (f"no I/O and no CPU beyond an idle poller's for {p.idle_s:.1f}s; first of the silent ranks to go silent"
+    why = (f"silent (no I/O, idle CPU) for {p.idle_s:.1f}s; first of the silent ranks to go silent"
            + (f" (ranks {others} silent too)" if others else "")
            + f": nothing tells which one waits on which ({hint})")
     return p, why, True

@@ -141,7 +141,7 @@ class HangGuard:
             if idle <= limit or w.pid is None or w.hung_at_exit:
                 continue
             self.log.error("exit-hang", f"rank {w.rank} (pid {w.pid}) said goodbye (rt.finish()) but has not "
-                           f"exited: no I/O and no CPU beyond an idle poller's for {idle:.1f}s ({self._timeout_flag()}, allowance "
+                           f"exited: silent (no I/O, idle CPU) for {idle:.1f}s ({self._timeout_flag()}, allowance "
                            f"{limit:g}s); dumping its stacks, then killing it. Its work for the job was "
                            "done, so it counts as finished", rank=w.rank, pid=w.pid,
                            idle_s=round(idle, 3), timeout_s=limit, state=proc_state(w.pid))
