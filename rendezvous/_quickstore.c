@@ -1,13 +1,14 @@
 /* rendezvous._quickstore: the store server's read path for the frames that dominate a
  * rendezvous, in C.
  *
- * Owns: `read_quick(fd, ctx)`, which does one non-blocking recv() on a validated,
- * authenticated, plain (not multiplexed) connection with nothing buffered either way, executes
- * the complete GET, SET, ADD, and WAIT / CHECK of keys that are all present at the front of
- * what arrived against the `MemoryStore`'s dict, and sends their replies in one send().
+ * Owns: `read_quick(conn, ctx)`, which does one non-blocking recv() on an authenticated,
+ * plain (not multiplexed) connection with nothing buffered either way, executes the complete
+ * VALIDATE (the handshake: torch's magic, first; it sets `conn.validated`), PING, GET, SET,
+ * ADD, and WAIT / CHECK of keys that are all present at the front of what arrived against the
+ * `MemoryStore`'s dict, and sends their replies in one send().
  * Everything it does not take (another op, a frame cut by the read, a length over a limit, the
  * auth key, a write to a key somebody waits on, an ADD to a value that is not a plain decimal,
- * a WAIT that must wait) it hands back untouched, from that frame on, to the Python path
+ * a WAIT that must wait, a first frame that is not a VALIDATE with the magic) it hands back untouched, from that frame on, to the Python path
  * (`rendezvous.server`), which decides exactly as it always did: this module only ever does a
  * subset of what `StoreServer._quick` / `_handle` do, with the same results.
  *
@@ -37,12 +38,13 @@
 #define READ_SIZE (64 * 1024) /* protocol.READ_SIZE */
 #define MAX_KEYS 16           /* keys of one WAIT / CHECK taken here (more: the Python path) */
 
-enum { OP_SET = 1, OP_GET = 3, OP_ADD = 4, OP_CHECK = 5, OP_WAIT = 6 };
+enum { OP_VALIDATE = 0, OP_SET = 1, OP_GET = 3, OP_ADD = 4, OP_CHECK = 5, OP_WAIT = 6, OP_PING = 13 };
+#define VALIDATION_MAGIC 0x3C85F7CEu /* protocol.VALIDATION_MAGIC */
 
 /* One buffer for every server of the process: used only with the GIL held, never across a
  * call that could release it. */
 static char rbuf[READ_SIZE];
-static PyObject *str_locked;
+static PyObject *str_locked, *str_fd, *str_validated;
 
 typedef struct {
     char *p;
@@ -114,6 +116,10 @@ static int plain_decimal(PyObject *v, long long *out) {
 /* Execute the frame at buf[pos:n]. Returns its end (> pos) when executed, 0 when the Python
  * path must take it, -1 on error (exception set). */
 static Py_ssize_t one(const Table *t, const char *buf, size_t pos, size_t n, Out *o) {
+    if (pos + 5 <= n && (unsigned char)buf[pos] == OP_PING) { /* u32 nonce, echoed */
+        if (out_put(o, buf + pos + 1, 4) < 0) return -1;
+        return (Py_ssize_t)(pos + 5);
+    }
     if (pos + 9 > n) return 0;
     int op = (unsigned char)buf[pos];
     if (op == OP_WAIT || op == OP_CHECK) {
@@ -220,12 +226,21 @@ static Py_ssize_t one(const Table *t, const char *buf, size_t pos, size_t n, Out
 static PyObject *read_quick(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 8) {
-        PyErr_SetString(PyExc_TypeError, "read_quick(fd, ctx): ctx is an 8-tuple");
+        PyErr_SetString(PyExc_TypeError, "read_quick(conn, ctx): ctx is an 8-tuple");
         return NULL;
     }
-    long fdl = PyLong_AsLong(args[0]);
+    PyObject *conn = args[0];
+    PyObject *fdo = PyObject_GetAttr(conn, str_fd);
+    if (fdo == NULL) return NULL;
+    long fdl = PyLong_AsLong(fdo);
+    Py_DECREF(fdo);
     if (fdl == -1 && PyErr_Occurred()) return NULL;
     int fd = (int)fdl;
+    PyObject *vo = PyObject_GetAttr(conn, str_validated);
+    if (vo == NULL) return NULL;
+    int validated = PyObject_IsTrue(vo);
+    Py_DECREF(vo);
+    if (validated < 0) return NULL;
     PyObject *ctx = args[1];
     Table t = {PyTuple_GET_ITEM(ctx, 0), PyTuple_GET_ITEM(ctx, 1), PyTuple_GET_ITEM(ctx, 2),
                PyTuple_GET_ITEM(ctx, 6), 0, 0};
@@ -258,7 +273,17 @@ static PyObject *read_quick(PyObject *self, PyObject *const *args, Py_ssize_t na
     int busy = PyObject_IsTrue(held);
     Py_DECREF(held);
     if (busy < 0) goto error;
-    if (!busy) {
+    if (!busy && !validated) { /* the handshake: VALIDATE with the magic comes first */
+        uint32_t magic = 0;
+        if (n >= 5) memcpy(&magic, rbuf + 1, 4);
+        if (n >= 5 && rbuf[0] == OP_VALIDATE && magic == VALIDATION_MAGIC) {
+            if (PyObject_SetAttr(conn, str_validated, Py_True) < 0) goto error;
+            validated = 1;
+            pos = 5;
+            count = 1;
+        }
+    }
+    if (!busy && validated) {
         while (pos < n && count < budget) {
             Py_ssize_t end = one(&t, rbuf, pos, n, &o);
             if (end < 0) goto error;
@@ -288,17 +313,20 @@ error:
 
 static PyMethodDef methods[] = {
     {"read_quick", (PyCFunction)(void (*)(void))read_quick, METH_FASTCALL,
-     "read_quick(fd, ctx) -> None | False | int | (int, bytes, bytes); see the module doc."},
+     "read_quick(conn, ctx) -> None | False | int | (int, bytes, bytes); see the module doc."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "rendezvous._quickstore",
-    "The store server's read path for GET, SET, ADD, WAIT and CHECK, in C.", -1, methods,
+    "The store server's read path for VALIDATE, PING, GET, SET, ADD, WAIT and CHECK, in C.", -1,
+    methods,
 };
 
 PyMODINIT_FUNC PyInit__quickstore(void) {
     str_locked = PyUnicode_InternFromString("locked");
-    if (str_locked == NULL) return NULL;
+    str_fd = PyUnicode_InternFromString("fd");
+    str_validated = PyUnicode_InternFromString("validated");
+    if (str_locked == NULL || str_fd == NULL || str_validated == NULL) return NULL;
     return PyModule_Create(&module);
 }

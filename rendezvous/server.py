@@ -349,9 +349,9 @@ class LoopServer:
         one `send` and no further calls; everything else goes through `_consume`. With the C
         read path, such a connection's read, execution and reply all happen in C."""
         rq = self._read_quick
-        if (rq is not None and c.validated and c.authed and not c.mux and not c.buf
-                and not c.out and not c.want_write):
-            r = rq(c.fd, self._quick_ctx)
+        if (rq is not None and c.authed and not c.mux and not c.buf and not c.out
+                and not c.want_write):
+            r = rq(c, self._quick_ctx)  # validates a new connection's handshake too
             if r is None:
                 return
             if r is False:

@@ -42,20 +42,21 @@ def frames() -> list[bytes]:
     ]
 
 
-def run_stream(mode: str, chunk: int) -> tuple[bytes, dict]:
+def run_stream(mode: str, chunk: int, handshake: bool = False) -> tuple[bytes, dict]:
     """Feed the frames through `_read` of a server on one end of a socketpair; the replies
-    read at the other end and the table."""
+    read at the other end and the table. `handshake`: a new connection, the frames behind
+    torch's VALIDATE + PING."""
     srv = StoreServer(host="127.0.0.1")
     if mode != "c":
         srv._read_quick = None
     if mode == "general":
         srv._quick = None
-    stream = b"".join(frames())
+    stream = (P.handshake_bytes(9) if handshake else b"") + b"".join(frames())
     a, b = socket.socketpair()
     try:
         a.setblocking(False)
         c = _Conn(a, "test", True, 0.0)
-        c.validated = True
+        c.validated = not handshake
         srv._ep = select.epoll()
         srv._conns[c.fd] = c
         srv._ep.register(c.fd, 1)
@@ -79,6 +80,7 @@ def run_stream(mode: str, chunk: int) -> tuple[bytes, dict]:
                 except BlockingIOError:
                     break
                 got += more
+        assert c.validated and not c.closed
         return got, dict(srv.table._data)
     finally:
         srv._ep.close()
@@ -92,14 +94,34 @@ def test_the_extension_is_built_and_a_default_server_uses_it() -> None:
     assert StoreServer(host="127.0.0.1")._read_quick is not None
 
 
+@pytest.mark.parametrize("handshake", [False, True], ids=["validated", "handshake"])
 @pytest.mark.parametrize("chunk", [0, 1, 5, 64, 4096])
-def test_same_replies_and_table_as_the_python_paths(chunk: int) -> None:
-    results = {mode: run_stream(mode, chunk) for mode in ("c", "python", "general")}
+def test_same_replies_and_table_as_the_python_paths(chunk: int, handshake: bool) -> None:
+    results = {mode: run_stream(mode, chunk, handshake) for mode in ("c", "python", "general")}
     assert results["c"] == results["python"] == results["general"]
     replies, table = results["c"]
     assert table[b"/cnt"] == b"-3" and table[b"/plus"] == b"8" and AUTH_KEY not in table
     assert table[b"/big"] == b"9223372036854775804" and table[b"/later"] == b"here"
     assert replies.endswith(P.enc_i64(-3)) and P.STOP_WAITING_REPLY in replies
+
+
+@pytest.mark.parametrize("first", [
+    req(P.Op.GET, [b"/k"]),  # not a VALIDATE
+    req(P.Op.VALIDATE, num=0x12345678),  # the wrong magic
+    req(P.Op.PING, num=1),
+], ids=["get", "magic", "ping"])
+def test_a_bad_handshake_is_refused_as_the_python_path_refuses_it(first: bytes) -> None:
+    logs: list[str] = []
+    with StoreServer(host="127.0.0.1", log=logs.append) as srv:
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s.sendall(first + req(P.Op.PING, num=2))
+        assert s.recv(16) == b""  # closed, nothing answered
+        s.close()
+        good = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        good.sendall(P.handshake_bytes(3) + req(P.Op.ADD, [b"/n"], num=1))
+        assert recv_exact(good, 12) == P.enc_u32(3) + P.enc_i64(1)
+        good.close()
+    assert len(logs) == 1 and ("expected VALIDATE" in logs[0] or "expected 0x3c85f7ce" in logs[0]), logs
 
 
 def test_nothing_executes_while_another_thread_holds_the_tables_lock() -> None:
