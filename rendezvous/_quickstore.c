@@ -2,24 +2,31 @@
  * rendezvous, in C.
  *
  * Owns: `read_quick(conn, ctx)`, which does one non-blocking recv() on an authenticated,
- * plain (not multiplexed) connection with nothing buffered either way, executes the complete
+ * plain (not multiplexed) connection with nothing buffered either way and no waiter, executes
+ * the complete frames at the front of what arrived against the `MemoryStore`'s dicts --
  * VALIDATE (the handshake: torch's magic, first; it sets `conn.validated`), PING, GET, SET,
- * ADD, and WAIT / CHECK of keys that are all present at the front of what arrived against the
- * `MemoryStore`'s dict, and sends their replies in one send().
+ * ADD, WAIT / CHECK of keys that are all present, and a one-key WAIT of an absent key (it
+ * registers the waiter as `StoreServer._wait_keys` does, and is the read's last frame) -- and
+ * sends their replies in one send(). A SET or ADD of a key somebody waits on does what
+ * `MemoryStore._changed` does for plain waiters; once the lock is released the satisfied ones
+ * are answered: STOP_WAITING sent here to a plain connection of this server with nothing
+ * queued, `fire()` (the Python delivery) for every other.
  * Everything it does not take (another op, a frame cut by the read, a length over a limit, the
- * auth key, a write to a key somebody waits on, an ADD to a value that is not a plain decimal,
- * a WAIT that must wait, a first frame that is not a VALIDATE with the magic) it hands back untouched, from that frame on, to the Python path
+ * auth key, a BARRIER's counter, an ADD to a value that is not a plain decimal, a multi-key
+ * WAIT that must wait, a key that names a queue, a first frame that is not a VALIDATE with
+ * the magic) it hands back untouched, from that frame on, to the Python path
  * (`rendezvous.server`), which decides exactly as it always did: this module only ever does a
  * subset of what `StoreServer._quick` / `_handle` do, with the same results.
  *
- * Atomicity: it runs with the GIL held from the recv to the send and calls no Python code that
- * could release it (dict operations on bytes keys, the lock's `locked()`), so no other thread
- * runs while it touches the table. It executes nothing while another thread holds the
- * table's lock (a LocalKV write in the middle of its read-modify-write): then all of the read
- * goes to the Python path, which takes the lock.
+ * Atomicity: it takes the table's lock without blocking for the whole execution (when another
+ * thread holds it -- a LocalKV write in its read-modify-write -- all of the read goes to the
+ * Python path, which waits for the lock), so no other thread touches the table even while a
+ * waiter's constructor runs Python code. Waiters are answered after the lock is released, as
+ * `MemoryStore` fires them.
  *
  * ctx: a tuple made once per server, (data: dict, waiters: dict, barriers: dict, lock,
- * max_key: int, max_value: int, auth_key: bytes, budget: int).
+ * max_key: int, max_value: int, auth_key: bytes, budget: int, queues: dict, Waiter, _Wake,
+ * server).
  *
  * Returns None (nothing to read), False (EOF or a socket error: close the connection), an int n
  * (n requests executed, all of the read consumed, every reply sent) or a tuple
@@ -41,10 +48,10 @@
 enum { OP_VALIDATE = 0, OP_SET = 1, OP_GET = 3, OP_ADD = 4, OP_CHECK = 5, OP_WAIT = 6, OP_PING = 13 };
 #define VALIDATION_MAGIC 0x3C85F7CEu /* protocol.VALIDATION_MAGIC */
 
-/* One buffer for every server of the process: used only with the GIL held, never across a
- * call that could release it. */
-static char rbuf[READ_SIZE];
-static PyObject *str_locked, *str_fd, *str_validated;
+#define CTX_SIZE 12
+
+static PyObject *str_acquire, *str_release, *str_fd, *str_validated, *str_done, *str_remaining,
+    *str_waiter, *str_fire, *str_srv, *str_c, *str_tag, *str_closed, *str_out, *str_want_write;
 
 typedef struct {
     char *p;
@@ -81,16 +88,85 @@ static uint64_t rd_u64(const char *p) {
 }
 
 typedef struct {
-    PyObject *data, *waiters, *barriers, *auth_key;
+    PyObject *data, *waiters, *barriers, *queues, *auth_key;
+    PyObject *waiter_type, *wake_type, *srv; /* memory.Waiter, server._Wake, the server */
+    PyObject *conn;                          /* the connection being read */
+    PyObject *fired;                         /* waiters this read satisfied (a list) */
+    int registered;                          /* this read's WAIT registered a waiter */
     uint64_t max_key, max_value;
 } Table;
 
-/* 1 when a write to `key` must go through the Python path (it wakes waiters), 0 if not,
- * -1 on error. */
-static int watched(const Table *t, PyObject *key) {
-    int r = PyDict_Contains(t->waiters, key);
-    if (r != 0) return r;
-    return PyDict_Contains(t->barriers, key);
+/* After a write to `key` (the lock held): what `MemoryStore._changed` does for its plain
+ * waiters: each loses one missing key, the ones left with none are done and go to t->fired
+ * (delivered once the lock is released). 0, or -1 on error. */
+static int changed(Table *t, PyObject *key) {
+    PyObject *ws = PyDict_GetItemWithError(t->waiters, key); /* borrowed */
+    if (ws == NULL) return PyErr_Occurred() ? -1 : 0;
+    Py_INCREF(ws);
+    if (PyDict_DelItem(t->waiters, key) < 0) {
+        Py_DECREF(ws);
+        return -1;
+    }
+    Py_ssize_t i = 0;
+    PyObject *w, *unused;
+    int rc = 0;
+    while (rc == 0 && PyDict_Next(ws, &i, &w, &unused)) {
+        PyObject *done = PyObject_GetAttr(w, str_done);
+        if (done == NULL) { rc = -1; break; }
+        int is_done = PyObject_IsTrue(done);
+        Py_DECREF(done);
+        if (is_done) continue;
+        PyObject *rem = PyObject_GetAttr(w, str_remaining);
+        if (rem == NULL) { rc = -1; break; }
+        long left = PyLong_AsLong(rem) - 1;
+        Py_DECREF(rem);
+        if (left == -2 && PyErr_Occurred()) { rc = -1; break; }
+        PyObject *lo = PyLong_FromLong(left);
+        if (lo == NULL || PyObject_SetAttr(w, str_remaining, lo) < 0) {
+            Py_XDECREF(lo);
+            rc = -1;
+            break;
+        }
+        Py_DECREF(lo);
+        if (left <= 0 && (PyObject_SetAttr(w, str_done, Py_True) < 0 || PyList_Append(t->fired, w) < 0))
+            rc = -1;
+    }
+    Py_DECREF(ws);
+    return rc;
+}
+
+/* Register a waiter of the connection being read for `key` (absent, one key), as
+ * `StoreServer._wait_keys` does: Waiter((key,), _Wake(srv, conn, -1)) indexed under the key
+ * and made the connection's waiter. The lock is held. 0, or -1 on error. */
+static int register_waiter(Table *t, PyObject *key) {
+    PyObject *wake = NULL, *keys = NULL, *w = NULL, *ws;
+    PyObject *tag = PyLong_FromLong(-1);
+    if (tag == NULL) return -1;
+    wake = PyObject_CallFunctionObjArgs(t->wake_type, t->srv, t->conn, tag, NULL);
+    Py_DECREF(tag);
+    if (wake == NULL) return -1;
+    keys = PyTuple_Pack(1, key);
+    if (keys != NULL) w = PyObject_CallFunctionObjArgs(t->waiter_type, keys, wake, NULL);
+    Py_XDECREF(keys);
+    Py_DECREF(wake);
+    if (w == NULL) return -1;
+    ws = PyDict_GetItemWithError(t->waiters, key); /* borrowed */
+    int rc = 0;
+    if (ws == NULL) {
+        if (PyErr_Occurred()) {
+            rc = -1;
+        } else {
+            PyObject *d = PyDict_New();
+            rc = d == NULL || PyDict_SetItem(d, w, Py_None) < 0 || PyDict_SetItem(t->waiters, key, d) < 0 ? -1 : 0;
+            Py_XDECREF(d);
+        }
+    } else {
+        rc = PyDict_SetItem(ws, w, Py_None);
+    }
+    if (rc == 0) rc = PyObject_SetAttr(t->conn, str_waiter, w);
+    Py_DECREF(w);
+    if (rc == 0) t->registered = 1;
+    return rc;
 }
 
 /* A plain decimal integer (what ADD stores: str(int)) that fits with room for an add;
@@ -115,7 +191,7 @@ static int plain_decimal(PyObject *v, long long *out) {
 
 /* Execute the frame at buf[pos:n]. Returns its end (> pos) when executed, 0 when the Python
  * path must take it, -1 on error (exception set). */
-static Py_ssize_t one(const Table *t, const char *buf, size_t pos, size_t n, Out *o) {
+static Py_ssize_t one(Table *t, const char *buf, size_t pos, size_t n, Out *o) {
     if (pos + 5 <= n && (unsigned char)buf[pos] == OP_PING) { /* u32 nonce, echoed */
         if (out_put(o, buf + pos + 1, 4) < 0) return -1;
         return (Py_ssize_t)(pos + 5);
@@ -138,9 +214,18 @@ static Py_ssize_t one(const Table *t, const char *buf, size_t pos, size_t n, Out
             PyObject *key = PyBytes_FromStringAndSize(buf + q + 8, (Py_ssize_t)kl);
             if (key == NULL) return -1;
             int r = PyDict_Contains(t->data, key);
+            if (r == 0 && op == OP_WAIT && count == 1) { /* absent: wait for it, unless a queue */
+                r = PyDict_Contains(t->queues, key);
+                if (r == 0) {
+                    r = register_waiter(t, key);
+                    Py_DECREF(key);
+                    return r < 0 ? -1 : (Py_ssize_t)p; /* no reply until it fires */
+                }
+                r = r < 0 ? -1 : 0; /* the key names a queue: Python */
+            }
             Py_DECREF(key);
             if (r < 0) return -1;
-            if (r == 0) return 0; /* WAIT registers a waiter, CHECK looks at queues: Python */
+            if (r == 0) return 0; /* a multi-key WAIT that must wait, CHECK (queues): Python */
             q += 8 + kl;
         }
         const char ready = 0; /* STOP_WAITING / READY */
@@ -179,7 +264,7 @@ static Py_ssize_t one(const Table *t, const char *buf, size_t pos, size_t n, Out
     }
     PyObject *key = PyBytes_FromStringAndSize(buf + s, (Py_ssize_t)kl);
     if (key == NULL) return -1;
-    int w = watched(t, key);
+    int w = PyDict_Contains(t->barriers, key); /* a BARRIER's counter: Python */
     if (w != 0) {
         Py_DECREF(key);
         return w < 0 ? -1 : 0;
@@ -218,15 +303,60 @@ static Py_ssize_t one(const Table *t, const char *buf, size_t pos, size_t n, Out
         return -1;
     }
     int r = PyDict_SetItem(t->data, key, value);
-    Py_DECREF(key);
     Py_DECREF(value);
+    if (r == 0) r = changed(t, key); /* wakes the key's waiters (after the lock) */
+    Py_DECREF(key);
     return r < 0 ? -1 : (Py_ssize_t)end;
+}
+
+/* Answer the waiters this read satisfied, the lock released: STOP_WAITING sent at once to a
+ * plain connection of this server whose waiter it still is and that has nothing queued (what
+ * `StoreServer._deliver` + `_send_now` do there); every other waiter's `fire()` (a mux tag, a
+ * queued output, a short send, another owner) runs as the Python path would run it. */
+static int deliver(Table *t) {
+    Py_ssize_t n = PyList_GET_SIZE(t->fired);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *w = PyList_GET_ITEM(t->fired, i);
+        PyObject *wake = PyObject_GetAttr(w, str_fire);
+        if (wake == NULL) return -1;
+        int sent = 0;
+        if (Py_TYPE(wake) == (PyTypeObject *)t->wake_type) {
+            PyObject *srv = PyObject_GetAttr(wake, str_srv), *c = PyObject_GetAttr(wake, str_c),
+                     *tag = PyObject_GetAttr(wake, str_tag);
+            PyObject *cw = c ? PyObject_GetAttr(c, str_waiter) : NULL;
+            PyObject *closed = c ? PyObject_GetAttr(c, str_closed) : NULL;
+            PyObject *out = c ? PyObject_GetAttr(c, str_out) : NULL;
+            PyObject *ww = c ? PyObject_GetAttr(c, str_want_write) : NULL;
+            PyObject *fd = c ? PyObject_GetAttr(c, str_fd) : NULL;
+            if (srv && tag && cw && closed && out && ww && fd) {
+                long tg = PyLong_AsLong(tag), fdl = PyLong_AsLong(fd);
+                if (srv == t->srv && tg == -1 && cw == w && closed == Py_False && PyList_CheckExact(out) &&
+                    PyList_GET_SIZE(out) == 0 && ww == Py_False && fdl >= 0) {
+                    const char stop = 0; /* STOP_WAITING */
+                    if (send((int)fdl, &stop, 1, MSG_DONTWAIT | MSG_NOSIGNAL) == 1) {
+                        sent = PyObject_SetAttr(c, str_waiter, Py_None) < 0 ? -1 : 1;
+                    }
+                }
+            }
+            Py_XDECREF(srv); Py_XDECREF(c); Py_XDECREF(tag); Py_XDECREF(cw);
+            Py_XDECREF(closed); Py_XDECREF(out); Py_XDECREF(ww); Py_XDECREF(fd);
+            if (PyErr_Occurred()) sent = -1;
+        }
+        if (sent == 0) {
+            PyObject *r = PyObject_CallNoArgs(wake);
+            Py_XDECREF(r);
+            if (r == NULL) sent = -1;
+        }
+        Py_DECREF(wake);
+        if (sent < 0) return -1;
+    }
+    return 0;
 }
 
 static PyObject *read_quick(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != 8) {
-        PyErr_SetString(PyExc_TypeError, "read_quick(conn, ctx): ctx is an 8-tuple");
+    if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != CTX_SIZE) {
+        PyErr_SetString(PyExc_TypeError, "read_quick(conn, ctx): ctx is a 12-tuple");
         return NULL;
     }
     PyObject *conn = args[0];
@@ -243,11 +373,14 @@ static PyObject *read_quick(PyObject *self, PyObject *const *args, Py_ssize_t na
     if (validated < 0) return NULL;
     PyObject *ctx = args[1];
     Table t = {PyTuple_GET_ITEM(ctx, 0), PyTuple_GET_ITEM(ctx, 1), PyTuple_GET_ITEM(ctx, 2),
-               PyTuple_GET_ITEM(ctx, 6), 0, 0};
+               PyTuple_GET_ITEM(ctx, 8), PyTuple_GET_ITEM(ctx, 6), PyTuple_GET_ITEM(ctx, 9),
+               PyTuple_GET_ITEM(ctx, 10), PyTuple_GET_ITEM(ctx, 11), conn, NULL, 0, 0, 0};
     PyObject *lock = PyTuple_GET_ITEM(ctx, 3);
     if (!PyDict_CheckExact(t.data) || !PyDict_CheckExact(t.waiters) ||
-        !PyDict_CheckExact(t.barriers) || !PyBytes_Check(t.auth_key)) {
-        PyErr_SetString(PyExc_TypeError, "read_quick: ctx = (dict, dict, dict, lock, int, int, bytes, int)");
+        !PyDict_CheckExact(t.barriers) || !PyDict_CheckExact(t.queues) ||
+        !PyBytes_Check(t.auth_key) || !PyType_Check(t.waiter_type) || !PyType_Check(t.wake_type)) {
+        PyErr_SetString(PyExc_TypeError, "read_quick: ctx = (data, waiters, barriers, lock, max_key, "
+                        "max_value, auth_key, budget, queues, Waiter, _Wake, server)");
         return NULL;
     }
     t.max_key = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ctx, 4));
@@ -255,6 +388,9 @@ static PyObject *read_quick(PyObject *self, PyObject *const *args, Py_ssize_t na
     long budget = PyLong_AsLong(PyTuple_GET_ITEM(ctx, 7));
     if (PyErr_Occurred()) return NULL;
 
+    /* On this thread's stack: a waiter's constructor or fire() runs Python code, during which
+     * another server's loop thread may read into its own buffer. */
+    char rbuf[READ_SIZE];
     ssize_t got = recv(fd, rbuf, READ_SIZE, MSG_DONTWAIT);
     if (got < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) Py_RETURN_NONE;
@@ -267,48 +403,72 @@ static PyObject *read_quick(PyObject *self, PyObject *const *args, Py_ssize_t na
     o.p = o.small;
     o.len = 0;
     o.cap = sizeof o.small;
+    PyObject *result = NULL;
+    t.fired = PyList_New(0);
+    if (t.fired == NULL) goto done;
 
-    PyObject *held = PyObject_CallMethodNoArgs(lock, str_locked);
-    if (held == NULL) goto error;
-    int busy = PyObject_IsTrue(held);
-    Py_DECREF(held);
-    if (busy < 0) goto error;
-    if (!busy && !validated) { /* the handshake: VALIDATE with the magic comes first */
+    /* The table's lock, without blocking: nothing runs while another thread is in the middle of
+     * a LocalKV read-modify-write (then all of the read goes to the Python path, which waits for
+     * the lock), and no other thread touches the table while this read's Python calls (a
+     * waiter's constructor) might let it run. */
+    PyObject *got_lock = PyObject_CallMethodOneArg(lock, str_acquire, Py_False);
+    if (got_lock == NULL) goto done;
+    int locked = got_lock == Py_True;
+    Py_DECREF(got_lock);
+    int failed = 0;
+    if (locked && !validated) { /* the handshake: VALIDATE with the magic comes first */
         uint32_t magic = 0;
         if (n >= 5) memcpy(&magic, rbuf + 1, 4);
         if (n >= 5 && rbuf[0] == OP_VALIDATE && magic == VALIDATION_MAGIC) {
-            if (PyObject_SetAttr(conn, str_validated, Py_True) < 0) goto error;
+            if (PyObject_SetAttr(conn, str_validated, Py_True) < 0) failed = 1;
             validated = 1;
             pos = 5;
             count = 1;
         }
     }
-    if (!busy && validated) {
+    if (locked && validated && !failed) {
         while (pos < n && count < budget) {
             Py_ssize_t end = one(&t, rbuf, pos, n, &o);
-            if (end < 0) goto error;
+            if (end < 0) {
+                failed = 1;
+                break;
+            }
             if (end == 0) break;
             pos = (size_t)end;
             count++;
+            if (t.registered) break; /* its reply comes when it fires: the rest in order, by Python */
         }
     }
+    if (locked) {
+        PyObject *et, *ev, *tb;
+        PyErr_Fetch(&et, &ev, &tb);
+        PyObject *r = PyObject_CallMethodNoArgs(lock, str_release);
+        Py_XDECREF(r);
+        if (r == NULL) {
+            Py_XDECREF(et);
+            Py_XDECREF(ev);
+            Py_XDECREF(tb);
+            goto done;
+        }
+        PyErr_Restore(et, ev, tb);
+    }
+    if (failed) goto done;
     size_t sent = 0;
     if (pos == n && o.len) {
         ssize_t r = send(fd, o.p, o.len, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (r > 0) sent = (size_t)r; /* an error: the Python path's flush sees it and closes */
     }
-    PyObject *result;
     if (pos == n && sent == o.len) {
         result = PyLong_FromLong(count);
     } else {
         result = Py_BuildValue("(ly#y#)", count, o.p + sent, (Py_ssize_t)(o.len - sent),
                                rbuf + pos, (Py_ssize_t)(n - pos));
     }
+    if (result != NULL && deliver(&t) < 0) Py_CLEAR(result);
+done:
+    Py_XDECREF(t.fired);
     out_free(&o);
     return result;
-error:
-    out_free(&o);
-    return NULL;
 }
 
 static PyMethodDef methods[] = {
@@ -324,9 +484,16 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__quickstore(void) {
-    str_locked = PyUnicode_InternFromString("locked");
-    str_fd = PyUnicode_InternFromString("fd");
-    str_validated = PyUnicode_InternFromString("validated");
-    if (str_locked == NULL || str_fd == NULL || str_validated == NULL) return NULL;
+    struct { PyObject **slot; const char *name; } names[] = {
+        {&str_acquire, "acquire"}, {&str_release, "release"}, {&str_fd, "fd"},
+        {&str_validated, "validated"}, {&str_done, "done"}, {&str_remaining, "remaining"},
+        {&str_waiter, "waiter"}, {&str_fire, "fire"}, {&str_srv, "srv"}, {&str_c, "c"},
+        {&str_tag, "tag"}, {&str_closed, "closed"}, {&str_out, "out"},
+        {&str_want_write, "want_write"},
+    };
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        *names[i].slot = PyUnicode_InternFromString(names[i].name);
+        if (*names[i].slot == NULL) return NULL;
+    }
     return PyModule_Create(&module);
 }

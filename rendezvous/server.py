@@ -6,7 +6,8 @@ node proxy) and `StoreServer` (request execution, handshake and token checks).
 
 Design: one thread runs a level-triggered epoll loop over non-blocking sockets. A readable
 connection is read once (64 KiB), its complete requests are decoded and executed (on a plain
-connection with nothing buffered, GET, SET, ADD and satisfied WAIT / CHECK by the C read path
+connection with nothing buffered and no waiter, the handshake, PING, GET, SET, ADD, WAIT /
+CHECK and the wake-ups of the waiters a write satisfies by the C read path
 `rendezvous._quickstore`, which also reads and answers them, when it was built; else GET, SET,
 ADD and a satisfied one-key WAIT in place by `StoreServer._quick`; the rest through
 `protocol.parse_common` / `protocol.parse_request`) against the table through one dispatch
@@ -36,7 +37,7 @@ from typing import Callable
 from rendezvous import protocol as P
 from rendezvous.auth import AUTH_KEY, check_token, token_matches
 from rendezvous.kv import StoreError
-from rendezvous.memory import LocalKV, MemoryStore, apply
+from rendezvous.memory import LocalKV, MemoryStore, Waiter, apply
 
 _log = logging.getLogger("ftrun.store")
 
@@ -51,7 +52,8 @@ _EMPTY_VALUE = _u64_pack(0)
 _STOP = P.STOP_WAITING_REPLY
 
 
-def _c_read_path(table: MemoryStore, limits: P.Limits, budget: int) -> tuple[Callable | None, tuple]:
+def _c_read_path(server: "StoreServer", table: MemoryStore, limits: P.Limits,
+                 budget: int) -> tuple[Callable | None, tuple]:
     """The C read path over `table` (see `rendezvous/_quickstore.c`) and its context, or
     (None, ()) when the extension was not built, `FTRUN_STORE_ACCEL=0` turns it off, or the
     table is not a plain `MemoryStore` (a subclass may do more on a write)."""
@@ -62,7 +64,8 @@ def _c_read_path(table: MemoryStore, limits: P.Limits, budget: int) -> tuple[Cal
     except ImportError:
         return None, ()
     return read_quick, (table._data, table._waiters, table._barriers, table._lock,
-                        limits.max_key_bytes, limits.max_value_bytes, AUTH_KEY, budget)
+                        limits.max_key_bytes, limits.max_value_bytes, AUTH_KEY, budget,
+                        table._queues, Waiter, _Wake, server)
 
 
 class _Conn:
@@ -350,7 +353,7 @@ class LoopServer:
         read path, such a connection's read, execution and reply all happen in C."""
         rq = self._read_quick
         if (rq is not None and c.authed and not c.mux and not c.buf and not c.out
-                and not c.want_write):
+                and not c.want_write and c.waiter is None):
             r = rq(c, self._quick_ctx)  # validates a new connection's handshake too
             if r is None:
                 return
@@ -655,7 +658,7 @@ class StoreServer(LoopServer):
         self.table = table if table is not None else MemoryStore()
         self.kv = LocalKV(self.table)
         self._table_data = self.table._data  # read-only use by _quick (GET, WAIT present)
-        self._read_quick, self._quick_ctx = _c_read_path(self.table, limits, self._budget)
+        self._read_quick, self._quick_ctx = _c_read_path(self, self.table, limits, self._budget)
         self._max_key, self._max_value = limits.max_key_bytes, limits.max_value_bytes
         by_kind = {P.Kind.DATA: self._data, P.Kind.BLOCKING: self._wait,
                    P.Kind.CANCEL: self._cancel}

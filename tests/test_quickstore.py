@@ -189,3 +189,160 @@ def test_ftrun_store_accel_0_turns_it_off(monkeypatch) -> None:
         s.sendall(P.handshake_bytes(2) + req(P.Op.ADD, [b"/x"], num=4))
         assert recv_exact(s, 12) == P.enc_u32(2) + P.enc_i64(4)
         s.close()
+
+
+class _Loop:
+    """A server driven by hand on this thread: validated plain connections over socketpairs,
+    `read(conn)` as the loop reads; `_consume` (the Python request loop) counted."""
+
+    def __init__(self) -> None:
+        self.srv = StoreServer(host="127.0.0.1")
+        self.srv._loop_ident = threading.get_ident()
+        self.srv._ep = select.epoll()
+        self.python_frames = 0
+        consume = self.srv._consume
+
+        def counted(c, data):
+            self.python_frames += 1
+            consume(c, data)
+        self.srv._consume = counted
+        self.pairs: list = []
+
+    def conn(self):
+        a, b = socket.socketpair()
+        a.setblocking(False)
+        b.settimeout(5)
+        c = _Conn(a, "test", True, 0.0)
+        c.validated = True
+        self.srv._conns[c.fd] = c
+        self.srv._ep.register(c.fd, select.EPOLLIN)
+        self.pairs += [a, b]
+        return c, b
+
+    def send(self, c, b, data: bytes) -> None:
+        b.sendall(data)
+        self.srv._read(c)
+        self.srv._flush_dirty()
+
+    def close(self) -> None:
+        self.srv._ep.close()
+        for s in self.pairs:
+            s.close()
+
+
+def test_waits_register_and_writes_wake_them_in_c() -> None:
+    """A WAIT for an absent key registers its waiter in C (the connection's waiter, indexed
+    under the key); a SET or ADD of that key wakes all of them in C, each answered once."""
+    lp = _Loop()
+    try:
+        waiting = [lp.conn() for _ in range(20)]
+        for c, b in waiting:
+            lp.send(c, b, req(P.Op.WAIT, [b"/go"]))
+            assert c.waiter is not None and c.waiter in lp.srv.table._waiters[b"/go"]
+        wc, wb = lp.conn()
+        lp.send(wc, wb, req(P.Op.ADD, [b"/go"], num=2))
+        assert recv_exact(wb, 8) == P.enc_i64(2)
+        for c, b in waiting:
+            assert recv_exact(b, 1) == P.STOP_WAITING_REPLY
+            assert c.waiter is None
+        assert lp.srv.table._waiters == {} and lp.python_frames == 0
+        for c, b in waiting:  # the next wait is answered at once, the next write wakes nobody
+            lp.send(c, b, req(P.Op.WAIT, [b"/go"]) + req(P.Op.SET, [b"/go"], [b"x"]))
+            assert recv_exact(b, 1) == P.STOP_WAITING_REPLY
+        b.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            b.recv(1)
+        assert lp.python_frames == 0
+    finally:
+        lp.close()
+
+
+def test_a_waiter_for_two_keys_fires_on_the_second_write() -> None:
+    lp = _Loop()
+    try:
+        c, b = lp.conn()
+        lp.send(c, b, req(P.Op.WAIT, [b"/a", b"/b"]))  # two keys: the Python path registers
+        wc, wb = lp.conn()
+        lp.send(wc, wb, req(P.Op.SET, [b"/a"], [b"1"]))
+        b.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            b.recv(1)
+        lp.send(wc, wb, req(P.Op.SET, [b"/b"], [b"1"]))
+        b.settimeout(5)
+        assert recv_exact(b, 1) == P.STOP_WAITING_REPLY and c.waiter is None
+    finally:
+        lp.close()
+
+
+def test_a_waiter_of_a_connection_with_queued_output_is_answered_behind_it() -> None:
+    """C sends STOP_WAITING itself only to a connection with nothing queued; otherwise the
+    Python delivery queues it behind the output already there, in order."""
+    lp = _Loop()
+    try:
+        c, b = lp.conn()
+        lp.send(c, b, req(P.Op.WAIT, [b"/go"]))
+        c.out.append(b"EARLIER")  # e.g. the rest of a large reply the socket did not take
+        c.out_bytes += 7
+        wc, wb = lp.conn()
+        lp.send(wc, wb, req(P.Op.SET, [b"/go"], [b"1"]))
+        lp.srv._flush(c)
+        assert recv_exact(b, 8) == b"EARLIER" + P.STOP_WAITING_REPLY
+    finally:
+        lp.close()
+
+
+def test_a_cancel_after_a_c_registered_wait_is_answered_in_order() -> None:
+    lp = _Loop()
+    try:
+        c, b = lp.conn()
+        lp.send(c, b, req(P.Op.WAIT, [b"/go"]))
+        lp.send(c, b, req(P.Op.CANCEL_WAIT, num=0))  # the waiter's connection: Python
+        assert recv_exact(b, 1) == P.encode_reply(P.Op.CANCEL_WAIT, P.WAIT_CANCELED)
+        assert c.waiter is None and lp.srv.table._waiters == {}
+        wc, wb = lp.conn()
+        lp.send(wc, wb, req(P.Op.SET, [b"/go"], [b"1"]) + req(P.Op.GET, [b"/go"]))
+        assert recv_exact(wb, 9) == P.enc_bytes(b"1")
+        b.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            b.recv(1)
+    finally:
+        lp.close()
+
+
+def test_waiters_of_a_running_server_wake_on_c_writes_and_on_local_writes() -> None:
+    """Through a real loop: torch-style clients wait in C; a wire ADD wakes some, a LocalKV
+    write of another thread the others; a closed waiter's connection is forgotten."""
+    with StoreServer(host="127.0.0.1") as srv:
+        def client(i):
+            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+            s.sendall(P.handshake_bytes(i))
+            assert recv_exact(s, 4) == P.enc_u32(i)
+            return s
+        a = [client(i) for i in range(10)]
+        z = [client(i) for i in range(10)]
+        gone = client(99)
+        for s in a:
+            s.sendall(req(P.Op.WAIT, [b"/wire"]))
+        for s in z:
+            s.sendall(req(P.Op.WAIT, [b"/local"]))
+        gone.sendall(req(P.Op.WAIT, [b"/wire"]))
+        deadline = time.monotonic() + 5
+        while (len(srv.table._waiters.get(b"/wire", ())) < 11 or len(srv.table._waiters.get(b"/local", ())) < 10) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gone.close()
+        while len(srv.table._waiters.get(b"/wire", ())) > 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(srv.table._waiters[b"/wire"]) == 10
+        w = client(7)
+        w.sendall(req(P.Op.ADD, [b"/wire"], num=1))
+        assert recv_exact(w, 8) == P.enc_i64(1)
+        for s in a:
+            assert recv_exact(s, 1) == P.STOP_WAITING_REPLY
+        srv.kv.set("local", b"1")
+        for s in z:
+            assert recv_exact(s, 1) == P.STOP_WAITING_REPLY
+        for s in a + z + [w]:
+            s.sendall(req(P.Op.GET, [b"/local"]))
+            assert recv_exact(s, 9) == P.enc_bytes(b"1")
+            s.close()
