@@ -230,83 +230,74 @@ class _Loop:
             s.close()
 
 
-def test_waits_register_and_writes_wake_them_in_c() -> None:
+@pytest.fixture
+def lp():
+    loop = _Loop()
+    yield loop
+    loop.close()
+
+
+def assert_nothing_arrives(b: socket.socket) -> None:
+    b.settimeout(0.2)
+    with pytest.raises(socket.timeout):
+        b.recv(1)
+    b.settimeout(5)
+
+
+def test_waits_register_and_writes_wake_them_in_c(lp: _Loop) -> None:
     """A WAIT for an absent key registers its waiter in C (the connection's waiter, indexed
     under the key); a SET or ADD of that key wakes all of them in C, each answered once."""
-    lp = _Loop()
-    try:
-        waiting = [lp.conn() for _ in range(20)]
-        for c, b in waiting:
-            lp.send(c, b, req(P.Op.WAIT, [b"/go"]))
-            assert c.waiter is not None and c.waiter in lp.srv.table._waiters[b"/go"]
-        wc, wb = lp.conn()
-        lp.send(wc, wb, req(P.Op.ADD, [b"/go"], num=2))
-        assert recv_exact(wb, 8) == P.enc_i64(2)
-        for c, b in waiting:
-            assert recv_exact(b, 1) == P.STOP_WAITING_REPLY
-            assert c.waiter is None
-        assert lp.srv.table._waiters == {} and lp.python_frames == 0
-        for c, b in waiting:  # the next wait is answered at once, the next write wakes nobody
-            lp.send(c, b, req(P.Op.WAIT, [b"/go"]) + req(P.Op.SET, [b"/go"], [b"x"]))
-            assert recv_exact(b, 1) == P.STOP_WAITING_REPLY
-        b.settimeout(0.2)
-        with pytest.raises(socket.timeout):
-            b.recv(1)
-        assert lp.python_frames == 0
-    finally:
-        lp.close()
+    waiting = [lp.conn() for _ in range(20)]
+    for c, b in waiting:
+        lp.send(c, b, req(P.Op.WAIT, [b"/go"]))
+        assert c.waiter is not None and c.waiter in lp.srv.table._waiters[b"/go"]
+    wc, wb = lp.conn()
+    lp.send(wc, wb, req(P.Op.ADD, [b"/go"], num=2))
+    assert recv_exact(wb, 8) == P.enc_i64(2)
+    for c, b in waiting:
+        assert recv_exact(b, 1) == P.STOP_WAITING_REPLY
+        assert c.waiter is None
+    assert lp.srv.table._waiters == {} and lp.python_frames == 0
+    for c, b in waiting:  # the next wait is answered at once, the next write wakes nobody
+        lp.send(c, b, req(P.Op.WAIT, [b"/go"]) + req(P.Op.SET, [b"/go"], [b"x"]))
+        assert recv_exact(b, 1) == P.STOP_WAITING_REPLY
+    assert_nothing_arrives(b)
+    assert lp.python_frames == 0
 
 
-def test_a_waiter_for_two_keys_fires_on_the_second_write() -> None:
-    lp = _Loop()
-    try:
-        c, b = lp.conn()
-        lp.send(c, b, req(P.Op.WAIT, [b"/a", b"/b"]))  # two keys: the Python path registers
-        wc, wb = lp.conn()
-        lp.send(wc, wb, req(P.Op.SET, [b"/a"], [b"1"]))
-        b.settimeout(0.2)
-        with pytest.raises(socket.timeout):
-            b.recv(1)
-        lp.send(wc, wb, req(P.Op.SET, [b"/b"], [b"1"]))
-        b.settimeout(5)
-        assert recv_exact(b, 1) == P.STOP_WAITING_REPLY and c.waiter is None
-    finally:
-        lp.close()
+def test_a_waiter_for_two_keys_fires_on_the_second_write(lp: _Loop) -> None:
+    c, b = lp.conn()
+    lp.send(c, b, req(P.Op.WAIT, [b"/a", b"/b"]))  # two keys: the Python path registers
+    wc, wb = lp.conn()
+    lp.send(wc, wb, req(P.Op.SET, [b"/a"], [b"1"]))
+    assert_nothing_arrives(b)
+    lp.send(wc, wb, req(P.Op.SET, [b"/b"], [b"1"]))
+    assert recv_exact(b, 1) == P.STOP_WAITING_REPLY and c.waiter is None
 
 
-def test_a_waiter_of_a_connection_with_queued_output_is_answered_behind_it() -> None:
+def test_a_waiter_of_a_connection_with_queued_output_is_answered_behind_it(lp: _Loop) -> None:
     """C sends STOP_WAITING itself only to a connection with nothing queued; otherwise the
     Python delivery queues it behind the output already there, in order."""
-    lp = _Loop()
-    try:
-        c, b = lp.conn()
-        lp.send(c, b, req(P.Op.WAIT, [b"/go"]))
-        c.out.append(b"EARLIER")  # e.g. the rest of a large reply the socket did not take
-        c.out_bytes += 7
-        wc, wb = lp.conn()
-        lp.send(wc, wb, req(P.Op.SET, [b"/go"], [b"1"]))
-        lp.srv._flush(c)
-        assert recv_exact(b, 8) == b"EARLIER" + P.STOP_WAITING_REPLY
-    finally:
-        lp.close()
+    c, b = lp.conn()
+    lp.send(c, b, req(P.Op.WAIT, [b"/go"]))
+    c.out.append(b"EARLIER")  # e.g. the rest of a large reply the socket did not take
+    c.out_bytes += 7
+    wc, wb = lp.conn()
+    lp.send(wc, wb, req(P.Op.SET, [b"/go"], [b"1"]))
+    lp.srv._flush(c)
+    assert recv_exact(b, 8) == b"EARLIER" + P.STOP_WAITING_REPLY
 
 
-def test_a_cancel_after_a_c_registered_wait_is_answered_in_order() -> None:
-    lp = _Loop()
-    try:
-        c, b = lp.conn()
-        lp.send(c, b, req(P.Op.WAIT, [b"/go"]))
-        lp.send(c, b, req(P.Op.CANCEL_WAIT, num=0))  # the waiter's connection: Python
-        assert recv_exact(b, 1) == P.encode_reply(P.Op.CANCEL_WAIT, P.WAIT_CANCELED)
-        assert c.waiter is None and lp.srv.table._waiters == {}
-        wc, wb = lp.conn()
-        lp.send(wc, wb, req(P.Op.SET, [b"/go"], [b"1"]) + req(P.Op.GET, [b"/go"]))
-        assert recv_exact(wb, 9) == P.enc_bytes(b"1")
-        b.settimeout(0.2)
-        with pytest.raises(socket.timeout):
-            b.recv(1)
-    finally:
-        lp.close()
+def test_a_cancel_after_a_c_registered_wait_is_answered_in_order(lp: _Loop) -> None:
+    c, b = lp.conn()
+    lp.send(c, b, req(P.Op.WAIT, [b"/go"]))
+    lp.send(c, b, req(P.Op.CANCEL_WAIT, num=0))  # the waiter's connection: Python
+    assert recv_exact(b, 1) == P.encode_reply(P.Op.CANCEL_WAIT, P.WAIT_CANCELED)
+    assert c.waiter is None and lp.srv.table._waiters == {}
+    wc, wb = lp.conn()
+    lp.send(wc, wb, req(P.Op.SET, [b"/go"], [b"1"]) + req(P.Op.GET, [b"/go"]))
+    assert recv_exact(wb, 9) == P.enc_bytes(b"1")
+    assert_nothing_arrives(b)
 
 
 def test_waiters_of_a_running_server_wake_on_c_writes_and_on_local_writes() -> None:
