@@ -120,15 +120,17 @@ class SparePool:
             self._done(rank)
 
     def _done(self, rank: int) -> None:
-        assert self._hold is not None
-        self._hold[1].discard(rank)
         self._resume.pop(rank, None)
+        if self._hold is None:
+            return
+        self._hold[1].discard(rank)
         if not self._hold[1]:
             self._hold = None
 
     def held(self) -> bool:
         if self._hold is not None and time.monotonic() >= self._hold[2]:
-            self._hold = None
+            self._hold = None  # its ranks' later reports no longer count
+            self._resume = {}
         return self._hold is not None
 
     def ensure(self, env: dict[str, str]) -> None:

@@ -254,6 +254,18 @@ def test_recovery_round_holds_back_new_spares_until_its_ranks_recovered() -> Non
         pool.hold(5, {2}, timeout=0.05)  # a round whose ranks never report holds only so long
         time.sleep(0.06)
         assert not pool.held()
+        # a rank of a round that ran out reports its resumed step after all (it used to fail an
+        # assertion in the agent: its resume step was kept past the hold)
+        pool.hold(6, {3}, timeout=0.05)
+        pool.recovered(3, 6, resume_step=9)
+        time.sleep(0.06)
+        assert not pool.held()
+        pool.progressed(3, 9)
+        assert not pool.held()
+        pool.hold(7, {4}, timeout=5.0)  # the next round is held as usual
+        pool.recovered(4, 7, resume_step=2)
+        pool.progressed(4, 2)
+        assert not pool.held()
     finally:
         pool.stop()
 
