@@ -97,17 +97,21 @@ class Silence:
     """One worker's progress as sampled."""
 
     pid: int
-    mark: tuple[int, int] | None = None  # (CPU ticks, I/O bytes) when the silence began
+    mark: tuple[int, int] | None = None  # (CPU ticks, I/O bytes) at the last sample
+    at: float = 0.0  # when the last sample was taken
     since: float = 0.0  # when the tree last progressed (or sampling began)
 
     def observe(self, mark: tuple[int, int], now: float) -> None:
-        """Restart the clock when the tree did I/O or used more CPU than an idle poller would."""
-        if self.mark is None or mark[1] != self.mark[1] or mark[0] < self.mark[0]:
-            self.mark, self.since = mark, now
+        """Restart the clock when, since the last sample, the tree did I/O or used more CPU than
+        an idle poller would (measured per sample: a long silence gives no credit to a burst)."""
+        if self.mark is None:
+            self.mark, self.at = mark, now
             return
-        idle_ticks = 1 + IDLE_CPU_SHARE * CLOCK_TICKS * max(0.0, now - self.since)
-        if mark[0] - self.mark[0] > idle_ticks:
-            self.mark, self.since = mark, now
+        idle_ticks = 1 + IDLE_CPU_SHARE * CLOCK_TICKS * max(0.0, now - self.at)
+        if (mark[1] != self.mark[1] or mark[0] < self.mark[0]
+                or mark[0] - self.mark[0] > idle_ticks):
+            self.since = now
+        self.mark, self.at = mark, now
 
 
 @dataclass
@@ -130,7 +134,7 @@ class SilenceWatch:
         for rank, pid in pids.items():
             s = self._seen.get(rank)
             if s is None or s.pid != pid:
-                s = self._seen[rank] = Silence(pid, None, now)
+                s = self._seen[rank] = Silence(pid, at=now, since=now)
             mark = tree_progress(pid, table)
             if mark is not None:
                 s.observe(mark, now)
@@ -139,7 +143,7 @@ class SilenceWatch:
         """Record one observation directly (tests, or a caller that sampled itself)."""
         s = self._seen.get(rank)
         if s is None or s.pid != pid:
-            s = self._seen[rank] = Silence(pid, None, now)
+            s = self._seen[rank] = Silence(pid, at=now, since=now)
         s.observe(mark, now)
 
     def silent_for(self, rank: int, now: float | None = None) -> float:

@@ -65,10 +65,13 @@ def test_silence_watch_measures_since_the_last_change() -> None:
     w.note(1, 100, (5, 10), now=0.0)
     w.note(1, 100, (5, 10), now=4.0)
     assert w.silent_for(1, now=6.0) == 6.0
-    w.note(1, 100, (6, 10), now=7.0)  # one clock tick in 7 s: an idle poller's wake-ups
+    w.note(1, 100, (6, 10), now=7.0)  # one clock tick in 3 s: an idle poller's wake-ups
     assert w.silent_for(1, now=8.0) == 8.0
-    w.note(1, 100, (26, 10), now=7.5)  # 21 ticks in 7.5 s: more than 2 % of a CPU
+    w.note(1, 100, (26, 10), now=7.5)  # 20 ticks in 0.5 s: more than 2 % of a CPU
     assert w.silent_for(1, now=8.0) == 0.5
+    w.note(1, 100, (26, 10), now=600.0)  # a long silence...
+    w.note(1, 100, (126, 10), now=601.0)  # ...gives no credit to a burst of real work
+    assert w.silent_for(1, now=601.5) == 0.5
     w.note(1, 100, (26, 11), now=8.0)  # one byte of I/O
     assert w.silent_for(1, now=9.0) == 1.0
     w.note(1, 101, (26, 11), now=9.0)  # a new process of the rank starts a new clock
