@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 SAMPLE_INTERVAL = 1.0  # seconds between /proc samples of a worker tree
 IDLE_CPU_SHARE = 0.02  # a tree using at most this share of one CPU (and doing no I/O) is silent
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc CPU times are in these
 
 
 def proc_stat(pid: int) -> tuple[str, int, int] | None:
