@@ -32,6 +32,15 @@
  * (n requests executed, all of the read consumed, every reply sent) or a tuple
  * (n, unsent_replies: bytes, rest: bytes): the replies of the n executed requests not yet sent,
  * and the unread part of the read (from the first frame not executed) for the Python path.
+ *
+ * Also owns, for the node proxy (`rendezvous.proxy`): `proxy_read(conn, ctx)`, one recv() on a
+ * validated local connection with nothing buffered, whose complete SET (not the auth key),
+ * GET, ADD and WAIT / CHECK frames it queues onto the proxy's batch exactly as
+ * `StoreProxy._handle` does (a `protocol.Request`, a reply slot on `conn.slots` for all but
+ * SET); ctx = (batch: list, Request, auth_key, max_key, max_value, budget); it returns None,
+ * False, n, or (n, rest) as above, without replies (the proxy answers after its upstream
+ * round). And, for both: `flush_out(conns)`, what `LoopServer._flush` does for a list of
+ * connections, returning the ones it leaves to the Python flush (a short send, ...).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -49,9 +58,11 @@ enum { OP_VALIDATE = 0, OP_SET = 1, OP_GET = 3, OP_ADD = 4, OP_CHECK = 5, OP_WAI
 #define VALIDATION_MAGIC 0x3C85F7CEu /* protocol.VALIDATION_MAGIC */
 
 #define CTX_SIZE 12
+#define PCTX_SIZE 6 /* proxy_read's ctx */
 
 static PyObject *str_acquire, *str_release, *str_fd, *str_validated, *str_done, *str_remaining,
-    *str_waiter, *str_fire, *str_srv, *str_c, *str_tag, *str_closed, *str_out, *str_want_write;
+    *str_waiter, *str_fire, *str_srv, *str_c, *str_tag, *str_closed, *str_out, *str_want_write,
+    *str_slots, *str_append, *str_out_bytes, *zero;
 
 typedef struct {
     char *p;
@@ -471,15 +482,299 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------ the node proxy's read path */
+
+/* A `protocol.Request` (a NamedTuple: a tuple subtype without a dict) made without calling its
+ * Python-level __new__: (op, keys, values, num). Steals keys and values. */
+static PyObject *new_request(PyTypeObject *rt, int op, PyObject *keys, PyObject *values,
+                             long long num) {
+    PyObject *r = NULL, *o = NULL, *nm = NULL;
+    if (keys == NULL || values == NULL) goto fail;
+    o = PyLong_FromLong(op);
+    nm = PyLong_FromLongLong(num);
+    if (o == NULL || nm == NULL) goto fail;
+    r = rt->tp_alloc(rt, 4);
+    if (r == NULL) goto fail;
+    PyTuple_SET_ITEM(r, 0, o);
+    PyTuple_SET_ITEM(r, 1, keys);
+    PyTuple_SET_ITEM(r, 2, values);
+    PyTuple_SET_ITEM(r, 3, nm);
+    return r;
+fail:
+    Py_XDECREF(keys);
+    Py_XDECREF(values);
+    Py_XDECREF(o);
+    Py_XDECREF(nm);
+    return NULL;
+}
+
+typedef struct {
+    PyObject *conn, *batch, *slots, *auth_key;
+    PyTypeObject *request;
+    uint64_t max_key, max_value;
+} Batch;
+
+/* Queue one complete frame at buf[pos:] as `StoreProxy._handle` does for a validated
+ * connection: (conn, request, slot) onto the batch, the slot (a one-item list, [None] until
+ * its reply arrives) onto conn.slots for ops with a reply. Only SET (not the auth key), GET,
+ * ADD, and WAIT / CHECK of 1..MAX_KEYS keys; anything else, an incomplete frame or a length
+ * over a limit: 0 (the Python path decides). The frame's end, or -1 on error. */
+static Py_ssize_t queue_one(Batch *b, const char *buf, size_t pos, size_t n) {
+    if (pos + 9 > n) return 0;
+    int op = (unsigned char)buf[pos];
+    PyObject *req = NULL;
+    size_t end;
+    if (op == OP_WAIT || op == OP_CHECK) {
+        uint64_t count = rd_u64(buf + pos + 1);
+        if (count < 1 || count > MAX_KEYS) return 0;
+        size_t p = pos + 9;
+        for (uint64_t i = 0; i < count; i++) {
+            if (p + 8 > n) return 0;
+            uint64_t kl = rd_u64(buf + p);
+            if (kl > b->max_key || kl > n - p - 8) return 0;
+            p += 8 + kl;
+        }
+        end = p;
+        PyObject *keys = PyTuple_New((Py_ssize_t)count);
+        if (keys == NULL) return -1;
+        size_t q = pos + 9;
+        for (uint64_t i = 0; i < count; i++) {
+            uint64_t kl = rd_u64(buf + q);
+            PyObject *key = PyBytes_FromStringAndSize(buf + q + 8, (Py_ssize_t)kl);
+            if (key == NULL) {
+                Py_DECREF(keys);
+                return -1;
+            }
+            PyTuple_SET_ITEM(keys, (Py_ssize_t)i, key);
+            q += 8 + kl;
+        }
+        req = new_request(b->request, op, keys, PyTuple_New(0), 0);
+    } else if (op == OP_SET || op == OP_GET || op == OP_ADD) {
+        uint64_t kl = rd_u64(buf + pos + 1);
+        size_t s = pos + 9;
+        if (kl > b->max_key || kl > n - s) return 0;
+        size_t e = s + kl;
+        if (op == OP_GET) {
+            end = e;
+            req = new_request(b->request, op, Py_BuildValue("(y#)", buf + s, (Py_ssize_t)kl),
+                              PyTuple_New(0), 0);
+        } else {
+            if (e + 8 > n) return 0;
+            if (op == OP_SET) {
+                uint64_t vl = rd_u64(buf + e);
+                if (vl > b->max_value || vl > n - e - 8) return 0;
+                if ((Py_ssize_t)kl == PyBytes_GET_SIZE(b->auth_key) &&
+                    memcmp(buf + s, PyBytes_AS_STRING(b->auth_key), kl) == 0)
+                    return 0; /* the proxy's own business: Python */
+                end = e + 8 + vl;
+                req = new_request(b->request, op, Py_BuildValue("(y#)", buf + s, (Py_ssize_t)kl),
+                                  Py_BuildValue("(y#)", buf + e + 8, (Py_ssize_t)vl), 0);
+            } else {
+                int64_t amount;
+                memcpy(&amount, buf + e, 8);
+                end = e + 8;
+                req = new_request(b->request, op, Py_BuildValue("(y#)", buf + s, (Py_ssize_t)kl),
+                                  PyTuple_New(0), (long long)amount);
+            }
+        }
+    } else {
+        return 0;
+    }
+    if (req == NULL) return -1;
+    PyObject *slot = Py_None;
+    Py_INCREF(slot);
+    if (op != OP_SET) { /* protocol.NO_REPLY: of these, only SET has no reply */
+        Py_DECREF(slot);
+        slot = PyList_New(1);
+        if (slot == NULL) {
+            Py_DECREF(req);
+            return -1;
+        }
+        Py_INCREF(Py_None);
+        PyList_SET_ITEM(slot, 0, Py_None);
+        PyObject *r = PyObject_CallMethodOneArg(b->slots, str_append, slot);
+        if (r == NULL) {
+            Py_DECREF(slot);
+            Py_DECREF(req);
+            return -1;
+        }
+        Py_DECREF(r);
+    }
+    PyObject *item = PyTuple_Pack(3, b->conn, req, slot);
+    Py_DECREF(req);
+    Py_DECREF(slot);
+    if (item == NULL) return -1;
+    int r = PyList_Append(b->batch, item);
+    Py_DECREF(item);
+    return r < 0 ? -1 : (Py_ssize_t)end;
+}
+
+static PyObject *proxy_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != PCTX_SIZE) {
+        PyErr_SetString(PyExc_TypeError, "proxy_read(conn, ctx): ctx is a 6-tuple");
+        return NULL;
+    }
+    PyObject *conn = args[0], *ctx = args[1];
+    Batch b = {conn, PyTuple_GET_ITEM(ctx, 0), NULL, PyTuple_GET_ITEM(ctx, 2),
+               (PyTypeObject *)PyTuple_GET_ITEM(ctx, 1), 0, 0};
+    if (!PyList_CheckExact(b.batch) || !PyType_Check((PyObject *)b.request) ||
+        !PyType_IsSubtype(b.request, &PyTuple_Type) || !PyBytes_Check(b.auth_key)) {
+        PyErr_SetString(PyExc_TypeError, "proxy_read: ctx = (batch: list, Request, auth_key, "
+                        "max_key, max_value, budget)");
+        return NULL;
+    }
+    b.max_key = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ctx, 3));
+    b.max_value = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ctx, 4));
+    long budget = PyLong_AsLong(PyTuple_GET_ITEM(ctx, 5));
+    if (PyErr_Occurred()) return NULL;
+    PyObject *fdo = PyObject_GetAttr(conn, str_fd);
+    if (fdo == NULL) return NULL;
+    long fdl = PyLong_AsLong(fdo);
+    Py_DECREF(fdo);
+    if (fdl == -1 && PyErr_Occurred()) return NULL;
+    char rbuf[READ_SIZE];
+    ssize_t got = recv((int)fdl, rbuf, READ_SIZE, MSG_DONTWAIT);
+    if (got < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) Py_RETURN_NONE;
+        Py_RETURN_FALSE;
+    }
+    if (got == 0) Py_RETURN_FALSE;
+    b.slots = PyObject_GetAttr(conn, str_slots);
+    if (b.slots == NULL) return NULL;
+    size_t n = (size_t)got, pos = 0;
+    long count = 0;
+    PyObject *result = NULL;
+    while (pos < n && count < budget) {
+        Py_ssize_t end = queue_one(&b, rbuf, pos, n);
+        if (end < 0) goto done;
+        if (end == 0) break;
+        pos = (size_t)end;
+        count++;
+    }
+    if (pos == n)
+        result = PyLong_FromLong(count);
+    else
+        result = Py_BuildValue("(ly#)", count, rbuf + pos, (Py_ssize_t)(n - pos));
+done:
+    Py_DECREF(b.slots);
+    return result;
+}
+
+/* ------------------------------------------------------------------ output */
+
+/* What `LoopServer._flush` does for each connection of `conns` that is open, not waiting for
+ * EPOLLOUT and has output queued (bytes items only): joins it and sends it in one send().
+ * Sent whole: c.out emptied, c.out_bytes = 0. Sent in part: c.out = [the rest]. The
+ * connections left to the Python flush (a short or failed send, an item that is not bytes) are
+ * returned in a list. */
+static PyObject *flush_out(PyObject *self, PyObject *conns) {
+    (void)self;
+    if (!PyList_Check(conns)) {
+        PyErr_SetString(PyExc_TypeError, "flush_out(conns): a list");
+        return NULL;
+    }
+    PyObject *left = PyList_New(0);
+    if (left == NULL) return NULL;
+    Out o;
+    o.p = o.small;
+    o.cap = sizeof o.small;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(conns); i++) {
+        PyObject *c = PyList_GET_ITEM(conns, i);
+        PyObject *out = NULL;
+        int skip = 0, py = 0;
+        PyObject *v = PyObject_GetAttr(c, str_closed);
+        if (v == NULL) goto fail;
+        skip = PyObject_IsTrue(v);
+        Py_DECREF(v);
+        if (skip < 0) goto fail;
+        if (skip) continue;
+        v = PyObject_GetAttr(c, str_want_write);
+        if (v == NULL) goto fail;
+        skip = PyObject_IsTrue(v);
+        Py_DECREF(v);
+        if (skip < 0) goto fail;
+        if (skip) continue;
+        out = PyObject_GetAttr(c, str_out);
+        if (out == NULL) goto fail;
+        Py_ssize_t k = PyList_Check(out) ? PyList_GET_SIZE(out) : -1;
+        if (k == 0) {
+            Py_DECREF(out);
+            continue;
+        }
+        o.len = 0;
+        for (Py_ssize_t j = 0; j < k && !py; j++) {
+            PyObject *d = PyList_GET_ITEM(out, j);
+            if (!PyBytes_Check(d)) py = 1;
+            else if (out_put(&o, PyBytes_AS_STRING(d), (size_t)PyBytes_GET_SIZE(d)) < 0) {
+                Py_DECREF(out);
+                goto fail;
+            }
+        }
+        if (k < 0) py = 1;
+        ssize_t sent = 0;
+        if (!py) {
+            v = PyObject_GetAttr(c, str_fd);
+            if (v == NULL) {
+                Py_DECREF(out);
+                goto fail;
+            }
+            long fd = PyLong_AsLong(v);
+            Py_DECREF(v);
+            if (fd == -1 && PyErr_Occurred()) {
+                Py_DECREF(out);
+                goto fail;
+            }
+            sent = send((int)fd, o.p, o.len, MSG_DONTWAIT | MSG_NOSIGNAL);
+            if (sent < 0) sent = 0; /* EAGAIN or an error: the Python flush sees it again */
+            if ((size_t)sent == o.len) {
+                if (PyList_SetSlice(out, 0, k, NULL) < 0 ||
+                    PyObject_SetAttr(c, str_out_bytes, zero) < 0) {
+                    Py_DECREF(out);
+                    goto fail;
+                }
+            } else {
+                py = 1;
+                if (sent > 0) { /* keep what is left, in one piece */
+                    PyObject *rest = PyBytes_FromStringAndSize(o.p + sent, (Py_ssize_t)(o.len - sent));
+                    PyObject *nb = rest == NULL ? NULL : PyLong_FromSsize_t(PyBytes_GET_SIZE(rest));
+                    int bad = rest == NULL || nb == NULL || PyList_SetSlice(out, 0, k, NULL) < 0 ||
+                              PyList_Append(out, rest) < 0 ||
+                              PyObject_SetAttr(c, str_out_bytes, nb) < 0;
+                    Py_XDECREF(rest);
+                    Py_XDECREF(nb);
+                    if (bad) {
+                        Py_DECREF(out);
+                        goto fail;
+                    }
+                }
+            }
+        }
+        Py_DECREF(out);
+        if (py && PyList_Append(left, c) < 0) goto fail;
+    }
+    out_free(&o);
+    return left;
+fail:
+    out_free(&o);
+    Py_DECREF(left);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"read_quick", (PyCFunction)(void (*)(void))read_quick, METH_FASTCALL,
      "read_quick(conn, ctx) -> None | False | int | (int, bytes, bytes); see the module doc."},
+    {"proxy_read", (PyCFunction)(void (*)(void))proxy_read, METH_FASTCALL,
+     "proxy_read(conn, ctx) -> None | False | int | (int, bytes); see the module doc."},
+    {"flush_out", flush_out, METH_O,
+     "flush_out(conns) -> list of the connections left to the Python flush; see the module doc."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT, "rendezvous._quickstore",
-    "The store server's read path for VALIDATE, PING, GET, SET, ADD, WAIT and CHECK, in C.", -1,
+    "The store server's and node proxy's read paths for the common frames, and their flush, in C.",
+    -1,
     methods,
 };
 
@@ -489,11 +784,14 @@ PyMODINIT_FUNC PyInit__quickstore(void) {
         {&str_validated, "validated"}, {&str_done, "done"}, {&str_remaining, "remaining"},
         {&str_waiter, "waiter"}, {&str_fire, "fire"}, {&str_srv, "srv"}, {&str_c, "c"},
         {&str_tag, "tag"}, {&str_closed, "closed"}, {&str_out, "out"},
-        {&str_want_write, "want_write"},
+        {&str_want_write, "want_write"}, {&str_slots, "slots"}, {&str_append, "append"},
+        {&str_out_bytes, "out_bytes"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].name);
         if (*names[i].slot == NULL) return NULL;
     }
+    zero = PyLong_FromLong(0);
+    if (zero == NULL) return NULL;
     return PyModule_Create(&module);
 }

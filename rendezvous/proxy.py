@@ -21,7 +21,10 @@ stale value is ever served (values of keys that can never change could be cached
 protocol cannot tell which keys those are). While requests are in flight upstream, new ones
 are held for at most `max_hold` s so a burst becomes one round (Nagle-style; an idle proxy
 forwards at once). CANCEL_WAIT detaches the caller; the upstream wait is cancelled
-when nobody is left on it. PING and VALIDATE are answered locally. The master thus sees
+when nobody is left on it. PING and VALIDATE are answered locally. Reading and queueing the
+common frames (SET, GET, ADD, WAIT / CHECK) of a local connection and sending the replies run
+in C when the extension `rendezvous._quickstore` was built (`proxy_read`, `flush_out`; the same
+batch as the Python path; `FTRUN_STORE_ACCEL=0` turns it off). The master thus sees
 O(nodes) connections and, for the process-group init pattern, O(1) requests per node per
 phase instead of O(ranks).
 
@@ -46,7 +49,7 @@ from rendezvous.client import connect
 from rendezvous.kv import KVStore, StoreAuthError, StoreError
 from rendezvous.memory import apply
 from rendezvous.protocol import logical_key, wire_key
-from rendezvous.server import DropConnection, LoopServer, _Conn
+from rendezvous.server import DropConnection, LoopServer, _c_accel, _Conn
 
 Op = P.Op
 
@@ -510,6 +513,11 @@ class StoreProxy(LoopServer):
                          Op.FT_MUX: self._refuse_mux}
         self._forward = {P.Kind.DATA: self._single, P.Kind.BLOCKING: self._block,
                          P.Kind.CANCEL: self._cancel}
+        # C: reads a validated connection and queues its SET / GET / ADD / WAIT / CHECK
+        # frames onto the batch exactly as `_handle` does (the rest: the Python path)
+        self._proxy_read = _c_accel("proxy_read")
+        self._proxy_ctx = (self._batch, P.Request, AUTH_KEY, limits.max_key_bytes,
+                           limits.max_value_bytes, self._budget)
 
     @property
     def upstream_address(self) -> str:
@@ -527,6 +535,35 @@ class StoreProxy(LoopServer):
             self._up.on_event(ev)
 
     # -- local side ----------------------------------------------------------------------
+
+    def _read(self, c: _Conn) -> None:
+        """With the C path: one read of a validated connection with nothing buffered; its
+        common frames are queued in C, the rest (from the first other frame) goes through
+        `_consume` as before. Else `LoopServer._read`."""
+        pr = self._proxy_read
+        if pr is None or not c.validated or c.buf:
+            super()._read(c)
+            return
+        r = pr(c, self._proxy_ctx)
+        if r is None:
+            return
+        if r is False:
+            self._close(c)
+            return
+        stats = self.stats
+        if type(r) is int:
+            stats["reads"] += 1
+            stats["requests"] += r
+            return
+        nreq, rest = r
+        stats["requests"] += nreq
+        if nreq >= self._budget:  # this turn's share is used: the rest next turn
+            stats["reads"] += 1
+            c.buf = bytearray(rest)
+            c.partial_since = time.monotonic()
+            self._backlog.append(c)
+            return
+        self._consume(c, rest)
 
     def _handle(self, c: _Conn, req: P.Request, tag: int) -> None:
         """Answer session ops here; queue everything else for the next round. Replies go
@@ -609,7 +646,8 @@ class StoreProxy(LoopServer):
                 self._batch_since = now
             if self._inflight and now - self._batch_since < self.max_hold:
                 return
-            self._batch = []
+            batch = batch.copy()  # the list itself stays: the C read path appends to it
+            self._batch.clear()
             self._batch_since = 0.0
             per: dict = {}
             for item in batch:

@@ -12,7 +12,8 @@ CHECK and the wake-ups of the waiters a write satisfies by the C read path
 ADD and a satisfied one-key WAIT in place by `StoreServer._quick`; the rest through
 `protocol.parse_common` / `protocol.parse_request`) against the table through one dispatch
 (`Kind` from the codec's table, data ops through `memory.apply`), and its replies are sent at
-once, in one `send`. Nothing blocks on a client: at most 128 requests per connection and 256
+once, in one `send` (queued output of many connections at the end of a turn: `flush_out`
+in C when built). Nothing blocks on a client: at most 128 requests per connection and 256
 accepts run per turn (the rest next turn), a stalled reader only grows its own bounded output
 buffer, a slow sender only holds its own partial frame (closed after `stalled_frame_timeout`),
 and a malformed or over-limit frame closes that connection with one log line. WAITs register a
@@ -52,16 +53,25 @@ _EMPTY_VALUE = _u64_pack(0)
 _STOP = P.STOP_WAITING_REPLY
 
 
+def _c_accel(name: str) -> Callable | None:
+    """`name` from the C module `rendezvous._quickstore`, or None when it was not built or
+    `FTRUN_STORE_ACCEL=0` turns it off (the Python path then does the same)."""
+    if os.environ.get("FTRUN_STORE_ACCEL", "1") == "0":
+        return None
+    try:
+        from rendezvous import _quickstore
+    except ImportError:
+        return None
+    return getattr(_quickstore, name, None)
+
+
 def _c_read_path(server: "StoreServer", table: MemoryStore, limits: P.Limits,
                  budget: int) -> tuple[Callable | None, tuple]:
     """The C read path over `table` (see `rendezvous/_quickstore.c`) and its context, or
     (None, ()) when the extension was not built, `FTRUN_STORE_ACCEL=0` turns it off, or the
     table is not a plain `MemoryStore` (a subclass may do more on a write)."""
-    if os.environ.get("FTRUN_STORE_ACCEL", "1") == "0" or type(table) is not MemoryStore:
-        return None, ()
-    try:
-        from rendezvous._quickstore import read_quick
-    except ImportError:
+    read_quick = _c_accel("read_quick") if type(table) is MemoryStore else None
+    if read_quick is None:
         return None, ()
     return read_quick, (table._data, table._waiters, table._barriers, table._lock,
                         limits.max_key_bytes, limits.max_value_bytes, AUTH_KEY, budget,
@@ -169,6 +179,7 @@ class LoopServer:
         self._xq: deque = deque()
         self._loop_ident = 0
         self._backlog: list = []
+        self._flush_out = _c_accel("flush_out")  # C: what _flush does, for a list of conns
         self.stats = {"accepted": 0, "reads": 0, "dropped": 0, "max_turn_s": 0.0,
                       "max_turn_cpu_s": 0.0, "requests": 0, "busy_s": 0.0}
 
@@ -445,6 +456,8 @@ class LoopServer:
     def _flush_dirty(self) -> None:
         d = self._dirty
         self._dirty = []
+        if self._flush_out is not None:
+            d = self._flush_out(d)  # the connections it leaves to _flush (a short send, ...)
         for c in d:
             if c.out and not c.closed and not c.want_write:
                 self._flush(c)

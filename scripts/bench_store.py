@@ -42,7 +42,7 @@ from hosts_setup import HOSTS_LINE, ensure_hosts_line  # noqa: E402  (scripts/ i
 PER_PROXY = 64
 
 CLIENT = r'''
-import os, sys, threading, time
+import os, resource, sys, threading, time
 from datetime import timedelta
 import torch.distributed as d
 world, first, count = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
@@ -86,11 +86,14 @@ assert sys.stdin.readline().strip() == "connect"
 for t in threads:
     t.start()
 connected.wait()
-print("connected", time.time(), len(errors), flush=True)
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+print("connected", time.time(), len(errors), cpu(), flush=True)
 assert sys.stdin.readline().strip() == "go"
 go.set()
 finished.wait()
-print("done", time.time(), len(errors), flush=True)
+print("done", time.time(), len(errors), cpu(), flush=True)
 if errors:
     print("ERR", errors[:3], file=sys.stderr, flush=True)
 sys.stdin.readline()
@@ -146,15 +149,18 @@ def spawn(code: str, *args: object, repo: str = REPO) -> subprocess.Popen:
                             text=True, bufsize=1)
 
 
-def client_phase(clients: list[subprocess.Popen], command: str, reply: str) -> tuple[float, int]:
+def client_phase(clients: list[subprocess.Popen], command: str,
+                 reply: str) -> tuple[float, int, float]:
     """Tell every client process `command`, wait for each one's `reply` line
-    (`reply <end time> <errors>`): (seconds from the command to the last end, errors)."""
+    (`reply <end time> <errors> <CPU seconds so far>`): (seconds from the command to the last
+    end, errors, the client processes' CPU seconds so far)."""
     t0 = time.time()
     for c in clients:
         c.stdin.write(command + "\n")
         c.stdin.flush()
     ends = [read_line(c, reply) for c in clients]
-    return max(float(e[1]) for e in ends) - t0, sum(int(e[2]) for e in ends)
+    return (max(float(e[1]) for e in ends) - t0, sum(int(e[2]) for e in ends),
+            sum(float(e[3]) for e in ends))
 
 
 def read_line(p: subprocess.Popen, want: str, timeout: float = 300) -> list[str]:
@@ -232,10 +238,10 @@ def run_scenario(kind: str, n: int, procs: int) -> dict:
             read_line(c, "ready")
         cpu0 = cpu_seconds(master.pid)
         pcpu0 = sum(cpu_seconds(h.pid) for h in helpers)
-        connect_s, errs = client_phase(clients, "connect", "connected")
+        connect_s, errs, ccpu1 = client_phase(clients, "connect", "connected")
         cpu1 = cpu_seconds(master.pid)
         pcpu1 = sum(cpu_seconds(h.pid) for h in helpers)
-        pattern_s, more = client_phase(clients, "go", "done")
+        pattern_s, more, ccpu2 = client_phase(clients, "go", "done")
         errs += more
         cpu2 = cpu_seconds(master.pid)
         pcpu2 = sum(cpu_seconds(h.pid) for h in helpers)
@@ -247,6 +253,8 @@ def run_scenario(kind: str, n: int, procs: int) -> dict:
             "ops_per_s": round(ops / pattern_s), "master_cpu_connect_s": round(cpu1 - cpu0, 4),
             "master_cpu_pattern_s": round(cpu2 - cpu1, 4),
             "master_cpu_total_s": round(cpu2 - cpu0, 4),
+            "proxy_cpu_pattern_s": round(pcpu2 - pcpu1, 4) if helpers else None,
+            "client_cpu_pattern_s": round(ccpu2 - ccpu1, 4),
             "proxy_cpu_total_s": round(pcpu2 - pcpu0, 4) if helpers else None,
             "errors": errs,
         }

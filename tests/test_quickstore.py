@@ -337,3 +337,133 @@ def test_waiters_of_a_running_server_wake_on_c_writes_and_on_local_writes() -> N
             s.sendall(req(P.Op.GET, [b"/local"]))
             assert recv_exact(s, 9) == P.enc_bytes(b"1")
             s.close()
+
+
+# ----------------------------------------------------------------- the node proxy's read path
+
+
+def proxy_frames() -> list[bytes]:
+    """What the proxy's C read path queues, and what it must hand over, interleaved."""
+    return [
+        req(P.Op.SET, [b"/a"], [b"1"]), req(P.Op.GET, [b"/a"]), req(P.Op.ADD, [b"/n"], num=-4),
+        req(P.Op.WAIT, [b"/a"]), req(P.Op.WAIT, [b"/a", b"/b"]), req(P.Op.CHECK, [b"/a"]),
+        req(P.Op.PING, num=7),  # answered by the proxy itself: Python
+        req(P.Op.SET, [AUTH_KEY], [b"tok"]),  # dropped by the proxy: Python
+        req(P.Op.SET, [b"/v"], [bytes(range(256)) * 300]), req(P.Op.MULTI_SET, [b"/x"], [b"y"]),
+        req(P.Op.WAIT, [b"/k%d" % i for i in range(20)]),  # more keys than C takes: Python
+        req(P.Op.ADD, [b"/n"], num=1), req(P.Op.GETNUMKEYS), req(P.Op.GET, [b"/n"]),
+    ]
+
+
+def run_proxy_stream(accel: bool, chunk: int) -> tuple[list, int, bytes, dict]:
+    """Feed the frames through `StoreProxy._read` on one end of a socketpair (the proxy not
+    started: nothing goes upstream); (the batch as (request, has a slot), slots queued, the
+    local replies, stats)."""
+    from rendezvous.proxy import StoreProxy
+    px = StoreProxy(("127.0.0.1", 1))
+    if not accel:
+        px._proxy_read = None
+    stream = b"".join(proxy_frames())
+    a, b = socket.socketpair()
+    try:
+        a.setblocking(False)
+        b.setblocking(False)
+        c = _Conn(a, "test", True, 0.0)
+        c.validated = True
+        px._conns[c.fd] = c
+        px._loop_ident = threading.get_ident()
+        pieces = [stream] if chunk == 0 else [stream[i:i + chunk]
+                                              for i in range(0, len(stream), chunk)]
+        got = b""
+        for p in pieces:
+            b.sendall(p)
+            while select.select([a], [], [], 0)[0] and not c.closed:
+                px._read(c)
+            while px._backlog:
+                backlog, px._backlog = px._backlog, []
+                for x in backlog:
+                    px._consume(x, b"")
+            px._flush_dirty()
+            try:
+                got += b.recv(1 << 20)
+            except BlockingIOError:
+                pass
+        assert not c.closed and not c.buf
+        batch = [(r, slot is not None) for conn, r, slot in px._batch if conn is c]
+        return batch, len(c.slots), got, {k: px.stats[k] for k in ("requests", "dropped")}
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 6, 64])
+def test_the_proxy_read_path_queues_what_the_python_path_queues(chunk: int) -> None:
+    from rendezvous.proxy import StoreProxy
+    assert StoreProxy(("127.0.0.1", 1))._proxy_read is not None
+    c_run, py_run = run_proxy_stream(True, chunk), run_proxy_stream(False, chunk)
+    assert c_run == py_run
+    batch, slots, replies, stats = c_run
+    assert [r.op for r, _ in batch] == [
+        P.Op.SET, P.Op.GET, P.Op.ADD, P.Op.WAIT, P.Op.WAIT, P.Op.CHECK, P.Op.SET,
+        P.Op.MULTI_SET, P.Op.WAIT, P.Op.ADD, P.Op.GETNUMKEYS, P.Op.GET]
+    assert batch[2][0] == P.Request(P.Op.ADD, (b"/n",), (), -4) and type(batch[2][0]) is P.Request
+    assert [has for _, has in batch] == [False, True, True, True, True, True, False, False, True,
+                                         True, True, True]
+    assert slots == 9 + 1  # the PING's slot, answered, is still first in line
+    assert replies == b""  # the PING's reply waits behind the unanswered GET
+    assert stats == {"requests": 14, "dropped": 0}
+
+
+def test_the_proxy_read_path_keeps_the_per_turn_budget() -> None:
+    from rendezvous.proxy import StoreProxy
+    px = StoreProxy(("127.0.0.1", 1))
+    a, b = socket.socketpair()
+    try:
+        a.setblocking(False)
+        c = _Conn(a, "test", True, 0.0)
+        c.validated = True
+        n = px._budget + 5
+        b.sendall(b"".join(req(P.Op.ADD, [b"/n"], num=1) for _ in range(n)))
+        time.sleep(0.05)
+        px._read(c)
+        assert len(px._batch) == px._budget and px._backlog == [c] and c.buf
+        px._backlog.clear()
+        px._consume(c, b"")
+        assert len(px._batch) == n and not c.buf and len(c.slots) == n
+    finally:
+        a.close()
+        b.close()
+
+
+def test_flush_out_sends_each_connections_output_and_leaves_short_sends_to_python() -> None:
+    from rendezvous._quickstore import flush_out
+    pairs = [socket.socketpair() for _ in range(4)]
+    try:
+        conns = []
+        for a, _ in pairs:
+            a.setblocking(False)
+            conns.append(_Conn(a, "test", True, 0.0))
+        full, closed, waiting, big = conns
+        full.out, full.out_bytes = [b"ab", b"cd"], 4
+        closed.out, closed.closed = [b"x"], True
+        waiting.out, waiting.want_write = [b"y"], True
+        pairs[3][0].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        payload = bytes(range(256)) * 4096  # 1 MiB: more than the socket takes at once
+        big.out, big.out_bytes = [payload[:10], payload[10:]], len(payload)
+        left = flush_out(conns + [full])  # a connection twice: its output goes once
+        assert left == [big]
+        assert pairs[0][1].recv(16) == b"abcd" and full.out == [] and full.out_bytes == 0
+        assert closed.out == [b"x"] and waiting.out == [b"y"]
+        assert len(big.out) == 1 and 0 < big.out_bytes == len(big.out[0]) < len(payload)
+        sent = len(payload) - big.out_bytes
+        got = b""
+        while len(got) < sent:
+            got += pairs[3][1].recv(1 << 20)
+        assert got + big.out[0] == payload
+        odd = conns[0]
+        odd.out = [bytearray(b"z")]  # not bytes: the Python flush
+        assert flush_out([odd]) == [odd] and odd.out == [bytearray(b"z")]
+    finally:
+        for a, b in pairs:
+            a.close()
+            b.close()
