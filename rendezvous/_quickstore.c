@@ -49,7 +49,10 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
+#include <math.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
+#include <time.h>
 
 #define READ_SIZE (64 * 1024) /* protocol.READ_SIZE */
 #define MAX_KEYS 16           /* keys of one WAIT / CHECK taken here (more: the Python path) */
@@ -59,10 +62,11 @@ enum { OP_VALIDATE = 0, OP_SET = 1, OP_GET = 3, OP_ADD = 4, OP_CHECK = 5, OP_WAI
 
 #define CTX_SIZE 12
 #define PCTX_SIZE 6 /* proxy_read's ctx */
+#define TURN_EVENTS 1023 /* events one loop_turn takes, as select.epoll.poll() */
 
 static PyObject *str_acquire, *str_release, *str_fd, *str_validated, *str_done, *str_remaining,
     *str_waiter, *str_fire, *str_srv, *str_c, *str_tag, *str_closed, *str_out, *str_want_write,
-    *str_slots, *str_append, *str_out_bytes, *zero;
+    *str_slots, *str_append, *str_out_bytes, *str_authed, *str_mux, *str_buf, *zero;
 
 typedef struct {
     char *p;
@@ -364,13 +368,18 @@ static int deliver(Table *t) {
     return 0;
 }
 
+static PyObject *quick(PyObject *conn, PyObject *ctx);
+
 static PyObject *read_quick(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != CTX_SIZE) {
         PyErr_SetString(PyExc_TypeError, "read_quick(conn, ctx): ctx is a 12-tuple");
         return NULL;
     }
-    PyObject *conn = args[0];
+    return quick(args[0], args[1]);
+}
+
+static PyObject *quick(PyObject *conn, PyObject *ctx) {
     PyObject *fdo = PyObject_GetAttr(conn, str_fd);
     if (fdo == NULL) return NULL;
     long fdl = PyLong_AsLong(fdo);
@@ -382,7 +391,6 @@ static PyObject *read_quick(PyObject *self, PyObject *const *args, Py_ssize_t na
     int validated = PyObject_IsTrue(vo);
     Py_DECREF(vo);
     if (validated < 0) return NULL;
-    PyObject *ctx = args[1];
     Table t = {PyTuple_GET_ITEM(ctx, 0), PyTuple_GET_ITEM(ctx, 1), PyTuple_GET_ITEM(ctx, 2),
                PyTuple_GET_ITEM(ctx, 8), PyTuple_GET_ITEM(ctx, 6), PyTuple_GET_ITEM(ctx, 9),
                PyTuple_GET_ITEM(ctx, 10), PyTuple_GET_ITEM(ctx, 11), conn, NULL, 0, 0, 0};
@@ -761,11 +769,137 @@ fail:
     return NULL;
 }
 
+/* ------------------------------------------------------------------ one turn of the loop */
+
+/* Whether attribute `name` of `o` is true (1), false (0), or -1 on error. */
+static int attr_true(PyObject *o, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(o, name);
+    if (v == NULL) return -1;
+    int r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    return r;
+}
+
+static double now_of(clockid_t clock) {
+    struct timespec ts;
+    clock_gettime(clock, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+/* loop_turn(epfd, conns, ctx, timeout) -> (events, results, reads, requests, t0, cpu0):
+ * one epoll_wait (the GIL released; timeout in seconds, rounded up to ms as select.epoll
+ * does), then, for each readable connection of `conns` (fd -> conn) that `LoopServer._read`
+ * would give to the C read path (authenticated, plain, nothing buffered either way, no waiter,
+ * no EPOLLOUT / error event), what `read_quick(conn, ctx)` does. `events`: the (fd, mask)
+ * pairs left to the Python loop, in epoll's order; `results`: (conn, result) for each read
+ * whose result was not a plain count (False, or a tuple) -- the Python loop finishes those as
+ * `_read` does; `reads` / `requests`: counted for the ones done here; t0 / cpu0: time.monotonic()
+ * and time.thread_time() when epoll_wait returned. */
+static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 4 || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) ||
+        PyTuple_GET_SIZE(args[2]) != CTX_SIZE) {
+        PyErr_SetString(PyExc_TypeError, "loop_turn(epfd, conns: dict, ctx: 12-tuple, timeout)");
+        return NULL;
+    }
+    int epfd = (int)PyLong_AsLong(args[0]);
+    double timeout = PyFloat_AsDouble(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *conns = args[1], *ctx = args[2];
+    int ms = timeout < 0 ? -1 : (int)ceil(timeout * 1000.0);
+    struct epoll_event evs[TURN_EVENTS];
+    int got;
+    Py_BEGIN_ALLOW_THREADS
+    got = epoll_wait(epfd, evs, TURN_EVENTS, ms);
+    Py_END_ALLOW_THREADS
+    double t0 = now_of(CLOCK_MONOTONIC), cpu0 = now_of(CLOCK_THREAD_CPUTIME_ID);
+    if (got < 0) {
+        if (errno != EINTR) return PyErr_SetFromErrno(PyExc_OSError);
+        got = 0;
+    }
+    PyObject *left = PyList_New(0), *results = PyList_New(0);
+    long reads = 0, requests = 0;
+    if (left == NULL || results == NULL) goto fail;
+    for (int i = 0; i < got; i++) {
+        int fd = evs[i].data.fd;
+        uint32_t ev = evs[i].events;
+        PyObject *conn = NULL;
+        int mine = ev == EPOLLIN;
+        if (mine) {
+            PyObject *key = PyLong_FromLong(fd);
+            if (key == NULL) goto fail;
+            conn = PyDict_GetItemWithError(conns, key); /* borrowed */
+            Py_DECREF(key);
+            if (conn == NULL && PyErr_Occurred()) goto fail;
+            mine = conn != NULL;
+        }
+        if (mine) { /* LoopServer._read's gate for the C read path */
+            Py_INCREF(conn);
+            int a;
+            if ((a = attr_true(conn, str_authed)) < 0) goto fail_conn;
+            mine = a;
+            if (mine && (a = attr_true(conn, str_mux)) < 0) goto fail_conn;
+            mine = mine && !a;
+            if (mine && (a = attr_true(conn, str_buf)) < 0) goto fail_conn;
+            mine = mine && !a;
+            if (mine && (a = attr_true(conn, str_out)) < 0) goto fail_conn;
+            mine = mine && !a;
+            if (mine && (a = attr_true(conn, str_want_write)) < 0) goto fail_conn;
+            mine = mine && !a;
+            if (mine && (a = attr_true(conn, str_closed)) < 0) goto fail_conn;
+            mine = mine && !a;
+            if (mine) {
+                PyObject *w = PyObject_GetAttr(conn, str_waiter);
+                if (w == NULL) goto fail_conn;
+                mine = w == Py_None;
+                Py_DECREF(w);
+            }
+            if (mine) {
+                PyObject *r = quick(conn, ctx);
+                if (r == NULL) goto fail_conn;
+                if (PyLong_CheckExact(r)) {
+                    reads++;
+                    requests += PyLong_AsLong(r);
+                } else if (r != Py_None) {
+                    PyObject *item = PyTuple_Pack(2, conn, r);
+                    if (item == NULL || PyList_Append(results, item) < 0) {
+                        Py_XDECREF(item);
+                        Py_DECREF(r);
+                        goto fail_conn;
+                    }
+                    Py_DECREF(item);
+                }
+                Py_DECREF(r);
+            }
+            Py_DECREF(conn);
+            if (mine) continue;
+        }
+        PyObject *pair = Py_BuildValue("(iI)", fd, (unsigned int)ev);
+        if (pair == NULL || PyList_Append(left, pair) < 0) {
+            Py_XDECREF(pair);
+            goto fail;
+        }
+        Py_DECREF(pair);
+        continue;
+    fail_conn:
+        Py_DECREF(conn);
+        goto fail;
+    }
+    return Py_BuildValue("(NNlldd)", left, results, reads, requests, t0, cpu0);
+fail:
+    Py_XDECREF(left);
+    Py_XDECREF(results);
+    return NULL;
+}
+
 static PyMethodDef methods[] = {
     {"read_quick", (PyCFunction)(void (*)(void))read_quick, METH_FASTCALL,
      "read_quick(conn, ctx) -> None | False | int | (int, bytes, bytes); see the module doc."},
     {"proxy_read", (PyCFunction)(void (*)(void))proxy_read, METH_FASTCALL,
      "proxy_read(conn, ctx) -> None | False | int | (int, bytes); see the module doc."},
+    {"loop_turn", (PyCFunction)(void (*)(void))loop_turn, METH_FASTCALL,
+     "loop_turn(epfd, conns, ctx, timeout) -> (events, results, reads, requests, t0, cpu0); "
+     "see the module doc."},
     {"flush_out", flush_out, METH_O,
      "flush_out(conns) -> list of the connections left to the Python flush; see the module doc."},
     {NULL, NULL, 0, NULL},
@@ -785,7 +919,8 @@ PyMODINIT_FUNC PyInit__quickstore(void) {
         {&str_waiter, "waiter"}, {&str_fire, "fire"}, {&str_srv, "srv"}, {&str_c, "c"},
         {&str_tag, "tag"}, {&str_closed, "closed"}, {&str_out, "out"},
         {&str_want_write, "want_write"}, {&str_slots, "slots"}, {&str_append, "append"},
-        {&str_out_bytes, "out_bytes"},
+        {&str_out_bytes, "out_bytes"}, {&str_authed, "authed"}, {&str_mux, "mux"},
+        {&str_buf, "buf"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].name);

@@ -150,6 +150,9 @@ class LoopServer:
     # None: reads, executes and answers a plain connection's common frames without Python.
     _read_quick: Callable | None = None
     _quick_ctx: tuple = ()
+    # Hook: `rendezvous._quickstore.loop_turn`, or None: one epoll wait and, for the reads
+    # `_read` would give to `_read_quick`, those reads, in C (the rest of the turn in Python).
+    _turn: Callable | None = None
 
     _name = "store"
     _budget = 128  # requests per connection per loop turn
@@ -286,12 +289,21 @@ class LoopServer:
         wfd = self._wake_fd
         conns = self._conns
         poll = self._ep.poll
+        turn, epfd, ctx, stats = self._turn, self._ep.fileno(), self._quick_ctx, self.stats
         next_sweep = time.monotonic() + 1.0
         try:
             while not self._stopping:
-                events = poll(0 if self._backlog else self._poll_timeout())
-                t0 = time.monotonic()
-                c0 = time.thread_time()
+                timeout = 0 if self._backlog else self._poll_timeout()
+                if turn is not None:  # C: the wait, and the reads _read gives to read_quick
+                    events, done, reads, requests, t0, c0 = turn(epfd, conns, ctx, timeout)
+                    stats["reads"] += reads
+                    stats["requests"] += requests
+                    for c, r in done:
+                        self._quick_done(c, r)
+                else:
+                    events = poll(timeout)
+                    t0 = time.monotonic()
+                    c0 = time.thread_time()
                 for fd, ev in events:
                     if fd == lfd:
                         self._accept()
@@ -365,27 +377,7 @@ class LoopServer:
         rq = self._read_quick
         if (rq is not None and c.authed and not c.mux and not c.buf and not c.out
                 and not c.want_write and c.waiter is None):
-            r = rq(c, self._quick_ctx)  # validates a new connection's handshake too
-            if r is None:
-                return
-            if r is False:
-                self._close(c)
-                return
-            stats = self.stats
-            if type(r) is int:
-                stats["reads"] += 1
-                stats["requests"] += r
-                return
-            nreq, unsent, rest = r
-            stats["requests"] += nreq
-            if unsent:
-                c.out.append(unsent)
-                c.out_bytes += len(unsent)
-            if rest:
-                self._consume(c, rest)  # counts the read; flushes what is queued
-            else:
-                stats["reads"] += 1
-                self._flush(c)
+            self._quick_done(c, rq(c, self._quick_ctx))  # validates a new one's handshake too
             return
         try:
             data = c.sock.recv(P.READ_SIZE)
@@ -418,6 +410,29 @@ class LoopServer:
         stats["reads"] += 1
         if rep:
             self._send_now(c, rep)
+
+    def _quick_done(self, c: _Conn, r) -> None:
+        """Finish what the C read path returned for c (see `rendezvous/_quickstore.c`)."""
+        if r is None:
+            return
+        if r is False:
+            self._close(c)
+            return
+        stats = self.stats
+        if type(r) is int:
+            stats["reads"] += 1
+            stats["requests"] += r
+            return
+        nreq, unsent, rest = r
+        stats["requests"] += nreq
+        if unsent:
+            c.out.append(unsent)
+            c.out_bytes += len(unsent)
+        if rest:
+            self._consume(c, rest)  # counts the read; flushes what is queued
+        else:
+            stats["reads"] += 1
+            self._flush(c)
 
     def _consume(self, c: _Conn, data: bytes) -> None:
         """Execute the complete requests in c's buffer + `data`, at most `_budget` of them
@@ -672,6 +687,7 @@ class StoreServer(LoopServer):
         self.kv = LocalKV(self.table)
         self._table_data = self.table._data  # read-only use by _quick (GET, WAIT present)
         self._read_quick, self._quick_ctx = _c_read_path(self, self.table, limits, self._budget)
+        self._turn = _c_accel("loop_turn") if self._read_quick is not None else None
         self._max_key, self._max_value = limits.max_key_bytes, limits.max_value_bytes
         by_kind = {P.Kind.DATA: self._data, P.Kind.BLOCKING: self._wait,
                    P.Kind.CANCEL: self._cancel}

@@ -467,3 +467,38 @@ def test_flush_out_sends_each_connections_output_and_leaves_short_sends_to_pytho
         for a, b in pairs:
             a.close()
             b.close()
+
+
+def test_a_running_servers_loop_takes_plain_reads_in_c_and_leaves_the_rest_to_python() -> None:
+    """`loop_turn`: a plain connection's reads are done in C (no Python `_read`), a new
+    connection's accept, a cut frame and a mux connection still go through the Python loop;
+    the counters add up either way."""
+    srv = StoreServer(host="127.0.0.1")
+    assert srv._turn is not None
+    python_reads: list[int] = []
+    orig = srv._read
+
+    def counted(c):
+        python_reads.append(c.fd)
+        orig(c)
+    srv._read = counted
+    with srv:
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s.sendall(P.handshake_bytes(4))
+        assert recv_exact(s, 4) == P.enc_u32(4)
+        before = len(python_reads)
+        for i in range(50):
+            s.sendall(req(P.Op.ADD, [b"/n"], num=1))
+            assert recv_exact(s, 8) == P.enc_i64(i + 1)
+        assert len(python_reads) == before  # all 50 in C
+        frame = req(P.Op.SET, [b"/k"], [b"v" * 100]) + req(P.Op.GET, [b"/k"])
+        s.sendall(frame[:20])
+        time.sleep(0.1)
+        s.sendall(frame[20:])  # the cut SET was buffered: the Python path finishes it
+        assert recv_exact(s, 108) == P.enc_bytes(b"v" * 100)
+        assert len(python_reads) > before
+        s.close()
+        deadline = time.monotonic() + 5
+        while srv.connection_count() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.stats["requests"] >= 53 and srv.stats["dropped"] == 0
