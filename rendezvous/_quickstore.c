@@ -617,13 +617,18 @@ static Py_ssize_t queue_one(Batch *b, const char *buf, size_t pos, size_t n) {
     return r < 0 ? -1 : (Py_ssize_t)end;
 }
 
+static PyObject *proxy_queue(PyObject *conn, PyObject *ctx);
+
 static PyObject *proxy_read(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
     if (nargs != 2 || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != PCTX_SIZE) {
         PyErr_SetString(PyExc_TypeError, "proxy_read(conn, ctx): ctx is a 6-tuple");
         return NULL;
     }
-    PyObject *conn = args[0], *ctx = args[1];
+    return proxy_queue(args[0], args[1]);
+}
+
+static PyObject *proxy_queue(PyObject *conn, PyObject *ctx) {
     Batch b = {conn, PyTuple_GET_ITEM(ctx, 0), NULL, PyTuple_GET_ITEM(ctx, 2),
                (PyTypeObject *)PyTuple_GET_ITEM(ctx, 1), 0, 0};
     if (!PyList_CheckExact(b.batch) || !PyType_Check((PyObject *)b.request) ||
@@ -797,9 +802,12 @@ static double now_of(clockid_t clock) {
  * and time.thread_time() when epoll_wait returned. */
 static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    if (nargs != 4 || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) ||
-        PyTuple_GET_SIZE(args[2]) != CTX_SIZE) {
-        PyErr_SetString(PyExc_TypeError, "loop_turn(epfd, conns: dict, ctx: 12-tuple, timeout)");
+    int proxy = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
+    if (proxy < 0) return NULL;
+    if ((nargs != 4 && nargs != 5) || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) ||
+        PyTuple_GET_SIZE(args[2]) != (proxy ? PCTX_SIZE : CTX_SIZE)) {
+        PyErr_SetString(PyExc_TypeError, "loop_turn(epfd, conns: dict, ctx, timeout, proxy=False): "
+                        "ctx is read_quick's 12-tuple, or proxy_read's 6-tuple with proxy");
         return NULL;
     }
     int epfd = (int)PyLong_AsLong(args[0]);
@@ -828,12 +836,21 @@ static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nar
         if (mine) {
             PyObject *key = PyLong_FromLong(fd);
             if (key == NULL) goto fail;
-            conn = PyDict_GetItemWithError(conns, key); /* borrowed */
+            conn = PyDict_GetItemWithError(conns, key); /* borrowed; held from the gate on */
             Py_DECREF(key);
             if (conn == NULL && PyErr_Occurred()) goto fail;
             mine = conn != NULL;
         }
-        if (mine) { /* LoopServer._read's gate for the C read path */
+        if (mine && proxy) { /* StoreProxy._read's gate for proxy_read */
+            Py_INCREF(conn);
+            int a;
+            if ((a = attr_true(conn, str_validated)) < 0) goto fail_conn;
+            mine = a;
+            if (mine && (a = attr_true(conn, str_buf)) < 0) goto fail_conn;
+            mine = mine && !a;
+            if (mine && (a = attr_true(conn, str_closed)) < 0) goto fail_conn;
+            mine = mine && !a;
+        } else if (mine) { /* LoopServer._read's gate for the C read path */
             Py_INCREF(conn);
             int a;
             if ((a = attr_true(conn, str_authed)) < 0) goto fail_conn;
@@ -854,26 +871,26 @@ static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nar
                 mine = w == Py_None;
                 Py_DECREF(w);
             }
-            if (mine) {
-                PyObject *r = quick(conn, ctx);
-                if (r == NULL) goto fail_conn;
-                if (PyLong_CheckExact(r)) {
-                    reads++;
-                    requests += PyLong_AsLong(r);
-                } else if (r != Py_None) {
-                    PyObject *item = PyTuple_Pack(2, conn, r);
-                    if (item == NULL || PyList_Append(results, item) < 0) {
-                        Py_XDECREF(item);
-                        Py_DECREF(r);
-                        goto fail_conn;
-                    }
-                    Py_DECREF(item);
-                }
-                Py_DECREF(r);
-            }
-            Py_DECREF(conn);
-            if (mine) continue;
         }
+        if (mine) {
+            PyObject *r = proxy ? proxy_queue(conn, ctx) : quick(conn, ctx);
+            if (r == NULL) goto fail_conn;
+            if (PyLong_CheckExact(r)) {
+                reads++;
+                requests += PyLong_AsLong(r);
+            } else if (r != Py_None) {
+                PyObject *item = PyTuple_Pack(2, conn, r);
+                if (item == NULL || PyList_Append(results, item) < 0) {
+                    Py_XDECREF(item);
+                    Py_DECREF(r);
+                    goto fail_conn;
+                }
+                Py_DECREF(item);
+            }
+            Py_DECREF(r);
+        }
+        Py_XDECREF(conn); /* held since the gate (NULL: not a connection, or not EPOLLIN) */
+        if (mine) continue;
         PyObject *pair = Py_BuildValue("(iI)", fd, (unsigned int)ev);
         if (pair == NULL || PyList_Append(left, pair) < 0) {
             Py_XDECREF(pair);
@@ -898,8 +915,9 @@ static PyMethodDef methods[] = {
     {"proxy_read", (PyCFunction)(void (*)(void))proxy_read, METH_FASTCALL,
      "proxy_read(conn, ctx) -> None | False | int | (int, bytes); see the module doc."},
     {"loop_turn", (PyCFunction)(void (*)(void))loop_turn, METH_FASTCALL,
-     "loop_turn(epfd, conns, ctx, timeout) -> (events, results, reads, requests, t0, cpu0); "
-     "see the module doc."},
+     "loop_turn(epfd, conns, ctx, timeout, proxy=False) -> (events, results, reads, requests, "
+     "t0, cpu0); see the module doc."
+    },
     {"flush_out", flush_out, METH_O,
      "flush_out(conns) -> list of the connections left to the Python flush; see the module doc."},
     {NULL, NULL, 0, NULL},

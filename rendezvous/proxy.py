@@ -518,6 +518,9 @@ class StoreProxy(LoopServer):
         self._proxy_read = _c_accel("proxy_read")
         self._proxy_ctx = (self._batch, P.Request, AUTH_KEY, limits.max_key_bytes,
                            limits.max_value_bytes, self._budget)
+        if self._proxy_read is not None:  # and the loop's reads of such connections too
+            self._turn = _c_accel("loop_turn")
+            self._turn_ctx, self._turn_proxy = self._proxy_ctx, True
 
     @property
     def upstream_address(self) -> str:
@@ -544,7 +547,10 @@ class StoreProxy(LoopServer):
         if pr is None or not c.validated or c.buf:
             super()._read(c)
             return
-        r = pr(c, self._proxy_ctx)
+        self._quick_done(c, pr(c, self._proxy_ctx))
+
+    def _quick_done(self, c: _Conn, r) -> None:
+        """Finish what `proxy_read` returned for c."""
         if r is None:
             return
         if r is False:

@@ -151,8 +151,12 @@ class LoopServer:
     _read_quick: Callable | None = None
     _quick_ctx: tuple = ()
     # Hook: `rendezvous._quickstore.loop_turn`, or None: one epoll wait and, for the reads
-    # `_read` would give to `_read_quick`, those reads, in C (the rest of the turn in Python).
+    # `_read` would give to the C read path, those reads, in C (the rest of the turn in
+    # Python; `_quick_done` finishes what C hands back). Its context: `_quick_ctx` for the
+    # server's path, the proxy's for `proxy_read` (`_turn_proxy`).
     _turn: Callable | None = None
+    _turn_ctx: tuple = ()
+    _turn_proxy = False
 
     _name = "store"
     _budget = 128  # requests per connection per loop turn
@@ -289,13 +293,15 @@ class LoopServer:
         wfd = self._wake_fd
         conns = self._conns
         poll = self._ep.poll
-        turn, epfd, ctx, stats = self._turn, self._ep.fileno(), self._quick_ctx, self.stats
+        turn, epfd, stats = self._turn, self._ep.fileno(), self.stats
+        ctx, proxy = self._turn_ctx, self._turn_proxy
         next_sweep = time.monotonic() + 1.0
         try:
             while not self._stopping:
                 timeout = 0 if self._backlog else self._poll_timeout()
                 if turn is not None:  # C: the wait, and the reads _read gives to read_quick
-                    events, done, reads, requests, t0, c0 = turn(epfd, conns, ctx, timeout)
+                    events, done, reads, requests, t0, c0 = turn(epfd, conns, ctx, timeout,
+                                                                 proxy)
                     stats["reads"] += reads
                     stats["requests"] += requests
                     for c, r in done:
@@ -688,6 +694,7 @@ class StoreServer(LoopServer):
         self._table_data = self.table._data  # read-only use by _quick (GET, WAIT present)
         self._read_quick, self._quick_ctx = _c_read_path(self, self.table, limits, self._budget)
         self._turn = _c_accel("loop_turn") if self._read_quick is not None else None
+        self._turn_ctx = self._quick_ctx
         self._max_key, self._max_value = limits.max_key_bytes, limits.max_value_bytes
         by_kind = {P.Kind.DATA: self._data, P.Kind.BLOCKING: self._wait,
                    P.Kind.CANCEL: self._cancel}

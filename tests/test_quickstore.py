@@ -502,3 +502,41 @@ def test_a_running_servers_loop_takes_plain_reads_in_c_and_leaves_the_rest_to_py
         while srv.connection_count() and time.monotonic() < deadline:
             time.sleep(0.01)
         assert srv.stats["requests"] >= 53 and srv.stats["dropped"] == 0
+
+
+def test_a_running_proxys_loop_queues_plain_reads_in_c() -> None:
+    from rendezvous.proxy import StoreProxy
+    with StoreServer(host="127.0.0.1") as srv:
+        px = StoreProxy(("127.0.0.1", srv.port))
+        assert px._turn is not None and px._turn_proxy
+        python_reads: list[int] = []
+        handled: list[int] = []
+        orig, orig_handle = px._read, px._handle
+
+        def counted(c):
+            python_reads.append(c.fd)
+            orig(c)
+
+        def counted_handle(c, r, tag):
+            handled.append(r.op)
+            return orig_handle(c, r, tag)
+        px._read, px._handle = counted, counted_handle
+        px.start()
+        try:
+            s = socket.create_connection(("127.0.0.1", px.port), timeout=5)
+            s.sendall(P.handshake_bytes(4))
+            assert recv_exact(s, 4) == P.enc_u32(4)
+            before = len(python_reads)
+            for i in range(30):
+                s.sendall(req(P.Op.ADD, [b"/n"], num=2))
+                assert recv_exact(s, 8) == P.enc_i64(2 * (i + 1))
+            s.sendall(req(P.Op.SET, [b"/k"], [b"v"]) + req(P.Op.GET, [b"/k"]))
+            assert recv_exact(s, 9) == P.enc_bytes(b"v")
+            assert len(python_reads) == before and handled == [P.Op.VALIDATE, P.Op.PING]
+            s.sendall(req(P.Op.PING, num=9))  # the proxy answers PING itself: Python
+            assert recv_exact(s, 4) == P.enc_u32(9)
+            assert handled == [P.Op.VALIDATE, P.Op.PING, P.Op.PING]
+            assert srv.table._data[b"/n"] == b"60"
+            s.close()
+        finally:
+            px.stop()
