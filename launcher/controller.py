@@ -122,6 +122,7 @@ class Controller:
         self.term = CS.take_term(kv)  # fences the saved state against earlier controllers
         self.world_round = world_round  # the rendezvous round of this world (node numbering)
         self.known: dict[int, int] = {}  # node -> agent incarnation accounted for
+        self._arriving: set[tuple[int, int]] = set()  # (node, incarnation) being reported now
         self._save_lock = threading.Lock()
         # rank -> generation of the latest plan that started a new process for it: a finished
         # mark from an earlier process of the rank (`finished_ranks`) is stale
@@ -380,22 +381,31 @@ class Controller:
         """A hot spare or replacement agent (agent incarnation `incarnation`; 0 when unknown)
         holds `node` now: report its arrival, the round that starts the node's ranks. Once per
         incarnation; returns the fault's number, None when already reported."""
-        with self._nodes_lock:
-            if incarnation and self.known.get(node) == incarnation and node not in self.lost_nodes:
+        key = (node, incarnation)
+        with self._nodes_lock:  # checked and claimed at once: the takeover's reconcile and the
+            # membership watch may both bring the same arrival (one report, one round)
+            if incarnation and (key in self._arriving or (
+                    self.known.get(node) == incarnation and node not in self.lost_nodes)):
                 return None
-        if self._fence is not None:
-            self._fence(P.FAULT_SEQ)
-        msg = f"hot spare or replacement agent for node {node}" + (f" ({why})" if why else "")
-        seq = post_fault(self.kv, P.Fault(kind=FaultKind.NODE_LOST.value, rank=None, node=node,
-                                          generation=self.state.generation, message=msg,
-                                          host=host, evidence={"node_joined": True,
-                                                               "node_ranks": self.ranks_of(node),
-                                                               "incarnation": incarnation}))
-        with self._nodes_lock:  # accounted for once its report is in the store
             if incarnation:
-                self.known[node] = incarnation
-            self.lost_nodes.discard(node)
-            self._lost_at.pop(node, None)
+                self._arriving.add(key)
+        try:
+            if self._fence is not None:
+                self._fence(P.FAULT_SEQ)
+            msg = f"hot spare or replacement agent for node {node}" + (f" ({why})" if why else "")
+            seq = post_fault(self.kv, P.Fault(
+                kind=FaultKind.NODE_LOST.value, rank=None, node=node,
+                generation=self.state.generation, message=msg, host=host,
+                evidence={"node_joined": True, "node_ranks": self.ranks_of(node),
+                          "incarnation": incarnation}))
+            with self._nodes_lock:  # accounted for once its report is in the store
+                if incarnation:
+                    self.known[node] = incarnation
+                self.lost_nodes.discard(node)
+                self._lost_at.pop(node, None)
+        finally:
+            with self._nodes_lock:
+                self._arriving.discard(key)
         self.log.info("fault-reported", f"node {node} taken over (incarnation {incarnation}"
                       + (f", {why}" if why else "") + f"): reported as fault #{seq}", seq=seq,
                       joined_node=node)

@@ -40,7 +40,10 @@
  * SET); ctx = (batch: list, Request, auth_key, max_key, max_value, budget); it returns None,
  * False, n, or (n, rest) as above, without replies (the proxy answers after its upstream
  * round). And, for both: `flush_out(conns)`, what `LoopServer._flush` does for a list of
- * connections, returning the ones it leaves to the Python flush (a short send, ...).
+ * connections, returning the ones it leaves to the Python flush (a short send, ...); and
+ * `loop_turn(epfd, conns, ctx, timeout, proxy)`, the loop's epoll_wait with the GIL released
+ * plus the reads `_read` would give to `read_quick` (or, for the proxy, to `proxy_read`),
+ * returning the events and results the Python loop finishes.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -749,7 +752,8 @@ static PyObject *flush_out(PyObject *self, PyObject *conns) {
             } else {
                 py = 1;
                 if (sent > 0) { /* keep what is left, in one piece */
-                    PyObject *rest = PyBytes_FromStringAndSize(o.p + sent, (Py_ssize_t)(o.len - sent));
+                    PyObject *rest =
+                        PyBytes_FromStringAndSize(o.p + sent, (Py_ssize_t)(o.len - sent));
                     PyObject *nb = rest == NULL ? NULL : PyLong_FromSsize_t(PyBytes_GET_SIZE(rest));
                     int bad = rest == NULL || nb == NULL || PyList_SetSlice(out, 0, k, NULL) < 0 ||
                               PyList_Append(out, rest) < 0 ||

@@ -549,19 +549,10 @@ class StoreProxy(LoopServer):
             return
         self._quick_done(c, pr(c, self._proxy_ctx))
 
-    def _quick_done(self, c: _Conn, r) -> None:
-        """Finish what `proxy_read` returned for c."""
-        if r is None:
-            return
-        if r is False:
-            self._close(c)
-            return
-        stats = self.stats
-        if type(r) is int:
-            stats["reads"] += 1
-            stats["requests"] += r
-            return
+    def _quick_rest(self, c: _Conn, r: tuple) -> None:
+        """A read `proxy_read` did not finish: (requests queued, the rest of the read)."""
         nreq, rest = r
+        stats = self.stats
         stats["requests"] += nreq
         if nreq >= self._budget:  # this turn's share is used: the rest next turn
             stats["reads"] += 1

@@ -13,8 +13,10 @@ ADD and a satisfied one-key WAIT in place by `StoreServer._quick`; the rest thro
 `protocol.parse_common` / `protocol.parse_request`) against the table through one dispatch
 (`Kind` from the codec's table, data ops through `memory.apply`), and its replies are sent at
 once, in one `send` (queued output of many connections at the end of a turn: `flush_out`
-in C when built). Nothing blocks on a client: at most 128 requests per connection and 256
-accepts run per turn (the rest next turn), a stalled reader only grows its own bounded output
+in C when built; with the C read path the loop's epoll wait and those reads are one C call,
+`loop_turn`, and Python finishes the rest of the turn). Nothing blocks on a client: at most
+128 requests per connection and 256 accepts run per turn (the rest next turn), a stalled
+reader only grows its own bounded output
 buffer, a slow sender only holds its own partial frame (closed after `stalled_frame_timeout`),
 and a malformed or over-limit frame closes that connection with one log line. WAITs register a
 waiter in the table; a SET that satisfies thousands of waiters queues one byte per waiter and
@@ -152,8 +154,8 @@ class LoopServer:
     _quick_ctx: tuple = ()
     # Hook: `rendezvous._quickstore.loop_turn`, or None: one epoll wait and, for the reads
     # `_read` would give to the C read path, those reads, in C (the rest of the turn in
-    # Python; `_quick_done` finishes what C hands back). Its context: `_quick_ctx` for the
-    # server's path, the proxy's for `proxy_read` (`_turn_proxy`).
+    # Python; `_quick_done` / `_quick_rest` finish what C hands back). Its context:
+    # `_quick_ctx` for the server's path, the proxy's for `proxy_read` (`_turn_proxy`).
     _turn: Callable | None = None
     _turn_ctx: tuple = ()
     _turn_proxy = False
@@ -424,12 +426,17 @@ class LoopServer:
         if r is False:
             self._close(c)
             return
-        stats = self.stats
         if type(r) is int:
-            stats["reads"] += 1
-            stats["requests"] += r
+            self.stats["reads"] += 1
+            self.stats["requests"] += r
             return
+        self._quick_rest(c, r)
+
+    def _quick_rest(self, c: _Conn, r: tuple) -> None:
+        """A read the C path did not finish: (requests executed, their replies not sent yet,
+        the rest of the read from the first frame it left to the Python path)."""
         nreq, unsent, rest = r
+        stats = self.stats
         stats["requests"] += nreq
         if unsent:
             c.out.append(unsent)

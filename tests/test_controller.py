@@ -1,6 +1,7 @@
 """The controller's decisions and round driving, on an in-process store (LocalKV)."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -529,6 +530,35 @@ def test_a_node_taken_over_before_the_successor_was_elected_is_reported_to_it(kv
         assert kv.try_get(P.FAULT_SEQ) == b"1"
     finally:
         c2.stop()
+
+
+def test_an_arrival_brought_by_two_threads_at_once_is_reported_once(kv, monkeypatch) -> None:
+    """The successor's reconcile and the membership watch may report the same takeover at the
+    same moment; both passed the 'already known?' check before either had posted, and the
+    arrival became two faults and two rounds (the spare spawned its rank twice, CI)."""
+    import launcher.controller as C
+    c1 = _node_world(kv)
+    c1.reconcile({0: 1, 1: 1}, [])
+    c1.stop()
+    c2 = _node_world(kv, start=False)
+    real, entered = C.post_fault, threading.Barrier(2, timeout=1.0)
+
+    def slow_post(store, fault):
+        try:
+            entered.wait()  # the second report arrives while the first is being posted
+        except threading.BrokenBarrierError:
+            pass
+        return real(store, fault)
+    monkeypatch.setattr(C, "post_fault", slow_post)
+    got: list = []
+    ts = [threading.Thread(target=lambda w=w: got.append(c2.note_arrival(0, 2, why=w)))
+          for w in ("watch", "reconcile")]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(10)
+    assert sorted(got, key=str) == [1, None] and kv.try_get(P.FAULT_SEQ) == b"1"
+    assert c2.known[0] == 2 and not c2._arriving
 
 
 def test_a_controller_of_a_new_world_keeps_the_history_but_not_the_old_worlds_nodes(kv) -> None:
