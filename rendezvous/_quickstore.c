@@ -371,6 +371,15 @@ static int deliver(Table *t) {
     return 0;
 }
 
+/* conn.fd as an int, or -1 with an exception set. */
+static int conn_fd(PyObject *conn) {
+    PyObject *fdo = PyObject_GetAttr(conn, str_fd);
+    if (fdo == NULL) return -1;
+    long fd = PyLong_AsLong(fdo);
+    Py_DECREF(fdo);
+    return fd == -1 && PyErr_Occurred() ? -1 : (int)fd;
+}
+
 static PyObject *quick(PyObject *conn, PyObject *ctx);
 
 static PyObject *read_quick(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -383,12 +392,8 @@ static PyObject *read_quick(PyObject *self, PyObject *const *args, Py_ssize_t na
 }
 
 static PyObject *quick(PyObject *conn, PyObject *ctx) {
-    PyObject *fdo = PyObject_GetAttr(conn, str_fd);
-    if (fdo == NULL) return NULL;
-    long fdl = PyLong_AsLong(fdo);
-    Py_DECREF(fdo);
-    if (fdl == -1 && PyErr_Occurred()) return NULL;
-    int fd = (int)fdl;
+    int fd = conn_fd(conn);
+    if (fd < 0) return NULL;
     PyObject *vo = PyObject_GetAttr(conn, str_validated);
     if (vo == NULL) return NULL;
     int validated = PyObject_IsTrue(vo);
@@ -644,13 +649,10 @@ static PyObject *proxy_queue(PyObject *conn, PyObject *ctx) {
     b.max_value = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ctx, 4));
     long budget = PyLong_AsLong(PyTuple_GET_ITEM(ctx, 5));
     if (PyErr_Occurred()) return NULL;
-    PyObject *fdo = PyObject_GetAttr(conn, str_fd);
-    if (fdo == NULL) return NULL;
-    long fdl = PyLong_AsLong(fdo);
-    Py_DECREF(fdo);
-    if (fdl == -1 && PyErr_Occurred()) return NULL;
+    int fd = conn_fd(conn);
+    if (fd < 0) return NULL;
     char rbuf[READ_SIZE];
-    ssize_t got = recv((int)fdl, rbuf, READ_SIZE, MSG_DONTWAIT);
+    ssize_t got = recv(fd, rbuf, READ_SIZE, MSG_DONTWAIT);
     if (got < 0) {
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR) Py_RETURN_NONE;
         Py_RETURN_FALSE;
@@ -730,18 +732,12 @@ static PyObject *flush_out(PyObject *self, PyObject *conns) {
         if (k < 0) py = 1;
         ssize_t sent = 0;
         if (!py) {
-            v = PyObject_GetAttr(c, str_fd);
-            if (v == NULL) {
+            int fd = conn_fd(c);
+            if (fd < 0) {
                 Py_DECREF(out);
                 goto fail;
             }
-            long fd = PyLong_AsLong(v);
-            Py_DECREF(v);
-            if (fd == -1 && PyErr_Occurred()) {
-                Py_DECREF(out);
-                goto fail;
-            }
-            sent = send((int)fd, o.p, o.len, MSG_DONTWAIT | MSG_NOSIGNAL);
+            sent = send(fd, o.p, o.len, MSG_DONTWAIT | MSG_NOSIGNAL);
             if (sent < 0) sent = 0; /* EAGAIN or an error: the Python flush sees it again */
             if ((size_t)sent == o.len) {
                 if (PyList_SetSlice(out, 0, k, NULL) < 0 ||
