@@ -50,7 +50,9 @@ def test_device_faults_retry_without_restarting_any_process(tmp_path, ref, kind)
     decide = job.first("decide", rank=1)
     assert "[injected]" in decide["message"] and decide["fault_kind"] == kind
     repair = job.first("repair-plan")
-    assert repair["resume_step"] == FAULT_STEP and repair["action"] == "rollback"
+    # a survivor still committing the step before when the fault stops it is a laggard: the
+    # round resumes one step earlier (bit-identical either way)
+    assert repair["resume_step"] in (FAULT_STEP - 1, FAULT_STEP) and repair["action"] == "rollback"
     # UCE high level: the state objects are lost and repaired from a replica; the others roll back
     assert repaired_besides_laggards(repair["pairs"]) == ({1} if kind == "uce-high" else set())
     assert_same_params(job.params, ref)
@@ -146,15 +148,20 @@ def test_dump_saves_a_dying_gasp_checkpoint_and_the_next_launch_resumes(tmp_path
     first = run_job(tmp_path / "first", [fault("kill")], launcher, args, env=env)
     assert first.returncode == 1, first.describe()
     assert first.strategies() == ["dump"], first.describe()
-    # Megatron layout, committed: iter_0000003/<shard>/model_optim_rng.pt + tracker; no _tmp left
-    assert ckpt.latest(ckpt_dir) == FAULT_STEP
-    assert (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip() == str(FAULT_STEP)
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["iter_0000003", "latest_checkpointed_iteration.txt"]
-    state = ckpt.read_shard(ckpt_dir, FAULT_STEP, "mp_rank_00")
-    assert state["iteration"] == FAULT_STEP and state["step"] == FAULT_STEP
+    # The survivors save the step they all hold: the one rank 1 died in, or (a survivor still
+    # committing the step before when the death notice stopped it; CI saw it on a loaded box)
+    # the one before, as for recover-in-place's laggards. Never older, never without a plan.
+    saved = first.first("dump-plan")["resume_step"]
+    assert saved in (FAULT_STEP - 1, FAULT_STEP), first.describe()
+    # Megatron layout, committed: iter_000000N/<shard>/model_optim_rng.pt + tracker; no _tmp left
+    assert ckpt.latest(ckpt_dir) == saved
+    assert (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip() == str(saved)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [f"iter_{saved:07d}", "latest_checkpointed_iteration.txt"]
+    state = ckpt.read_shard(ckpt_dir, saved, "mp_rank_00")
+    assert state["iteration"] == saved and state["step"] == saved
     second = run_job(tmp_path / "second", None, [], args)
     assert second.returncode == 0, second.describe()
-    assert f"loaded checkpoint iteration {FAULT_STEP}" in second.output  # only step 3 is recomputed
+    assert f"loaded checkpoint iteration {saved}" in second.output  # only the lost steps are recomputed
     assert_same_params(second.params, ref)
 
 
@@ -237,7 +244,7 @@ def test_ftctl_inject_every_kind_at_a_step(tmp_path, ref, kind, strategy):
                       launcher_args=["--hang_timeout", "2", "--monitor_interval", "0.5"])
     assert job.strategies() == [strategy], job.describe()
     assert job.restarted() == ({} if strategy == "retry" else {2: 1})
-    assert job.first("repair-plan")["resume_step"] == STEPS - 2
+    assert job.first("repair-plan")["resume_step"] in (STEPS - 3, STEPS - 2)  # or a laggard's step
     assert_same_params(job.params, ref)
 
 
