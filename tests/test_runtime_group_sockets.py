@@ -50,6 +50,12 @@ WORKER = textwrap.dedent(r"""
     result["seconds"] = round(time.monotonic() - t0, 3)
     store.set(f"done{rank}", "1")
     store.wait([f"done{r}" for r in range(world)], timedelta(seconds=30))
+    # rank 0 hosts the store: it leaves last (it left at once in a CI run while rank 2's wait
+    # was still unanswered: "Connection reset by peer")
+    if rank == 0:
+        store.wait([f"bye{r}" for r in range(1, world)], timedelta(seconds=30))
+    else:
+        store.set(f"bye{rank}", "1")
     print("RESULT " + json.dumps(result), flush=True)
     os._exit(0)
 """)
