@@ -546,7 +546,15 @@ def test_a_replacement_is_repaired_by_one_replica_on_each_other_node(tmp_path) -
         assert p.returncode == 0, outs[tag][1][-3000:]
     evs = [e for tag in procs for e in _events(str(tmp_path / f"log{tag}"))]
     repairs = [e for e in evs if e["event"] == "repair-plan"]
-    assert [e["pairs"] for e in repairs] == [[[0, 1], [2, 1]]], repairs
+    assert len(repairs) == 1, repairs
+    pairs = repairs[0]["pairs"]
+    if {dst for _, dst in pairs} == {1}:
+        assert pairs == [[0, 1], [2, 1]], repairs  # one stripe from each other node
+    else:
+        # rank 0 or 2 was still committing the step before when the stop came (the kill lands
+        # at a random moment): the other one, the only up-to-date replica, repairs both
+        (src,) = {src for src, _ in pairs}
+        assert sorted(pairs) == sorted([[src, 1], [src, 2 - src]]), repairs
     for r in range(3):
         assert_bit_identical(load_params(tmp_path / f"ref{r}.pt"),
                              load_params(tmp_path / f"out{r}.pt"))

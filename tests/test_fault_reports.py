@@ -64,7 +64,7 @@ def test_a_report_made_while_cut_off_is_refused_once_the_agent_is_stale(tmp_path
     try:
         t0 = time.monotonic()
         r.report(_fault())
-        assert time.monotonic() - t0 < 0.1  # the caller (the agent's loop) never waits
+        assert time.monotonic() - t0 < 0.5  # the caller (the agent's loop) never waits (seconds)
         time.sleep(0.5)
         lost.set()
         kv.down.clear()

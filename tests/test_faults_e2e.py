@@ -92,8 +92,8 @@ def test_hang_is_detected_dumped_and_recovered(tmp_path, ref):
     assert fired.startswith("[ftrun rank 1 gen 0]")
     latency = detected["time"] - stamp_of(fired, detected["time"])
     # 2.3-2.5 s on an idle box, before and after the step-path change of 2026-11-27; 3.24 s once
-    # in a clean-clone CI run (2 cores, the suite's other jobs): scheduling slack of 1 s
-    assert 0 < latency <= hang_timeout + 2 * monitor + 1.0, latency
+    # in a clean-clone CI run (2 cores, the suite's other jobs): scheduling slack of 2 s
+    assert 0 < latency <= hang_timeout + 2 * monitor + 2.0, latency
     # the hung worker's Python stacks (py-spy when installed, else faulthandler via SIGUSR1; only
     # the hung rank is dumped): its training thread sits in the injected hang, called from the
     # script's forward phase
@@ -177,13 +177,21 @@ def test_stripe_sender_killed_mid_transfer_next_round_repairs_from_the_rest(tmp_
     # 0's kill is armed for the transfer of either (only generation 1's one transfer fires it).
     plan = [fault("kill")] + [fault("kill", rank=0, step=s, phase="transfer", generation=1)
                               for s in (FAULT_STEP - 1, FAULT_STEP)]
-    job = run_job(tmp_path, plan, env={"FTRUN_TRANSFER_STRIPES": "2", "FTRUN_TRANSFER_LOCAL": local})
-    assert job.returncode == 0, job.describe()
-    plans = [e for e in job.events if e["event"] == "repair-plan"]
-    first = next(p for p in plans if p.get("generation") == 1)
+    # Rank 0 must send: when it was the survivor still committing the step before as the stop
+    # came, it is repaired in that round instead of sending (the scenario did not happen; the
+    # job still ends bit-identical): run it again, at most three times.
+    for attempt in range(3):
+        job = run_job(tmp_path / f"attempt{attempt}", plan,
+                      env={"FTRUN_TRANSFER_STRIPES": "2", "FTRUN_TRANSFER_LOCAL": local})
+        assert job.returncode == 0, job.describe()
+        assert_same_params(job.params, ref)
+        plans = [e for e in job.events if e["event"] == "repair-plan"]
+        first = next(p for p in plans if p.get("generation") == 1)
+        senders = [s for s, d in first["pairs"] if d == 1]
+        if 0 in senders:
+            break
     # striped from two replicas, rank 0 (the lowest) one of them; usually 0 and 2, 0 and 3 when
     # rank 2 stopped a step behind and is repaired in the same round
-    senders = [s for s, d in first["pairs"] if d == 1]
     assert len(senders) == 2 and senders[0] == 0, first
     assert re.search(r"INJECTED fault kind=kill at step [23] transfer", job.output), job.describe()
     assert job.strategies() == ["recover-in-place", "recover-in-place"], job.describe()
@@ -213,7 +221,9 @@ def test_second_uce_on_the_same_device_escalates_to_recover_in_place(tmp_path, r
 
 # ---------------------------------------------------------------- ftctl inject, live job
 def live_inject(tmp_path, kind: str, *extra: str, launcher_args: list[str] | None = None):
-    job = LiveJob(tmp_path, launcher_args, ["--step-time", "0.4"])
+    # 0.7 s steps: the injection (an `ftctl` process started after the ranks' hello) must land
+    # before the last step even when its start is slow on a loaded box
+    job = LiveJob(tmp_path, launcher_args, ["--step-time", "0.7"])
     try:
         job.wait_for("hello", 4)
         res = job.inject("--rank", "2", "--kind", kind, *extra)

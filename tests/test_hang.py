@@ -141,7 +141,8 @@ def test_an_unmodified_script_with_a_stopped_rank_is_restarted_blaming_that_rank
     out = tmp_path / "result.json"
     cmd = FTRUN + ["--nproc_per_node", "3", "--max_restarts", "1", "--hang-timeout", "5",
                    "--monitor_interval", "0.5", "--log_dir", str(tmp_path / "logs"),
-                   script("ddp_plain.py"), "--steps", "150", "--step-time", "0.05", "--out", str(out)]
+                   script("ddp_plain.py"), "--steps", "150", "--step-time", "0.05", "--out", str(out),
+                   "--started-dir", str(tmp_path / "started")]
     log = open(tmp_path / "ftrun.out", "w+", encoding="utf-8")
     proc = subprocess.Popen(cmd, env=env_with(), stdout=log, stderr=subprocess.STDOUT, cwd=str(tmp_path))
     try:
@@ -152,7 +153,12 @@ def test_an_unmodified_script_with_a_stopped_rank_is_restarted_blaming_that_rank
                         if e["event"] == "spawn" and e["rank"] == victim), None)
             time.sleep(0.1)
         assert pid is not None
-        time.sleep(4.0)
+        # every rank has finished a step (a fixed sleep from its spawn could stop rank 1 while
+        # it still waited for its peers' `import torch`: the silence began earlier, a CI risk)
+        while len(list((tmp_path / "started").glob("rank*"))) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(list((tmp_path / "started").glob("rank*"))) == 3, "the ranks never finished step 0"
+        time.sleep(1.0)
         os.kill(pid, signal.SIGSTOP)
         stopped = time.time()
         code = proc.wait(timeout=240)

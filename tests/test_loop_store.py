@@ -52,7 +52,7 @@ def test_nothing_the_loop_hands_over_waits_for_a_store_that_stopped_answering(tm
             s.add(P.stopped_key(1), 1)
             board = ProgressBoard(kv, 0, put=s.put)
             board.publish({0: {"aware": True}})
-            assert time.monotonic() - t0 < 0.05  # the loop went on at once
+            assert time.monotonic() - t0 < 0.5  # the loop went on at once (a cut write stalls 5 s)
             assert not s.drain(0.5)  # the writes themselves hang in the cut link
             relay.heal()
             assert s.drain(CALL_TIMEOUT + 5.0)

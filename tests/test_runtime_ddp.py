@@ -114,7 +114,9 @@ def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, p
     # survivors commit step 4 (resume 5) when their side completed too; when the stop (the death
     # notice sees the exit within a few ms) comes while one still waits for rank 0's last chunk,
     # it leaves step 4 uncommitted and everyone redoes it (resume 4). Both are bit-identical.
-    assert resumes[:2] == [1, 3] and resumes[2] in (4, 5), resumes
+    # The first round likewise resumes at 1, or at 0 when a survivor was still committing step
+    # 0 as the stop came (the hang's round always at 3: its peers wait in step 3's all-reduce).
+    assert resumes[0] in (0, 1) and resumes[1] == 3 and resumes[2] in (4, 5), resumes
     # DDP's reducer on every new group: at the start and after each of the three rounds
     assert out.count(NATIVE) == 4 * NPROC
     assert_equal_params(params, plain_ddp)
@@ -173,7 +175,10 @@ def test_no_sync_accumulation_into_kept_grads_stays_bit_identical(tmp_path, comm
     plan = [{"rank": 1, "step": 1, "phase": "backward", "kind": "kill"},
             {"rank": nproc - 1, "step": 3, "phase": "forward", "kind": "kill", "generation": 1}]
     params, ev, _ = ftrun(tmp_path / "accum", plan, args=ACCUM_ARGS, nproc=nproc, FTRUN_DDP_COMM=comm)
-    assert [e["resume_step"] for e in ev if e["event"] == "repair-plan"] == [1, 3]
+    # each round resumes at the step the faulty rank was in, or one earlier when a survivor was
+    # still committing the step before as the stop came
+    first, second = [e["resume_step"] for e in ev if e["event"] == "repair-plan"]
+    assert first in (0, 1) and second in (2, 3), (first, second)
     assert_equal_params(params, ref)
 
 
@@ -350,8 +355,19 @@ def test_ddp_on_a_group_handle_repairs_a_rank_from_its_own_pair(tmp_path):
     assert clean.count(NATIVE + ": step 0") == 4
     assert not torch.equal(ref[0]["0.weight"], ref[1]["0.weight"])  # two different models
     got, ev, out = job("kill", [{"rank": 2, "step": 3, "phase": "backward", "kind": "kill"}])
-    assert [e["pairs"] for e in ev if e["event"] == "repair-plan"] == [[[0, 2]]]
-    assert out.count(NATIVE + ": step 3 with the bucket layout of steps >= 1") == 4
+    plans = [e for e in ev if e["event"] == "repair-plan"]
+    if plans[0]["fallback"]:
+        # rank 0, rank 2's only replica, was still committing step 2 as the death notice stopped
+        # it while ranks 1 and 3 had: no replica of that pair at the resume step, so all restart
+        assert "no healthy replica" in plans[0]["message"], plans
+    else:
+        # repaired from its own pair; a survivor of the other pair still committing step 2 when
+        # the stop came is repaired from its replica too (then the round resumes at 2)
+        assert len(plans) == 1, plans
+        pairs, resume = plans[0]["pairs"], plans[0]["resume_step"]
+        assert [0, 2] in pairs and all(dst in (1, 3) for src, dst in pairs if [src, dst] != [0, 2]), plans
+        assert resume == (2 if len(pairs) > 1 else 3), plans
+        assert out.count(NATIVE + f": step {resume} with the bucket layout of steps >= 1") == 4
     for r in range(4):
         for k in ref[r]:
             assert torch.equal(got[r][k], ref[r][k]), f"rank {r}: {k} differs from the fault-free run"
