@@ -356,17 +356,21 @@ def test_ddp_on_a_group_handle_repairs_a_rank_from_its_own_pair(tmp_path):
     assert not torch.equal(ref[0]["0.weight"], ref[1]["0.weight"])  # two different models
     got, ev, out = job("kill", [{"rank": 2, "step": 3, "phase": "backward", "kind": "kill"}])
     plans = [e for e in ev if e["event"] == "repair-plan"]
+    # (the workers' own lines say where a rank that never joined the round was: a CI run once
+    # saw rank 1 stay in DDP's C++ wait of step 3 for the controller's 120 s, then restart-all)
+    assert plans, [e for e in ev if e["event"] in ("phase-timeout", "fallback")] + [out[-8000:]]
     if plans[0]["fallback"]:
         # rank 0, rank 2's only replica, was still committing step 2 as the death notice stopped
         # it while ranks 1 and 3 had: no replica of that pair at the resume step, so all restart
         assert "no healthy replica" in plans[0]["message"], plans
     else:
         # repaired from its own pair; a survivor of the other pair still committing step 2 when
-        # the stop came is repaired from its replica too (then the round resumes at 2)
+        # the stop came is repaired from its replica too (CI: [[0, 2], [1, 3]] at step 3); the
+        # round resumes at 2 only when every survivor was
         assert len(plans) == 1, plans
         pairs, resume = plans[0]["pairs"], plans[0]["resume_step"]
         assert [0, 2] in pairs and all(dst in (1, 3) for src, dst in pairs if [src, dst] != [0, 2]), plans
-        assert resume == (2 if len(pairs) > 1 else 3), plans
+        assert resume in (2, 3), plans
         assert out.count(NATIVE + f": step {resume} with the bucket layout of steps >= 1") == 4
     for r in range(4):
         for k in ref[r]:

@@ -30,21 +30,22 @@ def ftrun_job(tmp_path: Path, name: str, script: str, plan=None, extra=(), max_r
     cmd = FTRUN + ["--nproc_per_node", "4", "--max_restarts", str(max_restarts), "--log_dir", str(wd / "logs"),
                    str(EXAMPLES / script), "--steps", str(STEPS), "--out", str(wd / "out{rank}.pt"), *extra]
     job_env = env_with(FTRUN_FAULT_PLAN=json.dumps(plan or []), **(env or {}))
-    if kill is not None:
-        job_env["FTRUN_PROGRESS_INTERVAL"] = "0.1"
     if kill is None:
         res = run(cmd, job_env, timeout=300, cwd=str(wd))
-    else:
-        proc = subprocess.Popen(cmd, env=job_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                cwd=str(wd))
-        try:
-            _kill_when_training(wd / "logs", *kill)
-            out, err = proc.communicate(timeout=300)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-        res = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    else:  # output to files: nobody reads a pipe while the kill waits for the job's progress
+        job_env["FTRUN_PROGRESS_INTERVAL"] = "0.1"
+        with open(wd / "stdout.txt", "w+") as out, open(wd / "stderr.txt", "w+") as err:
+            proc = subprocess.Popen(cmd, env=job_env, stdout=out, stderr=err, text=True, cwd=str(wd))
+            try:
+                _kill_when_training(wd / "logs", *kill)
+                proc.wait(timeout=300)
+            finally:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+            out.seek(0)
+            err.seek(0)
+            res = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-6000:]}\n{res.stderr[-6000:]}"
     ev = events(str(wd / "logs"))
     pids: dict[int, list[int]] = {}
@@ -153,8 +154,9 @@ def test_three_faults_including_the_same_rank_twice(tmp_path, ddp_ref):
 
 def test_two_ranks_of_different_replica_groups_at_once(tmp_path, hybrid_ref):
     """Ranks 0 and 3 (replica groups [0, 2] and [1, 3]) SIGKILLed from outside at the same
-    moment once both have committed step 2. (Killed by a fault plan at each one's own step start, the stop that
-    the first death caused could reach rank 3 before its kill under load: it survived, flaky.)"""
+    moment once both have committed step 2. (Killed by a fault plan at each one's own step
+    start, the stop the first death caused could reach rank 3 before its kill under load: it
+    survived, flaky.)"""
     ev, pids, params, _ = ftrun_job(tmp_path, "two", "hybrid_train.py", extra=["--step-time", "0.2"],
                                     kill=([0, 3], 2))
     fallback = [e for e in ev if e["event"] == "fallback"]
@@ -203,17 +205,21 @@ def test_every_rank_of_one_node_killed_is_repaired_from_the_other_node(tmp_path,
                        "--master_port", str(port), "--max_restarts", "3", "--log_dir", str(wd / "logs"),
                        str(EXAMPLES / "ddp_train.py"), "--steps", str(STEPS), "--step-time", "0.25",
                        "--out", str(tmp_path / "out{rank}.pt")]
-        procs.append(subprocess.Popen(cmd, env=env_with(FTRUN_PROGRESS_INTERVAL="0.1"), stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True, cwd=str(wd)))
+        # output to a file: nobody reads a pipe while the kill waits for the job's progress
+        with open(wd / "output.txt", "w") as out:
+            procs.append(subprocess.Popen(cmd, env=env_with(FTRUN_PROGRESS_INTERVAL="0.1"), stdout=out,
+                                          stderr=subprocess.STDOUT, text=True, cwd=str(wd)))
     try:
         _kill_when_training(tmp_path / "node1" / "logs", [2, 3], 2)
-        outs = [p.communicate(timeout=300) for p in procs]
+        for p in procs:
+            p.wait(timeout=300)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-                p.communicate()
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(err[-5000:] for _, err in outs)
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(
+        (tmp_path / f"node{n}" / "output.txt").read_text(errors="replace")[-5000:] for n in (0, 1))
     ev0, ev1 = events(str(tmp_path / "node0" / "logs")), events(str(tmp_path / "node1" / "logs"))
     spawns0 = [e for e in ev0 if e["event"] == "spawn"]
     assert sorted(e["rank"] for e in spawns0) == [0, 1]  # node 0's ranks were never restarted
