@@ -114,8 +114,8 @@ def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, p
     # survivors commit step 4 (resume 5) when their side completed too; when the stop (the death
     # notice sees the exit within a few ms) comes while one still waits for rank 0's last chunk,
     # it leaves step 4 uncommitted and everyone redoes it (resume 4). Both are bit-identical.
-    # The first round likewise resumes at 1, or at 0 when a survivor was still committing step
-    # 0 as the stop came (the hang's round always at 3: its peers wait in step 3's all-reduce).
+    # The first round likewise resumes at 1, or at 0 when every survivor was still committing
+    # step 0 as the stop came (the hang's round always at 3: its peers wait in step 3's all-reduce).
     assert resumes[0] in (0, 1) and resumes[1] == 3 and resumes[2] in (4, 5), resumes
     # DDP's reducer on every new group: at the start and after each of the three rounds
     assert out.count(NATIVE) == 4 * NPROC
@@ -175,8 +175,8 @@ def test_no_sync_accumulation_into_kept_grads_stays_bit_identical(tmp_path, comm
     plan = [{"rank": 1, "step": 1, "phase": "backward", "kind": "kill"},
             {"rank": nproc - 1, "step": 3, "phase": "forward", "kind": "kill", "generation": 1}]
     params, ev, _ = ftrun(tmp_path / "accum", plan, args=ACCUM_ARGS, nproc=nproc, FTRUN_DDP_COMM=comm)
-    # each round resumes at the step the faulty rank was in, or one earlier when a survivor was
-    # still committing the step before as the stop came
+    # each round resumes at the step the faulty rank was in, or one earlier when every survivor
+    # was still committing the step before as the stop came (one such survivor is repaired)
     first, second = [e["resume_step"] for e in ev if e["event"] == "repair-plan"]
     assert first in (0, 1) and second in (2, 3), (first, second)
     assert_equal_params(params, ref)
