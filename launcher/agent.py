@@ -494,6 +494,13 @@ class Agent:
     def _on_plan(self, ev: PlanEvent) -> int | None:
         assert self.world is not None and self.executor is not None
         plan = ev.plan
+        if plan.generation <= self.generation:
+            # a plan of a world this agent left (a feed from before it self-fenced delivered it
+            # late): executing it would take the agent's generation backwards, and the job's
+            # end barrier (per generation) would never fill
+            self.log.info("plan-skipped", f"plan for generation {plan.generation} is not newer than "
+                          f"this agent's generation {self.generation}: ignored")
+            return None
         self.generation = plan.generation
         self.log.generation = plan.generation
         if self.rejoined:

@@ -59,7 +59,12 @@ class KeyFeed:
             key = self._key_of(self._next)
             try:
                 if self._kv.wait([key], 0.5):
-                    self._events.put(self._make(self._kv.get(key, 5.0)))
+                    value = self._kv.get(key, 5.0)
+                    if self._stop.is_set():
+                        # stop() may have given up joining while a call was blocked (the store
+                        # unreachable): what it returns now belongs to a world this agent left
+                        return
+                    self._events.put(self._make(value))
                     self._next += 1
             except StoreError:
                 if self._stop.is_set():

@@ -397,3 +397,29 @@ def test_a_shutdown_that_hangs_anywhere_ends_with_the_agents_code_and_its_stacks
     assert took < 20, f"took {took:.1f} s"
     assert "ftrun: shutdown took longer than 0.8 s" in res.stderr, res.stderr[-3000:]
     assert "stuck_log_close" in res.stderr, res.stderr[-3000:]
+
+
+def test_a_plan_not_newer_than_the_agents_generation_is_skipped(tmp_path) -> None:
+    """A plan delivered late (from a world the agent left) must not take its generation back."""
+    from launcher import agent as agent_mod
+    from launcher import plan as P
+    from launcher.agent_events import PlanEvent
+    from launcher.cli import parse
+    from launcher.config import build_config
+    from launcher.logs import read_events
+
+    cfg = build_config(parse(["--log_dir", str(tmp_path / "logs"), script("sleeper.py")]), env={})
+    agent = agent_mod.Agent(cfg)
+    try:
+        agent.world = object()  # type: ignore[assignment]  # _on_plan only asserts they exist
+        agent.executor = object()  # type: ignore[assignment]
+        agent.generation = 2
+        for g in (1, 2):
+            assert agent._on_plan(PlanEvent(P.Plan(generation=g, strategy=P.RECOVER_IN_PLACE))) is None
+        assert agent.generation == 2
+        skipped = [e["message"] for e in read_events(str(tmp_path / "logs")) if e["event"] == "plan-skipped"]
+        assert len(skipped) == 2 and "generation 1 is not newer" in skipped[0], skipped
+    finally:
+        agent.world = None
+        agent.executor = None
+        agent.shutdown()

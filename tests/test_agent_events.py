@@ -38,3 +38,32 @@ def test_inject_feed_skips_requests_made_before_the_agent_started() -> None:
         assert isinstance(ev, InjectEvent) and (ev.injection.rank, ev.injection.step) == (1, 4)
     finally:
         feed.stop()
+
+
+def test_a_feed_stopped_while_its_store_call_hangs_delivers_nothing_afterwards() -> None:
+    """A self-fenced agent stops its plan feed while the store is unreachable: stop() gives up
+    joining the blocked call, and when the link came back the old feed still delivered the plan
+    of the round the node was cut off in, after the rejoined agent had moved on (CI: the agent's
+    generation went from 2 back to 1 and the job's end barrier never filled)."""
+    import threading
+
+    class Unreachable(LocalKV):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocked, self.link = threading.Event(), threading.Event()
+
+        def wait(self, keys, timeout):  # type: ignore[no-untyped-def]
+            self.blocked.set()
+            self.link.wait(10)  # ignores the timeout, as a call on a cut link did
+            return super().wait(keys, timeout)
+
+    kv, q = Unreachable(), queue.Queue()
+    feed = plan_feed(kv, 0, q)
+    feed.start()
+    assert kv.blocked.wait(5)
+    feed.stop(timeout=0.1)
+    kv.set(P.plan_key(1), P.Plan(generation=1, strategy=P.RECOVER_IN_PLACE).to_json())
+    kv.link.set()
+    feed._thread.join(5)
+    assert not feed._thread.is_alive()
+    assert q.empty()
