@@ -258,7 +258,8 @@ class Agent:
                                      self.channel, self.failures, stop=self.stopping,
                                      dump=lambda w: self.hangs.dump(w, w.rank in self.workers.aware),
                                      store=self.loop_store,
-                                     lost=lambda: self.stack.lost_error() is not None)
+                                     lost=lambda: self.stack.lost_error() is not None,
+                                     stop_sent=self.hangs.stop_sent)
         if self.rejoined:
             self.log.warning("rejoined", f"replacement agent for node {world.group_rank}: "
                              f"waiting for generation {self.generation + 1}")

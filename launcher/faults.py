@@ -44,7 +44,9 @@ IN_PLACE_KINDS = frozenset({FaultKind.UCE_LOW, FaultKind.UCE_HIGH, FaultKind.NET
 # or SIGSTOP for a hang); process injections a runtime-aware worker performs on itself at a
 # chosen step; every worker-reported kind is raised inside the worker as an injected fault.
 SIGNAL_INJECTIONS: tuple[str, ...] = ("kill", "segv", "hang")
-PROCESS_INJECTIONS: tuple[str, ...] = ("kill", "segv", "exit", "hang")
+# stuck-wait: blocked as if inside a collective a recovery stop cannot break (it tells the agent
+# it waits on its peers and ignores stops): the rank the agent's stop-answer rule kills.
+PROCESS_INJECTIONS: tuple[str, ...] = ("kill", "segv", "exit", "hang", "stuck-wait")
 INJECTION_KINDS: tuple[str, ...] = PROCESS_INJECTIONS + WORKER_FAULT_KINDS
 # Kinds only the runtime can produce (an unmodified worker has no one to raise them).
 RUNTIME_INJECTIONS = frozenset(INJECTION_KINDS) - frozenset(SIGNAL_INJECTIONS)

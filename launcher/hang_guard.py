@@ -77,6 +77,10 @@ class HangGuard:
     def on_bye(self, rank: int) -> None:
         self.watch.stop_clock(rank)
 
+    def stop_sent(self, rank: int, generation: int) -> None:
+        """The plan executor sent `rank` the stop of round `generation`."""
+        self.watch.stop_sent(rank, generation)
+
     def on_spawn(self, w: Worker) -> None:
         self.watch.forget(w.rank)
         self.silence.forget(w.rank)

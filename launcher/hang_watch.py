@@ -3,7 +3,8 @@ a timeout that adapts to the job.
 
 Owns: `HangPolicy` (how long a rank may go without progress: `--hang-timeout auto` derives it
 from the step times seen so far, `--hang-timeout S` fixes it, `0` turns it off; the knobs
-`FTRUN_HANG_FLOOR`, `FTRUN_HANG_MULTIPLIER`, `FTRUN_HANG_FIRST_STEP`, `FTRUN_HANG_UNMODIFIED`),
+`FTRUN_HANG_FLOOR`, `FTRUN_HANG_MULTIPLIER`, `FTRUN_HANG_FIRST_STEP`, `FTRUN_HANG_UNMODIFIED`,
+`FTRUN_HANG_STOP`),
 and `HangWatch`: for each local rank, when its heartbeat last showed progress (a new step, phase
 or committed step; mere liveness does not count), when it last sent a heartbeat at all, whether
 it says it waits on its peers inside a collective, its recent step and checkpoint durations,
@@ -23,6 +24,12 @@ The rule (auto):
     process is stopped (SIGSTOP, state T) or stuck in the kernel (state D), or its heartbeats
     stopped (the runtime's heartbeat thread only stops when the whole process is frozen): then it
     counts as hung in any phase;
+  - a survivor the agent sent a recovery round's stop that still waits in a collective
+    `FTRUN_HANG_STOP` (10 s) later, without having entered the round ("recovering"), is hung:
+    the stop shuts down the sockets its waits use, so a wait that outlives it is one nothing
+    will end (a CI run saw a survivor sit in DDP's C++ all-reduce after the stop for the
+    controller's whole 120 s phase timeout, which then fell back to restart-all). Killed, it is
+    a fault of the round in progress and is repaired with it, seconds after the stop;
   - leaving a collective wait (waiting turns false) restarts the rank's clock: the time spent
     waiting on peers is not its own. (Before, a survivor that left a long wait on a hung peer
     because of the agent's stop sent one heartbeat "backward, not waiting" before its
@@ -46,6 +53,7 @@ DEFAULT_FLOOR = 30.0
 DEFAULT_MULTIPLIER = 10.0
 DEFAULT_FIRST_STEP = 300.0
 DEFAULT_UNMODIFIED = 600.0  # unmodified scripts with auto: NCCL's default collective timeout
+DEFAULT_STOP_ANSWER = 10.0  # a survivor still blocked in a collective this long after a stop
 
 
 def _env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
@@ -70,6 +78,7 @@ class HangPolicy:
     multiplier: float = DEFAULT_MULTIPLIER
     first_step: float = DEFAULT_FIRST_STEP
     unmodified: float = DEFAULT_UNMODIFIED
+    stop_answer: float = DEFAULT_STOP_ANSWER
 
     @classmethod
     def from_env(cls, explicit: float | None, env: Mapping[str, str]) -> "HangPolicy":
@@ -77,7 +86,8 @@ class HangPolicy:
         return cls(explicit, _env_seconds(env, "FTRUN_HANG_FLOOR", DEFAULT_FLOOR),
                    _env_seconds(env, "FTRUN_HANG_MULTIPLIER", DEFAULT_MULTIPLIER),
                    _env_seconds(env, "FTRUN_HANG_FIRST_STEP", DEFAULT_FIRST_STEP),
-                   _env_seconds(env, "FTRUN_HANG_UNMODIFIED", DEFAULT_UNMODIFIED))
+                   _env_seconds(env, "FTRUN_HANG_UNMODIFIED", DEFAULT_UNMODIFIED),
+                   _env_seconds(env, "FTRUN_HANG_STOP", DEFAULT_STOP_ANSWER))
 
     @property
     def enabled(self) -> bool:
@@ -109,7 +119,8 @@ class HangPolicy:
         steps = (f"{self.explicit:g}s" if self.explicit else
                  f"max({self.floor:g}s, {self.multiplier:g} x slowest of the last {RECENT_STEPS} steps)")
         return (f"{steps}; first step and checkpoints {self.first_timeout():g}s; "
-                f"unmodified scripts {self.unmodified_timeout():g}s")
+                f"unmodified scripts {self.unmodified_timeout():g}s; "
+                f"still in a collective after a recovery stop {self.stop_answer:g}s")
 
 
 @dataclass
@@ -142,12 +153,15 @@ class RankClock:
     last_beat: float = 0.0
     step_start: tuple[int, float] | None = None  # (step, when it was first seen)
     committed_seen: int = -1  # the last committed step a heartbeat showed
+    stop: tuple[int, float] | None = None  # (generation, when) of a stop it has not answered yet
     ckpt_start: float | None = None
     steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     checkpoints: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
     def beat(self, hb: Heartbeat, now: float) -> None:
         self.last_beat = now
+        if hb.phase in ("recovering", "done"):
+            self.stop = None  # it entered the round (or left the job): the stop was answered
         left_wait = self.waiting and not hb.waiting
         self.waiting = hb.waiting
         mark = hb.progress()
@@ -206,6 +220,12 @@ class HangWatch:
         if clock is not None:
             clock.phase = "done"
 
+    def stop_sent(self, rank: int, generation: int, now: float | None = None) -> None:
+        """The agent sent the rank the stop of recovery round `generation`."""
+        clock = self.clocks.get(rank)
+        if clock is not None and clock.phase not in ("recovering", "done"):
+            clock.stop = (generation, time.time() if now is None else now)
+
     def forget(self, rank: int) -> None:
         """The rank got a new process: its clock starts with that process's first heartbeat."""
         self.clocks.pop(rank, None)
@@ -227,6 +247,13 @@ class HangWatch:
         return out
 
     def _judge(self, rank: int, clock: RankClock, now: float, state_of: StateReader) -> Hang | None:
+        if clock.stop is not None and clock.waiting and now - clock.stop[1] > self.policy.stop_answer:
+            g, sent = clock.stop
+            return Hang(rank, now - clock.last_progress, self.policy.stop_answer,
+                        f"still blocked in a collective in phase {clock.phase!r} {now - sent:.1f}s "
+                        f"after the stop for generation {g} (the stop did not release it; "
+                        f"allowance FTRUN_HANG_STOP {self.policy.stop_answer:g}s)",
+                        state_of(rank), True, now - clock.last_beat)
         timed = clock.phase not in UNTIMED_PHASES
         limit = clock.allowance(self.policy) if timed else self.policy.first_timeout()
         idle, silent = now - clock.last_progress, now - clock.last_beat

@@ -55,7 +55,8 @@ class PlanExecutor:
                  failures: JobFailures, stop: threading.Event | None = None,
                  dump: Callable[[Worker], object] | None = None,
                  store: LoopStore | None = None,
-                 lost: Callable[[], bool] | None = None) -> None:
+                 lost: Callable[[], bool] | None = None,
+                 stop_sent: Callable[[int, int], None] | None = None) -> None:
         self.cfg = cfg
         self.log = log
         self.kv = kv
@@ -69,6 +70,9 @@ class PlanExecutor:
         self._dump_stacks = dump  # stack dump of a live rank the controller blamed for a hang
         self._store = store  # the agent's off-loop writes (None: written here, tests)
         self._lost = lost or (lambda: False)  # this node lost its membership (it self-fences)
+        # (rank, generation): a survivor got a round's stop; the hang watch expects it to enter
+        # the round, and kills it when it stays blocked in a collective instead
+        self._stop_sent = stop_sent or (lambda rank, generation: None)
 
     def execute(self, plan: P.Plan) -> int | None:
         self.log.info("plan-received", f"executing {plan.strategy} for generation {plan.generation}"
@@ -161,6 +165,8 @@ class PlanExecutor:
                 self._pending_stop[w.rank] = stop
                 self.log.warning("stop-deferred", f"rank {w.rank} is not connected yet; the stop for "
                                  f"generation {g} is delivered when it connects", rank=w.rank)
+            else:
+                self._stop_sent(w.rank, g)
         self._dump_blamed(plan)
         for w in restart:
             self._pending_stop.pop(w.rank, None)
@@ -175,7 +181,8 @@ class PlanExecutor:
         """A rank connected: deliver the stop it missed (when it started before that round)."""
         pending = self._pending_stop.pop(rank, None)
         if pending is not None and generation < pending.generation:
-            self.channel.send(rank, pending)
+            if self.channel.send(rank, pending):
+                self._stop_sent(rank, pending.generation)
             self.log.info("stop-sent", f"deferred stop for generation {pending.generation} "
                           f"delivered to rank {rank}", rank=rank)
 

@@ -6,6 +6,8 @@
   - an injected hang with the FTRUN_HANG_FLOOR knob: likewise;
   - three survivors timing out in the collective the hung rank never joins: one fault (a hang of
     that rank, blamed by the controller), one round;
+  - a survivor that stays blocked in a collective after a round's stop (`stuck-wait`): killed as
+    hung FTRUN_HANG_STOP after the stop and repaired in a superseding round, no fallback;
   - a budget exhausted by a hang after a repaired UCE: the summary names the hang;
   - an unmodified script with one rank stopped: detected within --hang-timeout, stacks dumped,
     that rank blamed, restart-all, the job completes;
@@ -117,6 +119,28 @@ def test_survivors_timing_out_in_one_collective_are_one_fault_of_the_hung_rank(t
     absorbed = [e for e in job.events if e["event"] == "fault-absorbed"]
     assert len(reports) == merged["reports"] + len(absorbed), (reports, absorbed)
     assert job.first("hang-stacks", rank=1)  # the controller's culprit is dumped before the kill
+    assert_same_params(job.params, ref)
+
+
+def test_a_survivor_that_stays_in_a_collective_after_the_stop_is_repaired_in_the_same_round(tmp_path, ref):
+    """Rank 2 blocks in step 4's backward as inside a collective a stop cannot break (it says
+    `waiting`, deaf to stops; CI saw a survivor do this in DDP's C++ all-reduce), then rank 1 is
+    killed there. Before, rank 2 held the round for the controller's 120 s phase timeout and the
+    job fell back to restart-all; now the agent finds it still waiting FTRUN_HANG_STOP (2 s) after
+    the stop, kills it as hung, and the round is superseded by one that repairs both."""
+    plan = [{"rank": 2, "step": 4, "phase": "backward", "kind": "stuck-wait"},
+            {"rank": 1, "step": 4, "phase": "backward", "kind": "kill"}]
+    job = run_job(tmp_path, plan, script_args=["--step-time", STEP_TIME], steps=STEPS,
+                  env={"FTRUN_HANG_STOP": "2"}, timeout=240)
+    assert job.returncode == 0, job.describe()
+    assert job.strategies() == ["recover-in-place", "recover-in-place"], job.describe()
+    assert job.plans()[-1]["failed_ranks"] == [1, 2] and job.restarted() == {1: 1, 2: 1}, job.describe()
+    found = job.first("hang", rank=2)
+    assert "after the stop for generation 1" in found["basis"] and found["waiting"], found
+    stop = job.first("stop-sent")["time"]
+    assert 2.0 <= found["time"] - stop <= 2.0 + 10.0, found["time"] - stop
+    assert job.first("round-superseded", rank=2)["fault_kind"] == "hang"
+    assert not [e for e in job.events if e["event"] in ("phase-timeout", "fallback")], job.describe()
     assert_same_params(job.params, ref)
 
 

@@ -137,8 +137,11 @@ def test_policy_from_env_and_its_one_line_errors() -> None:
     assert pol.step_timeout([1.0]) == 4.0 and pol.unmodified_timeout() == 600.0
     assert HangPolicy.from_env(7.0, {}).unmodified_timeout() == 7.0
     assert "max(30s, 10 x slowest of the last 20 steps)" in HangPolicy().describe()
+    assert HangPolicy.from_env(None, {"FTRUN_HANG_STOP": "3"}).stop_answer == 3.0
+    assert "after a recovery stop 10s" in HangPolicy().describe()
     for name, raw in (("FTRUN_HANG_FLOOR", "x"), ("FTRUN_HANG_MULTIPLIER", "0"),
-                      ("FTRUN_HANG_FIRST_STEP", "-1"), ("FTRUN_HANG_UNMODIFIED", "nan")):
+                      ("FTRUN_HANG_FIRST_STEP", "-1"), ("FTRUN_HANG_UNMODIFIED", "nan"),
+                      ("FTRUN_HANG_STOP", "0")):
         with pytest.raises(ValueError, match=f"^{name}="):
             HangPolicy.from_env(None, {name: raw})
 
@@ -180,3 +183,36 @@ def test_leaving_a_collective_wait_restarts_the_clock() -> None:
     h.on_heartbeat(beat(step=2, phase="backward", committed=1), now=t + 6.0)
     found = h.overdue([1], now=t + 4.1 + 3.1)
     assert ranks(found) == [1] and "not waiting in a collective" in found[0].basis
+
+
+def test_a_survivor_still_waiting_in_a_collective_after_a_stop_is_hung() -> None:
+    """A CI run: a survivor sat in DDP's C++ all-reduce after the round's stop (which shuts down
+    the sockets such waits use) for the controller's whole 120 s phase timeout. Still waiting
+    `stop_answer` seconds after the stop, without entering the round, it is hung."""
+    h = HangWatch(HangPolicy(None, floor=30.0, stop_answer=10.0))
+    t = steps(h, [0.1, 0.1])
+    waiting = beat(step=2, phase="backward", committed=1, waiting=True)
+    h.on_heartbeat(waiting, now=t + 0.1)
+    h.stop_sent(1, 4, now=t + 1.0)
+    for k in range(2, 12):
+        h.on_heartbeat(waiting, now=t + k)
+    assert h.overdue([1], now=t + 10.5) == []  # within the allowance
+    (hang,) = h.overdue([1], now=t + 11.5, state_of=lambda r: "S")
+    assert hang.waiting and hang.timeout_s == 10.0 and hang.state == "S"
+    assert "after the stop for generation 4" in hang.basis and "FTRUN_HANG_STOP" in hang.basis
+
+    # one that entered the round answered the stop: its waits there are the round's (untimed)
+    h2 = HangWatch(HangPolicy(None, floor=30.0, stop_answer=10.0))
+    t = steps(h2, [0.1, 0.1])
+    h2.on_heartbeat(waiting, now=t + 0.1)
+    h2.stop_sent(1, 4, now=t + 1.0)
+    h2.on_heartbeat(beat(step=2, phase="recovering", committed=1, waiting=True), now=t + 1.1)
+    assert h2.overdue([1], now=t + 60.0) == []
+    # a stop sent to a rank already in a round, or not waiting at all, starts nothing
+    h2.stop_sent(1, 5, now=t + 61.0)
+    assert h2.overdue([1], now=t + 80.0) == []
+    h3 = HangWatch(HangPolicy(None, floor=30.0, stop_answer=10.0))
+    t = steps(h3, [0.1, 0.1])
+    h3.on_heartbeat(beat(step=2, phase="forward", committed=1), now=t + 0.1)
+    h3.stop_sent(1, 4, now=t + 0.2)
+    assert h3.overdue([1], now=t + 20.0) == []  # computing: it sees the stop at its next phase edge

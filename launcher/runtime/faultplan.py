@@ -5,7 +5,8 @@ injections the agent forwards from `ftctl inject` ({"op":"inject","kind","step",
 agent channel, any thread), and firing each entry once when the runtime reaches the matching
 (generation, rank, step, phase). A forwarded injection matches any generation; without a step it
 fires at the next phase edge ("now"). Process faults are real (SIGKILL, SIGSEGV, os._exit, an
-un-interruptible hang); device faults (uce-low, uce-high, network, unsafe-data) and "exception"
+un-interruptible hang, and stuck-wait: the same hang reported to the agent as a wait inside a
+collective, as a wait in C++ that a stop failed to break looks); device faults (uce-low, uce-high, network, unsafe-data) and "exception"
 are raised as `InjectedFault` and go through the device adapter's classification like real
 ones. Every arming and firing is logged as injected.
 """
@@ -96,8 +97,10 @@ class FaultInjector:
     """Fires matching entries at phase edges (training thread); `arm` may be called from any
     thread (the agent channel's reader)."""
 
-    def __init__(self, specs: list[FaultSpec], rank: int, log: Callable[[str], None]) -> None:
+    def __init__(self, specs: list[FaultSpec], rank: int, log: Callable[[str], None],
+                 waiting: Callable[[bool], None] | None = None) -> None:
         self._rank = rank
+        self._waiting = waiting or (lambda busy: None)  # tells the agent the rank waits on peers
         self._lock = threading.Lock()
         self._specs = [s for s in specs if s.rank == rank]
         self.armed = bool(self._specs)  # read at every phase edge: anything to fire at all?
@@ -143,7 +146,9 @@ class FaultInjector:
             time.sleep(60)
         elif spec.kind == "exit":
             os._exit(3)
-        elif spec.kind == "hang":
+        elif spec.kind in ("hang", "stuck-wait"):
+            if spec.kind == "stuck-wait":
+                self._waiting(True)
             while True:  # deliberately deaf to stop requests: only a kill ends it
                 time.sleep(3600)
         else:

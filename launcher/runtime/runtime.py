@@ -179,7 +179,8 @@ class Runtime:
         self._reg = Registered()
         self._registered = False
         self._layout = Layout.ddp(env.world_size)
-        self._injector = FaultInjector(parse_plan(env.fault_plan), env.rank, self.log)
+        self._injector = FaultInjector(parse_plan(env.fault_plan), env.rank, self.log,
+                                       waiting=self._note_waiting)
         self._channel: AgentChannel | None = None
         self._death_notice: death_notice.Held | None = None
         self._state_told = False  # the agent knows the bytes of this rank's state
