@@ -1,8 +1,8 @@
 /* rendezvous._quickstore: the store server's read path for the frames that dominate a
  * rendezvous, in C.
  *
- * Owns: `read_quick(conn, ctx)`, which does one non-blocking recv() on an authenticated,
- * plain (not multiplexed) connection with nothing buffered either way and no waiter, executes
+ * Owns: `read_quick(conn, ctx)`, which does one non-blocking recv() on an authenticated
+ * connection with nothing buffered either way and (a plain one) no waiter, executes
  * the complete frames at the front of what arrived against the `MemoryStore`'s dicts --
  * VALIDATE (the handshake: torch's magic, first; it sets `conn.validated`), PING, GET, SET,
  * ADD, WAIT / CHECK of keys that are all present, and a one-key WAIT of an absent key (it
@@ -18,6 +18,16 @@
  * (`rendezvous.server`), which decides exactly as it always did: this module only ever does a
  * subset of what `StoreServer._quick` / `_handle` do, with the same results.
  *
+ * A multiplexed connection (a node proxy's link, `conn.mux`): each frame is `u32 tag` + one of
+ * the frames above (not the handshake) or a MULTI_SET (what a proxy's round of SETs becomes;
+ * not with the auth key or a BARRIER's counter); a reply carries its tag, a frame without a
+ * reply (SET, MULTI_SET, a WAIT that waits) sends nothing, a WAIT that waits registers its
+ * waiter under its tag (`conn.mux_waiters`, as `StoreServer._registered` does) and the frames
+ * behind it go on (they are independent); a CANCEL_WAIT, like any other frame, goes to the
+ * Python path. Replies this read could not send are queued on `conn.out` before any waiter is
+ * answered (one this read satisfied may belong to the same connection), and the tuple then
+ * says nothing is unsent.
+ *
  * Atomicity: it takes the table's lock without blocking for the whole execution (when another
  * thread holds it -- a LocalKV write in its read-modify-write -- all of the read goes to the
  * Python path, which waits for the lock), so no other thread touches the table even while a
@@ -26,7 +36,7 @@
  *
  * ctx: a tuple made once per server, (data: dict, waiters: dict, barriers: dict, lock,
  * max_key: int, max_value: int, auth_key: bytes, budget: int, queues: dict, Waiter, _Wake,
- * server).
+ * server, max_keys_per_request).
  *
  * Returns None (nothing to read), False (EOF or a socket error: close the connection), an int n
  * (n requests executed, all of the read consumed, every reply sent) or a tuple
@@ -60,16 +70,18 @@
 #define READ_SIZE (64 * 1024) /* protocol.READ_SIZE */
 #define MAX_KEYS 16           /* keys of one WAIT / CHECK taken here (more: the Python path) */
 
-enum { OP_VALIDATE = 0, OP_SET = 1, OP_GET = 3, OP_ADD = 4, OP_CHECK = 5, OP_WAIT = 6, OP_PING = 13 };
+enum { OP_VALIDATE = 0, OP_SET = 1, OP_GET = 3, OP_ADD = 4, OP_CHECK = 5, OP_WAIT = 6,
+       OP_MULTI_SET = 11, OP_PING = 13 };
 #define VALIDATION_MAGIC 0x3C85F7CEu /* protocol.VALIDATION_MAGIC */
 
-#define CTX_SIZE 12
+#define CTX_SIZE 13
 #define PCTX_SIZE 6 /* proxy_read's ctx */
 #define TURN_EVENTS 1023 /* events one loop_turn takes, as select.epoll.poll() */
 
 static PyObject *str_acquire, *str_release, *str_fd, *str_validated, *str_done, *str_remaining,
     *str_waiter, *str_fire, *str_srv, *str_c, *str_tag, *str_closed, *str_out, *str_want_write,
-    *str_slots, *str_append, *str_out_bytes, *str_authed, *str_mux, *str_buf, *zero;
+    *str_slots, *str_append, *str_out_bytes, *str_authed, *str_mux, *str_buf, *str_mux_waiters,
+    *str_dirty, *zero;
 
 typedef struct {
     char *p;
@@ -111,7 +123,9 @@ typedef struct {
     PyObject *conn;                          /* the connection being read */
     PyObject *fired;                         /* waiters this read satisfied (a list) */
     int registered;                          /* this read's WAIT registered a waiter */
-    uint64_t max_key, max_value;
+    uint64_t max_key, max_value, max_pairs;
+    int mux;                                 /* conn is multiplexed: replies carry `tag` */
+    uint32_t tag;                            /* the tag of the mux frame being executed */
 } Table;
 
 /* After a write to `key` (the lock held): what `MemoryStore._changed` does for its plain
@@ -158,16 +172,21 @@ static int changed(Table *t, PyObject *key) {
  * and made the connection's waiter. The lock is held. 0, or -1 on error. */
 static int register_waiter(Table *t, PyObject *key) {
     PyObject *wake = NULL, *keys = NULL, *w = NULL, *ws;
-    PyObject *tag = PyLong_FromLong(-1);
+    PyObject *tag = t->mux ? PyLong_FromUnsignedLong(t->tag) : PyLong_FromLong(-1);
     if (tag == NULL) return -1;
     wake = PyObject_CallFunctionObjArgs(t->wake_type, t->srv, t->conn, tag, NULL);
-    Py_DECREF(tag);
-    if (wake == NULL) return -1;
+    if (wake == NULL) {
+        Py_DECREF(tag);
+        return -1;
+    }
     keys = PyTuple_Pack(1, key);
     if (keys != NULL) w = PyObject_CallFunctionObjArgs(t->waiter_type, keys, wake, NULL);
     Py_XDECREF(keys);
     Py_DECREF(wake);
-    if (w == NULL) return -1;
+    if (w == NULL) {
+        Py_DECREF(tag);
+        return -1;
+    }
     ws = PyDict_GetItemWithError(t->waiters, key); /* borrowed */
     int rc = 0;
     if (ws == NULL) {
@@ -181,7 +200,14 @@ static int register_waiter(Table *t, PyObject *key) {
     } else {
         rc = PyDict_SetItem(ws, w, Py_None);
     }
-    if (rc == 0) rc = PyObject_SetAttr(t->conn, str_waiter, w);
+    if (rc == 0 && t->mux) {
+        PyObject *mw = PyObject_GetAttr(t->conn, str_mux_waiters);
+        rc = mw == NULL || PyDict_SetItem(mw, tag, w) < 0 ? -1 : 0;
+        Py_XDECREF(mw);
+    } else if (rc == 0) {
+        rc = PyObject_SetAttr(t->conn, str_waiter, w);
+    }
+    Py_DECREF(tag);
     Py_DECREF(w);
     if (rc == 0) t->registered = 1;
     return rc;
@@ -205,6 +231,61 @@ static int plain_decimal(PyObject *v, long long *out) {
     }
     *out = neg ? -x : x;
     return 1;
+}
+
+/* A MULTI_SET frame at buf[pos:n] (u64 count, then count x (key, value)), as
+ * `MemoryStore.multi_set` does it: every pair set in order, each key's waiters told. Its end, 0
+ * for the Python path (cut, over a limit, the auth key, a BARRIER's counter), -1 on error. */
+static Py_ssize_t multi_set(Table *t, const char *buf, size_t pos, size_t n) {
+    if (pos + 9 > n) return 0;
+    uint64_t count = rd_u64(buf + pos + 1);
+    if (count > t->max_pairs) return 0;
+    size_t p = pos + 9;
+    for (uint64_t i = 0; i < count; i++) { /* the whole frame first: every pair complete */
+        if (p + 8 > n) return 0;
+        uint64_t kl = rd_u64(buf + p);
+        if (kl > t->max_key || kl > n - p - 8) return 0;
+        if ((Py_ssize_t)kl == PyBytes_GET_SIZE(t->auth_key) &&
+            memcmp(buf + p + 8, PyBytes_AS_STRING(t->auth_key), kl) == 0)
+            return 0;
+        p += 8 + kl;
+        if (p + 8 > n) return 0;
+        uint64_t vl = rd_u64(buf + p);
+        if (vl > t->max_value || vl > n - p - 8) return 0;
+        p += 8 + vl;
+    }
+    PyObject **keys = PyMem_Calloc(count ? count : 1, sizeof(PyObject *));
+    if (keys == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    Py_ssize_t rc = (Py_ssize_t)p;
+    size_t q = pos + 9;
+    for (uint64_t i = 0; i < count && rc > 0; i++) { /* no BARRIER counter among them */
+        uint64_t kl = rd_u64(buf + q);
+        keys[i] = PyBytes_FromStringAndSize(buf + q + 8, (Py_ssize_t)kl);
+        q += 8 + kl;
+        q += 8 + rd_u64(buf + q);
+        if (keys[i] == NULL) {
+            rc = -1;
+            break;
+        }
+        int b = PyDict_Contains(t->barriers, keys[i]);
+        if (b != 0) rc = b < 0 ? -1 : 0;
+    }
+    q = pos + 9;
+    for (uint64_t i = 0; i < count && rc > 0; i++) {
+        q += 8 + rd_u64(buf + q);
+        uint64_t vl = rd_u64(buf + q);
+        PyObject *value = PyBytes_FromStringAndSize(buf + q + 8, (Py_ssize_t)vl);
+        q += 8 + vl;
+        if (value == NULL || PyDict_SetItem(t->data, keys[i], value) < 0 || changed(t, keys[i]) < 0)
+            rc = -1;
+        Py_XDECREF(value);
+    }
+    for (uint64_t i = 0; i < count; i++) Py_XDECREF(keys[i]);
+    PyMem_Free(keys);
+    return rc;
 }
 
 /* Execute the frame at buf[pos:n]. Returns its end (> pos) when executed, 0 when the Python
@@ -328,9 +409,11 @@ static Py_ssize_t one(Table *t, const char *buf, size_t pos, size_t n, Out *o) {
 }
 
 /* Answer the waiters this read satisfied, the lock released: STOP_WAITING sent at once to a
- * plain connection of this server whose waiter it still is and that has nothing queued (what
- * `StoreServer._deliver` + `_send_now` do there); every other waiter's `fire()` (a mux tag, a
- * queued output, a short send, another owner) runs as the Python path would run it. */
+ * connection of this server with nothing queued whose waiter it still is (a plain one's
+ * `waiter`, or a mux tag's in `mux_waiters`: tag + STOP_WAITING, the rest of a short send
+ * queued and the connection marked for the turn's flush), what `StoreServer._deliver` +
+ * `_send_now` do there; every other waiter's `fire()` (queued output, nothing sent, another
+ * owner) runs as the Python path would run it. */
 static int deliver(Table *t) {
     Py_ssize_t n = PyList_GET_SIZE(t->fired);
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -342,21 +425,42 @@ static int deliver(Table *t) {
             PyObject *srv = PyObject_GetAttr(wake, str_srv), *c = PyObject_GetAttr(wake, str_c),
                      *tag = PyObject_GetAttr(wake, str_tag);
             PyObject *cw = c ? PyObject_GetAttr(c, str_waiter) : NULL;
+            PyObject *mw = NULL; /* a mux tag's: read below */
             PyObject *closed = c ? PyObject_GetAttr(c, str_closed) : NULL;
             PyObject *out = c ? PyObject_GetAttr(c, str_out) : NULL;
             PyObject *ww = c ? PyObject_GetAttr(c, str_want_write) : NULL;
             PyObject *fd = c ? PyObject_GetAttr(c, str_fd) : NULL;
             if (srv && tag && cw && closed && out && ww && fd) {
                 long tg = PyLong_AsLong(tag), fdl = PyLong_AsLong(fd);
-                if (srv == t->srv && tg == -1 && cw == w && closed == Py_False && PyList_CheckExact(out) &&
-                    PyList_GET_SIZE(out) == 0 && ww == Py_False && fdl >= 0) {
+                int idle = srv == t->srv && closed == Py_False && PyList_CheckExact(out) &&
+                           PyList_GET_SIZE(out) == 0 && ww == Py_False && fdl >= 0;
+                if (idle && tg == -1 && cw == w) {
                     const char stop = 0; /* STOP_WAITING */
                     if (send((int)fdl, &stop, 1, MSG_DONTWAIT | MSG_NOSIGNAL) == 1) {
                         sent = PyObject_SetAttr(c, str_waiter, Py_None) < 0 ? -1 : 1;
                     }
+                } else if (idle && tg >= 0 && (mw = PyObject_GetAttr(c, str_mux_waiters)) != NULL &&
+                           PyDict_CheckExact(mw) && PyDict_GetItemWithError(mw, tag) == w) {
+                    /* a mux tag's waiter */
+                    char frame[5]; /* u32 tag + STOP_WAITING */
+                    uint32_t t32 = (uint32_t)tg;
+                    memcpy(frame, &t32, 4);
+                    frame[4] = 0;
+                    ssize_t r = send((int)fdl, frame, 5, MSG_DONTWAIT | MSG_NOSIGNAL);
+                    if (r > 0 && r < 5) { /* the rest queued, flushed at the turn's end */
+                        PyObject *rest = PyBytes_FromStringAndSize(frame + r, 5 - r);
+                        PyObject *ob = rest ? PyObject_GetAttr(c, str_out_bytes) : NULL;
+                        PyObject *more = ob ? PyLong_FromSsize_t(PyLong_AsSsize_t(ob) + 5 - r) : NULL;
+                        PyObject *dirty = more ? PyObject_GetAttr(srv, str_dirty) : NULL;
+                        if (dirty == NULL || PyList_Append(out, rest) < 0 ||
+                            PyObject_SetAttr(c, str_out_bytes, more) < 0 || PyList_Append(dirty, c) < 0)
+                            sent = -1;
+                        Py_XDECREF(rest); Py_XDECREF(ob); Py_XDECREF(more); Py_XDECREF(dirty);
+                    }
+                    if (r > 0 && sent == 0) sent = PyDict_DelItem(mw, tag) < 0 ? -1 : 1;
                 }
             }
-            Py_XDECREF(srv); Py_XDECREF(c); Py_XDECREF(tag); Py_XDECREF(cw);
+            Py_XDECREF(srv); Py_XDECREF(c); Py_XDECREF(tag); Py_XDECREF(cw); Py_XDECREF(mw);
             Py_XDECREF(closed); Py_XDECREF(out); Py_XDECREF(ww); Py_XDECREF(fd);
             if (PyErr_Occurred()) sent = -1;
         }
@@ -381,6 +485,7 @@ static int conn_fd(PyObject *conn) {
 }
 
 static PyObject *quick(PyObject *conn, PyObject *ctx);
+static int attr_true(PyObject *o, PyObject *name);
 
 static PyObject *read_quick(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
@@ -399,19 +504,23 @@ static PyObject *quick(PyObject *conn, PyObject *ctx) {
     int validated = PyObject_IsTrue(vo);
     Py_DECREF(vo);
     if (validated < 0) return NULL;
+    int mux = attr_true(conn, str_mux);
+    if (mux < 0) return NULL;
     Table t = {PyTuple_GET_ITEM(ctx, 0), PyTuple_GET_ITEM(ctx, 1), PyTuple_GET_ITEM(ctx, 2),
                PyTuple_GET_ITEM(ctx, 8), PyTuple_GET_ITEM(ctx, 6), PyTuple_GET_ITEM(ctx, 9),
-               PyTuple_GET_ITEM(ctx, 10), PyTuple_GET_ITEM(ctx, 11), conn, NULL, 0, 0, 0};
+               PyTuple_GET_ITEM(ctx, 10), PyTuple_GET_ITEM(ctx, 11), conn, NULL, 0, 0, 0, 0, 0, 0};
     PyObject *lock = PyTuple_GET_ITEM(ctx, 3);
     if (!PyDict_CheckExact(t.data) || !PyDict_CheckExact(t.waiters) ||
         !PyDict_CheckExact(t.barriers) || !PyDict_CheckExact(t.queues) ||
         !PyBytes_Check(t.auth_key) || !PyType_Check(t.waiter_type) || !PyType_Check(t.wake_type)) {
         PyErr_SetString(PyExc_TypeError, "read_quick: ctx = (data, waiters, barriers, lock, max_key, "
-                        "max_value, auth_key, budget, queues, Waiter, _Wake, server)");
+                        "max_value, auth_key, budget, queues, Waiter, _Wake, server, max_pairs)");
         return NULL;
     }
     t.max_key = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ctx, 4));
     t.max_value = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ctx, 5));
+    t.max_pairs = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(ctx, 12));
+    t.mux = mux;
     long budget = PyLong_AsLong(PyTuple_GET_ITEM(ctx, 7));
     if (PyErr_Occurred()) return NULL;
 
@@ -453,7 +562,29 @@ static PyObject *quick(PyObject *conn, PyObject *ctx) {
             count = 1;
         }
     }
-    if (locked && validated && !failed) {
+    if (locked && validated && !failed && mux) {
+        while (pos + 5 <= n && count < budget) { /* u32 tag + a frame; replies carry the tag */
+            size_t mark = o.len;
+            memcpy(&t.tag, rbuf + pos, 4);
+            if (out_put(&o, rbuf + pos, 4) < 0) {
+                failed = 1;
+                break;
+            }
+            Py_ssize_t end = (unsigned char)rbuf[pos + 4] == OP_MULTI_SET
+                                 ? multi_set(&t, rbuf, pos + 4, n)
+                                 : (unsigned char)rbuf[pos + 4] == OP_VALIDATE ? 0
+                                 : one(&t, rbuf, pos + 4, n, &o);
+            if (end <= 0) {
+                o.len = mark;
+                if (end < 0) failed = 1;
+                break;
+            }
+            if (o.len == mark + 4) o.len = mark; /* no reply (yet): no tag either */
+            pos = (size_t)end;
+            count++;
+            t.registered = 0; /* a mux waiter does not hold up the frames behind it */
+        }
+    } else if (locked && validated && !failed) {
         while (pos < n && count < budget) {
             Py_ssize_t end = one(&t, rbuf, pos, n, &o);
             if (end < 0) {
@@ -481,11 +612,24 @@ static PyObject *quick(PyObject *conn, PyObject *ctx) {
     }
     if (failed) goto done;
     size_t sent = 0;
-    if (pos == n && o.len) {
+    if ((pos == n || mux) && o.len) {
         ssize_t r = send(fd, o.p, o.len, MSG_DONTWAIT | MSG_NOSIGNAL);
         if (r > 0) sent = (size_t)r; /* an error: the Python path's flush sees it and closes */
     }
-    if (pos == n && sent == o.len) {
+    int queued = 0;
+    if (mux && sent < o.len) { /* on conn.out before a waiter of this connection is answered */
+        PyObject *rest = PyBytes_FromStringAndSize(o.p + sent, (Py_ssize_t)(o.len - sent));
+        PyObject *out = rest ? PyObject_GetAttr(conn, str_out) : NULL;
+        PyObject *ob = out ? PyObject_GetAttr(conn, str_out_bytes) : NULL;
+        PyObject *more = ob ? PyLong_FromSsize_t(PyLong_AsSsize_t(ob) + (Py_ssize_t)(o.len - sent)) : NULL;
+        int bad = more == NULL || PyList_Append(out, rest) < 0 ||
+                  PyObject_SetAttr(conn, str_out_bytes, more) < 0;
+        Py_XDECREF(rest); Py_XDECREF(out); Py_XDECREF(ob); Py_XDECREF(more);
+        if (bad) goto done;
+        sent = o.len;
+        queued = 1; /* the Python path flushes it (the tuple below) */
+    }
+    if (pos == n && sent == o.len && !queued) {
         result = PyLong_FromLong(count);
     } else {
         result = Py_BuildValue("(ly#y#)", count, o.p + sent, (Py_ssize_t)(o.len - sent),
@@ -855,8 +999,8 @@ static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nar
             int a;
             if ((a = attr_true(conn, str_authed)) < 0) goto fail_conn;
             mine = a;
-            if (mine && (a = attr_true(conn, str_mux)) < 0) goto fail_conn;
-            mine = mine && !a;
+            int mux = 0;
+            if (mine && (mux = attr_true(conn, str_mux)) < 0) goto fail_conn;
             if (mine && (a = attr_true(conn, str_buf)) < 0) goto fail_conn;
             mine = mine && !a;
             if (mine && (a = attr_true(conn, str_out)) < 0) goto fail_conn;
@@ -865,7 +1009,7 @@ static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nar
             mine = mine && !a;
             if (mine && (a = attr_true(conn, str_closed)) < 0) goto fail_conn;
             mine = mine && !a;
-            if (mine) {
+            if (mine && !mux) { /* a plain connection's one waiter: its reply comes first */
                 PyObject *w = PyObject_GetAttr(conn, str_waiter);
                 if (w == NULL) goto fail_conn;
                 mine = w == Py_None;
@@ -938,7 +1082,8 @@ PyMODINIT_FUNC PyInit__quickstore(void) {
         {&str_tag, "tag"}, {&str_closed, "closed"}, {&str_out, "out"},
         {&str_want_write, "want_write"}, {&str_slots, "slots"}, {&str_append, "append"},
         {&str_out_bytes, "out_bytes"}, {&str_authed, "authed"}, {&str_mux, "mux"},
-        {&str_buf, "buf"},
+        {&str_buf, "buf"}, {&str_mux_waiters, "mux_waiters"},
+        {&str_dirty, "_dirty"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].name);

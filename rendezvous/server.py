@@ -6,8 +6,9 @@ node proxy) and `StoreServer` (request execution, handshake and token checks).
 
 Design: one thread runs a level-triggered epoll loop over non-blocking sockets. A readable
 connection is read once (64 KiB), its complete requests are decoded and executed (on a plain
-connection with nothing buffered and no waiter, the handshake, PING, GET, SET, ADD, WAIT /
-CHECK and the wake-ups of the waiters a write satisfies by the C read path
+connection with nothing buffered and no waiter, and on a node proxy's mux connection, the
+handshake, PING, GET, SET, ADD, WAIT / CHECK (MULTI_SET on a mux connection) and the wake-ups
+of the waiters a write satisfies by the C read path
 `rendezvous._quickstore`, which also reads and answers them, when it was built; else GET, SET,
 ADD and a satisfied one-key WAIT in place by `StoreServer._quick`; the rest through
 `protocol.parse_common` / `protocol.parse_request`) against the table through one dispatch
@@ -77,7 +78,7 @@ def _c_read_path(server: "StoreServer", table: MemoryStore, limits: P.Limits,
         return None, ()
     return read_quick, (table._data, table._waiters, table._barriers, table._lock,
                         limits.max_key_bytes, limits.max_value_bytes, AUTH_KEY, budget,
-                        table._queues, Waiter, _Wake, server)
+                        table._queues, Waiter, _Wake, server, limits.max_keys_per_request)
 
 
 class _Conn:
@@ -383,8 +384,8 @@ class LoopServer:
         one `send` and no further calls; everything else goes through `_consume`. With the C
         read path, such a connection's read, execution and reply all happen in C."""
         rq = self._read_quick
-        if (rq is not None and c.authed and not c.mux and not c.buf and not c.out
-                and not c.want_write and c.waiter is None):
+        if (rq is not None and c.authed and not c.buf and not c.out and not c.want_write
+                and (c.mux or c.waiter is None)):
             self._quick_done(c, rq(c, self._quick_ctx))  # validates a new one's handshake too
             return
         try:

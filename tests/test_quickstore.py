@@ -88,6 +88,106 @@ def run_stream(mode: str, chunk: int, handshake: bool = False) -> tuple[bytes, d
         b.close()
 
 
+def mux_frames() -> list[tuple[int, P.Request, str]]:
+    """A node proxy's link: (tag, request, reply kind) -- what C takes, then a CANCEL_WAIT."""
+    R = P.Request
+    return [
+        (1, R(P.Op.MULTI_SET, (b"/a", b"/b"), (b"1", b"22")), ""),
+        (2, R(P.Op.GET, (b"/a",)), "bytes"),
+        (3, R(P.Op.WAIT, (b"/w",)), "u8"),  # absent: waits under tag 3, the frames behind go on
+        (4, R(P.Op.ADD, (b"/n",), (), 5), "i64"),
+        (5, R(P.Op.WAIT, (b"/a",)), "u8"),
+        (6, R(P.Op.CHECK, (b"/a", b"/b")), "u8"),
+        (7, R(P.Op.PING, num=7), "u32"),
+        (8, R(P.Op.SET, (b"/w",), (b"x",)), ""),  # wakes tag 3 of this same connection
+        (9, R(P.Op.WAIT, (b"/z",)), "u8"),  # cancelled below
+        (11, R(P.Op.MULTI_SET, (b"/c",), (b"3",)), ""),
+        (12, R(P.Op.GET, (b"/c",)), "bytes"),
+        (13, R(P.Op.ADD, (b"/n",), (), -2), "i64"),
+        (10, R(P.Op.CANCEL_WAIT, num=9), "u8"),  # WAIT_CANCELED, by the Python path
+    ]
+
+
+def parse_mux_replies(data: bytes, kinds: dict[int, str]) -> dict[int, bytes]:
+    out: dict[int, bytes] = {}
+    pos = 0
+    while pos < len(data):
+        tag = int.from_bytes(data[pos:pos + 4], "little")
+        pos += 4
+        kind = kinds[tag]
+        size = {"u8": 1, "i64": 8, "u32": 4}.get(kind)
+        if kind == "bytes":
+            size = 8 + int.from_bytes(data[pos:pos + 8], "little")
+        assert tag not in out, f"tag {tag} answered twice"
+        out[tag] = data[pos:pos + size]
+        pos += size
+    return out
+
+
+def run_mux_stream(mode: str, chunk: int, handled: list | None = None) -> tuple[dict, dict]:
+    srv = StoreServer(host="127.0.0.1")
+    if mode != "c":
+        srv._read_quick = None
+    if handled is not None:
+        orig = srv._handle
+
+        def counted(c, r, tag):  # noqa: ANN001
+            handled.append(tag)
+            return orig(c, r, tag)
+        srv._handle = counted
+    stream = b"".join(P.encode_mux_request(t, r) for t, r, _ in mux_frames())
+    a, b = socket.socketpair()
+    try:
+        a.setblocking(False)
+        c = _Conn(a, "test", True, 0.0)
+        c.validated, c.mux = True, True
+        srv._ep = select.epoll()
+        srv._conns[c.fd] = c
+        srv._ep.register(c.fd, 1)
+        srv._loop_ident = threading.get_ident()
+        pieces = [stream] if chunk == 0 else [stream[i:i + chunk] for i in range(0, len(stream), chunk)]
+        got = b""
+        b.setblocking(False)
+        for p in pieces:
+            b.sendall(p)
+            while select.select([a], [], [], 0)[0] and not c.closed:
+                srv._read(c)
+            srv._flush_dirty()
+            while True:
+                try:
+                    got += b.recv(1 << 20)
+                except BlockingIOError:
+                    break
+        assert not c.closed and not c.mux_waiters  # tag 3 answered, tag 9 cancelled
+        kinds = {t: k for t, _, k in mux_frames()}
+        return parse_mux_replies(got, kinds), dict(srv.table._data)
+    finally:
+        srv._ep.close()
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("chunk", [0, 1, 7, 64])
+def test_a_mux_connection_gets_the_python_paths_replies_from_c(chunk: int) -> None:
+    """A node proxy's multiplexed link (tagged frames, MULTI_SET for its rounds of SETs, waits
+    that do not hold up the frames behind them) is read in C: the same reply for every tag and
+    the same table as the Python path, in whatever order the wake-ups come."""
+    results = {mode: run_mux_stream(mode, chunk) for mode in ("c", "python")}
+    assert results["c"] == results["python"]
+    replies, table = results["c"]
+    assert replies == {2: P.enc_bytes(b"1"), 3: P.STOP_WAITING_REPLY, 4: P.enc_i64(5),
+                       5: P.STOP_WAITING_REPLY, 6: bytes((P.READY,)),
+                       7: P.enc_u32(7), 10: bytes((P.WAIT_CANCELED,)), 12: P.enc_bytes(b"3"),
+                       13: P.enc_i64(3)}
+    assert table[b"/a"] == b"1" and table[b"/b"] == b"22" and table[b"/w"] == b"x" and table[b"/n"] == b"3"
+
+
+def test_only_what_c_does_not_take_reaches_the_python_handler_on_a_mux_connection() -> None:
+    handled: list[int] = []
+    run_mux_stream("c", 0, handled)
+    assert handled == [10]  # the CANCEL_WAIT; everything before it ran in C
+
+
 def test_the_extension_is_built_and_a_default_server_uses_it() -> None:
     """Installs run setup.py, which builds it; a missing compiler leaves the Python path."""
     from rendezvous import _quickstore  # noqa: F401
@@ -471,7 +571,7 @@ def test_flush_out_sends_each_connections_output_and_leaves_short_sends_to_pytho
 
 def test_a_running_servers_loop_takes_plain_reads_in_c_and_leaves_the_rest_to_python() -> None:
     """`loop_turn`: a plain connection's reads are done in C (no Python `_read`), a new
-    connection's accept, a cut frame and a mux connection still go through the Python loop;
+    connection's accept and a cut frame still go through the Python loop;
     the counters add up either way."""
     srv = StoreServer(host="127.0.0.1")
     assert srv._turn is not None
