@@ -42,6 +42,35 @@ def frames() -> list[bytes]:
     ]
 
 
+def feed(srv: StoreServer, c: _Conn, b: socket.socket, stream: bytes, chunk: int) -> bytes:
+    """Send `stream` (in `chunk`-byte pieces, 0: whole) from `b` to the server's connection `c`
+    (the other end), run `_read` / the backlog / the flush as the loop would, and return what
+    came back."""
+    a = c.sock
+    srv._ep = select.epoll()
+    srv._conns[c.fd] = c
+    srv._ep.register(c.fd, 1)
+    srv._loop_ident = threading.get_ident()
+    pieces = [stream] if chunk == 0 else [stream[i:i + chunk] for i in range(0, len(stream), chunk)]
+    got = b""
+    b.setblocking(False)
+    for p in pieces:
+        b.sendall(p)
+        while select.select([a], [], [], 0)[0] and not c.closed:
+            srv._read(c)
+        while srv._backlog:
+            backlog, srv._backlog = srv._backlog, []
+            for x in backlog:
+                srv._consume(x, b"")
+        srv._flush_dirty()
+        while True:
+            try:
+                got += b.recv(1 << 20)
+            except BlockingIOError:
+                break
+    return got
+
+
 def run_stream(mode: str, chunk: int, handshake: bool = False) -> tuple[bytes, dict]:
     """Feed the frames through `_read` of a server on one end of a socketpair; the replies
     read at the other end and the table. `handshake`: a new connection, the frames behind
@@ -57,29 +86,7 @@ def run_stream(mode: str, chunk: int, handshake: bool = False) -> tuple[bytes, d
         a.setblocking(False)
         c = _Conn(a, "test", True, 0.0)
         c.validated = not handshake
-        srv._ep = select.epoll()
-        srv._conns[c.fd] = c
-        srv._ep.register(c.fd, 1)
-        srv._loop_ident = threading.get_ident()
-        pieces = [stream] if chunk == 0 else [stream[i:i + chunk]
-                                              for i in range(0, len(stream), chunk)]
-        got = b""
-        b.setblocking(False)
-        for p in pieces:
-            b.sendall(p)
-            while select.select([a], [], [], 0)[0] and not c.closed:
-                srv._read(c)
-            while srv._backlog:
-                backlog, srv._backlog = srv._backlog, []
-                for x in backlog:
-                    srv._consume(x, b"")
-            srv._flush_dirty()
-            while True:
-                try:
-                    more = b.recv(1 << 20)
-                except BlockingIOError:
-                    break
-                got += more
+        got = feed(srv, c, b, stream, chunk)
         assert c.validated and not c.closed
         return got, dict(srv.table._data)
     finally:
@@ -125,6 +132,8 @@ def parse_mux_replies(data: bytes, kinds: dict[int, str]) -> dict[int, bytes]:
 
 
 def run_mux_stream(mode: str, chunk: int, handled: list | None = None) -> tuple[dict, dict]:
+    """`mux_frames()` on a mux connection (`mode` "c" or "python"): the reply of each tag and
+    the table; `handled` collects the tags that reached the Python handler."""
     srv = StoreServer(host="127.0.0.1")
     if mode != "c":
         srv._read_quick = None
@@ -141,23 +150,7 @@ def run_mux_stream(mode: str, chunk: int, handled: list | None = None) -> tuple[
         a.setblocking(False)
         c = _Conn(a, "test", True, 0.0)
         c.validated, c.mux = True, True
-        srv._ep = select.epoll()
-        srv._conns[c.fd] = c
-        srv._ep.register(c.fd, 1)
-        srv._loop_ident = threading.get_ident()
-        pieces = [stream] if chunk == 0 else [stream[i:i + chunk] for i in range(0, len(stream), chunk)]
-        got = b""
-        b.setblocking(False)
-        for p in pieces:
-            b.sendall(p)
-            while select.select([a], [], [], 0)[0] and not c.closed:
-                srv._read(c)
-            srv._flush_dirty()
-            while True:
-                try:
-                    got += b.recv(1 << 20)
-                except BlockingIOError:
-                    break
+        got = feed(srv, c, b, stream, chunk)
         assert not c.closed and not c.mux_waiters  # tag 3 answered, tag 9 cancelled
         kinds = {t: k for t, _, k in mux_frames()}
         return parse_mux_replies(got, kinds), dict(srv.table._data)
