@@ -160,14 +160,11 @@ class RankClock:
 
     def beat(self, hb: Heartbeat, now: float) -> None:
         self.last_beat = now
-        mark = hb.progress()
-        if hb.phase in ("recovering", "done") or mark != self.mark:
-            # it entered the round, left the job, or moved on (its "recovering" heartbeat may
-            # be coalesced away when the round is quick): the stop was answered. (CI: a stale
-            # stop made a survivor that later waited on a hung peer look stuck after it.)
-            self.stop = None
+        if hb.phase in ("recovering", "done"):
+            self.stop = None  # it entered the round (or left the job): the stop was answered
         left_wait = self.waiting and not hb.waiting
         self.waiting = hb.waiting
+        mark = hb.progress()
         if mark == self.mark:
             if left_wait:
                 # It left a collective (completed, failed or interrupted by a stop) and still
