@@ -25,11 +25,16 @@ The rule (auto):
     stopped (the runtime's heartbeat thread only stops when the whole process is frozen): then it
     counts as hung in any phase;
   - a survivor the agent sent a recovery round's stop that still waits in a collective
-    `FTRUN_HANG_STOP` (10 s) later, without having entered the round ("recovering"), is hung:
-    the stop shuts down the sockets its waits use, so a wait that outlives it is one nothing
-    will end (a CI run saw a survivor sit in DDP's C++ all-reduce after the stop for the
-    controller's whole 120 s phase timeout, which then fell back to restart-all). Killed, it is
-    a fault of the round in progress and is repaired with it, seconds after the stop;
+    `FTRUN_HANG_STOP` (3 s) later, without having entered the round (a "recovering"
+    heartbeat, or any heartbeat of that generation or a newer one), is hung. The stop shuts
+    down the sockets its gloo waits use, which ends such a wait within milliseconds -- except
+    one on a send gloo had already queued on a connection that failed (a peer killed while this
+    rank sent to it): gloo's TCP pair fails only bound buffers in its transmit queue, not the
+    unbound ones collectives use, so that send waits for the group's whole timeout (found with
+    gdb in a survivor stuck in DDP's ring all-reduce; reproduced in
+    tests/test_runtime_group_sockets.py). It happened in about one kill in ten during DDP's
+    all-reduces here. Killed, the rank is a fault of the round in progress and is repaired with
+    it, seconds after the stop (before: the controller's 120 s phase timeout, then restart-all);
   - leaving a collective wait (waiting turns false) restarts the rank's clock: the time spent
     waiting on peers is not its own. (Before, a survivor that left a long wait on a hung peer
     because of the agent's stop sent one heartbeat "backward, not waiting" before its
@@ -53,7 +58,7 @@ DEFAULT_FLOOR = 30.0
 DEFAULT_MULTIPLIER = 10.0
 DEFAULT_FIRST_STEP = 300.0
 DEFAULT_UNMODIFIED = 600.0  # unmodified scripts with auto: NCCL's default collective timeout
-DEFAULT_STOP_ANSWER = 10.0  # a survivor still blocked in a collective this long after a stop
+DEFAULT_STOP_ANSWER = 3.0  # a survivor still blocked in a collective this long after a stop
 
 
 def _env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
@@ -154,14 +159,19 @@ class RankClock:
     step_start: tuple[int, float] | None = None  # (step, when it was first seen)
     committed_seen: int = -1  # the last committed step a heartbeat showed
     stop: tuple[int, float] | None = None  # (generation, when) of a stop it has not answered yet
+    generation: int = -1  # the newest generation its heartbeats said it entered (-1: unknown)
     ckpt_start: float | None = None
     steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     checkpoints: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
 
     def beat(self, hb: Heartbeat, now: float) -> None:
         self.last_beat = now
-        if hb.phase in ("recovering", "done"):
-            self.stop = None  # it entered the round (or left the job): the stop was answered
+        self.generation = max(self.generation, hb.generation)
+        if hb.phase in ("recovering", "done") or (self.stop is not None and self.generation >= self.stop[0]):
+            # it entered the round (or left the job): the stop was answered. The generation
+            # counts even when the 'recovering' heartbeat itself was coalesced away (a quick
+            # round): a stale stop must not blame this rank for a later wait on a hung peer.
+            self.stop = None
         left_wait = self.waiting and not hb.waiting
         self.waiting = hb.waiting
         mark = hb.progress()
@@ -223,7 +233,7 @@ class HangWatch:
     def stop_sent(self, rank: int, generation: int, now: float | None = None) -> None:
         """The agent sent the rank the stop of recovery round `generation`."""
         clock = self.clocks.get(rank)
-        if clock is not None and clock.phase not in ("recovering", "done"):
+        if clock is not None and clock.phase not in ("recovering", "done") and clock.generation < generation:
             clock.stop = (generation, time.time() if now is None else now)
 
     def forget(self, rank: int) -> None:

@@ -77,6 +77,7 @@ class Heartbeat:
     time: float = 0.0
     step_s: float = 0.0  # how long the rank's last committed step took, by its own clock (0: none yet)
     state_bytes: int = 0  # the bytes of its registered state (a replacement receives as much; 0: unknown)
+    generation: int = -1  # the generation the rank last entered (its start or a round it joined; -1: unknown)
 
     def progress(self) -> tuple[int, str, int]:
         """What counts as progress (not mere liveness) for the agent's hang check."""

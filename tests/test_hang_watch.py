@@ -11,8 +11,9 @@ from launcher.messages import Heartbeat
 AUTO = HangPolicy(None, floor=3.0, multiplier=10.0, first_step=50.0, unmodified=600.0)
 
 
-def beat(rank=1, step=3, phase="forward", committed=2, waiting=False) -> Heartbeat:
-    return Heartbeat(rank=rank, step=step, phase=phase, committed_step=committed, waiting=waiting)
+def beat(rank=1, step=3, phase="forward", committed=2, waiting=False, generation=-1) -> Heartbeat:
+    return Heartbeat(rank=rank, step=step, phase=phase, committed_step=committed, waiting=waiting,
+                     generation=generation)
 
 
 def steps(h: HangWatch, times: list[float], rank: int = 1, start: float = 0.0) -> float:
@@ -137,8 +138,8 @@ def test_policy_from_env_and_its_one_line_errors() -> None:
     assert pol.step_timeout([1.0]) == 4.0 and pol.unmodified_timeout() == 600.0
     assert HangPolicy.from_env(7.0, {}).unmodified_timeout() == 7.0
     assert "max(30s, 10 x slowest of the last 20 steps)" in HangPolicy().describe()
-    assert HangPolicy.from_env(None, {"FTRUN_HANG_STOP": "3"}).stop_answer == 3.0
-    assert "after a recovery stop 10s" in HangPolicy().describe()
+    assert HangPolicy.from_env(None, {"FTRUN_HANG_STOP": "7"}).stop_answer == 7.0
+    assert "after a recovery stop 3s" in HangPolicy().describe()
     for name, raw in (("FTRUN_HANG_FLOOR", "x"), ("FTRUN_HANG_MULTIPLIER", "0"),
                       ("FTRUN_HANG_FIRST_STEP", "-1"), ("FTRUN_HANG_UNMODIFIED", "nan"),
                       ("FTRUN_HANG_STOP", "0")):
@@ -216,3 +217,38 @@ def test_a_survivor_still_waiting_in_a_collective_after_a_stop_is_hung() -> None
     h3.on_heartbeat(beat(step=2, phase="forward", committed=1), now=t + 0.1)
     h3.stop_sent(1, 4, now=t + 0.2)
     assert h3.overdue([1], now=t + 20.0) == []  # computing: it sees the stop at its next phase edge
+
+
+def test_a_stop_answered_by_a_heartbeat_of_its_generation_is_not_held_against_a_later_wait() -> None:
+    """CI on 9c0c29b: a survivor's quick round left no 'recovering' heartbeat (the channel
+    coalesces progress), the stop stayed recorded, and when the survivor later waited on a peer
+    the fault plan had hung it was killed 10 s after the old stop, in the hung peer's place. A
+    heartbeat of the stop's generation (or a newer one) answers the stop whatever its phase."""
+    h = HangWatch(HangPolicy(None, floor=30.0, stop_answer=10.0))
+    t = steps(h, [0.1, 0.1])
+    h.on_heartbeat(beat(step=2, phase="backward", committed=1, waiting=True, generation=0), now=t + 0.1)
+    h.stop_sent(1, 1, now=t + 0.2)
+    # next heartbeat: already back at work in generation 1, waiting on a hung peer from then on
+    later = beat(step=3, phase="backward", committed=2, waiting=True, generation=1)
+    for k in range(1, 30):
+        h.on_heartbeat(later, now=t + k)
+    assert h.overdue([1], now=t + 29.5) == []  # a peer's hang: the step rule waits on it
+
+    # without the generation (an older sender) the same heartbeats leave the stop unanswered
+    h2 = HangWatch(HangPolicy(None, floor=30.0, stop_answer=10.0))
+    t = steps(h2, [0.1, 0.1])
+    h2.on_heartbeat(beat(step=2, phase="backward", committed=1, waiting=True), now=t + 0.1)
+    h2.stop_sent(1, 1, now=t + 0.2)
+    for k in range(1, 30):
+        h2.on_heartbeat(beat(step=3, phase="backward", committed=2, waiting=True), now=t + k)
+    assert ranks(h2.overdue([1], now=t + 29.5)) == [1]
+
+    # a stop sent after the rank already said it is in that generation records nothing
+    h3 = HangWatch(HangPolicy(None, floor=30.0, stop_answer=10.0))
+    t = steps(h3, [0.1, 0.1])
+    h3.on_heartbeat(beat(step=2, phase="backward", committed=1, waiting=True, generation=1), now=t + 0.1)
+    h3.stop_sent(1, 1, now=t + 0.2)
+    assert h3.overdue([1], now=t + 20.0) == []
+    # while a rank still in an older generation is held to the stop
+    h3.stop_sent(1, 2, now=t + 20.0)
+    assert ranks(h3.overdue([1], now=t + 31.0)) == [1]

@@ -75,6 +75,19 @@ def plain_ddp(tmp_path_factory) -> list[dict[str, torch.Tensor]]:
 NATIVE = "DDP's reducer all-reduces on the runtime's group (in C++)"
 
 
+def stuck_after_stop(ev: list[dict]) -> list[int]:
+    """Survivors the agent replaced for still waiting in DDP's C++ collective FTRUN_HANG_STOP after
+    a stop: gloo never fails a send it had queued on a connection that then failed (a peer
+    killed while this rank sent to it; see launcher.hang_watch and
+    tests/test_runtime_group_sockets.py), about one kill in ten here. Such a rank is repaired in
+    a round that supersedes the plan's, so the run has other rounds than the fault plan's (a
+    later fault bound to a generation may not fire); it must still be bit-identical."""
+    stuck = [e for e in ev if e["event"] == "hang" and "after the stop" in e.get("message", "")]
+    superseded = {e["rank"] for e in ev if e["event"] == "round-superseded"}
+    assert all(e["rank"] in superseded for e in stuck), "a stuck survivor is repaired in a superseding round"
+    return [e["rank"] for e in stuck]
+
+
 def ftrun(wd: Path, plan: list[dict] | None = None, launcher_args: tuple[str, ...] = (),
           args: list[str] = ARGS, nproc: int = NPROC, **env: str) -> tuple[list[dict], list[dict], str]:
     wd.mkdir()
@@ -103,6 +116,9 @@ def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, p
             {"rank": 2, "step": 3, "phase": "backward", "kind": "hang", "generation": 1},
             {"rank": 0, "step": 4, "phase": "optimizer", "kind": "kill", "generation": 2}]
     params, ev, out = ftrun(tmp_path / "faults", plan, ("--hang_timeout", "2", "--monitor_interval", "0.5"))
+    assert_equal_params(params, plain_ddp)
+    if stuck_after_stop(ev):
+        return  # gloo's queued-send bug: other rounds than the plan's (see stuck_after_stop)
     assert [e["rank"] for e in ev if e["event"] == "hang"] == [2]
     spawns: dict[int, int] = {}
     for e in ev:
@@ -119,7 +135,6 @@ def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, p
     assert resumes[0] in (0, 1) and resumes[1] == 3 and resumes[2] in (4, 5), resumes
     # DDP's reducer on every new group: at the start and after each of the three rounds
     assert out.count(NATIVE) == 4 * NPROC
-    assert_equal_params(params, plain_ddp)
 
 
 def test_peers_waiting_in_cpp_on_a_live_faulty_rank_leave_when_the_stop_breaks_the_wait(tmp_path, plain_ddp):
@@ -175,11 +190,13 @@ def test_no_sync_accumulation_into_kept_grads_stays_bit_identical(tmp_path, comm
     plan = [{"rank": 1, "step": 1, "phase": "backward", "kind": "kill"},
             {"rank": nproc - 1, "step": 3, "phase": "forward", "kind": "kill", "generation": 1}]
     params, ev, _ = ftrun(tmp_path / "accum", plan, args=ACCUM_ARGS, nproc=nproc, FTRUN_DDP_COMM=comm)
+    assert_equal_params(params, ref)
+    if stuck_after_stop(ev):
+        return  # gloo's queued-send bug: other rounds than the plan's (see stuck_after_stop)
     # each round resumes at the step the faulty rank was in, or one earlier when every survivor
     # was still committing the step before as the stop came (one such survivor is repaired)
     first, second = [e["resume_step"] for e in ev if e["event"] == "repair-plan"]
     assert first in (0, 1) and second in (2, 3), (first, second)
-    assert_equal_params(params, ref)
 
 
 VIEWS = r"""
@@ -357,9 +374,12 @@ def test_ddp_on_a_group_handle_repairs_a_rank_from_its_own_pair(tmp_path):
     got, ev, out = job("kill", [{"rank": 2, "step": 3, "phase": "backward", "kind": "kill"}])
     plans = [e for e in ev if e["event"] == "repair-plan"]
     # (the workers' own lines say where a rank that never joined the round was: a CI run once
-    # saw rank 1 stay in DDP's C++ wait of step 3 for the controller's 120 s, then restart-all)
+    # saw rank 1 stay in DDP's C++ wait of step 3 for the controller's 120 s, then restart-all;
+    # now the agent replaces it FTRUN_HANG_STOP after the stop, see stuck_after_stop)
     assert plans, [e for e in ev if e["event"] in ("phase-timeout", "fallback")] + [out[-8000:]]
-    if plans[0]["fallback"]:
+    if stuck_after_stop(ev):
+        pass  # a superseding round repaired the stuck survivor too: only the result is checked
+    elif plans[0]["fallback"]:
         # rank 0, rank 2's only replica, was still committing step 2 as the death notice stopped
         # it while ranks 1 and 3 had: no replica of that pair at the resume step, so all restart
         assert "no healthy replica" in plans[0]["message"], plans

@@ -152,3 +152,64 @@ def test_connections_an_older_listener_accepts_meanwhile_are_not_recorded():
     finally:
         for s in (server, client, accepted):
             s.close()
+
+
+QUEUED_SEND = textwrap.dedent(r"""
+    import os, signal, sys, time
+    from datetime import timedelta
+    import torch, torch.distributed as dist
+    from launcher.runtime.group_sockets import SocketLedger
+    rank, port = int(sys.argv[1]), int(sys.argv[2])
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    ledger = SocketLedger()
+    with ledger.track(0):
+        dist.init_process_group("gloo", store=dist.PrefixStore("g0", store), rank=rank, world_size=2,
+                                timeout=timedelta(seconds=3))
+    store.set(f"pid{rank}", str(os.getpid()))
+    dist.barrier()
+    big = torch.zeros(64 * 1024 * 1024)  # 256 MB: more than the socket buffers hold
+    if rank == 0:
+        work = dist.irecv(big, src=1)
+        store.set("posted", "1")
+        time.sleep(120)  # stopped by rank 1 long before, then killed
+    store.wait(["posted"], timedelta(seconds=30))
+    time.sleep(0.3)
+    os.kill(int(store.get("pid0")), signal.SIGSTOP)  # the receiver stops reading
+    work = dist.isend(big, dst=0)
+    time.sleep(1.0)  # gloo has queued the rest of the send on the connection
+    t0 = time.monotonic()
+    shut = ledger.break_before(1)
+    try:
+        work.wait()
+        outcome = "completed"
+    except RuntimeError as exc:
+        outcome = str(exc).splitlines()[0][:200]
+    print("RESULT", shut, round(time.monotonic() - t0, 3), outcome, flush=True)
+    os._exit(0)
+""")
+
+
+def test_a_send_gloo_already_queued_is_not_released_by_the_shutdown_only_by_the_group_timeout(tmp_path):
+    """Why the agent kills a survivor still waiting FTRUN_HANG_STOP after a stop (hang_watch):
+    gloo's pair, when its connection fails, fails the bound buffers in its transmit queue but
+    not the unbound ones its collectives and send/recv use, so a send queued before the
+    shutdown waits for the group's timeout (3 s here). Seen in CI as a survivor stuck in DDP's
+    ring all-reduce after a peer was killed. If this test fails, gloo fixed it."""
+    script = tmp_path / "queued.py"
+    script.write_text(QUEUED_SEND)
+    port = free_port()
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    receiver = subprocess.Popen([sys.executable, str(script), "0", str(port)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        sender = subprocess.run([sys.executable, str(script), "1", str(port)], capture_output=True, text=True,
+                                env=env, timeout=120)
+    finally:
+        receiver.kill()
+        receiver.wait(timeout=30)
+    assert sender.returncode == 0, sender.stderr[-3000:]
+    _, shut, seconds, outcome = next(ln for ln in sender.stdout.splitlines() if ln.startswith("RESULT ")).split(" ", 3)
+    assert int(shut) == 1  # the connection to rank 0 was shut down ...
+    assert outcome != "completed" and "Timed out" in outcome, outcome
+    assert float(seconds) >= 2.5, seconds  # ... and still only the group's 3 s timeout ended the send

@@ -236,6 +236,7 @@ class Runtime:
                                   generation=env.generation, replacement=env.replacement,
                                   notice_tid=self._death_notice.tid if self._death_notice else 0))
         self._channel.set_progress_source(self._progress_now)
+        self._channel.update(generation=self.generation)
         self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
                                     timeout=timedelta(seconds=env.store_timeout), wait_for_workers=False)
         if env.replacement:
@@ -664,6 +665,8 @@ class Runtime:
     def _join_round(self, generation: int) -> P.RepairPlan:
         """Post this rank's status for `generation` and wait for the controller's plan."""
         self.generation = generation
+        if self._channel is not None:  # heartbeats from now on answer the stop of this round
+            self._channel.update(generation=generation)
         self._set_phase("recovering")
         self._mark("status")
         status = self._status(generation)
