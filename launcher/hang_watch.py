@@ -33,8 +33,11 @@ The rule (auto):
     unbound ones collectives use, so that send waits for the group's whole timeout (found with
     gdb in a survivor stuck in DDP's ring all-reduce; reproduced in
     tests/test_runtime_group_sockets.py). It happened in about one kill in ten during DDP's
-    all-reduces here. Killed, the rank is a fault of the round in progress and is repaired with
-    it, seconds after the stop (before: the controller's 120 s phase timeout, then restart-all);
+    all-reduces here. Such a rank usually says so itself (heartbeat `stuck`: its training thread
+    stayed in the wait, without CPU, a second after the break; launcher.runtime.wait_probe):
+    then it is hung at once. Killed, the rank is a fault of the round in progress and is
+    repaired with it, seconds after the stop (before: the controller's 120 s phase timeout,
+    then restart-all);
   - leaving a collective wait (waiting turns false) restarts the rank's clock: the time spent
     waiting on peers is not its own. (Before, a survivor that left a long wait on a hung peer
     because of the agent's stop sent one heartbeat "backward, not waiting" before its
@@ -160,6 +163,7 @@ class RankClock:
     committed_seen: int = -1  # the last committed step a heartbeat showed
     stop: tuple[int, float] | None = None  # (generation, when) of a stop it has not answered yet
     generation: int = -1  # the newest generation its heartbeats said it entered (-1: unknown)
+    stuck: bool = False  # the rank itself found its C++ wait outlived the stop's socket shutdown
     ckpt_start: float | None = None
     steps: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
     checkpoints: deque = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
@@ -167,6 +171,7 @@ class RankClock:
     def beat(self, hb: Heartbeat, now: float) -> None:
         self.last_beat = now
         self.generation = max(self.generation, hb.generation)
+        self.stuck = hb.stuck
         if hb.phase in ("recovering", "done") or (self.stop is not None and self.generation >= self.stop[0]):
             # it entered the round (or left the job): the stop was answered. The generation
             # counts even when the 'recovering' heartbeat itself was coalesced away (a quick
@@ -257,12 +262,14 @@ class HangWatch:
         return out
 
     def _judge(self, rank: int, clock: RankClock, now: float, state_of: StateReader) -> Hang | None:
-        if clock.stop is not None and clock.waiting and now - clock.stop[1] > self.policy.stop_answer:
+        if clock.stop is not None and (clock.stuck or clock.waiting and now - clock.stop[1] > self.policy.stop_answer):
             g, sent = clock.stop
+            why = ("its own check: the C++ wait outlived the shutdown of its sockets, a send gloo queued on a "
+                   "failed connection" if clock.stuck else
+                   f"the stop did not release it; allowance FTRUN_HANG_STOP {self.policy.stop_answer:g}s")
             return Hang(rank, now - clock.last_progress, self.policy.stop_answer,
                         f"still blocked in a collective in phase {clock.phase!r} {now - sent:.1f}s "
-                        f"after the stop for generation {g} (the stop did not release it; "
-                        f"allowance FTRUN_HANG_STOP {self.policy.stop_answer:g}s)",
+                        f"after the stop for generation {g} ({why})",
                         state_of(rank), True, now - clock.last_beat)
         timed = clock.phase not in UNTIMED_PHASES
         limit = clock.allowance(self.policy) if timed else self.policy.first_timeout()

@@ -78,6 +78,7 @@ class Heartbeat:
     step_s: float = 0.0  # how long the rank's last committed step took, by its own clock (0: none yet)
     state_bytes: int = 0  # the bytes of its registered state (a replacement receives as much; 0: unknown)
     generation: int = -1  # the generation the rank last entered (its start or a round it joined; -1: unknown)
+    stuck: bool = False  # its C++ collective wait outlived the stop's socket shutdown (it will not end)
 
     def progress(self) -> tuple[int, str, int]:
         """What counts as progress (not mere liveness) for the agent's hang check."""

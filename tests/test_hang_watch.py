@@ -252,3 +252,23 @@ def test_a_stop_answered_by_a_heartbeat_of_its_generation_is_not_held_against_a_
     # while a rank still in an older generation is held to the stop
     h3.stop_sent(1, 2, now=t + 20.0)
     assert ranks(h3.overdue([1], now=t + 31.0)) == [1]
+
+
+def test_a_survivor_that_reports_its_wait_stuck_after_a_stop_is_hung_at_once() -> None:
+    """The runtime's own check (StuckWaitAlarm): its C++ wait outlived the stop's socket
+    shutdown by a second. Hung then, without waiting FTRUN_HANG_STOP; the flag alone, with no
+    stop recorded, blames nobody."""
+    h = HangWatch(HangPolicy(None, floor=30.0, stop_answer=10.0))
+    t = steps(h, [0.1, 0.1])
+    h.on_heartbeat(beat(step=2, phase="backward", committed=1, waiting=True, generation=0), now=t + 0.1)
+    h.stop_sent(1, 1, now=t + 0.2)
+    assert h.overdue([1], now=t + 1.0) == []
+    stuck = Heartbeat(rank=1, step=2, phase="backward", committed_step=1, waiting=True, generation=0, stuck=True)
+    h.on_heartbeat(stuck, now=t + 1.3)
+    (hang,) = h.overdue([1], now=t + 1.4)
+    assert "after the stop for generation 1" in hang.basis and "its own check" in hang.basis
+
+    h2 = HangWatch(HangPolicy(None, floor=30.0, stop_answer=10.0))
+    t = steps(h2, [0.1, 0.1])
+    h2.on_heartbeat(stuck, now=t + 0.1)
+    assert h2.overdue([1], now=t + 5.0) == []

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from launcher.runtime.wait_probe import CppWaitProbe, cpp_wait_codes
+from launcher.runtime.wait_probe import CppWaitProbe, StuckWaitAlarm, cpp_wait_codes
 
 
 def _sleeps(stop: threading.Event) -> None:
@@ -51,3 +51,69 @@ def test_a_thread_computing_inside_it_or_blocked_elsewhere_is_not():
 def test_the_functions_ddp_waits_in_are_found_in_this_torch():
     names = {c.co_name for c in cpp_wait_codes()}
     assert names == {"_engine_run_backward", "_pre_forward"}
+
+
+class _Gate:
+    """Held until `set()`: a thread in `_blocked` sits in one C call (lock.acquire) meanwhile."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._lock.acquire()
+
+    def set(self) -> None:
+        if self._lock.locked():
+            self._lock.release()
+
+
+def _blocked(gate: _Gate) -> None:
+    if gate._lock.acquire(timeout=5.0):  # the frame stays this one, the CPU clock stands still
+        gate._lock.release()
+
+
+def _alarm_run(answered_after: float | None, release_after: float | None) -> list[int]:
+    """A thread blocked in `_blocked`; the alarm armed for generation 3 with 0.3 s. The thread is
+    released, or the stop answered, after the given seconds (None: never). Returns the
+    generations the alarm reported stuck."""
+    release, stuck = _Gate(), []
+    t = threading.Thread(target=_blocked, args=(release,), daemon=True)
+    t.start()
+    t0 = time.monotonic()
+    answered = lambda g: answered_after is not None and time.monotonic() - t0 >= answered_after  # noqa: E731
+    alarm = StuckWaitAlarm([_blocked.__code__], answered, stuck.append, thread=t, after_s=0.3)
+    try:
+        time.sleep(0.05)
+        alarm.arm(3)
+        if release_after is not None:
+            time.sleep(release_after)
+            release.set()
+        time.sleep(0.6)
+        return stuck
+    finally:
+        alarm.cancel()
+        release.set()
+        t.join(5)
+
+
+def test_a_wait_still_there_after_the_break_is_reported_stuck_once():
+    assert _alarm_run(None, None) == [3]
+
+
+def test_a_wait_that_ends_or_a_stop_answered_in_time_is_not():
+    assert _alarm_run(None, 0.05) == []  # released (the usual case: milliseconds after the break)
+    assert _alarm_run(0.1, None) == []  # the rank entered the round
+
+
+def test_cancel_stops_a_pending_alarm():
+    release, stuck = _Gate(), []
+    t = threading.Thread(target=_blocked, args=(release,), daemon=True)
+    t.start()
+    try:
+        time.sleep(0.05)
+        alarm = StuckWaitAlarm([_blocked.__code__], lambda g: False, stuck.append, thread=t, after_s=0.2)
+        alarm.arm(1)
+        alarm.cancel()
+        time.sleep(0.4)
+        assert stuck == []
+    finally:
+        release.set()
+        t.join(5)

@@ -47,7 +47,7 @@ from launcher.runtime.signals import StopRequested, StopSignal
 from launcher.runtime.skip_init import InitSkip
 from launcher.runtime.state import Registered, Snapshot
 from launcher.runtime.transfer import recv_state, send_state
-from launcher.runtime.wait_probe import CppWaitProbe, cpp_wait_codes
+from launcher.runtime.wait_probe import STUCK_AFTER_BREAK_S, CppWaitProbe, StuckWaitAlarm, cpp_wait_codes
 
 
 # phases the agent hears at once (the channel's writer is woken); a step's phase edges are read at
@@ -170,6 +170,7 @@ class Runtime:
         # sockets of every gloo group, so that a stop can break waits torch runs in C++ (rt.ddp)
         self._sockets = SocketLedger(lambda: self._stop.target)
         self._stop.on_request(self._break_old_groups)
+        self._stuck_alarm: StuckWaitAlarm | None = None  # set with the C++ waits (rt.ddp on gloo)
         self._graveyard = Graveyard()
         self._coll = Interruptible(self._stop, self._graveyard, lambda: self.generation,
                                    env.collective_timeout, self._on_collective_error, self._abort_groups,
@@ -300,6 +301,17 @@ class Runtime:
             if n:
                 self.log(f"stop for generation {target}: shut down {n} sockets of the older groups "
                          "(leaves DDP's waits in C++)")
+            if self._stuck_alarm is not None:
+                self._stuck_alarm.arm(target)
+
+    def _report_stuck(self, target: int) -> None:
+        """(the alarm's timer) The training thread stayed in its C++ wait after the break: tell
+        the agent, which replaces this rank in the round now (see StuckWaitAlarm)."""
+        self.log(f"still inside a collective wait in C++ {STUCK_AFTER_BREAK_S:g}s after the stop for generation "
+                 f"{target} shut down its sockets: a send gloo had queued on a failed connection, which gloo "
+                 "never fails; asking the agent to replace this rank")
+        if self._channel is not None:
+            self._channel.update(stuck=True)
 
     def _enable_cpp_waits(self) -> None:
         """Something waits for collectives in C++ from now on (DDP's own reducer): break
@@ -313,6 +325,8 @@ class Runtime:
         self._sockets.enabled = True
         if self._channel is not None:
             self._channel.set_wait_probe(CppWaitProbe(cpp_wait_codes()))
+            self._stuck_alarm = StuckWaitAlarm(cpp_wait_codes(), lambda g: self.generation >= g,
+                                               self._report_stuck)
 
     def _note_waiting(self, busy: bool) -> None:
         if self._channel is not None:
@@ -666,7 +680,7 @@ class Runtime:
         """Post this rank's status for `generation` and wait for the controller's plan."""
         self.generation = generation
         if self._channel is not None:  # heartbeats from now on answer the stop of this round
-            self._channel.update(generation=generation)
+            self._channel.update(generation=generation, stuck=False)
         self._set_phase("recovering")
         self._mark("status")
         status = self._status(generation)
@@ -914,6 +928,8 @@ class Runtime:
         if self._finished:
             return
         self._finished = True
+        if self._stuck_alarm is not None:
+            self._stuck_alarm.cancel()
         self._set_phase("done")
         abandoned = len(self._graveyard)
         if not abandoned and dist.is_initialized():
