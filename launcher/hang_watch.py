@@ -32,7 +32,7 @@ The rule (auto):
     rank sent to it): gloo's TCP pair fails only bound buffers in its transmit queue, not the
     unbound ones collectives use, so that send waits for the group's whole timeout (found with
     gdb in a survivor stuck in DDP's ring all-reduce; reproduced in
-    tests/test_runtime_group_sockets.py). It happened in about one kill in ten during DDP's
+    tests/test_runtime_group_sockets.py). It happened in one kill in ten to forty during DDP's
     all-reduces here. Such a rank usually says so itself (heartbeat `stuck`: its training thread
     stayed in the wait, without CPU, a second after the break; launcher.runtime.wait_probe):
     then it is hung at once. Killed, the rank is a fault of the round in progress and is
@@ -262,7 +262,8 @@ class HangWatch:
         return out
 
     def _judge(self, rank: int, clock: RankClock, now: float, state_of: StateReader) -> Hang | None:
-        if clock.stop is not None and (clock.stuck or clock.waiting and now - clock.stop[1] > self.policy.stop_answer):
+        overdue_stop = clock.waiting and clock.stop is not None and now - clock.stop[1] > self.policy.stop_answer
+        if clock.stop is not None and (clock.stuck or overdue_stop):
             g, sent = clock.stop
             why = ("its own check: the C++ wait outlived the shutdown of its sockets, a send gloo queued on a "
                    "failed connection" if clock.stuck else

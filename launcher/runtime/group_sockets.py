@@ -16,8 +16,9 @@ a peer that is not yet stopped takes it as a collective error and waits for its 
 Limit (gloo's, not ours): a send gloo had already queued on a connection before that connection
 failed (a peer killed while this rank sent to it) is not failed when the pair closes -- gloo's
 pair fails the bound buffers in its transmit queue, not the unbound ones collectives use -- so
-that wait lasts the group's whole timeout, shutdown or not. The agent's hang watch replaces such
-a survivor `FTRUN_HANG_STOP` after the stop (see launcher.hang_watch).
+that wait lasts the group's whole timeout, shutdown or not. The rank finds that out itself a
+second after the stop (launcher.runtime.wait_probe.StuckWaitAlarm) and the agent replaces it
+(launcher.hang_watch; `FTRUN_HANG_STOP` after the stop when nothing said so earlier).
 
 Safety: only connected TCP sockets that appeared while the group was built are recorded; gloo's
 listening socket is left alone (shutting it down makes gloo abort the whole process), and so are

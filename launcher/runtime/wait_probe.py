@@ -95,8 +95,7 @@ class StuckWaitAlarm:
 
     def arm(self, generation: int) -> None:
         probe = CppWaitProbe(self._codes, self._thread, quiet_s=self._after_s * 0.9)
-        if probe():  # first sample: records the thread's CPU clock (always False)
-            return
+        probe()  # the first sample records where the thread is and its CPU clock
         timer = threading.Timer(self._after_s, self._fire, args=(generation, probe))
         timer.daemon = True
         with self._lock:
