@@ -54,43 +54,46 @@ def test_the_functions_ddp_waits_in_are_found_in_this_torch():
 
 
 class _Gate:
-    """Held until `set()`: a thread in `_blocked` sits in one C call (lock.acquire) meanwhile."""
+    """A thread in `hold()` sits in one C call (lock.acquire) until `open()`: its frame stays
+    `hold`, its CPU clock stands still."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._lock.acquire()
+        self._opened = False
 
-    def set(self) -> None:
-        if self._lock.locked():
+    def hold(self) -> None:
+        self._lock.acquire(timeout=5.0)
+
+    def open(self) -> None:
+        if not self._opened:
+            self._opened = True
             self._lock.release()
 
 
-def _blocked(gate: _Gate) -> None:
-    if gate._lock.acquire(timeout=5.0):  # the frame stays this one, the CPU clock stands still
-        gate._lock.release()
-
-
-def _alarm_run(answered_after: float | None, release_after: float | None) -> list[int]:
-    """A thread blocked in `_blocked`; the alarm armed for generation 3 with 0.3 s. The thread is
-    released, or the stop answered, after the given seconds (None: never). Returns the
-    generations the alarm reported stuck."""
-    release, stuck = _Gate(), []
-    t = threading.Thread(target=_blocked, args=(release,), daemon=True)
+def _alarm_run(answered_after: float | None, release_after: float | None, cancel: bool = False) -> list[int]:
+    """A thread held in `_Gate.hold`; the alarm armed for generation 3 with 0.3 s. The thread is
+    released, or the stop answered, after the given seconds (None: never); `cancel`: the alarm
+    is cancelled right after it was armed. Returns the generations it reported stuck."""
+    gate, stuck = _Gate(), []
+    t = threading.Thread(target=gate.hold, daemon=True)
     t.start()
     t0 = time.monotonic()
     answered = lambda g: answered_after is not None and time.monotonic() - t0 >= answered_after  # noqa: E731
-    alarm = StuckWaitAlarm([_blocked.__code__], answered, stuck.append, thread=t, after_s=0.3)
+    alarm = StuckWaitAlarm([_Gate.hold.__code__], answered, stuck.append, thread=t, after_s=0.3)
     try:
         time.sleep(0.05)
         alarm.arm(3)
+        if cancel:
+            alarm.cancel()
         if release_after is not None:
             time.sleep(release_after)
-            release.set()
+            gate.open()
         time.sleep(0.6)
         return stuck
     finally:
         alarm.cancel()
-        release.set()
+        gate.open()
         t.join(5)
 
 
@@ -104,16 +107,4 @@ def test_a_wait_that_ends_or_a_stop_answered_in_time_is_not():
 
 
 def test_cancel_stops_a_pending_alarm():
-    release, stuck = _Gate(), []
-    t = threading.Thread(target=_blocked, args=(release,), daemon=True)
-    t.start()
-    try:
-        time.sleep(0.05)
-        alarm = StuckWaitAlarm([_blocked.__code__], lambda g: False, stuck.append, thread=t, after_s=0.2)
-        alarm.arm(1)
-        alarm.cancel()
-        time.sleep(0.4)
-        assert stuck == []
-    finally:
-        release.set()
-        t.join(5)
+    assert _alarm_run(None, None, cancel=True) == []

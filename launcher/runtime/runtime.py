@@ -324,9 +324,9 @@ class Runtime:
             return
         self._sockets.enabled = True
         if self._channel is not None:
-            self._channel.set_wait_probe(CppWaitProbe(cpp_wait_codes()))
-            self._stuck_alarm = StuckWaitAlarm(cpp_wait_codes(), lambda g: self.generation >= g,
-                                               self._report_stuck)
+            codes = cpp_wait_codes()
+            self._channel.set_wait_probe(CppWaitProbe(codes))
+            self._stuck_alarm = StuckWaitAlarm(codes, lambda g: self.generation >= g, self._report_stuck)
 
     def _note_waiting(self, busy: bool) -> None:
         if self._channel is not None:
