@@ -24,6 +24,7 @@ from launcher.runtime.replicas import AUTO_STRIPES, MAX_STRIPES
 from rendezvous.endpoints import (ETCD_DEFAULT_PORT, EndpointError, parse_endpoint,
                                   parse_endpoints)
 from rendezvous.hosting import wants_to_host
+from rendezvous.loop_priority import DEFAULT_NICE, loop_nice
 from rendezvous.settings import RendezvousSettings
 
 EMBEDDED_BACKENDS = {"static", "c10d", "parallel", "embedded"}
@@ -85,6 +86,7 @@ class LaunchConfig:
     hang_timeout: float | None = None  # None = auto (adaptive), 0 = off
     hang: HangPolicy = field(default_factory=HangPolicy)  # --hang-timeout + FTRUN_HANG_* knobs
     fault_window: float = 2.0  # FTRUN_FAULT_WINDOW: s the controller holds possible consequences
+    store_nice: int = DEFAULT_NICE  # FTRUN_STORE_NICE: the store's / proxy's loop thread priority
     warm_spares: int = 2  # --warm-spares / FTRUN_WARM_SPARES: pre-started replacements per node
     transfer_stripes: int = 0  # FTRUN_TRANSFER_STRIPES: senders per replacement; 0 = auto (one per node)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
@@ -315,6 +317,7 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     else:
         _etcd_node(cfg, raw)
     _proxy(cfg)
+    _store_priority(cfg, env)
     _parity_notes(cfg)
     return cfg
 
@@ -619,6 +622,14 @@ def _proxy(cfg: LaunchConfig) -> None:
     if cfg.store_backend == "etcd" and not cfg.proxy:
         raise ConfigError("--rdzv-conf proxy=false is not possible with etcd: unmodified workers "
                           "speak TCPStore, which only the per-node proxy translates to etcd")
+
+
+def _store_priority(cfg: LaunchConfig, env: dict[str, str]) -> None:
+    """FTRUN_STORE_NICE: the nice value of the hosted store's and the proxy's loop threads."""
+    try:
+        cfg.store_nice = loop_nice(env)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _parity_notes(cfg: LaunchConfig) -> None:

@@ -115,7 +115,8 @@ class StoreStack:
 
         cfg = self.cfg
         h = host_or_join(cfg.store_host, cfg.store_port, cfg.rdzv_id, cfg.is_store_host,
-                         token=self.token, timeout=cfg.rdzv_settings.read_timeout)
+                         token=self.token, timeout=cfg.rdzv_settings.read_timeout,
+                         nice=cfg.store_nice)
         self._server, self.hosting = h.server, h.hosting
         if h.hosting and cfg.proxy and self.token is None:
             self.log.warning("store-auth", "no job token (FTRUN_JOB_TOKEN or --rdzv-conf "
@@ -140,7 +141,8 @@ class StoreStack:
                              "token_file=...): the store port accepts any client")
         host = "127.0.0.1" if cfg.store_port == 0 else "0.0.0.0"
         self._server = StoreServer(host=host, port=cfg.store_port,
-                                   token=self.token if cfg.proxy else None)
+                                   token=self.token if cfg.proxy else None,
+                                   nice=cfg.store_nice)
         self._server.start()
         self.hosting = True
         self.log.info("store", f"hosting the store on {host}:{self._server.port}"
@@ -312,11 +314,12 @@ class StoreStack:
         from rendezvous.proxy import StoreProxy
 
         if cfg.store_backend == "etcd":
-            self._proxy = StoreProxy(self._etcd_kv, listen_host="127.0.0.1", port=0)
+            self._proxy = StoreProxy(self._etcd_kv, listen_host="127.0.0.1", port=0,
+                                     nice=cfg.store_nice)
         else:
             host = "127.0.0.1" if self._server is not None else cfg.store_host
             self._proxy = StoreProxy((host, self.store_port(), self.token),
-                                     listen_host="127.0.0.1", port=0)
+                                     listen_host="127.0.0.1", port=0, nice=cfg.store_nice)
         self._proxy.start()
         self.log.info("proxy", f"store proxy for local workers on 127.0.0.1:{self._proxy.port}")
         return "127.0.0.1", int(self._proxy.port)

@@ -490,8 +490,9 @@ class StoreProxy(LoopServer):
     def __init__(self, upstream, listen_host: str = "127.0.0.1", port: int = 0,
                  limits: P.Limits = P.DEFAULT_LIMITS,
                  log: Callable[[str], None] | None = None,
-                 upstream_timeout: float = 30.0, max_hold: float = 0.002) -> None:
-        super().__init__(listen_host, port, None, limits, log)
+                 upstream_timeout: float = 30.0, max_hold: float = 0.002,
+                 nice: int | None = None) -> None:
+        super().__init__(listen_host, port, None, limits, log, nice)
         if isinstance(upstream, tuple) and len(upstream) in (2, 3):
             host, uport = upstream[0], upstream[1]
             token = upstream[2] if len(upstream) == 3 else None

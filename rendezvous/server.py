@@ -41,6 +41,7 @@ from typing import Callable
 from rendezvous import protocol as P
 from rendezvous.auth import AUTH_KEY, check_token, token_matches
 from rendezvous.kv import StoreError
+from rendezvous.loop_priority import LoopPriority, check_nice, loop_nice
 from rendezvous.memory import LocalKV, MemoryStore, Waiter, apply
 
 _log = logging.getLogger("ftrun.store")
@@ -166,9 +167,11 @@ class LoopServer:
     _accepts_per_turn = 256
 
     def __init__(self, host: str, port: int, token: str | None, limits: P.Limits,
-                 log: Callable[[str], None] | None) -> None:
+                 log: Callable[[str], None] | None, nice: int | None = None) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port={port!r}: must be an integer in 0-65535")
+        # The loop thread's nice value (rendezvous.loop_priority): FTRUN_STORE_NICE when None.
+        self.nice = loop_nice() if nice is None else check_nice(nice)
         if not isinstance(limits, P.Limits):
             raise TypeError(f"limits={limits!r}: must be a rendezvous.protocol.Limits")
         self.host = host
@@ -292,6 +295,9 @@ class LoopServer:
 
     def _run(self) -> None:
         self._loop_ident = threading.get_ident()
+        prio = self._priority = LoopPriority(
+            self.nice, lambda m: _log.info("%s:%d %s", self._name, self._port, m))
+        prio.update(len(self._conns))
         lfd = self._lsock.fileno()
         wfd = self._wake_fd
         conns = self._conns
@@ -347,6 +353,7 @@ class LoopServer:
                 if now >= next_sweep:
                     next_sweep = now + 1.0
                     self._sweep(now)
+                    prio.update(len(conns))  # back to the raised priority once they left
         except Exception as e:  # pragma: no cover - a bug; never leave clients hanging
             self.log(f"{self._name} loop crashed: {type(e).__name__}: {e}")
             raise
@@ -377,6 +384,8 @@ class LoopServer:
             self._conns[c.fd] = c
             self._ep.register(c.fd, _EPOLLIN)
             self.stats["accepted"] += 1
+            if len(self._conns) > self._priority.max_connections:
+                self._priority.update(len(self._conns))
 
     def _read(self, c: _Conn) -> None:
         """One read. The common case of a rendezvous — one complete request that `_quick`
@@ -695,8 +704,8 @@ class StoreServer(LoopServer):
     def __init__(self, host: str = "0.0.0.0", port: int = 0, token: str | None = None,
                  limits: P.Limits = P.DEFAULT_LIMITS,
                  log: Callable[[str], None] | None = None,
-                 table: MemoryStore | None = None) -> None:
-        super().__init__(host, port, token, limits, log)
+                 table: MemoryStore | None = None, nice: int | None = None) -> None:
+        super().__init__(host, port, token, limits, log, nice)
         self.table = table if table is not None else MemoryStore()
         self.kv = LocalKV(self.table)
         self._table_data = self.table._data  # read-only use by _quick (GET, WAIT present)

@@ -87,7 +87,7 @@ def serve(host: str, port: int, token_file: str | None) -> None:
         try:
             server = StoreServer(host=host, port=port, token=token,
                                  log=lambda m: click.echo(m, err=True)).start()
-        except StoreError as e:
+        except (StoreError, ValueError) as e:  # ValueError: FTRUN_STORE_NICE
             raise click.ClickException(str(e)) from None
         with server:
             click.echo(f"ftrun store listening on {host}:{server.port} "

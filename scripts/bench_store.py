@@ -24,7 +24,8 @@ namespaces): BENCH_STORE_HOST the address clients connect to, BENCH_STORE_BIND t
 master binds, BENCH_STORE_UPSTREAM the address proxies forward to (all default 127.0.0.1).
 
 Usage: python scripts/bench_store.py [--sizes 256,1024,4096] [--repeat 1]
-       [--backends torch,ftrun,ftrun-proxy,ftrun@OLD_CHECKOUT,ftrun-proxy@OLD_CHECKOUT]
+       [--backends torch,ftrun,ftrun-proxy,ftrun@OLD_CHECKOUT,ftrun-proxy@OLD_CHECKOUT,ftrun%0]
+       (NAME%N: that backend with FTRUN_STORE_NICE=N)
 """
 from __future__ import annotations
 
@@ -123,8 +124,10 @@ for p in ps:
 
 
 
-def env(repo: str = REPO) -> dict[str, str]:
+def env(repo: str = REPO, nice: str | None = None) -> dict[str, str]:
     e = dict(os.environ)
+    if nice is not None:  # the loop threads' priority of this backend's server and proxies
+        e["FTRUN_STORE_NICE"] = nice
     e["PYTHONPATH"] = repo + os.pathsep + e.get("PYTHONPATH", "")
     e["OMP_NUM_THREADS"] = "1"
     e.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -143,8 +146,9 @@ def cpu_seconds(pid: int) -> float:
     return total / 1e9
 
 
-def spawn(code: str, *args: object, repo: str = REPO) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env(repo),
+def spawn(code: str, *args: object, repo: str = REPO,
+          nice: str | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env(repo, nice),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, bufsize=1)
 
@@ -175,19 +179,22 @@ def read_line(p: subprocess.Popen, want: str, timeout: float = 300) -> list[str]
     raise RuntimeError(f"timed out waiting for {want!r}")
 
 
-def split_kind(kind: str) -> tuple[str, str]:
-    """"ftrun-proxy@/path/to/checkout" -> ("ftrun-proxy", that checkout); no "@": this one."""
-    base, _, repo = kind.partition("@")
-    return base, os.path.abspath(repo) if repo else REPO
+def split_kind(kind: str) -> tuple[str, str, str | None]:
+    """"ftrun-proxy%-5@/path/to/checkout" -> ("ftrun-proxy", that checkout, "-5"): no "@": this
+    checkout; "%N": FTRUN_STORE_NICE=N for that backend's server and proxies (no "%": the
+    environment's, i.e. ftrun's default)."""
+    rest, _, repo = kind.partition("@")
+    base, _, nice = rest.partition("%")
+    return base, os.path.abspath(repo) if repo else REPO, nice or None
 
 
 def start_master(kind: str) -> tuple[subprocess.Popen, int]:
-    kind, repo = split_kind(kind)
+    kind, repo, nice = split_kind(kind)
     if kind == "torch":
         p = spawn(TORCH_SERVER)
         return p, int(read_line(p, "port")[1])
     p = subprocess.Popen([sys.executable, "-m", "rendezvous.store_cli", "serve", "--host",
-                          "127.0.0.1", "--port", "0"], env=env(repo), stdin=subprocess.PIPE,
+                          "127.0.0.1", "--port", "0"], env=env(repo, nice), stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     line = p.stdout.readline()
     if "listening on" not in line:
@@ -220,14 +227,14 @@ def run_scenario(kind: str, n: int, procs: int) -> dict:
     try:
         ports = [mport]
         per_port = n
-        base, repo = split_kind(kind)
+        base, repo, nice = split_kind(kind)
         if base == "ftrun-proxy":
             nproxies = max(1, n // PER_PROXY)
             hosts = nproxies  # one proxy per process, as on real nodes
             ports = []
             for h in range(hosts):
                 k = nproxies // hosts + (1 if h < nproxies % hosts else 0)
-                p = spawn(PROXY_HOST, mport, k, repo=repo)
+                p = spawn(PROXY_HOST, mport, k, repo=repo, nice=nice)
                 helpers.append(p)
                 ports += [int(x) for x in read_line(p, "ports")[1].split(",")]
             per_port = PER_PROXY
@@ -274,7 +281,9 @@ def main() -> None:
                          "order rotating each round); the best is kept, the median reported too")
     ap.add_argument("--backends", default="torch,ftrun,ftrun-proxy",
                     help="comma-separated; NAME@PATH runs ftrun's server/proxies from the "
-                         "checkout at PATH (e.g. ftrun@/work/main: a before/after in one run)")
+                         "checkout at PATH (e.g. ftrun@/work/main: a before/after in one run); "
+                         "NAME%%N with FTRUN_STORE_NICE=N (e.g. ftrun%%0: the loop threads at "
+                         "the inherited priority)")
     a = ap.parse_args()
     print(json.dumps({"setup": "/etc/hosts", "line": HOSTS_LINE,
                       "status": ensure_hosts_line(),

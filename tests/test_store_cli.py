@@ -58,3 +58,10 @@ def test_serve_refuses_a_busy_port() -> None:
         port = s.getsockname()[1]
         r = ftctl("store", "serve", "--host", "127.0.0.1", "--port", str(port))
     assert r.returncode != 0 and "in use" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_serve_rejects_a_bad_store_nice_in_one_line() -> None:
+    r = ftctl("store", "serve", "--host", "127.0.0.1", "--port", "0",
+              env=env_with(FTRUN_STORE_NICE="high"))
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "FTRUN_STORE_NICE='high'" in r.stderr and "-20" in r.stderr

@@ -34,3 +34,31 @@ def test_single_node_stack_hosts_the_store_and_tells_ftctl_where(tmp_path) -> No
             c.close()
     finally:
         stack.close()
+
+
+def test_the_hosted_store_and_the_proxy_loop_at_ftrun_store_nice(tmp_path) -> None:
+    """FTRUN_STORE_NICE goes from the CLI's environment through the config to the store the
+    agent hosts and to its node proxy (only their loop threads; root raises a priority)."""
+    import threading
+
+    import pytest
+
+    from tests.test_loop_priority import settled_nice, thread_nice
+
+    if os.geteuid() != 0:
+        pytest.skip("raising a priority needs CAP_SYS_NICE")
+    (tmp_path / "x.py").write_text("")
+    cfg = build_config(parse(["--nproc_per_node", "2", "--rdzv-conf", "proxy=true",
+                              str(tmp_path / "x.py")]), env={"FTRUN_STORE_NICE": "-4"})
+    stack = StoreStack(cfg, AgentLog(0, None, quiet=True))
+    me = thread_nice(threading.get_native_id())
+    try:
+        stack.open()
+        stack.join("h", lambda n: None, lambda n: None)
+        stack.start_proxy()
+        want = min(me, -4)
+        assert settled_nice(stack._server._thread.native_id, want) == want
+        assert settled_nice(stack._proxy._thread.native_id, want) == want
+        assert thread_nice(threading.get_native_id()) == me
+    finally:
+        stack.close()
