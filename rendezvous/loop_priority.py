@@ -100,7 +100,7 @@ class LoopPriority:
         if want:
             why = raise_thread_priority(self.nice)
             if why:
-                self.nice = 0  # refused: never asked again
+                self.nice = self.inherited  # refused: never asked again
                 self._log(why)
                 return
             self.raised = True
