@@ -43,6 +43,29 @@ def in_thread(fn):
     return out["r"], out["nice"]
 
 
+def in_unprivileged_child(fn, nice: int = 0) -> str:
+    """fn() -> str run in a forked child at nice `nice` that (when we are root) became the
+    unprivileged user nobody first, whose RLIMIT_NICE 0 allows no raised priority."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.nice(nice)
+            if ROOT:
+                os.setgid(65534)
+                os.setuid(65534)
+            os.write(w, fn().encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 4096):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return data.decode()
+
+
 @pytest.mark.parametrize("raw,want", [("", DEFAULT_NICE), ("0", 0), ("-5", -5), (" -20 ", -20)])
 def test_loop_nice_reads_the_variable(raw, want):
     assert loop_nice({"FTRUN_STORE_NICE": raw}) == want
@@ -78,24 +101,11 @@ def test_only_the_calling_thread_is_raised():
 
 @pytest.mark.skipif(not ROOT, reason="needs root to become an unprivileged user")
 def test_a_refusal_is_one_line_and_the_thread_keeps_its_priority():
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: an unprivileged user with RLIMIT_NICE 0 may not raise a priority
-        try:
-            os.setgid(65534)
-            os.setuid(65534)
-            why = raise_thread_priority(-5)
-            nice = thread_nice(threading.get_native_id())
-            os.write(w, f"{nice}|{why}".encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 4096):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    nice, why = data.decode().split("|", 1)
+    def child() -> str:
+        why = raise_thread_priority(-5)
+        return f"{thread_nice(threading.get_native_id())}|{why}"
+
+    nice, why = in_unprivileged_child(child).split("|", 1)
     assert int(nice) == thread_nice(threading.get_native_id())
     assert "cannot raise the loop thread's priority to nice -5" in why and "\n" not in why
 
@@ -140,25 +150,11 @@ def test_the_loop_keeps_its_inherited_priority_above_the_connection_bound():
 def test_an_unprivileged_loop_says_so_once_and_stops_asking():
     """Also from a positive nice (a job started under `nice 5`): after the refusal the loop
     neither asks again nor believes it was raised."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            os.nice(5)
-            if ROOT:
-                os.setgid(65534)
-                os.setuid(65534)
-            logged = []
-            p = LoopPriority(-5, logged.append, max_connections=3)
-            for n in (0, 5, 1, 1):
-                p.update(n)
-            os.write(w, f"{len(logged)}|{p.raised}|{p.nice == p.inherited}".encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 4096):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    assert data.decode() == "1|False|True"
+    def child() -> str:
+        logged = []
+        p = LoopPriority(-5, logged.append, max_connections=3)
+        for n in (0, 5, 1, 1):
+            p.update(n)
+        return f"{len(logged)}|{p.raised}|{p.nice == p.inherited}"
+
+    assert in_unprivileged_child(child, nice=5) == "1|False|True"
