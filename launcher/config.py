@@ -86,7 +86,7 @@ class LaunchConfig:
     hang_timeout: float | None = None  # None = auto (adaptive), 0 = off
     hang: HangPolicy = field(default_factory=HangPolicy)  # --hang-timeout + FTRUN_HANG_* knobs
     fault_window: float = 2.0  # FTRUN_FAULT_WINDOW: s the controller holds possible consequences
-    store_nice: int = DEFAULT_NICE  # FTRUN_STORE_NICE: the store's / proxy's loop thread priority
+    store_nice: int = DEFAULT_NICE  # FTRUN_STORE_NICE: the hosted store's loop thread priority
     warm_spares: int = 2  # --warm-spares / FTRUN_WARM_SPARES: pre-started replacements per node
     transfer_stripes: int = 0  # FTRUN_TRANSFER_STRIPES: senders per replacement; 0 = auto (one per node)
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
@@ -625,7 +625,7 @@ def _proxy(cfg: LaunchConfig) -> None:
 
 
 def _store_priority(cfg: LaunchConfig, env: dict[str, str]) -> None:
-    """FTRUN_STORE_NICE: the nice value of the hosted store's and the proxy's loop threads."""
+    """FTRUN_STORE_NICE: the nice value of the hosted store's loop thread (not the proxy's)."""
     try:
         cfg.store_nice = loop_nice(env)
     except ValueError as e:

@@ -314,12 +314,11 @@ class StoreStack:
         from rendezvous.proxy import StoreProxy
 
         if cfg.store_backend == "etcd":
-            self._proxy = StoreProxy(self._etcd_kv, listen_host="127.0.0.1", port=0,
-                                     nice=cfg.store_nice)
+            self._proxy = StoreProxy(self._etcd_kv, listen_host="127.0.0.1", port=0)
         else:
             host = "127.0.0.1" if self._server is not None else cfg.store_host
             self._proxy = StoreProxy((host, self.store_port(), self.token),
-                                     listen_host="127.0.0.1", port=0, nice=cfg.store_nice)
+                                     listen_host="127.0.0.1", port=0)
         self._proxy.start()
         self.log.info("proxy", f"store proxy for local workers on 127.0.0.1:{self._proxy.port}")
         return "127.0.0.1", int(self._proxy.port)

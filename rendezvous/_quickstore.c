@@ -81,7 +81,7 @@ enum { OP_VALIDATE = 0, OP_SET = 1, OP_GET = 3, OP_ADD = 4, OP_CHECK = 5, OP_WAI
 static PyObject *str_acquire, *str_release, *str_fd, *str_validated, *str_done, *str_remaining,
     *str_waiter, *str_fire, *str_srv, *str_c, *str_tag, *str_closed, *str_out, *str_want_write,
     *str_slots, *str_append, *str_out_bytes, *str_authed, *str_mux, *str_buf, *str_mux_waiters,
-    *str_dirty, *zero;
+    *str_dirty, *str_backlog, *str_batch_since, *zero;
 
 typedef struct {
     char *p;
@@ -935,43 +935,24 @@ static double now_of(clockid_t clock) {
     return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
 }
 
-/* loop_turn(epfd, conns, ctx, timeout) -> (events, results, reads, requests, t0, cpu0):
- * one epoll_wait (the GIL released; timeout in seconds, rounded up to ms as select.epoll
- * does), then, for each readable connection of `conns` (fd -> conn) that `LoopServer._read`
- * would give to the C read path (authenticated, plain, nothing buffered either way, no waiter,
- * no EPOLLOUT / error event), what `read_quick(conn, ctx)` does. `events`: the (fd, mask)
- * pairs left to the Python loop, in epoll's order; `results`: (conn, result) for each read
- * whose result was not a plain count (False, or a tuple) -- the Python loop finishes those as
- * `_read` does; `reads` / `requests`: counted for the ones done here; t0 / cpu0: time.monotonic()
- * and time.thread_time() when epoll_wait returned. */
-static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
-    (void)self;
-    int proxy = nargs == 5 ? PyObject_IsTrue(args[4]) : 0;
-    if (proxy < 0) return NULL;
-    if ((nargs != 4 && nargs != 5) || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) ||
-        PyTuple_GET_SIZE(args[2]) != (proxy ? PCTX_SIZE : CTX_SIZE)) {
-        PyErr_SetString(PyExc_TypeError, "loop_turn(epfd, conns: dict, ctx, timeout, proxy=False): "
-                        "ctx is read_quick's 12-tuple, or proxy_read's 6-tuple with proxy");
-        return NULL;
+/* Whether `owner` has Python work queued for the end of the turn: a non-empty `_dirty`
+ * (output a fired waiter queued) or `_backlog` (a connection over its budget). -1: error. */
+static int owner_busy(PyObject *owner) {
+    PyObject *names[2] = {str_dirty, str_backlog};
+    for (int i = 0; i < 2; i++) {
+        PyObject *v = PyObject_GetAttr(owner, names[i]);
+        if (v == NULL) return -1;
+        int t = PyObject_IsTrue(v);
+        Py_DECREF(v);
+        if (t) return t;
     }
-    int epfd = (int)PyLong_AsLong(args[0]);
-    double timeout = PyFloat_AsDouble(args[3]);
-    if (PyErr_Occurred()) return NULL;
-    PyObject *conns = args[1], *ctx = args[2];
-    int ms = timeout < 0 ? -1 : (int)ceil(timeout * 1000.0);
-    struct epoll_event evs[TURN_EVENTS];
-    int got;
-    Py_BEGIN_ALLOW_THREADS
-    got = epoll_wait(epfd, evs, TURN_EVENTS, ms);
-    Py_END_ALLOW_THREADS
-    double t0 = now_of(CLOCK_MONOTONIC), cpu0 = now_of(CLOCK_THREAD_CPUTIME_ID);
-    if (got < 0) {
-        if (errno != EINTR) return PyErr_SetFromErrno(PyExc_OSError);
-        got = 0;
-    }
-    PyObject *left = PyList_New(0), *results = PyList_New(0);
-    long reads = 0, requests = 0;
-    if (left == NULL || results == NULL) goto fail;
+    return 0;
+}
+
+/* One turn's events: fills `left` / `results` and counts, as loop_turn documents. */
+static int turn_events(struct epoll_event *evs, int got, PyObject *conns, PyObject *ctx,
+                       int proxy, PyObject *left, PyObject *results, long *reads,
+                       long *requests) {
     for (int i = 0; i < got; i++) {
         int fd = evs[i].data.fd;
         uint32_t ev = evs[i].events;
@@ -979,10 +960,10 @@ static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nar
         int mine = ev == EPOLLIN;
         if (mine) {
             PyObject *key = PyLong_FromLong(fd);
-            if (key == NULL) goto fail;
+            if (key == NULL) return -1;
             conn = PyDict_GetItemWithError(conns, key); /* borrowed; held from the gate on */
             Py_DECREF(key);
-            if (conn == NULL && PyErr_Occurred()) goto fail;
+            if (conn == NULL && PyErr_Occurred()) return -1;
             mine = conn != NULL;
         }
         if (mine && proxy) { /* StoreProxy._read's gate for proxy_read */
@@ -1020,8 +1001,8 @@ static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nar
             PyObject *r = proxy ? proxy_queue(conn, ctx) : quick(conn, ctx);
             if (r == NULL) goto fail_conn;
             if (PyLong_CheckExact(r)) {
-                reads++;
-                requests += PyLong_AsLong(r);
+                (*reads)++;
+                *requests += PyLong_AsLong(r);
             } else if (r != Py_None) {
                 PyObject *item = PyTuple_Pack(2, conn, r);
                 if (item == NULL || PyList_Append(results, item) < 0) {
@@ -1038,15 +1019,119 @@ static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nar
         PyObject *pair = Py_BuildValue("(iI)", fd, (unsigned int)ev);
         if (pair == NULL || PyList_Append(left, pair) < 0) {
             Py_XDECREF(pair);
-            goto fail;
+            return -1;
         }
         Py_DECREF(pair);
         continue;
     fail_conn:
         Py_DECREF(conn);
-        goto fail;
+        return -1;
     }
-    return Py_BuildValue("(NNlldd)", left, results, reads, requests, t0, cpu0);
+    return 0;
+}
+
+/* loop_turn(epfd, conns, ctx, timeout, proxy=False, until=0.0, owner=None, hold=0.0)
+ *   -> (events, results, reads, requests, t0, cpu0, busy, max_s, max_cpu):
+ * one epoll_wait (the GIL released; timeout in seconds, rounded up to ms as select.epoll
+ * does), then, for each readable connection of `conns` (fd -> conn) that `LoopServer._read`
+ * would give to the C read path (authenticated, plain, nothing buffered either way, no waiter,
+ * no EPOLLOUT / error event), what `read_quick(conn, ctx)` does. `events`: the (fd, mask)
+ * pairs left to the Python loop, in epoll's order; `results`: (conn, result) for each read
+ * whose result was not a plain count (False, or a tuple) -- the Python loop finishes those as
+ * `_read` does; `reads` / `requests`: counted for the ones done here; t0 / cpu0: time.monotonic()
+ * and time.thread_time() when the last epoll_wait returned.
+ *
+ * With `until` (a time.monotonic() deadline) and `owner` (the LoopServer) it turns again, in
+ * C, while a turn leaves nothing to Python: every event was a read done here with a plain
+ * count and `owner._dirty` and `owner._backlog` are empty -- and, for a proxy, its batch is
+ * empty or held: `hold` > 0 (the proxy's `max_hold`, given while answers are outstanding)
+ * and less than `hold` s passed since the batch's first request (`owner._batch_since`, which
+ * this sets when it queues into an empty batch). Each wait is bounded by `timeout`, by `until`
+ * and by the hold's end; a wait that ends without events ends the call. `busy` / `max_s` /
+ * `max_cpu`: the summed wall time and the longest turn (wall, CPU) of the turns before the
+ * last one, whose own the Python loop measures. So a loop whose turns need no Python (the
+ * server's steady state; a proxy collecting a round while the previous one is upstream)
+ * enters Python once per call, not once per turn. */
+static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    int proxy = nargs >= 5 ? PyObject_IsTrue(args[4]) : 0;
+    if (proxy < 0) return NULL;
+    if (nargs < 4 || nargs > 8 || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) ||
+        PyTuple_GET_SIZE(args[2]) != (proxy ? PCTX_SIZE : CTX_SIZE) ||
+        (proxy && !PyList_Check(PyTuple_GET_ITEM(args[2], 0)))) {
+        PyErr_SetString(PyExc_TypeError, "loop_turn(epfd, conns: dict, ctx, timeout, proxy=False, "
+                        "until=0.0, owner=None, hold=0.0): ctx is read_quick's 13-tuple, or "
+                        "proxy_read's 6-tuple with proxy");
+        return NULL;
+    }
+    int epfd = (int)PyLong_AsLong(args[0]);
+    double timeout = PyFloat_AsDouble(args[3]);
+    double until = nargs >= 6 ? PyFloat_AsDouble(args[5]) : 0.0;
+    double hold = nargs >= 8 ? PyFloat_AsDouble(args[7]) : 0.0;
+    if (PyErr_Occurred()) return NULL;
+    PyObject *owner = nargs >= 7 && args[6] != Py_None ? args[6] : NULL;
+    PyObject *conns = args[1], *ctx = args[2];
+    PyObject *batch = proxy ? PyTuple_GET_ITEM(ctx, 0) : NULL;
+    int again = until > 0 && owner != NULL;
+    PyObject *left = PyList_New(0), *results = PyList_New(0);
+    long reads = 0, requests = 0;
+    double t0 = 0, cpu0 = 0, busy = 0, max_s = 0, max_cpu = 0;
+    if (left == NULL || results == NULL) goto fail;
+    struct epoll_event evs[TURN_EVENTS];
+    for (double wait = timeout;;) {
+        int ms = wait < 0 ? -1 : (int)ceil(wait * 1000.0);
+        Py_ssize_t queued = batch != NULL ? PyList_GET_SIZE(batch) : 0;
+        int got;
+        Py_BEGIN_ALLOW_THREADS
+        got = epoll_wait(epfd, evs, TURN_EVENTS, ms);
+        Py_END_ALLOW_THREADS
+        t0 = now_of(CLOCK_MONOTONIC);
+        cpu0 = now_of(CLOCK_THREAD_CPUTIME_ID);
+        if (got < 0) {
+            if (errno != EINTR) {
+                PyErr_SetFromErrno(PyExc_OSError);
+                goto fail;
+            }
+            got = 0;
+        }
+        if (turn_events(evs, got, conns, ctx, proxy, left, results, &reads, &requests) < 0)
+            goto fail;
+        if (!again || got == 0 || PyList_GET_SIZE(left) || PyList_GET_SIZE(results)) break;
+        int b = owner_busy(owner);
+        if (b < 0) goto fail;
+        if (b) break;
+        double end = now_of(CLOCK_MONOTONIC), stop = until;
+        if (batch != NULL && PyList_GET_SIZE(batch) > 0) { /* a proxy's batch: held? */
+            if (hold <= 0) break;
+            double since = t0;
+            if (queued == 0) { /* this turn began it */
+                PyObject *v = PyFloat_FromDouble(t0);
+                if (v == NULL || PyObject_SetAttr(owner, str_batch_since, v) < 0) {
+                    Py_XDECREF(v);
+                    goto fail;
+                }
+                Py_DECREF(v);
+            } else {
+                PyObject *v = PyObject_GetAttr(owner, str_batch_since);
+                if (v == NULL) goto fail;
+                since = PyFloat_AsDouble(v);
+                Py_DECREF(v);
+                if (since == -1.0 && PyErr_Occurred()) goto fail;
+            }
+            if (since + hold < stop) stop = since + hold;
+        }
+        if (end >= stop) break;
+        double spent = end - t0, cpu = now_of(CLOCK_THREAD_CPUTIME_ID) - cpu0;
+        busy += spent;
+        if (spent > max_s) {
+            max_s = spent;
+            max_cpu = cpu;
+        }
+        wait = stop - end;
+        if (timeout >= 0 && timeout < wait) wait = timeout;
+    }
+    return Py_BuildValue("(NNllddddd)", left, results, reads, requests, t0, cpu0, busy, max_s,
+                         max_cpu);
 fail:
     Py_XDECREF(left);
     Py_XDECREF(results);
@@ -1059,8 +1144,8 @@ static PyMethodDef methods[] = {
     {"proxy_read", (PyCFunction)(void (*)(void))proxy_read, METH_FASTCALL,
      "proxy_read(conn, ctx) -> None | False | int | (int, bytes); see the module doc."},
     {"loop_turn", (PyCFunction)(void (*)(void))loop_turn, METH_FASTCALL,
-     "loop_turn(epfd, conns, ctx, timeout, proxy=False) -> (events, results, reads, requests, "
-     "t0, cpu0); see the module doc."
+     "loop_turn(epfd, conns, ctx, timeout, proxy=False, until=0.0, owner=None, hold=0.0) -> (events, "
+     "results, reads, requests, t0, cpu0, busy, max_s, max_cpu); see the module doc."
     },
     {"flush_out", flush_out, METH_O,
      "flush_out(conns) -> list of the connections left to the Python flush; see the module doc."},
@@ -1083,7 +1168,8 @@ PyMODINIT_FUNC PyInit__quickstore(void) {
         {&str_want_write, "want_write"}, {&str_slots, "slots"}, {&str_append, "append"},
         {&str_out_bytes, "out_bytes"}, {&str_authed, "authed"}, {&str_mux, "mux"},
         {&str_buf, "buf"}, {&str_mux_waiters, "mux_waiters"},
-        {&str_dirty, "_dirty"},
+        {&str_dirty, "_dirty"}, {&str_backlog, "_backlog"},
+        {&str_batch_since, "_batch_since"},
     };
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
         *names[i].slot = PyUnicode_InternFromString(names[i].name);

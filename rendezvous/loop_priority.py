@@ -1,4 +1,4 @@
-"""The scheduling priority of the store's and the node proxies' event-loop threads.
+"""The scheduling priority of the store's event-loop thread.
 
 Owns: `loop_nice(environ)`, the nice value those threads ask for (`FTRUN_STORE_NICE`, default
 -10; 0 keeps the inherited priority), rejected in one line when it is not an integer in
@@ -24,6 +24,12 @@ preempt its own clients where they share its host (two runs with 4096 torch clie
 2-core test machine were 10-25 % slower at nice -10 than at nice 0, within that size's spread
 there). Above the bound a store behaves exactly as it did before the priority existed. A real
 job's master serves its node's ranks and one proxy link per node, far below it.
+
+A node proxy (`rendezvous.proxy.StoreProxy`) keeps its inherited priority unless given a
+`nice`: it serves the ranks of its own host, so raised it preempts them at each of their
+requests, wakes once per request instead of once per burst and splits their rounds (with 64
+proxies of 64 clients on 2 cores: 2.5x the upstream requests, 1.6x torch's pattern time;
+about 1.0x at the inherited priority).
 """
 from __future__ import annotations
 

@@ -491,7 +491,10 @@ class StoreProxy(LoopServer):
                  limits: P.Limits = P.DEFAULT_LIMITS,
                  log: Callable[[str], None] | None = None,
                  upstream_timeout: float = 30.0, max_hold: float = 0.002,
-                 nice: int | None = None) -> None:
+                 nice: int = 0) -> None:
+        # The loop thread keeps its inherited priority unless `nice` (< 0) asks otherwise: a
+        # node proxy shares its host with the ranks it serves; raised, it preempts them at
+        # every request (see rendezvous.loop_priority).
         super().__init__(listen_host, port, None, limits, log, nice)
         if isinstance(upstream, tuple) and len(upstream) in (2, 3):
             host, uport = upstream[0], upstream[1]
@@ -633,6 +636,12 @@ class StoreProxy(LoopServer):
         if self._batch:
             return max(0.0, self._batch_since + self.max_hold - time.monotonic())
         return super()._poll_timeout()
+
+    def _turn_hold(self) -> float:
+        """While answers are outstanding a new batch is held up to `max_hold` s; `loop_turn`
+        then keeps collecting it in C (an upstream reply or anything else for Python ends
+        that sooner). With nothing outstanding: 0, a new request goes upstream at once."""
+        return self.max_hold if self._inflight else 0.0
 
     def _end_turn(self) -> None:
         batch = self._batch

@@ -308,11 +308,17 @@ class LoopServer:
         try:
             while not self._stopping:
                 timeout = 0 if self._backlog else self._poll_timeout()
-                if turn is not None:  # C: the wait, and the reads _read gives to read_quick
-                    events, done, reads, requests, t0, c0 = turn(epfd, conns, ctx, timeout,
-                                                                 proxy)
+                if turn is not None:  # C: the wait, and the reads _read gives to read_quick,
+                    # turning again in C while a turn leaves nothing to Python (at most until
+                    # the next sweep)
+                    (events, done, reads, requests, t0, c0, busy, max_s,
+                     max_cpu) = turn(epfd, conns, ctx, timeout, proxy, next_sweep, self,
+                                     self._turn_hold())
                     stats["reads"] += reads
                     stats["requests"] += requests
+                    stats["busy_s"] += busy
+                    if max_s > stats["max_turn_s"]:
+                        stats["max_turn_s"], stats["max_turn_cpu_s"] = max_s, max_cpu
                     for c, r in done:
                         self._quick_done(c, r)
                 else:
@@ -619,6 +625,10 @@ class LoopServer:
     def _poll_timeout(self) -> float:
         """Hook: longest the loop may sleep when nothing happens."""
         return 1.0
+
+    def _turn_hold(self) -> float:
+        """Hook: how long (s) `loop_turn` may hold a proxy's new batch in C; 0: not at all."""
+        return 0.0
 
     def _extra_event(self, fd: int, ev: int) -> None:
         """Hook: an event on a registered fd that is not a client connection."""

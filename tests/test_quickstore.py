@@ -633,3 +633,131 @@ def test_a_running_proxys_loop_queues_plain_reads_in_c() -> None:
             s.close()
         finally:
             px.stop()
+
+
+def _counting_turns(loop) -> list[float]:
+    """Record the times the Python loop of `loop` finishes a turn (`_end_turn` runs once per
+    Python turn, whatever `loop_turn` did in C before it)."""
+    turns: list[float] = []
+    orig = loop._end_turn
+
+    def counted():
+        turns.append(time.monotonic())
+        orig()
+    loop._end_turn = counted
+    return turns
+
+
+def test_a_servers_loop_turns_in_c_while_its_turns_need_no_python() -> None:
+    """`loop_turn` with `until`: 60 round trips of plain frames take no Python turn of their
+    own (before: one each); a write of another thread (the wake fd), a new connection and
+    stop() still reach the Python loop at once."""
+    srv = StoreServer(host="127.0.0.1")
+    turns = _counting_turns(srv)
+    with srv:
+        s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s.sendall(P.handshake_bytes(4))
+        assert recv_exact(s, 4) == P.enc_u32(4)
+        time.sleep(0.05)
+        before = len(turns)
+        for i in range(60):
+            s.sendall(req(P.Op.ADD, [b"/n"], num=1))
+            assert recv_exact(s, 8) == P.enc_i64(i + 1)
+        assert len(turns) - before <= 3, turns  # a sweep (1 s) may fall in the window
+        s.sendall(req(P.Op.WAIT, [b"/late"]))
+        time.sleep(0.05)
+        t0 = time.monotonic()
+        srv.kv.set("late", b"1")  # another thread: the loop leaves C for the delivery
+        assert recv_exact(s, 1) == P.STOP_WAITING_REPLY
+        assert time.monotonic() - t0 < 0.5
+        t0 = time.monotonic()
+        s2 = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
+        s2.sendall(P.handshake_bytes(5))
+        assert recv_exact(s2, 4) == P.enc_u32(5)
+        assert time.monotonic() - t0 < 0.5
+        assert srv.stats["requests"] >= 62 and srv.stats["busy_s"] > 0
+        s.close()
+        s2.close()
+        t0 = time.monotonic()
+    assert time.monotonic() - t0 < 1.0  # stop() wakes the loop out of C
+
+
+def _blocked_upstream(srv: StoreServer):
+    """Hold the table's lock: the server's loop blocks in its Python path (the C read path
+    never blocks on it) and answers nothing until the lock is released."""
+    lock = srv.table._lock
+    lock.acquire()
+    return lock
+
+
+def test_a_proxy_collects_a_held_round_in_c_and_sends_it_as_one() -> None:
+    """While a round is upstream, the requests that arrive are held (`max_hold`) and collected
+    by `loop_turn` in C -- no Python turn per arrival -- then go upstream as one round when
+    the answer comes: two ADDs of two clients become one ADD of their sum, each client gets a
+    value of a serial order."""
+    from rendezvous.proxy import StoreProxy
+    with StoreServer(host="127.0.0.1") as srv:
+        px = StoreProxy(("127.0.0.1", srv.port), max_hold=2.0)
+        turns = _counting_turns(px)
+        with px:
+            socks = []
+            for i in range(3):
+                s = socket.create_connection(("127.0.0.1", px.port), timeout=5)
+                s.sendall(P.handshake_bytes(i))
+                assert recv_exact(s, 4) == P.enc_u32(i)
+                socks.append(s)
+            time.sleep(0.05)
+            lock = _blocked_upstream(srv)
+            try:
+                socks[0].sendall(req(P.Op.ADD, [b"/a"], num=1))  # goes up at once: in flight
+                deadline = time.monotonic() + 5
+                while px.upstream_requests < 1 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                time.sleep(0.05)
+                before, sent = len(turns), px.upstream_requests
+                socks[1].sendall(req(P.Op.ADD, [b"/b"], num=1))
+                time.sleep(0.05)
+                socks[2].sendall(req(P.Op.ADD, [b"/b"], num=2))
+                time.sleep(0.1)
+                assert len(turns) == before, "an arrival into a held round took a Python turn"
+                assert px.upstream_requests == sent == 1 and len(px._batch) == 2
+            finally:
+                lock.release()
+            assert recv_exact(socks[0], 8) == P.enc_i64(1)
+            got = {recv_exact(socks[1], 8), recv_exact(socks[2], 8)}
+            assert got in ({P.enc_i64(1), P.enc_i64(3)}, {P.enc_i64(3), P.enc_i64(2)})
+            assert px.upstream_requests == 2  # the held round: one ADD of 3
+            assert srv.table._data[b"/b"] == b"3"
+            for s in socks:
+                s.close()
+
+
+def test_a_held_round_goes_upstream_when_its_hold_ends() -> None:
+    """The hold is bounded: with the upstream's answer late, a round collected in C leaves
+    after `max_hold` s anyway (the C loop stops at the hold's end)."""
+    from rendezvous.proxy import StoreProxy
+    with StoreServer(host="127.0.0.1") as srv:
+        with StoreProxy(("127.0.0.1", srv.port), max_hold=0.1) as px:
+            a = socket.create_connection(("127.0.0.1", px.port), timeout=5)
+            b = socket.create_connection(("127.0.0.1", px.port), timeout=5)
+            for i, s in enumerate((a, b)):
+                s.sendall(P.handshake_bytes(i))
+                assert recv_exact(s, 4) == P.enc_u32(i)
+            lock = _blocked_upstream(srv)
+            try:
+                a.sendall(req(P.Op.ADD, [b"/a"], num=1))
+                deadline = time.monotonic() + 5
+                while px.upstream_requests < 1 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                t0 = time.monotonic()
+                b.sendall(req(P.Op.ADD, [b"/b"], num=5))
+                while px.upstream_requests < 2 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                waited = time.monotonic() - t0
+                assert px.upstream_requests == 2 and 0.05 < waited < 1.0, waited
+            finally:
+                lock.release()
+            assert recv_exact(a, 8) == P.enc_i64(1)
+            assert recv_exact(b, 8) == P.enc_i64(5)
+            a.close()
+            b.close()

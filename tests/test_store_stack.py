@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from launcher import plan as P
 from launcher.cli import parse
@@ -36,9 +37,11 @@ def test_single_node_stack_hosts_the_store_and_tells_ftctl_where(tmp_path) -> No
         stack.close()
 
 
-def test_the_hosted_store_and_the_proxy_loop_at_ftrun_store_nice(tmp_path) -> None:
+def test_the_hosted_store_loop_at_ftrun_store_nice_and_the_proxy_at_its_own(tmp_path) -> None:
     """FTRUN_STORE_NICE goes from the CLI's environment through the config to the store the
-    agent hosts and to its node proxy (only their loop threads; root raises a priority)."""
+    agent hosts (only its loop thread; root raises a priority); the node proxy's loop keeps
+    the inherited priority (raised, it preempted its own ranks: 4096 clients via proxies
+    took 1.6x torch's time, 1.0x at the inherited priority)."""
     import threading
 
     import pytest
@@ -58,7 +61,12 @@ def test_the_hosted_store_and_the_proxy_loop_at_ftrun_store_nice(tmp_path) -> No
         stack.start_proxy()
         want = min(me, -4)
         assert settled_nice(stack._server._thread.native_id, want) == want
-        assert settled_nice(stack._proxy._thread.native_id, want) == want
+        assert stack._proxy.nice == 0
+        deadline = time.monotonic() + 5
+        while not hasattr(stack._proxy, "_priority") and time.monotonic() < deadline:
+            time.sleep(0.01)  # the loop has started (and applied its priority)
+        time.sleep(0.05)
+        assert thread_nice(stack._proxy._thread.native_id) == me
         assert thread_nice(threading.get_native_id()) == me
     finally:
         stack.close()
