@@ -722,9 +722,11 @@ def test_a_proxy_collects_a_held_round_in_c_and_sends_it_as_one() -> None:
                 assert len(turns) == before, "an arrival into a held round took a Python turn"
                 assert px.upstream_requests == sent == 1 and len(px._batch) == 2
             finally:
+                released = time.monotonic()
                 lock.release()
             assert recv_exact(socks[0], 8) == P.enc_i64(1)
             got = {recv_exact(socks[1], 8), recv_exact(socks[2], 8)}
+            assert time.monotonic() - released < 1.0  # the answer ended the 2 s hold
             assert got in ({P.enc_i64(1), P.enc_i64(3)}, {P.enc_i64(3), P.enc_i64(2)})
             assert px.upstream_requests == 2  # the held round: one ADD of 3
             assert srv.table._data[b"/b"] == b"3"
