@@ -24,7 +24,9 @@ forwards at once). CANCEL_WAIT detaches the caller; the upstream wait is cancell
 when nobody is left on it. PING and VALIDATE are answered locally. Reading and queueing the
 common frames (SET, GET, ADD, WAIT / CHECK) of a local connection and sending the replies run
 in C when the extension `rendezvous._quickstore` was built (`proxy_read`, `flush_out`; the same
-batch as the Python path; `FTRUN_STORE_ACCEL=0` turns it off). The master thus sees
+batch as the Python path; while the batch is empty or held, `loop_turn` keeps reading in C,
+so Python runs once per round; `FTRUN_STORE_ACCEL=0` turns it off). The loop thread keeps its
+inherited priority (`nice`; see `rendezvous.loop_priority`). The master thus sees
 O(nodes) connections and, for the process-group init pattern, O(1) requests per node per
 phase instead of O(ranks).
 
