@@ -20,6 +20,17 @@ def req(op, keys=(), values=(), num=0) -> bytes:
     return P.encode_request(P.Request(op, tuple(keys), tuple(values), num))
 
 
+def validated(port: int, n: int) -> list[socket.socket]:
+    """`n` connections to the store (or proxy) at `port`, each through the handshake."""
+    socks = []
+    for i in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(P.handshake_bytes(i))
+        assert recv_exact(s, 4) == P.enc_u32(i)
+        socks.append(s)
+    return socks
+
+
 def frames() -> list[bytes]:
     """What the C path executes and what it must hand over, interleaved."""
     k, cnt = b"/k", b"/cnt"
@@ -239,13 +250,7 @@ def test_nothing_executes_while_another_thread_holds_the_tables_lock() -> None:
 
 def test_a_set_that_satisfies_a_waiter_wakes_it() -> None:
     with StoreServer(host="127.0.0.1") as srv:
-        conns = []
-        for i in range(2):
-            s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
-            s.sendall(P.handshake_bytes(i))
-            assert recv_exact(s, 4) == P.enc_u32(i)
-            conns.append(s)
-        waiter, writer = conns
+        waiter, writer = validated(srv.port, 2)
         waiter.sendall(req(P.Op.WAIT, [b"/go"]))
         deadline = time.monotonic() + 5
         while not srv.table._waiters and time.monotonic() < deadline:
@@ -253,8 +258,8 @@ def test_a_set_that_satisfies_a_waiter_wakes_it() -> None:
         writer.sendall(req(P.Op.SET, [b"/go"], [b"1"]) + req(P.Op.GET, [b"/go"]))
         assert recv_exact(writer, 9) == P.enc_bytes(b"1")
         assert recv_exact(waiter, 1) == P.STOP_WAITING_REPLY
-        for s in conns:
-            s.close()
+        waiter.close()
+        writer.close()
 
 
 def test_a_reply_larger_than_the_socket_buffer_arrives_whole() -> None:
@@ -700,12 +705,7 @@ def test_a_proxy_collects_a_held_round_in_c_and_sends_it_as_one() -> None:
         px = StoreProxy(("127.0.0.1", srv.port), max_hold=2.0)
         turns = _counting_turns(px)
         with px:
-            socks = []
-            for i in range(3):
-                s = socket.create_connection(("127.0.0.1", px.port), timeout=5)
-                s.sendall(P.handshake_bytes(i))
-                assert recv_exact(s, 4) == P.enc_u32(i)
-                socks.append(s)
+            socks = validated(px.port, 3)
             time.sleep(0.05)
             lock = _blocked_upstream(srv)
             try:
@@ -740,11 +740,7 @@ def test_a_held_round_goes_upstream_when_its_hold_ends() -> None:
     from rendezvous.proxy import StoreProxy
     with StoreServer(host="127.0.0.1") as srv:
         with StoreProxy(("127.0.0.1", srv.port), max_hold=0.1) as px:
-            a = socket.create_connection(("127.0.0.1", px.port), timeout=5)
-            b = socket.create_connection(("127.0.0.1", px.port), timeout=5)
-            for i, s in enumerate((a, b)):
-                s.sendall(P.handshake_bytes(i))
-                assert recv_exact(s, 4) == P.enc_u32(i)
+            a, b = validated(px.port, 2)
             lock = _blocked_upstream(srv)
             try:
                 a.sendall(req(P.Op.ADD, [b"/a"], num=1))
