@@ -51,8 +51,12 @@ def test_device_faults_retry_without_restarting_any_process(tmp_path, ref, kind)
     assert "[injected]" in decide["message"] and decide["fault_kind"] == kind
     repair = job.first("repair-plan")
     # a survivor still committing the step before when the fault stops it is a laggard (repaired
-    # from a replica); the round resumes one step earlier only when every survivor was one
-    assert repair["resume_step"] in (FAULT_STEP - 1, FAULT_STEP) and repair["action"] == "rollback"
+    # from a replica); the round resumes one step earlier only when every survivor was one. When
+    # no survivor had started the fault step yet (all had committed the step before; with
+    # uce-high the faulty rank's own progress does not count) nothing is re-run: "commit" at the
+    # fault step (plan_repair; seen in CI on a loaded machine)
+    assert (repair["resume_step"], repair["action"]) in {
+        (FAULT_STEP - 1, "rollback"), (FAULT_STEP, "rollback"), (FAULT_STEP, "commit")}, repair
     # UCE high level: the state objects are lost and repaired from a replica; the others roll back
     assert repaired_besides_laggards(repair["pairs"]) == ({1} if kind == "uce-high" else set())
     assert_same_params(job.params, ref)
