@@ -1,6 +1,6 @@
 """The scheduling priority of the store's event-loop thread.
 
-Owns: `loop_nice(environ)`, the nice value those threads ask for (`FTRUN_STORE_NICE`, default
+Owns: `loop_nice(environ)`, the nice value that thread asks for (`FTRUN_STORE_NICE`, default
 -10; 0 keeps the inherited priority), rejected in one line when it is not an integer in
 -20..0 (`check_nice` does the same for a value given in code); and
 `raise_thread_priority(nice)`, which applies it to the calling thread only (Linux keeps a nice

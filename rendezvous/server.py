@@ -18,7 +18,8 @@ in C when built; with the C read path the loop's epoll wait and those reads are 
 `loop_turn`, and Python finishes the rest of the turn; while a turn leaves nothing to Python,
 `loop_turn` waits and reads again in C, until the next one-second sweep). Nothing blocks on a
 client: at most 128 requests per connection and 256 accepts run per turn (the rest next
-turn), a stalled reader only grows its own bounded output buffer, a slow sender only holds its own partial frame (closed after `stalled_frame_timeout`),
+turn), a stalled reader only grows its own bounded output buffer, a slow sender only holds
+its own partial frame (closed after `stalled_frame_timeout`),
 and a malformed or over-limit frame closes that connection with one log line. WAITs register a
 waiter in the table; a SET that satisfies thousands of waiters queues one byte per waiter and
 flushes them all at the end of that turn. Limits are a `protocol.Limits`. Writes from other
