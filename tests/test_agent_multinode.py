@@ -24,9 +24,9 @@ def _wait_for(cond, timeout: float, what: str) -> None:
 
 def _communicate_all(procs: dict, timeout: float) -> dict:
     """Every agent's (stdout, stderr) once all exited, read concurrently (one agent's full pipe
-    never blocks it while another is waited for). Past `timeout` s every agent is killed and
-    the test fails with the end of each one's stderr (the first CI failure of the shrink test
-    showed 6 lines of one agent's output and nothing of the other's)."""
+    never blocks it while another is waited for). Past `timeout` s the agents still running get
+    SIGTERM (SIGKILL 20 s later) and the test fails with the end of every agent's stderr (the
+    first CI failure of the shrink test showed 6 lines of one agent and nothing of the other)."""
     import threading
 
     outs: dict = {}
