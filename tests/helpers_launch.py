@@ -58,6 +58,48 @@ def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 120,
                           timeout=timeout, cwd=cwd or REPO)
 
 
+def communicate_all(procs, timeout: float):
+    """Every process's (stdout, stderr) once all exited, read concurrently: one agent whose pipe
+    fills is never blocked while another is waited for, as it was with `communicate()` called
+    on one after the other. `procs`: a list (returns a list in its order) or a dict (a dict).
+    Past `timeout` s the processes still running get SIGTERM (an agent's shutdown logs where it
+    was, and its exit guard dumps every thread's stack when the shutdown itself hangs), SIGKILL
+    20 s later, and the test fails with the end of every process's stderr (a CI failure of a
+    multi-agent test once showed six lines of one agent and nothing of the other)."""
+    import signal
+    import threading
+
+    named = dict(procs) if isinstance(procs, dict) else dict(enumerate(procs))
+    outs: dict = {}
+    late: list = []
+
+    def drain(tag, p: subprocess.Popen) -> None:
+        try:
+            outs[tag] = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            late.append(tag)
+
+    threads = [threading.Thread(target=drain, args=(t, p)) for t, p in named.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 30)
+    if late:
+        for t in late:
+            named[t].send_signal(signal.SIGTERM)
+        for t in late:
+            try:
+                outs[t] = named[t].communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                named[t].kill()
+                outs[t] = named[t].communicate(timeout=30)
+        tails = "\n".join(f"--- process {t} (exit {named[t].returncode}), stderr's end:\n"
+                          f"{(outs[t][1] or '')[-6000:]}" for t in named)
+        raise AssertionError(f"processes {sorted(late)} still running after {timeout:g} s\n"
+                             f"{tails}")
+    if isinstance(procs, dict):
+        return {t: outs[t] for t in named}
+    return [outs[t] for t in named]
 
 
 FAILED_TAIL_LINES = 40

@@ -11,8 +11,8 @@ import warnings
 
 import pytest
 
-from tests.helpers_launch import (FTRUN, TORCHRUN, env_with, events, free_port, pid_alive, run,
-                                  script, wait_for_files)
+from tests.helpers_launch import (FTRUN, TORCHRUN, communicate_all, env_with, events, free_port,
+                                  pid_alive, run, script, wait_for_files)
 
 IGNORED = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 
@@ -200,7 +200,7 @@ def test_two_agents_restart_under_one_generation(tmp_path) -> None:
                        "--log_dir", str(tmp_path / f"log{node}"), script("ddp_plain.py"),
                        "--crash-rank", "1", "--out", out, "--steps", "6"]
         procs.append(_start(cmd, env_with()))
-    outs = [p.communicate(timeout=180) for p in procs]
+    outs = communicate_all(procs, 180)
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     with open(tmp_path / "n0.json", encoding="utf-8") as f:
@@ -228,7 +228,7 @@ def test_two_agents_through_etcd_restart_under_one_generation(tmp_path) -> None:
                            script("ddp_plain.py"), "--crash-rank", "1", "--steps", "6",
                            "--out", str(tmp_path / f"n{node}.json")]
             procs.append(_start(cmd, env_with()))
-        outs = [p.communicate(timeout=180) for p in procs]
+        outs = communicate_all(procs, 180)
         for p, (_, err) in zip(procs, outs):
             assert p.returncode == 0, err[-3000:]
         # etcd node ranks come in arrival order (--node-rank is ignored): rank 0 is on either
@@ -261,7 +261,7 @@ def test_lost_agent_is_noticed_and_a_replacement_joins_the_next_generation(tmp_p
     killed_at = time.time()
     time.sleep(1.0)
     a1b = agent(1, "n1b")
-    outs = [p.communicate(timeout=180) for p in (a0, a1b)]
+    outs = communicate_all([a0, a1b], 180)
     assert a0.returncode == 0 and a1b.returncode == 0, outs[0][1][-2000:] + outs[1][1][-2000:]
     ev0 = events(str(tmp_path / "logn0"))
     lost = [e for e in ev0 if e["event"] == "node-lost"]
@@ -292,7 +292,7 @@ def test_dynamic_min_max_rendezvous_on_the_embedded_store(tmp_path) -> None:
     time.sleep(0.5)
     other = _start(FTRUN + common + ["--log_dir", str(tmp_path / "b"), script("ddp_plain.py"),
                                      "--steps", "3"], env_with())
-    outs = [p.communicate(timeout=120) for p in (host, other)]
+    outs = communicate_all([host, other], 120)
     assert host.returncode == 0 and other.returncode == 0, outs[0][1][-2000:] + outs[1][1][-2000:]
     with open(tmp_path / "out.json", encoding="utf-8") as f:
         assert json.load(f)["world"] == 2

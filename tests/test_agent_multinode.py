@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from launcher.config import ConfigError
-from tests.helpers_launch import FTRUN, env_with, free_port, run, script
+from tests.helpers_launch import FTRUN, communicate_all, env_with, free_port, run, script
 from tests.test_agent_signals import _events, _wait_event
 
 
@@ -20,45 +20,6 @@ def _wait_for(cond, timeout: float, what: str) -> None:
     while not cond():
         assert time.monotonic() < deadline, f"no {what} within {timeout:g} s"
         time.sleep(0.05)
-
-
-def _communicate_all(procs: dict, timeout: float) -> dict:
-    """Every agent's (stdout, stderr) once all exited, read concurrently (one agent's full pipe
-    never blocks it while another is waited for). Past `timeout` s the agents still running get
-    SIGTERM (SIGKILL 20 s later) and the test fails with the end of every agent's stderr (the
-    first CI failure of the shrink test showed 6 lines of one agent and nothing of the other)."""
-    import threading
-
-    outs: dict = {}
-    late: list = []
-
-    def drain(tag, p: subprocess.Popen) -> None:
-        try:
-            outs[tag] = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            late.append(tag)
-
-    threads = [threading.Thread(target=drain, args=(t, p)) for t, p in procs.items()]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout + 30)
-    if late:  # SIGTERM first: an agent's shutdown says what it was in (its exit guard dumps
-        # every thread's stack when the shutdown itself hangs)
-        import signal
-
-        for t in late:
-            procs[t].send_signal(signal.SIGTERM)
-        for t in late:
-            try:
-                outs[t] = procs[t].communicate(timeout=20)
-            except subprocess.TimeoutExpired:
-                procs[t].kill()
-                outs[t] = procs[t].communicate(timeout=30)
-        tails = "\n".join(f"--- agent {t} (exit {procs[t].returncode}), stderr's end:\n"
-                          f"{(outs[t][1] or '')[-6000:]}" for t in procs)
-        raise AssertionError(f"agents {sorted(late)} still running after {timeout:g} s\n{tails}")
-    return {t: outs[t] for t in procs}  # in `procs`' order
 
 
 def _same_command(tmp, backend: str, endpoint: str, tag: str, *worker: str) -> subprocess.Popen:
@@ -72,7 +33,7 @@ def _same_command(tmp, backend: str, endpoint: str, tag: str, *worker: str) -> s
 
 
 def _both_finish(tmp, procs: list[subprocess.Popen]) -> None:
-    outs = list(_communicate_all(dict(enumerate(procs)), 120).values())
+    outs = communicate_all(procs, 120)
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     ranks = sorted(e["group_rank"] for tag in ("a", "b") for e in _events(str(tmp / f"log{tag}"))
@@ -117,7 +78,7 @@ def test_a_late_node_waits_as_a_hot_spare_and_exits_0_when_the_job_ends(tmp_path
         procs.append(spare)
         ev = _wait_event(str(tmp_path / "logs"), lambda e: e["event"] == "hot-spare", timeout=30)
         assert "waits as a hot spare" in ev["message"]
-        outs = list(_communicate_all(dict(enumerate(procs)), 60).values())
+        outs = communicate_all(procs, 60)
         for p, (_, err) in zip(procs, outs):
             assert p.returncode == 0, err[-3000:]
         assert not any(e["event"] == "spawn" for e in _events(str(tmp_path / "logs")))
@@ -295,7 +256,7 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
         for pid in (procs[lost].pid, spawn["pid"]):  # node 1 crashes: agent and worker
             os.kill(pid, signal.SIGKILL)
         procs[lost].wait(10)
-        outs = _communicate_all({t: procs[t] for t in (host, other)}, 90)
+        outs = communicate_all({t: procs[t] for t in (host, other)}, 90)
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -368,7 +329,7 @@ def test_scale_up_restart_grows_the_world_with_a_late_node(tmp_path) -> None:
             _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "spawn", 60)
         time.sleep(2.0)
         procs["c"] = agent("c")
-        outs = _communicate_all(procs, 90)
+        outs = communicate_all(procs, 90)
     finally:
         for p in procs.values():
             if p.poll() is None:
@@ -575,7 +536,7 @@ def test_a_replacement_is_repaired_by_one_replica_on_each_other_node(tmp_path) -
         time.sleep(1.5)  # a few steps in
         w1 = next(e["pid"] for e in _events(str(tmp_path / f"log{tag1}")) if e["event"] == "spawn")
         os.kill(w1, signal.SIGKILL)
-        outs = _communicate_all(procs, 120)
+        outs = communicate_all(procs, 120)
     finally:
         for p in procs.values():
             if p.poll() is None:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from helpers_launch import FTRUN, REPO, env_with, free_port, run
+from helpers_launch import FTRUN, REPO, communicate_all, env_with, free_port, run
 from helpers_netns import Cluster, unavailable
 
 _WHY = unavailable()
@@ -39,7 +39,7 @@ def test_the_same_c10d_command_on_two_hosts_is_bit_identical_to_one_host(tmp_pat
         procs = [h.popen(_cmd(endpoint, tmp_path, str(h.index), *train),
                          env=h.env(env_with(OMP_NUM_THREADS="1")), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True) for h in c.hosts]
-        outs = [p.communicate(timeout=120) for p in procs]
+        outs = communicate_all(procs, 120)
         for p, (_, err) in zip(procs, outs):
             assert p.returncode == 0, err[-3000:]
         assert "hosting the store" in outs[0][1] and "joining" not in outs[0][1]

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from helpers_launch import free_port
+from helpers_launch import communicate_all, free_port
 from helpers_netns import Cluster, unavailable, wait_until
 
 _WHY = unavailable()
@@ -64,7 +64,7 @@ def test_gloo_all_reduce_runs_over_the_veths():
         procs = [h.popen([sys.executable, "-c", ALLREDUCE, str(i), c.hosts[0].addr, str(port)],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for i, h in enumerate(c.hosts)]
-        outs = [p.communicate(timeout=120) for p in procs]
+        outs = communicate_all(procs, 120)
         assert [p.returncode for p in procs] == [0, 0], outs
         assert [o[0].strip() for o in outs] == ["3", "3"]
 
