@@ -54,7 +54,10 @@
  * `loop_turn(epfd, conns, ctx, timeout, proxy, until, owner, hold)`, the loop's epoll_wait
  * with the GIL released plus the reads `_read` would give to `read_quick` (or, for the proxy,
  * to `proxy_read`), turning again while a turn leaves nothing to Python (see the function),
- * and returning the events and results the Python loop finishes.
+ * and returning the events and results the Python loop finishes; given the listening socket,
+ * it also accepts new connections (`accept_some`: accept4, TCP_NODELAY, and the Python
+ * `LoopServer._adopt` per connection, which makes and registers the connection object), so a
+ * burst of connects does not leave the C loop once per turn for Python's `_accept`.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -64,9 +67,13 @@
 #include <stdio.h>
 #include <string.h>
 #include <math.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #define READ_SIZE (64 * 1024) /* protocol.READ_SIZE */
 #define MAX_KEYS 16           /* keys of one WAIT / CHECK taken here (more: the Python path) */
@@ -950,14 +957,96 @@ static int owner_busy(PyObject *owner) {
     return 0;
 }
 
+/* loop_turn's `accept`: the listening socket, the connection limit, the accepts per turn,
+ * and the Python callable that adopts an accepted connection. lfd -1: none. */
+typedef struct {
+    int lfd;
+    Py_ssize_t max_conns;
+    long per_turn;
+    PyObject *adopt;
+} Accept;
+
+/* "host:port" as `server._peer_str` writes it: an IPv4-mapped IPv6 address as IPv4, another
+ * IPv6 one in brackets. NULL without an exception: a family it does not know. */
+static PyObject *peer_of(const struct sockaddr_storage *ss) {
+    char h[INET6_ADDRSTRLEN];
+    if (ss->ss_family == AF_INET) {
+        const struct sockaddr_in *a = (const struct sockaddr_in *)ss;
+        if (inet_ntop(AF_INET, &a->sin_addr, h, sizeof h) == NULL) return NULL;
+        return PyUnicode_FromFormat("%s:%u", h, (unsigned)ntohs(a->sin_port));
+    }
+    if (ss->ss_family == AF_INET6) {
+        const struct sockaddr_in6 *a = (const struct sockaddr_in6 *)ss;
+        unsigned port = ntohs(a->sin6_port);
+        if (IN6_IS_ADDR_V4MAPPED(&a->sin6_addr)) {
+            if (inet_ntop(AF_INET, &a->sin6_addr.s6_addr[12], h, sizeof h) == NULL) return NULL;
+            return PyUnicode_FromFormat("%s:%u", h, port);
+        }
+        if (inet_ntop(AF_INET6, &a->sin6_addr, h, sizeof h) == NULL) return NULL;
+        return PyUnicode_FromFormat("[%s]:%u", h, port);
+    }
+    return NULL;
+}
+
+/* The listening socket's EPOLLIN: what `LoopServer._accept` does for up to `per_turn`
+ * connections -- accept4 (non-blocking, close-on-exec), TCP_NODELAY, and `adopt(fd, peer)`,
+ * which makes the connection object, registers it with the epoll set and counts it (and owns
+ * the fd from the call on, also when it raises). Sets *hand_back when the rest of this event
+ * is for the Python `_accept`: the connection limit is reached (it refuses them with its log
+ * line) or accept4 failed with anything but "nothing left" (it logs the error). -1: an error. */
+static int accept_some(const Accept *a, PyObject *conns, int *hand_back) {
+    *hand_back = 0;
+    for (long k = 0; k < a->per_turn; k++) {
+        if (PyDict_GET_SIZE(conns) >= a->max_conns) {
+            *hand_back = 1;
+            return 0;
+        }
+        struct sockaddr_storage ss;
+        socklen_t len = sizeof ss;
+        int cfd = accept4(a->lfd, (struct sockaddr *)&ss, &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (cfd < 0) {
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+            if (errno == EINTR || errno == ECONNABORTED) continue;
+            *hand_back = 1;
+            return 0;
+        }
+        const int one = 1;
+        (void)setsockopt(cfd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one); /* as _accept: best effort */
+        PyObject *peer = peer_of(&ss);
+        if (peer == NULL && !PyErr_Occurred()) peer = PyUnicode_FromString("?");
+        if (peer == NULL) {
+            close(cfd);
+            return -1;
+        }
+        PyObject *fdo = PyLong_FromLong(cfd);
+        if (fdo == NULL) {
+            Py_DECREF(peer);
+            close(cfd);
+            return -1;
+        }
+        PyObject *args[2] = {fdo, peer};
+        PyObject *r = PyObject_Vectorcall(a->adopt, args, 2, NULL); /* owns cfd from here */
+        Py_DECREF(fdo);
+        Py_DECREF(peer);
+        if (r == NULL) return -1;
+        Py_DECREF(r);
+    }
+    return 0; /* the rest, if any, next turn (level-triggered) */
+}
+
 /* One turn's events: fills `left` / `results` and counts, as loop_turn documents. */
 static int turn_events(struct epoll_event *evs, int got, PyObject *conns, PyObject *ctx,
-                       int proxy, PyObject *left, PyObject *results, long *reads,
-                       long *requests) {
+                       int proxy, const Accept *acc, PyObject *left, PyObject *results,
+                       long *reads, long *requests) {
     for (int i = 0; i < got; i++) {
         int fd = evs[i].data.fd;
         uint32_t ev = evs[i].events;
         PyObject *conn = NULL;
+        if (fd == acc->lfd && ev == EPOLLIN) { /* new connections: accepted here */
+            int hand_back;
+            if (accept_some(acc, conns, &hand_back) < 0) return -1;
+            if (!hand_back) continue;
+        }
         int mine = ev == EPOLLIN;
         if (mine) {
             PyObject *key = PyLong_FromLong(fd);
@@ -1031,12 +1120,15 @@ static int turn_events(struct epoll_event *evs, int got, PyObject *conns, PyObje
     return 0;
 }
 
-/* loop_turn(epfd, conns, ctx, timeout, proxy=False, until=0.0, owner=None, hold=0.0)
+/* loop_turn(epfd, conns, ctx, timeout, proxy=False, until=0.0, owner=None, hold=0.0,
+ *           accept=None)
  *   -> (events, results, reads, requests, t0, cpu0, busy, max_s, max_cpu):
  * one epoll_wait (the GIL released; timeout in seconds, rounded up to ms as select.epoll
  * does), then, for each readable connection of `conns` (fd -> conn) that `LoopServer._read`
  * would give to the C read path (authenticated, plain, nothing buffered either way, no waiter,
- * no EPOLLOUT / error event), what `read_quick(conn, ctx)` does. `events`: the (fd, mask)
+ * no EPOLLOUT / error event), what `read_quick(conn, ctx)` does; with `accept` = (listening
+ * fd, max connections, accepts per turn, adopt), the listening socket's EPOLLIN is accepted
+ * here (`accept_some`; what it hands back is an event for Python). `events`: the (fd, mask)
  * pairs left to the Python loop, in epoll's order; `results`: (conn, result) for each read
  * whose result was not a plain count (False, or a tuple) -- the Python loop finishes those as
  * `_read` does; `reads` / `requests`: counted for the ones done here; t0 / cpu0: time.monotonic()
@@ -1057,13 +1149,25 @@ static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nar
     (void)self;
     int proxy = nargs >= 5 ? PyObject_IsTrue(args[4]) : 0;
     if (proxy < 0) return NULL;
-    if (nargs < 4 || nargs > 8 || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) ||
+    PyObject *acc_arg = nargs >= 9 ? args[8] : Py_None;
+    if (nargs < 4 || nargs > 9 || !PyDict_Check(args[1]) || !PyTuple_Check(args[2]) ||
         PyTuple_GET_SIZE(args[2]) != (proxy ? PCTX_SIZE : CTX_SIZE) ||
-        (proxy && !PyList_Check(PyTuple_GET_ITEM(args[2], 0)))) {
+        (proxy && !PyList_Check(PyTuple_GET_ITEM(args[2], 0))) ||
+        (acc_arg != Py_None && (!PyTuple_Check(acc_arg) || PyTuple_GET_SIZE(acc_arg) != 4 ||
+                                !PyCallable_Check(PyTuple_GET_ITEM(acc_arg, 3))))) {
         PyErr_SetString(PyExc_TypeError, "loop_turn(epfd, conns: dict, ctx, timeout, proxy=False, "
-                        "until=0.0, owner=None, hold=0.0): ctx is read_quick's 13-tuple, or "
-                        "proxy_read's 6-tuple with proxy");
+                        "until=0.0, owner=None, hold=0.0, accept=None): ctx is read_quick's "
+                        "13-tuple, or proxy_read's 6-tuple with proxy; accept is None or "
+                        "(listening fd, max connections, accepts per turn, adopt(fd, peer))");
         return NULL;
+    }
+    Accept acc = {-1, 0, 0, NULL};
+    if (acc_arg != Py_None) {
+        acc.lfd = (int)PyLong_AsLong(PyTuple_GET_ITEM(acc_arg, 0));
+        acc.max_conns = PyLong_AsSsize_t(PyTuple_GET_ITEM(acc_arg, 1));
+        acc.per_turn = PyLong_AsLong(PyTuple_GET_ITEM(acc_arg, 2));
+        acc.adopt = PyTuple_GET_ITEM(acc_arg, 3);
+        if (PyErr_Occurred()) return NULL;
     }
     int epfd = (int)PyLong_AsLong(args[0]);
     double timeout = PyFloat_AsDouble(args[3]);
@@ -1095,7 +1199,7 @@ static PyObject *loop_turn(PyObject *self, PyObject *const *args, Py_ssize_t nar
             }
             got = 0;
         }
-        if (turn_events(evs, got, conns, ctx, proxy, left, results, &reads, &requests) < 0)
+        if (turn_events(evs, got, conns, ctx, proxy, &acc, left, results, &reads, &requests) < 0)
             goto fail;
         if (!again || got == 0 || PyList_GET_SIZE(left) || PyList_GET_SIZE(results)) break;
         int b = owner_busy(owner);
@@ -1145,8 +1249,9 @@ static PyMethodDef methods[] = {
     {"proxy_read", (PyCFunction)(void (*)(void))proxy_read, METH_FASTCALL,
      "proxy_read(conn, ctx) -> None | False | int | (int, bytes); see the module doc."},
     {"loop_turn", (PyCFunction)(void (*)(void))loop_turn, METH_FASTCALL,
-     "loop_turn(epfd, conns, ctx, timeout, proxy=False, until=0.0, owner=None, hold=0.0) -> (events, "
-     "results, reads, requests, t0, cpu0, busy, max_s, max_cpu); see the module doc."
+     "loop_turn(epfd, conns, ctx, timeout, proxy=False, until=0.0, owner=None, hold=0.0, "
+     "accept=None) -> (events, results, reads, requests, t0, cpu0, busy, max_s, max_cpu); see "
+     "the module doc."
     },
     {"flush_out", flush_out, METH_O,
      "flush_out(conns) -> list of the connections left to the Python flush; see the module doc."},

@@ -305,6 +305,9 @@ class LoopServer:
         poll = self._ep.poll
         turn, epfd, stats = self._turn, self._ep.fileno(), self.stats
         ctx, proxy = self._turn_ctx, self._turn_proxy
+        # C accepts new connections in the turn (adopting each through _adopt) up to the
+        # connection limit; past it, or on an error, the event comes here to _accept.
+        accept = (lfd, self.limits.max_connections, self._accepts_per_turn, self._adopt)
         next_sweep = time.monotonic() + 1.0
         try:
             while not self._stopping:
@@ -314,7 +317,7 @@ class LoopServer:
                     # the next sweep)
                     (events, done, reads, requests, t0, c0, busy, max_s,
                      max_cpu) = turn(epfd, conns, ctx, timeout, proxy, next_sweep, self,
-                                     self._turn_hold())
+                                     self._turn_hold(), accept)
                     stats["reads"] += reads
                     stats["requests"] += requests
                     stats["busy_s"] += busy
@@ -393,6 +396,23 @@ class LoopServer:
             self.stats["accepted"] += 1
             if len(self._conns) > self._priority.max_connections:
                 self._priority.update(len(self._conns))
+
+    def _adopt(self, fd: int, peer: str) -> None:
+        """A connection `loop_turn` accepted (non-blocking, TCP_NODELAY set): what `_accept`
+        does after its accept. Owns `fd` from the call on (closed here if no socket object
+        could be made for it)."""
+        try:
+            s = socket.socket(self._lsock.family, socket.SOCK_STREAM, 0, fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        s.setblocking(False)  # the socket object's own mode, as _accept leaves it
+        c = _Conn(s, peer, self.token is None, time.monotonic())
+        self._conns[fd] = c
+        self._ep.register(fd, _EPOLLIN)
+        self.stats["accepted"] += 1
+        if len(self._conns) > self._priority.max_connections:
+            self._priority.update(len(self._conns))
 
     def _read(self, c: _Conn) -> None:
         """One read. The common case of a rendezvous — one complete request that `_quick`

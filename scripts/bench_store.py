@@ -25,7 +25,10 @@ master binds, BENCH_STORE_UPSTREAM the address proxies forward to (all default 1
 
 Usage: python scripts/bench_store.py [--sizes 256,1024,4096] [--repeat 1]
        [--backends torch,ftrun,ftrun-proxy,ftrun@OLD_CHECKOUT,ftrun-proxy@OLD_CHECKOUT,ftrun%0]
-       (NAME%N: that backend with FTRUN_STORE_NICE=N)
+       (NAME%N: that backend with FTRUN_STORE_NICE=N; NAME#LABEL: a second instance, e.g.
+       torch#2, whose ratio to torch is the spread of the measurement itself)
+With --repeat > 1 each contender's line also gives its ratio to torch round by round
+(`pattern_vs_torch_by_round`) and how many rounds were at or below torch's time.
 """
 from __future__ import annotations
 
@@ -182,7 +185,10 @@ def read_line(p: subprocess.Popen, want: str, timeout: float = 300) -> list[str]
 def split_kind(kind: str) -> tuple[str, str, str | None]:
     """"ftrun-proxy%-5@/path/to/checkout" -> ("ftrun-proxy", that checkout, "-5"): no "@": this
     checkout; "%N": FTRUN_STORE_NICE=N for that backend's server and proxies (no "%": the
-    environment's, i.e. ftrun's default)."""
+    environment's, i.e. ftrun's default). A "#LABEL" at the end names a second, independent
+    instance of the same backend ("torch#2": another torch master, measured as a contender, so
+    its ratio to "torch" is the benchmark's own run-to-run spread)."""
+    kind = kind.partition("#")[0]
     rest, _, repo = kind.partition("@")
     base, _, nice = rest.partition("%")
     return base, os.path.abspath(repo) if repo else REPO, nice or None
@@ -283,7 +289,8 @@ def main() -> None:
                     help="comma-separated; NAME@PATH runs ftrun's server/proxies from the "
                          "checkout at PATH (e.g. ftrun@/work/main: a before/after in one run); "
                          "NAME%%N with FTRUN_STORE_NICE=N (e.g. ftrun%%0: the loop threads at "
-                         "the inherited priority)")
+                         "the inherited priority); NAME#LABEL a second instance "
+                         "(torch#2: an A/A control)")
     a = ap.parse_args()
     print(json.dumps({"setup": "/etc/hosts", "line": HOSTS_LINE,
                       "status": ensure_hosts_line(),
@@ -313,6 +320,11 @@ def main() -> None:
                 if "pattern_s_median" in r:
                     r["pattern_median_vs_torch"] = round(
                         r["pattern_s_median"] / base["pattern_s_median"], 3)
+                if a.repeat > 1:  # round i against torch's round i (interleaved, same round)
+                    by_round = [round(x["pattern_s"] / t["pattern_s"], 3)
+                                for x, t in zip(runs[kind], runs["torch"])]
+                    r["pattern_vs_torch_by_round"] = by_round
+                    r["rounds_at_or_below_torch"] = sum(x <= 1.0 for x in by_round)
                 r["connect_time_vs_torch"] = round(r["connect_s"] / base["connect_s"], 3)
                 if r["master_cpu_total_s"] > 0:
                     r["master_cpu_reduction_vs_torch"] = round(

@@ -3,6 +3,7 @@ the Python paths, nothing executed while another thread holds the table's lock, 
 wake waiters left to Python, large replies finished by the Python flush, and the switch."""
 from __future__ import annotations
 
+import os
 import select
 import socket
 import threading
@@ -568,9 +569,8 @@ def test_flush_out_sends_each_connections_output_and_leaves_short_sends_to_pytho
 
 
 def test_a_running_servers_loop_takes_plain_reads_in_c_and_leaves_the_rest_to_python() -> None:
-    """`loop_turn`: a plain connection's reads are done in C (no Python `_read`), a new
-    connection's accept and a cut frame still go through the Python loop;
-    the counters add up either way."""
+    """`loop_turn`: a plain connection's reads are done in C (no Python `_read`), a cut frame
+    still goes through the Python loop; the counters add up either way."""
     srv = StoreServer(host="127.0.0.1")
     assert srv._turn is not None
     python_reads: list[int] = []
@@ -685,6 +685,113 @@ def test_a_servers_loop_turns_in_c_while_its_turns_need_no_python() -> None:
         s2.close()
         t0 = time.monotonic()
     assert time.monotonic() - t0 < 1.0  # stop() wakes the loop out of C
+
+
+@pytest.mark.parametrize("host,connect_to", [("127.0.0.1", "127.0.0.1"), ("::", "127.0.0.1"),
+                                              ("::1", "::1")])
+def test_new_connections_are_accepted_in_c_as_python_accepts_them(host: str,
+                                                                  connect_to: str) -> None:
+    """`loop_turn` with `accept`: a burst of connects takes no Python `_accept` and no Python
+    turn per connection; each connection is what `_accept` makes: non-blocking, TCP_NODELAY,
+    registered, counted, its peer written as `_peer_str` writes it (an IPv4 client of a
+    dual-stack socket as IPv4, an IPv6 one in brackets), and answered."""
+    srv = StoreServer(host=host)
+    accepts: list[int] = []
+    orig = srv._accept
+
+    def counted():
+        accepts.append(1)
+        orig()
+    srv._accept = counted
+    turns = _counting_turns(srv)
+    with srv:
+        time.sleep(0.05)
+        before = len(turns)
+        socks = [socket.create_connection((connect_to, srv.port), timeout=5) for _ in range(40)]
+        for i, s in enumerate(socks):
+            s.sendall(P.handshake_bytes(i))
+            assert recv_exact(s, 4) == P.enc_u32(i)
+        assert accepts == [] and srv.stats["accepted"] == 40
+        assert len(turns) - before <= 3, turns  # a sweep (1 s) may fall in the window
+        conns = dict(srv._conns)
+        assert len(conns) == 40
+        want = {(f"[{connect_to}]" if ":" in connect_to else connect_to)
+                + f":{s.getsockname()[1]}" for s in socks}
+        assert {c.peer for c in conns.values()} == want
+        for fd, c in conns.items():
+            assert c.fd == fd == c.sock.fileno() and c.validated and c.authed
+            assert c.sock.gettimeout() == 0.0
+            assert c.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+        socks[0].sendall(req(P.Op.ADD, [b"/n"], num=3))
+        assert recv_exact(socks[0], 8) == P.enc_i64(3)
+        for s in socks:
+            s.close()
+        deadline = time.monotonic() + 5
+        while srv.connection_count() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert srv.connection_count() == 0
+
+
+def test_an_adopt_that_raises_ends_the_turn_with_its_error_and_no_fd_is_left() -> None:
+    """`loop_turn`'s accept hands each connection to `adopt(fd, peer)`, which owns the fd: an
+    exception comes out of `loop_turn`, and the accepted fd is closed by the adopt that
+    failed (here, as `LoopServer._adopt` does, before it made a socket object)."""
+    from rendezvous import _quickstore
+    srv = StoreServer(host="127.0.0.1")  # not started: only its context tuple is used
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)
+    lsock.setblocking(False)
+    ep = select.epoll()
+    ep.register(lsock.fileno(), select.EPOLLIN)
+    seen: list[tuple[int, str]] = []
+
+    def adopt(fd: int, peer: str) -> None:
+        seen.append((fd, peer))
+        os.close(fd)
+        raise RuntimeError("adopt failed")
+    client = socket.create_connection(lsock.getsockname(), timeout=5)
+    try:
+        with pytest.raises(RuntimeError, match="adopt failed"):
+            _quickstore.loop_turn(ep.fileno(), {}, srv._turn_ctx, 1.0, False, 0.0, None, 0.0,
+                                  (lsock.fileno(), 10, 4, adopt))
+        assert [p for _, p in seen] == [f"127.0.0.1:{client.getsockname()[1]}"]
+        assert client.recv(1) == b""  # the server's end is closed
+        with pytest.raises(TypeError, match="accept is None or"):
+            _quickstore.loop_turn(ep.fileno(), {}, srv._turn_ctx, 0.0, False, 0.0, None, 0.0,
+                                  (lsock.fileno(), 10, 4))
+    finally:
+        client.close()
+        ep.close()
+        lsock.close()
+
+
+def test_past_the_connection_limit_the_accept_is_left_to_python() -> None:
+    """At `max_connections` `loop_turn` does not accept: the listening socket's event comes
+    back to the Python loop (whose `_accept` refuses with its log line)."""
+    from rendezvous import _quickstore
+    srv = StoreServer(host="127.0.0.1")
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(8)
+    lsock.setblocking(False)
+    ep = select.epoll()
+    ep.register(lsock.fileno(), select.EPOLLIN)
+    adopted: dict[int, str] = {}  # the connections table: the limit counts it
+    clients = [socket.create_connection(lsock.getsockname(), timeout=5) for _ in range(3)]
+    try:
+        time.sleep(0.05)
+        events, *_ = _quickstore.loop_turn(ep.fileno(), adopted, srv._turn_ctx, 1.0, False,
+                                           0.0, None, 0.0,
+                                           (lsock.fileno(), 2, 8, adopted.__setitem__))
+        assert len(adopted) == 2 and events == [(lsock.fileno(), select.EPOLLIN)]
+    finally:
+        for fd in adopted:
+            os.close(fd)
+        for c in clients:
+            c.close()
+        ep.close()
+        lsock.close()
 
 
 def _blocked_upstream(srv: StoreServer):

@@ -1,0 +1,32 @@
+"""scripts/bench_store.py: one JSON line per backend and size, with round-by-round ratios to
+torch when repeated, and a second torch instance (`torch#2`) measured as a contender (the
+benchmark's own spread)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                      "bench_store.py")
+
+
+def test_a_second_torch_and_ftrun_are_compared_to_torch_round_by_round() -> None:
+    r = subprocess.run([sys.executable, SCRIPT, "--sizes", "8", "--repeat", "2",
+                        "--backends", "torch,torch#2,ftrun"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert lines[0]["setup"] == "/etc/hosts"
+    rows = {x["backend"]: x for x in lines[1:]}
+    assert list(rows) == ["torch", "torch#2", "ftrun"]
+    assert "pattern_vs_torch_by_round" not in rows["torch"]
+    for kind in ("torch#2", "ftrun"):
+        x = rows[kind]
+        assert x["clients"] == 8 and x["errors"] == 0 and x["runs"] == 2, x
+        by_round = x["pattern_vs_torch_by_round"]
+        assert len(by_round) == 2 and all(v > 0 for v in by_round), x
+        assert x["rounds_at_or_below_torch"] == sum(v <= 1.0 for v in by_round)
+        assert x["pattern_time_vs_torch"] == round(x["pattern_s"] / rows["torch"]["pattern_s"], 3)
+    assert rows["torch#2"]["master_connections"] == rows["torch"]["master_connections"] == 8
