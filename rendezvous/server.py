@@ -15,8 +15,9 @@ ADD and a satisfied one-key WAIT in place by `StoreServer._quick`; the rest thro
 (`Kind` from the codec's table, data ops through `memory.apply`), and its replies are sent at
 once, in one `send` (queued output of many connections at the end of a turn: `flush_out`
 in C when built; with the C read path the loop's epoll wait and those reads are one C call,
-`loop_turn`, and Python finishes the rest of the turn; while a turn leaves nothing to Python,
-`loop_turn` waits and reads again in C, until the next one-second sweep). Nothing blocks on a
+`loop_turn`, which also accepts new connections, handing each to `_adopt`; Python finishes the
+rest of the turn; while a turn leaves nothing to Python, `loop_turn` waits and reads again in
+C, until the next one-second sweep). Nothing blocks on a
 client: at most 128 requests per connection and 256 accepts run per turn (the rest next
 turn), a stalled reader only grows its own bounded output buffer, a slow sender only holds
 its own partial frame (closed after `stalled_frame_timeout`),
