@@ -370,6 +370,10 @@ class LoopServer:
             raise
 
     def _accept(self) -> None:
+        """Accept up to `_accepts_per_turn` connections. With `loop_turn` (the C extension)
+        new connections are accepted in C and adopted by `_adopt`; this runs for what C hands
+        back (the connection limit reached: refused here with the log line; an accept error:
+        logged here) and whenever the extension is absent or off."""
         now = time.monotonic()
         lim = self.limits.max_connections
         for _ in range(self._accepts_per_turn):  # the rest next turn (level-triggered): fair
