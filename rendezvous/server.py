@@ -390,17 +390,11 @@ class LoopServer:
                 s.close()
                 self.stats["dropped"] += 1
                 continue
-            s.setblocking(False)
             try:
                 s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-            c = _Conn(s, peer, self.token is None, now)
-            self._conns[c.fd] = c
-            self._ep.register(c.fd, _EPOLLIN)
-            self.stats["accepted"] += 1
-            if len(self._conns) > self._priority.max_connections:
-                self._priority.update(len(self._conns))
+            self._admit(s, peer, now)
 
     def _adopt(self, fd: int, peer: str) -> None:
         """A connection `loop_turn` accepted (non-blocking, TCP_NODELAY set): what `_accept`
@@ -411,10 +405,15 @@ class LoopServer:
         except BaseException:
             os.close(fd)
             raise
-        s.setblocking(False)  # the socket object's own mode, as _accept leaves it
-        c = _Conn(s, peer, self.token is None, time.monotonic())
-        self._conns[fd] = c
-        self._ep.register(fd, _EPOLLIN)
+        self._admit(s, peer, time.monotonic())
+
+    def _admit(self, s: socket.socket, peer: str, now: float) -> None:
+        """An accepted socket becomes a served connection: non-blocking, registered for
+        reads, counted (and the loop's priority follows the connection count)."""
+        s.setblocking(False)
+        c = _Conn(s, peer, self.token is None, now)
+        self._conns[c.fd] = c
+        self._ep.register(c.fd, _EPOLLIN)
         self.stats["accepted"] += 1
         if len(self._conns) > self._priority.max_connections:
             self._priority.update(len(self._conns))
