@@ -51,9 +51,10 @@
  * False, n, or (n, rest) as above, without replies (the proxy answers after its upstream
  * round). And, for both: `flush_out(conns)`, what `LoopServer._flush` does for a list of
  * connections, returning the ones it leaves to the Python flush (a short send, ...); and
- * `loop_turn(epfd, conns, ctx, timeout, proxy, until, owner, hold)`, the loop's epoll_wait
- * with the GIL released plus the reads `_read` would give to `read_quick` (or, for the proxy,
- * to `proxy_read`), turning again while a turn leaves nothing to Python (see the function),
+ * `loop_turn(epfd, conns, ctx, timeout, proxy, until, owner, hold, accept)`, the loop's
+ * epoll_wait with the GIL released plus the reads `_read` would give to `read_quick` (or,
+ * for the proxy, to `proxy_read`), turning again while a turn leaves nothing to Python (see
+ * the function),
  * and returning the events and results the Python loop finishes; given the listening socket,
  * it also accepts new connections (`accept_some`: accept4, TCP_NODELAY, and the Python
  * `LoopServer._adopt` per connection, which makes and registers the connection object), so a
