@@ -732,18 +732,24 @@ def test_new_connections_are_accepted_in_c_as_python_accepts_them(host: str,
         assert srv.connection_count() == 0
 
 
-def test_an_adopt_that_raises_ends_the_turn_with_its_error_and_no_fd_is_left() -> None:
-    """`loop_turn`'s accept hands each connection to `adopt(fd, peer)`, which owns the fd: an
-    exception comes out of `loop_turn`, and the accepted fd is closed by the adopt that
-    failed (here, as `LoopServer._adopt` does, before it made a socket object)."""
-    from rendezvous import _quickstore
-    srv = StoreServer(host="127.0.0.1")  # not started: only its context tuple is used
+def _listening() -> tuple[socket.socket, select.epoll]:
+    """A non-blocking listening socket on loopback and an epoll set watching it for reads."""
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
     lsock.listen(8)
     lsock.setblocking(False)
     ep = select.epoll()
     ep.register(lsock.fileno(), select.EPOLLIN)
+    return lsock, ep
+
+
+def test_an_adopt_that_raises_ends_the_turn_with_its_error_and_no_fd_is_left() -> None:
+    """`loop_turn`'s accept hands each connection to `adopt(fd, peer)`, which owns the fd: an
+    exception comes out of `loop_turn`, and the accepted fd is closed by the adopt that
+    failed (here, as `LoopServer._adopt` does, before it made a socket object)."""
+    from rendezvous import _quickstore
+    srv = StoreServer(host="127.0.0.1")  # not started: only its context tuple is used
+    lsock, ep = _listening()
     seen: list[tuple[int, str]] = []
 
     def adopt(fd: int, peer: str) -> None:
@@ -771,12 +777,7 @@ def test_past_the_connection_limit_the_accept_is_left_to_python() -> None:
     back to the Python loop (whose `_accept` refuses with its log line)."""
     from rendezvous import _quickstore
     srv = StoreServer(host="127.0.0.1")
-    lsock = socket.socket()
-    lsock.bind(("127.0.0.1", 0))
-    lsock.listen(8)
-    lsock.setblocking(False)
-    ep = select.epoll()
-    ep.register(lsock.fileno(), select.EPOLLIN)
+    lsock, ep = _listening()
     adopted: dict[int, str] = {}  # the connections table: the limit counts it
     clients = [socket.create_connection(lsock.getsockname(), timeout=5) for _ in range(3)]
     try:
