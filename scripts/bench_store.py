@@ -182,6 +182,18 @@ def read_line(p: subprocess.Popen, want: str, timeout: float = 300) -> list[str]
     raise RuntimeError(f"timed out waiting for {want!r}")
 
 
+def client_procs(n: int) -> int:
+    """Client processes for n clients: 64 threads each, at least 2, at most 16."""
+    return max(2, min(16, n // 64))
+
+
+def interleaved(kinds: list[str], repeat: int):
+    """Each of `kinds` `repeat` times, round by round, the order rotating each round, so drift
+    of the shared machine hits every backend alike."""
+    for i in range(repeat):
+        yield from kinds[i % len(kinds):] + kinds[:i % len(kinds)]
+
+
 def split_kind(kind: str) -> tuple[str, str, str | None]:
     """"ftrun-proxy%-5@/path/to/checkout" -> ("ftrun-proxy", that checkout, "-5"): no "@": this
     checkout; "%N": FTRUN_STORE_NICE=N for that backend's server and proxies (no "%": the
@@ -297,12 +309,11 @@ def main() -> None:
                       "note": "torch's client reverse-resolves ::ffff:127.0.0.1; the line "
                               "avoids resolver stalls for every backend"}), flush=True)
     for n in [int(x) for x in a.sizes.split(",")]:
-        procs = max(2, min(16, n // 64))
+        procs = client_procs(n)
         kinds = list(dict.fromkeys(a.backends.split(",")))
         runs: dict[str, list[dict]] = {k: [] for k in kinds}
-        for i in range(a.repeat):  # interleaved: drift of the shared machine hits every backend
-            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
-                runs[kind].append(run_scenario(kind, n, procs))
+        for kind in interleaved(kinds, a.repeat):
+            runs[kind].append(run_scenario(kind, n, procs))
         res = {}
         for kind in kinds:
             best = dict(min(runs[kind], key=lambda r: r["pattern_s"]))

@@ -29,7 +29,7 @@ def connect_round(kind: str, n: int) -> tuple[float, float, int]:
     master, port = B.start_master(kind)
     clients = []
     try:
-        procs = max(2, min(16, n // 64))
+        procs = B.client_procs(n)
         per = n // procs
         clients = [B.spawn(B.CLIENT, n, i * per, per, str(port), n) for i in range(procs)]
         for c in clients:
@@ -67,9 +67,8 @@ def main() -> None:
                       "status": B.ensure_hosts_line()}), flush=True)
     for n in sizes:
         runs: dict[str, list[tuple[float, float, int]]] = {k: [] for k in kinds}
-        for i in range(a.repeat):  # interleaved, the order rotating each round
-            for kind in kinds[i % len(kinds):] + kinds[:i % len(kinds)]:
-                runs[kind].append(connect_round(kind, n))
+        for kind in B.interleaved(kinds, a.repeat):
+            runs[kind].append(connect_round(kind, n))
         rows = {}
         for kind, rs in runs.items():
             rows[kind] = {
