@@ -157,6 +157,7 @@ class PlanExecutor:
         g = plan.generation
         stop = Stop(generation=g, strategy=plan.strategy, failed_ranks=plan.failed_ranks)
         restart = self.workers.of_ranks(plan.restart_ranks)
+        sent_at = time.time()  # no later than any survivor's stop clock (the hang watch's stop_sent)
         for w in self.workers.alive():
             if w in restart:
                 continue
@@ -175,7 +176,8 @@ class PlanExecutor:
             self.workers.aware.discard(w.rank)
             self.spawner.spawn(w, g, replacement=True)
         self.log.info("stop-sent", f"generation {g}: stop sent to survivors, "
-                      f"{len(restart)} local rank(s) respawned", respawned=[w.rank for w in restart])
+                      f"{len(restart)} local rank(s) respawned", respawned=[w.rank for w in restart],
+                      sent_at=sent_at)
 
     def on_hello(self, rank: int, generation: int) -> None:
         """A rank connected: deliver the stop it missed (when it started before that round)."""
