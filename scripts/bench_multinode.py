@@ -562,9 +562,9 @@ def store_run(c: Cluster, backend: str, n: int) -> dict:
             bench_store.read_line(cl, "ready")
         cpu0 = bench_store.cpu_seconds(master.pid)
         pcpu0 = sum(bench_store.cpu_seconds(p.pid) for p in helpers)
-        connect_s, errors = bench_store.client_phase(clients, "connect", "connected")
+        connect_s, errors, _ = bench_store.client_phase(clients, "connect", "connected")
         cpu1 = bench_store.cpu_seconds(master.pid)
-        pattern_s, more = bench_store.client_phase(clients, "go", "done")
+        pattern_s, more, _ = bench_store.client_phase(clients, "go", "done")
         errors += more
         cpu2 = bench_store.cpu_seconds(master.pid)
         pcpu2 = sum(bench_store.cpu_seconds(p.pid) for p in helpers)

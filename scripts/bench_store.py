@@ -23,12 +23,17 @@ Environment switches (used by scripts/bench_multinode.py, which runs these piece
 namespaces): BENCH_STORE_HOST the address clients connect to, BENCH_STORE_BIND the address torch's
 master binds, BENCH_STORE_UPSTREAM the address proxies forward to (all default 127.0.0.1).
 
-Usage: python scripts/bench_store.py [--sizes 256,1024,4096] [--repeat 1]
+Usage: python scripts/bench_store.py [--sizes 256,1024,4096] [--repeat 1] [--iterations 1]
        [--backends torch,ftrun,ftrun-proxy,ftrun@OLD_CHECKOUT,ftrun-proxy@OLD_CHECKOUT,ftrun%0]
        (NAME%N: that backend with FTRUN_STORE_NICE=N; NAME#LABEL: a second instance, e.g.
        torch#2, whose ratio to torch is the spread of the measurement itself)
 With --repeat > 1 each contender's line also gives its ratio to torch round by round
 (`pattern_vs_torch_by_round`) and how many rounds were at or below torch's time.
+--iterations K (default 1) runs the pattern K times per run on the same connections, each time
+with fresh keys: the first is `pattern_s` (a job's process-group init); the K-1 "warm" ones give
+`warm_pattern_s_median` and the master's / proxies' / clients' CPU per warm pattern, and with
+--repeat > 1 `warm_vs_torch_by_round` - one 40 ms pattern at 256 clients is mostly scheduling
+noise, the median of many is not.
 """
 from __future__ import annotations
 
@@ -56,9 +61,23 @@ UID = bytes(range(128))
 HOST = os.environ.get("BENCH_STORE_HOST", "127.0.0.1")
 stores = [None] * count
 errors = []
-go = threading.Event()
 connected = threading.Barrier(count + 1)
+start = threading.Barrier(count + 1)
 finished = threading.Barrier(count + 1)
+iteration = [0]  # the pattern's iteration (its keys' prefix); -1: exit
+def pattern(s, r, j):
+    p = f"{j}/" if j else ""
+    s.set(f"{p}rank/{r}", b"10.0.0.1:%d" % (30000 + r))
+    if s.add(f"{p}count", 1) == world:
+        s.set(f"{p}all_in", b"1")
+    s.wait([f"{p}all_in"])
+    if r == 0:
+        s.set(f"{p}uid", UID)
+    elif s.get(f"{p}uid") != UID:
+        errors.append(f"rank {r}: wrong uid")
+    if s.add(f"{p}done", 1) == world:
+        s.set(f"{p}all_done", b"1")
+    s.wait([f"{p}all_done"])
 def rank_main(i):
     r = first + i
     try:
@@ -67,40 +86,37 @@ def rank_main(i):
     except Exception as e:
         errors.append(f"connect {r}: {e}")
     connected.wait()
-    go.wait()
-    try:
-        s = stores[i]
-        s.set(f"rank/{r}", b"10.0.0.1:%d" % (30000 + r))
-        if s.add("count", 1) == world:
-            s.set("all_in", b"1")
-        s.wait(["all_in"])
-        if r == 0:
-            s.set("uid", UID)
-        elif s.get("uid") != UID:
-            errors.append(f"rank {r}: wrong uid")
-        if s.add("done", 1) == world:
-            s.set("all_done", b"1")
-        s.wait(["all_done"])
-    except Exception as e:
-        errors.append(f"rank {r}: {e}")
-    finished.wait()
+    while True:
+        start.wait()
+        if iteration[0] < 0:
+            return
+        try:
+            if stores[i] is not None:
+                pattern(stores[i], r, iteration[0])
+        except Exception as e:
+            errors.append(f"rank {r}: {e}")
+        finished.wait()
 threads = [threading.Thread(target=rank_main, args=(i,), daemon=True) for i in range(count)]
+def cpu():
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 print("ready", flush=True)
 assert sys.stdin.readline().strip() == "connect"
 for t in threads:
     t.start()
 connected.wait()
-def cpu():
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
 print("connected", time.time(), len(errors), cpu(), flush=True)
-assert sys.stdin.readline().strip() == "go"
-go.set()
-finished.wait()
-print("done", time.time(), len(errors), cpu(), flush=True)
-if errors:
+while True:  # "go [J]": run the pattern once (keys prefixed "J/" for J > 0); anything else: exit
+    cmd = sys.stdin.readline().split()
+    if not cmd or cmd[0] != "go":
+        break
+    iteration[0] = int(cmd[1]) if len(cmd) > 1 else 0
+    before = len(errors)
+    start.wait()
+    finished.wait()
+    print("done", time.time(), len(errors) - before, cpu(), flush=True)
+if len(errors):
     print("ERR", errors[:3], file=sys.stderr, flush=True)
-sys.stdin.readline()
 os._exit(0)
 '''
 
@@ -238,7 +254,10 @@ def stop(p: subprocess.Popen) -> None:
                 p.wait()
 
 
-def run_scenario(kind: str, n: int, procs: int) -> dict:
+def run_scenario(kind: str, n: int, procs: int, iterations: int = 1) -> dict:
+    """One backend with n clients: connect, then the pattern `iterations` times on the same
+    connections (the first is the process-group init as a job sees it; the later, "warm" ones
+    repeat it with fresh keys and are far less noisy than one 40 ms pattern)."""
     master, mport = start_master(kind)
     helpers: list[subprocess.Popen] = []
     clients: list[subprocess.Popen] = []
@@ -270,8 +289,13 @@ def run_scenario(kind: str, n: int, procs: int) -> dict:
         errs += more
         cpu2 = cpu_seconds(master.pid)
         pcpu2 = sum(cpu_seconds(h.pid) for h in helpers)
+        warm: list[float] = []
+        for j in range(1, iterations):
+            took, more, ccpu3 = client_phase(clients, f"go {j}", "done")
+            warm.append(took)
+            errs += more
         ops = 7 * n  # set, add, wait, (get = wait + get | set), add, wait per rank
-        return {
+        row = {
             "backend": kind, "clients": n, "client_procs": procs,
             "master_connections": n if base != "ftrun-proxy" else len(ports),
             "connect_s": round(connect_s, 4), "pattern_s": round(pattern_s, 4),
@@ -283,6 +307,15 @@ def run_scenario(kind: str, n: int, procs: int) -> dict:
             "proxy_cpu_total_s": round(pcpu2 - pcpu0, 4) if helpers else None,
             "errors": errs,
         }
+        if warm:  # per warm pattern: the median time, and the mean CPU of master/proxies/clients
+            row["warm_patterns"] = len(warm)
+            row["warm_pattern_s_median"] = round(statistics.median(warm), 4)
+            row["warm_master_cpu_s"] = round((cpu_seconds(master.pid) - cpu2) / len(warm), 4)
+            if helpers:
+                row["warm_proxy_cpu_s"] = round(
+                    (sum(cpu_seconds(h.pid) for h in helpers) - pcpu2) / len(warm), 4)
+            row["warm_client_cpu_s"] = round((ccpu3 - ccpu2) / len(warm), 4)
+        return row
     finally:
         for c in clients:
             stop(c)
@@ -303,17 +336,34 @@ def main() -> None:
                          "NAME%%N with FTRUN_STORE_NICE=N (e.g. ftrun%%0: the loop threads at "
                          "the inherited priority); NAME#LABEL a second instance "
                          "(torch#2: an A/A control)")
+    ap.add_argument("--iterations", type=int, default=1,
+                    help="patterns per run on the same connections: the first is reported as "
+                         "pattern_s; with more, the warm ones' median too (warm_*), a measure "
+                         "with far less noise than one pattern")
     a = ap.parse_args()
+    try:
+        sizes = [int(x) for x in a.sizes.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 2:
+        ap.exit(2, f"bench_store: --sizes {a.sizes!r}: comma-separated integers >= 2\n")
+    if a.repeat < 1 or a.iterations < 1:
+        ap.exit(2, f"bench_store: --repeat {a.repeat} / --iterations {a.iterations}: "
+                   "each must be >= 1\n")
+    kinds = list(dict.fromkeys(a.backends.split(",")))
+    for kind in kinds:
+        if split_kind(kind)[0] not in ("torch", "ftrun", "ftrun-proxy"):
+            ap.exit(2, f"bench_store: backend {kind!r}: pick torch, ftrun or ftrun-proxy "
+                       "(with @PATH, %N or #LABEL)\n")
     print(json.dumps({"setup": "/etc/hosts", "line": HOSTS_LINE,
                       "status": ensure_hosts_line(),
                       "note": "torch's client reverse-resolves ::ffff:127.0.0.1; the line "
                               "avoids resolver stalls for every backend"}), flush=True)
-    for n in [int(x) for x in a.sizes.split(",")]:
+    for n in sizes:
         procs = client_procs(n)
-        kinds = list(dict.fromkeys(a.backends.split(",")))
         runs: dict[str, list[dict]] = {k: [] for k in kinds}
         for kind in interleaved(kinds, a.repeat):
-            runs[kind].append(run_scenario(kind, n, procs))
+            runs[kind].append(run_scenario(kind, n, procs, a.iterations))
         res = {}
         for kind in kinds:
             best = dict(min(runs[kind], key=lambda r: r["pattern_s"]))
@@ -323,6 +373,9 @@ def main() -> None:
                     r["pattern_s"] for r in runs[kind]), 4)
                 best["master_cpu_pattern_s_median"] = round(statistics.median(
                     r["master_cpu_pattern_s"] for r in runs[kind]), 4)
+                if a.iterations > 1:  # the runs' warm medians, their median
+                    best["warm_pattern_s_median_of_runs"] = round(statistics.median(
+                        r["warm_pattern_s_median"] for r in runs[kind]), 4)
             res[kind] = best
         base = res.get("torch")
         for kind, r in res.items():
@@ -336,6 +389,16 @@ def main() -> None:
                                 for x, t in zip(runs[kind], runs["torch"])]
                     r["pattern_vs_torch_by_round"] = by_round
                     r["rounds_at_or_below_torch"] = sum(x <= 1.0 for x in by_round)
+                    if a.iterations > 1:
+                        warm = [round(x["warm_pattern_s_median"] / t["warm_pattern_s_median"], 3)
+                                for x, t in zip(runs[kind], runs["torch"])]
+                        r["warm_vs_torch_by_round"] = warm
+                        r["warm_rounds_at_or_below_torch"] = sum(x <= 1.0 for x in warm)
+                        r["warm_median_vs_torch"] = round(r["warm_pattern_s_median_of_runs"]
+                                                          / base["warm_pattern_s_median_of_runs"], 3)
+                elif a.iterations > 1:
+                    r["warm_median_vs_torch"] = round(r["warm_pattern_s_median"]
+                                                      / base["warm_pattern_s_median"], 3)
                 r["connect_time_vs_torch"] = round(r["connect_s"] / base["connect_s"], 3)
                 if r["master_cpu_total_s"] > 0:
                     r["master_cpu_reduction_vs_torch"] = round(

@@ -132,3 +132,23 @@ def test_the_etcd_node_crash_scenario_is_ftrun_only_and_says_why_for_torchrun() 
     assert [v["conf"] for v in row["variants"]] == ["(default)", bm.SHORT_CONF]
     assert all("python-etcd" in v["torchrun"]["not_measured"] for v in row["variants"])
     assert not bm.has_error(row)
+
+
+@pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
+def test_the_store_pattern_over_two_hosts_against_torch() -> None:
+    """The store scenario end to end (it had no test and failed on every backend with a
+    ValueError after bench_store.client_phase began returning the clients' CPU too)."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_multinode.py"),
+                        "--scenarios", "store", "--store-hosts", "2", "--store-sizes", "16"],
+                       env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, (p.stdout, p.stderr[-2000:])
+    row = next(r for r in map(json.loads, p.stdout.splitlines()) if r.get("scenario") == "store")
+    assert row["hosts"] == 2 and [s["clients"] for s in row["sizes"]] == [16]
+    size = row["sizes"][0]
+    torch_row, proxy_row = size["torch"], size["ftrun-proxy"]
+    for r in (torch_row, proxy_row):
+        assert "error" not in r and r["errors"] == 0 and r["pattern_s"] > 0, r
+        assert r["hosts"] == 2 and r["clients"] == 16, r
+    assert torch_row["master_connections"] == 16 and proxy_row["master_connections"] == 2
+    assert proxy_row["pattern_time_vs_torch"] == round(proxy_row["pattern_s"] / torch_row["pattern_s"], 3)

@@ -30,3 +30,32 @@ def test_a_second_torch_and_ftrun_are_compared_to_torch_round_by_round() -> None
         assert x["rounds_at_or_below_torch"] == sum(v <= 1.0 for v in by_round)
         assert x["pattern_time_vs_torch"] == round(x["pattern_s"] / rows["torch"]["pattern_s"], 3)
     assert rows["torch#2"]["master_connections"] == rows["torch"]["master_connections"] == 8
+
+
+def test_warm_iterations_repeat_the_pattern_on_the_same_connections() -> None:
+    r = subprocess.run([sys.executable, SCRIPT, "--sizes", "8", "--repeat", "2", "--iterations", "4",
+                        "--backends", "torch,ftrun,ftrun-proxy"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = {x["backend"]: x for x in map(json.loads, r.stdout.splitlines()[1:])}
+    assert list(rows) == ["torch", "ftrun", "ftrun-proxy"]
+    for kind, x in rows.items():
+        assert x["errors"] == 0 and x["warm_patterns"] == 3, x
+        assert x["warm_pattern_s_median"] > 0 and x["warm_pattern_s_median_of_runs"] > 0, x
+        assert x["warm_master_cpu_s"] > 0 and x["warm_client_cpu_s"] > 0, x
+        assert ("warm_proxy_cpu_s" in x) == (kind == "ftrun-proxy"), x
+    for kind in ("ftrun", "ftrun-proxy"):
+        x = rows[kind]
+        assert len(x["warm_vs_torch_by_round"]) == 2, x
+        assert x["warm_rounds_at_or_below_torch"] == sum(v <= 1.0 for v in x["warm_vs_torch_by_round"])
+        assert x["warm_median_vs_torch"] == round(
+            x["warm_pattern_s_median_of_runs"] / rows["torch"]["warm_pattern_s_median_of_runs"], 3)
+
+
+def test_bad_arguments_are_one_line_and_exit_2() -> None:
+    for args, names in ((["--sizes", "8,x"], "--sizes"), (["--iterations", "0"], "--iterations"),
+                        (["--repeat", "0"], "--repeat"), (["--backends", "torch,redis"], "redis")):
+        r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 2 and names in r.stderr and not r.stdout, (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1, r.stderr
