@@ -29,11 +29,14 @@ Usage: python scripts/bench_store.py [--sizes 256,1024,4096] [--repeat 1] [--ite
        torch#2, whose ratio to torch is the spread of the measurement itself)
 With --repeat > 1 each contender's line also gives its ratio to torch round by round
 (`pattern_vs_torch_by_round`) and how many rounds were at or below torch's time.
---iterations K (default 1) runs the pattern K times per run on the same connections, each time
-with fresh keys: the first is `pattern_s` (a job's process-group init); the K-1 "warm" ones give
-`warm_pattern_s_median` and the master's / proxies' / clients' CPU per warm pattern, and with
---repeat > 1 `warm_vs_torch_by_round` - one 40 ms pattern at 256 clients is mostly scheduling
-noise, the median of many is not.
+--iterations K (default 1) sets up every backend at once per round: each connects and runs its
+first pattern (`pattern_s`, a job's process-group init), then the pattern K-1 more times on the
+same connections with fresh keys, alternating between the backends pattern by pattern. The rows
+get `warm_pattern_s_median`, the master's / proxies' / clients' CPU per warm pattern and
+`warm_paired_vs_torch`: the median ratio of each warm pattern to torch's next to it in time
+(with quartiles). A single 40 ms pattern at 256 clients is mostly the shared machine's noise
+(torch against itself: 0.6-1.6x by round); paired, alternating patterns are not (0.99-1.02x).
+Memory: all backends' client processes live at once (~16 per backend at 1024+ clients).
 """
 from __future__ import annotations
 
@@ -254,74 +257,114 @@ def stop(p: subprocess.Popen) -> None:
                 p.wait()
 
 
-def run_scenario(kind: str, n: int, procs: int, iterations: int = 1) -> dict:
-    """One backend with n clients: connect, then the pattern `iterations` times on the same
-    connections (the first is the process-group init as a job sees it; the later, "warm" ones
-    repeat it with fresh keys and are far less noisy than one 40 ms pattern)."""
-    master, mport = start_master(kind)
-    helpers: list[subprocess.Popen] = []
-    clients: list[subprocess.Popen] = []
-    try:
-        ports = [mport]
-        per_port = n
-        base, repo, nice = split_kind(kind)
-        if base == "ftrun-proxy":
-            nproxies = max(1, n // PER_PROXY)
-            hosts = nproxies  # one proxy per process, as on real nodes
-            ports = []
-            for h in range(hosts):
-                k = nproxies // hosts + (1 if h < nproxies % hosts else 0)
-                p = spawn(PROXY_HOST, mport, k, repo=repo, nice=nice)
-                helpers.append(p)
-                ports += [int(x) for x in read_line(p, "ports")[1].split(",")]
-            per_port = PER_PROXY
-        per = n // procs
-        for i in range(procs):
-            clients.append(spawn(CLIENT, n, i * per, per, ",".join(map(str, ports)), per_port))
-        for c in clients:
-            read_line(c, "ready")
-        cpu0 = cpu_seconds(master.pid)
-        pcpu0 = sum(cpu_seconds(h.pid) for h in helpers)
-        connect_s, errs, ccpu1 = client_phase(clients, "connect", "connected")
-        cpu1 = cpu_seconds(master.pid)
-        pcpu1 = sum(cpu_seconds(h.pid) for h in helpers)
-        pattern_s, more, ccpu2 = client_phase(clients, "go", "done")
-        errs += more
-        cpu2 = cpu_seconds(master.pid)
-        pcpu2 = sum(cpu_seconds(h.pid) for h in helpers)
-        warm: list[float] = []
-        for j in range(1, iterations):
-            took, more, ccpu3 = client_phase(clients, f"go {j}", "done")
-            warm.append(took)
-            errs += more
+class Setup:
+    """One backend's master (and proxies) with n client threads in `procs` processes, ready."""
+
+    def __init__(self, kind: str, n: int, procs: int) -> None:
+        self.kind, self.n, self.procs = kind, n, procs
+        self.base = split_kind(kind)[0]
+        self.helpers: list[subprocess.Popen] = []
+        self.clients: list[subprocess.Popen] = []
+        self.master, mport = start_master(kind)
+        try:
+            self.ports, per_port = [mport], n
+            if self.base == "ftrun-proxy":
+                _, repo, nice = split_kind(kind)
+                self.ports = []
+                for _ in range(max(1, n // PER_PROXY)):  # one proxy per process, as on real nodes
+                    p = spawn(PROXY_HOST, mport, 1, repo=repo, nice=nice)
+                    self.helpers.append(p)
+                    self.ports += [int(x) for x in read_line(p, "ports")[1].split(",")]
+                per_port = PER_PROXY
+            per = n // procs
+            for i in range(procs):
+                self.clients.append(spawn(CLIENT, n, i * per, per, ",".join(map(str, self.ports)),
+                                          per_port))
+            for c in self.clients:
+                read_line(c, "ready")
+        except BaseException:
+            self.close()
+            raise
+
+    def cpu(self) -> tuple[float, float]:
+        """(master, proxies) CPU seconds so far."""
+        return cpu_seconds(self.master.pid), sum(cpu_seconds(h.pid) for h in self.helpers)
+
+    def first(self) -> dict:
+        """Connect, then the pattern once (a job's process-group init): the scenario's row."""
+        n = self.n
+        cpu0, pcpu0 = self.cpu()
+        connect_s, errs, ccpu1 = client_phase(self.clients, "connect", "connected")
+        cpu1, pcpu1 = self.cpu()
+        pattern_s, more, ccpu2 = client_phase(self.clients, "go", "done")
+        cpu2, pcpu2 = self.cpu()
         ops = 7 * n  # set, add, wait, (get = wait + get | set), add, wait per rank
-        row = {
-            "backend": kind, "clients": n, "client_procs": procs,
-            "master_connections": n if base != "ftrun-proxy" else len(ports),
+        self.ccpu = ccpu2
+        return {
+            "backend": self.kind, "clients": n, "client_procs": self.procs,
+            "master_connections": n if self.base != "ftrun-proxy" else len(self.ports),
             "connect_s": round(connect_s, 4), "pattern_s": round(pattern_s, 4),
             "ops_per_s": round(ops / pattern_s), "master_cpu_connect_s": round(cpu1 - cpu0, 4),
             "master_cpu_pattern_s": round(cpu2 - cpu1, 4),
             "master_cpu_total_s": round(cpu2 - cpu0, 4),
-            "proxy_cpu_pattern_s": round(pcpu2 - pcpu1, 4) if helpers else None,
+            "proxy_cpu_pattern_s": round(pcpu2 - pcpu1, 4) if self.helpers else None,
             "client_cpu_pattern_s": round(ccpu2 - ccpu1, 4),
-            "proxy_cpu_total_s": round(pcpu2 - pcpu0, 4) if helpers else None,
-            "errors": errs,
+            "proxy_cpu_total_s": round(pcpu2 - pcpu0, 4) if self.helpers else None,
+            "errors": errs + more,
         }
-        if warm:  # per warm pattern: the median time, and the mean CPU of master/proxies/clients
-            row["warm_patterns"] = len(warm)
-            row["warm_pattern_s_median"] = round(statistics.median(warm), 4)
-            row["warm_master_cpu_s"] = round((cpu_seconds(master.pid) - cpu2) / len(warm), 4)
-            if helpers:
-                row["warm_proxy_cpu_s"] = round(
-                    (sum(cpu_seconds(h.pid) for h in helpers) - pcpu2) / len(warm), 4)
-            row["warm_client_cpu_s"] = round((ccpu3 - ccpu2) / len(warm), 4)
-        return row
+
+    def again(self, j: int) -> tuple[float, int, float, float, float]:
+        """The pattern once more with fresh keys: (seconds, errors, master / proxies / clients
+        CPU seconds)."""
+        cpu0, pcpu0 = self.cpu()
+        took, errs, ccpu = client_phase(self.clients, f"go {j}", "done")
+        cpu1, pcpu1 = self.cpu()
+        used, self.ccpu = ccpu - self.ccpu, ccpu
+        return took, errs, cpu1 - cpu0, pcpu1 - pcpu0, used
+
+    def close(self) -> None:
+        for p in [*self.clients, *self.helpers, self.master]:
+            stop(p)
+
+
+def run_scenario(kind: str, n: int, procs: int) -> dict:
+    """One backend alone: set up, connect, the pattern once, tear down."""
+    setup = Setup(kind, n, procs)
+    try:
+        return setup.first()
     finally:
-        for c in clients:
-            stop(c)
-        for h in helpers:
-            stop(h)
-        stop(master)
+        setup.close()
+
+
+def run_alternating(kinds: list[str], n: int, procs: int, iterations: int) -> dict[str, dict]:
+    """Every backend of `kinds` set up at once; each connects and runs its first pattern (in
+    `kinds`' order), then the pattern `iterations - 1` more times per backend, alternating
+    between the backends pattern by pattern (the order rotating), so a slow second of the
+    shared machine hits all alike. Each row gets its warm patterns' median time, the master's /
+    proxies' / clients' CPU per warm pattern, and the warm times themselves."""
+    setups: list[Setup] = []
+    try:
+        for kind in kinds:
+            setups.append(Setup(kind, n, procs))
+        rows = {s.kind: s.first() for s in setups}
+        warm: dict[str, list[tuple]] = {k: [] for k in kinds}
+        for j in range(1, iterations):
+            for s in setups[j % len(setups):] + setups[:j % len(setups)]:
+                warm[s.kind].append(s.again(j))
+        for kind, ws in warm.items():
+            row = rows[kind]
+            row["errors"] += sum(w[1] for w in ws)
+            row["warm_patterns"] = len(ws)
+            row["warm_pattern_s"] = [round(w[0], 4) for w in ws]
+            row["warm_pattern_s_median"] = round(statistics.median(w[0] for w in ws), 4)
+            row["warm_master_cpu_s"] = round(sum(w[2] for w in ws) / len(ws), 4)
+            if row["proxy_cpu_pattern_s"] is not None:
+                row["warm_proxy_cpu_s"] = round(sum(w[3] for w in ws) / len(ws), 4)
+            row["warm_client_cpu_s"] = round(sum(w[4] for w in ws) / len(ws), 4)
+        return rows
+    finally:
+        for s in setups:
+            s.close()
 
 
 def main() -> None:
@@ -362,8 +405,14 @@ def main() -> None:
     for n in sizes:
         procs = client_procs(n)
         runs: dict[str, list[dict]] = {k: [] for k in kinds}
-        for kind in interleaved(kinds, a.repeat):
-            runs[kind].append(run_scenario(kind, n, procs, a.iterations))
+        if a.iterations == 1:
+            for kind in interleaved(kinds, a.repeat):
+                runs[kind].append(run_scenario(kind, n, procs))
+        else:
+            for i in range(a.repeat):
+                order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]
+                for kind, row in run_alternating(order, n, procs, a.iterations).items():
+                    runs[kind].append(row)
         res = {}
         for kind in kinds:
             best = dict(min(runs[kind], key=lambda r: r["pattern_s"]))
@@ -399,10 +448,17 @@ def main() -> None:
                 elif a.iterations > 1:
                     r["warm_median_vs_torch"] = round(r["warm_pattern_s_median"]
                                                       / base["warm_pattern_s_median"], 3)
+                if a.iterations > 1:  # each warm pattern against torch's next to it in time
+                    paired = [x / t for xr, tr in zip(runs[kind], runs["torch"])
+                              for x, t in zip(xr["warm_pattern_s"], tr["warm_pattern_s"])]
+                    r["warm_paired_vs_torch"] = round(statistics.median(paired), 3)
+                    q = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
+                    r["warm_paired_vs_torch_quartiles"] = [round(q[0], 3), round(q[2], 3)]
                 r["connect_time_vs_torch"] = round(r["connect_s"] / base["connect_s"], 3)
                 if r["master_cpu_total_s"] > 0:
                     r["master_cpu_reduction_vs_torch"] = round(
                         base["master_cpu_total_s"] / r["master_cpu_total_s"], 2)
+            r.pop("warm_pattern_s", None)  # every warm time: in the pairing above, not printed
             print(json.dumps(r), flush=True)
 
 

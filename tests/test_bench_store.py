@@ -33,6 +33,7 @@ def test_a_second_torch_and_ftrun_are_compared_to_torch_round_by_round() -> None
 
 
 def test_warm_iterations_repeat_the_pattern_on_the_same_connections() -> None:
+    """--iterations: all backends set up at once, their warm patterns alternating and paired."""
     r = subprocess.run([sys.executable, SCRIPT, "--sizes", "8", "--repeat", "2", "--iterations", "4",
                         "--backends", "torch,ftrun,ftrun-proxy"],
                        capture_output=True, text=True, timeout=300)
@@ -50,6 +51,9 @@ def test_warm_iterations_repeat_the_pattern_on_the_same_connections() -> None:
         assert x["warm_rounds_at_or_below_torch"] == sum(v <= 1.0 for v in x["warm_vs_torch_by_round"])
         assert x["warm_median_vs_torch"] == round(
             x["warm_pattern_s_median_of_runs"] / rows["torch"]["warm_pattern_s_median_of_runs"], 3)
+        lo, hi = x["warm_paired_vs_torch_quartiles"]
+        assert 0 < lo <= x["warm_paired_vs_torch"] <= hi, x
+        assert "warm_pattern_s" not in x  # the pairs' input, not printed
 
 
 def test_bad_arguments_are_one_line_and_exit_2() -> None:
