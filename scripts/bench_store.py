@@ -201,6 +201,17 @@ def read_line(p: subprocess.Popen, want: str, timeout: float = 300) -> list[str]
     raise RuntimeError(f"timed out waiting for {want!r}")
 
 
+def parse_sizes(ap: argparse.ArgumentParser, prog: str, text: str) -> list[int]:
+    """--sizes as a list of client counts, or a one-line error and exit 2."""
+    try:
+        sizes = [int(x) for x in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 2:
+        ap.exit(2, f"{prog}: --sizes {text!r}: comma-separated integers >= 2\n")
+    return sizes
+
+
 def client_procs(n: int) -> int:
     """Client processes for n clients: 64 threads each, at least 2, at most 16."""
     return max(2, min(16, n // 64))
@@ -380,16 +391,11 @@ def main() -> None:
                          "the inherited priority); NAME#LABEL a second instance "
                          "(torch#2: an A/A control)")
     ap.add_argument("--iterations", type=int, default=1,
-                    help="patterns per run on the same connections: the first is reported as "
-                         "pattern_s; with more, the warm ones' median too (warm_*), a measure "
-                         "with far less noise than one pattern")
+                    help="patterns per backend and round: with more than 1, every backend is "
+                         "set up at once and, after each one's first pattern, their warm "
+                         "patterns alternate and are paired to torch's (warm_*)")
     a = ap.parse_args()
-    try:
-        sizes = [int(x) for x in a.sizes.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 2:
-        ap.exit(2, f"bench_store: --sizes {a.sizes!r}: comma-separated integers >= 2\n")
+    sizes = parse_sizes(ap, "bench_store", a.sizes)
     if a.repeat < 1 or a.iterations < 1:
         ap.exit(2, f"bench_store: --repeat {a.repeat} / --iterations {a.iterations}: "
                    "each must be >= 1\n")

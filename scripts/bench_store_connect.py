@@ -50,12 +50,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--backends", default="torch,ftrun")
     a = ap.parse_args()
-    try:
-        sizes = [int(x) for x in a.sizes.split(",")]
-    except ValueError:
-        sizes = []
-    if not sizes or min(sizes) < 2:
-        ap.exit(2, f"bench_store_connect: --sizes {a.sizes!r}: comma-separated integers >= 2\n")
+    sizes = B.parse_sizes(ap, "bench_store_connect", a.sizes)
     if a.repeat < 1:
         ap.exit(2, f"bench_store_connect: --repeat {a.repeat}: must be >= 1\n")
     kinds = list(dict.fromkeys(a.backends.split(",")))
