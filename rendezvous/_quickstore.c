@@ -54,8 +54,7 @@
  * `loop_turn(epfd, conns, ctx, timeout, proxy, until, owner, hold, accept)`, the loop's
  * epoll_wait with the GIL released plus the reads `_read` would give to `read_quick` (or,
  * for the proxy, to `proxy_read`), turning again while a turn leaves nothing to Python (see
- * the function),
- * and returning the events and results the Python loop finishes; given the listening socket,
+ * the function), and returning the events and results the Python loop finishes; given the listening socket,
  * it also accepts new connections (`accept_some`: accept4, TCP_NODELAY, and the Python
  * `LoopServer._adopt` per connection, which makes and registers the connection object), so a
  * burst of connects does not leave the C loop once per turn for Python's `_accept`.

@@ -35,7 +35,7 @@ same connections with fresh keys, alternating between the backends pattern by pa
 get `warm_pattern_s_median`, the master's / proxies' / clients' CPU per warm pattern and
 `warm_paired_vs_torch`: the median ratio of each warm pattern to torch's next to it in time
 (with quartiles). A single 40 ms pattern at 256 clients is mostly the shared machine's noise
-(torch against itself: 0.6-1.6x by round); paired, alternating patterns are not (0.99-1.02x).
+(torch against itself: 0.6-2.2x by round); paired, alternating patterns far less (0.94-1.06x).
 Memory: all backends' client processes live at once (~16 per backend at 1024+ clients).
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ while True:  # "go [J]": run the pattern once (keys prefixed "J/" for J > 0); an
     start.wait()
     finished.wait()
     print("done", time.time(), len(errors) - before, cpu(), flush=True)
-if len(errors):
+if errors:
     print("ERR", errors[:3], file=sys.stderr, flush=True)
 os._exit(0)
 '''
@@ -217,11 +217,16 @@ def client_procs(n: int) -> int:
     return max(2, min(16, n // 64))
 
 
+def rotated(items: list, i: int) -> list:
+    """`items` rotated left by i: round i's order, so no backend always goes first."""
+    return items[i % len(items):] + items[:i % len(items)]
+
+
 def interleaved(kinds: list[str], repeat: int):
     """Each of `kinds` `repeat` times, round by round, the order rotating each round, so drift
     of the shared machine hits every backend alike."""
     for i in range(repeat):
-        yield from kinds[i % len(kinds):] + kinds[:i % len(kinds)]
+        yield from rotated(kinds, i)
 
 
 def split_kind(kind: str) -> tuple[str, str, str | None]:
@@ -276,6 +281,7 @@ class Setup:
         self.base = split_kind(kind)[0]
         self.helpers: list[subprocess.Popen] = []
         self.clients: list[subprocess.Popen] = []
+        self.ccpu = 0.0  # the client processes' CPU seconds at the end of the last pattern
         self.master, mport = start_master(kind)
         try:
             self.ports, per_port = [mport], n
@@ -360,7 +366,7 @@ def run_alternating(kinds: list[str], n: int, procs: int, iterations: int) -> di
         rows = {s.kind: s.first() for s in setups}
         warm: dict[str, list[tuple]] = {k: [] for k in kinds}
         for j in range(1, iterations):
-            for s in setups[j % len(setups):] + setups[:j % len(setups)]:
+            for s in rotated(setups, j):
                 warm[s.kind].append(s.again(j))
         for kind, ws in warm.items():
             row = rows[kind]
@@ -416,8 +422,8 @@ def main() -> None:
                 runs[kind].append(run_scenario(kind, n, procs))
         else:
             for i in range(a.repeat):
-                order = kinds[i % len(kinds):] + kinds[:i % len(kinds)]
-                for kind, row in run_alternating(order, n, procs, a.iterations).items():
+                for kind, row in run_alternating(rotated(kinds, i), n, procs,
+                                                 a.iterations).items():
                     runs[kind].append(row)
         res = {}
         for kind in kinds:

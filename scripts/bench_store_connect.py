@@ -26,22 +26,14 @@ import bench_store as B  # noqa: E402  (scripts/ is not a package)
 
 def connect_round(kind: str, n: int) -> tuple[float, float, int]:
     """(connect wall s, master CPU s, client errors) of one round of `kind` with n clients."""
-    master, port = B.start_master(kind)
-    clients = []
+    setup = B.Setup(kind, n, B.client_procs(n))
     try:
-        procs = B.client_procs(n)
-        per = n // procs
-        clients = [B.spawn(B.CLIENT, n, i * per, per, str(port), n) for i in range(procs)]
-        for c in clients:
-            B.read_line(c, "ready")
         time.sleep(0.3)  # the clients' imports are over: the master is idle
-        cpu0 = B.cpu_seconds(master.pid)
-        wall, errors, _ = B.client_phase(clients, "connect", "connected")
-        return wall, B.cpu_seconds(master.pid) - cpu0, errors
+        cpu0 = B.cpu_seconds(setup.master.pid)
+        wall, errors, _ = B.client_phase(setup.clients, "connect", "connected")
+        return wall, B.cpu_seconds(setup.master.pid) - cpu0, errors
     finally:
-        for c in clients:
-            B.stop(c)
-        B.stop(master)
+        setup.close()
 
 
 def main() -> None:
