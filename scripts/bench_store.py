@@ -144,8 +144,6 @@ for p in ps:
 '''
 
 
-
-
 def env(repo: str = REPO, nice: str | None = None) -> dict[str, str]:
     e = dict(os.environ)
     if nice is not None:  # the loop threads' priority of this backend's server and proxies
@@ -166,6 +164,20 @@ def cpu_seconds(pid: int) -> float:
         except (OSError, ValueError, IndexError):
             pass
     return total / 1e9
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def user_sys_seconds(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of process `pid` so far (its threads', also exited ones);
+    kernel tick resolution, so meaningful summed over patterns, not for one short one."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[11]) / CLK_TCK, int(fields[12]) / CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
 
 
 def spawn(code: str, *args: object, repo: str = REPO,
@@ -307,6 +319,12 @@ class Setup:
         """(master, proxies) CPU seconds so far."""
         return cpu_seconds(self.master.pid), sum(cpu_seconds(h.pid) for h in self.helpers)
 
+    def user_sys(self) -> tuple[float, float, float, float]:
+        """(master user, master system, proxies' user, proxies' system) CPU seconds so far."""
+        mu, ms = user_sys_seconds(self.master.pid)
+        hs = [user_sys_seconds(h.pid) for h in self.helpers]
+        return mu, ms, sum(h[0] for h in hs), sum(h[1] for h in hs)
+
     def first(self) -> dict:
         """Connect, then the pattern once (a job's process-group init): the scenario's row."""
         n = self.n
@@ -330,14 +348,17 @@ class Setup:
             "errors": errs + more,
         }
 
-    def again(self, j: int) -> tuple[float, int, float, float, float]:
+    def again(self, j: int) -> tuple[float, int, float, float, float, tuple]:
         """The pattern once more with fresh keys: (seconds, errors, master / proxies / clients
-        CPU seconds)."""
+        CPU seconds, the master's and proxies' user / system CPU seconds as `user_sys`)."""
         cpu0, pcpu0 = self.cpu()
+        us0 = self.user_sys()
         took, errs, ccpu = client_phase(self.clients, f"go {j}", "done")
         cpu1, pcpu1 = self.cpu()
+        us1 = self.user_sys()
         used, self.ccpu = ccpu - self.ccpu, ccpu
-        return took, errs, cpu1 - cpu0, pcpu1 - pcpu0, used
+        return (took, errs, cpu1 - cpu0, pcpu1 - pcpu0, used,
+                tuple(b - a for a, b in zip(us0, us1)))
 
     def close(self) -> None:
         for p in [*self.clients, *self.helpers, self.master]:
@@ -378,6 +399,15 @@ def run_alternating(kinds: list[str], n: int, procs: int, iterations: int) -> di
             if row["proxy_cpu_pattern_s"] is not None:
                 row["warm_proxy_cpu_s"] = round(sum(w[3] for w in ws) / len(ws), 4)
             row["warm_client_cpu_s"] = round(sum(w[4] for w in ws) / len(ws), 4)
+            # the store's CPU (master + proxies) per warm pattern, split into user and system
+            # (kernel: the sockets' work, which every store serving these clients does)
+            us = [sum(w[5][i] for w in ws) / len(ws) for i in range(4)]
+            row["warm_master_user_s"], row["warm_master_sys_s"] = round(us[0], 4), round(us[1], 4)
+            if row["proxy_cpu_pattern_s"] is not None:
+                row["warm_proxy_user_s"] = round(us[2], 4)
+                row["warm_proxy_sys_s"] = round(us[3], 4)
+            row["warm_store_cpu_s"] = round(row["warm_master_cpu_s"]
+                                            + row.get("warm_proxy_cpu_s", 0.0), 4)
         return rows
     finally:
         for s in setups:
@@ -466,6 +496,9 @@ def main() -> None:
                     r["warm_paired_vs_torch"] = round(statistics.median(paired), 3)
                     q = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
                     r["warm_paired_vs_torch_quartiles"] = [round(q[0], 3), round(q[2], 3)]
+                    if base["warm_store_cpu_s"] > 0:  # master (+ proxies) CPU per pattern
+                        r["warm_store_cpu_vs_torch"] = round(
+                            r["warm_store_cpu_s"] / base["warm_store_cpu_s"], 3)
                 r["connect_time_vs_torch"] = round(r["connect_s"] / base["connect_s"], 3)
                 if r["master_cpu_total_s"] > 0:
                     r["master_cpu_reduction_vs_torch"] = round(

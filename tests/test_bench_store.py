@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
                       "bench_store.py")
@@ -45,6 +46,10 @@ def test_warm_iterations_repeat_the_pattern_on_the_same_connections() -> None:
         assert x["warm_pattern_s_median"] > 0 and x["warm_pattern_s_median_of_runs"] > 0, x
         assert x["warm_master_cpu_s"] > 0 and x["warm_client_cpu_s"] > 0, x
         assert ("warm_proxy_cpu_s" in x) == (kind == "ftrun-proxy"), x
+        assert ("warm_proxy_sys_s" in x) == ("warm_proxy_user_s" in x) == (kind == "ftrun-proxy")
+        assert x["warm_master_user_s"] >= 0 and x["warm_master_sys_s"] >= 0, x
+        assert x["warm_store_cpu_s"] == round(
+            x["warm_master_cpu_s"] + x.get("warm_proxy_cpu_s", 0.0), 4), x
     for kind in ("ftrun", "ftrun-proxy"):
         x = rows[kind]
         assert len(x["warm_vs_torch_by_round"]) == 2, x
@@ -54,6 +59,30 @@ def test_warm_iterations_repeat_the_pattern_on_the_same_connections() -> None:
         lo, hi = x["warm_paired_vs_torch_quartiles"]
         assert 0 < lo <= x["warm_paired_vs_torch"] <= hi, x
         assert "warm_pattern_s" not in x  # the pairs' input, not printed
+        assert x["warm_store_cpu_vs_torch"] == round(
+            x["warm_store_cpu_s"] / rows["torch"]["warm_store_cpu_s"], 3), x
+
+
+def test_user_and_system_cpu_are_read_as_the_kernel_counts_them() -> None:
+    """`user_sys_seconds(pid)` reads the same counters as times(2) (`os.times()` of this
+    process), user and system not swapped (user time is made to lead by 0.2 s first)."""
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    import bench_store
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        t = os.times()
+        if t.user - t.system > 0.2:
+            break
+        x = 0
+        for i in range(100000):
+            x += i
+    before = os.times()
+    user, system = bench_store.user_sys_seconds(os.getpid())
+    after = os.times()
+    assert before.user - 0.02 <= user <= after.user + 0.02, (before, user, after)
+    assert before.system - 0.02 <= system <= after.system + 0.02, (before, system, after)
+    assert user - system > 0.15
+    assert bench_store.user_sys_seconds(2 ** 22 + 12345) == (0.0, 0.0)  # no such process
 
 
 def test_bad_arguments_are_one_line_and_exit_2() -> None:
