@@ -44,7 +44,7 @@ from launcher.config import LaunchConfig
 from launcher.controller import Controller
 from launcher.controller_role import ControllerRole
 from launcher.death_notice import NoticeBoard
-from launcher.errors import JobFailures, failure_from_exit
+from launcher.errors import JobFailures, failure_from_exit, stderr_cause, stderr_last_words
 from launcher.exit_guard import ExitGuard
 from launcher.fault_memory import FaultMemory
 from launcher.fault_reports import FaultReporter
@@ -58,7 +58,8 @@ from launcher.observer import NodeObserver
 from launcher.plan_executor import JobFailed, PlanExecutor
 from launcher.spawner import Spawner, WorkerWorld
 from launcher.store_stack import AgentWorld, StoreStack
-from launcher.workers import NodeWorkers, Reaper, WorkerExit, send_signal, stop_workers
+from launcher.workers import (NodeWorkers, Reaper, WorkerExit, send_signal, signal_name,
+                              stop_workers)
 from rendezvous.errors import (FencedError, JoinInterrupted, NodeLostError,
                                RendezvousGracefulExit, StoreHostLostError)
 from rendezvous.keys import LEAVE_SIGNAL
@@ -347,6 +348,13 @@ class Agent:
                              f"{ev.code}); finished: it had said goodbye", rank=w.rank, pid=ev.pid,
                              exitcode=ev.code, hung_at_exit=True)
             return self._finish() if self.workers.all_succeeded() else None
+        if w.ended_after_goodbye:  # a signal in its teardown, after rt.finish(): its work is done
+            cause = stderr_cause(self._stderr_tail(w))
+            self.log.warning("exit", f"rank {w.rank} died of {signal_name(ev.code)} at exit after "
+                             f"its goodbye (pid {ev.pid}); finished: its work was done"
+                             + (f"; its stderr: {cause[-200:]!r}" if cause else ""),
+                             rank=w.rank, pid=ev.pid, exitcode=ev.code, after_goodbye=True)
+            return self._finish() if self.workers.all_succeeded() else None
         hang = self.hangs.take_killed(w.rank)
         f = failure_from_exit(w.rank, w.local_rank, self.host, ev.pid, ev.code, ev.time,
                               w.generation, self.world.group_rank, w.error_file)
@@ -354,8 +362,12 @@ class Agent:
         if tail:
             f.stderr_file = self._stderr_path(w)
             if not f.traceback:  # a signal or a bare exit: what the process said last is the clue
-                lines = tail.rstrip().splitlines()[-STDERR_LINES:]
-                f.traceback = f"last {len(lines)} lines of {f.stderr_file}:\n" + "\n".join(lines)
+                lines = stderr_last_words(tail, STDERR_LINES)
+                what = (f"last {len(lines)} lines of {f.stderr_file}"
+                        if lines == tail.rstrip().splitlines()[-len(lines):] else
+                        f"{len(lines)} lines of {f.stderr_file} (its end before Python's "
+                        "fatal-error dump, and the dump's head)")
+                f.traceback = f"{what}:\n" + "\n".join(lines)
         evidence: dict = {"traceback": f.traceback[-4000:], "error_file": f.error_file,
                           "stderr_file": f.stderr_file, "finished_ranks": self.workers.finished()}
         kind = FaultKind.HANG if hang else FaultKind.SIGNAL if ev.code < 0 else FaultKind.EXIT

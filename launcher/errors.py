@@ -73,6 +73,35 @@ def read_error_file(path: str) -> tuple[str, str, float | None]:
     return text, str(extra.get("py_callstack", "")), tsf
 
 
+_FATAL = "Fatal Python error"  # the head of faulthandler's dump (ftrun sets PYTHONFAULTHANDLER=1)
+
+
+def stderr_last_words(tail: str, n: int) -> list[str]:
+    """At most `n` last lines of a worker's stderr, its cause kept: when the stream ends in
+    Python's fatal-error dump (`Fatal Python error: Aborted`, every thread's stack, the
+    extension modules: often longer than `n`), the lines before the dump (up to half) and the
+    dump's head, instead of the dump's tail (the module list)."""
+    lines = tail.rstrip().splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith(_FATAL)]
+    if not heads or len(lines) - heads[-1] <= n // 2:
+        return lines[-n:]
+    i = heads[-1]
+    before = lines[max(0, i - n // 2):i]
+    return before + lines[i:i + n - len(before)]
+
+
+def stderr_cause(tail: str) -> str:
+    """The line of a worker's stderr that most likely says why it died: the last non-blank
+    line before Python's fatal-error dump when it ends in one (e.g. "terminate called without
+    an active exception"), else the last line; "" for an empty stream."""
+    lines = tail.rstrip().splitlines()
+    heads = [i for i, line in enumerate(lines) if line.startswith(_FATAL)]
+    if heads:
+        before = [line for line in lines[:heads[-1]] if line.strip()]
+        return before[-1] if before else lines[heads[-1]]
+    return lines[-1] if lines else ""
+
+
 def failure_from_exit(rank: int, local_rank: int, host: str, pid: int, code: int, when: float,
                       generation: int, node: int | None, error_file: str) -> Failure:
     msg, tb, ts = read_error_file(error_file)

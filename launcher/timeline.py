@@ -326,7 +326,8 @@ class Timeline:
         r = self.rank(int(ev["rank"]))
         if ev.get("pid") not in (None, r.pid):
             return
-        done = ev.get("exitcode") == 0 or bool(ev.get("hung_at_exit"))  # killed after its goodbye
+        # killed for hanging at exit, or died in its teardown, after its goodbye: done
+        done = ev.get("exitcode") == 0 or bool(ev.get("hung_at_exit") or ev.get("after_goodbye"))
         r.state = "finished" if done else "stopped"
         r.phase, r.last_seen = "done" if done else r.phase, t
         if done:

@@ -97,6 +97,15 @@ class Worker:
         return self.proc is not None and self.exit_code is None
 
     @property
+    def ended_after_goodbye(self) -> bool:
+        """Its process ended with a signal after its runtime said goodbye (`rt.finish()`, which
+        is called last): killed by ftrun for hanging at exit, or a crash in the interpreter's
+        teardown (torch 2.13's gloo teardown sometimes aborts: "terminate called without an
+        active exception"). Its work for the job was done."""
+        return self.exit_code is not None and (
+            self.hung_at_exit or (self.said_bye and self.exit_code < 0))
+
+    @property
     def finished(self) -> bool:
         """Its current process is done with the job: said goodbye, or exited 0 unasked."""
         return self.proc is not None and not self.stopping and (
@@ -132,10 +141,10 @@ class NodeWorkers:
         return sorted(w.rank for w in self.by_local.values() if w.finished)
 
     def all_succeeded(self) -> bool:
-        """Every rank's process has exited 0, or was killed by ftrun for hanging at exit after
-        its goodbye (its work for the job was done: see `HangGuard`)."""
-        return all(w.exit_code == 0 or (w.hung_at_exit and w.exit_code is not None)
-                   for w in self.by_local.values())
+        """Every rank's process has exited 0, or ended at exit after its goodbye: killed by
+        ftrun for hanging there (see `HangGuard`) or died of a signal in its teardown
+        (`Worker.ended_after_goodbye`); either way its work for the job was done."""
+        return all(w.exit_code == 0 or w.ended_after_goodbye for w in self.by_local.values())
 
 
 def spawn(worker: Worker, cmd: list[str], env: dict[str, str], stdout_path: str | None,

@@ -71,10 +71,12 @@ class Hosted:
 
 
 def host_or_join(host: str, port: int, run_id: str, want_host: bool, token: str | None = None,
-                 timeout: float = 60.0, **server_kw: Any) -> Hosted:
+                 timeout: float = 60.0, probe_timeout: float = 15.0, **server_kw: Any) -> Hosted:
     """Host the store on host:port when `want_host`, else (or when a store of the same run
     already holds the port) connect to it as a client. StoreError in one line when the port is
-    taken by something else or by another run's store."""
+    taken by something else (nothing answers as a store within `probe_timeout` s: the agent
+    that won the port may be slow to answer its first connection on a loaded host) or by
+    another run's store."""
     if want_host:
         server = StoreServer(host="0.0.0.0", port=port, token=token, **server_kw)
         try:
@@ -84,7 +86,7 @@ def host_or_join(host: str, port: int, run_id: str, want_host: bool, token: str 
         except StoreError as exc:
             if "address already in use" not in str(exc):
                 raise
-        owner = _store_run(host, port, token)
+        owner = _store_run(host, port, token, probe_timeout)
         if owner is None:
             raise StoreError(f"--rdzv-endpoint {host}:{port}: the port is in use on this host "
                              "by something that is not an ftrun/torch store")
@@ -96,10 +98,10 @@ def host_or_join(host: str, port: int, run_id: str, want_host: bool, token: str 
     return Hosted(None, StoreClient(host, port, token=token, timeout=timeout), False)
 
 
-def _store_run(host: str, port: int, token: str | None) -> str | None:
+def _store_run(host: str, port: int, token: str | None, within: float) -> str | None:
     """The run id of the store at host:port ("" while none is written), or None when no store
-    answers there within a few seconds."""
-    end = time.monotonic() + 3.0
+    answers there within `within` s."""
+    end = time.monotonic() + within
     while True:
         try:
             with StoreClient(host, port, token=token, timeout=1.0) as kv:

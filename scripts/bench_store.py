@@ -32,9 +32,10 @@ With --repeat > 1 each contender's line also gives its ratio to torch round by r
 --iterations K (default 1) sets up every backend at once per round: each connects and runs its
 first pattern (`pattern_s`, a job's process-group init), then the pattern K-1 more times on the
 same connections with fresh keys, alternating between the backends pattern by pattern. The rows
-get `warm_pattern_s_median`, the master's / proxies' / clients' CPU per warm pattern and
-`warm_paired_vs_torch`: the median ratio of each warm pattern to torch's next to it in time
-(with quartiles). A single 40 ms pattern at 256 clients is mostly the shared machine's noise
+get `warm_pattern_s_median`, the master's / proxies' / clients' CPU per warm pattern (the
+store's also split into user and system time, `warm_*_user_s` / `warm_*_sys_s`, its total
+`warm_store_cpu_s` and `warm_store_cpu_vs_torch`) and `warm_paired_vs_torch`: the median ratio
+of each warm pattern to torch's next to it in time (with quartiles). A single 40 ms pattern at 256 clients is mostly the shared machine's noise
 (torch against itself: 0.6-2.2x by round); paired, alternating patterns far less (0.94-1.06x).
 Memory: all backends' client processes live at once (~16 per backend at 1024+ clients).
 """

@@ -5,7 +5,8 @@ import json
 
 from launcher import plan as P
 from launcher.errors import (Failure, JobFailures, copy_root_error_file, failure_from_exit,
-                             format_summary, read_error_file, root_cause)
+                             format_summary, read_error_file, root_cause, stderr_cause,
+                             stderr_last_words)
 
 
 def write_error(path, msg: str, ts: float) -> None:
@@ -111,3 +112,25 @@ def test_a_signal_death_points_at_the_ranks_stderr_file_and_shows_its_end() -> N
     root, _, _ = jf.for_summary()
     assert root is not None and root.stderr_file == "/logs/attempt_0/1/stderr.log"
     assert "  stderr    : /logs/attempt_0/1/stderr.log" in format_summary("t.py", [root], [], root=root)
+
+
+_DUMP = ("Fatal Python error: Aborted\n\nThread 0x00007f (most recent call first):\n"
+         + "".join(f'  File "/x/mod{i}.py", line {i} in f{i}\n' for i in range(30))
+         + "\nExtension modules: numpy.core._multiarray_umath, torch._C (total: 2)\n")
+
+
+def test_a_stderr_ending_in_pythons_fatal_error_dump_keeps_the_cause_before_it() -> None:
+    """faulthandler's dump (every thread's stack, the module list) is longer than the lines a
+    failure keeps: the line that says why (here torch's C++ terminate) comes first, then the
+    dump's head, not the module list. Without a dump: the last lines, as before."""
+    tail = "step 3 done\nterminate called without an active exception\n" + _DUMP
+    words = stderr_last_words(tail, 20)
+    assert len(words) == 20 and words[:2] == ["step 3 done", "terminate called without an active exception"]
+    assert words[2] == "Fatal Python error: Aborted" and "Extension modules" not in "\n".join(words)
+    assert stderr_cause(tail) == "terminate called without an active exception"
+    plain = "".join(f"line {i}\n" for i in range(30))
+    assert stderr_last_words(plain, 20) == [f"line {i}" for i in range(10, 30)]
+    assert stderr_cause(plain) == "line 29" and stderr_cause("") == ""
+    short = "boom\nFatal Python error: Aborted\n\nCurrent thread 0x1 (most recent call first):\n"
+    assert stderr_last_words(short, 20) == short.rstrip().splitlines()  # a short dump: all of it
+    assert stderr_cause(_DUMP) == "Fatal Python error: Aborted"  # nothing before it

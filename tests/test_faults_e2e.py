@@ -263,8 +263,10 @@ def test_ftctl_inject_every_kind_at_a_step(tmp_path, ref, kind, strategy):
 
 
 # ---------------------------------------------------------------- a rank dies after its peers finished
-def _dies_after_peers(tmp_path, after: str, chain: str | None = None) -> tuple[JobResult, float]:
-    """3 ranks; rank 1 aborts (SIGABRT) in generation 0 once its peers are done (`after`).
+def _dies_after_peers(tmp_path, after: str, chain: str | None = None,
+                      when: str = "before-goodbye") -> tuple[JobResult, float]:
+    """3 ranks; rank 1 aborts (SIGABRT) in generation 0 once its peers are done (`after`),
+    before its own rt.finish() (`when`; "after-goodbye": in its teardown, after it).
     Bounded at 60 s: the old behaviour (a replacement waiting for a repair plan that could never
     come, FTRUN_STORE_TIMEOUT=60 s per attempt) cannot pass."""
     out = tmp_path / "out"
@@ -272,7 +274,8 @@ def _dies_after_peers(tmp_path, after: str, chain: str | None = None) -> tuple[J
     cmd = FTRUN + ["--nproc_per_node", "3", "--max_restarts", "3", "--tee", "2",
                    "--log_dir", str(tmp_path / "logs"),
                    *(["--recover_strategy", chain] if chain else []),
-                   script("dies_after_peers.py"), "--after", after, "--ckpt", str(tmp_path / "ckpt")]
+                   script("dies_after_peers.py"), "--after", after, "--when", when,
+                   "--ckpt", str(tmp_path / "ckpt")]
     t0 = time.monotonic()
     res = subprocess.run(cmd, env=env_with(OUT_DIR=str(out), FTRUN_STORE_TIMEOUT="60"),
                          capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
@@ -296,6 +299,24 @@ def test_a_rank_dying_after_its_peers_exited_restarts_every_rank_at_once(tmp_pat
     assert "rank 1: peers [0, 2] are done (exited); dying by abort" in last, last
     assert "rank 1: peers" in job.describe().split("--- the job's output")[0]
     print(f"job with a rank dying after its peers exited: {took:.1f}s")
+
+
+def test_a_rank_dying_in_its_teardown_after_its_goodbye_is_done_and_the_job_succeeds(tmp_path):
+    """A signal after rt.finish()'s goodbye (torch 2.13's gloo teardown sometimes aborts at
+    interpreter exit) ends the rank as done, as a hang at exit does: no fault, no restart, one
+    warning line with the signal and the end of its stderr. Before: a fault, every rank
+    restarted from the checkpoint to redo work that was done."""
+    job, took = _dies_after_peers(tmp_path, "exited", when="after-goodbye")
+    assert job.returncode == 0, job.describe()
+    assert job.strategies() == [], job.describe()
+    assert not [e for e in job.events if e["event"] in ("worker-failed", "decide", "peers-finished")]
+    assert [e["rank"] for e in job.events if e["event"] == "spawn"] == [0, 1, 2], job.describe()
+    ex = job.first("exit", rank=1)
+    assert ex["exitcode"] == -6 and ex["after_goodbye"] is True, ex
+    assert "rank 1 died of SIGABRT at exit after its goodbye" in job.output, job.describe()
+    assert "dying by abort (after-goodbye)" in ex["message"], ex  # its stderr, before the dump
+    assert "job finished successfully" in job.output, job.describe()
+    print(f"job with a rank dying in its teardown after its goodbye: {took:.1f}s")
 
 
 def test_a_rank_dying_after_its_peers_said_goodbye_exits_with_a_report_saying_so(tmp_path):

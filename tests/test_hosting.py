@@ -2,8 +2,12 @@
 store host joining as a client (the same c10d command started twice on one host)."""
 from __future__ import annotations
 
+import signal
 import socket
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
@@ -62,5 +66,38 @@ def test_port_held_by_something_else_is_one_clear_error() -> None:
         s.bind(("0.0.0.0", 0))
         s.listen(1)
         port = s.getsockname()[1]
+        t0 = time.monotonic()
         with pytest.raises(StoreError, match="in use on this host by something that is not"):
-            host_or_join("127.0.0.1", port, "j", want_host=True)
+            host_or_join("127.0.0.1", port, "j", want_host=True, probe_timeout=2.0)
+        assert 2.0 <= time.monotonic() - t0 < 6.0
+
+
+def test_a_store_that_answers_late_is_joined_not_taken_for_something_else() -> None:
+    """The agent that lost the race for the port waits for the store holding it to answer (up
+    to `probe_timeout`): on a loaded host the winner's store can take seconds to answer its
+    first connection. CI at stop 34: both agents of `the same c10d command twice` exited 1,
+    one with "in use ... by something that is not an ftrun/torch store" after a 3 s probe.
+    Here the holder is stopped (SIGSTOP) for 4 s."""
+    port = free_port()
+    srv = subprocess.Popen([sys.executable, "-m", "rendezvous.store_cli", "serve", "--host",
+                            "0.0.0.0", "--port", str(port)], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    resume = threading.Timer(4.0, srv.send_signal, (signal.SIGCONT,))
+    try:
+        assert "listening on" in srv.stdout.readline()
+        srv.send_signal(signal.SIGSTOP)
+        resume.start()
+        t0 = time.monotonic()
+        h = host_or_join("127.0.0.1", port, "j1", want_host=True, timeout=10)
+        took = time.monotonic() - t0
+        try:
+            assert not h.hosting and h.server is None and 3.5 <= took < 14.0, took
+            h.kv.set("late", b"1")
+            assert h.kv.try_get("late") == b"1"
+        finally:
+            h.kv.close()
+    finally:
+        resume.cancel()
+        srv.send_signal(signal.SIGCONT)
+        srv.terminate()
+        srv.wait(10)

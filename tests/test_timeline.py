@@ -162,6 +162,14 @@ def test_a_failed_rank_names_its_stderr_file_in_the_fault_table():
     assert "(its stderr: /logs/attempt_0/1/stderr.log)" in fault_table(v)
 
 
+def test_a_rank_that_died_in_its_teardown_after_its_goodbye_is_finished_not_stopped():
+    v = Timeline().feed_all(started() + [
+        ev(3.0, "exit", rank=0, pid=100, exitcode=0),
+        ev(3.2, "exit", rank=1, pid=101, exitcode=-6, after_goodbye=True)]).view()
+    assert [(r.rank, r.state, r.phase) for r in v.ranks] == [(0, "finished", "done"), (1, "finished", "done")]
+    assert v.faults == []
+
+
 def test_a_rank_killed_for_hanging_at_exit_after_its_goodbye_is_finished_not_stopped():
     v = Timeline().feed_all(started() + [
         ev(3.0, "exit", rank=0, pid=100, exitcode=0),

@@ -115,3 +115,23 @@ def test_what_a_dead_worker_left_in_its_group_is_killed_with_it(tmp_path) -> Non
             except ProcessLookupError:
                 pass
             (tmp_path / "child").unlink()
+
+
+def test_a_signal_after_the_goodbye_ends_the_rank_as_done_an_exit_code_does_not() -> None:
+    """`ended_after_goodbye`: a signal death after rt.finish()'s goodbye (a crash in torch's
+    teardown) or a kill for hanging at exit counts as done; a non-zero exit code after the
+    goodbye (the script's own error) and a signal without a goodbye do not."""
+    from launcher.workers import NodeWorkers
+
+    ws = NodeWorkers.create(0, 4)
+    a, b, c, d = ws.all()
+    a.exit_code = 0
+    b.said_bye, b.exit_code = True, -6  # SIGABRT in its teardown
+    assert b.ended_after_goodbye and ws.all_succeeded() is False  # c and d still running
+    c.said_bye, c.hung_at_exit, c.exit_code = True, True, -9
+    d.exit_code = -6  # no goodbye: a fault
+    assert c.ended_after_goodbye and not d.ended_after_goodbye and not ws.all_succeeded()
+    d.said_bye, d.exit_code = True, 1  # the script's own error after its goodbye
+    assert not d.ended_after_goodbye and not ws.all_succeeded()
+    d.exit_code = -11
+    assert d.ended_after_goodbye and ws.all_succeeded()

@@ -1,11 +1,13 @@
 """Test worker: a tiny launcher.runtime job in which --victim dies after its peers finished.
 
 Every rank trains --steps steps (checkpoints every 2 under --ckpt), writes $OUT_DIR/pid.<RANK>,
-calls rt.finish() and exits 0. In generation 0 the victim, after its own rt.finish(), waits until
-its peers are done (--after exited: their processes are gone; --after goodbye: they wrote
+calls rt.finish() and exits 0. In generation 0 the victim, after its last step, waits until its
+peers are done (--after exited: their processes are gone; --after goodbye: they wrote
 $OUT_DIR/bye.<RANK> after their rt.finish() and linger --linger s before exiting), then dies
-(--how abort: SIGABRT as from a C++ `terminate`; --how kill: SIGKILL). In later generations it
-finishes like the others."""
+(--how abort: SIGABRT as from a C++ `terminate`; --how kill: SIGKILL): before its own
+rt.finish() (--when before-goodbye: a fault, the job is not done) or after it (--when
+after-goodbye: a crash in its interpreter's teardown, as torch 2.13's gloo teardown sometimes
+does; its work was done). In later generations it finishes like the others."""
 from __future__ import annotations
 
 import argparse
@@ -53,6 +55,7 @@ def main() -> int:
     ap.add_argument("--after", choices=("exited", "goodbye"), default="exited")
     ap.add_argument("--how", choices=("abort", "kill"), default="abort")
     ap.add_argument("--linger", type=float, default=3.0)
+    ap.add_argument("--when", choices=("before-goodbye", "after-goodbye"), default="before-goodbye")
     ap.add_argument("--ckpt", required=True)
     a = ap.parse_args()
     out = os.environ["OUT_DIR"]
@@ -62,8 +65,10 @@ def main() -> int:
     train(rt, a.steps, rank, checkpoint_dir=a.ckpt, checkpoint_every=2)
     with open(os.path.join(out, f"pid.{rank}"), "w", encoding="utf-8") as f:
         f.write(str(os.getpid()))
-    rt.finish()
-    if rank != a.victim or generation != 0:
+    victim = rank == a.victim and generation == 0
+    if not victim or a.when == "after-goodbye":
+        rt.finish()
+    if not victim:
         if a.after == "goodbye":
             with open(os.path.join(out, f"bye.{rank}"), "w", encoding="utf-8") as f:
                 f.write("1")
@@ -91,8 +96,8 @@ def main() -> int:
     else:
         print(f"rank {rank}: peers {peers} not done within 60 s", file=sys.stderr, flush=True)
         return 3
-    print(f"rank {rank}: peers {peers} are done ({a.after}); dying by {a.how}", file=sys.stderr,
-          flush=True)
+    print(f"rank {rank}: peers {peers} are done ({a.after}); dying by {a.how} ({a.when})",
+          file=sys.stderr, flush=True)
     if a.how == "abort":
         os.abort()
     os.kill(os.getpid(), signal.SIGKILL)
