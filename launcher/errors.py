@@ -73,33 +73,38 @@ def read_error_file(path: str) -> tuple[str, str, float | None]:
     return text, str(extra.get("py_callstack", "")), tsf
 
 
-_FATAL = "Fatal Python error"  # the head of faulthandler's dump (ftrun sets PYTHONFAULTHANDLER=1)
+def _fatal_dump_at(lines: list[str]) -> int | None:
+    """Where the last of Python's fatal-error dumps starts in `lines` (faulthandler's
+    `Fatal Python error: ...`, then every thread's stack and the extension modules; ftrun sets
+    PYTHONFAULTHANDLER=1), or None."""
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Fatal Python error"):
+            return i
+    return None
 
 
 def stderr_last_words(tail: str, n: int) -> list[str]:
-    """At most `n` last lines of a worker's stderr, its cause kept: when the stream ends in
-    Python's fatal-error dump (`Fatal Python error: Aborted`, every thread's stack, the
-    extension modules: often longer than `n`), the lines before the dump (up to half) and the
+    """At most `n` last lines of a worker's stderr, its cause kept: when the stream ends in a
+    fatal-error dump longer than `n` / 2 lines, the lines before the dump (up to half) and the
     dump's head, instead of the dump's tail (the module list)."""
     lines = tail.rstrip().splitlines()
-    heads = [i for i, line in enumerate(lines) if line.startswith(_FATAL)]
-    if not heads or len(lines) - heads[-1] <= n // 2:
+    i = _fatal_dump_at(lines)
+    if i is None or len(lines) - i <= n // 2:
         return lines[-n:]
-    i = heads[-1]
     before = lines[max(0, i - n // 2):i]
     return before + lines[i:i + n - len(before)]
 
 
 def stderr_cause(tail: str) -> str:
     """The line of a worker's stderr that most likely says why it died: the last non-blank
-    line before Python's fatal-error dump when it ends in one (e.g. "terminate called without
-    an active exception"), else the last line; "" for an empty stream."""
+    line before a fatal-error dump when it ends in one (e.g. "terminate called without an
+    active exception"), else the last line; "" for an empty stream."""
     lines = tail.rstrip().splitlines()
-    heads = [i for i, line in enumerate(lines) if line.startswith(_FATAL)]
-    if heads:
-        before = [line for line in lines[:heads[-1]] if line.strip()]
-        return before[-1] if before else lines[heads[-1]]
-    return lines[-1] if lines else ""
+    i = _fatal_dump_at(lines)
+    if i is None:
+        return lines[-1] if lines else ""
+    before = [line for line in lines[:i] if line.strip()]
+    return before[-1] if before else lines[i]
 
 
 def failure_from_exit(rank: int, local_rank: int, host: str, pid: int, code: int, when: float,
