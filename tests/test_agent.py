@@ -132,7 +132,11 @@ def test_crash_without_budget_exits_1_root_cause_first(tmp_path) -> None:
     root = summary[summary.index("Root Cause"):summary.index("Other Failures")]
     assert "rank      : 1 (local_rank: 1" in root
     assert "boom from rank 1 at step 3" in root
-    assert "Terminated by ftrun (not failures): rank 0" in summary
+    # rank 0 is stopped by ftrun -- unless gloo's "Connection closed by peer" killed it first
+    # (CI, stop 34: it died of SIGSEGV before the stop): then it is one of the other failures
+    other = summary[summary.index("Other Failures"):]
+    assert ("Terminated by ftrun (not failures): rank 0" in summary
+            or ("rank      : 0 (local_rank: 0" in other and "Connection closed by peer" in other)), summary
     # the launcher's own traceback is not printed
     assert "launcher/agent.py" not in err
 

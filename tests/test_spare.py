@@ -385,7 +385,9 @@ def test_no_process_outlives_the_agent(tmp_path, how: str) -> None:
     job = tmp_path / "job.py"
     job.write_text("import subprocess, sys, time\n"
                    "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-                   f"open({str(tmp_path / 'grandchild')!r}, 'w').write(str(p.pid))\n"
+                   f"open({str(tmp_path / 'grandchild.tmp')!r}, 'w').write(str(p.pid))\n"
+                   f"import os; os.replace({str(tmp_path / 'grandchild.tmp')!r}, "
+                   f"{str(tmp_path / 'grandchild')!r})\n"  # whole once it exists (CI once read '')
                    "time.sleep(60)\n")
     agent = subprocess.Popen([sys.executable, "-c", _AGENT, str(job), how], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True,
