@@ -3,5 +3,5 @@ it cannot be compiled, ftrun installs without it and the server runs its Python 
 results, more CPU per request). Everything else is configured in pyproject.toml."""
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("rendezvous._quickstore", ["rendezvous/_quickstore.c"],
+setup(ext_modules=[Extension("rendezvous.store._quickstore", ["rendezvous/store/_quickstore.c"],
                              optional=True, extra_compile_args=["-O2", "-Wall"])])

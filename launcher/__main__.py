@@ -1,5 +1,5 @@
 """`python -m launcher` is `ftrun`."""
-from launcher.cli import main
+from launcher.cli.ftrun import main
 
 if __name__ == "__main__":
     main()

@@ -4,7 +4,7 @@ Owns: `LaunchConfig` and `build_config()`, which turns raw CLI values (torchrun'
 ftrun's own) into resolved, checked settings, raising `ConfigError` with one line naming the flag,
 the value and what is allowed. `build_config` runs one named step per concern (what to run,
 topology, supervision, strategy, worker logs, rendezvous, store, proxy); endpoint strings are
-parsed by `rendezvous.endpoints`. Nothing here starts processes or opens sockets, except probing
+parsed by `rendezvous.store.endpoints`. Nothing here starts processes or opens sockets, except probing
 whether a local port is free.
 """
 from __future__ import annotations
@@ -18,14 +18,14 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 
-from launcher import plan
-from launcher.hang_watch import HangPolicy
-from launcher.runtime.replicas import AUTO_STRIPES, MAX_STRIPES
-from rendezvous.endpoints import (ETCD_DEFAULT_PORT, EndpointError, parse_endpoint,
+from launcher.protocol import plan
+from launcher.hang.hang_watch import HangPolicy
+from launcher.control.repair_planning import AUTO_STRIPES, MAX_STRIPES
+from rendezvous.store.endpoints import (ETCD_DEFAULT_PORT, EndpointError, parse_endpoint,
                                   parse_endpoints)
-from rendezvous.hosting import wants_to_host
-from rendezvous.loop_priority import DEFAULT_NICE, loop_nice
-from rendezvous.settings import RendezvousSettings
+from rendezvous.nodes.hosting import wants_to_host
+from rendezvous.store.loop_priority import DEFAULT_NICE, loop_nice
+from rendezvous.nodes.settings import RendezvousSettings
 
 EMBEDDED_BACKENDS = {"static", "c10d", "parallel", "embedded"}
 ETCD_BACKENDS = {"etcd", "etcd-v3", "etcd-v2"}
@@ -580,7 +580,7 @@ def _embedded_store(cfg: LaunchConfig, raw: dict) -> None:
             cfg.is_store_host = wants_to_host(cfg.store_host, cfg.rdzv_conf)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        return  # a busy port: joined as a client when it is this run's store (rendezvous.hosting)
+        return  # a busy port: joined as a client when it is this run's store (rendezvous.nodes.hosting)
     if cfg.is_store_host and cfg.store_port and not port_is_free("0.0.0.0", cfg.store_port):
         raise ConfigError(f"--master-port: port {cfg.store_port} is already in use on this host")
 

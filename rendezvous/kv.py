@@ -2,13 +2,13 @@
 
 Owns: the abstract `KVStore` contract (what agents, the controller, the proxy and the
 membership code may ask of a store) and its error types. Implementations live beside it:
-`rendezvous.memory.LocalKV` (in-process, the embedded server's own table),
-`rendezvous.client.StoreClient` (TCPStore wire protocol, to an embedded server or a proxy) and
-`rendezvous.etcd.EtcdKV` (etcd v3).
+`rendezvous.store.memory.LocalKV` (in-process, the embedded server's own table),
+`rendezvous.store.client.StoreClient` (TCPStore wire protocol, to an embedded server or a proxy) and
+`rendezvous.store.etcd.EtcdKV` (etcd v3).
 
 Keys are *logical* keys, exactly as a torch `TCPStore` user passes them (`"ftrun/plan/3"`).
 On the wire a torch client sends them with a leading `/` (`"/ftrun/plan/3"`); every
-implementation maps them with `rendezvous.protocol.wire_key`/`logical_key`, so a key set by a
+implementation maps them with `rendezvous.store.protocol.wire_key`/`logical_key`, so a key set by a
 torch client and a key set through this interface are the same key (the few keys torch sends
 without the `/` appear under `"ftrun/wire/"`). Values are bytes. Counters (`add`) are stored
 as decimal ASCII, as torch does.

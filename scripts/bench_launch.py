@@ -20,7 +20,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from launcher.logs import read_events  # noqa: E402  (the repo, not only an install)
+from launcher.observe.logs import read_events  # noqa: E402  (the repo, not only an install)
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -65,7 +65,7 @@ from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from launcher.logs import read_events  # noqa: E402  (the repo, not only an install)
+from launcher.observe.logs import read_events  # noqa: E402  (the repo, not only an install)
 
 import bench_store  # noqa: E402  (scripts/ is sys.path[0])
 from hosts_setup import ensure_hosts_line  # noqa: E402
@@ -529,7 +529,7 @@ def store_run(c: Cluster, backend: str, n: int) -> dict:
         master = ns_spawn(h0, bench_store.TORCH_SERVER, BENCH_STORE_BIND=h0.addr)
         mport = int(bench_store.read_line(master, "port")[1])
     elif backend == "ftrun-proxy":
-        master = h0.popen([sys.executable, "-m", "rendezvous.store_cli", "serve", "--host", h0.addr,
+        master = h0.popen([sys.executable, "-m", "rendezvous.store.store_cli", "serve", "--host", h0.addr,
                            "--port", "0"], env=h0.env(bench_store.env()), stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
         line = master.stdout.readline()

@@ -58,7 +58,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from launcher.logs import read_events as events  # noqa: E402  (the repo, not only an install)
+from launcher.observe.logs import read_events as events  # noqa: E402  (the repo, not only an install)
 
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 
@@ -109,7 +109,7 @@ def _children(pid: int) -> list[int]:
 
 
 def warm_spares(root: int) -> list[int] | None:
-    """Pids of the job's warm spares (`launcher.spare` descendants of `root`, the fork server
+    """Pids of the job's warm spares (`launcher.workers.spare` descendants of `root`, the fork server
     aside, whose imports are done: main thread asleep waiting for its assignment, in a futex wait or a read of its stdin,
     no CPU time used over 20 ms), None while a spare is still warming up or none was started."""
     todo, spares = [root], []
@@ -122,9 +122,9 @@ def warm_spares(root: int) -> list[int] | None:
                 cmd = f.read()
             with open(f"/proc/{pid}/comm", "rb") as f:
                 comm = f.read().strip()
-            # the fork server (launcher.zygote, named ftrun-spare-srv) is not a spare; the
+            # the fork server (launcher.workers.zygote, named ftrun-spare-srv) is not a spare; the
             # spares it forked are (they keep its command line)
-            if b"launcher.spare" in cmd and comm != b"ftrun-spare-srv":
+            if b"launcher.workers.spare" in cmd and comm != b"ftrun-spare-srv":
                 spares.append(pid)
         except OSError:
             pass
@@ -495,7 +495,7 @@ def main() -> None:
                     "checkout alternate which goes first)")
     args = ap.parse_args()
     if args.baseline_repo and not os.path.isfile(os.path.join(args.baseline_repo, "launcher", "agent.py")):
-        sys.exit(f"bench_recovery: --baseline-repo {args.baseline_repo} holds no launcher/agent.py")
+        sys.exit(f"bench_recovery: --baseline-repo {args.baseline_repo} holds no launcher/agent/agent.py")
     if args.repeat < 1:
         sys.exit(f"bench_recovery: --repeat {args.repeat} must be >= 1")
     hosts = ensure_hosts_line()

@@ -21,7 +21,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from launcher.spare import SparePool  # noqa: E402
+from launcher.workers.spare import SparePool  # noqa: E402
 
 JOB = ("import os, sys, time\n"
        "t = time.time()\n"

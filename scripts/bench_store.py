@@ -8,7 +8,7 @@ client, `is_master=False`) doing the process-group init pattern:
   counter barrier.
 Backends, all in separate processes, measured in the same run:
   torch        - torch's own TCPStore master (libuv backend);
-  ftrun        - ftrun's StoreServer (`python -m rendezvous.store_cli serve`);
+  ftrun        - ftrun's StoreServer (`python -m rendezvous.store.store_cli serve`);
   ftrun-proxy  - the same server behind StoreProxy instances (64 ranks per proxy), the proxies
                  hosted by a few "node" processes; the master sees one link per proxy.
 Reported per scenario (one JSON line): connect time, pattern time, client ops/s, CPU seconds
@@ -134,7 +134,7 @@ sys.stdin.readline()
 
 PROXY_HOST = r'''
 import os, sys
-from rendezvous.proxy import StoreProxy
+from rendezvous.store.proxy import StoreProxy
 up_port, n = int(sys.argv[1]), int(sys.argv[2])
 up = os.environ.get("BENCH_STORE_UPSTREAM", "127.0.0.1")
 ps = [StoreProxy((up, up_port)).start() for _ in range(n)]
@@ -259,7 +259,7 @@ def start_master(kind: str) -> tuple[subprocess.Popen, int]:
     if kind == "torch":
         p = spawn(TORCH_SERVER)
         return p, int(read_line(p, "port")[1])
-    p = subprocess.Popen([sys.executable, "-m", "rendezvous.store_cli", "serve", "--host",
+    p = subprocess.Popen([sys.executable, "-m", "rendezvous.store.store_cli", "serve", "--host",
                           "127.0.0.1", "--port", "0"], env=env(repo, nice), stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
     line = p.stdout.readline()

@@ -27,7 +27,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from bench_store import start_master, stop  # noqa: E402  (scripts/ is sys.path[0])
-from rendezvous import protocol as P  # noqa: E402
+from rendezvous.store import protocol as P  # noqa: E402
 
 BACKENDS = ("torch", "ftrun", "ftrun-python")
 

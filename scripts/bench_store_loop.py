@@ -37,8 +37,8 @@ def main() -> None:
     if not os.path.isdir(os.path.join(a.repo, "rendezvous")):
         sys.exit(f"bench_store_loop: {a.repo} has no rendezvous package")
     sys.path.insert(0, os.path.abspath(a.repo))
-    from rendezvous import protocol as P
-    from rendezvous.server import StoreServer, _Conn
+    from rendezvous.store import protocol as P
+    from rendezvous.store.server import StoreServer, _Conn
 
     srv = StoreServer(host="127.0.0.1")
     srv._ep = select.epoll()

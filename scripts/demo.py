@@ -18,8 +18,8 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from launcher.logs import read_events as events  # noqa: E402  (the repo, not only an install)
-from launcher.report import build as build_report  # noqa: E402
+from launcher.observe.logs import read_events as events  # noqa: E402  (the repo, not only an install)
+from launcher.observe.report import build as build_report  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = os.path.join(REPO, "scripts", "examples", "ddp_train.py")

@@ -17,7 +17,7 @@ TEST_PROGRAMS=(
   "${FTRUN_TEST_ETCD:-/usr/bin/etcd} etcd-server"
   "${FTRUN_TEST_ETCDCTL:-/usr/bin/etcdctl} etcd-client"
   "/usr/bin/chromium chromium"  # headless browser of tests/test_report.py (the ftctl report page)
-  "/usr/bin/gcc gcc"  # builds rendezvous/_quickstore.c at install (tests/test_quickstore.py)
+  "/usr/bin/gcc gcc"  # builds rendezvous/store/_quickstore.c at install (tests/test_quickstore.py)
   "/sbin/ip iproute2"  # network namespaces, veths and the bridge of the multi-node (netns) tests
 )
 

@@ -6,7 +6,7 @@ dir with fast raft timers, waiting until it is healthy, optionally turning on au
 `etcd_server` pytest fixture; they are skipped with a clear reason when the binary is missing.
 
 Also owns `AgentProc`: a child process (`python tests/helpers_etcd.py agent ...`) that runs one
-`rendezvous.membership.Membership` over etcd or the embedded TCP store and prints one JSON line
+`rendezvous.nodes.membership.Membership` over etcd or the embedded TCP store and prints one JSON line
 per event (world, dead, join, leader), so tests can SIGKILL real agents.
 """
 from __future__ import annotations
@@ -298,15 +298,15 @@ def _agent_main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(threadName)s %(message)s")
     from rendezvous.errors import JoinInterrupted
-    from rendezvous.keys import LEAVE_SIGNAL
-    from rendezvous.membership import Membership
+    from rendezvous.nodes.keys import LEAVE_SIGNAL
+    from rendezvous.nodes.membership import Membership
 
     if a.backend == "etcd":
-        from rendezvous.etcd import EtcdConf, EtcdKV
+        from rendezvous.store.etcd import EtcdConf, EtcdKV
 
         kv = EtcdKV(a.endpoint, f"/ftrun/{a.run_id}", EtcdConf(request_timeout=3.0))
     else:
-        from rendezvous.client import StoreClient
+        from rendezvous.store.client import StoreClient
 
         host, _, port = a.endpoint.rpartition(":")
         kv = StoreClient(host, int(port), timeout=5.0)

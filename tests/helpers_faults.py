@@ -21,7 +21,7 @@ from helpers_runtime import EXAMPLES, load_params
 
 NPROC = 4
 STEPS = 6
-FTCTL = [sys.executable, "-m", "launcher.ftctl"]
+FTCTL = [sys.executable, "-m", "launcher.cli.ftctl"]
 
 
 @dataclass

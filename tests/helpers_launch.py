@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from launcher.logs import read_events as events  # noqa: F401  (re-exported for the tests)
+from launcher.observe.logs import read_events as events  # noqa: F401  (re-exported for the tests)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPTS = os.path.join(REPO, "tests", "scripts")

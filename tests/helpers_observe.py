@@ -13,9 +13,9 @@ from pathlib import Path
 
 from helpers_launch import FTRUN, env_with, failed_worker_logs
 from helpers_runtime import EXAMPLES
-from launcher.logs import read_events
+from launcher.observe.logs import read_events
 
-FTCTL = [sys.executable, "-m", "launcher.ftctl"]
+FTCTL = [sys.executable, "-m", "launcher.cli.ftctl"]
 NPROC = 4
 
 

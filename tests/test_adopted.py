@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launcher.adopted import AdoptedChild, reap_orphans, set_subreaper
+from launcher.workers.adopted import AdoptedChild, reap_orphans, set_subreaper
 
 
 def _orphan(code: int, sleep: float) -> int:

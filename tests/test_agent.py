@@ -138,7 +138,7 @@ def test_crash_without_budget_exits_1_root_cause_first(tmp_path) -> None:
     assert ("Terminated by ftrun (not failures): rank 0" in summary
             or ("rank      : 0 (local_rank: 0" in other and "Connection closed by peer" in other)), summary
     # the launcher's own traceback is not printed
-    assert "launcher/agent.py" not in err
+    assert "launcher/agent/agent.py" not in err
 
 
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen:
@@ -306,7 +306,7 @@ def test_stop_together_bounds_the_whole_shutdown_and_names_the_late_part(monkeyp
     import threading
     import time
 
-    from launcher import agent as agent_mod
+    from launcher.agent import agent as agent_mod
 
     class Quick:
         stopped = False
@@ -337,10 +337,10 @@ def test_shutdown_bounds_the_store_close_and_names_it(tmp_path, monkeypatch) -> 
     job-done. Now it gets STORE_CLOSE_S (+ 3 keep-alive intervals) and is named."""
     import threading
 
-    from launcher import agent as agent_mod
-    from launcher.cli import parse
+    from launcher.agent import agent as agent_mod
+    from launcher.cli.ftrun import parse
     from launcher.config import build_config
-    from launcher.logs import read_events
+    from launcher.observe.logs import read_events
 
     monkeypatch.setattr(agent_mod, "STORE_CLOSE_S", 0.3, raising=False)
     cfg = build_config(parse(["--log_dir", str(tmp_path / "logs"), "--rdzv_conf",
@@ -360,7 +360,7 @@ def test_shutdown_bounds_the_store_close_and_names_it(tmp_path, monkeypatch) -> 
 
 
 def test_within_hands_the_callers_exception_back() -> None:
-    from launcher import agent as agent_mod
+    from launcher.agent import agent as agent_mod
 
     def boom() -> None:
         raise RuntimeError("store said no")
@@ -379,8 +379,8 @@ def test_a_shutdown_that_hangs_anywhere_ends_with_the_agents_code_and_its_stacks
     import sys
 
     code = ("import time, sys\n"
-            "from launcher import agent as agent_mod\n"
-            "from launcher.cli import parse\n"
+            "from launcher.agent import agent as agent_mod\n"
+            "from launcher.cli.ftrun import parse\n"
             "from launcher.config import build_config\n"
             "agent_mod.SHUTDOWN_LIMIT_S = 0.5\n"
             f"cfg = build_config(parse(['--log_dir', {str(tmp_path / 'logs')!r}, '--rdzv_conf', "
@@ -405,12 +405,12 @@ def test_a_shutdown_that_hangs_anywhere_ends_with_the_agents_code_and_its_stacks
 
 def test_a_plan_not_newer_than_the_agents_generation_is_skipped(tmp_path) -> None:
     """A plan delivered late (from a world the agent left) must not take its generation back."""
-    from launcher import agent as agent_mod
-    from launcher import plan as P
-    from launcher.agent_events import PlanEvent
-    from launcher.cli import parse
+    from launcher.agent import agent as agent_mod
+    from launcher.protocol import plan as P
+    from launcher.agent.agent_events import PlanEvent
+    from launcher.cli.ftrun import parse
     from launcher.config import build_config
-    from launcher.logs import read_events
+    from launcher.observe.logs import read_events
 
     cfg = build_config(parse(["--log_dir", str(tmp_path / "logs"), script("sleeper.py")]), env={})
     agent = agent_mod.Agent(cfg)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import queue
 
-from launcher import plan as P
-from launcher.agent_events import InjectEvent, PlanEvent, inject_feed, plan_feed
-from rendezvous.memory import LocalKV
+from launcher.protocol import plan as P
+from launcher.agent.agent_events import InjectEvent, PlanEvent, inject_feed, plan_feed
+from rendezvous.store.memory import LocalKV
 
 
 def test_plan_feed_delivers_the_plans_after_a_generation_in_order() -> None:

@@ -104,7 +104,7 @@ def test_bad_rdzv_conf_is_one_line_and_exit_2(conf: str, needle: str) -> None:
 
 
 def test_node_rank_is_ignored_by_dynamic_backends() -> None:
-    from launcher.cli import parse
+    from launcher.cli.ftrun import parse
     from launcher.config import build_config
 
     c = build_config(parse(["--nnodes", "2", "--node_rank", "1", "--rdzv_backend", "c10d",
@@ -297,7 +297,7 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
     assert [e["group_rank"] for e in evo if e["event"] == "rendezvous"] == [2, 1]
     assert [e["rank"] for e in evo if e["event"] == "spawn"][-1] == 1
     assert [e["world_size"] for e in evh if e["event"] == "rendezvous"] == [3, 2]
-    from launcher.timeline import Timeline
+    from launcher.observe.timeline import Timeline
 
     view = Timeline().feed_all(evh + evo).view()
     assert view.outcome == "succeeded" and view.world_size == 2

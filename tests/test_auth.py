@@ -6,11 +6,11 @@ import os
 import pytest
 
 from helpers_store import run_torch, run_torch_ops
-from rendezvous.auth import (TOKEN_ENV, TokenError, generate_token, load_token_file,
+from rendezvous.store.auth import (TOKEN_ENV, TokenError, generate_token, load_token_file,
                              resolve_token, token_matches, write_token_file)
-from rendezvous.client import StoreClient
+from rendezvous.store.client import StoreClient
 from rendezvous.kv import StoreAuthError, StoreError
-from rendezvous.server import StoreServer
+from rendezvous.store.server import StoreServer
 
 TOKEN = "s3cret-token"
 

@@ -6,8 +6,8 @@ import os
 import queue
 import socket
 
-from launcher.channel import ChannelMessage, ChannelServer
-from launcher.messages import Heartbeat, Hello, Stop
+from launcher.workers.channel import ChannelMessage, ChannelServer
+from launcher.protocol.messages import Heartbeat, Hello, Stop
 
 
 def test_hello_heartbeat_and_push(tmp_path) -> None:

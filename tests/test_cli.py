@@ -9,7 +9,7 @@ import time
 import pytest
 from torch.distributed.run import get_args_parser
 
-from launcher.cli import ALL_OPTIONS, COMMAND, parse
+from launcher.cli.ftrun import ALL_OPTIONS, COMMAND, parse
 
 SCRIPT = __file__  # any existing file will do as the training script
 
@@ -138,7 +138,7 @@ def test_an_exit_that_hangs_is_cut_short_with_the_same_code_and_the_threads_name
     """run_agent has stopped everything it started; a library thread that is not a daemon must
     not keep the finished agent alive (a job whose agent never exits never ends)."""
     res, took = _run_python("import threading, time, sys\n"
-                            "from launcher.cli import _exit_within\n"
+                            "from launcher.cli.ftrun import _exit_within\n"
                             "threading.Thread(target=time.sleep, args=(60,), name='stuck-library-thread').start()\n"
                             "_exit_within(3, 0.5)\n"
                             "sys.exit(3)\n", timeout=30)
@@ -152,7 +152,7 @@ def test_an_exit_that_hangs_in_the_interpreters_finalization_still_ends() -> Non
     too: the process stayed (here 20 s, for good with a lock a left-behind thread holds). Now
     faulthandler's watchdog dumps the stacks and exits 1 after grace + last resort."""
     res, took = _run_python("import sys, time\n"
-                            "from launcher.cli import _exit_within\n"
+                            "from launcher.cli.ftrun import _exit_within\n"
                             "class Stuck:\n"
                             "    def __del__(self):\n"
                             "        time.sleep(20)\n"

@@ -10,9 +10,9 @@ import pytest
 import torch.distributed as dist
 
 from helpers_store import free_port
-from rendezvous.client import StoreClient
+from rendezvous.store.client import StoreClient
 from rendezvous.kv import StoreError, StoreTimeout
-from rendezvous.server import StoreServer
+from rendezvous.store.server import StoreServer
 
 
 @pytest.fixture

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from launcher import plan as P
-from launcher.cli import parse
+from launcher.protocol import plan as P
+from launcher.cli.ftrun import parse
 from launcher.config import ConfigError, build_config, strategy_from_seed_env
 
 SCRIPT = __file__

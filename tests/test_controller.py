@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from launcher import plan as P
-from launcher.controller import Controller, post_fault
-from launcher.logs import AgentLog
-from launcher.progress import ProgressBoard
-from rendezvous.memory import LocalKV
+from launcher.protocol import plan as P
+from launcher.control.controller import Controller, post_fault
+from launcher.observe.logs import AgentLog
+from launcher.control.progress import ProgressBoard
+from rendezvous.store.memory import LocalKV
 
 
 @pytest.fixture()
@@ -353,7 +353,7 @@ def test_a_report_of_a_stale_agent_is_refused_and_logged(kv, tmp_path) -> None:
     finally:
         c.stop()
         log.close()
-    from launcher.logs import read_event_file
+    from launcher.observe.logs import read_event_file
 
     refused = [e for e in read_event_file(str(tmp_path / "events.jsonl"))
                if e["event"] == "stale-write-refused"]
@@ -536,7 +536,7 @@ def test_an_arrival_brought_by_two_threads_at_once_is_reported_once(kv, monkeypa
     """The successor's reconcile and the membership watch may report the same takeover at the
     same moment; both passed the 'already known?' check before either had posted, and the
     arrival became two faults and two rounds (the spare spawned its rank twice, CI)."""
-    import launcher.controller as C
+    import launcher.control.controller as C
     c1 = _node_world(kv)
     c1.reconcile({0: 1, 1: 1}, [])
     c1.stop()
@@ -565,7 +565,7 @@ def test_a_controller_of_a_new_world_keeps_the_history_but_not_the_old_worlds_no
     """After the world shrank (a restart-all plan into a new rendezvous round) node ranks are
     renumbered: the first controller of the new world does not take the old world's lost nodes
     or incarnations, nor the regroup plan as a round to drive; the history goes on."""
-    from launcher.decision import Decision
+    from launcher.control.decision import Decision
 
     c1 = _node_world(kv, start=False)
     c1.reconcile({0: 1, 1: 1}, [])
@@ -596,7 +596,7 @@ def _finished_world(kv, tmp_path, phase_timeout: float = 120.0) -> tuple[Control
 
 
 def _events(tmp_path, name: str) -> list[dict]:
-    from launcher.logs import read_event_file
+    from launcher.observe.logs import read_event_file
 
     return [e for e in read_event_file(str(tmp_path / "events.jsonl")) if e["event"] == name]
 

@@ -1,12 +1,12 @@
-"""Who runs the controller (launcher.controller_role): the leader on the embedded store, the
+"""Who runs the controller (launcher.control.controller_role): the leader on the embedded store, the
 elected agent with etcd, and the handoff line when the controller's node is lost."""
 from __future__ import annotations
 
-from launcher import plan as P
-from launcher.controller import Controller
-from launcher.controller_role import ControllerRole
-from launcher.logs import AgentLog, read_event_file
-from rendezvous.memory import LocalKV
+from launcher.protocol import plan as P
+from launcher.control.controller import Controller
+from launcher.control.controller_role import ControllerRole
+from launcher.observe.logs import AgentLog, read_event_file
+from rendezvous.store.memory import LocalKV
 
 
 class FakeElection:
@@ -16,7 +16,7 @@ class FakeElection:
 
 
 class FakeStack:
-    """What the role uses of launcher.store_stack.StoreStack."""
+    """What the role uses of launcher.agent.store_stack.StoreStack."""
 
     def __init__(self, can_elect: bool, lost: list[int] | None = None,
                  members: dict[int, int] | None = None) -> None:
@@ -103,7 +103,7 @@ def test_a_spare_that_took_the_lost_controllers_node_before_the_election_is_repo
     """The hot spare claimed node 0 (incarnation 2) before node 1 was elected: the membership's
     join news found no controller on node 1. On election the new controller sees node 0 held by
     an incarnation its predecessor never accounted for and reports the arrival (one round)."""
-    from launcher import controller_state as CS
+    from launcher.control import controller_state as CS
 
     kv = LocalKV()
     CS.save(kv, CS.SavedState(CS.take_term(kv), 0, known={0: 1, 1: 1}))

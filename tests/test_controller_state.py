@@ -1,12 +1,12 @@
-"""The controller's saved state (launcher.controller_state): round trip, and the term fencing
+"""The controller's saved state (launcher.control.controller_state): round trip, and the term fencing
 that keeps a superseded controller from overwriting its successor's record."""
 from __future__ import annotations
 
 import pytest
 
-from launcher import controller_state as CS
+from launcher.control import controller_state as CS
 from rendezvous.errors import FencedError
-from rendezvous.memory import LocalKV
+from rendezvous.store.memory import LocalKV
 
 
 def test_saved_state_round_trips_through_the_store() -> None:

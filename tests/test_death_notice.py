@@ -1,4 +1,4 @@
-"""launcher.death_notice: real worker processes hold a slot; the agent's watcher hears of their death."""
+"""launcher.protocol.death_notice: real worker processes hold a slot; the agent's watcher hears of their death."""
 from __future__ import annotations
 
 import os
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from launcher import death_notice as dn
-from launcher.workers import Reaper, Worker
+from launcher.protocol import death_notice as dn
+from launcher.workers.workers import Reaper, Worker
 
 pytestmark = pytest.mark.skipif(not dn.supported(), reason="no glibc robust mutexes here")
 
@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HOLDER = r"""
 import os, sys, threading
 sys.path.insert(0, {root!r})
-from launcher import death_notice as dn
+from launcher.protocol import death_notice as dn
 mode = sys.argv[1]
 box = {{}}
 def take():

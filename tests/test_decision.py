@@ -1,12 +1,12 @@
-"""The recovery decision: one test per rule of launcher.decision (pure, no store)."""
+"""The recovery decision: one test per rule of launcher.control.decision (pure, no store)."""
 from __future__ import annotations
 
 import pytest
 
-from launcher import plan as P
-from launcher.decision import (Budget, RankProgress, Round, Situation, blame, blame_local, decide,
+from launcher.protocol import plan as P
+from launcher.control.decision import (Budget, RankProgress, Round, Situation, blame, blame_local, decide,
                                fallback, may_be_consequence, merge, walk_chain)
-from launcher.faults import FaultKind
+from launcher.protocol.faults import FaultKind
 
 DEFAULT = (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT)
 
@@ -347,7 +347,7 @@ def test_without_recover_in_place_in_the_chain_a_node_loss_follows_the_chain() -
 
 
 def test_a_node_not_taken_over_in_time_ends_the_job_below_min_saying_why() -> None:
-    from launcher.decision import unreplaced
+    from launcher.control.decision import unreplaced
 
     d = unreplaced(node_fault(joined=False), 12.3, 10.0, nodes_left=1, min_nodes=2,
                    s=situation(aware=False), nnodes=2)
@@ -358,7 +358,7 @@ def test_a_node_not_taken_over_in_time_ends_the_job_below_min_saying_why() -> No
 
 
 def test_a_node_not_taken_over_in_time_shrinks_the_world_when_min_allows() -> None:
-    from launcher.decision import unreplaced
+    from launcher.control.decision import unreplaced
 
     # 3 nodes of 2 ranks (world 6), node 1 lost, --nnodes 2:3, unmodified workers
     s = Situation(DEFAULT, Budget(1, 3), False, 6, None)
@@ -380,7 +380,7 @@ def test_a_node_not_taken_over_in_time_shrinks_the_world_when_min_allows() -> No
     ({"chain": (P.RECOVER_IN_PLACE, P.DUMP, P.EXIT)}, "needs restart-all in --recover-strategy"),
 ])
 def test_a_node_not_taken_over_without_budget_or_restart_all_ends_the_job(kw, needle) -> None:
-    from launcher.decision import unreplaced
+    from launcher.control.decision import unreplaced
 
     d = unreplaced(node_fault(joined=False), 3.0, 3.0, nodes_left=2, min_nodes=2,
                    s=situation(aware=False, **kw), nnodes=3)
@@ -389,7 +389,7 @@ def test_a_node_not_taken_over_without_budget_or_restart_all_ends_the_job(kw, ne
 
 
 def test_a_static_rendezvous_cannot_shrink_and_says_so() -> None:
-    from launcher.decision import unreplaced
+    from launcher.control.decision import unreplaced
 
     d = unreplaced(node_fault(joined=False), 3.0, 3.0, nodes_left=2, min_nodes=2,
                    s=situation(aware=False), nnodes=3, renumber="a static rendezvous")
@@ -397,7 +397,7 @@ def test_a_static_rendezvous_cannot_shrink_and_says_so() -> None:
 
 
 def test_scale_up_restart_grows_the_world_uncharged_when_nodes_wait() -> None:
-    from launcher.decision import scale_up
+    from launcher.control.decision import scale_up
 
     d = scale_up(waiting=2, nodes=2, max_nodes=3, per_node=2, rnd=None)
     assert d is not None and (d.strategy, d.grow, d.charged) == (P.RESTART_ALL, True, False)

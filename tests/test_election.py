@@ -1,4 +1,4 @@
-"""Tests for rendezvous.election: controller election on a real etcd (one winner, takeover
+"""Tests for rendezvous.nodes.election: controller election on a real etcd (one winner, takeover
 when the controller's node crashes or is cut off, resign on leave)."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from helpers_etcd import EtcdServer, etcd_server  # noqa: F401 - fixture
 from helpers_relay import Relay
-from rendezvous.membership import Membership, NodeWorld
+from rendezvous.nodes.membership import Membership, NodeWorld
 
 pytestmark = pytest.mark.etcd
 T = dict(heartbeat_interval=0.2, heartbeat_timeout=1.0)
@@ -36,7 +36,7 @@ class Roles:
 
 
 def _world(server: EtcdServer, n: int, relay_for: int | None = None):
-    from rendezvous.etcd import EtcdConf, EtcdKV
+    from rendezvous.store.etcd import EtcdConf, EtcdKV
 
     relay = Relay("127.0.0.1", server.client_port) if relay_for is not None else None
     kvs = [EtcdKV(relay.endpoint if i == relay_for and relay else server.endpoint,

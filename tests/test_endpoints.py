@@ -1,11 +1,11 @@
-"""rendezvous.endpoints: the one parser of endpoint strings, and both of its callers."""
+"""rendezvous.store.endpoints: the one parser of endpoint strings, and both of its callers."""
 from __future__ import annotations
 
 import pytest
 
-from launcher.cli import parse
+from launcher.cli.ftrun import parse
 from launcher.config import ConfigError, build_config
-from rendezvous.endpoints import (Endpoint, EndpointError, parse_endpoint, parse_endpoints)
+from rendezvous.store.endpoints import (Endpoint, EndpointError, parse_endpoint, parse_endpoints)
 
 SCRIPT = __file__
 
@@ -73,7 +73,7 @@ def test_target_brackets_ipv6() -> None:
 
 
 def test_etcd_backend_uses_the_same_parser() -> None:
-    from rendezvous.etcd import DEFAULT_PORT, Endpoint as EtcdEndpoint, parse_endpoints as etcd_parse
+    from rendezvous.store.etcd import DEFAULT_PORT, Endpoint as EtcdEndpoint, parse_endpoints as etcd_parse
 
     eps = etcd_parse("http://a,[::1]:5")
     assert eps == [EtcdEndpoint("a", DEFAULT_PORT), EtcdEndpoint("::1", 5)]

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import json
 
-from launcher import plan as P
-from launcher.errors import (Failure, JobFailures, copy_root_error_file, failure_from_exit,
+from launcher.protocol import plan as P
+from launcher.agent.errors import (Failure, JobFailures, copy_root_error_file, failure_from_exit,
                              format_summary, read_error_file, root_cause, stderr_cause,
                              stderr_last_words)
 

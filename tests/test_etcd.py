@@ -1,4 +1,4 @@
-"""Tests for rendezvous.etcd against a real etcd server (tests/helpers_etcd.py)."""
+"""Tests for rendezvous.store.etcd against a real etcd server (tests/helpers_etcd.py)."""
 from __future__ import annotations
 
 import os
@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from rendezvous.etcd import EtcdConf, EtcdKV, Endpoint, LeaseExpiredError, parse_endpoints
+from rendezvous.store.etcd import EtcdConf, EtcdKV, Endpoint, LeaseExpiredError, parse_endpoints
 from rendezvous.kv import StoreAuthError, StoreError, StoreTimeout
 from helpers_etcd import EtcdServer, etcd_server, free_port, start_etcd  # noqa: F401
 
@@ -296,7 +296,7 @@ def test_close_is_quiet_and_env_is_restored(etcd_server: EtcdServer) -> None:
     endpoint, and the protobuf switch does not leak into the environment workers inherit."""
     code = textwrap.dedent(f"""
         import os, threading
-        from rendezvous.etcd import EtcdKV
+        from rendezvous.store.etcd import EtcdKV
         assert "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION" not in os.environ
         kv = EtcdKV("{etcd_server.endpoint}", "/q")
         hs = [kv.watch_prefix("p", lambda ev: None) for _ in range(3)]
@@ -306,7 +306,7 @@ def test_close_is_quiet_and_env_is_restored(etcd_server: EtcdServer) -> None:
         setter.join()  # the setter's own call may still be finishing when the watch fires
         kv.close()
         kv.close()
-        from rendezvous.etcd import EtcdConf
+        from rendezvous.store.etcd import EtcdConf
         from rendezvous.kv import StoreError
         try:
             EtcdKV("127.0.0.1:{free_port()}", "/q", EtcdConf(request_timeout=0.5))
@@ -325,7 +325,7 @@ def test_protobuf_already_loaded_gives_clear_error() -> None:
         from google.protobuf.internal import api_implementation
         import google.protobuf.message
         impl = api_implementation.Type()
-        from rendezvous.etcd import EtcdKV
+        from rendezvous.store.etcd import EtcdKV
         from rendezvous.kv import StoreError
         try:
             EtcdKV("127.0.0.1:1", "/x")

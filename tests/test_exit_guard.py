@@ -10,7 +10,7 @@ from tests.helpers_launch import env_with
 
 
 def _run(body: str) -> tuple[subprocess.CompletedProcess, float]:
-    code = "import sys, threading, time\nfrom launcher.exit_guard import ExitGuard\n" + body
+    code = "import sys, threading, time\nfrom launcher.agent.exit_guard import ExitGuard\n" + body
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env=env_with())

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from launcher.fault_memory import FaultMemory
+from launcher.control.fault_memory import FaultMemory
 
 
 def test_second_uce_within_24h_counts(tmp_path) -> None:

@@ -1,7 +1,7 @@
 """The fault taxonomy: one list of kinds, shared by the agent, the controller and the runtime."""
 from __future__ import annotations
 
-from launcher.faults import (INJECTION_KINDS, IN_PLACE_KINDS, RUNTIME_INJECTIONS, SIGNAL_INJECTIONS,
+from launcher.protocol.faults import (INJECTION_KINDS, IN_PLACE_KINDS, RUNTIME_INJECTIONS, SIGNAL_INJECTIONS,
                              WORKER_FAULT_KINDS, FaultKind)
 
 
@@ -19,7 +19,7 @@ def test_worker_and_in_place_kinds_are_kinds_of_the_taxonomy() -> None:
 
 
 def test_the_runtime_and_ftctl_use_the_same_lists() -> None:
-    from launcher.inject import inject
+    from launcher.cli.inject import inject
     from launcher.runtime import devices, faultplan
 
     assert (devices.UCE_LOW, devices.UCE_HIGH, devices.NETWORK, devices.UNSAFE_DATA,
@@ -36,7 +36,7 @@ def test_injections_split_into_agent_signals_and_runtime_kinds() -> None:
 
 
 def test_collective_failures_of_peers_are_recognised_in_backend_text() -> None:
-    from launcher.faults import collective_failure
+    from launcher.protocol.faults import collective_failure
 
     gloo = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
             "Timed out waiting 1800000ms for recv operation to complete")

@@ -30,9 +30,9 @@ import pytest
 
 from helpers_faults import LiveJob, assert_same_params, run_job
 from helpers_launch import FTRUN, env_with, events, script
-from launcher.plan import progress_key
-from launcher.progress import read_progress
-from rendezvous.client import StoreClient
+from launcher.protocol.plan import progress_key
+from launcher.control.progress import read_progress
+from rendezvous.store.client import StoreClient
 
 STEPS = 40
 STEP_TIME = "0.1"  # seconds of sleep per step (does not change the numbers)

@@ -12,12 +12,12 @@ import time
 import pytest
 
 from launcher.config import LaunchConfig
-from launcher.hang_guard import HangGuard
-from launcher.hang_watch import HangPolicy
-from launcher.logs import AgentLog, RunLogDir, read_events
-from launcher.progress import read_progress
-from launcher.workers import NodeWorkers
-from rendezvous.memory import LocalKV
+from launcher.agent.hang_guard import HangGuard
+from launcher.hang.hang_watch import HangPolicy
+from launcher.observe.logs import AgentLog, RunLogDir, read_events
+from launcher.control.progress import read_progress
+from launcher.workers.workers import NodeWorkers
+from rendezvous.store.memory import LocalKV
 
 
 @pytest.fixture()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.hang_watch import HangPolicy, HangWatch
-from launcher.messages import Heartbeat
+from launcher.hang.hang_watch import HangPolicy, HangWatch
+from launcher.protocol.messages import Heartbeat
 
 AUTO = HangPolicy(None, floor=3.0, multiplier=10.0, first_step=50.0, unmodified=600.0)
 

@@ -1,4 +1,4 @@
-"""Tests for rendezvous.hosting: is_host by the endpoint's address, and the second agent on the
+"""Tests for rendezvous.nodes.hosting: is_host by the endpoint's address, and the second agent on the
 store host joining as a client (the same c10d command started twice on one host)."""
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import time
 import pytest
 
 from helpers_store import free_port
-from rendezvous.hosting import host_or_join, is_local_address, wants_to_host
-from rendezvous.keys import RUN_ID_KEY
+from rendezvous.nodes.hosting import host_or_join, is_local_address, wants_to_host
+from rendezvous.nodes.keys import RUN_ID_KEY
 from rendezvous.kv import StoreError
-from rendezvous.membership import Membership, NodeWorld
+from rendezvous.nodes.membership import Membership, NodeWorld
 
 
 def test_is_host_by_address_and_override() -> None:
@@ -79,7 +79,7 @@ def test_a_store_that_answers_late_is_joined_not_taken_for_something_else() -> N
     one with "in use ... by something that is not an ftrun/torch store" after a 3 s probe.
     Here the holder is stopped (SIGSTOP) for 4 s."""
     port = free_port()
-    srv = subprocess.Popen([sys.executable, "-m", "rendezvous.store_cli", "serve", "--host",
+    srv = subprocess.Popen([sys.executable, "-m", "rendezvous.store.store_cli", "serve", "--host",
                             "0.0.0.0", "--port", str(port)], stdin=subprocess.DEVNULL,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     resume = threading.Timer(4.0, srv.send_signal, (signal.SIGCONT,))

@@ -1,4 +1,4 @@
-"""`ftctl inject` (launcher.inject) against a real store: the request it writes, the checks it
+"""`ftctl inject` (launcher.cli.inject) against a real store: the request it writes, the checks it
 makes before writing, and one-line errors."""
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import sys
 
 import pytest
 
-from launcher import ftctl
-from launcher import plan as P
-from rendezvous import auth
-from rendezvous.server import StoreServer
+from launcher.cli import ftctl
+from launcher.protocol import plan as P
+from rendezvous.store import auth
+from rendezvous.store.server import StoreServer
 from tests.helpers_launch import env_with
 
-FTCTL = [sys.executable, "-m", "launcher.ftctl"]
+FTCTL = [sys.executable, "-m", "launcher.cli.ftctl"]
 WORLD_SIZE_KEY = "ftrun/world_size"  # published by the agent; inject checks ranks against it
 
 

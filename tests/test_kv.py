@@ -9,11 +9,11 @@ from typing import Iterator
 
 import pytest
 
-from rendezvous.client import StoreClient
+from rendezvous.store.client import StoreClient
 from rendezvous.kv import KVStore, StoreAuthError, StoreError, StoreTimeout, check_timeout
-from rendezvous.memory import LocalKV
-from rendezvous.proxy import StoreProxy
-from rendezvous.server import StoreServer
+from rendezvous.store.memory import LocalKV
+from rendezvous.store.proxy import StoreProxy
+from rendezvous.store.server import StoreServer
 
 
 @pytest.fixture(params=["local", "client", "client-via-kv-proxy"])

@@ -1,5 +1,5 @@
-"""Tests for rendezvous.liveness: the roster's bookkeeping (no store), heartbeat liveness on a
-real embedded store (rendezvous.server over TCP), lease liveness on a real etcd."""
+"""Tests for rendezvous.nodes.liveness: the roster's bookkeeping (no store), heartbeat liveness on a
+real embedded store (rendezvous.store.server over TCP), lease liveness on a real etcd."""
 from __future__ import annotations
 
 import os
@@ -10,13 +10,13 @@ from typing import Iterator
 import pytest
 
 from helpers_etcd import EtcdServer, etcd_server  # noqa: F401 - fixture
-from rendezvous.client import StoreClient
-from rendezvous.keys import Registration, dead_key, incarnation_key, left_key, node_key, \
+from rendezvous.store.client import StoreClient
+from rendezvous.nodes.keys import Registration, dead_key, incarnation_key, left_key, node_key, \
     static_join_key
-from rendezvous.liveness import (HeartbeatLiveness, LeaseLiveness, Liveness, Roster, Timing,
+from rendezvous.nodes.liveness import (HeartbeatLiveness, LeaseLiveness, Liveness, Roster, Timing,
                                  liveness_for)
-from rendezvous.memory import LocalKV
-from rendezvous.server import StoreServer
+from rendezvous.store.memory import LocalKV
+from rendezvous.store.server import StoreServer
 
 HB = Timing(interval=0.1, timeout=0.6)
 LEASE = Timing(interval=0.2, timeout=1.0)  # etcd leases are whole seconds
@@ -223,7 +223,7 @@ def test_heartbeat_world_is_dead_only_when_every_heartbeat_is_still(
 
 
 def _etcd_clients(server: EtcdServer, n: int, root: str, owned: list) -> list:
-    from rendezvous.etcd import EtcdKV
+    from rendezvous.store.etcd import EtcdKV
 
     kvs = [EtcdKV(server.endpoint, root) for _ in range(n)]
     owned.extend(kvs)
@@ -282,7 +282,7 @@ def test_check_cadence_keeps_a_crash_verdict_within_the_timeout_without_judging_
     """Bug (bench_multinode): a crashed node was declared lost up to 0.3 s after the 5 s
     liveness timeout, because the checker looked every interval/2 and waited a full timeout
     from the last change it had seen."""
-    from rendezvous.liveness.heartbeat import JITTER_MARGIN, check_cadence
+    from rendezvous.nodes.liveness.heartbeat import JITTER_MARGIN, check_cadence
     for timing, watched in ((Timing(1.0, 5.0), 3), (Timing(1.0, 2.0), 3), (Timing(0.5, 5.0), 2000),
                             (Timing(1.0, 5.0), 400)):
         period, quiet = check_cadence(timing, watched)

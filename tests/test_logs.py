@@ -1,4 +1,4 @@
-"""launcher.logs: the agent's console lines and events.jsonl, torchrun's log-directory layout,
+"""launcher.observe.logs: the agent's console lines and events.jsonl, torchrun's log-directory layout,
 and the output pump that copies worker pipes to files and the console."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import re
 import shutil
 import threading
 
-from launcher.logs import AgentLog, OutputPump, RunLogDir, read_events, render_prefix
+from launcher.observe.logs import AgentLog, OutputPump, RunLogDir, read_events, render_prefix
 
 LINE = re.compile(r"^\[ftrun \d\d:\d\d:\d\d\.\d{3} node(\S+) gen(\d+)\] (.*)$")
 

@@ -1,4 +1,4 @@
-"""rendezvous.loop_priority: FTRUN_STORE_NICE, the loop thread's own priority, a refusal said
+"""rendezvous.store.loop_priority: FTRUN_STORE_NICE, the loop thread's own priority, a refusal said
 in one line; and the store's and the proxy's loop threads really run at it (real sockets)."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 import pytest
 
 from launcher.config import ConfigError, build_config
-from rendezvous.loop_priority import DEFAULT_NICE, LoopPriority, loop_nice, raise_thread_priority
-from rendezvous.proxy import StoreProxy
-from rendezvous.server import StoreServer
+from rendezvous.store.loop_priority import DEFAULT_NICE, LoopPriority, loop_nice, raise_thread_priority
+from rendezvous.store.proxy import StoreProxy
+from rendezvous.store.server import StoreServer
 
 ROOT = os.geteuid() == 0
 

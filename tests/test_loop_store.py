@@ -1,4 +1,4 @@
-"""The agent loop's store calls, off the loop (launcher.loop_store): writes coalesced and in
+"""The agent loop's store calls, off the loop (launcher.agent.loop_store): writes coalesced and in
 order, and nothing the loop does waits on a store whose peer stopped answering (a real store
 server behind a relay whose link is cut: calls through it hang until their timeout)."""
 from __future__ import annotations
@@ -7,17 +7,17 @@ import time
 
 from helpers_relay import Relay
 
-from launcher import plan as P
-from launcher.hang_guard import READ_WAIT, HangGuard
-from launcher.cli import parse
+from launcher.protocol import plan as P
+from launcher.agent.hang_guard import READ_WAIT, HangGuard
+from launcher.cli.ftrun import parse
 from launcher.config import build_config
-from launcher.logs import AgentLog, RunLogDir
-from launcher.loop_store import Call, LoopStore
-from launcher.progress import ProgressBoard
-from launcher.workers import NodeWorkers
-from rendezvous.client import StoreClient
-from rendezvous.memory import LocalKV
-from rendezvous.server import StoreServer
+from launcher.observe.logs import AgentLog, RunLogDir
+from launcher.agent.loop_store import Call, LoopStore
+from launcher.control.progress import ProgressBoard
+from launcher.workers.workers import NodeWorkers
+from rendezvous.store.client import StoreClient
+from rendezvous.store.memory import LocalKV
+from rendezvous.store.server import StoreServer
 
 CALL_TIMEOUT = 5.0  # the client's read_timeout: a call through the cut link blocks this long
 

@@ -1,4 +1,4 @@
-"""Tests for rendezvous.membership: in-process agents on LocalKV, real agent processes
+"""Tests for rendezvous.nodes.membership: in-process agents on LocalKV, real agent processes
 (SIGKILL) through a real etcd and through the embedded TCP store."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import time
 import pytest
 
 from helpers_etcd import AgentProc, EtcdServer, etcd_server  # noqa: F401 - fixture
-from rendezvous.keys import GENERATION_KEY
+from rendezvous.nodes.keys import GENERATION_KEY
 from rendezvous.kv import StoreTimeout
-from rendezvous.membership import Membership, NodeWorld, RendezvousError
-from rendezvous.memory import LocalKV
+from rendezvous.nodes.membership import Membership, NodeWorld, RendezvousError
+from rendezvous.store.memory import LocalKV
 
 FAST = dict(heartbeat_interval=0.2, heartbeat_timeout=1.0)
 
@@ -202,7 +202,7 @@ def test_etcd_agents_sigkill_noticed_and_replaced(etcd_server: EtcdServer) -> No
 
 
 def test_embedded_store_agents_sigkill_noticed_and_replaced() -> None:
-    server_mod = pytest.importorskip("rendezvous.server")
+    server_mod = pytest.importorskip("rendezvous.store.server")
     server = server_mod.StoreServer(host="127.0.0.1", port=0).start()
     try:
         _kill_and_replace("tcp", f"127.0.0.1:{server.port}", ttl=1.5 + 0.5)
@@ -212,7 +212,7 @@ def test_embedded_store_agents_sigkill_noticed_and_replaced() -> None:
 
 @pytest.mark.etcd
 def test_etcd_dynamic_rendezvous_threads(etcd_server: EtcdServer) -> None:
-    from rendezvous.etcd import EtcdKV
+    from rendezvous.store.etcd import EtcdKV
 
     kvs = [EtcdKV(etcd_server.endpoint, "/ftrun/dyn") for _ in range(3)]
     ms = [Membership(kv, None, 2, 4, 1, f"h{i}", "dyn", last_call_timeout=0.5, join_timeout=10,
@@ -267,7 +267,7 @@ def test_dead_earlier_run_is_cleared_local() -> None:
 
 @pytest.mark.etcd
 def test_crashed_earlier_run_is_cleared_etcd(etcd_server: EtcdServer) -> None:
-    from rendezvous.etcd import EtcdKV
+    from rendezvous.store.etcd import EtcdKV
 
     # leases of 1 s (heartbeat_timeout 1.0) run out within ~1.5 s of the "crash"
     _fresh_after_dead_run(lambda: EtcdKV(etcd_server.endpoint, "/ftrun/reused"), leave=False,
@@ -276,7 +276,7 @@ def test_crashed_earlier_run_is_cleared_etcd(etcd_server: EtcdServer) -> None:
 
 @pytest.mark.etcd
 def test_duplicate_node_rank_on_etcd_is_refused(etcd_server: EtcdServer) -> None:
-    from rendezvous.etcd import EtcdKV
+    from rendezvous.store.etcd import EtcdKV
 
     kvs = [EtcdKV(etcd_server.endpoint, "/ftrun/dup") for _ in range(2)]
     first = Membership(kvs[0], 0, 2, 2, 1, "first", "dup", **FAST)
@@ -302,7 +302,7 @@ import contextlib  # noqa: E402
 from helpers_relay import Relay  # noqa: E402
 from rendezvous.errors import (STORE_UNREACHABLE, SUPERSEDED, FencedError,  # noqa: E402
                                JoinInterrupted, RendezvousGracefulExit, StoreHostLostError)
-from rendezvous.keys import LEAVE_SIGNAL  # noqa: E402
+from rendezvous.nodes.keys import LEAVE_SIGNAL  # noqa: E402
 
 
 class Stores:
@@ -313,7 +313,7 @@ class Stores:
         self.backend = backend
         self._owned: list = []
         if backend == "tcp":
-            from rendezvous.server import StoreServer
+            from rendezvous.store.server import StoreServer
 
             self.server = StoreServer(host="127.0.0.1", port=0).start()
             self._owned.append(self.server)
@@ -325,11 +325,11 @@ class Stores:
     def client(self, relay: Relay | None = None):
         port = relay.port if relay is not None else self.port
         if self.backend == "tcp":
-            from rendezvous.client import StoreClient
+            from rendezvous.store.client import StoreClient
 
             kv = StoreClient(self.host, port, timeout=30)
         else:
-            from rendezvous.etcd import EtcdConf, EtcdKV
+            from rendezvous.store.etcd import EtcdConf, EtcdKV
 
             kv = EtcdKV(f"{self.host}:{port}", "/ftrun/m10", EtcdConf(request_timeout=3.0))
         self._owned.append(kv)
@@ -556,8 +556,8 @@ def test_cut_off_node_notices_alone_rejoins_fresh_and_its_stale_writes_are_refus
 
 
 def test_a_stale_node_that_never_noticed_is_refused_at_its_next_heartbeat() -> None:
-    from rendezvous.server import StoreServer
-    from rendezvous.client import StoreClient
+    from rendezvous.store.server import StoreServer
+    from rendezvous.store.client import StoreClient
 
     server = StoreServer(host="127.0.0.1", port=0).start()
     relay = Relay("127.0.0.1", server.port)
@@ -591,8 +591,8 @@ def test_a_stale_node_that_never_noticed_is_refused_at_its_next_heartbeat() -> N
 
 
 def test_losing_the_embedded_store_host_is_reported_as_such() -> None:
-    from rendezvous.server import StoreServer
-    from rendezvous.client import StoreClient
+    from rendezvous.store.server import StoreServer
+    from rendezvous.store.client import StoreClient
 
     server = StoreServer(host="127.0.0.1", port=0).start()
     port = server.port

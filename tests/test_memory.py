@@ -7,8 +7,8 @@ import time
 import pytest
 
 from rendezvous.kv import StoreError, StoreTimeout
-from rendezvous import protocol as P
-from rendezvous.memory import LocalKV, MemoryStore, apply
+from rendezvous.store import protocol as P
+from rendezvous.store.memory import LocalKV, MemoryStore, apply
 
 
 def test_torch_semantics() -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from launcher.messages import (MESSAGES, Bye, FaultReport, Heartbeat, Hello, Inject, MessageError,
+from launcher.protocol.messages import (MESSAGES, Bye, FaultReport, Heartbeat, Hello, Inject, MessageError,
                                Recovered, Stop, decode, encode, message)
 
 SAMPLES = [

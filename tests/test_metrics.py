@@ -1,4 +1,4 @@
-"""Prometheus metrics of the agent (launcher/metrics.py, fed by launcher/observer.py).
+"""Prometheus metrics of the agent (launcher/observe/metrics.py, fed by launcher/observe/observer.py).
 
 Unit: the port setting. Integration: one real 4-rank job with `--rdzv-conf metrics_port=PORT`,
 scraped over HTTP while it trains, then again after `ftctl inject` killed a rank: the fault,
@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from helpers_launch import FTRUN, free_port, run
 from helpers_observe import ObservedJob, ftctl, job_env
-from launcher.metrics import metrics_port
+from launcher.observe.metrics import metrics_port
 
 
 def test_port_from_rdzv_conf_then_environment():

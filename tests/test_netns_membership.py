@@ -24,7 +24,7 @@ HB_INTERVAL, HB_TIMEOUT = 0.25, 1.5
 
 
 def _start_store(host, port: int) -> None:
-    host.popen([sys.executable, "-m", "rendezvous.store_cli", "serve", "--host", host.addr,
+    host.popen([sys.executable, "-m", "rendezvous.store.store_cli", "serve", "--host", host.addr,
                 "--port", str(port)], env=host.env(PYTHONPATH=os.getcwd()),
                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 

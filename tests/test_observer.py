@@ -1,11 +1,11 @@
-"""launcher/observer.py: the agent's event sink. Heartbeat observations become steps per second,
+"""launcher/observe/observer.py: the agent's event sink. Heartbeat observations become steps per second,
 `progress` records and `rank-resumed` (the first commit after a round); plus AgentLog's sinks."""
 from __future__ import annotations
 
 import json
 
-from launcher.logs import AgentLog, read_event_file
-from launcher.observer import NodeObserver
+from launcher.observe.logs import AgentLog, read_event_file
+from launcher.observe.observer import NodeObserver
 
 
 def setup(tmp_path):
@@ -85,7 +85,7 @@ def test_attaching_again_in_a_new_world_keeps_one_publisher(tmp_path):
     attached the observer again and started a second publishing thread each time."""
     import threading
 
-    from rendezvous.memory import LocalKV
+    from rendezvous.store.memory import LocalKV
 
     log, obs, _ = setup(tmp_path)
     kv = LocalKV()

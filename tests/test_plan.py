@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from launcher import plan as P
+from launcher.protocol import plan as P
 
 
 @pytest.mark.parametrize("record", [

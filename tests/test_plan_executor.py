@@ -10,19 +10,19 @@ import time
 
 import pytest
 
-from launcher import plan as P
-from launcher.agent_events import PlanEvent
-from launcher.channel import ChannelMessage, ChannelServer
-from launcher.cli import parse
+from launcher.protocol import plan as P
+from launcher.agent.agent_events import PlanEvent
+from launcher.workers.channel import ChannelMessage, ChannelServer
+from launcher.cli.ftrun import parse
 from launcher.config import build_config
-from launcher.errors import JobFailures
-from launcher.logs import AgentLog, RunLogDir
-from launcher.messages import Hello, encode
-from launcher.plan_executor import PlanExecutor
-from launcher.spawner import Spawner, WorkerWorld
-from launcher.store_stack import AgentWorld
-from launcher.workers import NodeWorkers, Reaper, stop_workers
-from rendezvous.memory import LocalKV
+from launcher.agent.errors import JobFailures
+from launcher.observe.logs import AgentLog, RunLogDir
+from launcher.protocol.messages import Hello, encode
+from launcher.agent.plan_executor import PlanExecutor
+from launcher.workers.spawner import Spawner, WorkerWorld
+from launcher.agent.store_stack import AgentWorld
+from launcher.workers.workers import NodeWorkers, Reaper, stop_workers
+from rendezvous.store.memory import LocalKV
 
 
 @pytest.fixture()
@@ -124,9 +124,9 @@ def test_a_restart_barrier_ends_at_once_when_the_node_loses_its_membership(node,
     within a slice of this node losing its membership, so the loop can self-fence."""
     from helpers_relay import Relay
 
-    from launcher.loop_store import LoopStore
-    from rendezvous.client import StoreClient
-    from rendezvous.server import StoreServer
+    from launcher.agent.loop_store import LoopStore
+    from rendezvous.store.client import StoreClient
+    from rendezvous.store.server import StoreServer
 
     ex, _, _ = node
     lost = threading.Event()

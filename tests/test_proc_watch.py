@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from launcher.proc_watch import SilenceWatch, descendants, proc_stat, proc_state, tree_progress
+from launcher.hang.proc_watch import SilenceWatch, descendants, proc_stat, proc_state, tree_progress
 
 BUSY = "import time\nt=time.time()\nwhile time.time()-t<30: pass"
 PARENT = ("import subprocess,sys,time\n"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import json
 
-from launcher import plan as P
-from launcher.progress import STALE_AFTER, ProgressBoard, read_progress
-from rendezvous.memory import LocalKV
+from launcher.protocol import plan as P
+from launcher.control.progress import STALE_AFTER, ProgressBoard, read_progress
+from rendezvous.store.memory import LocalKV
 
 
 def test_records_round_trip_aged_by_their_age() -> None:

@@ -5,8 +5,8 @@ import random
 
 import pytest
 
-from rendezvous import protocol as P
-from rendezvous.protocol import Op, Request
+from rendezvous.store import protocol as P
+from rendezvous.store.protocol import Op, Request
 
 SAMPLES = [
     Request(Op.VALIDATE, num=P.VALIDATION_MAGIC),

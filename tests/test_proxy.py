@@ -9,12 +9,12 @@ import pytest
 
 from helpers_etcd import EtcdServer, etcd_server  # noqa: F401 - fixture
 from helpers_store import recv_exact, run_gloo_world, run_torch, run_torch_ops
-from rendezvous import protocol as P
-from rendezvous.client import StoreClient
+from rendezvous.store import protocol as P
+from rendezvous.store.client import StoreClient
 from rendezvous.kv import StoreAuthError, StoreError
-from rendezvous.memory import LocalKV
-from rendezvous.proxy import StoreProxy
-from rendezvous.server import StoreServer
+from rendezvous.store.memory import LocalKV
+from rendezvous.store.proxy import StoreProxy
+from rendezvous.store.server import StoreServer
 
 TOKEN = "proxy-token"
 
@@ -129,7 +129,7 @@ def test_proxy_on_a_local_kv_upstream() -> None:
 
 @pytest.mark.etcd
 def test_proxy_on_etcd(etcd_server: EtcdServer) -> None:  # noqa: F811
-    from rendezvous.etcd import EtcdKV
+    from rendezvous.store.etcd import EtcdKV
 
     with StoreProxy(lambda: EtcdKV(etcd_server.endpoint, "/ftrun/proxytest")) as px:
         r = run_torch_ops("127.0.0.1", px.port, queues=False)

@@ -1,4 +1,4 @@
-"""The store server's C read path (rendezvous/_quickstore.c): the same replies and table as
+"""The store server's C read path (rendezvous/store/_quickstore.c): the same replies and table as
 the Python paths, nothing executed while another thread holds the table's lock, writes that
 wake waiters left to Python, large replies finished by the Python flush, and the switch."""
 from __future__ import annotations
@@ -12,9 +12,9 @@ import time
 import pytest
 
 from helpers_store import recv_exact
-from rendezvous import protocol as P
-from rendezvous.auth import AUTH_KEY
-from rendezvous.server import StoreServer, _Conn
+from rendezvous.store import protocol as P
+from rendezvous.store.auth import AUTH_KEY
+from rendezvous.store.server import StoreServer, _Conn
 
 
 def req(op, keys=(), values=(), num=0) -> bytes:
@@ -195,7 +195,7 @@ def test_only_what_c_does_not_take_reaches_the_python_handler_on_a_mux_connectio
 
 def test_the_extension_is_built_and_a_default_server_uses_it() -> None:
     """Installs run setup.py, which builds it; a missing compiler leaves the Python path."""
-    from rendezvous import _quickstore  # noqa: F401
+    from rendezvous.store import _quickstore  # noqa: F401
     assert StoreServer(host="127.0.0.1")._read_quick is not None
 
 
@@ -458,7 +458,7 @@ def run_proxy_stream(accel: bool, chunk: int) -> tuple[list, int, bytes, dict]:
     """Feed the frames through `StoreProxy._read` on one end of a socketpair (the proxy not
     started: nothing goes upstream); (the batch as (request, has a slot), slots queued, the
     local replies, stats)."""
-    from rendezvous.proxy import StoreProxy
+    from rendezvous.store.proxy import StoreProxy
     px = StoreProxy(("127.0.0.1", 1))
     if not accel:
         px._proxy_read = None
@@ -497,7 +497,7 @@ def run_proxy_stream(accel: bool, chunk: int) -> tuple[list, int, bytes, dict]:
 
 @pytest.mark.parametrize("chunk", [0, 1, 6, 64])
 def test_the_proxy_read_path_queues_what_the_python_path_queues(chunk: int) -> None:
-    from rendezvous.proxy import StoreProxy
+    from rendezvous.store.proxy import StoreProxy
     assert StoreProxy(("127.0.0.1", 1))._proxy_read is not None
     c_run, py_run = run_proxy_stream(True, chunk), run_proxy_stream(False, chunk)
     assert c_run == py_run
@@ -514,7 +514,7 @@ def test_the_proxy_read_path_queues_what_the_python_path_queues(chunk: int) -> N
 
 
 def test_the_proxy_read_path_keeps_the_per_turn_budget() -> None:
-    from rendezvous.proxy import StoreProxy
+    from rendezvous.store.proxy import StoreProxy
     px = StoreProxy(("127.0.0.1", 1))
     a, b = socket.socketpair()
     try:
@@ -535,7 +535,7 @@ def test_the_proxy_read_path_keeps_the_per_turn_budget() -> None:
 
 
 def test_flush_out_sends_each_connections_output_and_leaves_short_sends_to_python() -> None:
-    from rendezvous._quickstore import flush_out
+    from rendezvous.store._quickstore import flush_out
     pairs = [socket.socketpair() for _ in range(4)]
     try:
         conns = []
@@ -603,7 +603,7 @@ def test_a_running_servers_loop_takes_plain_reads_in_c_and_leaves_the_rest_to_py
 
 
 def test_a_running_proxys_loop_queues_plain_reads_in_c() -> None:
-    from rendezvous.proxy import StoreProxy
+    from rendezvous.store.proxy import StoreProxy
     with StoreServer(host="127.0.0.1") as srv:
         px = StoreProxy(("127.0.0.1", srv.port))
         assert px._turn is not None and px._turn_proxy
@@ -747,7 +747,7 @@ def test_an_adopt_that_raises_ends_the_turn_with_its_error_and_no_fd_is_left() -
     """`loop_turn`'s accept hands each connection to `adopt(fd, peer)`, which owns the fd: an
     exception comes out of `loop_turn`, and the accepted fd is closed by the adopt that
     failed (here, as `LoopServer._adopt` does, before it made a socket object)."""
-    from rendezvous import _quickstore
+    from rendezvous.store import _quickstore
     srv = StoreServer(host="127.0.0.1")  # not started: only its context tuple is used
     lsock, ep = _listening()
     seen: list[tuple[int, str]] = []
@@ -775,7 +775,7 @@ def test_an_adopt_that_raises_ends_the_turn_with_its_error_and_no_fd_is_left() -
 def test_past_the_connection_limit_the_accept_is_left_to_python() -> None:
     """At `max_connections` `loop_turn` does not accept: the listening socket's event comes
     back to the Python loop (whose `_accept` refuses with its log line)."""
-    from rendezvous import _quickstore
+    from rendezvous.store import _quickstore
     srv = StoreServer(host="127.0.0.1")
     lsock, ep = _listening()
     adopted: dict[int, str] = {}  # the connections table: the limit counts it
@@ -808,7 +808,7 @@ def test_a_proxy_collects_a_held_round_in_c_and_sends_it_as_one() -> None:
     by `loop_turn` in C -- no Python turn per arrival -- then go upstream as one round when
     the answer comes: two ADDs of two clients become one ADD of their sum, each client gets a
     value of a serial order."""
-    from rendezvous.proxy import StoreProxy
+    from rendezvous.store.proxy import StoreProxy
     with StoreServer(host="127.0.0.1") as srv:
         px = StoreProxy(("127.0.0.1", srv.port), max_hold=2.0)
         turns = _counting_turns(px)
@@ -845,7 +845,7 @@ def test_a_proxy_collects_a_held_round_in_c_and_sends_it_as_one() -> None:
 def test_a_held_round_goes_upstream_when_its_hold_ends() -> None:
     """The hold is bounded: with the upstream's answer late, a round collected in C leaves
     after `max_hold` s anyway (the C loop stops at the hold's end)."""
-    from rendezvous.proxy import StoreProxy
+    from rendezvous.store.proxy import StoreProxy
     with StoreServer(host="127.0.0.1") as srv:
         with StoreProxy(("127.0.0.1", srv.port), max_hold=0.1) as px:
             a, b = validated(px.port, 2)

@@ -1,4 +1,4 @@
-"""`ftctl report` (launcher/report.py): the page of one real 4-rank run with two faults (a killed
+"""`ftctl report` (launcher/observe/report.py): the page of one real 4-rank run with two faults (a killed
 rank: recover-in-place; an injected UCE: retry), shared by the tests of this file, loaded in a
 real headless Chromium (DOM after its scripts ran, and a PNG screenshot)."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ from html.parser import HTMLParser
 import pytest
 
 from helpers_observe import ObservedJob, ftctl
-from launcher.report import render
-from launcher.timeline import PHASES, RunView
+from launcher.observe.report import render
+from launcher.observe.timeline import PHASES, RunView
 
 FAULTS = [{"rank": 1, "step": 4, "phase": "forward", "kind": "kill", "generation": 0},
           {"rank": 2, "step": 9, "phase": "backward", "kind": "uce-high", "generation": 1}]

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from launcher.messages import FaultReport, Hello, Inject
+from launcher.protocol.messages import FaultReport, Hello, Inject
 from launcher.runtime.channel import AgentChannel
 from launcher.runtime.signals import StopSignal
 

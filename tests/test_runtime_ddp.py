@@ -79,7 +79,7 @@ def stuck_after_stop(ev: list[dict]) -> list[int]:
     """Survivors the agent replaced for still waiting in DDP's C++ collective after a stop (found
     by the rank itself a second after the stop, else FTRUN_HANG_STOP after it): gloo never fails
     a send it had queued on a connection that then failed (a peer killed while this rank sent to
-    it; see launcher.hang_watch and tests/test_runtime_group_sockets.py), one kill in ten to
+    it; see launcher.hang.hang_watch and tests/test_runtime_group_sockets.py), one kill in ten to
     forty here. Such a rank is repaired in a round that supersedes the plan's, so the run has
     other rounds than the fault plan's (a later fault bound to a generation may not fire); it
     must still be bit-identical."""

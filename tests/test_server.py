@@ -9,10 +9,10 @@ import time
 import pytest
 
 from helpers_store import recv_exact, run_gloo_world, run_torch_ops
-from rendezvous import protocol as P
-from rendezvous.client import StoreClient
+from rendezvous.store import protocol as P
+from rendezvous.store.client import StoreClient
 from rendezvous.kv import StoreError
-from rendezvous.server import StoreServer
+from rendezvous.store.server import StoreServer
 
 
 def raw_conn(port: int, handshake: bool = True) -> socket.socket:
@@ -249,7 +249,7 @@ def test_quick_path_gives_the_general_paths_replies(chunk: int, entry: str) -> N
             srv._quick = None
         a, b = socket.socketpair()
         try:
-            from rendezvous.server import _Conn
+            from rendezvous.store.server import _Conn
             c = _Conn(a, "test", True, 0.0)
             c.validated = True
             srv._loop_ident = threading.get_ident()
@@ -291,7 +291,7 @@ def test_quick_path_leaves_auth_and_bad_counters_to_the_general_path() -> None:
         assert is_closed(s)
         assert any("ADD failed" in line for line in logs), logs
         s2 = raw_conn(srv.port)
-        from rendezvous.auth import AUTH_KEY
+        from rendezvous.store.auth import AUTH_KEY
         s2.sendall(P.encode_request(P.Request(P.Op.SET, (AUTH_KEY,), (b"tok",))))
         s2.sendall(P.encode_request(P.Request(P.Op.GET, (AUTH_KEY,))))
         assert recv_exact(s2, 8) == P.enc_u32(0) * 2  # empty: the key was not stored
@@ -305,7 +305,7 @@ def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
     the queued STOP_WAITING came after WAIT_CANCELED, and the client's next request read it as
     its own reply (an agent joining a rendezvous hung: CI failure of
     test_scale_up_restart_grows_the_world_with_a_late_node)."""
-    from rendezvous.server import _Conn
+    from rendezvous.store.server import _Conn
     srv = StoreServer(host="127.0.0.1")
     a, b = socket.socketpair()
     try:
@@ -333,7 +333,7 @@ def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
 
 def _pair_conn(srv: StoreServer):
     """A validated plain connection of `srv` over a socketpair: (conn, the client's end)."""
-    from rendezvous.server import _Conn
+    from rendezvous.store.server import _Conn
     a, b = socket.socketpair()
     a.setblocking(False)
     b.settimeout(5)
@@ -393,7 +393,7 @@ def test_waiters_leave_no_garbage_cycles() -> None:
     refer back to it), so a rendezvous of thousands of waits gives the cyclic garbage
     collector nothing to find."""
     import gc
-    from rendezvous.memory import Waiter
+    from rendezvous.store.memory import Waiter
 
     def waiters() -> int:
         return sum(1 for o in gc.get_objects() if type(o) is Waiter)

@@ -1,9 +1,9 @@
-"""Tests for rendezvous.settings: torchrun's --rdzv-conf names, defaults and one-line errors."""
+"""Tests for rendezvous.nodes.settings: torchrun's --rdzv-conf names, defaults and one-line errors."""
 from __future__ import annotations
 
 import pytest
 
-from rendezvous.settings import RendezvousSettings
+from rendezvous.nodes.settings import RendezvousSettings
 
 
 def test_defaults_and_torchrun_names() -> None:

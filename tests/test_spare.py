@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from launcher.spare import REPAIR_BOOST_NICE, SparePool, may_return_to
+from launcher.workers.spare import REPAIR_BOOST_NICE, SparePool, may_return_to
 
 
 def _run_nice() -> int:
@@ -325,7 +325,7 @@ def test_sigkill_of_a_forked_spare_turned_worker_is_reported_as_minus_9(tmp_path
     import queue
     import signal
 
-    from launcher.workers import Reaper, Worker, stop_workers
+    from launcher.workers.workers import Reaper, Worker, stop_workers
 
     pool = SparePool(sys.executable, lambda m: None, count=2, start_delay=0.0, fork=True)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -356,7 +356,7 @@ def test_sigkill_of_a_forked_spare_turned_worker_is_reported_as_minus_9(tmp_path
 
 _AGENT = """
 import json, os, sys, time
-from launcher.spare import SparePool
+from launcher.workers.spare import SparePool
 pool = SparePool(sys.executable, lambda m: print(m, file=sys.stderr), count=2, start_delay=0.0, fork=True)
 env = dict(os.environ)
 deadline = time.monotonic() + 60
@@ -495,7 +495,7 @@ class _Undying:
 def test_stop_gives_all_spares_one_bound_and_names_the_ones_left_behind(monkeypatch) -> None:
     """Three spares that do not exit after SIGKILL: stop() waited 5 s for each in turn (15 s,
     past the agent's 10 s shutdown bound); now they share one STOP_S."""
-    from launcher import spare as spare_mod
+    from launcher.workers import spare as spare_mod
 
     monkeypatch.setattr(spare_mod, "STOP_S", 0.6, raising=False)
     logs: list[str] = []
@@ -518,7 +518,7 @@ def test_a_spare_that_does_not_read_its_assignment_is_killed_and_the_next_one_us
     import subprocess
     import threading
 
-    from launcher import spare as spare_mod
+    from launcher.workers import spare as spare_mod
 
     monkeypatch.setattr(spare_mod, "ASSIGN_TIMEOUT_S", 0.5, raising=False)
     deaf = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],

@@ -4,11 +4,11 @@ from __future__ import annotations
 import queue
 import signal
 
-from launcher.cli import parse
+from launcher.cli.ftrun import parse
 from launcher.config import build_config
-from launcher.logs import AgentLog, RunLogDir
-from launcher.spawner import Spawner, WorkerWorld
-from launcher.workers import NodeWorkers, Reaper, WorkerExit, stop_workers
+from launcher.observe.logs import AgentLog, RunLogDir
+from launcher.workers.spawner import Spawner, WorkerWorld
+from launcher.workers.workers import NodeWorkers, Reaper, WorkerExit, stop_workers
 
 
 def test_environment_and_spawn(tmp_path, monkeypatch) -> None:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from launcher.stacks import Dump, dump_stacks
+from launcher.hang.stacks import Dump, dump_stacks
 
 PLAIN = "import time\ndef hung_here():\n    print('ready', flush=True)\n    time.sleep(60)\nhung_here()"
 AWARE = ("import faulthandler, signal, time\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"

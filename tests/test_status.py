@@ -1,4 +1,4 @@
-"""`ftctl status` (launcher/status.py): a live 4-rank job read through its store while it trains
+"""`ftctl status` (launcher/observe/status.py): a live 4-rank job read through its store while it trains
 and while it recovers from an injected kill, then the finished run read from its directory."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 import time
 
 from helpers_observe import ObservedJob, ftctl
-from launcher import status as S
+from launcher.observe import status as S
 
 
 def status_json(*args: str) -> dict:

@@ -9,7 +9,7 @@ import time
 
 from tests.helpers_launch import env_with, free_port
 
-FTCTL = [sys.executable, "-m", "launcher.ftctl"]
+FTCTL = [sys.executable, "-m", "launcher.cli.ftctl"]
 
 
 def ftctl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:

@@ -11,9 +11,9 @@ import sys
 import time
 
 from helpers_store import FUZZER, STEADY_CLIENT, child_env
-from rendezvous import protocol as P
-from rendezvous.client import StoreClient
-from rendezvous.server import StoreServer
+from rendezvous.store import protocol as P
+from rendezvous.store.client import StoreClient
+from rendezvous.store.server import StoreServer
 
 
 def test_fuzz_and_slowloris_do_not_disturb_a_well_behaved_client() -> None:
@@ -30,7 +30,7 @@ def test_fuzz_and_slowloris_do_not_disturb_a_well_behaved_client() -> None:
 
 
 def test_the_agent_process_stays_small_for_the_garbage_collector() -> None:
-    code = ("import gc, sys, time; import launcher.cli; t = time.perf_counter(); gc.collect(); "
+    code = ("import gc, sys, time; import launcher.cli.ftrun; t = time.perf_counter(); gc.collect(); "
             "print('torch' in sys.modules, len(gc.get_objects()), time.perf_counter() - t)")
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True,
                          text=True, timeout=60, check=True).stdout.split()

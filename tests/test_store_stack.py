@@ -5,12 +5,12 @@ import json
 import os
 import time
 
-from launcher import plan as P
-from launcher.cli import parse
+from launcher.protocol import plan as P
+from launcher.cli.ftrun import parse
 from launcher.config import build_config
-from launcher.logs import AgentLog
-from launcher.store_stack import AgentWorld, StoreStack
-from rendezvous.client import StoreClient
+from launcher.observe.logs import AgentLog
+from launcher.agent.store_stack import AgentWorld, StoreStack
+from rendezvous.store.client import StoreClient
 
 
 def test_single_node_stack_hosts_the_store_and_tells_ftctl_where(tmp_path) -> None:

@@ -1,8 +1,8 @@
-"""launcher/timeline.py: rounds, phases, faults and costs rebuilt from events (synthetic events
+"""launcher/observe/timeline.py: rounds, phases, faults and costs rebuilt from events (synthetic events
 shaped like the agent's; the real ones are covered by test_report and test_status)."""
 from __future__ import annotations
 
-from launcher.timeline import Timeline
+from launcher.observe.timeline import Timeline
 
 T = 1000.0
 
@@ -116,7 +116,7 @@ def test_a_fault_during_a_round_supersedes_it():
 
 
 def test_torn_last_line_is_skipped(tmp_path):
-    from launcher.logs import read_event_file
+    from launcher.observe.logs import read_event_file
 
     p = tmp_path / "events.jsonl"
     p.write_text('{"time": 1, "event": "start"}\n{"time": 2, "ev')
@@ -151,7 +151,7 @@ def test_a_world_that_shrinks_shows_the_lost_node_its_round_and_the_smaller_worl
 
 
 def test_a_failed_rank_names_its_stderr_file_in_the_fault_table():
-    from launcher.report import fault_table
+    from launcher.observe.report import fault_table
 
     v = Timeline().feed_all(started() + [ev(
         3.0, "worker-failed", rank=1, pid=101, fault_kind="signal", detect_ms=1.0,

@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 
-from launcher.workers import Reaper, Worker, WorkerExit, spawn, stop_workers
+from launcher.workers.workers import Reaper, Worker, WorkerExit, spawn, stop_workers
 from tests.helpers_launch import pid_alive
 
 
@@ -51,7 +51,7 @@ def test_worker_dies_with_its_agent(tmp_path) -> None:
     agent = subprocess.Popen([sys.executable, "-c", f"""
 import os, sys, threading, time
 sys.path.insert(0, {os.getcwd()!r})
-from launcher.workers import Worker, spawn
+from launcher.workers.workers import Worker, spawn
 w = Worker(0, 0)
 spawn(w, [sys.executable, '-c', 'import time; time.sleep(60)'], dict(os.environ), None, None, False, False, '', threading.Lock())
 open({str(pidfile)!r}, 'w').write(str(w.pid))
@@ -121,7 +121,7 @@ def test_a_signal_after_the_goodbye_ends_the_rank_as_done_an_exit_code_does_not(
     """`ended_after_goodbye`: a signal death after rt.finish()'s goodbye (a crash in torch's
     teardown) or a kill for hanging at exit counts as done; a non-zero exit code after the
     goodbye (the script's own error) and a signal without a goodbye do not."""
-    from launcher.workers import NodeWorkers
+    from launcher.workers.workers import NodeWorkers
 
     ws = NodeWorkers.create(0, 4)
     a, b, c, d = ws.all()

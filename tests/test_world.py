@@ -1,8 +1,8 @@
-"""The world record: who gets which group rank (rendezvous.world.build_world)."""
+"""The world record: who gets which group rank (rendezvous.nodes.world.build_world)."""
 from __future__ import annotations
 
-from rendezvous.keys import Registration
-from rendezvous.world import build_world
+from rendezvous.nodes.keys import Registration
+from rendezvous.nodes.world import build_world
 
 
 def reg(name: str, slot: int, hosts_store: bool = False, prev_rank: int = -1) -> Registration:

@@ -71,7 +71,7 @@ from typing import Any
 _EXPORTS = {
     "init": "launcher.runtime.runtime", "Runtime": "launcher.runtime.runtime",
     "RuntimeOptions": "launcher.runtime.runtime", "Step": "launcher.runtime.runtime",
-    "EXIT_FALLBACK": "launcher.plan", "StopRequested": "launcher.runtime.signals",
+    "EXIT_FALLBACK": "launcher.protocol.plan", "StopRequested": "launcher.runtime.signals",
     "GroupHandle": "launcher.runtime.groups", "Layout": "launcher.runtime.replicas",
     "plan_repair": "launcher.runtime.replicas",
 }

@@ -26,7 +26,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-from launcher import plan as P
+from launcher.protocol import plan as P
 from launcher.runtime.devices import NETWORK, InjectedFault
 from launcher.runtime.replicas import Layout
 from launcher.runtime.runtime import Runtime, RuntimeOptions, Step, init

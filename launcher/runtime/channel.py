@@ -5,7 +5,7 @@ that serve it: a reader that turns the agent's `Stop` into a `StopSignal` reques
 blocked in a collective still hears it) and hands `Inject` (from `ftctl inject`) to the fault
 injector, and a writer that sends a `Heartbeat` on every progress change and at least every
 `heartbeat_interval` seconds. The training thread never touches the socket: it only updates the
-heartbeat's fields and queues messages. The messages and their encoding are `launcher.messages`'s.
+heartbeat's fields and queues messages. The messages and their encoding are `launcher.protocol.messages`'s.
 Heartbeats are at most MIN_HEARTBEAT_GAP apart while progress changes (the latest progress is
 sent, nothing is lost but intermediate phases): a fast training loop changes phase several
 times per step and must not pay a message (and the agent a parse) for each. Other messages
@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from launcher.messages import (Bye, Heartbeat, Hello, Inject, Message, MessageError, Stop, decode,
+from launcher.protocol.messages import (Bye, Heartbeat, Hello, Inject, Message, MessageError, Stop, decode,
                                encode)
 from launcher.runtime.signals import StopSignal
 from launcher.runtime.wait_probe import PERIOD_S

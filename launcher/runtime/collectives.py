@@ -98,7 +98,7 @@ class Interruptible:
     Python callback on gloo's thread, two thread hand-offs; measured per rank, 2 pinned ranks,
     a 0.56 MB all_reduce), several percent of a small model's step. (The sliced wait was off for
     a while: survivors of a recovered hang were killed as hung. The cause was the agent's hang
-    watch, in both waits -- see launcher.hang_watch -- not this wait.)
+    watch, in both waits -- see launcher.hang.hang_watch -- not this wait.)
     """
 
     def __init__(self, stop: StopSignal, graveyard: Graveyard, generation: Callable[[], int],

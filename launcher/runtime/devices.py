@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from launcher.faults import FaultKind
+from launcher.protocol.faults import FaultKind
 
 # The kinds a worker reports itself, as the strings the adapters classify into (taxonomy:
-# launcher.faults).
+# launcher.protocol.faults).
 UCE_LOW = FaultKind.UCE_LOW.value
 UCE_HIGH = FaultKind.UCE_HIGH.value
 NETWORK = FaultKind.NETWORK.value

@@ -63,7 +63,7 @@ class RuntimeEnv:
     # runtime's group, no Python per bucket) or "hook" (the runtime's Python comm hook)
     ddp_comm: str = "reducer"
     # FTRUN_DEATH_NOTICE: the agent's slot this process holds so that its death is seen at once
-    # (launcher.death_notice); None: the agent sees the exit through its pidfd
+    # (launcher.protocol.death_notice); None: the agent sees the exit through its pidfd
     death_notice: str | None = None
 
     @property

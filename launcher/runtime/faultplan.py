@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from launcher.faults import INJECTION_KINDS as KINDS
+from launcher.protocol.faults import INJECTION_KINDS as KINDS
 from launcher.runtime.devices import InjectedFault
 
 PHASES = ("forward", "backward", "optimizer", "transfer")  # transfer: a sender, midway through

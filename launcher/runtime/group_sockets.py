@@ -18,7 +18,7 @@ failed (a peer killed while this rank sent to it) is not failed when the pair cl
 pair fails the bound buffers in its transmit queue, not the unbound ones collectives use -- so
 that wait lasts the group's whole timeout, shutdown or not. The rank finds that out itself a
 second after the stop (launcher.runtime.wait_probe.StuckWaitAlarm) and the agent replaces it
-(launcher.hang_watch; `FTRUN_HANG_STOP` after the stop when nothing said so earlier).
+(launcher.hang.hang_watch; `FTRUN_HANG_STOP` after the stop when nothing said so earlier).
 
 Safety: only connected TCP sockets that appeared while the group was built are recorded; gloo's
 listening socket is left alone (shutting it down makes gloo abort the whole process), and so are

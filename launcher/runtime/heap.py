@@ -1,6 +1,6 @@
 """A warm spare's heap, faulted in before it becomes a replacement.
 
-Owns: `prepare(nbytes)`, run by an idle forked spare (`launcher.zygote`), and `settle()`, run by
+Owns: `prepare(nbytes)`, run by an idle forked spare (`launcher.workers.zygote`), and `settle()`, run by
 the runtime of a replacement once its repair is done. A replacement builds its model and
 optimizer state in fresh memory and the state it receives lands there: every page is first
 zero-filled by the kernel on its first touch, inside the transfer (with huge pages: 2 MB at a
@@ -33,7 +33,7 @@ ENV = "FTRUN_SPARE_HEAP"  # set in a replacement's environment by its spare: byt
 
 @functools.lru_cache(maxsize=1)
 def libc():
-    """glibc with the prototypes of the calls used here and by `launcher.zygote.own_pages`
+    """glibc with the prototypes of the calls used here and by `launcher.workers.zygote.own_pages`
     (malloc, free, mallopt, madvise); None when this is not glibc on Linux."""
     if not sys.platform.startswith("linux"):
         return None

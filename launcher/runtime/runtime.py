@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from launcher import death_notice
-from launcher import plan as P
-from launcher.faults import WORKER_FAULT_KINDS
-from launcher.messages import FaultReport, Hello, Recovered
+from launcher.protocol import death_notice
+from launcher.protocol import plan as P
+from launcher.protocol.faults import WORKER_FAULT_KINDS
+from launcher.protocol.messages import FaultReport, Hello, Recovered
 from launcher.runtime import checkpoint as ckpt
 from launcher.runtime import heap
 from launcher.runtime.buckets import BUCKET_BYTES, GradComm, GradientSyncs
@@ -228,7 +228,7 @@ class Runtime:
             return
         faulthandler.register(signal.SIGUSR1, all_threads=True)
         # held on this (the training) thread until the process ends: the agent learns of this
-        # process's death before the kernel has torn it down (launcher.death_notice)
+        # process's death before the kernel has torn it down (launcher.protocol.death_notice)
         self._death_notice = death_notice.hold(env.death_notice)
         self._channel = AgentChannel(env.agent_socket or "", env.rank, self._stop, self.log,
                                      heartbeat_interval=self.options.heartbeat_interval,

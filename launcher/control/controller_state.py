@@ -1,0 +1,102 @@
+"""The controller's own state in the store, so a controller elected on another node goes on
+from where the lost one stopped.
+
+Owns: `SavedState` and its record under `STATE_KEY`: the fault history of the failure summary
+(each fault, the strategies tried, its outcome), the lost nodes still waiting for a hot spare or a
+replacement agent (when they were lost, wall clock, and their `node-lost` fault, so the
+successor neither reports them again nor restarts their node_replace_timeout), and the agent
+incarnation of each node the controller has accounted for (a node held by a newer incarnation
+was taken over, and its arrival must start a round). The round in progress itself is not kept
+here: the latest plan (`plan.plan_key`) and its phase keys (repair plan, go) say how far it got.
+
+Fencing: every controller takes a term (`TERM_KEY`, a counter) when it is built, and writes the
+record only by compare-and-set over a record whose term is not newer than its own; a deposed
+controller that still runs (cut off, then back) gets `FencedError` instead of overwriting its
+successor's state. The record's generation is the job's generation when it was written; its
+world round is the rendezvous round of the world it describes (after the world shrank or grew in
+a new round, node ranks are renumbered: the lost nodes and incarnations of the old world mean
+nothing in the new one, only the history carries over).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from rendezvous.errors import FencedError
+from rendezvous.nodes.keys import ROOT
+from rendezvous.kv import KVStore, StoreError
+
+STATE_KEY = f"{ROOT}/controller/state"
+TERM_KEY = f"{ROOT}/controller/term"
+ATTEMPTS = 20  # compare-and-set attempts while another writer keeps changing the record
+
+
+@dataclass
+class SavedState:
+    term: int
+    generation: int
+    history: list[dict] = field(default_factory=list)
+    lost: dict[int, dict] = field(default_factory=dict)  # node -> {"at": unix time, "fault": json}
+    known: dict[int, int] = field(default_factory=dict)  # node -> incarnation accounted for
+    world_round: int = 0  # the rendezvous round of the world the lost nodes and known refer to
+
+    def to_json(self) -> bytes:
+        d = asdict(self)
+        d["lost"] = {str(k): v for k, v in self.lost.items()}
+        d["known"] = {str(k): v for k, v in self.known.items()}
+        return json.dumps(d, sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> "SavedState":
+        d = json.loads(raw)
+        return cls(term=int(d["term"]), generation=int(d["generation"]),
+                   history=list(d.get("history") or []),
+                   lost={int(k): dict(v) for k, v in (d.get("lost") or {}).items()},
+                   known={int(k): int(v) for k, v in (d.get("known") or {}).items()},
+                   world_round=int(d.get("world_round", 0)))
+
+
+def take_term(kv: KVStore) -> int:
+    """A new controller's term: newer than every earlier controller's."""
+    return kv.add(TERM_KEY, 1)
+
+
+def load(kv: KVStore) -> SavedState | None:
+    """The last saved state, None when no controller saved one (or it is unreadable)."""
+    raw = kv.try_get(STATE_KEY)
+    if raw is None:
+        return None
+    try:
+        return SavedState.from_json(raw)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _term_of(raw: bytes) -> int:
+    try:
+        return int(json.loads(raw)["term"])
+    except (ValueError, KeyError, TypeError):
+        return 0  # unreadable: it fences nobody
+
+
+def check_term(kv: KVStore, term: int, what: str) -> None:
+    """FencedError when a controller of a newer term than `term` saved its state: the
+    controller of `term` was superseded and may not write `what`."""
+    raw = kv.try_get(STATE_KEY)
+    newer = _term_of(raw) if raw is not None else 0
+    if newer > term:
+        raise FencedError(f"controller of term {term} was superseded by the controller of term "
+                          f"{newer}; write to {what!r} refused")
+
+
+def save(kv: KVStore, state: SavedState) -> None:
+    """Write `state` unless a controller of a newer term wrote the record (FencedError)."""
+    new = state.to_json()
+    for _ in range(ATTEMPTS):
+        raw = kv.try_get(STATE_KEY)
+        if raw is not None and _term_of(raw) > state.term:
+            raise FencedError(f"controller of term {state.term} was superseded by the controller "
+                              f"of term {_term_of(raw)}; write to {STATE_KEY!r} refused")
+        if kv.compare_set(STATE_KEY, raw if raw is not None else b"", new) == new:
+            return
+    raise StoreError(f"{STATE_KEY!r} kept changing; the controller's state was not saved")

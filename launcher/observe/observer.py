@@ -1,0 +1,272 @@
+"""The agent's observer: what its ranks are doing, recorded for `ftctl status|report` and metrics.
+
+Owns: `NodeObserver`, an event sink on the agent's `AgentLog` (it is fed every event and every
+worker heartbeat observation; the agent never calls it per event). From them it keeps
+  - a `Timeline` of the run as this agent sees it (the leader's includes the controller's
+    decisions: faults, strategies, rounds),
+  - each local rank's live progress: step, phase, committed step, steps per second,
+and it records, in `events.jsonl`, `progress` samples (every `FTRUN_PROGRESS_INTERVAL` s, default
+5, when something changed, and at the start of every round) and `rank-resumed` (the first step a
+rank commits after a recovery round: the end of the round's `resume` phase). Its thread publishes
+the node's status to the store every second (`plan.node_status_key`) and refreshes the metrics
+(`launcher.observe.metrics`, when a port is configured). At the end of a job that had faults it prints
+the `ftctl report` command for the run.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from launcher.protocol import plan as P
+from launcher.observe.logs import AgentLog
+from launcher.observe.metrics import Metrics, metrics_port
+from launcher.observe.timeline import Timeline
+
+PUBLISH_INTERVAL = 1.0
+RATE_WINDOW = 30.0  # seconds of heartbeats a steps-per-second figure is computed over
+QUIET_PHASES = ("init", "recovering", "resumed")
+
+
+@dataclass
+class LiveRank:
+    """One local rank's progress from its heartbeats."""
+
+    step: int = -1
+    phase: str = "init"
+    committed_step: int = -1
+    waiting: bool = False
+    time: float = 0.0
+    samples: deque = field(default_factory=lambda: deque(maxlen=512))  # (time, committed_step)
+    armed: tuple[int, int | None] | None = None  # (generation, resume step) awaiting a commit
+
+    def rate(self) -> float | None:
+        pts = [p for p in self.samples if p[0] >= self.time - RATE_WINDOW]
+        if len(pts) < 2 or pts[-1][0] - pts[0][0] <= 0 or self.phase in QUIET_PHASES:
+            return None
+        return round((pts[-1][1] - pts[0][1]) / (pts[-1][0] - pts[0][0]), 3)
+
+
+class NodeObserver:
+    """Owned by the agent: `start()` it before anything is logged, `attach()` it once the store
+    and the world are known, `stop()` it at shutdown."""
+
+    def __init__(self, log: AgentLog, run_dir: str, max_restarts: int, port: int | None,
+                 progress_interval: float) -> None:
+        self.log = log
+        self.run_dir = run_dir
+        self.max_restarts = max_restarts
+        self.timeline = Timeline()
+        self.metrics = Metrics(port) if port is not None else None
+        self.progress_interval = progress_interval
+        self._lock = threading.Lock()
+        self._live: dict[int, LiveRank] = {}
+        self._counted: set[int] = set()  # rounds already in the metrics
+        self._kv: Any = None
+        self._node: int | None = None
+        self._leader = False
+        self._restarts_used = 0
+        self._last_progress = 0.0
+        self._last_sample: dict[int, tuple] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def start(cls, cfg: Any, log: AgentLog, run_dir: str) -> "NodeObserver":
+        """From the launch config and the environment; ValueError for a bad metrics port or
+        progress interval (the agent exits 2 with that line)."""
+        port = metrics_port(cfg.rdzv_conf, os.environ)
+        raw = os.environ.get("FTRUN_PROGRESS_INTERVAL", "5")
+        try:
+            interval = float(raw)
+        except ValueError:
+            interval = -1.0
+        if not interval > 0:
+            raise ValueError(f"FTRUN_PROGRESS_INTERVAL={raw!r}: must be seconds > 0")
+        obs = cls(log, run_dir, cfg.max_restarts, port, max(0.05, interval))
+        # the agent logged its `start` before the observer existed
+        obs.timeline.feed({"event": "start", "time": time.time(), "node": cfg.node_rank,
+                           "config": dataclasses.asdict(cfg)})
+        if obs.metrics is not None:
+            obs.metrics.start()
+            log.info("metrics", f"Prometheus metrics on port {obs.metrics.port} (/metrics)",
+                     port=obs.metrics.port)
+        log.add_sink(obs.on_event)
+        return obs
+
+    def attach(self, kv: Any, node: int, leader: bool, store_stats: Any = None) -> None:
+        """The store and this node's place are known: start publishing. Again in a new world
+        (a new rendezvous round, a rejoin): the one publisher goes on with the new place."""
+        self._kv, self._node, self._leader = kv, node, leader
+        if self._thread is not None and self._thread.is_alive():
+            return
+        if self.metrics is not None and store_stats is not None:
+            self.metrics.serve_store_stats(store_stats)
+        self._thread = threading.Thread(target=self._run, name="ftrun-observer", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5.0)
+        self._record_progress(force=False)
+        self.log.remove_sink(self.on_event)
+        if self.metrics is not None:
+            self.metrics.stop()
+        view = self.timeline.view()
+        if view.rounds or view.faults:
+            self.log.info("report", f"{len(view.faults)} fault(s), {len(view.rounds)} recovery "
+                          f"round(s): see them with  ftctl report {self.run_dir}", path=self.run_dir)
+
+    # ------------------------------------------------------------------ the sink
+    def on_event(self, ev: dict) -> None:
+        kind = ev.get("event")
+        if kind == "heartbeat":
+            self._on_heartbeat(ev)
+            return
+        with self._lock:
+            self.timeline.feed(ev)
+            rank = ev.get("rank")
+            if kind == "spawn" and isinstance(rank, int):
+                live = self._live[rank] = LiveRank()
+                gen = int(ev.get("generation", 0))
+                live.armed = (gen, None) if gen > 0 else None
+            elif kind == "rank-recovered" and isinstance(rank, int) and rank in self._live:
+                resume = ev.get("resume_step")
+                self._live[rank].armed = (int(ev.get("generation", 0)),
+                                          int(resume) if isinstance(resume, int) else None)
+        if self.metrics is not None and kind in ("worker-failed", "worker-fault"):
+            self.metrics.faults.labels(kind=str(ev.get("fault_kind", "unknown"))).inc()
+        if kind == "plan-received":
+            self._record_progress(force=True)  # the steps reached when the round began
+
+    def _on_heartbeat(self, hb: dict) -> None:
+        rank = hb.get("rank")
+        if not isinstance(rank, int):
+            return
+        resumed = None
+        with self._lock:
+            live = self._live.setdefault(rank, LiveRank())
+            prev_phase, prev_committed = live.phase, live.committed_step
+            live.step, live.phase = int(hb.get("step", -1)), str(hb.get("phase", ""))
+            live.committed_step, live.waiting = int(hb.get("committed_step", -1)), bool(hb.get("waiting"))
+            live.time = float(hb.get("time") or time.time())
+            if live.committed_step != prev_committed and live.phase not in QUIET_PHASES:
+                live.samples.append((live.time, live.committed_step))
+            if live.armed is not None and live.committed_step > prev_committed:
+                gen, resume = live.armed
+                if (live.committed_step >= resume if resume is not None else
+                        prev_phase not in QUIET_PHASES and live.phase not in QUIET_PHASES):
+                    live.armed, resumed = None, (gen, live.committed_step)
+        if resumed is not None:
+            self.log.record("rank-resumed", f"rank {rank} trains again: step {resumed[1]} committed",
+                            rank=rank, generation=resumed[0], step=resumed[1])
+
+    # ------------------------------------------------------------------ periodic work
+    def _run(self) -> None:
+        last_publish = 0.0
+        while not self._stop.wait(min(PUBLISH_INTERVAL, self.progress_interval)):
+            try:
+                if time.time() - self._last_progress >= self.progress_interval:
+                    self._record_progress(force=False)
+                if time.monotonic() - last_publish >= PUBLISH_INTERVAL * 0.95:
+                    last_publish = time.monotonic()
+                    self._tick()
+            except Exception as e:  # noqa: BLE001 - observing must never stop the agent
+                if self._stop.is_set():
+                    return
+                self.log.warning("observer", f"status publication failed: {type(e).__name__}: {e}")
+                self._stop.wait(5.0)
+
+    def _tick(self) -> None:
+        snapshot = self.snapshot(time.time())
+        self._restarts_used = int(self._timed("get", lambda: self._kv.try_get(P.RESTARTS_USED_KEY)) or 0)
+        self._timed("set", lambda: self._kv.set(P.node_status_key(self._node or 0),
+                                                json.dumps(snapshot, default=str).encode()))
+        if self.metrics is not None:
+            self._refresh_metrics(snapshot)
+
+    def _timed(self, op: str, fn: Any) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        if self.metrics is not None:
+            self.metrics.store_requests.labels(op=op).inc()
+            self.metrics.store_seconds.labels(op=op).observe(time.perf_counter() - t0)
+        return out
+
+    def _record_progress(self, force: bool) -> None:
+        with self._lock:
+            ranks = {str(r): {"step": lv.step, "committed_step": lv.committed_step, "phase": lv.phase,
+                              "waiting": lv.waiting, "steps_per_s": lv.rate()}
+                     for r, lv in sorted(self._live.items()) if lv.time > 0}
+            sample = {r: (p["step"], p["committed_step"], p["phase"]) for r, p in ranks.items()}
+            changed = sample != self._last_sample
+            self._last_sample = sample
+            self._last_progress = time.time()
+        if ranks and (changed or force):
+            self.log.record("progress", "progress of the local ranks", ranks=ranks)
+
+    # ------------------------------------------------------------------ what is published
+    def snapshot(self, now: float | None = None) -> dict:
+        """The node's status for `ftctl status` (the leader adds the job's faults and rounds)."""
+        now = now or time.time()
+        with self._lock:
+            view = self.timeline.view(now)
+            live = {r: (lv.step, lv.committed_step, lv.phase, lv.waiting, lv.time, lv.rate())
+                    for r, lv in self._live.items()}
+        ranks = []
+        for row in view.ranks:
+            if row.node != self._node:
+                continue
+            d = dataclasses.asdict(row)
+            if row.rank in live and row.state not in ("finished", "failed", "stopped"):
+                step, committed, phase, waiting, seen, rate = live[row.rank]
+                d.update(step=step, committed_step=committed, phase=phase, steps_per_s=rate,
+                         last_seen=seen)
+                if seen > 0 and d["state"] not in ("recovering", "replacement"):
+                    d["state"] = "waiting" if waiting else ("training" if phase not in QUIET_PHASES
+                                                            else d["state"])
+            ranks.append(d)
+        me = next((n for n in view.nodes if n.node == self._node), None)
+        out: dict[str, Any] = {
+            "node": self._node, "host": me.host if me else self.log.host, "time": now,
+            "leader": self._leader, "state": (me.state if me else "running"),
+            "recovering": view.current_round is not None, "spare": bool(me and me.spare),
+            "generation": view.generation, "max_restarts": self.max_restarts,
+            "restarts_used": self._restarts_used, "log_dir": self.run_dir, "ranks": ranks}
+        if self._leader:
+            d = view.to_dict()
+            out["job"] = {k: d[k] for k in ("run_id", "script", "start", "world_size", "nnodes",
+                                            "store_addr", "faults", "rounds", "outcome")}
+        return out
+
+    def _refresh_metrics(self, snapshot: dict) -> None:
+        m = self.metrics
+        assert m is not None
+        m.restarts_used.set(self._restarts_used)
+        m.restarts_left.set(max(0, self.max_restarts - self._restarts_used))
+        m.generation.set(snapshot["generation"])
+        alive = 0
+        for r in snapshot["ranks"]:
+            alive += r["state"] not in ("finished", "failed", "stopped")
+            if r.get("committed_step") is not None and r["committed_step"] >= 0:
+                m.step.labels(rank=str(r["rank"])).set(r["committed_step"])
+            m.steps_per_s.labels(rank=str(r["rank"])).set(r.get("steps_per_s") or 0.0)
+        m.workers_alive.set(alive)
+        with self._lock:
+            view = self.timeline.view()
+        for ro in view.rounds:
+            if ro.outcome == "in-progress" or ro.generation in self._counted:
+                continue
+            self._counted.add(ro.generation)
+            m.rounds.labels(strategy=ro.strategy, outcome=ro.outcome).inc()
+            if ro.mttr_s is not None and ro.outcome != "superseded":
+                m.recovery_seconds.observe(ro.mttr_s)
+            for b in ro.bars:
+                m.phase_seconds.labels(phase=b.phase).observe(max(0.0, b.end - b.start))

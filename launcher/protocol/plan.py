@@ -1,0 +1,245 @@
+"""The recovery protocol's shared vocabulary: store key names and the JSON records exchanged.
+
+Owns: every store key the launcher's control plane uses (agents, controller and the in-worker
+runtime must agree on them byte for byte; the node-level rendezvous keys are `rendezvous`'s), the
+strategy names, the exit code a rank leaves with for a fallback, and the dataclasses written under
+the keys. Nothing here talks to a store; callers pass a `KVStore` (agents) or a torch `Store`
+(workers).
+
+All control keys live under `ftrun/` (logical keys, see `rendezvous.kv`). Worker keys of an
+unmodified script live outside it and are cleared between restart-all generations.
+
+Flow of one recovery round (generation g -> g+1 = g'):
+  1. an agent sees a fault and posts a `Fault` under `fault_key(n)` (n from `FAULT_SEQ`);
+  2. the controller (leader agent) writes `Plan` under `plan_key(g')`, then sets `GENERATION_KEY`;
+  3. agents see the plan, push "stop" to their live workers and respawn `plan.restart_ranks`;
+  4. every rank of g' posts a `RankStatus` under `status_key(g', rank)`;
+  5. the controller reads all statuses and writes a `RepairPlan` under `repair_key(g')`;
+  6. ranks build process groups on `pg_prefix(g')`, transfer state src->dst, roll back or commit,
+     post `resumed_key(g', rank)` and continue.
+A restart-all round instead: every agent stops its workers and adds 1 to `stopped_key(g')` (the
+last sets `all_stopped_key(g')`); the controller clears the worker keys and sets `go_key(g')`.
+A job that ends: each agent sets `finished_key(rank)` for every rank done with the job (said
+goodbye or exited 0), adds 1 to `done_key(g)` when its workers finished, then to `EXITED_KEY`
+when it leaves.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rendezvous.nodes.keys import GENERATION_KEY, ROOT, node_key  # noqa: F401 - re-exported
+
+FAULT_SEQ = f"{ROOT}/fault_seq"
+# the next fault the controller reads: a controller elected after its predecessor's node was
+# lost goes on from there (reports posted meanwhile are not skipped, decided ones not replayed)
+FAULT_NEXT_KEY = f"{ROOT}/fault_next"
+RESTARTS_USED_KEY = f"{ROOT}/restarts_used"  # the controller's budget, kept across leader changes
+WORLD_SIZE_KEY = f"{ROOT}/world_size"  # set by the leader agent; `ftctl inject` checks ranks against it
+EXITED_KEY = f"{ROOT}/exited"  # agents that left after a successful job
+
+# A runtime-aware rank exits with this code when the repair plan fell back (restart-all or dump):
+# the agent does not count it as a fault.
+EXIT_FALLBACK = 75
+
+# Strategies, cheapest first (issue: fault taxonomy and strategy chain).
+RETRY = "retry"
+RECOVER_IN_PLACE = "recover-in-place"
+RESTART_ALL = "restart-all"
+DUMP = "dump"
+EXIT = "exit"
+STRATEGIES = (RETRY, RECOVER_IN_PLACE, RESTART_ALL, DUMP, EXIT)
+
+
+def plan_key(generation: int) -> str:
+    return f"{ROOT}/plan/{generation}"
+
+
+def fault_key(seq: int) -> str:
+    return f"{ROOT}/fault/{seq}"
+
+
+def status_key(generation: int, rank: int) -> str:
+    return f"{ROOT}/g{generation}/status/{rank}"
+
+
+def repair_key(generation: int) -> str:
+    return f"{ROOT}/g{generation}/repair"
+
+
+def resumed_key(generation: int, rank: int) -> str:
+    return f"{ROOT}/g{generation}/resumed/{rank}"
+
+
+def pg_prefix(generation: int) -> str:
+    """Store prefix the process groups of generation `generation` are built on."""
+    return f"{ROOT}/g{generation}/pg"
+
+
+def stopped_key(generation: int) -> str:
+    """Counter: nodes that stopped all their workers for a restart-all round."""
+    return f"{ROOT}/g{generation}/stopped"
+
+
+def all_stopped_key(generation: int) -> str:
+    """Set by the last node to stop its workers for a restart-all round."""
+    return f"{ROOT}/g{generation}/stopped_all"
+
+
+def go_key(generation: int) -> str:
+    """Set by the controller: the workers of a restart-all round may start."""
+    return f"{ROOT}/g{generation}/go"
+
+
+def skip_init_off_key() -> str:
+    """Set by a replacement whose skipped parameter init could not be proven harmless: later
+    replacements of the job init normally (launcher.runtime.skip_init)."""
+    return f"{ROOT}/skip_init_off"
+
+
+def aware_key(rank: int) -> str:
+    """Set when `rank` said hello on the worker channel: it uses launcher.runtime."""
+    return f"{ROOT}/aware/{rank}"
+
+
+def done_key(generation: int) -> str:
+    """Counter: nodes whose workers all finished in generation `generation`."""
+    return f"{ROOT}/done/{generation}"
+
+
+FINISHED_PREFIX = f"{ROOT}/finished/"
+
+
+def finished_key(rank: int) -> str:
+    """Set by `rank`'s agent when its process is done with the job (it said goodbye after
+    `rt.finish()`, or exited 0): the generation that process was started in. A finished rank
+    takes part in no recovery round of that process's life (the controller, `decision`)."""
+    return f"{FINISHED_PREFIX}{rank}"
+
+
+def ckpt_key(generation: int, iteration: int, shard: str) -> str:
+    """Set by a checkpoint writer once its shard file of `iteration` is durable."""
+    return f"{ROOT}/g{generation}/ckpt/{iteration}/{shard}"
+
+
+INJECT_SEQ = f"{ROOT}/inject_seq"
+STORE_ADDR_FILE = "store.json"  # in the run log dir: where `ftctl` finds a live job's store
+
+
+def inject_key(seq: int) -> str:
+    """A fault-injection request from `ftctl inject` (a `Injection` record)."""
+    return f"{ROOT}/inject/{seq}"
+
+
+def node_status_key(node_rank: int) -> str:
+    """A node's live status (JSON, `launcher.observe.observer`), refreshed every second for `ftctl status`."""
+    return f"{ROOT}/observe/node/{node_rank}"
+
+
+def progress_key(node: int) -> str:
+    """A node's per-rank progress records (`launcher.control.progress`), read by the controller's blame."""
+    return f"{ROOT}/progress/{node}"
+
+
+def replica_key(rank: int) -> str:
+    """Where a runtime-aware rank publishes the shard it holds (see RankStatus.shard)."""
+    return f"{ROOT}/replica/{rank}"
+
+
+class _Record:
+    """JSON (de)serialisation shared by the records below."""
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Any:
+        data = json.loads(raw)
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Fault(_Record):
+    """One observed fault. `kind` is one of launcher.protocol.faults.FaultKind values."""
+
+    kind: str
+    rank: int | None
+    node: int
+    generation: int
+    message: str = ""
+    exitcode: int | None = None
+    signal: str | None = None
+    pid: int | None = None
+    local_rank: int | None = None
+    host: str = ""
+    time: float = field(default_factory=time.time)
+    injected: bool = False
+    evidence: dict = field(default_factory=dict)
+    # the reporting agent (group rank, incarnation): the controller refuses a report of an agent
+    # that is no longer a member (cut off, declared dead, replaced): a stale node's write
+    by_node: int | None = None
+    by_incarnation: int = 0
+
+
+@dataclass
+class Injection(_Record):
+    """`ftctl inject`: make rank `rank` suffer fault `kind` (at `step`/`phase` when given)."""
+
+    rank: int
+    kind: str
+    step: int | None = None
+    phase: str | None = None
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class Plan(_Record):
+    """What generation `generation` is: decided by the controller, executed by agents/workers."""
+
+    generation: int
+    strategy: str
+    failed_ranks: list[int] = field(default_factory=list)
+    restart_ranks: list[int] = field(default_factory=list)
+    reason: str = ""
+    root_cause: dict | None = None  # a Fault as dict
+    restarts_used: int = 0
+    # every fault of the job so far, in order (this round's last): its rank, kind, node,
+    # message, "handling" ([strategy, generation] pairs tried) and "outcome" (in progress,
+    # recovered, restarted, superseded by ..., failed)
+    history: list[dict] = field(default_factory=list)
+    # restart-all in a new world: the rendezvous round (rendezvous.nodes.rounds) every agent rejoins
+    # (without the lost node(s), or with the agents waiting to get in: scale_up=restart), then
+    # restarts its workers; 0 = the same world
+    new_round: int = 0
+
+
+@dataclass
+class RankStatus(_Record):
+    """A rank's report after it stopped (survivor) or started (replacement) in generation g'."""
+
+    rank: int
+    generation: int
+    replacement: bool
+    committed_step: int  # last step whose optimizer update completed; -1 = none
+    step: int  # step the rank was executing (or about to start)
+    dirty: bool = False  # stopped inside an optimizer update: its state must be repaired
+    shard: str = ""  # replica identity: ranks with equal shard hold equal state
+    pid: int = 0
+    host: str = ""
+
+
+@dataclass
+class RepairPlan(_Record):
+    """The controller's answer to the statuses: who sends state to whom, where to resume."""
+
+    generation: int
+    resume_step: int
+    action: str  # "commit" or "rollback" (of the step that was interrupted)
+    pairs: list[list[int]] = field(default_factory=list)  # [src, dst]
+    fallback: str | None = None  # set when peer repair is impossible: the strategy to use
+    reason: str = ""
+    writers: dict[str, int] = field(default_factory=dict)  # dump: the rank saving each shard

@@ -1,0 +1,6 @@
+"""rendezvous.store: The TCPStore-wire-compatible key-value store: the wire codec (protocol), the parallel server
+and its optional C read path (server, _quickstore.c), the per-node proxy (proxy), the
+in-process store (memory), the client (client), the etcd backend (etcd), token auth (auth),
+the loop's CPU priority (loop_priority), endpoint parsing (endpoints) and `ftctl store`
+(store_cli).
+"""
