@@ -1,4 +1,5 @@
 """`python -m launcher` is `ftrun`."""
+
 from launcher.cli.ftrun import main
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ topology, supervision, strategy, worker logs, rendezvous, store, proxy); endpoin
 parsed by `rendezvous.store.endpoints`. Nothing here starts processes or opens sockets, except probing
 whether a local port is free.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,14 +19,18 @@ import sys
 import uuid
 from dataclasses import dataclass, field
 
-from launcher.protocol import plan
-from launcher.hang.hang_watch import HangPolicy
 from launcher.control.repair_planning import AUTO_STRIPES, MAX_STRIPES
-from rendezvous.store.endpoints import (ETCD_DEFAULT_PORT, EndpointError, parse_endpoint,
-                                  parse_endpoints)
+from launcher.hang.hang_watch import HangPolicy
+from launcher.protocol import plan
 from rendezvous.nodes.hosting import wants_to_host
-from rendezvous.store.loop_priority import DEFAULT_NICE, loop_nice
 from rendezvous.nodes.settings import RendezvousSettings
+from rendezvous.store.endpoints import (
+    ETCD_DEFAULT_PORT,
+    EndpointError,
+    parse_endpoint,
+    parse_endpoints,
+)
+from rendezvous.store.loop_priority import DEFAULT_NICE, loop_nice
 
 EMBEDDED_BACKENDS = {"static", "c10d", "parallel", "embedded"}
 ETCD_BACKENDS = {"etcd", "etcd-v3", "etcd-v2"}
@@ -38,8 +43,12 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30.0
 DEFAULT_RECOVER_STRATEGY = "retry,recover-in-place,restart-all,exit"
 
 # Environment variables of Ascend's fault-tolerance stack (seed 003) and what they mean for us.
-SEED_ENV_VARS = ("HIGH_AVAILABILITY", "PROCESS_RECOVER", "ELASTIC_PROCESS_RECOVER_ENABLE",
-                 "ENABLE_RESTART_FAULT_PROCESS")
+SEED_ENV_VARS = (
+    "HIGH_AVAILABILITY",
+    "PROCESS_RECOVER",
+    "ELASTIC_PROCESS_RECOVER_ENABLE",
+    "ENABLE_RESTART_FAULT_PROCESS",
+)
 
 
 class ConfigError(ValueError):
@@ -88,7 +97,9 @@ class LaunchConfig:
     fault_window: float = 2.0  # FTRUN_FAULT_WINDOW: s the controller holds possible consequences
     store_nice: int = DEFAULT_NICE  # FTRUN_STORE_NICE: the hosted store's loop thread priority
     warm_spares: int = 2  # --warm-spares / FTRUN_WARM_SPARES: pre-started replacements per node
-    transfer_stripes: int = 0  # FTRUN_TRANSFER_STRIPES: senders per replacement; 0 = auto (one per node)
+    transfer_stripes: int = (
+        0  # FTRUN_TRANSFER_STRIPES: senders per replacement; 0 = auto (one per node)
+    )
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     signals_to_handle: list[int] = field(default_factory=list)
     recover_strategy: list[str] = field(default_factory=list)
@@ -123,8 +134,15 @@ class LaunchConfig:
         args = [a.replace("${local_rank}", str(local_rank)) for a in self.script_args]
         python = os.environ.get("PYTHON_EXEC", sys.executable)
         if self.run_path:  # torchrun runs the file with runpy (it takes precedence)
-            return [python, "-u", "-c", "import runpy, sys; sys.argv = sys.argv[1:]; "
-                    "runpy.run_path(sys.argv[0], run_name='__main__')", self.script, *args]
+            return [
+                python,
+                "-u",
+                "-c",
+                "import runpy, sys; sys.argv = sys.argv[1:]; "
+                "runpy.run_path(sys.argv[0], run_name='__main__')",
+                self.script,
+                *args,
+            ]
         if self.no_python:
             return [self.script, *args]
         if self.module:
@@ -133,10 +151,12 @@ class LaunchConfig:
 
     def describe(self) -> str:
         cmd = " ".join(shlex.quote(c) for c in self.worker_command(0))
-        return (f"nnodes={self.min_nodes}:{self.max_nodes} nproc_per_node={self.nproc_per_node} "
-                f"node_rank={self.node_rank} backend={self.rdzv_backend}->{self.store_backend} "
-                f"max_restarts={self.max_restarts} monitor_interval={self.monitor_interval} "
-                f"recover_strategy={','.join(self.recover_strategy)} cmd={cmd}")
+        return (
+            f"nnodes={self.min_nodes}:{self.max_nodes} nproc_per_node={self.nproc_per_node} "
+            f"node_rank={self.node_rank} backend={self.rdzv_backend}->{self.store_backend} "
+            f"max_restarts={self.max_restarts} monitor_interval={self.monitor_interval} "
+            f"recover_strategy={','.join(self.recover_strategy)} cmd={cmd}"
+        )
 
 
 def parse_nnodes(value: str) -> tuple[int, int]:
@@ -186,8 +206,9 @@ def resolve_nproc(value: str) -> int:
     try:
         n = int(v)
     except ValueError:
-        raise ConfigError(f"--nproc-per-node: {v!r} is not a positive integer or one of "
-                          "cpu, gpu, xpu, npu, auto") from None
+        raise ConfigError(
+            f"--nproc-per-node: {v!r} is not a positive integer or one of cpu, gpu, xpu, npu, auto"
+        ) from None
     if n < 1:
         raise ConfigError(f"--nproc-per-node: {n} must be >= 1")
     return n
@@ -206,8 +227,9 @@ def parse_std_map(flag: str, value: str, nproc: int) -> dict[int, int]:
                 raise ValueError
             out[int(lr)] = int(s)
     except ValueError:
-        raise ConfigError(f"{flag}: {value!r} is not 0-3 or a map like 0:1,1:2 "
-                          "(1=stdout, 2=stderr, 3=both)") from None
+        raise ConfigError(
+            f"{flag}: {value!r} is not 0-3 or a map like 0:1,1:2 (1=stdout, 2=stderr, 3=both)"
+        ) from None
     return out
 
 
@@ -247,8 +269,10 @@ def parse_strategy(value: str) -> list[str]:
     for s in items:
         s = aliases.get(s, s)
         if s not in plan.STRATEGIES:
-            raise ConfigError(f"--recover-strategy: {s!r} is not one of "
-                              f"{', '.join(plan.STRATEGIES)} (aliases: recover, elastic-training)")
+            raise ConfigError(
+                f"--recover-strategy: {s!r} is not one of "
+                f"{', '.join(plan.STRATEGIES)} (aliases: recover, elastic-training)"
+            )
         if s not in out:
             out.append(s)
     if not out:
@@ -266,9 +290,12 @@ def strategy_from_seed_env(env: dict[str, str]) -> tuple[str | None, list[str]]:
     ha = env.get("HIGH_AVAILABILITY", "").strip().lower()
     chain: list[str] | None = None
     if ha:
-        mapping = {"retry": [plan.RETRY, plan.RECOVER_IN_PLACE, plan.RESTART_ALL],
-                   "recover": [plan.RECOVER_IN_PLACE, plan.RESTART_ALL],
-                   "dump": [plan.DUMP], "elastic-training": [plan.RESTART_ALL]}
+        mapping = {
+            "retry": [plan.RETRY, plan.RECOVER_IN_PLACE, plan.RESTART_ALL],
+            "recover": [plan.RECOVER_IN_PLACE, plan.RESTART_ALL],
+            "dump": [plan.DUMP],
+            "elastic-training": [plan.RESTART_ALL],
+        }
         if ha not in mapping:
             raise ConfigError(f"HIGH_AVAILABILITY={ha!r} is not one of {', '.join(mapping)}")
         chain = list(mapping[ha])
@@ -379,8 +406,9 @@ def _supervision(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
         raise ConfigError(f"FTRUN_FAULT_WINDOW={raw_window!r}: must be seconds in 0..60")
     cfg.warm_spares = parse_warm_spares(raw.get("warm_spares"), env)
     cfg.transfer_stripes = parse_transfer_stripes(env.get("FTRUN_TRANSFER_STRIPES", ""))
-    cfg.signals_to_handle = parse_signals(raw.get("signals_to_handle") or
-                                          "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    cfg.signals_to_handle = parse_signals(
+        raw.get("signals_to_handle") or "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+    )
 
 
 MAX_WARM_SPARES = 8
@@ -394,9 +422,11 @@ def parse_transfer_stripes(raw: str) -> int:
         return AUTO_STRIPES
     n = int(value) if value.isdigit() else 0
     if not 1 <= n <= MAX_STRIPES:
-        raise ConfigError(f"FTRUN_TRANSFER_STRIPES={raw.strip()!r}: must be 'auto' (one sending "
-                          f"replica per node) or a whole number of sending replicas in "
-                          f"1..{MAX_STRIPES} (1: no striping)")
+        raise ConfigError(
+            f"FTRUN_TRANSFER_STRIPES={raw.strip()!r}: must be 'auto' (one sending "
+            f"replica per node) or a whole number of sending replicas in "
+            f"1..{MAX_STRIPES} (1: no striping)"
+        )
     return n
 
 
@@ -415,8 +445,9 @@ def parse_warm_spares(value: object, env: dict[str, str]) -> int:
     except ValueError:
         n = -1
     if not 0 <= n <= MAX_WARM_SPARES:
-        raise ConfigError(f"{name} must be a whole number of spare processes per node "
-                          f"in 0..{MAX_WARM_SPARES}")
+        raise ConfigError(
+            f"{name} must be a whole number of spare processes per node in 0..{MAX_WARM_SPARES}"
+        )
     return n
 
 
@@ -428,8 +459,9 @@ def parse_hang_timeout(value: object) -> float | None:
     try:
         seconds = float(text)
     except ValueError:
-        raise ConfigError(f"--hang-timeout: {text!r} is not 'auto' or a number of seconds "
-                          "(0 = off)") from None
+        raise ConfigError(
+            f"--hang-timeout: {text!r} is not 'auto' or a number of seconds (0 = off)"
+        ) from None
     if seconds < 0 or seconds != seconds or seconds == float("inf"):
         raise ConfigError(f"--hang-timeout: {text!r} must be 'auto', 0 (off) or seconds > 0")
     return seconds
@@ -443,7 +475,9 @@ def _recover_strategy(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None
     if strategy:
         cfg.recover_strategy = parse_strategy(strategy)
         if seed_chain:
-            cfg.notes.append("--recover-strategy given: it wins over the HIGH_AVAILABILITY variables")
+            cfg.notes.append(
+                "--recover-strategy given: it wins over the HIGH_AVAILABILITY variables"
+            )
     elif seed_chain:
         cfg.recover_strategy = seed_chain
     else:
@@ -459,10 +493,15 @@ def _worker_logs(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
         try:
             cfg.local_ranks_filter = {int(x) for x in lrf.split(",") if x.strip()}
         except ValueError:
-            raise ConfigError(f"--local-ranks-filter: {lrf!r} is not a comma list of integers") from None
+            raise ConfigError(
+                f"--local-ranks-filter: {lrf!r} is not a comma list of integers"
+            ) from None
     cfg.log_dir = raw.get("log_dir")
-    cfg.log_line_prefix_template = (raw.get("log_line_prefix_template")
-                                    or env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") or None)
+    cfg.log_line_prefix_template = (
+        raw.get("log_line_prefix_template")
+        or env.get("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE")
+        or None
+    )
     cfg.duplicate_stdout_filters = list(raw.get("duplicate_stdout_filters") or [])
     cfg.duplicate_stderr_filters = list(raw.get("duplicate_stderr_filters") or [])
 
@@ -515,8 +554,10 @@ def parse_node_replace_timeout(conf: dict[str, str], env: dict[str, str]) -> flo
     except ValueError:
         value = float("nan")
     if not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"{name}={text!r}: must be a number of seconds > 0 (how long a lost "
-                          "node's ranks wait for a hot spare or a replacement agent)")
+        raise ConfigError(
+            f"{name}={text!r}: must be a number of seconds > 0 (how long a lost "
+            "node's ranks wait for a hot spare or a replacement agent)"
+        )
     return value
 
 
@@ -526,10 +567,14 @@ def _store_backend(cfg: LaunchConfig) -> None:
     if backend in ETCD_BACKENDS:
         cfg.store_backend = "etcd"
         if backend == "etcd-v2":
-            cfg.notes.append("--rdzv-backend etcd-v2 is served by the etcd v3 API (etcd 3.6 dropped v2)")
+            cfg.notes.append(
+                "--rdzv-backend etcd-v2 is served by the etcd v3 API (etcd 3.6 dropped v2)"
+            )
         if not cfg.rdzv_endpoint:
-            raise ConfigError(f"--rdzv-endpoint is required with --rdzv-backend {backend} "
-                              "(host[:port][,host[:port]...])")
+            raise ConfigError(
+                f"--rdzv-endpoint is required with --rdzv-backend {backend} "
+                "(host[:port][,host[:port]...])"
+            )
         try:
             parse_endpoints(cfg.rdzv_endpoint, ETCD_DEFAULT_PORT, what="--rdzv-endpoint")
         except EndpointError as e:
@@ -537,8 +582,10 @@ def _store_backend(cfg: LaunchConfig) -> None:
     elif backend in EMBEDDED_BACKENDS:
         cfg.store_backend = "embedded"
     else:
-        raise ConfigError(f"--rdzv-backend: {backend!r} is not one of "
-                          f"{', '.join(sorted(EMBEDDED_BACKENDS | ETCD_BACKENDS))}")
+        raise ConfigError(
+            f"--rdzv-backend: {backend!r} is not one of "
+            f"{', '.join(sorted(EMBEDDED_BACKENDS | ETCD_BACKENDS))}"
+        )
 
 
 def _standalone(cfg: LaunchConfig) -> None:
@@ -551,8 +598,12 @@ def _standalone(cfg: LaunchConfig) -> None:
 
 def _embedded_store(cfg: LaunchConfig, raw: dict) -> None:
     """Where the embedded store lives, this node's rank, and whether this node hosts it."""
-    auto_single = (cfg.rdzv_backend == "static" and not cfg.rdzv_endpoint
-                   and cfg.master_port is None and cfg.max_nodes == 1)
+    auto_single = (
+        cfg.rdzv_backend == "static"
+        and not cfg.rdzv_endpoint
+        and cfg.master_port is None
+        and cfg.max_nodes == 1
+    )
     if cfg.standalone or auto_single:
         # torchrun's single-node auto-switch: a private store on a free port.
         cfg.store_host, cfg.store_port = "127.0.0.1", 0
@@ -591,9 +642,11 @@ def _node_rank(cfg: LaunchConfig, raw: dict) -> int | None:
     if not cfg.dynamic:
         return given
     if given != 0:
-        cfg.notes.append(f"--node-rank {given} is only used for the static rendezvous backend; "
-                         f"it is ignored with --rdzv-backend {cfg.rdzv_backend} (node ranks "
-                         "come from the rendezvous, in arrival order)")
+        cfg.notes.append(
+            f"--node-rank {given} is only used for the static rendezvous backend; "
+            f"it is ignored with --rdzv-backend {cfg.rdzv_backend} (node ranks "
+            "come from the rendezvous, in arrival order)"
+        )
     return None
 
 
@@ -620,8 +673,10 @@ def _proxy(cfg: LaunchConfig) -> None:
     else:
         cfg.proxy = cfg.max_nodes > 1 or cfg.store_backend == "etcd" or cfg.enable_tiered_store
     if cfg.store_backend == "etcd" and not cfg.proxy:
-        raise ConfigError("--rdzv-conf proxy=false is not possible with etcd: unmodified workers "
-                          "speak TCPStore, which only the per-node proxy translates to etcd")
+        raise ConfigError(
+            "--rdzv-conf proxy=false is not possible with etcd: unmodified workers "
+            "speak TCPStore, which only the per-node proxy translates to etcd"
+        )
 
 
 def _store_priority(cfg: LaunchConfig, env: dict[str, str]) -> None:
@@ -636,6 +691,10 @@ def _parity_notes(cfg: LaunchConfig) -> None:
     if cfg.enable_tiered_store:
         cfg.notes.append("--enable_tiered_parallel_tcpstore: per-node store proxies on")
     if cfg.event_log_handler != "null":
-        cfg.notes.append(f"--event-log-handler {cfg.event_log_handler}: ftrun writes events.jsonl instead")
+        cfg.notes.append(
+            f"--event-log-handler {cfg.event_log_handler}: ftrun writes events.jsonl instead"
+        )
     if cfg.numa_binding:
-        cfg.notes.append(f"--numa-binding {cfg.numa_binding}: accepted; binding is left to the OS on CPU")
+        cfg.notes.append(
+            f"--numa-binding {cfg.numa_binding}: accepted; binding is left to the OS on CPU"
+        )

@@ -12,6 +12,7 @@ Owns: `RendezvousError` and its kinds, each with a one-line message an agent can
                          continue without it (only etcd survives the loss of a node).
 All derive from `rendezvous.kv.StoreError`, so code that handles store failures sees them too.
 """
+
 from __future__ import annotations
 
 from rendezvous.kv import StoreError
@@ -55,8 +56,10 @@ class StoreHostLostError(NodeLostError):
 
     def __init__(self, node: int | None, address: str, detail: str = "") -> None:
         who = f"node {node}, {address}" if node is not None else address
-        msg = (f"the store host ({who}) is gone; with the embedded store the job cannot "
-               "continue; use --rdzv-backend etcd to survive it")
+        msg = (
+            f"the store host ({who}) is gone; with the embedded store the job cannot "
+            "continue; use --rdzv-backend etcd to survive it"
+        )
         super().__init__(msg + (f" ({detail})" if detail else ""), STORE_UNREACHABLE)
         self.node = node
         self.address = address

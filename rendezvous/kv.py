@@ -16,6 +16,7 @@ as decimal ASCII, as torch does.
 Every call that can block takes a timeout in seconds (checked by `check_timeout`); nothing
 waits forever.
 """
+
 from __future__ import annotations
 
 import abc

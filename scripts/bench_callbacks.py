@@ -11,6 +11,7 @@ and with --hooks-torchrun also
 Each run reports rank 0's median step time after --warmup steps; the JSON line gives the median
 over repeats per mode and the ratio to plain. No fault is injected.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,8 +41,22 @@ def _timed(mode: str, out: str, steps: int, warmup: int, model_args: list[str]) 
     env = {k: v for k, v in os.environ.items() if not k.startswith("FTRUN_")}
     env.update(PYTHONPATH=REPO, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     launcher = FTRUN + ["--log_dir", os.path.join(out, "logs")] if mode == "hooks" else TORCHRUN
-    cmd = launcher + ["--nproc_per_node", "4", EXAMPLE, "--steps", str(steps), "--warmup", str(warmup),
-                      "--report", report, *model_args] + (["--no-ftrun"] if mode == "plain" else [])
+    cmd = (
+        launcher
+        + [
+            "--nproc_per_node",
+            "4",
+            EXAMPLE,
+            "--steps",
+            str(steps),
+            "--warmup",
+            str(warmup),
+            "--report",
+            report,
+            *model_args,
+        ]
+        + (["--no-ftrun"] if mode == "plain" else [])
+    )
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=out)
     if r.returncode != 0:
         raise RuntimeError(f"{mode} run failed (exit {r.returncode}): {r.stderr[-3000:]}")
@@ -57,7 +72,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--hooks-torchrun", action="store_true", help="also time the hooks under plain torchrun")
+    ap.add_argument(
+        "--hooks-torchrun", action="store_true", help="also time the hooks under plain torchrun"
+    )
     a = ap.parse_args()
     for name, v in (("--repeat", a.repeat), ("--steps", a.steps)):
         if v < 1:
@@ -72,12 +89,20 @@ def main() -> None:
         for m in modes:
             runs[m].append(one_run(m, a.steps, a.warmup, model_args))
     med = {m: statistics.median(v) for m, v in runs.items()}
-    result = {"bench": "callbacks", "model": "megatron-core GPT TP=2 x DP=2", "layers": a.layers,
-              "hidden": a.hidden, "batch": a.batch, "steps": a.steps, "warmup": a.warmup,
-              "repeat": a.repeat, "hosts_line": hosts,
-              **{f"{m}_step_s": round(v, 5) for m, v in med.items()},
-              **{f"{m}_runs_s": [round(x, 5) for x in runs[m]] for m in modes},
-              **{f"{m}_ratio": round(med[m] / med["plain"], 3) for m in modes if m != "plain"}}
+    result = {
+        "bench": "callbacks",
+        "model": "megatron-core GPT TP=2 x DP=2",
+        "layers": a.layers,
+        "hidden": a.hidden,
+        "batch": a.batch,
+        "steps": a.steps,
+        "warmup": a.warmup,
+        "repeat": a.repeat,
+        "hosts_line": hosts,
+        **{f"{m}_step_s": round(v, 5) for m, v in med.items()},
+        **{f"{m}_runs_s": [round(x, 5) for x in runs[m]] for m in modes},
+        **{f"{m}_ratio": round(med[m] / med["plain"], 3) for m in modes if m != "plain"},
+    }
     print(json.dumps(result))
 
 

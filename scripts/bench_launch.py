@@ -7,6 +7,7 @@ Measures (medians over --repeat runs each):
   detect_ms  ftrun only: time from the worker's exit to the agent noticing it (events.jsonl).
 Prints one JSON line. Sets up the /etc/hosts line `::ffff:127.0.0.1 localhost-v4mapped` first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,22 +21,38 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from launcher.observe.logs import read_events  # noqa: E402  (the repo, not only an install)
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
+
+from launcher.observe.logs import read_events  # noqa: E402  (the repo, not only an install)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROBE = os.path.join(REPO, "tests", "scripts", "launch_probe.py")
 
 
-
-
 def one_run(launcher: list[str], nproc: int) -> dict:
     out = tempfile.mkdtemp(prefix="bench_launch_")
-    env = dict(os.environ, OUT_DIR=out, PYTHONPATH=REPO, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    env = dict(
+        os.environ, OUT_DIR=out, PYTHONPATH=REPO, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"
+    )
     t0 = time.time()
-    r = subprocess.run(launcher + ["--nproc_per_node", str(nproc), "--max_restarts", "1",
-                                   "--log_dir", os.path.join(out, "logs"), PROBE, "1.0", "40"],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        launcher
+        + [
+            "--nproc_per_node",
+            str(nproc),
+            "--max_restarts",
+            "1",
+            "--log_dir",
+            os.path.join(out, "logs"),
+            PROBE,
+            "1.0",
+            "40",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if r.returncode != 0:
         raise RuntimeError(f"{launcher} failed: {r.stderr[-2000:]}")
 
@@ -58,15 +75,22 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     a = ap.parse_args()
     hosts = ensure_hosts_line()
-    launchers = {"torchrun": [sys.executable, "-m", "torch.distributed.run"],
-                 "ftrun": [sys.executable, "-m", "launcher"]}
+    launchers = {
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+        "ftrun": [sys.executable, "-m", "launcher"],
+    }
     runs: dict[str, list[dict]] = {k: [] for k in launchers}
     for _ in range(a.repeat):  # interleaved so both see the same machine state
         for name, cmd in launchers.items():
             runs[name].append(one_run(cmd, a.nproc))
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    med = {
+        name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()
+    }
     result = {
-        "bench": "launch", "nproc": a.nproc, "repeat": a.repeat, "hosts_line": hosts,
+        "bench": "launch",
+        "nproc": a.nproc,
+        "repeat": a.repeat,
+        "hosts_line": hosts,
         "torchrun_launch_s": round(med["torchrun"]["launch_s"], 3),
         "ftrun_launch_s": round(med["ftrun"]["launch_s"], 3),
         "torchrun_recover_s": round(med["torchrun"]["recover_s"], 3),

@@ -45,6 +45,7 @@ Usage: python scripts/bench_multinode.py
        [--scenarios worker-death,node-crash,node-crash-etcd,mttr,store]
        [--hosts 3] [--store-hosts 4] [--store-sizes 256,1024] [--keep-logs]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,24 +66,35 @@ from typing import Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-from launcher.observe.logs import read_events  # noqa: E402  (the repo, not only an install)
-
 import bench_store  # noqa: E402  (scripts/ is sys.path[0])
 from hosts_setup import ensure_hosts_line  # noqa: E402
 from netns_cluster import Cluster, Host, start_etcd, unavailable  # noqa: E402
 
+from launcher.observe.logs import read_events  # noqa: E402  (the repo, not only an install)
+
 SCENARIOS = ("worker-death", "node-crash", "node-crash-etcd", "mttr", "store")
 ETCD_BIN = shutil.which("etcd") or "/usr/bin/etcd"
 TOOLS = ("ftrun", "torchrun")
-WORKERS = {"ftrun": os.path.join(REPO, "scripts", "bench_recovery_worker.py"),
-           "torchrun": os.path.join(REPO, "scripts", "bench_recovery_torchrun_worker.py")}
-LAUNCHERS = {"ftrun": [sys.executable, "-m", "launcher"],
-             "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
+WORKERS = {
+    "ftrun": os.path.join(REPO, "scripts", "bench_recovery_worker.py"),
+    "torchrun": os.path.join(REPO, "scripts", "bench_recovery_torchrun_worker.py"),
+}
+LAUNCHERS = {
+    "ftrun": [sys.executable, "-m", "launcher"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+}
 SHORT_CONF = "keep_alive_interval=1,keep_alive_max_attempt=2"
 DEFAULT_LIVENESS = {"ftrun": 1.0 * 5, "torchrun": 5.0 * 3}  # interval x attempts, per tool
 # torchrun's agent lines that mean "it reacted" (LOGLEVEL=INFO)
-TORCH_REACTIONS = ("will restart worker group", "Worker group FAILED", "Worker group UNHEALTHY",
-                   "failed (exitcode", "Stopping worker group", "Detected", "Rendezvous'ing")
+TORCH_REACTIONS = (
+    "will restart worker group",
+    "Worker group FAILED",
+    "Worker group UNHEALTHY",
+    "failed (exitcode",
+    "Stopping worker group",
+    "Detected",
+    "Rendezvous'ing",
+)
 _TORCH_LOG = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+) +\d+ (\S+)\] (.*)$")
 
 
@@ -107,8 +119,9 @@ def torch_log_time(line: str, year: int | None = None) -> float | None:
         return None
     mon, day, hh, mm, ss, frac = m.groups()[:6]
     us = int(frac.ljust(6, "0")[:6])
-    when = _dt.datetime(year or _dt.datetime.now().year, int(mon), int(day), int(hh), int(mm),
-                        int(ss), us)
+    when = _dt.datetime(
+        year or _dt.datetime.now().year, int(mon), int(day), int(hh), int(mm), int(ss), us
+    )
     return when.timestamp()
 
 
@@ -126,8 +139,9 @@ def torch_log_lines(path: str) -> list[tuple[float, str]]:
     return out
 
 
-def first_reaction(lines: list[tuple[float, str]], since: float,
-                   needles: tuple[str, ...] = TORCH_REACTIONS) -> tuple[float, str] | None:
+def first_reaction(
+    lines: list[tuple[float, str]], since: float, needles: tuple[str, ...] = TORCH_REACTIONS
+) -> tuple[float, str] | None:
     """The first (time, message) at or after `since` (log times have ms resolution: 1 ms
     slack) whose message contains one of `needles`."""
     for t, msg in lines:
@@ -156,8 +170,9 @@ def read_steps(out: str) -> dict[int, list[dict]]:
     return res
 
 
-def recovery_summary(steps: dict[int, list[dict]], t_fault: float, world: int,
-                     lost_pids: set[int]) -> dict:
+def recovery_summary(
+    steps: dict[int, list[dict]], t_fault: float, world: int, lost_pids: set[int]
+) -> dict:
     """What a fault at `t_fault` cost: time until every rank completed a step after it
     (resume_s), steps completed again (steps_lost: the most any rank recomputed), and whether
     the ranks that were not on the lost node kept their processes."""
@@ -165,15 +180,23 @@ def recovery_summary(steps: dict[int, list[dict]], t_fault: float, world: int,
     if len(steps) < world or any(not recs for recs in steps.values()):
         return res
     # a step the dying node logged in the instant of the kill is no progress
-    after = [[r for r in recs if r["time"] > t_fault and r["pid"] not in lost_pids]
-             for recs in steps.values()]
+    after = [
+        [r for r in recs if r["time"] > t_fault and r["pid"] not in lost_pids]
+        for recs in steps.values()
+    ]
     if all(after):
         res["resume_s"] = round(max(a[0]["time"] for a in after) - t_fault, 3)
     lost = 0
     for recs in steps.values():
         before = {r["step"] for r in recs if r["time"] <= t_fault}
-        lost = max(lost, sum(1 for r in recs if r["time"] > t_fault and r["step"] in before
-                             and r["pid"] not in lost_pids))
+        lost = max(
+            lost,
+            sum(
+                1
+                for r in recs
+                if r["time"] > t_fault and r["step"] in before and r["pid"] not in lost_pids
+            ),
+        )
     res["steps_lost"] = lost
     kept = []
     for recs in steps.values():
@@ -223,9 +246,21 @@ class Job:
 
     def command(self, h: Host) -> list[str]:
         cmd = LAUNCHERS[self.tool] + [
-            "--nnodes", str(self.nnodes), "--nproc_per_node", "1", "--rdzv_backend", self.backend,
-            "--rdzv_endpoint", self.endpoint, "--rdzv_id", "bm", "--max_restarts", "3",
-            "--monitor_interval", "0.1"]
+            "--nnodes",
+            str(self.nnodes),
+            "--nproc_per_node",
+            "1",
+            "--rdzv_backend",
+            self.backend,
+            "--rdzv_endpoint",
+            self.endpoint,
+            "--rdzv_id",
+            "bm",
+            "--max_restarts",
+            "3",
+            "--monitor_interval",
+            "0.1",
+        ]
         conf = [self.conf] if self.conf else []
         if self.tool == "torchrun":
             # torch's is_host test resolves the hostname, which every namespace shares: say it
@@ -236,16 +271,29 @@ class Job:
             cmd += ["--local_addr", h.addr]
         if self.tool == "ftrun" and self.backend == "c10d":
             cmd += ["--master_addr", self.cluster.hosts[0].addr]
-        return cmd + [WORKERS[self.tool], "--steps", "100000", "--hidden", "64", "--layers", "3",
-                      "--checkpoint-dir", os.path.join(self.out, "ckpt"),
-                      "--checkpoint-every", "10", "--step-time", str(self.step_time)]
+        return cmd + [
+            WORKERS[self.tool],
+            "--steps",
+            "100000",
+            "--hidden",
+            "64",
+            "--layers",
+            "3",
+            "--checkpoint-dir",
+            os.path.join(self.out, "ckpt"),
+            "--checkpoint-every",
+            "10",
+            "--step-time",
+            str(self.step_time),
+        ]
 
     def start(self, h: Host) -> None:
         cmd = self.command(h)
         if self.tool == "ftrun":
-            cmd[len(LAUNCHERS["ftrun"]):len(LAUNCHERS["ftrun"])] = ["--log_dir", self.log_dir(h)]
-        env = h.env(bench_store.env(), OUT_DIR=self.out, LOGLEVEL="INFO",
-                    TORCH_CPP_LOG_LEVEL="ERROR")
+            cmd[len(LAUNCHERS["ftrun"]) : len(LAUNCHERS["ftrun"])] = ["--log_dir", self.log_dir(h)]
+        env = h.env(
+            bench_store.env(), OUT_DIR=self.out, LOGLEVEL="INFO", TORCH_CPP_LOG_LEVEL="ERROR"
+        )
         with open(self.stderr_path(h), "w") as err:
             self.procs[h.index] = h.popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err)
 
@@ -261,8 +309,10 @@ class Job:
     def check_alive(self) -> None:
         for i, p in self.procs.items():
             if p.poll() is not None:
-                raise RuntimeError(f"{self.tool} on host {i} exited ({p.returncode}): "
-                                   f"{tail(self.stderr_path(self.cluster.hosts[i]))}")
+                raise RuntimeError(
+                    f"{self.tool} on host {i} exited ({p.returncode}): "
+                    f"{tail(self.stderr_path(self.cluster.hosts[i]))}"
+                )
 
     def wait_training(self, world: int, min_steps: int = 5, timeout: float = 150.0) -> None:
         """Until every rank of `world` completed `min_steps` steps."""
@@ -273,8 +323,9 @@ class Job:
                 return
             self.check_alive()
             time.sleep(0.1)
-        raise RuntimeError(f"{self.tool}: {world} ranks did not train within {timeout:g}s "
-                           f"(logs in {self.out})")
+        raise RuntimeError(
+            f"{self.tool}: {world} ranks did not train within {timeout:g}s (logs in {self.out})"
+        )
 
 
 def tail(path: str, n: int = 600) -> str:
@@ -329,17 +380,35 @@ def crash(h: Host) -> tuple[float, set[int]]:
 
 def ftrun_node_lost(job: Job, others: list[Host], t0: float, live: float) -> dict:
     """When a survivor declared the crashed node lost (`node-lost`) and the first reaction."""
-    lost = poll(lambda: next((e for h in others for e in job.events(h)
-                              if e["time"] >= t0 and e["event"] == "node-lost"
-                              and "lost_node" in e), None), live + 5)
-    first = min((e for h in others for e in job.events(h) if e["time"] >= t0
-                 and e["event"] in ("worker-failed", "worker-fault", "node-lost")),
-                key=lambda e: e["time"], default=None)
-    return {"node_lost_s": round(lost["time"] - t0, 3) if lost else None,
-            "within_liveness": bool(lost) and lost["time"] - t0 <= live,
-            "node_lost_line": lost and lost["message"][:120],
-            "first_reaction_s": round(first["time"] - t0, 3) if first else None,
-            "first_reaction": first and first["event"]}
+    lost = poll(
+        lambda: next(
+            (
+                e
+                for h in others
+                for e in job.events(h)
+                if e["time"] >= t0 and e["event"] == "node-lost" and "lost_node" in e
+            ),
+            None,
+        ),
+        live + 5,
+    )
+    first = min(
+        (
+            e
+            for h in others
+            for e in job.events(h)
+            if e["time"] >= t0 and e["event"] in ("worker-failed", "worker-fault", "node-lost")
+        ),
+        key=lambda e: e["time"],
+        default=None,
+    )
+    return {
+        "node_lost_s": round(lost["time"] - t0, 3) if lost else None,
+        "within_liveness": bool(lost) and lost["time"] - t0 <= live,
+        "node_lost_line": lost and lost["message"][:120],
+        "first_reaction_s": round(first["time"] - t0, 3) if first else None,
+        "first_reaction": first and first["event"],
+    }
 
 
 def rank_on(job: Job, h: Host) -> tuple[int, int]:
@@ -375,9 +444,18 @@ class Bench:
             res: dict = {"victim_rank": rank, "victim_host": victim.index}
             if tool == "ftrun":
                 others = [h for h in c.hosts if h is not victim]
-                dec = poll(lambda: next((
-                    (h.index, e) for h in others for e in job.events(h)
-                    if e["time"] >= t0 and e["event"] == "decide"), None), 15)
+                dec = poll(
+                    lambda: next(
+                        (
+                            (h.index, e)
+                            for h in others
+                            for e in job.events(h)
+                            if e["time"] >= t0 and e["event"] == "decide"
+                        ),
+                        None,
+                    ),
+                    15,
+                )
                 local = first_event(job.events(victim), t0, lambda e: e["event"] == "worker-failed")
                 res["agent_detect_ms"] = ms(local and local["time"], t0)
                 if dec:
@@ -390,16 +468,26 @@ class Bench:
             else:
                 local = poll(lambda: first_reaction(job.torch_lines(victim), t0), 15)
                 others = [h for h in c.hosts if h is not victim]
-                remote = poll(lambda: min(filter(None, (first_reaction(job.torch_lines(h), t0)
-                                                         for h in others)), default=None), 20)
+                remote = poll(
+                    lambda: min(
+                        filter(None, (first_reaction(job.torch_lines(h), t0) for h in others)),
+                        default=None,
+                    ),
+                    20,
+                )
                 res["agent_detect_ms"] = ms(local and local[0], t0)
                 res["agent_line"] = local and local[1][:120]
                 res["other_node_reacts_ms"] = ms(remote and remote[0], t0)
                 res["other_node_line"] = remote and remote[1][:120]
             poll(lambda: recovery_summary(job.steps(), t0, n, {pid})["resume_s"], 40, 0.05)
             rec = recovery_summary(job.steps(), t0, n, {pid})
-            res.update({"resume_s": rec["resume_s"], "steps_lost": rec["steps_lost"],
-                        "survivors_kept_pids": rec["survivors_kept_pids"]})
+            res.update(
+                {
+                    "resume_s": rec["resume_s"],
+                    "steps_lost": rec["steps_lost"],
+                    "survivors_kept_pids": rec["survivors_kept_pids"],
+                }
+            )
             return res
 
     # -- 2. node crash
@@ -407,31 +495,45 @@ class Bench:
         n = self.args.hosts
         live = liveness_of(tool, conf)
         with Cluster(n, prefix="bm") as c:
-            job = Job(tool, c, self.job_dir(f"node-crash-{tool}-{'short' if conf else 'default'}"),
-                      nnodes=n, conf=conf)
+            job = Job(
+                tool,
+                c,
+                self.job_dir(f"node-crash-{tool}-{'short' if conf else 'default'}"),
+                nnodes=n,
+                conf=conf,
+            )
             for h in c.hosts:
                 job.start(h)
             job.wait_training(n)
             victim, others = c.hosts[-1], c.hosts[:-1]
             t0, killed = crash(victim)
-            res: dict = {"conf": conf or "(default)", "liveness_s": live,
-                         "killed_procs": len(killed)}
+            res: dict = {
+                "conf": conf or "(default)",
+                "liveness_s": live,
+                "killed_procs": len(killed),
+            }
             if tool == "ftrun":
                 res.update(ftrun_node_lost(job, others, t0, live))
             else:  # torchrun has no node-lost notice: what its survivors do, and when
                 window = live + 5
                 time.sleep(window)
-                reacts = sorted(filter(None, (first_reaction(job.torch_lines(h), t0)
-                                              for h in others)))
-                restarted = [r for h in others for r in job.torch_lines(h)
-                             if r[0] >= t0 and "Rendezvous'ing" in r[1]]
+                reacts = sorted(
+                    filter(None, (first_reaction(job.torch_lines(h), t0) for h in others))
+                )
+                restarted = [
+                    r
+                    for h in others
+                    for r in job.torch_lines(h)
+                    if r[0] >= t0 and "Rendezvous'ing" in r[1]
+                ]
                 res["watched_s"] = window
                 res["first_reaction_s"] = round(reacts[0][0] - t0, 3) if reacts else None
                 res["first_reaction"] = reacts[0][1][:120] if reacts else None
                 res["new_round_started"] = bool(restarted)
                 steps = job.steps()
-                res["training_resumed"] = all(any(r["time"] > t0 + 0.5 for r in recs)
-                                              for recs in steps.values())
+                res["training_resumed"] = all(
+                    any(r["time"] > t0 + 0.5 for r in recs) for recs in steps.values()
+                )
             return res
 
     # -- 2b. node crash, etcd backend
@@ -440,12 +542,21 @@ class Bench:
         n = self.args.hosts
         live = liveness_of("ftrun", conf)
         name = f"node-crash-etcd-{'short' if conf else 'default'}"
-        with tempfile.TemporaryDirectory(prefix="bm-etcd-") as data, \
-                Cluster(n + 1, prefix="bm") as c:
+        with (
+            tempfile.TemporaryDirectory(prefix="bm-etcd-") as data,
+            Cluster(n + 1, prefix="bm") as c,
+        ):
             port = free_port()
             start_etcd(c.hosts[0], port, free_port(), os.path.join(data, "etcd"), ETCD_BIN)
-            job = Job("ftrun", c, self.job_dir(name), nnodes=n, conf=conf, backend="etcd",
-                      endpoint=f"{c.hosts[0].addr}:{port}")
+            job = Job(
+                "ftrun",
+                c,
+                self.job_dir(name),
+                nnodes=n,
+                conf=conf,
+                backend="etcd",
+                endpoint=f"{c.hosts[0].addr}:{port}",
+            )
             train = c.hosts[1:]
             for h in train:
                 job.start(h)
@@ -453,8 +564,12 @@ class Bench:
             time.sleep(1.0)  # leases refreshed a few times in steady state
             victim, others = train[-1], train[:-1]
             t0, killed = crash(victim)
-            res: dict = {"backend": "etcd", "conf": conf or "(default)", "lease_ttl_s": live,
-                         "killed_procs": len(killed)}
+            res: dict = {
+                "backend": "etcd",
+                "conf": conf or "(default)",
+                "lease_ttl_s": live,
+                "killed_procs": len(killed),
+            }
             res.update(ftrun_node_lost(job, others, t0, live))
             return res
 
@@ -472,41 +587,70 @@ class Bench:
             spare = c.hosts[-1]
             job.start(spare)
             if tool == "ftrun":
-                ok = poll(lambda: first_event(job.events(spare), 0, lambda e: e["event"] == "hot-spare"), 60)
+                ok = poll(
+                    lambda: first_event(job.events(spare), 0, lambda e: e["event"] == "hot-spare"),
+                    60,
+                )
                 if not ok:
-                    raise RuntimeError(f"ftrun: the spare did not report as a hot spare "
-                                       f"({tail(job.stderr_path(spare))})")
+                    raise RuntimeError(
+                        f"ftrun: the spare did not report as a hot spare "
+                        f"({tail(job.stderr_path(spare))})"
+                    )
             else:  # torchrun's late node: in the redundancy list once its agent is up
                 time.sleep(5.0)
             job.check_alive()
             victim = c.hosts[world - 1]  # a training node, not the store host
             t0, lost_pids = crash(victim)
-            res: dict = {"world": world, "spare_host": spare.index, "crashed_host": victim.index,
-                         "liveness_s": liveness_of(tool, self.args.mttr_conf)}
+            res: dict = {
+                "world": world,
+                "spare_host": spare.index,
+                "crashed_host": victim.index,
+                "liveness_s": liveness_of(tool, self.args.mttr_conf),
+            }
             survivors = [job.procs[h.index] for h in c.hosts if h is not victim]
-            poll(lambda: recovery_summary(job.steps(), t0, world, lost_pids)["resume_s"]
-                 or all(p.poll() is not None for p in survivors), self.args.mttr_timeout, 0.1)
+            poll(
+                lambda: (
+                    recovery_summary(job.steps(), t0, world, lost_pids)["resume_s"]
+                    or all(p.poll() is not None for p in survivors)
+                ),
+                self.args.mttr_timeout,
+                0.1,
+            )
             time.sleep(1.0)  # a few steps more: survivors' pids and the strategy settle
             res.update(recovery_summary(job.steps(), t0, world, lost_pids))
             if tool == "ftrun":
-                evs = sorted((e for h in c.hosts if h is not victim for e in job.events(h)
-                              if e["time"] >= t0), key=lambda e: e["time"])
-                res["strategies"] = sorted({e["strategy"] for e in evs
-                                            if e["event"] == "plan" and e.get("strategy")})
+                evs = sorted(
+                    (
+                        e
+                        for h in c.hosts
+                        if h is not victim
+                        for e in job.events(h)
+                        if e["time"] >= t0
+                    ),
+                    key=lambda e: e["time"],
+                )
+                res["strategies"] = sorted(
+                    {e["strategy"] for e in evs if e["event"] == "plan" and e.get("strategy")}
+                )
                 lost = next((e for e in evs if e["event"] == "node-lost"), None)
-                took = next((e for e in evs if e["event"] in ("spare-takes-over", "node-joined")),
-                            None)
+                took = next(
+                    (e for e in evs if e["event"] in ("spare-takes-over", "node-joined")), None
+                )
                 res["node_lost_s"] = round(lost["time"] - t0, 3) if lost else None
                 res["spare_took_over_s"] = round(took["time"] - t0, 3) if took else None
                 res["spare_used"] = any(e["event"] == "spawn" for e in job.events(spare))
             else:
                 res["strategies"] = ["restart-all"]
-                res["spare_used"] = any(r["pid"] in set(spare.pids())
-                                        for recs in job.steps().values() for r in recs)
+                res["spare_used"] = any(
+                    r["pid"] in set(spare.pids()) for recs in job.steps().values() for r in recs
+                )
                 if res["resume_s"] is None:  # what its agents said last
                     res["waited_s"] = round(time.time() - t0, 1)
-                    res["outcome"] = {f"host{h.index}": torch_outcome(job.stderr_path(h))
-                                      for h in c.hosts if h is not victim}
+                    res["outcome"] = {
+                        f"host{h.index}": torch_outcome(job.stderr_path(h))
+                        for h in c.hosts
+                        if h is not victim
+                    }
             return res
 
     # -- 4. the store pattern over the links
@@ -517,9 +661,15 @@ class Bench:
 
 
 def ns_spawn(h: Host, code: str, *args: object, **env: str) -> subprocess.Popen:
-    return h.popen([sys.executable, "-c", code, *map(str, args)],
-                   env=h.env(bench_store.env(), **env), stdin=subprocess.PIPE,
-                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    return h.popen(
+        [sys.executable, "-c", code, *map(str, args)],
+        env=h.env(bench_store.env(), **env),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
 
 
 def store_run(c: Cluster, backend: str, n: int) -> dict:
@@ -529,9 +679,24 @@ def store_run(c: Cluster, backend: str, n: int) -> dict:
         master = ns_spawn(h0, bench_store.TORCH_SERVER, BENCH_STORE_BIND=h0.addr)
         mport = int(bench_store.read_line(master, "port")[1])
     elif backend == "ftrun-proxy":
-        master = h0.popen([sys.executable, "-m", "rendezvous.store.store_cli", "serve", "--host", h0.addr,
-                           "--port", "0"], env=h0.env(bench_store.env()), stdin=subprocess.PIPE,
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+        master = h0.popen(
+            [
+                sys.executable,
+                "-m",
+                "rendezvous.store.store_cli",
+                "serve",
+                "--host",
+                h0.addr,
+                "--port",
+                "0",
+            ],
+            env=h0.env(bench_store.env()),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
         line = master.stdout.readline()
         if "listening on" not in line:
             raise RuntimeError(f"store_cli serve failed: {line} {master.stderr.read()[-2000:]}")
@@ -553,8 +718,11 @@ def store_run(c: Cluster, backend: str, n: int) -> dict:
                 helpers.append(p)
                 host, port = "127.0.0.1", int(bench_store.read_line(p, "ports")[1])
             for _ in range(procs_per_host):
-                clients.append(ns_spawn(h, bench_store.CLIENT, n, first, per_proc, port, n,
-                                        BENCH_STORE_HOST=host))
+                clients.append(
+                    ns_spawn(
+                        h, bench_store.CLIENT, n, first, per_proc, port, n, BENCH_STORE_HOST=host
+                    )
+                )
                 first += per_proc
         if first != n:
             raise ValueError(f"{n} clients do not split evenly over {len(c.hosts)} hosts")
@@ -568,14 +736,19 @@ def store_run(c: Cluster, backend: str, n: int) -> dict:
         errors += more
         cpu2 = bench_store.cpu_seconds(master.pid)
         pcpu2 = sum(bench_store.cpu_seconds(p.pid) for p in helpers)
-        return {"backend": backend, "clients": n, "hosts": len(c.hosts),
-                "master_connections": n if backend == "torch" else len(helpers),
-                "connect_s": round(connect_s, 4), "pattern_s": round(pattern_s, 4),
-                "master_cpu_connect_s": round(cpu1 - cpu0, 4),
-                "master_cpu_pattern_s": round(cpu2 - cpu1, 4),
-                "master_cpu_total_s": round(cpu2 - cpu0, 4),
-                "proxy_cpu_total_s": round(pcpu2 - pcpu0, 4) if helpers else None,
-                "errors": errors}
+        return {
+            "backend": backend,
+            "clients": n,
+            "hosts": len(c.hosts),
+            "master_connections": n if backend == "torch" else len(helpers),
+            "connect_s": round(connect_s, 4),
+            "pattern_s": round(pattern_s, 4),
+            "master_cpu_connect_s": round(cpu1 - cpu0, 4),
+            "master_cpu_pattern_s": round(cpu2 - cpu1, 4),
+            "master_cpu_total_s": round(cpu2 - cpu0, 4),
+            "proxy_cpu_total_s": round(pcpu2 - pcpu0, 4) if helpers else None,
+            "errors": errors,
+        }
     finally:
         for p in [*clients, *helpers, master]:
             bench_store.stop(p)
@@ -614,8 +787,10 @@ def run_scenario(bench: Bench, name: str, tools: list[str]) -> dict:
             if "ftrun" in tools:
                 v["ftrun"] = guarded(lambda: bench.node_crash_etcd(conf))
             if "torchrun" in tools:
-                v["torchrun"] = {"not_measured": "torchrun's etcd and etcd-v2 backends need "
-                                 "python-etcd and etcd's v2 API"}
+                v["torchrun"] = {
+                    "not_measured": "torchrun's etcd and etcd-v2 backends need "
+                    "python-etcd and etcd's v2 API"
+                }
             row["variants"].append(v)
     elif name == "mttr":
         row["hosts"] = a.hosts
@@ -634,7 +809,8 @@ def run_scenario(bench: Bench, name: str, tools: list[str]) -> dict:
                 px["pattern_time_vs_torch"] = round(px["pattern_s"] / base["pattern_s"], 3)
                 if px.get("master_cpu_total_s"):
                     px["master_cpu_reduction_vs_torch"] = round(
-                        base["master_cpu_total_s"] / px["master_cpu_total_s"], 2)
+                        base["master_cpu_total_s"] / px["master_cpu_total_s"], 2
+                    )
             row["sizes"].append({"clients": size, **res})
     row["elapsed_s"] = round(time.monotonic() - t, 1)
     return row
@@ -655,6 +831,7 @@ def _csv(kind: Callable[[str], object], allowed: tuple[str, ...] | None = None):
         if not items or bad:
             raise argparse.ArgumentTypeError(f"{text!r}: pick from {', '.join(allowed or ())}")
         return items
+
     return parse
 
 
@@ -665,12 +842,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hosts", type=int, default=3, help="hosts of the training scenarios")
     ap.add_argument("--store-hosts", type=int, default=4)
     ap.add_argument("--store-sizes", type=_csv(int), default=[256, 1024])
-    ap.add_argument("--store-backends", type=_csv(str, ("torch", "ftrun-proxy")),
-                    default=["torch", "ftrun-proxy"])
-    ap.add_argument("--mttr-timeout", type=float, default=45.0,
-                    help="how long to wait for training to resume after the crash")
-    ap.add_argument("--mttr-conf", default="", help="--rdzv_conf for both tools in mttr "
-                    f"(e.g. {SHORT_CONF}; default: each tool's defaults)")
+    ap.add_argument(
+        "--store-backends",
+        type=_csv(str, ("torch", "ftrun-proxy")),
+        default=["torch", "ftrun-proxy"],
+    )
+    ap.add_argument(
+        "--mttr-timeout",
+        type=float,
+        default=45.0,
+        help="how long to wait for training to resume after the crash",
+    )
+    ap.add_argument(
+        "--mttr-conf",
+        default="",
+        help="--rdzv_conf for both tools in mttr "
+        f"(e.g. {SHORT_CONF}; default: each tool's defaults)",
+    )
     ap.add_argument("--keep-logs", action="store_true")
     a = ap.parse_args(argv)
     if not 2 <= a.hosts <= 16 or not 1 <= a.store_hosts <= 16:
@@ -695,8 +883,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(a)
     failed = False
     try:
-        print(json.dumps({"setup": "/etc/hosts", "status": ensure_hosts_line(),
-                          "run_dir": bench.root}), flush=True)
+        print(
+            json.dumps(
+                {"setup": "/etc/hosts", "status": ensure_hosts_line(), "run_dir": bench.root}
+            ),
+            flush=True,
+        )
         for name in a.scenarios:
             row = run_scenario(bench, name, a.tools)
             failed |= has_error(row)

@@ -40,6 +40,7 @@ Prints one JSON line. Sets up the /etc/hosts line
 
     python scripts/bench_overhead.py --repeats 7 --steps 60 --warmup 10 --sizes small
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,13 +60,20 @@ from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "scripts", "bench_overhead_worker.py")
-SIZES = {"small": {"hidden": 256, "layers": 4, "batch": 32},
-         "large": {"hidden": 2048, "layers": 5, "batch": 32}}
+SIZES = {
+    "small": {"hidden": 256, "layers": 4, "batch": 32},
+    "large": {"hidden": 2048, "layers": 5, "batch": 32},
+}
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 FTRUN = [sys.executable, "-m", "launcher"]
-RUNS = {"ddp": (TORCHRUN, "ddp"), "ddp_ftrun": (FTRUN, "ddp"), "rtddp": (FTRUN, "rtddp"),
-        "native": (FTRUN, "native"), "rtddp_torchrun": (TORCHRUN, "rtddp"),
-        "native_torchrun": (TORCHRUN, "native")}  # name -> (launcher, worker --mode)
+RUNS = {
+    "ddp": (TORCHRUN, "ddp"),
+    "ddp_ftrun": (FTRUN, "ddp"),
+    "rtddp": (FTRUN, "rtddp"),
+    "native": (FTRUN, "native"),
+    "rtddp_torchrun": (TORCHRUN, "rtddp"),
+    "native_torchrun": (TORCHRUN, "native"),
+}  # name -> (launcher, worker --mode)
 MODES = tuple(RUNS)
 
 
@@ -83,30 +91,52 @@ def run_once(name: str, size: dict, args: argparse.Namespace, workdir: str) -> d
     out = os.path.join(workdir, f"{name}-{time.monotonic_ns()}.json")
     cmd = [*launcher, "--nproc_per_node", str(args.nproc)]
     if launcher is FTRUN:
-        cmd += ["--log_dir", os.path.join(workdir, "logs", os.path.basename(out)[:-5]),
-                "--warm-spares", str(args.warm_spares)]
-    cmd += [WORKER, "--mode", mode, "--steps", str(args.steps), "--out", out,
-            *(["--pin"] if args.pin else []),
-            *[x for k, v in size.items() for x in (f"--{k}", str(v))]]
+        cmd += [
+            "--log_dir",
+            os.path.join(workdir, "logs", os.path.basename(out)[:-5]),
+            "--warm-spares",
+            str(args.warm_spares),
+        ]
+    cmd += [
+        WORKER,
+        "--mode",
+        mode,
+        "--steps",
+        str(args.steps),
+        "--out",
+        out,
+        *(["--pin"] if args.pin else []),
+        *[x for k, v in size.items() for x in (f"--{k}", str(v))],
+    ]
     env = worker_env(args.threads)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=workdir)
+    res = subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=args.timeout, cwd=workdir
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     paths = [f"{out}.rank{r}" for r in range(args.nproc)]
     if res.returncode != 0 or not all(os.path.exists(p) for p in paths):
-        raise RuntimeError(f"{name} run failed (exit {res.returncode}): {' '.join(cmd)}\n{res.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{name} run failed (exit {res.returncode}): {' '.join(cmd)}\n{res.stderr[-3000:]}"
+        )
     ranks = []
     for p in paths:
         with open(p, encoding="utf-8") as f:
             ranks.append(json.load(f))
     first = ranks[0]
-    kept = first["step_s"][args.warmup:]
+    kept = first["step_s"][args.warmup :]
     if not kept:
         raise RuntimeError(f"--steps {args.steps} leaves no step after --warmup {args.warmup}")
-    cpu = [sum(steps) for steps in zip(*(r["cpu_s"][args.warmup:] for r in ranks))]
+    cpu = [sum(steps) for steps in zip(*(r["cpu_s"][args.warmup :] for r in ranks))]
     tree = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    return {"params": first["params"], "grad_bytes": first["grad_bytes"], "kept_s": kept,
-            "kept_cpu_s": cpu, "tree_cpu_s": tree, "cores": [r["core"] for r in ranks]}
+    return {
+        "params": first["params"],
+        "grad_bytes": first["grad_bytes"],
+        "kept_s": kept,
+        "kept_cpu_s": cpu,
+        "tree_cpu_s": tree,
+        "cores": [r["core"] for r in ranks],
+    }
 
 
 def _spread_pct(values: list[float]) -> float:
@@ -115,15 +145,20 @@ def _spread_pct(values: list[float]) -> float:
 
 def _paired(runs: list[dict], base: list[dict], key: str) -> list[float]:
     """Each repeat's run median against the baseline run of the same repeat, in percent."""
-    return [100.0 * (statistics.median(r[key]) / statistics.median(b[key]) - 1.0) for r, b in zip(runs, base)]
+    return [
+        100.0 * (statistics.median(r[key]) / statistics.median(b[key]) - 1.0)
+        for r, b in zip(runs, base)
+    ]
 
 
-def rotating_runs(modes: Sequence[str], repeats: int, run: Callable[[str], dict]) -> dict[str, list[dict]]:
+def rotating_runs(
+    modes: Sequence[str], repeats: int, run: Callable[[str], dict]
+) -> dict[str, list[dict]]:
     """Each repeat runs every mode once, back to back, the order rotating between repeats (ABC,
     BCA, CAB, ...), so slow drifts of a shared machine hit every mode alike."""
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(repeats):
-        for mode in [*modes[rep % len(modes):], *modes[:rep % len(modes)]]:
+        for mode in [*modes[rep % len(modes) :], *modes[: rep % len(modes)]]:
             runs[mode].append(run(mode))
     return runs
 
@@ -132,20 +167,29 @@ def measure(name: str, modes: tuple[str, ...], args: argparse.Namespace, workdir
     size = SIZES[name]
     runs = rotating_runs(modes, args.repeats, lambda mode: run_once(mode, size, args, workdir))
     first = runs["ddp"][0]
-    report: dict = {**size, "params": first["params"], "grad_mb": round(first["grad_bytes"] / 1e6, 1),
-                    "cores": first["cores"]}
+    report: dict = {
+        **size,
+        "params": first["params"],
+        "grad_mb": round(first["grad_bytes"] / 1e6, 1),
+        "cores": first["cores"],
+    }
     for mode in modes:
         for key, label in (("kept_s", "step_s"), ("kept_cpu_s", "cpu_step_s")):
             pooled = [s for r in runs[mode] for s in r[key]]
             run_medians = [statistics.median(r[key]) for r in runs[mode]]
             report[f"{mode}_{label}"] = round(statistics.median(pooled), 6)
-            report[f"{mode}_{label.replace('step_s', 'run_medians_s')}"] = [round(x, 6) for x in run_medians]
+            report[f"{mode}_{label.replace('step_s', 'run_medians_s')}"] = [
+                round(x, 6) for x in run_medians
+            ]
             report[f"{mode}_{label.replace('step_s', 'spread_pct')}"] = _spread_pct(run_medians)
-        report[f"{mode}_tree_cpu_s"] = round(statistics.median(r["tree_cpu_s"] for r in runs[mode]), 3)
+        report[f"{mode}_tree_cpu_s"] = round(
+            statistics.median(r["tree_cpu_s"] for r in runs[mode]), 3
+        )
     for mode in modes[1:]:
         for key, label, pre in (("kept_s", "step_s", ""), ("kept_cpu_s", "cpu_step_s", "cpu_")):
             report[f"{mode}_{pre}overhead_pct"] = round(
-                100.0 * (report[f"{mode}_{label}"] / report[f"ddp_{label}"] - 1.0), 2)
+                100.0 * (report[f"{mode}_{label}"] / report[f"ddp_{label}"] - 1.0), 2
+            )
             paired = _paired(runs[mode], runs["ddp"], key)
             report[f"{mode}_{pre}paired_overhead_pct"] = round(statistics.median(paired), 2)
             report[f"{mode}_{pre}paired_range_pct"] = [round(min(paired), 2), round(max(paired), 2)]
@@ -158,13 +202,22 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--modes", default="ddp,rtddp,native", help=f"comma-separated, from {','.join(MODES)}; "
-                    "ddp (the baseline) is always run")
+    ap.add_argument(
+        "--modes",
+        default="ddp,rtddp,native",
+        help=f"comma-separated, from {','.join(MODES)}; ddp (the baseline) is always run",
+    )
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin ranks to cores")
-    ap.add_argument("--warm-spares", type=int, default=0,
-                    help="ftrun's --warm-spares (default 0: see the docstring; ftrun's own default is 2)")
+    ap.add_argument(
+        "--warm-spares",
+        type=int,
+        default=0,
+        help="ftrun's --warm-spares (default 0: see the docstring; ftrun's own default is 2)",
+    )
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every worker")
-    ap.add_argument("--sizes", default="small,large", help=f"comma-separated, from {','.join(SIZES)}")
+    ap.add_argument(
+        "--sizes", default="small,large", help=f"comma-separated, from {','.join(SIZES)}"
+    )
     ap.add_argument("--timeout", type=float, default=900)
     args = ap.parse_args()
     sizes = [s for s in args.sizes.split(",") if s]
@@ -179,11 +232,25 @@ def main() -> int:
     hosts = ensure_hosts_line()
     with tempfile.TemporaryDirectory(prefix="ftrun-bench-overhead-") as workdir:
         results = {name: measure(name, modes, args, workdir) for name in sizes}
-    print(json.dumps({"bench": "overhead", "nproc": args.nproc, "repeats": args.repeats, "steps": args.steps,
-                      "warmup": args.warmup, "threads": args.threads, "pinned": args.pin, "modes": list(modes),
-                      "warm_spares": args.warm_spares,
-                      "hosts_line": hosts,
-                      "baseline": "plain torch DDP under torchrun", **results}), flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "overhead",
+                "nproc": args.nproc,
+                "repeats": args.repeats,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "threads": args.threads,
+                "pinned": args.pin,
+                "modes": list(modes),
+                "warm_spares": args.warm_spares,
+                "hosts_line": hosts,
+                "baseline": "plain torch DDP under torchrun",
+                **results,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

@@ -12,6 +12,7 @@ to the start of the next, and the CPU time this process (every thread of it: tra
 runtime's) spent in it. `--pin` pins the process (before torch starts any thread, so every thread
 of it) to core LOCAL_RANK modulo the cores it may use: every mode gets the same placement.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,8 +39,15 @@ CORE = pin_to_core() if "--pin" in sys.argv[1:] else -1  # before torch's thread
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-MODES = ("ddp", "rtddp", "native", "interleaved_rtddp", "interleaved_native", "interleaved_bucketview",
-         "interleaved_torchhook")
+MODES = (
+    "ddp",
+    "rtddp",
+    "native",
+    "interleaved_rtddp",
+    "interleaved_native",
+    "interleaved_bucketview",
+    "interleaved_torchhook",
+)
 
 
 def build_model(hidden: int, layers: int, inputs: int = 32) -> torch.nn.Module:
@@ -56,7 +64,9 @@ def make_batch(step: int, rank: int, batch: int) -> tuple[torch.Tensor, torch.Te
     return x, x[:, :1] * 0.5 - x[:, 1:2]
 
 
-def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, index: int, rank: int, batch: int) -> None:
+def plain_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, index: int, rank: int, batch: int
+) -> None:
     """One training step of plain DDP (the baseline's loop body)."""
     x, y = make_batch(index, rank, batch)
     loss = torch.nn.functional.mse_loss(model(x), y)
@@ -65,8 +75,15 @@ def plain_step(model: torch.nn.Module, opt: torch.optim.Optimizer, index: int, r
     opt.step()
 
 
-def runtime_step(rt, step, model: torch.nn.Module, opt: torch.optim.Optimizer, pos: dict,  # noqa: ANN001
-                 batch: int, native: bool) -> None:
+def runtime_step(
+    rt,
+    step,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    pos: dict,  # noqa: ANN001
+    batch: int,
+    native: bool,
+) -> None:
     """One step of the runtime's loop (rt.ddp, or the plain module with rt.allreduce_gradients)."""
     with step:
         with step.phase("forward"):
@@ -84,6 +101,7 @@ def runtime_step(rt, step, model: torch.nn.Module, opt: torch.optim.Optimizer, p
 
 def run_ddp(args: argparse.Namespace, module: torch.nn.Module, tick: Callable[[], None]) -> int:
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     model = DDP(module)
@@ -98,6 +116,7 @@ def run_ddp(args: argparse.Namespace, module: torch.nn.Module, tick: Callable[[]
 
 def run_runtime(args: argparse.Namespace, module: torch.nn.Module, tick: Callable[[], None]) -> int:
     import launcher.runtime as ftr
+
     rt = ftr.init(backend="gloo")
     model = rt.ddp(module) if args.mode == "rtddp" else module
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
@@ -126,7 +145,9 @@ def _thread_cpu_s(native_ids: list[int]) -> float:
     return total / tick
 
 
-def run_interleaved(args: argparse.Namespace, module: torch.nn.Module, tick: Callable[[], None]) -> int:
+def run_interleaved(
+    args: argparse.Namespace, module: torch.nn.Module, tick: Callable[[], None]
+) -> int:
     """Plain DDP and the runtime's path (rt.ddp or the native loop) in the same processes, on copies
     of the same model, alternating in blocks of --block steps (the order flips every cycle).
 
@@ -139,17 +160,24 @@ def run_interleaved(args: argparse.Namespace, module: torch.nn.Module, tick: Cal
     `tick` is unused: the per-block step times go to the output as "blocks"."""
     import copy
 
-    import launcher.runtime as ftr
     from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import launcher.runtime as ftr
+
     rt = ftr.init(backend="gloo")
     plain = DDP(copy.deepcopy(module), process_group=dist.new_group(backend="gloo"))
     kind = args.mode.split("_", 1)[1]
     if kind == "rtddp":
         ours = rt.ddp(copy.deepcopy(module))
     elif kind in ("bucketview", "torchhook"):
-        ours = DDP(copy.deepcopy(module), process_group=dist.new_group(backend="gloo"), gradient_as_bucket_view=True)
+        ours = DDP(
+            copy.deepcopy(module),
+            process_group=dist.new_group(backend="gloo"),
+            gradient_as_bucket_view=True,
+        )
         if kind == "torchhook":
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
             ours.register_comm_hook(None, allreduce_hook)
     else:
         ours = copy.deepcopy(module)
@@ -157,8 +185,11 @@ def run_interleaved(args: argparse.Namespace, module: torch.nn.Module, tick: Cal
     opt = torch.optim.Adam(ours.parameters(), lr=1e-4)
     pos = {"batch": 0}
     rt.register(model=ours, optimizer=opt, data=(lambda: dict(pos), lambda p: pos.update(p)))
-    runtime_threads = [t.native_id for t in threading.enumerate()
-                       if t.name.startswith("ftrun") and t.native_id is not None]
+    runtime_threads = [
+        t.native_id
+        for t in threading.enumerate()
+        if t.name.startswith("ftrun") and t.native_id is not None
+    ]
     blocks: list[dict] = []
 
     def timed(name: str, cycle: int, run_step: Callable[[int], None], first: int) -> None:
@@ -166,19 +197,26 @@ def run_interleaved(args: argparse.Namespace, module: torch.nn.Module, tick: Cal
         for k in range(args.block):
             run_step(first + k)
             stamps.append((time.perf_counter(), time.process_time()))
-        blocks.append({"mode": name, "cycle": cycle,
-                       "step_s": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
-                       "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])]})
+        blocks.append(
+            {
+                "mode": name,
+                "cycle": cycle,
+                "step_s": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
+                "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])],
+            }
+        )
 
     cycles = args.steps // (2 * args.block)
     steps = rt.steps(cycles * args.block)
     native = kind == "native"
-    sides = {"ddp": lambda i: plain_step(plain, plain_opt, i, rt.rank, args.batch),
-             kind: lambda i: runtime_step(rt, next(steps), ours, opt, pos, args.batch, native)}
+    sides = {
+        "ddp": lambda i: plain_step(plain, plain_opt, i, rt.rank, args.batch),
+        kind: lambda i: runtime_step(rt, next(steps), ours, opt, pos, args.batch, native),
+    }
     cpu0, wall0 = _thread_cpu_s(runtime_threads), time.perf_counter()
     for cycle in range(cycles):
         pair = list(sides.items())
-        for name, fn in (pair if cycle % 2 == 0 else pair[::-1]):
+        for name, fn in pair if cycle % 2 == 0 else pair[::-1]:
             timed(name, cycle, fn, cycle * args.block)
     elapsed = time.perf_counter() - wall0
     threads_cpu = _thread_cpu_s(runtime_threads) - cpu0
@@ -190,8 +228,12 @@ def run_interleaved(args: argparse.Namespace, module: torch.nn.Module, tick: Cal
     # (~ProcessGroupGloo joins gloo's thread holding the GIL while that thread frees the last
     # all_reduce work, which needs the GIL); main() leaves with os._exit instead
     args.keep = (plain, ours)
-    args.extra = {"blocks": blocks, "runtime_thread_cpu_s": threads_cpu, "elapsed_s": elapsed,
-                  "runtime_threads": len(runtime_threads)}
+    args.extra = {
+        "blocks": blocks,
+        "runtime_thread_cpu_s": threads_cpu,
+        "elapsed_s": elapsed,
+        "runtime_threads": len(runtime_threads),
+    }
     return rank
 
 
@@ -210,13 +252,25 @@ def main() -> int:
     module = build_model(args.hidden, args.layers)
     stamps: list[tuple[float, float]] = []
     args.extra = {}
-    runner = (run_ddp if args.mode == "ddp" else run_interleaved if args.mode.startswith("interleaved")
-              else run_runtime)
+    runner = (
+        run_ddp
+        if args.mode == "ddp"
+        else run_interleaved
+        if args.mode.startswith("interleaved")
+        else run_runtime
+    )
     rank = runner(args, module, lambda: stamps.append((time.perf_counter(), time.process_time())))
     params = sum(p.numel() for p in module.parameters())
-    result = {"mode": args.mode, "rank": rank, "core": CORE, "params": params, "grad_bytes": params * 4,
-              "step_s": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
-              "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])], **args.extra}
+    result = {
+        "mode": args.mode,
+        "rank": rank,
+        "core": CORE,
+        "params": params,
+        "grad_bytes": params * 4,
+        "step_s": [b[0] - a[0] for a, b in zip(stamps, stamps[1:])],
+        "cpu_s": [b[1] - a[1] for a, b in zip(stamps, stamps[1:])],
+        **args.extra,
+    }
     out = f"{args.out}.rank{rank}"
     tmp = f"{out}.tmp{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:

@@ -41,6 +41,7 @@ state comes from one replica) and 6 ranks as dp=3 (from two replicas, striped), 
 against raw_tcp_gbps each.
 Sets up the /etc/hosts line `::ffff:127.0.0.1 localhost-v4mapped` first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,17 +59,19 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from launcher.observe.logs import read_events as events  # noqa: E402  (the repo, not only an install)
-
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 
+from launcher.observe.logs import read_events as events  # noqa: E402  (the repo, not only an install)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKERS = {"ftrun": os.path.join(REPO, "scripts", "bench_recovery_worker.py"),
-           "torchrun": os.path.join(REPO, "scripts", "bench_recovery_torchrun_worker.py")}
-LAUNCHERS = {"ftrun": [sys.executable, "-m", "launcher"],
-             "torchrun": [sys.executable, "-m", "torch.distributed.run"]}
-
-
+WORKERS = {
+    "ftrun": os.path.join(REPO, "scripts", "bench_recovery_worker.py"),
+    "torchrun": os.path.join(REPO, "scripts", "bench_recovery_torchrun_worker.py"),
+}
+LAUNCHERS = {
+    "ftrun": [sys.executable, "-m", "launcher"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+}
 
 
 def raw_tcp_gbps(nbytes: int = 100 << 20, repeat: int = 3) -> float:
@@ -138,6 +141,7 @@ def warm_spares(root: int) -> list[int] | None:
         except (OSError, IndexError):
             return None
         return int(fields[11]) + int(fields[12]), fields[0] + nr
+
     if not spares:
         return None
     before = [cpu(p) for p in spares]
@@ -157,20 +161,26 @@ def read_steps(out: str) -> dict[int, list[dict]]:
     return res
 
 
-
-
-def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
-            hang_timeout: float = 0.0, extra_args: list[str] | None = None, nproc: int = 4,
-            worker_args: list[str] | None = None, repo: str = REPO,
-            kills: list[tuple[int, int]] | None = None) -> dict:
+def run_job(
+    name: str,
+    args: argparse.Namespace,
+    fault_plan: str | None = None,
+    hang_timeout: float = 0.0,
+    extra_args: list[str] | None = None,
+    nproc: int = 4,
+    worker_args: list[str] | None = None,
+    repo: str = REPO,
+    kills: list[tuple[int, int]] | None = None,
+) -> dict:
     """One job of launcher `name` ("ftrun"/"torchrun"); `repo`: the checkout whose launcher,
     runtime and worker script run (another one for a before/after comparison in one run). The
     job's checkpoints are always removed afterwards (a 1 GB state writes ~8 GB of them); its
     logs too, unless the job failed or --keep-logs is given."""
     out = tempfile.mkdtemp(prefix=f"bench_recovery_{name}_")
     try:
-        job = _run_job(out, name, args, fault_plan, hang_timeout, extra_args, nproc, worker_args,
-                       repo, kills)
+        job = _run_job(
+            out, name, args, fault_plan, hang_timeout, extra_args, nproc, worker_args, repo, kills
+        )
     finally:
         shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)
     if getattr(args, "keep_logs", False):
@@ -180,20 +190,50 @@ def run_job(name: str, args: argparse.Namespace, fault_plan: str | None = None,
     return job
 
 
-def _run_job(out: str, name: str, args: argparse.Namespace, fault_plan: str | None,
-             hang_timeout: float, extra_args: list[str] | None, nproc: int,
-             worker_args: list[str] | None, repo: str, kills: list[tuple[int, int]] | None) -> dict:
-    env = dict(os.environ, OUT_DIR=out, PYTHONPATH=repo, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+def _run_job(
+    out: str,
+    name: str,
+    args: argparse.Namespace,
+    fault_plan: str | None,
+    hang_timeout: float,
+    extra_args: list[str] | None,
+    nproc: int,
+    worker_args: list[str] | None,
+    repo: str,
+    kills: list[tuple[int, int]] | None,
+) -> dict:
+    env = dict(
+        os.environ, OUT_DIR=out, PYTHONPATH=repo, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo"
+    )
     if fault_plan:
         env["FTRUN_FAULT_PLAN"] = fault_plan
-    cmd = LAUNCHERS[name] + ["--nproc_per_node", str(nproc), "--max_restarts", "3",
-                             "--log_dir", os.path.join(out, "logs")]
-    if name == "ftrun" and hang_timeout:  # only where a hang is injected: a slow first step is no hang
+    cmd = LAUNCHERS[name] + [
+        "--nproc_per_node",
+        str(nproc),
+        "--max_restarts",
+        "3",
+        "--log_dir",
+        os.path.join(out, "logs"),
+    ]
+    if (
+        name == "ftrun" and hang_timeout
+    ):  # only where a hang is injected: a slow first step is no hang
         cmd += ["--hang_timeout", str(hang_timeout)]
     cmd += extra_args or []
     worker = os.path.join(repo, os.path.relpath(WORKERS[name], REPO))
-    cmd += [worker, "--steps", str(args.steps), "--hidden", str(args.hidden), "--layers", str(args.layers),
-            "--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "10"] + (worker_args or [])
+    cmd += [
+        worker,
+        "--steps",
+        str(args.steps),
+        "--hidden",
+        str(args.hidden),
+        "--layers",
+        str(args.layers),
+        "--checkpoint-dir",
+        os.path.join(out, "ckpt"),
+        "--checkpoint-every",
+        "10",
+    ] + (worker_args or [])
     stderr_path = os.path.join(out, "stderr.txt")
     # external SIGKILLs (no fault plan): (rank, gap) -- the first once every rank completed
     # --kill-after-step (and the warm spares are warm), each next one once every rank completed
@@ -215,12 +255,18 @@ def _run_job(out: str, name: str, args: argparse.Namespace, fault_plan: str | No
                         warm_at = time.time()
                         # then kill at the end of a step, as every other kill here (at a random
                         # point of a step the lost time also holds the part done before the kill)
-                        warm_floor = 1 + max((s[-1]["step"] for s in steps.values() if s), default=-1)
+                        warm_floor = 1 + max(
+                            (s[-1]["step"] for s in steps.values() if s), default=-1
+                        )
                     else:
                         time.sleep(0.05)
                         continue
                 rank, gap = kills[len(kill_times)]
-                need = killed_steps[-1] + gap if killed_steps else max(args.kill_after_step, warm_floor)
+                need = (
+                    killed_steps[-1] + gap
+                    if killed_steps
+                    else max(args.kill_after_step, warm_floor)
+                )
                 if len(steps) == nproc and all(s and s[-1]["step"] >= need for s in steps.values()):
                     victim = steps[rank][-1]
                     killed_steps.append(victim["step"] + 1)
@@ -235,8 +281,10 @@ def _run_job(out: str, name: str, args: argparse.Namespace, fault_plan: str | No
     with open(stderr_path, encoding="utf-8", errors="replace") as f:
         stderr = f.read()
     if len(kill_times) < len(kills):
-        raise RuntimeError(f"{name}: the job ended before kill {len(kill_times) + 1} (spares warm: "
-                           f"{warm_at is not None}; logs in {out}); use more --steps")
+        raise RuntimeError(
+            f"{name}: the job ended before kill {len(kill_times) + 1} (spares warm: "
+            f"{warm_at is not None}; logs in {out}); use more --steps"
+        )
     ev = events(os.path.join(out, "logs"))
     if name == "ftrun":
         # the step the kill interrupted is the round's resume step: the victim may have
@@ -245,11 +293,17 @@ def _run_job(out: str, name: str, args: argparse.Namespace, fault_plan: str | No
             plan = next((e for e in ev if e["event"] == "repair-plan" and e["time"] >= t), None)
             if plan is not None and plan.get("resume_step") is not None:
                 killed_steps[i] = plan["resume_step"]
-    return {"out": out, "kill_time": kill_times[0] if kill_times else None,
-            "killed_step": killed_steps[0] if killed_steps else None,
-            "kill_times": kill_times, "killed_steps": killed_steps, "stderr": stderr,
-            "spares_warm_after_s": round(warm_at - t_start, 2) if warm_at else None,
-            "steps": read_steps(out), "events": ev}
+    return {
+        "out": out,
+        "kill_time": kill_times[0] if kill_times else None,
+        "killed_step": killed_steps[0] if killed_steps else None,
+        "kill_times": kill_times,
+        "killed_steps": killed_steps,
+        "stderr": stderr,
+        "spares_warm_after_s": round(warm_at - t_start, 2) if warm_at else None,
+        "steps": read_steps(out),
+        "events": ev,
+    }
 
 
 def regained(job: dict, since: float, step: int) -> tuple[float, int]:
@@ -271,7 +325,11 @@ def ftrun_phases(job: dict, t_fault: float) -> dict:
 
     def first(kind: str, **match: object) -> dict | None:
         for e in ev:
-            if e["event"] == kind and all(e.get(k) == v for k, v in match.items()) and e["time"] >= t_fault - 1:
+            if (
+                e["event"] == kind
+                and all(e.get(k) == v for k, v in match.items())
+                and e["time"] >= t_fault - 1
+            ):
                 return e
         return None
 
@@ -287,8 +345,16 @@ def ftrun_phases(job: dict, t_fault: float) -> dict:
     surv = [e for e in rec if not e.get("replacement")]
     spawn = first("spawn", replacement=True)
     if spawn:
-        hello = next((e for e in ev if e["event"] == "hello" and e["rank"] == spawn["rank"]
-                      and e["time"] >= spawn["time"]), None)
+        hello = next(
+            (
+                e
+                for e in ev
+                if e["event"] == "hello"
+                and e["rank"] == spawn["rank"]
+                and e["time"] >= spawn["time"]
+            ),
+            None,
+        )
         if hello and plan:
             phases["respawn_s"] = hello["time"] - plan["time"]
     if surv:
@@ -298,7 +364,9 @@ def ftrun_phases(job: dict, t_fault: float) -> dict:
         phases["transfer_s"] = max(e.get("repair_s", 0.0) for e in repl)
     elif surv:
         phases["transfer_s"] = max(e.get("repair_s", 0.0) for e in surv)
-    return {k: round(v, 4) for k, v in phases.items()}, (max(e["time"] for e in rec) if rec else None)
+    return {k: round(v, 4) for k, v in phases.items()}, (
+        max(e["time"] for e in rec) if rec else None
+    )
 
 
 # the replacement's log line (before the same-host path: no "(path)" after the ranks)
@@ -325,13 +393,27 @@ def replacement_path(job: dict, t_fault: float) -> dict:
     rebuilt (groups built) -> registered (the script built model + optimizer) -> received (state
     in) -> repaired (every rank past the end-of-transfer barrier)."""
     ev = job["events"]
-    spawn = next((e for e in ev if e["event"] == "spawn" and e.get("replacement") and e["time"] >= t_fault - 1), None)
-    rec = next((e for e in ev if e["event"] == "rank-recovered" and e.get("replacement")
-                and e["time"] >= t_fault - 1), None)
+    spawn = next(
+        (
+            e
+            for e in ev
+            if e["event"] == "spawn" and e.get("replacement") and e["time"] >= t_fault - 1
+        ),
+        None,
+    )
+    rec = next(
+        (
+            e
+            for e in ev
+            if e["event"] == "rank-recovered" and e.get("replacement") and e["time"] >= t_fault - 1
+        ),
+        None,
+    )
     if spawn is None or rec is None:
         return {}
-    edges = [("spawn", spawn["time"])] + sorted(((k, v) for k, v in (rec.get("marks") or {}).items()),
-                                                 key=lambda kv: kv[1])
+    edges = [("spawn", spawn["time"])] + sorted(
+        ((k, v) for k, v in (rec.get("marks") or {}).items()), key=lambda kv: kv[1]
+    )
     return {f"{a}->{b}": round(tb - ta, 4) for (a, ta), (b, tb) in zip(edges, edges[1:])}
 
 
@@ -348,8 +430,13 @@ def ftrun_row(job: dict, res: dict, prefix: str) -> None:
         res[f"{prefix}_overhead_s"] = round(last_rec - job["kill_time"], 4)
     # the same, by the ranks' own clocks: the last rank's `repaired` edge (the agent logs its
     # `rank-recovered` a message later)
-    repaired = [e["marks"]["repaired"] for e in job["events"] if e["event"] == "rank-recovered"
-                and e["time"] >= job["kill_time"] and "repaired" in (e.get("marks") or {})]
+    repaired = [
+        e["marks"]["repaired"]
+        for e in job["events"]
+        if e["event"] == "rank-recovered"
+        and e["time"] >= job["kill_time"]
+        and "repaired" in (e.get("marks") or {})
+    ]
     if repaired:
         res[f"{prefix}_overhead_ranks_s"] = round(max(repaired) - job["kill_time"], 4)
     res[f"{prefix}_phases"] = phases
@@ -386,14 +473,18 @@ def compare(args: argparse.Namespace, tcp: float) -> dict:
     if args.baseline_repo:
         res["baseline_repo"] = args.baseline_repo
     if "torchrun_recover_s" in res:
-        res["ratio_ftrun_vs_torchrun"] = round(res["ftrun_recover_s"] / res["torchrun_recover_s"], 3)
+        res["ratio_ftrun_vs_torchrun"] = round(
+            res["ftrun_recover_s"] / res["torchrun_recover_s"], 3
+        )
     return res
 
 
 def kind_row(kind: str, args: argparse.Namespace) -> dict:
     step = args.kill_after_step + 1
     plan = json.dumps([{"rank": 1, "step": step, "phase": "forward", "kind": kind}])
-    job = run_job("ftrun", args, fault_plan=plan, hang_timeout=args.hang_timeout if kind == "hang" else 0.0)
+    job = run_job(
+        "ftrun", args, fault_plan=plan, hang_timeout=args.hang_timeout if kind == "hang" else 0.0
+    )
     ev = job["events"]
     fired = next((e for e in ev if e["event"] in ("worker-failed", "worker-fault")), None)
     hang = next((e for e in ev if e["event"] == "hang"), None)
@@ -406,12 +497,18 @@ def kind_row(kind: str, args: argparse.Namespace) -> dict:
     before = sorted(r["time"] for r in job["steps"][0] if r["step"] < step)
     gaps = sorted(b - a for a, b in zip(before, before[1:]))
     step_s = gaps[len(gaps) // 2] if gaps else 0.0
-    return {"bench": "recovery-kind", "kind": kind, "strategy": strategy,
-            "detect_s": round((hang or fired)["time"] - t_prev, 4) if (hang or fired) else None,
-            "resumed_s": round(max(resumed) - t_prev, 3) if resumed else None,
-            "recover_s": round(t_rec - t_prev, 3), "step_s": round(step_s, 3),
-            "lost_s": round(t_rec - t_prev - step_s, 3), "recomputed": recomputed,
-            "processes_restarted": sum(n - 1 for n in pids.values())}
+    return {
+        "bench": "recovery-kind",
+        "kind": kind,
+        "strategy": strategy,
+        "detect_s": round((hang or fired)["time"] - t_prev, 4) if (hang or fired) else None,
+        "resumed_s": round(max(resumed) - t_prev, 3) if resumed else None,
+        "recover_s": round(t_rec - t_prev, 3),
+        "step_s": round(step_s, 3),
+        "lost_s": round(t_rec - t_prev - step_s, 3),
+        "recomputed": recomputed,
+        "processes_restarted": sum(n - 1 for n in pids.values()),
+    }
 
 
 def churn_row(args: argparse.Namespace, repo: str = REPO) -> dict:
@@ -421,9 +518,14 @@ def churn_row(args: argparse.Namespace, repo: str = REPO) -> dict:
     # no periodic checkpoint here: with one every 10 steps the second kill (step ~20) came right
     # after the checkpoint of iteration 20, whose write and writeback slowed that step for
     # reasons unrelated to the spares (both checkouts, ~0.3 s)
-    job = run_job("ftrun", args, extra_args=["--warm-spares", str(args.warm_spares)], repo=repo,
-                  kills=[(1, 0), (2, args.churn_gap)],
-                  worker_args=[] if args.churn_checkpoints else ["--checkpoint-every", "0"])
+    job = run_job(
+        "ftrun",
+        args,
+        extra_args=["--warm-spares", str(args.warm_spares)],
+        repo=repo,
+        kills=[(1, 0), (2, args.churn_gap)],
+        worker_args=[] if args.churn_checkpoints else ["--checkpoint-every", "0"],
+    )
     ev = job["events"]
     first = job["killed_steps"][0]
     before = sorted(r["time"] for r in job["steps"][0] if r["step"] < first)
@@ -434,16 +536,25 @@ def churn_row(args: argparse.Namespace, repo: str = REPO) -> dict:
     for t_kill, step in zip(job["kill_times"], job["killed_steps"]):
         # from the end of the victim's step before the kill, as the per-kind rows
         # (every rank that logged it: a victim may die between its commit and its log line)
-        t_prev = max(min(r["time"] for r in recs if r["step"] == step - 1)
-                     for recs in job["steps"].values() if any(r["step"] == step - 1 for r in recs))
+        t_prev = max(
+            min(r["time"] for r in recs if r["step"] == step - 1)
+            for recs in job["steps"].values()
+            if any(r["step"] == step - 1 for r in recs)
+        )
         t_rec, _ = regained(job, t_kill, step)
         lost.append(round(t_rec - t_prev - step_s, 3))
-    return {"bench": "recovery-churn", "warm_spares": args.warm_spares, "gap_steps": args.churn_gap,
-            "step_s": round(step_s, 3), "first_lost_s": lost[0], "second_lost_s": lost[1],
-            "first_warm": bool(spawns and spawns[0].get("warm")),
-            "second_warm": bool(len(spawns) > 1 and spawns[1].get("warm")),
-            "spares_warm_after_s": job["spares_warm_after_s"],
-            "strategies": [e["strategy"] for e in ev if e["event"] == "plan"]}
+    return {
+        "bench": "recovery-churn",
+        "warm_spares": args.warm_spares,
+        "gap_steps": args.churn_gap,
+        "step_s": round(step_s, 3),
+        "first_lost_s": lost[0],
+        "second_lost_s": lost[1],
+        "first_warm": bool(spawns and spawns[0].get("warm")),
+        "second_warm": bool(len(spawns) > 1 and spawns[1].get("warm")),
+        "spares_warm_after_s": job["spares_warm_after_s"],
+        "strategies": [e["strategy"] for e in ev if e["event"] == "plan"],
+    }
 
 
 def transfer_row(args: argparse.Namespace, nproc: int, dp: int, tcp: float) -> dict:
@@ -455,12 +566,20 @@ def transfer_row(args: argparse.Namespace, nproc: int, dp: int, tcp: float) -> d
     phases, _ = ftrun_phases(job, job["kill_time"])
     gbps = transfer_gbps(job["stderr"])
     m = re.search(RECEIVED + r" ([\d.]+) MB", job["stderr"])
-    return {"bench": "transfer", "ranks": nproc, "dp": dp, "replica_groups": groups,
-            "sources": [int(x) for x in m.group(1).split(",")] if m else None,
-            "state_mb": float(m.group(3)) if m else None, "transfer_path": transfer_path(job["stderr"]),
-            "transfer_gbps": round(gbps, 3) if gbps else None, "raw_tcp_gbps": round(tcp, 3),
-            "transfer_vs_tcp": round(gbps / tcp, 3) if gbps else None, "ftrun_phases": phases,
-            "spares_warm_after_s": job["spares_warm_after_s"]}
+    return {
+        "bench": "transfer",
+        "ranks": nproc,
+        "dp": dp,
+        "replica_groups": groups,
+        "sources": [int(x) for x in m.group(1).split(",")] if m else None,
+        "state_mb": float(m.group(3)) if m else None,
+        "transfer_path": transfer_path(job["stderr"]),
+        "transfer_gbps": round(gbps, 3) if gbps else None,
+        "raw_tcp_gbps": round(tcp, 3),
+        "transfer_vs_tcp": round(gbps / tcp, 3) if gbps else None,
+        "ftrun_phases": phases,
+        "spares_warm_after_s": job["spares_warm_after_s"],
+    }
 
 
 def main() -> None:
@@ -471,31 +590,71 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=9)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--hang-timeout", type=float, default=2.0)
-    ap.add_argument("--kinds", default="", help="comma list of fault kinds for per-kind rows "
-                    "(kill,segv,exit,exception,hang,uce-low,uce-high,network)")
+    ap.add_argument(
+        "--kinds",
+        default="",
+        help="comma list of fault kinds for per-kind rows "
+        "(kill,segv,exit,exception,hang,uce-low,uce-high,network)",
+    )
     ap.add_argument("--no-compare", action="store_true", help="only the per-kind rows")
-    ap.add_argument("--churn", action="store_true", help="one more row: two kills in a row on one "
-                    "node (ranks 1 then 2, --churn-gap steps apart), lost time of each")
+    ap.add_argument(
+        "--churn",
+        action="store_true",
+        help="one more row: two kills in a row on one "
+        "node (ranks 1 then 2, --churn-gap steps apart), lost time of each",
+    )
     ap.add_argument("--churn-gap", type=int, default=3)
-    ap.add_argument("--churn-checkpoints", action="store_true", help="keep the periodic checkpoint "
-                    "(every 10 steps) in the churn row (default off: it lands next to the second kill)")
+    ap.add_argument(
+        "--churn-checkpoints",
+        action="store_true",
+        help="keep the periodic checkpoint "
+        "(every 10 steps) in the churn row (default off: it lands next to the second kill)",
+    )
     ap.add_argument("--warm-spares", type=int, default=2, help="ftrun's --warm-spares for --churn")
-    ap.add_argument("--no-wait-warm", dest="wait_warm", action="store_false",
-                    help="kill at --kill-after-step even while ftrun's warm spares are still importing "
-                         "torch (default: wait until they are warm, the steady state of a long job)")
-    ap.add_argument("--transfer-rows", action="store_true", help="two more rows, ftrun only: 4 ranks "
-                    "as dp=2 replica groups (one source) and 6 ranks as dp=3 (two sources, striped)")
-    ap.add_argument("--no-torchrun", dest="torchrun", action="store_false",
-                    help="leave torchrun's restart-all out of the main row (ftrun only)")
-    ap.add_argument("--baseline-repo", default="", help="another checkout (e.g. main's) whose ftrun "
-                    "runs in the main row too, keys prefixed base_ (a before/after in one run)")
-    ap.add_argument("--keep-logs", action="store_true", help="keep each job's run directory (logs, "
-                    "events, step files; checkpoints are removed either way) and print its path")
-    ap.add_argument("--repeat", type=int, default=1, help="main rows to run (baseline and this "
-                    "checkout alternate which goes first)")
+    ap.add_argument(
+        "--no-wait-warm",
+        dest="wait_warm",
+        action="store_false",
+        help="kill at --kill-after-step even while ftrun's warm spares are still importing "
+        "torch (default: wait until they are warm, the steady state of a long job)",
+    )
+    ap.add_argument(
+        "--transfer-rows",
+        action="store_true",
+        help="two more rows, ftrun only: 4 ranks "
+        "as dp=2 replica groups (one source) and 6 ranks as dp=3 (two sources, striped)",
+    )
+    ap.add_argument(
+        "--no-torchrun",
+        dest="torchrun",
+        action="store_false",
+        help="leave torchrun's restart-all out of the main row (ftrun only)",
+    )
+    ap.add_argument(
+        "--baseline-repo",
+        default="",
+        help="another checkout (e.g. main's) whose ftrun "
+        "runs in the main row too, keys prefixed base_ (a before/after in one run)",
+    )
+    ap.add_argument(
+        "--keep-logs",
+        action="store_true",
+        help="keep each job's run directory (logs, "
+        "events, step files; checkpoints are removed either way) and print its path",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="main rows to run (baseline and this checkout alternate which goes first)",
+    )
     args = ap.parse_args()
-    if args.baseline_repo and not os.path.isfile(os.path.join(args.baseline_repo, "launcher", "agent.py")):
-        sys.exit(f"bench_recovery: --baseline-repo {args.baseline_repo} holds no launcher/agent/agent.py")
+    if args.baseline_repo and not os.path.isfile(
+        os.path.join(args.baseline_repo, "launcher", "agent.py")
+    ):
+        sys.exit(
+            f"bench_recovery: --baseline-repo {args.baseline_repo} holds no launcher/agent/agent.py"
+        )
     if args.repeat < 1:
         sys.exit(f"bench_recovery: --repeat {args.repeat} must be >= 1")
     hosts = ensure_hosts_line()
@@ -510,7 +669,7 @@ def main() -> None:
     if args.churn:
         for i in range(args.repeat):
             runs = [("this", REPO)] + ([("base", args.baseline_repo)] if args.baseline_repo else [])
-            for label, repo in (runs if i % 2 == 0 else runs[::-1]):
+            for label, repo in runs if i % 2 == 0 else runs[::-1]:
                 print(json.dumps(dict(churn_row(args, repo), checkout=label)), flush=True)
     if args.transfer_rows:
         tcp = raw_tcp_gbps()

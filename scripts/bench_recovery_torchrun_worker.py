@@ -7,6 +7,7 @@ process group is built on a per-attempt store prefix: torch 2.13's torchrun reus
 across restarts, and without the prefix a restarted gloo job reads the dead attempt's addresses
 (membership restarts keep the restart count, so the prefix counts this rank's starts instead).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,15 +30,20 @@ def main() -> int:
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--step-time", type=float, default=0.0, help="sleep per step (slow steps)")
     a = ap.parse_args()
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=300))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=300),
+    )
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     # the prefix counts this rank's starts, not TORCHELASTIC_RESTART_COUNT: an agent that
     # restarts for a membership change (another node's worker failed) keeps its count while the
     # failed node's agent counts one more. Every rank starts once per restart-all: prefixes agree.
     starts = store.add(f"bench/starts/{rank}", 1)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{starts}", store),
-                            rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"attempt{starts}", store), rank=rank, world_size=world
+    )
     torch.manual_seed(7)
     layers: list[torch.nn.Module] = [torch.nn.Linear(64, a.hidden), torch.nn.ReLU()]
     for _ in range(a.layers - 2):
@@ -66,7 +72,7 @@ def main() -> int:
         off = 0
         for p in params:
             n = p.numel()
-            p.grad.copy_(flat[off:off + n].view_as(p))
+            p.grad.copy_(flat[off : off + n].view_as(p))
             off += n
         opt.step()
         opt.zero_grad()

@@ -5,6 +5,7 @@ JSON line per completed step to $OUT_DIR/steps.<rank>.jsonl ({"step", "time", "p
 durable checkpoint every --checkpoint-every steps (what torchrun's restart-all reloads), and
 runs under ftrun (process-level recovery) and under torchrun (restart from the checkpoint).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,9 @@ def main() -> int:
     ap.add_argument("--checkpoint-dir", required=True)
     ap.add_argument("--checkpoint-every", type=int, default=10)
     ap.add_argument("--step-time", type=float, default=0.0)
-    ap.add_argument("--replica-groups", default="", help="JSON list of replica groups (default: all ranks)")
+    ap.add_argument(
+        "--replica-groups", default="", help="JSON list of replica groups (default: all ranks)"
+    )
     a = ap.parse_args()
     rt = ftr.init(backend="gloo")
     torch.manual_seed(7)
@@ -41,8 +44,13 @@ def main() -> int:
     pos = {"batch": 0}
     if a.replica_groups:
         rt.set_replica_groups(json.loads(a.replica_groups))
-    rt.register(model=model, optimizer=opt, data=(lambda: dict(pos), lambda p: pos.update(p)),
-                checkpoint_dir=a.checkpoint_dir, checkpoint_every=a.checkpoint_every)
+    rt.register(
+        model=model,
+        optimizer=opt,
+        data=(lambda: dict(pos), lambda p: pos.update(p)),
+        checkpoint_dir=a.checkpoint_dir,
+        checkpoint_every=a.checkpoint_every,
+    )
     log = open(os.path.join(os.environ["OUT_DIR"], f"steps.{rt.rank}.jsonl"), "a", buffering=1)
     for step in rt.steps(a.steps):
         with step:
@@ -60,7 +68,9 @@ def main() -> int:
                 opt.step()
                 opt.zero_grad()
         if not step.interrupted:
-            log.write(json.dumps({"step": step.index, "time": time.time(), "pid": os.getpid()}) + "\n")
+            log.write(
+                json.dumps({"step": step.index, "time": time.time(), "pid": os.getpid()}) + "\n"
+            )
     log.close()
     rt.finish()
     return 0

@@ -9,6 +9,7 @@ to the successor's script running (its imports included when it has to do them),
 CPU time the successor (and, for `fork`, nothing else: the server forks) used until then.
 One JSON line per mode and repeat; modes alternate which goes first.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,10 +24,12 @@ sys.path.insert(0, REPO)
 
 from launcher.workers.spare import SparePool  # noqa: E402
 
-JOB = ("import os, sys, time\n"
-       "t = time.time()\n"
-       "cpu = sum(os.times()[:2])\n"
-       "open(sys.argv[1], 'w').write(f'{t} {cpu}')\n")
+JOB = (
+    "import os, sys, time\n"
+    "t = time.time()\n"
+    "cpu = sum(os.times()[:2])\n"
+    "open(sys.argv[1], 'w').write(f'{t} {cpu}')\n"
+)
 
 
 def measure(fork: bool, workdir: str) -> dict:
@@ -53,9 +56,14 @@ def measure(fork: bool, workdir: str) -> dict:
             raise RuntimeError("no successor after ensure()")
         code = succ.wait(timeout=120)
         started, cpu = (float(x) for x in open(out).read().split())
-        return {"bench": "spare-successor", "mode": "fork" if fork else "import", "exit": code,
-                "ensure_s": round(ensure_s, 4), "job_start_s": round(started - t0, 4),
-                "cpu_s": round(cpu, 3)}
+        return {
+            "bench": "spare-successor",
+            "mode": "fork" if fork else "import",
+            "exit": code,
+            "ensure_s": round(ensure_s, 4),
+            "job_start_s": round(started - t0, 4),
+            "cpu_s": round(cpu, 3),
+        }
     finally:
         pool.stop()
 
@@ -68,7 +76,7 @@ def main() -> None:
         sys.exit(f"bench_spare: --repeat {args.repeat} must be >= 1")
     with tempfile.TemporaryDirectory() as d:
         for i in range(args.repeat):
-            for fork in ((True, False) if i % 2 == 0 else (False, True)):
+            for fork in (True, False) if i % 2 == 0 else (False, True):
                 print(json.dumps(measure(fork, d)), flush=True)
 
 

@@ -30,6 +30,7 @@ line `::ffff:127.0.0.1 localhost-v4mapped` first (see hosts_setup.py).
 
     python scripts/bench_step_cost.py --nproc 1 --repeats 3 --steps 4000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,7 +50,9 @@ from bench_overhead import SIZES, WORKER, rotating_runs, worker_env  # noqa: E40
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 
 MODES = ("rtddp", "rtddphook", "native", "bucketview", "torchhook")
-WORKER_MODE = {"rtddphook": "rtddp"}  # rt.ddp with FTRUN_DDP_COMM=hook: the runtime's Python comm hook
+WORKER_MODE = {
+    "rtddphook": "rtddp"
+}  # rt.ddp with FTRUN_DDP_COMM=hook: the runtime's Python comm hook
 WARM_CYCLES = 2
 STOP_GRACE_S = 30.0  # after SIGTERM, ftrun's time to stop its workers before SIGKILL
 
@@ -57,16 +60,34 @@ STOP_GRACE_S = 30.0  # after SIGTERM, ftrun's time to stop its workers before SI
 def run_once(mode: str, size: dict, args: argparse.Namespace, workdir: str) -> dict:
     """One ftrun launch of one interleaved mode; returns rank 0's output."""
     out = os.path.join(workdir, f"{mode}-{time.monotonic_ns()}.json")
-    cmd = [sys.executable, "-m", "launcher", "--nproc_per_node", str(args.nproc), "--warm-spares", "0",
-           "--log_dir", os.path.join(workdir, "logs", os.path.basename(out)[:-5]),
-           WORKER, "--mode", f"interleaved_{WORKER_MODE.get(mode, mode)}", "--steps", str(args.steps),
-           "--block", str(args.block),
-           "--out", out, *(["--pin"] if args.pin else []),
-           *[x for k, v in size.items() for x in (f"--{k}", str(v))]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "launcher",
+        "--nproc_per_node",
+        str(args.nproc),
+        "--warm-spares",
+        "0",
+        "--log_dir",
+        os.path.join(workdir, "logs", os.path.basename(out)[:-5]),
+        WORKER,
+        "--mode",
+        f"interleaved_{WORKER_MODE.get(mode, mode)}",
+        "--steps",
+        str(args.steps),
+        "--block",
+        str(args.block),
+        "--out",
+        out,
+        *(["--pin"] if args.pin else []),
+        *[x for k, v in size.items() for x in (f"--{k}", str(v))],
+    ]
     env = worker_env(threads=1)
     if mode == "rtddphook":
         env["FTRUN_DDP_COMM"] = "hook"
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=workdir
+    )
     try:
         _, stderr = proc.communicate(timeout=args.timeout)
     except subprocess.TimeoutExpired:
@@ -81,7 +102,9 @@ def run_once(mode: str, size: dict, args: argparse.Namespace, workdir: str) -> d
                 proc.communicate()
     path = f"{out}.rank0"
     if proc.returncode != 0 or not os.path.exists(path):
-        raise RuntimeError(f"{mode} run failed (exit {proc.returncode}): {' '.join(cmd)}\n{stderr[-3000:]}")
+        raise RuntimeError(
+            f"{mode} run failed (exit {proc.returncode}): {' '.join(cmd)}\n{stderr[-3000:]}"
+        )
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
@@ -90,14 +113,22 @@ def cycle_ratios(result: dict, key: str) -> list[float]:
     """Per cycle (warm-up cycles dropped): the runtime block's median over plain DDP's, minus 1."""
     by_cycle: dict[int, dict[str, list[float]]] = {}
     for block in result["blocks"]:
-        by_cycle.setdefault(block["cycle"], {})["ddp" if block["mode"] == "ddp" else "ours"] = block[key]
-    return [statistics.median(b["ours"]) / statistics.median(b["ddp"]) - 1.0
-            for c, b in sorted(by_cycle.items()) if c >= WARM_CYCLES and len(b) == 2]
+        by_cycle.setdefault(block["cycle"], {})["ddp" if block["mode"] == "ddp" else "ours"] = (
+            block[key]
+        )
+    return [
+        statistics.median(b["ours"]) / statistics.median(b["ddp"]) - 1.0
+        for c, b in sorted(by_cycle.items())
+        if c >= WARM_CYCLES and len(b) == 2
+    ]
 
 
 def block_medians(result: dict, side: str, key: str) -> list[float]:
-    return [statistics.median(b[key]) for b in result["blocks"]
-            if b["cycle"] >= WARM_CYCLES and (b["mode"] == "ddp") == (side == "ddp")]
+    return [
+        statistics.median(b[key])
+        for b in result["blocks"]
+        if b["cycle"] >= WARM_CYCLES and (b["mode"] == "ddp") == (side == "ddp")
+    ]
 
 
 def summarize(ratios: list[float], rng: random.Random) -> dict:
@@ -106,16 +137,23 @@ def summarize(ratios: list[float], rng: random.Random) -> dict:
     n = len(ordered)
     boot = sorted(statistics.median(rng.choices(ordered, k=n)) for _ in range(1000))
     pct = lambda x: round(100.0 * x, 2)  # noqa: E731
-    return {"pct": pct(statistics.median(ordered)), "iqr_pct": [pct(ordered[n // 4]), pct(ordered[(3 * n) // 4])],
-            "ci95_pct": [pct(boot[25]), pct(boot[974])], "cycles": n}
+    return {
+        "pct": pct(statistics.median(ordered)),
+        "iqr_pct": [pct(ordered[n // 4]), pct(ordered[(3 * n) // 4])],
+        "ci95_pct": [pct(boot[25]), pct(boot[974])],
+        "cycles": n,
+    }
 
 
 def measure(size_name: str, modes: list[str], args: argparse.Namespace, workdir: str) -> dict:
     size = SIZES[size_name]
     runs = rotating_runs(modes, args.repeats, lambda mode: run_once(mode, size, args, workdir))
     rng = random.Random(0)
-    report: dict = {**size, "params": runs[modes[0]][0]["params"],
-                    "grad_mb": round(runs[modes[0]][0]["grad_bytes"] / 1e6, 1)}
+    report: dict = {
+        **size,
+        "params": runs[modes[0]][0]["params"],
+        "grad_mb": round(runs[modes[0]][0]["grad_bytes"] / 1e6, 1),
+    }
     for mode in modes:
         for key, label in (("cpu_s", "cpu"), ("step_s", "wall")):
             stats = summarize([r for res in runs[mode] for r in cycle_ratios(res, key)], rng)
@@ -124,8 +162,12 @@ def measure(size_name: str, modes: list[str], args: argparse.Namespace, workdir:
             report[f"{mode}_{label}_ci95_pct"] = stats["ci95_pct"]
         report[f"{mode}_cycles"] = stats["cycles"]
         for side in ("ddp", "ours"):
-            report[f"{mode}_{side}_cpu_step_s"] = round(statistics.median(
-                [m for res in runs[mode] for m in block_medians(res, side, "cpu_s")]), 7)
+            report[f"{mode}_{side}_cpu_step_s"] = round(
+                statistics.median(
+                    [m for res in runs[mode] for m in block_medians(res, side, "cpu_s")]
+                ),
+                7,
+            )
         threads = sum(res["runtime_thread_cpu_s"] for res in runs[mode])
         process = sum(sum(b["cpu_s"]) for res in runs[mode] for b in res["blocks"])
         report[f"{mode}_agent_thread_cpu_pct"] = round(100.0 * threads / process, 3)
@@ -134,11 +176,17 @@ def measure(size_name: str, modes: list[str], args: argparse.Namespace, workdir:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--nproc", type=int, default=1, help="ranks (default 1: no cross-process wake-ups)")
-    ap.add_argument("--repeats", type=int, default=3, help="launches per mode, interleaved between modes")
+    ap.add_argument(
+        "--nproc", type=int, default=1, help="ranks (default 1: no cross-process wake-ups)"
+    )
+    ap.add_argument(
+        "--repeats", type=int, default=3, help="launches per mode, interleaved between modes"
+    )
     ap.add_argument("--steps", type=int, default=4000, help="steps per launch, both sides together")
     ap.add_argument("--block", type=int, default=20, help="steps per block")
-    ap.add_argument("--modes", default="rtddp,native", help=f"comma-separated, from {','.join(MODES)}")
+    ap.add_argument(
+        "--modes", default="rtddp,native", help=f"comma-separated, from {','.join(MODES)}"
+    )
     ap.add_argument("--sizes", default="small", help=f"comma-separated, from {','.join(SIZES)}")
     ap.add_argument("--no-pin", dest="pin", action="store_false", help="do not pin ranks to cores")
     ap.add_argument("--timeout", type=float, default=900)
@@ -152,15 +200,31 @@ def main() -> int:
     if args.nproc < 1 or args.repeats < 1 or args.block < 1:
         ap.error("need --nproc >= 1, --repeats >= 1, --block >= 1")
     if args.steps // (2 * args.block) <= WARM_CYCLES:
-        ap.error(f"--steps {args.steps} with --block {args.block} leaves no cycle after the "
-                 f"{WARM_CYCLES} warm-up cycles: need --steps > {2 * args.block * (WARM_CYCLES + 1) - 1}")
+        ap.error(
+            f"--steps {args.steps} with --block {args.block} leaves no cycle after the "
+            f"{WARM_CYCLES} warm-up cycles: need --steps > {2 * args.block * (WARM_CYCLES + 1) - 1}"
+        )
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_once's finally stops the launch
     hosts = ensure_hosts_line()
     with tempfile.TemporaryDirectory(prefix="ftrun-bench-step-cost-") as workdir:
         results = {name: measure(name, modes, args, workdir) for name in sizes}
-    print(json.dumps({"bench": "step_cost", "nproc": args.nproc, "repeats": args.repeats, "steps": args.steps,
-                      "block": args.block, "pinned": args.pin, "modes": modes, "hosts_line": hosts,
-                      "baseline": "plain torch DDP in the same worker processes", **results}), flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "step_cost",
+                "nproc": args.nproc,
+                "repeats": args.repeats,
+                "steps": args.steps,
+                "block": args.block,
+                "pinned": args.pin,
+                "modes": modes,
+                "hosts_line": hosts,
+                "baseline": "plain torch DDP in the same worker processes",
+                **results,
+            }
+        ),
+        flush=True,
+    )
     return 0
 
 

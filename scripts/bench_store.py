@@ -39,6 +39,7 @@ of each warm pattern to torch's next to it in time (with quartiles). A single 40
 (torch against itself: 0.6-2.2x by round); paired, alternating patterns far less (0.94-1.06x).
 Memory: all backends' client processes live at once (~16 per backend at 1024+ clients).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from hosts_setup import HOSTS_LINE, ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
+
 PER_PROXY = 64
 
-CLIENT = r'''
+CLIENT = r"""
 import os, resource, sys, threading, time
 from datetime import timedelta
 import torch.distributed as d
@@ -122,17 +124,17 @@ while True:  # "go [J]": run the pattern once (keys prefixed "J/" for J > 0); an
 if errors:
     print("ERR", errors[:3], file=sys.stderr, flush=True)
 os._exit(0)
-'''
+"""
 
-TORCH_SERVER = r'''
+TORCH_SERVER = r"""
 import os, sys, time
 import torch.distributed as d
 s = d.TCPStore(os.environ.get("BENCH_STORE_BIND", "127.0.0.1"), 0, is_master=True, wait_for_workers=False, use_libuv=True)
 print("port", s.port, flush=True)
 sys.stdin.readline()
-'''
+"""
 
-PROXY_HOST = r'''
+PROXY_HOST = r"""
 import os, sys
 from rendezvous.store.proxy import StoreProxy
 up_port, n = int(sys.argv[1]), int(sys.argv[2])
@@ -142,7 +144,7 @@ print("ports", ",".join(str(p.port) for p in ps), flush=True)
 sys.stdin.readline()
 for p in ps:
     p.stop()
-'''
+"""
 
 
 def env(repo: str = REPO, nice: str | None = None) -> dict[str, str]:
@@ -181,15 +183,21 @@ def user_sys_seconds(pid: int) -> tuple[float, float]:
         return 0.0, 0.0
 
 
-def spawn(code: str, *args: object, repo: str = REPO,
-          nice: str | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], env=env(repo, nice),
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, bufsize=1)
+def spawn(code: str, *args: object, repo: str = REPO, nice: str | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, args)],
+        env=env(repo, nice),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
 
 
-def client_phase(clients: list[subprocess.Popen], command: str,
-                 reply: str) -> tuple[float, int, float]:
+def client_phase(
+    clients: list[subprocess.Popen], command: str, reply: str
+) -> tuple[float, int, float]:
     """Tell every client process `command`, wait for each one's `reply` line
     (`reply <end time> <errors> <CPU seconds so far>`): (seconds from the command to the last
     end, errors, the client processes' CPU seconds so far)."""
@@ -198,8 +206,11 @@ def client_phase(clients: list[subprocess.Popen], command: str,
         c.stdin.write(command + "\n")
         c.stdin.flush()
     ends = [read_line(c, reply) for c in clients]
-    return (max(float(e[1]) for e in ends) - t0, sum(int(e[2]) for e in ends),
-            sum(float(e[3]) for e in ends))
+    return (
+        max(float(e[1]) for e in ends) - t0,
+        sum(int(e[2]) for e in ends),
+        sum(float(e[3]) for e in ends),
+    )
 
 
 def read_line(p: subprocess.Popen, want: str, timeout: float = 300) -> list[str]:
@@ -232,7 +243,7 @@ def client_procs(n: int) -> int:
 
 def rotated(items: list, i: int) -> list:
     """`items` rotated left by i: round i's order, so no backend always goes first."""
-    return items[i % len(items):] + items[:i % len(items)]
+    return items[i % len(items) :] + items[: i % len(items)]
 
 
 def interleaved(kinds: list[str], repeat: int):
@@ -243,7 +254,7 @@ def interleaved(kinds: list[str], repeat: int):
 
 
 def split_kind(kind: str) -> tuple[str, str, str | None]:
-    """"ftrun-proxy%-5@/path/to/checkout" -> ("ftrun-proxy", that checkout, "-5"): no "@": this
+    """ "ftrun-proxy%-5@/path/to/checkout" -> ("ftrun-proxy", that checkout, "-5"): no "@": this
     checkout; "%N": FTRUN_STORE_NICE=N for that backend's server and proxies (no "%": the
     environment's, i.e. ftrun's default). A "#LABEL" at the end names a second, independent
     instance of the same backend ("torch#2": another torch master, measured as a contender, so
@@ -259,9 +270,24 @@ def start_master(kind: str) -> tuple[subprocess.Popen, int]:
     if kind == "torch":
         p = spawn(TORCH_SERVER)
         return p, int(read_line(p, "port")[1])
-    p = subprocess.Popen([sys.executable, "-m", "rendezvous.store.store_cli", "serve", "--host",
-                          "127.0.0.1", "--port", "0"], env=env(repo, nice), stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, bufsize=1)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rendezvous.store.store_cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+        ],
+        env=env(repo, nice),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        bufsize=1,
+    )
     line = p.stdout.readline()
     if "listening on" not in line:
         raise RuntimeError(f"store_cli serve failed: {line} {p.stderr.read()[-2000:]}")
@@ -308,8 +334,9 @@ class Setup:
                 per_port = PER_PROXY
             per = n // procs
             for i in range(procs):
-                self.clients.append(spawn(CLIENT, n, i * per, per, ",".join(map(str, self.ports)),
-                                          per_port))
+                self.clients.append(
+                    spawn(CLIENT, n, i * per, per, ",".join(map(str, self.ports)), per_port)
+                )
             for c in self.clients:
                 read_line(c, "ready")
         except BaseException:
@@ -337,10 +364,14 @@ class Setup:
         ops = 7 * n  # set, add, wait, (get = wait + get | set), add, wait per rank
         self.ccpu = ccpu2
         return {
-            "backend": self.kind, "clients": n, "client_procs": self.procs,
+            "backend": self.kind,
+            "clients": n,
+            "client_procs": self.procs,
             "master_connections": n if self.base != "ftrun-proxy" else len(self.ports),
-            "connect_s": round(connect_s, 4), "pattern_s": round(pattern_s, 4),
-            "ops_per_s": round(ops / pattern_s), "master_cpu_connect_s": round(cpu1 - cpu0, 4),
+            "connect_s": round(connect_s, 4),
+            "pattern_s": round(pattern_s, 4),
+            "ops_per_s": round(ops / pattern_s),
+            "master_cpu_connect_s": round(cpu1 - cpu0, 4),
             "master_cpu_pattern_s": round(cpu2 - cpu1, 4),
             "master_cpu_total_s": round(cpu2 - cpu0, 4),
             "proxy_cpu_pattern_s": round(pcpu2 - pcpu1, 4) if self.helpers else None,
@@ -358,8 +389,14 @@ class Setup:
         cpu1, pcpu1 = self.cpu()
         us1 = self.user_sys()
         used, self.ccpu = ccpu - self.ccpu, ccpu
-        return (took, errs, cpu1 - cpu0, pcpu1 - pcpu0, used,
-                tuple(b - a for a, b in zip(us0, us1)))
+        return (
+            took,
+            errs,
+            cpu1 - cpu0,
+            pcpu1 - pcpu0,
+            used,
+            tuple(b - a for a, b in zip(us0, us1)),
+        )
 
     def close(self) -> None:
         for p in [*self.clients, *self.helpers, self.master]:
@@ -407,8 +444,9 @@ def run_alternating(kinds: list[str], n: int, procs: int, iterations: int) -> di
             if row["proxy_cpu_pattern_s"] is not None:
                 row["warm_proxy_user_s"] = round(us[2], 4)
                 row["warm_proxy_sys_s"] = round(us[3], 4)
-            row["warm_store_cpu_s"] = round(row["warm_master_cpu_s"]
-                                            + row.get("warm_proxy_cpu_s", 0.0), 4)
+            row["warm_store_cpu_s"] = round(
+                row["warm_master_cpu_s"] + row.get("warm_proxy_cpu_s", 0.0), 4
+            )
         return rows
     finally:
         for s in setups:
@@ -418,33 +456,57 @@ def run_alternating(kinds: list[str], n: int, procs: int, iterations: int) -> di
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sizes", default="256,1024,4096")
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="runs per scenario, interleaved across the backends (round-robin, the "
-                         "order rotating each round); the best is kept, the median reported too")
-    ap.add_argument("--backends", default="torch,ftrun,ftrun-proxy",
-                    help="comma-separated; NAME@PATH runs ftrun's server/proxies from the "
-                         "checkout at PATH (e.g. ftrun@/work/main: a before/after in one run); "
-                         "NAME%%N with FTRUN_STORE_NICE=N (e.g. ftrun%%0: the loop threads at "
-                         "the inherited priority); NAME#LABEL a second instance "
-                         "(torch#2: an A/A control)")
-    ap.add_argument("--iterations", type=int, default=1,
-                    help="patterns per backend and round: with more than 1, every backend is "
-                         "set up at once and, after each one's first pattern, their warm "
-                         "patterns alternate and are paired to torch's (warm_*)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="runs per scenario, interleaved across the backends (round-robin, the "
+        "order rotating each round); the best is kept, the median reported too",
+    )
+    ap.add_argument(
+        "--backends",
+        default="torch,ftrun,ftrun-proxy",
+        help="comma-separated; NAME@PATH runs ftrun's server/proxies from the "
+        "checkout at PATH (e.g. ftrun@/work/main: a before/after in one run); "
+        "NAME%%N with FTRUN_STORE_NICE=N (e.g. ftrun%%0: the loop threads at "
+        "the inherited priority); NAME#LABEL a second instance "
+        "(torch#2: an A/A control)",
+    )
+    ap.add_argument(
+        "--iterations",
+        type=int,
+        default=1,
+        help="patterns per backend and round: with more than 1, every backend is "
+        "set up at once and, after each one's first pattern, their warm "
+        "patterns alternate and are paired to torch's (warm_*)",
+    )
     a = ap.parse_args()
     sizes = parse_sizes(ap, "bench_store", a.sizes)
     if a.repeat < 1 or a.iterations < 1:
-        ap.exit(2, f"bench_store: --repeat {a.repeat} / --iterations {a.iterations}: "
-                   "each must be >= 1\n")
+        ap.exit(
+            2,
+            f"bench_store: --repeat {a.repeat} / --iterations {a.iterations}: each must be >= 1\n",
+        )
     kinds = list(dict.fromkeys(a.backends.split(",")))
     for kind in kinds:
         if split_kind(kind)[0] not in ("torch", "ftrun", "ftrun-proxy"):
-            ap.exit(2, f"bench_store: backend {kind!r}: pick torch, ftrun or ftrun-proxy "
-                       "(with @PATH, %N or #LABEL)\n")
-    print(json.dumps({"setup": "/etc/hosts", "line": HOSTS_LINE,
-                      "status": ensure_hosts_line(),
-                      "note": "torch's client reverse-resolves ::ffff:127.0.0.1; the line "
-                              "avoids resolver stalls for every backend"}), flush=True)
+            ap.exit(
+                2,
+                f"bench_store: backend {kind!r}: pick torch, ftrun or ftrun-proxy "
+                "(with @PATH, %N or #LABEL)\n",
+            )
+    print(
+        json.dumps(
+            {
+                "setup": "/etc/hosts",
+                "line": HOSTS_LINE,
+                "status": ensure_hosts_line(),
+                "note": "torch's client reverse-resolves ::ffff:127.0.0.1; the line "
+                "avoids resolver stalls for every backend",
+            }
+        ),
+        flush=True,
+    )
     for n in sizes:
         procs = client_procs(n)
         runs: dict[str, list[dict]] = {k: [] for k in kinds}
@@ -453,21 +515,23 @@ def main() -> None:
                 runs[kind].append(run_scenario(kind, n, procs))
         else:
             for i in range(a.repeat):
-                for kind, row in run_alternating(rotated(kinds, i), n, procs,
-                                                 a.iterations).items():
+                for kind, row in run_alternating(rotated(kinds, i), n, procs, a.iterations).items():
                     runs[kind].append(row)
         res = {}
         for kind in kinds:
             best = dict(min(runs[kind], key=lambda r: r["pattern_s"]))
             if a.repeat > 1:
                 best["runs"] = a.repeat
-                best["pattern_s_median"] = round(statistics.median(
-                    r["pattern_s"] for r in runs[kind]), 4)
-                best["master_cpu_pattern_s_median"] = round(statistics.median(
-                    r["master_cpu_pattern_s"] for r in runs[kind]), 4)
+                best["pattern_s_median"] = round(
+                    statistics.median(r["pattern_s"] for r in runs[kind]), 4
+                )
+                best["master_cpu_pattern_s_median"] = round(
+                    statistics.median(r["master_cpu_pattern_s"] for r in runs[kind]), 4
+                )
                 if a.iterations > 1:  # the runs' warm medians, their median
-                    best["warm_pattern_s_median_of_runs"] = round(statistics.median(
-                        r["warm_pattern_s_median"] for r in runs[kind]), 4)
+                    best["warm_pattern_s_median_of_runs"] = round(
+                        statistics.median(r["warm_pattern_s_median"] for r in runs[kind]), 4
+                    )
             res[kind] = best
         base = res.get("torch")
         for kind, r in res.items():
@@ -475,35 +539,49 @@ def main() -> None:
                 r["pattern_time_vs_torch"] = round(r["pattern_s"] / base["pattern_s"], 3)
                 if "pattern_s_median" in r:
                     r["pattern_median_vs_torch"] = round(
-                        r["pattern_s_median"] / base["pattern_s_median"], 3)
+                        r["pattern_s_median"] / base["pattern_s_median"], 3
+                    )
                 if a.repeat > 1:  # round i against torch's round i (interleaved, same round)
-                    by_round = [round(x["pattern_s"] / t["pattern_s"], 3)
-                                for x, t in zip(runs[kind], runs["torch"])]
+                    by_round = [
+                        round(x["pattern_s"] / t["pattern_s"], 3)
+                        for x, t in zip(runs[kind], runs["torch"])
+                    ]
                     r["pattern_vs_torch_by_round"] = by_round
                     r["rounds_at_or_below_torch"] = sum(x <= 1.0 for x in by_round)
                     if a.iterations > 1:
-                        warm = [round(x["warm_pattern_s_median"] / t["warm_pattern_s_median"], 3)
-                                for x, t in zip(runs[kind], runs["torch"])]
+                        warm = [
+                            round(x["warm_pattern_s_median"] / t["warm_pattern_s_median"], 3)
+                            for x, t in zip(runs[kind], runs["torch"])
+                        ]
                         r["warm_vs_torch_by_round"] = warm
                         r["warm_rounds_at_or_below_torch"] = sum(x <= 1.0 for x in warm)
-                        r["warm_median_vs_torch"] = round(r["warm_pattern_s_median_of_runs"]
-                                                          / base["warm_pattern_s_median_of_runs"], 3)
+                        r["warm_median_vs_torch"] = round(
+                            r["warm_pattern_s_median_of_runs"]
+                            / base["warm_pattern_s_median_of_runs"],
+                            3,
+                        )
                 elif a.iterations > 1:
-                    r["warm_median_vs_torch"] = round(r["warm_pattern_s_median"]
-                                                      / base["warm_pattern_s_median"], 3)
+                    r["warm_median_vs_torch"] = round(
+                        r["warm_pattern_s_median"] / base["warm_pattern_s_median"], 3
+                    )
                 if a.iterations > 1:  # each warm pattern against torch's next to it in time
-                    paired = [x / t for xr, tr in zip(runs[kind], runs["torch"])
-                              for x, t in zip(xr["warm_pattern_s"], tr["warm_pattern_s"])]
+                    paired = [
+                        x / t
+                        for xr, tr in zip(runs[kind], runs["torch"])
+                        for x, t in zip(xr["warm_pattern_s"], tr["warm_pattern_s"])
+                    ]
                     r["warm_paired_vs_torch"] = round(statistics.median(paired), 3)
                     q = statistics.quantiles(paired, n=4) if len(paired) > 1 else paired * 3
                     r["warm_paired_vs_torch_quartiles"] = [round(q[0], 3), round(q[2], 3)]
                     if base["warm_store_cpu_s"] > 0:  # master (+ proxies) CPU per pattern
                         r["warm_store_cpu_vs_torch"] = round(
-                            r["warm_store_cpu_s"] / base["warm_store_cpu_s"], 3)
+                            r["warm_store_cpu_s"] / base["warm_store_cpu_s"], 3
+                        )
                 r["connect_time_vs_torch"] = round(r["connect_s"] / base["connect_s"], 3)
                 if r["master_cpu_total_s"] > 0:
                     r["master_cpu_reduction_vs_torch"] = round(
-                        base["master_cpu_total_s"] / r["master_cpu_total_s"], 2)
+                        base["master_cpu_total_s"] / r["master_cpu_total_s"], 2
+                    )
             r.pop("warm_pattern_s", None)  # every warm time: in the pairing above, not printed
             print(json.dumps(r), flush=True)
 

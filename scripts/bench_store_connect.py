@@ -11,6 +11,7 @@ per backend and size: medians over the rounds, every round's CPU, and the ratios
 Usage: python scripts/bench_store_connect.py [--sizes 64,256,1024] [--repeat 5]
        [--backends torch,ftrun,ftrun@/path/to/other/checkout]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,10 +49,15 @@ def main() -> None:
     kinds = list(dict.fromkeys(a.backends.split(",")))
     for kind in kinds:
         if B.split_kind(kind)[0] not in ("torch", "ftrun"):
-            ap.exit(2, f"bench_store_connect: backend {kind!r}: only torch and ftrun (with "
-                       "@PATH, %N or #LABEL) are measured here\n")
-    print(json.dumps({"setup": "/etc/hosts", "line": B.HOSTS_LINE,
-                      "status": B.ensure_hosts_line()}), flush=True)
+            ap.exit(
+                2,
+                f"bench_store_connect: backend {kind!r}: only torch and ftrun (with "
+                "@PATH, %N or #LABEL) are measured here\n",
+            )
+    print(
+        json.dumps({"setup": "/etc/hosts", "line": B.HOSTS_LINE, "status": B.ensure_hosts_line()}),
+        flush=True,
+    )
     for n in sizes:
         runs: dict[str, list[tuple[float, float, int]]] = {k: [] for k in kinds}
         for kind in B.interleaved(kinds, a.repeat):
@@ -59,7 +65,9 @@ def main() -> None:
         rows = {}
         for kind, rs in runs.items():
             rows[kind] = {
-                "backend": kind, "clients": n, "rounds": len(rs),
+                "backend": kind,
+                "clients": n,
+                "rounds": len(rs),
                 "connect_s_median": round(statistics.median(r[0] for r in rs), 4),
                 "master_cpu_connect_s_median": round(statistics.median(r[1] for r in rs), 4),
                 "master_cpu_connect_s": [round(r[1], 4) for r in rs],
@@ -69,9 +77,11 @@ def main() -> None:
         for kind, r in rows.items():
             if base and kind != "torch":
                 r["connect_median_vs_torch"] = round(
-                    r["connect_s_median"] / base["connect_s_median"], 3)
+                    r["connect_s_median"] / base["connect_s_median"], 3
+                )
                 r["master_cpu_median_vs_torch"] = round(
-                    r["master_cpu_connect_s_median"] / base["master_cpu_connect_s_median"], 3)
+                    r["master_cpu_connect_s_median"] / base["master_cpu_connect_s_median"], 3
+                )
             print(json.dumps(r), flush=True)
 
 

@@ -13,6 +13,7 @@ to torch; backends run interleaved `--repeat` times, the median kept.
 
 Usage: python scripts/bench_store_cpu.py [--conns 64] [--rounds 200] [--repeat 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 from bench_store import start_master, stop  # noqa: E402  (scripts/ is sys.path[0])
+
 from rendezvous.store import protocol as P  # noqa: E402
 
 BACKENDS = ("torch", "ftrun", "ftrun-python")
@@ -117,18 +119,24 @@ def main() -> None:
         sys.exit("bench_store_cpu: --conns, --rounds and --repeat must be >= 1")
     runs: dict[str, list[dict]] = {k: [] for k in BACKENDS}
     for i in range(a.repeat):
-        order = BACKENDS[i % 3:] + BACKENDS[:i % 3]
+        order = BACKENDS[i % 3 :] + BACKENDS[: i % 3]
         for kind in order:
             runs[kind].append(one(kind, a.conns, a.rounds))
     base = None
     for kind in BACKENDS:
         rs = runs[kind]
         us = statistics.median(r["server_cpu_s"] / r["requests"] * 1e6 for r in rs)
-        out = {"backend": kind, "conns": a.conns, "requests": rs[0]["requests"],
-               "runs": len(rs), "server_cpu_us_per_request": round(us, 2),
-               "server_cpu_us_per_request_all": [
-                   round(r["server_cpu_s"] / r["requests"] * 1e6, 2) for r in rs],
-               "wall_s_median": round(statistics.median(r["wall_s"] for r in rs), 3)}
+        out = {
+            "backend": kind,
+            "conns": a.conns,
+            "requests": rs[0]["requests"],
+            "runs": len(rs),
+            "server_cpu_us_per_request": round(us, 2),
+            "server_cpu_us_per_request_all": [
+                round(r["server_cpu_s"] / r["requests"] * 1e6, 2) for r in rs
+            ],
+            "wall_s_median": round(statistics.median(r["wall_s"] for r in rs), 3),
+        }
         if kind == "torch":
             base = us
         elif base:

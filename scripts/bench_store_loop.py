@@ -12,6 +12,7 @@ checkout for a before/after: `--repo /path/to/old` imports that checkout's `rend
 Usage: python scripts/bench_store_loop.py [--conns 256] [--rounds 40] [--repo PATH]
 Prints one JSON line.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,9 +58,12 @@ def main() -> None:
     def frame(op: int, keys: tuple, values: tuple = (), num: int = 0) -> bytes:
         return P.encode_request(P.Request(op, keys, values, num))
 
-    frames = {"get": frame(P.Op.GET, (b"/uid",)), "add": frame(P.Op.ADD, (b"/count",), (), 1),
-              "set": frame(P.Op.SET, (b"/rank/17",), (b"10.0.0.1:30017",)),
-              "wait_present": frame(P.Op.WAIT, (b"/uid",))}
+    frames = {
+        "get": frame(P.Op.GET, (b"/uid",)),
+        "add": frame(P.Op.ADD, (b"/count",), (), 1),
+        "set": frame(P.Op.SET, (b"/rank/17",), (b"10.0.0.1:30017",)),
+        "wait_present": frame(P.Op.WAIT, (b"/uid",)),
+    }
 
     def serve_ready() -> None:
         for fd, _ in srv._ep.poll(0):

@@ -12,6 +12,7 @@ and wall time per all_reduce for each wait (median over blocks) and the paired d
 
     python scripts/bench_wait.py --blocks 8 --ops 400
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,14 +47,18 @@ def _rank(rank: int, port: int, args: argparse.Namespace, out: "mp.Queue") -> No
 
     def on_error(exc: BaseException, what: str) -> None:
         raise RuntimeError(f"{what} failed: {exc}")
+
     stop = StopSignal()
-    waits = {s: Interruptible(stop, Graveyard(), lambda: 0, 60.0, on_error, sliced=s) for s in (True, False)}
+    waits = {
+        s: Interruptible(stop, Graveyard(), lambda: 0, 60.0, on_error, sliced=s)
+        for s in (True, False)
+    }
     pg = dist.distributed_c10d._get_default_group()
     opts = dist.AllreduceOptions()
     t = torch.ones(args.numel)
     per: dict[bool, list[tuple[float, float]]] = {True: [], False: []}
     for b in range(args.blocks):
-        for sliced in ((False, True) if b % 2 == 0 else (True, False)):
+        for sliced in (False, True) if b % 2 == 0 else (True, False):
             dist.barrier()
             c0, w0 = _cpu_s(), time.perf_counter()
             for _ in range(args.ops):

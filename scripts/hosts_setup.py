@@ -5,6 +5,7 @@ clients connect at once and the resolver drops bursts, some stall 5-10 s. The li
 `::ffff:127.0.0.1 localhost-v4mapped` removes the stall; without it both sides of every
 comparison would be measuring the resolver.
 """
+
 from __future__ import annotations
 
 HOSTS_LINE = "::ffff:127.0.0.1 localhost-v4mapped"

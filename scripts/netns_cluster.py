@@ -15,6 +15,7 @@ Names (namespaces, veths, bridge) start with the cluster's `prefix` ("ft" for th
 "bm" for scripts/bench_multinode.py) and carry the creating process id, so clusters of
 different users of one machine do not collide. tests/helpers_netns.py re-exports this module.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -86,10 +87,16 @@ class Host:
         self.procs.append(p)
         return p
 
-    def run(self, cmd: list[str], timeout: float = 60, env: dict[str, str] | None = None
-            ) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(self.argv(cmd), env=env if env is not None else self.env(),
-                              capture_output=True, text=True, timeout=timeout)
+    def run(
+        self, cmd: list[str], timeout: float = 60, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            self.argv(cmd),
+            env=env if env is not None else self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
 
     def pids(self) -> list[int]:
         """Every process living in this host's namespace."""
@@ -186,23 +193,51 @@ class Cluster:
     def leftovers(self) -> list[str]:
         """Names of this cluster's namespaces or links that still exist (for tests of close)."""
         names = _ip("netns", "list", check=False).stdout + _ip("-o", "link", check=False).stdout
-        return sorted({w.split("@")[0].rstrip(":") for w in names.split()
-                       if self.tag in w and w.startswith(self.prefix)})
+        return sorted(
+            {
+                w.split("@")[0].rstrip(":")
+                for w in names.split()
+                if self.tag in w and w.startswith(self.prefix)
+            }
+        )
 
 
-def start_etcd(host: Host, port: int, peer_port: int, data_dir: str,
-               binary: str = "/usr/bin/etcd") -> str:
+def start_etcd(
+    host: Host, port: int, peer_port: int, data_dir: str, binary: str = "/usr/bin/etcd"
+) -> str:
     """Start etcd inside `host` on its bridge address, `port`; wait until healthy (20 s); its
     client URL. The process belongs to the host (the cluster's close() stops it)."""
     import urllib.request
 
     url = f"http://{host.addr}:{port}"
     peer = f"http://127.0.0.1:{peer_port}"
-    host.popen([binary, "--name", "t", "--data-dir", data_dir, "--listen-client-urls", url,
-                "--advertise-client-urls", url, "--listen-peer-urls", peer,
-                "--initial-advertise-peer-urls", peer, "--initial-cluster", f"t={peer}",
-                "--log-level", "error", "--heartbeat-interval", "10", "--election-timeout", "100"],
-               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    host.popen(
+        [
+            binary,
+            "--name",
+            "t",
+            "--data-dir",
+            data_dir,
+            "--listen-client-urls",
+            url,
+            "--advertise-client-urls",
+            url,
+            "--listen-peer-urls",
+            peer,
+            "--initial-advertise-peer-urls",
+            peer,
+            "--initial-cluster",
+            f"t={peer}",
+            "--log-level",
+            "error",
+            "--heartbeat-interval",
+            "10",
+            "--election-timeout",
+            "100",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
     def healthy() -> bool:
         try:

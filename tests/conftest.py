@@ -4,6 +4,7 @@ The c10d TCPStore client looks up the reverse DNS name of `::ffff:127.0.0.1`; on
 whose resolver drops bursts, >20 concurrent clients stall 5-10 s. The `/etc/hosts` line below
 removes the stall, so the suite adds it once (it is what `.ci/run` and the benchmarks do too).
 """
+
 from __future__ import annotations
 
 import os

@@ -9,6 +9,7 @@ Also owns `AgentProc`: a child process (`python tests/helpers_etcd.py agent ...`
 `rendezvous.nodes.membership.Membership` over etcd or the embedded TCP store and prints one JSON line
 per event (world, dead, join, leader), so tests can SIGKILL real agents.
 """
+
 from __future__ import annotations
 
 import json
@@ -94,12 +95,35 @@ class EtcdServer:
         self.log_path = os.path.join(self.data_dir, "etcd.log")
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [ETCD_BIN, "--name", "t", "--data-dir", os.path.join(self.data_dir, "member-data"),
-             "--listen-client-urls", listen, "--advertise-client-urls", self.url,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"t={peer}", "--log-level", "error", "--logger", "zap",
-             "--heartbeat-interval", "10", "--election-timeout", "100"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            [
+                ETCD_BIN,
+                "--name",
+                "t",
+                "--data-dir",
+                os.path.join(self.data_dir, "member-data"),
+                "--listen-client-urls",
+                listen,
+                "--advertise-client-urls",
+                self.url,
+                "--listen-peer-urls",
+                peer,
+                "--initial-advertise-peer-urls",
+                peer,
+                "--initial-cluster",
+                f"t={peer}",
+                "--log-level",
+                "error",
+                "--logger",
+                "zap",
+                "--heartbeat-interval",
+                "10",
+                "--election-timeout",
+                "100",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )
         return self._wait_healthy(timeout)
 
     def _wait_healthy(self, timeout: float) -> bool:
@@ -195,28 +219,69 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class AgentProc:
     """One membership agent process; `expect()` returns its next matching JSON event."""
 
-    def __init__(self, backend: str, endpoint: str, run_id: str, node_rank: int | None,
-                 nnodes: str, local_world_size: int = 1, hb_interval: float = 0.25,
-                 hb_timeout: float = 1.5, last_call: float = 1.0, join_timeout: float = 20.0,
-                 name: str = "agent", rejoin: bool = False, hosts_store: bool = False,
-                 wrap=None, base_env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        backend: str,
+        endpoint: str,
+        run_id: str,
+        node_rank: int | None,
+        nnodes: str,
+        local_world_size: int = 1,
+        hb_interval: float = 0.25,
+        hb_timeout: float = 1.5,
+        last_call: float = 1.0,
+        join_timeout: float = 20.0,
+        name: str = "agent",
+        rejoin: bool = False,
+        hosts_store: bool = False,
+        wrap=None,
+        base_env: dict[str, str] | None = None,
+    ) -> None:
         """`rejoin`: when lost, self-fence, rejoin as a fresh node and try a stale write (see
         `_rejoin_loop`). `wrap(argv)` runs the agent elsewhere (a netns `Host.argv`)."""
         self.name = name
-        cmd = [sys.executable, os.path.abspath(__file__), "agent", "--backend", backend,
-               "--endpoint", endpoint, "--run-id", run_id, "--nnodes", nnodes,
-               "--node-rank", "-1" if node_rank is None else str(node_rank),
-               "--lws", str(local_world_size), "--hb-interval", str(hb_interval),
-               "--hb-timeout", str(hb_timeout), "--last-call", str(last_call),
-               "--join-timeout", str(join_timeout), "--host", name]
+        cmd = [
+            sys.executable,
+            os.path.abspath(__file__),
+            "agent",
+            "--backend",
+            backend,
+            "--endpoint",
+            endpoint,
+            "--run-id",
+            run_id,
+            "--nnodes",
+            nnodes,
+            "--node-rank",
+            "-1" if node_rank is None else str(node_rank),
+            "--lws",
+            str(local_world_size),
+            "--hb-interval",
+            str(hb_interval),
+            "--hb-timeout",
+            str(hb_timeout),
+            "--last-call",
+            str(last_call),
+            "--join-timeout",
+            str(join_timeout),
+            "--host",
+            name,
+        ]
         cmd += ["--rejoin"] if rejoin else []
         cmd += ["--hosts-store"] if hosts_store else []
         cmd = wrap(cmd) if wrap is not None else cmd
         env = dict(os.environ if base_env is None else base_env)
         env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
         self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._err, text=True, cwd=REPO, env=env)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._err,
+            text=True,
+            cwd=REPO,
+            env=env,
+        )
         self.events: queue.Queue = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -242,11 +307,13 @@ class AgentProc:
             try:
                 ev = self.events.get(timeout=max(0.0, left))
             except queue.Empty:
-                raise AssertionError(f"{self.name}: no {event} {match} within {timeout}s; "
-                                     f"stderr: {self.stderr()}") from None
+                raise AssertionError(
+                    f"{self.name}: no {event} {match} within {timeout}s; stderr: {self.stderr()}"
+                ) from None
             if ev.get("event") == "exit" and event != "exit":
-                raise AssertionError(f"{self.name} exited ({self.proc.wait()}) waiting for "
-                                     f"{event}: {self.stderr()}")
+                raise AssertionError(
+                    f"{self.name} exited ({self.proc.wait()}) waiting for {event}: {self.stderr()}"
+                )
             if ev.get("event") == event and all(ev.get(k) == v for k, v in match.items()):
                 return ev
 
@@ -295,8 +362,9 @@ def _agent_main(argv: list[str]) -> int:
     ap.add_argument("--rejoin", action="store_true")
     ap.add_argument("--hosts-store", action="store_true")
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(threadName)s %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(threadName)s %(message)s"
+    )
     from rendezvous.errors import JoinInterrupted
     from rendezvous.nodes.keys import LEAVE_SIGNAL
     from rendezvous.nodes.membership import Membership
@@ -317,10 +385,21 @@ def _agent_main(argv: list[str]) -> int:
         with out_lock:
             print(json.dumps(d), flush=True)
 
-    m = Membership(kv, None if a.node_rank < 0 else a.node_rank, int(lo), int(hi or lo),
-                   a.lws, a.host, a.run_id, join_timeout=a.join_timeout,
-                   last_call_timeout=a.last_call, heartbeat_interval=a.hb_interval,
-                   heartbeat_timeout=a.hb_timeout, read_timeout=5.0, hosts_store=a.hosts_store)
+    m = Membership(
+        kv,
+        None if a.node_rank < 0 else a.node_rank,
+        int(lo),
+        int(hi or lo),
+        a.lws,
+        a.host,
+        a.run_id,
+        join_timeout=a.join_timeout,
+        last_call_timeout=a.last_call,
+        heartbeat_interval=a.hb_interval,
+        heartbeat_timeout=a.hb_timeout,
+        read_timeout=5.0,
+        hosts_store=a.hosts_store,
+    )
     done, termed = threading.Event(), threading.Event()
 
     def on_term(_sig: int, _frame: object) -> None:  # what an agent does: no I/O here
@@ -353,14 +432,25 @@ def _agent_main(argv: list[str]) -> int:
 def _start(m, out) -> None:
     """join, report the world, watch (events as JSON lines)."""
     w = m.join()
-    out(event="world", group_rank=w.group_rank, world_size=w.world_size,
-        group_world_size=w.group_world_size, leader=w.leader_node, rejoined=w.rejoined,
-        generation=w.generation, hosts=[n.host for n in w.nodes], incarnation=m.incarnation,
-        rank_bases=[n.rank_base for n in w.nodes], t=time.time())
-    m.watch_nodes(lambda g: out(event="dead", node=g, t=time.time()),
-                  lambda g: out(event="join", node=g, t=time.time()),
-                  lambda g: out(event="leader", node=g, t=time.time()),
-                  lambda lost: out(event="lost", kind=lost.kind, t=time.time()))
+    out(
+        event="world",
+        group_rank=w.group_rank,
+        world_size=w.world_size,
+        group_world_size=w.group_world_size,
+        leader=w.leader_node,
+        rejoined=w.rejoined,
+        generation=w.generation,
+        hosts=[n.host for n in w.nodes],
+        incarnation=m.incarnation,
+        rank_bases=[n.rank_base for n in w.nodes],
+        t=time.time(),
+    )
+    m.watch_nodes(
+        lambda g: out(event="dead", node=g, t=time.time()),
+        lambda g: out(event="join", node=g, t=time.time()),
+        lambda g: out(event="leader", node=g, t=time.time()),
+        lambda lost: out(event="lost", kind=lost.kind, t=time.time()),
+    )
 
 
 def _rejoin_loop(m, out, stdin_closed: threading.Event):
@@ -382,8 +472,10 @@ def _rejoin_loop(m, out, stdin_closed: threading.Event):
             except StoreError as exc:  # still cut off: try again
                 out(event="rejoin-failed", error=str(exc)[:200], t=time.time())
                 time.sleep(0.5)
-        for what, write in (("checked_set", lambda: old.checked_set("ftrun/test/stale", b"x")),
-                            ("advance_generation", lambda: old.advance_generation(0, 99))):
+        for what, write in (
+            ("checked_set", lambda: old.checked_set("ftrun/test/stale", b"x")),
+            ("advance_generation", lambda: old.advance_generation(0, 99)),
+        ):
             try:
                 write()
                 out(event="stale-write-accepted", what=what)

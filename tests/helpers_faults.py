@@ -1,12 +1,12 @@
 """Helpers for the fault-taxonomy end-to-end tests: run `python -m launcher` jobs of
 scripts/examples/ddp_train.py with faults injected (FTRUN_FAULT_PLAN or `ftctl inject` against
 the live job) and read back what happened (events.jsonl, spawned pids, final parameters)."""
+
 from __future__ import annotations
 
 import datetime
 import glob
 import json
-import os
 import re
 import subprocess
 import sys
@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from helpers_launch import FTRUN, env_with, events, failed_worker_logs
 from helpers_runtime import EXAMPLES, load_params
 
@@ -53,21 +52,39 @@ class JobResult:
         """For assertion messages: the exit code, what the failed workers said last (their
         stderr.log tails and error.json), then the end of the job's output."""
         failed = failed_worker_logs(str(self.workdir / "logs"))
-        return (f"exit {self.returncode}\n" + (f"failed workers:\n{failed}\n" if failed else "")
-                + f"--- the job's output (end):\n{self.output[-8000:]}")
+        return (
+            f"exit {self.returncode}\n"
+            + (f"failed workers:\n{failed}\n" if failed else "")
+            + f"--- the job's output (end):\n{self.output[-8000:]}"
+        )
 
 
-def job_command(workdir: Path, launcher_args: list[str], script_args: list[str],
-                steps: int = STEPS) -> list[str]:
-    return FTRUN + ["--nproc_per_node", str(NPROC), "--log_dir", str(workdir / "logs"), *launcher_args,
-                    str(EXAMPLES / "ddp_train.py"), "--steps", str(steps),
-                    "--out", str(workdir / "out{rank}.pt"), *script_args]
+def job_command(
+    workdir: Path, launcher_args: list[str], script_args: list[str], steps: int = STEPS
+) -> list[str]:
+    return FTRUN + [
+        "--nproc_per_node",
+        str(NPROC),
+        "--log_dir",
+        str(workdir / "logs"),
+        *launcher_args,
+        str(EXAMPLES / "ddp_train.py"),
+        "--steps",
+        str(steps),
+        "--out",
+        str(workdir / "out{rank}.pt"),
+        *script_args,
+    ]
 
 
 def job_env(plan: list[dict] | None, extra: dict[str, str] | None) -> dict[str, str]:
     env = env_with(FTRUN_FAULT_PLAN=json.dumps(plan or []), FTRUN_STORE_TIMEOUT="60")
-    for k in ("HIGH_AVAILABILITY", "PROCESS_RECOVER", "ELASTIC_PROCESS_RECOVER_ENABLE",
-              "ENABLE_RESTART_FAULT_PROCESS"):
+    for k in (
+        "HIGH_AVAILABILITY",
+        "PROCESS_RECOVER",
+        "ELASTIC_PROCESS_RECOVER_ENABLE",
+        "ENABLE_RESTART_FAULT_PROCESS",
+    ):
         env.pop(k, None)
     env.update(extra or {})
     return env
@@ -85,29 +102,56 @@ def collect(workdir: Path, returncode: int, output: str) -> JobResult:
     return JobResult(returncode, workdir, output, ev, pids, params)
 
 
-def run_job(workdir: Path, plan: list[dict] | None = None, launcher_args: list[str] | None = None,
-            script_args: list[str] | None = None, env: dict[str, str] | None = None,
-            timeout: float = 240, steps: int = STEPS) -> JobResult:
+def run_job(
+    workdir: Path,
+    plan: list[dict] | None = None,
+    launcher_args: list[str] | None = None,
+    script_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 240,
+    steps: int = STEPS,
+) -> JobResult:
     """Run one job to the end through the real CLI."""
     workdir.mkdir(parents=True, exist_ok=True)
-    cmd = job_command(workdir, ["--max_restarts", "3", *(launcher_args or [])], script_args or [], steps)
-    res = subprocess.run(cmd, env=job_env(plan, env), capture_output=True, text=True, timeout=timeout,
-                         cwd=str(workdir))
+    cmd = job_command(
+        workdir, ["--max_restarts", "3", *(launcher_args or [])], script_args or [], steps
+    )
+    res = subprocess.run(
+        cmd,
+        env=job_env(plan, env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=str(workdir),
+    )
     return collect(workdir, res.returncode, res.stdout + res.stderr)
 
 
 class LiveJob:
     """A job running in the background, for `ftctl inject` against it."""
 
-    def __init__(self, workdir: Path, launcher_args: list[str] | None = None,
-                 script_args: list[str] | None = None, steps: int = STEPS,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        launcher_args: list[str] | None = None,
+        script_args: list[str] | None = None,
+        steps: int = STEPS,
+        env: dict[str, str] | None = None,
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self._out = open(workdir / "ftrun.out", "w+", encoding="utf-8")
-        cmd = job_command(workdir, ["--max_restarts", "3", *(launcher_args or [])], script_args or [], steps)
-        self.proc = subprocess.Popen(cmd, env=job_env(None, env), stdout=self._out,
-                                     stderr=subprocess.STDOUT, text=True, cwd=str(workdir))
+        cmd = job_command(
+            workdir, ["--max_restarts", "3", *(launcher_args or [])], script_args or [], steps
+        )
+        self.proc = subprocess.Popen(
+            cmd,
+            env=job_env(None, env),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=str(workdir),
+        )
 
     def wait_for(self, name: str, count: int, timeout: float = 120) -> list[dict]:
         deadline = time.monotonic() + timeout
@@ -119,9 +163,11 @@ class LiveJob:
                 break
             time.sleep(0.05)
         failed = failed_worker_logs(str(self.workdir / "logs"))
-        raise AssertionError(f"expected {count} {name} events; job exit {self.proc.poll()}\n"
-                             + (f"failed workers:\n{failed}\n" if failed else "")
-                             + f"{self.output()[-6000:]}")
+        raise AssertionError(
+            f"expected {count} {name} events; job exit {self.proc.poll()}\n"
+            + (f"failed workers:\n{failed}\n" if failed else "")
+            + f"{self.output()[-6000:]}"
+        )
 
     def store_addr(self) -> str:
         paths = glob.glob(str(self.workdir / "logs" / "*" / "store.json"))
@@ -131,8 +177,13 @@ class LiveJob:
 
     def inject(self, *args: str) -> subprocess.CompletedProcess[str]:
         """`ftctl inject --addr <this job> ARGS` as a real command."""
-        return subprocess.run(FTCTL + ["inject", "--addr", self.store_addr(), *args], env=env_with(),
-                              capture_output=True, text=True, timeout=60)
+        return subprocess.run(
+            FTCTL + ["inject", "--addr", self.store_addr(), *args],
+            env=env_with(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     def output(self) -> str:
         self._out.flush()
@@ -174,14 +225,20 @@ def repaired_besides_laggards(pairs: list[list[int]]) -> set[int]:
     replica had, so it is repaired from that replica too, which the protocol allows). The faulty
     rank 1 is the only one that must be repaired; survivor destinations are 0, 2 and 3."""
     dsts = {dst for _, dst in pairs}  # a destination with several sources receives striped
-    assert all(src != dst for src, dst in pairs) and len({tuple(p) for p in pairs}) == len(pairs), pairs
+    assert all(src != dst for src, dst in pairs) and len({tuple(p) for p in pairs}) == len(pairs), (
+        pairs
+    )
     assert not dsts & {src for src, _ in pairs}, pairs
     return dsts & {1}
 
 
-def assert_same_params(got: list[dict[str, torch.Tensor]], ref: list[dict[str, torch.Tensor]]) -> None:
+def assert_same_params(
+    got: list[dict[str, torch.Tensor]], ref: list[dict[str, torch.Tensor]]
+) -> None:
     assert len(got) == len(ref) == NPROC
     for r in range(NPROC):
         assert got[r].keys() == ref[r].keys()
         for k in ref[r]:
-            assert torch.equal(got[r][k], ref[r][k]), f"rank {r}: parameter {k} differs from fault-free"
+            assert torch.equal(got[r][k], ref[r][k]), (
+                f"rank {r}: parameter {k} differs from fault-free"
+            )

@@ -1,4 +1,5 @@
 """Helpers for tests that run `ftrun` (python -m launcher) and `torchrun` as real processes."""
+
 from __future__ import annotations
 
 import glob
@@ -52,10 +53,12 @@ def env_with(**extra: str) -> dict[str, str]:
     return env
 
 
-def run(cmd: list[str], env: dict[str, str] | None = None, timeout: float = 120,
-        cwd: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, env=env or env_with(), capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd or REPO)
+def run(
+    cmd: list[str], env: dict[str, str] | None = None, timeout: float = 120, cwd: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, env=env or env_with(), capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO
+    )
 
 
 def communicate_all(procs, timeout: float):
@@ -93,10 +96,12 @@ def communicate_all(procs, timeout: float):
             except subprocess.TimeoutExpired:
                 named[t].kill()
                 outs[t] = named[t].communicate(timeout=30)
-        tails = "\n".join(f"--- process {t} (exit {named[t].returncode}), stderr's end:\n"
-                          f"{(outs[t][1] or '')[-6000:]}" for t in named)
-        raise AssertionError(f"processes {sorted(late)} still running after {timeout:g} s\n"
-                             f"{tails}")
+        tails = "\n".join(
+            f"--- process {t} (exit {named[t].returncode}), stderr's end:\n"
+            f"{(outs[t][1] or '')[-6000:]}"
+            for t in named
+        )
+        raise AssertionError(f"processes {sorted(late)} still running after {timeout:g} s\n{tails}")
     if isinstance(procs, dict):
         return {t: outs[t] for t in named}
     return [outs[t] for t in named]
@@ -132,17 +137,31 @@ def failed_worker_logs(log_dir: str, lines: int = FAILED_TAIL_LINES) -> str:
             continue
         sp = spawns.get((e.get("node"), e.get("pid")), {})
         gen, local = sp.get("generation", e.get("generation", 0)), sp.get("local_rank")
-        head = (f"--- rank {e.get('rank')} (pid {e.get('pid')}, node {e.get('node')}, generation "
-                f"{gen}) failed: {e.get('message', '')}")
-        dirs = ([] if local is None else
-                sorted(glob.glob(os.path.join(log_dir, "*", f"attempt_{gen}", str(local)))))
+        head = (
+            f"--- rank {e.get('rank')} (pid {e.get('pid')}, node {e.get('node')}, generation "
+            f"{gen}) failed: {e.get('message', '')}"
+        )
+        dirs = (
+            []
+            if local is None
+            else sorted(glob.glob(os.path.join(log_dir, "*", f"attempt_{gen}", str(local))))
+        )
         err = e.get("stderr_file") or next(
-            (os.path.join(d, "stderr.log") for d in dirs if os.path.isfile(os.path.join(d, "stderr.log"))), "")
+            (
+                os.path.join(d, "stderr.log")
+                for d in dirs
+                if os.path.isfile(os.path.join(d, "stderr.log"))
+            ),
+            "",
+        )
         tail = _tail(err, lines) if err else None
         out.append(head)
-        out.append(f"last {lines} lines of {err}:\n{tail}" if tail is not None else
-                   "no stderr.log (the job ran without --tee 2/--redirects 2: its stderr is in "
-                   "the job's output)")
+        out.append(
+            f"last {lines} lines of {err}:\n{tail}"
+            if tail is not None
+            else "no stderr.log (the job ran without --tee 2/--redirects 2: its stderr is in "
+            "the job's output)"
+        )
         for d in dirs:
             ej = _tail(os.path.join(d, "error.json"), lines)
             if ej is not None:

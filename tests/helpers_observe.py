@@ -1,5 +1,6 @@
 """Helpers for the observability tests (status, report, metrics): a real 4-rank job of
 scripts/examples/ddp_train.py started through `python -m launcher`, and `ftctl` as a command."""
+
 from __future__ import annotations
 
 import glob
@@ -13,6 +14,7 @@ from pathlib import Path
 
 from helpers_launch import FTRUN, env_with, failed_worker_logs
 from helpers_runtime import EXAMPLES
+
 from launcher.observe.logs import read_events
 
 FTCTL = [sys.executable, "-m", "launcher.cli.ftctl"]
@@ -28,24 +30,48 @@ def job_env(**extra: str) -> dict[str, str]:
 
 
 def ftctl(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(FTCTL + list(args), env=env_with(), capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        FTCTL + list(args), env=env_with(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 class ObservedJob:
     """A 4-rank job running in the background; `finish()` or `stop()` it."""
 
-    def __init__(self, workdir: Path, steps: int, step_time: float, launcher_args: list[str] | None = None,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        workdir: Path,
+        steps: int,
+        step_time: float,
+        launcher_args: list[str] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         workdir.mkdir(parents=True, exist_ok=True)
         self.workdir = workdir
         self.logs = workdir / "logs"
-        cmd = FTRUN + ["--nproc_per_node", str(NPROC), "--max_restarts", "3", "--log_dir", str(self.logs),
-                       *(launcher_args or []), str(EXAMPLES / "ddp_train.py"), "--steps", str(steps),
-                       "--step-time", str(step_time)]
+        cmd = FTRUN + [
+            "--nproc_per_node",
+            str(NPROC),
+            "--max_restarts",
+            "3",
+            "--log_dir",
+            str(self.logs),
+            *(launcher_args or []),
+            str(EXAMPLES / "ddp_train.py"),
+            "--steps",
+            str(steps),
+            "--step-time",
+            str(step_time),
+        ]
         self._out = open(workdir / "ftrun.out", "w+", encoding="utf-8")
-        self.proc = subprocess.Popen(cmd, env=job_env(**(env or {})), stdout=self._out,
-                                     stderr=subprocess.STDOUT, text=True, cwd=str(workdir))
+        self.proc = subprocess.Popen(
+            cmd,
+            env=job_env(**(env or {})),
+            stdout=self._out,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=str(workdir),
+        )
 
     def events(self) -> list[dict]:
         return read_events(str(self.logs))
@@ -55,11 +81,16 @@ class ObservedJob:
         assert len(dirs) == 1, dirs
         return os.path.dirname(dirs[0])
 
-    def wait_for(self, name: str, count: int = 1, timeout: float = 120, **match: object) -> list[dict]:
+    def wait_for(
+        self, name: str, count: int = 1, timeout: float = 120, **match: object
+    ) -> list[dict]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            found = [e for e in self.events() if e["event"] == name
-                     and all(e.get(k) == v for k, v in match.items())]
+            found = [
+                e
+                for e in self.events()
+                if e["event"] == name and all(e.get(k) == v for k, v in match.items())
+            ]
             if len(found) >= count:
                 return found
             assert self.proc.poll() is None, self.describe(f"job exited {self.proc.poll()}")
@@ -69,8 +100,9 @@ class ObservedJob:
     def describe(self, what: str) -> str:
         """`what`, the failed workers' last words (`failed_worker_logs`), the output's end."""
         failed = failed_worker_logs(str(self.logs))
-        return (f"{what}\n" + (f"failed workers:\n{failed}\n" if failed else "")
-                + self.output()[-6000:])
+        return (
+            f"{what}\n" + (f"failed workers:\n{failed}\n" if failed else "") + self.output()[-6000:]
+        )
 
     def store_addr(self) -> str:
         self.wait_for("store-address")

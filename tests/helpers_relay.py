@@ -7,6 +7,7 @@ until their own timeouts, and after `heal()` everything buffered is delivered (a
 retransmission would). `close()` stops the relay and every connection. The multi-host version
 of the same fault is `helpers_netns.Host.link(False)`.
 """
+
 from __future__ import annotations
 
 import socket
@@ -89,7 +90,7 @@ class Relay:
         view = memoryview(data)
         while view and not self._closed.is_set():
             try:
-                view = view[dst.send(view):]
+                view = view[dst.send(view) :]
             except socket.timeout:
                 continue
             except OSError:

@@ -7,6 +7,7 @@ restarts only dead ranks as replacements, computes the RepairPlan with
 `launcher.runtime.replicas.plan_repair`, and restarts everything when the plan falls back.
 `run_workers` starts N plain processes that run a python snippet against a shared store.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "scripts" / "examples"
@@ -33,27 +33,50 @@ def base_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def master_store() -> dist.TCPStore:
-    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                         timeout=timedelta(seconds=60))
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60)
+    )
 
 
-def run_workers(code: str, nprocs: int, workdir: Path, store: dist.TCPStore,
-                extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def run_workers(
+    code: str,
+    nprocs: int,
+    workdir: Path,
+    store: dist.TCPStore,
+    extra_env: dict[str, str] | None = None,
+) -> list[subprocess.Popen]:
     """Start `nprocs` python processes running `code` with RANK/WORLD_SIZE/MASTER_* set."""
     procs = []
     for r in range(nprocs):
-        env = base_env({"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nprocs),
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port), **(extra_env or {})})
+        env = base_env(
+            {
+                "RANK": str(r),
+                "LOCAL_RANK": str(r),
+                "WORLD_SIZE": str(nprocs),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(store.port),
+                **(extra_env or {}),
+            }
+        )
         log = open(workdir / f"worker{r}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, "-c", code], env=env, stdout=log,
-                                      stderr=subprocess.STDOUT, cwd=workdir))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", code],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=workdir,
+            )
+        )
         log.close()
     return procs
 
 
 def worker_logs(workdir: Path, nprocs: int) -> str:
-    return "\n".join(f"===== worker{r}\n" + (workdir / f"worker{r}.log").read_text(errors="replace")
-                     for r in range(nprocs))
+    return "\n".join(
+        f"===== worker{r}\n" + (workdir / f"worker{r}.log").read_text(errors="replace")
+        for r in range(nprocs)
+    )
 
 
 def load_params(path: Path) -> dict[str, torch.Tensor]:

@@ -4,6 +4,7 @@ Torch's Python bindings for some store ops (queue ops) keep the GIL while they b
 torch client must never run in the process that hosts a Python server; these helpers always
 run torch code in child processes.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Exercises every TCPStore op from torch's own C++ client and checks each result.
-TORCH_OPS = r'''
+TORCH_OPS = r"""
 import sys, time
 from datetime import timedelta
 import torch.distributed as d
@@ -83,10 +84,10 @@ big = bytes(range(256)) * 4096
 c.set(k("big"), big)
 eq(c.get(k("big")), big, "1 MiB value")
 print("ALL-OPS-OK", flush=True)
-'''
+"""
 
 # An unmodified gloo worker: env:// init through the agent store, all_reduce, new_group.
-GLOO_WORKER = r'''
+GLOO_WORKER = r"""
 import os, sys
 import torch, torch.distributed as dist
 dist.init_process_group("gloo", init_method="env://")
@@ -99,7 +100,7 @@ dist.all_reduce(t2, group=g)
 dist.barrier()
 print(f"GLOO-OK rank={r} sum={t.item():g} group_sum={t2[0].item():g}", flush=True)
 dist.destroy_process_group()
-'''
+"""
 
 
 def free_port() -> int:
@@ -128,18 +129,37 @@ def child_env(**extra: object) -> dict[str, str]:
     return env
 
 
-def run_torch_ops(host: str, port: int, token: str = "", ns: str = "t",
-                  queues: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
+def run_torch_ops(
+    host: str, port: int, token: str = "", ns: str = "t", queues: bool = True, timeout: float = 60
+) -> subprocess.CompletedProcess:
     """Every TCPStore op from torch's client; `queues=False` skips the queue ops (which a
     KVStore upstream cannot serve)."""
-    return subprocess.run([sys.executable, "-c", TORCH_OPS, host, str(port), token, ns,
-                           "queue" if queues else "noqueue"],
-                          env=child_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            TORCH_OPS,
+            host,
+            str(port),
+            token,
+            ns,
+            "queue" if queues else "noqueue",
+        ],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_torch(code: str, *args: object, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code, *map(str, args)], env=child_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-c", code, *map(str, args)],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def run_gloo_world(host: str, ports: list[int], timeout: float = 90) -> list[str]:
@@ -148,11 +168,24 @@ def run_gloo_world(host: str, ports: list[int], timeout: float = 90) -> list[str
     world = len(ports)
     procs = []
     for rank, port in enumerate(ports):
-        env = child_env(MASTER_ADDR=host, MASTER_PORT=port, RANK=rank, WORLD_SIZE=world,
-                        LOCAL_RANK=rank, TORCHELASTIC_USE_AGENT_STORE="True",
-                        TORCHELASTIC_RUN_ID="storetest")
-        procs.append(subprocess.Popen([sys.executable, "-c", GLOO_WORKER], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        env = child_env(
+            MASTER_ADDR=host,
+            MASTER_PORT=port,
+            RANK=rank,
+            WORLD_SIZE=world,
+            LOCAL_RANK=rank,
+            TORCHELASTIC_USE_AGENT_STORE="True",
+            TORCHELASTIC_RUN_ID="storetest",
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", GLOO_WORKER],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
     outs = []
     try:
         for rank, p in enumerate(procs):
@@ -171,7 +204,7 @@ def run_gloo_world(host: str, ports: list[int], timeout: float = 90) -> list[str
 # A fuzzing client: `total` frames over a few pipelined connections. ~90% are random but
 # well-formed requests, the rest random garbage, absurd lengths, or a truncated frame
 # followed by a hang-up; a connection the server closes is replaced. Prints a JSON summary.
-FUZZER = r'''
+FUZZER = r"""
 import json, random, socket, struct, sys, time
 host, port, total, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 rng = random.Random(seed)
@@ -259,11 +292,11 @@ for s in socks:
     s.close()
 print(json.dumps({"frames": sent, "bad": bad, "truncated": truncated,
                   "reconnects": reconnects, "seconds": round(time.monotonic() - t0, 2)}))
-'''
+"""
 
 # A well-behaved torch client: loops over ordinary ops until key "stop" exists and prints
 # the slowest op latency in ms.
-STEADY_CLIENT = r'''
+STEADY_CLIENT = r"""
 import json, sys, time
 from datetime import timedelta
 import torch.distributed as d
@@ -286,4 +319,4 @@ lat.sort()
 print(json.dumps({"ops": len(lat), "max_ms": round(lat[-1] * 1000, 2),
                   "p99_ms": round(lat[int(len(lat) * 0.99)] * 1000, 2),
                   "over_100ms": sum(x > 0.1 for x in lat)}))
-'''
+"""

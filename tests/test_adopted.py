@@ -1,5 +1,6 @@
 """Adopted children: a subreaper's Popen-like handle for a grandchild, and reaping orphans
 without taking the exit status of a child some handle waits for."""
+
 from __future__ import annotations
 
 import os
@@ -42,7 +43,9 @@ def subreaper():
         set_subreaper(False)
 
 
-def test_adopted_child_waits_with_a_timeout_and_reports_the_signal_that_killed_it(subreaper) -> None:
+def test_adopted_child_waits_with_a_timeout_and_reports_the_signal_that_killed_it(
+    subreaper,
+) -> None:
     pid = _orphan(0, 30)
     child = AdoptedChild(pid)
     assert child.poll() is None

@@ -1,5 +1,6 @@
 """The agent under real workloads: env parity with torchrun, unmodified DDP, restart semantics,
 signals, orphans, two agents on loopback."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,18 @@ import warnings
 
 import pytest
 
-from tests.helpers_launch import (FTRUN, TORCHRUN, communicate_all, env_with, events, free_port,
-                                  pid_alive, run, script, wait_for_files)
+from tests.helpers_launch import (
+    FTRUN,
+    TORCHRUN,
+    communicate_all,
+    env_with,
+    events,
+    free_port,
+    pid_alive,
+    run,
+    script,
+    wait_for_files,
+)
 
 IGNORED = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE"}
 
@@ -39,8 +50,10 @@ def test_worker_env_matches_torchrun(tmp_path) -> None:
         assert not missing, f"rank {rank}: ftrun lacks {missing}"
         # PYTHONFAULTHANDLER=1: a hung unmodified worker dumps its stacks when ftrun aborts it;
         # THP_MEM_ALLOC_ENABLE=1: huge pages for large CPU tensors (faster teardown and repair)
-        extra = ({k for k in set(o) - set(t) if not k.startswith("FTRUN_")}
-                 - {"PYTHONFAULTHANDLER", "THP_MEM_ALLOC_ENABLE"})
+        extra = {k for k in set(o) - set(t) if not k.startswith("FTRUN_")} - {
+            "PYTHONFAULTHANDLER",
+            "THP_MEM_ALLOC_ENABLE",
+        }
         assert not extra, f"rank {rank}: ftrun sets unexpected {extra}"
         assert o["PYTHONFAULTHANDLER"] == "1"
         assert o["THP_MEM_ALLOC_ENABLE"] == "1"
@@ -55,8 +68,21 @@ def _ddp_losses(name: str, cmd: list[str], tmp_path, nproc: int, attempt: int = 
     wrote no complete result file)."""
     tag = f"{name}{attempt or ''}"
     out = str(tmp_path / f"{tag}.json")
-    r = run(cmd + ["--nproc_per_node", str(nproc), "--log_dir", str(tmp_path / tag),
-                   script("ddp_plain.py"), "--steps", "10", "--out", out], timeout=180)
+    r = run(
+        cmd
+        + [
+            "--nproc_per_node",
+            str(nproc),
+            "--log_dir",
+            str(tmp_path / tag),
+            script("ddp_plain.py"),
+            "--steps",
+            "10",
+            "--out",
+            out,
+        ],
+        timeout=180,
+    )
     try:
         with open(out, encoding="utf-8") as f:
             return r, json.load(f)["loss"]
@@ -87,13 +113,17 @@ def _torchrun_reference_loss(tmp_path, nproc: int) -> float:
     it) is retried once. Both cases are logged."""
     r, loss = _ddp_losses("torchrun", TORCHRUN, tmp_path, nproc)
     if loss is None:
-        _note(f"torchrun reference retried once: first run exited {r.returncode} without a "
-              f"result ({_failure_reason(r.stderr)})")
+        _note(
+            f"torchrun reference retried once: first run exited {r.returncode} without a "
+            f"result ({_failure_reason(r.stderr)})"
+        )
         r, loss = _ddp_losses("torchrun", TORCHRUN, tmp_path, nproc, attempt=1)
     assert loss is not None, f"torchrun reference failed twice:\n{r.stderr[-3000:]}"
     if r.returncode != 0:
-        _note(f"torchrun reference exited {r.returncode} after writing its result (crash in "
-              f"teardown: {_failure_reason(r.stderr)}); its loss is used")
+        _note(
+            f"torchrun reference exited {r.returncode} after writing its result (crash in "
+            f"teardown: {_failure_reason(r.stderr)}); its loss is used"
+        )
     return loss
 
 
@@ -107,8 +137,23 @@ def test_unmodified_ddp_same_loss_as_torchrun(tmp_path, nproc: int) -> None:
 
 def test_crash_once_restarts_with_budget(tmp_path) -> None:
     out = str(tmp_path / "res.json")
-    r = run(FTRUN + ["--nproc_per_node", "2", "--max_restarts", "1", "--log_dir", str(tmp_path),
-                     script("ddp_plain.py"), "--crash-rank", "1", "--out", out], timeout=180)
+    r = run(
+        FTRUN
+        + [
+            "--nproc_per_node",
+            "2",
+            "--max_restarts",
+            "1",
+            "--log_dir",
+            str(tmp_path),
+            script("ddp_plain.py"),
+            "--crash-rank",
+            "1",
+            "--out",
+            out,
+        ],
+        timeout=180,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     with open(out, encoding="utf-8") as f:
         assert json.load(f)["restart_count"] == 1
@@ -123,20 +168,34 @@ def test_crash_once_restarts_with_budget(tmp_path) -> None:
 
 
 def test_crash_without_budget_exits_1_root_cause_first(tmp_path) -> None:
-    r = run(FTRUN + ["--nproc_per_node", "2", "--max_restarts", "0", "--log_dir", str(tmp_path),
-                     script("ddp_plain.py"), "--crash-rank", "1"], timeout=180)
+    r = run(
+        FTRUN
+        + [
+            "--nproc_per_node",
+            "2",
+            "--max_restarts",
+            "0",
+            "--log_dir",
+            str(tmp_path),
+            script("ddp_plain.py"),
+            "--crash-rank",
+            "1",
+        ],
+        timeout=180,
+    )
     assert r.returncode == 1
     err = r.stderr
-    assert "Traceback (most recent call last):\n  File \"/" not in err.split("FAILED")[0][-200:]
-    summary = err[err.index("ddp_plain.py FAILED"):]
-    root = summary[summary.index("Root Cause"):summary.index("Other Failures")]
+    assert 'Traceback (most recent call last):\n  File "/' not in err.split("FAILED")[0][-200:]
+    summary = err[err.index("ddp_plain.py FAILED") :]
+    root = summary[summary.index("Root Cause") : summary.index("Other Failures")]
     assert "rank      : 1 (local_rank: 1" in root
     assert "boom from rank 1 at step 3" in root
     # rank 0 is stopped by ftrun -- unless gloo's "Connection closed by peer" killed it first
     # (CI, stop 34: it died of SIGSEGV before the stop): then it is one of the other failures
-    other = summary[summary.index("Other Failures"):]
-    assert ("Terminated by ftrun (not failures): rank 0" in summary
-            or ("rank      : 0 (local_rank: 0" in other and "Connection closed by peer" in other)), summary
+    other = summary[summary.index("Other Failures") :]
+    assert "Terminated by ftrun (not failures): rank 0" in summary or (
+        "rank      : 0 (local_rank: 0" in other and "Connection closed by peer" in other
+    ), summary
     # the launcher's own traceback is not printed
     assert "launcher/agent/agent.py" not in err
 
@@ -152,8 +211,10 @@ def _pids(out: str, n: int) -> list[int]:
 
 def test_sigterm_forwards_and_exits_like_torchrun(tmp_path) -> None:
     env = env_with(OUT_DIR=str(tmp_path))
-    p = _start(FTRUN + ["--nproc_per_node", "2", "--log_dir", str(tmp_path / "l"),
-                        script("sleeper.py")], env)
+    p = _start(
+        FTRUN + ["--nproc_per_node", "2", "--log_dir", str(tmp_path / "l"), script("sleeper.py")],
+        env,
+    )
     pids = _pids(str(tmp_path), 2)
     p.send_signal(signal.SIGTERM)
     _, err = p.communicate(timeout=60)
@@ -165,8 +226,10 @@ def test_sigterm_forwards_and_exits_like_torchrun(tmp_path) -> None:
 
 def test_sigkill_of_ftrun_leaves_no_orphans(tmp_path) -> None:
     env = env_with(OUT_DIR=str(tmp_path))
-    p = _start(FTRUN + ["--nproc_per_node", "3", "--log_dir", str(tmp_path / "l"),
-                        script("sleeper.py")], env)
+    p = _start(
+        FTRUN + ["--nproc_per_node", "3", "--log_dir", str(tmp_path / "l"), script("sleeper.py")],
+        env,
+    )
     pids = _pids(str(tmp_path), 3)
     p.kill()
     p.wait(timeout=10)
@@ -179,12 +242,29 @@ def test_sigkill_of_ftrun_leaves_no_orphans(tmp_path) -> None:
 def test_tee_prefix_and_log_layout(tmp_path) -> None:
     env = env_with(OUT_DIR=str(tmp_path))
     env["BASE_KEYS"] = "[]"
-    r = run(FTRUN + ["--nproc_per_node", "2", "--tee", "3", "--log_dir", str(tmp_path / "l"),
-                     script("ddp_plain.py"), "--steps", "2", "--crash-rank", "1", "--crash-step", "0"],
-            env=env)
+    r = run(
+        FTRUN
+        + [
+            "--nproc_per_node",
+            "2",
+            "--tee",
+            "3",
+            "--log_dir",
+            str(tmp_path / "l"),
+            script("ddp_plain.py"),
+            "--steps",
+            "2",
+            "--crash-rank",
+            "1",
+            "--crash-step",
+            "0",
+        ],
+        env=env,
+    )
     assert r.returncode == 1
     assert "[default1]:" in r.stderr
     import glob
+
     run_dirs = glob.glob(str(tmp_path / "l" / "*"))
     assert len(run_dirs) == 1
     for lr in (0, 1):
@@ -199,10 +279,29 @@ def test_two_agents_restart_under_one_generation(tmp_path) -> None:
     procs = []
     for node in (0, 1):
         out = str(tmp_path / f"n{node}.json")
-        cmd = FTRUN + ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-                       "--master_addr", "127.0.0.1", "--master_port", str(port), "--max_restarts", "2",
-                       "--log_dir", str(tmp_path / f"log{node}"), script("ddp_plain.py"),
-                       "--crash-rank", "1", "--out", out, "--steps", "6"]
+        cmd = FTRUN + [
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            "1",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "--max_restarts",
+            "2",
+            "--log_dir",
+            str(tmp_path / f"log{node}"),
+            script("ddp_plain.py"),
+            "--crash-rank",
+            "1",
+            "--out",
+            out,
+            "--steps",
+            "6",
+        ]
         procs.append(_start(cmd, env_with()))
     outs = communicate_all(procs, 180)
     for p, (_, err) in zip(procs, outs):
@@ -226,11 +325,31 @@ def test_two_agents_through_etcd_restart_under_one_generation(tmp_path) -> None:
     try:
         procs = []
         for node in (0, 1):
-            cmd = FTRUN + ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-                           "--rdzv_backend", "etcd", "--rdzv_endpoint", srv.endpoint, "--rdzv_id", "etcdjob",
-                           "--max_restarts", "1", "--log_dir", str(tmp_path / f"log{node}"),
-                           script("ddp_plain.py"), "--crash-rank", "1", "--steps", "6",
-                           "--out", str(tmp_path / f"n{node}.json")]
+            cmd = FTRUN + [
+                "--nnodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "etcd",
+                "--rdzv_endpoint",
+                srv.endpoint,
+                "--rdzv_id",
+                "etcdjob",
+                "--max_restarts",
+                "1",
+                "--log_dir",
+                str(tmp_path / f"log{node}"),
+                script("ddp_plain.py"),
+                "--crash-rank",
+                "1",
+                "--steps",
+                "6",
+                "--out",
+                str(tmp_path / f"n{node}.json"),
+            ]
             procs.append(_start(cmd, env_with()))
         outs = communicate_all(procs, 180)
         for p, (_, err) in zip(procs, outs):
@@ -247,10 +366,27 @@ def test_lost_agent_is_noticed_and_a_replacement_joins_the_next_generation(tmp_p
     port = free_port()
 
     def agent(node: int, tag: str) -> subprocess.Popen:
-        cmd = FTRUN + ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "1",
-                       "--master_port", str(port), "--max_restarts", "3",
-                       "--log_dir", str(tmp_path / f"log{tag}"), script("ddp_plain.py"),
-                       "--steps", "40", "--step-time", "0.2", "--out", str(tmp_path / f"{tag}.json")]
+        cmd = FTRUN + [
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            "1",
+            "--master_port",
+            str(port),
+            "--max_restarts",
+            "3",
+            "--log_dir",
+            str(tmp_path / f"log{tag}"),
+            script("ddp_plain.py"),
+            "--steps",
+            "40",
+            "--step-time",
+            "0.2",
+            "--out",
+            str(tmp_path / f"{tag}.json"),
+        ]
         return _start(cmd, env_with())
 
     a0, a1 = agent(0, "n0"), agent(1, "n1")
@@ -278,9 +414,23 @@ def test_lost_agent_is_noticed_and_a_replacement_joins_the_next_generation(tmp_p
 
 def test_unreachable_master_is_one_clear_line(tmp_path) -> None:
     port = free_port()
-    r = run(FTRUN + ["--nnodes", "2", "--node_rank", "1", "--master_port", str(port),
-                     "--rdzv_conf", "join_timeout=2", "--log_dir", str(tmp_path), script("sleeper.py")],
-            timeout=60)
+    r = run(
+        FTRUN
+        + [
+            "--nnodes",
+            "2",
+            "--node_rank",
+            "1",
+            "--master_port",
+            str(port),
+            "--rdzv_conf",
+            "join_timeout=2",
+            "--log_dir",
+            str(tmp_path),
+            script("sleeper.py"),
+        ],
+        timeout=60,
+    )
     assert r.returncode == 1
     assert f"cannot connect to the store at 127.0.0.1:{port}" in r.stderr
     assert "Traceback" not in r.stderr
@@ -288,14 +438,37 @@ def test_unreachable_master_is_one_clear_line(tmp_path) -> None:
 
 def test_dynamic_min_max_rendezvous_on_the_embedded_store(tmp_path) -> None:
     port = free_port()
-    common = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--nnodes", "1:2",
-              "--nproc_per_node", "1"]
-    host = _start(FTRUN + common + ["--rdzv_conf", "is_host=true,last_call_timeout=3",
-                                    "--log_dir", str(tmp_path / "a"), script("ddp_plain.py"),
-                                    "--steps", "3", "--out", str(tmp_path / "out.json")], env_with())
+    common = [
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{port}",
+        "--nnodes",
+        "1:2",
+        "--nproc_per_node",
+        "1",
+    ]
+    host = _start(
+        FTRUN
+        + common
+        + [
+            "--rdzv_conf",
+            "is_host=true,last_call_timeout=3",
+            "--log_dir",
+            str(tmp_path / "a"),
+            script("ddp_plain.py"),
+            "--steps",
+            "3",
+            "--out",
+            str(tmp_path / "out.json"),
+        ],
+        env_with(),
+    )
     time.sleep(0.5)
-    other = _start(FTRUN + common + ["--log_dir", str(tmp_path / "b"), script("ddp_plain.py"),
-                                     "--steps", "3"], env_with())
+    other = _start(
+        FTRUN + common + ["--log_dir", str(tmp_path / "b"), script("ddp_plain.py"), "--steps", "3"],
+        env_with(),
+    )
     outs = communicate_all([host, other], 120)
     assert host.returncode == 0 and other.returncode == 0, outs[0][1][-2000:] + outs[1][1][-2000:]
     with open(tmp_path / "out.json", encoding="utf-8") as f:
@@ -343,8 +516,18 @@ def test_shutdown_bounds_the_store_close_and_names_it(tmp_path, monkeypatch) -> 
     from launcher.observe.logs import read_events
 
     monkeypatch.setattr(agent_mod, "STORE_CLOSE_S", 0.3, raising=False)
-    cfg = build_config(parse(["--log_dir", str(tmp_path / "logs"), "--rdzv_conf",
-                              "keep_alive_interval=0.1", script("sleeper.py")]), env={})
+    cfg = build_config(
+        parse(
+            [
+                "--log_dir",
+                str(tmp_path / "logs"),
+                "--rdzv_conf",
+                "keep_alive_interval=0.1",
+                script("sleeper.py"),
+            ]
+        ),
+        env={},
+    )
     agent = agent_mod.Agent(cfg)
     release = threading.Event()
     monkeypatch.setattr(agent.stack, "close", lambda reason=None: release.wait(20))
@@ -355,7 +538,9 @@ def test_shutdown_bounds_the_store_close_and_names_it(tmp_path, monkeypatch) -> 
     finally:
         release.set()
     assert took < 3.0
-    slow = [e["message"] for e in read_events(str(tmp_path / "logs")) if e["event"] == "shutdown-slow"]
+    slow = [
+        e["message"] for e in read_events(str(tmp_path / "logs")) if e["event"] == "shutdown-slow"
+    ]
     assert slow == ["shutdown: store did not stop within 0.6 s; going on without it"], slow
 
 
@@ -378,24 +563,27 @@ def test_a_shutdown_that_hangs_anywhere_ends_with_the_agents_code_and_its_stacks
     import subprocess
     import sys
 
-    code = ("import time, sys\n"
-            "from launcher.agent import agent as agent_mod\n"
-            "from launcher.cli.ftrun import parse\n"
-            "from launcher.config import build_config\n"
-            "agent_mod.SHUTDOWN_LIMIT_S = 0.5\n"
-            f"cfg = build_config(parse(['--log_dir', {str(tmp_path / 'logs')!r}, '--rdzv_conf', "
-            f"'keep_alive_interval=0.1', {script('sleeper.py')!r}]), env={{}})\n"
-            "agent = agent_mod.Agent(cfg)\n"
-            "def bad_start():\n"
-            "    raise ValueError('bad membership parameter')\n"
-            "def stuck_log_close():\n"
-            "    time.sleep(30)\n"
-            "agent._start = bad_start\n"
-            "agent.log.close = stuck_log_close\n"
-            "sys.exit(agent.run() + 10)\n")
+    code = (
+        "import time, sys\n"
+        "from launcher.agent import agent as agent_mod\n"
+        "from launcher.cli.ftrun import parse\n"
+        "from launcher.config import build_config\n"
+        "agent_mod.SHUTDOWN_LIMIT_S = 0.5\n"
+        f"cfg = build_config(parse(['--log_dir', {str(tmp_path / 'logs')!r}, '--rdzv_conf', "
+        f"'keep_alive_interval=0.1', {script('sleeper.py')!r}]), env={{}})\n"
+        "agent = agent_mod.Agent(cfg)\n"
+        "def bad_start():\n"
+        "    raise ValueError('bad membership parameter')\n"
+        "def stuck_log_close():\n"
+        "    time.sleep(30)\n"
+        "agent._start = bad_start\n"
+        "agent.log.close = stuck_log_close\n"
+        "sys.exit(agent.run() + 10)\n"
+    )
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env=env_with())
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env_with()
+    )
     took = time.monotonic() - t0
     assert res.returncode == 2, res.stderr[-3000:]  # config-error, as without the hang
     assert took < 20, f"took {took:.1f} s"
@@ -406,11 +594,11 @@ def test_a_shutdown_that_hangs_anywhere_ends_with_the_agents_code_and_its_stacks
 def test_a_plan_not_newer_than_the_agents_generation_is_skipped(tmp_path) -> None:
     """A plan delivered late (from a world the agent left) must not take its generation back."""
     from launcher.agent import agent as agent_mod
-    from launcher.protocol import plan as P
     from launcher.agent.agent_events import PlanEvent
     from launcher.cli.ftrun import parse
     from launcher.config import build_config
     from launcher.observe.logs import read_events
+    from launcher.protocol import plan as P
 
     cfg = build_config(parse(["--log_dir", str(tmp_path / "logs"), script("sleeper.py")]), env={})
     agent = agent_mod.Agent(cfg)
@@ -419,9 +607,15 @@ def test_a_plan_not_newer_than_the_agents_generation_is_skipped(tmp_path) -> Non
         agent.executor = object()  # type: ignore[assignment]
         agent.generation = 2
         for g in (1, 2):
-            assert agent._on_plan(PlanEvent(P.Plan(generation=g, strategy=P.RECOVER_IN_PLACE))) is None
+            assert (
+                agent._on_plan(PlanEvent(P.Plan(generation=g, strategy=P.RECOVER_IN_PLACE))) is None
+            )
         assert agent.generation == 2
-        skipped = [e["message"] for e in read_events(str(tmp_path / "logs")) if e["event"] == "plan-skipped"]
+        skipped = [
+            e["message"]
+            for e in read_events(str(tmp_path / "logs"))
+            if e["event"] == "plan-skipped"
+        ]
         assert len(skipped) == 2 and "generation 1 is not newer" in skipped[0], skipped
     finally:
         agent.world = None

@@ -1,10 +1,11 @@
 """The agent's store feeds: one event per key of a numbered sequence, in order, from a start."""
+
 from __future__ import annotations
 
 import queue
 
-from launcher.protocol import plan as P
 from launcher.agent.agent_events import InjectEvent, PlanEvent, inject_feed, plan_feed
+from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
 
 

@@ -1,6 +1,7 @@
 """torchrun's multi-node command as is: the same `--rdzv_backend c10d|etcd` command on every
 node (here: several agents on one host), node ranks from the rendezvous, a late node waiting as a
 hot spare, and `--rdzv-conf` checked at start."""
+
 from __future__ import annotations
 
 import json
@@ -25,19 +26,40 @@ def _wait_for(cond, timeout: float, what: str) -> None:
 def _same_command(tmp, backend: str, endpoint: str, tag: str, *worker: str) -> subprocess.Popen:
     out = tmp / f"out{tag}"
     out.mkdir(exist_ok=True)
-    cmd = FTRUN + ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", backend,
-                   "--rdzv_endpoint", endpoint, "--rdzv_id", "j1", "--log_dir",
-                   str(tmp / f"log{tag}"), *worker]
-    return subprocess.Popen(cmd, env=env_with(OUT_DIR=str(out)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    cmd = FTRUN + [
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv_backend",
+        backend,
+        "--rdzv_endpoint",
+        endpoint,
+        "--rdzv_id",
+        "j1",
+        "--log_dir",
+        str(tmp / f"log{tag}"),
+        *worker,
+    ]
+    return subprocess.Popen(
+        cmd,
+        env=env_with(OUT_DIR=str(out)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _both_finish(tmp, procs: list[subprocess.Popen]) -> None:
     outs = communicate_all(procs, 120)
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
-    ranks = sorted(e["group_rank"] for tag in ("a", "b") for e in _events(str(tmp / f"log{tag}"))
-                   if e["event"] == "rendezvous")
+    ranks = sorted(
+        e["group_rank"]
+        for tag in ("a", "b")
+        for e in _events(str(tmp / f"log{tag}"))
+        if e["event"] == "rendezvous"
+    )
     assert ranks == [0, 1]
     with open(tmp / "result.json", encoding="utf-8") as f:
         assert json.load(f)["world"] == 2
@@ -61,8 +83,10 @@ def test_the_same_etcd_command_twice(tmp_path) -> None:
         pytest.skip("etcd binary not installed (Debian package etcd-server)")
     srv = start_etcd()
     try:
-        procs = [_same_command(tmp_path, "etcd", srv.endpoint, tag, *_ddp(tmp_path))
-                 for tag in ("a", "b")]
+        procs = [
+            _same_command(tmp_path, "etcd", srv.endpoint, tag, *_ddp(tmp_path))
+            for tag in ("a", "b")
+        ]
         _both_finish(tmp_path, procs)
     finally:
         srv.stop()
@@ -89,16 +113,35 @@ def test_a_late_node_waits_as_a_hot_spare_and_exits_0_when_the_job_ends(tmp_path
                 p.communicate()
 
 
-@pytest.mark.parametrize("conf, needle", [
-    ("join_timeout=soon", "--rdzv-conf join_timeout='soon': must be a number of seconds > 0"),
-    ("last_call_timeout=-1", "--rdzv-conf last_call_timeout=-1.0"),
-    ("is_host=maybe", "--rdzv-conf is_host='maybe': must be true or false"),
-    ("keep_alive_max_attempt=1", "keep_alive_max_attempt=1: must be an integer >= 2"),
-    ("node_replace_timeout=never", "--rdzv-conf node_replace_timeout='never': must be a number"),
-])
+@pytest.mark.parametrize(
+    "conf, needle",
+    [
+        ("join_timeout=soon", "--rdzv-conf join_timeout='soon': must be a number of seconds > 0"),
+        ("last_call_timeout=-1", "--rdzv-conf last_call_timeout=-1.0"),
+        ("is_host=maybe", "--rdzv-conf is_host='maybe': must be true or false"),
+        ("keep_alive_max_attempt=1", "keep_alive_max_attempt=1: must be an integer >= 2"),
+        (
+            "node_replace_timeout=never",
+            "--rdzv-conf node_replace_timeout='never': must be a number",
+        ),
+    ],
+)
 def test_bad_rdzv_conf_is_one_line_and_exit_2(conf: str, needle: str) -> None:
-    r = run(FTRUN + ["--nnodes", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint",
-                     "127.0.0.1:1", "--rdzv_conf", conf, script("sleeper.py")], timeout=60)
+    r = run(
+        FTRUN
+        + [
+            "--nnodes",
+            "2",
+            "--rdzv_backend",
+            "c10d",
+            "--rdzv_endpoint",
+            "127.0.0.1:1",
+            "--rdzv_conf",
+            conf,
+            script("sleeper.py"),
+        ],
+        timeout=60,
+    )
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
 
@@ -107,13 +150,40 @@ def test_node_rank_is_ignored_by_dynamic_backends() -> None:
     from launcher.cli.ftrun import parse
     from launcher.config import build_config
 
-    c = build_config(parse(["--nnodes", "2", "--node_rank", "1", "--rdzv_backend", "c10d",
-                            "--rdzv_endpoint", "10.255.0.1:29400", script("sleeper.py")]), env={})
+    c = build_config(
+        parse(
+            [
+                "--nnodes",
+                "2",
+                "--node_rank",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                "10.255.0.1:29400",
+                script("sleeper.py"),
+            ]
+        ),
+        env={},
+    )
     assert c.node_rank is None and not c.is_store_host
     assert any("--node-rank 1 is only used for the static" in n for n in c.notes)
-    c = build_config(parse(["--nnodes", "1:3", "--rdzv_backend", "c10d", "--rdzv_endpoint",
-                            "127.0.0.1:29400", "--rdzv_conf", "is_host=false,join_timeout=7",
-                            script("sleeper.py")]), env={})
+    c = build_config(
+        parse(
+            [
+                "--nnodes",
+                "1:3",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                "127.0.0.1:29400",
+                "--rdzv_conf",
+                "is_host=false,join_timeout=7",
+                script("sleeper.py"),
+            ]
+        ),
+        env={},
+    )
     assert (c.is_store_host, c.join_timeout, c.rdzv_settings.join_timeout) == (False, 7.0, 7.0)
     with pytest.raises(ConfigError):
         build_config(parse(["--rdzv_conf", "read_timeout=0", script("sleeper.py")]), env={})
@@ -133,23 +203,62 @@ def test_a_spare_that_takes_over_the_controllers_node_reports_its_own_arrival(tm
     from tests.helpers_launch import REPO
     from tests.helpers_runtime import assert_bit_identical, load_params
 
-    train = [os.path.join(REPO, "scripts", "examples", "ddp_train.py"), "--steps", "40",
-             "--step-time", "0.15"]
+    train = [
+        os.path.join(REPO, "scripts", "examples", "ddp_train.py"),
+        "--steps",
+        "40",
+        "--step-time",
+        "0.15",
+    ]
     env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")
-    ref = run(FTRUN + ["--nproc_per_node", "2", "--log_dir", str(tmp_path / "logref"), *train[:3],
-                       "--out", str(tmp_path / "ref{rank}.pt")], env=env, timeout=120)
+    ref = run(
+        FTRUN
+        + [
+            "--nproc_per_node",
+            "2",
+            "--log_dir",
+            str(tmp_path / "logref"),
+            *train[:3],
+            "--out",
+            str(tmp_path / "ref{rank}.pt"),
+        ],
+        env=env,
+        timeout=120,
+    )
     assert ref.returncode == 0, ref.stderr[-2000:]
     srv = start_etcd()
     procs: list[subprocess.Popen] = []
     try:
+
         def agent(tag: str) -> subprocess.Popen:
-            p = subprocess.Popen(FTRUN + [
-                "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "etcd",
-                "--rdzv_endpoint", srv.endpoint, "--rdzv_id", "n0", "--max_restarts", "3",
-                "--rdzv_conf", "keep_alive_interval=0.5,heartbeat_timeout=2,node_replace_timeout=60",
-                "--log_dir", str(tmp_path / f"log{tag}"), *train, "--out",
-                str(tmp_path / "out{rank}.pt")], env=env, stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE, text=True)
+            p = subprocess.Popen(
+                FTRUN
+                + [
+                    "--nnodes",
+                    "2",
+                    "--nproc_per_node",
+                    "1",
+                    "--rdzv_backend",
+                    "etcd",
+                    "--rdzv_endpoint",
+                    srv.endpoint,
+                    "--rdzv_id",
+                    "n0",
+                    "--max_restarts",
+                    "3",
+                    "--rdzv_conf",
+                    "keep_alive_interval=0.5,heartbeat_timeout=2,node_replace_timeout=60",
+                    "--log_dir",
+                    str(tmp_path / f"log{tag}"),
+                    *train,
+                    "--out",
+                    str(tmp_path / "out{rank}.pt"),
+                ],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
             procs.append(p)
             return p
 
@@ -183,15 +292,22 @@ def test_a_spare_that_takes_over_the_controllers_node_reports_its_own_arrival(tm
     assert [e["rank"] for e in ev1 if e["event"] == "spawn"] == [1]  # the survivor kept its pid
     assert [(e["rank"], e["replacement"]) for e in evs if e["event"] == "spawn"] == [(0, True)]
     for r in (0, 1):
-        assert_bit_identical(load_params(tmp_path / f"ref{r}.pt"),
-                             load_params(tmp_path / f"out{r}.pt"))
+        assert_bit_identical(
+            load_params(tmp_path / f"ref{r}.pt"), load_params(tmp_path / f"out{r}.pt")
+        )
 
 
-@pytest.mark.parametrize("backend, kind", [
-    ("c10d", "unmodified"), ("c10d", "runtime"),
-    pytest.param("etcd", "unmodified", marks=pytest.mark.etcd)])
-def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, backend,
-                                                                      kind) -> None:
+@pytest.mark.parametrize(
+    "backend, kind",
+    [
+        ("c10d", "unmodified"),
+        ("c10d", "runtime"),
+        pytest.param("etcd", "unmodified", marks=pytest.mark.etcd),
+    ],
+)
+def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(
+    tmp_path, backend, kind
+) -> None:
     """--nnodes 2:3, c10d or etcd: node 1 crashes (agent and worker SIGKILLed), nobody takes it over
     within node_replace_timeout: the two other agents move to a new rendezvous round without
     it (node 2 becomes node 1) and every worker restarts in a world of 2; the job finishes and
@@ -216,22 +332,61 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
     why = "its etcd lease expired (TTL 2s)" if backend == "etcd" else "no heartbeat for 2s"
     out = tmp_path / "result.json"
     if kind == "unmodified":
-        worker = [script("ddp_plain.py"), "--steps", "40", "--step-time", "0.1", "--out",
-                  str(out), "--started-dir", str(tmp_path / "started")]
+        worker = [
+            script("ddp_plain.py"),
+            "--steps",
+            "40",
+            "--step-time",
+            "0.1",
+            "--out",
+            str(out),
+            "--started-dir",
+            str(tmp_path / "started"),
+        ]
     else:
-        worker = [os.path.join(REPO, "scripts", "examples", "ddp_train.py"), "--steps", "40",
-                  "--step-time", "0.1", "--checkpoint-dir", str(tmp_path / "ckpt"),
-                  "--checkpoint-every", "5", "--out", str(tmp_path / "params.pt")]
-    conf = ("keep_alive_interval=0.5,heartbeat_timeout=2,node_replace_timeout=2,"
-            "last_call_timeout=5")
+        worker = [
+            os.path.join(REPO, "scripts", "examples", "ddp_train.py"),
+            "--steps",
+            "40",
+            "--step-time",
+            "0.1",
+            "--checkpoint-dir",
+            str(tmp_path / "ckpt"),
+            "--checkpoint-every",
+            "5",
+            "--out",
+            str(tmp_path / "params.pt"),
+        ]
+    conf = "keep_alive_interval=0.5,heartbeat_timeout=2,node_replace_timeout=2,last_call_timeout=5"
     env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     procs: dict[str, subprocess.Popen] = {}
     for tag in ("a", "b", "c"):
-        procs[tag] = subprocess.Popen(FTRUN + [
-            "--nnodes", "2:3", "--nproc_per_node", "1", "--rdzv_backend", backend,
-            "--rdzv_endpoint", ep, "--rdzv_id", "shrink1", "--max_restarts", "3",
-            "--rdzv_conf", conf, "--log_dir", str(tmp_path / f"log{tag}"), *worker],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        procs[tag] = subprocess.Popen(
+            FTRUN
+            + [
+                "--nnodes",
+                "2:3",
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                backend,
+                "--rdzv_endpoint",
+                ep,
+                "--rdzv_id",
+                "shrink1",
+                "--max_restarts",
+                "3",
+                "--rdzv_conf",
+                conf,
+                "--log_dir",
+                str(tmp_path / f"log{tag}"),
+                *worker,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     try:
         node = {}
         for tag in procs:
@@ -250,8 +405,11 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
                 _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "hello", 60)
             _wait_for(lambda: any((tmp_path / "ckpt").glob("*")), 60, "the first checkpoint")
         else:
-            _wait_for(lambda: len(list((tmp_path / "started").glob("rank*"))) == 3, 60,
-                      "every rank's first step")
+            _wait_for(
+                lambda: len(list((tmp_path / "started").glob("rank*"))) == 3,
+                60,
+                "every rank's first step",
+            )
         time.sleep(0.5)
         for pid in (procs[lost].pid, spawn["pid"]):  # node 1 crashes: agent and worker
             os.kill(pid, signal.SIGKILL)
@@ -274,9 +432,16 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(tmp_path, 
         assert (tmp_path / "params.pt").exists()
         both = outs[host][0] + outs[host][1]
         assert "loaded checkpoint iteration" in both, both[-4000:]
-    line = next((ln for ln in outs[host][1].splitlines() if f"node 1 lost ({why}): "
-                 "no hot spare or replacement agent took it over within "
-                 "node_replace_timeout=2s" in ln), None)
+    line = next(
+        (
+            ln
+            for ln in outs[host][1].splitlines()
+            if f"node 1 lost ({why}): "
+            "no hot spare or replacement agent took it over within "
+            "node_replace_timeout=2s" in ln
+        ),
+        None,
+    )
     assert line is not None, outs[host][1][-4000:]
     assert line.endswith("continuing on 2 node(s): world size 3 -> 2 (restart-all)"), line
     evh, evo = _events(str(tmp_path / f"log{host}")), _events(str(tmp_path / f"log{other}"))
@@ -317,11 +482,32 @@ def test_scale_up_restart_grows_the_world_with_a_late_node(tmp_path) -> None:
     env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
 
     def agent(tag: str) -> subprocess.Popen:
-        return subprocess.Popen(FTRUN + [
-            "--nnodes", "2:3", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
-            "--rdzv_endpoint", ep, "--rdzv_id", "grow1", "--max_restarts", "0",
-            "--rdzv_conf", conf, "--log_dir", str(tmp_path / f"log{tag}"), *worker],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen(
+            FTRUN
+            + [
+                "--nnodes",
+                "2:3",
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                ep,
+                "--rdzv_id",
+                "grow1",
+                "--max_restarts",
+                "0",
+                "--rdzv_conf",
+                conf,
+                "--log_dir",
+                str(tmp_path / f"log{tag}"),
+                *worker,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     procs = {tag: agent(tag) for tag in ("a", "b")}
     try:
@@ -341,14 +527,21 @@ def test_scale_up_restart_grows_the_world_with_a_late_node(tmp_path) -> None:
         result = json.load(f)
     assert result["world"] == 3 and result["restart_count"] == 1, result
     evs = {t: _events(str(tmp_path / f"log{t}")) for t in procs}
-    assert any(e["event"] == "hot-spare" and "for a new rendezvous round" in e["message"]
-               for e in evs["c"])
+    assert any(
+        e["event"] == "hot-spare" and "for a new rendezvous round" in e["message"] for e in evs["c"]
+    )
     grow = [e for t in procs for e in evs[t] if e["event"] == "world-grow"]
     assert len(grow) == 1 and "2 -> 3 node(s), world size 2 -> 3" in grow[0]["message"]
     plans = [e for t in procs for e in evs[t] if e["event"] == "plan"]
     assert len(plans) == 1 and plans[0]["scale_up"] and "restarts used 0/0" in plans[0]["message"]
-    assert sorted(e["world_size"] for t in procs for e in evs[t] if e["event"] == "rendezvous") \
-        == [2, 2, 3, 3, 3]
+    assert sorted(e["world_size"] for t in procs for e in evs[t] if e["event"] == "rendezvous") == [
+        2,
+        2,
+        3,
+        3,
+        3,
+    ]
+
 
 @pytest.mark.etcd
 def test_a_node_cut_off_from_etcd_self_fences_within_the_lease_ttl_plus_1s(tmp_path) -> None:
@@ -365,24 +558,51 @@ def test_a_node_cut_off_from_etcd_self_fences_within_the_lease_ttl_plus_1s(tmp_p
     from tests.helpers_relay import Relay
 
     ttl = 2.0
-    train = [os.path.join(REPO, "scripts", "examples", "ddp_train.py"), "--steps", "60",
-             "--step-time", "0.1"]
+    train = [
+        os.path.join(REPO, "scripts", "examples", "ddp_train.py"),
+        "--steps",
+        "60",
+        "--step-time",
+        "0.1",
+    ]
     env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")
     srv = start_etcd()
     relay = Relay("127.0.0.1", srv.client_port)
     procs: list[subprocess.Popen] = []
     files = []
     try:
+
         def agent(tag: str, endpoint: str) -> subprocess.Popen:
             f = open(tmp_path / f"agent{tag}.txt", "w+")
             files.append(f)
-            p = subprocess.Popen(FTRUN + [
-                "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "etcd",
-                "--rdzv_endpoint", endpoint, "--rdzv_id", "fence", "--max_restarts", "3",
-                "--rdzv_conf", f"keep_alive_interval=0.5,heartbeat_timeout={ttl:g},"
-                "node_replace_timeout=60", "--log_dir", str(tmp_path / f"log{tag}"), *train,
-                "--out", str(tmp_path / "out{rank}.pt")], env=env, stdout=f,
-                stderr=subprocess.STDOUT, text=True)
+            p = subprocess.Popen(
+                FTRUN
+                + [
+                    "--nnodes",
+                    "2",
+                    "--nproc_per_node",
+                    "1",
+                    "--rdzv_backend",
+                    "etcd",
+                    "--rdzv_endpoint",
+                    endpoint,
+                    "--rdzv_id",
+                    "fence",
+                    "--max_restarts",
+                    "3",
+                    "--rdzv_conf",
+                    f"keep_alive_interval=0.5,heartbeat_timeout={ttl:g},node_replace_timeout=60",
+                    "--log_dir",
+                    str(tmp_path / f"log{tag}"),
+                    *train,
+                    "--out",
+                    str(tmp_path / "out{rank}.pt"),
+                ],
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             procs.append(p)
             return p
 
@@ -419,7 +639,8 @@ def test_a_node_cut_off_from_etcd_self_fences_within_the_lease_ttl_plus_1s(tmp_p
 
 @pytest.mark.etcd
 def test_a_round_in_progress_when_the_controllers_node_dies_is_taken_up_by_its_successor(
-        tmp_path) -> None:
+    tmp_path,
+) -> None:
     """etcd, 3 training nodes + a hot spare. Rank 2's worker dies; the controller (node 0)
     publishes its recover-in-place round and is killed with its node while the round collects
     statuses (the replacement of rank 2 is still importing torch: no warm spares). The agent
@@ -434,45 +655,92 @@ def test_a_round_in_progress_when_the_controllers_node_dies_is_taken_up_by_its_s
     from tests.helpers_launch import REPO
     from tests.helpers_runtime import assert_bit_identical, load_params
 
-    train = [os.path.join(REPO, "scripts", "examples", "ddp_train.py"), "--steps", "60",
-             "--step-time", "0.1"]
+    train = [
+        os.path.join(REPO, "scripts", "examples", "ddp_train.py"),
+        "--steps",
+        "60",
+        "--step-time",
+        "0.1",
+    ]
     env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")
-    ref = run(FTRUN + ["--nproc_per_node", "3", "--log_dir", str(tmp_path / "logref"), *train[:3],
-                       "--out", str(tmp_path / "ref{rank}.pt")], env=env, timeout=120)
+    ref = run(
+        FTRUN
+        + [
+            "--nproc_per_node",
+            "3",
+            "--log_dir",
+            str(tmp_path / "logref"),
+            *train[:3],
+            "--out",
+            str(tmp_path / "ref{rank}.pt"),
+        ],
+        env=env,
+        timeout=120,
+    )
     assert ref.returncode == 0, ref.stderr[-2000:]
     srv = start_etcd()
     procs: dict[str, subprocess.Popen] = {}
     files = []
     try:
+
         def agent(tag: str) -> None:
             f = open(tmp_path / f"agent{tag}.txt", "w+")
             files.append(f)
-            procs[tag] = subprocess.Popen(FTRUN + [
-                "--nnodes", "3", "--nproc_per_node", "1", "--rdzv_backend", "etcd",
-                "--rdzv_endpoint", srv.endpoint, "--rdzv_id", "resume", "--max_restarts", "5",
-                "--warm_spares", "0", "--rdzv_conf",
-                "keep_alive_interval=0.5,heartbeat_timeout=2,node_replace_timeout=60",
-                "--log_dir", str(tmp_path / f"log{tag}"), *train, "--out",
-                str(tmp_path / "out{rank}.pt")], env=env, stdout=f, stderr=subprocess.STDOUT,
-                text=True)
+            procs[tag] = subprocess.Popen(
+                FTRUN
+                + [
+                    "--nnodes",
+                    "3",
+                    "--nproc_per_node",
+                    "1",
+                    "--rdzv_backend",
+                    "etcd",
+                    "--rdzv_endpoint",
+                    srv.endpoint,
+                    "--rdzv_id",
+                    "resume",
+                    "--max_restarts",
+                    "5",
+                    "--warm_spares",
+                    "0",
+                    "--rdzv_conf",
+                    "keep_alive_interval=0.5,heartbeat_timeout=2,node_replace_timeout=60",
+                    "--log_dir",
+                    str(tmp_path / f"log{tag}"),
+                    *train,
+                    "--out",
+                    str(tmp_path / "out{rank}.pt"),
+                ],
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
 
         for tag in ("a", "b", "c"):
             agent(tag)
-        rank_of = {tag: _wait_event(str(tmp_path / f"log{tag}"),
-                                    lambda e: e["event"] == "hello", 90)["rank"]
-                   for tag in ("a", "b", "c")}
+        rank_of = {
+            tag: _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "hello", 90)[
+                "rank"
+            ]
+            for tag in ("a", "b", "c")
+        }
         tag_of = {r: t for t, r in rank_of.items()}
         agent("s")
         _wait_event(str(tmp_path / "logs"), lambda e: e["event"] == "hot-spare", 30)
         time.sleep(1.0)
 
         def worker(tag: str) -> int:
-            return next(e["pid"] for e in _events(str(tmp_path / f"log{tag}"))
-                        if e["event"] == "spawn")
+            return next(
+                e["pid"] for e in _events(str(tmp_path / f"log{tag}")) if e["event"] == "spawn"
+            )
 
         os.kill(worker(tag_of[2]), signal.SIGKILL)  # rank 2 dies: the controller's round
-        _wait_event(str(tmp_path / f"log{tag_of[0]}"),
-                    lambda e: e["event"] == "plan" and e["generation"] == 1, 30)
+        _wait_event(
+            str(tmp_path / f"log{tag_of[0]}"),
+            lambda e: e["event"] == "plan" and e["generation"] == 1,
+            30,
+        )
         for pid in (procs[tag_of[0]].pid, worker(tag_of[0])):  # node 0 dies mid-round
             os.kill(pid, signal.SIGKILL)
         codes = {}
@@ -493,16 +761,19 @@ def test_a_round_in_progress_when_the_controllers_node_dies_is_taken_up_by_its_s
     dump = "\n----\n".join(t[-2500:] for t in text.values())
     assert all(c == 0 for c in codes.values()), f"{codes}\n{dump}"
     evs = [e for tag in (tag_of[1], tag_of[2], "s") for e in _events(str(tmp_path / f"log{tag}"))]
-    assert not any(e["event"] == "repair-plan" and e["generation"] == 1
-                   for e in _events(str(tmp_path / f"log{tag_of[0]}"))), "round 1 ended early"
+    assert not any(
+        e["event"] == "repair-plan" and e["generation"] == 1
+        for e in _events(str(tmp_path / f"log{tag_of[0]}"))
+    ), "round 1 ended early"
     resumed = [e for e in evs if e["event"] == "round-resumed"]
     assert resumed and resumed[0]["generation"] == 1 and resumed[0]["failed_ranks"] == [2], dump
     plans = {e["generation"]: e for e in evs if e["event"] == "plan"}
     assert plans and all(p["strategy"] == "recover-in-place" for p in plans.values()), plans
     assert set(plans[2]["failed_ranks"]) >= {0, 2}, plans  # superseded with node 0's rank
     for r in range(3):
-        assert_bit_identical(load_params(tmp_path / f"ref{r}.pt"),
-                             load_params(tmp_path / f"out{r}.pt"))
+        assert_bit_identical(
+            load_params(tmp_path / f"ref{r}.pt"), load_params(tmp_path / f"out{r}.pt")
+        )
 
 
 def test_a_replacement_is_repaired_by_one_replica_on_each_other_node(tmp_path) -> None:
@@ -517,21 +788,64 @@ def test_a_replacement_is_repaired_by_one_replica_on_each_other_node(tmp_path) -
     from tests.helpers_launch import REPO
     from tests.helpers_runtime import assert_bit_identical, load_params
 
-    train = [os.path.join(REPO, "scripts", "examples", "ddp_train.py"), "--steps", "30",
-             "--step-time", "0.1"]
+    train = [
+        os.path.join(REPO, "scripts", "examples", "ddp_train.py"),
+        "--steps",
+        "30",
+        "--step-time",
+        "0.1",
+    ]
     env = env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-    ref = run(FTRUN + ["--nproc_per_node", "3", "--log_dir", str(tmp_path / "logref"), *train,
-                       "--out", str(tmp_path / "ref{rank}.pt")], env=env, timeout=120)
+    ref = run(
+        FTRUN
+        + [
+            "--nproc_per_node",
+            "3",
+            "--log_dir",
+            str(tmp_path / "logref"),
+            *train,
+            "--out",
+            str(tmp_path / "ref{rank}.pt"),
+        ],
+        env=env,
+        timeout=120,
+    )
     assert ref.returncode == 0, ref.stderr[-2000:]
     ep = f"127.0.0.1:{free_port()}"
-    procs = {tag: subprocess.Popen(FTRUN + [
-        "--nnodes", "3", "--nproc_per_node", "1", "--rdzv_backend", "c10d", "--rdzv_endpoint", ep,
-        "--rdzv_id", "stripes", "--max_restarts", "3", "--log_dir", str(tmp_path / f"log{tag}"),
-        *train, "--out", str(tmp_path / "out{rank}.pt")], env=env, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True) for tag in ("a", "b", "c")}
+    procs = {
+        tag: subprocess.Popen(
+            FTRUN
+            + [
+                "--nnodes",
+                "3",
+                "--nproc_per_node",
+                "1",
+                "--rdzv_backend",
+                "c10d",
+                "--rdzv_endpoint",
+                ep,
+                "--rdzv_id",
+                "stripes",
+                "--max_restarts",
+                "3",
+                "--log_dir",
+                str(tmp_path / f"log{tag}"),
+                *train,
+                "--out",
+                str(tmp_path / "out{rank}.pt"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for tag in ("a", "b", "c")
+    }
     try:
-        hello = {tag: _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "hello", 90)
-                 for tag in procs}
+        hello = {
+            tag: _wait_event(str(tmp_path / f"log{tag}"), lambda e: e["event"] == "hello", 90)
+            for tag in procs
+        }
         tag1 = next(t for t, e in hello.items() if e["rank"] == 1)
         time.sleep(1.5)  # a few steps in
         w1 = next(e["pid"] for e in _events(str(tmp_path / f"log{tag1}")) if e["event"] == "spawn")
@@ -556,5 +870,6 @@ def test_a_replacement_is_repaired_by_one_replica_on_each_other_node(tmp_path) -
         (src,) = {src for src, _ in pairs}
         assert sorted(pairs) == sorted([[src, 1], [src, 2 - src]]), repairs
     for r in range(3):
-        assert_bit_identical(load_params(tmp_path / f"ref{r}.pt"),
-                             load_params(tmp_path / f"out{r}.pt"))
+        assert_bit_identical(
+            load_params(tmp_path / f"ref{r}.pt"), load_params(tmp_path / f"out{r}.pt")
+        )

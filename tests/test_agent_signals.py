@@ -2,6 +2,7 @@
 --shutdown-timeout + 1 s with torchrun's exit code (1: torchrun's SignalException is uncaught),
 stops its workers and proxy, and leaves the membership at once so the other nodes see a leave,
 not a death after the liveness timeout."""
+
 from __future__ import annotations
 
 import glob
@@ -35,16 +36,38 @@ def _wait_event(log_dir: str, pred, timeout: float = 60.0) -> dict:
     raise AssertionError(f"no such event in {log_dir}: {[e['event'] for e in _events(log_dir)]}")
 
 
-def _agent(tmp, tag: str, port: int, worker: list[str], *extra: str, grace: int = GRACE,
-           nnodes: str = "2") -> subprocess.Popen:
+def _agent(
+    tmp, tag: str, port: int, worker: list[str], *extra: str, grace: int = GRACE, nnodes: str = "2"
+) -> subprocess.Popen:
     out = tmp / f"out{tag}"
     out.mkdir(exist_ok=True)
-    cmd = FTRUN + ["--nnodes", nnodes, "--nproc_per_node", "1", "--rdzv_backend", "c10d",
-                   "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", "sig",
-                   "--shutdown_timeout", str(grace), "--log_dir", str(tmp / f"log{tag}"), *extra,
-                   script("phase_worker.py"), *worker]
-    return subprocess.Popen(cmd, env=env_with(OUT_DIR=str(out)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    cmd = FTRUN + [
+        "--nnodes",
+        nnodes,
+        "--nproc_per_node",
+        "1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv_id",
+        "sig",
+        "--shutdown_timeout",
+        str(grace),
+        "--log_dir",
+        str(tmp / f"log{tag}"),
+        *extra,
+        script("phase_worker.py"),
+        *worker,
+    ]
+    return subprocess.Popen(
+        cmd,
+        env=env_with(OUT_DIR=str(out)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _signal_and_time(p: subprocess.Popen, sig: int = signal.SIGTERM) -> float:
@@ -132,13 +155,30 @@ def test_sighup_while_waiting_for_the_restart_all_go(tmp_path) -> None:
     port = free_port()
     # a's worker fails at once; b's worker ignores SIGTERM and b waits 20 s before killing it,
     # so a sits in the restart-all barrier waiting for the controller's go.
-    a = _agent(tmp_path, "a", port, ["--sleep", "1", "--code", "3", "--first-only"],
-               "--max_restarts", "1", "--recover_strategy", "restart-all")
+    a = _agent(
+        tmp_path,
+        "a",
+        port,
+        ["--sleep", "1", "--code", "3", "--first-only"],
+        "--max_restarts",
+        "1",
+        "--recover_strategy",
+        "restart-all",
+    )
     b = None
     try:
         _wait_event(str(tmp_path / "loga"), lambda e: "hosting the store" in e["message"])
-        b = _agent(tmp_path, "b", port, ["--ignore-term"], "--max_restarts", "1",
-                   "--recover_strategy", "restart-all", grace=20)
+        b = _agent(
+            tmp_path,
+            "b",
+            port,
+            ["--ignore-term"],
+            "--max_restarts",
+            "1",
+            "--recover_strategy",
+            "restart-all",
+            grace=20,
+        )
         _wait_event(str(tmp_path / "loga"), lambda e: e["event"] == "plan-received")
         time.sleep(0.5)
         took = _signal_and_time(a, signal.SIGHUP)

@@ -1,15 +1,23 @@
 """Job-token auth: token sources, and the server refusing/accepting real clients."""
+
 from __future__ import annotations
 
 import os
 
 import pytest
-
 from helpers_store import run_torch, run_torch_ops
-from rendezvous.store.auth import (TOKEN_ENV, TokenError, generate_token, load_token_file,
-                             resolve_token, token_matches, write_token_file)
-from rendezvous.store.client import StoreClient
+
 from rendezvous.kv import StoreAuthError, StoreError
+from rendezvous.store.auth import (
+    TOKEN_ENV,
+    TokenError,
+    generate_token,
+    load_token_file,
+    resolve_token,
+    token_matches,
+    write_token_file,
+)
+from rendezvous.store.client import StoreClient
 from rendezvous.store.server import StoreServer
 
 TOKEN = "s3cret-token"
@@ -75,7 +83,9 @@ def test_torch_client_authenticates_with_a_set(server: StoreServer) -> None:
         "c = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=False,"
         " timeout=timedelta(seconds=3))\n"
         "try:\n    c.set('x', b'1'); c.get('x')\nexcept Exception as e:\n"
-        "    print('REFUSED', type(e).__name__)\n", server.port)
+        "    print('REFUSED', type(e).__name__)\n",
+        server.port,
+    )
     assert "REFUSED" in refused.stdout, refused.stderr[-2000:]
     assert "unauthenticated SET refused" in server.logs[-1]
 

@@ -1,5 +1,6 @@
 """scripts/bench_multinode.py: its parsing and timing helpers, and one tiny real run (the
 worker-death scenario on two namespace hosts, ftrun and torchrun) that leaves nothing behind."""
+
 from __future__ import annotations
 
 import json
@@ -8,15 +9,16 @@ import subprocess
 import sys
 
 import pytest
-
 from helpers_launch import REPO
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import bench_multinode as bm  # noqa: E402
 from netns_cluster import unavailable  # noqa: E402
 
-LINE = ("I1126 06:41:18.605000 19248 site-packages/torch/distributed/elastic/agent/server/"
-        "api.py:942] [default] Worker group FAILED. 3/3 attempts left; will restart worker group")
+LINE = (
+    "I1126 06:41:18.605000 19248 site-packages/torch/distributed/elastic/agent/server/"
+    "api.py:942] [default] Worker group FAILED. 3/3 attempts left; will restart worker group"
+)
 
 
 def test_torch_log_time_reads_glog_lines_and_ignores_others() -> None:
@@ -31,8 +33,17 @@ def test_torch_log_time_reads_glog_lines_and_ignores_others() -> None:
 def test_torch_log_lines_and_first_reaction(tmp_path) -> None:
     path = tmp_path / "stderr.txt"
     early = LINE.replace("06:41:18.605000", "06:41:10.000000").replace("FAILED", "HEALTHY")
-    path.write_text("\n".join([early, "[rank0]: noise", LINE, "I1126 06:41:19.000000 1 x.py:1] "
-                               "[default] Rendezvous'ing worker group"]) + "\n")
+    path.write_text(
+        "\n".join(
+            [
+                early,
+                "[rank0]: noise",
+                LINE,
+                "I1126 06:41:19.000000 1 x.py:1] [default] Rendezvous'ing worker group",
+            ]
+        )
+        + "\n"
+    )
     lines = bm.torch_log_lines(str(path))
     assert len(lines) == 3 and lines[1][1].startswith("[default] Worker group FAILED")
     t = lines[1][0]
@@ -57,26 +68,34 @@ def _recs(pid: int, steps: range, t0: float, dt: float = 0.1) -> list[dict]:
 
 def test_recovery_summary_in_place_vs_restart_all() -> None:
     # in place: rank 0 keeps pid 10 and goes on; rank 1's replacement (pid 21) resumes at step 5
-    steps = {0: _recs(10, range(0, 9), 100.0), 1: _recs(11, range(0, 5), 100.0)
-             + _recs(21, range(5, 8), 101.0)}
+    steps = {
+        0: _recs(10, range(0, 9), 100.0),
+        1: _recs(11, range(0, 5), 100.0) + _recs(21, range(5, 8), 101.0),
+    }
     steps[1].insert(5, {"step": 5, "time": 100.45, "pid": 11})  # logged as the kill landed
     r = bm.recovery_summary(steps, 100.42, 2, lost_pids={11})
     assert r == {"resume_s": 0.58, "steps_lost": 0, "survivors_kept_pids": True}
     # restart-all from the step-2 checkpoint: every rank has a new pid and recomputes 3..4
-    steps = {0: _recs(10, range(0, 5), 100.0) + _recs(30, range(3, 6), 110.0),
-             1: _recs(11, range(0, 5), 100.0) + _recs(31, range(3, 6), 110.2)}
+    steps = {
+        0: _recs(10, range(0, 5), 100.0) + _recs(30, range(3, 6), 110.0),
+        1: _recs(11, range(0, 5), 100.0) + _recs(31, range(3, 6), 110.2),
+    }
     r = bm.recovery_summary(steps, 100.45, 2, lost_pids={11})
     assert r == {"resume_s": 9.75, "steps_lost": 2, "survivors_kept_pids": False}
     # not resumed (a rank has no step after the fault)
-    r = bm.recovery_summary({0: _recs(10, range(3), 100.0), 1: _recs(11, range(3), 100.0)},
-                            100.5, 2, lost_pids={11})
+    r = bm.recovery_summary(
+        {0: _recs(10, range(3), 100.0), 1: _recs(11, range(3), 100.0)}, 100.5, 2, lost_pids={11}
+    )
     assert r["resume_s"] is None
     assert bm.recovery_summary({0: _recs(10, range(3), 100.0)}, 100.5, 2, set())["resume_s"] is None
 
 
 def test_bad_arguments_are_one_line_and_exit_2(capsys) -> None:
-    for argv in (["--scenarios", "worker-death,bogus"], ["--hosts", "1"],
-                 ["--store-sizes", "250", "--store-hosts", "4"]):
+    for argv in (
+        ["--scenarios", "worker-death,bogus"],
+        ["--hosts", "1"],
+        ["--store-sizes", "250", "--store-hosts", "4"],
+    ):
         with pytest.raises(SystemExit) as e:
             bm.parse_args(argv)
         assert e.value.code == 2
@@ -87,9 +106,20 @@ def test_bad_arguments_are_one_line_and_exit_2(capsys) -> None:
 @pytest.mark.skipif(unavailable() is not None, reason=unavailable() or "")
 def test_worker_death_on_two_hosts_against_torchrun_leaves_nothing_behind() -> None:
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, os.path.join(REPO, "scripts", "bench_multinode.py"),
-                          "--scenarios", "worker-death", "--hosts", "2"], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts", "bench_multinode.py"),
+            "--scenarios",
+            "worker-death",
+            "--hosts",
+            "2",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = p.communicate(timeout=240)
     assert p.returncode == 0, (out, err[-2000:])
     rows = [json.loads(line) for line in out.splitlines()]
@@ -110,11 +140,15 @@ def test_worker_death_on_two_hosts_against_torchrun_leaves_nothing_behind() -> N
 
 def test_torch_outcome_names_the_exception_or_the_last_message(tmp_path) -> None:
     path = tmp_path / "stderr.txt"
-    path.write_text(LINE + "\nI1126 06:41:19.000000 1 x.py:1] [default] Rendezvous'ing worker group\n")
+    path.write_text(
+        LINE + "\nI1126 06:41:19.000000 1 x.py:1] [default] Rendezvous'ing worker group\n"
+    )
     assert bm.torch_outcome(str(path)) == "[default] Rendezvous'ing worker group"
     with open(path, "a") as f:
-        f.write("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
-                "torch.distributed.DistStoreError: wait timeout after 60000ms, keys: /a/MASTER_ADDR\n")
+        f.write(
+            'Traceback (most recent call last):\n  File "x.py", line 1\n'
+            "torch.distributed.DistStoreError: wait timeout after 60000ms, keys: /a/MASTER_ADDR\n"
+        )
     assert bm.torch_outcome(str(path)).startswith("torch.distributed.DistStoreError: wait timeout")
     assert bm.torch_outcome(str(tmp_path / "none.txt")) == "(no log)"
 
@@ -139,9 +173,22 @@ def test_the_store_pattern_over_two_hosts_against_torch() -> None:
     """The store scenario end to end (it had no test and failed on every backend with a
     ValueError after bench_store.client_phase began returning the clients' CPU too)."""
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    p = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_multinode.py"),
-                        "--scenarios", "store", "--store-hosts", "2", "--store-sizes", "16"],
-                       env=env, capture_output=True, text=True, timeout=240)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "scripts", "bench_multinode.py"),
+            "--scenarios",
+            "store",
+            "--store-hosts",
+            "2",
+            "--store-sizes",
+            "16",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert p.returncode == 0, (p.stdout, p.stderr[-2000:])
     row = next(r for r in map(json.loads, p.stdout.splitlines()) if r.get("scenario") == "store")
     assert row["hosts"] == 2 and [s["clients"] for s in row["sizes"]] == [16]
@@ -151,4 +198,6 @@ def test_the_store_pattern_over_two_hosts_against_torch() -> None:
         assert "error" not in r and r["errors"] == 0 and r["pattern_s"] > 0, r
         assert r["hosts"] == 2 and r["clients"] == 16, r
     assert torch_row["master_connections"] == 16 and proxy_row["master_connections"] == 2
-    assert proxy_row["pattern_time_vs_torch"] == round(proxy_row["pattern_s"] / torch_row["pattern_s"], 3)
+    assert proxy_row["pattern_time_vs_torch"] == round(
+        proxy_row["pattern_s"] / torch_row["pattern_s"], 3
+    )

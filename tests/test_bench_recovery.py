@@ -2,6 +2,7 @@
 the state came (same host: read from the replica's memory), and no run directory left behind
 (a 1 GB state wrote ~8 GB of checkpoints per job into /tmp and filled the disk); with
 --keep-logs the logs stay, the checkpoints still go."""
+
 from __future__ import annotations
 
 import json
@@ -13,14 +14,30 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-TINY = ["--no-torchrun", "--hidden", "64", "--layers", "2", "--steps", "16", "--kill-after-step", "6",
-        "--no-wait-warm"]
+TINY = [
+    "--no-torchrun",
+    "--hidden",
+    "64",
+    "--layers",
+    "2",
+    "--steps",
+    "16",
+    "--kill-after-step",
+    "6",
+    "--no-wait-warm",
+]
 
 
 def _bench(tmp_path: Path, *extra: str) -> tuple[dict, str]:
     env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_recovery.py"), *TINY, *extra],
-                         env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_recovery.py"), *TINY, *extra],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 

@@ -1,6 +1,7 @@
 """scripts/bench_store.py: one JSON line per backend and size, with round-by-round ratios to
 torch when repeated, and a second torch instance (`torch#2`) measured as a contender (the
 benchmark's own spread)."""
+
 from __future__ import annotations
 
 import json
@@ -9,14 +10,27 @@ import subprocess
 import sys
 import time
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                      "bench_store.py")
+SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_store.py"
+)
 
 
 def test_a_second_torch_and_ftrun_are_compared_to_torch_round_by_round() -> None:
-    r = subprocess.run([sys.executable, SCRIPT, "--sizes", "8", "--repeat", "2",
-                        "--backends", "torch,torch#2,ftrun"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--sizes",
+            "8",
+            "--repeat",
+            "2",
+            "--backends",
+            "torch,torch#2,ftrun",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert lines[0]["setup"] == "/etc/hosts"
@@ -35,9 +49,23 @@ def test_a_second_torch_and_ftrun_are_compared_to_torch_round_by_round() -> None
 
 def test_warm_iterations_repeat_the_pattern_on_the_same_connections() -> None:
     """--iterations: all backends set up at once, their warm patterns alternating and paired."""
-    r = subprocess.run([sys.executable, SCRIPT, "--sizes", "8", "--repeat", "2", "--iterations", "4",
-                        "--backends", "torch,ftrun,ftrun-proxy"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            SCRIPT,
+            "--sizes",
+            "8",
+            "--repeat",
+            "2",
+            "--iterations",
+            "4",
+            "--backends",
+            "torch,ftrun,ftrun-proxy",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rows = {x["backend"]: x for x in map(json.loads, r.stdout.splitlines()[1:])}
     assert list(rows) == ["torch", "ftrun", "ftrun-proxy"]
@@ -49,18 +77,23 @@ def test_warm_iterations_repeat_the_pattern_on_the_same_connections() -> None:
         assert ("warm_proxy_sys_s" in x) == ("warm_proxy_user_s" in x) == (kind == "ftrun-proxy")
         assert x["warm_master_user_s"] >= 0 and x["warm_master_sys_s"] >= 0, x
         assert x["warm_store_cpu_s"] == round(
-            x["warm_master_cpu_s"] + x.get("warm_proxy_cpu_s", 0.0), 4), x
+            x["warm_master_cpu_s"] + x.get("warm_proxy_cpu_s", 0.0), 4
+        ), x
     for kind in ("ftrun", "ftrun-proxy"):
         x = rows[kind]
         assert len(x["warm_vs_torch_by_round"]) == 2, x
-        assert x["warm_rounds_at_or_below_torch"] == sum(v <= 1.0 for v in x["warm_vs_torch_by_round"])
+        assert x["warm_rounds_at_or_below_torch"] == sum(
+            v <= 1.0 for v in x["warm_vs_torch_by_round"]
+        )
         assert x["warm_median_vs_torch"] == round(
-            x["warm_pattern_s_median_of_runs"] / rows["torch"]["warm_pattern_s_median_of_runs"], 3)
+            x["warm_pattern_s_median_of_runs"] / rows["torch"]["warm_pattern_s_median_of_runs"], 3
+        )
         lo, hi = x["warm_paired_vs_torch_quartiles"]
         assert 0 < lo <= x["warm_paired_vs_torch"] <= hi, x
         assert "warm_pattern_s" not in x  # the pairs' input, not printed
         assert x["warm_store_cpu_vs_torch"] == round(
-            x["warm_store_cpu_s"] / rows["torch"]["warm_store_cpu_s"], 3), x
+            x["warm_store_cpu_s"] / rows["torch"]["warm_store_cpu_s"], 3
+        ), x
 
 
 def test_user_and_system_cpu_are_read_as_the_kernel_counts_them() -> None:
@@ -68,6 +101,7 @@ def test_user_and_system_cpu_are_read_as_the_kernel_counts_them() -> None:
     process), user and system not swapped (user time is made to lead by 0.2 s first)."""
     sys.path.insert(0, os.path.dirname(SCRIPT))
     import bench_store
+
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         t = os.times()
@@ -82,13 +116,18 @@ def test_user_and_system_cpu_are_read_as_the_kernel_counts_them() -> None:
     assert before.user - 0.02 <= user <= after.user + 0.02, (before, user, after)
     assert before.system - 0.02 <= system <= after.system + 0.02, (before, system, after)
     assert user - system > 0.15
-    assert bench_store.user_sys_seconds(2 ** 22 + 12345) == (0.0, 0.0)  # no such process
+    assert bench_store.user_sys_seconds(2**22 + 12345) == (0.0, 0.0)  # no such process
 
 
 def test_bad_arguments_are_one_line_and_exit_2() -> None:
-    for args, names in ((["--sizes", "8,x"], "--sizes"), (["--iterations", "0"], "--iterations"),
-                        (["--repeat", "0"], "--repeat"), (["--backends", "torch,redis"], "redis")):
-        r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                           timeout=60)
+    for args, names in (
+        (["--sizes", "8,x"], "--sizes"),
+        (["--iterations", "0"], "--iterations"),
+        (["--repeat", "0"], "--repeat"),
+        (["--backends", "torch,redis"], "redis"),
+    ):
+        r = subprocess.run(
+            [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=60
+        )
         assert r.returncode == 2 and names in r.stderr and not r.stdout, (args, r.stderr)
         assert len(r.stderr.strip().splitlines()) == 1, r.stderr

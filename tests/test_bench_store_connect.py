@@ -1,6 +1,7 @@
 """scripts/bench_store_connect.py: one JSON line per backend and size with the connect phase's
 wall time and master CPU (medians and every round) and the ratios to torch; bad arguments exit
 non-zero with one line."""
+
 from __future__ import annotations
 
 import json
@@ -8,13 +9,18 @@ import os
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                      "bench_store_connect.py")
+SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_store_connect.py"
+)
 
 
 def test_one_line_per_backend_with_the_connects_cpu_and_ratios() -> None:
-    r = subprocess.run([sys.executable, SCRIPT, "--sizes", "8", "--repeat", "2",
-                        "--backends", "torch,ftrun"], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, SCRIPT, "--sizes", "8", "--repeat", "2", "--backends", "torch,ftrun"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert lines[0]["setup"] == "/etc/hosts"
@@ -29,9 +35,12 @@ def test_one_line_per_backend_with_the_connects_cpu_and_ratios() -> None:
 
 
 def test_bad_arguments_exit_non_zero_with_one_line() -> None:
-    for args, want in ((["--sizes", "x"], "--sizes 'x'"), (["--repeat", "0"], "--repeat 0"),
-                       (["--sizes", "8", "--repeat", "1", "--backends", "ftrun-proxy"],
-                        "backend 'ftrun-proxy'")):
-        r = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
-                           timeout=120)
+    for args, want in (
+        (["--sizes", "x"], "--sizes 'x'"),
+        (["--repeat", "0"], "--repeat 0"),
+        (["--sizes", "8", "--repeat", "1", "--backends", "ftrun-proxy"], "backend 'ftrun-proxy'"),
+    ):
+        r = subprocess.run(
+            [sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=120
+        )
         assert r.returncode != 0 and "bench_store_connect:" in r.stderr and want in r.stderr, r

@@ -1,5 +1,6 @@
 """scripts/bench_store_cpu.py: one JSON line per server (torch, ftrun with and without its C
 read path) with its CPU per request; bad arguments exit non-zero."""
+
 from __future__ import annotations
 
 import json
@@ -7,13 +8,18 @@ import os
 import subprocess
 import sys
 
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                      "bench_store_cpu.py")
+SCRIPT = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_store_cpu.py"
+)
 
 
 def test_one_line_per_server_with_its_cpu_per_request() -> None:
-    r = subprocess.run([sys.executable, SCRIPT, "--conns", "3", "--rounds", "4", "--repeat", "1"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, SCRIPT, "--conns", "3", "--rounds", "4", "--repeat", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert [x["backend"] for x in lines] == ["torch", "ftrun", "ftrun-python"]
@@ -23,6 +29,7 @@ def test_one_line_per_server_with_its_cpu_per_request() -> None:
 
 
 def test_bad_arguments_exit_non_zero() -> None:
-    r = subprocess.run([sys.executable, SCRIPT, "--conns", "0"], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, SCRIPT, "--conns", "0"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode != 0 and "bench_store_cpu:" in r.stderr, r

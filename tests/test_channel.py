@@ -1,4 +1,5 @@
 """The agent's worker channel: messages in, stop pushed out, no stale socket left."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,8 @@ import os
 import queue
 import socket
 
-from launcher.workers.channel import ChannelMessage, ChannelServer
 from launcher.protocol.messages import Heartbeat, Hello, Stop
+from launcher.workers.channel import ChannelMessage, ChannelServer
 
 
 def test_hello_heartbeat_and_push(tmp_path) -> None:
@@ -17,8 +18,10 @@ def test_hello_heartbeat_and_push(tmp_path) -> None:
     try:
         c = socket.socket(socket.AF_UNIX)
         c.connect(path)
-        c.sendall(b'{"op":"hello","rank":3,"pid":99}\n{"op":"heartbeat","rank":3,"step":1}\nnot json\n'
-                  b'{"op":"stop","generation":"x"}\n{"op":"bye","rank":3}\n')
+        c.sendall(
+            b'{"op":"hello","rank":3,"pid":99}\n{"op":"heartbeat","rank":3,"step":1}\nnot json\n'
+            b'{"op":"stop","generation":"x"}\n{"op":"bye","rank":3}\n'
+        )
         m1, m2, m3 = q.get(timeout=5), q.get(timeout=5), q.get(timeout=5)
         assert isinstance(m1, ChannelMessage) and m1.rank == 3 and m1.msg == Hello(rank=3, pid=99)
         assert m2.msg == Heartbeat(rank=3, step=1) and m2.pid == 99
@@ -26,8 +29,12 @@ def test_hello_heartbeat_and_push(tmp_path) -> None:
         assert srv.connected_ranks() == {3}
         assert srv.send(3, Stop(generation=2))
         c.settimeout(5)
-        assert json.loads(c.recv(4096).decode().strip()) == {"op": "stop", "generation": 2,
-                                                              "strategy": "", "failed_ranks": []}
+        assert json.loads(c.recv(4096).decode().strip()) == {
+            "op": "stop",
+            "generation": 2,
+            "strategy": "",
+            "failed_ranks": [],
+        }
         assert not srv.send(4, Stop(generation=2))
         c.close()
     finally:

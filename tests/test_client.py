@@ -1,4 +1,5 @@
 """StoreClient: the KVStore contract over the wire, timeouts, threads, failures."""
+
 from __future__ import annotations
 
 import socket
@@ -8,10 +9,10 @@ from datetime import timedelta
 
 import pytest
 import torch.distributed as dist
-
 from helpers_store import free_port
-from rendezvous.store.client import StoreClient
+
 from rendezvous.kv import StoreError, StoreTimeout
+from rendezvous.store.client import StoreClient
 from rendezvous.store.server import StoreServer
 
 
@@ -77,8 +78,10 @@ def test_dead_address_fails_within_timeout() -> None:
     port = free_port()
     c = StoreClient("127.0.0.1", port, timeout=0.5)
     t = time.monotonic()
-    with pytest.raises(StoreError, match=f"cannot connect to the store at 127.0.0.1:{port} "
-                                         "within 0.5 s: Connection refused"):
+    with pytest.raises(
+        StoreError,
+        match=f"cannot connect to the store at 127.0.0.1:{port} within 0.5 s: Connection refused",
+    ):
         c.get("x", 1.0)
     assert time.monotonic() - t < 1.5
 
@@ -93,8 +96,9 @@ def test_server_going_away_is_a_store_error() -> None:
 
 
 def test_against_torch_own_server() -> None:
-    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=10))
+    master = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10)
+    )
     c = StoreClient("127.0.0.1", master.port, timeout=5)
     c.set("t/a", b"1")
     assert master.get("t/a") == b"1"
@@ -122,6 +126,7 @@ def test_non_store_peer_is_a_clear_error() -> None:
         conn.recv(100)
         conn.sendall(b"HTTP")
         conn.close()
+
     threading.Thread(target=serve, daemon=True).start()
     with pytest.raises(StoreError, match="answered the handshake wrongly"):
         StoreClient("127.0.0.1", ls.getsockname()[1], timeout=2).set("x", b"1")

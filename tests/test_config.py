@@ -1,14 +1,14 @@
 """LaunchConfig resolution: torchrun's hidden rules, ftrun's additions, clear errors."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import re
 
 import pytest
 
-from launcher.protocol import plan as P
 from launcher.cli.ftrun import parse
 from launcher.config import ConfigError, build_config, strategy_from_seed_env
+from launcher.protocol import plan as P
 
 SCRIPT = __file__
 
@@ -23,8 +23,15 @@ def test_single_node_auto_switch_uses_a_private_port() -> None:
 
 
 def test_static_multi_node_uses_master_addr_and_port() -> None:
-    c = cfg("--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--master_port", "29555")
-    assert (c.store_host, c.store_port, c.node_rank, c.is_store_host) == ("10.0.0.1", 29555, 1, False)
+    c = cfg(
+        "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1", "--master_port", "29555"
+    )
+    assert (c.store_host, c.store_port, c.node_rank, c.is_store_host) == (
+        "10.0.0.1",
+        29555,
+        1,
+        False,
+    )
     assert c.proxy  # on by default with more than one node
 
 
@@ -79,15 +86,22 @@ def test_shutdown_timeout_env_fallback() -> None:
 
 def test_hang_timeout_is_auto_by_default_seconds_or_zero_and_bad_values_are_one_line() -> None:
     c = cfg()
-    assert c.hang_timeout is None and c.hang.enabled and c.hang.floor == 30.0 and c.fault_window == 2.0
+    assert (
+        c.hang_timeout is None and c.hang.enabled and c.hang.floor == 30.0 and c.fault_window == 2.0
+    )
     assert cfg("--hang-timeout", "auto").hang_timeout is None
     assert cfg("--hang_timeout", "45").hang.step_timeout([1.0]) == 45.0
     assert not cfg("--hang-timeout", "0").hang.enabled
-    for bad, why in (("x", "is not 'auto' or a number"), ("-1", "must be 'auto', 0 (off)"),
-                     ("inf", "must be 'auto', 0 (off)")):
+    for bad, why in (
+        ("x", "is not 'auto' or a number"),
+        ("-1", "must be 'auto', 0 (off)"),
+        ("inf", "must be 'auto', 0 (off)"),
+    ):
         with pytest.raises(ConfigError, match=re.escape(f"--hang-timeout: '{bad}' {why}")):
             cfg("--hang-timeout", bad)
-    c = cfg(env={"FTRUN_HANG_FLOOR": "2", "FTRUN_HANG_MULTIPLIER": "5", "FTRUN_FAULT_WINDOW": "0.5"})
+    c = cfg(
+        env={"FTRUN_HANG_FLOOR": "2", "FTRUN_HANG_MULTIPLIER": "5", "FTRUN_FAULT_WINDOW": "0.5"}
+    )
     assert (c.hang.floor, c.hang.multiplier, c.fault_window) == (2.0, 5.0, 0.5)
     with pytest.raises(ConfigError, match="^FTRUN_HANG_FLOOR='0' must be > 0"):
         cfg(env={"FTRUN_HANG_FLOOR": "0"})
@@ -95,8 +109,11 @@ def test_hang_timeout_is_auto_by_default_seconds_or_zero_and_bad_values_are_one_
     assert cfg(env={"FTRUN_TRANSFER_STRIPES": "Auto"}).transfer_stripes == 0
     assert cfg(env={"FTRUN_TRANSFER_STRIPES": "3"}).transfer_stripes == 3
     for bad in ("0", "two", "-1", "17"):
-        with pytest.raises(ConfigError, match=f"^FTRUN_TRANSFER_STRIPES='{bad}': must be 'auto' "
-                                              r"\(one sending replica per node\) or a whole number"):
+        with pytest.raises(
+            ConfigError,
+            match=f"^FTRUN_TRANSFER_STRIPES='{bad}': must be 'auto' "
+            r"\(one sending replica per node\) or a whole number",
+        ):
             cfg(env={"FTRUN_TRANSFER_STRIPES": bad})
     with pytest.raises(ConfigError, match="^FTRUN_FAULT_WINDOW='soon': must be seconds in 0..60"):
         cfg(env={"FTRUN_FAULT_WINDOW": "soon"})
@@ -107,10 +124,16 @@ def test_warm_spares_flag_env_and_bad_values_are_one_line() -> None:
     assert cfg("--warm-spares", "0").warm_spares == 0
     assert cfg("--warm_spares", "3", env={"FTRUN_WARM_SPARES": "5"}).warm_spares == 3  # flag wins
     assert cfg(env={"FTRUN_WARM_SPARES": "5"}).warm_spares == 5
-    assert cfg(env={"FTRUN_WARM_SPARE": "0"}).warm_spares == 0  # the older switch still turns them off
+    assert (
+        cfg(env={"FTRUN_WARM_SPARE": "0"}).warm_spares == 0
+    )  # the older switch still turns them off
     for bad in ("-1", "9", "two", "1.5"):
-        with pytest.raises(ConfigError, match=re.escape(f"--warm-spares: '{bad}' must be a whole "
-                                                        "number of spare processes per node in 0..8")):
+        with pytest.raises(
+            ConfigError,
+            match=re.escape(
+                f"--warm-spares: '{bad}' must be a whole number of spare processes per node in 0..8"
+            ),
+        ):
             cfg("--warm-spares", bad)
     with pytest.raises(ConfigError, match="^FTRUN_WARM_SPARES='x': must be"):
         cfg(env={"FTRUN_WARM_SPARES": "x"})
@@ -123,16 +146,31 @@ def test_node_replace_timeout_from_rdzv_conf_env_or_default() -> None:
     assert c.node_replace_timeout == 3.0  # the flag wins over the environment
 
 
-@pytest.mark.parametrize("args, env, needle", [
-    (("--rdzv_conf", "node_replace_timeout=soon"), {},
-     "--rdzv-conf node_replace_timeout='soon': must be a number of seconds > 0"),
-    (("--rdzv_conf", "node_replace_timeout=0"), {},
-     "--rdzv-conf node_replace_timeout='0': must be a number of seconds > 0"),
-    ((), {"FTRUN_NODE_REPLACE_TIMEOUT": "-4"},
-     "FTRUN_NODE_REPLACE_TIMEOUT='-4': must be a number of seconds > 0"),
-    ((), {"FTRUN_NODE_REPLACE_TIMEOUT": "inf"},
-     "FTRUN_NODE_REPLACE_TIMEOUT='inf': must be a number of seconds > 0"),
-])
+@pytest.mark.parametrize(
+    "args, env, needle",
+    [
+        (
+            ("--rdzv_conf", "node_replace_timeout=soon"),
+            {},
+            "--rdzv-conf node_replace_timeout='soon': must be a number of seconds > 0",
+        ),
+        (
+            ("--rdzv_conf", "node_replace_timeout=0"),
+            {},
+            "--rdzv-conf node_replace_timeout='0': must be a number of seconds > 0",
+        ),
+        (
+            (),
+            {"FTRUN_NODE_REPLACE_TIMEOUT": "-4"},
+            "FTRUN_NODE_REPLACE_TIMEOUT='-4': must be a number of seconds > 0",
+        ),
+        (
+            (),
+            {"FTRUN_NODE_REPLACE_TIMEOUT": "inf"},
+            "FTRUN_NODE_REPLACE_TIMEOUT='inf': must be a number of seconds > 0",
+        ),
+    ],
+)
 def test_bad_node_replace_timeout_is_one_line_naming_the_key(args, env, needle) -> None:
     with pytest.raises(ConfigError) as e:
         cfg(*args, env=env)

@@ -1,4 +1,5 @@
 """The controller's decisions and round driving, on an in-process store (LocalKV)."""
+
 from __future__ import annotations
 
 import threading
@@ -6,10 +7,10 @@ import time
 
 import pytest
 
-from launcher.protocol import plan as P
 from launcher.control.controller import Controller, post_fault
-from launcher.observe.logs import AgentLog
 from launcher.control.progress import ProgressBoard
+from launcher.observe.logs import AgentLog
+from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
 
 
@@ -20,9 +21,16 @@ def kv():
 
 def make(kv, world=4, max_restarts=3, chain=None, tmp_path=None, window=2.0) -> Controller:
     log = AgentLog(0, None, quiet=True)
-    c = Controller(kv, log, world, 1, max_restarts,
-                   chain or [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=5.0,
-                   window=window)
+    c = Controller(
+        kv,
+        log,
+        world,
+        1,
+        max_restarts,
+        chain or [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
+        phase_timeout=5.0,
+        window=window,
+    )
     c.start()
     return c
 
@@ -41,7 +49,9 @@ def test_unmodified_job_restarts_all_and_clears_worker_keys(kv) -> None:
         kv.set("worker/key", b"stale")
         post_fault(kv, fault())
         p = plan_of(kv, 1)
-        assert p.strategy == P.RESTART_ALL and p.restart_ranks == [0, 1, 2, 3] and p.restarts_used == 1
+        assert (
+            p.strategy == P.RESTART_ALL and p.restart_ranks == [0, 1, 2, 3] and p.restarts_used == 1
+        )
         assert kv.try_get(P.go_key(1)) is None  # not released before every node stopped
         kv.add(P.stopped_key(1), 1)
         kv.set(P.all_stopped_key(1), b"1")
@@ -60,11 +70,22 @@ def test_runtime_job_recovers_in_place_and_plans_repair(kv) -> None:
         p = plan_of(kv, 1)
         assert p.strategy == P.RECOVER_IN_PLACE and p.restart_ranks == [2]
         for r in range(4):
-            st = P.RankStatus(rank=r, generation=1, replacement=(r == 2), committed_step=-1 if r == 2 else 6,
-                              step=-1 if r == 2 else 7, shard="dp")
+            st = P.RankStatus(
+                rank=r,
+                generation=1,
+                replacement=(r == 2),
+                committed_step=-1 if r == 2 else 6,
+                step=-1 if r == 2 else 7,
+                shard="dp",
+            )
             kv.set(P.status_key(1, r), st.to_json())
         rp = P.RepairPlan.from_json(kv.get(P.repair_key(1), 10.0))
-        assert rp.pairs == [[0, 2]] and rp.resume_step == 7 and rp.action == "rollback" and not rp.fallback
+        assert (
+            rp.pairs == [[0, 2]]
+            and rp.resume_step == 7
+            and rp.action == "rollback"
+            and not rp.fallback
+        )
     finally:
         c.stop()
 
@@ -110,12 +131,22 @@ def test_a_fault_during_status_collection_supersedes_the_round(kv) -> None:
         kv.set(P.status_key(1, 0), P.RankStatus(0, 1, False, 4, 5, shard="dp").to_json())
         post_fault(kv, fault(rank=3, kind="network", gen=1))  # rank 3 fails mid-recovery
         p2 = plan_of(kv, 2)
-        assert p2.strategy == P.RECOVER_IN_PLACE and p2.failed_ranks == [2, 3] and p2.restart_ranks == [3]
-        assert p2.restarts_used == 2 and kv.try_get(P.repair_key(1)) is None  # round 1 never completes
+        assert (
+            p2.strategy == P.RECOVER_IN_PLACE
+            and p2.failed_ranks == [2, 3]
+            and p2.restart_ranks == [3]
+        )
+        assert (
+            p2.restarts_used == 2 and kv.try_get(P.repair_key(1)) is None
+        )  # round 1 never completes
         post_fault(kv, fault(rank=3, kind="signal", gen=1))  # its late exit report: part of round 2
         for r in range(4):
-            kv.set(P.status_key(2, r), P.RankStatus(r, 2, r == 3, -1 if r == 3 else 4, 5,
-                                                     dirty=(r == 2), shard="dp").to_json())
+            kv.set(
+                P.status_key(2, r),
+                P.RankStatus(
+                    r, 2, r == 3, -1 if r == 3 else 4, 5, dirty=(r == 2), shard="dp"
+                ).to_json(),
+            )
         rp = P.RepairPlan.from_json(kv.get(P.repair_key(2), 10.0))
         assert rp.pairs == [[0, 2], [0, 3]] and rp.resume_step == 5
         assert c.round is not None and not c.round.collecting
@@ -134,8 +165,10 @@ def test_dump_round_names_the_step_and_the_writer_of_each_shard(kv) -> None:
         assert p.strategy == P.DUMP and p.restarts_used == 0 and p.restart_ranks == []
         shards = {0: "a", 2: "b", 3: "b"}
         for r, shard in shards.items():
-            kv.set(P.status_key(1, r), P.RankStatus(r, 1, False, 6 if r != 3 else 5, 7,
-                                                     shard=shard).to_json())
+            kv.set(
+                P.status_key(1, r),
+                P.RankStatus(r, 1, False, 6 if r != 3 else 5, 7, shard=shard).to_json(),
+            )
         rp = P.RepairPlan.from_json(kv.get(P.repair_key(1), 10.0))
         assert rp.fallback == P.DUMP and rp.resume_step == 7 and rp.writers == {"a": 0, "b": 2}
     finally:
@@ -143,14 +176,32 @@ def test_dump_round_names_the_step_and_the_writer_of_each_shard(kv) -> None:
 
 
 def net(rank: int, gen: int = 0) -> P.Fault:
-    return P.Fault(kind="network", rank=rank, node=0, generation=gen, message="all_reduce timed out",
-                   evidence={"collective": "gradient all_reduce"})
+    return P.Fault(
+        kind="network",
+        rank=rank,
+        node=0,
+        generation=gen,
+        message="all_reduce timed out",
+        evidence={"collective": "gradient all_reduce"},
+    )
 
 
 def board(kv, idle: dict[int, float], waiting: set[int]) -> None:
-    ProgressBoard(kv, 0).publish({r: {"aware": True, "phase": "forward", "waiting": r in waiting,
-                                      "idle_s": t, "silent_s": 0.3, "state": "S", "pid": 100 + r,
-                                      "local_rank": r} for r, t in idle.items()})
+    ProgressBoard(kv, 0).publish(
+        {
+            r: {
+                "aware": True,
+                "phase": "forward",
+                "waiting": r in waiting,
+                "idle_s": t,
+                "silent_s": 0.3,
+                "state": "S",
+                "pid": 100 + r,
+                "local_rank": r,
+            }
+            for r, t in idle.items()
+        }
+    )
 
 
 def test_survivors_timing_out_in_one_collective_are_one_hang_of_the_rank_they_wait_on(kv) -> None:
@@ -163,10 +214,14 @@ def test_survivors_timing_out_in_one_collective_are_one_hang_of_the_rank_they_wa
             post_fault(kv, net(r))
         p = plan_of(kv, 1)
         assert (p.strategy, p.failed_ranks, p.restart_ranks) == (P.RECOVER_IN_PLACE, [1], [1])
-        assert p.root_cause["kind"] == "hang" and p.root_cause["pid"] == 101 and p.restarts_used == 1
+        assert (
+            p.root_cause["kind"] == "hang" and p.root_cause["pid"] == 101 and p.restarts_used == 1
+        )
         for r in range(4):
-            kv.set(P.status_key(1, r), P.RankStatus(r, 1, r == 1, -1 if r == 1 else 4, 5,
-                                                     shard="dp").to_json())
+            kv.set(
+                P.status_key(1, r),
+                P.RankStatus(r, 1, r == 1, -1 if r == 1 else 4, 5, shard="dp").to_json(),
+            )
         assert kv.wait([P.repair_key(1)], 10.0)
         assert kv.try_get(P.plan_key(2)) is None  # one event, one round
         assert [h["outcome"] for h in c.history] == ["recovered"]
@@ -183,7 +238,11 @@ def test_unexplained_collective_reports_in_one_window_are_one_network_fault(kv) 
         post_fault(kv, net(2))
         post_fault(kv, net(0))
         p = plan_of(kv, 1)
-        assert p.strategy == P.RETRY and p.root_cause["rank"] == 2 and p.root_cause["kind"] == "network"
+        assert (
+            p.strategy == P.RETRY
+            and p.root_cause["rank"] == 2
+            and p.root_cause["kind"] == "network"
+        )
         assert [x["rank"] for x in p.root_cause["evidence"]["consequences"]] == [0]
         assert p.history[-1]["consequences"] == 1
         post_fault(kv, net(3))  # from generation 0, after round 1 began: a consequence of its stop
@@ -209,7 +268,9 @@ def test_the_exit_plan_names_the_fault_that_ended_the_job_and_the_history(kv) ->
         p = plan_of(kv, 2)
         assert p.strategy == P.EXIT and p.root_cause["rank"] == 1 and p.root_cause["kind"] == "hang"
         assert [(h["rank"], h["kind"], h["handling"], h["outcome"][:7]) for h in p.history] == [
-            (2, "uce-low", [[P.RETRY, 1]], "recover"), (1, "hang", [[P.EXIT, 2]], "failed:")]
+            (2, "uce-low", [[P.RETRY, 1]], "recover"),
+            (1, "hang", [[P.EXIT, 2]], "failed:"),
+        ]
     finally:
         c.stop()
 
@@ -217,9 +278,18 @@ def test_the_exit_plan_names_the_fault_that_ended_the_job_and_the_history(kv) ->
 def _two_nodes(kv, node_replace_timeout: float) -> Controller:
     for r in range(4):
         kv.set(P.aware_key(r), b"1")
-    c = Controller(kv, AgentLog(0, None, quiet=True), 4, 2, 3,
-                   [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=0.5,
-                   window=0.1, node_replace_timeout=node_replace_timeout, min_nodes=2)
+    c = Controller(
+        kv,
+        AgentLog(0, None, quiet=True),
+        4,
+        2,
+        3,
+        [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
+        phase_timeout=0.5,
+        window=0.1,
+        node_replace_timeout=node_replace_timeout,
+        min_nodes=2,
+    )
     c.start()
     return c
 
@@ -236,8 +306,17 @@ def test_a_lost_node_is_repaired_from_peers_once_its_new_agent_arrives(kv) -> No
         time.sleep(1.5)  # longer than the phase timeout: the round still waits for node 1
         assert kv.try_get(P.plan_key(2)) is None and kv.try_get(P.repair_key(1)) is None
         c.note_node(1, lost=False)
-        post_fault(kv, P.Fault(kind="node-lost", rank=None, node=1, generation=1, message="spare",
-                               evidence={"node_joined": True, "node_ranks": [2, 3]}))
+        post_fault(
+            kv,
+            P.Fault(
+                kind="node-lost",
+                rank=None,
+                node=1,
+                generation=1,
+                message="spare",
+                evidence={"node_joined": True, "node_ranks": [2, 3]},
+            ),
+        )
         p2 = plan_of(kv, 2)
         assert p2.strategy == P.RECOVER_IN_PLACE and p2.restart_ranks == [2, 3]
         assert p2.restarts_used == 1  # the arrival continues the loss's round
@@ -268,9 +347,19 @@ def test_a_lost_node_not_taken_over_within_the_timeout_ends_the_job(kv) -> None:
 
 def _three_nodes(kv, new_round) -> Controller:
     """3 nodes of 2 unmodified ranks, --nnodes 2:3, node_replace_timeout 0.5 s."""
-    c = Controller(kv, AgentLog(0, None, quiet=True), 6, 3, 3,
-                   [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=0.5,
-                   window=0.1, node_replace_timeout=0.5, min_nodes=2, new_round=new_round)
+    c = Controller(
+        kv,
+        AgentLog(0, None, quiet=True),
+        6,
+        3,
+        3,
+        [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
+        phase_timeout=0.5,
+        window=0.1,
+        node_replace_timeout=0.5,
+        min_nodes=2,
+        new_round=new_round,
+    )
     c.start()
     return c
 
@@ -296,8 +385,10 @@ def test_a_static_world_or_a_round_that_cannot_start_ends_the_job(kv) -> None:
     def refuse() -> int:
         raise RendezvousError("the world is already retired")
 
-    for new_round, needle in ((None, "a static rendezvous (--node-rank) cannot renumber"),
-                              (refuse, "the new rendezvous round could not start: the world")):
+    for new_round, needle in (
+        (None, "a static rendezvous (--node-rank) cannot renumber"),
+        (refuse, "the new rendezvous round could not start: the world"),
+    ):
         for k in kv.keys(""):
             kv.delete(k)
         c = _three_nodes(kv, new_round)
@@ -313,10 +404,20 @@ def test_a_static_world_or_a_round_that_cannot_start_ends_the_job(kv) -> None:
 def test_scale_up_restart_opens_a_round_for_a_waiting_node_uncharged(kv) -> None:
     asked: list[int] = []
     waiting = [0]
-    c = Controller(kv, AgentLog(0, None, quiet=True), 4, 2, 3,
-                   [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=0.5,
-                   window=0.1, min_nodes=2, new_round=lambda: asked.append(1) or 1,
-                   waiting=lambda: waiting[0], max_nodes=3)
+    c = Controller(
+        kv,
+        AgentLog(0, None, quiet=True),
+        4,
+        2,
+        3,
+        [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
+        phase_timeout=0.5,
+        window=0.1,
+        min_nodes=2,
+        new_round=lambda: asked.append(1) or 1,
+        waiting=lambda: waiting[0],
+        max_nodes=3,
+    )
     c.start()
     try:
         time.sleep(0.7)
@@ -336,9 +437,17 @@ def test_a_report_of_a_stale_agent_is_refused_and_logged(kv, tmp_path) -> None:
     dead, replaced) starts no round; the next live report does."""
     log = AgentLog(0, str(tmp_path / "events.jsonl"), quiet=True)
     stale = {(1, 1)}
-    c = Controller(kv, log, 4, 2, 3, [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
-                   phase_timeout=5.0, window=0.1,
-                   stale=lambda n, i: "declared dead" if (n, i) in stale else "")
+    c = Controller(
+        kv,
+        log,
+        4,
+        2,
+        3,
+        [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
+        phase_timeout=5.0,
+        window=0.1,
+        stale=lambda n, i: "declared dead" if (n, i) in stale else "",
+    )
     c.start()
     try:
         old = fault(rank=1)
@@ -355,8 +464,11 @@ def test_a_report_of_a_stale_agent_is_refused_and_logged(kv, tmp_path) -> None:
         log.close()
     from launcher.observe.logs import read_event_file
 
-    refused = [e for e in read_event_file(str(tmp_path / "events.jsonl"))
-               if e["event"] == "stale-write-refused"]
+    refused = [
+        e
+        for e in read_event_file(str(tmp_path / "events.jsonl"))
+        if e["event"] == "stale-write-refused"
+    ]
     assert len(refused) == 1 and refused[0]["stale_node"] == 1 and refused[0]["incarnation"] == 1
     assert "refused: the writer is stale (declared dead)" in refused[0]["message"]
 
@@ -402,9 +514,18 @@ def _node_world(kv, start: bool = True) -> Controller:
     """Two nodes of two ranks (node 0: ranks 0, 1; node 1: ranks 2, 3), runtime-aware."""
     for r in range(4):
         kv.set(P.aware_key(r), b"1")
-    c = Controller(kv, AgentLog(0, None, quiet=True), 4, 2, 3,
-                   [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=5.0,
-                   window=0.1, node_replace_timeout=30.0, min_nodes=2)
+    c = Controller(
+        kv,
+        AgentLog(0, None, quiet=True),
+        4,
+        2,
+        3,
+        [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
+        phase_timeout=5.0,
+        window=0.1,
+        node_replace_timeout=30.0,
+        min_nodes=2,
+    )
     if start:
         c.start()
     return c
@@ -468,8 +589,12 @@ def test_a_successor_finishes_the_round_in_progress_when_nothing_supersedes_it(k
     c2.start()
     try:
         for r in range(4):
-            kv.set(P.status_key(1, r), P.RankStatus(r, 1, r == 3, -1 if r == 3 else 4,
-                                                    -1 if r == 3 else 5, shard="dp").to_json())
+            kv.set(
+                P.status_key(1, r),
+                P.RankStatus(
+                    r, 1, r == 3, -1 if r == 3 else 4, -1 if r == 3 else 5, shard="dp"
+                ).to_json(),
+            )
         rp = P.RepairPlan.from_json(kv.get(P.repair_key(1), 10.0))
         assert rp.pairs == [[0, 3], [2, 3]] and not rp.fallback  # one replica per node sends
         assert kv.try_get(P.plan_key(2)) is None
@@ -537,6 +662,7 @@ def test_an_arrival_brought_by_two_threads_at_once_is_reported_once(kv, monkeypa
     same moment; both passed the 'already known?' check before either had posted, and the
     arrival became two faults and two rounds (the spare spawned its rank twice, CI)."""
     import launcher.control.controller as C
+
     c1 = _node_world(kv)
     c1.reconcile({0: 1, 1: 1}, [])
     c1.stop()
@@ -549,10 +675,13 @@ def test_an_arrival_brought_by_two_threads_at_once_is_reported_once(kv, monkeypa
         except threading.BrokenBarrierError:
             pass
         return real(store, fault)
+
     monkeypatch.setattr(C, "post_fault", slow_post)
     got: list = []
-    ts = [threading.Thread(target=lambda w=w: got.append(c2.note_arrival(0, 2, why=w)))
-          for w in ("watch", "reconcile")]
+    ts = [
+        threading.Thread(target=lambda w=w: got.append(c2.note_arrival(0, 2, why=w)))
+        for w in ("watch", "reconcile")
+    ]
     for t in ts:
         t.start()
     for t in ts:
@@ -570,17 +699,31 @@ def test_a_controller_of_a_new_world_keeps_the_history_but_not_the_old_worlds_no
     c1 = _node_world(kv, start=False)
     c1.reconcile({0: 1, 1: 1}, [])
     c1.note_node(1, lost=True, why="no heartbeat for 2s")
-    cause = P.Fault(kind="node-lost", rank=None, node=1, generation=0, message="lost",
-                    evidence={"node_lost": True, "node_ranks": [2, 3]})
-    c1.publish(Decision(P.RESTART_ALL, "shrink", cause, (2, 3), (0, 1), charged=True),
-               new_round=1)
-    c2 = Controller(kv, AgentLog(0, None, quiet=True), 2, 1, 3,
-                    [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT], phase_timeout=5.0,
-                    window=0.1, world_round=1)
+    cause = P.Fault(
+        kind="node-lost",
+        rank=None,
+        node=1,
+        generation=0,
+        message="lost",
+        evidence={"node_lost": True, "node_ranks": [2, 3]},
+    )
+    c1.publish(Decision(P.RESTART_ALL, "shrink", cause, (2, 3), (0, 1), charged=True), new_round=1)
+    c2 = Controller(
+        kv,
+        AgentLog(0, None, quiet=True),
+        2,
+        1,
+        3,
+        [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
+        phase_timeout=5.0,
+        window=0.1,
+        world_round=1,
+    )
     assert c2.lost_nodes == set() and c2.known == {} and not c2._unfinished(plan_of(kv, 1))
     assert [h["node"] for h in c2.history] == [1]
-    c3 = Controller(kv, AgentLog(0, None, quiet=True), 4, 2, 3, [P.RESTART_ALL, P.EXIT],
-                    world_round=0)  # a controller of the old world would have them
+    c3 = Controller(
+        kv, AgentLog(0, None, quiet=True), 4, 2, 3, [P.RESTART_ALL, P.EXIT], world_round=0
+    )  # a controller of the old world would have them
     assert c3.lost_nodes == {1} and c3.known == {0: 1, 1: 1}
 
 
@@ -589,8 +732,16 @@ def _finished_world(kv, tmp_path, phase_timeout: float = 120.0) -> tuple[Control
     for r in range(4):
         kv.set(P.aware_key(r), b"1")
     log = AgentLog(0, str(tmp_path / "events.jsonl"), quiet=True)
-    c = Controller(kv, log, 4, 1, 3, [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
-                   phase_timeout=phase_timeout, window=0.1)
+    c = Controller(
+        kv,
+        log,
+        4,
+        1,
+        3,
+        [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT],
+        phase_timeout=phase_timeout,
+        window=0.1,
+    )
     c.start()
     return c, log
 
@@ -601,7 +752,9 @@ def _events(tmp_path, name: str) -> list[dict]:
     return [e for e in read_event_file(str(tmp_path / "events.jsonl")) if e["event"] == name]
 
 
-def test_a_rank_failing_after_its_peers_finished_restarts_all_at_once_saying_why(kv, tmp_path) -> None:
+def test_a_rank_failing_after_its_peers_finished_restarts_all_at_once_saying_why(
+    kv, tmp_path
+) -> None:
     c, log = _finished_world(kv, tmp_path)
     try:
         for r in (0, 2, 3):
@@ -644,7 +797,12 @@ def test_peers_finishing_while_the_replacement_waits_end_the_round_at_once(kv, t
         c.stop()
         log.close()
     (line,) = _events(tmp_path, "peers-finished")
-    assert (line["rank"], line["generation"], line["round"], line["finished_ranks"]) == (1, 0, 1, [0, 2, 3])
+    assert (line["rank"], line["generation"], line["round"], line["finished_ranks"]) == (
+        1,
+        0,
+        1,
+        [0, 2, 3],
+    )
     assert "finished the job during generation 1's recovery round" in line["message"], line
 
 

@@ -1,11 +1,12 @@
 """Who runs the controller (launcher.control.controller_role): the leader on the embedded store, the
 elected agent with etcd, and the handoff line when the controller's node is lost."""
+
 from __future__ import annotations
 
-from launcher.protocol import plan as P
 from launcher.control.controller import Controller
 from launcher.control.controller_role import ControllerRole
 from launcher.observe.logs import AgentLog, read_event_file
+from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
 
 
@@ -18,8 +19,9 @@ class FakeElection:
 class FakeStack:
     """What the role uses of launcher.agent.store_stack.StoreStack."""
 
-    def __init__(self, can_elect: bool, lost: list[int] | None = None,
-                 members: dict[int, int] | None = None) -> None:
+    def __init__(
+        self, can_elect: bool, lost: list[int] | None = None, members: dict[int, int] | None = None
+    ) -> None:
         self.can_elect = can_elect
         self._members = {1: 1} if members is None else members
         self.election: FakeElection | None = None
@@ -81,9 +83,11 @@ def test_etcd_takeover_names_the_lost_node_why_and_who(tmp_path) -> None:
     ev = read_event_file(str(tmp_path / "events.jsonl"))
     took = [e for e in ev if e["event"] == "controller-takeover"]
     assert len(took) == 1 and took[0]["lost_node"] == 0 and took[0]["controller"] == 1
-    assert took[0]["message"] == ("the controller's node 0 (hostA) is lost: its lease expired "
-                                  "(node crashed or cut off from etcd); node 1 (hostB) takes "
-                                  "over as controller (elected)")
+    assert took[0]["message"] == (
+        "the controller's node 0 (hostA) is lost: its lease expired "
+        "(node crashed or cut off from etcd); node 1 (hostB) takes "
+        "over as controller (elected)"
+    )
     assert any(e["event"] == "controller-deposed" for e in ev)
 
 
@@ -99,7 +103,8 @@ def test_a_stopped_role_starts_no_controller_on_a_late_election(tmp_path) -> Non
 
 
 def test_a_spare_that_took_the_lost_controllers_node_before_the_election_is_reported(
-        tmp_path) -> None:
+    tmp_path,
+) -> None:
     """The hot spare claimed node 0 (incarnation 2) before node 1 was elected: the membership's
     join news found no controller on node 1. On election the new controller sees node 0 held by
     an incarnation its predecessor never accounted for and reports the arrival (one round)."""

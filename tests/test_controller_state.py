@@ -1,5 +1,6 @@
 """The controller's saved state (launcher.control.controller_state): round trip, and the term fencing
 that keeps a superseded controller from overwriting its successor's record."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,13 @@ def test_saved_state_round_trips_through_the_store() -> None:
     kv = LocalKV()
     assert CS.load(kv) is None
     t = CS.take_term(kv)
-    st = CS.SavedState(t, 3, history=[{"rank": 1, "outcome": "recovered"}],
-                       lost={1: {"at": 12.5, "fault": "{}"}}, known={0: 1, 1: 2})
+    st = CS.SavedState(
+        t,
+        3,
+        history=[{"rank": 1, "outcome": "recovered"}],
+        lost={1: {"at": 12.5, "fault": "{}"}},
+        known={0: 1, 1: 2},
+    )
     CS.save(kv, st)
     back = CS.load(kv)
     assert back == st and back.lost[1]["at"] == 12.5 and back.known == {0: 1, 1: 2}
@@ -26,7 +32,9 @@ def test_a_superseded_controller_can_neither_save_nor_publish() -> None:
     assert new > old
     CS.save(kv, CS.SavedState(old, 1))  # before the successor wrote: allowed
     CS.save(kv, CS.SavedState(new, 1, known={0: 2}))
-    with pytest.raises(FencedError, match=f"term {old} was superseded by the controller of term {new}"):
+    with pytest.raises(
+        FencedError, match=f"term {old} was superseded by the controller of term {new}"
+    ):
         CS.save(kv, CS.SavedState(old, 2))
     with pytest.raises(FencedError):
         CS.check_term(kv, old, "ftrun/plan/2")

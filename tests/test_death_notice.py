@@ -1,4 +1,5 @@
 """launcher.protocol.death_notice: real worker processes hold a slot; the agent's watcher hears of their death."""
+
 from __future__ import annotations
 
 import os
@@ -48,13 +49,21 @@ class Job:
     def __init__(self, board: dn.NoticeBoard, mode: str = "main", slot: tuple[int, int] = (0, 0)):
         self.spec = board.arm(*slot)
         assert self.spec
-        self.proc = subprocess.Popen([sys.executable, "-c", HOLDER.format(root=ROOT), mode],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                     env=dict(os.environ, FTRUN_DEATH_NOTICE=self.spec))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER.format(root=ROOT), mode],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, FTRUN_DEATH_NOTICE=self.spec),
+        )
         self.tid = int(self.proc.stdout.readline())
         self.deaths: "queue.Queue[tuple[int, float]]" = queue.Queue()
         self.watched = self.tid != 0 and board.watch(
-            self.spec, self.proc.pid, self.tid, lambda code: self.deaths.put((code, time.monotonic())))
+            self.spec,
+            self.proc.pid,
+            self.tid,
+            lambda code: self.deaths.put((code, time.monotonic())),
+        )
 
     def tell(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
@@ -140,7 +149,7 @@ def test_a_held_or_bogus_slot_is_not_taken(board):
         job.close()
     assert dn.hold(None) is None and dn.hold("") is None
     assert dn.hold("/nonexistent:0") is None
-    assert dn.hold(f"{board.path}:{10 ** 6}") is None  # beyond the board
+    assert dn.hold(f"{board.path}:{10**6}") is None  # beyond the board
     assert dn.hold(f"{board.path}:3") is None  # not a slot boundary
     assert not board.watch("/elsewhere:0", os.getpid(), 1, lambda c: None)
 
@@ -186,7 +195,9 @@ def test_the_reaper_reports_an_announced_exit_once(board):
         w = Worker(local_rank=0, rank=5)
         w.attach(job.proc)
         reaper.watch(w)
-        assert board.watch(job.spec, job.proc.pid, job.tid, lambda code: None) is False  # one watcher per slot
+        assert (
+            board.watch(job.spec, job.proc.pid, job.tid, lambda code: None) is False
+        )  # one watcher per slot
         reaper.announce(w, job.proc, -9)
         first = events.get(timeout=5)
         assert (first.rank, first.code, first.early) == (5, -9, True)

@@ -1,11 +1,23 @@
 """The recovery decision: one test per rule of launcher.control.decision (pure, no store)."""
+
 from __future__ import annotations
 
 import pytest
 
+from launcher.control.decision import (
+    Budget,
+    RankProgress,
+    Round,
+    Situation,
+    blame,
+    blame_local,
+    decide,
+    fallback,
+    may_be_consequence,
+    merge,
+    walk_chain,
+)
 from launcher.protocol import plan as P
-from launcher.control.decision import (Budget, RankProgress, Round, Situation, blame, blame_local, decide,
-                               fallback, may_be_consequence, merge, walk_chain)
 from launcher.protocol.faults import FaultKind
 
 DEFAULT = (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT)
@@ -15,8 +27,9 @@ def fault(rank: int | None = 1, kind: str = "signal", gen: int = 0, **evidence) 
     return P.Fault(kind=kind, rank=rank, node=0, generation=gen, message="x", evidence=evidence)
 
 
-def situation(chain=DEFAULT, used=0, limit=3, aware=True, rnd: Round | None = None,
-              finished=()) -> Situation:
+def situation(
+    chain=DEFAULT, used=0, limit=3, aware=True, rnd: Round | None = None, finished=()
+) -> Situation:
     return Situation(tuple(chain), Budget(used, limit), aware, 4, rnd, tuple(finished))
 
 
@@ -25,11 +38,18 @@ def round_of(strategy: str, failed=(1,), gen: int = 1, collecting: bool = False)
 
 
 # ---------------------------------------------------------------- the chain (walk_chain)
-@pytest.mark.parametrize("kind, expected", [
-    (FaultKind.UCE_LOW, P.RETRY), (FaultKind.UCE_HIGH, P.RETRY), (FaultKind.NETWORK, P.RETRY),
-    (FaultKind.SIGNAL, P.RECOVER_IN_PLACE), (FaultKind.EXIT, P.RECOVER_IN_PLACE),
-    (FaultKind.HANG, P.RECOVER_IN_PLACE), (FaultKind.EXCEPTION, P.RECOVER_IN_PLACE),
-])
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        (FaultKind.UCE_LOW, P.RETRY),
+        (FaultKind.UCE_HIGH, P.RETRY),
+        (FaultKind.NETWORK, P.RETRY),
+        (FaultKind.SIGNAL, P.RECOVER_IN_PLACE),
+        (FaultKind.EXIT, P.RECOVER_IN_PLACE),
+        (FaultKind.HANG, P.RECOVER_IN_PLACE),
+        (FaultKind.EXCEPTION, P.RECOVER_IN_PLACE),
+    ],
+)
 def test_cheapest_strategy_per_kind(kind: FaultKind, expected: str) -> None:
     assert walk_chain(kind, DEFAULT, runtime_aware=True, budget_left=True)[0] == expected
 
@@ -40,14 +60,19 @@ def test_unmodified_scripts_get_torchrun_semantics() -> None:
 
 
 def test_chain_falls_through_when_earlier_strategies_are_disabled() -> None:
-    assert walk_chain(FaultKind.UCE_LOW, [P.RECOVER_IN_PLACE, P.EXIT], True, True)[0] == P.RECOVER_IN_PLACE
+    assert (
+        walk_chain(FaultKind.UCE_LOW, [P.RECOVER_IN_PLACE, P.EXIT], True, True)[0]
+        == P.RECOVER_IN_PLACE
+    )
     assert walk_chain(FaultKind.UCE_LOW, [P.RESTART_ALL, P.EXIT], True, True)[0] == P.RESTART_ALL
     assert walk_chain(FaultKind.UCE_LOW, [P.DUMP, P.EXIT], True, True)[0] == P.DUMP
     assert walk_chain(FaultKind.UCE_LOW, [P.EXIT], True, True)[0] == P.EXIT
 
 
 def test_budget_spent_skips_restarts_and_says_why() -> None:
-    s, why = walk_chain(FaultKind.SIGNAL, [P.RECOVER_IN_PLACE, P.RESTART_ALL, P.DUMP, P.EXIT], True, False)
+    s, why = walk_chain(
+        FaultKind.SIGNAL, [P.RECOVER_IN_PLACE, P.RESTART_ALL, P.DUMP, P.EXIT], True, False
+    )
     assert s == P.DUMP and "budget" in why
     s, why = walk_chain(FaultKind.SIGNAL, DEFAULT, True, False)
     assert s == P.EXIT and "budget" in why
@@ -61,7 +86,12 @@ def test_repeat_uce_is_not_retried_in_place() -> None:
 # ---------------------------------------------------------------- decide(): a new round
 def test_a_fault_with_no_round_in_progress_starts_one_and_is_charged() -> None:
     d = decide(fault(rank=2), situation())
-    assert (d.strategy, d.failed_ranks, d.restart_ranks, d.charged) == (P.RECOVER_IN_PLACE, (2,), (2,), True)
+    assert (d.strategy, d.failed_ranks, d.restart_ranks, d.charged) == (
+        P.RECOVER_IN_PLACE,
+        (2,),
+        (2,),
+        True,
+    )
     assert d.cause is not None and d.cause.rank == 2 and d.supersedes is None
     d = decide(fault(rank=2, kind="uce-low"), situation())
     assert (d.strategy, d.restart_ranks, d.charged) == (P.RETRY, (), True)
@@ -95,7 +125,10 @@ def test_the_failed_rank_reported_twice_is_absorbed_but_another_rank_is_not() ->
 
 
 def test_a_replacement_agent_is_never_absorbed() -> None:
-    d = decide(fault(rank=None, kind="exit", gen=0, node_joined=True), situation(rnd=round_of(P.RESTART_ALL)))
+    d = decide(
+        fault(rank=None, kind="exit", gen=0, node_joined=True),
+        situation(rnd=round_of(P.RESTART_ALL)),
+    )
     assert not d.absorbed
 
 
@@ -121,8 +154,13 @@ def test_a_fault_while_the_round_collects_statuses_widens_it() -> None:
 
 def test_a_superseding_fault_respects_the_chain_and_the_budget() -> None:
     rnd = round_of(P.RETRY, failed=(1,), gen=1, collecting=True)
-    d = decide(fault(rank=2, kind="uce-low", gen=1), situation(chain=(P.RETRY, P.RESTART_ALL, P.EXIT), rnd=rnd))
-    assert d.strategy == P.RESTART_ALL and d.failed_ranks == (1, 2) and d.restart_ranks == (0, 1, 2, 3)
+    d = decide(
+        fault(rank=2, kind="uce-low", gen=1),
+        situation(chain=(P.RETRY, P.RESTART_ALL, P.EXIT), rnd=rnd),
+    )
+    assert (
+        d.strategy == P.RESTART_ALL and d.failed_ranks == (1, 2) and d.restart_ranks == (0, 1, 2, 3)
+    )
     d = decide(fault(rank=2, gen=1), situation(used=3, rnd=rnd))
     assert d.strategy == P.EXIT and d.failed_ranks == (1, 2)
 
@@ -145,8 +183,15 @@ def test_fallback_takes_the_first_strategy_after_the_process_level_ones_uncharge
     rnd = round_of(P.RECOVER_IN_PLACE, failed=(1,), collecting=True)
     d = fallback(situation(rnd=rnd), "no healthy replica")
     assert (d.strategy, d.charged, d.restart_ranks) == (P.RESTART_ALL, False, (0, 1, 2, 3))
-    assert d.reason == "fallback: no healthy replica" and d.cause is rnd.cause and d.failed_ranks == (1,)
-    assert fallback(situation(chain=(P.RECOVER_IN_PLACE, P.DUMP, P.EXIT), rnd=rnd), "x").strategy == P.DUMP
+    assert (
+        d.reason == "fallback: no healthy replica"
+        and d.cause is rnd.cause
+        and d.failed_ranks == (1,)
+    )
+    assert (
+        fallback(situation(chain=(P.RECOVER_IN_PLACE, P.DUMP, P.EXIT), rnd=rnd), "x").strategy
+        == P.DUMP
+    )
     assert fallback(situation(chain=(P.RECOVER_IN_PLACE,), rnd=rnd), "x").strategy == P.EXIT
     # the round already used the budget: its fallback is allowed even with none left
     assert fallback(situation(used=3, rnd=rnd), "x").strategy == P.RESTART_ALL
@@ -161,9 +206,15 @@ def test_fallback_needs_a_round() -> None:
 def test_a_rank_failing_after_its_peers_finished_restarts_every_rank_at_once() -> None:
     d = decide(fault(rank=1), situation(finished=(0, 2, 3)))
     assert (d.strategy, d.charged, d.restart_ranks, d.peers_finished) == (
-        P.RESTART_ALL, True, (0, 1, 2, 3), (0, 2, 3))
-    assert d.reason.startswith("retry: ranks [0, 2, 3] already finished the job, no live peer to "
-                               "repair from; recover-in-place: ranks [0, 2, 3] already finished"), d.reason
+        P.RESTART_ALL,
+        True,
+        (0, 1, 2, 3),
+        (0, 2, 3),
+    )
+    assert d.reason.startswith(
+        "retry: ranks [0, 2, 3] already finished the job, no live peer to "
+        "repair from; recover-in-place: ranks [0, 2, 3] already finished"
+    ), d.reason
     # the failed rank's own goodbye does not count; one finished peer is enough
     assert decide(fault(rank=1), situation(finished=(1, 3))).strategy == P.RESTART_ALL
     assert decide(fault(rank=1), situation(finished=(1,))).strategy == P.RECOVER_IN_PLACE
@@ -171,12 +222,21 @@ def test_a_rank_failing_after_its_peers_finished_restarts_every_rank_at_once() -
     assert decide(fault(rank=1, kind="uce-low"), situation(finished=(0,))).strategy == P.RESTART_ALL
 
 
-@pytest.mark.parametrize("chain, used, expected, needle", [
-    ((P.RECOVER_IN_PLACE, P.DUMP, P.EXIT), 0, P.EXIT, "no live survivor to save the current step"),
-    (DEFAULT, 3, P.EXIT, "restart-all: restart budget spent"),
-])
-def test_with_its_peers_finished_and_no_restart_left_the_job_exits_saying_so(chain, used, expected,
-                                                                             needle) -> None:
+@pytest.mark.parametrize(
+    "chain, used, expected, needle",
+    [
+        (
+            (P.RECOVER_IN_PLACE, P.DUMP, P.EXIT),
+            0,
+            P.EXIT,
+            "no live survivor to save the current step",
+        ),
+        (DEFAULT, 3, P.EXIT, "restart-all: restart budget spent"),
+    ],
+)
+def test_with_its_peers_finished_and_no_restart_left_the_job_exits_saying_so(
+    chain, used, expected, needle
+) -> None:
     d = decide(fault(rank=1), situation(chain=chain, used=used, finished=(0, 2, 3)))
     assert (d.strategy, d.charged, d.peers_finished) == (expected, False, (0, 2, 3))
     assert "ranks [0, 2, 3] already finished the job" in d.reason and needle in d.reason, d.reason
@@ -184,8 +244,12 @@ def test_with_its_peers_finished_and_no_restart_left_the_job_exits_saying_so(cha
 
 def test_a_round_whose_peers_finished_meanwhile_falls_back_past_dump() -> None:
     rnd = round_of(P.RECOVER_IN_PLACE, failed=(1,), collecting=True)
-    d = fallback(situation(chain=(P.RECOVER_IN_PLACE, P.DUMP, P.RESTART_ALL, P.EXIT), rnd=rnd,
-                           finished=(0, 2)), "ranks [0, 2] finished")
+    d = fallback(
+        situation(
+            chain=(P.RECOVER_IN_PLACE, P.DUMP, P.RESTART_ALL, P.EXIT), rnd=rnd, finished=(0, 2)
+        ),
+        "ranks [0, 2] finished",
+    )
     assert (d.strategy, d.charged, d.peers_finished) == (P.RESTART_ALL, False, (0, 2))
     assert "dump: ranks [0, 2] already finished the job" in d.reason, d.reason
     # a replacement failing while its peers finished: the superseding round cannot repair it
@@ -206,11 +270,28 @@ def net(rank: int, gen: int = 0, t: float = 100.0) -> P.Fault:
     return f
 
 
-def rec(rank: int, idle: float, waiting: bool = False, state: str = "S", silent: float = 0.5,
-        aware: bool = True, phase: str = "forward") -> RankProgress:
-    return RankProgress(rank=rank, node=rank // 2, aware=aware, idle_s=idle, waiting=waiting,
-                        silent_s=silent, state=state, phase=phase, pid=1000 + rank,
-                        local_rank=rank % 2, host="h")
+def rec(
+    rank: int,
+    idle: float,
+    waiting: bool = False,
+    state: str = "S",
+    silent: float = 0.5,
+    aware: bool = True,
+    phase: str = "forward",
+) -> RankProgress:
+    return RankProgress(
+        rank=rank,
+        node=rank // 2,
+        aware=aware,
+        idle_s=idle,
+        waiting=waiting,
+        silent_s=silent,
+        state=state,
+        phase=phase,
+        pid=1000 + rank,
+        local_rank=rank % 2,
+        host="h",
+    )
 
 
 WAITERS = [rec(0, 9.0, True), rec(2, 9.0, True), rec(3, 8.5, True)]
@@ -221,8 +302,9 @@ def test_which_reports_may_be_consequences() -> None:
     assert not may_be_consequence(fault(0, "network"))  # raised at a phase edge, not a collective
     assert may_be_consequence(fault(0, "hang", weak=True))
     assert not may_be_consequence(fault(0, "hang"))  # proven: stopped, or idle while not waiting
-    assert not may_be_consequence(fault(0, "signal")) and not may_be_consequence(fault(None, "network",
-                                                                                        collective="x"))
+    assert not may_be_consequence(fault(0, "signal")) and not may_be_consequence(
+        fault(None, "network", collective="x")
+    )
 
 
 def test_blame_the_rank_that_does_not_progress_while_its_peers_wait() -> None:
@@ -257,7 +339,9 @@ def test_reports_of_one_collective_timeout_merge_into_one_hang_of_the_culprit() 
 
 def test_with_no_culprit_the_earliest_report_is_the_fault_and_the_rest_its_consequences() -> None:
     one = merge([net(2, t=100.2), net(0, t=100.0)], WAITERS)
-    assert (one.kind, one.rank) == ("network", 0) and [c["rank"] for c in one.evidence["consequences"]] == [2]
+    assert (one.kind, one.rank) == ("network", 0) and [
+        c["rank"] for c in one.evidence["consequences"]
+    ] == [2]
     assert decide(one, situation()).strategy == P.RETRY
     assert merge([net(3)], WAITERS) == net(3)  # alone and unexplained: unchanged
 
@@ -283,7 +367,11 @@ def test_network_reports_from_before_the_round_are_its_consequences_not_new_roun
 
 
 def test_local_blame_prefers_a_frozen_process_then_stacks_then_the_first_silent() -> None:
-    silent = [rec(0, 40.0, aware=False), rec(1, 31.0, aware=False, state="T"), rec(2, 35.0, aware=False)]
+    silent = [
+        rec(0, 40.0, aware=False),
+        rec(1, 31.0, aware=False, state="T"),
+        rec(2, 35.0, aware=False),
+    ]
     p, why, weak = blame_local(silent)
     assert p.rank == 1 and "state T" in why and not weak
     plain = [rec(0, 40.0, aware=False), rec(2, 35.0, aware=False)]
@@ -307,8 +395,14 @@ def test_stacks_that_all_sit_outside_a_collective_blame_no_one_strongly() -> Non
 # ---------------------------------------------------------------- rule 3: node loss repaired from peers
 def node_fault(joined: bool, gen: int = 0, ranks=(2, 3)) -> P.Fault:
     ev = {"node_joined": True} if joined else {"node_lost": "no heartbeat for 5s"}
-    return P.Fault(kind="node-lost", rank=None, node=1, generation=gen, message="x",
-                   evidence={**ev, "node_ranks": list(ranks)})
+    return P.Fault(
+        kind="node-lost",
+        rank=None,
+        node=1,
+        generation=gen,
+        message="x",
+        evidence={**ev, "node_ranks": list(ranks)},
+    )
 
 
 def test_a_lost_node_of_a_runtime_job_stops_the_survivors_and_waits_for_its_new_agent() -> None:
@@ -349,11 +443,20 @@ def test_without_recover_in_place_in_the_chain_a_node_loss_follows_the_chain() -
 def test_a_node_not_taken_over_in_time_ends_the_job_below_min_saying_why() -> None:
     from launcher.control.decision import unreplaced
 
-    d = unreplaced(node_fault(joined=False), 12.3, 10.0, nodes_left=1, min_nodes=2,
-                   s=situation(aware=False), nnodes=2)
+    d = unreplaced(
+        node_fault(joined=False),
+        12.3,
+        10.0,
+        nodes_left=1,
+        min_nodes=2,
+        s=situation(aware=False),
+        nnodes=2,
+    )
     assert d.strategy == P.EXIT and d.failed_ranks == (2, 3) and not d.charged and not d.shrink
-    assert d.reason.startswith("node 1 lost (x): no hot spare or replacement agent took it over "
-                               "within node_replace_timeout=10s (waited 12.3s)")
+    assert d.reason.startswith(
+        "node 1 lost (x): no hot spare or replacement agent took it over "
+        "within node_replace_timeout=10s (waited 12.3s)"
+    )
     assert "--nnodes MIN=2 does not allow continuing on 1 node(s)" in d.reason
 
 
@@ -365,9 +468,11 @@ def test_a_node_not_taken_over_in_time_shrinks_the_world_when_min_allows() -> No
     d = unreplaced(node_fault(joined=False), 3.2, 3.0, nodes_left=2, min_nodes=2, s=s, nnodes=3)
     assert (d.strategy, d.shrink, d.charged, d.continues) == (P.RESTART_ALL, True, True, False)
     assert d.failed_ranks == (2, 3) and d.restart_ranks == (0, 1, 2, 3)
-    assert d.reason == ("node 1 lost (x): no hot spare or replacement agent took it over within "
-                        "node_replace_timeout=3s (waited 3.2s); continuing on 2 node(s): world "
-                        "size 6 -> 4 (restart-all)")
+    assert d.reason == (
+        "node 1 lost (x): no hot spare or replacement agent took it over within "
+        "node_replace_timeout=3s (waited 3.2s); continuing on 2 node(s): world "
+        "size 6 -> 4 (restart-all)"
+    )
     # a runtime job: the loss's recover-in-place round was charged; the shrink continues it
     rnd = Round(1, P.RECOVER_IN_PLACE, (2, 3), node_fault(joined=False), collecting=True)
     s = Situation(DEFAULT, Budget(3, 3), True, 6, rnd)
@@ -375,15 +480,28 @@ def test_a_node_not_taken_over_in_time_shrinks_the_world_when_min_allows() -> No
     assert (d.strategy, d.shrink, d.charged, d.continues) == (P.RESTART_ALL, True, False, True)
 
 
-@pytest.mark.parametrize("kw, needle", [
-    ({"used": 3}, "needs a restart: restart budget spent (--max_restarts=3)"),
-    ({"chain": (P.RECOVER_IN_PLACE, P.DUMP, P.EXIT)}, "needs restart-all in --recover-strategy"),
-])
+@pytest.mark.parametrize(
+    "kw, needle",
+    [
+        ({"used": 3}, "needs a restart: restart budget spent (--max_restarts=3)"),
+        (
+            {"chain": (P.RECOVER_IN_PLACE, P.DUMP, P.EXIT)},
+            "needs restart-all in --recover-strategy",
+        ),
+    ],
+)
 def test_a_node_not_taken_over_without_budget_or_restart_all_ends_the_job(kw, needle) -> None:
     from launcher.control.decision import unreplaced
 
-    d = unreplaced(node_fault(joined=False), 3.0, 3.0, nodes_left=2, min_nodes=2,
-                   s=situation(aware=False, **kw), nnodes=3)
+    d = unreplaced(
+        node_fault(joined=False),
+        3.0,
+        3.0,
+        nodes_left=2,
+        min_nodes=2,
+        s=situation(aware=False, **kw),
+        nnodes=3,
+    )
     assert d.strategy == P.EXIT and not d.shrink and not d.charged
     assert f"; continuing on the 2 remaining node(s) {needle}" in d.reason, d.reason
 
@@ -391,8 +509,16 @@ def test_a_node_not_taken_over_without_budget_or_restart_all_ends_the_job(kw, ne
 def test_a_static_rendezvous_cannot_shrink_and_says_so() -> None:
     from launcher.control.decision import unreplaced
 
-    d = unreplaced(node_fault(joined=False), 3.0, 3.0, nodes_left=2, min_nodes=2,
-                   s=situation(aware=False), nnodes=3, renumber="a static rendezvous")
+    d = unreplaced(
+        node_fault(joined=False),
+        3.0,
+        3.0,
+        nodes_left=2,
+        min_nodes=2,
+        s=situation(aware=False),
+        nnodes=3,
+        renumber="a static rendezvous",
+    )
     assert d.strategy == P.EXIT and d.reason.endswith("is not possible: a static rendezvous")
 
 
@@ -401,8 +527,10 @@ def test_scale_up_restart_grows_the_world_uncharged_when_nodes_wait() -> None:
 
     d = scale_up(waiting=2, nodes=2, max_nodes=3, per_node=2, rnd=None)
     assert d is not None and (d.strategy, d.grow, d.charged) == (P.RESTART_ALL, True, False)
-    assert d.reason == ("2 node(s) waiting to join (scale_up=restart): restart-all in a new "
-                        "rendezvous round with 1 of them: 2 -> 3 node(s), world size 4 -> 6")
+    assert d.reason == (
+        "2 node(s) waiting to join (scale_up=restart): restart-all in a new "
+        "rendezvous round with 1 of them: 2 -> 3 node(s), world size 4 -> 6"
+    )
     assert scale_up(waiting=0, nodes=2, max_nodes=3, per_node=2, rnd=None) is None
     assert scale_up(waiting=1, nodes=3, max_nodes=3, per_node=2, rnd=None) is None  # full
     busy = round_of(P.RECOVER_IN_PLACE, collecting=True)

@@ -1,14 +1,15 @@
 """Tests for rendezvous.nodes.election: controller election on a real etcd (one winner, takeover
 when the controller's node crashes or is cut off, resign on leave)."""
+
 from __future__ import annotations
 
 import threading
 import time
 
 import pytest
-
 from helpers_etcd import EtcdServer, etcd_server  # noqa: F401 - fixture
 from helpers_relay import Relay
+
 from rendezvous.nodes.membership import Membership, NodeWorld
 
 pytestmark = pytest.mark.etcd
@@ -39,12 +40,20 @@ def _world(server: EtcdServer, n: int, relay_for: int | None = None):
     from rendezvous.store.etcd import EtcdConf, EtcdKV
 
     relay = Relay("127.0.0.1", server.client_port) if relay_for is not None else None
-    kvs = [EtcdKV(relay.endpoint if i == relay_for and relay else server.endpoint,
-                  "/ftrun/elect", EtcdConf(request_timeout=3.0)) for i in range(n)]
+    kvs = [
+        EtcdKV(
+            relay.endpoint if i == relay_for and relay else server.endpoint,
+            "/ftrun/elect",
+            EtcdConf(request_timeout=3.0),
+        )
+        for i in range(n)
+    ]
     ms = [Membership(kv, i, n, n, 1, f"h{i}", "elect", **T) for i, kv in enumerate(kvs)]
     out: list = [None] * n
-    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, ms[i].join(timeout=15)))
-               for i in range(n)]
+    threads = [
+        threading.Thread(target=lambda i=i: out.__setitem__(i, ms[i].join(timeout=15)))
+        for i in range(n)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -108,7 +117,8 @@ def test_cut_off_controller_is_deposed_and_replaced(etcd_server: EtcdServer) -> 
 
 
 def test_the_leader_rule_leader_is_preferred_and_a_takeover_knows_its_predecessor(
-        etcd_server: EtcdServer) -> None:
+    etcd_server: EtcdServer,
+) -> None:
     """Others defer their first campaign (two keep-alive intervals), so node 0 wins even when
     it runs last; the one that takes over after node 0's crash names it (`previous`)."""
     kvs, ms, relay = _world(etcd_server, 3)

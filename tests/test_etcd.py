@@ -1,4 +1,5 @@
 """Tests for rendezvous.store.etcd against a real etcd server (tests/helpers_etcd.py)."""
+
 from __future__ import annotations
 
 import os
@@ -9,10 +10,10 @@ import threading
 import time
 
 import pytest
-
-from rendezvous.store.etcd import EtcdConf, EtcdKV, Endpoint, LeaseExpiredError, parse_endpoints
-from rendezvous.kv import StoreAuthError, StoreError, StoreTimeout
 from helpers_etcd import EtcdServer, etcd_server, free_port, start_etcd  # noqa: F401
+
+from rendezvous.kv import StoreAuthError, StoreError, StoreTimeout
+from rendezvous.store.etcd import Endpoint, EtcdConf, EtcdKV, LeaseExpiredError, parse_endpoints
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.etcd
@@ -30,14 +31,22 @@ def kv(etcd_server: EtcdServer):
 
 def test_parse_endpoints_forms() -> None:
     assert parse_endpoints("a,b:1234") == [Endpoint("a", 2379), Endpoint("b", 1234)]
-    assert parse_endpoints("[::1]:23, [fe80::1]") == [Endpoint("::1", 23),
-                                                      Endpoint("fe80::1", 2379)]
+    assert parse_endpoints("[::1]:23, [fe80::1]") == [
+        Endpoint("::1", 23),
+        Endpoint("fe80::1", 2379),
+    ]
     assert parse_endpoints(["http://h:5/", "https://g"]) == [Endpoint("h", 5), Endpoint("g", 2379)]
     assert Endpoint("::1", 23).target == "[::1]:23"
     assert parse_endpoints(parse_endpoints("a,[::1]:5")) == [Endpoint("a"), Endpoint("::1", 5)]
-    for bad, word in [("", "no etcd endpoint"), ("h:0", "port"), ("h:x", "port"),
-                      ("::1", "[addr]:port"), ("[::1", "']'"), ("[::1]x", "':port'"),
-                      (":5", "host")]:
+    for bad, word in [
+        ("", "no etcd endpoint"),
+        ("h:0", "port"),
+        ("h:x", "port"),
+        ("::1", "[addr]:port"),
+        ("[::1", "']'"),
+        ("[::1]x", "':port'"),
+        (":5", "host"),
+    ]:
         with pytest.raises(ValueError, match=word.replace("[", r"\[").replace("]", r"\]")):
             parse_endpoints(bad)
 
@@ -45,15 +54,18 @@ def test_parse_endpoints_forms() -> None:
 def test_conf_from_rdzv_conf(tmp_path) -> None:
     ca = tmp_path / "ca.pem"
     ca.write_text("x")
-    conf = EtcdConf.from_rdzv_conf({"cacert": str(ca), "join_timeout": "5", "user": "u",
-                                    "password": "p"})
+    conf = EtcdConf.from_rdzv_conf(
+        {"cacert": str(ca), "join_timeout": "5", "user": "u", "password": "p"}
+    )
     assert (conf.protocol, conf.cacert, conf.user, conf.password) == ("https", str(ca), "u", "p")
     assert EtcdConf.from_rdzv_conf({}).protocol == "http"
-    cases = [({"protocol": "ftp"}, "protocol='ftp' is not valid; use http or https"),
-             ({"protocol": "http", "cacert": str(ca)}, "need protocol=https"),
-             ({"cert": str(ca)}, "cert and key must be given together"),
-             ({"cacert": str(tmp_path / "nope.pem")}, "no such file"),
-             ({"user": "u"}, "user and password must be given together")]
+    cases = [
+        ({"protocol": "ftp"}, "protocol='ftp' is not valid; use http or https"),
+        ({"protocol": "http", "cacert": str(ca)}, "need protocol=https"),
+        ({"cert": str(ca)}, "cert and key must be given together"),
+        ({"cacert": str(tmp_path / "nope.pem")}, "no such file"),
+        ({"user": "u"}, "user and password must be given together"),
+    ]
     for conf_dict, msg in cases:
         with pytest.raises(ValueError, match=msg):
             EtcdConf.from_rdzv_conf(conf_dict)
@@ -73,8 +85,11 @@ def test_every_operation_and_key_mapping(kv: EtcdKV, etcd_server: EtcdServer) ->
     assert kv.keys("ftrun/") == ["ftrun/a"]
     # logical key k lives at etcd key root/k
     raw = etcd_server.etcdctl("get", "--prefix", "--keys-only", "/ftrun/test-job/").split()
-    assert sorted(raw) == ["/ftrun/test-job/cnt", "/ftrun/test-job/ftrun/a",
-                           "/ftrun/test-job/worker/b"]
+    assert sorted(raw) == [
+        "/ftrun/test-job/cnt",
+        "/ftrun/test-job/ftrun/a",
+        "/ftrun/test-job/worker/b",
+    ]
     assert kv.delete("cnt") is True and kv.delete("cnt") is False
     kv.set("ftrun/b", b"x")
     assert kv.clear_except("ftrun/") == 1 and kv.keys() == ["ftrun/a", "ftrun/b"]
@@ -116,11 +131,13 @@ def test_wait_wakes_on_set_and_times_out(kv: EtcdKV) -> None:
     assert kv.wait(["late"], 5.0) is True
     assert time.monotonic() - t0 < 1.5
     setter.join()  # its own call may still be returning when the watch fires
+
     # several keys, set one by one (one watch over their range)
     def writer() -> None:
         for k in ("w/2", "w/0", "w/1"):
             time.sleep(0.05)
             kv.set(k, b"")
+
     wt = threading.Thread(target=writer, daemon=True)
     wt.start()
     assert kv.wait(["w/0", "w/1", "w/2"], 5.0) is True
@@ -314,8 +331,9 @@ def test_close_is_quiet_and_env_is_restored(etcd_server: EtcdServer) -> None:
             print("ok")
     """)
     env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=30)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=30
+    )
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "ok" and res.stderr == ""
 
@@ -333,8 +351,9 @@ def test_protobuf_already_loaded_gives_clear_error() -> None:
             print(impl, "|", e)
     """)
     env = {k: v for k, v in os.environ.items() if k != "PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION"}
-    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=30)
+    res = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=30
+    )
     assert res.returncode == 0, res.stderr
     impl, _, msg = res.stdout.strip().partition(" | ")
     if impl == "python":

@@ -1,4 +1,5 @@
 """Fault memory per device: the 24 h UCE rule and atomic, crash-safe state."""
+
 from __future__ import annotations
 
 import os
@@ -31,6 +32,9 @@ def test_corrupt_file_is_set_aside(tmp_path) -> None:
 
 def test_the_second_uce_within_the_window_is_evidence_of_a_repeat(tmp_path) -> None:
     m = FaultMemory(str(tmp_path / "fm.json"))
-    assert m.record_uce_evidence("h:0", now=10.0) == {"device": "h:0", "uce_count_24h": 1,
-                                                      "repeat_uce": False}
+    assert m.record_uce_evidence("h:0", now=10.0) == {
+        "device": "h:0",
+        "uce_count_24h": 1,
+        "repeat_uce": False,
+    }
     assert m.record_uce_evidence("h:0", now=20.0)["repeat_uce"] is True

@@ -1,13 +1,14 @@
 """Fault reports off the agent's loop (launcher.agent.fault_reports): stamped with the reporter's
 identity, retried while the store does not answer, refused and logged once the agent is stale."""
+
 from __future__ import annotations
 
 import threading
 import time
 
-from launcher.protocol import plan as P
 from launcher.agent.fault_reports import FaultReporter
 from launcher.observe.logs import AgentLog, read_event_file
+from launcher.protocol import plan as P
 from rendezvous.errors import FencedError
 from rendezvous.kv import StoreError
 from rendezvous.store.memory import LocalKV

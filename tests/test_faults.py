@@ -1,8 +1,15 @@
 """The fault taxonomy: one list of kinds, shared by the agent, the controller and the runtime."""
+
 from __future__ import annotations
 
-from launcher.protocol.faults import (INJECTION_KINDS, IN_PLACE_KINDS, RUNTIME_INJECTIONS, SIGNAL_INJECTIONS,
-                             WORKER_FAULT_KINDS, FaultKind)
+from launcher.protocol.faults import (
+    IN_PLACE_KINDS,
+    INJECTION_KINDS,
+    RUNTIME_INJECTIONS,
+    SIGNAL_INJECTIONS,
+    WORKER_FAULT_KINDS,
+    FaultKind,
+)
 
 
 def test_wire_kinds_parse_and_unknown_ones_do_not_crash() -> None:
@@ -22,8 +29,13 @@ def test_the_runtime_and_ftctl_use_the_same_lists() -> None:
     from launcher.cli.inject import inject
     from launcher.runtime import devices, faultplan
 
-    assert (devices.UCE_LOW, devices.UCE_HIGH, devices.NETWORK, devices.UNSAFE_DATA,
-            devices.EXCEPTION) == WORKER_FAULT_KINDS
+    assert (
+        devices.UCE_LOW,
+        devices.UCE_HIGH,
+        devices.NETWORK,
+        devices.UNSAFE_DATA,
+        devices.EXCEPTION,
+    ) == WORKER_FAULT_KINDS
     assert faultplan.KINDS is INJECTION_KINDS
     kind_option = next(p for p in inject.params if p.name == "kind")
     assert tuple(kind_option.type.choices) == INJECTION_KINDS
@@ -38,10 +50,20 @@ def test_injections_split_into_agent_signals_and_runtime_kinds() -> None:
 def test_collective_failures_of_peers_are_recognised_in_backend_text() -> None:
     from launcher.protocol.faults import collective_failure
 
-    gloo = ("RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
-            "Timed out waiting 1800000ms for recv operation to complete")
+    gloo = (
+        "RuntimeError: [../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] "
+        "Timed out waiting 1800000ms for recv operation to complete"
+    )
     assert collective_failure(gloo) == "gloo collective timeout"
-    assert collective_failure("[Rank 1] Watchdog caught collective operation timeout: "
-                              "WorkNCCL(SeqNum=5, OpType=ALLREDUCE)") == "NCCL collective timeout"
-    assert collective_failure("gloo: Connection closed by peer [127.0.0.1]:1234") == "peer connection closed"
+    assert (
+        collective_failure(
+            "[Rank 1] Watchdog caught collective operation timeout: "
+            "WorkNCCL(SeqNum=5, OpType=ALLREDUCE)"
+        )
+        == "NCCL collective timeout"
+    )
+    assert (
+        collective_failure("gloo: Connection closed by peer [127.0.0.1]:1234")
+        == "peer connection closed"
+    )
     assert collective_failure("ValueError: bad shape") == ""

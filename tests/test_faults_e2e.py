@@ -6,6 +6,7 @@ inject`. For each: the strategy taken (from events.jsonl), which processes were 
 final parameters bit-identical to the fault-free run (computed once for the module).
 The default set has one test per fault kind (~4 min on a loaded 2-core box); the strategy-chain
 restart-all, dump and `ftctl inject` of every kind are marked slow."""
+
 from __future__ import annotations
 
 import json
@@ -14,17 +15,25 @@ import subprocess
 import time
 
 import pytest
-
-from helpers_faults import (STEPS, JobResult, LiveJob, assert_same_params, repaired_besides_laggards,
-                           run_job, stamp_of)
+from helpers_faults import (
+    STEPS,
+    JobResult,
+    LiveJob,
+    assert_same_params,
+    repaired_besides_laggards,
+    run_job,
+    stamp_of,
+)
 from helpers_launch import FTRUN, env_with, events, failed_worker_logs, script
+
 from launcher.runtime import checkpoint as ckpt
 
 FAULT_STEP = 3
 
 
-def fault(kind: str, rank: int = 1, step: int = FAULT_STEP, phase: str = "forward",
-          generation: int = 0) -> dict:
+def fault(
+    kind: str, rank: int = 1, step: int = FAULT_STEP, phase: str = "forward", generation: int = 0
+) -> dict:
     return {"rank": rank, "step": step, "phase": phase, "kind": kind, "generation": generation}
 
 
@@ -56,25 +65,34 @@ def test_device_faults_retry_without_restarting_any_process(tmp_path, ref, kind)
     # uce-high the faulty rank's own progress does not count) nothing is re-run: "commit" at the
     # fault step (plan_repair; seen in CI on a loaded machine)
     assert (repair["resume_step"], repair["action"]) in {
-        (FAULT_STEP - 1, "rollback"), (FAULT_STEP, "rollback"), (FAULT_STEP, "commit")}, repair
+        (FAULT_STEP - 1, "rollback"),
+        (FAULT_STEP, "rollback"),
+        (FAULT_STEP, "commit"),
+    }, repair
     # UCE high level: the state objects are lost and repaired from a replica; the others roll back
     assert repaired_besides_laggards(repair["pairs"]) == ({1} if kind == "uce-high" else set())
     assert_same_params(job.params, ref)
 
 
 # ---------------------------------------------------------------- recover-in-place: one rank
-@pytest.mark.parametrize("kind,evidence", [("kill", "SIGKILL"), ("segv", "SIGSEGV"), ("exit", "exitcode: 3"),
-                                           ("exception", "exception")])
+@pytest.mark.parametrize(
+    "kind,evidence",
+    [("kill", "SIGKILL"), ("segv", "SIGSEGV"), ("exit", "exitcode: 3"), ("exception", "exception")],
+)
 def test_process_faults_restart_only_the_faulty_rank(tmp_path, ref, kind, evidence):
     job = run_job(tmp_path, [fault(kind)])
     assert job.returncode == 0, job.describe()
     assert job.strategies() == ["recover-in-place"], job.describe()
     assert job.restarted() == {1: 1}
     decide = job.first("decide", rank=1)
-    assert decide["fault_kind"] == {"kill": "signal", "segv": "signal", "exit": "exit"}.get(kind, kind)
+    assert decide["fault_kind"] == {"kill": "signal", "segv": "signal", "exit": "exit"}.get(
+        kind, kind
+    )
     if kind in ("kill", "segv", "exit"):
         failed = job.first("worker-failed", rank=1)
-        assert evidence in failed["message"] or evidence == f"exitcode: {failed['exitcode']}", failed
+        assert evidence in failed["message"] or evidence == f"exitcode: {failed['exitcode']}", (
+            failed
+        )
         # seen through the rank's death notice, before the kernel tore the process down
         assert failed["early_notice"] is True, failed
     else:
@@ -85,8 +103,11 @@ def test_process_faults_restart_only_the_faulty_rank(tmp_path, ref, kind, eviden
 
 def test_hang_is_detected_dumped_and_recovered(tmp_path, ref):
     hang_timeout, monitor = 2.0, 0.5
-    job = run_job(tmp_path, [fault("hang")], ["--hang_timeout", str(hang_timeout),
-                                              "--monitor_interval", str(monitor)])
+    job = run_job(
+        tmp_path,
+        [fault("hang")],
+        ["--hang_timeout", str(hang_timeout), "--monitor_interval", str(monitor)],
+    )
     assert job.returncode == 0, job.describe()
     assert job.strategies() == ["recover-in-place"], job.describe()
     assert job.restarted() == {1: 1}  # only the hung rank; its peers waited in a collective
@@ -101,7 +122,7 @@ def test_hang_is_detected_dumped_and_recovered(tmp_path, ref):
     # the hung worker's Python stacks (py-spy when installed, else faulthandler via SIGUSR1; only
     # the hung rank is dumped): its training thread sits in the injected hang, called from the
     # script's forward phase
-    dump = job.output[job.output.index("dumping its stacks"):]
+    dump = job.output[job.output.index("dumping its stacks") :]
     if "dumped by py-spy" in dump:
         assert "_fire (" in dump and "ddp_train.py" in dump
     else:
@@ -125,14 +146,20 @@ def test_chain_with_the_budget_spent_falls_through_to_exit_saying_why(tmp_path):
     assert job.returncode == 1, job.describe()
     assert job.strategies() == ["exit"], job.describe()
     why = job.first("decide", rank=1)["reason"]
-    assert why == ("retry: restart budget spent; recover-in-place: restart budget spent; "
-                   "restart-all: restart budget spent; stop the job"), why
-    assert "uce-low" in job.output[job.output.index("Root Cause"):]
+    assert why == (
+        "retry: restart budget spent; recover-in-place: restart budget spent; "
+        "restart-all: restart budget spent; stop the job"
+    ), why
+    assert "uce-low" in job.output[job.output.index("Root Cause") :]
 
 
 def test_chain_without_process_level_restarts_all_from_checkpoint(tmp_path, ref):
-    job = run_job(tmp_path, [fault("kill")], ["--recover_strategy", "restart-all,exit"],
-                  ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"])
+    job = run_job(
+        tmp_path,
+        [fault("kill")],
+        ["--recover_strategy", "restart-all,exit"],
+        ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"],
+    )
     assert job.returncode == 0, job.describe()
     assert job.strategies() == ["restart-all"], job.describe()
     why = job.first("decide", rank=1)["reason"]
@@ -142,8 +169,13 @@ def test_chain_without_process_level_restarts_all_from_checkpoint(tmp_path, ref)
     assert_same_params(job.params, ref)
 
 
-@pytest.mark.parametrize("how", ["HIGH_AVAILABILITY=dump",
-                                 pytest.param("--recover_strategy dump,exit", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "HIGH_AVAILABILITY=dump",
+        pytest.param("--recover_strategy dump,exit", marks=pytest.mark.slow),
+    ],
+)
 def test_dump_saves_a_dying_gasp_checkpoint_and_the_next_launch_resumes(tmp_path, ref, how):
     ckpt_dir = tmp_path / "ckpt"
     args = ["--checkpoint-dir", str(ckpt_dir)]
@@ -160,12 +192,17 @@ def test_dump_saves_a_dying_gasp_checkpoint_and_the_next_launch_resumes(tmp_path
     # Megatron layout, committed: iter_000000N/<shard>/model_optim_rng.pt + tracker; no _tmp left
     assert ckpt.latest(ckpt_dir) == saved
     assert (ckpt_dir / "latest_checkpointed_iteration.txt").read_text().strip() == str(saved)
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == [f"iter_{saved:07d}", "latest_checkpointed_iteration.txt"]
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == [
+        f"iter_{saved:07d}",
+        "latest_checkpointed_iteration.txt",
+    ]
     state = ckpt.read_shard(ckpt_dir, saved, "mp_rank_00")
     assert state["iteration"] == saved and state["step"] == saved
     second = run_job(tmp_path / "second", None, [], args)
     assert second.returncode == 0, second.describe()
-    assert f"loaded checkpoint iteration {saved}" in second.output  # only the lost steps are recomputed
+    assert (
+        f"loaded checkpoint iteration {saved}" in second.output
+    )  # only the lost steps are recomputed
     assert_same_params(second.params, ref)
 
 
@@ -179,14 +216,19 @@ def test_stripe_sender_killed_mid_transfer_next_round_repairs_from_the_rest(tmp_
     # The round resumes at the step the survivors committed last: 3, or 2 when the stop (the
     # death notice hears of the kill within ms) came before a survivor's commit of step 2; rank
     # 0's kill is armed for the transfer of either (only generation 1's one transfer fires it).
-    plan = [fault("kill")] + [fault("kill", rank=0, step=s, phase="transfer", generation=1)
-                              for s in (FAULT_STEP - 1, FAULT_STEP)]
+    plan = [fault("kill")] + [
+        fault("kill", rank=0, step=s, phase="transfer", generation=1)
+        for s in (FAULT_STEP - 1, FAULT_STEP)
+    ]
     # Rank 0 must send: when it was the survivor still committing the step before as the stop
     # came, it is repaired in that round instead of sending (the scenario did not happen; the
     # job still ends bit-identical): run it again, at most three times.
     for attempt in range(3):
-        job = run_job(tmp_path / f"attempt{attempt}", plan,
-                      env={"FTRUN_TRANSFER_STRIPES": "2", "FTRUN_TRANSFER_LOCAL": local})
+        job = run_job(
+            tmp_path / f"attempt{attempt}",
+            plan,
+            env={"FTRUN_TRANSFER_STRIPES": "2", "FTRUN_TRANSFER_LOCAL": local},
+        )
         assert job.returncode == 0, job.describe()
         assert_same_params(job.params, ref)
         plans = [e for e in job.events if e["event"] == "repair-plan"]
@@ -201,9 +243,14 @@ def test_stripe_sender_killed_mid_transfer_next_round_repairs_from_the_rest(tmp_
     assert job.strategies() == ["recover-in-place", "recover-in-place"], job.describe()
     assert job.restarted() == {0: 1, 1: 1}
     last = plans[-1]
-    assert {d for _, d in last["pairs"]} >= {0, 1} and not {s for s, _ in last["pairs"]} & {0, 1}, last
-    paths = {e.get("transfer_path") for e in job.events if e["event"] == "rank-recovered"
-             and e.get("transfer_bytes")}
+    assert {d for _, d in last["pairs"]} >= {0, 1} and not {s for s, _ in last["pairs"]} & {0, 1}, (
+        last
+    )
+    paths = {
+        e.get("transfer_path")
+        for e in job.events
+        if e["event"] == "rank-recovered" and e.get("transfer_bytes")
+    }
     assert paths == {"memory" if local == "1" else "wire"}, paths
     assert_same_params(job.params, ref)
 
@@ -249,13 +296,29 @@ def test_ftctl_inject_uce_low_into_a_live_job_retries(tmp_path, ref):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,strategy", [
-    ("kill", "recover-in-place"), ("segv", "recover-in-place"), ("exit", "recover-in-place"),
-    ("exception", "recover-in-place"), ("hang", "recover-in-place"), ("uce-low", "retry"),
-    ("uce-high", "retry"), ("network", "retry")])
+@pytest.mark.parametrize(
+    "kind,strategy",
+    [
+        ("kill", "recover-in-place"),
+        ("segv", "recover-in-place"),
+        ("exit", "recover-in-place"),
+        ("exception", "recover-in-place"),
+        ("hang", "recover-in-place"),
+        ("uce-low", "retry"),
+        ("uce-high", "retry"),
+        ("network", "retry"),
+    ],
+)
 def test_ftctl_inject_every_kind_at_a_step(tmp_path, ref, kind, strategy):
-    job = live_inject(tmp_path, kind, "--at-step", str(STEPS - 2), "--phase", "backward",
-                      launcher_args=["--hang_timeout", "2", "--monitor_interval", "0.5"])
+    job = live_inject(
+        tmp_path,
+        kind,
+        "--at-step",
+        str(STEPS - 2),
+        "--phase",
+        "backward",
+        launcher_args=["--hang_timeout", "2", "--monitor_interval", "0.5"],
+    )
     assert job.strategies() == [strategy], job.describe()
     assert job.restarted() == ({} if strategy == "retry" else {2: 1})
     assert job.first("repair-plan")["resume_step"] in (STEPS - 3, STEPS - 2)  # or a laggard's step
@@ -263,25 +326,46 @@ def test_ftctl_inject_every_kind_at_a_step(tmp_path, ref, kind, strategy):
 
 
 # ---------------------------------------------------------------- a rank dies after its peers finished
-def _dies_after_peers(tmp_path, after: str, chain: str | None = None,
-                      when: str = "before-goodbye") -> tuple[JobResult, float]:
+def _dies_after_peers(
+    tmp_path, after: str, chain: str | None = None, when: str = "before-goodbye"
+) -> tuple[JobResult, float]:
     """3 ranks; rank 1 aborts (SIGABRT) in generation 0 once its peers are done (`after`),
     before its own rt.finish() (`when`; "after-goodbye": in its teardown, after it).
     Bounded at 60 s: the old behaviour (a replacement waiting for a repair plan that could never
     come, FTRUN_STORE_TIMEOUT=60 s per attempt) cannot pass."""
     out = tmp_path / "out"
     out.mkdir(parents=True)
-    cmd = FTRUN + ["--nproc_per_node", "3", "--max_restarts", "3", "--tee", "2",
-                   "--log_dir", str(tmp_path / "logs"),
-                   *(["--recover_strategy", chain] if chain else []),
-                   script("dies_after_peers.py"), "--after", after, "--when", when,
-                   "--ckpt", str(tmp_path / "ckpt")]
+    cmd = FTRUN + [
+        "--nproc_per_node",
+        "3",
+        "--max_restarts",
+        "3",
+        "--tee",
+        "2",
+        "--log_dir",
+        str(tmp_path / "logs"),
+        *(["--recover_strategy", chain] if chain else []),
+        script("dies_after_peers.py"),
+        "--after",
+        after,
+        "--when",
+        when,
+        "--ckpt",
+        str(tmp_path / "ckpt"),
+    ]
     t0 = time.monotonic()
-    res = subprocess.run(cmd, env=env_with(OUT_DIR=str(out), FTRUN_STORE_TIMEOUT="60"),
-                         capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
+    res = subprocess.run(
+        cmd,
+        env=env_with(OUT_DIR=str(out), FTRUN_STORE_TIMEOUT="60"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=str(tmp_path),
+    )
     took = time.monotonic() - t0
-    return JobResult(res.returncode, tmp_path, res.stdout + res.stderr,
-                     events(str(tmp_path / "logs"))), took
+    return JobResult(
+        res.returncode, tmp_path, res.stdout + res.stderr, events(str(tmp_path / "logs"))
+    ), took
 
 
 def test_a_rank_dying_after_its_peers_exited_restarts_every_rank_at_once(tmp_path):
@@ -292,7 +376,9 @@ def test_a_rank_dying_after_its_peers_exited_restarts_every_rank_at_once(tmp_pat
     assert why["rank"] == 1 and why["finished_ranks"] == [0, 2] and why["generation"] == 0, why
     assert why["message"].startswith("rank 1 (generation 0) failed: signal: Signal 6 (SIGABRT)")
     assert "ranks [0, 2] already finished the job" in job.first("decide", rank=1)["reason"]
-    assert job.output.count("loaded checkpoint iteration 4") == 3, job.describe()  # torchrun's answer
+    assert job.output.count("loaded checkpoint iteration 4") == 3, (
+        job.describe()
+    )  # torchrun's answer
     # what the failed rank said last reaches the assertion messages of the test helpers
     last = failed_worker_logs(str(tmp_path / "logs"))
     assert last.startswith("--- rank 1 (pid ") and "generation 0) failed: rank 1" in last, last
@@ -309,7 +395,9 @@ def test_a_rank_dying_in_its_teardown_after_its_goodbye_is_done_and_the_job_succ
     job, took = _dies_after_peers(tmp_path, "exited", when="after-goodbye")
     assert job.returncode == 0, job.describe()
     assert job.strategies() == [], job.describe()
-    assert not [e for e in job.events if e["event"] in ("worker-failed", "decide", "peers-finished")]
+    assert not [
+        e for e in job.events if e["event"] in ("worker-failed", "decide", "peers-finished")
+    ]
     assert [e["rank"] for e in job.events if e["event"] == "spawn"] == [0, 1, 2], job.describe()
     ex = job.first("exit", rank=1)
     assert ex["exitcode"] == -6 and ex["after_goodbye"] is True, ex
@@ -323,7 +411,7 @@ def test_a_rank_dying_after_its_peers_said_goodbye_exits_with_a_report_saying_so
     job, took = _dies_after_peers(tmp_path, "goodbye", chain="recover-in-place,exit")
     assert job.returncode == 1, job.describe()
     assert job.strategies()[-1] == "exit" and "restart-all" not in job.strategies(), job.describe()
-    summary = job.output[job.output.index("FAILED"):]
+    summary = job.output[job.output.index("FAILED") :]
     assert "ranks [0, 2] already finished the job" in summary, summary
     assert "rank      : 1 (local_rank: 1" in summary and "SIGABRT" in summary, summary
     # the signal death points at the rank's stderr file and shows how it ends

@@ -2,6 +2,7 @@
 a stopped rank is blamed even while others progress; with every rank silent the first to go
 silent is blamed, weakly; a node where one rank still progresses is not hung; one hang per
 generation; the progress records reach the store."""
+
 from __future__ import annotations
 
 import signal
@@ -11,11 +12,11 @@ import time
 
 import pytest
 
-from launcher.config import LaunchConfig
 from launcher.agent.hang_guard import HangGuard
+from launcher.config import LaunchConfig
+from launcher.control.progress import read_progress
 from launcher.hang.hang_watch import HangPolicy
 from launcher.observe.logs import AgentLog, RunLogDir, read_events
-from launcher.control.progress import read_progress
 from launcher.workers.workers import NodeWorkers
 from rendezvous.store.memory import LocalKV
 
@@ -54,8 +55,13 @@ def test_a_stopped_rank_is_blamed_even_while_others_progress(guard) -> None:
     assert w1.proc.wait(10) < 0 and workers.by_rank(0).proc.poll() is None
     hang = g.take_killed(1)
     assert hang is not None and hang.state == "T" and not hang.weak and "SIGSTOP" in hang.basis
-    ev = [e for e in read_events(str(run_dir.path + "/..")) if e["event"] in ("hang", "hang-stacks")]
-    assert [e["event"] for e in ev] == ["hang", "hang-stacks"] and ev[1]["how"] in ("faulthandler (SIGABRT)", "py-spy")
+    ev = [
+        e for e in read_events(str(run_dir.path + "/..")) if e["event"] in ("hang", "hang-stacks")
+    ]
+    assert [e["event"] for e in ev] == ["hang", "hang-stacks"] and ev[1]["how"] in (
+        "faulthandler (SIGABRT)",
+        "py-spy",
+    )
 
 
 def test_all_silent_blames_the_first_to_go_silent_weakly_and_once(guard) -> None:
@@ -96,9 +102,16 @@ def test_a_rank_silent_past_the_limit_after_its_goodbye_is_killed_as_hung_at_exi
     assert g.take_killed(0) is None  # not a training hang: no fault for the controller
     g.check(generation=0, node=0)  # killed once: its exit is pending, no second dump
     assert sum(e["event"] == "exit-hang" for e in read_events(str(run_dir.path + "/.."))) == 1
-    ev = [e for e in read_events(str(run_dir.path + "/..")) if e["event"] in ("exit-hang", "hang-stacks")]
+    ev = [
+        e
+        for e in read_events(str(run_dir.path + "/.."))
+        if e["event"] in ("exit-hang", "hang-stacks")
+    ]
     assert [(e["event"], e["rank"]) for e in ev] == [("exit-hang", 0), ("hang-stacks", 0)]
-    assert "said goodbye (rt.finish()) but has not exited" in ev[0]["message"] and ev[0]["idle_s"] >= 9.0
+    assert (
+        "said goodbye (rt.finish()) but has not exited" in ev[0]["message"]
+        and ev[0]["idle_s"] >= 9.0
+    )
     w0.exit_code = w0.proc.returncode
     for w in (workers.by_rank(1), workers.by_rank(2)):
         w.proc.kill()

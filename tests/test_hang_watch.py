@@ -1,6 +1,7 @@
 """The hang watch: progress (not liveness) resets a rank's clock; the allowance adapts to the step
 times (floor, multiplier, first step, checkpoints); waiting ranks are spared unless their process
 is frozen; the knobs come from --hang-timeout and FTRUN_HANG_*."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,14 @@ AUTO = HangPolicy(None, floor=3.0, multiplier=10.0, first_step=50.0, unmodified=
 
 
 def beat(rank=1, step=3, phase="forward", committed=2, waiting=False, generation=-1) -> Heartbeat:
-    return Heartbeat(rank=rank, step=step, phase=phase, committed_step=committed, waiting=waiting,
-                     generation=generation)
+    return Heartbeat(
+        rank=rank,
+        step=step,
+        phase=phase,
+        committed_step=committed,
+        waiting=waiting,
+        generation=generation,
+    )
 
 
 def steps(h: HangWatch, times: list[float], rank: int = 1, start: float = 0.0) -> float:
@@ -140,9 +147,13 @@ def test_policy_from_env_and_its_one_line_errors() -> None:
     assert "max(30s, 10 x slowest of the last 20 steps)" in HangPolicy().describe()
     assert HangPolicy.from_env(None, {"FTRUN_HANG_STOP": "7"}).stop_answer == 7.0
     assert "after a recovery stop 3s" in HangPolicy().describe()
-    for name, raw in (("FTRUN_HANG_FLOOR", "x"), ("FTRUN_HANG_MULTIPLIER", "0"),
-                      ("FTRUN_HANG_FIRST_STEP", "-1"), ("FTRUN_HANG_UNMODIFIED", "nan"),
-                      ("FTRUN_HANG_STOP", "0")):
+    for name, raw in (
+        ("FTRUN_HANG_FLOOR", "x"),
+        ("FTRUN_HANG_MULTIPLIER", "0"),
+        ("FTRUN_HANG_FIRST_STEP", "-1"),
+        ("FTRUN_HANG_UNMODIFIED", "nan"),
+        ("FTRUN_HANG_STOP", "0"),
+    ):
         with pytest.raises(ValueError, match=f"^{name}="):
             HangPolicy.from_env(None, {name: raw})
 
@@ -159,12 +170,14 @@ def test_step_times_the_rank_sent_count_even_when_the_agent_never_saw_two_step_s
     assert ranks(found) == [1] and found[0].timeout_s == 2.0
     auto = HangWatch(AUTO)  # auto: max(floor, multiplier x the rank's own step times)
     auto.on_heartbeat(Heartbeat(rank=1, step=-1, phase="init"), now=0.0)
-    auto.on_heartbeat(Heartbeat(rank=1, step=3, phase="forward", committed_step=2, step_s=0.5),
-                      now=1.0)
+    auto.on_heartbeat(
+        Heartbeat(rank=1, step=3, phase="forward", committed_step=2, step_s=0.5), now=1.0
+    )
     assert auto.overdue([1], now=5.9) == [] and ranks(auto.overdue([1], now=6.1)) == [1]
     # a rank's repeated beats carry the same step time: it counts once per committed step
-    auto.on_heartbeat(Heartbeat(rank=1, step=3, phase="backward", committed_step=2, step_s=0.5),
-                      now=2.0)
+    auto.on_heartbeat(
+        Heartbeat(rank=1, step=3, phase="backward", committed_step=2, step_s=0.5), now=2.0
+    )
     assert list(auto.clocks[1].steps) == [0.5]
 
 
@@ -219,14 +232,18 @@ def test_a_survivor_still_waiting_in_a_collective_after_a_stop_is_hung() -> None
     assert h3.overdue([1], now=t + 20.0) == []  # computing: it sees the stop at its next phase edge
 
 
-def test_a_stop_answered_by_a_heartbeat_of_its_generation_is_not_held_against_a_later_wait() -> None:
+def test_a_stop_answered_by_a_heartbeat_of_its_generation_is_not_held_against_a_later_wait() -> (
+    None
+):
     """CI on 9c0c29b: a survivor's quick round left no 'recovering' heartbeat (the channel
     coalesces progress), the stop stayed recorded, and when the survivor later waited on a peer
     the fault plan had hung it was killed 10 s after the old stop, in the hung peer's place. A
     heartbeat of the stop's generation (or a newer one) answers the stop whatever its phase."""
     h = HangWatch(HangPolicy(None, floor=30.0, stop_answer=10.0))
     t = steps(h, [0.1, 0.1])
-    h.on_heartbeat(beat(step=2, phase="backward", committed=1, waiting=True, generation=0), now=t + 0.1)
+    h.on_heartbeat(
+        beat(step=2, phase="backward", committed=1, waiting=True, generation=0), now=t + 0.1
+    )
     h.stop_sent(1, 1, now=t + 0.2)
     # next heartbeat: already back at work in generation 1, waiting on a hung peer from then on
     later = beat(step=3, phase="backward", committed=2, waiting=True, generation=1)
@@ -246,7 +263,9 @@ def test_a_stop_answered_by_a_heartbeat_of_its_generation_is_not_held_against_a_
     # a stop sent after the rank already said it is in that generation records nothing
     h3 = HangWatch(HangPolicy(None, floor=30.0, stop_answer=10.0))
     t = steps(h3, [0.1, 0.1])
-    h3.on_heartbeat(beat(step=2, phase="backward", committed=1, waiting=True, generation=1), now=t + 0.1)
+    h3.on_heartbeat(
+        beat(step=2, phase="backward", committed=1, waiting=True, generation=1), now=t + 0.1
+    )
     h3.stop_sent(1, 1, now=t + 0.2)
     assert h3.overdue([1], now=t + 20.0) == []
     # while a rank still in an older generation is held to the stop
@@ -260,10 +279,14 @@ def test_a_survivor_that_reports_its_wait_stuck_after_a_stop_is_hung_at_once() -
     stop recorded, blames nobody."""
     h = HangWatch(HangPolicy(None, floor=30.0, stop_answer=10.0))
     t = steps(h, [0.1, 0.1])
-    h.on_heartbeat(beat(step=2, phase="backward", committed=1, waiting=True, generation=0), now=t + 0.1)
+    h.on_heartbeat(
+        beat(step=2, phase="backward", committed=1, waiting=True, generation=0), now=t + 0.1
+    )
     h.stop_sent(1, 1, now=t + 0.2)
     assert h.overdue([1], now=t + 1.0) == []
-    stuck = Heartbeat(rank=1, step=2, phase="backward", committed_step=1, waiting=True, generation=0, stuck=True)
+    stuck = Heartbeat(
+        rank=1, step=2, phase="backward", committed_step=1, waiting=True, generation=0, stuck=True
+    )
     h.on_heartbeat(stuck, now=t + 1.3)
     (hang,) = h.overdue([1], now=t + 1.4)
     assert "after the stop for generation 1" in hang.basis and "its own check" in hang.basis

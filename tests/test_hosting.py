@@ -1,5 +1,6 @@
 """Tests for rendezvous.nodes.hosting: is_host by the endpoint's address, and the second agent on the
 store host joining as a client (the same c10d command started twice on one host)."""
+
 from __future__ import annotations
 
 import signal
@@ -10,11 +11,11 @@ import threading
 import time
 
 import pytest
-
 from helpers_store import free_port
+
+from rendezvous.kv import StoreError
 from rendezvous.nodes.hosting import host_or_join, is_local_address, wants_to_host
 from rendezvous.nodes.keys import RUN_ID_KEY
-from rendezvous.kv import StoreError
 from rendezvous.nodes.membership import Membership, NodeWorld
 
 
@@ -36,12 +37,26 @@ def test_same_command_twice_on_one_host_one_hosts_one_joins() -> None:
     try:
         assert first.hosting and first.server is not None
         assert not second.hosting and second.server is None
-        ms = [Membership(h.kv, None, 2, 2, 1, f"h{i}", "j1", hosts_store=h.hosting,
-                         heartbeat_interval=0.2, heartbeat_timeout=1.0)
-              for i, h in enumerate((first, second))]
+        ms = [
+            Membership(
+                h.kv,
+                None,
+                2,
+                2,
+                1,
+                f"h{i}",
+                "j1",
+                hosts_store=h.hosting,
+                heartbeat_interval=0.2,
+                heartbeat_timeout=1.0,
+            )
+            for i, h in enumerate((first, second))
+        ]
         out: list = [None, None]
-        ts = [threading.Thread(target=lambda i=i: out.__setitem__(i, ms[i].join(timeout=10)))
-              for i in range(2)]
+        ts = [
+            threading.Thread(target=lambda i=i: out.__setitem__(i, ms[i].join(timeout=10)))
+            for i in range(2)
+        ]
         for t in ts:
             t.start()
         for t in ts:
@@ -79,9 +94,22 @@ def test_a_store_that_answers_late_is_joined_not_taken_for_something_else() -> N
     one with "in use ... by something that is not an ftrun/torch store" after a 3 s probe.
     Here the holder is stopped (SIGSTOP) for 4 s."""
     port = free_port()
-    srv = subprocess.Popen([sys.executable, "-m", "rendezvous.store.store_cli", "serve", "--host",
-                            "0.0.0.0", "--port", str(port)], stdin=subprocess.DEVNULL,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    srv = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rendezvous.store.store_cli",
+            "serve",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            str(port),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     resume = threading.Timer(4.0, srv.send_signal, (signal.SIGCONT,))
     try:
         assert "listening on" in srv.stdout.readline()

@@ -1,5 +1,6 @@
 """`ftctl inject` (launcher.cli.inject) against a real store: the request it writes, the checks it
 makes before writing, and one-line errors."""
+
 from __future__ import annotations
 
 import os
@@ -26,8 +27,9 @@ def store():
 
 def inject(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
     """The real command line, as a user runs it."""
-    return subprocess.run(FTCTL + ["inject", *args], capture_output=True, text=True, timeout=60,
-                          env=env or env_with())
+    return subprocess.run(
+        FTCTL + ["inject", *args], capture_output=True, text=True, timeout=60, env=env or env_with()
+    )
 
 
 def inject_here(capsys, *args: str) -> tuple[int, str, str]:
@@ -52,8 +54,17 @@ def test_cli_writes_one_numbered_request_per_call(store: StoreServer) -> None:
     r = inject("--addr", addr, "--rank", "1", "--kind", "kill")
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "injection #1: kill into rank 1 now"
-    r = inject("--rank", "0", "--kind", "uce-low", "--at-step", "5", "--phase", "backward",
-               env=env_with(FTRUN_STORE_ADDR=addr))  # --addr from the environment
+    r = inject(
+        "--rank",
+        "0",
+        "--kind",
+        "uce-low",
+        "--at-step",
+        "5",
+        "--phase",
+        "backward",
+        env=env_with(FTRUN_STORE_ADDR=addr),
+    )  # --addr from the environment
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "injection #2: uce-low into rank 0 at step 5 (backward)"
     got = [(i.rank, i.kind, i.step, i.phase) for i in requests(store)]
@@ -61,8 +72,17 @@ def test_cli_writes_one_numbered_request_per_call(store: StoreServer) -> None:
 
 
 def test_at_step_defaults_to_the_forward_phase(store: StoreServer, capsys) -> None:
-    code, out, err = inject_here(capsys, "--addr", f"127.0.0.1:{store.port}", "--rank", "0",
-                                 "--kind", "hang", "--at-step", "0")
+    code, out, err = inject_here(
+        capsys,
+        "--addr",
+        f"127.0.0.1:{store.port}",
+        "--rank",
+        "0",
+        "--kind",
+        "hang",
+        "--at-step",
+        "0",
+    )
     assert code == 0, err
     assert out.strip() == "injection #1: hang into rank 0 at step 0 (forward)"
     assert [(i.step, i.phase) for i in requests(store)] == [(0, None)]
@@ -71,8 +91,9 @@ def test_at_step_defaults_to_the_forward_phase(store: StoreServer, capsys) -> No
 def test_every_kind_is_accepted(store: StoreServer, capsys) -> None:
     kinds = ("kill", "segv", "hang", "exit", "exception", "uce-low", "uce-high", "network")
     for kind in kinds:
-        code, _, err = inject_here(capsys, "--addr", f"127.0.0.1:{store.port}", "--rank", "0",
-                                   "--kind", kind)
+        code, _, err = inject_here(
+            capsys, "--addr", f"127.0.0.1:{store.port}", "--rank", "0", "--kind", kind
+        )
         assert code == 0, err
     assert [i.kind for i in requests(store)] == list(kinds)
 
@@ -82,21 +103,26 @@ def test_rank_outside_the_job_is_refused_and_nothing_written(store: StoreServer,
     addr = f"127.0.0.1:{store.port}"
     code, _, err = inject_here(capsys, "--addr", addr, "--rank", "2", "--kind", "kill")
     assert code == 2 and err.strip() == (
-        "ftctl: error: Invalid value for --rank: rank 2 is not in this job (world size 2)")
+        "ftctl: error: Invalid value for --rank: rank 2 is not in this job (world size 2)"
+    )
     assert requests(store) == []
     assert inject_here(capsys, "--addr", addr, "--rank", "1", "--kind", "kill")[0] == 0
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--rank", "0", "--kind", "kill", "--phase", "forward"], "--phase needs --at-step"),
-    (["--rank", "0", "--kind", "melt"], "'melt' is not one of"),
-    (["--rank", "-1", "--kind", "kill"], "--rank"),
-    (["--rank", "0", "--kind", "kill", "--at-step", "-3"], "--at-step"),
-    (["--rank", "0", "--kind", "kill", "--at-step", "1", "--phase", "idle"], "--phase"),
-    (["--kind", "kill"], "Missing option '--rank'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--rank", "0", "--kind", "kill", "--phase", "forward"], "--phase needs --at-step"),
+        (["--rank", "0", "--kind", "melt"], "'melt' is not one of"),
+        (["--rank", "-1", "--kind", "kill"], "--rank"),
+        (["--rank", "0", "--kind", "kill", "--at-step", "-3"], "--at-step"),
+        (["--rank", "0", "--kind", "kill", "--at-step", "1", "--phase", "idle"], "--phase"),
+        (["--kind", "kill"], "Missing option '--rank'"),
+    ],
+)
 def test_bad_flags_are_one_line_exit_2_before_touching_the_store(
-        store: StoreServer, capsys, args: list[str], needle: str) -> None:
+    store: StoreServer, capsys, args: list[str], needle: str
+) -> None:
     code, out, err = inject_here(capsys, "--addr", f"127.0.0.1:{store.port}", *args)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and needle in lines[0], err
@@ -117,8 +143,9 @@ def test_ipv6_address_in_brackets(capsys) -> None:
     except Exception as e:  # pragma: no cover - host without IPv6 loopback
         pytest.skip(f"no IPv6 loopback here: {e}")
     try:
-        code, out, err = inject_here(capsys, "--addr", f"[::1]:{s.port}", "--rank", "3",
-                                     "--kind", "segv")
+        code, out, err = inject_here(
+            capsys, "--addr", f"[::1]:{s.port}", "--rank", "3", "--kind", "segv"
+        )
         assert code == 0, err
         assert [(i.rank, i.kind) for i in requests(s)] == [(3, "segv")]
     finally:
@@ -132,10 +159,13 @@ def test_job_token_from_file_or_environment(tmp_path) -> None:
         addr = f"127.0.0.1:{s.port}"
         env = env_with()
         env.pop(auth.TOKEN_ENV, None)
-        r = inject("--addr", addr, "--token-file", str(path), "--rank", "0", "--kind", "kill",
-                   env=env)
+        r = inject(
+            "--addr", addr, "--token-file", str(path), "--rank", "0", "--kind", "kill", env=env
+        )
         assert r.returncode == 0, r.stderr
-        r = inject("--addr", addr, "--rank", "1", "--kind", "kill", env={**env, auth.TOKEN_ENV: token})
+        r = inject(
+            "--addr", addr, "--rank", "1", "--kind", "kill", env={**env, auth.TOKEN_ENV: token}
+        )
         assert r.returncode == 0, r.stderr
         # without the token the store refuses: one line, no traceback
         r = inject("--addr", addr, "--rank", "0", "--kind", "kill", env=env)

@@ -1,6 +1,7 @@
 """The KVStore contract (rendezvous.kv): the same behaviour from every implementation that
 needs no external service — LocalKV, StoreClient to the embedded server, and StoreClient
 through a node proxy whose upstream is a KVStore — plus timeouts and error types."""
+
 from __future__ import annotations
 
 import math
@@ -9,8 +10,8 @@ from typing import Iterator
 
 import pytest
 
-from rendezvous.store.client import StoreClient
 from rendezvous.kv import KVStore, StoreAuthError, StoreError, StoreTimeout, check_timeout
+from rendezvous.store.client import StoreClient
 from rendezvous.store.memory import LocalKV
 from rendezvous.store.proxy import StoreProxy
 from rendezvous.store.server import StoreServer
@@ -40,10 +41,10 @@ def test_values_and_counters(kv: KVStore) -> None:
 
 def test_compare_set_follows_torch(kv: KVStore) -> None:
     kv.set("cs", b"1")
-    assert kv.compare_set("cs", b"1", b"2") == b"2"       # hit: set
-    assert kv.compare_set("cs", b"x", b"3") == b"2"       # miss: current value
-    assert kv.compare_set("new", b"", b"z") == b"z"       # missing + expected b"": create
-    assert kv.compare_set("none", b"e", b"z") == b"e"     # missing + expected: unchanged
+    assert kv.compare_set("cs", b"1", b"2") == b"2"  # hit: set
+    assert kv.compare_set("cs", b"x", b"3") == b"2"  # miss: current value
+    assert kv.compare_set("new", b"", b"z") == b"z"  # missing + expected b"": create
+    assert kv.compare_set("none", b"e", b"z") == b"e"  # missing + expected: unchanged
     assert kv.try_get("none") is None and kv.try_get("cs") == b"2"
 
 
@@ -90,7 +91,15 @@ def test_error_types() -> None:
 
 def test_the_contract_is_what_every_implementation_must_provide() -> None:
     assert KVStore.__abstractmethods__ == {
-        "set", "get", "try_get", "add", "compare_set", "wait", "delete", "keys"}
+        "set",
+        "get",
+        "try_get",
+        "add",
+        "compare_set",
+        "wait",
+        "delete",
+        "keys",
+    }
     with pytest.raises(TypeError):
         KVStore()  # type: ignore[abstract]
 

@@ -1,5 +1,6 @@
 """Tests for rendezvous.nodes.liveness: the roster's bookkeeping (no store), heartbeat liveness on a
 real embedded store (rendezvous.store.server over TCP), lease liveness on a real etcd."""
+
 from __future__ import annotations
 
 import os
@@ -8,13 +9,25 @@ import time
 from typing import Iterator
 
 import pytest
-
 from helpers_etcd import EtcdServer, etcd_server  # noqa: F401 - fixture
+
+from rendezvous.nodes.keys import (
+    Registration,
+    dead_key,
+    incarnation_key,
+    left_key,
+    node_key,
+    static_join_key,
+)
+from rendezvous.nodes.liveness import (
+    HeartbeatLiveness,
+    LeaseLiveness,
+    Liveness,
+    Roster,
+    Timing,
+    liveness_for,
+)
 from rendezvous.store.client import StoreClient
-from rendezvous.nodes.keys import Registration, dead_key, incarnation_key, left_key, node_key, \
-    static_join_key
-from rendezvous.nodes.liveness import (HeartbeatLiveness, LeaseLiveness, Liveness, Roster, Timing,
-                                 liveness_for)
 from rendezvous.store.memory import LocalKV
 from rendezvous.store.server import StoreServer
 
@@ -30,8 +43,11 @@ class Seen:
         self._cv = threading.Condition()
 
     def hook(self, roster: Roster) -> None:
-        roster.subscribe(lambda g: self._add("dead", g), lambda g: self._add("join", g),
-                         lambda g: self._add("leader", g))
+        roster.subscribe(
+            lambda g: self._add("dead", g),
+            lambda g: self._add("join", g),
+            lambda g: self._add("leader", g),
+        )
 
     def _add(self, kind: str, gr: int) -> None:
         with self._cv:
@@ -50,8 +66,14 @@ class Seen:
 def _register(lv: Liveness, gr: int, replacing: bytes | None = None) -> bool:
     """What Membership._register does: a new incarnation's node record for `gr`."""
     inc = lv.kv.add(incarnation_key(gr), 1)
-    rec = Registration(nonce=lv.nonce, host=f"h{gr}", pid=os.getpid(), local_world_size=1,
-                       incarnation=inc, group_rank=gr).to_json()
+    rec = Registration(
+        nonce=lv.nonce,
+        host=f"h{gr}",
+        pid=os.getpid(),
+        local_world_size=1,
+        incarnation=inc,
+        group_rank=gr,
+    ).to_json()
     if not lv.write_node(gr, rec, replacing):
         return False
     lv.registered(gr, inc)
@@ -71,8 +93,9 @@ def owned() -> Iterator[list]:
             thing.close()
 
 
-def _world(kvs: list, timing: Timing, owned: list,
-           silent: frozenset[int] | set[int] = frozenset()) -> tuple[list[Liveness], list[Seen]]:
+def _world(
+    kvs: list, timing: Timing, owned: list, silent: frozenset[int] | set[int] = frozenset()
+) -> tuple[list[Liveness], list[Seen]]:
     """One registered, watching liveness per store client (group rank = index), beating
     unless its rank is in `silent`."""
     lvs = [liveness_for(kv, timing, True, f"n{gr}") for gr, kv in enumerate(kvs)]
@@ -160,7 +183,8 @@ def _clients(server: StoreServer, n: int, owned: list) -> list[StoreClient]:
 
 
 def test_heartbeat_silent_node_declared_dead_once_and_replaced(
-        tcp_store: StoreServer, owned: list) -> None:
+    tcp_store: StoreServer, owned: list
+) -> None:
     kvs = _clients(tcp_store, 4, owned)
     lvs, seen = _world(kvs[:3], HB, owned)
     assert isinstance(lvs[0], HeartbeatLiveness)
@@ -195,7 +219,8 @@ def test_heartbeat_leave_is_not_a_death(tcp_store: StoreServer, owned: list) -> 
 
 
 def test_heartbeat_silent_agent_hears_it_was_declared_dead(
-        tcp_store: StoreServer, owned: list) -> None:
+    tcp_store: StoreServer, owned: list
+) -> None:
     kvs = _clients(tcp_store, 2, owned)
     # node 1 follows the event log but never beats
     lvs, seen = _world(kvs, HB, owned, silent={1})
@@ -204,7 +229,8 @@ def test_heartbeat_silent_agent_hears_it_was_declared_dead(
 
 
 def test_heartbeat_world_is_dead_only_when_every_heartbeat_is_still(
-        tcp_store: StoreServer, owned: list) -> None:
+    tcp_store: StoreServer, owned: list
+) -> None:
     kvs = _clients(tcp_store, 3, owned)
     lvs, _ = _world(kvs[:2], HB, owned)
     probe = HeartbeatLiveness(kvs[2], HB, True, "probe")
@@ -232,7 +258,8 @@ def _etcd_clients(server: EtcdServer, n: int, root: str, owned: list) -> list:
 
 @pytest.mark.etcd
 def test_lease_expiry_is_a_death_and_revoke_is_a_leave(
-        etcd_server: EtcdServer, owned: list) -> None:
+    etcd_server: EtcdServer, owned: list
+) -> None:
     kvs = _etcd_clients(etcd_server, 4, "/ftrun/lease", owned)
     lvs, seen = _world(kvs[:3], LEASE, owned)
     assert isinstance(lvs[0], LeaseLiveness)
@@ -278,13 +305,20 @@ def test_lease_duplicate_join_and_lost_record(etcd_server: EtcdServer, owned: li
     assert first.roster.lost.wait(2.0)
 
 
-def test_check_cadence_keeps_a_crash_verdict_within_the_timeout_without_judging_live_nodes() -> None:
+def test_check_cadence_keeps_a_crash_verdict_within_the_timeout_without_judging_live_nodes() -> (
+    None
+):
     """Bug (bench_multinode): a crashed node was declared lost up to 0.3 s after the 5 s
     liveness timeout, because the checker looked every interval/2 and waited a full timeout
     from the last change it had seen."""
     from rendezvous.nodes.liveness.heartbeat import JITTER_MARGIN, check_cadence
-    for timing, watched in ((Timing(1.0, 5.0), 3), (Timing(1.0, 2.0), 3), (Timing(0.5, 5.0), 2000),
-                            (Timing(1.0, 5.0), 400)):
+
+    for timing, watched in (
+        (Timing(1.0, 5.0), 3),
+        (Timing(1.0, 2.0), 3),
+        (Timing(0.5, 5.0), 2000),
+        (Timing(1.0, 5.0), 400),
+    ):
         period, quiet = check_cadence(timing, watched)
         assert timing.interval / 10 <= period <= timing.interval / 2
         assert watched / period <= 500.0 or period == timing.interval / 2  # bounded store reads
@@ -302,8 +336,11 @@ def test_check_cadence_keeps_a_crash_verdict_within_the_timeout_without_judging_
 
 def test_roster_tells_why_a_node_left_and_a_leave_is_no_death() -> None:
     markers = {(1, 1): "signal", (2, 1): "done"}
-    r = Roster(static=False, has_left=lambda g, i: (g, i) in markers,
-               left_reason=lambda g, i: markers.get((g, i), ""))
+    r = Roster(
+        static=False,
+        has_left=lambda g, i: (g, i) in markers,
+        left_reason=lambda g, i: markers.get((g, i), ""),
+    )
     r.set_me(0, 1)
     r.reset({0: 1, 1: 1, 2: 1, 3: 1}, [0, 1, 2, 3])
     left: list[tuple[int, str]] = []
@@ -315,8 +352,11 @@ def test_roster_tells_why_a_node_left_and_a_leave_is_no_death() -> None:
     r.gone(3, 1)  # no marker: a death
     assert left == [(1, "signal"), (2, "done")] and dead == [3]
     # a store that cannot tell the reason: still a leave, reason unknown
-    r2 = Roster(static=False, has_left=lambda g, i: True,
-                left_reason=lambda g, i: (_ for _ in ()).throw(OSError("down")))
+    r2 = Roster(
+        static=False,
+        has_left=lambda g, i: True,
+        left_reason=lambda g, i: (_ for _ in ()).throw(OSError("down")),
+    )
     r2.reset({0: 1, 1: 1}, [0, 1])
     got: list[tuple[int, str]] = []
     r2.on_left(lambda g, why: got.append((g, why)))

@@ -1,5 +1,6 @@
 """launcher.observe.logs: the agent's console lines and events.jsonl, torchrun's log-directory layout,
 and the output pump that copies worker pipes to files and the console."""
+
 from __future__ import annotations
 
 import io
@@ -107,14 +108,19 @@ def test_read_events_merges_runs_oldest_first(tmp_path) -> None:
                 f.write(json.dumps({"time": t, "event": name}) + "\n\n")
     (tmp_path / "stray.jsonl").write_text('{"time": 0}\n')  # not a run directory: ignored
     assert [(e["time"], e["event"]) for e in read_events(str(tmp_path))] == [
-        (1.0, "a_1"), (2.0, "b_2"), (3.0, "a_1")]
+        (1.0, "a_1"),
+        (2.0, "b_2"),
+        (3.0, "a_1"),
+    ]
     assert read_events(str(tmp_path / "missing")) == []
 
 
 def test_render_prefix_default_and_template() -> None:
     assert render_prefix(None, "trainer", 3, 11, "h") == "[trainer3]:"
-    assert render_prefix("${role_name}/${local_rank}/${rank}@${hostname} ", "r", 1, 9, "node-a") \
+    assert (
+        render_prefix("${role_name}/${local_rank}/${rank}@${hostname} ", "r", 1, 9, "node-a")
         == "r/1/9@node-a "
+    )
 
 
 def _pump(tmp_path, data: bytes, **kw) -> tuple[bytes, str]:
@@ -138,8 +144,9 @@ def test_pump_copies_raw_bytes_to_file_and_prefixed_lines_to_console(tmp_path) -
 
 def test_pump_duplicates_filtered_lines(tmp_path) -> None:
     filtered = str(tmp_path / "filtered.log")
-    _, console = _pump(tmp_path, b"loss=1\nnoise\nloss=2\n", filters=["loss"],
-                       filtered_path=filtered)
+    _, console = _pump(
+        tmp_path, b"loss=1\nnoise\nloss=2\n", filters=["loss"], filtered_path=filtered
+    )
     assert console.count("\n") == 3
     assert open(filtered, encoding="utf-8").read() == "[w0]:loss=1\n[w0]:loss=2\n"
 

@@ -1,5 +1,6 @@
 """rendezvous.store.loop_priority: FTRUN_STORE_NICE, the loop thread's own priority, a refusal said
 in one line; and the store's and the proxy's loop threads really run at it (real sockets)."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,12 @@ import time
 import pytest
 
 from launcher.config import ConfigError, build_config
-from rendezvous.store.loop_priority import DEFAULT_NICE, LoopPriority, loop_nice, raise_thread_priority
+from rendezvous.store.loop_priority import (
+    DEFAULT_NICE,
+    LoopPriority,
+    loop_nice,
+    raise_thread_priority,
+)
 from rendezvous.store.proxy import StoreProxy
 from rendezvous.store.server import StoreServer
 
@@ -113,9 +119,11 @@ def test_a_refusal_is_one_line_and_the_thread_keeps_its_priority():
 @pytest.mark.skipif(not ROOT, reason="raising a priority needs CAP_SYS_NICE")
 def test_the_store_and_proxy_loop_threads_run_at_the_nice_value():
     me = thread_nice(threading.get_native_id())
-    with StoreServer(host="127.0.0.1", port=0, nice=-7) as srv, \
-            StoreProxy(("127.0.0.1", srv.port), port=0, nice=-6) as proxy, \
-            StoreServer(host="127.0.0.1", port=0, nice=0) as plain:
+    with (
+        StoreServer(host="127.0.0.1", port=0, nice=-7) as srv,
+        StoreProxy(("127.0.0.1", srv.port), port=0, nice=-6) as proxy,
+        StoreServer(host="127.0.0.1", port=0, nice=0) as plain,
+    ):
         assert settled_nice(srv._thread.native_id, min(me, -7)) == min(me, -7)
         assert settled_nice(proxy._thread.native_id, min(me, -6)) == min(me, -6)
         assert settled_nice(plain._thread.native_id, -99, timeout=0.3) == me
@@ -161,6 +169,7 @@ def test_the_loop_keeps_its_inherited_priority_above_the_connection_bound():
 def test_an_unprivileged_loop_says_so_once_and_stops_asking():
     """Also from a positive nice (a job started under `nice 5`): after the refusal the loop
     neither asks again nor believes it was raised."""
+
     def child() -> str:
         logged = []
         p = LoopPriority(-5, logged.append, max_connections=3)

@@ -1,19 +1,20 @@
 """The agent loop's store calls, off the loop (launcher.agent.loop_store): writes coalesced and in
 order, and nothing the loop does waits on a store whose peer stopped answering (a real store
 server behind a relay whose link is cut: calls through it hang until their timeout)."""
+
 from __future__ import annotations
 
 import time
 
 from helpers_relay import Relay
 
-from launcher.protocol import plan as P
 from launcher.agent.hang_guard import READ_WAIT, HangGuard
+from launcher.agent.loop_store import Call, LoopStore
 from launcher.cli.ftrun import parse
 from launcher.config import build_config
-from launcher.observe.logs import AgentLog, RunLogDir
-from launcher.agent.loop_store import Call, LoopStore
 from launcher.control.progress import ProgressBoard
+from launcher.observe.logs import AgentLog, RunLogDir
+from launcher.protocol import plan as P
 from launcher.workers.workers import NodeWorkers
 from rendezvous.store.client import StoreClient
 from rendezvous.store.memory import LocalKV
@@ -69,14 +70,20 @@ def test_the_health_checks_read_of_other_nodes_progress_is_bounded(tmp_path) -> 
     link cut it waits READ_WAIT, counts them as progressing (no kill on a guess), and goes on."""
     script = tmp_path / "x.py"
     script.write_text("")
-    cfg = build_config(parse(["--nproc_per_node", "1", "--log_dir", str(tmp_path), str(script)]),
-                       env={})
+    cfg = build_config(
+        parse(["--nproc_per_node", "1", "--log_dir", str(tmp_path), str(script)]), env={}
+    )
     log = AgentLog(0, None, quiet=True)
     with StoreServer(host="127.0.0.1") as server, Relay("127.0.0.1", server.port) as relay:
         kv = StoreClient("127.0.0.1", relay.port, timeout=CALL_TIMEOUT)
         try:
-            g = HangGuard(cfg, log, RunLogDir.create(str(tmp_path), "t"), "h",
-                          lambda: NodeWorkers.create(0, 1))
+            g = HangGuard(
+                cfg,
+                log,
+                RunLogDir.create(str(tmp_path), "t"),
+                "h",
+                lambda: NodeWorkers.create(0, 1),
+            )
             g.attach(kv, 0, 2, put=lambda k, v: None)
             kv.try_get("warm")
             relay.cut()

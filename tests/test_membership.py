@@ -1,15 +1,26 @@
 """Tests for rendezvous.nodes.membership: in-process agents on LocalKV, real agent processes
 (SIGKILL) through a real etcd and through the embedded TCP store."""
+
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
 import pytest
-
 from helpers_etcd import AgentProc, EtcdServer, etcd_server  # noqa: F401 - fixture
-from rendezvous.nodes.keys import GENERATION_KEY
+from helpers_relay import Relay
+
+from rendezvous.errors import (
+    STORE_UNREACHABLE,
+    SUPERSEDED,
+    FencedError,
+    JoinInterrupted,
+    RendezvousGracefulExit,
+    StoreHostLostError,
+)
 from rendezvous.kv import StoreTimeout
+from rendezvous.nodes.keys import GENERATION_KEY, LEAVE_SIGNAL
 from rendezvous.nodes.membership import Membership, NodeWorld, RendezvousError
 from rendezvous.store.memory import LocalKV
 
@@ -39,16 +50,21 @@ def _join_all(makers: list, timeout: float = 15.0) -> list:
 
 def test_static_rendezvous_assigns_ranks_and_bases() -> None:
     kv = LocalKV()
-    ms = [Membership(kv, r, 3, 3, lws, f"host{r}", "job", join_timeout=10, **FAST)
-          for r, lws in ((2, 4), (0, 2), (1, 3))]
+    ms = [
+        Membership(kv, r, 3, 3, lws, f"host{r}", "job", join_timeout=10, **FAST)
+        for r, lws in ((2, 4), (0, 2), (1, 3))
+    ]
     worlds = _join_all(ms)
     try:
         assert all(isinstance(w, NodeWorld) for w in worlds), worlds
         for m, w in zip(ms, worlds):
             assert w.group_rank == m.node_rank and w.group_world_size == 3
             assert w.world_size == 9 and w.leader_node == 0 and w.generation == 0
-            assert [(n.host, n.local_world_size, n.rank_base) for n in w.nodes] == \
-                [("host0", 2, 0), ("host1", 3, 2), ("host2", 4, 5)]
+            assert [(n.host, n.local_world_size, n.rank_base) for n in w.nodes] == [
+                ("host0", 2, 0),
+                ("host1", 3, 2),
+                ("host2", 4, 5),
+            ]
             assert not w.rejoined
         assert ms[0].current_generation() == 0
         kv.set(GENERATION_KEY, b"3")
@@ -60,8 +76,10 @@ def test_static_rendezvous_assigns_ranks_and_bases() -> None:
 
 def test_dynamic_closes_after_last_call_and_rejects_extra_agent() -> None:
     kv = LocalKV()
-    ms = [Membership(kv, None, 2, 3, 2, f"h{i}", "job", last_call_timeout=0.6, **FAST)
-          for i in range(2)]
+    ms = [
+        Membership(kv, None, 2, 3, 2, f"h{i}", "job", last_call_timeout=0.6, **FAST)
+        for i in range(2)
+    ]
     t0 = time.monotonic()
     worlds = _join_all(ms)
     took = time.monotonic() - t0
@@ -72,8 +90,9 @@ def test_dynamic_closes_after_last_call_and_rejects_extra_agent() -> None:
         assert {w.world_size for w in worlds} == {4} and {w.group_world_size for w in worlds} == {2}
         # the world is closed and every member is alive: a late agent waits as a hot spare
         late = Membership(kv, None, 2, 3, 2, "late", "job", spare_timeout=0.5, **FAST)
-        with pytest.raises(RendezvousError, match="no node of run job was lost within "
-                                                  "spare_timeout=0.5s"):
+        with pytest.raises(
+            RendezvousError, match="no node of run job was lost within spare_timeout=0.5s"
+        ):
             late.join(timeout=5)
         assert ms[0].spares() == []  # its record went with it
     finally:
@@ -83,8 +102,10 @@ def test_dynamic_closes_after_last_call_and_rejects_extra_agent() -> None:
 
 def test_dynamic_closes_at_max_without_waiting_for_last_call() -> None:
     kv = LocalKV()
-    ms = [Membership(kv, None, 1, 3, 1, f"h{i}", "job", last_call_timeout=30, **FAST)
-          for i in range(3)]
+    ms = [
+        Membership(kv, None, 1, 3, 1, f"h{i}", "job", last_call_timeout=30, **FAST)
+        for i in range(3)
+    ]
     t0 = time.monotonic()
     worlds = _join_all(ms)
     try:
@@ -106,13 +127,24 @@ def test_join_timeout_wrong_run_and_bad_arguments() -> None:
     other = Membership(kv, 1, 2, 2, 1, "h1", "another-job", **FAST)
     with pytest.raises(RendezvousError, match="belongs to run 'job'"):
         other.join(timeout=1)
-    for kwargs, msg in [(dict(node_rank=0, nnodes_min=1, nnodes_max=2), "fixed node count"),
-                        (dict(node_rank=5, nnodes_min=2), "must be in 0..1"),
-                        (dict(nnodes_min=3), "MIN <= MAX"),
-                        (dict(heartbeat_timeout=0.1), "must exceed"),
-                        (dict(run_id="a/b"), "without '/'")]:
-        args = dict(kv=kv, node_rank=None, nnodes_min=1, nnodes_max=2, local_world_size=1,
-                    host="h", run_id="job", heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    for kwargs, msg in [
+        (dict(node_rank=0, nnodes_min=1, nnodes_max=2), "fixed node count"),
+        (dict(node_rank=5, nnodes_min=2), "must be in 0..1"),
+        (dict(nnodes_min=3), "MIN <= MAX"),
+        (dict(heartbeat_timeout=0.1), "must exceed"),
+        (dict(run_id="a/b"), "without '/'"),
+    ]:
+        args = dict(
+            kv=kv,
+            node_rank=None,
+            nnodes_min=1,
+            nnodes_max=2,
+            local_world_size=1,
+            host="h",
+            run_id="job",
+            heartbeat_interval=0.2,
+            heartbeat_timeout=1.0,
+        )
         args.update(kwargs)
         with pytest.raises(ValueError, match=msg):
             Membership(**args)
@@ -127,8 +159,10 @@ def test_heartbeat_death_replacement_and_leave_local() -> None:
     assert all(isinstance(w, NodeWorld) for w in _join_all(ms))
     events: list[tuple[int, str, int, float]] = []
     for m in ms:
-        m.watch_nodes(lambda g, me=m.node_rank: events.append((me, "dead", g, time.monotonic())),
-                      lambda g, me=m.node_rank: events.append((me, "join", g, time.monotonic())))
+        m.watch_nodes(
+            lambda g, me=m.node_rank: events.append((me, "dead", g, time.monotonic())),
+            lambda g, me=m.node_rank: events.append((me, "join", g, time.monotonic())),
+        )
     try:
         t0 = time.monotonic()
         ms[0].stop(leave=False)  # node 0 (the checker) "crashes": its heartbeat stops
@@ -215,8 +249,22 @@ def test_etcd_dynamic_rendezvous_threads(etcd_server: EtcdServer) -> None:
     from rendezvous.store.etcd import EtcdKV
 
     kvs = [EtcdKV(etcd_server.endpoint, "/ftrun/dyn") for _ in range(3)]
-    ms = [Membership(kv, None, 2, 4, 1, f"h{i}", "dyn", last_call_timeout=0.5, join_timeout=10,
-                     heartbeat_interval=0.3, heartbeat_timeout=1.5) for i, kv in enumerate(kvs)]
+    ms = [
+        Membership(
+            kv,
+            None,
+            2,
+            4,
+            1,
+            f"h{i}",
+            "dyn",
+            last_call_timeout=0.5,
+            join_timeout=10,
+            heartbeat_interval=0.3,
+            heartbeat_timeout=1.5,
+        )
+        for i, kv in enumerate(kvs)
+    ]
     try:
         worlds = _join_all(ms)
         assert all(isinstance(w, NodeWorld) for w in worlds), worlds
@@ -235,16 +283,20 @@ def test_etcd_dynamic_rendezvous_threads(etcd_server: EtcdServer) -> None:
 def _fresh_after_dead_run(make_kv, leave: bool, wait_gone: float) -> None:
     kvs = [make_kv() for _ in range(4)]
     try:
-        first = [Membership(kvs[i], i, 2, 2, 1, f"h{i}", "reused", join_timeout=10, **FAST)
-                 for i in range(2)]
+        first = [
+            Membership(kvs[i], i, 2, 2, 1, f"h{i}", "reused", join_timeout=10, **FAST)
+            for i in range(2)
+        ]
         assert all(isinstance(w, NodeWorld) for w in _join_all(first))
         kvs[0].set(GENERATION_KEY, b"4")
         kvs[0].set("worker/stale", b"old")
         for m in first:
             m.stop(leave=leave)
         time.sleep(wait_gone)  # crashed agents: until their leases/heartbeats run out
-        second = [Membership(kvs[2 + i], i, 2, 2, 1, f"n{i}", "reused", join_timeout=10, **FAST)
-                  for i in range(2)]
+        second = [
+            Membership(kvs[2 + i], i, 2, 2, 1, f"n{i}", "reused", join_timeout=10, **FAST)
+            for i in range(2)
+        ]
         worlds = _join_all(second)
         try:
             assert all(isinstance(w, NodeWorld) for w in worlds), worlds
@@ -270,8 +322,9 @@ def test_crashed_earlier_run_is_cleared_etcd(etcd_server: EtcdServer) -> None:
     from rendezvous.store.etcd import EtcdKV
 
     # leases of 1 s (heartbeat_timeout 1.0) run out within ~1.5 s of the "crash"
-    _fresh_after_dead_run(lambda: EtcdKV(etcd_server.endpoint, "/ftrun/reused"), leave=False,
-                          wait_gone=2.0)
+    _fresh_after_dead_run(
+        lambda: EtcdKV(etcd_server.endpoint, "/ftrun/reused"), leave=False, wait_gone=2.0
+    )
 
 
 @pytest.mark.etcd
@@ -296,13 +349,6 @@ def test_duplicate_node_rank_on_etcd_is_refused(etcd_server: EtcdServer) -> None
 
 
 # -- issue 10: dynamic ranks, interruptible join, leaving at once, hot spares, fencing ---------
-
-import contextlib  # noqa: E402
-
-from helpers_relay import Relay  # noqa: E402
-from rendezvous.errors import (STORE_UNREACHABLE, SUPERSEDED, FencedError,  # noqa: E402
-                               JoinInterrupted, RendezvousGracefulExit, StoreHostLostError)
-from rendezvous.nodes.keys import LEAVE_SIGNAL  # noqa: E402
 
 
 class Stores:
@@ -343,8 +389,11 @@ class Stores:
     def close(self) -> None:
         for thing in reversed(self._owned):
             with contextlib.suppress(Exception):
-                (thing.stop if hasattr(thing, "stop") and not hasattr(thing, "close")
-                 else thing.close)()
+                (
+                    thing.stop
+                    if hasattr(thing, "stop") and not hasattr(thing, "close")
+                    else thing.close
+                )()
 
 
 @pytest.fixture(params=["tcp", pytest.param("etcd", marks=pytest.mark.etcd)])
@@ -364,8 +413,11 @@ class Events:
         self.cv = threading.Condition()
 
     def hooks(self) -> tuple:
-        return (lambda g: self.add("dead", g), lambda g: self.add("join", g),
-                lambda g: self.add("leader", g))
+        return (
+            lambda g: self.add("dead", g),
+            lambda g: self.add("join", g),
+            lambda g: self.add("leader", g),
+        )
 
     def add(self, kind: str, g: int) -> None:
         with self.cv:
@@ -375,16 +427,19 @@ class Events:
     def wait(self, item: tuple[str, int], timeout: float) -> float:
         t0 = time.monotonic()
         with self.cv:
-            assert self.cv.wait_for(lambda: item in self.items, timeout), \
+            assert self.cv.wait_for(lambda: item in self.items, timeout), (
                 f"no {item} within {timeout}s: {self.items}"
+            )
         return time.monotonic() - t0
 
 
 def _members(kvs: list, n: int, static: bool = True, **kw) -> list[Membership]:
     args = dict(T, join_timeout=15)
     args.update(kw)
-    ms = [Membership(kv, i if static else None, n, n, 1, f"h{i}", "m10", **args)
-          for i, kv in enumerate(kvs)]
+    ms = [
+        Membership(kv, i if static else None, n, n, 1, f"h{i}", "m10", **args)
+        for i, kv in enumerate(kvs)
+    ]
     worlds = _join_all(ms)
     assert all(isinstance(w, NodeWorld) for w in worlds), worlds
     return ms
@@ -405,8 +460,10 @@ def test_join_ends_promptly_on_stop_event_and_on_interrupt(stores: Stores) -> No
 
 def test_dynamic_agents_take_distinct_ranks_by_arrival(stores: Stores) -> None:
     kvs = [stores.client() for _ in range(3)]
-    ms = [Membership(kv, None, 2, 3, 1, f"h{i}", "m10", last_call_timeout=0.5, **T)
-          for i, kv in enumerate(kvs)]
+    ms = [
+        Membership(kv, None, 2, 3, 1, f"h{i}", "m10", last_call_timeout=0.5, **T)
+        for i, kv in enumerate(kvs)
+    ]
     try:
         w0 = ms[0]
         first = threading.Thread(target=w0.join)  # arrives first: group rank 0
@@ -513,7 +570,8 @@ def test_spare_takes_a_signalled_nodes_rank_and_exits_when_the_run_is_done() -> 
 
 
 def test_cut_off_node_notices_alone_rejoins_fresh_and_its_stale_writes_are_refused(
-        stores: Stores) -> None:
+    stores: Stores,
+) -> None:
     relay = stores.relay()
     kvs = [stores.client(), stores.client(relay)]
     ms = _members(kvs, 2)
@@ -556,8 +614,8 @@ def test_cut_off_node_notices_alone_rejoins_fresh_and_its_stale_writes_are_refus
 
 
 def test_a_stale_node_that_never_noticed_is_refused_at_its_next_heartbeat() -> None:
-    from rendezvous.store.server import StoreServer
     from rendezvous.store.client import StoreClient
+    from rendezvous.store.server import StoreServer
 
     server = StoreServer(host="127.0.0.1", port=0).start()
     relay = Relay("127.0.0.1", server.port)
@@ -591,14 +649,18 @@ def test_a_stale_node_that_never_noticed_is_refused_at_its_next_heartbeat() -> N
 
 
 def test_losing_the_embedded_store_host_is_reported_as_such() -> None:
-    from rendezvous.store.server import StoreServer
     from rendezvous.store.client import StoreClient
+    from rendezvous.store.server import StoreServer
 
     server = StoreServer(host="127.0.0.1", port=0).start()
     port = server.port
     kvs = [StoreClient("127.0.0.1", port, timeout=2) for _ in range(2)]
-    ms = [Membership(kv, i, 2, 2, 1, f"10.0.0.{i + 1}", "m10", read_timeout=1.0,
-                     hosts_store=(i == 0), **T) for i, kv in enumerate(kvs)]
+    ms = [
+        Membership(
+            kv, i, 2, 2, 1, f"10.0.0.{i + 1}", "m10", read_timeout=1.0, hosts_store=(i == 0), **T
+        )
+        for i, kv in enumerate(kvs)
+    ]
     try:
         assert all(isinstance(w, NodeWorld) for w in _join_all(ms))
         assert not ms[1].can_elect
@@ -615,7 +677,8 @@ def test_losing_the_embedded_store_host_is_reported_as_such() -> None:
         assert time.monotonic() - t0 < 1.0 + 1.5
         assert str(info.value).startswith(
             f"the store host (node 0, 127.0.0.1:{port}) is gone; with the embedded store the "
-            "job cannot continue; use --rdzv-backend etcd to survive it")
+            "job cannot continue; use --rdzv-backend etcd to survive it"
+        )
     finally:
         for m in ms:
             m.stop()
@@ -623,11 +686,14 @@ def test_losing_the_embedded_store_host_is_reported_as_such() -> None:
             kv.close()
 
 
-def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(
-        stores: Stores) -> None:
+def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(stores: Stores) -> None:
     kvs = [stores.client() for _ in range(3)]
-    ms = [Membership(kv, None, 2, 3, 2, f"h{i}", "m10", last_call_timeout=0.3,
-                     scale_up="restart", **T) for i, kv in enumerate(kvs[:2])]
+    ms = [
+        Membership(
+            kv, None, 2, 3, 2, f"h{i}", "m10", last_call_timeout=0.3, scale_up="restart", **T
+        )
+        for i, kv in enumerate(kvs[:2])
+    ]
     first = threading.Thread(target=ms[0].join)
     first.start()
     time.sleep(0.2)
@@ -640,8 +706,9 @@ def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(
     rounds: list[int] = []
     for m in ms:
         m.watch_nodes(lambda g: None, on_round=rounds.append)
-    late = Membership(kvs[2], None, 2, 3, 2, "late", "m10", last_call_timeout=0.3,
-                      scale_up="restart", **T)
+    late = Membership(
+        kvs[2], None, 2, 3, 2, "late", "m10", last_call_timeout=0.3, scale_up="restart", **T
+    )
     box: list = []
     t = threading.Thread(target=lambda: box.append(late.join(timeout=30)))
     t.start()
@@ -656,8 +723,10 @@ def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(
         while len(rounds) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert rounds == [1, 1]
-        movers = [threading.Thread(target=lambda i=i: new.__setitem__(i, ms[i].next_round(10)))
-                  for i in range(2)]
+        movers = [
+            threading.Thread(target=lambda i=i: new.__setitem__(i, ms[i].next_round(10)))
+            for i in range(2)
+        ]
         for th in movers:
             th.start()
         for th in movers + [t]:
@@ -678,14 +747,15 @@ def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(
         t.join(5)
 
 
-def test_a_new_round_without_a_dead_node_renumbers_the_survivors_in_order(
-        stores: Stores) -> None:
+def test_a_new_round_without_a_dead_node_renumbers_the_survivors_in_order(stores: Stores) -> None:
     """The world shrinks (launcher: a lost node not taken over): node 1 of 3 dies; the round
     the controller's agent requests expects the 2 survivors, which keep their order (node 2
     becomes node 1, rank base 2)."""
     kvs = [stores.client() for _ in range(3)]
-    ms = [Membership(kv, None, 2, 3, 2, f"h{i}", "m11", last_call_timeout=2.0, **T)
-          for i, kv in enumerate(kvs)]
+    ms = [
+        Membership(kv, None, 2, 3, 2, f"h{i}", "m11", last_call_timeout=2.0, **T)
+        for i, kv in enumerate(kvs)
+    ]
     new: list = [None, None]
     try:
         _join_all(ms)
@@ -701,8 +771,10 @@ def test_a_new_round_without_a_dead_node_renumbers_the_survivors_in_order(
         while 1 in survivors[0].alive_nodes() and time.monotonic() < deadline:
             time.sleep(0.05)
         assert survivors[0].request_round() == 1
-        movers = [threading.Thread(target=lambda i=i: new.__setitem__(
-            i, survivors[i].next_round(10))) for i in range(2)]
+        movers = [
+            threading.Thread(target=lambda i=i: new.__setitem__(i, survivors[i].next_round(10)))
+            for i in range(2)
+        ]
         for th in movers:
             th.start()
         for th in movers:

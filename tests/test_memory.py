@@ -1,4 +1,5 @@
 """MemoryStore semantics (torch's), the waiter registry, and the LocalKV facade."""
+
 from __future__ import annotations
 
 import threading
@@ -73,6 +74,7 @@ def test_cancel_and_fan_out_to_thousands() -> None:
 
     def fire() -> None:
         hits[0] += 1
+
     ws = [m.wait([b"/go"], fire) for _ in range(5000)]
     assert m.cancel(ws[0]) and not m.cancel(ws[0])
     t = time.perf_counter()
@@ -103,6 +105,7 @@ def test_concurrent_adds_are_exact() -> None:
     def work() -> None:
         for _ in range(2000):
             m.add(b"/c", 1)
+
     ts = [threading.Thread(target=work) for _ in range(8)]
     for t in ts:
         t.start()

@@ -1,4 +1,5 @@
 """The worker channel's messages: one codec for both ends, strict about what it accepts."""
+
 from __future__ import annotations
 
 import json
@@ -6,8 +7,20 @@ from dataclasses import dataclass
 
 import pytest
 
-from launcher.protocol.messages import (MESSAGES, Bye, FaultReport, Heartbeat, Hello, Inject, MessageError,
-                               Recovered, Stop, decode, encode, message)
+from launcher.protocol.messages import (
+    MESSAGES,
+    Bye,
+    FaultReport,
+    Heartbeat,
+    Hello,
+    Inject,
+    MessageError,
+    Recovered,
+    Stop,
+    decode,
+    encode,
+    message,
+)
 
 SAMPLES = [
     Hello(rank=3, local_rank=1, pid=99, generation=2, replacement=True),
@@ -37,18 +50,24 @@ def test_defaults_fill_what_an_older_peer_leaves_out_and_extra_fields_are_ignore
     assert decode(b'{"op":"stop","generation":4,"new_field":1}') == Stop(generation=4)
 
 
-@pytest.mark.parametrize("line, error", [
-    (b"not json", "not JSON"),
-    (b"[1, 2]", "not a JSON object"),
-    (b'{"op":"teleport"}', "unknown op"),
-    (b'{"rank":1}', "unknown op"),
-    (b'{"op":"stop"}', "without 'generation'"),
-    (b'{"op":"stop","generation":"2"}', "stop.generation='2' is not int"),
-    (b'{"op":"stop","generation":true}', "is not int"),
-    (b'{"op":"stop","generation":2,"failed_ranks":[1,"x"]}', "failed_ranks"),
-    (b'{"op":"inject","kind":"kill","step":1.5}', "inject.step"),
-    (b'{"op":"recovered","rank":1,"generation":2,"resume_step":3,"action":"x","timings":{"a":"b"}}', "timings"),
-])
+@pytest.mark.parametrize(
+    "line, error",
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"op":"teleport"}', "unknown op"),
+        (b'{"rank":1}', "unknown op"),
+        (b'{"op":"stop"}', "without 'generation'"),
+        (b'{"op":"stop","generation":"2"}', "stop.generation='2' is not int"),
+        (b'{"op":"stop","generation":true}', "is not int"),
+        (b'{"op":"stop","generation":2,"failed_ranks":[1,"x"]}', "failed_ranks"),
+        (b'{"op":"inject","kind":"kill","step":1.5}', "inject.step"),
+        (
+            b'{"op":"recovered","rank":1,"generation":2,"resume_step":3,"action":"x","timings":{"a":"b"}}',
+            "timings",
+        ),
+    ],
+)
 def test_invalid_lines_raise_one_clear_error(line: bytes, error: str) -> None:
     with pytest.raises(MessageError, match=error):
         decode(line)

@@ -3,16 +3,17 @@
 Unit: the port setting. Integration: one real 4-rank job with `--rdzv-conf metrics_port=PORT`,
 scraped over HTTP while it trains, then again after `ftctl inject` killed a rank: the fault,
 round, phase and budget metrics move."""
+
 from __future__ import annotations
 
 import time
 import urllib.request
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
-
 from helpers_launch import FTRUN, free_port, run
 from helpers_observe import ObservedJob, ftctl, job_env
+from prometheus_client.parser import text_string_to_metric_families
+
 from launcher.observe.metrics import metrics_port
 
 
@@ -24,16 +25,35 @@ def test_port_from_rdzv_conf_then_environment():
     assert metrics_port({"metrics_port": "0"}, {}) == 0
 
 
-@pytest.mark.parametrize("conf,env,needle", [({"metrics_port": "http"}, {}, "--rdzv-conf metrics_port='http'"),
-                                             ({}, {"FTRUN_METRICS_PORT": "70000"}, "FTRUN_METRICS_PORT='70000'")])
+@pytest.mark.parametrize(
+    "conf,env,needle",
+    [
+        ({"metrics_port": "http"}, {}, "--rdzv-conf metrics_port='http'"),
+        ({}, {"FTRUN_METRICS_PORT": "70000"}, "FTRUN_METRICS_PORT='70000'"),
+    ],
+)
 def test_bad_port_names_the_setting(conf, env, needle):
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         metrics_port(conf, env)
 
 
 def test_bad_port_exits_2_with_one_line(tmp_path):
-    res = run(FTRUN + ["--nproc_per_node", "1", "--log_dir", str(tmp_path), "--rdzv-conf", "metrics_port=-3",
-                       "-m", "json.tool", "--help"], env=job_env(), timeout=60)
+    res = run(
+        FTRUN
+        + [
+            "--nproc_per_node",
+            "1",
+            "--log_dir",
+            str(tmp_path),
+            "--rdzv-conf",
+            "metrics_port=-3",
+            "-m",
+            "json.tool",
+            "--help",
+        ],
+        env=job_env(),
+        timeout=60,
+    )
     assert res.returncode == 2, res.stderr
     assert "metrics_port='-3': must be a port number" in res.stderr
 
@@ -58,8 +78,9 @@ def total(m: dict, name: str) -> float:
 
 def test_metrics_move_with_an_injected_fault(tmp_path):
     port = free_port()
-    job = ObservedJob(tmp_path, steps=2000, step_time=0.03,
-                      launcher_args=["--rdzv-conf", f"metrics_port={port}"])
+    job = ObservedJob(
+        tmp_path, steps=2000, step_time=0.03, launcher_args=["--rdzv-conf", f"metrics_port={port}"]
+    )
     try:
         assert job.wait_for("metrics")[0]["port"] == port
         addr = job.store_addr()
@@ -83,7 +104,15 @@ def test_metrics_move_with_an_injected_fault(tmp_path):
         deadline = time.monotonic() + 120
         while True:
             m = scrape(port)
-            if value(m, "ftrun_recovery_rounds_total", strategy="recover-in-place", outcome="recovered") == 1:
+            if (
+                value(
+                    m,
+                    "ftrun_recovery_rounds_total",
+                    strategy="recover-in-place",
+                    outcome="recovered",
+                )
+                == 1
+            ):
                 break
             assert time.monotonic() < deadline, {k: v for k, v in m.items() if "recovery" in k[0]}
             time.sleep(0.5)

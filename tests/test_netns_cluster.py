@@ -1,4 +1,5 @@
 """The network-namespace cluster the multi-node tests run on (tests/helpers_netns.py)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -6,7 +7,6 @@ import sys
 import textwrap
 
 import pytest
-
 from helpers_launch import communicate_all, free_port
 from helpers_netns import Cluster, unavailable, wait_until
 
@@ -46,7 +46,9 @@ def test_hosts_reach_each_other_by_address_and_a_cut_link_partitions():
         a, b = c.hosts
         assert a.addr != b.addr
         port = free_port()
-        srv = a.popen([sys.executable, "-c", SERVER, a.addr, str(port)], stdout=subprocess.PIPE, text=True)
+        srv = a.popen(
+            [sys.executable, "-c", SERVER, a.addr, str(port)], stdout=subprocess.PIPE, text=True
+        )
         assert srv.stdout.readline().strip() == "ready"
         assert _connect(b, a.addr, port).stdout.strip() == "hello"
         # the server listens on a's address only: b's own loopback has nothing there
@@ -61,9 +63,15 @@ def test_hosts_reach_each_other_by_address_and_a_cut_link_partitions():
 def test_gloo_all_reduce_runs_over_the_veths():
     with Cluster(2) as c:
         port = free_port()
-        procs = [h.popen([sys.executable, "-c", ALLREDUCE, str(i), c.hosts[0].addr, str(port)],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for i, h in enumerate(c.hosts)]
+        procs = [
+            h.popen(
+                [sys.executable, "-c", ALLREDUCE, str(i), c.hosts[0].addr, str(port)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i, h in enumerate(c.hosts)
+        ]
         outs = communicate_all(procs, 120)
         assert [p.returncode for p in procs] == [0, 0], outs
         assert [o[0].strip() for o in outs] == ["3", "3"]
@@ -78,7 +86,9 @@ def test_close_removes_everything_even_after_a_failure_and_kill_all_crashes_a_ho
             assert wait_until(lambda: p.pid in h.pids() or len(h.pids()) > 0, 10)
             assert h.kill_all() >= 1
             assert p.wait(10) != 0
-            h.popen([sys.executable, "-c", "import time; time.sleep(600)"])  # left running on purpose
+            h.popen(
+                [sys.executable, "-c", "import time; time.sleep(600)"]
+            )  # left running on purpose
             raise RuntimeError("test failed midway")
     assert c.leftovers() == []
 

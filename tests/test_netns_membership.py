@@ -3,6 +3,7 @@ the store (etcd, or the embedded store) on host 0's bridge address and one membe
 per host. A host cut off for twice the liveness timeout is seen lost by the others within the
 timeout, notices it on its own, rejoins as a fresh node when its link returns, and its stale
 writes are refused."""
+
 from __future__ import annotations
 
 import os
@@ -13,7 +14,6 @@ import tempfile
 import time
 
 import pytest
-
 from helpers_etcd import ETCD_BIN, AgentProc, etcd_available, free_port
 from helpers_netns import Cluster, start_etcd_in, unavailable, wait_until
 
@@ -24,9 +24,21 @@ HB_INTERVAL, HB_TIMEOUT = 0.25, 1.5
 
 
 def _start_store(host, port: int) -> None:
-    host.popen([sys.executable, "-m", "rendezvous.store.store_cli", "serve", "--host", host.addr,
-                "--port", str(port)], env=host.env(PYTHONPATH=os.getcwd()),
-               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    host.popen(
+        [
+            sys.executable,
+            "-m",
+            "rendezvous.store.store_cli",
+            "serve",
+            "--host",
+            host.addr,
+            "--port",
+            str(port),
+        ],
+        env=host.env(PYTHONPATH=os.getcwd()),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
     def up() -> bool:
         try:
@@ -53,16 +65,30 @@ def test_cut_host_is_lost_notices_alone_and_rejoins_fresh(backend: str) -> None:
         agents = []
         try:
             for i, h in enumerate(c.hosts):  # no node rank: ranks come from arrival order
-                agents.append(AgentProc(backend, endpoint, "netns", None, "3", name=h.addr,
-                                        hb_interval=HB_INTERVAL, hb_timeout=HB_TIMEOUT,
-                                        rejoin=True, hosts_store=(i == 0 and backend == "tcp"),
-                                        wrap=h.argv, base_env=h.env()))
+                agents.append(
+                    AgentProc(
+                        backend,
+                        endpoint,
+                        "netns",
+                        None,
+                        "3",
+                        name=h.addr,
+                        hb_interval=HB_INTERVAL,
+                        hb_timeout=HB_TIMEOUT,
+                        rejoin=True,
+                        hosts_store=(i == 0 and backend == "tcp"),
+                        wrap=h.argv,
+                        base_env=h.env(),
+                    )
+                )
                 time.sleep(0.3)
             worlds = [a.expect("world", 30) for a in agents]
             assert sorted(w["group_rank"] for w in worlds) == [0, 1, 2]
             assert len({tuple(w["hosts"]) for w in worlds}) == 1  # one world, seen by all
             assert sorted(worlds[0]["hosts"]) == sorted(h.addr for h in c.hosts)
-            assert [worlds[0]["hosts"][w["group_rank"]] for w in worlds] == [h.addr for h in c.hosts]
+            assert [worlds[0]["hosts"][w["group_rank"]] for w in worlds] == [
+                h.addr for h in c.hosts
+            ]
             cut, gr = c.hosts[2], worlds[2]["group_rank"]
             time.sleep(0.5)
             t0 = time.time()

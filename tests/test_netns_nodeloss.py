@@ -6,6 +6,7 @@ host, a node crashes (its agent and workers SIGKILLed), and
   * without one: after node_replace_timeout the job ends with one line naming the lost node and
     why (shrinking to the remaining nodes is not supported).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers_launch import FTRUN, REPO, env_with, free_port, run
 from helpers_netns import Cluster, Host, unavailable, wait_until
 from helpers_runtime import assert_bit_identical, load_params
@@ -34,13 +34,36 @@ def _events(log_dir: Path) -> list[dict]:
     return out
 
 
-def _agent(h: Host, endpoint: str, tmp: Path, tag: str, conf: str, train: list[str]
-           ) -> subprocess.Popen:
-    cmd = FTRUN + ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
-                   "--rdzv_endpoint", endpoint, "--rdzv_id", "nl", "--rdzv_conf", conf,
-                   "--max_restarts", "3", "--log_dir", str(tmp / f"log{tag}"), TRAIN, *train]
-    return h.popen(cmd, env=h.env(env_with(OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")),
-                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _agent(
+    h: Host, endpoint: str, tmp: Path, tag: str, conf: str, train: list[str]
+) -> subprocess.Popen:
+    cmd = FTRUN + [
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        endpoint,
+        "--rdzv_id",
+        "nl",
+        "--rdzv_conf",
+        conf,
+        "--max_restarts",
+        "3",
+        "--log_dir",
+        str(tmp / f"log{tag}"),
+        TRAIN,
+        *train,
+    ]
+    return h.popen(
+        cmd,
+        env=h.env(env_with(OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _training(tmp: Path, tag: str) -> bool:
@@ -50,9 +73,21 @@ def _training(tmp: Path, tag: str) -> bool:
 
 def test_a_hot_spare_takes_a_crashed_nodes_ranks_repaired_from_peers(tmp_path) -> None:
     steps = ["--steps", "40", "--step-time", "0.15"]
-    ref = run(FTRUN + ["--nproc_per_node", "2", "--log_dir", str(tmp_path / "logref"), TRAIN,
-                       *steps[:2], "--out", str(tmp_path / "ref{rank}.pt")],
-              env=env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"), timeout=120)
+    ref = run(
+        FTRUN
+        + [
+            "--nproc_per_node",
+            "2",
+            "--log_dir",
+            str(tmp_path / "logref"),
+            TRAIN,
+            *steps[:2],
+            "--out",
+            str(tmp_path / "ref{rank}.pt"),
+        ],
+        env=env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"),
+        timeout=120,
+    )
     assert ref.returncode == 0, ref.stderr[-2000:]
     train = [*steps, "--out", str(tmp_path / "out{rank}.pt")]
     with Cluster(3, prefix="nl") as c:
@@ -61,11 +96,13 @@ def test_a_hot_spare_takes_a_crashed_nodes_ranks_repaired_from_peers(tmp_path) -
         conf = f"{CONF},node_replace_timeout=60"
         a0 = _agent(h0, endpoint, tmp_path, "0", conf, train)
         a1 = _agent(h1, endpoint, tmp_path, "1", conf, train)
-        assert wait_until(lambda: _training(tmp_path, "0") and _training(tmp_path, "1"), 60), \
+        assert wait_until(lambda: _training(tmp_path, "0") and _training(tmp_path, "1"), 60), (
             "the two nodes did not start training"
+        )
         spare = _agent(h2, endpoint, tmp_path, "s", conf, train)
-        assert wait_until(lambda: any(e["event"] == "hot-spare" for e in
-                                      _events(tmp_path / "logs")), 30), "no hot spare"
+        assert wait_until(
+            lambda: any(e["event"] == "hot-spare" for e in _events(tmp_path / "logs")), 30
+        ), "no hot spare"
         time.sleep(1.0)
         t_kill = time.time()
         assert h1.kill_all() >= 2  # node 1 crashes: its agent and its worker
@@ -86,25 +123,34 @@ def test_a_hot_spare_takes_a_crashed_nodes_ranks_repaired_from_peers(tmp_path) -
     assert [e["rank"] for e in spawns0] == [0], spawns0
     spawns = [e for e in evs if e["event"] == "spawn"]
     assert [(e["rank"], e.get("replacement")) for e in spawns] == [(1, True)], spawns
-    assert any(e["event"] == "rank-recovered" and e.get("source") == 0 for e in evs), \
+    assert any(e["event"] == "rank-recovered" and e.get("source") == 0 for e in evs), (
         "rank 1 was not repaired from rank 0"
+    )
     assert spawns[0]["time"] > t_kill
     recovered = next(e for e in evs if e["event"] == "rank-recovered")
-    took = {"scenario": "node-loss-hot-spare", "detect_s": round(lost[0]["time"] - t_kill, 3),
-            "mttr_s": round(recovered["time"] - t_kill, 3)}
+    took = {
+        "scenario": "node-loss-hot-spare",
+        "detect_s": round(lost[0]["time"] - t_kill, 3),
+        "mttr_s": round(recovered["time"] - t_kill, 3),
+    }
     print(json.dumps(took))
     assert took["mttr_s"] < 30, took
     for r in (0, 1):
-        assert_bit_identical(load_params(tmp_path / f"ref{r}.pt"),
-                             load_params(tmp_path / f"out{r}.pt"))
+        assert_bit_identical(
+            load_params(tmp_path / f"ref{r}.pt"), load_params(tmp_path / f"out{r}.pt")
+        )
 
 
-@pytest.mark.parametrize("fault, why", [
-    ("crash", "no heartbeat for 2s"),  # every process of node 1 SIGKILLed
-    ("sigterm", "its agent left on a signal (stopped or preempted)"),  # preempted
-])
+@pytest.mark.parametrize(
+    "fault, why",
+    [
+        ("crash", "no heartbeat for 2s"),  # every process of node 1 SIGKILLed
+        ("sigterm", "its agent left on a signal (stopped or preempted)"),  # preempted
+    ],
+)
 def test_without_a_spare_the_job_ends_after_node_replace_timeout_with_one_line(
-        tmp_path, fault: str, why: str) -> None:
+    tmp_path, fault: str, why: str
+) -> None:
     train = ["--steps", "400", "--step-time", "0.1"]
     with Cluster(2, prefix="nl") as c:
         h0, h1 = c.hosts
@@ -112,8 +158,9 @@ def test_without_a_spare_the_job_ends_after_node_replace_timeout_with_one_line(
         conf = f"{CONF},node_replace_timeout=3"
         a0 = _agent(h0, endpoint, tmp_path, "0", conf, train)
         a1 = _agent(h1, endpoint, tmp_path, "1", conf, train)
-        assert wait_until(lambda: _training(tmp_path, "0") and _training(tmp_path, "1"), 60), \
+        assert wait_until(lambda: _training(tmp_path, "0") and _training(tmp_path, "1"), 60), (
             "the two nodes did not start training"
+        )
         t0 = time.monotonic()
         if fault == "crash":
             h1.kill_all()
@@ -126,8 +173,15 @@ def test_without_a_spare_the_job_ends_after_node_replace_timeout_with_one_line(
     # heartbeat timeout (2 s) + node_replace_timeout (3 s) + stopping the survivor
     assert took < 20, took
     # one line: the lost node, why, the timeout, and why the job does not go on without it
-    line = next((ln for ln in err0.splitlines() if f"node 1 lost ({why}): no hot spare or "
-                 "replacement agent took it over within node_replace_timeout=3s" in ln), None)
+    line = next(
+        (
+            ln
+            for ln in err0.splitlines()
+            if f"node 1 lost ({why}): no hot spare or "
+            "replacement agent took it over within node_replace_timeout=3s" in ln
+        ),
+        None,
+    )
     assert line is not None, err0[-4000:]
     assert "--nnodes MIN=2 does not allow continuing on 1 node(s)" in line, line
     assert f"reason: node 1 lost ({why})" in err0, err0[-4000:]

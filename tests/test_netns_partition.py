@@ -4,13 +4,13 @@ loop is not held up by a report that cannot reach the store), rejoins as a fresh
 stale fault report (its worker crashed while it was cut off) is refused and logged instead of
 starting a round in the job's newer generation, and the job ends bit-identical to a fault-free
 run."""
+
 from __future__ import annotations
 
 import subprocess
 import time
 
 import pytest
-
 from helpers_launch import FTRUN, REPO, env_with, events, free_port, run
 from helpers_netns import Cluster, unavailable, wait_until
 from helpers_runtime import assert_bit_identical, load_params
@@ -23,11 +23,31 @@ STEPS = 40
 
 
 def _cmd(endpoint: str, log_dir: str, out: str) -> list[str]:
-    return FTRUN + ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
-                    "--rdzv_endpoint", endpoint, "--rdzv_id", "part", "--max_restarts", "3",
-                    "--rdzv_conf", f"keep_alive_interval=0.25,heartbeat_timeout={LIVENESS}",
-                    "--log_dir", log_dir, TRAIN, "--steps", str(STEPS), "--step-time", "0.15",
-                    "--out", out]
+    return FTRUN + [
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        endpoint,
+        "--rdzv_id",
+        "part",
+        "--max_restarts",
+        "3",
+        "--rdzv_conf",
+        f"keep_alive_interval=0.25,heartbeat_timeout={LIVENESS}",
+        "--log_dir",
+        log_dir,
+        TRAIN,
+        "--steps",
+        str(STEPS),
+        "--step-time",
+        "0.15",
+        "--out",
+        out,
+    ]
 
 
 def _spawned(log_dir: str) -> list[int]:
@@ -35,18 +55,38 @@ def _spawned(log_dir: str) -> list[int]:
 
 
 def test_a_node_cut_off_twice_the_liveness_timeout_self_fences_and_the_job_ends_bit_identical(
-        tmp_path) -> None:
-    ref = run(FTRUN + ["--nproc_per_node", "2", "--log_dir", str(tmp_path / "logref"), TRAIN,
-                       "--steps", str(STEPS), "--out", str(tmp_path / "ref{rank}.pt")],
-              env=env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"), timeout=120)
+    tmp_path,
+) -> None:
+    ref = run(
+        FTRUN
+        + [
+            "--nproc_per_node",
+            "2",
+            "--log_dir",
+            str(tmp_path / "logref"),
+            TRAIN,
+            "--steps",
+            str(STEPS),
+            "--out",
+            str(tmp_path / "ref{rank}.pt"),
+        ],
+        env=env_with(GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1"),
+        timeout=120,
+    )
     assert ref.returncode == 0, ref.stderr[-2000:]
     logs = [str(tmp_path / f"log{i}") for i in range(2)]
     with Cluster(2, prefix="fc") as c:
         endpoint = f"{c.hosts[0].addr}:{free_port()}"
         outs = [open(tmp_path / f"agent{h.index}.out", "w+") for h in c.hosts]
-        procs = [h.popen(_cmd(endpoint, logs[h.index], str(tmp_path / "out{rank}.pt")),
-                         env=h.env(env_with(OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")),
-                         stdout=outs[h.index], stderr=subprocess.STDOUT) for h in c.hosts]
+        procs = [
+            h.popen(
+                _cmd(endpoint, logs[h.index], str(tmp_path / "out{rank}.pt")),
+                env=h.env(env_with(OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")),
+                stdout=outs[h.index],
+                stderr=subprocess.STDOUT,
+            )
+            for h in c.hosts
+        ]
         assert wait_until(lambda: any(e["event"] == "hello" for e in events(logs[1])), 60)
         time.sleep(2.0)  # a few steps in
         cut = c.hosts[1]
@@ -79,5 +119,6 @@ def test_a_node_cut_off_twice_the_liveness_timeout_self_fences_and_the_job_ends_
     # the stale report started no round: no decision about rank 1's crash
     assert not [e for e in ev0 if e["event"] == "decide" and e.get("rank") == 1], text[0][-4000:]
     for r in range(2):
-        assert_bit_identical(load_params(tmp_path / f"ref{r}.pt"),
-                             load_params(tmp_path / f"out{r}.pt"))
+        assert_bit_identical(
+            load_params(tmp_path / f"ref{r}.pt"), load_params(tmp_path / f"out{r}.pt")
+        )

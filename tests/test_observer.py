@@ -1,5 +1,6 @@
 """launcher/observe/observer.py: the agent's event sink. Heartbeat observations become steps per second,
 `progress` records and `rank-resumed` (the first commit after a round); plus AgentLog's sinks."""
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,16 @@ def setup(tmp_path):
 
 
 def beat(log, t, rank, step, phase, committed, waiting=False):
-    log.observe("heartbeat", op="heartbeat", rank=rank, step=step, phase=phase, committed_step=committed,
-                waiting=waiting, time=t)
+    log.observe(
+        "heartbeat",
+        op="heartbeat",
+        rank=rank,
+        step=step,
+        phase=phase,
+        committed_step=committed,
+        waiting=waiting,
+        time=t,
+    )
 
 
 def names(path):

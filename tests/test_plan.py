@@ -1,4 +1,5 @@
 """The recovery protocol's vocabulary: records survive the store byte-exact, keys are stable."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -9,19 +10,61 @@ import pytest
 from launcher.protocol import plan as P
 
 
-@pytest.mark.parametrize("record", [
-    P.Fault(kind="uce-low", rank=3, node=1, generation=2, message="m", exitcode=None, pid=42,
-            local_rank=1, host="h", time=12.5, injected=True, evidence={"step": 4, "repeat_uce": True}),
-    P.Injection(rank=1, kind="kill", step=3, phase="backward", time=1.0),
-    P.Plan(generation=3, strategy=P.RECOVER_IN_PLACE, failed_ranks=[1, 2], restart_ranks=[2],
-           reason="r", root_cause={"kind": "signal", "rank": 2}, restarts_used=2),
-    P.RankStatus(rank=1, generation=3, replacement=True, committed_step=-1, step=-1, dirty=False,
-                 shard="dp", pid=7, host="h"),
-    P.RepairPlan(generation=3, resume_step=8, action="rollback", pairs=[[0, 1]], fallback=None,
-                 reason="why"),
-    P.RepairPlan(generation=4, resume_step=8, action="rollback", fallback=P.DUMP,
-                 writers={"tp0": 0, "tp1": 1}),
-])
+@pytest.mark.parametrize(
+    "record",
+    [
+        P.Fault(
+            kind="uce-low",
+            rank=3,
+            node=1,
+            generation=2,
+            message="m",
+            exitcode=None,
+            pid=42,
+            local_rank=1,
+            host="h",
+            time=12.5,
+            injected=True,
+            evidence={"step": 4, "repeat_uce": True},
+        ),
+        P.Injection(rank=1, kind="kill", step=3, phase="backward", time=1.0),
+        P.Plan(
+            generation=3,
+            strategy=P.RECOVER_IN_PLACE,
+            failed_ranks=[1, 2],
+            restart_ranks=[2],
+            reason="r",
+            root_cause={"kind": "signal", "rank": 2},
+            restarts_used=2,
+        ),
+        P.RankStatus(
+            rank=1,
+            generation=3,
+            replacement=True,
+            committed_step=-1,
+            step=-1,
+            dirty=False,
+            shard="dp",
+            pid=7,
+            host="h",
+        ),
+        P.RepairPlan(
+            generation=3,
+            resume_step=8,
+            action="rollback",
+            pairs=[[0, 1]],
+            fallback=None,
+            reason="why",
+        ),
+        P.RepairPlan(
+            generation=4,
+            resume_step=8,
+            action="rollback",
+            fallback=P.DUMP,
+            writers={"tp0": 0, "tp1": 1},
+        ),
+    ],
+)
 def test_records_round_trip_through_json(record) -> None:
     raw = record.to_json()
     assert isinstance(raw, bytes)
@@ -44,15 +87,41 @@ def test_json_is_canonical() -> None:
 
 
 def test_every_control_key_lives_under_the_root_and_names_its_generation() -> None:
-    keys = [P.GENERATION_KEY, P.FAULT_SEQ, P.INJECT_SEQ, P.RESTARTS_USED_KEY, P.WORLD_SIZE_KEY,
-            P.EXITED_KEY, P.plan_key(3), P.fault_key(3), P.status_key(3, 1), P.repair_key(3),
-            P.resumed_key(3, 1), P.pg_prefix(3), P.node_key(1), P.inject_key(2), P.replica_key(1),
-            P.stopped_key(3), P.all_stopped_key(3), P.go_key(3), P.aware_key(1), P.done_key(3),
-            P.ckpt_key(3, 10, "mp_rank_00")]
+    keys = [
+        P.GENERATION_KEY,
+        P.FAULT_SEQ,
+        P.INJECT_SEQ,
+        P.RESTARTS_USED_KEY,
+        P.WORLD_SIZE_KEY,
+        P.EXITED_KEY,
+        P.plan_key(3),
+        P.fault_key(3),
+        P.status_key(3, 1),
+        P.repair_key(3),
+        P.resumed_key(3, 1),
+        P.pg_prefix(3),
+        P.node_key(1),
+        P.inject_key(2),
+        P.replica_key(1),
+        P.stopped_key(3),
+        P.all_stopped_key(3),
+        P.go_key(3),
+        P.aware_key(1),
+        P.done_key(3),
+        P.ckpt_key(3, 10, "mp_rank_00"),
+    ]
     assert all(k.startswith(P.ROOT + "/") for k in keys)
     assert len(set(keys)) == len(keys)
-    per_round = [P.status_key(3, 1), P.repair_key(3), P.resumed_key(3, 1), P.pg_prefix(3),
-                 P.stopped_key(3), P.all_stopped_key(3), P.go_key(3), P.ckpt_key(3, 10, "s")]
+    per_round = [
+        P.status_key(3, 1),
+        P.repair_key(3),
+        P.resumed_key(3, 1),
+        P.pg_prefix(3),
+        P.stopped_key(3),
+        P.all_stopped_key(3),
+        P.go_key(3),
+        P.ckpt_key(3, 10, "s"),
+    ]
     assert all(k.startswith(f"{P.ROOT}/g3/") for k in per_round)
     assert P.status_key(3, 1) != P.status_key(31, 1) and P.status_key(1, 31) != P.status_key(13, 1)
 
@@ -67,4 +136,6 @@ def test_keys_are_the_wire_format_agents_of_one_job_share() -> None:
 
 def test_strategies_and_the_fallback_exit_code() -> None:
     assert P.STRATEGIES == (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.DUMP, P.EXIT)
-    assert P.EXIT_FALLBACK not in (0, 1, 2) and 0 < P.EXIT_FALLBACK < 128  # not a signal, not torchrun's
+    assert (
+        P.EXIT_FALLBACK not in (0, 1, 2) and 0 < P.EXIT_FALLBACK < 128
+    )  # not a signal, not torchrun's

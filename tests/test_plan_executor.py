@@ -1,4 +1,5 @@
 """Plans carried out on one node: real worker processes, a real worker channel, an in-process store."""
+
 from __future__ import annotations
 
 import json
@@ -10,17 +11,17 @@ import time
 
 import pytest
 
-from launcher.protocol import plan as P
 from launcher.agent.agent_events import PlanEvent
-from launcher.workers.channel import ChannelMessage, ChannelServer
+from launcher.agent.errors import JobFailures
+from launcher.agent.plan_executor import PlanExecutor
+from launcher.agent.store_stack import AgentWorld
 from launcher.cli.ftrun import parse
 from launcher.config import build_config
-from launcher.agent.errors import JobFailures
 from launcher.observe.logs import AgentLog, RunLogDir
+from launcher.protocol import plan as P
 from launcher.protocol.messages import Hello, encode
-from launcher.agent.plan_executor import PlanExecutor
+from launcher.workers.channel import ChannelMessage, ChannelServer
 from launcher.workers.spawner import Spawner, WorkerWorld
-from launcher.agent.store_stack import AgentWorld
 from launcher.workers.workers import NodeWorkers, Reaper, stop_workers
 from rendezvous.store.memory import LocalKV
 
@@ -29,8 +30,20 @@ from rendezvous.store.memory import LocalKV
 def node(tmp_path, monkeypatch):
     script = tmp_path / "sleeper.py"
     script.write_text("import time\ntime.sleep(120)\n")
-    cfg = build_config(parse(["--nproc_per_node", "2", "--warm_spares", "0", "--log_dir", str(tmp_path / "logs"), str(script)]),
-                       env={})
+    cfg = build_config(
+        parse(
+            [
+                "--nproc_per_node",
+                "2",
+                "--warm_spares",
+                "0",
+                "--log_dir",
+                str(tmp_path / "logs"),
+                str(script),
+            ]
+        ),
+        env={},
+    )
     log = AgentLog(0, None, quiet=True)
     events: queue.Queue = queue.Queue()
     kv = LocalKV()
@@ -38,9 +51,15 @@ def node(tmp_path, monkeypatch):
     reaper = Reaper(events)
     workers = NodeWorkers.create(0, 2)
     world = AgentWorld(group_rank=0, group_world_size=2, rank_base=0, world_size=4, is_leader=True)
-    spawner = Spawner(cfg, WorkerWorld(0, 2, 4, "127.0.0.1", 1, channel.path),
-                      RunLogDir.create(str(tmp_path / "logs"), "t"), log, "host", reaper,
-                      on_spawn=lambda w: None)
+    spawner = Spawner(
+        cfg,
+        WorkerWorld(0, 2, 4, "127.0.0.1", 1, channel.path),
+        RunLogDir.create(str(tmp_path / "logs"), "t"),
+        log,
+        "host",
+        reaper,
+        on_spawn=lambda w: None,
+    )
     ex = PlanExecutor(cfg, log, kv, world, workers, spawner, channel, JobFailures())
     spawner.spawn_all(workers.all(), 0)
     yield ex, kv, events
@@ -49,7 +68,9 @@ def node(tmp_path, monkeypatch):
     channel.stop()
 
 
-def test_recover_respawns_the_restarted_rank_and_defers_the_stop_of_an_unconnected_one(node) -> None:
+def test_recover_respawns_the_restarted_rank_and_defers_the_stop_of_an_unconnected_one(
+    node,
+) -> None:
     ex, kv, events = node
     w0, w1 = ex.workers.all()
     old_pid = w1.pid
@@ -68,7 +89,12 @@ def test_recover_respawns_the_restarted_rank_and_defers_the_stop_of_an_unconnect
         ex.on_hello(0, 0)
         c.settimeout(5)
         stop = json.loads(c.recv(4096))
-        assert stop == {"op": "stop", "generation": 1, "strategy": P.RECOVER_IN_PLACE, "failed_ranks": [1]}
+        assert stop == {
+            "op": "stop",
+            "generation": 1,
+            "strategy": P.RECOVER_IN_PLACE,
+            "failed_ranks": [1],
+        }
         ex.on_hello(0, 0)  # delivered once
     finally:
         c.close()
@@ -86,7 +112,9 @@ def test_restart_all_waits_for_the_controllers_go_and_respawns_every_rank(node) 
 
     t = threading.Thread(target=controller)
     t.start()
-    assert ex.execute(P.Plan(generation=1, strategy=P.RESTART_ALL, restart_ranks=[0, 1, 2, 3])) is None
+    assert (
+        ex.execute(P.Plan(generation=1, strategy=P.RESTART_ALL, restart_ranks=[0, 1, 2, 3])) is None
+    )
     t.join(10)
     new = [w.pid for w in ex.workers.all()]
     assert all(w.alive and w.generation == 1 for w in ex.workers.all()) and not set(old) & set(new)

@@ -1,5 +1,6 @@
 """Progress as the kernel sees it: process state, CPU time and I/O of a process tree, and the
 silence of unmodified workers (real processes)."""
+
 from __future__ import annotations
 
 import os
@@ -11,9 +12,11 @@ import time
 from launcher.hang.proc_watch import SilenceWatch, descendants, proc_stat, proc_state, tree_progress
 
 BUSY = "import time\nt=time.time()\nwhile time.time()-t<30: pass"
-PARENT = ("import subprocess,sys,time\n"
-          "c=subprocess.Popen([sys.executable,'-c','import time; time.sleep(30)'])\n"
-          "print(c.pid,flush=True)\ntime.sleep(30)")
+PARENT = (
+    "import subprocess,sys,time\n"
+    "c=subprocess.Popen([sys.executable,'-c','import time; time.sleep(30)'])\n"
+    "print(c.pid,flush=True)\ntime.sleep(30)"
+)
 
 
 def start(code: str, **kw) -> subprocess.Popen:

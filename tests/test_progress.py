@@ -1,11 +1,12 @@
 """Per-rank progress records: published by agents, read back by the controller, aged, stale ones
 skipped."""
+
 from __future__ import annotations
 
 import json
 
-from launcher.protocol import plan as P
 from launcher.control.progress import STALE_AFTER, ProgressBoard, read_progress
+from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
 
 
@@ -13,14 +14,32 @@ def test_records_round_trip_aged_by_their_age() -> None:
     kv = LocalKV()
     b0, b1 = ProgressBoard(kv, 0, interval=1.0), ProgressBoard(kv, 1)
     assert b0.due(100.0)
-    b0.publish({0: {"aware": True, "idle_s": 1.0, "waiting": True, "silent_s": 0.5, "state": "S",
-                    "phase": "backward", "pid": 10, "local_rank": 0, "host": "a"}}, now=100.0)
+    b0.publish(
+        {
+            0: {
+                "aware": True,
+                "idle_s": 1.0,
+                "waiting": True,
+                "silent_s": 0.5,
+                "state": "S",
+                "phase": "backward",
+                "pid": 10,
+                "local_rank": 0,
+                "host": "a",
+            }
+        },
+        now=100.0,
+    )
     assert not b0.due(100.5) and b0.due(101.0)
     b1.publish({2: {"aware": False, "idle_s": 7.0, "state": "T", "pid": 12}}, now=98.0)
     recs = {r.rank: r for r in read_progress(kv, 2, now=102.0)}
-    assert recs[0].idle_s == 3.0 and recs[0].silent_s == 2.5 and recs[0].waiting and recs[0].node == 0
+    assert (
+        recs[0].idle_s == 3.0 and recs[0].silent_s == 2.5 and recs[0].waiting and recs[0].node == 0
+    )
     assert recs[0].phase == "backward" and recs[0].pid == 10 and recs[0].host == "a"
-    assert recs[2].idle_s == 11.0 and recs[2].state == "T" and not recs[2].aware and recs[2].node == 1
+    assert (
+        recs[2].idle_s == 11.0 and recs[2].state == "T" and not recs[2].aware and recs[2].node == 1
+    )
 
 
 def test_stale_or_damaged_records_are_skipped() -> None:

@@ -1,4 +1,5 @@
 """Wire codec: round trips, partial buffers, limits, and frames recorded from torch 2.13."""
+
 from __future__ import annotations
 
 import random
@@ -36,12 +37,14 @@ RECORDED = {
     "0102000000000000002f6b010000000000000076": Request(Op.SET, (b"/k",), (b"v",)),
     "06010000000000000002000000000000002f6b": Request(Op.WAIT, (b"/k",)),
     "0402000000000000002f6e0500000000000000": Request(Op.ADD, (b"/n",), (), 5),
-    "0202000000000000002f6b010000000000000076010000000000000077":
-        Request(Op.COMPARE_SET, (b"/k",), (b"v", b"w")),
+    "0202000000000000002f6b010000000000000076010000000000000077": Request(
+        Op.COMPARE_SET, (b"/k",), (b"v", b"w")
+    ),
     "0c": Request(Op.CANCEL_WAIT),
     "07": Request(Op.GETNUMKEYS),
-    "0b020000000000000002000000000000002f6101000000000000003102000000000000002f62010000000000000032":
-        Request(Op.MULTI_SET, (b"/a", b"/b"), (b"1", b"2")),
+    "0b020000000000000002000000000000002f6101000000000000003102000000000000002f62010000000000000032": Request(
+        Op.MULTI_SET, (b"/a", b"/b"), (b"1", b"2")
+    ),
     "1002000000000000002f71": Request(Op.QUEUE_LEN, (b"/q",)),
     "0f02000000000000002f71": Request(Op.QUEUE_POP, (b"/q",)),
     "11": Request(Op.LIST_KEYS),
@@ -85,7 +88,9 @@ def test_absurd_lengths_rejected_before_the_bytes_arrive() -> None:
     huge_key = bytes((Op.GET,)) + (2**63).to_bytes(8, "little")
     with pytest.raises(P.ProtocolError, match="key of 9223372036854775808 bytes"):
         P.parse_request(huge_key, 0, lim)
-    big_val = P.encode_request(Request(Op.SET, (b"/k",), (b"x",)))[:11] + (1001).to_bytes(8, "little")
+    big_val = P.encode_request(Request(Op.SET, (b"/k",), (b"x",)))[:11] + (1001).to_bytes(
+        8, "little"
+    )
     with pytest.raises(P.ProtocolError, match="value of 1001 bytes: at most 1000"):
         P.parse_request(big_val, 0, lim)
     many = bytes((Op.WAIT,)) + (11).to_bytes(8, "little")
@@ -154,9 +159,14 @@ def test_samples_cover_every_query_type() -> None:
 
 # A value of each reply shape, as `encode_reply` takes it and `parse_reply` returns it.
 REPLY_VALUES = {
-    P.Reply.NONE: None, P.Reply.U8: 1, P.Reply.U32: 0xDEADBEEF, P.Reply.I64: -(2**40),
-    P.Reply.BYTES: b"\x00val", P.Reply.MULTI: [b"a", b"", b"ccc"],
-    P.Reply.QUEUE_POP: (3, b"item"), P.Reply.KEY_LIST: [b"/a", b"init/"],
+    P.Reply.NONE: None,
+    P.Reply.U8: 1,
+    P.Reply.U32: 0xDEADBEEF,
+    P.Reply.I64: -(2**40),
+    P.Reply.BYTES: b"\x00val",
+    P.Reply.MULTI: [b"a", b"", b"ccc"],
+    P.Reply.QUEUE_POP: (3, b"item"),
+    P.Reply.KEY_LIST: [b"/a", b"init/"],
 }
 
 
@@ -176,17 +186,22 @@ def test_encode_reply_and_parse_reply_agree(op: int) -> None:
 def _random_frame(rng: random.Random, lim: P.Limits) -> bytes:
     """A frame that is valid, over a limit, truncated, or garbage; the common ops (GET, SET,
     ADD, WAIT/CHECK of one key) are most frequent, as in a rendezvous."""
+
     def key() -> bytes:  # now and then longer than max_key_bytes
         size = 70 if rng.random() < 0.02 else rng.choice((0, 3, 9))
         return b"/" + bytes(rng.choice(b"abk/") for _ in range(size))
 
     def val() -> bytes:
         return rng.randbytes(300 if rng.random() < 0.02 else rng.choice((0, 1, 30)))
+
     common = [
-        Request(Op.GET, (key(),)), Request(Op.SET, (key(),), (val(),)),
+        Request(Op.GET, (key(),)),
+        Request(Op.SET, (key(),), (val(),)),
         Request(Op.ADD, (key(),), (), rng.randint(-9, 9)),
-        Request(rng.choice((Op.WAIT, Op.CHECK)),
-                tuple(key() for _ in range(9 if rng.random() < 0.02 else rng.choice((1, 1, 0, 2))))),
+        Request(
+            rng.choice((Op.WAIT, Op.CHECK)),
+            tuple(key() for _ in range(9 if rng.random() < 0.02 else rng.choice((1, 1, 0, 2)))),
+        ),
     ]
     r = rng.random()
     if r < 0.75:
@@ -196,11 +211,11 @@ def _random_frame(rng: random.Random, lim: P.Limits) -> bytes:
         return P.encode_request(s._replace(keys=tuple(key() for _ in s.keys)))
     raw = P.encode_request(rng.choice(common))
     if r < 0.955:  # a length field that claims too much
-        return raw[:1] + (2**rng.randrange(6, 64)).to_bytes(8, "little") + raw[9:]
+        return raw[:1] + (2 ** rng.randrange(6, 64)).to_bytes(8, "little") + raw[9:]
     if r < 0.97:  # a WAIT/CHECK count field that claims too much
         return bytes((rng.choice((Op.WAIT, Op.CHECK)),)) + rng.randbytes(8)
     if r < 0.985:
-        return raw[:rng.randrange(1, len(raw))]  # truncated: the next frame's bytes follow
+        return raw[: rng.randrange(1, len(raw))]  # truncated: the next frame's bytes follow
     return rng.randbytes(rng.randrange(1, 20))
 
 
@@ -244,16 +259,24 @@ def test_common_decoder_agrees_with_the_full_parser() -> None:
 
 def test_common_decoder_returns_what_the_parser_returns() -> None:
     lim = P.Limits(max_key_bytes=8, max_value_bytes=8)
-    for req in (Request(Op.GET, (b"/k",)), Request(Op.SET, (b"/k",), (b"v",)),
-                Request(Op.ADD, (b"/n",), (), -3), Request(Op.WAIT, (b"/w",)),
-                Request(Op.CHECK, (b"/c",))):
+    for req in (
+        Request(Op.GET, (b"/k",)),
+        Request(Op.SET, (b"/k",), (b"v",)),
+        Request(Op.ADD, (b"/n",), (), -3),
+        Request(Op.WAIT, (b"/w",)),
+        Request(Op.CHECK, (b"/c",)),
+    ):
         raw = P.encode_request(req) + b"\x07"
         assert P.parse_common(raw, 0, lim) == P.parse_request(raw, 0, lim) == (req, len(raw) - 1)
         for cut in range(len(raw) - 1):
             assert P.parse_common(raw[:cut], 0, lim) is None
     # everything else, and anything over a limit, is left to the full parser
-    for req in (Request(Op.WAIT, (b"/a", b"/b")), Request(Op.GET, (b"/" + b"k" * 8,)),
-                Request(Op.SET, (b"/k",), (b"v" * 9,)), Request(Op.MULTI_GET, (b"/a",))):
+    for req in (
+        Request(Op.WAIT, (b"/a", b"/b")),
+        Request(Op.GET, (b"/" + b"k" * 8,)),
+        Request(Op.SET, (b"/k",), (b"v" * 9,)),
+        Request(Op.MULTI_GET, (b"/a",)),
+    ):
         assert P.parse_common(P.encode_request(req), 0, lim) is None
 
 

@@ -1,4 +1,5 @@
 """StoreProxy: torch clients and gloo workers through it, coalescing, freshness, failures."""
+
 from __future__ import annotations
 
 import socket
@@ -6,12 +7,12 @@ import threading
 import time
 
 import pytest
-
 from helpers_etcd import EtcdServer, etcd_server  # noqa: F401 - fixture
 from helpers_store import recv_exact, run_gloo_world, run_torch, run_torch_ops
+
+from rendezvous.kv import StoreAuthError, StoreError
 from rendezvous.store import protocol as P
 from rendezvous.store.client import StoreClient
-from rendezvous.kv import StoreAuthError, StoreError
 from rendezvous.store.memory import LocalKV
 from rendezvous.store.proxy import StoreProxy
 from rendezvous.store.server import StoreServer
@@ -22,8 +23,10 @@ TOKEN = "proxy-token"
 @pytest.fixture
 def stack():
     logs: list[str] = []
-    with StoreServer(host="127.0.0.1", token=TOKEN, log=logs.append) as s, \
-            StoreProxy(("127.0.0.1", s.port, TOKEN), log=logs.append) as px:
+    with (
+        StoreServer(host="127.0.0.1", token=TOKEN, log=logs.append) as s,
+        StoreProxy(("127.0.0.1", s.port, TOKEN), log=logs.append) as px,
+    ):
         s.logs = logs
         yield s, px
 
@@ -123,8 +126,9 @@ def test_proxy_on_a_local_kv_upstream() -> None:
         c = raw_conn(px.port)
         c.sendall(P.encode_request(P.Request(P.Op.QUEUE_LEN, (b"/q",))))
         assert c.recv(8) == b""  # closed
-        assert logs[-1].endswith("QUEUE_LEN failed upstream: QUEUE_LEN is not supported by "
-                                 "a LocalKV upstream")
+        assert logs[-1].endswith(
+            "QUEUE_LEN failed upstream: QUEUE_LEN is not supported by a LocalKV upstream"
+        )
 
 
 @pytest.mark.etcd
@@ -145,8 +149,9 @@ def test_upstream_failures_are_clear() -> None:
         with pytest.raises(StoreError, match="closed the connection during the handshake"):
             StoreProxy(("127.0.0.1", s.port), upstream_timeout=2).start()
         port = s.port
-    with pytest.raises(StoreError, match=f"cannot reach the store at 127.0.0.1:{port} "
-                                         "within 0.3 s"):
+    with pytest.raises(
+        StoreError, match=f"cannot reach the store at 127.0.0.1:{port} within 0.3 s"
+    ):
         StoreProxy(("127.0.0.1", port), upstream_timeout=0.3).start()
 
 
@@ -166,14 +171,14 @@ def test_upstream_loss_closes_waiting_clients_with_a_log_line() -> None:
 
 # A torch client given a world size increments the counter "init/" (sent without the "/")
 # on connect.
-INIT_COUNTER = r'''
+INIT_COUNTER = r"""
 import sys
 from datetime import timedelta
 import torch.distributed as d
 d.TCPStore("127.0.0.1", int(sys.argv[1]), world_size=2, is_master=False,
            timeout=timedelta(seconds=10))
 print("CONNECTED", flush=True)
-'''
+"""
 
 
 def test_torch_init_counter_is_one_key_direct_and_through_a_kv_proxy() -> None:

@@ -1,6 +1,7 @@
 """The store server's C read path (rendezvous/store/_quickstore.c): the same replies and table as
 the Python paths, nothing executed while another thread holds the table's lock, writes that
 wake waiters left to Python, large replies finished by the Python flush, and the switch."""
+
 from __future__ import annotations
 
 import os
@@ -10,8 +11,8 @@ import threading
 import time
 
 import pytest
-
 from helpers_store import recv_exact
+
 from rendezvous.store import protocol as P
 from rendezvous.store.auth import AUTH_KEY
 from rendezvous.store.server import StoreServer, _Conn
@@ -37,17 +38,29 @@ def frames() -> list[bytes]:
     k, cnt = b"/k", b"/cnt"
     return [
         req(P.Op.GET, [k]),  # missing: empty value
-        req(P.Op.SET, [k], [b"v1"]), req(P.Op.GET, [k]),
-        req(P.Op.ADD, [cnt], num=5), req(P.Op.ADD, [cnt], num=-9),
-        req(P.Op.WAIT, [k]), req(P.Op.WAIT, [k, cnt]), req(P.Op.CHECK, [k, cnt]),
+        req(P.Op.SET, [k], [b"v1"]),
+        req(P.Op.GET, [k]),
+        req(P.Op.ADD, [cnt], num=5),
+        req(P.Op.ADD, [cnt], num=-9),
+        req(P.Op.WAIT, [k]),
+        req(P.Op.WAIT, [k, cnt]),
+        req(P.Op.CHECK, [k, cnt]),
         req(P.Op.CHECK, [k, b"/absent"]),  # not ready: Python (queues count as present)
-        req(P.Op.QUEUE_PUSH, [b"/q"], [b"x"]), req(P.Op.WAIT, [b"/q"]), req(P.Op.CHECK, [b"/q"]),
-        req(P.Op.SET, [b"/plus"], [b" +7 "]), req(P.Op.ADD, [b"/plus"], num=1),  # int() spelling
-        req(P.Op.SET, [b"/big"], [b"9223372036854775806"]), req(P.Op.ADD, [b"/big"], num=1),
+        req(P.Op.QUEUE_PUSH, [b"/q"], [b"x"]),
+        req(P.Op.WAIT, [b"/q"]),
+        req(P.Op.CHECK, [b"/q"]),
+        req(P.Op.SET, [b"/plus"], [b" +7 "]),
+        req(P.Op.ADD, [b"/plus"], num=1),  # int() spelling
+        req(P.Op.SET, [b"/big"], [b"9223372036854775806"]),
+        req(P.Op.ADD, [b"/big"], num=1),
         req(P.Op.ADD, [b"/big"], num=-3),  # 19 digits: Python
-        req(P.Op.SET, [AUTH_KEY], [b"tok"]), req(P.Op.GET, [AUTH_KEY]),  # never stored
-        req(P.Op.SET, [b"/v"], [bytes(range(256)) * 300]), req(P.Op.GET, [b"/v"]),
-        req(P.Op.PING, num=3), req(P.Op.SET, [k], [b""]), req(P.Op.GET, [k]),
+        req(P.Op.SET, [AUTH_KEY], [b"tok"]),
+        req(P.Op.GET, [AUTH_KEY]),  # never stored
+        req(P.Op.SET, [b"/v"], [bytes(range(256)) * 300]),
+        req(P.Op.GET, [b"/v"]),
+        req(P.Op.PING, num=3),
+        req(P.Op.SET, [k], [b""]),
+        req(P.Op.GET, [k]),
         req(P.Op.WAIT, [b"/later"]),  # registers a waiter: no reply now
         req(P.Op.SET, [b"/later"], [b"here"]),  # watched: Python wakes the waiter
         req(P.Op.ADD, [cnt], num=1),
@@ -63,7 +76,9 @@ def feed(srv: StoreServer, c: _Conn, b: socket.socket, stream: bytes, chunk: int
     srv._conns[c.fd] = c
     srv._ep.register(c.fd, 1)
     srv._loop_ident = threading.get_ident()
-    pieces = [stream] if chunk == 0 else [stream[i:i + chunk] for i in range(0, len(stream), chunk)]
+    pieces = (
+        [stream] if chunk == 0 else [stream[i : i + chunk] for i in range(0, len(stream), chunk)]
+    )
     got = b""
     b.setblocking(False)
     for p in pieces:
@@ -131,14 +146,14 @@ def parse_mux_replies(data: bytes, kinds: dict[int, str]) -> dict[int, bytes]:
     out: dict[int, bytes] = {}
     pos = 0
     while pos < len(data):
-        tag = int.from_bytes(data[pos:pos + 4], "little")
+        tag = int.from_bytes(data[pos : pos + 4], "little")
         pos += 4
         kind = kinds[tag]
         size = {"u8": 1, "i64": 8, "u32": 4}.get(kind)
         if kind == "bytes":
-            size = 8 + int.from_bytes(data[pos:pos + 8], "little")
+            size = 8 + int.from_bytes(data[pos : pos + 8], "little")
         assert tag not in out, f"tag {tag} answered twice"
-        out[tag] = data[pos:pos + size]
+        out[tag] = data[pos : pos + size]
         pos += size
     return out
 
@@ -155,6 +170,7 @@ def run_mux_stream(mode: str, chunk: int, handled: list | None = None) -> tuple[
         def counted(c, r, tag):  # noqa: ANN001
             handled.append(tag)
             return orig(c, r, tag)
+
         srv._handle = counted
     stream = b"".join(P.encode_mux_request(t, r) for t, r, _ in mux_frames())
     a, b = socket.socketpair()
@@ -180,11 +196,23 @@ def test_a_mux_connection_gets_the_python_paths_replies_from_c(chunk: int) -> No
     results = {mode: run_mux_stream(mode, chunk) for mode in ("c", "python")}
     assert results["c"] == results["python"]
     replies, table = results["c"]
-    assert replies == {2: P.enc_bytes(b"1"), 3: P.STOP_WAITING_REPLY, 4: P.enc_i64(5),
-                       5: P.STOP_WAITING_REPLY, 6: bytes((P.READY,)),
-                       7: P.enc_u32(7), 10: bytes((P.WAIT_CANCELED,)), 12: P.enc_bytes(b"3"),
-                       13: P.enc_i64(3)}
-    assert table[b"/a"] == b"1" and table[b"/b"] == b"22" and table[b"/w"] == b"x" and table[b"/n"] == b"3"
+    assert replies == {
+        2: P.enc_bytes(b"1"),
+        3: P.STOP_WAITING_REPLY,
+        4: P.enc_i64(5),
+        5: P.STOP_WAITING_REPLY,
+        6: bytes((P.READY,)),
+        7: P.enc_u32(7),
+        10: bytes((P.WAIT_CANCELED,)),
+        12: P.enc_bytes(b"3"),
+        13: P.enc_i64(3),
+    }
+    assert (
+        table[b"/a"] == b"1"
+        and table[b"/b"] == b"22"
+        and table[b"/w"] == b"x"
+        and table[b"/n"] == b"3"
+    )
 
 
 def test_only_what_c_does_not_take_reaches_the_python_handler_on_a_mux_connection() -> None:
@@ -196,6 +224,7 @@ def test_only_what_c_does_not_take_reaches_the_python_handler_on_a_mux_connectio
 def test_the_extension_is_built_and_a_default_server_uses_it() -> None:
     """Installs run setup.py, which builds it; a missing compiler leaves the Python path."""
     from rendezvous.store import _quickstore  # noqa: F401
+
     assert StoreServer(host="127.0.0.1")._read_quick is not None
 
 
@@ -210,11 +239,15 @@ def test_same_replies_and_table_as_the_python_paths(chunk: int, handshake: bool)
     assert replies.endswith(P.enc_i64(-3)) and P.STOP_WAITING_REPLY in replies
 
 
-@pytest.mark.parametrize("first", [
-    req(P.Op.GET, [b"/k"]),  # not a VALIDATE
-    req(P.Op.VALIDATE, num=0x12345678),  # the wrong magic
-    req(P.Op.PING, num=1),
-], ids=["get", "magic", "ping"])
+@pytest.mark.parametrize(
+    "first",
+    [
+        req(P.Op.GET, [b"/k"]),  # not a VALIDATE
+        req(P.Op.VALIDATE, num=0x12345678),  # the wrong magic
+        req(P.Op.PING, num=1),
+    ],
+    ids=["get", "magic", "ping"],
+)
 def test_a_bad_handshake_is_refused_as_the_python_path_refuses_it(first: bytes) -> None:
     logs: list[str] = []
     with StoreServer(host="127.0.0.1", log=logs.append) as srv:
@@ -226,7 +259,9 @@ def test_a_bad_handshake_is_refused_as_the_python_path_refuses_it(first: bytes) 
         good.sendall(P.handshake_bytes(3) + req(P.Op.ADD, [b"/n"], num=1))
         assert recv_exact(good, 12) == P.enc_u32(3) + P.enc_i64(1)
         good.close()
-    assert len(logs) == 1 and ("expected VALIDATE" in logs[0] or "expected 0x3c85f7ce" in logs[0]), logs
+    assert len(logs) == 1 and (
+        "expected VALIDATE" in logs[0] or "expected 0x3c85f7ce" in logs[0]
+    ), logs
 
 
 def test_nothing_executes_while_another_thread_holds_the_tables_lock() -> None:
@@ -304,6 +339,7 @@ class _Loop:
         def counted(c, data):
             self.python_frames += 1
             consume(c, data)
+
         self.srv._consume = counted
         self.pairs: list = []
 
@@ -403,11 +439,13 @@ def test_waiters_of_a_running_server_wake_on_c_writes_and_on_local_writes() -> N
     """Through a real loop: torch-style clients wait in C; a wire ADD wakes some, a LocalKV
     write of another thread the others; a closed waiter's connection is forgotten."""
     with StoreServer(host="127.0.0.1") as srv:
+
         def client(i):
             s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
             s.sendall(P.handshake_bytes(i))
             assert recv_exact(s, 4) == P.enc_u32(i)
             return s
+
         a = [client(i) for i in range(10)]
         z = [client(i) for i in range(10)]
         gone = client(99)
@@ -417,8 +455,10 @@ def test_waiters_of_a_running_server_wake_on_c_writes_and_on_local_writes() -> N
             s.sendall(req(P.Op.WAIT, [b"/local"]))
         gone.sendall(req(P.Op.WAIT, [b"/wire"]))
         deadline = time.monotonic() + 5
-        while (len(srv.table._waiters.get(b"/wire", ())) < 11 or len(srv.table._waiters.get(b"/local", ())) < 10) \
-                and time.monotonic() < deadline:
+        while (
+            len(srv.table._waiters.get(b"/wire", ())) < 11
+            or len(srv.table._waiters.get(b"/local", ())) < 10
+        ) and time.monotonic() < deadline:
             time.sleep(0.01)
         gone.close()
         while len(srv.table._waiters.get(b"/wire", ())) > 10 and time.monotonic() < deadline:
@@ -444,13 +484,20 @@ def test_waiters_of_a_running_server_wake_on_c_writes_and_on_local_writes() -> N
 def proxy_frames() -> list[bytes]:
     """What the proxy's C read path queues, and what it must hand over, interleaved."""
     return [
-        req(P.Op.SET, [b"/a"], [b"1"]), req(P.Op.GET, [b"/a"]), req(P.Op.ADD, [b"/n"], num=-4),
-        req(P.Op.WAIT, [b"/a"]), req(P.Op.WAIT, [b"/a", b"/b"]), req(P.Op.CHECK, [b"/a"]),
+        req(P.Op.SET, [b"/a"], [b"1"]),
+        req(P.Op.GET, [b"/a"]),
+        req(P.Op.ADD, [b"/n"], num=-4),
+        req(P.Op.WAIT, [b"/a"]),
+        req(P.Op.WAIT, [b"/a", b"/b"]),
+        req(P.Op.CHECK, [b"/a"]),
         req(P.Op.PING, num=7),  # answered by the proxy itself: Python
         req(P.Op.SET, [AUTH_KEY], [b"tok"]),  # dropped by the proxy: Python
-        req(P.Op.SET, [b"/v"], [bytes(range(256)) * 300]), req(P.Op.MULTI_SET, [b"/x"], [b"y"]),
+        req(P.Op.SET, [b"/v"], [bytes(range(256)) * 300]),
+        req(P.Op.MULTI_SET, [b"/x"], [b"y"]),
         req(P.Op.WAIT, [b"/k%d" % i for i in range(20)]),  # more keys than C takes: Python
-        req(P.Op.ADD, [b"/n"], num=1), req(P.Op.GETNUMKEYS), req(P.Op.GET, [b"/n"]),
+        req(P.Op.ADD, [b"/n"], num=1),
+        req(P.Op.GETNUMKEYS),
+        req(P.Op.GET, [b"/n"]),
     ]
 
 
@@ -459,6 +506,7 @@ def run_proxy_stream(accel: bool, chunk: int) -> tuple[list, int, bytes, dict]:
     started: nothing goes upstream); (the batch as (request, has a slot), slots queued, the
     local replies, stats)."""
     from rendezvous.store.proxy import StoreProxy
+
     px = StoreProxy(("127.0.0.1", 1))
     if not accel:
         px._proxy_read = None
@@ -471,8 +519,11 @@ def run_proxy_stream(accel: bool, chunk: int) -> tuple[list, int, bytes, dict]:
         c.validated = True
         px._conns[c.fd] = c
         px._loop_ident = threading.get_ident()
-        pieces = [stream] if chunk == 0 else [stream[i:i + chunk]
-                                              for i in range(0, len(stream), chunk)]
+        pieces = (
+            [stream]
+            if chunk == 0
+            else [stream[i : i + chunk] for i in range(0, len(stream), chunk)]
+        )
         got = b""
         for p in pieces:
             b.sendall(p)
@@ -498,16 +549,40 @@ def run_proxy_stream(accel: bool, chunk: int) -> tuple[list, int, bytes, dict]:
 @pytest.mark.parametrize("chunk", [0, 1, 6, 64])
 def test_the_proxy_read_path_queues_what_the_python_path_queues(chunk: int) -> None:
     from rendezvous.store.proxy import StoreProxy
+
     assert StoreProxy(("127.0.0.1", 1))._proxy_read is not None
     c_run, py_run = run_proxy_stream(True, chunk), run_proxy_stream(False, chunk)
     assert c_run == py_run
     batch, slots, replies, stats = c_run
     assert [r.op for r, _ in batch] == [
-        P.Op.SET, P.Op.GET, P.Op.ADD, P.Op.WAIT, P.Op.WAIT, P.Op.CHECK, P.Op.SET,
-        P.Op.MULTI_SET, P.Op.WAIT, P.Op.ADD, P.Op.GETNUMKEYS, P.Op.GET]
+        P.Op.SET,
+        P.Op.GET,
+        P.Op.ADD,
+        P.Op.WAIT,
+        P.Op.WAIT,
+        P.Op.CHECK,
+        P.Op.SET,
+        P.Op.MULTI_SET,
+        P.Op.WAIT,
+        P.Op.ADD,
+        P.Op.GETNUMKEYS,
+        P.Op.GET,
+    ]
     assert batch[2][0] == P.Request(P.Op.ADD, (b"/n",), (), -4) and type(batch[2][0]) is P.Request
-    assert [has for _, has in batch] == [False, True, True, True, True, True, False, False, True,
-                                         True, True, True]
+    assert [has for _, has in batch] == [
+        False,
+        True,
+        True,
+        True,
+        True,
+        True,
+        False,
+        False,
+        True,
+        True,
+        True,
+        True,
+    ]
     assert slots == 9 + 1  # the PING's slot, answered, is still first in line
     assert replies == b""  # the PING's reply waits behind the unanswered GET
     assert stats == {"requests": 14, "dropped": 0}
@@ -515,6 +590,7 @@ def test_the_proxy_read_path_queues_what_the_python_path_queues(chunk: int) -> N
 
 def test_the_proxy_read_path_keeps_the_per_turn_budget() -> None:
     from rendezvous.store.proxy import StoreProxy
+
     px = StoreProxy(("127.0.0.1", 1))
     a, b = socket.socketpair()
     try:
@@ -536,6 +612,7 @@ def test_the_proxy_read_path_keeps_the_per_turn_budget() -> None:
 
 def test_flush_out_sends_each_connections_output_and_leaves_short_sends_to_python() -> None:
     from rendezvous.store._quickstore import flush_out
+
     pairs = [socket.socketpair() for _ in range(4)]
     try:
         conns = []
@@ -579,6 +656,7 @@ def test_a_running_servers_loop_takes_plain_reads_in_c_and_leaves_the_rest_to_py
     def counted(c):
         python_reads.append(c.fd)
         orig(c)
+
     srv._read = counted
     with srv:
         s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
@@ -604,6 +682,7 @@ def test_a_running_servers_loop_takes_plain_reads_in_c_and_leaves_the_rest_to_py
 
 def test_a_running_proxys_loop_queues_plain_reads_in_c() -> None:
     from rendezvous.store.proxy import StoreProxy
+
     with StoreServer(host="127.0.0.1") as srv:
         px = StoreProxy(("127.0.0.1", srv.port))
         assert px._turn is not None and px._turn_proxy
@@ -618,6 +697,7 @@ def test_a_running_proxys_loop_queues_plain_reads_in_c() -> None:
         def counted_handle(c, r, tag):
             handled.append(r.op)
             return orig_handle(c, r, tag)
+
         px._read, px._handle = counted, counted_handle
         px.start()
         try:
@@ -649,6 +729,7 @@ def _counting_turns(loop) -> list[float]:
     def counted():
         turns.append(time.monotonic())
         orig()
+
     loop._end_turn = counted
     return turns
 
@@ -687,10 +768,12 @@ def test_a_servers_loop_turns_in_c_while_its_turns_need_no_python() -> None:
     assert time.monotonic() - t0 < 1.0  # stop() wakes the loop out of C
 
 
-@pytest.mark.parametrize("host,connect_to", [("127.0.0.1", "127.0.0.1"), ("::", "127.0.0.1"),
-                                              ("::1", "::1")])
-def test_new_connections_are_accepted_in_c_as_python_accepts_them(host: str,
-                                                                  connect_to: str) -> None:
+@pytest.mark.parametrize(
+    "host,connect_to", [("127.0.0.1", "127.0.0.1"), ("::", "127.0.0.1"), ("::1", "::1")]
+)
+def test_new_connections_are_accepted_in_c_as_python_accepts_them(
+    host: str, connect_to: str
+) -> None:
     """`loop_turn` with `accept`: a burst of connects takes no Python `_accept` and no Python
     turn per connection; each connection is what `_accept` makes: non-blocking, TCP_NODELAY,
     registered, counted, its peer written as `_peer_str` writes it (an IPv4 client of a
@@ -702,6 +785,7 @@ def test_new_connections_are_accepted_in_c_as_python_accepts_them(host: str,
     def counted():
         accepts.append(1)
         orig()
+
     srv._accept = counted
     turns = _counting_turns(srv)
     with srv:
@@ -715,8 +799,10 @@ def test_new_connections_are_accepted_in_c_as_python_accepts_them(host: str,
         assert len(turns) - before <= 3, turns  # a sweep (1 s) may fall in the window
         conns = dict(srv._conns)
         assert len(conns) == 40
-        want = {(f"[{connect_to}]" if ":" in connect_to else connect_to)
-                + f":{s.getsockname()[1]}" for s in socks}
+        want = {
+            (f"[{connect_to}]" if ":" in connect_to else connect_to) + f":{s.getsockname()[1]}"
+            for s in socks
+        }
         assert {c.peer for c in conns.values()} == want
         for fd, c in conns.items():
             assert c.fd == fd == c.sock.fileno() and c.validated and c.authed
@@ -748,6 +834,7 @@ def test_an_adopt_that_raises_ends_the_turn_with_its_error_and_no_fd_is_left() -
     exception comes out of `loop_turn`, and the accepted fd is closed by the adopt that
     failed (here, as `LoopServer._adopt` does, before it made a socket object)."""
     from rendezvous.store import _quickstore
+
     srv = StoreServer(host="127.0.0.1")  # not started: only its context tuple is used
     lsock, ep = _listening()
     seen: list[tuple[int, str]] = []
@@ -756,16 +843,27 @@ def test_an_adopt_that_raises_ends_the_turn_with_its_error_and_no_fd_is_left() -
         seen.append((fd, peer))
         os.close(fd)
         raise RuntimeError("adopt failed")
+
     client = socket.create_connection(lsock.getsockname(), timeout=5)
     try:
         with pytest.raises(RuntimeError, match="adopt failed"):
-            _quickstore.loop_turn(ep.fileno(), {}, srv._turn_ctx, 1.0, False, 0.0, None, 0.0,
-                                  (lsock.fileno(), 10, 4, adopt))
+            _quickstore.loop_turn(
+                ep.fileno(),
+                {},
+                srv._turn_ctx,
+                1.0,
+                False,
+                0.0,
+                None,
+                0.0,
+                (lsock.fileno(), 10, 4, adopt),
+            )
         assert [p for _, p in seen] == [f"127.0.0.1:{client.getsockname()[1]}"]
         assert client.recv(1) == b""  # the server's end is closed
         with pytest.raises(TypeError, match="accept is None or"):
-            _quickstore.loop_turn(ep.fileno(), {}, srv._turn_ctx, 0.0, False, 0.0, None, 0.0,
-                                  (lsock.fileno(), 10, 4))
+            _quickstore.loop_turn(
+                ep.fileno(), {}, srv._turn_ctx, 0.0, False, 0.0, None, 0.0, (lsock.fileno(), 10, 4)
+            )
     finally:
         client.close()
         ep.close()
@@ -776,15 +874,24 @@ def test_past_the_connection_limit_the_accept_is_left_to_python() -> None:
     """At `max_connections` `loop_turn` does not accept: the listening socket's event comes
     back to the Python loop (whose `_accept` refuses with its log line)."""
     from rendezvous.store import _quickstore
+
     srv = StoreServer(host="127.0.0.1")
     lsock, ep = _listening()
     adopted: dict[int, str] = {}  # the connections table: the limit counts it
     clients = [socket.create_connection(lsock.getsockname(), timeout=5) for _ in range(3)]
     try:
         time.sleep(0.05)
-        events, *_ = _quickstore.loop_turn(ep.fileno(), adopted, srv._turn_ctx, 1.0, False,
-                                           0.0, None, 0.0,
-                                           (lsock.fileno(), 2, 8, adopted.__setitem__))
+        events, *_ = _quickstore.loop_turn(
+            ep.fileno(),
+            adopted,
+            srv._turn_ctx,
+            1.0,
+            False,
+            0.0,
+            None,
+            0.0,
+            (lsock.fileno(), 2, 8, adopted.__setitem__),
+        )
         assert len(adopted) == 2 and events == [(lsock.fileno(), select.EPOLLIN)]
     finally:
         for fd in adopted:
@@ -809,6 +916,7 @@ def test_a_proxy_collects_a_held_round_in_c_and_sends_it_as_one() -> None:
     the answer comes: two ADDs of two clients become one ADD of their sum, each client gets a
     value of a serial order."""
     from rendezvous.store.proxy import StoreProxy
+
     with StoreServer(host="127.0.0.1") as srv:
         px = StoreProxy(("127.0.0.1", srv.port), max_hold=2.0)
         turns = _counting_turns(px)
@@ -846,6 +954,7 @@ def test_a_held_round_goes_upstream_when_its_hold_ends() -> None:
     """The hold is bounded: with the upstream's answer late, a round collected in C leaves
     after `max_hold` s anyway (the C loop stops at the hold's end)."""
     from rendezvous.store.proxy import StoreProxy
+
     with StoreServer(host="127.0.0.1") as srv:
         with StoreProxy(("127.0.0.1", srv.port), max_hold=0.1) as px:
             a, b = validated(px.port, 2)

@@ -1,16 +1,23 @@
 """Repair planning (pure functions): sources, stripes, resume step, dump writers."""
+
 from __future__ import annotations
 
 import pytest
 
-from launcher.protocol.plan import RESTART_ALL, RankStatus
 from launcher.control.repair_planning import plan_repair
+from launcher.protocol.plan import RESTART_ALL, RankStatus
 
 
 def st(rank, committed, step=None, shard="dp", replacement=False, dirty=False, gen=1):
-    return RankStatus(rank=rank, generation=gen, replacement=replacement,
-                      committed_step=-1 if replacement else committed,
-                      step=committed + 1 if step is None else step, dirty=dirty, shard=shard)
+    return RankStatus(
+        rank=rank,
+        generation=gen,
+        replacement=replacement,
+        committed_step=-1 if replacement else committed,
+        step=committed + 1 if step is None else step,
+        dirty=dirty,
+        shard=shard,
+    )
 
 
 def test_replacement_gets_lowest_healthy_replica_and_rollback():
@@ -26,7 +33,12 @@ def test_commit_when_update_finished_everywhere():
 
 
 def test_dirty_ranks_need_repair():
-    sts = [st(0, 4, step=5, dirty=True), st(1, 5, step=5), st(2, -1, replacement=True), st(3, 5, step=5)]
+    sts = [
+        st(0, 4, step=5, dirty=True),
+        st(1, 5, step=5),
+        st(2, -1, replacement=True),
+        st(3, 5, step=5),
+    ]
     p = plan_repair(sts, 1, max_stripes=1)
     assert p.pairs == [[1, 0], [1, 2]] and p.resume_step == 6
 
@@ -39,23 +51,35 @@ def test_healthy_ranks_with_lower_committed_step_need_repair():
 
 def test_source_comes_from_the_same_shard():
     sh = ["tp0-pp0", "tp1-pp0", "tp0-pp0", "tp1-pp0"]
-    sts = [st(0, 7, shard=sh[0], replacement=True), st(1, 7, shard=sh[1]),
-           st(2, 7, shard=sh[2]), st(3, 7, shard=sh[3], replacement=True)]
+    sts = [
+        st(0, 7, shard=sh[0], replacement=True),
+        st(1, 7, shard=sh[1]),
+        st(2, 7, shard=sh[2]),
+        st(3, 7, shard=sh[3], replacement=True),
+    ]
     p = plan_repair(sts, 1, max_stripes=1)
     assert p.pairs == [[2, 0], [1, 3]] and p.fallback is None
 
 
 def test_no_healthy_replica_for_a_shard_falls_back_to_restart_all():
     sh = ["tp0-pp0", "tp1-pp0", "tp0-pp0", "tp1-pp0"]
-    sts = [st(0, 7, shard=sh[0], replacement=True), st(1, 7, shard=sh[1]),
-           st(2, 7, shard=sh[2], dirty=True), st(3, 7, shard=sh[3])]
+    sts = [
+        st(0, 7, shard=sh[0], replacement=True),
+        st(1, 7, shard=sh[1]),
+        st(2, 7, shard=sh[2], dirty=True),
+        st(3, 7, shard=sh[3]),
+    ]
     p = plan_repair(sts, 1, max_stripes=1)
     assert p.fallback == RESTART_ALL and p.pairs == [] and "tp0-pp0" in p.reason
 
 
 def test_lagging_only_holder_is_not_a_source():
-    sts = [st(0, 3, shard="a"), st(1, 4, shard="b"), st(2, -1, shard="a", replacement=True),
-           st(3, 4, shard="b")]
+    sts = [
+        st(0, 3, shard="a"),
+        st(1, 4, shard="b"),
+        st(2, -1, shard="a", replacement=True),
+        st(3, 4, shard="b"),
+    ]
     p = plan_repair(sts, 1, max_stripes=1)
     assert p.fallback == RESTART_ALL and "'a'" in p.reason
 
@@ -76,6 +100,7 @@ def test_bad_input_is_rejected():
 
 def test_plan_round_trips_as_json():
     from launcher.protocol.plan import RepairPlan
+
     p = plan_repair([st(0, 2), st(1, -1, replacement=True)], 1)
     assert RepairPlan.from_json(p.to_json()) == p
 
@@ -86,18 +111,25 @@ def test_controller_import_does_not_load_torch():
     import sys
 
     from helpers_runtime import base_env
+
     code = "import sys; from launcher.control.repair_planning import plan_repair; print('torch' in sys.modules)"
-    res = subprocess.run([sys.executable, "-c", code], env=base_env(), capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", code], env=base_env(), capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == 0 and res.stdout.strip() == "False", res.stderr
 
 
 def test_plan_dump_saves_the_newest_healthy_step_written_by_the_lowest_holder() -> None:
-    from launcher.protocol.plan import DUMP
     from launcher.control.repair_planning import plan_dump
+    from launcher.protocol.plan import DUMP
 
-    sts = [RankStatus(0, 2, False, 5, 6, shard="a"), RankStatus(1, 2, False, 5, 6, dirty=True, shard="b"),
-           RankStatus(2, 2, False, 5, 6, shard="a"), RankStatus(3, 2, False, 4, 5, shard="b"),
-           RankStatus(4, 2, True, -1, -1, shard="b")]
+    sts = [
+        RankStatus(0, 2, False, 5, 6, shard="a"),
+        RankStatus(1, 2, False, 5, 6, dirty=True, shard="b"),
+        RankStatus(2, 2, False, 5, 6, shard="a"),
+        RankStatus(3, 2, False, 4, 5, shard="b"),
+        RankStatus(4, 2, True, -1, -1, shard="b"),
+    ]
     p = plan_dump(sts, 2)
     assert (p.generation, p.resume_step, p.fallback) == (2, 6, DUMP)
     assert p.writers == {"a": 0}  # shard b has no healthy holder at step 5: nobody writes it
@@ -105,13 +137,26 @@ def test_plan_dump_saves_the_newest_healthy_step_written_by_the_lowest_holder() 
 
 
 def test_striped_repair_lists_up_to_max_stripes_sources_per_target_in_rank_order():
-    sts = [st(0, 4), st(1, 4), st(2, -1, replacement=True), st(3, 4), st(4, 3), st(5, 4, dirty=True)]
+    sts = [
+        st(0, 4),
+        st(1, 4),
+        st(2, -1, replacement=True),
+        st(3, 4),
+        st(4, 3),
+        st(5, 4, dirty=True),
+    ]
     p = plan_repair(sts, 1, max_stripes=2)
     assert p.pairs == [[0, 2], [1, 2], [0, 4], [1, 4], [0, 5], [1, 5]]
     assert plan_repair(sts, 1, max_stripes=8).pairs[:3] == [[0, 2], [1, 2], [3, 2]]
     # only up-to-date healthy ranks of the same shard send
-    sts = [st(0, 4, shard="a"), st(1, 4, shard="b"), st(2, 4, shard="a", replacement=True),
-           st(3, 4, shard="b"), st(4, 4, shard="a"), st(5, 4, shard="b", replacement=True)]
+    sts = [
+        st(0, 4, shard="a"),
+        st(1, 4, shard="b"),
+        st(2, 4, shard="a", replacement=True),
+        st(3, 4, shard="b"),
+        st(4, 4, shard="a"),
+        st(5, 4, shard="b", replacement=True),
+    ]
     assert plan_repair(sts, 1, max_stripes=3).pairs == [[0, 2], [4, 2], [1, 5], [3, 5]]
     for bad in (-1, 17):
         with pytest.raises(ValueError, match=f"max_stripes={bad} must be 0 \\(auto"):
@@ -130,8 +175,14 @@ def test_auto_striping_takes_the_lowest_up_to_date_replica_on_each_node():
     assert plan_repair(sts, 1, AUTO_STRIPES).pairs == [[0, 3], [0, 4]]
     assert plan_repair(sts, 1).pairs == [[0, 3], [0, 4]]  # AUTO is the default
     # per shard: only the shard's own up-to-date holders count, and a node without one adds none
-    sts = [st(0, 4, shard="a"), st(1, 4, shard="b"), st(2, 4, shard="a"), st(3, 4, shard="b"),
-           st(4, -1, shard="a", replacement=True), st(5, 4, shard="b")]
+    sts = [
+        st(0, 4, shard="a"),
+        st(1, 4, shard="b"),
+        st(2, 4, shard="a"),
+        st(3, 4, shard="b"),
+        st(4, -1, shard="a", replacement=True),
+        st(5, 4, shard="b"),
+    ]
     assert plan_repair(sts, 1, AUTO_STRIPES, node).pairs == [[0, 4], [2, 4]]
     # never more than MAX_STRIPES senders, however many nodes hold a replica
     sts = [st(r, 4) for r in range(20)] + [st(20, -1, replacement=True)]

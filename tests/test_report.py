@@ -1,6 +1,7 @@
 """`ftctl report` (launcher/observe/report.py): the page of one real 4-rank run with two faults (a killed
 rank: recover-in-place; an injected UCE: retry), shared by the tests of this file, loaded in a
 real headless Chromium (DOM after its scripts ran, and a PNG screenshot)."""
+
 from __future__ import annotations
 
 import json
@@ -10,16 +11,26 @@ import subprocess
 from html.parser import HTMLParser
 
 import pytest
-
 from helpers_observe import ObservedJob, ftctl
+
 from launcher.observe.report import render
 from launcher.observe.timeline import PHASES, RunView
 
-FAULTS = [{"rank": 1, "step": 4, "phase": "forward", "kind": "kill", "generation": 0},
-          {"rank": 2, "step": 9, "phase": "backward", "kind": "uce-high", "generation": 1}]
+FAULTS = [
+    {"rank": 1, "step": 4, "phase": "forward", "kind": "kill", "generation": 0},
+    {"rank": 2, "step": 9, "phase": "backward", "kind": "uce-high", "generation": 1},
+]
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +54,12 @@ def page(run, tmp_path_factory):
 def browser(*args: str, tmp) -> subprocess.CompletedProcess[str]:
     if CHROMIUM is None:
         pytest.skip("chromium is not installed (scripts/setup.sh --test installs it)")
-    return subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={tmp}", *args], capture_output=True,
-                          text=True, timeout=180)
+    return subprocess.run(
+        [CHROMIUM, *FLAGS, f"--user-data-dir={tmp}", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 class Elements(HTMLParser):
@@ -67,11 +82,15 @@ def test_page_is_self_contained(page):
     text = page.read_text()
     assert "<script src" not in text and "<link" not in text and "@import" not in text
     assert not re.search(r"(src|href)=\"?(https?:)?//", text)
-    assert [u for u in re.findall(r"https?://[^\"' )]+", text) if u != "http://www.w3.org/2000/svg"] == []
+    assert [
+        u for u in re.findall(r"https?://[^\"' )]+", text) if u != "http://www.w3.org/2000/svg"
+    ] == []
 
 
 def test_dom_has_every_round_and_phase_bar(page, tmp_path):
-    res = browser("--dump-dom", "--virtual-time-budget=5000", f"file://{page}", tmp=tmp_path / "profile")
+    res = browser(
+        "--dump-dom", "--virtual-time-budget=5000", f"file://{page}", tmp=tmp_path / "profile"
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     dom = Elements()
     dom.feed(res.stdout)
@@ -79,7 +98,9 @@ def test_dom_has_every_round_and_phase_bar(page, tmp_path):
     rounds = dom.all("g", "round")
     assert [r["data-generation"] for r in rounds] == ["1", "2"]
     bars = dom.all("rect", "bar")
-    assert body["data-rounds"] == "2" and body["data-bars"] == str(len(bars))  # set by the page's JS
+    assert body["data-rounds"] == "2" and body["data-bars"] == str(
+        len(bars)
+    )  # set by the page's JS
     assert {b["data-phase"] for b in bars} <= set(PHASES)
     # each round is drawn in its own <svg>; split the bars by their position in the document
     per_round: list[list[dict]] = []
@@ -88,7 +109,10 @@ def test_dom_has_every_round_and_phase_bar(page, tmp_path):
             per_round.append([])
         elif t == "rect" and "bar" in (a.get("class") or "").split():
             per_round[-1].append(a)
-    expected = {1: ("respawn", 1), 2: ("stop", 2)}  # round -> (first phase of the failed rank, rank)
+    expected = {
+        1: ("respawn", 1),
+        2: ("stop", 2),
+    }  # round -> (first phase of the failed rank, rank)
     for n, round_bars in enumerate(per_round, 1):
         first, failed = expected[n]
         phases = {(int(b["data-rank"]), b["data-phase"]) for b in round_bars}
@@ -107,8 +131,13 @@ def test_dom_has_every_round_and_phase_bar(page, tmp_path):
 
 def test_screenshot(page, tmp_path):
     png = tmp_path / "report.png"
-    res = browser(f"--screenshot={png}", "--window-size=1150,1900", "--hide-scrollbars",
-                  f"file://{page}", tmp=tmp_path / "profile")
+    res = browser(
+        f"--screenshot={png}",
+        "--window-size=1150,1900",
+        "--hide-scrollbars",
+        f"file://{page}",
+        tmp=tmp_path / "profile",
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
@@ -123,4 +152,8 @@ def test_fault_table_and_summary(run, page):
 
 def test_fault_free_view_renders():
     text = render(RunView(run_id="x", outcome="succeeded", start=1.0, end=2.0), [])
-    assert "No recovery round" in text and "No progress samples" in text and "<h2>Faults</h2><p>None." in text
+    assert (
+        "No recovery round" in text
+        and "No progress samples" in text
+        and "<h2>Faults</h2><p>None." in text
+    )

@@ -5,23 +5,32 @@ Multi-process (real gloo, 2 ranks): every bucket's all-reduce is issued during b
 second use on; the result equals the per-parameter all-reduce bit for bit (also with gradient
 accumulation and an unused parameter); a stop interrupts the wait within a second, the bucket
 buffers are abandoned and the same object works again in a new process group."""
+
 from __future__ import annotations
 
 import time
 
 import torch
-
 from helpers_runtime import master_store, run_workers, worker_logs
+
 from launcher.runtime.buckets import FlatBucket, bucket_layout
 
 
 def test_layout_is_reverse_order_with_a_small_first_bucket_and_dtype_splits():
-    params = [torch.zeros(1000), torch.zeros(1000), torch.zeros(10, dtype=torch.float64),
-              torch.zeros(300), torch.zeros(300), torch.zeros(300)]
+    params = [
+        torch.zeros(1000),
+        torch.zeros(1000),
+        torch.zeros(10, dtype=torch.float64),
+        torch.zeros(300),
+        torch.zeros(300),
+        torch.zeros(300),
+    ]
     # 4000-byte params; first cap 2000 bytes, then 5000 bytes
     layout = bucket_layout(params, bucket_bytes=5000, first_bucket_bytes=2000)
     assert layout == [[5, 4], [3], [2], [1, 0]]
-    assert layout == bucket_layout(params, bucket_bytes=5000, first_bucket_bytes=2000)  # deterministic
+    assert layout == bucket_layout(
+        params, bucket_bytes=5000, first_bucket_bytes=2000
+    )  # deterministic
     assert sorted(i for b in layout for i in b) == list(range(len(params)))
 
 

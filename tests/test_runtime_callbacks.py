@@ -5,6 +5,7 @@ Fast: the commit/rollback dispatch, misuse refused in-process, a routed torch.di
 collective left on a stop. Through the real CLI: a tiny loop's callback order in two recovery
 rounds (bit-identical to an in-process reference), and megatron-core TP=2 x DP=2 killed in
 forward, backward and the optimizer update, bit-identical to the same script without ftrun."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -14,19 +15,29 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers_launch import FTRUN, TORCHRUN, env_with, events, free_port, run, script
-from helpers_runtime import EXAMPLES, assert_bit_identical, load_params, master_store, run_workers, worker_logs
+from helpers_runtime import (
+    EXAMPLES,
+    assert_bit_identical,
+    load_params,
+    master_store,
+    run_workers,
+    worker_logs,
+)
+
 from launcher.runtime.callbacks import FrameworkCallbacks, resume_callback
 
 
 def test_resume_callback_dispatch():
     seen: list = []
-    both = FrameworkCallbacks(rollback=lambda s: seen.append(("rollback", s)),
-                              commit=lambda s: seen.append(("commit", s)))
+    both = FrameworkCallbacks(
+        rollback=lambda s: seen.append(("rollback", s)), commit=lambda s: seen.append(("commit", s))
+    )
     resume_callback(both, "rollback")(3)
     resume_callback(both, "commit")(4)
-    resume_callback(FrameworkCallbacks(rollback=lambda s: seen.append(("rollback", s))), "commit")(5)
+    resume_callback(FrameworkCallbacks(rollback=lambda s: seen.append(("rollback", s))), "commit")(
+        5
+    )
     assert seen == [("rollback", 3), ("commit", 4), ("rollback", 5)]
     assert resume_callback(FrameworkCallbacks(), "rollback") is None
     with pytest.raises(ValueError, match="allowed: rollback, commit"):
@@ -49,8 +60,13 @@ def test_hooks_refuse_out_of_order_calls(monkeypatch):
 
     from launcher.runtime import callbacks as ftcb
 
-    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port())}
+    env = {
+        "RANK": "0",
+        "LOCAL_RANK": "0",
+        "WORLD_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.delenv("FTRUN_AGENT_SOCKET", raising=False)
@@ -98,8 +114,11 @@ def test_megatron_group_handles_are_repointed_and_stale_ones_refused():
 
     from launcher.runtime.megatron import group_mapping, parallel_state_groups, repoint_groups
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
     try:
+
         class PgCollection:  # like megatron's ProcessGroupCollection
             def __init__(self, tp, dp):
                 self.tp, self.dp, self.hcp = tp, dp, [tp]
@@ -207,29 +226,58 @@ def read_callbacks(path: Path) -> list[tuple]:
 
 
 def test_callback_order_in_two_recovery_rounds(tmp_path):
-    plan = [{"rank": 1, "step": 3, "phase": "backward", "kind": "kill"},
-            {"rank": 0, "step": 5, "phase": "optimizer", "kind": "kill", "generation": 1}]
-    cmd = FTRUN + ["--nproc_per_node", "2", "--max_restarts", "3", "--log_dir", str(tmp_path / "logs"),
-                   script("callbacks_loop.py"), "--steps", "8", "--out", str(tmp_path / "out{rank}.pt"),
-                   "--events", str(tmp_path / "cb{rank}.jsonl")]
-    res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="60"), timeout=300,
-              cwd=str(tmp_path))
+    plan = [
+        {"rank": 1, "step": 3, "phase": "backward", "kind": "kill"},
+        {"rank": 0, "step": 5, "phase": "optimizer", "kind": "kill", "generation": 1},
+    ]
+    cmd = FTRUN + [
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "3",
+        "--log_dir",
+        str(tmp_path / "logs"),
+        script("callbacks_loop.py"),
+        "--steps",
+        "8",
+        "--out",
+        str(tmp_path / "out{rank}.pt"),
+        "--events",
+        str(tmp_path / "cb{rank}.jsonl"),
+    ]
+    res = run(
+        cmd,
+        env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="60"),
+        timeout=300,
+        cwd=str(tmp_path),
+    )
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-6000:]}\n{res.stderr[-6000:]}"
     cb0, cb1 = read_callbacks(tmp_path / "cb0.jsonl"), read_callbacks(tmp_path / "cb1.jsonl")
     # Round 1 resumes at step 3 (rank 1 committed 2 before its kill), or at 2 when the death
     # notice stopped rank 0 while it still committed step 2; round 2 at 6 (rank 1 committed step
     # 5 before rank 0 died in its update), or at 5 (it had not yet). The callbacks are the same.
-    first, second = [e["resume_step"] for e in events(str(tmp_path / "logs")) if e["event"] == "repair-plan"]
+    first, second = [
+        e["resume_step"] for e in events(str(tmp_path / "logs")) if e["event"] == "repair-plan"
+    ]
     assert first in (2, 3) and second in (5, 6), (first, second)
     # rank 0 survives round 1 (resume and re-run), then is killed in step 5's update
     first0 = cb0[0][2]
     assert [c[:2] for c in cb0 if c[2] == first0] == [
-        ("stop", None), ("clean", None), ("rebuild_groups", 1), ("rollback", first)]
+        ("stop", None),
+        ("clean", None),
+        ("rebuild_groups", 1),
+        ("rollback", first),
+    ]
     # its replacement only rolls back to the resume step: it built its groups at start-up
     assert [c[:2] for c in cb0 if c[2] != first0] == [("rollback", second)]
     # rank 1's replacement joined round 1, then survived round 2
-    assert [c[:2] for c in cb1] == [("rollback", first), ("stop", None), ("clean", None),
-                                    ("rebuild_groups", 2), ("rollback", second)]
+    assert [c[:2] for c in cb1] == [
+        ("rollback", first),
+        ("stop", None),
+        ("clean", None),
+        ("rebuild_groups", 2),
+        ("rollback", second),
+    ]
     assert len({c[2] for c in cb1}) == 1
     ref = tiny_reference(8)
     for r in range(2):
@@ -244,27 +292,61 @@ def _megatron_available() -> bool:
         return False
 
 
-@pytest.mark.skipif(not _megatron_available(), reason="megatron-core not importable (pip install .[megatron])")
+@pytest.mark.skipif(
+    not _megatron_available(), reason="megatron-core not importable (pip install .[megatron])"
+)
 def test_megatron_killed_in_every_phase_is_bit_identical_to_a_run_without_ftrun(tmp_path):
     example = str(EXAMPLES / "megatron_train.py")
     ref_dir, wd = tmp_path / "ref", tmp_path / "ft"
     ref_dir.mkdir()
     wd.mkdir()
-    ref = run(TORCHRUN + ["--nproc_per_node", "4", "--master_port", str(free_port()), example, "--steps", "8",
-                          "--no-ftrun", "--out", str(ref_dir / "out{rank}.pt")],
-              env_with(), timeout=300, cwd=str(ref_dir))
+    ref = run(
+        TORCHRUN
+        + [
+            "--nproc_per_node",
+            "4",
+            "--master_port",
+            str(free_port()),
+            example,
+            "--steps",
+            "8",
+            "--no-ftrun",
+            "--out",
+            str(ref_dir / "out{rank}.pt"),
+        ],
+        env_with(),
+        timeout=300,
+        cwd=str(ref_dir),
+    )
     assert ref.returncode == 0, f"torchrun exit {ref.returncode}\n{ref.stderr[-6000:]}"
-    plan = [{"rank": 1, "step": 2, "phase": "forward", "kind": "kill"},
-            {"rank": 2, "step": 4, "phase": "backward", "kind": "kill", "generation": 1},
-            {"rank": 3, "step": 6, "phase": "optimizer", "kind": "kill", "generation": 2}]
+    plan = [
+        {"rank": 1, "step": 2, "phase": "forward", "kind": "kill"},
+        {"rank": 2, "step": 4, "phase": "backward", "kind": "kill", "generation": 1},
+        {"rank": 3, "step": 6, "phase": "optimizer", "kind": "kill", "generation": 2},
+    ]
     t0 = time.monotonic()
-    res = run(FTRUN + ["--nproc_per_node", "4", "--max_restarts", "3", "--log_dir", str(wd / "logs"), example,
-                       "--steps", "8", "--out", str(wd / "out{rank}.pt")],
-              # the framework path inits a replacement normally by default (attach): Megatron's
-              # CPU init fills a master weight outside the state, a skipped init would fall back
-              # (one more round, which would shift this plan's generations)
-              env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="90"),
-              timeout=420, cwd=str(wd))
+    res = run(
+        FTRUN
+        + [
+            "--nproc_per_node",
+            "4",
+            "--max_restarts",
+            "3",
+            "--log_dir",
+            str(wd / "logs"),
+            example,
+            "--steps",
+            "8",
+            "--out",
+            str(wd / "out{rank}.pt"),
+        ],
+        # the framework path inits a replacement normally by default (attach): Megatron's
+        # CPU init fills a master weight outside the state, a skipped init would fall back
+        # (one more round, which would shift this plan's generations)
+        env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="90"),
+        timeout=420,
+        cwd=str(wd),
+    )
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-8000:]}\n{res.stderr[-4000:]}"
     ev = events(str(wd / "logs"))
     spawned = sorted(e["rank"] for e in ev if e["event"] == "spawn")
@@ -277,7 +359,9 @@ def test_megatron_killed_in_every_phase_is_bit_identical_to_a_run_without_ftrun(
         assert all("no healthy replica" in e["message"] for e in fallback), fallback
     else:
         assert spawned == [0, 1, 1, 2, 2, 3, 3], spawned  # only the killed ranks got new processes
-        assert out.count("megatron groups rebuilt for generation") >= 9, out[-6000:]  # 3 survivors x 3 rounds
+        assert out.count("megatron groups rebuilt for generation") >= 9, out[
+            -6000:
+        ]  # 3 survivors x 3 rounds
     for r in range(4):
         assert_bit_identical(load_params(wd / f"out{r}.pt"), load_params(ref_dir / f"out{r}.pt"))
     print(f"megatron run with 3 recoveries: {time.monotonic() - t0:.1f} s")

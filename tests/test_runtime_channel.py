@@ -1,4 +1,5 @@
 """The worker side of the agent channel, against a real unix socket served by the test."""
+
 from __future__ import annotations
 
 import json
@@ -55,15 +56,26 @@ def test_hello_heartbeats_faults_stop_and_bye(server):
     conn, _ = srv.accept()
     try:
         msgs = read_messages(conn, lambda m: len([x for x in m if x["op"] == "heartbeat"]) >= 3)
-        assert msgs[0] == {"op": "hello", "rank": 3, "local_rank": 1, "pid": os.getpid(), "generation": 0,
-                           "replacement": False, "notice_tid": 0}
+        assert msgs[0] == {
+            "op": "hello",
+            "rank": 3,
+            "local_rank": 1,
+            "pid": os.getpid(),
+            "generation": 0,
+            "replacement": False,
+            "notice_tid": 0,
+        }
         beats = [m for m in msgs if m["op"] == "heartbeat"]
         assert len(beats) >= 3 and all(m["rank"] == 3 for m in beats)  # idle heartbeats keep coming
         ch.update(step=7, phase="backward", committed_step=6)
         ch.send(FaultReport(rank=3, kind="network", message="x", step=7, phase="backward"))
         msgs = read_messages(conn, lambda m: any(x["op"] == "fault" for x in m))
         hb = [m for m in msgs if m["op"] == "heartbeat"]
-        assert hb and (hb[-1]["step"], hb[-1]["phase"], hb[-1]["committed_step"]) == (7, "backward", 6)
+        assert hb and (hb[-1]["step"], hb[-1]["phase"], hb[-1]["committed_step"]) == (
+            7,
+            "backward",
+            6,
+        )
         t0 = time.monotonic()
         conn.sendall(b'{"op":"stop","generation":2}\nnot json\n{"op":"stop","generation":1}\n')
         assert stop.wait_newer(1, 2.0) and time.monotonic() - t0 < 0.5
@@ -96,7 +108,9 @@ def test_inject_goes_to_the_injector_and_waiting_rides_the_next_heartbeat(server
             time.sleep(0.01)
         assert got == [Inject(kind="uce-low", step=4, phase="backward")]
         ch.update(waiting=True)
-        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["waiting"] for x in m))
+        msgs = read_messages(
+            conn, lambda m: any(x["op"] == "heartbeat" and x["waiting"] for x in m)
+        )
         assert any(m["op"] == "heartbeat" and m["waiting"] is True for m in msgs)
     finally:
         ch.close(bye=False)
@@ -113,16 +127,23 @@ def test_a_wait_probe_is_asked_while_nothing_changes_and_its_answer_rides_the_he
     def probe() -> bool:
         asked.append(time.monotonic())
         return answer["waiting"]
+
     ch = AgentChannel(path, 2, StopSignal(), print, heartbeat_interval=5.0)
     ch.start(Hello(rank=2))
     conn, _ = srv.accept()
     try:
         ch.set_wait_probe(probe)
         answer["waiting"] = True
-        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["waiting"] for x in m))
-        assert any(m["op"] == "heartbeat" and m["waiting"] for m in msgs)  # no progress, 5 s interval
+        msgs = read_messages(
+            conn, lambda m: any(x["op"] == "heartbeat" and x["waiting"] for x in m)
+        )
+        assert any(
+            m["op"] == "heartbeat" and m["waiting"] for m in msgs
+        )  # no progress, 5 s interval
         answer["waiting"] = False
-        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and not x["waiting"] for x in m))
+        msgs = read_messages(
+            conn, lambda m: any(x["op"] == "heartbeat" and not x["waiting"] for x in m)
+        )
         assert any(m["op"] == "heartbeat" and not m["waiting"] for m in msgs)
         assert len(asked) >= 2
     finally:
@@ -140,17 +161,26 @@ def test_a_progress_source_is_read_without_the_training_thread_calling_the_chann
     conn, _ = srv.accept()
     try:
         ch.set_progress_source(lambda: now["v"])
-        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["phase"] == "forward" for x in m))
-        assert any(m["op"] == "heartbeat" and (m["step"], m["phase"], m["committed_step"]) == (3, "forward", 2)
-                   for m in msgs)
+        msgs = read_messages(
+            conn, lambda m: any(x["op"] == "heartbeat" and x["phase"] == "forward" for x in m)
+        )
+        assert any(
+            m["op"] == "heartbeat"
+            and (m["step"], m["phase"], m["committed_step"]) == (3, "forward", 2)
+            for m in msgs
+        )
         now["v"] = (3, "committed", 3, 0.25)  # no call into the channel: the writer polls
-        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["phase"] == "committed" for x in m))
+        msgs = read_messages(
+            conn, lambda m: any(x["op"] == "heartbeat" and x["phase"] == "committed" for x in m)
+        )
         beat = next(m for m in msgs if m["op"] == "heartbeat" and m["phase"] == "committed")
         assert (beat["committed_step"], beat["step_s"]) == (3, 0.25)
         now["v"] = (4, "recovering", 3, None)
         t0 = time.monotonic()
         ch.wake()
-        msgs = read_messages(conn, lambda m: any(x["op"] == "heartbeat" and x["phase"] == "recovering" for x in m))
+        msgs = read_messages(
+            conn, lambda m: any(x["op"] == "heartbeat" and x["phase"] == "recovering" for x in m)
+        )
         assert any(m["op"] == "heartbeat" and m["phase"] == "recovering" for m in msgs)
         assert time.monotonic() - t0 < 1.0
     finally:

@@ -1,4 +1,5 @@
 """Durable checkpoints: layout, atomic commit, and saves interrupted by SIGKILL."""
+
 from __future__ import annotations
 
 import os
@@ -10,17 +11,23 @@ import time
 import numpy as np
 import pytest
 import torch
+from helpers_runtime import base_env
 
 from launcher.runtime import checkpoint as ckpt
 from launcher.runtime.devices import DeviceAdapter
 from launcher.runtime.state import capture_rng
-from helpers_runtime import base_env
 
 
 def state(value: float, n: int = 16) -> dict:
-    return {"models": [{"w": torch.full((n,), value)}], "optimizers": [], "schedulers": [],
-            "extras": {}, "rng": capture_rng(DeviceAdapter()), "data_pos": {"batch": int(value)},
-            "step": int(value)}
+    return {
+        "models": [{"w": torch.full((n,), value)}],
+        "optimizers": [],
+        "schedulers": [],
+        "extras": {},
+        "rng": capture_rng(DeviceAdapter()),
+        "data_pos": {"batch": int(value)},
+        "step": int(value),
+    }
 
 
 def test_layout_and_round_trip(tmp_path):
@@ -51,8 +58,13 @@ def test_same_iteration_saved_again_replaces_it(tmp_path):
     ckpt.commit(tmp_path, 5, ["mp_rank_00"])
     ckpt.write_shard(tmp_path, 5, "mp_rank_00", state(2.0))
     ckpt.commit(tmp_path, 5, ["mp_rank_00"])
-    assert torch.equal(ckpt.read_shard(tmp_path, 5, "mp_rank_00")["models"][0]["w"], torch.full((16,), 2.0))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["iter_0000005", "latest_checkpointed_iteration.txt"]
+    assert torch.equal(
+        ckpt.read_shard(tmp_path, 5, "mp_rank_00")["models"][0]["w"], torch.full((16,), 2.0)
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "iter_0000005",
+        "latest_checkpointed_iteration.txt",
+    ]
 
 
 def test_bad_tracker_is_a_clear_error(tmp_path):

@@ -1,6 +1,7 @@
 """Interruptible collectives: a survivor leaves a collective within 1 s of the stop signal while
 a peer was SIGKILLed mid-collective (reporting itself busy while blocked), abandons the old group
 safely and works in a new one."""
+
 from __future__ import annotations
 
 import os
@@ -10,7 +11,6 @@ import time
 
 import pytest
 import torch.distributed as dist
-
 from helpers_runtime import master_store, run_workers, worker_logs
 
 WORKER = r"""
@@ -69,10 +69,14 @@ os._exit(0)  # abandoned groups: never run their destructors
 @pytest.mark.parametrize("sliced", [True, False], ids=["sliced-wait", "future-wait"])
 def test_survivors_leave_within_one_second_of_stop(tmp_path, sliced):
     store = master_store()
-    procs = run_workers(WORKER, 4, tmp_path, store, {"VICTIM": "2", "SLICED": "1" if sliced else "0"})
+    procs = run_workers(
+        WORKER, 4, tmp_path, store, {"VICTIM": "2", "SLICED": "1" if sliced else "0"}
+    )
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (not store.check(["looping"]) or store.add("looping", 0) < 4):
+        while time.monotonic() < deadline and (
+            not store.check(["looping"]) or store.add("looping", 0) < 4
+        ):
             time.sleep(0.05)
         time.sleep(0.3)
         os.kill(procs[2].pid, signal.SIGKILL)
@@ -144,20 +148,28 @@ def test_p2p_wait_sleeps_instead_of_polling() -> None:
 
 def test_backend_failures_are_told_from_other_errors() -> None:
     from launcher.runtime.collectives import is_backend_failure
-    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
-                        "closed by peer [127.0.0.1]:23450")
+
+    gloo = RuntimeError(
+        "[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection "
+        "closed by peer [127.0.0.1]:23450"
+    )
     assert is_backend_failure(gloo)
     assert is_backend_failure(dist.DistBackendError("NCCL communicator was aborted"))
-    assert not is_backend_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x4)"))
+    assert not is_backend_failure(
+        RuntimeError("mat1 and mat2 shapes cannot be multiplied (4x3 and 4x4)")
+    )
     assert not is_backend_failure(ValueError("bad batch"))
 
 
 def test_stop_listeners_hear_each_newer_stop_once_on_the_requesting_thread() -> None:
     from launcher.runtime.signals import StopSignal
+
     heard: list[tuple[int, str]] = []
     stop = StopSignal()
     stop.on_request(lambda g: heard.append((g, threading.current_thread().name)))
-    t = threading.Thread(target=lambda: (stop.request(2), stop.request(1), stop.request(2)), name="reader")
+    t = threading.Thread(
+        target=lambda: (stop.request(2), stop.request(1), stop.request(2)), name="reader"
+    )
     t.start()
     t.join(5)
     assert heard == [(2, "reader")]

@@ -14,6 +14,7 @@
 - FTRUN_DDP_COMM=hook (the comm hook for every step) through a kill: bit-identical;
 - options whose collectives would bypass the runtime are refused with one line naming them.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,13 +25,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers_launch import FTRUN, TORCHRUN, env_with, events, free_port, run, script
 from helpers_runtime import EXAMPLES, base_env, load_params
 
 NPROC = 3
 STEPS = 6
-ARGS = ["--steps", str(STEPS), "--hidden", "128", "--layers", "4", "--norm", "--bucket-cap-mb", "0.1"]
+ARGS = [
+    "--steps",
+    str(STEPS),
+    "--hidden",
+    "128",
+    "--layers",
+    "4",
+    "--norm",
+    "--bucket-cap-mb",
+    "0.1",
+]
 
 
 def params_of(wd: Path, nproc: int = NPROC) -> list[dict[str, torch.Tensor]]:
@@ -54,14 +64,32 @@ def assert_equal_params(got: list[dict], ref: list[dict]) -> None:
 
 # gradient accumulation under model.no_sync() into .grad kept between steps (no BatchNorm: plain
 # DDP's buffer broadcast under no_sync is not what rt.ddp does, see launcher.runtime.ddp)
-ACCUM_ARGS = ["--steps", "5", "--hidden", "128", "--layers", "4", "--bucket-cap-mb", "0.1", "--accum", "3",
-              "--keep-grads"]
+ACCUM_ARGS = [
+    "--steps",
+    "5",
+    "--hidden",
+    "128",
+    "--layers",
+    "4",
+    "--bucket-cap-mb",
+    "0.1",
+    "--accum",
+    "3",
+    "--keep-grads",
+]
 
 
 def plain_run(wd: Path, args: list[str], nproc: int = NPROC) -> list[dict[str, torch.Tensor]]:
     wd.mkdir(exist_ok=True)
-    cmd = TORCHRUN + ["--standalone", "--nproc_per_node", str(nproc), script("ddp_reference.py"), *args,
-                      "--out", str(wd / "out{rank}.pt")]
+    cmd = TORCHRUN + [
+        "--standalone",
+        "--nproc_per_node",
+        str(nproc),
+        script("ddp_reference.py"),
+        *args,
+        "--out",
+        str(wd / "out{rank}.pt"),
+    ]
     res = run(cmd, env_with(OMP_NUM_THREADS="1"), timeout=300, cwd=str(wd))
     assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
     return params_of(wd, nproc)
@@ -85,16 +113,37 @@ def stuck_after_stop(ev: list[dict]) -> list[int]:
     must still be bit-identical."""
     stuck = [e for e in ev if e["event"] == "hang" and "after the stop" in e.get("message", "")]
     superseded = {e["rank"] for e in ev if e["event"] == "round-superseded"}
-    assert all(e["rank"] in superseded for e in stuck), "a stuck survivor is repaired in a superseding round"
+    assert all(e["rank"] in superseded for e in stuck), (
+        "a stuck survivor is repaired in a superseding round"
+    )
     return [e["rank"] for e in stuck]
 
 
-def ftrun(wd: Path, plan: list[dict] | None = None, launcher_args: tuple[str, ...] = (),
-          args: list[str] = ARGS, nproc: int = NPROC, **env: str) -> tuple[list[dict], list[dict], str]:
+def ftrun(
+    wd: Path,
+    plan: list[dict] | None = None,
+    launcher_args: tuple[str, ...] = (),
+    args: list[str] = ARGS,
+    nproc: int = NPROC,
+    **env: str,
+) -> tuple[list[dict], list[dict], str]:
     wd.mkdir()
-    cmd = FTRUN + ["--nproc_per_node", str(nproc), "--max_restarts", "5", "--log_dir", str(wd / "logs"),
-                   *launcher_args, str(EXAMPLES / "rt_ddp_train.py"), *args, "--out", str(wd / "out{rank}.pt")]
-    res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan or []), **env), timeout=400, cwd=str(wd))
+    cmd = FTRUN + [
+        "--nproc_per_node",
+        str(nproc),
+        "--max_restarts",
+        "5",
+        "--log_dir",
+        str(wd / "logs"),
+        *launcher_args,
+        str(EXAMPLES / "rt_ddp_train.py"),
+        *args,
+        "--out",
+        str(wd / "out{rank}.pt"),
+    ]
+    res = run(
+        cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan or []), **env), timeout=400, cwd=str(wd)
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 0, f"exit {res.returncode}\n{out[-8000:]}"
     return params_of(wd, nproc), events(str(wd / "logs")), out
@@ -105,7 +154,9 @@ def test_same_parameters_as_plain_ddp_under_torchrun(tmp_path, plain_ddp):
     assert_equal_params(params, plain_ddp)
     layouts = re.findall(r"DDP bucket layout for steps >= 1: (\d+) buckets", out)
     assert len(layouts) == NPROC and int(layouts[0]) >= 2, layouts  # several buckets: order matters
-    assert "repacked" not in out and "comm hook" not in out  # fault-free: DDP's own reducer throughout
+    assert (
+        "repacked" not in out and "comm hook" not in out
+    )  # fault-free: DDP's own reducer throughout
     assert out.count(NATIVE + ": step 0 with DDP's first-iteration layout") == NPROC
 
 
@@ -113,10 +164,14 @@ def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, p
     """A kill in forward, a hang in backward (its peers sit in DDP's C++ all-reduces, reported
     as waiting, until the stop breaks the wait), a kill in the optimizer update of rank 0 (DDP's
     buffer source)."""
-    plan = [{"rank": 1, "step": 1, "phase": "forward", "kind": "kill"},
-            {"rank": 2, "step": 3, "phase": "backward", "kind": "hang", "generation": 1},
-            {"rank": 0, "step": 4, "phase": "optimizer", "kind": "kill", "generation": 2}]
-    params, ev, out = ftrun(tmp_path / "faults", plan, ("--hang_timeout", "2", "--monitor_interval", "0.5"))
+    plan = [
+        {"rank": 1, "step": 1, "phase": "forward", "kind": "kill"},
+        {"rank": 2, "step": 3, "phase": "backward", "kind": "hang", "generation": 1},
+        {"rank": 0, "step": 4, "phase": "optimizer", "kind": "kill", "generation": 2},
+    ]
+    params, ev, out = ftrun(
+        tmp_path / "faults", plan, ("--hang_timeout", "2", "--monitor_interval", "0.5")
+    )
     assert_equal_params(params, plain_ddp)
     if stuck_after_stop(ev):
         return  # gloo's queued-send bug: other rounds than the plan's (see stuck_after_stop)
@@ -138,18 +193,25 @@ def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, p
     assert out.count(NATIVE) == 4 * NPROC
 
 
-def test_peers_waiting_in_cpp_on_a_live_faulty_rank_leave_when_the_stop_breaks_the_wait(tmp_path, plain_ddp):
+def test_peers_waiting_in_cpp_on_a_live_faulty_rank_leave_when_the_stop_breaks_the_wait(
+    tmp_path, plain_ddp
+):
     """Rank 1 pauses 1 s after its forward, then reports a fault (uce-low) and stays alive, waiting
     for the agent: ranks 0 and 2 sit in DDP's C++ all-reduce on rank 1's open sockets, which no
     peer death would end. The agent's stop shuts down their groups' sockets; they leave at once
     (not after the 120 s group timeout) and the run stays bit-identical."""
     plan = [{"rank": 1, "step": 2, "phase": "backward", "kind": "uce-low"}]
-    params, ev, out = ftrun(tmp_path / "uce", plan, args=ARGS + ["--pause", "1,2,1.0"], FTRUN_STORE_TIMEOUT="120")
+    params, ev, out = ftrun(
+        tmp_path / "uce", plan, args=ARGS + ["--pause", "1,2,1.0"], FTRUN_STORE_TIMEOUT="120"
+    )
     # Each leaves through its own stop ("left DDP's collective in C++"), or, when the other's stop
     # shut down their shared sockets first, through the collective's error a moment before its
     # own stop arrives ("after DDP collective error"): both within ms, the state clean.
-    left = re.findall(r"rank (\d) gen 0\].*stopped in step 2 phase backward \(state clean\).*"
-                      r"(?:left DDP's collective in C\+\+|after DDP collective error)", out)
+    left = re.findall(
+        r"rank (\d) gen 0\].*stopped in step 2 phase backward \(state clean\).*"
+        r"(?:left DDP's collective in C\+\+|after DDP collective error)",
+        out,
+    )
     assert sorted(left) == ["0", "2"], out[-6000:]
     assert "Timed out" not in out
     assert re.search(r"stop for generation 1: shut down \d+ sockets of the older groups", out)
@@ -164,8 +226,12 @@ def test_restart_all_from_a_checkpoint_learns_the_layout_in_its_first_step(tmp_p
     gradient order and repacks DDP's first buckets into it), then DDP's reducer takes over."""
     wd = tmp_path / "restart_all"
     plan = [{"rank": 1, "step": 4, "phase": "backward", "kind": "kill"}]
-    params, ev, out = ftrun(wd, plan, ("--recover-strategy", "restart-all,exit"),
-                            args=ARGS + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"])
+    params, ev, out = ftrun(
+        wd,
+        plan,
+        ("--recover-strategy", "restart-all,exit"),
+        args=ARGS + ["--checkpoint-dir", str(tmp_path / "ck"), "--checkpoint-every", "3"],
+    )
     assert [e["strategy"] for e in ev if e["event"] == "plan"] == ["restart-all"]
     assert out.count("step 3 all-reduces through the runtime's comm hook, which learns it") == NPROC
     assert out.count(NATIVE + ": step 4 with the bucket layout of steps >= 1") == NPROC
@@ -188,9 +254,13 @@ def test_no_sync_accumulation_into_kept_grads_stays_bit_identical(tmp_path, comm
     differs); with 2 ranks its .grad are bucket views (x / 2 == x * 0.5); the comm hook's are
     bucket views for any N (its own x * (1/N))."""
     ref = plain_run(tmp_path / "plain", ACCUM_ARGS, nproc)
-    plan = [{"rank": 1, "step": 1, "phase": "backward", "kind": "kill"},
-            {"rank": nproc - 1, "step": 3, "phase": "forward", "kind": "kill", "generation": 1}]
-    params, ev, _ = ftrun(tmp_path / "accum", plan, args=ACCUM_ARGS, nproc=nproc, FTRUN_DDP_COMM=comm)
+    plan = [
+        {"rank": 1, "step": 1, "phase": "backward", "kind": "kill"},
+        {"rank": nproc - 1, "step": 3, "phase": "forward", "kind": "kill", "generation": 1},
+    ]
+    params, ev, _ = ftrun(
+        tmp_path / "accum", plan, args=ACCUM_ARGS, nproc=nproc, FTRUN_DDP_COMM=comm
+    )
     assert_equal_params(params, ref)
     if stuck_after_stop(ev):
         return  # gloo's queued-send bug: other rounds than the plan's (see stuck_after_stop)
@@ -219,15 +289,31 @@ rt.finish()
 @pytest.mark.parametrize("comm", ["reducer", "hook"])
 def test_grads_are_bucket_views_unless_the_user_chooses(tmp_path, comm):
     """One rank (a power of two): bucket views by default on both paths; the option is obeyed."""
-    env = base_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(free_port()), "FTRUN_DDP_COMM": comm})
-    res = subprocess.run([sys.executable, "-c", VIEWS], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=tmp_path)
+    env = base_env(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "FTRUN_DDP_COMM": comm,
+        }
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", VIEWS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     cases = [ln for ln in res.stdout.splitlines() if ln.startswith("CASE")]
-    assert cases == ["CASE [] True True True",
-                     "CASE [('gradient_as_bucket_view', False)] False False False",
-                     "CASE [('gradient_as_bucket_view', True)] True True True"], res.stdout
+    assert cases == [
+        "CASE [] True True True",
+        "CASE [('gradient_as_bucket_view', False)] False False False",
+        "CASE [('gradient_as_bucket_view', True)] True True True",
+    ], res.stdout
 
 
 REFUSALS = r"""
@@ -269,16 +355,39 @@ rt.finish()
 
 
 def test_options_that_bypass_the_runtime_are_refused_with_one_line(tmp_path):
-    env = base_env({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                    "MASTER_PORT": str(free_port())})
-    res = subprocess.run([sys.executable, "-c", REFUSALS], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=tmp_path)
+    env = base_env(
+        {
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+        }
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", REFUSALS],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith(("REFUSED", "ACCEPTED"))]
-    refused = {ln.split()[1]: ln.split("|", 1)[1].strip() for ln in lines if ln.startswith("REFUSED")}
+    refused = {
+        ln.split()[1]: ln.split("|", 1)[1].strip() for ln in lines if ln.startswith("REFUSED")
+    }
     assert not [ln for ln in lines if ln.startswith("ACCEPTED")], lines
-    for option in ("find_unused_parameters", "static_graph", "delay_all_reduce_named_params", "mixed_precision",
-                   "process_group", "SyncBatchNorm", "join", "register_comm_hook"):
+    for option in (
+        "find_unused_parameters",
+        "static_graph",
+        "delay_all_reduce_named_params",
+        "mixed_precision",
+        "process_group",
+        "SyncBatchNorm",
+        "join",
+        "register_comm_hook",
+    ):
         msg = refused[option]
         assert msg.startswith("rt.ddp: ") and option in msg and "\n" not in msg, msg
 
@@ -338,6 +447,7 @@ def test_a_bucket_ddp_rebuilt_is_checked_again_not_taken_from_the_last_layout():
     then all-reduces DDP's buffer as it is). When DDP rebuilds its buckets, that check is made
     again: a rebuilt bucket that differs from the layout is repacked into the layout's buckets."""
     from launcher.runtime.ddp import BucketComm
+
     params = [torch.zeros(n, requires_grad=True) for n in (3, 5, 7)]
     fake = _FakeComm()
     comm = BucketComm(fake, step=lambda: 1, log=lambda line: None)  # type: ignore[arg-type]
@@ -360,15 +470,28 @@ def test_ddp_on_a_group_handle_repairs_a_rank_from_its_own_pair(tmp_path):
     """rt.ddp(process_group=<"dp" handle>) with two replica pairs ({0, 2}, {1, 3}) on DDP's own
     reducer: rank 2 is SIGKILLed in backward (rank 0 waits for it in DDP's C++ all-reduce on the
     pair's group), repaired from rank 0, and every rank ends bit-identical to a fault-free run."""
+
     def job(name: str, plan: list[dict]) -> tuple[list[dict], list[dict], str]:
         wd = tmp_path / name
         wd.mkdir()
-        cmd = FTRUN + ["--nproc_per_node", "4", "--max_restarts", "3", "--log_dir", str(wd / "logs"),
-                       script("rt_ddp_groups.py"), "--steps", "6", "--out", str(wd / "out{rank}.pt")]
+        cmd = FTRUN + [
+            "--nproc_per_node",
+            "4",
+            "--max_restarts",
+            "3",
+            "--log_dir",
+            str(wd / "logs"),
+            script("rt_ddp_groups.py"),
+            "--steps",
+            "6",
+            "--out",
+            str(wd / "out{rank}.pt"),
+        ]
         res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan)), timeout=300, cwd=str(wd))
         out = res.stdout + res.stderr
         assert res.returncode == 0, out[-6000:]
         return params_of(wd, 4), events(str(wd / "logs")), out
+
     ref, _, clean = job("clean", [])
     assert clean.count(NATIVE + ": step 0") == 4
     assert not torch.equal(ref[0]["0.weight"], ref[1]["0.weight"])  # two different models
@@ -390,9 +513,13 @@ def test_ddp_on_a_group_handle_repairs_a_rank_from_its_own_pair(tmp_path):
         # round resumes at 2 only when every survivor was
         assert len(plans) == 1, plans
         pairs, resume = plans[0]["pairs"], plans[0]["resume_step"]
-        assert [0, 2] in pairs and all(dst in (1, 3) for src, dst in pairs if [src, dst] != [0, 2]), plans
+        assert [0, 2] in pairs and all(
+            dst in (1, 3) for src, dst in pairs if [src, dst] != [0, 2]
+        ), plans
         assert resume in (2, 3), plans
         assert out.count(NATIVE + f": step {resume} with the bucket layout of steps >= 1") == 4
     for r in range(4):
         for k in ref[r]:
-            assert torch.equal(got[r][k], ref[r][k]), f"rank {r}: {k} differs from the fault-free run"
+            assert torch.equal(got[r][k], ref[r][k]), (
+                f"rank {r}: {k} differs from the fault-free run"
+            )

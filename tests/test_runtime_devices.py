@@ -1,4 +1,5 @@
 """Device adapters: classification, RNG, and the torch_npu calls (mocked at the device boundary)."""
+
 from __future__ import annotations
 
 import types
@@ -13,9 +14,14 @@ def test_cpu_adapter_classifies():
     cpu = D.select_adapter("gloo")
     assert cpu.name == "cpu" and cpu.device(3) == torch.device("cpu")
     assert cpu.classify_exception(D.InjectedFault("uce-low", "x")).kind == "uce-low"
-    gloo = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1")
+    gloo = RuntimeError(
+        "[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"
+    )
     assert cpu.classify_exception(gloo).kind == "network"
-    assert cpu.classify_exception(RuntimeError("There is unsafe data in the input tensor")).kind == "unsafe-data"
+    assert (
+        cpu.classify_exception(RuntimeError("There is unsafe data in the input tensor")).kind
+        == "unsafe-data"
+    )
     assert cpu.classify_exception(ValueError("shape mismatch")) is None
     assert cpu.rng_state() is None
     with pytest.raises(ValueError, match="cpu adapter"):
@@ -33,9 +39,13 @@ def test_selection_errors_are_clear(monkeypatch):
 def test_cuda_sticky_errors_are_process_fatal(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     cuda = D.select_adapter("nccl")
-    c = cuda.classify_exception(RuntimeError("CUDA error: an illegal memory access was encountered"))
+    c = cuda.classify_exception(
+        RuntimeError("CUDA error: an illegal memory access was encountered")
+    )
     assert c.kind == "exception" and c.fatal
-    assert cuda.classify_exception(RuntimeError("NCCL error: remote process exited")).kind == "network"
+    assert (
+        cuda.classify_exception(RuntimeError("NCCL error: remote process exited")).kind == "network"
+    )
 
 
 class FakeNpu:

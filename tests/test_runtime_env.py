@@ -1,37 +1,63 @@
 """Launch environment parsing."""
+
 from __future__ import annotations
 
 import pytest
 
 from launcher.runtime.env import RuntimeEnv
 
-BASE = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+BASE = {
+    "RANK": "1",
+    "WORLD_SIZE": "4",
+    "LOCAL_RANK": "1",
+    "MASTER_ADDR": "127.0.0.1",
+    "MASTER_PORT": "29500",
+}
 
 
 def test_torchrun_environment_means_unmanaged():
     env = RuntimeEnv.from_environ(BASE)
-    assert not env.managed and env.generation == 0 and not env.replacement and env.store_timeout == 300.0
+    assert (
+        not env.managed
+        and env.generation == 0
+        and not env.replacement
+        and env.store_timeout == 300.0
+    )
 
 
 def test_ftrun_environment():
-    env = RuntimeEnv.from_environ({**BASE, "FTRUN_AGENT_SOCKET": "/tmp/a.sock", "FTRUN_GENERATION": "3",
-                                   "FTRUN_REPLACEMENT": "1", "FTRUN_STORE_TIMEOUT": "12.5",
-                                   "FTRUN_RUN_ID": "r", "FTRUN_NODE_RANK": "2"})
+    env = RuntimeEnv.from_environ(
+        {
+            **BASE,
+            "FTRUN_AGENT_SOCKET": "/tmp/a.sock",
+            "FTRUN_GENERATION": "3",
+            "FTRUN_REPLACEMENT": "1",
+            "FTRUN_STORE_TIMEOUT": "12.5",
+            "FTRUN_RUN_ID": "r",
+            "FTRUN_NODE_RANK": "2",
+        }
+    )
     assert env.managed and env.generation == 3 and env.replacement and env.store_timeout == 12.5
     assert env.node_rank == 2 and env.run_id == "r"
     assert env.skip_init and not RuntimeEnv.from_environ({**BASE, "FTRUN_SKIP_INIT": "0"}).skip_init
-    assert env.ddp_comm == "reducer" and RuntimeEnv.from_environ({**BASE, "FTRUN_DDP_COMM": "hook"}).ddp_comm == "hook"
+    assert (
+        env.ddp_comm == "reducer"
+        and RuntimeEnv.from_environ({**BASE, "FTRUN_DDP_COMM": "hook"}).ddp_comm == "hook"
+    )
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"RANK": "4"}, "RANK=4 must be < WORLD_SIZE=4"),
-    ({"RANK": "x"}, "RANK='x' is not an integer"),
-    ({"FTRUN_REPLACEMENT": "yes"}, "FTRUN_REPLACEMENT='yes'"),
-    ({"FTRUN_SKIP_INIT": "off"}, "FTRUN_SKIP_INIT='off'"),
-    ({"FTRUN_DDP_COMM": "nccl"}, "FTRUN_DDP_COMM='nccl'; allowed: reducer, hook"),
-    ({"FTRUN_STORE_TIMEOUT": "0"}, "FTRUN_STORE_TIMEOUT=0.0 must be > 0"),
-    ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"RANK": "4"}, "RANK=4 must be < WORLD_SIZE=4"),
+        ({"RANK": "x"}, "RANK='x' is not an integer"),
+        ({"FTRUN_REPLACEMENT": "yes"}, "FTRUN_REPLACEMENT='yes'"),
+        ({"FTRUN_SKIP_INIT": "off"}, "FTRUN_SKIP_INIT='off'"),
+        ({"FTRUN_DDP_COMM": "nccl"}, "FTRUN_DDP_COMM='nccl'; allowed: reducer, hook"),
+        ({"FTRUN_STORE_TIMEOUT": "0"}, "FTRUN_STORE_TIMEOUT=0.0 must be > 0"),
+        ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
+    ],
+)
 def test_bad_values_are_named(change, match):
     with pytest.raises(ValueError, match=match):
         RuntimeEnv.from_environ({**BASE, **change})

@@ -1,4 +1,5 @@
 """FTRUN_FAULT_PLAN parsing and firing (raised kinds in-process, process kinds in a child)."""
+
 from __future__ import annotations
 
 import json
@@ -7,15 +8,21 @@ import subprocess
 import sys
 
 import pytest
+from helpers_runtime import base_env
 
 from launcher.runtime.devices import InjectedFault
 from launcher.runtime.faultplan import FaultInjector, parse_plan
-from helpers_runtime import base_env
 
 
 def test_parse_and_validate():
-    specs = parse_plan(json.dumps([{"rank": 1, "step": 3, "phase": "backward", "kind": "kill"},
-                                   {"rank": 0, "step": 0, "phase": "optimizer", "kind": "uce-low", "generation": 2}]))
+    specs = parse_plan(
+        json.dumps(
+            [
+                {"rank": 1, "step": 3, "phase": "backward", "kind": "kill"},
+                {"rank": 0, "step": 0, "phase": "optimizer", "kind": "uce-low", "generation": 2},
+            ]
+        )
+    )
     assert (specs[0].generation, specs[1].generation) == (0, 2)
     assert parse_plan(None) == [] and parse_plan("") == []
     with pytest.raises(ValueError, match="not valid JSON"):
@@ -32,8 +39,11 @@ def test_parse_and_validate():
 
 def test_raised_fault_fires_once_only_on_match():
     logs: list[str] = []
-    inj = FaultInjector(parse_plan('[{"rank":2,"step":4,"phase":"forward","kind":"uce-high","generation":1}]'),
-                        2, logs.append)
+    inj = FaultInjector(
+        parse_plan('[{"rank":2,"step":4,"phase":"forward","kind":"uce-high","generation":1}]'),
+        2,
+        logs.append,
+    )
     inj.maybe_fire(0, 4, "forward")  # wrong generation
     inj.maybe_fire(1, 4, "backward")  # wrong phase
     with pytest.raises(InjectedFault) as err:
@@ -41,16 +51,23 @@ def test_raised_fault_fires_once_only_on_match():
     assert err.value.kind == "uce-high"
     inj.maybe_fire(1, 4, "forward")  # fired already
     assert logs == ["INJECTED fault kind=uce-high at step 4 forward"]
-    FaultInjector(parse_plan('[{"rank":2,"step":4,"phase":"forward","kind":"exception"}]'), 1, print) \
-        .maybe_fire(0, 4, "forward")  # other rank: nothing
+    FaultInjector(
+        parse_plan('[{"rank":2,"step":4,"phase":"forward","kind":"exception"}]'), 1, print
+    ).maybe_fire(0, 4, "forward")  # other rank: nothing
 
 
-@pytest.mark.parametrize("kind,code", [("kill", -signal.SIGKILL), ("segv", -signal.SIGSEGV), ("exit", 3)])
+@pytest.mark.parametrize(
+    "kind,code", [("kill", -signal.SIGKILL), ("segv", -signal.SIGSEGV), ("exit", 3)]
+)
 def test_process_faults_are_real(kind, code):
     spec = json.dumps([{"rank": 0, "step": 1, "phase": "forward", "kind": kind}])
-    prog = ("from launcher.runtime.faultplan import FaultInjector, parse_plan\n"
-            f"FaultInjector(parse_plan({spec!r}), 0, print).maybe_fire(0, 1, 'forward')\nprint('survived')")
-    res = subprocess.run([sys.executable, "-c", prog], env=base_env(), capture_output=True, text=True, timeout=60)
+    prog = (
+        "from launcher.runtime.faultplan import FaultInjector, parse_plan\n"
+        f"FaultInjector(parse_plan({spec!r}), 0, print).maybe_fire(0, 1, 'forward')\nprint('survived')"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", prog], env=base_env(), capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == code and "survived" not in res.stdout
     assert f"INJECTED fault kind={kind}" in res.stdout
 
@@ -58,7 +75,9 @@ def test_process_faults_are_real(kind, code):
 def test_injection_forwarded_by_the_agent_fires_in_any_generation():
     logs: list[str] = []
     inj = FaultInjector([], 1, logs.append)
-    inj.arm({"op": "inject", "kind": "network", "step": 5, "phase": None})  # phase defaults to forward
+    inj.arm(
+        {"op": "inject", "kind": "network", "step": 5, "phase": None}
+    )  # phase defaults to forward
     inj.maybe_fire(3, 4, "forward")
     inj.maybe_fire(3, 5, "backward")
     with pytest.raises(InjectedFault) as err:
@@ -81,23 +100,33 @@ def test_injection_without_a_step_fires_at_the_next_phase_edge_one_per_edge():
     inj.maybe_fire(0, 8, "forward")
 
 
-@pytest.mark.parametrize("msg,why", [({"kind": "boom"}, "kind='boom'"),
-                                     ({"kind": "hang", "step": -1}, "step=-1"),
-                                     ({"kind": "hang", "step": 2, "phase": "loss"}, "phase='loss'")])
+@pytest.mark.parametrize(
+    "msg,why",
+    [
+        ({"kind": "boom"}, "kind='boom'"),
+        ({"kind": "hang", "step": -1}, "step=-1"),
+        ({"kind": "hang", "step": 2, "phase": "loss"}, "phase='loss'"),
+    ],
+)
 def test_bad_injection_is_ignored_with_one_line(msg, why):
     logs: list[str] = []
     inj = FaultInjector([], 0, logs.append)
     inj.arm({"op": "inject", **msg})
     inj.maybe_fire(0, 2, "forward")  # nothing armed
-    assert len(logs) == 1 and logs[0].startswith("ignored injection from the agent") and why in logs[0]
+    assert (
+        len(logs) == 1 and logs[0].startswith("ignored injection from the agent") and why in logs[0]
+    )
 
 
 def test_kill_forwarded_without_a_step_is_a_real_signal_at_once():
-    prog = ("import time\nfrom launcher.runtime.faultplan import FaultInjector\n"
-            "FaultInjector([], 0, print).arm({'op': 'inject', 'kind': 'kill', 'step': None, 'phase': None})\n"
-            "print('survived')")
-    res = subprocess.run([sys.executable, "-c", prog], env=base_env(), capture_output=True, text=True,
-                         timeout=60)
+    prog = (
+        "import time\nfrom launcher.runtime.faultplan import FaultInjector\n"
+        "FaultInjector([], 0, print).arm({'op': 'inject', 'kind': 'kill', 'step': None, 'phase': None})\n"
+        "print('survived')"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", prog], env=base_env(), capture_output=True, text=True, timeout=60
+    )
     assert res.returncode == -signal.SIGKILL and "survived" not in res.stdout
     assert "INJECTED fault kind=kill" in res.stdout
 

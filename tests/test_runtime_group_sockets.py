@@ -7,6 +7,7 @@ that wait raise within a second; rank 2's own next collective fails the same way
 process stays alive and exits normally; the store's connection and gloo's listening socket
 are never recorded or touched.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,8 +19,13 @@ import textwrap
 
 from helpers_launch import free_port
 
-from launcher.runtime.group_sockets import (GroupSocket, SocketLedger, new_connected_sockets, open_sockets,
-                                            shutdown)
+from launcher.runtime.group_sockets import (
+    GroupSocket,
+    SocketLedger,
+    new_connected_sockets,
+    open_sockets,
+    shutdown,
+)
 
 WORKER = textwrap.dedent(r"""
     import json, os, sys, threading, time
@@ -65,22 +71,36 @@ def test_a_c_plus_plus_ddp_wait_on_a_silent_peer_is_broken_and_every_process_liv
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in range(3)]
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in range(3)
+    ]
     results = {}
     for p in procs:
         out, err = p.communicate(timeout=120)
         assert p.returncode == 0, err[-3000:]
         line = next(ln for ln in out.splitlines() if ln.startswith("RESULT "))
-        r = json.loads(line[len("RESULT "):])
+        r = json.loads(line[len("RESULT ") :])
         results[r["rank"]] = r
     for rank in (0, 1):
         r = results[rank]
         assert r["sockets"] == 2  # one connected pair per peer; the listener is not recorded
         assert r["shut"] >= 1
-        assert r["backward"] != "completed" and r["seconds"] < 2.0, r  # left at once, not after 60 s
+        assert r["backward"] != "completed" and r["seconds"] < 2.0, (
+            r
+        )  # left at once, not after 60 s
     assert results[2]["backward"] != "completed"  # its peers' sockets are gone: it fails, it lives
 
 
@@ -93,8 +113,13 @@ def test_only_new_connected_stream_sockets_are_recorded_and_a_reused_descriptor_
     udp = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     try:
         found = new_connected_sockets(before, open_sockets())
-        assert {s.fd for s in found} == {client.fileno(), server_side.fileno()}  # no listener, no UDP
-        stale = GroupSocket(client.fileno(), os.fstat(udp.fileno()).st_ino)  # another socket's inode
+        assert {s.fd for s in found} == {
+            client.fileno(),
+            server_side.fileno(),
+        }  # no listener, no UDP
+        stale = GroupSocket(
+            client.fileno(), os.fstat(udp.fileno()).st_ino
+        )  # another socket's inode
         assert not shutdown(stale)
         client.setblocking(True)
         assert shutdown(next(s for s in found if s.fd == server_side.fileno()))
@@ -189,7 +214,9 @@ QUEUED_SEND = textwrap.dedent(r"""
 """)
 
 
-def test_a_send_gloo_already_queued_is_not_released_by_the_shutdown_only_by_the_group_timeout(tmp_path):
+def test_a_send_gloo_already_queued_is_not_released_by_the_shutdown_only_by_the_group_timeout(
+    tmp_path,
+):
     """Why the agent kills a survivor still waiting FTRUN_HANG_STOP after a stop (hang_watch):
     gloo's pair, when its connection fails, fails the bound buffers in its transmit queue but
     not the unbound ones its collectives and send/recv use, so a send queued before the
@@ -198,18 +225,36 @@ def test_a_send_gloo_already_queued_is_not_released_by_the_shutdown_only_by_the_
     script = tmp_path / "queued.py"
     script.write_text(QUEUED_SEND)
     port = free_port()
-    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
-    receiver = subprocess.Popen([sys.executable, str(script), "0", str(port)], stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, env=env)
+    env = {
+        **os.environ,
+        "GLOO_SOCKET_IFNAME": "lo",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+    }
+    receiver = subprocess.Popen(
+        [sys.executable, str(script), "0", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
-        sender = subprocess.run([sys.executable, str(script), "1", str(port)], capture_output=True, text=True,
-                                env=env, timeout=120)
+        sender = subprocess.run(
+            [sys.executable, str(script), "1", str(port)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
     finally:
         receiver.kill()
         receiver.wait(timeout=30)
     assert sender.returncode == 0, sender.stderr[-3000:]
-    _, shut, seconds, outcome = next(ln for ln in sender.stdout.splitlines() if ln.startswith("RESULT ")).split(" ", 3)
+    _, shut, seconds, outcome = next(
+        ln for ln in sender.stdout.splitlines() if ln.startswith("RESULT ")
+    ).split(" ", 3)
     assert int(shut) == 1  # the connection to rank 0 was shut down ...
     assert outcome != "completed" and "Timed out" in outcome, outcome
-    assert float(seconds) >= 2.5, seconds  # ... and still only the group's 3 s timeout ended the send
+    assert float(seconds) >= 2.5, (
+        seconds
+    )  # ... and still only the group's 3 s timeout ended the send

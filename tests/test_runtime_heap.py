@@ -1,4 +1,5 @@
 """launcher.runtime.heap: a spare's heap faulted in ahead of the replacement's allocations."""
+
 from __future__ import annotations
 
 import json
@@ -35,9 +36,14 @@ print(json.dumps({{"prepared": prepared, "faults": faults, "rss_before_settle": 
 
 
 def _probe(nbytes: int, **env: str) -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE.format(root=ROOT), str(nbytes)], check=True,
-                         capture_output=True, text=True, env=dict(os.environ, THP_MEM_ALLOC_ENABLE="1", **env),
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE.format(root=ROOT), str(nbytes)],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, THP_MEM_ALLOC_ENABLE="1", **env),
+        timeout=120,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -62,11 +68,15 @@ def test_nothing_to_prepare_is_a_no_op():
 
 
 def test_a_spare_takes_at_most_a_quarter_of_the_available_memory():
-    code = ("import sys; sys.path.insert(0, %r)\n"
-            "from launcher.runtime import heap\n"
-            "heap.available_bytes = lambda: 400 << 20\n"
-            "print(heap.prepare(1 << 40))\n") % ROOT
-    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60)
+    code = (
+        "import sys; sys.path.insert(0, %r)\n"
+        "from launcher.runtime import heap\n"
+        "heap.available_bytes = lambda: 400 << 20\n"
+        "print(heap.prepare(1 << 40))\n"
+    ) % ROOT
+    out = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, timeout=60
+    )
     from launcher.runtime import heap
 
     assert 0 < int(out.stdout) <= (100 << 20) + heap.MMAP_THRESHOLD  # in whole blocks of < 32 MB

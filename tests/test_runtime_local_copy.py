@@ -2,6 +2,7 @@
 laid over differently cut destinations, split across threads without losing or doubling a byte,
 read for real from another process, and every failure comes back as a reason (never a partial
 success): a dead sender, another host, a size mismatch, the switch turned off."""
+
 from __future__ import annotations
 
 import subprocess
@@ -22,7 +23,11 @@ def _offer(views: list[torch.Tensor]) -> Offer:
 
 def test_pairs_lay_the_spans_over_differently_cut_destinations():
     src = [torch.arange(10, dtype=torch.uint8), torch.arange(10, 16, dtype=torch.uint8)]
-    dst = [torch.empty(3, dtype=torch.uint8), torch.empty(9, dtype=torch.uint8), torch.empty(4, dtype=torch.uint8)]
+    dst = [
+        torch.empty(3, dtype=torch.uint8),
+        torch.empty(9, dtype=torch.uint8),
+        torch.empty(4, dtype=torch.uint8),
+    ]
     pairs = _pairs(_offer(src), dst)
     assert sum(n for _, _, n in pairs) == 16
     assert [n for _, _, n in pairs] == [3, 7, 2, 4]  # cut at every boundary of either side
@@ -47,7 +52,9 @@ def test_read_copies_this_process_memory_into_the_destinations(threads):
     src = [torch.randn(1000), torch.arange(77, dtype=torch.int64)]
     dst = [torch.empty(1000), torch.empty(77, dtype=torch.int64)]
     views = [t.view(torch.uint8) for t in src]
-    assert local_copy.read(_offer(views), [t.view(torch.uint8) for t in dst], threads=threads) is None
+    assert (
+        local_copy.read(_offer(views), [t.view(torch.uint8) for t in dst], threads=threads) is None
+    )
     assert torch.equal(src[0], dst[0]) and torch.equal(src[1], dst[1])
 
 
@@ -62,8 +69,12 @@ sys.stdin.readline()
 
 
 def test_read_copies_another_process_tensor_and_reports_a_dead_one():
-    proc = subprocess.Popen([sys.executable, "-c", READER_PEER], stdout=subprocess.PIPE,
-                            stdin=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", READER_PEER],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.PIPE,
+        text=True,
+    )
     try:
         pid, addr, n, host = proc.stdout.readline().split()
         offer = Offer(host, int(pid), ((int(addr), int(n)),))

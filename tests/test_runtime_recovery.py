@@ -3,6 +3,7 @@
 Faults are injected inside the workers with FTRUN_FAULT_PLAN (real SIGKILL/SIGSEGV/_exit).
 Acceptance everywhere: the job finishes, only the failed ranks got new processes, and the
 final parameters are bit-identical to a fault-free run with the same seed."""
+
 from __future__ import annotations
 
 import json
@@ -13,7 +14,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers_faults import repaired_besides_laggards
 from helpers_launch import FTRUN, env_with, events, run
 from helpers_runtime import EXAMPLES, assert_bit_identical, load_params
@@ -21,21 +21,43 @@ from helpers_runtime import EXAMPLES, assert_bit_identical, load_params
 STEPS = 8
 
 
-def ftrun_job(tmp_path: Path, name: str, script: str, plan=None, extra=(), max_restarts: int = 3,
-              env: dict[str, str] | None = None, kill: tuple[list[int], int] | None = None):
+def ftrun_job(
+    tmp_path: Path,
+    name: str,
+    script: str,
+    plan=None,
+    extra=(),
+    max_restarts: int = 3,
+    env: dict[str, str] | None = None,
+    kill: tuple[list[int], int] | None = None,
+):
     """Run `script` on 4 ranks under ftrun; `kill` = (ranks, step): SIGKILL those ranks from
     outside, all at once, once each of them has committed that step."""
     wd = tmp_path / name
     wd.mkdir()
-    cmd = FTRUN + ["--nproc_per_node", "4", "--max_restarts", str(max_restarts), "--log_dir", str(wd / "logs"),
-                   str(EXAMPLES / script), "--steps", str(STEPS), "--out", str(wd / "out{rank}.pt"), *extra]
+    cmd = FTRUN + [
+        "--nproc_per_node",
+        "4",
+        "--max_restarts",
+        str(max_restarts),
+        "--log_dir",
+        str(wd / "logs"),
+        str(EXAMPLES / script),
+        "--steps",
+        str(STEPS),
+        "--out",
+        str(wd / "out{rank}.pt"),
+        *extra,
+    ]
     job_env = env_with(FTRUN_FAULT_PLAN=json.dumps(plan or []), **(env or {}))
     if kill is None:
         res = run(cmd, job_env, timeout=300, cwd=str(wd))
     else:  # output to files: nobody reads a pipe while the kill waits for the job's progress
         job_env["FTRUN_PROGRESS_INTERVAL"] = "0.1"
         with open(wd / "stdout.txt", "w+") as out, open(wd / "stderr.txt", "w+") as err:
-            proc = subprocess.Popen(cmd, env=job_env, stdout=out, stderr=err, text=True, cwd=str(wd))
+            proc = subprocess.Popen(
+                cmd, env=job_env, stdout=out, stderr=err, text=True, cwd=str(wd)
+            )
             try:
                 _kill_when_training(wd / "logs", *kill)
                 proc.wait(timeout=300)
@@ -91,8 +113,9 @@ def new_processes(pids: dict[int, list[int]]) -> dict[int, int]:
 
 @pytest.mark.parametrize("phase", ["forward", "backward", "optimizer"])
 def test_sigkill_in_each_phase(tmp_path, ddp_ref, phase):
-    ev, pids, params, _ = ftrun_job(tmp_path, phase, "ddp_train.py",
-                                    [{"rank": 1, "step": 4, "phase": phase, "kind": "kill"}])
+    ev, pids, params, _ = ftrun_job(
+        tmp_path, phase, "ddp_train.py", [{"rank": 1, "step": 4, "phase": phase, "kind": "kill"}]
+    )
     assert new_processes(pids) == {1: 1}  # the survivors kept their pids
     repair = [e for e in ev if e["event"] == "repair-plan"]
     pairs = repair[-1]["pairs"]
@@ -116,12 +139,16 @@ def test_replacement_skips_the_random_init_it_receives_over(tmp_path, ddp_ref):
     plan = [{"rank": 1, "step": 4, "phase": "forward", "kind": "kill"}]
     ev, pids, params, res = ftrun_job(tmp_path, "skip", "ddp_train.py", plan)
     out = res.stdout + res.stderr
-    assert "skipped 6 random parameter inits the received state overwrites" in out  # 3 Linear layers
+    assert (
+        "skipped 6 random parameter inits the received state overwrites" in out
+    )  # 3 Linear layers
     assert new_processes(pids) == {1: 1}
     for r in range(4):
         assert_bit_identical(params[r], ddp_ref[0])
     # FTRUN_SKIP_INIT=0: the replacement inits normally (and is just as bit-identical)
-    ev, pids, params, res = ftrun_job(tmp_path, "noskip", "ddp_train.py", plan, env={"FTRUN_SKIP_INIT": "0"})
+    ev, pids, params, res = ftrun_job(
+        tmp_path, "noskip", "ddp_train.py", plan, env={"FTRUN_SKIP_INIT": "0"}
+    )
     assert "skipped" not in res.stdout + res.stderr
     for r in range(4):
         assert_bit_identical(params[r], ddp_ref[0])
@@ -133,7 +160,9 @@ def test_replacement_that_draws_after_a_skipped_init_falls_back_to_a_normal_init
     says so, exits before any state moves, and the next replacement inits normally."""
     ref = ftrun_job(tmp_path, "ref", "ddp_train.py", extra=["--fixed-projection"])[2]
     plan = [{"rank": 1, "step": 4, "phase": "forward", "kind": "kill"}]
-    ev, pids, params, res = ftrun_job(tmp_path, "draw", "ddp_train.py", plan, extra=["--fixed-projection"])
+    ev, pids, params, res = ftrun_job(
+        tmp_path, "draw", "ddp_train.py", plan, extra=["--fixed-projection"]
+    )
     for r in range(4):  # (a replacement that skipped would have drawn another projection)
         assert_bit_identical(params[r], ref[0])
     out = res.stdout + res.stderr
@@ -143,9 +172,11 @@ def test_replacement_that_draws_after_a_skipped_init_falls_back_to_a_normal_init
 
 
 def test_three_faults_including_the_same_rank_twice(tmp_path, ddp_ref):
-    plan = [{"rank": 1, "step": 2, "phase": "forward", "kind": "kill"},
-            {"rank": 1, "step": 4, "phase": "backward", "kind": "segv", "generation": 1},
-            {"rank": 3, "step": 6, "phase": "optimizer", "kind": "kill", "generation": 2}]
+    plan = [
+        {"rank": 1, "step": 2, "phase": "forward", "kind": "kill"},
+        {"rank": 1, "step": 4, "phase": "backward", "kind": "segv", "generation": 1},
+        {"rank": 3, "step": 6, "phase": "optimizer", "kind": "kill", "generation": 2},
+    ]
     ev, pids, params, _ = ftrun_job(tmp_path, "three", "ddp_train.py", plan, max_restarts=5)
     assert new_processes(pids) == {1: 2, 3: 1}
     for r in range(4):
@@ -157,8 +188,9 @@ def test_two_ranks_of_different_replica_groups_at_once(tmp_path, hybrid_ref):
     moment once both have committed step 2. (Killed by a fault plan at each one's own step
     start, the stop the first death caused could reach rank 3 before its kill under load: it
     survived, flaky.)"""
-    ev, pids, params, _ = ftrun_job(tmp_path, "two", "hybrid_train.py", extra=["--step-time", "0.2"],
-                                    kill=([0, 3], 2))
+    ev, pids, params, _ = ftrun_job(
+        tmp_path, "two", "hybrid_train.py", extra=["--step-time", "0.2"], kill=([0, 3], 2)
+    )
     fallback = [e for e in ev if e["event"] == "fallback"]
     if fallback:
         # The survivors 1 and 2 (one of each shard) stood a step apart when the deaths stopped
@@ -178,8 +210,10 @@ def test_no_healthy_replica_restarts_all_from_checkpoint(tmp_path, hybrid_ref):
     """Rank 0 dies; its shard's only other replica, rank 2, dies while it sends the replacement
     that state (the round's transfer). (Both killed at the same step was racy: the stop of the
     first death, within milliseconds, often reached rank 2 before its own kill.)"""
-    plan = [{"rank": 0, "step": 5, "phase": "backward", "kind": "kill"},
-            {"rank": 2, "step": 5, "phase": "transfer", "kind": "kill", "generation": 1}]
+    plan = [
+        {"rank": 0, "step": 5, "phase": "backward", "kind": "kill"},
+        {"rank": 2, "step": 5, "phase": "transfer", "kind": "kill", "generation": 1},
+    ]
     extra = ["--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "2"]
     ev, pids, params, res = ftrun_job(tmp_path, "fallback", "hybrid_train.py", plan, extra)
     assert any(e["event"] == "repair-plan" and e.get("fallback") == "restart-all" for e in ev)
@@ -201,14 +235,39 @@ def test_every_rank_of_one_node_killed_is_repaired_from_the_other_node(tmp_path,
     for node in (0, 1):
         wd = tmp_path / f"node{node}"
         wd.mkdir()
-        cmd = FTRUN + ["--nnodes", "2", "--node_rank", str(node), "--nproc_per_node", "2",
-                       "--master_port", str(port), "--max_restarts", "3", "--log_dir", str(wd / "logs"),
-                       str(EXAMPLES / "ddp_train.py"), "--steps", str(STEPS), "--step-time", "0.25",
-                       "--out", str(tmp_path / "out{rank}.pt")]
+        cmd = FTRUN + [
+            "--nnodes",
+            "2",
+            "--node_rank",
+            str(node),
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(port),
+            "--max_restarts",
+            "3",
+            "--log_dir",
+            str(wd / "logs"),
+            str(EXAMPLES / "ddp_train.py"),
+            "--steps",
+            str(STEPS),
+            "--step-time",
+            "0.25",
+            "--out",
+            str(tmp_path / "out{rank}.pt"),
+        ]
         # output to a file: nobody reads a pipe while the kill waits for the job's progress
         with open(wd / "output.txt", "w") as out:
-            procs.append(subprocess.Popen(cmd, env=env_with(FTRUN_PROGRESS_INTERVAL="0.1"), stdout=out,
-                                          stderr=subprocess.STDOUT, text=True, cwd=str(wd)))
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    env=env_with(FTRUN_PROGRESS_INTERVAL="0.1"),
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    cwd=str(wd),
+                )
+            )
     try:
         _kill_when_training(tmp_path / "node1" / "logs", [2, 3], 2)
         for p in procs:
@@ -219,7 +278,8 @@ def test_every_rank_of_one_node_killed_is_repaired_from_the_other_node(tmp_path,
                 p.kill()
                 p.wait()
     assert [p.returncode for p in procs] == [0, 0], "\n".join(
-        (tmp_path / f"node{n}" / "output.txt").read_text(errors="replace")[-5000:] for n in (0, 1))
+        (tmp_path / f"node{n}" / "output.txt").read_text(errors="replace")[-5000:] for n in (0, 1)
+    )
     ev0, ev1 = events(str(tmp_path / "node0" / "logs")), events(str(tmp_path / "node1" / "logs"))
     spawns0 = [e for e in ev0 if e["event"] == "spawn"]
     assert sorted(e["rank"] for e in spawns0) == [0, 1]  # node 0's ranks were never restarted
@@ -238,12 +298,21 @@ def test_budget_exhausted_exits_1_with_the_root_cause_first(tmp_path):
     wd = tmp_path / "budget"
     wd.mkdir()
     plan = [{"rank": 2, "step": 2, "phase": "backward", "kind": "kill"}]
-    cmd = FTRUN + ["--nproc_per_node", "4", "--max_restarts", "0", "--log_dir", str(wd / "logs"),
-                   str(EXAMPLES / "ddp_train.py"), "--steps", str(STEPS)]
+    cmd = FTRUN + [
+        "--nproc_per_node",
+        "4",
+        "--max_restarts",
+        "0",
+        "--log_dir",
+        str(wd / "logs"),
+        str(EXAMPLES / "ddp_train.py"),
+        "--steps",
+        str(STEPS),
+    ]
     res = run(cmd, env_with(FTRUN_FAULT_PLAN=json.dumps(plan)), timeout=300, cwd=str(wd))
     assert res.returncode == 1
-    summary = res.stderr[res.stderr.index("ddp_train.py FAILED"):]
-    root = summary[summary.index("Root Cause"):summary.index("Other Failures")]
+    summary = res.stderr[res.stderr.index("ddp_train.py FAILED") :]
+    root = summary[summary.index("Root Cause") : summary.index("Other Failures")]
     assert "rank      : 2 (local_rank: 2" in root and "SIGKILL" in root
     assert "restart budget spent" in summary
     ev = events(str(wd / "logs"))
@@ -260,15 +329,33 @@ def test_plain_torchrun_trains_without_recovery_and_resumes_from_checkpoints(tmp
 
     def torchrun(name, steps, ckpt):
         out = tmp_path / f"{name}.pt"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               str(EXAMPLES / "ddp_train.py"), "--steps", str(steps), "--out", str(out),
-               "--checkpoint-dir", str(ckpt), "--checkpoint-every", "3"]
-        res = subprocess.run(cmd, env=base_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path)
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(EXAMPLES / "ddp_train.py"),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out),
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            "3",
+        ]
+        res = subprocess.run(
+            cmd, env=base_env(), capture_output=True, text=True, timeout=180, cwd=tmp_path
+        )
         assert res.returncode == 0, res.stdout + res.stderr
         return res.stdout + res.stderr, out
 
     log, whole = torchrun("whole", 6, tmp_path / "c1")
-    assert "no FTRUN_AGENT_SOCKET: running without an ftrun agent, so no process-level recovery" in log
+    assert (
+        "no FTRUN_AGENT_SOCKET: running without an ftrun agent, so no process-level recovery" in log
+    )
     torchrun("first", 3, tmp_path / "c2")
     log, resumed = torchrun("resumed", 6, tmp_path / "c2")
     assert "loaded checkpoint iteration 3" in log

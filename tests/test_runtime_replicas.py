@@ -1,16 +1,23 @@
 """Replica layouts (pure functions): which ranks hold equal state."""
+
 from __future__ import annotations
 
 import pytest
 
-from launcher.protocol.plan import RESTART_ALL, RankStatus
+from launcher.protocol.plan import RankStatus
 from launcher.runtime.replicas import Layout, parallel_groups
 
 
 def st(rank, committed, step=None, shard="dp", replacement=False, dirty=False, gen=1):
-    return RankStatus(rank=rank, generation=gen, replacement=replacement,
-                      committed_step=-1 if replacement else committed,
-                      step=committed + 1 if step is None else step, dirty=dirty, shard=shard)
+    return RankStatus(
+        rank=rank,
+        generation=gen,
+        replacement=replacement,
+        committed_step=-1 if replacement else committed,
+        step=committed + 1 if step is None else step,
+        dirty=dirty,
+        shard=shard,
+    )
 
 
 def test_ddp_layout_every_rank_replicates_every_other():
@@ -57,4 +64,8 @@ def test_explicit_groups_and_validation():
 
 def test_parallel_groups():
     g = parallel_groups(4, dp=2, tp=2, pp=1)
-    assert g["tp"] == [[0, 1], [2, 3]] and g["dp"] == [[0, 2], [1, 3]] and g["pp"] == [[0], [1], [2], [3]]
+    assert (
+        g["tp"] == [[0, 1], [2, 3]]
+        and g["dp"] == [[0, 2], [1, 3]]
+        and g["pp"] == [[0], [1], [2], [3]]
+    )

@@ -1,4 +1,5 @@
 """launcher.runtime.skip_init: a replacement's skipped random init, proven harmless or refused."""
+
 from __future__ import annotations
 
 import torch
@@ -53,7 +54,7 @@ def test_fills_outside_the_received_state_are_refused():
     torch.manual_seed(5)
     skip = InitSkip()
     skip.open()
-    a, b = mlp(), mlp()
+    a, _b = mlp(), mlp()  # _b draws random fills too
     res = skip.close(covered(a))  # b is not part of the state: its values would be NaN
     assert res.skipped == 8 and res.diverged and "outside the received state" in res.diverged
 

@@ -1,4 +1,5 @@
 """Step-start snapshots, rollback and state flattening (single process)."""
+
 from __future__ import annotations
 
 import random
@@ -8,18 +9,30 @@ import pytest
 import torch
 
 from launcher.runtime.devices import DeviceAdapter
-from launcher.runtime.state import (NumpyRng, PythonRng, Registered, capture_rng, flatten, restore_rng,
-                                    slot_paths, tensor_paths, unflatten)
+from launcher.runtime.state import (
+    NumpyRng,
+    PythonRng,
+    Registered,
+    capture_rng,
+    flatten,
+    restore_rng,
+    slot_paths,
+    tensor_paths,
+    unflatten,
+)
 
 
 def make():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5),
-                                torch.nn.Linear(8, 1))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 1)
+    )
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     pos = {"i": 0}
     extra = torch.zeros(3)
-    reg = Registered([model], [opt], [], (lambda: dict(pos), lambda p: pos.update(p)), {"acc": extra})
+    reg = Registered(
+        [model], [opt], [], (lambda: dict(pos), lambda p: pos.update(p)), {"acc": extra}
+    )
     return model, opt, pos, extra, reg
 
 
@@ -44,7 +57,9 @@ def test_rollback_restores_rng_data_buffers_extras_and_zeroes_grads():
         assert torch.equal(v, before[k]), k
     assert all(p.grad is None for p in model.parameters())
     again = draw()
-    assert again[0] == expected[0] and again[1] == expected[1] and torch.equal(again[2], expected[2])
+    assert (
+        again[0] == expected[0] and again[1] == expected[1] and torch.equal(again[2], expected[2])
+    )
 
 
 def test_on_rollback_hook_gets_the_step():
@@ -123,15 +138,23 @@ def _same_numpy_state(a, b):
 DRAWS = {
     "nothing": lambda: None,
     "uniform": lambda: (random.random(), np.random.rand()),
-    "gaussian": lambda: (random.gauss(0, 1), np.random.standard_normal()),  # caches one half of a pair
-    "gaussian again": lambda: (random.gauss(0, 1), np.random.standard_normal()),  # uses the cached half
+    "gaussian": lambda: (
+        random.gauss(0, 1),
+        np.random.standard_normal(),
+    ),  # caches one half of a pair
+    "gaussian again": lambda: (
+        random.gauss(0, 1),
+        np.random.standard_normal(),
+    ),  # uses the cached half
     "nothing again": lambda: None,
     "seed": lambda: (random.seed(7), np.random.seed(7)),
     "bits": lambda: (random.getrandbits(64), np.random.randint(0, 9)),
     # exactly one generator period of 32-bit words: the position is back where it was, every word
     # was rewritten (the fingerprint compares the position and the first words, not all 624)
-    "one full twist": lambda: ([random.getrandbits(32) for _ in range(624)],
-                               np.random.randint(0, 2 ** 32, size=624, dtype=np.uint64)),
+    "one full twist": lambda: (
+        [random.getrandbits(32) for _ in range(624)],
+        np.random.randint(0, 2**32, size=624, dtype=np.uint64),
+    ),
     "set back": lambda: None,
 }
 
@@ -168,12 +191,15 @@ def test_restoring_a_reused_rng_state_replays_the_same_draws():
 
 def test_buffers_match_module_buffers_after_reassignment_and_new_buffers():
     shared = torch.nn.BatchNorm1d(3)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 3), shared, torch.nn.Sequential(shared, torch.nn.BatchNorm1d(3)))
+    model = torch.nn.Sequential(
+        torch.nn.Linear(3, 3), shared, torch.nn.Sequential(shared, torch.nn.BatchNorm1d(3))
+    )
     other = torch.nn.BatchNorm1d(2)
     reg = Registered([model, other])
 
     def expected():
         return [id(b) for m in (model, other) for b in m.buffers()]
+
     assert [id(b) for b in reg.buffers()] == expected()
     shared.running_mean = torch.ones(3)  # a buffer replaced by assignment
     model[0].register_buffer("scale", torch.ones(1))  # a buffer added to a registered module
@@ -186,8 +212,14 @@ def test_state_bytes_counts_model_optimizer_state_and_extras_once():
     opt = torch.optim.Adam(model.parameters())
     model(torch.ones(3, 8)).sum().backward()
     opt.step()
-    reg = Registered(models=[model], optimizers=[opt], extras={"scale": torch.ones(5, dtype=torch.float64),
-                                                               "on_meta": torch.empty(1000, device="meta")})
+    reg = Registered(
+        models=[model],
+        optimizers=[opt],
+        extras={
+            "scale": torch.ones(5, dtype=torch.float64),
+            "on_meta": torch.empty(1000, device="meta"),
+        },
+    )
     params = sum(p.numel() for p in model.parameters()) * 4
     # Adam: exp_avg and exp_avg_sq per parameter (float32) and a float32 step per parameter; a
     # tensor off the host (a device's; here torch's meta device) needs no heap in a replacement

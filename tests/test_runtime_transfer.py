@@ -1,12 +1,13 @@
 """Peer state transfer between real gloo processes: the received state is bit-identical, whether
 it comes from one replica or striped across two, and lands in place wherever the receiver already
 holds a same-shaped tensor; the stripes cover every byte of the stream exactly once."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from helpers_runtime import master_store, run_workers, worker_logs
+
 from launcher.runtime.transfer import stripe_bounds, stripe_segments
 
 WORKER = r"""
@@ -95,9 +96,18 @@ def _equal(a, b, path="") -> None:
         assert a == b, path
 
 
-@pytest.mark.parametrize("hidden,striped,local", [(8, "0", "1"), (600, "0", "1"), (600, "1", "1"),
-                                                  (20000, "1", "1"), (600, "0", "0"), (20000, "1", "0"),
-                                                  (20000, "1", "off-at-receivers")])
+@pytest.mark.parametrize(
+    "hidden,striped,local",
+    [
+        (8, "0", "1"),
+        (600, "0", "1"),
+        (600, "1", "1"),
+        (20000, "1", "1"),
+        (600, "0", "0"),
+        (20000, "1", "0"),
+        (20000, "1", "off-at-receivers"),
+    ],
+)
 def test_state_transfer_is_bit_identical(tmp_path, hidden, striped, local):
     """600/20000: tensors above the packing threshold; striped: rank 1 gets half the stream from
     rank 0 and half from rank 3 (20000: stripe boundaries fall inside large tensors). local "1":
@@ -105,8 +115,11 @@ def test_state_transfer_is_bit_identical(tmp_path, hidden, striped, local):
     everywhere (the stream goes over gloo); "off-at-receivers": the senders offer their memory,
     the receivers decline and the senders stream instead."""
     store = master_store()
-    env = {"HIDDEN": str(hidden), "STRIPED": striped,
-           "FTRUN_TRANSFER_LOCAL": "0" if local == "0" else "1"}
+    env = {
+        "HIDDEN": str(hidden),
+        "STRIPED": striped,
+        "FTRUN_TRANSFER_LOCAL": "0" if local == "0" else "1",
+    }
     if local == "off-at-receivers":
         env["RECEIVERS_LOCAL"] = "0"
     procs = run_workers(WORKER, 4, tmp_path, store, env)
@@ -145,7 +158,10 @@ def test_stripe_halves_split_the_stripe_bytes():
     """The midway hook (fault injection) runs between two halves of a stripe's bytes, even when
     the stripe is one piece (a small model's packed blob)."""
     from launcher.runtime.transfer import _stripe_views
+
     pieces = [torch.arange(10, dtype=torch.uint8)]
     first, second = (_stripe_views(pieces, 1, 2, h) for h in (0, 1))
     assert [v.tolist() for v in first + second] == [[5, 6], [7, 8, 9]]
-    assert torch.cat(_stripe_views(pieces, 0, 1, 0) + _stripe_views(pieces, 0, 1, 1)).tolist() == list(range(10))
+    assert torch.cat(
+        _stripe_views(pieces, 0, 1, 0) + _stripe_views(pieces, 0, 1, 1)
+    ).tolist() == list(range(10))

@@ -4,6 +4,7 @@ The probe looks at another thread from outside: its innermost Python frame must 
 waiting functions and its CPU clock must stand still. A thread sleeping inside such a function
 is waiting; one computing inside it is not; one sleeping elsewhere is not.
 """
+
 from __future__ import annotations
 
 import threading
@@ -71,7 +72,9 @@ class _Gate:
             self._lock.release()
 
 
-def _alarm_run(answered_after: float | None, release_after: float | None, cancel: bool = False) -> list[int]:
+def _alarm_run(
+    answered_after: float | None, release_after: float | None, cancel: bool = False
+) -> list[int]:
     """A thread held in `_Gate.hold`; the alarm armed for generation 3 with 0.3 s. The thread is
     released, or the stop answered, after the given seconds (None: never); `cancel`: the alarm
     is cancelled right after it was armed. Returns the generations it reported stuck."""

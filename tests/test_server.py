@@ -1,4 +1,5 @@
 """StoreServer with real torch clients, gloo workers, raw sockets and limits."""
+
 from __future__ import annotations
 
 import os
@@ -7,11 +8,11 @@ import threading
 import time
 
 import pytest
-
 from helpers_store import recv_exact, run_gloo_world, run_torch_ops
+
+from rendezvous.kv import StoreError
 from rendezvous.store import protocol as P
 from rendezvous.store.client import StoreClient
-from rendezvous.kv import StoreError
 from rendezvous.store.server import StoreServer
 
 
@@ -56,8 +57,9 @@ def test_gloo_workers_through_server(server: StoreServer) -> None:
 
 
 def test_port_in_use_names_host_and_port(server: StoreServer) -> None:
-    with pytest.raises(StoreError, match=f"cannot listen on 127.0.0.1:{server.port}: "
-                                         "address already in use"):
+    with pytest.raises(
+        StoreError, match=f"cannot listen on 127.0.0.1:{server.port}: address already in use"
+    ):
         StoreServer(host="127.0.0.1", port=server.port).start()
 
 
@@ -122,8 +124,7 @@ def test_malformed_and_stalled_clients_do_not_delay_others(server: StoreServer) 
 
 def test_limits_close_with_one_log_line() -> None:
     logs: list[str] = []
-    lim = P.Limits(max_key_bytes=16, max_value_bytes=64, max_keys_per_request=4,
-                       max_connections=3)
+    lim = P.Limits(max_key_bytes=16, max_value_bytes=64, max_keys_per_request=4, max_connections=3)
     with StoreServer(host="127.0.0.1", limits=lim, log=logs.append) as s:
         c = raw_conn(s.port)
         c.sendall(P.encode_request(P.Request(P.Op.GET, (b"/" + b"k" * 40,))))
@@ -137,7 +138,8 @@ def test_limits_close_with_one_log_line() -> None:
         assert [ln.split(": ", 1)[1] for ln in logs] == [
             "key of 41 bytes: at most 16 allowed",
             "value of 65 bytes: at most 64 allowed",
-            "request with 5 keys: at most 4 allowed"]
+            "request with 5 keys: at most 4 allowed",
+        ]
         held = [raw_conn(s.port) for _ in range(3)]
         extra = socket.create_connection(("127.0.0.1", s.port), timeout=5)
         assert is_closed(extra)
@@ -170,9 +172,11 @@ def test_mux_connection_runs_waits_concurrently(server: StoreServer) -> None:
     c = raw_conn(server.port)
     c.sendall(bytes((P.Op.FT_MUX,)) + P.enc_u32(P.MUX_MAGIC))
     assert recv_exact(c, 4) == P.enc_u32(P.MUX_MAGIC)
-    c.sendall(P.encode_mux_request(1, P.Request(P.Op.WAIT, (b"/a",)))
-              + P.encode_mux_request(2, P.Request(P.Op.WAIT, (b"/b",)))
-              + P.encode_mux_request(3, P.Request(P.Op.ADD, (b"/n",), (), 4)))
+    c.sendall(
+        P.encode_mux_request(1, P.Request(P.Op.WAIT, (b"/a",)))
+        + P.encode_mux_request(2, P.Request(P.Op.WAIT, (b"/b",)))
+        + P.encode_mux_request(3, P.Request(P.Op.ADD, (b"/n",), (), 4))
+    )
     assert recv_exact(c, 12) == P.enc_u32(3) + P.enc_i64(4)
     server.kv.set("b", b"1")
     assert recv_exact(c, 5) == P.enc_u32(2) + b"\x00"
@@ -192,15 +196,26 @@ def test_pipelined_burst_and_byte_by_byte_give_the_same_replies(server: StoreSer
     reqs = []
     for i in range(50):
         k = b"/p%d" % (i % 7)
-        reqs += [P.Request(P.Op.SET, (k,), (b"v%d" % i,)), P.Request(P.Op.ADD, (b"/pc",), (), 2),
-                 P.Request(P.Op.GET, (k,)), P.Request(P.Op.WAIT, (k,)),
-                 P.Request(P.Op.CHECK, (k, b"/none")), P.Request(P.Op.PING, num=i),
-                 P.Request(P.Op.CHECK, (k,))]
+        reqs += [
+            P.Request(P.Op.SET, (k,), (b"v%d" % i,)),
+            P.Request(P.Op.ADD, (b"/pc",), (), 2),
+            P.Request(P.Op.GET, (k,)),
+            P.Request(P.Op.WAIT, (k,)),
+            P.Request(P.Op.CHECK, (k, b"/none")),
+            P.Request(P.Op.PING, num=i),
+            P.Request(P.Op.CHECK, (k,)),
+        ]
     raw = b"".join(P.encode_request(r) for r in reqs)
     expect = b""
     for i in range(50):
-        expect += (P.enc_i64(2 * (i + 1)) + P.enc_bytes(b"v%d" % i) + b"\x00" + b"\x01"
-                   + P.enc_u32(i) + b"\x00")
+        expect += (
+            P.enc_i64(2 * (i + 1))
+            + P.enc_bytes(b"v%d" % i)
+            + b"\x00"
+            + b"\x01"
+            + P.enc_u32(i)
+            + b"\x00"
+        )
     burst = raw_conn(server.port)
     burst.sendall(raw)
     assert recv_exact(burst, len(expect)) == expect
@@ -208,7 +223,7 @@ def test_pipelined_burst_and_byte_by_byte_give_the_same_replies(server: StoreSer
     slow = raw_conn(server.port)
     slow.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for i in range(0, len(raw), 7):
-        slow.sendall(raw[i:i + 7])
+        slow.sendall(raw[i : i + 7])
     assert recv_exact(slow, len(expect)) == expect
 
 
@@ -216,19 +231,24 @@ def _frames_for_quick_path() -> list[bytes]:
     """Frames the quick path executes (GET, SET, ADD, a satisfied one-key WAIT) and frames
     it must hand to the general path (missing WAIT key, multi-key WAIT, CHECK, non-counter
     ADD, the auth key, an over-limit key), interleaved."""
+
     def req(op, keys=(), values=(), num=0):
         return P.encode_request(P.Request(op, tuple(keys), tuple(values), num))
+
     k, cnt, q = b"/k", b"/cnt", b"/q"
     return [
         req(P.Op.GET, [k]),  # missing: empty value
         req(P.Op.SET, [k], [b"v1"]),
         req(P.Op.GET, [k]),
-        req(P.Op.ADD, [cnt], num=5), req(P.Op.ADD, [cnt], num=-2),
+        req(P.Op.ADD, [cnt], num=5),
+        req(P.Op.ADD, [cnt], num=-2),
         req(P.Op.WAIT, [k]),  # present
         req(P.Op.WAIT, [k, cnt]),  # two keys: general path
         req(P.Op.CHECK, [k]),
-        req(P.Op.QUEUE_PUSH, [q], [b"x"]), req(P.Op.WAIT, [q]),  # a queue key: general path
-        req(P.Op.SET, [k], [b""]), req(P.Op.GET, [k]),
+        req(P.Op.QUEUE_PUSH, [q], [b"x"]),
+        req(P.Op.WAIT, [q]),  # a queue key: general path
+        req(P.Op.SET, [k], [b""]),
+        req(P.Op.GET, [k]),
         req(P.Op.WAIT, [b"/absent"]),  # registers a waiter: no reply now
         req(P.Op.SET, [b"/absent"], [b"here"]),
     ]
@@ -250,11 +270,15 @@ def test_quick_path_gives_the_general_paths_replies(chunk: int, entry: str) -> N
         a, b = socket.socketpair()
         try:
             from rendezvous.store.server import _Conn
+
             c = _Conn(a, "test", True, 0.0)
             c.validated = True
             srv._loop_ident = threading.get_ident()
-            pieces = [stream] if chunk == 0 else [stream[i:i + chunk]
-                                                  for i in range(0, len(stream), chunk)]
+            pieces = (
+                [stream]
+                if chunk == 0
+                else [stream[i : i + chunk] for i in range(0, len(stream), chunk)]
+            )
             for p in pieces:
                 if entry == "read":
                     b.sendall(p)
@@ -292,6 +316,7 @@ def test_quick_path_leaves_auth_and_bad_counters_to_the_general_path() -> None:
         assert any("ADD failed" in line for line in logs), logs
         s2 = raw_conn(srv.port)
         from rendezvous.store.auth import AUTH_KEY
+
         s2.sendall(P.encode_request(P.Request(P.Op.SET, (AUTH_KEY,), (b"tok",))))
         s2.sendall(P.encode_request(P.Request(P.Op.GET, (AUTH_KEY,))))
         assert recv_exact(s2, 8) == P.enc_u32(0) * 2  # empty: the key was not stored
@@ -306,6 +331,7 @@ def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
     its own reply (an agent joining a rendezvous hung: CI failure of
     test_scale_up_restart_grows_the_world_with_a_late_node)."""
     from rendezvous.store.server import _Conn
+
     srv = StoreServer(host="127.0.0.1")
     a, b = socket.socketpair()
     try:
@@ -334,6 +360,7 @@ def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
 def _pair_conn(srv: StoreServer):
     """A validated plain connection of `srv` over a socketpair: (conn, the client's end)."""
     from rendezvous.store.server import _Conn
+
     a, b = socket.socketpair()
     a.setblocking(False)
     b.settimeout(5)
@@ -393,6 +420,7 @@ def test_waiters_leave_no_garbage_cycles() -> None:
     refer back to it), so a rendezvous of thousands of waits gives the cyclic garbage
     collector nothing to find."""
     import gc
+
     from rendezvous.store.memory import Waiter
 
     def waiters() -> int:

@@ -1,4 +1,5 @@
 """Warm spares: a pre-imported process runs the assigned script like `python -u script args`."""
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,9 @@ def _fill(pool: SparePool, env: dict[str, str], timeout: float = 60.0) -> None:
 
 
 @pytest.mark.parametrize("fork", [False, True])
-def test_spare_runs_the_assigned_script_with_its_env_and_argv(tmp_path, monkeypatch, fork: bool) -> None:
+def test_spare_runs_the_assigned_script_with_its_env_and_argv(
+    tmp_path, monkeypatch, fork: bool
+) -> None:
     script = tmp_path / "job.py"
     out = tmp_path / "out.json"
     script.write_text(
@@ -37,7 +40,8 @@ def test_spare_runs_the_assigned_script_with_its_env_and_argv(tmp_path, monkeypa
         f"json.dump({{'argv': sys.argv, 'path0': sys.path[0], 'rank': os.environ.get('RANK'),"
         f" 'frozen': gc.get_freeze_count() > 1000,"
         f" 'torch': 'torch' in sys.modules, 'name': __name__, 'cwd': os.getcwd(),"
-        f" 'sid': os.getsid(0) == os.getpid()}}, open({str(out)!r}, 'w'))\n")
+        f" 'sid': os.getsid(0) == os.getpid()}}, open({str(out)!r}, 'w'))\n"
+    )
     logs: list[str] = []
     pool = SparePool(sys.executable, logs.append, count=1, start_delay=0.0, fork=fork)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -52,9 +56,19 @@ def test_spare_runs_the_assigned_script_with_its_env_and_argv(tmp_path, monkeypa
         res = json.loads(out.read_text())
         # the warm imports' objects are out of the collector's sight (gc.freeze): no ~50 ms full
         # collection over them while the replacement starts
-        assert res == {"argv": [str(script), "--x", "1"], "path0": str(tmp_path), "rank": "3", "frozen": True,
-                       "torch": True, "name": "__main__", "cwd": str(run_in), "sid": True}
-        assert pool.take(env, [str(script)], module=False) is None  # used up until the next ensure()
+        assert res == {
+            "argv": [str(script), "--x", "1"],
+            "path0": str(tmp_path),
+            "rank": "3",
+            "frozen": True,
+            "torch": True,
+            "name": "__main__",
+            "cwd": str(run_in),
+            "sid": True,
+        }
+        assert (
+            pool.take(env, [str(script)], module=False) is None
+        )  # used up until the next ensure()
     finally:
         pool.stop()
 
@@ -69,7 +83,9 @@ def test_idle_spare_is_stopped_at_once() -> None:
 
 def test_pool_keeps_count_spares_and_a_taken_one_is_replaced_at_the_next_ensure(tmp_path) -> None:
     script = tmp_path / "job.py"
-    script.write_text("import os, sys\nopen(sys.argv[1], 'w').write(str(os.getpriority(os.PRIO_PROCESS, 0)))\n")
+    script.write_text(
+        "import os, sys\nopen(sys.argv[1], 'w').write(str(os.getpriority(os.PRIO_PROCESS, 0)))\n"
+    )
     logs: list[str] = []
     pool = SparePool(sys.executable, logs.append, count=2, start_delay=0.0, fork=False)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -112,6 +128,7 @@ def test_pool_of_zero_starts_nothing_and_a_negative_count_is_refused() -> None:
     pool.ensure(dict(os.environ))
     assert pool.ready() == 0 and pool.take({}, ["x.py"], module=False) is None
     import pytest
+
     with pytest.raises(ValueError):
         SparePool(sys.executable, lambda m: None, count=-1)
 
@@ -122,15 +139,21 @@ def test_two_faults_in_a_row_on_one_node_both_start_from_a_warm_spare(tmp_path) 
     second replacement imported torch cold)."""
     from helpers_faults import run_job
 
-    plan = [{"rank": 1, "step": 14, "phase": "forward", "kind": "kill", "generation": 0},
-            {"rank": 2, "step": 17, "phase": "forward", "kind": "kill", "generation": 1}]
+    plan = [
+        {"rank": 1, "step": 14, "phase": "forward", "kind": "kill", "generation": 0},
+        {"rank": 2, "step": 17, "phase": "forward", "kind": "kill", "generation": 1},
+    ]
     job = run_job(tmp_path, plan, script_args=["--step-time", "0.4"], steps=20)
     assert job.returncode == 0, job.describe()
     assert job.strategies() == ["recover-in-place", "recover-in-place"], job.describe()
     spawns = [e for e in job.events if e["event"] == "spawn" and e.get("replacement")]
     assert [(e["rank"], e.get("warm")) for e in spawns] == [(1, True), (2, True)], job.describe()
-    started = [e for e in job.events if e["event"] == "spare" and "warm spare started" in e["message"]]
-    assert len(started) >= 3, started  # two at the start, the used one's successor after the first fault
+    started = [
+        e for e in job.events if e["event"] == "spare" and "warm spare started" in e["message"]
+    ]
+    assert len(started) >= 3, (
+        started
+    )  # two at the start, the used one's successor after the first fault
 
 
 def test_spare_taken_while_warming_up_returns_to_the_agent_priority_at_once(tmp_path) -> None:
@@ -139,13 +162,15 @@ def test_spare_taken_while_warming_up_returns_to_the_agent_priority_at_once(tmp_
     base = os.getpriority(os.PRIO_PROCESS, 0)
     if not may_return_to(base) or not hasattr(os, "SCHED_IDLE"):
         import pytest
+
         pytest.skip("this user may not lower a process's niceness again")
     script = tmp_path / "job.py"
     out = tmp_path / "out.json"
     script.write_text(
         "import json, os, sys\n"
         "json.dump({'nice': os.getpriority(os.PRIO_PROCESS, 0), 'policy': os.sched_getscheduler(0)},"
-        f" open({str(out)!r}, 'w'))\n")
+        f" open({str(out)!r}, 'w'))\n"
+    )
     pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=False)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
@@ -153,7 +178,9 @@ def test_spare_taken_while_warming_up_returns_to_the_agent_priority_at_once(tmp_
         pid = pool._procs[0].pid
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not (
-                os.getpriority(os.PRIO_PROCESS, pid) != base and os.sched_getscheduler(pid) == os.SCHED_IDLE):
+            os.getpriority(os.PRIO_PROCESS, pid) != base
+            and os.sched_getscheduler(pid) == os.SCHED_IDLE
+        ):
             time.sleep(0.002)
         assert os.sched_getscheduler(pid) == os.SCHED_IDLE  # warming up: only idle CPU time
         proc = pool.take(env, [str(script)], module=False)
@@ -177,8 +204,11 @@ def test_spare_still_importing_after_the_idle_limit_continues_at_the_agent_prior
     base = os.getpriority(os.PRIO_PROCESS, 0)
     if not may_return_to(base) or not hasattr(os, "SCHED_IDLE"):
         import pytest
+
         pytest.skip("this user may not lower a process's niceness again")
-    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, idle_limit=0.3, fork=False)
+    pool = SparePool(
+        sys.executable, lambda m: None, count=1, start_delay=0.0, idle_limit=0.3, fork=False
+    )
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         pool.ensure(env)
@@ -187,15 +217,21 @@ def test_spare_still_importing_after_the_idle_limit_continues_at_the_agent_prior
         while time.monotonic() < t0 + 20 and os.sched_getscheduler(pid) != os.SCHED_IDLE:
             time.sleep(0.002)
         assert os.sched_getscheduler(pid) == os.SCHED_IDLE
-        while time.monotonic() < t0 + 10 and (os.sched_getscheduler(pid) != os.SCHED_OTHER
-                                              or os.getpriority(os.PRIO_PROCESS, pid) != base):
+        while time.monotonic() < t0 + 10 and (
+            os.sched_getscheduler(pid) != os.SCHED_OTHER
+            or os.getpriority(os.PRIO_PROCESS, pid) != base
+        ):
             pool.ensure(env)  # the agent's health check
             time.sleep(0.01)
-        assert os.sched_getscheduler(pid) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, pid) == base
+        assert (
+            os.sched_getscheduler(pid) == os.SCHED_OTHER
+            and os.getpriority(os.PRIO_PROCESS, pid) == base
+        )
         assert pool._procs[0].poll() is None  # not assigned, still a spare
     finally:
         pool.stop()
     import pytest
+
     with pytest.raises(ValueError):
         SparePool(sys.executable, lambda m: None, idle_limit=-1)
 
@@ -207,8 +243,11 @@ def test_no_spare_leaves_idle_priority_during_a_round_and_its_resume_step() -> N
     base = os.getpriority(os.PRIO_PROCESS, 0)
     if not may_return_to(base) or not hasattr(os, "SCHED_IDLE"):
         import pytest
+
         pytest.skip("this user may not lower a process's niceness again")
-    pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, idle_limit=0.2, fork=False)
+    pool = SparePool(
+        sys.executable, lambda m: None, count=1, start_delay=0.0, idle_limit=0.2, fork=False
+    )
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         pool.ensure(env)
@@ -229,7 +268,10 @@ def test_no_spare_leaves_idle_priority_during_a_round_and_its_resume_step() -> N
         pool.progressed(1, 12)
         assert not pool.held()
         pool.ensure(env)
-        assert os.sched_getscheduler(pid) == os.SCHED_OTHER and os.getpriority(os.PRIO_PROCESS, pid) == base
+        assert (
+            os.sched_getscheduler(pid) == os.SCHED_OTHER
+            and os.getpriority(os.PRIO_PROCESS, pid) == base
+        )
     finally:
         pool.stop()
 
@@ -383,15 +425,21 @@ def test_no_process_outlives_the_agent(tmp_path, how: str) -> None:
     import subprocess
 
     job = tmp_path / "job.py"
-    job.write_text("import subprocess, sys, time\n"
-                   "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
-                   f"open({str(tmp_path / 'grandchild.tmp')!r}, 'w').write(str(p.pid))\n"
-                   f"import os; os.replace({str(tmp_path / 'grandchild.tmp')!r}, "
-                   f"{str(tmp_path / 'grandchild')!r})\n"  # whole once it exists (CI once read '')
-                   "time.sleep(60)\n")
-    agent = subprocess.Popen([sys.executable, "-c", _AGENT, str(job), how], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True,
-                             env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    job.write_text(
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(tmp_path / 'grandchild.tmp')!r}, 'w').write(str(p.pid))\n"
+        f"import os; os.replace({str(tmp_path / 'grandchild.tmp')!r}, "
+        f"{str(tmp_path / 'grandchild')!r})\n"  # whole once it exists (CI once read '')
+        "time.sleep(60)\n"
+    )
+    agent = subprocess.Popen(
+        [sys.executable, "-c", _AGENT, str(job), how],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=os.getcwd()),
+    )
     try:
         info = json.loads(agent.stdout.readline())
         deadline = time.monotonic() + 10
@@ -460,8 +508,9 @@ def test_forked_spare_runs_the_job_as_a_fresh_interpreter_would(tmp_path, capfd)
     pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=True)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     script = tmp_path / "job.py"
-    script.write_text("import sys\nprint('handling', sys.exc_info()[0], flush=True)\n"
-                      "raise ValueError('boom')\n")
+    script.write_text(
+        "import sys\nprint('handling', sys.exc_info()[0], flush=True)\nraise ValueError('boom')\n"
+    )
     try:
         _fill(pool, env)
         proc = pool.take(env, [str(script)], module=False)
@@ -505,12 +554,16 @@ def test_stop_gives_all_spares_one_bound_and_names_the_ones_left_behind(monkeypa
     pool.stop()
     assert time.monotonic() - t0 < 1.5
     assert [m.split(" did not exit")[0] for m in logs] == [
-        "warm spare pid 101", "warm spare pid 102", "warm spare pid 103"], logs
+        "warm spare pid 101",
+        "warm spare pid 102",
+        "warm spare pid 103",
+    ], logs
     assert all("left behind" in m for m in logs) and pool._procs == []
 
 
 def test_a_spare_that_does_not_read_its_assignment_is_killed_and_the_next_one_used(
-        tmp_path, monkeypatch) -> None:
+    tmp_path, monkeypatch
+) -> None:
     """take() wrote the assignment line with a blocking write: a spare that does not read it
     (stopped, starved) held up the agent's loop forever once the line (its environment) is
     longer than the pipe holds. Now it gets ASSIGN_TIMEOUT_S, is killed, and the next spare
@@ -521,18 +574,27 @@ def test_a_spare_that_does_not_read_its_assignment_is_killed_and_the_next_one_us
     from launcher.workers import spare as spare_mod
 
     monkeypatch.setattr(spare_mod, "ASSIGN_TIMEOUT_S", 0.5, raising=False)
-    deaf = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                            stdin=subprocess.PIPE)
+    deaf = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE
+    )
     out = tmp_path / "line"
-    reader = subprocess.Popen([sys.executable, "-c", "import sys; open(sys.argv[1], 'w').write("
-                               "sys.stdin.readline())", str(out)], stdin=subprocess.PIPE)
+    reader = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys; open(sys.argv[1], 'w').write(sys.stdin.readline())",
+            str(out),
+        ],
+        stdin=subprocess.PIPE,
+    )
     logs: list[str] = []
     pool = SparePool(sys.executable, logs.append, count=2, start_delay=0.0, fork=False)
     pool._procs = [deaf, reader]
     env = {"BIG": "x" * 200_000}  # more than a pipe holds (64 KiB)
     got: list = []
-    t = threading.Thread(target=lambda: got.append(pool.take(env, ["job.py"], module=False)),
-                         daemon=True)
+    t = threading.Thread(
+        target=lambda: got.append(pool.take(env, ["job.py"], module=False)), daemon=True
+    )
     try:
         t.start()
         t.join(5.0)
@@ -541,7 +603,9 @@ def test_a_spare_that_does_not_read_its_assignment_is_killed_and_the_next_one_us
         assert reader.wait(timeout=10) == 0
         assert json.loads(out.read_text())["env"] == env
         assert deaf.wait(timeout=5) == -9
-        assert any(m.startswith(f"warm spare pid {deaf.pid} not used (it took ") for m in logs), logs
+        assert any(m.startswith(f"warm spare pid {deaf.pid} not used (it took ") for m in logs), (
+            logs
+        )
     finally:
         for p in (deaf, reader):
             if p.poll() is None:
@@ -559,8 +623,10 @@ def test_a_taken_spare_runs_boosted_until_its_rank_recovered(tmp_path, fork: boo
     if boost >= base or not may_return_to(boost):
         pytest.skip("may not lower niceness here (needs root or RLIMIT_NICE)")
     script = tmp_path / "job.py"
-    script.write_text("import sys, threading\nthreading.Thread(target=lambda: None).start()\n"
-                      "print('up', flush=True)\nsys.stdin.readline()\n")
+    script.write_text(
+        "import sys, threading\nthreading.Thread(target=lambda: None).start()\n"
+        "print('up', flush=True)\nsys.stdin.readline()\n"
+    )
     pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=fork)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
@@ -569,7 +635,10 @@ def test_a_taken_spare_runs_boosted_until_its_rank_recovered(tmp_path, fork: boo
         assert proc is not None
 
         def nices() -> set[int]:
-            return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{proc.pid}/task")}
+            return {
+                os.getpriority(os.PRIO_PROCESS, int(t))
+                for t in os.listdir(f"/proc/{proc.pid}/task")
+            }
 
         deadline = time.monotonic() + 30
         while nices() != {boost} and time.monotonic() < deadline:
@@ -632,8 +701,10 @@ def test_a_forked_spare_faults_in_the_heap_the_largest_state_needs(tmp_path) -> 
     much heap while they wait, and tell their replacement (FTRUN_SPARE_HEAP) to settle it."""
     script = tmp_path / "job.py"
     out = tmp_path / "out.json"
-    script.write_text("import json, os, sys\n"
-                      f"json.dump({{'heap': os.environ.get('FTRUN_SPARE_HEAP')}}, open({str(out)!r}, 'w'))\n")
+    script.write_text(
+        "import json, os, sys\n"
+        f"json.dump({{'heap': os.environ.get('FTRUN_SPARE_HEAP')}}, open({str(out)!r}, 'w'))\n"
+    )
 
     def sizes(pool: SparePool) -> None:
         pool.state_size(48 << 20)

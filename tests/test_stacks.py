@@ -1,6 +1,7 @@
 """Stack dumps of hung workers (real processes): faulthandler on SIGUSR1 for runtime-aware
 workers (they carry on), SIGABRT with PYTHONFAULTHANDLER=1 for unmodified ones (they die), both
 for a stopped process, read back from the worker's stderr file."""
+
 from __future__ import annotations
 
 import os
@@ -11,16 +12,24 @@ import time
 
 from launcher.hang.stacks import Dump, dump_stacks
 
-PLAIN = "import time\ndef hung_here():\n    print('ready', flush=True)\n    time.sleep(60)\nhung_here()"
-AWARE = ("import faulthandler, signal, time\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
-         "def hung_here():\n    print('ready', flush=True)\n    time.sleep(60)\nhung_here()")
+PLAIN = (
+    "import time\ndef hung_here():\n    print('ready', flush=True)\n    time.sleep(60)\nhung_here()"
+)
+AWARE = (
+    "import faulthandler, signal, time\nfaulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+    "def hung_here():\n    print('ready', flush=True)\n    time.sleep(60)\nhung_here()"
+)
 
 
 def start(code: str, err_path, **env: str) -> subprocess.Popen:
     err = open(err_path, "ab")
     try:
-        p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=err,
-                             env={**os.environ, **env})
+        p = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            env={**os.environ, **env},
+        )
     finally:
         err.close()
     assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
@@ -57,7 +66,9 @@ def test_a_runtime_aware_worker_dumps_on_sigusr1_and_carries_on(tmp_path) -> Non
 
 
 def test_stacks_inside_a_collective_are_recognised() -> None:
-    text = ('Thread 0x1 (most recent call first):\n  File "/x/torch/distributed/distributed_c10d.py", '
-            'line 2, in all_reduce\n  File "train.py", line 9, in step')
+    text = (
+        'Thread 0x1 (most recent call first):\n  File "/x/torch/distributed/distributed_c10d.py", '
+        'line 2, in all_reduce\n  File "train.py", line 9, in step'
+    )
     assert Dump("py-spy", text).in_collective is True
     assert Dump("py-spy", 'File "train.py", line 9, in step').in_collective is False

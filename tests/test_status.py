@@ -1,11 +1,13 @@
 """`ftctl status` (launcher/observe/status.py): a live 4-rank job read through its store while it trains
 and while it recovers from an injected kill, then the finished run read from its directory."""
+
 from __future__ import annotations
 
 import json
 import time
 
 from helpers_observe import ObservedJob, ftctl
+
 from launcher.observe import status as S
 
 
@@ -34,12 +36,20 @@ def test_live_job_while_training_and_recovering_then_its_directory(tmp_path):
     job = ObservedJob(tmp_path, steps=150, step_time=0.04, env={"FTRUN_WARM_SPARE": "0"})
     try:
         addr = job.store_addr()
-        wait_view(addr, lambda v: len(v.ranks) == 4 and all(r.state == "training" and (r.steps_per_s or 0) > 0
-                                                            for r in v.ranks), what="4 ranks training")
+        wait_view(
+            addr,
+            lambda v: (
+                len(v.ranks) == 4
+                and all(r.state == "training" and (r.steps_per_s or 0) > 0 for r in v.ranks)
+            ),
+            what="4 ranks training",
+        )
         live = status_json("--addr", addr)
         assert live["source"].startswith("live")
         assert [r["rank"] for r in live["ranks"]] == [0, 1, 2, 3]
-        assert all(r["state"] == "training" and r["pid"] and r["generation"] == 0 for r in live["ranks"])
+        assert all(
+            r["state"] == "training" and r["pid"] and r["generation"] == 0 for r in live["ranks"]
+        )
         assert live["max_restarts"] == 3 and live["restarts_used"] == 0 and live["faults"] == []
         assert live["nodes"][0]["leader"] is True and live["run_id"]
 
@@ -48,13 +58,32 @@ def test_live_job_while_training_and_recovering_then_its_directory(tmp_path):
         during = wait_view(addr, lambda v: v.current_round is not None, what="a round in progress")
         cur = during.current_round
         assert cur.generation == 1 and cur.strategy == "recover-in-place"
-        assert cur.phase in ("detect", "decide", "stop", "respawn", "wait", "rebuild", "transfer", "resume")
+        assert cur.phase in (
+            "detect",
+            "decide",
+            "stop",
+            "respawn",
+            "wait",
+            "rebuild",
+            "transfer",
+            "resume",
+        )
         assert during.restarts_used == 1
         assert {r.rank: r.state for r in during.ranks}[1] in ("replacement", "failed")
-        assert {r.state for r in during.ranks if r.rank != 1} <= {"recovering", "training", "waiting"}
+        assert {r.state for r in during.ranks if r.rank != 1} <= {
+            "recovering",
+            "training",
+            "waiting",
+        }
         text = ftctl("status", "--addr", addr)
-        assert text.returncode == 0 and "ranks" in text.stdout and "restart budget: 1 used of 3" in text.stdout
-        after = wait_view(addr, lambda v: v.current_round is None and len(v.rounds) == 1, what="the round over")
+        assert (
+            text.returncode == 0
+            and "ranks" in text.stdout
+            and "restart budget: 1 used of 3" in text.stdout
+        )
+        after = wait_view(
+            addr, lambda v: v.current_round is None and len(v.rounds) == 1, what="the round over"
+        )
         assert after.rounds[0].outcome == "recovered" and after.faults[0].rank == 1
         assert after.faults[0].kind == "signal" and after.faults[0].strategy == "recover-in-place"
         assert job.finish() == 0, job.output()[-4000:]
@@ -66,7 +95,12 @@ def test_live_job_while_training_and_recovering_then_its_directory(tmp_path):
     assert [r["state"] for r in done["ranks"]] == ["finished"] * 4
     assert [r["restarts"] for r in done["ranks"]] == [0, 1, 0, 0]
     (f,) = done["faults"]
-    assert f["rank"] == 1 and f["strategy"] == "recover-in-place" and f["mttr_s"] > 0 and f["steps_lost"] == 0
+    assert (
+        f["rank"] == 1
+        and f["strategy"] == "recover-in-place"
+        and f["mttr_s"] > 0
+        and f["steps_lost"] == 0
+    )
     assert done["restarts_used"] == 1 and done["generation"] == 1
     shown = ftctl("status", "--watch", "--count", "2", "--interval", "0.1", str(tmp_path / "logs"))
     assert shown.returncode == 0 and shown.stdout.count("restart budget: 1 used of 3, 2 left") == 2

@@ -1,7 +1,7 @@
 """`ftctl store serve|get|set|ls` against a real standalone store, as a user drives it."""
+
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -13,14 +13,20 @@ FTCTL = [sys.executable, "-m", "launcher.cli.ftctl"]
 
 
 def ftctl(*args: str, env: dict | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(FTCTL + list(args), capture_output=True, text=True, timeout=60,
-                          env=env or env_with())
+    return subprocess.run(
+        FTCTL + list(args), capture_output=True, text=True, timeout=60, env=env or env_with()
+    )
 
 
 def test_serve_set_get_ls_and_stop(tmp_path) -> None:
     port = free_port()
-    srv = subprocess.Popen(FTCTL + ["store", "serve", "--host", "127.0.0.1", "--port", str(port)],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env_with())
+    srv = subprocess.Popen(
+        FTCTL + ["store", "serve", "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with(),
+    )
     try:
         addr = f"127.0.0.1:{port}"
         deadline = time.monotonic() + 30
@@ -61,7 +67,14 @@ def test_serve_refuses_a_busy_port() -> None:
 
 
 def test_serve_rejects_a_bad_store_nice_in_one_line() -> None:
-    r = ftctl("store", "serve", "--host", "127.0.0.1", "--port", "0",
-              env=env_with(FTRUN_STORE_NICE="high"))
+    r = ftctl(
+        "store",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        env=env_with(FTRUN_STORE_NICE="high"),
+    )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "FTRUN_STORE_NICE='high'" in r.stderr and "-20" in r.stderr

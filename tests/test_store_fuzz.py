@@ -1,5 +1,6 @@
 """Fuzz: 100,000 random/truncated/absurd frames plus slowloris connections against the
 server, while an unmodified torch client's ops must each finish within 100 ms."""
+
 from __future__ import annotations
 
 import gc
@@ -11,6 +12,7 @@ import sys
 import time
 
 from helpers_store import FUZZER, STEADY_CLIENT, child_env
+
 from rendezvous.store import protocol as P
 from rendezvous.store.client import StoreClient
 from rendezvous.store.server import StoreServer
@@ -30,10 +32,18 @@ def test_fuzz_and_slowloris_do_not_disturb_a_well_behaved_client() -> None:
 
 
 def test_the_agent_process_stays_small_for_the_garbage_collector() -> None:
-    code = ("import gc, sys, time; import launcher.cli.ftrun; t = time.perf_counter(); gc.collect(); "
-            "print('torch' in sys.modules, len(gc.get_objects()), time.perf_counter() - t)")
-    out = subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True,
-                         text=True, timeout=60, check=True).stdout.split()
+    code = (
+        "import gc, sys, time; import launcher.cli.ftrun; t = time.perf_counter(); gc.collect(); "
+        "print('torch' in sys.modules, len(gc.get_objects()), time.perf_counter() - t)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout.split()
     assert out[0] == "False", "the agent (store host) must not import torch"
     assert int(out[1]) < 100_000, out
 
@@ -47,18 +57,32 @@ def _fuzz_and_slowloris() -> None:
         dribble = []
         for _ in range(20):
             c = socket.create_connection(("127.0.0.1", s.port))
-            c.sendall(P.handshake_bytes(1) + b"\x01" + (4).to_bytes(8, "little") + b"/slo"
-                      + (1 << 20).to_bytes(8, "little"))
+            c.sendall(
+                P.handshake_bytes(1)
+                + b"\x01"
+                + (4).to_bytes(8, "little")
+                + b"/slo"
+                + (1 << 20).to_bytes(8, "little")
+            )
             dribble.append(c)
-        steady = subprocess.Popen([sys.executable, "-c", STEADY_CLIENT, "127.0.0.1",
-                                   str(s.port)], env=child_env(), stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+        steady = subprocess.Popen(
+            [sys.executable, "-c", STEADY_CLIENT, "127.0.0.1", str(s.port)],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         assert s.kv.wait(["steady/ready"], 30.0), steady.stderr
         # The flood runs at low CPU priority: this box has 2 shared cores, and what is under
         # test is the server's fairness, not the kernel scheduler's.
-        fuzz = subprocess.Popen([sys.executable, "-c", FUZZER, "127.0.0.1", str(s.port),
-                                 "100000", "7"], env=child_env(), stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, preexec_fn=lambda: os.nice(19))
+        fuzz = subprocess.Popen(
+            [sys.executable, "-c", FUZZER, "127.0.0.1", str(s.port), "100000", "7"],
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            preexec_fn=lambda: os.nice(19),
+        )
         deadline = time.monotonic() + 60
         while fuzz.poll() is None and time.monotonic() < deadline:
             for c in dribble:
@@ -83,8 +107,10 @@ def _fuzz_and_slowloris() -> None:
         per_request = s.stats["busy_s"] / max(1, s.stats["requests"])
         flood_turn = (8 + 1) * s._budget * per_request
         bound_ms = max(100.0, 4 * flood_turn * 1000 + 20)
-        print(f"server {per_request * 1e6:.1f} us/request, flood turn {flood_turn * 1000:.1f} ms, "
-              f"client p99 {client['p99_ms']} ms (bound {bound_ms:.0f} ms), max {client['max_ms']} ms")
+        print(
+            f"server {per_request * 1e6:.1f} us/request, flood turn {flood_turn * 1000:.1f} ms, "
+            f"client p99 {client['p99_ms']} ms (bound {bound_ms:.0f} ms), max {client['max_ms']} ms"
+        )
         assert client["p99_ms"] < bound_ms and client["max_ms"] < 2000, (client, s.stats)
         # a turn's events and its backlog are two flood turns at most
         assert s.stats["max_turn_cpu_s"] < 3 * flood_turn + 0.02, (client, summary, s.stats)

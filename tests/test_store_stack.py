@@ -1,15 +1,16 @@
 """The agent's store stack on one node: hosted store, world, address published atomically."""
+
 from __future__ import annotations
 
 import json
 import os
 import time
 
-from launcher.protocol import plan as P
+from launcher.agent.store_stack import AgentWorld, StoreStack
 from launcher.cli.ftrun import parse
 from launcher.config import build_config
 from launcher.observe.logs import AgentLog
-from launcher.agent.store_stack import AgentWorld, StoreStack
+from launcher.protocol import plan as P
 from rendezvous.store.client import StoreClient
 
 
@@ -51,8 +52,10 @@ def test_the_hosted_store_loop_at_ftrun_store_nice_and_the_proxy_at_its_own(tmp_
     if os.geteuid() != 0:
         pytest.skip("raising a priority needs CAP_SYS_NICE")
     (tmp_path / "x.py").write_text("")
-    cfg = build_config(parse(["--nproc_per_node", "2", "--rdzv-conf", "proxy=true",
-                              str(tmp_path / "x.py")]), env={"FTRUN_STORE_NICE": "-4"})
+    cfg = build_config(
+        parse(["--nproc_per_node", "2", "--rdzv-conf", "proxy=true", str(tmp_path / "x.py")]),
+        env={"FTRUN_STORE_NICE": "-4"},
+    )
     stack = StoreStack(cfg, AgentLog(0, None, quiet=True))
     me = thread_nice(threading.get_native_id())
     try:

@@ -10,6 +10,7 @@
 
 Every import counts, also the ones inside functions: a late import is still an arrow.
 """
+
 from __future__ import annotations
 
 import ast
@@ -45,10 +46,22 @@ MAY_IMPORT: dict[str, tuple[str, ...]] = {
     "launcher.control": ("launcher.protocol", "launcher.observe", "rendezvous"),
     "launcher.config": ("launcher.protocol", "launcher.hang", "launcher.control", "rendezvous"),
     "launcher.workers": ("launcher.protocol", "launcher.observe", "launcher.config", "rendezvous"),
-    "launcher.agent": ("launcher.protocol", "launcher.observe", "launcher.hang", "launcher.control",
-                       "launcher.workers", "launcher.config", "rendezvous"),
-    "launcher.cli": ("launcher.agent", "launcher.config", "launcher.observe", "launcher.protocol",
-                     "rendezvous"),
+    "launcher.agent": (
+        "launcher.protocol",
+        "launcher.observe",
+        "launcher.hang",
+        "launcher.control",
+        "launcher.workers",
+        "launcher.config",
+        "rendezvous",
+    ),
+    "launcher.cli": (
+        "launcher.agent",
+        "launcher.config",
+        "launcher.observe",
+        "launcher.protocol",
+        "rendezvous",
+    ),
     "launcher.__main__": ("launcher.cli",),
 }
 
@@ -100,7 +113,7 @@ def _resolve(node: ast.ImportFrom, source: str, is_package: bool, known: set[str
     base = node.module or ""
     if node.level:  # relative import
         pkg = source.split(".") if is_package else source.split(".")[:-1]
-        pkg = pkg[:len(pkg) - (node.level - 1)]
+        pkg = pkg[: len(pkg) - (node.level - 1)]
         base = ".".join(pkg + ([base] if base else []))
     names = [f"{base}.{a.name}" if base else a.name for a in node.names]
     return [n if n in known else base for n in names]
@@ -123,17 +136,20 @@ def _imports(files: dict[str, str]) -> list[Import]:
                 targets = _resolve(node, mod, rel.endswith("__init__.py"), known)
             else:
                 continue
-            out.extend(Import(mod, t, rel, node.lineno) for t in targets
-                       if t.split(".")[0] in OURS)
+            out.extend(Import(mod, t, rel, node.lineno) for t in targets if t.split(".")[0] in OURS)
     return out
 
 
 def test_imports_run_one_way() -> None:
     """scripts -> launcher -> rendezvous: nothing imports a layer above its own."""
-    bad = {f"{i.path}:{i.line}: {i.source} imports {i.target}"
-           for i in _imports(_source_files())
-           for layer, banned in FORBIDDEN.items() if _is_under(i.source, layer)
-           for b in banned if _is_under(i.target, b)}
+    bad = {
+        f"{i.path}:{i.line}: {i.source} imports {i.target}"
+        for i in _imports(_source_files())
+        for layer, banned in FORBIDDEN.items()
+        if _is_under(i.source, layer)
+        for b in banned
+        if _is_under(i.target, b)
+    }
     assert not bad, "imports that run back up:\n" + "\n".join(sorted(bad))
 
 
@@ -151,8 +167,12 @@ def _unit(module: str) -> str | None:
 
 def test_every_module_lives_in_a_listed_room() -> None:
     files = _source_files()
-    lost = sorted(m for m in files if _is_under(m, "launcher") or _is_under(m, "rendezvous")
-                  if _unit(m) is None)
+    lost = sorted(
+        m
+        for m in files
+        if _is_under(m, "launcher") or _is_under(m, "rendezvous")
+        if _unit(m) is None
+    )
     assert not lost, "modules outside every MAY_IMPORT unit (add the package):\n" + "\n".join(lost)
 
 
@@ -235,18 +255,27 @@ def _private_uses(files: dict[str, str]) -> list[str]:
                 for a, target in zip(node.names, _resolve_each(node, mod, rel, known)):
                     if target in known and target.endswith("." + a.name):  # a module
                         aliases[a.asname or a.name] = target
-                    elif (a.name.startswith("_") and not a.name.startswith("__")
-                          and target.split(".")[0] in OURS and target != mod
-                          and not _is_extension(target, a.name)):
+                    elif (
+                        a.name.startswith("_")
+                        and not a.name.startswith("__")
+                        and target.split(".")[0] in OURS
+                        and target != mod
+                        and not _is_extension(target, a.name)
+                    ):
                         out.append(f"{rel}:{node.lineno}: imports {target}.{a.name}")
             elif isinstance(node, ast.Import):
                 for a in node.names:
                     if a.asname and a.name in known:
                         aliases[a.asname] = a.name
         for node in ast.walk(tree):
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id in aliases and aliases[node.value.id] != mod
-                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in aliases
+                and aliases[node.value.id] != mod
+                and node.attr.startswith("_")
+                and not node.attr.startswith("__")
+            ):
                 out.append(f"{rel}:{node.lineno}: uses {aliases[node.value.id]}.{node.attr}")
     return out
 
@@ -285,8 +314,10 @@ def test_runtime_reaches_no_agent_code() -> None:
             path = chain[mod] + [imp]
             chain[imp.target] = path
             if not _runtime_may_import(imp.target):
-                bad.append(" -> ".join([path[0].source] + [p.target for p in path])
-                           + f"  ({imp.path}:{imp.line})")
+                bad.append(
+                    " -> ".join([path[0].source] + [p.target for p in path])
+                    + f"  ({imp.path}:{imp.line})"
+                )
             else:
                 todo.append(imp.target)
     assert not bad, "launcher.runtime reaches agent code:\n" + "\n".join(sorted(bad))
@@ -307,8 +338,10 @@ def _long_functions(pkg: str) -> list[str]:
 
 def test_no_function_over_60_lines() -> None:
     bad = _long_functions("launcher") + _long_functions("rendezvous")
-    assert not bad, (f"functions over {MAX_FUNCTION_LINES} lines (split them into named "
-                     "steps):\n" + "\n".join(sorted(bad)))
+    assert not bad, (
+        f"functions over {MAX_FUNCTION_LINES} lines (split them into named "
+        "steps):\n" + "\n".join(sorted(bad))
+    )
 
 
 def _long_classes(pkg: str) -> list[str]:
@@ -324,24 +357,33 @@ def _long_classes(pkg: str) -> list[str]:
 
 def test_no_class_over_400_lines() -> None:
     bad = _long_classes("launcher") + _long_classes("rendezvous")
-    assert not bad, (f"classes over {MAX_CLASS_LINES} lines (split them by job):\n"
-                     + "\n".join(sorted(bad)))
+    assert not bad, f"classes over {MAX_CLASS_LINES} lines (split them by job):\n" + "\n".join(
+        sorted(bad)
+    )
 
 
 def test_the_checks_see_what_they_check() -> None:
     """The walkers find the packages, the imports between them and the functions in them (a
     check that sees nothing cannot fail)."""
     files = _source_files()
-    assert {"launcher.cli.ftrun", "launcher.runtime", "rendezvous.kv", "launcher.config"} <= set(files)
+    assert {"launcher.cli.ftrun", "launcher.runtime", "rendezvous.kv", "launcher.config"} <= set(
+        files
+    )
     imports = {(i.source, i.target) for i in _imports(files)}
     assert ("launcher.cli.ftrun", "launcher.config") in imports  # from launcher.config import ...
-    assert ("launcher.config", "launcher.protocol.plan") in imports  # from launcher.protocol import plan
+    assert (
+        "launcher.config",
+        "launcher.protocol.plan",
+    ) in imports  # from launcher.protocol import plan
     assert ("launcher.cli.ftrun", "launcher.agent.agent") in imports  # a late import inside main()
     assert any(s.startswith("scripts.") and t == "launcher.runtime" for s, t in imports)
     assert _runtime_may_import("launcher.runtime.state") and _runtime_may_import("rendezvous.kv")
     assert not _runtime_may_import("launcher.agent.agent")
     assert not _runtime_may_import("launcher.agent.plan_executor")  # a prefix is not a package
-    assert _unit("launcher.agent.agent") == "launcher.agent" and _unit("rendezvous.kv") == "rendezvous.kv"
+    assert (
+        _unit("launcher.agent.agent") == "launcher.agent"
+        and _unit("rendezvous.kv") == "rendezvous.kv"
+    )
     assert _unit("launcher.runtime.replicas") == "launcher.runtime"
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert _cycles({"a": {"b"}, "b": set()}) == []

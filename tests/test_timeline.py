@@ -1,5 +1,6 @@
 """launcher/observe/timeline.py: rounds, phases, faults and costs rebuilt from events (synthetic events
 shaped like the agent's; the real ones are covered by test_report and test_status)."""
+
 from __future__ import annotations
 
 from launcher.observe.timeline import Timeline
@@ -8,17 +9,40 @@ T = 1000.0
 
 
 def ev(t: float, name: str, node: int = 0, generation: int = 0, **fields) -> dict:
-    return {"time": T + t, "event": name, "node": node, "generation": generation, "host": "h",
-            "message": fields.pop("message", name), **fields}
+    return {
+        "time": T + t,
+        "event": name,
+        "node": node,
+        "generation": generation,
+        "host": "h",
+        "message": fields.pop("message", name),
+        **fields,
+    }
 
 
 def started(world: int = 2) -> list[dict]:
-    out = [ev(0, "start", config={"rdzv_id": "job", "max_restarts": 3, "max_nodes": 1, "script": "t.py"}),
-           ev(0.1, "rendezvous", group_rank=0, world_size=world)]
-    out += [ev(0.2, "spawn", rank=r, local_rank=r, pid=100 + r, replacement=False) for r in range(world)]
+    out = [
+        ev(
+            0,
+            "start",
+            config={"rdzv_id": "job", "max_restarts": 3, "max_nodes": 1, "script": "t.py"},
+        ),
+        ev(0.1, "rendezvous", group_rank=0, world_size=world),
+    ]
+    out += [
+        ev(0.2, "spawn", rank=r, local_rank=r, pid=100 + r, replacement=False) for r in range(world)
+    ]
     out += [ev(0.3, "hello", rank=r, pid=100 + r) for r in range(world)]
-    out += [ev(2.0, "progress", ranks={str(r): {"step": 5, "committed_step": 4, "phase": "forward",
-                                                "steps_per_s": 2.0} for r in range(world)})]
+    out += [
+        ev(
+            2.0,
+            "progress",
+            ranks={
+                str(r): {"step": 5, "committed_step": 4, "phase": "forward", "steps_per_s": 2.0}
+                for r in range(world)
+            },
+        )
+    ]
     return out
 
 
@@ -27,21 +51,52 @@ def marks(t0: float) -> dict:
 
 
 def kill_round() -> list[dict]:
-    return [ev(3.0, "worker-failed", rank=1, pid=101, fault_kind="signal", detect_ms=100.0,
-               message="rank 1 (pid 101) signal: SIGKILL"),
-            ev(3.1, "decide", rank=1, fault_kind="signal", strategy="recover-in-place", reason="why"),
-            ev(3.2, "plan", generation=1, strategy="recover-in-place", failed_ranks=[1], restart_ranks=[1]),
-            ev(3.3, "plan-received", generation=1, strategy="recover-in-place"),
-            ev(3.4, "spawn", generation=1, rank=1, local_rank=1, pid=201, replacement=True, warm=True),
-            ev(4.0, "repair-plan", generation=1, resume_step=5, action="rollback", pairs=[[0, 1]]),
-            ev(5.5, "rank-recovered", generation=1, rank=0, resume_step=5, marks=marks(3.5)),
-            ev(5.6, "rank-recovered", generation=1, rank=1, resume_step=5, marks=marks(3.6),
-               transfer_bytes=4_000_000, transfer_s=0.5, source=0)]
+    return [
+        ev(
+            3.0,
+            "worker-failed",
+            rank=1,
+            pid=101,
+            fault_kind="signal",
+            detect_ms=100.0,
+            message="rank 1 (pid 101) signal: SIGKILL",
+        ),
+        ev(3.1, "decide", rank=1, fault_kind="signal", strategy="recover-in-place", reason="why"),
+        ev(
+            3.2,
+            "plan",
+            generation=1,
+            strategy="recover-in-place",
+            failed_ranks=[1],
+            restart_ranks=[1],
+        ),
+        ev(3.3, "plan-received", generation=1, strategy="recover-in-place"),
+        ev(3.4, "spawn", generation=1, rank=1, local_rank=1, pid=201, replacement=True, warm=True),
+        ev(4.0, "repair-plan", generation=1, resume_step=5, action="rollback", pairs=[[0, 1]]),
+        ev(5.5, "rank-recovered", generation=1, rank=0, resume_step=5, marks=marks(3.5)),
+        ev(
+            5.6,
+            "rank-recovered",
+            generation=1,
+            rank=1,
+            resume_step=5,
+            marks=marks(3.6),
+            transfer_bytes=4_000_000,
+            transfer_s=0.5,
+            source=0,
+        ),
+    ]
 
 
 def test_process_level_round_phases_and_cost():
-    events = started() + kill_round() + [ev(6.0, "rank-resumed", generation=1, rank=0, step=5),
-                                         ev(6.2, "rank-resumed", generation=1, rank=1, step=5)]
+    events = (
+        started()
+        + kill_round()
+        + [
+            ev(6.0, "rank-resumed", generation=1, rank=0, step=5),
+            ev(6.2, "rank-resumed", generation=1, rank=1, step=5),
+        ]
+    )
     v = Timeline().feed_all(events).view()
     (ro,) = v.rounds
     assert ro.outcome == "recovered" and ro.end == T + 6.2 and ro.mttr_s == 3.3  # from the exit
@@ -58,8 +113,9 @@ def test_process_level_round_phases_and_cost():
 
 
 def test_striped_transfer_names_every_source():
-    events = started() + [e if e["event"] != "repair-plan" else {**e, "pairs": [[0, 1], [2, 1]]}
-                          for e in kill_round()]
+    events = started() + [
+        e if e["event"] != "repair-plan" else {**e, "pairs": [[0, 1], [2, 1]]} for e in kill_round()
+    ]
     (ro,) = Timeline().feed_all(events).view().rounds
     notes = {(b.rank, b.phase): b.note for b in ro.bars}
     assert notes[(1, "transfer")] == "received 4.0 MB from ranks 0, 2 (striped) in 0.500 s"
@@ -79,13 +135,24 @@ def test_restart_all_counts_the_steps_lost_since_the_checkpoint():
     events = started() + [
         ev(3.0, "worker-failed", rank=0, pid=100, fault_kind="exit", detect_ms=1.0),
         ev(3.1, "decide", rank=0, fault_kind="exit", strategy="restart-all", reason="r"),
-        ev(3.2, "plan", generation=1, strategy="restart-all", failed_ranks=[0], restart_ranks=[0, 1]),
+        ev(
+            3.2,
+            "plan",
+            generation=1,
+            strategy="restart-all",
+            failed_ranks=[0],
+            restart_ranks=[0, 1],
+        ),
         ev(3.3, "plan-received", generation=1, strategy="restart-all"),
         ev(4.0, "restart-all-go", generation=1),
-        *[ev(4.1, "spawn", generation=1, rank=r, local_rank=r, pid=300 + r, replacement=False) for r in (0, 1)],
+        *[
+            ev(4.1, "spawn", generation=1, rank=r, local_rank=r, pid=300 + r, replacement=False)
+            for r in (0, 1)
+        ],
         ev(4.2, "restarted", generation=1),
         *[ev(6.0, "hello", generation=1, rank=r, pid=300 + r) for r in (0, 1)],
-        *[ev(8.0, "rank-resumed", generation=1, rank=r, step=2) for r in (0, 1)]]
+        *[ev(8.0, "rank-resumed", generation=1, rank=r, step=2) for r in (0, 1)],
+    ]
     v = Timeline().feed_all(events).view()
     (ro,) = v.rounds
     assert ro.outcome == "restarted" and ro.steps_lost == 3  # steps 2, 3, 4 done again
@@ -93,23 +160,58 @@ def test_restart_all_counts_the_steps_lost_since_the_checkpoint():
 
 
 def test_fallback_round_carries_the_same_fault():
-    events = started() + kill_round()[:5] + [
-        ev(4.0, "fallback", strategy="restart-all", reason="no healthy replica"),
-        ev(4.1, "plan", generation=2, strategy="restart-all", failed_ranks=[1], restart_ranks=[0, 1]),
-        ev(4.2, "job-done")]
+    events = (
+        started()
+        + kill_round()[:5]
+        + [
+            ev(4.0, "fallback", strategy="restart-all", reason="no healthy replica"),
+            ev(
+                4.1,
+                "plan",
+                generation=2,
+                strategy="restart-all",
+                failed_ranks=[1],
+                restart_ranks=[0, 1],
+            ),
+            ev(4.2, "job-done"),
+        ]
+    )
     v = Timeline().feed_all(events).view()
     assert [r.outcome for r in v.rounds][0] == "fallback"
-    assert v.rounds[1].fault is v.rounds[0].fault and v.rounds[1].reason == "fallback: no healthy replica"
+    assert (
+        v.rounds[1].fault is v.rounds[0].fault
+        and v.rounds[1].reason == "fallback: no healthy replica"
+    )
     (f,) = v.faults
     assert f.strategy == "recover-in-place -> restart-all" and f.round == 1
     assert v.restarts_used == 1  # the fallback is not counted twice
 
 
 def test_a_fault_during_a_round_supersedes_it():
-    events = started(3) + kill_round()[:5] + [
-        ev(3.6, "worker-failed", generation=1, rank=2, pid=102, fault_kind="signal", detect_ms=1.0),
-        ev(3.7, "round-superseded", generation=1, message="rank 2 failed during recovery"),
-        ev(3.8, "plan", generation=2, strategy="recover-in-place", failed_ranks=[1, 2], restart_ranks=[2])]
+    events = (
+        started(3)
+        + kill_round()[:5]
+        + [
+            ev(
+                3.6,
+                "worker-failed",
+                generation=1,
+                rank=2,
+                pid=102,
+                fault_kind="signal",
+                detect_ms=1.0,
+            ),
+            ev(3.7, "round-superseded", generation=1, message="rank 2 failed during recovery"),
+            ev(
+                3.8,
+                "plan",
+                generation=2,
+                strategy="recover-in-place",
+                failed_ranks=[1, 2],
+                restart_ranks=[2],
+            ),
+        ]
+    )
     v = Timeline().feed_all(events).view()
     assert [r.outcome for r in v.rounds] == ["superseded", "in-progress"]
     assert [f.rank for f in v.faults] == [1, 2] and v.faults[1].round == 2
@@ -129,14 +231,30 @@ def test_a_world_that_shrinks_shows_the_lost_node_its_round_and_the_smaller_worl
     events = started(world=3) + [
         ev(0.1, "rendezvous", node=2, group_rank=2, world_size=3),
         ev(3.0, "node-lost", lost_node=1),
-        ev(5.0, "world-shrink", lost_node=1, reason="no heartbeat for 2s", strategy="restart-all",
-           world_size=3, new_world_size=2, message="node 1 lost ...; continuing on 2 node(s)"),
-        ev(5.1, "plan", generation=1, strategy="restart-all", failed_ranks=[1],
-           restart_ranks=[0, 1], new_round=1),
+        ev(
+            5.0,
+            "world-shrink",
+            lost_node=1,
+            reason="no heartbeat for 2s",
+            strategy="restart-all",
+            world_size=3,
+            new_world_size=2,
+            message="node 1 lost ...; continuing on 2 node(s)",
+        ),
+        ev(
+            5.1,
+            "plan",
+            generation=1,
+            strategy="restart-all",
+            failed_ranks=[1],
+            restart_ranks=[0, 1],
+            new_round=1,
+        ),
         ev(5.2, "plan-received", generation=1, strategy="restart-all"),
         ev(6.0, "round-joined", node=2, generation=1, group_rank=1, world_size=2, nnodes=2),
         ev(6.1, "rendezvous", node=1, generation=1, group_rank=1, world_size=2),
-        ev(6.2, "spawn", node=1, generation=1, rank=1, local_rank=0, pid=301, replacement=False)]
+        ev(6.2, "spawn", node=1, generation=1, rank=1, local_rank=0, pid=301, replacement=False),
+    ]
     v = Timeline().feed_all(events).view()
     (f,) = v.faults
     assert (f.kind, f.node, f.strategy, f.round) == ("node-lost", 1, "restart-all", 1)
@@ -153,27 +271,66 @@ def test_a_world_that_shrinks_shows_the_lost_node_its_round_and_the_smaller_worl
 def test_a_failed_rank_names_its_stderr_file_in_the_fault_table():
     from launcher.observe.report import fault_table
 
-    v = Timeline().feed_all(started() + [ev(
-        3.0, "worker-failed", rank=1, pid=101, fault_kind="signal", detect_ms=1.0,
-        message="rank 1 (pid 101) signal: Signal 6 (SIGABRT)",
-        stderr_file="/logs/attempt_0/1/stderr.log"),
-        ev(3.1, "decide", rank=1, fault_kind="signal", strategy="restart-all", reason="why")]).view()
+    v = (
+        Timeline()
+        .feed_all(
+            started()
+            + [
+                ev(
+                    3.0,
+                    "worker-failed",
+                    rank=1,
+                    pid=101,
+                    fault_kind="signal",
+                    detect_ms=1.0,
+                    message="rank 1 (pid 101) signal: Signal 6 (SIGABRT)",
+                    stderr_file="/logs/attempt_0/1/stderr.log",
+                ),
+                ev(
+                    3.1, "decide", rank=1, fault_kind="signal", strategy="restart-all", reason="why"
+                ),
+            ]
+        )
+        .view()
+    )
     assert v.faults[0].stderr_file == "/logs/attempt_0/1/stderr.log"
     assert "(its stderr: /logs/attempt_0/1/stderr.log)" in fault_table(v)
 
 
 def test_a_rank_that_died_in_its_teardown_after_its_goodbye_is_finished_not_stopped():
-    v = Timeline().feed_all(started() + [
-        ev(3.0, "exit", rank=0, pid=100, exitcode=0),
-        ev(3.2, "exit", rank=1, pid=101, exitcode=-6, after_goodbye=True)]).view()
-    assert [(r.rank, r.state, r.phase) for r in v.ranks] == [(0, "finished", "done"), (1, "finished", "done")]
+    v = (
+        Timeline()
+        .feed_all(
+            started()
+            + [
+                ev(3.0, "exit", rank=0, pid=100, exitcode=0),
+                ev(3.2, "exit", rank=1, pid=101, exitcode=-6, after_goodbye=True),
+            ]
+        )
+        .view()
+    )
+    assert [(r.rank, r.state, r.phase) for r in v.ranks] == [
+        (0, "finished", "done"),
+        (1, "finished", "done"),
+    ]
     assert v.faults == []
 
 
 def test_a_rank_killed_for_hanging_at_exit_after_its_goodbye_is_finished_not_stopped():
-    v = Timeline().feed_all(started() + [
-        ev(3.0, "exit", rank=0, pid=100, exitcode=0),
-        ev(9.0, "exit-hang", rank=1, pid=101, idle_s=5.0, timeout_s=5.0),
-        ev(9.5, "exit", rank=1, pid=101, exitcode=-9, hung_at_exit=True)]).view()
-    assert [(r.rank, r.state, r.phase) for r in v.ranks] == [(0, "finished", "done"), (1, "finished", "done")]
+    v = (
+        Timeline()
+        .feed_all(
+            started()
+            + [
+                ev(3.0, "exit", rank=0, pid=100, exitcode=0),
+                ev(9.0, "exit-hang", rank=1, pid=101, idle_s=5.0, timeout_s=5.0),
+                ev(9.5, "exit", rank=1, pid=101, exitcode=-9, hung_at_exit=True),
+            ]
+        )
+        .view()
+    )
+    assert [(r.rank, r.state, r.phase) for r in v.ranks] == [
+        (0, "finished", "done"),
+        (1, "finished", "done"),
+    ]
     assert v.faults == []  # not a fault of the training

@@ -1,4 +1,5 @@
 """Tests for rendezvous.nodes.waits: sliced store waits that end promptly on a stop request."""
+
 from __future__ import annotations
 
 import threading
@@ -7,10 +8,10 @@ import time
 import pytest
 
 from rendezvous.errors import JoinInterrupted
+from rendezvous.nodes.waits import SLICE, Interrupt, wait_keys
+from rendezvous.store.client import StoreClient
 from rendezvous.store.memory import LocalKV
 from rendezvous.store.server import StoreServer
-from rendezvous.store.client import StoreClient
-from rendezvous.nodes.waits import SLICE, Interrupt, wait_keys
 
 
 def test_wait_keys_returns_on_key_timeout_and_stop() -> None:

@@ -1,4 +1,5 @@
 """Worker handles: event-driven exit detection, death with the agent, group stops."""
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,17 @@ from tests.helpers_launch import pid_alive
 
 
 def start(w: Worker, code: str) -> None:
-    spawn(w, [sys.executable, "-c", code], dict(os.environ), None, None, False, False, "", threading.Lock())
+    spawn(
+        w,
+        [sys.executable, "-c", code],
+        dict(os.environ),
+        None,
+        None,
+        False,
+        False,
+        "",
+        threading.Lock(),
+    )
 
 
 def test_exit_is_reported_at_once_with_code() -> None:
@@ -38,7 +49,10 @@ def test_exit_is_reported_at_once_with_code() -> None:
 
 def test_stop_workers_escalates_to_sigkill() -> None:
     w = Worker(0, 0)
-    start(w, "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ok', flush=True); time.sleep(60)")
+    start(
+        w,
+        "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ok', flush=True); time.sleep(60)",
+    )
     time.sleep(0.5)
     t0 = time.monotonic()
     stop_workers([w], signal.SIGTERM, grace=0.5)
@@ -48,7 +62,11 @@ def test_stop_workers_escalates_to_sigkill() -> None:
 
 def test_worker_dies_with_its_agent(tmp_path) -> None:
     pidfile = tmp_path / "pid"
-    agent = subprocess.Popen([sys.executable, "-c", f"""
+    agent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import os, sys, threading, time
 sys.path.insert(0, {os.getcwd()!r})
 from launcher.workers.workers import Worker, spawn
@@ -56,7 +74,9 @@ w = Worker(0, 0)
 spawn(w, [sys.executable, '-c', 'import time; time.sleep(60)'], dict(os.environ), None, None, False, False, '', threading.Lock())
 open({str(pidfile)!r}, 'w').write(str(w.pid))
 time.sleep(60)
-"""])
+""",
+        ]
+    )
     deadline = time.monotonic() + 20
     while not pidfile.exists() or not pidfile.read_text():
         assert time.monotonic() < deadline
@@ -77,10 +97,13 @@ def _child_pid_of(kill_self: str, tmp_path) -> tuple[Worker, int, "queue.Queue"]
     pidfile = tmp_path / "child"
     q: queue.Queue = queue.Queue()
     w = Worker(0, 3)
-    start(w, f"import os, signal, subprocess, sys\n"
-             f"p = subprocess.Popen(['sleep', '60'])\n"
-             f"open({str(pidfile)!r} + '.tmp', 'w').write(str(p.pid))\n"
-             f"os.rename({str(pidfile)!r} + '.tmp', {str(pidfile)!r})\n{kill_self}\n")
+    start(
+        w,
+        f"import os, signal, subprocess, sys\n"
+        f"p = subprocess.Popen(['sleep', '60'])\n"
+        f"open({str(pidfile)!r} + '.tmp', 'w').write(str(p.pid))\n"
+        f"os.rename({str(pidfile)!r} + '.tmp', {str(pidfile)!r})\n{kill_self}\n",
+    )
     deadline = time.monotonic() + 20
     while not pidfile.exists():
         assert time.monotonic() < deadline, "the worker never started its child"

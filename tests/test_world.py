@@ -1,4 +1,5 @@
 """The world record: who gets which group rank (rendezvous.nodes.world.build_world)."""
+
 from __future__ import annotations
 
 from rendezvous.nodes.keys import Registration
@@ -6,8 +7,15 @@ from rendezvous.nodes.world import build_world
 
 
 def reg(name: str, slot: int, hosts_store: bool = False, prev_rank: int = -1) -> Registration:
-    return Registration(nonce=name, host=name, pid=1, local_world_size=2, slot=slot,
-                        hosts_store=hosts_store, prev_rank=prev_rank)
+    return Registration(
+        nonce=name,
+        host=name,
+        pid=1,
+        local_world_size=2,
+        slot=slot,
+        hosts_store=hosts_store,
+        prev_rank=prev_rank,
+    )
 
 
 def order(world: dict) -> list[str]:
@@ -25,6 +33,13 @@ def test_dynamic_ranks_follow_arrival_with_the_store_host_first() -> None:
 
 
 def test_survivors_of_the_previous_round_keep_their_group_ranks() -> None:
-    w = build_world([reg("new-host", 0, hosts_store=True), reg("s1", 2, prev_rank=1),
-                     reg("s0", 1, prev_rank=0)], False, "r")
+    w = build_world(
+        [
+            reg("new-host", 0, hosts_store=True),
+            reg("s1", 2, prev_rank=1),
+            reg("s0", 1, prev_rank=0),
+        ],
+        False,
+        "r",
+    )
     assert order(w) == ["s0", "s1", "new-host"]

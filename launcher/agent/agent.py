@@ -22,6 +22,7 @@ and, every monitor interval, the health check (warm spare, hang guard: hung rank
 records). Faults are reported to the controller (`launcher.control.decision` decides); nothing is decided
 here.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,34 +37,50 @@ import time
 import traceback
 from typing import Any, Callable
 
-from launcher.protocol import plan as P
-from launcher.agent.agent_events import (InjectEvent, KeyFeed, PlanEvent, SignalEvent, inject_feed,
-                                   plan_feed)
-from launcher.workers.channel import ChannelMessage, ChannelServer
+from launcher.agent.agent_events import (
+    InjectEvent,
+    KeyFeed,
+    PlanEvent,
+    SignalEvent,
+    inject_feed,
+    plan_feed,
+)
+from launcher.agent.errors import JobFailures, failure_from_exit, stderr_cause, stderr_last_words
+from launcher.agent.exit_guard import ExitGuard
+from launcher.agent.fault_reports import FaultReporter
+from launcher.agent.hang_guard import HangGuard
+from launcher.agent.injections import carry_out
+from launcher.agent.loop_store import LoopStore
+from launcher.agent.plan_executor import JobFailed, PlanExecutor
+from launcher.agent.store_stack import AgentWorld, StoreStack
 from launcher.config import LaunchConfig
 from launcher.control.controller import Controller
 from launcher.control.controller_role import ControllerRole
-from launcher.protocol.death_notice import NoticeBoard
-from launcher.agent.errors import JobFailures, failure_from_exit, stderr_cause, stderr_last_words
-from launcher.agent.exit_guard import ExitGuard
 from launcher.control.fault_memory import FaultMemory
-from launcher.agent.fault_reports import FaultReporter
-from launcher.protocol.faults import FaultKind, collective_failure
-from launcher.agent.hang_guard import HangGuard
-from launcher.agent.injections import carry_out
 from launcher.observe.logs import AgentLog, RunLogDir
-from launcher.agent.loop_store import LoopStore
-from launcher.protocol.messages import Bye, FaultReport, Heartbeat, Hello, Recovered
 from launcher.observe.observer import NodeObserver
-from launcher.agent.plan_executor import JobFailed, PlanExecutor
+from launcher.protocol import plan as P
+from launcher.protocol.death_notice import NoticeBoard
+from launcher.protocol.faults import FaultKind, collective_failure
+from launcher.protocol.messages import Bye, FaultReport, Heartbeat, Hello, Recovered
+from launcher.workers.channel import ChannelMessage, ChannelServer
 from launcher.workers.spawner import Spawner, WorkerWorld
-from launcher.agent.store_stack import AgentWorld, StoreStack
-from launcher.workers.workers import (NodeWorkers, Reaper, WorkerExit, send_signal, signal_name,
-                              stop_workers)
-from rendezvous.errors import (FencedError, JoinInterrupted, NodeLostError,
-                               RendezvousGracefulExit, StoreHostLostError)
-from rendezvous.nodes.keys import LEAVE_SIGNAL
+from launcher.workers.workers import (
+    NodeWorkers,
+    Reaper,
+    WorkerExit,
+    signal_name,
+    stop_workers,
+)
+from rendezvous.errors import (
+    FencedError,
+    JoinInterrupted,
+    NodeLostError,
+    RendezvousGracefulExit,
+    StoreHostLostError,
+)
 from rendezvous.kv import KVStore, StoreError
+from rendezvous.nodes.keys import LEAVE_SIGNAL
 
 STDERR_LINES = 20  # of a failed worker's stderr.log, in its failure when it left no error file
 
@@ -100,8 +117,9 @@ class Agent:
         self.generation = 0
         self.failures = JobFailures()
         self.hangs = HangGuard(cfg, self.log, self.run_dir, self.host, lambda: self.workers)
-        self.fault_memory = FaultMemory(os.path.join(cfg.log_dir or self.run_dir.path,
-                                                     "fault_memory.json"))
+        self.fault_memory = FaultMemory(
+            os.path.join(cfg.log_dir or self.run_dir.path, "fault_memory.json")
+        )
         self.rejoined = False  # a replacement for a lost node, until the round of its arrival
         self._sock_dir = tempfile.mkdtemp(prefix="ftrun-")
         # built by _start(), in this order
@@ -111,7 +129,9 @@ class Agent:
         self._master: tuple[str, int] = ("", 0)  # MASTER_ADDR/PORT local workers use
         self.channel: ChannelServer | None = None
         self.reaper: Reaper | None = None
-        self.notices: NoticeBoard | None = None  # workers' death notices (launcher.protocol.death_notice)
+        self.notices: NoticeBoard | None = (
+            None  # workers' death notices (launcher.protocol.death_notice)
+        )
         self.workers = NodeWorkers({})
         self.spawner: Spawner | None = None
         self.executor: PlanExecutor | None = None
@@ -119,9 +139,13 @@ class Agent:
         self.loop_store: LoopStore | None = None  # the loop's other store writes, off the loop
         self._feeds: list[KeyFeed] = []
         self._handlers: dict[type, Callable[[Any], int | None]] = {
-            WorkerExit: self._on_exit, ChannelMessage: self._on_message, PlanEvent: self._on_plan,
-            InjectEvent: self._on_inject, SignalEvent: self._on_signal,
-            NodeLostEvent: self._on_lost}
+            WorkerExit: self._on_exit,
+            ChannelMessage: self._on_message,
+            PlanEvent: self._on_plan,
+            InjectEvent: self._on_inject,
+            SignalEvent: self._on_signal,
+            NodeLostEvent: self._on_lost,
+        }
 
     # ------------------------------------------------------------------ main
     def run(self) -> int:
@@ -129,13 +153,17 @@ class Agent:
         self.log.info("start", f"ftrun {cfg.describe()}", config=dataclasses.asdict(cfg))
         for note in cfg.notes:
             self.log.info("note", note)
-        self.log.info("hang-policy", f"hang detection: {cfg.hang.describe()}",
-                      hang_timeout=cfg.hang_timeout)
+        self.log.info(
+            "hang-policy", f"hang detection: {cfg.hang.describe()}", hang_timeout=cfg.hang_timeout
+        )
         if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
-            self.log.warning("omp", "Setting OMP_NUM_THREADS environment variable for each process "
-                             "to be 1 in default, to avoid your system being overloaded, please "
-                             "further tune the variable for optimal performance in your "
-                             "application as needed.")
+            self.log.warning(
+                "omp",
+                "Setting OMP_NUM_THREADS environment variable for each process "
+                "to be 1 in default, to avoid your system being overloaded, please "
+                "further tune the variable for optimal performance in your "
+                "application as needed.",
+            )
         self._install_signals()
         code = 1
         try:
@@ -143,8 +171,9 @@ class Agent:
             return code
         finally:
             # every part's stop is bounded; this bounds the whole way out, wherever it hangs
-            guard = ExitGuard(code, SHUTDOWN_LIMIT_S + 3 * cfg.rdzv_settings.keep_alive_interval,
-                              "shutdown")
+            guard = ExitGuard(
+                code, SHUTDOWN_LIMIT_S + 3 * cfg.rdzv_settings.keep_alive_interval, "shutdown"
+            )
             try:
                 self.shutdown()
             finally:
@@ -176,8 +205,12 @@ class Agent:
             self.log.error("config-error", f"{e}")
             return 2
         except Exception as e:  # noqa: BLE001 - last resort: one line for people, details in events
-            self.log.error("internal-error", f"ftrun internal error: {type(e).__name__}: {e} "
-                           f"(traceback in {self.log.events_path})", traceback=traceback.format_exc())
+            self.log.error(
+                "internal-error",
+                f"ftrun internal error: {type(e).__name__}: {e} "
+                f"(traceback in {self.log.events_path})",
+                traceback=traceback.format_exc(),
+            )
             return 1
 
     def _start(self) -> None:
@@ -208,10 +241,14 @@ class Agent:
             if next_round:
                 self.world = self.stack.next_round(stop=self.stopping)
             else:
-                self.world = self.stack.join(self.host, self._on_node_lost,
-                                             self._on_node_joined, stop=self.stopping,
-                                             on_lost=self._on_lost_news,
-                                             on_left=self._on_node_left)
+                self.world = self.stack.join(
+                    self.host,
+                    self._on_node_lost,
+                    self._on_node_joined,
+                    stop=self.stopping,
+                    on_lost=self._on_lost_news,
+                    on_left=self._on_node_left,
+                )
         finally:
             self._raise_on_signal = False
         if self.stopping.is_set():
@@ -225,17 +262,26 @@ class Agent:
         assert kv is not None and self.channel is not None and self.reaper is not None
         self.rejoined = self.stack.rejoined
         if world.from_spare:
-            self.log.warning("spare-takes-over", f"hot spare {self.host} takes over node "
-                             f"{world.group_rank} (ranks {world.rank_base}.."
-                             f"{world.rank_base + cfg.nproc_per_node - 1})",
-                             group_rank=world.group_rank)
+            self.log.warning(
+                "spare-takes-over",
+                f"hot spare {self.host} takes over node "
+                f"{world.group_rank} (ranks {world.rank_base}.."
+                f"{world.rank_base + cfg.nproc_per_node - 1})",
+                group_rank=world.group_rank,
+            )
         self.log.node_rank = world.group_rank
         master_addr, master_port = self._master
-        self.log.info("rendezvous", f"node {world.group_rank}/{world.group_world_size}, "
-                      f"ranks {world.rank_base}..{world.rank_base + cfg.nproc_per_node - 1} "
-                      f"of {world.world_size}; workers use store {master_addr}:{master_port}; "
-                      f"logs in {self.run_dir.path}", group_rank=world.group_rank,
-                      world_size=world.world_size, master_port=master_port, log_dir=self.run_dir.path)
+        self.log.info(
+            "rendezvous",
+            f"node {world.group_rank}/{world.group_world_size}, "
+            f"ranks {world.rank_base}..{world.rank_base + cfg.nproc_per_node - 1} "
+            f"of {world.world_size}; workers use store {master_addr}:{master_port}; "
+            f"logs in {self.run_dir.path}",
+            group_rank=world.group_rank,
+            world_size=world.world_size,
+            master_port=master_port,
+            log_dir=self.run_dir.path,
+        )
         assert self.observer is not None
         self.observer.attach(kv, world.group_rank, world.is_leader, self.stack.server_stats())
         assert self.loop_store is not None
@@ -243,27 +289,55 @@ class Agent:
         # A replacement agent: plans published from the moment it joined concern it (the leader
         # starts a round for its arrival, possibly before join() returned).
         raw = kv.try_get(P.GENERATION_KEY)
-        self.generation = self.stack.generation_before_join if self.rejoined else (
-            int(raw) if raw is not None else 0)
+        self.generation = (
+            self.stack.generation_before_join
+            if self.rejoined
+            else (int(raw) if raw is not None else 0)
+        )
         self.log.generation = self.generation
-        self.role = ControllerRole(self.log, self.stack, self._new_controller, world.group_rank,
-                                   self.host)
+        self.role = ControllerRole(
+            self.log, self.stack, self._new_controller, world.group_rank, self.host
+        )
         self.role.start(world.is_leader)
         self.workers = NodeWorkers.create(world.rank_base, cfg.nproc_per_node)
-        self.spawner = Spawner(cfg, WorkerWorld(world.group_rank, world.group_world_size,
-                                                world.world_size, master_addr, master_port,
-                                                self.channel.path),
-                               self.run_dir, self.log, self.host, self.reaper,
-                               on_spawn=self.hangs.on_spawn, notices=self.notices)
-        self.executor = PlanExecutor(cfg, self.log, kv, world, self.workers, self.spawner,
-                                     self.channel, self.failures, stop=self.stopping,
-                                     dump=lambda w: self.hangs.dump(w, w.rank in self.workers.aware),
-                                     store=self.loop_store,
-                                     lost=lambda: self.stack.lost_error() is not None,
-                                     stop_sent=self.hangs.stop_sent)
+        self.spawner = Spawner(
+            cfg,
+            WorkerWorld(
+                world.group_rank,
+                world.group_world_size,
+                world.world_size,
+                master_addr,
+                master_port,
+                self.channel.path,
+            ),
+            self.run_dir,
+            self.log,
+            self.host,
+            self.reaper,
+            on_spawn=self.hangs.on_spawn,
+            notices=self.notices,
+        )
+        self.executor = PlanExecutor(
+            cfg,
+            self.log,
+            kv,
+            world,
+            self.workers,
+            self.spawner,
+            self.channel,
+            self.failures,
+            stop=self.stopping,
+            dump=lambda w: self.hangs.dump(w, w.rank in self.workers.aware),
+            store=self.loop_store,
+            lost=lambda: self.stack.lost_error() is not None,
+            stop_sent=self.hangs.stop_sent,
+        )
         if self.rejoined:
-            self.log.warning("rejoined", f"replacement agent for node {world.group_rank}: "
-                             f"waiting for generation {self.generation + 1}")
+            self.log.warning(
+                "rejoined",
+                f"replacement agent for node {world.group_rank}: "
+                f"waiting for generation {self.generation + 1}",
+            )
             if self.controller is not None:
                 # It took over the leader's node and runs the controller itself: no other agent
                 # reports its arrival, so it does (else no round would ever start its ranks).
@@ -282,17 +356,25 @@ class Agent:
     def _new_controller(self) -> Controller:
         cfg, world = self.cfg, self._world()
         assert self.kv is not None
-        return Controller(self.kv, self.log, world.world_size, world.group_world_size,
-                          cfg.max_restarts, cfg.recover_strategy,
-                          phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)),
-                          window=cfg.fault_window,
-                          node_replace_timeout=cfg.node_replace_timeout, min_nodes=cfg.min_nodes,
-                          stale=self.stack.stale, fence=self.stack.check_member,
-                          transfer_stripes=cfg.transfer_stripes,
-                          new_round=self.stack.request_round if self.stack.can_renumber else None,
-                          waiting=(self.stack.waiting if cfg.rdzv_settings.scale_up == "restart"
-                                   else None), max_nodes=cfg.max_nodes,
-                          world_round=self.stack.world_round())
+        return Controller(
+            self.kv,
+            self.log,
+            world.world_size,
+            world.group_world_size,
+            cfg.max_restarts,
+            cfg.recover_strategy,
+            phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)),
+            window=cfg.fault_window,
+            node_replace_timeout=cfg.node_replace_timeout,
+            min_nodes=cfg.min_nodes,
+            stale=self.stack.stale,
+            fence=self.stack.check_member,
+            transfer_stripes=cfg.transfer_stripes,
+            new_round=self.stack.request_round if self.stack.can_renumber else None,
+            waiting=(self.stack.waiting if cfg.rdzv_settings.scale_up == "restart" else None),
+            max_nodes=cfg.max_nodes,
+            world_round=self.stack.world_round(),
+        )
 
     def _leave_world(self) -> None:
         """Undo `_enter_world` (workers already killed): before rejoining as a fresh node."""
@@ -331,45 +413,87 @@ class Agent:
         if w.pid != ev.pid:
             return None  # an older process of this rank (already replaced)
         if w.stopping:
-            self.log.info("exit", f"rank {w.rank} stopped by ftrun (code {ev.code})", rank=w.rank,
-                          pid=ev.pid, exitcode=ev.code)
+            self.log.info(
+                "exit",
+                f"rank {w.rank} stopped by ftrun (code {ev.code})",
+                rank=w.rank,
+                pid=ev.pid,
+                exitcode=ev.code,
+            )
             return None
         if ev.code == P.EXIT_FALLBACK and w.rank in self.workers.aware:
-            self.log.info("exit", f"rank {w.rank} left for the fallback (pid {ev.pid})", rank=w.rank,
-                          pid=ev.pid, exitcode=ev.code)
+            self.log.info(
+                "exit",
+                f"rank {w.rank} left for the fallback (pid {ev.pid})",
+                rank=w.rank,
+                pid=ev.pid,
+                exitcode=ev.code,
+            )
             return None
         if ev.code == 0:
-            self.log.info("exit", f"rank {w.rank} finished (pid {ev.pid})", rank=w.rank, pid=ev.pid,
-                          exitcode=0)
+            self.log.info(
+                "exit",
+                f"rank {w.rank} finished (pid {ev.pid})",
+                rank=w.rank,
+                pid=ev.pid,
+                exitcode=0,
+            )
             self._mark_finished(w)
             return self._finish() if self.workers.all_succeeded() else None
         if w.hung_at_exit:  # killed by the hang guard after its goodbye (see HangGuard)
-            self.log.warning("exit", f"rank {w.rank} killed after hanging at exit (pid {ev.pid}, code "
-                             f"{ev.code}); finished: it had said goodbye", rank=w.rank, pid=ev.pid,
-                             exitcode=ev.code, hung_at_exit=True)
+            self.log.warning(
+                "exit",
+                f"rank {w.rank} killed after hanging at exit (pid {ev.pid}, code "
+                f"{ev.code}); finished: it had said goodbye",
+                rank=w.rank,
+                pid=ev.pid,
+                exitcode=ev.code,
+                hung_at_exit=True,
+            )
             return self._finish() if self.workers.all_succeeded() else None
         if w.ended_after_goodbye:  # a signal in its teardown, after rt.finish(): its work is done
             cause = stderr_cause(self._stderr_tail(w))
-            self.log.warning("exit", f"rank {w.rank} died of {signal_name(ev.code)} at exit after "
-                             f"its goodbye (pid {ev.pid}); finished: its work was done"
-                             + (f"; its stderr: {cause[-200:]!r}" if cause else ""),
-                             rank=w.rank, pid=ev.pid, exitcode=ev.code, after_goodbye=True)
+            self.log.warning(
+                "exit",
+                f"rank {w.rank} died of {signal_name(ev.code)} at exit after "
+                f"its goodbye (pid {ev.pid}); finished: its work was done"
+                + (f"; its stderr: {cause[-200:]!r}" if cause else ""),
+                rank=w.rank,
+                pid=ev.pid,
+                exitcode=ev.code,
+                after_goodbye=True,
+            )
             return self._finish() if self.workers.all_succeeded() else None
         hang = self.hangs.take_killed(w.rank)
-        f = failure_from_exit(w.rank, w.local_rank, self.host, ev.pid, ev.code, ev.time,
-                              w.generation, self.world.group_rank, w.error_file)
+        f = failure_from_exit(
+            w.rank,
+            w.local_rank,
+            self.host,
+            ev.pid,
+            ev.code,
+            ev.time,
+            w.generation,
+            self.world.group_rank,
+            w.error_file,
+        )
         tail = self._stderr_tail(w)
         if tail:
             f.stderr_file = self._stderr_path(w)
             if not f.traceback:  # a signal or a bare exit: what the process said last is the clue
                 lines = stderr_last_words(tail, STDERR_LINES)
-                what = (f"last {len(lines)} lines of {f.stderr_file}"
-                        if lines == tail.rstrip().splitlines()[-len(lines):] else
-                        f"{len(lines)} lines of {f.stderr_file} (its end before Python's "
-                        "fatal-error dump, and the dump's head)")
+                what = (
+                    f"last {len(lines)} lines of {f.stderr_file}"
+                    if lines == tail.rstrip().splitlines()[-len(lines) :]
+                    else f"{len(lines)} lines of {f.stderr_file} (its end before Python's "
+                    "fatal-error dump, and the dump's head)"
+                )
                 f.traceback = f"{what}:\n" + "\n".join(lines)
-        evidence: dict = {"traceback": f.traceback[-4000:], "error_file": f.error_file,
-                          "stderr_file": f.stderr_file, "finished_ranks": self.workers.finished()}
+        evidence: dict = {
+            "traceback": f.traceback[-4000:],
+            "error_file": f.error_file,
+            "stderr_file": f.stderr_file,
+            "finished_ranks": self.workers.finished(),
+        }
         kind = FaultKind.HANG if hang else FaultKind.SIGNAL if ev.code < 0 else FaultKind.EXIT
         if hang is not None:
             evidence.update(hang.evidence())
@@ -381,16 +505,35 @@ class Agent:
                 evidence["collective"] = broken
         f.kind = kind.value
         self.failures.add(f)
-        self.log.error("worker-failed", f"rank {w.rank} (pid {ev.pid}) {kind.value}: {f.message}"
-                       + (f" (its stderr: {f.stderr_file})" if f.stderr_file else ""),
-                       rank=w.rank, pid=ev.pid, exitcode=ev.code, signal=f.signal,
-                       stderr_file=f.stderr_file or None,
-                       fault_kind=kind.value, detect_ms=round((time.time() - ev.time) * 1000, 3),
-                       early_notice=ev.early)
-        self._report(P.Fault(kind=kind.value, rank=w.rank, node=self.world.group_rank,
-                             generation=self.generation, message=f.message, exitcode=ev.code,
-                             signal=f.signal, pid=ev.pid, local_rank=w.local_rank, host=self.host,
-                             time=ev.time, evidence=evidence))
+        self.log.error(
+            "worker-failed",
+            f"rank {w.rank} (pid {ev.pid}) {kind.value}: {f.message}"
+            + (f" (its stderr: {f.stderr_file})" if f.stderr_file else ""),
+            rank=w.rank,
+            pid=ev.pid,
+            exitcode=ev.code,
+            signal=f.signal,
+            stderr_file=f.stderr_file or None,
+            fault_kind=kind.value,
+            detect_ms=round((time.time() - ev.time) * 1000, 3),
+            early_notice=ev.early,
+        )
+        self._report(
+            P.Fault(
+                kind=kind.value,
+                rank=w.rank,
+                node=self.world.group_rank,
+                generation=self.generation,
+                message=f.message,
+                exitcode=ev.code,
+                signal=f.signal,
+                pid=ev.pid,
+                local_rank=w.local_rank,
+                host=self.host,
+                time=ev.time,
+                evidence=evidence,
+            )
+        )
         return None
 
     def _mark_finished(self, w: Any) -> None:
@@ -433,12 +576,21 @@ class Agent:
         elif isinstance(msg, Recovered):
             if self.spawner is not None:
                 self.spawner.rank_recovered(msg.rank, msg.generation, msg.resume_step)
-            self.log.info("rank-recovered", f"rank {msg.rank} resumed generation {msg.generation} at "
-                          f"step {msg.resume_step}", rank=msg.rank, generation=msg.generation,
-                          resume_step=msg.resume_step, action=msg.action,
-                          replacement=msg.replacement, marks=msg.marks,
-                          transfer_bytes=msg.transfer_bytes, transfer_s=msg.transfer_s,
-                          source=msg.source, transfer_path=msg.transfer_path, **msg.timings)
+            self.log.info(
+                "rank-recovered",
+                f"rank {msg.rank} resumed generation {msg.generation} at step {msg.resume_step}",
+                rank=msg.rank,
+                generation=msg.generation,
+                resume_step=msg.resume_step,
+                action=msg.action,
+                replacement=msg.replacement,
+                marks=msg.marks,
+                transfer_bytes=msg.transfer_bytes,
+                transfer_s=msg.transfer_s,
+                source=msg.source,
+                transfer_path=msg.transfer_path,
+                **msg.timings,
+            )
         elif isinstance(msg, Bye):
             self.hangs.on_bye(msg.rank)
             w = self.workers.by_rank(msg.rank)
@@ -451,43 +603,76 @@ class Agent:
         if msg.rank not in self.workers.aware:
             self.workers.aware.add(msg.rank)
             self.loop_store.put(P.aware_key(msg.rank), b"1")
-        self.log.info("hello", f"rank {msg.rank} (pid {pid}) uses the ftrun runtime", rank=msg.rank,
-                      pid=pid)
+        self.log.info(
+            "hello", f"rank {msg.rank} (pid {pid}) uses the ftrun runtime", rank=msg.rank, pid=pid
+        )
         self._watch_death(msg, pid)
         self.executor.on_hello(msg.rank, msg.generation)
 
     def _watch_death(self, msg: Hello, pid: int | None) -> None:
         """The rank holds its death-notice slot: report its exit the moment it starts dying."""
         w = self.workers.by_rank(msg.rank)
-        if (not msg.notice_tid or w is None or not w.notice or w.proc is None or pid != w.pid
-                or self.notices is None or self.reaper is None):
+        if (
+            not msg.notice_tid
+            or w is None
+            or not w.notice
+            or w.proc is None
+            or pid != w.pid
+            or self.notices is None
+            or self.reaper is None
+        ):
             return
         proc, reaper = w.proc, self.reaper
-        self.notices.watch(w.notice, w.proc.pid, msg.notice_tid,
-                           lambda code: reaper.announce(w, proc, code))
+        self.notices.watch(
+            w.notice, w.proc.pid, msg.notice_tid, lambda code: reaper.announce(w, proc, code)
+        )
 
     def _on_fault_report(self, msg: FaultReport, pid: int | None) -> None:
         assert self.world is not None
         kind = FaultKind.parse(msg.kind)
-        self.log.error("worker-fault", f"rank {msg.rank} reports {kind.value}"
-                       + (" [injected]" if msg.injected else "") + f": {msg.message}",
-                       rank=msg.rank, fault_kind=kind.value, injected=msg.injected, step=msg.step)
+        self.log.error(
+            "worker-fault",
+            f"rank {msg.rank} reports {kind.value}"
+            + (" [injected]" if msg.injected else "")
+            + f": {msg.message}",
+            rank=msg.rank,
+            fault_kind=kind.value,
+            injected=msg.injected,
+            step=msg.step,
+        )
         w = self.workers.by_rank(msg.rank)
-        evidence: dict = {"step": msg.step, "phase": msg.phase,
-                          "finished_ranks": self.workers.finished()}
+        evidence: dict = {
+            "step": msg.step,
+            "phase": msg.phase,
+            "finished_ranks": self.workers.finished(),
+        }
         if msg.collective:
             evidence["collective"] = msg.collective  # possibly a consequence: the controller blames
         if kind in (FaultKind.UCE_LOW, FaultKind.UCE_HIGH) and w is not None:
             evidence.update(self.fault_memory.record_uce_evidence(f"{self.host}:{w.local_rank}"))
             if evidence["repeat_uce"]:
-                self.log.warning("uce-repeat", f"device {evidence['device']} had "
-                                 f"{evidence['uce_count_24h']} UCEs within 24 h: no more in-place "
-                                 "retries on it", rank=msg.rank, device=evidence["device"])
-        self._report(P.Fault(kind=kind.value, rank=msg.rank, node=self.world.group_rank,
-                             generation=msg.generation if msg.generation >= 0 else self.generation,
-                             message=msg.message, pid=pid,
-                             local_rank=w.local_rank if w else None, host=self.host,
-                             injected=msg.injected, evidence=evidence))
+                self.log.warning(
+                    "uce-repeat",
+                    f"device {evidence['device']} had "
+                    f"{evidence['uce_count_24h']} UCEs within 24 h: no more in-place "
+                    "retries on it",
+                    rank=msg.rank,
+                    device=evidence["device"],
+                )
+        self._report(
+            P.Fault(
+                kind=kind.value,
+                rank=msg.rank,
+                node=self.world.group_rank,
+                generation=msg.generation if msg.generation >= 0 else self.generation,
+                message=msg.message,
+                pid=pid,
+                local_rank=w.local_rank if w else None,
+                host=self.host,
+                injected=msg.injected,
+                evidence=evidence,
+            )
+        )
 
     def _on_inject(self, ev: InjectEvent) -> None:
         w = self.workers.by_rank(ev.injection.rank)
@@ -511,16 +696,25 @@ class Agent:
             # a plan of a world this agent left (a feed from before it self-fenced delivered it
             # late): executing it would take the agent's generation backwards, and the job's
             # end barrier (per generation) would never fill
-            self.log.info("plan-skipped", f"plan for generation {plan.generation} is not newer than "
-                          f"this agent's generation {self.generation}: ignored")
+            self.log.info(
+                "plan-skipped",
+                f"plan for generation {plan.generation} is not newer than "
+                f"this agent's generation {self.generation}: ignored",
+            )
             return None
         self.generation = plan.generation
         self.log.generation = plan.generation
         if self.rejoined:
             cause = plan.root_cause or {}
-            if not (cause.get("evidence", {}).get("node_joined") and cause.get("node") == self.world.group_rank):
-                self.log.info("plan-skipped", f"generation {plan.generation} began before this "
-                              "replacement agent joined; waiting for the round of its arrival")
+            if not (
+                cause.get("evidence", {}).get("node_joined")
+                and cause.get("node") == self.world.group_rank
+            ):
+                self.log.info(
+                    "plan-skipped",
+                    f"generation {plan.generation} began before this "
+                    "replacement agent joined; waiting for the round of its arrival",
+                )
                 return None
             self.rejoined = False  # from here on, an ordinary member
         self.failures.note_plan(plan)
@@ -540,9 +734,14 @@ class Agent:
         checkpoint). A signal meanwhile ends the agent as in the rendezvous."""
         g, before = plan.generation, self._world()
         t0 = time.monotonic()
-        self.log.info("plan-received", f"executing {plan.strategy} for generation {g} in "
-                      f"rendezvous round {plan.new_round} ({plan.reason})", strategy=plan.strategy,
-                      failed_ranks=plan.failed_ranks, new_round=plan.new_round)
+        self.log.info(
+            "plan-received",
+            f"executing {plan.strategy} for generation {g} in "
+            f"rendezvous round {plan.new_round} ({plan.reason})",
+            strategy=plan.strategy,
+            failed_ranks=plan.failed_ranks,
+            new_round=plan.new_round,
+        )
         live = self.workers.alive()
         stop_workers(self.workers.all(), signal.SIGTERM, self.cfg.shutdown_timeout)
         self.failures.note_terminated(live)
@@ -550,16 +749,26 @@ class Agent:
         self._rendezvous(open_store=False, next_round=True)
         world = self._world()
         self.stack.publish(world, self.run_dir.path)
-        self.log.info("round-joined", f"rendezvous round {plan.new_round}: node "
-                      f"{before.group_rank} -> {world.group_rank} of {world.group_world_size}, "
-                      f"world size {before.world_size} -> {world.world_size}",
-                      new_round=plan.new_round, old_group_rank=before.group_rank,
-                      group_rank=world.group_rank, world_size=world.world_size,
-                      old_world_size=before.world_size, nnodes=world.group_world_size)
+        self.log.info(
+            "round-joined",
+            f"rendezvous round {plan.new_round}: node "
+            f"{before.group_rank} -> {world.group_rank} of {world.group_world_size}, "
+            f"world size {before.world_size} -> {world.world_size}",
+            new_round=plan.new_round,
+            old_group_rank=before.group_rank,
+            group_rank=world.group_rank,
+            world_size=world.world_size,
+            old_world_size=before.world_size,
+            nnodes=world.group_world_size,
+        )
         self._enter_world()
-        self.log.info("restarted", f"generation {g}: all {len(self.workers.by_local)} local "
-                      f"workers restarted in a world of {world.world_size} in "
-                      f"{time.monotonic() - t0:.3f}s", restart_s=round(time.monotonic() - t0, 4))
+        self.log.info(
+            "restarted",
+            f"generation {g}: all {len(self.workers.by_local)} local "
+            f"workers restarted in a world of {world.world_size} in "
+            f"{time.monotonic() - t0:.3f}s",
+            restart_s=round(time.monotonic() - t0, 4),
+        )
         return None
 
     def _finish(self) -> int | None:
@@ -590,19 +799,30 @@ class Agent:
         """Membership thread: handled here, not in the main loop, which may be waiting on a
         round that this very death holds up."""
         why = why or self._loss_reason()
-        who = ("a hot spare or a replacement agent (same --node_rank) takes over its ranks "
-               f"{self._node_ranks(node)} within node_replace_timeout="
-               f"{self.cfg.node_replace_timeout:g}s, else the job falls back")
-        self.log.error("node-lost", f"node {node} lost ({why}): {who}", lost_node=node,
-                       reason=why, node_ranks=self._node_ranks(node))
+        who = (
+            "a hot spare or a replacement agent (same --node_rank) takes over its ranks "
+            f"{self._node_ranks(node)} within node_replace_timeout="
+            f"{self.cfg.node_replace_timeout:g}s, else the job falls back"
+        )
+        self.log.error(
+            "node-lost",
+            f"node {node} lost ({why}): {who}",
+            lost_node=node,
+            reason=why,
+            node_ranks=self._node_ranks(node),
+        )
         if self.controller is not None:
             # Reported as a node-lost fault: survivors stop (runtime-aware jobs) and the
             # replacement's arrival starts the round that starts its ranks.
             self.controller.note_node(node, lost=True, why=why)
 
     def _on_node_joined(self, node: int) -> None:
-        self.log.warning("node-joined", f"a hot spare or replacement agent took over node {node} "
-                         f"(ranks {self._node_ranks(node)})", joined_node=node)
+        self.log.warning(
+            "node-joined",
+            f"a hot spare or replacement agent took over node {node} "
+            f"(ranks {self._node_ranks(node)})",
+            joined_node=node,
+        )
         self._report_arrival(node)
 
     def _report_arrival(self, node: int) -> None:
@@ -613,13 +833,22 @@ class Agent:
         try:
             c.note_arrival(node, self.stack.incarnation_of(node), host=self.host)
         except (FencedError, StoreError) as e:  # the reporter retries it, or refuses it if stale
-            self.log.warning("fault-report-retry", f"arrival of node {node} not reported yet "
-                             f"({e}); retrying off the loop", joined_node=node)
-            self._report(P.Fault(kind=FaultKind.NODE_LOST.value, rank=None, node=node,
-                                 generation=self.generation,
-                                 message=f"hot spare or replacement agent for node {node}",
-                                 host=self.host, evidence={"node_joined": True,
-                                                           "node_ranks": self._node_ranks(node)}))
+            self.log.warning(
+                "fault-report-retry",
+                f"arrival of node {node} not reported yet ({e}); retrying off the loop",
+                joined_node=node,
+            )
+            self._report(
+                P.Fault(
+                    kind=FaultKind.NODE_LOST.value,
+                    rank=None,
+                    node=node,
+                    generation=self.generation,
+                    message=f"hot spare or replacement agent for node {node}",
+                    host=self.host,
+                    evidence={"node_joined": True, "node_ranks": self._node_ranks(node)},
+                )
+            )
 
     # ------------------------------------------------------------------ signals and shutdown
     def _install_signals(self) -> None:
@@ -644,15 +873,20 @@ class Agent:
     def _signalled_in_rendezvous(self, e: Exception) -> int:
         """A signal (or a stop) ended the rendezvous: torchrun's exit code 1."""
         name = signal.Signals(self.signum).name if self.signum else "a stop request"
-        self.log.warning("signal", f"received {name} during the rendezvous: leaving at once "
-                         f"({e})", signal=name)
+        self.log.warning(
+            "signal", f"received {name} during the rendezvous: leaving at once ({e})", signal=name
+        )
         return 1
 
     def _on_signal(self, ev: SignalEvent) -> int:
         """torchrun: SignalException -> workers stopped with the signal, exit code 1."""
         name = signal.Signals(ev.signum).name
-        self.log.warning("signal", f"received {name}: forwarding to workers, then leaving the "
-                         f"job (grace {self.cfg.shutdown_timeout:g}s)", signal=name)
+        self.log.warning(
+            "signal",
+            f"received {name}: forwarding to workers, then leaving the "
+            f"job (grace {self.cfg.shutdown_timeout:g}s)",
+            signal=name,
+        )
         stop_workers(self.workers.all(), ev.signum, self.cfg.shutdown_timeout)
         return 1
 
@@ -666,8 +900,12 @@ class Agent:
         once (the others already count them lost), then leave with the reason."""
         err = self.stack.lost_error()
         reason = str(err) if err is not None else ev.reason
-        self.log.error("self-fence", f"this node lost its membership ({reason}): killing its "
-                       f"{len(self.workers.alive())} local worker(s) at once", reason=reason)
+        self.log.error(
+            "self-fence",
+            f"this node lost its membership ({reason}): killing its "
+            f"{len(self.workers.alive())} local worker(s) at once",
+            reason=reason,
+        )
         stop_workers(self.workers.all(), signal.SIGKILL, 0.0)
         return self._rejoin_after_loss(err)
 
@@ -688,13 +926,29 @@ class Agent:
         """Stop everything this agent started, workers first, the store last."""
         stop_workers(self.workers.all(), signal.SIGKILL, 0.0)
         slow = lambda msg: self.log.warning("shutdown-slow", msg)  # noqa: E731
-        _stop_together([self.observer, self.role, *self._feeds, self.channel, self.reaper,
-                        self.notices, self.spawner, self.reporter, self.loop_store], slow)
+        _stop_together(
+            [
+                self.observer,
+                self.role,
+                *self._feeds,
+                self.channel,
+                self.reaper,
+                self.notices,
+                self.spawner,
+                self.reporter,
+                self.loop_store,
+            ],
+            slow,
+        )
         reason = LEAVE_SIGNAL if self.signum is not None else None
         # the store last, and bounded too: its calls wait up to the store timeout each, and the
         # store host waits up to 3 keep-alive intervals for the hot spares to see the end
-        _within("store", lambda: self.stack.close(reason),
-                STORE_CLOSE_S + 3 * self.cfg.rdzv_settings.keep_alive_interval, slow)
+        _within(
+            "store",
+            lambda: self.stack.close(reason),
+            STORE_CLOSE_S + 3 * self.cfg.rdzv_settings.keep_alive_interval,
+            slow,
+        )
         try:
             os.rmdir(self._sock_dir)
         except OSError:
@@ -710,17 +964,21 @@ def _stop_together(parts: list[Any], log: Callable[[str], None] | None = None) -
     the request (up to its poll interval); one after another those waits add up and a signalled
     agent overran --shutdown-timeout + 1 s. Every stop() bounds its own join; all of them get
     STOP_TOGETHER_S in total, and the ones still running then are named (`log`)."""
-    late, failed = _run_bounded([(type(p).__name__, p.stop) for p in parts if p is not None],
-                                STOP_TOGETHER_S)
+    late, failed = _run_bounded(
+        [(type(p).__name__, p.stop) for p in parts if p is not None], STOP_TOGETHER_S
+    )
     for name, exc in failed:  # as an uncaught exception of its thread would be shown
         print(f"Exception in ftrun-stop-{name}:", file=sys.stderr)
         traceback.print_exception(exc)
     if late and log is not None:
-        log(f"shutdown: {', '.join(late)} did not stop within {STOP_TOGETHER_S:g} s; going on without them")
+        log(
+            f"shutdown: {', '.join(late)} did not stop within {STOP_TOGETHER_S:g} s; going on without them"
+        )
 
 
-def _run_bounded(calls: list[tuple[str, Callable[[], None]]], timeout: float
-                 ) -> tuple[list[str], list[tuple[str, BaseException]]]:
+def _run_bounded(
+    calls: list[tuple[str, Callable[[], None]]], timeout: float
+) -> tuple[list[str], list[tuple[str, BaseException]]]:
     """Run each (name, fn) on a daemon thread of its own, all at once, for at most `timeout` s
     in total; returns the names still running then (left behind) and the exceptions of the
     calls that raised."""
@@ -732,8 +990,10 @@ def _run_bounded(calls: list[tuple[str, Callable[[], None]]], timeout: float
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
             failed.append((name, exc))
 
-    threads = [threading.Thread(target=run, args=(name, fn), name=f"ftrun-stop-{name}", daemon=True)
-               for name, fn in calls]
+    threads = [
+        threading.Thread(target=run, args=(name, fn), name=f"ftrun-stop-{name}", daemon=True)
+        for name, fn in calls
+    ]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout
@@ -748,8 +1008,9 @@ STORE_CLOSE_S = 10.0  # the store stack closes within this (+ the spares' wait o
 SHUTDOWN_LIMIT_S = STOP_TOGETHER_S + STORE_CLOSE_S + 5.0
 
 
-def _within(name: str, fn: Callable[[], None], timeout: float,
-            log: Callable[[str], None] | None = None) -> bool:
+def _within(
+    name: str, fn: Callable[[], None], timeout: float, log: Callable[[str], None] | None = None
+) -> bool:
     """Run `fn` on a daemon thread for at most `timeout` s: False (and one line to `log`) when it
     is still running then (the agent goes on without it); its exception is raised here."""
     late, failed = _run_bounded([(name, fn)], timeout)

@@ -6,6 +6,7 @@ and `KeyFeed`, a thread that follows a numbered sequence of store keys (the cont
 `ftctl inject` requests) and puts one event per key on the agent's queue. Each feed is owned by
 the agent: `start()`, `stop()`.
 """
+
 from __future__ import annotations
 
 import queue
@@ -36,8 +37,15 @@ class SignalEvent:
 class KeyFeed:
     """Waits for key_of(n), key_of(n + 1), ... in turn; each value becomes make(value) on `events`."""
 
-    def __init__(self, name: str, kv: KVStore, key_of: Callable[[int], str], first: int,
-                 make: Callable[[bytes], object], events: "queue.Queue[object]") -> None:
+    def __init__(
+        self,
+        name: str,
+        kv: KVStore,
+        key_of: Callable[[int], str],
+        first: int,
+        make: Callable[[bytes], object],
+        events: "queue.Queue[object]",
+    ) -> None:
         self._kv = kv
         self._key_of = key_of
         self._next = first
@@ -74,13 +82,25 @@ class KeyFeed:
 
 def plan_feed(kv: KVStore, after: int, events: "queue.Queue[object]") -> KeyFeed:
     """The controller's plans for generations after `after`."""
-    return KeyFeed("ftrun-plans", kv, P.plan_key, after + 1,
-                   lambda raw: PlanEvent(P.Plan.from_json(raw)), events)
+    return KeyFeed(
+        "ftrun-plans",
+        kv,
+        P.plan_key,
+        after + 1,
+        lambda raw: PlanEvent(P.Plan.from_json(raw)),
+        events,
+    )
 
 
 def inject_feed(kv: KVStore, events: "queue.Queue[object]") -> KeyFeed:
     """`ftctl inject` requests made from now on (earlier ones are not replayed)."""
     raw = kv.try_get(P.INJECT_SEQ)
     first = int(raw) + 1 if raw is not None else 1
-    return KeyFeed("ftrun-inject", kv, P.inject_key, first,
-                   lambda raw: InjectEvent(P.Injection.from_json(raw)), events)
+    return KeyFeed(
+        "ftrun-inject",
+        kv,
+        P.inject_key,
+        first,
+        lambda raw: InjectEvent(P.Injection.from_json(raw)),
+        events,
+    )

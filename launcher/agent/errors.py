@@ -13,6 +13,7 @@ The root cause is the fault whose handling failed: the cause of the controller's
 exit or dump that ended the job). Without a plan (a failure before any round), the earliest
 observed failure.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,9 +22,9 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from launcher.protocol.faults import FaultKind
-from launcher.observe.logs import AgentLog
 from launcher.workers.workers import Worker, signal_name
 
 NODE_LOST = FaultKind.NODE_LOST.value
@@ -44,7 +45,9 @@ class Failure:
     message: str = ""
     traceback: str = ""
     evidence: dict = field(default_factory=dict)
-    stderr_file: str = ""  # its stderr.log (--redirects/--tee), "" when its stderr went to the console
+    stderr_file: str = (
+        ""  # its stderr.log (--redirects/--tee), "" when its stderr went to the console
+    )
 
     @property
     def signal(self) -> str | None:
@@ -91,8 +94,8 @@ def stderr_last_words(tail: str, n: int) -> list[str]:
     i = _fatal_dump_at(lines)
     if i is None or len(lines) - i <= n // 2:
         return lines[-n:]
-    before = lines[max(0, i - n // 2):i]
-    return before + lines[i:i + n - len(before)]
+    before = lines[max(0, i - n // 2) : i]
+    return before + lines[i : i + n - len(before)]
 
 
 def stderr_cause(tail: str) -> str:
@@ -107,19 +110,40 @@ def stderr_cause(tail: str) -> str:
     return before[-1] if before else lines[i]
 
 
-def failure_from_exit(rank: int, local_rank: int, host: str, pid: int, code: int, when: float,
-                      generation: int, node: int | None, error_file: str) -> Failure:
+def failure_from_exit(
+    rank: int,
+    local_rank: int,
+    host: str,
+    pid: int,
+    code: int,
+    when: float,
+    generation: int,
+    node: int | None,
+    error_file: str,
+) -> Failure:
     msg, tb, ts = read_error_file(error_file)
-    f = Failure(rank=rank, local_rank=local_rank, host=host, pid=pid, exitcode=code,
-                time=ts if ts is not None else when, generation=generation, node=node,
-                kind="signal" if code < 0 else "exit",
-                error_file=error_file if msg else "", message=msg, traceback=tb)
+    f = Failure(
+        rank=rank,
+        local_rank=local_rank,
+        host=host,
+        pid=pid,
+        exitcode=code,
+        time=ts if ts is not None else when,
+        generation=generation,
+        node=node,
+        kind="signal" if code < 0 else "exit",
+        error_file=error_file if msg else "",
+        message=msg,
+        traceback=tb,
+    )
     if not f.message:
         if code < 0:
             f.message = f"Signal {-code} ({f.signal}) received by PID {pid}"
         else:
-            f.message = (f"exited with code {code} (no error file: decorate main with "
-                         "torch.distributed.elastic.multiprocessing.errors.record for a traceback)")
+            f.message = (
+                f"exited with code {code} (no error file: decorate main with "
+                "torch.distributed.elastic.multiprocessing.errors.record for a traceback)"
+            )
     return f
 
 
@@ -131,16 +155,20 @@ def _block(idx: int, f: Failure) -> list[str]:
     code = f"{f.exitcode} (pid: {f.pid})"
     if f.signal:
         code += f"  ({f.signal})"
-    lines = [f"[{idx}]:",
-             f"  time      : {time.strftime('%Y-%m-%d_%H:%M:%S', time.localtime(f.time))}",
-             f"  host      : {f.host}",
-             (f"  rank      : none (node {f.node} lost: {f.message.splitlines()[0][:200]})"
-              if f.kind == NODE_LOST and f.rank < 0 else
-              f"  rank      : {f.rank} (local_rank: {f.local_rank}, node: {f.node})"),
-             f"  generation: {f.generation}",
-             f"  kind      : {f.kind}",
-             f"  exitcode  : {code}",
-             f"  error_file: {f.error_file or '<N/A>'}"]
+    lines = [
+        f"[{idx}]:",
+        f"  time      : {time.strftime('%Y-%m-%d_%H:%M:%S', time.localtime(f.time))}",
+        f"  host      : {f.host}",
+        (
+            f"  rank      : none (node {f.node} lost: {f.message.splitlines()[0][:200]})"
+            if f.kind == NODE_LOST and f.rank < 0
+            else f"  rank      : {f.rank} (local_rank: {f.local_rank}, node: {f.node})"
+        ),
+        f"  generation: {f.generation}",
+        f"  kind      : {f.kind}",
+        f"  exitcode  : {code}",
+        f"  error_file: {f.error_file or '<N/A>'}",
+    ]
     if f.stderr_file:
         lines.append(f"  stderr    : {f.stderr_file}")
     tb = (f.traceback or f.message).rstrip().splitlines() or [""]
@@ -162,15 +190,22 @@ def history_line(entry: dict) -> str:
     msg = (str(entry.get("message") or "").splitlines() or [""])[0][:120]
     merged = entry.get("consequences") or 0
     more = f" ({merged} consequence report(s) merged)" if merged else ""
-    who = (f"node {entry.get('node')} lost" if entry.get("rank") is None
-           and entry.get("kind") == NODE_LOST else
-           f"rank {entry.get('rank')} {entry.get('kind')}{tag} on node {entry.get('node')}")
+    who = (
+        f"node {entry.get('node')} lost"
+        if entry.get("rank") is None and entry.get("kind") == NODE_LOST
+        else f"rank {entry.get('rank')} {entry.get('kind')}{tag} on node {entry.get('node')}"
+    )
     return f"  {who}: {msg}{more} -> {handling_line(entry)}: {entry.get('outcome')}"
 
 
-def format_summary(title: str, failures: list[Failure], terminated: list[tuple[int, int]],
-                   reason: str = "", root: Failure | None = None,
-                   history: list[dict] | None = None) -> str:
+def format_summary(
+    title: str,
+    failures: list[Failure],
+    terminated: list[tuple[int, int]],
+    reason: str = "",
+    root: Failure | None = None,
+    history: list[dict] | None = None,
+) -> str:
     """The failure summary: root cause first (with the strategies tried for it when `history`
     holds it last), the job's earlier faults and their outcome, other failures, then terminated
     bystanders. `root`: the controller's root cause (else the earliest of `failures`);
@@ -184,7 +219,11 @@ def format_summary(title: str, failures: list[Failure], terminated: list[tuple[i
     body.append("-")
     body.append(f"Root Cause ({label}):")
     body.extend(_block(0, root) if root else ["  <UNKNOWN>"])
-    last = history.pop() if history and root is not None and history[-1].get("rank") == root.rank else None
+    last = (
+        history.pop()
+        if history and root is not None and history[-1].get("rank") == root.rank
+        else None
+    )
     if last is not None:
         body.append(f"  handling  : {handling_line(last)}: {last.get('outcome')}")
     if history:
@@ -202,8 +241,10 @@ def format_summary(title: str, failures: list[Failure], terminated: list[tuple[i
         body.append("  <NO_OTHER_FAILURES>")
     if terminated:
         body.append("-")
-        body.append("Terminated by ftrun (not failures): " +
-                    ", ".join(f"rank {r} (pid {p})" for r, p in sorted(terminated)))
+        body.append(
+            "Terminated by ftrun (not failures): "
+            + ", ".join(f"rank {r} (pid {p})" for r, p in sorted(terminated))
+        )
     width = min(max(len(line) for line in body), 60)
     out = ["=" * width]
     for line in body:
@@ -222,9 +263,12 @@ def copy_root_error_file(root: Failure, dest: str | None) -> bool:
         with open(root.error_file, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, ValueError):
-        data = {"message": {"message": root.message,
-                            "extraInfo": {"py_callstack": root.traceback,
-                                          "timestamp": str(int(root.time))}}}
+        data = {
+            "message": {
+                "message": root.message,
+                "extraInfo": {"py_callstack": root.traceback, "timestamp": str(int(root.time))},
+            }
+        }
     if isinstance(data.get("message"), dict):
         data["message"]["errorCode"] = root.exitcode
     os.makedirs(os.path.dirname(os.path.abspath(dest)), exist_ok=True)
@@ -268,17 +312,27 @@ class JobFailures:
         if rf is not None:
             root = next((f for f in failures if f.rank == rf.rank and f.pid == rf.pid), None)
             if root is None:
-                root = Failure(rank=rf.rank if rf.rank is not None else -1,
-                               local_rank=rf.local_rank if rf.local_rank is not None else -1,
-                               host=rf.host, pid=rf.pid or 0, exitcode=rf.exitcode or 1,
-                               time=rf.time, generation=rf.generation, node=rf.node,
-                               kind=rf.kind, message=rf.message,
-                               traceback=str(rf.evidence.get("traceback", "")),
-                               stderr_file=str(rf.evidence.get("stderr_file") or ""))
+                root = Failure(
+                    rank=rf.rank if rf.rank is not None else -1,
+                    local_rank=rf.local_rank if rf.local_rank is not None else -1,
+                    host=rf.host,
+                    pid=rf.pid or 0,
+                    exitcode=rf.exitcode or 1,
+                    time=rf.time,
+                    generation=rf.generation,
+                    node=rf.node,
+                    kind=rf.kind,
+                    message=rf.message,
+                    traceback=str(rf.evidence.get("traceback", "")),
+                    stderr_file=str(rf.evidence.get("stderr_file") or ""),
+                )
                 failures.append(root)
             root.kind, root.time = rf.kind, min(root.time, rf.time)
-        terminated = [(r, p) for r, p in self.terminated
-                      if not any(f.rank == r and f.pid == p for f in failures)]
+        terminated = [
+            (r, p)
+            for r, p in self.terminated
+            if not any(f.rank == r and f.pid == p for f in failures)
+        ]
         return root, failures, terminated
 
     def print_summary(self, log: AgentLog, title: str, reason: str) -> None:
@@ -288,7 +342,15 @@ class JobFailures:
         rc = root if root is not None else root_cause(failures)
         if rc is not None and copy_root_error_file(rc, os.environ.get("TORCHELASTIC_ERROR_FILE")):
             log.info("error-file", "root cause error file copied to TORCHELASTIC_ERROR_FILE")
-        what = (f"node {rc.node} lost" if rc is not None and rc.kind == NODE_LOST and rc.rank < 0
-                else f"rank {rc.rank if rc else '?'} {rc.kind if rc else 'unknown'}")
-        log.event("summary", f"job failed; root cause: {what}", "error",
-                  root_cause=dataclasses.asdict(rc) if rc else None, history=self.history)
+        what = (
+            f"node {rc.node} lost"
+            if rc is not None and rc.kind == NODE_LOST and rc.rank < 0
+            else f"rank {rc.rank if rc else '?'} {rc.kind if rc else 'unknown'}"
+        )
+        log.event(
+            "summary",
+            f"job failed; root cause: {what}",
+            "error",
+            root_cause=dataclasses.asdict(rc) if rc else None,
+            history=self.history,
+        )

@@ -10,6 +10,7 @@ thread (C, needs no Python thread to run): a hang in the interpreter's finalizat
 teardown, a `__del__`), where the Python timer no longer runs, ends `last_resort` s later with
 every stack and exit code 1.
 """
+
 from __future__ import annotations
 
 import faulthandler
@@ -19,7 +20,9 @@ import threading
 
 
 class ExitGuard:
-    def __init__(self, code: int, limit: float, what: str, last_resort: float | None = None) -> None:
+    def __init__(
+        self, code: int, limit: float, what: str, last_resort: float | None = None
+    ) -> None:
         self.code, self.limit, self.what = code, limit, what
         self._timer = threading.Timer(limit, self._force)
         self._timer.name = f"ftrun-exit-guard-{what}"
@@ -37,9 +40,12 @@ class ExitGuard:
     def _force(self) -> None:
         names = [t.name for t in threading.enumerate() if t is not threading.current_thread()]
         try:
-            print(f"ftrun: {self.what} took longer than {self.limit:g} s (threads still running: "
-                  f"{', '.join(names) or 'none'}); exiting with code {self.code}; their stacks:",
-                  file=sys.stderr, flush=True)
+            print(
+                f"ftrun: {self.what} took longer than {self.limit:g} s (threads still running: "
+                f"{', '.join(names) or 'none'}); exiting with code {self.code}; their stacks:",
+                file=sys.stderr,
+                flush=True,
+            )
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         finally:
             os._exit(self.code)

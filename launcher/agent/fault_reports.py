@@ -10,14 +10,15 @@ generation. A post already in flight when the agent is fenced lands late; the co
 it by its stamp (`launcher.control.controller`). The loop never waits for the store here, so a report
 made while the node is cut off cannot hold up its self-fencing.
 """
+
 from __future__ import annotations
 
 import queue
 import threading
 from typing import Callable
 
-from launcher.protocol import plan as P
 from launcher.observe.logs import AgentLog
+from launcher.protocol import plan as P
 from rendezvous.errors import FencedError
 from rendezvous.kv import KVStore, StoreError
 
@@ -28,8 +29,13 @@ class FaultReporter:
     """`report(fault)` from any thread; `stop()` ends the thread (pending reports are dropped,
     with one line)."""
 
-    def __init__(self, kv: KVStore, log: AgentLog, me: Callable[[], tuple[int | None, int]],
-                 check: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        kv: KVStore,
+        log: AgentLog,
+        me: Callable[[], tuple[int | None, int]],
+        check: Callable[[str], None],
+    ) -> None:
         self.kv = kv
         self.log = log
         self._me = me  # (group rank, incarnation) of this agent now
@@ -83,21 +89,34 @@ class FaultReporter:
             except StoreError as exc:
                 if not failing:
                     failing = True
-                    self.log.warning("fault-report-retry", f"cannot report the fault of rank "
-                                     f"{fault.rank} yet (store: {exc}); retrying", rank=fault.rank)
+                    self.log.warning(
+                        "fault-report-retry",
+                        f"cannot report the fault of rank "
+                        f"{fault.rank} yet (store: {exc}); retrying",
+                        rank=fault.rank,
+                    )
                 self._stop.wait(RETRY)
                 continue
-            self.log.info("fault-reported", f"fault #{seq} reported to the controller", seq=seq,
-                          rank=fault.rank)
+            self.log.info(
+                "fault-reported",
+                f"fault #{seq} reported to the controller",
+                seq=seq,
+                rank=fault.rank,
+            )
             return
-        self.log.warning("fault-report-dropped", f"the fault of rank {fault.rank} was not "
-                         "reported: the agent is stopping", rank=fault.rank)
+        self.log.warning(
+            "fault-report-dropped",
+            f"the fault of rank {fault.rank} was not reported: the agent is stopping",
+            rank=fault.rank,
+        )
 
     def _stale(self, fault: P.Fault) -> str:
         node, inc = self._me()
         if fault.by_incarnation and inc != fault.by_incarnation:
-            return (f"it was observed by incarnation {fault.by_incarnation}; this agent is "
-                    f"incarnation {inc} now")
+            return (
+                f"it was observed by incarnation {fault.by_incarnation}; this agent is "
+                f"incarnation {inc} now"
+            )
         try:
             self._check(P.FAULT_SEQ)
         except FencedError as exc:
@@ -105,9 +124,14 @@ class FaultReporter:
         return ""
 
     def _refuse(self, fault: P.Fault, why: str) -> None:
-        self.log.error("stale-write-refused", f"fault report of rank {fault.rank} (node "
-                       f"{fault.by_node}, incarnation {fault.by_incarnation}, generation "
-                       f"{fault.generation}) refused: this node is stale ({why})",
-                       rank=fault.rank, stale_node=fault.by_node,
-                       incarnation=fault.by_incarnation, stale_generation=fault.generation,
-                       where="agent")
+        self.log.error(
+            "stale-write-refused",
+            f"fault report of rank {fault.rank} (node "
+            f"{fault.by_node}, incarnation {fault.by_incarnation}, generation "
+            f"{fault.generation}) refused: this node is stale ({why})",
+            rank=fault.rank,
+            stale_node=fault.by_node,
+            incarnation=fault.by_incarnation,
+            stale_generation=fault.generation,
+            where="agent",
+        )

@@ -23,6 +23,7 @@ and `act()`: log the hang, dump the stacks (`launcher.hang.stacks`), remember th
 is reported as a `hang` with its evidence, kill the process. `dump()` is the same dump for a rank
 the controller blamed (the plan executor calls it before it kills that rank).
 """
+
 from __future__ import annotations
 
 import os
@@ -30,16 +31,16 @@ import signal
 import time
 from typing import Callable
 
+from launcher.agent.loop_store import Call
 from launcher.config import LaunchConfig
 from launcher.control.decision import RankProgress, blame_local
-from launcher.protocol.faults import FROZEN_STATES
-from launcher.hang.hang_watch import Hang, HangWatch
-from launcher.observe.logs import AgentLog, RunLogDir
-from launcher.protocol.messages import Heartbeat
-from launcher.hang.proc_watch import SilenceWatch, proc_state
 from launcher.control.progress import ProgressBoard, read_progress
+from launcher.hang.hang_watch import Hang, HangWatch
+from launcher.hang.proc_watch import SilenceWatch, proc_state
 from launcher.hang.stacks import Dump, dump_stacks, py_spy_available, py_spy_dump
-from launcher.agent.loop_store import Call
+from launcher.observe.logs import AgentLog, RunLogDir
+from launcher.protocol.faults import FROZEN_STATES
+from launcher.protocol.messages import Heartbeat
 from launcher.workers.workers import NodeWorkers, Worker, send_signal
 from rendezvous.kv import KVStore
 
@@ -49,8 +50,14 @@ READ_WAIT = 0.2  # s the health check waits for the other nodes' progress record
 class HangGuard:
     """Owned by the agent; `attach()` once the store and the node are known."""
 
-    def __init__(self, cfg: LaunchConfig, log: AgentLog, run_dir: RunLogDir, host: str,
-                 workers: Callable[[], NodeWorkers]) -> None:
+    def __init__(
+        self,
+        cfg: LaunchConfig,
+        log: AgentLog,
+        run_dir: RunLogDir,
+        host: str,
+        workers: Callable[[], NodeWorkers],
+    ) -> None:
         self.cfg = cfg
         self.policy = cfg.hang
         self.log = log
@@ -65,8 +72,9 @@ class HangGuard:
         self._declared: int | None = None  # generation in which an unmodified hang was declared
         self._reading: Call | None = None  # the other nodes' records, being read
 
-    def attach(self, kv: KVStore, node: int, nnodes: int,
-               put: Callable[[str, bytes], None] | None = None) -> None:
+    def attach(
+        self, kv: KVStore, node: int, nnodes: int, put: Callable[[str, bytes], None] | None = None
+    ) -> None:
         self._kv, self._nnodes = kv, nnodes
         self.board = ProgressBoard(kv, node, put=put)
 
@@ -96,8 +104,9 @@ class HangGuard:
         aware = [w for w in live if w.rank in workers.aware]
         plain = [w for w in live if w.rank not in workers.aware]
         pids = {w.rank: w.pid for w in live}
-        for hang in self.watch.overdue([w.rank for w in aware], now,
-                                       state_of=lambda r: proc_state(pids.get(r))):
+        for hang in self.watch.overdue(
+            [w.rank for w in aware], now, state_of=lambda r: proc_state(pids.get(r))
+        ):
             self.act(workers.by_rank(hang.rank), hang, aware=True)  # type: ignore[arg-type]
         leaving = [w for w in live if w.said_bye]
         if (plain or leaving) and self.policy.enabled:
@@ -106,13 +115,20 @@ class HangGuard:
                 self._check_plain(plain, generation, node, now)
             self._check_exits(leaving, now)
         if self.board is not None and self.board.due(now):
-            self.board.publish({w.rank: self._record(w, w.rank in workers.aware, now) for w in live}, now)
+            self.board.publish(
+                {w.rank: self._record(w, w.rank in workers.aware, now) for w in live}, now
+            )
 
     def _record(self, w: Worker, aware: bool, now: float) -> dict:
         rec = self.watch.progress_of(w.rank, now) if aware else None
         if rec is None:
-            rec = {"aware": aware, "phase": "", "waiting": False, "silent_s": 0.0,
-                   "idle_s": round(self.silence.silent_for(w.rank, now), 3)}
+            rec = {
+                "aware": aware,
+                "phase": "",
+                "waiting": False,
+                "silent_s": 0.0,
+                "idle_s": round(self.silence.silent_for(w.rank, now), 3),
+            }
         rec.update(state=proc_state(w.pid), pid=w.pid, local_rank=w.local_rank, host=self.host)
         return rec
 
@@ -121,17 +137,32 @@ class HangGuard:
         if self._declared == generation:
             return
         limit = self.policy.unmodified_timeout()
-        silent = [RankProgress(w.rank, node, False, self.silence.silent_for(w.rank, now),
-                               state=proc_state(w.pid), pid=w.pid, local_rank=w.local_rank,
-                               host=self.host)
-                  for w in plain if self.silence.silent_for(w.rank, now) > limit]
+        silent = [
+            RankProgress(
+                w.rank,
+                node,
+                False,
+                self.silence.silent_for(w.rank, now),
+                state=proc_state(w.pid),
+                pid=w.pid,
+                local_rank=w.local_rank,
+                host=self.host,
+            )
+            for w in plain
+            if self.silence.silent_for(w.rank, now) > limit
+        ]
         frozen = [p for p in silent if p.state in FROZEN_STATES]
-        if not frozen and (not silent or len(silent) < len(plain) or self._others_progress(node, limit)):
+        if not frozen and (
+            not silent or len(silent) < len(plain) or self._others_progress(node, limit)
+        ):
             return  # some rank still progresses: a slow job, not a hung one
         outside: list[int] = []
         if not frozen and py_spy_available():
-            outside = [q.rank for q in silent
-                       if Dump("py-spy", py_spy_dump(q.pid or 0) or "").in_collective is False]
+            outside = [
+                q.rank
+                for q in silent
+                if Dump("py-spy", py_spy_dump(q.pid or 0) or "").in_collective is False
+            ]
         p, why, weak = blame_local(frozen or silent, outside)
         self._declared = generation
         w = next(w for w in plain if w.rank == p.rank)
@@ -144,11 +175,18 @@ class HangGuard:
             idle = self.silence.silent_for(w.rank, now)
             if idle <= limit or w.pid is None or w.hung_at_exit:
                 continue
-            self.log.error("exit-hang", f"rank {w.rank} (pid {w.pid}) said goodbye (rt.finish()) but has not "
-                           f"exited: silent (no I/O, idle CPU) for {idle:.1f}s ({self._timeout_flag()}, allowance "
-                           f"{limit:g}s); dumping its stacks, then killing it. Its work for the job was "
-                           "done, so it counts as finished", rank=w.rank, pid=w.pid,
-                           idle_s=round(idle, 3), timeout_s=limit, state=proc_state(w.pid))
+            self.log.error(
+                "exit-hang",
+                f"rank {w.rank} (pid {w.pid}) said goodbye (rt.finish()) but has not "
+                f"exited: silent (no I/O, idle CPU) for {idle:.1f}s ({self._timeout_flag()}, allowance "
+                f"{limit:g}s); dumping its stacks, then killing it. Its work for the job was "
+                "done, so it counts as finished",
+                rank=w.rank,
+                pid=w.pid,
+                idle_s=round(idle, 3),
+                timeout_s=limit,
+                state=proc_state(w.pid),
+            )
             w.hung_at_exit = True  # the agent reads it at the exit: finished, not a fault
             self.dump(w, aware=False)
             send_signal(w, signal.SIGKILL)
@@ -170,24 +208,42 @@ class HangGuard:
     # ---- acting on a hang ---------------------------------------------------------------
     def act(self, w: Worker, hang: Hang, aware: bool) -> None:
         """Log the hang, dump the stacks, kill the process; its exit is reported as a hang."""
-        self.log.error("hang", f"rank {w.rank} (pid {w.pid}) hangs: {hang.basis} ({self._timeout_flag()}, "
-                       f"allowance {hang.timeout_s:.1f}s); dumping its stacks, then killing it",
-                       rank=w.rank, pid=w.pid, **hang.evidence())
+        self.log.error(
+            "hang",
+            f"rank {w.rank} (pid {w.pid}) hangs: {hang.basis} ({self._timeout_flag()}, "
+            f"allowance {hang.timeout_s:.1f}s); dumping its stacks, then killing it",
+            rank=w.rank,
+            pid=w.pid,
+            **hang.evidence(),
+        )
         self.watch.killed(hang)
         self.dump(w, aware)
         send_signal(w, signal.SIGKILL)
 
     def _timeout_flag(self) -> str:
-        return f"--hang-timeout {self.cfg.hang_timeout:g}" if self.cfg.hang_timeout else "--hang-timeout auto"
+        return (
+            f"--hang-timeout {self.cfg.hang_timeout:g}"
+            if self.cfg.hang_timeout
+            else "--hang-timeout auto"
+        )
 
     def dump(self, w: Worker, aware: bool) -> Dump:
         """Dump the stacks of `w` (alive), log where they went, record them in the events."""
         err = os.path.join(self.run_dir.attempt_dir(w.generation), str(w.local_rank), "stderr.log")
         d = dump_stacks(w.pid or 0, aware, err if os.path.exists(err) else None)
-        self.log.warning("hang-stacks", f"rank {w.rank} stacks dumped by {d.how} to {d.where}"
-                         + ("" if d.in_collective is None else
-                            f"; inside a torch.distributed call: {d.in_collective}"),
-                         rank=w.rank, pid=w.pid, how=d.how, stacks=d.text[-20000:])
+        self.log.warning(
+            "hang-stacks",
+            f"rank {w.rank} stacks dumped by {d.how} to {d.where}"
+            + (
+                ""
+                if d.in_collective is None
+                else f"; inside a torch.distributed call: {d.in_collective}"
+            ),
+            rank=w.rank,
+            pid=w.pid,
+            how=d.how,
+            stacks=d.text[-20000:],
+        )
         if d.how == "py-spy":
             self.log.print_block(f"[ftrun] stacks of rank {w.rank} (pid {w.pid}):\n{d.text}")
         return d

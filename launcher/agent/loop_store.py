@@ -15,6 +15,7 @@ and reads the loop needs go through `Call.start(fn)` + `wait(timeout)` (at most 
 purpose in flight: the caller keeps it until it ends). Fault reports have their own thread
 (`launcher.agent.fault_reports`), with staleness checks.
 """
+
 from __future__ import annotations
 
 import collections
@@ -121,8 +122,11 @@ class LoopStore:
             except StoreError as e:
                 if not failing:
                     failing = True
-                    self.log.warning("store-write-retry", f"store write of {key} not done yet "
-                                     f"({e}); retrying off the agent's loop", key=key)
+                    self.log.warning(
+                        "store-write-retry",
+                        f"store write of {key} not done yet ({e}); retrying off the agent's loop",
+                        key=key,
+                    )
             with self._cv:
                 if self._stopped:
                     return

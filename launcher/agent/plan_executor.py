@@ -14,6 +14,7 @@ They run on the agent's event loop: the restart barrier's count is written off i
 (`launcher.agent.loop_store`) and the wait for the go ends as soon as this node loses its membership
 (the loop then self-fences), so a store that does not answer never holds the loop up.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,16 +25,16 @@ import threading
 import time
 from typing import Callable
 
-from launcher.protocol import plan as P
 from launcher.agent.agent_events import PlanEvent, SignalEvent
-from launcher.workers.channel import ChannelServer
-from launcher.config import LaunchConfig
 from launcher.agent.errors import JobFailures
-from launcher.observe.logs import AgentLog
 from launcher.agent.loop_store import Call, LoopStore
-from launcher.protocol.messages import Stop
-from launcher.workers.spawner import Spawner
 from launcher.agent.store_stack import AgentWorld
+from launcher.config import LaunchConfig
+from launcher.observe.logs import AgentLog
+from launcher.protocol import plan as P
+from launcher.protocol.messages import Stop
+from launcher.workers.channel import ChannelServer
+from launcher.workers.spawner import Spawner
 from launcher.workers.workers import NodeWorkers, Worker, stop_workers
 from rendezvous.kv import KVStore
 
@@ -50,13 +51,22 @@ class JobFailed(Exception):
 
 
 class PlanExecutor:
-    def __init__(self, cfg: LaunchConfig, log: AgentLog, kv: KVStore, world: AgentWorld,
-                 workers: NodeWorkers, spawner: Spawner, channel: ChannelServer,
-                 failures: JobFailures, stop: threading.Event | None = None,
-                 dump: Callable[[Worker], object] | None = None,
-                 store: LoopStore | None = None,
-                 lost: Callable[[], bool] | None = None,
-                 stop_sent: Callable[[int, int], None] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: LaunchConfig,
+        log: AgentLog,
+        kv: KVStore,
+        world: AgentWorld,
+        workers: NodeWorkers,
+        spawner: Spawner,
+        channel: ChannelServer,
+        failures: JobFailures,
+        stop: threading.Event | None = None,
+        dump: Callable[[Worker], object] | None = None,
+        store: LoopStore | None = None,
+        lost: Callable[[], bool] | None = None,
+        stop_sent: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.cfg = cfg
         self.log = log
         self.kv = kv
@@ -75,8 +85,12 @@ class PlanExecutor:
         self._stop_sent = stop_sent or (lambda rank, generation: None)
 
     def execute(self, plan: P.Plan) -> int | None:
-        self.log.info("plan-received", f"executing {plan.strategy} for generation {plan.generation}"
-                      f" ({plan.reason})", strategy=plan.strategy, failed_ranks=plan.failed_ranks)
+        self.log.info(
+            "plan-received",
+            f"executing {plan.strategy} for generation {plan.generation} ({plan.reason})",
+            strategy=plan.strategy,
+            failed_ranks=plan.failed_ranks,
+        )
         if plan.strategy == P.RESTART_ALL:
             return self._restart_all(plan)
         if plan.strategy in (P.RECOVER_IN_PLACE, P.RETRY):
@@ -120,16 +134,24 @@ class PlanExecutor:
             if self.stop.is_set():
                 raise JobFailed(1)  # a signal: the agent leaves (torchrun's exit code 1)
             if self._lost():
-                self.log.warning("restart-abandoned", f"generation {g}: this node lost its "
-                                 "membership while it waited for the restart; it self-fences")
+                self.log.warning(
+                    "restart-abandoned",
+                    f"generation {g}: this node lost its "
+                    "membership while it waited for the restart; it self-fences",
+                )
                 return None
-            self.log.error("phase-timeout", f"generation {g}: the controller did not release the restart")
+            self.log.error(
+                "phase-timeout", f"generation {g}: the controller did not release the restart"
+            )
             raise JobFailed(1)
         self.workers.aware.clear()
         self.spawner.spawn_all(self.workers.all(), g)
-        self.log.info("restarted", f"generation {g}: all {len(self.workers.by_local)} local workers "
-                      f"restarted in {time.monotonic() - t0:.3f}s",
-                      restart_s=round(time.monotonic() - t0, 4))
+        self.log.info(
+            "restarted",
+            f"generation {g}: all {len(self.workers.by_local)} local workers "
+            f"restarted in {time.monotonic() - t0:.3f}s",
+            restart_s=round(time.monotonic() - t0, 4),
+        )
         return None
 
     def _wait_go(self, g: int, timeout: float) -> bool:
@@ -157,15 +179,21 @@ class PlanExecutor:
         g = plan.generation
         stop = Stop(generation=g, strategy=plan.strategy, failed_ranks=plan.failed_ranks)
         restart = self.workers.of_ranks(plan.restart_ranks)
-        sent_at = time.time()  # no later than any survivor's stop clock (the hang watch's stop_sent)
+        sent_at = (
+            time.time()
+        )  # no later than any survivor's stop clock (the hang watch's stop_sent)
         for w in self.workers.alive():
             if w in restart:
                 continue
             if not self.channel.send(w.rank, stop):
                 # e.g. a replacement still starting: it gets the stop as soon as it says hello
                 self._pending_stop[w.rank] = stop
-                self.log.warning("stop-deferred", f"rank {w.rank} is not connected yet; the stop for "
-                                 f"generation {g} is delivered when it connects", rank=w.rank)
+                self.log.warning(
+                    "stop-deferred",
+                    f"rank {w.rank} is not connected yet; the stop for "
+                    f"generation {g} is delivered when it connects",
+                    rank=w.rank,
+                )
             else:
                 self._stop_sent(w.rank, g)
         self._dump_blamed(plan)
@@ -175,9 +203,12 @@ class PlanExecutor:
                 stop_workers([w], signal.SIGKILL, 0.0)
             self.workers.aware.discard(w.rank)
             self.spawner.spawn(w, g, replacement=True)
-        self.log.info("stop-sent", f"generation {g}: stop sent to survivors, "
-                      f"{len(restart)} local rank(s) respawned", respawned=[w.rank for w in restart],
-                      sent_at=sent_at)
+        self.log.info(
+            "stop-sent",
+            f"generation {g}: stop sent to survivors, {len(restart)} local rank(s) respawned",
+            respawned=[w.rank for w in restart],
+            sent_at=sent_at,
+        )
 
     def on_hello(self, rank: int, generation: int) -> None:
         """A rank connected: deliver the stop it missed (when it started before that round)."""
@@ -185,12 +216,17 @@ class PlanExecutor:
         if pending is not None and generation < pending.generation:
             if self.channel.send(rank, pending):
                 self._stop_sent(rank, pending.generation)
-            self.log.info("stop-sent", f"deferred stop for generation {pending.generation} "
-                          f"delivered to rank {rank}", rank=rank)
+            self.log.info(
+                "stop-sent",
+                f"deferred stop for generation {pending.generation} delivered to rank {rank}",
+                rank=rank,
+            )
 
     def _dump(self, plan: P.Plan) -> int:
         """Survivors stop, save the current step (the runtime's dump fallback) and exit."""
-        stop = Stop(generation=plan.generation, strategy=plan.strategy, failed_ranks=plan.failed_ranks)
+        stop = Stop(
+            generation=plan.generation, strategy=plan.strategy, failed_ranks=plan.failed_ranks
+        )
         for w in self.workers.alive():
             if w.rank not in plan.failed_ranks:
                 w.stopping = True
@@ -202,7 +238,9 @@ class PlanExecutor:
                     w.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:  # stopped below
                     pass
-        self.log.info("dump-done", "survivors saved the current step (dying-gasp checkpoint); exiting")
+        self.log.info(
+            "dump-done", "survivors saved the current step (dying-gasp checkpoint); exiting"
+        )
         return self._exit(plan)
 
     def _exit(self, plan: P.Plan) -> int:
@@ -211,12 +249,17 @@ class PlanExecutor:
         return 1
 
     # ---------------------------------------------------------------- a job that finished
-    def finish(self, generation: int, events: "queue.Queue[object]") -> int | PlanEvent | SignalEvent:
+    def finish(
+        self, generation: int, events: "queue.Queue[object]"
+    ) -> int | PlanEvent | SignalEvent:
         """This node's workers all succeeded: wait for every node's, then leave. Returns 0, or
         the event that interrupted the wait (a new round: another node failed; a signal)."""
         n = self.kv.add(P.done_key(generation), 1)
-        self.log.info("node-done", f"all local workers finished ({n}/{self.world.group_world_size} "
-                      "nodes done)", nodes_done=n)
+        self.log.info(
+            "node-done",
+            f"all local workers finished ({n}/{self.world.group_world_size} nodes done)",
+            nodes_done=n,
+        )
         deadline = time.monotonic() + FINISH_TIMEOUT
         while time.monotonic() < deadline:
             raw = self.kv.try_get(P.done_key(generation))

@@ -8,6 +8,7 @@ shrinks when a lost node is not taken over); the per-node store proxy local work
 (`store.json` in the run log dir for `ftctl`, the world size in the store); and `close()`, which
 takes all of it down in reverse order. Nothing here knows about workers or plans.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from launcher.protocol import plan as P
 from launcher.config import LaunchConfig
 from launcher.observe.logs import AgentLog
-from rendezvous.store import auth
+from launcher.protocol import plan as P
 from rendezvous.kv import KVStore, StoreError
+from rendezvous.store import auth
 
 
 class MembershipLog(logging.Handler):
@@ -79,11 +80,18 @@ class StoreStack:
     # ---------------------------------------------------------------- the store
     def _etcd_kv(self) -> KVStore:
         """A client of the job's etcd store (the agent's own, and each proxy upstream link)."""
-        from rendezvous.store.etcd import EtcdConf, EtcdKV, parse_endpoints  # imports gRPC: only for etcd
+        from rendezvous.store.etcd import (
+            EtcdConf,
+            EtcdKV,
+            parse_endpoints,
+        )  # imports gRPC: only for etcd
 
         cfg = self.cfg
-        return EtcdKV(parse_endpoints(cfg.rdzv_endpoint), root=f"/ftrun/{cfg.rdzv_id}",
-                      conf=EtcdConf.from_rdzv_conf(cfg.rdzv_conf))
+        return EtcdKV(
+            parse_endpoints(cfg.rdzv_endpoint),
+            root=f"/ftrun/{cfg.rdzv_id}",
+            conf=EtcdConf.from_rdzv_conf(cfg.rdzv_conf),
+        )
 
     def open(self) -> KVStore:
         cfg = self.cfg
@@ -102,9 +110,13 @@ class StoreStack:
 
             # the store host may come up within join_timeout; every call after that is bounded
             # by read_timeout (a hung store must not block a store call for join_timeout)
-            self.kv = StoreClient(cfg.store_host, cfg.store_port, token=self.token,
-                                  timeout=cfg.rdzv_settings.read_timeout,
-                                  connect_timeout=cfg.join_timeout)
+            self.kv = StoreClient(
+                cfg.store_host,
+                cfg.store_port,
+                token=self.token,
+                timeout=cfg.rdzv_settings.read_timeout,
+                connect_timeout=cfg.join_timeout,
+            )
             self.log.info("store", f"using the store at {cfg.store_host}:{cfg.store_port}")
         return self.kv
 
@@ -114,20 +126,35 @@ class StoreStack:
         from rendezvous.nodes.hosting import host_or_join
 
         cfg = self.cfg
-        h = host_or_join(cfg.store_host, cfg.store_port, cfg.rdzv_id, cfg.is_store_host,
-                         token=self.token, timeout=cfg.rdzv_settings.read_timeout,
-                         nice=cfg.store_nice)
+        h = host_or_join(
+            cfg.store_host,
+            cfg.store_port,
+            cfg.rdzv_id,
+            cfg.is_store_host,
+            token=self.token,
+            timeout=cfg.rdzv_settings.read_timeout,
+            nice=cfg.store_nice,
+        )
         self._server, self.hosting = h.server, h.hosting
         if h.hosting and cfg.proxy and self.token is None:
-            self.log.warning("store-auth", "no job token (FTRUN_JOB_TOKEN or --rdzv-conf "
-                             "token_file=...): the store port accepts any client")
+            self.log.warning(
+                "store-auth",
+                "no job token (FTRUN_JOB_TOKEN or --rdzv-conf "
+                "token_file=...): the store port accepts any client",
+            )
         if h.hosting:
-            self.log.info("store", f"hosting the store on 0.0.0.0:{h.server.port} (is_host: "
-                          f"{cfg.store_host} is this host)", port=h.server.port)
+            self.log.info(
+                "store",
+                f"hosting the store on 0.0.0.0:{h.server.port} (is_host: "
+                f"{cfg.store_host} is this host)",
+                port=h.server.port,
+            )
         else:
-            self.log.info("store", f"using the store at {cfg.store_host}:{cfg.store_port}"
-                          + (" (the port is held by another agent of this run)"
-                             if cfg.is_store_host else ""))
+            self.log.info(
+                "store",
+                f"using the store at {cfg.store_host}:{cfg.store_port}"
+                + (" (the port is held by another agent of this run)" if cfg.is_store_host else ""),
+            )
         return h.kv
 
     def _host(self) -> KVStore:
@@ -137,17 +164,26 @@ class StoreStack:
         if cfg.proxy and self.token is None and cfg.max_nodes == 1:
             self.token = auth.generate_token()  # only this agent and its proxy need it
         if cfg.proxy and self.token is None:
-            self.log.warning("store-auth", "no job token (FTRUN_JOB_TOKEN or --rdzv-conf "
-                             "token_file=...): the store port accepts any client")
+            self.log.warning(
+                "store-auth",
+                "no job token (FTRUN_JOB_TOKEN or --rdzv-conf "
+                "token_file=...): the store port accepts any client",
+            )
         host = "127.0.0.1" if cfg.store_port == 0 else "0.0.0.0"
-        self._server = StoreServer(host=host, port=cfg.store_port,
-                                   token=self.token if cfg.proxy else None,
-                                   nice=cfg.store_nice)
+        self._server = StoreServer(
+            host=host,
+            port=cfg.store_port,
+            token=self.token if cfg.proxy else None,
+            nice=cfg.store_nice,
+        )
         self._server.start()
         self.hosting = True
-        self.log.info("store", f"hosting the store on {host}:{self._server.port}"
-                      + (" (token required)" if cfg.proxy and self.token else ""),
-                      port=self._server.port)
+        self.log.info(
+            "store",
+            f"hosting the store on {host}:{self._server.port}"
+            + (" (token required)" if cfg.proxy and self.token else ""),
+            port=self._server.port,
+        )
         return self._server.kv
 
     def server_stats(self) -> Callable[[], Any] | None:
@@ -160,10 +196,15 @@ class StoreStack:
         return self.cfg.store_port
 
     # ---------------------------------------------------------------- node rendezvous
-    def join(self, host: str, on_node_dead: Callable[[int], None],
-             on_node_join: Callable[[int], None], stop: threading.Event | None = None,
-             on_lost: Callable[[Any], None] | None = None,
-             on_left: Callable[[int, str], None] | None = None) -> AgentWorld:
+    def join(
+        self,
+        host: str,
+        on_node_dead: Callable[[int], None],
+        on_node_join: Callable[[int], None],
+        stop: threading.Event | None = None,
+        on_lost: Callable[[Any], None] | None = None,
+        on_left: Callable[[int, str], None] | None = None,
+    ) -> AgentWorld:
         """Node-level rendezvous; the callbacks run on the membership thread. Ends with
         JoinInterrupted within a fraction of a second of `stop.set()` / `interrupt()`,
         RendezvousGracefulExit when the run finished while this agent waited as a hot spare."""
@@ -175,8 +216,16 @@ class StoreStack:
 
         if self._membership is None:
             self._membership = Membership.from_settings(
-                self.kv, cfg.node_rank, cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node,
-                cfg.local_addr or host, cfg.rdzv_id, cfg.rdzv_settings, hosts_store=self.hosting)
+                self.kv,
+                cfg.node_rank,
+                cfg.min_nodes,
+                cfg.max_nodes,
+                cfg.nproc_per_node,
+                cfg.local_addr or host,
+                cfg.rdzv_id,
+                cfg.rdzv_settings,
+                hosts_store=self.hosting,
+            )
         if self._interrupted:
             self._membership.interrupt()
         try:
@@ -198,9 +247,14 @@ class StoreStack:
         m.watch_nodes(on_node_dead, on_node_join, on_lost=on_lost, on_left=on_left)
         w = m.world
         self.rejoined = bool(w.rejoined)
-        return AgentWorld(w.group_rank, w.group_world_size, w.nodes[w.group_rank].rank_base,
-                          w.world_size, w.leader_node == w.group_rank,
-                          bool(getattr(w, "from_spare", False)))
+        return AgentWorld(
+            w.group_rank,
+            w.group_world_size,
+            w.nodes[w.group_rank].rank_base,
+            w.world_size,
+            w.leader_node == w.group_rank,
+            bool(getattr(w, "from_spare", False)),
+        )
 
     @property
     def can_renumber(self) -> bool:
@@ -317,8 +371,9 @@ class StoreStack:
             self._proxy = StoreProxy(self._etcd_kv, listen_host="127.0.0.1", port=0)
         else:
             host = "127.0.0.1" if self._server is not None else cfg.store_host
-            self._proxy = StoreProxy((host, self.store_port(), self.token),
-                                     listen_host="127.0.0.1", port=0)
+            self._proxy = StoreProxy(
+                (host, self.store_port(), self.token), listen_host="127.0.0.1", port=0
+            )
         self._proxy.start()
         self.log.info("proxy", f"store proxy for local workers on 127.0.0.1:{self._proxy.port}")
         return "127.0.0.1", int(self._proxy.port)
@@ -339,8 +394,14 @@ class StoreStack:
         path = os.path.join(run_dir, P.STORE_ADDR_FILE)
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"addr": addr, "backend": cfg.store_backend,
-                       "token_required": bool(self.token and cfg.proxy)}, f)
+            json.dump(
+                {
+                    "addr": addr,
+                    "backend": cfg.store_backend,
+                    "token_required": bool(self.token and cfg.proxy),
+                },
+                f,
+            )
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -5,14 +5,15 @@ set|ls`) come from `rendezvous.store.store_cli`; fault injection (`ftctl inject`
 `launcher.cli.inject`; `ftctl status` from `launcher.observe.status`; `ftctl report` from `launcher.observe.report`.
 A store or token error from any subcommand ends as one line and exit 1.
 """
+
 from __future__ import annotations
 
 import sys
 
 import click
 
-from rendezvous.store.auth import TokenError
 from rendezvous.kv import StoreError
+from rendezvous.store.auth import TokenError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -45,7 +46,9 @@ _register()
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        cli.main(args=sys.argv[1:] if argv is None else argv, prog_name="ftctl", standalone_mode=False)
+        cli.main(
+            args=sys.argv[1:] if argv is None else argv, prog_name="ftctl", standalone_mode=False
+        )
     except click.ClickException as e:
         click.echo(f"ftctl: error: {e.format_message()}", err=True)
         sys.exit(e.exit_code if e.exit_code else 2)
@@ -53,7 +56,10 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(e.exit_code)
     except click.Abort:
         sys.exit(1)
-    except (StoreError, TokenError) as e:  # unreachable store, refused token: one line, no traceback
+    except (
+        StoreError,
+        TokenError,
+    ) as e:  # unreachable store, refused token: one line, no traceback
         click.echo(f"ftctl: error: {e}", err=True)
         sys.exit(1)
 

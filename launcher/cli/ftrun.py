@@ -5,6 +5,7 @@ environment fallbacks, unambiguous abbreviations, everything after the script pa
 untouched, exit 2 with one line on a parse error) and the hand-off to the agent. Validation
 lives in `launcher.config`; supervision in `launcher.agent.agent`.
 """
+
 from __future__ import annotations
 
 import sys
@@ -38,61 +39,164 @@ def _both(name: str) -> tuple[str, ...]:
 
 TORCHRUN_OPTIONS: tuple[Opt, ...] = (
     Opt(("--nnodes",), "nnodes", "1:1", help="Number of nodes, N or MIN:MAX."),
-    Opt(_both("nproc_per_node"), "nproc_per_node", "1",
-        help="Workers per node: an integer or cpu, gpu, xpu, npu, auto."),
-    Opt(_both("rdzv_backend"), "rdzv_backend", "static",
-        help="static, c10d, parallel (embedded store) or etcd, etcd-v3, etcd-v2."),
-    Opt(_both("rdzv_endpoint"), "rdzv_endpoint", "", help="Store endpoint host[:port] (etcd: comma list)."),
+    Opt(
+        _both("nproc_per_node"),
+        "nproc_per_node",
+        "1",
+        help="Workers per node: an integer or cpu, gpu, xpu, npu, auto.",
+    ),
+    Opt(
+        _both("rdzv_backend"),
+        "rdzv_backend",
+        "static",
+        help="static, c10d, parallel (embedded store) or etcd, etcd-v3, etcd-v2.",
+    ),
+    Opt(
+        _both("rdzv_endpoint"),
+        "rdzv_endpoint",
+        "",
+        help="Store endpoint host[:port] (etcd: comma list).",
+    ),
     Opt(_both("rdzv_id"), "rdzv_id", "none", help="Job id shared by all nodes."),
-    Opt(_both("rdzv_conf"), "rdzv_conf", "", help="key=value,... (join_timeout, last_call_timeout, "
-        "proxy, token_file, is_host, cacert, cert, key, user, password, protocol)."),
-    Opt(("--standalone",), "standalone", False, flag=True, help="Single node, local store on a free port."),
-    Opt(_both("max_restarts"), "max_restarts", 0, int,
-        help="Recovery rounds allowed for the WHOLE job (torchrun: per agent)."),
-    Opt(_both("monitor_interval"), "monitor_interval", 0.1, float,
-        help="Seconds between health checks (exits are detected at once regardless)."),
+    Opt(
+        _both("rdzv_conf"),
+        "rdzv_conf",
+        "",
+        help="key=value,... (join_timeout, last_call_timeout, "
+        "proxy, token_file, is_host, cacert, cert, key, user, password, protocol).",
+    ),
+    Opt(
+        ("--standalone",),
+        "standalone",
+        False,
+        flag=True,
+        help="Single node, local store on a free port.",
+    ),
+    Opt(
+        _both("max_restarts"),
+        "max_restarts",
+        0,
+        int,
+        help="Recovery rounds allowed for the WHOLE job (torchrun: per agent).",
+    ),
+    Opt(
+        _both("monitor_interval"),
+        "monitor_interval",
+        0.1,
+        float,
+        help="Seconds between health checks (exits are detected at once regardless).",
+    ),
     Opt(_both("start_method"), "start_method", "spawn", choices=("spawn", "fork", "forkserver")),
     Opt(_both("event_log_handler"), "event_log_handler", "null"),
     Opt(("--role",), "role", "default", help="Role name (log prefix, ROLE_NAME)."),
-    Opt(("-m", "--module"), "module", False, flag=True, help="Run the script as a module (python -m)."),
+    Opt(
+        ("-m", "--module"),
+        "module",
+        False,
+        flag=True,
+        help="Run the script as a module (python -m).",
+    ),
     Opt(_both("no_python"), "no_python", False, flag=True, help="Execute the script directly."),
     Opt(_both("run_path"), "run_path", False, flag=True),
-    Opt(_both("log_dir"), "log_dir", None, help="Base directory for per-attempt logs and events.jsonl."),
-    Opt(("-r", "--redirects"), "redirects", "0", help="0-3 or 0:1,1:2 (1 stdout, 2 stderr, 3 both) to files."),
-    Opt(("-t", "--tee"), "tee", "0", help="Like --redirects, and also to the console with a prefix."),
-    Opt(_both("local_ranks_filter"), "local_ranks_filter", "", help="Local ranks shown on the console."),
+    Opt(
+        _both("log_dir"),
+        "log_dir",
+        None,
+        help="Base directory for per-attempt logs and events.jsonl.",
+    ),
+    Opt(
+        ("-r", "--redirects"),
+        "redirects",
+        "0",
+        help="0-3 or 0:1,1:2 (1 stdout, 2 stderr, 3 both) to files.",
+    ),
+    Opt(
+        ("-t", "--tee"), "tee", "0", help="Like --redirects, and also to the console with a prefix."
+    ),
+    Opt(
+        _both("local_ranks_filter"),
+        "local_ranks_filter",
+        "",
+        help="Local ranks shown on the console.",
+    ),
     Opt(_both("duplicate_stdout_filters"), "duplicate_stdout_filters", ()),
     Opt(_both("duplicate_stderr_filters"), "duplicate_stderr_filters", ()),
     Opt(_both("node_rank"), "node_rank", 0, int, help="This node's rank (static rendezvous)."),
     Opt(_both("master_addr"), "master_addr", "127.0.0.1", help="Address of the node-0 store."),
-    Opt(_both("master_port"), "master_port", None, int, help="Port of the node-0 store (default 29500)."),
+    Opt(
+        _both("master_port"),
+        "master_port",
+        None,
+        int,
+        help="Port of the node-0 store (default 29500).",
+    ),
     Opt(_both("local_addr"), "local_addr", None),
     Opt(_both("logs_specs"), "logs_specs", None, env=False),
-    Opt(_both("numa_binding"), "numa_binding", None, choices=("node", "socket", "exclusive", "core-complex"),
-        env=False),
-    Opt(_both("signals_to_handle"), "signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
-        help="Signals forwarded to the workers before shutdown."),
-    Opt(_both("shutdown_timeout"), "shutdown_timeout", None, int,
-        help="Seconds between SIGTERM and SIGKILL (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30)."),
+    Opt(
+        _both("numa_binding"),
+        "numa_binding",
+        None,
+        choices=("node", "socket", "exclusive", "core-complex"),
+        env=False,
+    ),
+    Opt(
+        _both("signals_to_handle"),
+        "signals_to_handle",
+        "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        help="Signals forwarded to the workers before shutdown.",
+    ),
+    Opt(
+        _both("shutdown_timeout"),
+        "shutdown_timeout",
+        None,
+        int,
+        help="Seconds between SIGTERM and SIGKILL (default $TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30).",
+    ),
     Opt(_both("virtual_local_rank"), "virtual_local_rank", False, flag=True),
     # torch 2.14+ flags, accepted on every torch version
-    Opt(_both("log_line_prefix_template"), "log_line_prefix_template", None,
-        help="Prefix of worker lines: ${role_name} ${local_rank} ${rank} ${hostname}."),
-    Opt(_both("print_completion"), "print_completion", None, choices=("bash", "zsh", "fish"), env=False,
-        help="Print a shell completion script and exit."),
+    Opt(
+        _both("log_line_prefix_template"),
+        "log_line_prefix_template",
+        None,
+        help="Prefix of worker lines: ${role_name} ${local_rank} ${rank} ${hostname}.",
+    ),
+    Opt(
+        _both("print_completion"),
+        "print_completion",
+        None,
+        choices=("bash", "zsh", "fish"),
+        env=False,
+        help="Print a shell completion script and exit.",
+    ),
 )
 
 FTRUN_OPTIONS: tuple[Opt, ...] = (
-    Opt(_both("recover_strategy"), "recover_strategy", None,
-        help="Strategy chain, cheapest first (default retry,recover-in-place,restart-all,exit)."),
-    Opt(_both("hang_timeout"), "hang_timeout", "auto",
+    Opt(
+        _both("recover_strategy"),
+        "recover_strategy",
+        None,
+        help="Strategy chain, cheapest first (default retry,recover-in-place,restart-all,exit).",
+    ),
+    Opt(
+        _both("hang_timeout"),
+        "hang_timeout",
+        "auto",
         help="Seconds without progress before a worker counts as hung: auto (adapts to the step "
-             "times; 600 s for unmodified scripts), SECONDS, or 0 (off)."),
-    Opt(_both("warm_spares"), "warm_spares", None,
+        "times; 600 s for unmodified scripts), SECONDS, or 0 (off).",
+    ),
+    Opt(
+        _both("warm_spares"),
+        "warm_spares",
+        None,
         help="Warm spare processes per node (torch imported, ready to replace a rank): 0-8, "
-             "default $FTRUN_WARM_SPARES or 2 (FTRUN_WARM_SPARE=0: none)."),
-    Opt(("--enable_tiered_parallel_tcpstore", "--enable-tiered-parallel-tcpstore"),
-        "enable_tiered_parallel_tcpstore", None, help="torch_npu_run's flag: true turns the store proxies on."),
+        "default $FTRUN_WARM_SPARES or 2 (FTRUN_WARM_SPARE=0: none).",
+    ),
+    Opt(
+        ("--enable_tiered_parallel_tcpstore", "--enable-tiered-parallel-tcpstore"),
+        "enable_tiered_parallel_tcpstore",
+        None,
+        help="torch_npu_run's flag: true turns the store proxies on.",
+    ),
 )
 
 ALL_OPTIONS = TORCHRUN_OPTIONS + FTRUN_OPTIONS
@@ -152,21 +256,38 @@ def _make_command() -> click.Command:
     for o in ALL_OPTIONS:
         envvar = _env_name(o.dest) if o.env else None
         if o.flag:
-            params.append(click.Option([*o.names, o.dest], is_flag=True, default=o.default,
-                                       envvar=envvar, help=o.help))
+            params.append(
+                click.Option(
+                    [*o.names, o.dest], is_flag=True, default=o.default, envvar=envvar, help=o.help
+                )
+            )
         else:
             typ = click.Choice(o.choices) if o.choices else o.type
             default = o.default if not isinstance(o.default, tuple) else None
-            params.append(click.Option([*o.names, o.dest], type=typ, default=default,
-                                       envvar=envvar, help=o.help, show_default=default not in (None, "")))
+            params.append(
+                click.Option(
+                    [*o.names, o.dest],
+                    type=typ,
+                    default=default,
+                    envvar=envvar,
+                    help=o.help,
+                    show_default=default not in (None, ""),
+                )
+            )
     params.append(click.Argument(["training_script"], required=False))
     params.append(click.Argument(["training_script_args"], nargs=-1, type=click.UNPROCESSED))
     return TorchrunCommand(
-        "ftrun", params=params, callback=lambda **kw: kw,
+        "ftrun",
+        params=params,
+        callback=lambda **kw: kw,
         help="Launch a distributed training job like torchrun, and keep it running through faults.",
-        context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"],
-                          "max_content_width": 100},
-        add_help_option=True)
+        context_settings={
+            "allow_interspersed_args": False,
+            "help_option_names": ["-h", "--help"],
+            "max_content_width": 100,
+        },
+        add_help_option=True,
+    )
 
 
 COMMAND = _make_command()

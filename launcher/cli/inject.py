@@ -8,6 +8,7 @@ step), `hang` stops the worker's training thread. Device faults (`uce-low`, `uce
 `network`) and `exception`/`exit` are raised inside the worker by the runtime through the `cpu`
 device adapter, and are labelled as injected in every log line.
 """
+
 from __future__ import annotations
 
 import click
@@ -30,17 +31,30 @@ def _connect(addr: str, token_file: str | None):
 
 
 @click.command("inject")
-@click.option("--addr", envvar="FTRUN_STORE_ADDR", required=True,
-              help="The job's store HOST:PORT (printed by ftrun at start; $FTRUN_STORE_ADDR).")
+@click.option(
+    "--addr",
+    envvar="FTRUN_STORE_ADDR",
+    required=True,
+    help="The job's store HOST:PORT (printed by ftrun at start; $FTRUN_STORE_ADDR).",
+)
 @click.option("--token-file", default=None, help="Job token file, when the store requires one.")
 @click.option("--rank", type=click.IntRange(min=0), required=True, help="Global rank to hit.")
 @click.option("--kind", type=click.Choice(INJECTION_KINDS), required=True)
-@click.option("--at-step", type=click.IntRange(min=0), default=None,
-              help="Fire when the rank reaches this step (runtime-aware workers).")
-@click.option("--phase", type=click.Choice(PHASES), default=None,
-              help="Fire in this phase of the step (with --at-step; default forward).")
-def inject(addr: str, token_file: str | None, rank: int, kind: str, at_step: int | None,
-           phase: str | None) -> None:
+@click.option(
+    "--at-step",
+    type=click.IntRange(min=0),
+    default=None,
+    help="Fire when the rank reaches this step (runtime-aware workers).",
+)
+@click.option(
+    "--phase",
+    type=click.Choice(PHASES),
+    default=None,
+    help="Fire in this phase of the step (with --at-step; default forward).",
+)
+def inject(
+    addr: str, token_file: str | None, rank: int, kind: str, at_step: int | None, phase: str | None
+) -> None:
     """Inject a fault into RANK of a live job."""
     if phase is not None and at_step is None:
         raise click.BadParameter("--phase needs --at-step", param_hint="--phase")
@@ -48,10 +62,14 @@ def inject(addr: str, token_file: str | None, rank: int, kind: str, at_step: int
     try:
         world = kv.try_get(P.WORLD_SIZE_KEY)
         if world is not None and rank >= int(world):
-            raise click.BadParameter(f"rank {rank} is not in this job (world size {int(world)})",
-                                     param_hint="--rank")
+            raise click.BadParameter(
+                f"rank {rank} is not in this job (world size {int(world)})", param_hint="--rank"
+            )
         seq = kv.add(P.INJECT_SEQ, 1)
-        kv.set(P.inject_key(seq), P.Injection(rank=rank, kind=kind, step=at_step, phase=phase).to_json())
+        kv.set(
+            P.inject_key(seq),
+            P.Injection(rank=rank, kind=kind, step=at_step, phase=phase).to_json(),
+        )
     finally:
         kv.close()
     when = f" at step {at_step} ({phase or 'forward'})" if at_step is not None else " now"

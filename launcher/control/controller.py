@@ -50,6 +50,7 @@ arrived meanwhile are decided first (a lost node's loss or arrival supersedes it
 generation that includes the node's ranks), else the round is driven to its end (statuses and
 repair plan, the restart-all release, the dump plan).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -60,13 +61,25 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from launcher.control import controller_state as CS
-from launcher.protocol import plan as P
-from launcher.control.decision import (PROCESS_LEVEL, Budget, Decision, Round, Situation, covered_by,
-                               culprit, decide, fallback, may_be_consequence, merge, scale_up,
-                               unreplaced)
-from launcher.protocol.faults import FaultKind
+from launcher.control.decision import (
+    PROCESS_LEVEL,
+    Budget,
+    Decision,
+    Round,
+    Situation,
+    covered_by,
+    culprit,
+    decide,
+    fallback,
+    may_be_consequence,
+    merge,
+    scale_up,
+    unreplaced,
+)
 from launcher.control.progress import read_progress
 from launcher.observe.logs import AgentLog
+from launcher.protocol import plan as P
+from launcher.protocol.faults import FaultKind
 from rendezvous.errors import FencedError, RendezvousError
 from rendezvous.kv import KVStore, StoreError
 
@@ -81,14 +94,26 @@ class ControllerState:
 class Controller:
     """Leader-side decision loop. Owned by the leader agent: `start()` / `stop()`."""
 
-    def __init__(self, kv: KVStore, log: AgentLog, world_size: int, nnodes: int, max_restarts: int,
-                 chain: list[str], phase_timeout: float = 120.0, window: float = 2.0,
-                 node_replace_timeout: float = 600.0, min_nodes: int | None = None,
-                 stale: Callable[[int, int], str] | None = None,
-                 fence: Callable[[str], None] | None = None, transfer_stripes: int = 0,
-                 new_round: Callable[[], int] | None = None,
-                 waiting: Callable[[], int] | None = None, max_nodes: int = 0,
-                 world_round: int = 0) -> None:
+    def __init__(
+        self,
+        kv: KVStore,
+        log: AgentLog,
+        world_size: int,
+        nnodes: int,
+        max_restarts: int,
+        chain: list[str],
+        phase_timeout: float = 120.0,
+        window: float = 2.0,
+        node_replace_timeout: float = 600.0,
+        min_nodes: int | None = None,
+        stale: Callable[[int, int], str] | None = None,
+        fence: Callable[[str], None] | None = None,
+        transfer_stripes: int = 0,
+        new_round: Callable[[], int] | None = None,
+        waiting: Callable[[], int] | None = None,
+        max_nodes: int = 0,
+        world_round: int = 0,
+    ) -> None:
         self.kv = kv
         # scale_up=restart: how many agents wait to get in (None: they wait as hot spares)
         self._waiting = waiting if new_round is not None else None
@@ -99,7 +124,9 @@ class Controller:
         self._new_round = new_round
         self._stale = stale  # why a report's writer (node, incarnation) is stale, "" when not
         self._fence = fence  # raises FencedError when this controller's agent is stale
-        self.transfer_stripes = transfer_stripes  # senders per replacement, 0: one per node (replicas.AUTO_STRIPES)
+        self.transfer_stripes = (
+            transfer_stripes  # senders per replacement, 0: one per node (replicas.AUTO_STRIPES)
+        )
         self.window = window
         self.history: list[dict] = []  # every fault handled: strategies tried, outcome
         self.log = log
@@ -113,12 +140,15 @@ class Controller:
         self.min_nodes = nnodes if min_nodes is None else min_nodes
         self._lost_at: dict[int, tuple[float, P.Fault]] = {}  # lost node -> (when, its fault)
         self._nodes_lock = threading.Lock()
-        raw, used, seq, nxt = (kv.try_get(k) for k in (P.GENERATION_KEY, P.RESTARTS_USED_KEY,
-                                                        P.FAULT_SEQ, P.FAULT_NEXT_KEY))
-        self.state = ControllerState(generation=int(raw) if raw is not None else 0,
-                                     next_fault=int(nxt) if nxt is not None else (
-                                         int(seq) + 1 if seq is not None else 1),
-                                     budget=Budget(int(used) if used is not None else 0, max_restarts))
+        raw, used, seq, nxt = (
+            kv.try_get(k)
+            for k in (P.GENERATION_KEY, P.RESTARTS_USED_KEY, P.FAULT_SEQ, P.FAULT_NEXT_KEY)
+        )
+        self.state = ControllerState(
+            generation=int(raw) if raw is not None else 0,
+            next_fault=int(nxt) if nxt is not None else (int(seq) + 1 if seq is not None else 1),
+            budget=Budget(int(used) if used is not None else 0, max_restarts),
+        )
         self.term = CS.take_term(kv)  # fences the saved state against earlier controllers
         self.world_round = world_round  # the rendezvous round of this world (node numbering)
         self.known: dict[int, int] = {}  # node -> agent incarnation accounted for
@@ -155,12 +185,15 @@ class Controller:
             if raw_plan is not None:
                 self._note_spawns(P.Plan.from_json(raw_plan))
         if plan is not None:
-            cause = P.Fault.from_json(json.dumps(plan.root_cause or {
-                "kind": "exit", "rank": None, "node": -1, "generation": g}))
-            collecting = (plan.strategy in PROCESS_LEVEL
-                          and self.kv.try_get(P.repair_key(g)) is None)
-            self.round = Round(g, plan.strategy, tuple(plan.failed_ranks), cause,
-                               collecting=collecting)
+            cause = P.Fault.from_json(
+                json.dumps(
+                    plan.root_cause or {"kind": "exit", "rank": None, "node": -1, "generation": g}
+                )
+            )
+            collecting = plan.strategy in PROCESS_LEVEL and self.kv.try_get(P.repair_key(g)) is None
+            self.round = Round(
+                g, plan.strategy, tuple(plan.failed_ranks), cause, collecting=collecting
+            )
         return plan
 
     def _unfinished(self, plan: P.Plan) -> bool:
@@ -182,10 +215,15 @@ class Controller:
             self._inherited = None
             return None
         g = plan.generation
-        self.log.warning("round-resumed", f"generation {g}: the {plan.strategy} round of the "
-                         "previous controller was in progress; this controller takes it up "
-                         f"(failed ranks {plan.failed_ranks})", generation=g,
-                         strategy=plan.strategy, failed_ranks=plan.failed_ranks)
+        self.log.warning(
+            "round-resumed",
+            f"generation {g}: the {plan.strategy} round of the "
+            "previous controller was in progress; this controller takes it up "
+            f"(failed ranks {plan.failed_ranks})",
+            generation=g,
+            strategy=plan.strategy,
+            failed_ranks=plan.failed_ranks,
+        )
         while True:  # what was reported meanwhile first: it may supersede the round
             fault = self._take_fault(0.0)
             if fault is None:
@@ -223,13 +261,23 @@ class Controller:
         """The state a successor needs (`launcher.control.controller_state`); FencedError when a newer
         controller took over."""
         with self._nodes_lock:
-            lost = {n: {"at": time.time() - (time.monotonic() - at), "fault": f.to_json().decode()}
-                    for n, (at, f) in self._lost_at.items()}
+            lost = {
+                n: {"at": time.time() - (time.monotonic() - at), "fault": f.to_json().decode()}
+                for n, (at, f) in self._lost_at.items()
+            }
             known = dict(self.known)
         with self._save_lock:
-            CS.save(self.kv, CS.SavedState(self.term, self.state.generation,
-                                           [dict(h) for h in self.history], lost, known,
-                                           self.world_round))
+            CS.save(
+                self.kv,
+                CS.SavedState(
+                    self.term,
+                    self.state.generation,
+                    [dict(h) for h in self.history],
+                    lost,
+                    known,
+                    self.world_round,
+                ),
+            )
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -243,23 +291,36 @@ class Controller:
     def _next_fault(self, timeout: float) -> P.Fault | None:
         """The next reported fault (consumed), waiting up to `timeout` s for it."""
         key = P.fault_key(self.state.next_fault)
-        raw = self.kv.try_get(key) if timeout <= 0 else (
-            self.kv.get(key, 5.0) if self.kv.wait([key], timeout) else None)
+        raw = (
+            self.kv.try_get(key)
+            if timeout <= 0
+            else (self.kv.get(key, 5.0) if self.kv.wait([key], timeout) else None)
+        )
         if raw is None:
             return None
         seq = self.state.next_fault
         self.state.next_fault += 1
         self.kv.set(P.FAULT_NEXT_KEY, str(self.state.next_fault).encode())
         fault = P.Fault.from_json(raw)
-        why = self._stale(fault.by_node, fault.by_incarnation) if (
-            self._stale is not None and fault.by_node is not None and fault.by_incarnation) else ""
+        why = (
+            self._stale(fault.by_node, fault.by_incarnation)
+            if (self._stale is not None and fault.by_node is not None and fault.by_incarnation)
+            else ""
+        )
         if why:
-            self.log.error("stale-write-refused", f"fault #{seq} of rank {fault.rank} from node "
-                           f"{fault.by_node} (incarnation {fault.by_incarnation}, generation "
-                           f"{fault.generation}) refused: the writer is stale ({why}); the job is "
-                           f"at generation {self.state.generation}", rank=fault.rank,
-                           stale_node=fault.by_node, incarnation=fault.by_incarnation,
-                           stale_generation=fault.generation, seq=seq, where="controller")
+            self.log.error(
+                "stale-write-refused",
+                f"fault #{seq} of rank {fault.rank} from node "
+                f"{fault.by_node} (incarnation {fault.by_incarnation}, generation "
+                f"{fault.generation}) refused: the writer is stale ({why}); the job is "
+                f"at generation {self.state.generation}",
+                rank=fault.rank,
+                stale_node=fault.by_node,
+                incarnation=fault.by_incarnation,
+                stale_generation=fault.generation,
+                seq=seq,
+                where="controller",
+            )
             return None
         return fault
 
@@ -299,26 +360,41 @@ class Controller:
         while True:
             progress = read_progress(self.kv, self.nnodes)
             reporters = sorted({f.rank for f in batch if f.rank is not None})
-            if (not all(may_be_consequence(f) for f in batch) or culprit(batch, progress)
-                    or len(reporters) >= self.world_size or time.monotonic() >= deadline):
+            if (
+                not all(may_be_consequence(f) for f in batch)
+                or culprit(batch, progress)
+                or len(reporters) >= self.world_size
+                or time.monotonic() >= deadline
+            ):
                 break
             more = self._next_fault(min(0.2, max(0.0, deadline - time.monotonic())))
             if more is not None:
                 batch.append(more)
         merged = merge(batch, progress)
         if len(batch) > 1 or merged.rank != fault.rank or merged.kind != fault.kind:
-            self.log.warning("fault-merged", f"{len(batch)} report(s) from ranks {reporters} are one "
-                             f"fault: rank {merged.rank} {merged.kind} ({merged.message})",
-                             rank=merged.rank, fault_kind=merged.kind, reporters=reporters,
-                             reports=len(batch))
+            self.log.warning(
+                "fault-merged",
+                f"{len(batch)} report(s) from ranks {reporters} are one "
+                f"fault: rank {merged.rank} {merged.kind} ({merged.message})",
+                rank=merged.rank,
+                fault_kind=merged.kind,
+                reporters=reporters,
+                reports=len(batch),
+            )
         return merged
 
     def all_aware(self) -> bool:
         return all(self.kv.try_get(P.aware_key(r)) is not None for r in range(self.world_size))
 
     def situation(self, fault: P.Fault | None = None) -> Situation:
-        return Situation(self.chain, self.state.budget, self.all_aware(), self.world_size,
-                         self.round, self.finished_ranks(fault))
+        return Situation(
+            self.chain,
+            self.state.budget,
+            self.all_aware(),
+            self.world_size,
+            self.round,
+            self.finished_ranks(fault),
+        )
 
     def _note_spawns(self, plan: P.Plan) -> None:
         for r in plan.restart_ranks:  # every rank for restart-all
@@ -332,7 +408,7 @@ class Controller:
         for key in self.kv.keys(P.FINISHED_PREFIX):
             raw = self.kv.try_get(key)
             try:
-                rank, gen = int(key[len(P.FINISHED_PREFIX):]), int(raw or b"-1")
+                rank, gen = int(key[len(P.FINISHED_PREFIX) :]), int(raw or b"-1")
             except ValueError:
                 continue
             if gen >= self._spawned_at.get(rank, 0):
@@ -363,29 +439,42 @@ class Controller:
             self.lost_nodes.add(node)
         if not first:
             return
-        fault = P.Fault(kind=FaultKind.NODE_LOST.value, rank=None, node=node,
-                        generation=self.state.generation, message=why or "its agent is gone",
-                        host=host, evidence={"node_lost": why or True,
-                                             "node_ranks": self.ranks_of(node)})
+        fault = P.Fault(
+            kind=FaultKind.NODE_LOST.value,
+            rank=None,
+            node=node,
+            generation=self.state.generation,
+            message=why or "its agent is gone",
+            host=host,
+            evidence={"node_lost": why or True, "node_ranks": self.ranks_of(node)},
+        )
         with self._nodes_lock:
             self._lost_at[node] = (time.monotonic(), fault)
         seq = post_fault(self.kv, fault)
         self._save()
-        self.log.info("fault-reported", f"node {node} lost ({fault.message}): reported as fault "
-                      f"#{seq}; its ranks {fault.evidence['node_ranks']} wait up to "
-                      f"node_replace_timeout={self.node_replace_timeout:g}s for a hot spare or a "
-                      "replacement agent", seq=seq, lost_node=node)
+        self.log.info(
+            "fault-reported",
+            f"node {node} lost ({fault.message}): reported as fault "
+            f"#{seq}; its ranks {fault.evidence['node_ranks']} wait up to "
+            f"node_replace_timeout={self.node_replace_timeout:g}s for a hot spare or a "
+            "replacement agent",
+            seq=seq,
+            lost_node=node,
+        )
 
-    def note_arrival(self, node: int, incarnation: int, host: str = "",
-                     why: str = "") -> int | None:
+    def note_arrival(
+        self, node: int, incarnation: int, host: str = "", why: str = ""
+    ) -> int | None:
         """A hot spare or replacement agent (agent incarnation `incarnation`; 0 when unknown)
         holds `node` now: report its arrival, the round that starts the node's ranks. Once per
         incarnation; returns the fault's number, None when already reported."""
         key = (node, incarnation)
         with self._nodes_lock:  # checked and claimed at once: the takeover's reconcile and the
             # membership watch may both bring the same arrival (one report, one round)
-            if incarnation and (key in self._arriving or (
-                    self.known.get(node) == incarnation and node not in self.lost_nodes)):
+            if incarnation and (
+                key in self._arriving
+                or (self.known.get(node) == incarnation and node not in self.lost_nodes)
+            ):
                 return None
             if incarnation:
                 self._arriving.add(key)
@@ -393,11 +482,22 @@ class Controller:
             if self._fence is not None:
                 self._fence(P.FAULT_SEQ)
             msg = f"hot spare or replacement agent for node {node}" + (f" ({why})" if why else "")
-            seq = post_fault(self.kv, P.Fault(
-                kind=FaultKind.NODE_LOST.value, rank=None, node=node,
-                generation=self.state.generation, message=msg, host=host,
-                evidence={"node_joined": True, "node_ranks": self.ranks_of(node),
-                          "incarnation": incarnation}))
+            seq = post_fault(
+                self.kv,
+                P.Fault(
+                    kind=FaultKind.NODE_LOST.value,
+                    rank=None,
+                    node=node,
+                    generation=self.state.generation,
+                    message=msg,
+                    host=host,
+                    evidence={
+                        "node_joined": True,
+                        "node_ranks": self.ranks_of(node),
+                        "incarnation": incarnation,
+                    },
+                ),
+            )
             with self._nodes_lock:  # accounted for once its report is in the store
                 if incarnation:
                     self.known[node] = incarnation
@@ -406,9 +506,14 @@ class Controller:
         finally:
             with self._nodes_lock:
                 self._arriving.discard(key)
-        self.log.info("fault-reported", f"node {node} taken over (incarnation {incarnation}"
-                      + (f", {why}" if why else "") + f"): reported as fault #{seq}", seq=seq,
-                      joined_node=node)
+        self.log.info(
+            "fault-reported",
+            f"node {node} taken over (incarnation {incarnation}"
+            + (f", {why}" if why else "")
+            + f"): reported as fault #{seq}",
+            seq=seq,
+            joined_node=node,
+        )
         self._save()
         return seq
 
@@ -418,24 +523,48 @@ class Controller:
         if self._regrouping:
             return None
         with self._nodes_lock:
-            late = [(n, at, f) for n, (at, f) in self._lost_at.items()
-                    if now - at >= self.node_replace_timeout]
+            late = [
+                (n, at, f)
+                for n, (at, f) in self._lost_at.items()
+                if now - at >= self.node_replace_timeout
+            ]
             for n, _, _ in late:
                 del self._lost_at[n]
             left = self.nnodes - len(self.lost_nodes)
         if not late:
             return None
         node, at, fault = min(late, key=lambda x: x[1])
-        renumber = "" if self._new_round is not None else (
-            "a static rendezvous (--node-rank) cannot renumber the nodes; restart the lost "
-            "node's agent with the same --node-rank, or use --rdzv-backend c10d|etcd")
-        d = unreplaced(fault, now - at, self.node_replace_timeout, left, self.min_nodes,
-                       self.situation(), self.nnodes, renumber)
+        renumber = (
+            ""
+            if self._new_round is not None
+            else (
+                "a static rendezvous (--node-rank) cannot renumber the nodes; restart the lost "
+                "node's agent with the same --node-rank, or use --rdzv-backend c10d|etcd"
+            )
+        )
+        d = unreplaced(
+            fault,
+            now - at,
+            self.node_replace_timeout,
+            left,
+            self.min_nodes,
+            self.situation(),
+            self.nnodes,
+            renumber,
+        )
         if d.shrink:
-            self.log.warning("world-shrink", d.reason, lost_node=node, reason=fault.message,
-                             strategy=d.strategy, nodes_left=left, world_size=self.world_size,
-                             new_world_size=len(d.restart_ranks), waited_s=round(now - at, 3),
-                             node_replace_timeout=self.node_replace_timeout)
+            self.log.warning(
+                "world-shrink",
+                d.reason,
+                lost_node=node,
+                reason=fault.message,
+                strategy=d.strategy,
+                nodes_left=left,
+                world_size=self.world_size,
+                new_world_size=len(d.restart_ranks),
+                waited_s=round(now - at, 3),
+                node_replace_timeout=self.node_replace_timeout,
+            )
         else:
             self.log.error("node-not-replaced", d.reason, lost_node=node, strategy=d.strategy)
         return d
@@ -448,11 +577,17 @@ class Controller:
             nodes = self.nnodes - len(self.lost_nodes)
         if nodes >= self.max_nodes:
             return None
-        d = scale_up(self._waiting(), nodes, self.max_nodes,
-                     self.world_size // max(1, self.nnodes), self.round)
+        d = scale_up(
+            self._waiting(),
+            nodes,
+            self.max_nodes,
+            self.world_size // max(1, self.nnodes),
+            self.round,
+        )
         if d is not None:
-            self.log.warning("world-grow", d.reason, strategy=d.strategy, nodes=nodes,
-                             world_size=self.world_size)
+            self.log.warning(
+                "world-grow", d.reason, strategy=d.strategy, nodes=nodes, world_size=self.world_size
+            )
         return d
 
     def _waiting_for_node(self, missing: list[int]) -> bool:
@@ -474,36 +609,66 @@ class Controller:
         if d.peers_finished and not d.absorbed:
             self._log_peers_finished(fault, d)
         if d.absorbed:
-            self.log.info("fault-absorbed", f"fault of rank {fault.rank} ({fault.kind}) from "
-                          f"generation {fault.generation}: {d.reason}", rank=fault.rank,
-                          fault_kind=fault.kind)
+            self.log.info(
+                "fault-absorbed",
+                f"fault of rank {fault.rank} ({fault.kind}) from "
+                f"generation {fault.generation}: {d.reason}",
+                rank=fault.rank,
+                fault_kind=fault.kind,
+            )
             return d
         if d.supersedes is not None:  # one event for it (events.jsonl readers rely on that)
-            what = (f"rank {fault.rank} failed ({fault.kind})" if fault.rank is not None else
-                    f"node {fault.node} "
-                    + ("taken over" if fault.evidence.get("node_joined") else "lost"))
-            self.log.warning("round-superseded", f"generation {d.supersedes}: {what} during "
-                             f"recovery; starting a new round ({d.reason})", rank=fault.rank,
-                             fault_kind=fault.kind, strategy=d.strategy, reason=d.reason)
+            what = (
+                f"rank {fault.rank} failed ({fault.kind})"
+                if fault.rank is not None
+                else f"node {fault.node} "
+                + ("taken over" if fault.evidence.get("node_joined") else "lost")
+            )
+            self.log.warning(
+                "round-superseded",
+                f"generation {d.supersedes}: {what} during "
+                f"recovery; starting a new round ({d.reason})",
+                rank=fault.rank,
+                fault_kind=fault.kind,
+                strategy=d.strategy,
+                reason=d.reason,
+            )
             return d
         label = " [injected]" if fault.injected else ""
-        who = f"rank {fault.rank} {fault.kind}" if fault.rank is not None else f"no rank, {fault.kind}"
-        self.log.info("decide", f"fault: {who}{label} on node {fault.node} -> "
-                      f"{d.strategy} ({d.reason})", rank=fault.rank, fault_kind=fault.kind,
-                      strategy=d.strategy, reason=d.reason, injected=fault.injected)
+        who = (
+            f"rank {fault.rank} {fault.kind}"
+            if fault.rank is not None
+            else f"no rank, {fault.kind}"
+        )
+        self.log.info(
+            "decide",
+            f"fault: {who}{label} on node {fault.node} -> {d.strategy} ({d.reason})",
+            rank=fault.rank,
+            fault_kind=fault.kind,
+            strategy=d.strategy,
+            reason=d.reason,
+            injected=fault.injected,
+        )
         return d
 
     def _log_peers_finished(self, fault: P.Fault, d: Decision, g: int | None = None) -> None:
         """One line: the root cause first, then why no process-level round can repair it
         (`g`: the round whose survivors finished meanwhile)."""
-        who = (f"rank {fault.rank}" if fault.rank is not None else f"node {fault.node}")
+        who = f"rank {fault.rank}" if fault.rank is not None else f"node {fault.node}"
         when = "" if g is None else f" during generation {g}'s recovery round"
-        self.log.warning("peers-finished", f"{who} (generation {fault.generation}) failed: "
-                         f"{fault.kind}: {fault.message}; its peers {list(d.peers_finished)} "
-                         f"finished the job{when}, so process-level repair is impossible: "
-                         f"{d.strategy}", rank=fault.rank, fault_kind=fault.kind,
-                         generation=fault.generation, round=g,
-                         finished_ranks=list(d.peers_finished), strategy=d.strategy)
+        self.log.warning(
+            "peers-finished",
+            f"{who} (generation {fault.generation}) failed: "
+            f"{fault.kind}: {fault.message}; its peers {list(d.peers_finished)} "
+            f"finished the job{when}, so process-level repair is impossible: "
+            f"{d.strategy}",
+            rank=fault.rank,
+            fault_kind=fault.kind,
+            generation=fault.generation,
+            round=g,
+            finished_ranks=list(d.peers_finished),
+            strategy=d.strategy,
+        )
 
     def execute(self, decision: Decision) -> Decision | None:
         """Publish the decision's plan and drive its round; returns what must follow (a fault
@@ -534,9 +699,14 @@ class Controller:
                 self.log.error("world-grow", f"the new rendezvous round could not start: {e}")
                 self._waiting = None
                 return None
-            return dataclasses.replace(decision, strategy=P.EXIT, shrink=False, charged=False,
-                                       restart_ranks=(), reason=f"{decision.reason}; but the "
-                                       f"new rendezvous round could not start: {e}")
+            return dataclasses.replace(
+                decision,
+                strategy=P.EXIT,
+                shrink=False,
+                charged=False,
+                restart_ranks=(),
+                reason=f"{decision.reason}; but the new rendezvous round could not start: {e}",
+            )
         self._regrouping = True
         self.publish(decision, new_round=rnd)
         return None
@@ -553,29 +723,49 @@ class Controller:
             st.budget = st.budget.charge()
             self.kv.set(P.RESTARTS_USED_KEY, str(st.budget.used).encode())
         self._note_history(decision, g)
-        plan = P.Plan(generation=g, strategy=strategy, failed_ranks=list(decision.failed_ranks),
-                      restart_ranks=list(decision.restart_ranks), reason=decision.reason,
-                      root_cause=dataclasses.asdict(decision.cause), restarts_used=st.budget.used,
-                      history=[dict(h) for h in self.history], new_round=new_round)
+        plan = P.Plan(
+            generation=g,
+            strategy=strategy,
+            failed_ranks=list(decision.failed_ranks),
+            restart_ranks=list(decision.restart_ranks),
+            reason=decision.reason,
+            root_cause=dataclasses.asdict(decision.cause),
+            restarts_used=st.budget.used,
+            history=[dict(h) for h in self.history],
+            new_round=new_round,
+        )
         st.generation = g
         self._note_spawns(plan)
-        self.round = Round(g, strategy, decision.failed_ranks, decision.cause,
-                           collecting=strategy in PROCESS_LEVEL)
+        self.round = Round(
+            g, strategy, decision.failed_ranks, decision.cause, collecting=strategy in PROCESS_LEVEL
+        )
         self.kv.set(P.plan_key(g), plan.to_json())
         self.kv.set(P.GENERATION_KEY, str(g).encode())
         self._save()
-        where = "" if not new_round else (
-            f" in rendezvous round {new_round} with the waiting node(s)" if decision.grow else
-            f" in rendezvous round {new_round} without node(s) {sorted(self.lost_nodes)} "
-            f"(world size {len(plan.restart_ranks)})")
-        self.log.info("plan", f"generation {g}: {strategy}{where}, failed ranks "
-                      f"{plan.failed_ranks}, restart "
-                      f"{'all' if strategy == P.RESTART_ALL else plan.restart_ranks}; restarts used "
-                      f"{st.budget.used}/{st.budget.limit}", generation=g, strategy=strategy,
-                      failed_ranks=plan.failed_ranks, restart_ranks=plan.restart_ranks,
-                      charged=decision.charged,
-                      **({"new_round": new_round} if new_round else {}),
-                      **({"scale_up": True} if decision.grow else {}))
+        where = (
+            ""
+            if not new_round
+            else (
+                f" in rendezvous round {new_round} with the waiting node(s)"
+                if decision.grow
+                else f" in rendezvous round {new_round} without node(s) {sorted(self.lost_nodes)} "
+                f"(world size {len(plan.restart_ranks)})"
+            )
+        )
+        self.log.info(
+            "plan",
+            f"generation {g}: {strategy}{where}, failed ranks "
+            f"{plan.failed_ranks}, restart "
+            f"{'all' if strategy == P.RESTART_ALL else plan.restart_ranks}; restarts used "
+            f"{st.budget.used}/{st.budget.limit}",
+            generation=g,
+            strategy=strategy,
+            failed_ranks=plan.failed_ranks,
+            restart_ranks=plan.restart_ranks,
+            charged=decision.charged,
+            **({"new_round": new_round} if new_round else {}),
+            **({"scale_up": True} if decision.grow else {}),
+        )
         return plan
 
     def _note_history(self, decision: Decision, g: int) -> None:
@@ -587,13 +777,25 @@ class Controller:
             cur["handling"].append([decision.strategy, g])
         else:
             if cur is not None and cur["outcome"] == "in progress":
-                cur["outcome"] = (f"superseded by rank {decision.cause.rank} {decision.cause.kind} "
-                                  f"in generation {g}")
+                cur["outcome"] = (
+                    f"superseded by rank {decision.cause.rank} {decision.cause.kind} "
+                    f"in generation {g}"
+                )
             c = decision.cause
-            self.history.append({"rank": c.rank, "kind": c.kind, "node": c.node, "pid": c.pid,
-                                 "message": c.message[:500], "injected": c.injected, "time": c.time,
-                                 "handling": [[decision.strategy, g]], "outcome": "in progress",
-                                 "consequences": len(c.evidence.get("consequences", []))})
+            self.history.append(
+                {
+                    "rank": c.rank,
+                    "kind": c.kind,
+                    "node": c.node,
+                    "pid": c.pid,
+                    "message": c.message[:500],
+                    "injected": c.injected,
+                    "time": c.time,
+                    "handling": [[decision.strategy, g]],
+                    "outcome": "in progress",
+                    "consequences": len(c.evidence.get("consequences", [])),
+                }
+            )
         if decision.strategy in (P.EXIT, P.DUMP):
             self.history[-1]["outcome"] = f"failed: {decision.reason}"
 
@@ -616,20 +818,34 @@ class Controller:
         while not self.kv.wait(keys, 0.2):
             gone = self._finished_without_status(g, plan.failed_ranks)
             if gone:
-                self.log.error("dump-incomplete", f"generation {g}: ranks {gone} finished the job "
-                               "instead of reporting their status; the dying-gasp checkpoint "
-                               "has the other survivors' state only", finished_ranks=gone)
+                self.log.error(
+                    "dump-incomplete",
+                    f"generation {g}: ranks {gone} finished the job "
+                    "instead of reporting their status; the dying-gasp checkpoint "
+                    "has the other survivors' state only",
+                    finished_ranks=gone,
+                )
                 break
             if time.monotonic() > deadline:
-                self.log.error("phase-timeout", f"generation {g}: survivors did not report within "
-                               f"{self.phase_timeout:.0f}s; the dying-gasp checkpoint may be "
-                               "incomplete")
+                self.log.error(
+                    "phase-timeout",
+                    f"generation {g}: survivors did not report within "
+                    f"{self.phase_timeout:.0f}s; the dying-gasp checkpoint may be "
+                    "incomplete",
+                )
                 break
-        statuses = [P.RankStatus.from_json(raw) for raw in (self.kv.try_get(k) for k in keys) if raw]
+        statuses = [
+            P.RankStatus.from_json(raw) for raw in (self.kv.try_get(k) for k in keys) if raw
+        ]
         repair = plan_dump(statuses, g)
         self.kv.set(P.repair_key(g), repair.to_json())
-        self.log.info("dump-plan", f"generation {g}: survivors save step {repair.resume_step} and exit",
-                      generation=g, resume_step=repair.resume_step, writers=repair.writers)
+        self.log.info(
+            "dump-plan",
+            f"generation {g}: survivors save step {repair.resume_step} and exit",
+            generation=g,
+            resume_step=repair.resume_step,
+            writers=repair.writers,
+        )
 
     # ---- restart-all round --------------------------------------------------------------------
     def _release_restart_all(self, g: int) -> None:
@@ -643,14 +859,21 @@ class Controller:
             if self._stop.is_set():
                 return  # stopped (deposed, or its agent leaves): a successor releases it
             if time.monotonic() > deadline:
-                self.log.error("phase-timeout", f"generation {g}: not every node stopped its workers "
-                               f"within {self.phase_timeout:.0f}s; releasing anyway")
+                self.log.error(
+                    "phase-timeout",
+                    f"generation {g}: not every node stopped its workers "
+                    f"within {self.phase_timeout:.0f}s; releasing anyway",
+                )
                 break
         n = self.kv.clear_except(P.ROOT + "/")
         self.kv.set(P.go_key(g), b"1")
         self._outcome(g, "restarted (restart-all)")
-        self.log.info("restart-all-go", f"generation {g}: all nodes stopped; cleared {n} worker keys; "
-                      "workers restart", generation=g, cleared=n)
+        self.log.info(
+            "restart-all-go",
+            f"generation {g}: all nodes stopped; cleared {n} worker keys; workers restart",
+            generation=g,
+            cleared=n,
+        )
 
     # ---- process-level round -----------------------------------------------------------------
     def _drive_repair(self, plan: P.Plan) -> Decision | None:
@@ -676,26 +899,38 @@ class Controller:
                 return None  # stopped (deposed, or its agent leaves): a successor takes it up
             gone = self._finished_without_status(g, plan.failed_ranks)
             if gone:
-                return self._fallback(g, f"ranks {gone} finished the job instead of reporting "
-                                      "their status (the stop came after their last step)")
+                return self._fallback(
+                    g,
+                    f"ranks {gone} finished the job instead of reporting "
+                    "their status (the stop came after their last step)",
+                )
             if time.monotonic() > deadline:
                 missing = [r for r, k in enumerate(keys) if self.kv.try_get(k) is None]
                 if self._waiting_for_node(missing):
                     continue  # node_replace_timeout bounds this wait (_unreplaced)
-                self.log.error("phase-timeout", f"generation {g}: ranks {missing} did not report "
-                               f"within {self.phase_timeout:.0f}s")
+                self.log.error(
+                    "phase-timeout",
+                    f"generation {g}: ranks {missing} did not report "
+                    f"within {self.phase_timeout:.0f}s",
+                )
                 return self._fallback(g, f"ranks {missing} did not report status")
         statuses = [P.RankStatus.from_json(self.kv.get(k, 5.0)) for k in keys]
         repair = plan_repair(statuses, g, self.transfer_stripes, self.node_of)
         self.kv.set(P.repair_key(g), repair.to_json())
         if self.round is not None and self.round.generation == g:
             self.round = dataclasses.replace(self.round, collecting=False)
-        self.log.info("repair-plan", f"generation {g}: resume at step {repair.resume_step} "
-                      f"({repair.action}); transfers {repair.pairs or 'none'}"
-                      + (f"; fallback {repair.fallback}: {repair.reason}" if repair.fallback else ""),
-                      generation=g, resume_step=repair.resume_step, action=repair.action,
-                      pairs=repair.pairs, fallback=repair.fallback,
-                      status_wait_s=round(time.monotonic() - t0, 4))
+        self.log.info(
+            "repair-plan",
+            f"generation {g}: resume at step {repair.resume_step} "
+            f"({repair.action}); transfers {repair.pairs or 'none'}"
+            + (f"; fallback {repair.fallback}: {repair.reason}" if repair.fallback else ""),
+            generation=g,
+            resume_step=repair.resume_step,
+            action=repair.action,
+            pairs=repair.pairs,
+            fallback=repair.fallback,
+            status_wait_s=round(time.monotonic() - t0, 4),
+        )
         if repair.fallback:
             return self._fallback(g, repair.reason or "no healthy replica")
         self._outcome(g, "recovered")
@@ -704,16 +939,23 @@ class Controller:
     def _finished_without_status(self, g: int, failed: list[int]) -> list[int]:
         """Ranks of generation `g`'s round that finished the job without reporting a status:
         they never will."""
-        return [r for r in self.finished_ranks() if r not in failed
-                and self.kv.try_get(P.status_key(g, r)) is None]
+        return [
+            r
+            for r in self.finished_ranks()
+            if r not in failed and self.kv.try_get(P.status_key(g, r)) is None
+        ]
 
     def _fallback(self, g: int, reason: str) -> Decision:
         """Peer repair impossible: the decision's fallback rule picks what follows."""
         d = fallback(self.situation(), reason)
         if d.peers_finished and self.round is not None:
             self._log_peers_finished(self.round.cause, d, g)
-        self.log.warning("fallback", f"generation {g}: peer recovery impossible ({reason}); "
-                         f"falling back to {d.strategy}", strategy=d.strategy, reason=reason)
+        self.log.warning(
+            "fallback",
+            f"generation {g}: peer recovery impossible ({reason}); falling back to {d.strategy}",
+            strategy=d.strategy,
+            reason=reason,
+        )
         return d
 
 

@@ -12,6 +12,7 @@ membership (`Controller.reconcile`: nodes lost, and nodes a hot spare took over,
 controller ran), so membership news from then on reaches it and nothing falls in between; then
 it starts. One log line per handoff names the node lost, why, and who takes over. A deposed controller (its own lease expired) stops; its agent self-fences.
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,8 +27,9 @@ from rendezvous.kv import StoreError
 class ControllerRole:
     """`start(is_leader)` after join; `controller` is the running Controller or None; `stop()`."""
 
-    def __init__(self, log: AgentLog, stack: Any, build: Callable[[], Controller],
-                 group_rank: int, host: str) -> None:
+    def __init__(
+        self, log: AgentLog, stack: Any, build: Callable[[], Controller], group_rank: int, host: str
+    ) -> None:
         self.log = log
         self.stack = stack  # launcher.agent.store_stack.StoreStack
         self._build = build
@@ -68,29 +70,39 @@ class ControllerRole:
         prev = self._election.previous if self._election is not None else None
         me = f"node {self.group_rank} ({self.host})"
         if prev is None:
-            self.log.info("controller-elected", f"{me} is the controller (elected)",
-                          controller=self.group_rank)
+            self.log.info(
+                "controller-elected",
+                f"{me} is the controller (elected)",
+                controller=self.group_rank,
+            )
         else:
             node, inc = int(prev.get("group_rank", -1)), int(prev.get("incarnation", 0))
             why = self.stack.why_gone(node, inc)
-            self.log.warning("controller-takeover", f"the controller's node {node} "
-                             f"({prev.get('host', '?')}) is lost: {why}; {me} takes over as "
-                             "controller (elected)", lost_node=node, reason=why,
-                             controller=self.group_rank)
+            self.log.warning(
+                "controller-takeover",
+                f"the controller's node {node} "
+                f"({prev.get('host', '?')}) is lost: {why}; {me} takes over as "
+                "controller (elected)",
+                lost_node=node,
+                reason=why,
+                controller=self.group_rank,
+            )
         self._take(self._build(), None, None)
 
     def _on_deposed(self) -> None:
         """Election thread: this agent's lease expired while it was the controller."""
-        self.log.error("controller-deposed", f"node {self.group_rank} is no longer the "
-                       "controller (its lease expired); its controller stops",
-                       controller=self.group_rank)
+        self.log.error(
+            "controller-deposed",
+            f"node {self.group_rank} is no longer the "
+            "controller (its lease expired); its controller stops",
+            controller=self.group_rank,
+        )
         with self._lock:
             c, self._controller = self._controller, None
         if c is not None:
             c.stop()
 
-    def _take(self, c: Controller, members: dict[int, int] | None,
-              lost: list[int] | None) -> None:
+    def _take(self, c: Controller, members: dict[int, int] | None, lost: list[int] | None) -> None:
         """Install `c` (membership news reaches it from here on), reconcile it with the
         membership now (read after installing: a join in between is reported either way, once
         per incarnation), then start it. `None`: ask the store stack."""
@@ -99,10 +111,15 @@ class ControllerRole:
                 return
             self._controller = c
         try:
-            c.reconcile(self.stack.members() if members is None else members,
-                        self.stack.lost_nodes() if lost is None else lost)
+            c.reconcile(
+                self.stack.members() if members is None else members,
+                self.stack.lost_nodes() if lost is None else lost,
+            )
         except (StoreError, RendezvousError) as e:  # it starts anyway: its own writes are fenced
-            self.log.error("controller", f"node {self.group_rank}: the membership was not "
-                           f"compared with the previous controller's state: {e}",
-                           controller=self.group_rank)
+            self.log.error(
+                "controller",
+                f"node {self.group_rank}: the membership was not "
+                f"compared with the previous controller's state: {e}",
+                controller=self.group_rank,
+            )
         c.start()

@@ -17,14 +17,15 @@ world round is the rendezvous round of the world it describes (after the world s
 a new round, node ranks are renumbered: the lost nodes and incarnations of the old world mean
 nothing in the new one, only the history carries over).
 """
+
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
 
 from rendezvous.errors import FencedError
-from rendezvous.nodes.keys import ROOT
 from rendezvous.kv import KVStore, StoreError
+from rendezvous.nodes.keys import ROOT
 
 STATE_KEY = f"{ROOT}/controller/state"
 TERM_KEY = f"{ROOT}/controller/term"
@@ -49,11 +50,14 @@ class SavedState:
     @classmethod
     def from_json(cls, raw: bytes) -> "SavedState":
         d = json.loads(raw)
-        return cls(term=int(d["term"]), generation=int(d["generation"]),
-                   history=list(d.get("history") or []),
-                   lost={int(k): dict(v) for k, v in (d.get("lost") or {}).items()},
-                   known={int(k): int(v) for k, v in (d.get("known") or {}).items()},
-                   world_round=int(d.get("world_round", 0)))
+        return cls(
+            term=int(d["term"]),
+            generation=int(d["generation"]),
+            history=list(d.get("history") or []),
+            lost={int(k): dict(v) for k, v in (d.get("lost") or {}).items()},
+            known={int(k): int(v) for k, v in (d.get("known") or {}).items()},
+            world_round=int(d.get("world_round", 0)),
+        )
 
 
 def take_term(kv: KVStore) -> int:
@@ -85,8 +89,10 @@ def check_term(kv: KVStore, term: int, what: str) -> None:
     raw = kv.try_get(STATE_KEY)
     newer = _term_of(raw) if raw is not None else 0
     if newer > term:
-        raise FencedError(f"controller of term {term} was superseded by the controller of term "
-                          f"{newer}; write to {what!r} refused")
+        raise FencedError(
+            f"controller of term {term} was superseded by the controller of term "
+            f"{newer}; write to {what!r} refused"
+        )
 
 
 def save(kv: KVStore, state: SavedState) -> None:
@@ -95,8 +101,10 @@ def save(kv: KVStore, state: SavedState) -> None:
     for _ in range(ATTEMPTS):
         raw = kv.try_get(STATE_KEY)
         if raw is not None and _term_of(raw) > state.term:
-            raise FencedError(f"controller of term {state.term} was superseded by the controller "
-                              f"of term {_term_of(raw)}; write to {STATE_KEY!r} refused")
+            raise FencedError(
+                f"controller of term {state.term} was superseded by the controller "
+                f"of term {_term_of(raw)}; write to {STATE_KEY!r} refused"
+            )
         if kv.compare_set(STATE_KEY, raw if raw is not None else b"", new) == new:
             return
     raise StoreError(f"{STATE_KEY!r} kept changing; the controller's state was not saved")

@@ -59,6 +59,7 @@ report of that window becomes one fault:
 A network report from a generation older than the round in progress is a consequence of that
 round's stop (rule 1): it never starts a round.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -139,7 +140,10 @@ def can_handle(strategy: str, kind: FaultKind, runtime_aware: bool) -> tuple[boo
         if not runtime_aware:
             return False, "retry needs every rank to use launcher.runtime"
         if kind not in IN_PLACE_KINDS:
-            return False, f"retry handles {', '.join(sorted(k.value for k in IN_PLACE_KINDS))}, not {kind.value}"
+            return (
+                False,
+                f"retry handles {', '.join(sorted(k.value for k in IN_PLACE_KINDS))}, not {kind.value}",
+            )
         return True, "process stays alive; state repaired in place"
     if strategy == P.RECOVER_IN_PLACE:
         if not runtime_aware:
@@ -156,8 +160,14 @@ def can_handle(strategy: str, kind: FaultKind, runtime_aware: bool) -> tuple[boo
     return False, f"unknown strategy {strategy}"
 
 
-def walk_chain(kind: FaultKind, chain: Sequence[str], runtime_aware: bool, budget_left: bool,
-               repeat_uce: bool = False, skipped: Sequence[str] = ()) -> tuple[str, str]:
+def walk_chain(
+    kind: FaultKind,
+    chain: Sequence[str],
+    runtime_aware: bool,
+    budget_left: bool,
+    repeat_uce: bool = False,
+    skipped: Sequence[str] = (),
+) -> tuple[str, str]:
     """Walk `chain` and return (strategy, one-line reason, naming every skipped strategy).
 
     `repeat_uce`: the device had a second UCE within 24 h, so it is not retried in place.
@@ -182,17 +192,25 @@ def walk_chain(kind: FaultKind, chain: Sequence[str], runtime_aware: bool, budge
     return P.EXIT, "; ".join(notes + ["nothing else left: exit"])
 
 
-def without_finished(chain: Sequence[str], finished: Sequence[int], failed: Sequence[int]
-                     ) -> tuple[list[str], list[str], tuple[int, ...]]:
+def without_finished(
+    chain: Sequence[str], finished: Sequence[int], failed: Sequence[int]
+) -> tuple[list[str], list[str], tuple[int, ...]]:
     """Rule 6: `chain` without the strategies the finished peers would have to take part in.
     Returns (chain left, one note per strategy removed, the finished peers)."""
     peers = tuple(sorted(set(finished) - set(failed)))
     if not peers:
         return list(chain), [], ()
     what = f"ranks {list(peers)} already finished the job"
-    notes = [f"{x}: {what}, " + ("no live survivor to save the current step" if x == P.DUMP
-                                 else "no live peer to repair from")
-             for x in chain if x in NEEDS_PEERS]
+    notes = [
+        f"{x}: {what}, "
+        + (
+            "no live survivor to save the current step"
+            if x == P.DUMP
+            else "no live peer to repair from"
+        )
+        for x in chain
+        if x in NEEDS_PEERS
+    ]
     return [x for x in chain if x not in NEEDS_PEERS], notes, peers
 
 
@@ -223,8 +241,11 @@ def decide(fault: P.Fault, s: Situation) -> Decision:
     rnd = s.round
     if covered_by(fault, rnd):
         assert rnd is not None
-        why = ("a consequence of the stop of generation " if fault.kind == FaultKind.NETWORK.value
-               else "part of generation ")
+        why = (
+            "a consequence of the stop of generation "
+            if fault.kind == FaultKind.NETWORK.value
+            else "part of generation "
+        )
         return Decision(None, f"{why}{rnd.generation}'s {rnd.strategy} round")
     kind = FaultKind.parse(fault.kind)
     own = () if fault.rank is None else (fault.rank,)
@@ -234,24 +255,47 @@ def decide(fault: P.Fault, s: Situation) -> Decision:
     collecting = rnd is not None and rnd.collecting
     if fault.rank is None and node_ranks(fault):
         return _node_decision(fault, s)
-    failed = tuple(sorted(set(rnd.failed_ranks if collecting and rnd is not None else ())
-                          | set(own)))
+    failed = tuple(
+        sorted(set(rnd.failed_ranks if collecting and rnd is not None else ()) | set(own))
+    )
     chain, skipped, peers = without_finished(s.chain, s.finished, failed)
     if collecting and P.RETRY in chain and fault.rank is not None:
         chain.remove(P.RETRY)
         skipped.append(f"retry: rank {fault.rank} failed while the ranks were mid-recovery")
-    strategy, why = walk_chain(kind, chain, s.runtime_aware, s.budget.left,
-                               repeat_uce=bool(fault.evidence.get("repeat_uce")), skipped=skipped)
+    strategy, why = walk_chain(
+        kind,
+        chain,
+        s.runtime_aware,
+        s.budget.left,
+        repeat_uce=bool(fault.evidence.get("repeat_uce")),
+        skipped=skipped,
+    )
     if fault.rank is None and strategy in PROCESS_LEVEL:
-        strategy, why = walk_chain(kind, [x for x in s.chain if x not in PROCESS_LEVEL], False,
-                                   s.budget.left)
+        strategy, why = walk_chain(
+            kind, [x for x in s.chain if x not in PROCESS_LEVEL], False, s.budget.left
+        )
         why = f"node {fault.node}: {fault.message}; {why}"
     if not collecting:
-        return Decision(strategy, why, cause, own, restart_ranks(strategy, own, s.world_size),
-                        charged=strategy in CHARGED, peers_finished=peers)
+        return Decision(
+            strategy,
+            why,
+            cause,
+            own,
+            restart_ranks(strategy, own, s.world_size),
+            charged=strategy in CHARGED,
+            peers_finished=peers,
+        )
     assert rnd is not None
-    return Decision(strategy, why, cause, failed, restart_ranks(strategy, own, s.world_size),
-                    charged=strategy in CHARGED, supersedes=rnd.generation, peers_finished=peers)
+    return Decision(
+        strategy,
+        why,
+        cause,
+        failed,
+        restart_ranks(strategy, own, s.world_size),
+        charged=strategy in CHARGED,
+        supersedes=rnd.generation,
+        peers_finished=peers,
+    )
 
 
 def node_ranks(fault: P.Fault) -> tuple[int, ...]:
@@ -264,8 +308,11 @@ def _node_decision(fault: P.Fault, s: Situation) -> Decision:
     rnd = s.round
     ranks = node_ranks(fault)
     joined = bool(fault.evidence.get("node_joined"))
-    what = (f"node {fault.node} taken over ({fault.message})" if joined
-            else f"node {fault.node} lost ({fault.message})")
+    what = (
+        f"node {fault.node} taken over ({fault.message})"
+        if joined
+        else f"node {fault.node} lost ({fault.message})"
+    )
     collecting = rnd is not None and rnd.collecting
     prior = set(rnd.failed_ranks) if collecting and rnd is not None else set()
     continues = joined and collecting and set(ranks) <= prior
@@ -273,82 +320,142 @@ def _node_decision(fault: P.Fault, s: Situation) -> Decision:
     if P.RETRY in chain:
         chain.remove(P.RETRY)  # the node's processes are gone
         skipped.append("retry: the node's processes are gone")
-    strategy, why = walk_chain(FaultKind.NODE_LOST, chain, s.runtime_aware,
-                               s.budget.left or continues, skipped=skipped)
+    strategy, why = walk_chain(
+        FaultKind.NODE_LOST, chain, s.runtime_aware, s.budget.left or continues, skipped=skipped
+    )
     if strategy == P.RECOVER_IN_PLACE:
         failed = tuple(sorted(prior | set(ranks)))
         restart = ranks if joined else ()  # the lost node has no agent to start them yet
-        why = (f"{what}: its ranks {list(ranks)} " + ("start on the new agent and are repaired "
-               "from replicas on the other nodes" if joined else "wait for a hot spare or a "
-               "replacement agent; the survivors stop and keep their processes"))
-        return Decision(strategy, why, fault, failed, restart, charged=not continues,
-                        supersedes=rnd.generation if collecting and rnd is not None else None,
-                        continues=continues)
+        why = f"{what}: its ranks {list(ranks)} " + (
+            "start on the new agent and are repaired from replicas on the other nodes"
+            if joined
+            else "wait for a hot spare or a "
+            "replacement agent; the survivors stop and keep their processes"
+        )
+        return Decision(
+            strategy,
+            why,
+            fault,
+            failed,
+            restart,
+            charged=not continues,
+            supersedes=rnd.generation if collecting and rnd is not None else None,
+            continues=continues,
+        )
     if not joined and strategy == P.RESTART_ALL:
-        return Decision(None, f"{what}: unmodified workers restart every rank once a hot spare "
-                        "or a replacement agent takes over the node")
+        return Decision(
+            None,
+            f"{what}: unmodified workers restart every rank once a hot spare "
+            "or a replacement agent takes over the node",
+        )
     failed = tuple(sorted(prior | set(ranks)))
-    return Decision(strategy, f"{what}; {why}", fault, failed,
-                    restart_ranks(strategy, ranks, s.world_size), charged=strategy in CHARGED,
-                    supersedes=rnd.generation if collecting and rnd is not None else None,
-                    peers_finished=peers)
+    return Decision(
+        strategy,
+        f"{what}; {why}",
+        fault,
+        failed,
+        restart_ranks(strategy, ranks, s.world_size),
+        charged=strategy in CHARGED,
+        supersedes=rnd.generation if collecting and rnd is not None else None,
+        peers_finished=peers,
+    )
 
 
-def unreplaced(fault: P.Fault, waited: float, timeout: float, nodes_left: int,
-               min_nodes: int, s: Situation | None = None, nnodes: int = 0,
-               renumber: str = "") -> Decision:
+def unreplaced(
+    fault: P.Fault,
+    waited: float,
+    timeout: float,
+    nodes_left: int,
+    min_nodes: int,
+    s: Situation | None = None,
+    nnodes: int = 0,
+    renumber: str = "",
+) -> Decision:
     """A lost node (`fault`, its node_lost report) that no hot spare or replacement agent took
     over within node_replace_timeout. The world shrinks (restart-all in a new rendezvous round
     on the `nodes_left` remaining nodes of `nnodes`, `shrink=True`) when --nnodes MIN allows
     it, the chain `s.chain` has restart-all and the budget has room (not charged again when the
     round in progress is this node's loss round, already charged); `renumber` says why the
     rendezvous cannot start a new round ("" when it can). Otherwise the job ends, saying why."""
-    what = (f"node {fault.node} lost ({fault.message}): no hot spare or replacement agent took "
-            f"it over within node_replace_timeout={timeout:g}s (waited {waited:.1f}s)")
+    what = (
+        f"node {fault.node} lost ({fault.message}): no hot spare or replacement agent took "
+        f"it over within node_replace_timeout={timeout:g}s (waited {waited:.1f}s)"
+    )
     failed = node_ranks(fault)
     rnd = s.round if s is not None else None
-    continues = (rnd is not None and rnd.cause.node == fault.node and rnd.cause.rank is None
-                 and bool(rnd.cause.evidence.get("node_lost")) and rnd.strategy in PROCESS_LEVEL)
+    continues = (
+        rnd is not None
+        and rnd.cause.node == fault.node
+        and rnd.cause.rank is None
+        and bool(rnd.cause.evidence.get("node_lost"))
+        and rnd.strategy in PROCESS_LEVEL
+    )
     if nodes_left < min_nodes:
         rest = f"--nnodes MIN={min_nodes} does not allow continuing on {nodes_left} node(s)"
     elif s is None or P.RESTART_ALL not in s.chain:
-        rest = (f"continuing on the {nodes_left} remaining node(s) needs restart-all in "
-                "--recover-strategy")
+        rest = (
+            f"continuing on the {nodes_left} remaining node(s) needs restart-all in "
+            "--recover-strategy"
+        )
     elif not (s.budget.left or continues):
-        rest = (f"continuing on the {nodes_left} remaining node(s) needs a restart: restart "
-                f"budget spent (--max_restarts={s.budget.limit})")
+        rest = (
+            f"continuing on the {nodes_left} remaining node(s) needs a restart: restart "
+            f"budget spent (--max_restarts={s.budget.limit})"
+        )
     elif renumber:
         rest = f"continuing on the {nodes_left} remaining node(s) is not possible: {renumber}"
     else:
         before = s.world_size
         after = before // max(1, nnodes) * nodes_left if nnodes else before - len(failed)
-        why = (f"{what}; continuing on {nodes_left} node(s): world size {before} -> {after} "
-               "(restart-all)")
-        return Decision(P.RESTART_ALL, why, fault, failed, tuple(range(after)),
-                        charged=not continues, continues=continues, shrink=True)
+        why = (
+            f"{what}; continuing on {nodes_left} node(s): world size {before} -> {after} "
+            "(restart-all)"
+        )
+        return Decision(
+            P.RESTART_ALL,
+            why,
+            fault,
+            failed,
+            tuple(range(after)),
+            charged=not continues,
+            continues=continues,
+            shrink=True,
+        )
     return Decision(P.EXIT, f"{what}; {rest}", fault, failed, (), charged=False)
 
 
-def scale_up(waiting: int, nodes: int, max_nodes: int, per_node: int,
-             rnd: Round | None) -> Decision | None:
+def scale_up(
+    waiting: int, nodes: int, max_nodes: int, per_node: int, rnd: Round | None
+) -> Decision | None:
     """`--rdzv-conf scale_up=restart` (torchrun's behaviour): `waiting` agents wait to get in
     while the world has `nodes` live nodes (of `per_node` ranks each) of at most `max_nodes`:
     restart-all in a new rendezvous round that includes them, not charged (torchrun does not
     count membership changes against --max_restarts). None while nobody waits, the world is full, or a process-level round is
     still collecting (it goes first), unless that round waits for a lost node to be taken over:
     with scale_up=restart nobody takes it over, the new round includes the waiting nodes."""
-    waits_for_node = rnd is not None and rnd.cause.rank is None and bool(
-        rnd.cause.evidence.get("node_lost"))
-    if waiting <= 0 or nodes >= max_nodes or (rnd is not None and rnd.collecting
-                                              and not waits_for_node):
+    waits_for_node = (
+        rnd is not None and rnd.cause.rank is None and bool(rnd.cause.evidence.get("node_lost"))
+    )
+    if (
+        waiting <= 0
+        or nodes >= max_nodes
+        or (rnd is not None and rnd.collecting and not waits_for_node)
+    ):
         return None
     join = min(waiting, max_nodes - nodes)
-    cause = P.Fault(kind="scale-up", rank=None, node=nodes, generation=rnd.generation if rnd
-                    else 0, message=f"{waiting} node(s) waiting to join",
-                    evidence={"scale_up": waiting})
-    why = (f"{waiting} node(s) waiting to join (scale_up=restart): restart-all in a new "
-           f"rendezvous round with {join} of them: {nodes} -> {nodes + join} node(s), world size "
-           f"{nodes * per_node} -> {(nodes + join) * per_node}")
+    cause = P.Fault(
+        kind="scale-up",
+        rank=None,
+        node=nodes,
+        generation=rnd.generation if rnd else 0,
+        message=f"{waiting} node(s) waiting to join",
+        evidence={"scale_up": waiting},
+    )
+    why = (
+        f"{waiting} node(s) waiting to join (scale_up=restart): restart-all in a new "
+        f"rendezvous round with {join} of them: {nodes} -> {nodes + join} node(s), world size "
+        f"{nodes * per_node} -> {(nodes + join) * per_node}"
+    )
     return Decision(P.RESTART_ALL, why, cause, (), (), charged=False, grow=True)
 
 
@@ -357,14 +464,22 @@ def fallback(s: Situation, reason: str) -> Decision:
     rnd = s.round
     if rnd is None:
         raise ValueError("fallback() needs the round in progress")
-    rest, notes, peers = without_finished([x for x in s.chain if x not in PROCESS_LEVEL],
-                                          s.finished, rnd.failed_ranks)
+    rest, notes, peers = without_finished(
+        [x for x in s.chain if x not in PROCESS_LEVEL], s.finished, rnd.failed_ranks
+    )
     strategy = rest[0] if rest else P.EXIT
     own = () if rnd.cause.rank is None else (rnd.cause.rank,)
     why = "; ".join([f"fallback: {reason}", *notes])
-    return Decision(strategy, why, rnd.cause, own,
-                    restart_ranks(strategy, own, s.world_size), charged=False, continues=True,
-                    peers_finished=peers)
+    return Decision(
+        strategy,
+        why,
+        rnd.cause,
+        own,
+        restart_ranks(strategy, own, s.world_size),
+        charged=False,
+        continues=True,
+        peers_finished=peers,
+    )
 
 
 # ---------------------------------------------------------------- one event, one fault
@@ -398,9 +513,12 @@ def may_be_consequence(fault: P.Fault) -> bool:
     return FaultKind.parse(fault.kind) == FaultKind.HANG and bool(ev.get("weak"))
 
 
-def blame(progress: Sequence[RankProgress], reporters: Sequence[int],
-          min_idle: float = MIN_BLAME_IDLE, first_silent: bool = True
-          ) -> tuple[RankProgress, str] | None:
+def blame(
+    progress: Sequence[RankProgress],
+    reporters: Sequence[int],
+    min_idle: float = MIN_BLAME_IDLE,
+    first_silent: bool = True,
+) -> tuple[RankProgress, str] | None:
     """The rank that does not progress while `reporters` wait on it, and why; None when no rank
     stands out. Order: a frozen process (stopped or stuck), then silent heartbeats, then a rank
     idle while not waiting in a collective, then (unmodified ranks, which say nothing about
@@ -416,21 +534,30 @@ def blame(progress: Sequence[RankProgress], reporters: Sequence[int],
         p = max(silent, key=lambda p: p.silent_s)
         return p, f"its heartbeats stopped {p.silent_s:.1f}s ago (the process is frozen)"
     # idleness is evidence only with heartbeats: an unmodified rank blocked on a peer is idle too
-    idle = [p for p in others if p.aware and not p.waiting and p.idle_s >= min_idle
-            and p.phase not in ("init", "recovering")]
+    idle = [
+        p
+        for p in others
+        if p.aware
+        and not p.waiting
+        and p.idle_s >= min_idle
+        and p.phase not in ("init", "recovering")
+    ]
     if idle:
         p = max(idle, key=lambda p: p.idle_s)
         return p, f"no progress for {p.idle_s:.1f}s while not waiting in a collective"
     quiet = [p for p in others if first_silent and not p.aware and p.idle_s >= min_idle]
     if quiet:  # the reporters timed out waiting: of the silent others, the first to go silent
         p = max(quiet, key=lambda p: p.idle_s)
-        return p, (f"silent (no I/O, idle CPU) for {p.idle_s:.1f}s, the first of the silent ranks to "
-                   "go silent while the reporters timed out waiting (nothing else tells them apart)")
+        return p, (
+            f"silent (no I/O, idle CPU) for {p.idle_s:.1f}s, the first of the silent ranks to "
+            "go silent while the reporters timed out waiting (nothing else tells them apart)"
+        )
     return None
 
 
-def culprit(batch: Sequence[P.Fault], progress: Sequence[RankProgress]
-            ) -> tuple[RankProgress, str] | None:
+def culprit(
+    batch: Sequence[P.Fault], progress: Sequence[RankProgress]
+) -> tuple[RankProgress, str] | None:
     """`blame()` for a window of reports that may all be consequences."""
     reporters = sorted({f.rank for f in batch if f.rank is not None})
     waited = all(FaultKind.parse(f.kind) == FaultKind.NETWORK for f in batch)
@@ -453,13 +580,23 @@ def merge(batch: Sequence[P.Fault], progress: Sequence[RankProgress]) -> P.Fault
         found = culprit(batch, progress)
         if found is not None:
             p, why = found
-            cause = P.Fault(kind=FaultKind.HANG.value, rank=p.rank, node=p.node,
-                            generation=min(f.generation for f in batch),
-                            message=f"rank {p.rank} hangs: {why}; ranks {reporters} waited on it",
-                            pid=p.pid, local_rank=p.local_rank, host=p.host,
-                            time=min(f.time for f in batch),
-                            evidence={"blamed_by": "controller", "basis": why,
-                                      "proc_state": p.state, "idle_s": round(p.idle_s, 3)})
+            cause = P.Fault(
+                kind=FaultKind.HANG.value,
+                rank=p.rank,
+                node=p.node,
+                generation=min(f.generation for f in batch),
+                message=f"rank {p.rank} hangs: {why}; ranks {reporters} waited on it",
+                pid=p.pid,
+                local_rank=p.local_rank,
+                host=p.host,
+                time=min(f.time for f in batch),
+                evidence={
+                    "blamed_by": "controller",
+                    "basis": why,
+                    "proc_state": p.state,
+                    "idle_s": round(p.idle_s, 3),
+                },
+            )
             rest = list(batch)
             first = cause
     if not rest:
@@ -469,8 +606,9 @@ def merge(batch: Sequence[P.Fault], progress: Sequence[RankProgress]) -> P.Fault
     return dataclasses.replace(first, evidence=ev)
 
 
-def blame_local(silent: Sequence[RankProgress], outside: Sequence[int] = ()
-                ) -> tuple[RankProgress, str, bool]:
+def blame_local(
+    silent: Sequence[RankProgress], outside: Sequence[int] = ()
+) -> tuple[RankProgress, str, bool]:
     """Among this node's silent unmodified workers, the one to blame: a frozen process, else one
     whose stacks are not inside a torch.distributed call (`outside`, from py-spy), else the first
     to go silent (weak: the controller may find a better culprit). (rank, why, weak)."""
@@ -483,13 +621,24 @@ def blame_local(silent: Sequence[RankProgress], outside: Sequence[int] = ()
     apart = [p for p in silent if p.rank in outside]
     if apart and len(apart) < len(silent):  # stacks tell only when some ranks wait and some not
         p = max(apart, key=lambda p: p.idle_s)
-        return p, (f"no progress for {p.idle_s:.1f}s and its stacks are not inside a "
-                   "torch.distributed call (its peers' are)"), False
+        return (
+            p,
+            (
+                f"no progress for {p.idle_s:.1f}s and its stacks are not inside a "
+                "torch.distributed call (its peers' are)"
+            ),
+            False,
+        )
     p = max(silent, key=lambda p: p.idle_s)
     others = sorted(q.rank for q in silent if q is not p)
-    hint = ("none of their stacks is inside a torch.distributed call" if apart
-            else "install py-spy for stacks")
-    why = (f"silent (no I/O, idle CPU) for {p.idle_s:.1f}s; first of the silent ranks to go silent"
-           + (f" (ranks {others} silent too)" if others else "")
-           + f": nothing tells which one waits on which ({hint})")
+    hint = (
+        "none of their stacks is inside a torch.distributed call"
+        if apart
+        else "install py-spy for stacks"
+    )
+    why = (
+        f"silent (no I/O, idle CPU) for {p.idle_s:.1f}s; first of the silent ranks to go silent"
+        + (f" (ranks {others} silent too)" if others else "")
+        + f": nothing tells which one waits on which ({hint})"
+    )
     return p, why, True

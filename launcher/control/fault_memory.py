@@ -5,6 +5,7 @@ launch) and the seed's rule that a second UCE on the same device within 24 hours
 retries on it. Writes are atomic (temp file, fsync, rename); a damaged file is set aside, not
 trusted.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,11 @@ class FaultMemory:
             return {}
         if not isinstance(data, dict):
             return {}
-        return {str(k): [float(t) for t in v] for k, v in data.get("uce", {}).items()
-                if isinstance(v, list)}
+        return {
+            str(k): [float(t) for t in v]
+            for k, v in data.get("uce", {}).items()
+            if isinstance(v, list)
+        }
 
     def _save(self, uce: dict[str, list[float]]) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)

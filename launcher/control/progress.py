@@ -8,6 +8,7 @@ long its heartbeats have been silent, its process state; and reading every node'
 `STALE_AFTER` s are skipped: that node's agent is not publishing). One key per node, so the
 controller reads O(nodes) keys, and only when it holds a report to blame.
 """
+
 from __future__ import annotations
 
 import json
@@ -15,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from launcher.protocol import plan as P
 from launcher.control.decision import RankProgress
+from launcher.protocol import plan as P
 from rendezvous.kv import KVStore, StoreError
 
 PUBLISH_INTERVAL = 1.0
@@ -68,11 +69,19 @@ def read_progress(kv: KVStore, nnodes: int, now: float | None = None) -> list[Ra
         if age > STALE_AFTER:
             continue
         for r, rec in ranks.items():
-            out.append(RankProgress(rank=int(r), node=node, aware=bool(rec.get("aware")),
-                                    idle_s=float(rec.get("idle_s", 0.0)) + age,
-                                    waiting=bool(rec.get("waiting")),
-                                    silent_s=float(rec.get("silent_s", 0.0)) + age,
-                                    state=str(rec.get("state", "")), phase=str(rec.get("phase", "")),
-                                    pid=rec.get("pid"), local_rank=rec.get("local_rank"),
-                                    host=str(rec.get("host", ""))))
+            out.append(
+                RankProgress(
+                    rank=int(r),
+                    node=node,
+                    aware=bool(rec.get("aware")),
+                    idle_s=float(rec.get("idle_s", 0.0)) + age,
+                    waiting=bool(rec.get("waiting")),
+                    silent_s=float(rec.get("silent_s", 0.0)) + age,
+                    state=str(rec.get("state", "")),
+                    phase=str(rec.get("phase", "")),
+                    pid=rec.get("pid"),
+                    local_rank=rec.get("local_rank"),
+                    host=str(rec.get("host", "")),
+                )
+            )
     return out

@@ -6,6 +6,7 @@ counterpart for a dying-gasp round (which step the survivors save, and which ran
 shard). Ranks with equal `shard` hold equal state (see `launcher.runtime.replicas.Layout`, which
 names the shards); the controller calls both, the runtime only executes their result.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Iterable
@@ -22,14 +23,17 @@ AUTO_STRIPES = 0
 MAX_STRIPES = 16
 
 
-
 def needs_state(status: RankStatus) -> bool:
     """A rank whose own state cannot be trusted: a fresh replacement or stopped mid-update."""
     return bool(status.replacement or status.dirty)
 
 
-def plan_repair(statuses: Iterable[RankStatus], generation: int, max_stripes: int = AUTO_STRIPES,
-                node_of: Callable[[int], int] | None = None) -> RepairPlan:
+def plan_repair(
+    statuses: Iterable[RankStatus],
+    generation: int,
+    max_stripes: int = AUTO_STRIPES,
+    node_of: Callable[[int], int] | None = None,
+) -> RepairPlan:
     """Decide how generation `generation` repairs its ranks.
 
     resume_step = (max committed_step over healthy ranks) + 1. Every rank that is a replacement,
@@ -52,13 +56,20 @@ def plan_repair(statuses: Iterable[RankStatus], generation: int, max_stripes: in
         raise ValueError(f"statuses of ranks {wrong} are not for generation {generation}")
     healthy = [s for s in sts if not needs_state(s)]
     if not healthy:
-        return RepairPlan(generation, resume_step=0, action="rollback", fallback=RESTART_ALL,
-                          reason="no rank holds a trusted state")
+        return RepairPlan(
+            generation,
+            resume_step=0,
+            action="rollback",
+            fallback=RESTART_ALL,
+            reason="no rank holds a trusted state",
+        )
     top = max(s.committed_step for s in healthy)
     resume = top + 1
     if not (max_stripes == AUTO_STRIPES or 1 <= max_stripes <= MAX_STRIPES):
-        raise ValueError(f"max_stripes={max_stripes} must be {AUTO_STRIPES} (auto: one sender "
-                         f"per node) or in 1..{MAX_STRIPES}")
+        raise ValueError(
+            f"max_stripes={max_stripes} must be {AUTO_STRIPES} (auto: one sender "
+            f"per node) or in 1..{MAX_STRIPES}"
+        )
     sources: dict[str, list[int]] = {}
     nodes_used: dict[str, set[int]] = {}
     for s in sorted(healthy, key=lambda s: s.rank):
@@ -76,17 +87,28 @@ def plan_repair(statuses: Iterable[RankStatus], generation: int, max_stripes: in
         chosen.append(s.rank)
     missing = sorted({s.shard for s in sts} - set(sources))
     if missing:
-        return RepairPlan(generation, resume_step=resume, action="rollback", fallback=RESTART_ALL,
-                          reason=f"no healthy replica at step {resume} for shard(s) "
-                                 + ", ".join(repr(m) for m in missing))
-    targets = sorted((s for s in sts if needs_state(s) or s.committed_step < top),
-                     key=lambda s: s.rank)
+        return RepairPlan(
+            generation,
+            resume_step=resume,
+            action="rollback",
+            fallback=RESTART_ALL,
+            reason=f"no healthy replica at step {resume} for shard(s) "
+            + ", ".join(repr(m) for m in missing),
+        )
+    targets = sorted(
+        (s for s in sts if needs_state(s) or s.committed_step < top), key=lambda s: s.rank
+    )
     pairs = [[src, s.rank] for s in targets for src in sources[s.shard]]
     interrupted = max(s.step for s in healthy)
     action = "rollback" if interrupted >= resume else "commit"
     why = ", ".join(f"{dst}<-{src}" for src, dst in pairs) or "none"
-    return RepairPlan(generation, resume_step=resume, action=action, pairs=pairs,
-                      reason=f"resume at step {resume} ({action}); repairs: {why}")
+    return RepairPlan(
+        generation,
+        resume_step=resume,
+        action=action,
+        pairs=pairs,
+        reason=f"resume at step {resume} ({action}); repairs: {why}",
+    )
 
 
 def plan_dump(statuses: Iterable[RankStatus], generation: int) -> RepairPlan:
@@ -101,5 +123,11 @@ def plan_dump(statuses: Iterable[RankStatus], generation: int) -> RepairPlan:
     for s in sorted(healthy, key=lambda s: s.rank):
         if s.committed_step == top:
             writers.setdefault(s.shard, s.rank)
-    return RepairPlan(generation, resume_step=top + 1, action="rollback", fallback=DUMP,
-                      reason=f"dying-gasp checkpoint of step {top + 1}", writers=writers)
+    return RepairPlan(
+        generation,
+        resume_step=top + 1,
+        action="rollback",
+        fallback=DUMP,
+        reason=f"dying-gasp checkpoint of step {top + 1}",
+        writers=writers,
+    )

@@ -44,6 +44,7 @@ The rule (auto):
     "recovering" one, and a health check in between found it idle since the wait began: the
     survivors of a recovered hang were killed as hung themselves.)
 """
+
 from __future__ import annotations
 
 import time
@@ -91,11 +92,14 @@ class HangPolicy:
     @classmethod
     def from_env(cls, explicit: float | None, env: Mapping[str, str]) -> "HangPolicy":
         """The policy for `--hang-timeout` and the FTRUN_HANG_* knobs; ValueError (one line)."""
-        return cls(explicit, _env_seconds(env, "FTRUN_HANG_FLOOR", DEFAULT_FLOOR),
-                   _env_seconds(env, "FTRUN_HANG_MULTIPLIER", DEFAULT_MULTIPLIER),
-                   _env_seconds(env, "FTRUN_HANG_FIRST_STEP", DEFAULT_FIRST_STEP),
-                   _env_seconds(env, "FTRUN_HANG_UNMODIFIED", DEFAULT_UNMODIFIED),
-                   _env_seconds(env, "FTRUN_HANG_STOP", DEFAULT_STOP_ANSWER))
+        return cls(
+            explicit,
+            _env_seconds(env, "FTRUN_HANG_FLOOR", DEFAULT_FLOOR),
+            _env_seconds(env, "FTRUN_HANG_MULTIPLIER", DEFAULT_MULTIPLIER),
+            _env_seconds(env, "FTRUN_HANG_FIRST_STEP", DEFAULT_FIRST_STEP),
+            _env_seconds(env, "FTRUN_HANG_UNMODIFIED", DEFAULT_UNMODIFIED),
+            _env_seconds(env, "FTRUN_HANG_STOP", DEFAULT_STOP_ANSWER),
+        )
 
     @property
     def enabled(self) -> bool:
@@ -124,11 +128,16 @@ class HangPolicy:
     def describe(self) -> str:
         if not self.enabled:
             return "off"
-        steps = (f"{self.explicit:g}s" if self.explicit else
-                 f"max({self.floor:g}s, {self.multiplier:g} x slowest of the last {RECENT_STEPS} steps)")
-        return (f"{steps}; first step and checkpoints {self.first_timeout():g}s; "
-                f"unmodified scripts {self.unmodified_timeout():g}s; "
-                f"still in a collective after a recovery stop {self.stop_answer:g}s")
+        steps = (
+            f"{self.explicit:g}s"
+            if self.explicit
+            else f"max({self.floor:g}s, {self.multiplier:g} x slowest of the last {RECENT_STEPS} steps)"
+        )
+        return (
+            f"{steps}; first step and checkpoints {self.first_timeout():g}s; "
+            f"unmodified scripts {self.unmodified_timeout():g}s; "
+            f"still in a collective after a recovery stop {self.stop_answer:g}s"
+        )
 
 
 @dataclass
@@ -145,9 +154,15 @@ class Hang:
     weak: bool = False  # blamed only for going silent first: the controller may blame another
 
     def evidence(self) -> dict:
-        return {"idle_s": round(self.idle_s, 3), "timeout_s": round(self.timeout_s, 3),
-                "basis": self.basis, "proc_state": self.state, "waiting": self.waiting,
-                "silent_s": round(self.silent_s, 3), "weak": self.weak}
+        return {
+            "idle_s": round(self.idle_s, 3),
+            "timeout_s": round(self.timeout_s, 3),
+            "basis": self.basis,
+            "proc_state": self.state,
+            "waiting": self.waiting,
+            "silent_s": round(self.silent_s, 3),
+            "weak": self.weak,
+        }
 
 
 @dataclass
@@ -172,7 +187,9 @@ class RankClock:
         self.last_beat = now
         self.generation = max(self.generation, hb.generation)
         self.stuck = hb.stuck
-        if hb.phase in ("recovering", "done") or (self.stop is not None and self.generation >= self.stop[0]):
+        if hb.phase in ("recovering", "done") or (
+            self.stop is not None and self.generation >= self.stop[0]
+        ):
             # it entered the round (or left the job): the stop was answered. The generation
             # counts even when the 'recovering' heartbeat itself was coalesced away (a quick
             # round): a stale stop must not blame this rank for a later wait on a hung peer.
@@ -238,15 +255,20 @@ class HangWatch:
     def stop_sent(self, rank: int, generation: int, now: float | None = None) -> None:
         """The agent sent the rank the stop of recovery round `generation`."""
         clock = self.clocks.get(rank)
-        if clock is not None and clock.phase not in ("recovering", "done") and clock.generation < generation:
+        if (
+            clock is not None
+            and clock.phase not in ("recovering", "done")
+            and clock.generation < generation
+        ):
             clock.stop = (generation, time.time() if now is None else now)
 
     def forget(self, rank: int) -> None:
         """The rank got a new process: its clock starts with that process's first heartbeat."""
         self.clocks.pop(rank, None)
 
-    def overdue(self, ranks: list[int], now: float | None = None,
-                state_of: StateReader = lambda rank: "") -> list[Hang]:
+    def overdue(
+        self, ranks: list[int], now: float | None = None, state_of: StateReader = lambda rank: ""
+    ) -> list[Hang]:
         """The ranks of `ranks` that hang (see the module docstring for the rule)."""
         if not self.enabled:
             return []
@@ -262,16 +284,29 @@ class HangWatch:
         return out
 
     def _judge(self, rank: int, clock: RankClock, now: float, state_of: StateReader) -> Hang | None:
-        overdue_stop = clock.waiting and clock.stop is not None and now - clock.stop[1] > self.policy.stop_answer
+        overdue_stop = (
+            clock.waiting
+            and clock.stop is not None
+            and now - clock.stop[1] > self.policy.stop_answer
+        )
         if clock.stop is not None and (clock.stuck or overdue_stop):
             g, sent = clock.stop
-            why = ("its own check: the C++ wait outlived the shutdown of its sockets, a send gloo queued on a "
-                   "failed connection" if clock.stuck else
-                   f"the stop did not release it; allowance FTRUN_HANG_STOP {self.policy.stop_answer:g}s")
-            return Hang(rank, now - clock.last_progress, self.policy.stop_answer,
-                        f"still blocked in a collective in phase {clock.phase!r} {now - sent:.1f}s "
-                        f"after the stop for generation {g} ({why})",
-                        state_of(rank), True, now - clock.last_beat)
+            why = (
+                "its own check: the C++ wait outlived the shutdown of its sockets, a send gloo queued on a "
+                "failed connection"
+                if clock.stuck
+                else f"the stop did not release it; allowance FTRUN_HANG_STOP {self.policy.stop_answer:g}s"
+            )
+            return Hang(
+                rank,
+                now - clock.last_progress,
+                self.policy.stop_answer,
+                f"still blocked in a collective in phase {clock.phase!r} {now - sent:.1f}s "
+                f"after the stop for generation {g} ({why})",
+                state_of(rank),
+                True,
+                now - clock.last_beat,
+            )
         timed = clock.phase not in UNTIMED_PHASES
         limit = clock.allowance(self.policy) if timed else self.policy.first_timeout()
         idle, silent = now - clock.last_progress, now - clock.last_beat
@@ -286,8 +321,10 @@ class HangWatch:
         elif not timed or clock.waiting:
             return None  # untimed phase, or blocked in a collective: it waits on a peer
         else:
-            basis = (f"no progress in phase {clock.phase!r} for {idle:.1f}s "
-                     f"(allowance {limit:.1f}s) while not waiting in a collective")
+            basis = (
+                f"no progress in phase {clock.phase!r} for {idle:.1f}s "
+                f"(allowance {limit:.1f}s) while not waiting in a collective"
+            )
         return Hang(rank, idle, limit, basis, state, clock.waiting, silent)
 
     def killed(self, hang: Hang) -> None:
@@ -303,7 +340,11 @@ class HangWatch:
         clock = self.clocks.get(rank)
         if clock is None:
             return None
-        return {"aware": True, "phase": clock.phase, "waiting": clock.waiting,
-                "idle_s": round(now - clock.last_progress, 3),
-                "silent_s": round(now - clock.last_beat, 3),
-                "step": clock.mark[0] if clock.mark else -1}
+        return {
+            "aware": True,
+            "phase": clock.phase,
+            "waiting": clock.waiting,
+            "idle_s": round(now - clock.last_progress, 3),
+            "silent_s": round(now - clock.last_beat, 3),
+            "step": clock.mark[0] if clock.mark else -1,
+        }

@@ -10,6 +10,7 @@ hangs, and one clock tick every few seconds must not restart the silence clock).
 in a collective on a hung peer is silent too; which silent rank is blamed is
 `launcher.control.decision.blame_local`'s.
 """
+
 from __future__ import annotations
 
 import os
@@ -28,7 +29,7 @@ def proc_stat(pid: int) -> tuple[str, int, int] | None:
             raw = f.read()
     except OSError:
         return None
-    fields = raw[raw.rfind(")") + 2:].split()
+    fields = raw[raw.rfind(")") + 2 :].split()
     try:
         return fields[0], int(fields[1]), int(fields[11]) + int(fields[12])
     except (IndexError, ValueError):
@@ -108,8 +109,7 @@ class Silence:
             self.mark, self.at = mark, now
             return
         idle_ticks = 1 + IDLE_CPU_SHARE * CLOCK_TICKS * max(0.0, now - self.at)
-        if (mark[1] != self.mark[1] or mark[0] < self.mark[0]
-                or mark[0] - self.mark[0] > idle_ticks):
+        if mark[1] != self.mark[1] or mark[0] < self.mark[0] or mark[0] - self.mark[0] > idle_ticks:
             self.since = now
         self.mark, self.at = mark, now
 

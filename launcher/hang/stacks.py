@@ -9,6 +9,7 @@ faulthandler writes to the worker's stderr: the console, or its `stderr.log` wit
 --tee, from where the new lines are read back for the event. Signals go to the worker's process
 only, never to its process group (its children did not ask for SIGUSR1).
 """
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,9 @@ def py_spy_dump(pid: int) -> str | None:
     if exe is None:
         return None
     try:
-        out = subprocess.run([exe, "dump", "--pid", str(pid)], capture_output=True, text=True,
-                             timeout=PY_SPY_TIMEOUT)
+        out = subprocess.run(
+            [exe, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=PY_SPY_TIMEOUT
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 and out.stdout.strip() else None
@@ -99,7 +101,9 @@ def dump_stacks(pid: int, aware: bool, stderr_log: str | None, use_py_spy: bool 
     text = py_spy_dump(pid) if use_py_spy else None
     if text:
         return Dump("py-spy", text, "events.jsonl and the agent's log")
-    where = stderr_log if stderr_log and os.path.exists(stderr_log) else "the worker's stderr (console)"
+    where = (
+        stderr_log if stderr_log and os.path.exists(stderr_log) else "the worker's stderr (console)"
+    )
     before = _size(stderr_log) if stderr_log else -1
     if aware:
         _signal(pid, signal.SIGUSR1)  # the runtime's faulthandler: dump, carry on

@@ -8,6 +8,7 @@ torchrun log-directory layout
 `OutputPump`, which copies a worker's pipe to its log file and/or the console with torchrun's
 `[role<local_rank>]:` prefix (or the `--log-line-prefix-template`).
 """
+
 from __future__ import annotations
 
 import glob
@@ -37,8 +38,12 @@ class AgentLog:
         self.generation = 0
         self.host = socket.gethostname()
         self._lock = threading.Lock()
-        self._console = Console(stderr=True, highlight=False, soft_wrap=True,
-                                force_terminal=None if sys.stderr.isatty() else False)
+        self._console = Console(
+            stderr=True,
+            highlight=False,
+            soft_wrap=True,
+            force_terminal=None if sys.stderr.isatty() else False,
+        )
         self._quiet = quiet
         self._events: IO[str] | None = None
         self.events_path = events_path
@@ -58,20 +63,30 @@ class AgentLog:
         with self._lock:
             self._sinks = [s for s in self._sinks if s is not sink]
 
-    def event(self, kind: str, message: str, level: str = "info", console: bool = True,
-              **fields: Any) -> None:
+    def event(
+        self, kind: str, message: str, level: str = "info", console: bool = True, **fields: Any
+    ) -> None:
         """Log one event: a line for people (unless `console` is False) and a JSON object for
         machines; then hand the record to the sinks."""
         now = time.time()
         gen = fields.pop("generation", self.generation)
-        rec = {"time": round(now, 6), "event": kind, "node": self.node_rank, "generation": gen,
-               "host": self.host, "message": message, **fields}
+        rec = {
+            "time": round(now, 6),
+            "event": kind,
+            "node": self.node_rank,
+            "generation": gen,
+            "host": self.host,
+            "message": message,
+            **fields,
+        }
         with self._lock:
             if self._events is not None:
                 self._events.write(json.dumps(rec, default=str) + "\n")
             sinks = self._sinks
             if console and (not self._quiet or level in ("error", "warning")):
-                stamp = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+                stamp = (
+                    time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+                )
                 node = "?" if self.node_rank is None else self.node_rank
                 style = STYLES.get(level, "")
                 text = escape(f"[ftrun {stamp} node{node} gen{gen}] {message}")
@@ -98,8 +113,10 @@ class AgentLog:
             except Exception as e:  # noqa: BLE001 - an observer bug must never stop the agent
                 self._sink_errors += 1
                 if self._sink_errors <= 3:
-                    self.print_block(f"[ftrun] event sink {getattr(sink, '__qualname__', sink)} "
-                                     f"failed on {rec.get('event')}: {type(e).__name__}: {e}")
+                    self.print_block(
+                        f"[ftrun] event sink {getattr(sink, '__qualname__', sink)} "
+                        f"failed on {rec.get('event')}: {type(e).__name__}: {e}"
+                    )
 
     def info(self, kind: str, message: str, **fields: Any) -> None:
         self.event(kind, message, "info", **fields)
@@ -202,8 +219,12 @@ def _run_id_of(path: str) -> str:
 def render_prefix(template: str | None, role: str, local_rank: int, rank: int, host: str) -> str:
     if not template:
         return f"[{role}{local_rank}]:"
-    return (template.replace("${role_name}", role).replace("${local_rank}", str(local_rank))
-            .replace("${rank}", str(rank)).replace("${hostname}", host))
+    return (
+        template.replace("${role_name}", role)
+        .replace("${local_rank}", str(local_rank))
+        .replace("${rank}", str(rank))
+        .replace("${hostname}", host)
+    )
 
 
 class OutputPump:
@@ -212,15 +233,24 @@ class OutputPump:
     Owned by the worker handle that created it: `stop()` joins the thread after the pipe closed.
     """
 
-    def __init__(self, pipe: IO[bytes], file_path: str | None, console: IO[str] | None,
-                 prefix: str, filters: list[str] | None = None, filtered_path: str | None = None,
-                 console_lock: threading.Lock | None = None) -> None:
+    def __init__(
+        self,
+        pipe: IO[bytes],
+        file_path: str | None,
+        console: IO[str] | None,
+        prefix: str,
+        filters: list[str] | None = None,
+        filtered_path: str | None = None,
+        console_lock: threading.Lock | None = None,
+    ) -> None:
         self._pipe = pipe
         self._file = open(file_path, "ab") if file_path else None
         self._console = console
         self._prefix = prefix
         self._filters = filters or []
-        self._filtered = open(filtered_path, "a", encoding="utf-8") if filtered_path and filters else None
+        self._filtered = (
+            open(filtered_path, "a", encoding="utf-8") if filtered_path and filters else None
+        )
         self._lock = console_lock or threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"pump{prefix}", daemon=True)
         self._thread.start()

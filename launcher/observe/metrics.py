@@ -19,14 +19,31 @@ derives them from the agent's events and its workers' heartbeats; nothing else c
                                                store served and the time its loop spent on them
                                                (the node hosting the store only)
 """
+
 from __future__ import annotations
 
 import os
 import threading
 from typing import Callable, Iterator
 
-PHASE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
-                 120.0, 300.0)
+PHASE_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
 STORE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
 
 
@@ -55,25 +72,49 @@ class Metrics:
 
         self.registry = reg = CollectorRegistry(auto_describe=True)
         self.faults = Counter("ftrun_faults", "Faults of this node's ranks", ["kind"], registry=reg)
-        self.rounds = Counter("ftrun_recovery_rounds", "Recovery rounds by strategy and outcome",
-                              ["strategy", "outcome"], registry=reg)
-        self.phase_seconds = Histogram("ftrun_recovery_phase_seconds", "Per-rank recovery phase "
-                                       "durations", ["phase"], buckets=PHASE_BUCKETS, registry=reg)
-        self.recovery_seconds = Histogram("ftrun_recovery_seconds", "Fault to every rank training "
-                                          "again", buckets=PHASE_BUCKETS, registry=reg)
-        self.restarts_used = Gauge("ftrun_restarts_used", "Recovery rounds counted against "
-                                   "--max_restarts", registry=reg)
-        self.restarts_left = Gauge("ftrun_restarts_left", "Recovery rounds left in the "
-                                   "--max_restarts budget", registry=reg)
-        self.workers_alive = Gauge("ftrun_workers_alive", "Local worker processes running", registry=reg)
+        self.rounds = Counter(
+            "ftrun_recovery_rounds",
+            "Recovery rounds by strategy and outcome",
+            ["strategy", "outcome"],
+            registry=reg,
+        )
+        self.phase_seconds = Histogram(
+            "ftrun_recovery_phase_seconds",
+            "Per-rank recovery phase durations",
+            ["phase"],
+            buckets=PHASE_BUCKETS,
+            registry=reg,
+        )
+        self.recovery_seconds = Histogram(
+            "ftrun_recovery_seconds",
+            "Fault to every rank training again",
+            buckets=PHASE_BUCKETS,
+            registry=reg,
+        )
+        self.restarts_used = Gauge(
+            "ftrun_restarts_used", "Recovery rounds counted against --max_restarts", registry=reg
+        )
+        self.restarts_left = Gauge(
+            "ftrun_restarts_left", "Recovery rounds left in the --max_restarts budget", registry=reg
+        )
+        self.workers_alive = Gauge(
+            "ftrun_workers_alive", "Local worker processes running", registry=reg
+        )
         self.generation = Gauge("ftrun_generation", "The job's generation", registry=reg)
         self.step = Gauge("ftrun_step", "Last committed step", ["rank"], registry=reg)
-        self.steps_per_s = Gauge("ftrun_steps_per_second", "Training steps per second", ["rank"],
-                                 registry=reg)
-        self.store_requests = Counter("ftrun_store_requests", "Store requests made by this agent",
-                                      ["op"], registry=reg)
-        self.store_seconds = Histogram("ftrun_store_request_seconds", "Latency of this agent's "
-                                       "store requests", ["op"], buckets=STORE_BUCKETS, registry=reg)
+        self.steps_per_s = Gauge(
+            "ftrun_steps_per_second", "Training steps per second", ["rank"], registry=reg
+        )
+        self.store_requests = Counter(
+            "ftrun_store_requests", "Store requests made by this agent", ["op"], registry=reg
+        )
+        self.store_seconds = Histogram(
+            "ftrun_store_request_seconds",
+            "Latency of this agent's store requests",
+            ["op"],
+            buckets=STORE_BUCKETS,
+            registry=reg,
+        )
         self._served: Callable[[], dict] | None = None
         reg.register(_ServedCollector(lambda: self._served))
         self._port = port
@@ -93,11 +134,13 @@ class Metrics:
         from prometheus_client import start_http_server
 
         try:
-            self._server, self._thread = start_http_server(self._port, addr=self._addr,
-                                                           registry=self.registry)
+            self._server, self._thread = start_http_server(
+                self._port, addr=self._addr, registry=self.registry
+            )
         except OSError as e:
-            raise ValueError(f"metrics_port={self._port}: cannot listen on {self._addr}: "
-                             f"{e.strerror or e}") from None
+            raise ValueError(
+                f"metrics_port={self._port}: cannot listen on {self._addr}: {e.strerror or e}"
+            ) from None
         return self
 
     def stop(self) -> None:
@@ -125,7 +168,13 @@ class _ServedCollector:
         if stats_fn is None:
             return
         stats = stats_fn()
-        yield CounterMetricFamily("ftrun_store_served_requests", "Requests the embedded store served",
-                                  value=float(stats.get("requests", 0)))
-        yield CounterMetricFamily("ftrun_store_busy_seconds", "Time the embedded store's loop spent "
-                                  "serving requests", value=float(stats.get("busy_s", 0.0)))
+        yield CounterMetricFamily(
+            "ftrun_store_served_requests",
+            "Requests the embedded store served",
+            value=float(stats.get("requests", 0)),
+        )
+        yield CounterMetricFamily(
+            "ftrun_store_busy_seconds",
+            "Time the embedded store's loop spent serving requests",
+            value=float(stats.get("busy_s", 0.0)),
+        )

@@ -12,6 +12,7 @@ the node's status to the store every second (`plan.node_status_key`) and refresh
 (`launcher.observe.metrics`, when a port is configured). At the end of a job that had faults it prints
 the `ftctl report` command for the run.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,10 +24,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from launcher.protocol import plan as P
 from launcher.observe.logs import AgentLog
 from launcher.observe.metrics import Metrics, metrics_port
 from launcher.observe.timeline import Timeline
+from launcher.protocol import plan as P
 
 PUBLISH_INTERVAL = 1.0
 RATE_WINDOW = 30.0  # seconds of heartbeats a steps-per-second figure is computed over
@@ -56,8 +57,14 @@ class NodeObserver:
     """Owned by the agent: `start()` it before anything is logged, `attach()` it once the store
     and the world are known, `stop()` it at shutdown."""
 
-    def __init__(self, log: AgentLog, run_dir: str, max_restarts: int, port: int | None,
-                 progress_interval: float) -> None:
+    def __init__(
+        self,
+        log: AgentLog,
+        run_dir: str,
+        max_restarts: int,
+        port: int | None,
+        progress_interval: float,
+    ) -> None:
         self.log = log
         self.run_dir = run_dir
         self.max_restarts = max_restarts
@@ -91,12 +98,21 @@ class NodeObserver:
             raise ValueError(f"FTRUN_PROGRESS_INTERVAL={raw!r}: must be seconds > 0")
         obs = cls(log, run_dir, cfg.max_restarts, port, max(0.05, interval))
         # the agent logged its `start` before the observer existed
-        obs.timeline.feed({"event": "start", "time": time.time(), "node": cfg.node_rank,
-                           "config": dataclasses.asdict(cfg)})
+        obs.timeline.feed(
+            {
+                "event": "start",
+                "time": time.time(),
+                "node": cfg.node_rank,
+                "config": dataclasses.asdict(cfg),
+            }
+        )
         if obs.metrics is not None:
             obs.metrics.start()
-            log.info("metrics", f"Prometheus metrics on port {obs.metrics.port} (/metrics)",
-                     port=obs.metrics.port)
+            log.info(
+                "metrics",
+                f"Prometheus metrics on port {obs.metrics.port} (/metrics)",
+                port=obs.metrics.port,
+            )
         log.add_sink(obs.on_event)
         return obs
 
@@ -121,8 +137,12 @@ class NodeObserver:
             self.metrics.stop()
         view = self.timeline.view()
         if view.rounds or view.faults:
-            self.log.info("report", f"{len(view.faults)} fault(s), {len(view.rounds)} recovery "
-                          f"round(s): see them with  ftctl report {self.run_dir}", path=self.run_dir)
+            self.log.info(
+                "report",
+                f"{len(view.faults)} fault(s), {len(view.rounds)} recovery "
+                f"round(s): see them with  ftctl report {self.run_dir}",
+                path=self.run_dir,
+            )
 
     # ------------------------------------------------------------------ the sink
     def on_event(self, ev: dict) -> None:
@@ -139,8 +159,10 @@ class NodeObserver:
                 live.armed = (gen, None) if gen > 0 else None
             elif kind == "rank-recovered" and isinstance(rank, int) and rank in self._live:
                 resume = ev.get("resume_step")
-                self._live[rank].armed = (int(ev.get("generation", 0)),
-                                          int(resume) if isinstance(resume, int) else None)
+                self._live[rank].armed = (
+                    int(ev.get("generation", 0)),
+                    int(resume) if isinstance(resume, int) else None,
+                )
         if self.metrics is not None and kind in ("worker-failed", "worker-fault"):
             self.metrics.faults.labels(kind=str(ev.get("fault_kind", "unknown"))).inc()
         if kind == "plan-received":
@@ -155,18 +177,29 @@ class NodeObserver:
             live = self._live.setdefault(rank, LiveRank())
             prev_phase, prev_committed = live.phase, live.committed_step
             live.step, live.phase = int(hb.get("step", -1)), str(hb.get("phase", ""))
-            live.committed_step, live.waiting = int(hb.get("committed_step", -1)), bool(hb.get("waiting"))
+            live.committed_step, live.waiting = (
+                int(hb.get("committed_step", -1)),
+                bool(hb.get("waiting")),
+            )
             live.time = float(hb.get("time") or time.time())
             if live.committed_step != prev_committed and live.phase not in QUIET_PHASES:
                 live.samples.append((live.time, live.committed_step))
             if live.armed is not None and live.committed_step > prev_committed:
                 gen, resume = live.armed
-                if (live.committed_step >= resume if resume is not None else
-                        prev_phase not in QUIET_PHASES and live.phase not in QUIET_PHASES):
+                if (
+                    live.committed_step >= resume
+                    if resume is not None
+                    else prev_phase not in QUIET_PHASES and live.phase not in QUIET_PHASES
+                ):
                     live.armed, resumed = None, (gen, live.committed_step)
         if resumed is not None:
-            self.log.record("rank-resumed", f"rank {rank} trains again: step {resumed[1]} committed",
-                            rank=rank, generation=resumed[0], step=resumed[1])
+            self.log.record(
+                "rank-resumed",
+                f"rank {rank} trains again: step {resumed[1]} committed",
+                rank=rank,
+                generation=resumed[0],
+                step=resumed[1],
+            )
 
     # ------------------------------------------------------------------ periodic work
     def _run(self) -> None:
@@ -186,9 +219,15 @@ class NodeObserver:
 
     def _tick(self) -> None:
         snapshot = self.snapshot(time.time())
-        self._restarts_used = int(self._timed("get", lambda: self._kv.try_get(P.RESTARTS_USED_KEY)) or 0)
-        self._timed("set", lambda: self._kv.set(P.node_status_key(self._node or 0),
-                                                json.dumps(snapshot, default=str).encode()))
+        self._restarts_used = int(
+            self._timed("get", lambda: self._kv.try_get(P.RESTARTS_USED_KEY)) or 0
+        )
+        self._timed(
+            "set",
+            lambda: self._kv.set(
+                P.node_status_key(self._node or 0), json.dumps(snapshot, default=str).encode()
+            ),
+        )
         if self.metrics is not None:
             self._refresh_metrics(snapshot)
 
@@ -202,9 +241,17 @@ class NodeObserver:
 
     def _record_progress(self, force: bool) -> None:
         with self._lock:
-            ranks = {str(r): {"step": lv.step, "committed_step": lv.committed_step, "phase": lv.phase,
-                              "waiting": lv.waiting, "steps_per_s": lv.rate()}
-                     for r, lv in sorted(self._live.items()) if lv.time > 0}
+            ranks = {
+                str(r): {
+                    "step": lv.step,
+                    "committed_step": lv.committed_step,
+                    "phase": lv.phase,
+                    "waiting": lv.waiting,
+                    "steps_per_s": lv.rate(),
+                }
+                for r, lv in sorted(self._live.items())
+                if lv.time > 0
+            }
             sample = {r: (p["step"], p["committed_step"], p["phase"]) for r, p in ranks.items()}
             changed = sample != self._last_sample
             self._last_sample = sample
@@ -218,8 +265,10 @@ class NodeObserver:
         now = now or time.time()
         with self._lock:
             view = self.timeline.view(now)
-            live = {r: (lv.step, lv.committed_step, lv.phase, lv.waiting, lv.time, lv.rate())
-                    for r, lv in self._live.items()}
+            live = {
+                r: (lv.step, lv.committed_step, lv.phase, lv.waiting, lv.time, lv.rate())
+                for r, lv in self._live.items()
+            }
         ranks = []
         for row in view.ranks:
             if row.node != self._node:
@@ -227,23 +276,51 @@ class NodeObserver:
             d = dataclasses.asdict(row)
             if row.rank in live and row.state not in ("finished", "failed", "stopped"):
                 step, committed, phase, waiting, seen, rate = live[row.rank]
-                d.update(step=step, committed_step=committed, phase=phase, steps_per_s=rate,
-                         last_seen=seen)
+                d.update(
+                    step=step,
+                    committed_step=committed,
+                    phase=phase,
+                    steps_per_s=rate,
+                    last_seen=seen,
+                )
                 if seen > 0 and d["state"] not in ("recovering", "replacement"):
-                    d["state"] = "waiting" if waiting else ("training" if phase not in QUIET_PHASES
-                                                            else d["state"])
+                    d["state"] = (
+                        "waiting"
+                        if waiting
+                        else ("training" if phase not in QUIET_PHASES else d["state"])
+                    )
             ranks.append(d)
         me = next((n for n in view.nodes if n.node == self._node), None)
         out: dict[str, Any] = {
-            "node": self._node, "host": me.host if me else self.log.host, "time": now,
-            "leader": self._leader, "state": (me.state if me else "running"),
-            "recovering": view.current_round is not None, "spare": bool(me and me.spare),
-            "generation": view.generation, "max_restarts": self.max_restarts,
-            "restarts_used": self._restarts_used, "log_dir": self.run_dir, "ranks": ranks}
+            "node": self._node,
+            "host": me.host if me else self.log.host,
+            "time": now,
+            "leader": self._leader,
+            "state": (me.state if me else "running"),
+            "recovering": view.current_round is not None,
+            "spare": bool(me and me.spare),
+            "generation": view.generation,
+            "max_restarts": self.max_restarts,
+            "restarts_used": self._restarts_used,
+            "log_dir": self.run_dir,
+            "ranks": ranks,
+        }
         if self._leader:
             d = view.to_dict()
-            out["job"] = {k: d[k] for k in ("run_id", "script", "start", "world_size", "nnodes",
-                                            "store_addr", "faults", "rounds", "outcome")}
+            out["job"] = {
+                k: d[k]
+                for k in (
+                    "run_id",
+                    "script",
+                    "start",
+                    "world_size",
+                    "nnodes",
+                    "store_addr",
+                    "faults",
+                    "rounds",
+                    "outcome",
+                )
+            }
         return out
 
     def _refresh_metrics(self, snapshot: dict) -> None:

@@ -7,6 +7,7 @@ rank, a bar per phase, the replacement's row marked, the phase durations beneath
 progress (committed step vs wall clock for every rank, faults marked, the time each one cost
 shaded); the fault table. Written atomically (temp name, fsync, rename).
 """
+
 from __future__ import annotations
 
 import html
@@ -19,10 +20,28 @@ import click
 from launcher.observe.status import from_dir
 from launcher.observe.timeline import PHASES, FaultRow, Round, RunView
 
-COLORS = {"detect": "#d62728", "decide": "#ff7f0e", "stop": "#8c564b", "respawn": "#9467bd",
-          "wait": "#c7c7c7", "rebuild": "#1f77b4", "transfer": "#17becf", "resume": "#2ca02c"}
-RANK_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
-               "#7f7f7f", "#bcbd22", "#17becf")
+COLORS = {
+    "detect": "#d62728",
+    "decide": "#ff7f0e",
+    "stop": "#8c564b",
+    "respawn": "#9467bd",
+    "wait": "#c7c7c7",
+    "rebuild": "#1f77b4",
+    "transfer": "#17becf",
+    "resume": "#2ca02c",
+}
+RANK_COLORS = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
 WIDTH, LABEL_W, ROW_H = 1040, 170, 22
 CSS = """
 body{font:14px/1.4 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;max-width:1100px}
@@ -80,23 +99,39 @@ def summary(v: RunView) -> str:
     dur = (v.end or v.now or 0) - v.start if v.start else None
     by = Counter(r.strategy for r in v.rounds)
     outcome = f'<span class="{"ok" if v.outcome == "succeeded" else "bad"}">{_e(v.outcome)}</span>'
-    cards = [("outcome", outcome), ("duration", _e(_dur(dur))), ("faults", str(len(v.faults))),
-             ("recovery rounds", str(len(v.rounds))), ("time lost", _e(_dur(v.time_lost_s))),
-             ("restart budget", f"{v.restarts_used} of {v.max_restarts} used"),
-             ("world", f"{v.world_size or '?'} ranks, {len(v.nodes)} node(s)"),
-             ("last step", _e(max((r.committed_step for r in v.ranks if r.committed_step is not None),
-                                  default="-")))]
+    cards = [
+        ("outcome", outcome),
+        ("duration", _e(_dur(dur))),
+        ("faults", str(len(v.faults))),
+        ("recovery rounds", str(len(v.rounds))),
+        ("time lost", _e(_dur(v.time_lost_s))),
+        ("restart budget", f"{v.restarts_used} of {v.max_restarts} used"),
+        ("world", f"{v.world_size or '?'} ranks, {len(v.nodes)} node(s)"),
+        (
+            "last step",
+            _e(
+                max(
+                    (r.committed_step for r in v.ranks if r.committed_step is not None), default="-"
+                )
+            ),
+        ),
+    ]
     rounds = ", ".join(f"{n} {_e(s)}" for s, n in sorted(by.items())) or "none"
-    return (f"<h1>ftrun run {_e(v.run_id)}</h1><div class=muted>{_e(v.script)} &middot; "
-            f"{_e(_clock(v.start, False))} &rarr; {_e(_clock(v.end, False))} &middot; generation "
-            f"{v.generation}</div><div class=cards>"
-            + "".join(f"<div class=card>{_e(k)}<b>{val}</b></div>" for k, val in cards)
-            + f"</div><div>Rounds by strategy: {rounds}</div>")
+    return (
+        f"<h1>ftrun run {_e(v.run_id)}</h1><div class=muted>{_e(v.script)} &middot; "
+        f"{_e(_clock(v.start, False))} &rarr; {_e(_clock(v.end, False))} &middot; generation "
+        f"{v.generation}</div><div class=cards>"
+        + "".join(f"<div class=card>{_e(k)}<b>{val}</b></div>" for k, val in cards)
+        + f"</div><div>Rounds by strategy: {rounds}</div>"
+    )
 
 
 def legend() -> str:
-    return "<div class=legend>" + "".join(
-        f'<span><i style="background:{COLORS[p]}"></i>{p}</span>' for p in PHASES) + "</div>"
+    return (
+        "<div class=legend>"
+        + "".join(f'<span><i style="background:{COLORS[p]}"></i>{p}</span>' for p in PHASES)
+        + "</div>"
+    )
 
 
 def gantt(ro: Round, index: int, v: RunView) -> str:
@@ -110,31 +145,46 @@ def gantt(ro: Round, index: int, v: RunView) -> str:
     plot_w = WIDTH - LABEL_W - 20
     height = ROW_H * len(ranks) + 30
     x = lambda t: LABEL_W + (t - t0) / span * plot_w  # noqa: E731
-    out = [f'<svg class="gantt" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" '
-           f'xmlns="http://www.w3.org/2000/svg"><g class="round" data-generation="{ro.generation}" '
-           f'data-index="{index}">']
+    out = [
+        f'<svg class="gantt" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" '
+        f'xmlns="http://www.w3.org/2000/svg"><g class="round" data-generation="{ro.generation}" '
+        f'data-index="{index}">'
+    ]
     for i, rank in enumerate(ranks):
         y = i * ROW_H
         repl = rank in ro.restart_ranks and ro.strategy != "restart-all"
         if repl:
-            out.append(f'<rect class="replacement-row" x="0" y="{y}" width="{WIDTH}" height="{ROW_H}" '
-                       'fill="#f3ecff"/>')
-        label = f"rank {rank}" + (" \u21bb replacement" if repl else "") + (
-            " \u2717 failed" if rank in ro.failed_ranks and not repl else "")
-        out.append(f'<text x="4" y="{y + 15}" font-weight="{"bold" if repl else "normal"}">{_e(label)}</text>')
+            out.append(
+                f'<rect class="replacement-row" x="0" y="{y}" width="{WIDTH}" height="{ROW_H}" '
+                'fill="#f3ecff"/>'
+            )
+        label = (
+            f"rank {rank}"
+            + (" \u21bb replacement" if repl else "")
+            + (" \u2717 failed" if rank in ro.failed_ranks and not repl else "")
+        )
+        out.append(
+            f'<text x="4" y="{y + 15}" font-weight="{"bold" if repl else "normal"}">{_e(label)}</text>'
+        )
     for b in ro.bars:
         y = ranks.index(b.rank) * ROW_H + 4
         w = max(2.0, x(b.end) - x(b.start))
-        tip = (f"rank {b.rank} \u00b7 {b.phase}{' (still running)' if b.open else ''}\n"
-               f"{_clock(b.start)} \u2192 {_clock(b.end)}\n{_dur(b.end - b.start)}"
-               + (f"\n{b.note}" if b.note else ""))
-        out.append(f'<rect class="bar" data-phase="{b.phase}" data-rank="{b.rank}" x="{x(b.start):.1f}" '
-                   f'y="{y}" width="{w:.1f}" height="{ROW_H - 8}" fill="{COLORS.get(b.phase, "#999")}" '
-                   f'data-tip="{_e(tip)}"><title>{_e(tip)}</title></rect>')
+        tip = (
+            f"rank {b.rank} \u00b7 {b.phase}{' (still running)' if b.open else ''}\n"
+            f"{_clock(b.start)} \u2192 {_clock(b.end)}\n{_dur(b.end - b.start)}"
+            + (f"\n{b.note}" if b.note else "")
+        )
+        out.append(
+            f'<rect class="bar" data-phase="{b.phase}" data-rank="{b.rank}" x="{x(b.start):.1f}" '
+            f'y="{y}" width="{w:.1f}" height="{ROW_H - 8}" fill="{COLORS.get(b.phase, "#999")}" '
+            f'data-tip="{_e(tip)}"><title>{_e(tip)}</title></rect>'
+        )
     axis_y = ROW_H * len(ranks) + 14
     for k in range(6):
         t = t0 + span * k / 5
-        out.append(f'<text x="{x(t):.1f}" y="{axis_y}" text-anchor="middle">+{_e(_dur(t - t0))}</text>')
+        out.append(
+            f'<text x="{x(t):.1f}" y="{axis_y}" text-anchor="middle">+{_e(_dur(t - t0))}</text>'
+        )
     out.append("</g></svg>")
     return "".join(out)
 
@@ -155,13 +205,22 @@ def rounds_section(v: RunView) -> str:
     parts = ["<h2>Recovery rounds</h2>", legend()]
     for i, ro in enumerate(v.rounds, 1):
         f = ro.fault
-        cause = (f"rank {f.rank} on node {f.node}: {f.kind}" + (" [injected]" if f.injected else "")
-                 if f is not None else "unknown cause")
-        extra = (f", resumed at step {ro.resume_step} ({ro.action})" if ro.resume_step is not None else "")
-        parts.append(f"<h3>Round {i} &middot; generation {ro.generation} &middot; {_e(ro.strategy)} "
-                     f"&middot; {_e(ro.outcome)} in {_e(_dur(ro.mttr_s))}</h3><div class=muted>"
-                     f"{_e(cause)}{_e(extra)}; steps lost: {_e(ro.steps_lost if ro.steps_lost is not None else '-')}; "
-                     f"state moved: {_e(_bytes(ro.transfer_bytes))}. {_e(ro.reason)}</div>")
+        cause = (
+            f"rank {f.rank} on node {f.node}: {f.kind}" + (" [injected]" if f.injected else "")
+            if f is not None
+            else "unknown cause"
+        )
+        extra = (
+            f", resumed at step {ro.resume_step} ({ro.action})"
+            if ro.resume_step is not None
+            else ""
+        )
+        parts.append(
+            f"<h3>Round {i} &middot; generation {ro.generation} &middot; {_e(ro.strategy)} "
+            f"&middot; {_e(ro.outcome)} in {_e(_dur(ro.mttr_s))}</h3><div class=muted>"
+            f"{_e(cause)}{_e(extra)}; steps lost: {_e(ro.steps_lost if ro.steps_lost is not None else '-')}; "
+            f"state moved: {_e(_bytes(ro.transfer_bytes))}. {_e(ro.reason)}</div>"
+        )
         parts.append(gantt(ro, i, v))
         parts.append(phase_table(ro))
     return "".join(parts)
@@ -178,70 +237,123 @@ def progress_chart(v: RunView) -> str:
     w, h, left, bottom = WIDTH, 320, 50, 30
     x = lambda t: left + (t - t0) / max(t1 - t0, 1e-3) * (w - left - 20)  # noqa: E731
     y = lambda s: 10 + (1 - s / smax) * (h - bottom - 10)  # noqa: E731
-    out = [f'<svg class="progress" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
-           'xmlns="http://www.w3.org/2000/svg">']
+    out = [
+        f'<svg class="progress" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
+        'xmlns="http://www.w3.org/2000/svg">'
+    ]
     for ro in v.rounds:
         if ro.end is None and ro.outcome != "in-progress":
             continue
         end = ro.end if ro.end is not None else t1
         tip = f"generation {ro.generation} {ro.strategy}: {_dur(end - ro.start)} lost"
-        out.append(f'<rect class="lost" x="{x(ro.start):.1f}" y="10" width="{max(1.5, x(end) - x(ro.start)):.1f}" '
-                   f'height="{h - bottom - 10}" fill="#ffd8d8" data-tip="{_e(tip)}"><title>{_e(tip)}</title></rect>')
+        out.append(
+            f'<rect class="lost" x="{x(ro.start):.1f}" y="10" width="{max(1.5, x(end) - x(ro.start)):.1f}" '
+            f'height="{h - bottom - 10}" fill="#ffd8d8" data-tip="{_e(tip)}"><title>{_e(tip)}</title></rect>'
+        )
     for f in v.faults:
         tip = f"{_clock(f.time)} rank {f.rank} {f.kind} -> {f.strategy}"
-        out.append(f'<line class="fault-mark" x1="{x(f.time):.1f}" x2="{x(f.time):.1f}" y1="10" '
-                   f'y2="{h - bottom}" stroke="#d62728" stroke-width="2" data-tip="{_e(tip)}">'
-                   f'<title>{_e(tip)}</title></line>')
-        out.append(f'<text x="{x(f.time) + 3:.1f}" y="22" fill="#d62728">\u26a1 rank {_e(f.rank)}</text>')
+        out.append(
+            f'<line class="fault-mark" x1="{x(f.time):.1f}" x2="{x(f.time):.1f}" y1="10" '
+            f'y2="{h - bottom}" stroke="#d62728" stroke-width="2" data-tip="{_e(tip)}">'
+            f"<title>{_e(tip)}</title></line>"
+        )
+        out.append(
+            f'<text x="{x(f.time) + 3:.1f}" y="22" fill="#d62728">\u26a1 rank {_e(f.rank)}</text>'
+        )
     for i, (rank, series) in enumerate(sorted(v.progress.items())):
         color = RANK_COLORS[i % len(RANK_COLORS)]
-        steps = [p for i, (t, s) in enumerate(series)  # the step holds until the next sample
-                 for p in ([(t, series[i - 1][1])] if i else []) + [(t, s)]]
+        steps = [
+            p
+            for i, (t, s) in enumerate(series)  # the step holds until the next sample
+            for p in ([(t, series[i - 1][1])] if i else []) + [(t, s)]
+        ]
         line = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in steps)
-        out.append(f'<polyline class="rank-line" data-rank="{rank}" fill="none" stroke="{color}" '
-                   f'stroke-width="1.5" points="{line}"><title>rank {rank}</title></polyline>')
-    out.append(f'<line x1="{left}" x2="{w - 20}" y1="{h - bottom}" y2="{h - bottom}" stroke="#999"/>'
-               f'<text x="{left}" y="{h - 8}">{_e(_clock(t0, False))}</text>'
-               f'<text x="{w - 20}" y="{h - 8}" text-anchor="end">+{_e(_dur(t1 - t0))}</text>'
-               f'<text x="4" y="{y(smax) + 4:.1f}">{smax}</text><text x="4" y="{y(0):.1f}">0</text>')
+        out.append(
+            f'<polyline class="rank-line" data-rank="{rank}" fill="none" stroke="{color}" '
+            f'stroke-width="1.5" points="{line}"><title>rank {rank}</title></polyline>'
+        )
+    out.append(
+        f'<line x1="{left}" x2="{w - 20}" y1="{h - bottom}" y2="{h - bottom}" stroke="#999"/>'
+        f'<text x="{left}" y="{h - 8}">{_e(_clock(t0, False))}</text>'
+        f'<text x="{w - 20}" y="{h - 8}" text-anchor="end">+{_e(_dur(t1 - t0))}</text>'
+        f'<text x="4" y="{y(smax) + 4:.1f}">{smax}</text><text x="4" y="{y(0):.1f}">0</text>'
+    )
     out.append("</svg>")
-    keys = "".join(f'<span><i style="background:{RANK_COLORS[i % len(RANK_COLORS)]}"></i>rank {r}</span>'
-                   for i, r in enumerate(sorted(v.progress)))
-    return ("<h2>Training progress</h2><div class=muted>committed step vs wall clock; red lines: "
-            f"faults; shaded: time until every rank trained again</div>{''.join(out)}"
-            f"<div class=legend>{keys}</div>")
+    keys = "".join(
+        f'<span><i style="background:{RANK_COLORS[i % len(RANK_COLORS)]}"></i>rank {r}</span>'
+        for i, r in enumerate(sorted(v.progress))
+    )
+    return (
+        "<h2>Training progress</h2><div class=muted>committed step vs wall clock; red lines: "
+        f"faults; shaded: time until every rank trained again</div>{''.join(out)}"
+        f"<div class=legend>{keys}</div>"
+    )
 
 
 def fault_table(v: RunView) -> str:
     if not v.faults:
         return "<h2>Faults</h2><p>None.</p>"
-    head = ("time", "rank", "node", "kind", "evidence", "strategy", "reason", "generation", "MTTR",
-            "steps lost", "state moved", "rate")
+    head = (
+        "time",
+        "rank",
+        "node",
+        "kind",
+        "evidence",
+        "strategy",
+        "reason",
+        "generation",
+        "MTTR",
+        "steps lost",
+        "state moved",
+        "rate",
+    )
     rows = "".join(_fault_row(f) for f in v.faults)
-    return ("<h2>Faults</h2><table class=faults><tr>" + "".join(f"<th>{h}</th>" for h in head)
-            + f"</tr>{rows}</table>")
+    return (
+        "<h2>Faults</h2><table class=faults><tr>"
+        + "".join(f"<th>{h}</th>" for h in head)
+        + f"</tr>{rows}</table>"
+    )
 
 
 def _fault_row(f: FaultRow) -> str:
     rate = "-" if not f.transfer_rate else f"{f.transfer_rate / 1e6:.1f} MB/s"
     gen = f"{f.generation} \u2192 {f.round}" if f.round is not None else str(f.generation)
-    cells = [_clock(f.time), "node" if f.rank is None else f.rank, f.node,
-             f.kind + (" [injected]" if f.injected else ""),
-             f.evidence[:300] + (f" (its stderr: {f.stderr_file})" if f.stderr_file
-                                 and f.stderr_file not in f.evidence[:300] else ""),
-             f.strategy or "-",
-             f.reason, gen, _dur(f.mttr_s), "-" if f.steps_lost is None else f.steps_lost,
-             _bytes(f.transfer_bytes), rate]
+    cells = [
+        _clock(f.time),
+        "node" if f.rank is None else f.rank,
+        f.node,
+        f.kind + (" [injected]" if f.injected else ""),
+        f.evidence[:300]
+        + (
+            f" (its stderr: {f.stderr_file})"
+            if f.stderr_file and f.stderr_file not in f.evidence[:300]
+            else ""
+        ),
+        f.strategy or "-",
+        f.reason,
+        gen,
+        _dur(f.mttr_s),
+        "-" if f.steps_lost is None else f.steps_lost,
+        _bytes(f.transfer_bytes),
+        rate,
+    ]
     return "<tr class=fault>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>"
 
 
 def render(v: RunView, sources: list[str]) -> str:
-    body = (summary(v) + rounds_section(v) + progress_chart(v) + fault_table(v)
-            + f"<p class=muted>Made by <code>ftctl report</code> at {_e(_clock(time.time(), False))} "
-            f"from {_e(', '.join(sources))}.</p>")
-    return (f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>ftrun run "
-            f"{_e(v.run_id)}</title><style>{CSS}</style></head><body>{body}<div id=tip></div>"
-            f"<script>{JS}</script></body></html>")
+    body = (
+        summary(v)
+        + rounds_section(v)
+        + progress_chart(v)
+        + fault_table(v)
+        + f"<p class=muted>Made by <code>ftctl report</code> at {_e(_clock(time.time(), False))} "
+        f"from {_e(', '.join(sources))}.</p>"
+    )
+    return (
+        f"<!DOCTYPE html><html lang=en><head><meta charset=utf-8><title>ftrun run "
+        f"{_e(v.run_id)}</title><style>{CSS}</style></head><body>{body}<div id=tip></div>"
+        f"<script>{JS}</script></body></html>"
+    )
 
 
 def write(path: str, text: str) -> None:
@@ -268,8 +380,13 @@ def build(run_dir: str, out: str | None = None) -> str:
 
 @click.command("report")
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-@click.option("-o", "--output", default=None, type=click.Path(dir_okay=False),
-              help="Where to write the page (default: RUN_DIR/report.html).")
+@click.option(
+    "-o",
+    "--output",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="Where to write the page (default: RUN_DIR/report.html).",
+)
 def report(run_dir: str, output: str | None) -> None:
     """Write one self-contained HTML page about the run in RUN_DIR: summary, a timeline of every
     recovery round, training progress, and the fault table."""

@@ -6,6 +6,7 @@ controller's own keys: generation, budget, per-round statuses) or from a run dir
 `events.jsonl` (a finished run, or a live one whose store cannot be reached), and drawing it as
 rich tables (`--json` prints the same view as one JSON object; `--watch` redraws it).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,15 +17,26 @@ from typing import Any
 import click
 from rich.markup import escape
 
-from launcher.protocol import plan as P
 from launcher.observe.logs import read_event_file, run_event_files
 from launcher.observe.timeline import Bar, FaultRow, NodeRow, RankRow, Round, RunView, Timeline
+from launcher.protocol import plan as P
 
 MAX_NODE_GAP = 8  # node ranks probed past the last one found (a lost node leaves a hole)
-STATE_STYLE = {"training": "green", "waiting": "yellow", "recovering": "bold yellow",
-               "replacement": "bold cyan", "finished": "dim", "failed": "bold red", "stopped": "dim",
-               "starting": "cyan", "running": "green", "done": "dim", "lost": "bold red",
-               "succeeded": "bold green", "in-progress": "bold yellow"}
+STATE_STYLE = {
+    "training": "green",
+    "waiting": "yellow",
+    "recovering": "bold yellow",
+    "replacement": "bold cyan",
+    "finished": "dim",
+    "failed": "bold red",
+    "stopped": "dim",
+    "starting": "cyan",
+    "running": "green",
+    "done": "dim",
+    "lost": "bold red",
+    "succeeded": "bold green",
+    "in-progress": "bold yellow",
+}
 
 
 # ---------------------------------------------------------------------- sources
@@ -32,8 +44,10 @@ def from_dir(path: str) -> RunView:
     """The view of the run in `path` (its run directory, or the --log_dir base) from its events."""
     files = run_event_files(path)
     if not files:
-        raise click.ClickException(f"{path}: no events.jsonl here or in its subdirectories "
-                                   "(pass the run's log directory, printed by ftrun at start)")
+        raise click.ClickException(
+            f"{path}: no events.jsonl here or in its subdirectories "
+            "(pass the run's log directory, printed by ftrun at start)"
+        )
     events: list[dict] = []
     for f in files:
         events.extend(read_event_file(f))
@@ -71,13 +85,19 @@ def from_store(kv: Any, now: float | None = None) -> RunView:
     now = now or time.time()
     snaps = node_snapshots(kv)
     if not snaps:
-        raise click.ClickException("the store has no node status: is this an ftrun job's store, "
-                                   "and has its agent finished starting?")
+        raise click.ClickException(
+            "the store has no node status: is this an ftrun job's store, "
+            "and has its agent finished starting?"
+        )
     v = RunView(now=now)
     leader = next((s for s in snaps if s.get("leader")), snaps[0])
     job = leader.get("job") or {}
     v.run_id, v.script, v.start = job.get("run_id", ""), job.get("script", ""), job.get("start")
-    v.world_size, v.nnodes, v.store_addr = job.get("world_size"), job.get("nnodes"), job.get("store_addr", "")
+    v.world_size, v.nnodes, v.store_addr = (
+        job.get("world_size"),
+        job.get("nnodes"),
+        job.get("store_addr", ""),
+    )
     v.outcome = job.get("outcome", "running")
     v.faults = _rows(FaultRow, job.get("faults") or [])
     v.rounds = [_round(d) for d in job.get("rounds") or []]
@@ -87,10 +107,21 @@ def from_store(kv: Any, now: float | None = None) -> RunView:
     v.restarts_used = int(raw) if raw is not None else int(leader.get("restarts_used", 0))
     v.max_restarts = int(leader.get("max_restarts", 0))
     for s in snaps:
-        state = "recovering" if s.get("recovering") and s.get("state") == "running" else s.get("state", "")
-        v.nodes.append(NodeRow(node=s["node"], host=s.get("host", ""), state=state,
-                               last_seen=float(s.get("time", 0.0)), leader=bool(s.get("leader")),
-                               spare=bool(s.get("spare"))))
+        state = (
+            "recovering"
+            if s.get("recovering") and s.get("state") == "running"
+            else s.get("state", "")
+        )
+        v.nodes.append(
+            NodeRow(
+                node=s["node"],
+                host=s.get("host", ""),
+                state=state,
+                last_seen=float(s.get("time", 0.0)),
+                leader=bool(s.get("leader")),
+                spare=bool(s.get("spare")),
+            )
+        )
         v.ranks.extend(_rows(RankRow, s.get("ranks") or []))
         v.log_dirs.append(s.get("log_dir", ""))
     v.ranks.sort(key=lambda r: r.rank)
@@ -102,8 +133,10 @@ def round_progress(kv: Any, generation: int, world_size: int) -> str:
     reported = sum(kv.try_get(P.status_key(generation, r)) is not None for r in range(world_size))
     resumed = sum(kv.try_get(P.resumed_key(generation, r)) is not None for r in range(world_size))
     planned = kv.try_get(P.repair_key(generation)) is not None
-    return (f"{reported}/{world_size} ranks reported, repair plan {'out' if planned else 'pending'}, "
-            f"{resumed}/{world_size} resumed")
+    return (
+        f"{reported}/{world_size} ranks reported, repair plan {'out' if planned else 'pending'}, "
+        f"{resumed}/{world_size} resumed"
+    )
 
 
 def connect(addr: str, token_file: str | None) -> Any:
@@ -179,22 +212,30 @@ def render(view: RunView, source: str) -> Any:
     from rich.text import Text
 
     now = view.now or time.time()
-    state = "recovering" if view.current_round is not None and view.outcome == "running" else view.outcome
+    state = (
+        "recovering"
+        if view.current_round is not None and view.outcome == "running"
+        else view.outcome
+    )
     left = max(0, view.max_restarts - view.restarts_used)
     head = Text.from_markup(
         f"[bold]ftrun job {escape(view.run_id or '?')}[/]  {escape(os.path.basename(view.script))}  "
         f"{_styled(state)}  generation {view.generation}  up {_age(now, view.start)}\n"
         f"restart budget: {view.restarts_used} used of {view.max_restarts}, [bold]{left} left[/]   "
         f"faults: {len(view.faults)}   time lost to recovery: {view.time_lost_s:.2f}s   "
-        f"[dim]({escape(source)})[/]")
+        f"[dim]({escape(source)})[/]"
+    )
     parts: list[Any] = [head]
     cur = view.current_round
     if cur is not None:
         f = cur.fault
         cause = f"rank {f.rank} {f.kind}" if f is not None else "?"
-        parts.append(Text.from_markup(
-            f"[bold yellow]recovery round, generation {cur.generation}: {cur.strategy}, phase "
-            f"{cur.phase or '?'}[/], running {_age(now, cur.start)} (cause: {cause})"))
+        parts.append(
+            Text.from_markup(
+                f"[bold yellow]recovery round, generation {cur.generation}: {cur.strategy}, phase "
+                f"{cur.phase or '?'}[/], running {_age(now, cur.start)} (cause: {cause})"
+            )
+        )
     parts += [_nodes_table(view, now), _ranks_table(view, now)]
     if view.faults:
         parts.append(_faults_table(view))
@@ -208,8 +249,14 @@ def _nodes_table(view: RunView, now: float) -> Any:
     for c in ("node", "host", "state", "role", "heard from", "warm spare"):
         t.add_column(c)
     for n in view.nodes:
-        t.add_row(str(n.node), escape(n.host), _styled(n.state), "leader" if n.leader else "",
-                  _age(now, n.last_seen) + " ago", "ready" if n.spare else "-")
+        t.add_row(
+            str(n.node),
+            escape(n.host),
+            _styled(n.state),
+            "leader" if n.leader else "",
+            _age(now, n.last_seen) + " ago",
+            "ready" if n.spare else "-",
+        )
     return t
 
 
@@ -217,14 +264,39 @@ def _ranks_table(view: RunView, now: float) -> Any:
     from rich.table import Table
 
     t = Table(title="ranks", title_justify="left", box=None, pad_edge=False)
-    for c in ("rank", "node", "pid", "gen", "step", "phase", "state", "steps/s", "restarts", "seen"):
-        t.add_column(c, justify="right" if c in ("rank", "pid", "gen", "step", "steps/s", "restarts") else "left")
+    for c in (
+        "rank",
+        "node",
+        "pid",
+        "gen",
+        "step",
+        "phase",
+        "state",
+        "steps/s",
+        "restarts",
+        "seen",
+    ):
+        t.add_column(
+            c,
+            justify="right"
+            if c in ("rank", "pid", "gen", "step", "steps/s", "restarts")
+            else "left",
+        )
     for r in view.ranks:
         step = "-" if r.committed_step is None or r.committed_step < 0 else str(r.committed_step)
         rate = "-" if r.steps_per_s is None else f"{r.steps_per_s:.2f}"
-        t.add_row(str(r.rank), str(r.node if r.node is not None else "-"), str(r.pid or "-"),
-                  str(r.generation), step, escape(r.phase or "-"), _styled(r.state), rate, str(r.restarts),
-                  _age(now, r.last_seen) + " ago")
+        t.add_row(
+            str(r.rank),
+            str(r.node if r.node is not None else "-"),
+            str(r.pid or "-"),
+            str(r.generation),
+            step,
+            escape(r.phase or "-"),
+            _styled(r.state),
+            rate,
+            str(r.restarts),
+            _age(now, r.last_seen) + " ago",
+        )
     return t
 
 
@@ -236,28 +308,54 @@ def _faults_table(view: RunView) -> Any:
         t.add_column(c, no_wrap=True)
     t.add_column("root cause", overflow="ellipsis", no_wrap=True, max_width=70)
     for f in view.faults:
-        t.add_row(_clock(f.time), str(f.rank if f.rank is not None else "node"), str(f.node),
-                  escape(f.kind + (" [injected]" if f.injected else "")), f.strategy or "-",
-                  "-" if f.round is None else f"{f.generation}->{f.round}",
-                  "-" if f.mttr_s is None else f"{f.mttr_s:.2f}s",
-                  "-" if f.steps_lost is None else str(f.steps_lost), escape(f.evidence[:200]))
+        t.add_row(
+            _clock(f.time),
+            str(f.rank if f.rank is not None else "node"),
+            str(f.node),
+            escape(f.kind + (" [injected]" if f.injected else "")),
+            f.strategy or "-",
+            "-" if f.round is None else f"{f.generation}->{f.round}",
+            "-" if f.mttr_s is None else f"{f.mttr_s:.2f}s",
+            "-" if f.steps_lost is None else str(f.steps_lost),
+            escape(f.evidence[:200]),
+        )
     return t
 
 
 # ---------------------------------------------------------------------- the command
 @click.command("status")
 @click.argument("run_dir", required=False, type=click.Path(exists=True, file_okay=False))
-@click.option("--addr", default=None, metavar="HOST:PORT",
-              help="The job's store (printed by ftrun at start; in <run dir>/store.json).")
+@click.option(
+    "--addr",
+    default=None,
+    metavar="HOST:PORT",
+    help="The job's store (printed by ftrun at start; in <run dir>/store.json).",
+)
 @click.option("--token-file", default=None, help="Job token file, when the store requires one.")
 @click.option("--json", "as_json", is_flag=True, help="Print the view as one JSON object.")
 @click.option("--watch", is_flag=True, help="Redraw every --interval seconds until interrupted.")
-@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
-              help="Seconds between redraws (--watch).")
-@click.option("--count", default=0, type=click.IntRange(min=0),
-              help="With --watch: stop after this many redraws (0: until Ctrl-C).")
-def status(run_dir: str | None, addr: str | None, token_file: str | None, as_json: bool,
-           watch: bool, interval: float, count: int) -> None:
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(min=0.1),
+    help="Seconds between redraws (--watch).",
+)
+@click.option(
+    "--count",
+    default=0,
+    type=click.IntRange(min=0),
+    help="With --watch: stop after this many redraws (0: until Ctrl-C).",
+)
+def status(
+    run_dir: str | None,
+    addr: str | None,
+    token_file: str | None,
+    as_json: bool,
+    watch: bool,
+    interval: float,
+    count: int,
+) -> None:
     """Show a job's nodes, ranks, restart budget, recovery round and faults (RUN_DIR: the run's
     log directory; or --addr of its live store)."""
     from rich.console import Console

@@ -18,6 +18,7 @@ Phases of a round, per rank (wall-clock edges from the events named):
   transfer  groups built -> state restored or received (`transfer_bytes` moved)
   resume    state ready -> the first step after the round committed (`rank-resumed`)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -273,11 +274,18 @@ class Timeline:
         node = ev.get("lost_node")
         if isinstance(node, int):
             self._node(node).state = "lost"
-        f = FaultRow(time=t, rank=None, node=node if isinstance(node, int) else None,
-                     host=str(ev.get("host", "")), kind="node-lost",
-                     evidence=str(ev.get("reason", "")), generation=int(ev.get("generation", 0)),
-                     detected=t, strategy=str(ev.get("strategy", "restart-all")),
-                     reason=str(ev.get("message", "")))
+        f = FaultRow(
+            time=t,
+            rank=None,
+            node=node if isinstance(node, int) else None,
+            host=str(ev.get("host", "")),
+            kind="node-lost",
+            evidence=str(ev.get("reason", "")),
+            generation=int(ev.get("generation", 0)),
+            detected=t,
+            strategy=str(ev.get("strategy", "restart-all")),
+            reason=str(ev.get("message", "")),
+        )
         self.v.faults.append(f)
         self._last_decided = f
 
@@ -304,7 +312,12 @@ class Timeline:
         gen = int(ev.get("generation", 0))
         if r.pid is not None:
             r.restarts += 1
-        r.node, r.local_rank, r.pid, r.generation = ev.get("node"), ev.get("local_rank"), ev.get("pid"), gen
+        r.node, r.local_rank, r.pid, r.generation = (
+            ev.get("node"),
+            ev.get("local_rank"),
+            ev.get("pid"),
+            gen,
+        )
         r.replacement = bool(ev.get("replacement"))
         r.state, r.phase, r.last_seen = ("replacement" if r.replacement else "starting"), "init", t
         r.step, r.steps_per_s = None, None
@@ -340,7 +353,11 @@ class Timeline:
             if r.state in ("finished", "failed", "stopped"):
                 pass  # a sample taken as the process ended: its steps count, not its phase
             else:
-                r.phase, r.steps_per_s, r.last_seen = str(p.get("phase", "")), p.get("steps_per_s"), t
+                r.phase, r.steps_per_s, r.last_seen = (
+                    str(p.get("phase", "")),
+                    p.get("steps_per_s"),
+                    t,
+                )
                 if r.state not in ("finished", "failed", "stopped"):
                     r.state = _state_of(r.phase, bool(p.get("waiting")), r.state)
             if r.committed_step is not None and r.committed_step >= 0:
@@ -360,18 +377,32 @@ class Timeline:
         if ev.get("fault_kind") == "hang" and rank in self._hang:
             began = self._hang.pop(rank)
         self._pending[rank] = FaultRow(
-            time=began, rank=rank, node=ev.get("node"), host=str(ev.get("host", "")),
-            kind=str(ev.get("fault_kind", "unknown")), evidence=str(ev.get("message", "")),
-            generation=int(ev.get("generation", 0)), injected=rank in self._injected, detected=t,
-            stderr_file=str(ev.get("stderr_file") or ""))
+            time=began,
+            rank=rank,
+            node=ev.get("node"),
+            host=str(ev.get("host", "")),
+            kind=str(ev.get("fault_kind", "unknown")),
+            evidence=str(ev.get("message", "")),
+            generation=int(ev.get("generation", 0)),
+            injected=rank in self._injected,
+            detected=t,
+            stderr_file=str(ev.get("stderr_file") or ""),
+        )
         self._injected.discard(rank)
 
     def _on_worker_fault(self, ev: dict, t: float) -> None:
         rank = int(ev["rank"])
         self._pending[rank] = FaultRow(
-            time=t, rank=rank, node=ev.get("node"), host=str(ev.get("host", "")),
-            kind=str(ev.get("fault_kind", "unknown")), evidence=str(ev.get("message", "")),
-            generation=int(ev.get("generation", 0)), injected=bool(ev.get("injected")), detected=t)
+            time=t,
+            rank=rank,
+            node=ev.get("node"),
+            host=str(ev.get("host", "")),
+            kind=str(ev.get("fault_kind", "unknown")),
+            evidence=str(ev.get("message", "")),
+            generation=int(ev.get("generation", 0)),
+            injected=bool(ev.get("injected")),
+            detected=t,
+        )
         self._injected.discard(rank)
 
     def _on_hang(self, ev: dict, t: float) -> None:
@@ -385,9 +416,16 @@ class Timeline:
         rank = ev.get("rank")
         f = self._pending.pop(rank, None)
         if f is None:
-            f = FaultRow(time=t, rank=rank, node=ev.get("node"), host=str(ev.get("host", "")),
-                         kind=str(ev.get("fault_kind", "unknown")), evidence=str(ev.get("message", "")),
-                         generation=int(ev.get("generation", 0)), detected=t)
+            f = FaultRow(
+                time=t,
+                rank=rank,
+                node=ev.get("node"),
+                host=str(ev.get("host", "")),
+                kind=str(ev.get("fault_kind", "unknown")),
+                evidence=str(ev.get("message", "")),
+                generation=int(ev.get("generation", 0)),
+                detected=t,
+            )
         f.injected = f.injected or bool(ev.get("injected"))
         f.strategy, f.reason = str(ev.get("strategy", "")), str(ev.get("reason", ""))
         self.v.faults.append(f)
@@ -450,9 +488,15 @@ class Timeline:
             prev = self._latest_open()
             if prev is not None:
                 prev.closed_by, prev.closed_at = prev.hint or "superseded", t
-            rd = self._rounds[g] = _RoundData(Round(generation=g, strategy=str(ev.get("strategy", "")),
-                                                    plan_time=t, start=t,
-                                                    failed_ranks=list(ev.get("failed_ranks") or [])))
+            rd = self._rounds[g] = _RoundData(
+                Round(
+                    generation=g,
+                    strategy=str(ev.get("strategy", "")),
+                    plan_time=t,
+                    start=t,
+                    failed_ranks=list(ev.get("failed_ranks") or []),
+                )
+            )
         if isinstance(ev.get("node"), int):
             rd.node_plan.setdefault(ev["node"], t)
         self.v.generation = max(self.v.generation, g)
@@ -553,25 +597,41 @@ class Timeline:
                 self._restart_bars(rd, rank, until, bars)
             else:
                 start = self._plan_time(rd, rank)
-                _add(bars, rank, "stop", start, ro.end if ro.end is not None else until, until, ro.strategy)
+                _add(
+                    bars,
+                    rank,
+                    "stop",
+                    start,
+                    ro.end if ro.end is not None else until,
+                    until,
+                    ro.strategy,
+                )
         if ro.end is None:
             for b in bars:
                 if b.end >= until:
                     b.open = True
         ro.bars = sorted(bars, key=lambda b: (b.rank, b.start))
         open_bars = [b for b in ro.bars if b.open]
-        ro.phase = "" if ro.end is not None else (
-            max(open_bars, key=lambda b: b.start).phase if open_bars else "decide")
+        ro.phase = (
+            ""
+            if ro.end is not None
+            else (max(open_bars, key=lambda b: b.start).phase if open_bars else "decide")
+        )
         rec = [e for e in rd.recovered.values()]
         ro.transfer_bytes = sum(int(e.get("transfer_bytes") or 0) for e in rec)
-        ro.transfer_s = max((float(e.get("transfer_s") or 0.0) for e in rec
-                             if e.get("transfer_bytes")), default=0.0)
+        ro.transfer_s = max(
+            (float(e.get("transfer_s") or 0.0) for e in rec if e.get("transfer_bytes")), default=0.0
+        )
         ro.steps_lost = self._steps_lost(rd)
         return ro
 
     def _plan_time(self, rd: _RoundData, rank: int) -> float:
         node = self._ranks[rank].node
-        return rd.node_plan.get(node, rd.round.plan_time) if isinstance(node, int) else rd.round.plan_time
+        return (
+            rd.node_plan.get(node, rd.round.plan_time)
+            if isinstance(node, int)
+            else rd.round.plan_time
+        )
 
     def _process_bars(self, rd: _RoundData, rank: int, until: float, bars: list[Bar]) -> None:
         ro = rd.round
@@ -579,11 +639,23 @@ class Timeline:
         start = self._plan_time(rd, rank)
         first = "respawn" if rank in ro.restart_ranks else "stop"
         spawn = rd.spawned.get(rank)
-        note = ("from the warm spare" if spawn and spawn.get("warm") else "new process") if first == "respawn" else ""
-        edges = [(first, start, marks.get("status"), note), ("wait", marks.get("status"), marks.get("plan"), ""),
-                 ("rebuild", marks.get("plan"), marks.get("rebuilt"), ""),
-                 ("transfer", marks.get("rebuilt"), marks.get("repaired"), self._moved(rd, rank)),
-                 ("resume", marks.get("repaired"), (rd.resumed.get(rank) or {}).get("time"), "first step")]
+        note = (
+            ("from the warm spare" if spawn and spawn.get("warm") else "new process")
+            if first == "respawn"
+            else ""
+        )
+        edges = [
+            (first, start, marks.get("status"), note),
+            ("wait", marks.get("status"), marks.get("plan"), ""),
+            ("rebuild", marks.get("plan"), marks.get("rebuilt"), ""),
+            ("transfer", marks.get("rebuilt"), marks.get("repaired"), self._moved(rd, rank)),
+            (
+                "resume",
+                marks.get("repaired"),
+                (rd.resumed.get(rank) or {}).get("time"),
+                "first step",
+            ),
+        ]
         _chain(bars, rank, edges, until, ro.end is None)
 
     def _moved(self, rd: _RoundData, rank: int) -> str:
@@ -591,7 +663,11 @@ class Timeline:
         n = int(e.get("transfer_bytes") or 0)
         if n:
             srcs = [p[0] for p in rd.round.pairs if p and p[1] == rank] or [e.get("source")]
-            who = f"rank {srcs[0]}" if len(srcs) == 1 else "ranks " + ", ".join(map(str, srcs)) + " (striped)"
+            who = (
+                f"rank {srcs[0]}"
+                if len(srcs) == 1
+                else "ranks " + ", ".join(map(str, srcs)) + " (striped)"
+            )
             how = " (read from its memory)" if e.get("transfer_path") == "memory" else ""
             return f"received {n / 1e6:.1f} MB from {who}{how} in {float(e.get('transfer_s') or 0):.3f} s"
         pairs = [p for p in rd.round.pairs if p and p[0] == rank]
@@ -606,10 +682,16 @@ class Timeline:
         node = self._ranks[rank].node
         stopped = rd.go or (rd.restarted.get(node) if isinstance(node, int) else None) or spawn
         hello = rd.hello.get(rank) or spawn
-        edges = [("stop", start, stopped, "every node stops its workers"),
-                 ("respawn", stopped, hello, "new process"),
-                 ("resume", hello, (rd.resumed.get(rank) or {}).get("time"),
-                  "process groups, checkpoint load, first step")]
+        edges = [
+            ("stop", start, stopped, "every node stops its workers"),
+            ("respawn", stopped, hello, "new process"),
+            (
+                "resume",
+                hello,
+                (rd.resumed.get(rank) or {}).get("time"),
+                "process groups, checkpoint load, first step",
+            ),
+        ]
         _chain(bars, rank, edges, until, ro.end is None)
 
     def _close(self, rd: _RoundData, expected: list[int]) -> None:
@@ -632,7 +714,10 @@ class Timeline:
         elif ro.strategy == "restart-all" and not (self._aware & set(expected)) and rd.restarted:
             ro.outcome, ro.end = "restarted", max(rd.restarted.values())  # unmodified workers
         elif self.v.outcome in ENDED:
-            ro.outcome, ro.end = ("failed" if self.v.outcome == "failed" else "recovered"), self.v.end
+            ro.outcome, ro.end = (
+                ("failed" if self.v.outcome == "failed" else "recovered"),
+                self.v.end,
+            )
         else:
             ro.outcome, ro.end = "in-progress", None
 
@@ -662,12 +747,26 @@ def _state_of(phase: str, waiting: bool, previous: str) -> str:
     return "waiting" if waiting else "training"
 
 
-def _add(bars: list[Bar], rank: int, phase: str, start: float | None, end: float | None, until: float,
-         note: str = "") -> None:
+def _add(
+    bars: list[Bar],
+    rank: int,
+    phase: str,
+    start: float | None,
+    end: float | None,
+    until: float,
+    note: str = "",
+) -> None:
     if start is None:
         return
-    bars.append(Bar(rank=rank, phase=phase, start=round(start, 4),
-                    end=round(max(start, end if end is not None else until), 4), note=note))
+    bars.append(
+        Bar(
+            rank=rank,
+            phase=phase,
+            start=round(start, 4),
+            end=round(max(start, end if end is not None else until), 4),
+            note=note,
+        )
+    )
 
 
 def _chain(bars: list[Bar], rank: int, edges: list[tuple], until: float, live: bool) -> None:
@@ -684,20 +783,36 @@ def _chain(bars: list[Bar], rank: int, edges: list[tuple], until: float, live: b
 
 
 _HANDLERS = {
-    "start": Timeline._on_start, "rendezvous": Timeline._on_rendezvous,
-    "store-address": Timeline._on_store_address, "job-done": Timeline._on_job_done,
-    "summary": Timeline._on_job_failed, "internal-error": Timeline._on_job_failed,
-    "node-done": Timeline._on_node_done, "signal": Timeline._on_signal,
-    "node-lost": Timeline._on_node_lost, "node-joined": Timeline._on_node_joined,
-    "world-shrink": Timeline._on_world_shrink, "round-joined": Timeline._on_round_joined,
-    "spare": Timeline._on_spare, "spawn": Timeline._on_spawn, "hello": Timeline._on_hello,
-    "exit": Timeline._on_exit, "progress": Timeline._on_progress,
-    "worker-failed": Timeline._on_worker_failed, "worker-fault": Timeline._on_worker_fault,
-    "hang": Timeline._on_hang, "inject": Timeline._on_inject, "decide": Timeline._on_decide,
-    "fallback": Timeline._on_fallback, "plan": Timeline._on_plan,
+    "start": Timeline._on_start,
+    "rendezvous": Timeline._on_rendezvous,
+    "store-address": Timeline._on_store_address,
+    "job-done": Timeline._on_job_done,
+    "summary": Timeline._on_job_failed,
+    "internal-error": Timeline._on_job_failed,
+    "node-done": Timeline._on_node_done,
+    "signal": Timeline._on_signal,
+    "node-lost": Timeline._on_node_lost,
+    "node-joined": Timeline._on_node_joined,
+    "world-shrink": Timeline._on_world_shrink,
+    "round-joined": Timeline._on_round_joined,
+    "spare": Timeline._on_spare,
+    "spawn": Timeline._on_spawn,
+    "hello": Timeline._on_hello,
+    "exit": Timeline._on_exit,
+    "progress": Timeline._on_progress,
+    "worker-failed": Timeline._on_worker_failed,
+    "worker-fault": Timeline._on_worker_fault,
+    "hang": Timeline._on_hang,
+    "inject": Timeline._on_inject,
+    "decide": Timeline._on_decide,
+    "fallback": Timeline._on_fallback,
+    "plan": Timeline._on_plan,
     "round-superseded": Timeline._on_superseded,
-    "plan-received": Timeline._on_plan_received, "restart-all-go": Timeline._on_restart_all_go,
-    "restarted": Timeline._on_restarted, "repair-plan": Timeline._on_repair_plan,
-    "dump-plan": Timeline._on_dump, "rank-recovered": Timeline._on_rank_recovered,
+    "plan-received": Timeline._on_plan_received,
+    "restart-all-go": Timeline._on_restart_all_go,
+    "restarted": Timeline._on_restarted,
+    "repair-plan": Timeline._on_repair_plan,
+    "dump-plan": Timeline._on_dump,
+    "rank-recovered": Timeline._on_rank_recovered,
     "rank-resumed": Timeline._on_rank_resumed,
 }

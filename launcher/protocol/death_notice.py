@@ -22,6 +22,7 @@ Nothing is required: when the slot cannot be opened or locked (another pid names
 robust mutexes), the Hello carries no thread id and the exit is seen through the pidfd as before.
 `FTRUN_DEATH_NOTICE=0` in the agent's environment turns the notice off.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -44,10 +45,18 @@ def _load_pthread():
     for name in (None, "libpthread.so.0"):
         try:
             lib = ctypes.CDLL(name, use_errno=True)
-            fns = [getattr(lib, f) for f in (
-                "pthread_mutexattr_init", "pthread_mutexattr_setpshared", "pthread_mutexattr_setrobust",
-                "pthread_mutex_init", "pthread_mutex_lock", "pthread_mutex_timedlock",
-                "pthread_mutex_unlock")]
+            fns = [
+                getattr(lib, f)
+                for f in (
+                    "pthread_mutexattr_init",
+                    "pthread_mutexattr_setpshared",
+                    "pthread_mutexattr_setrobust",
+                    "pthread_mutex_init",
+                    "pthread_mutex_lock",
+                    "pthread_mutex_timedlock",
+                    "pthread_mutex_unlock",
+                )
+            ]
         except (OSError, AttributeError):
             continue
         for f in fns:
@@ -69,9 +78,11 @@ def supported() -> bool:
 
 def _init_mutex(addr: int) -> bool:
     attr = ctypes.create_string_buffer(SLOT_BYTES)
-    ok = (_PT.pthread_mutexattr_init(attr) == 0
-          and _PT.pthread_mutexattr_setpshared(attr, 1) == 0  # PTHREAD_PROCESS_SHARED
-          and _PT.pthread_mutexattr_setrobust(attr, 1) == 0)  # PTHREAD_MUTEX_ROBUST
+    ok = (
+        _PT.pthread_mutexattr_init(attr) == 0
+        and _PT.pthread_mutexattr_setpshared(attr, 1) == 0  # PTHREAD_PROCESS_SHARED
+        and _PT.pthread_mutexattr_setrobust(attr, 1) == 0
+    )  # PTHREAD_MUTEX_ROBUST
     return ok and _PT.pthread_mutex_init(ctypes.c_void_p(addr), attr) == 0
 
 
@@ -92,6 +103,7 @@ def popen_code(status: int) -> int:
 
 
 # ---------------------------------------------------------------------------- the worker's side
+
 
 @dataclass
 class Held:
@@ -133,6 +145,7 @@ def _deadline(seconds: float) -> _Timespec:
 
 
 # ---------------------------------------------------------------------------- the agent's side
+
 
 class NoticeBoard:
     """The agent's slots and watchers. Owned by the agent: `stop()` ends every watcher (within
@@ -187,8 +200,12 @@ class NoticeBoard:
         slot = int(off) // SLOT_BYTES
         if not 0 <= slot < self._nslots or self._stop.is_set():
             return False
-        t = threading.Thread(target=self._wait, args=(slot, pid, tid, on_death),
-                             name=f"ftrun-notice:{pid}", daemon=True)
+        t = threading.Thread(
+            target=self._wait,
+            args=(slot, pid, tid, on_death),
+            name=f"ftrun-notice:{pid}",
+            daemon=True,
+        )
         with self._lock:
             old = self._watched.get(slot)
             if old is not None and old.is_alive():

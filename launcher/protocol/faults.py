@@ -5,6 +5,7 @@ worker reports itself, the kinds after which the process stays alive (`IN_PLACE_
 injection kinds of `ftctl inject` and `FTRUN_FAULT_PLAN`. Pure data: the runtime imports it, so
 nothing here imports agent code. Which strategy handles which kind is `launcher.control.decision`'s.
 """
+
 from __future__ import annotations
 
 import enum
@@ -32,13 +33,21 @@ class FaultKind(str, enum.Enum):
 
 
 # Kinds a runtime-aware worker reports itself (the agent sees exit, signal and hang).
-WORKER_FAULT_KINDS: tuple[str, ...] = tuple(k.value for k in (
-    FaultKind.UCE_LOW, FaultKind.UCE_HIGH, FaultKind.NETWORK, FaultKind.UNSAFE_DATA,
-    FaultKind.EXCEPTION))
+WORKER_FAULT_KINDS: tuple[str, ...] = tuple(
+    k.value
+    for k in (
+        FaultKind.UCE_LOW,
+        FaultKind.UCE_HIGH,
+        FaultKind.NETWORK,
+        FaultKind.UNSAFE_DATA,
+        FaultKind.EXCEPTION,
+    )
+)
 
 # Faults after which the process itself is healthy and can stay (no restart needed).
-IN_PLACE_KINDS = frozenset({FaultKind.UCE_LOW, FaultKind.UCE_HIGH, FaultKind.NETWORK,
-                            FaultKind.UNSAFE_DATA})
+IN_PLACE_KINDS = frozenset(
+    {FaultKind.UCE_LOW, FaultKind.UCE_HIGH, FaultKind.NETWORK, FaultKind.UNSAFE_DATA}
+)
 
 # Injections. Signal injections the agent performs itself on any worker (a real SIGKILL, SIGSEGV,
 # or SIGSTOP for a hang); process injections a runtime-aware worker performs on itself at a
@@ -52,8 +61,11 @@ INJECTION_KINDS: tuple[str, ...] = PROCESS_INJECTIONS + WORKER_FAULT_KINDS
 RUNTIME_INJECTIONS = frozenset(INJECTION_KINDS) - frozenset(SIGNAL_INJECTIONS)
 
 # Process states (/proc/<pid>/stat) in which a process counts as hung once it stops progressing.
-FROZEN_STATES = {"T": "stopped (SIGSTOP, state T)", "t": "stopped by a tracer (state t)",
-                 "D": "stuck in the kernel (uninterruptible sleep, state D)"}
+FROZEN_STATES = {
+    "T": "stopped (SIGSTOP, state T)",
+    "t": "stopped by a tracer (state t)",
+    "D": "stuck in the kernel (uninterruptible sleep, state D)",
+}
 
 # What a backend prints when a collective failed because of a peer (a peer that hangs or died):
 # the exit of a worker that says so may be a consequence of another rank's fault.

@@ -24,6 +24,7 @@ default, so a message from an older peer still decodes. Unknown fields are ignor
 not JSON, has an unknown op, lacks a required field or has a field of the wrong type raises
 `MessageError`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,12 +44,14 @@ class MessageError(ValueError):
 
 def message(op: str) -> Callable[[type[T]], type[T]]:
     """Register a message dataclass under `op`."""
+
     def register(cls: type[T]) -> type[T]:
         if op in MESSAGES:
             raise ValueError(f"message op {op!r} registered twice")
         cls.op = op  # type: ignore[attr-defined]
         MESSAGES[op] = cls
         return cls
+
     return register
 
 
@@ -75,10 +78,18 @@ class Heartbeat:
     committed_step: int = -1
     waiting: bool = False  # inside a collective, waiting on peers (not hung itself)
     time: float = 0.0
-    step_s: float = 0.0  # how long the rank's last committed step took, by its own clock (0: none yet)
-    state_bytes: int = 0  # the bytes of its registered state (a replacement receives as much; 0: unknown)
-    generation: int = -1  # the generation the rank last entered (its start or a round it joined; -1: unknown)
-    stuck: bool = False  # its C++ collective wait outlived the stop's socket shutdown (it will not end)
+    step_s: float = (
+        0.0  # how long the rank's last committed step took, by its own clock (0: none yet)
+    )
+    state_bytes: int = (
+        0  # the bytes of its registered state (a replacement receives as much; 0: unknown)
+    )
+    generation: int = (
+        -1
+    )  # the generation the rank last entered (its start or a round it joined; -1: unknown)
+    stuck: bool = (
+        False  # its C++ collective wait outlived the stop's socket shutdown (it will not end)
+    )
 
     def progress(self) -> tuple[int, str, int]:
         """What counts as progress (not mere liveness) for the agent's hang check."""
@@ -190,8 +201,9 @@ def _matches(value: Any, tp: Any) -> bool:
     if origin is list:
         return isinstance(value, list) and all(_matches(v, args[0]) for v in value)
     if origin is dict:
-        return isinstance(value, dict) and all(isinstance(k, str) and _matches(v, args[1])
-                                               for k, v in value.items())
+        return isinstance(value, dict) and all(
+            isinstance(k, str) and _matches(v, args[1]) for k, v in value.items()
+        )
     if tp is bool:
         return isinstance(value, bool)
     if tp is int:

@@ -23,6 +23,7 @@ A job that ends: each agent sets `finished_key(rank)` for every rank done with t
 goodbye or exited 0), adds 1 to `done_key(g)` when its workers finished, then to `EXITED_KEY`
 when it leaves.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +39,9 @@ FAULT_SEQ = f"{ROOT}/fault_seq"
 # lost goes on from there (reports posted meanwhile are not skipped, decided ones not replayed)
 FAULT_NEXT_KEY = f"{ROOT}/fault_next"
 RESTARTS_USED_KEY = f"{ROOT}/restarts_used"  # the controller's budget, kept across leader changes
-WORLD_SIZE_KEY = f"{ROOT}/world_size"  # set by the leader agent; `ftctl inject` checks ranks against it
+WORLD_SIZE_KEY = (
+    f"{ROOT}/world_size"  # set by the leader agent; `ftctl inject` checks ranks against it
+)
 EXITED_KEY = f"{ROOT}/exited"  # agents that left after a successful job
 
 # A runtime-aware rank exits with this code when the repair plan fell back (restart-all or dump):

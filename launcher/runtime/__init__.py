@@ -61,6 +61,7 @@ steps, all_reduce, broadcast, all_gather, barrier, allreduce_gradients, ddp, rep
 save_checkpoint, load_checkpoint, finish), `Step` (phase, optimizer_update), `StopRequested`,
 `GroupHandle`, `Layout`, `plan_repair`.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -69,10 +70,14 @@ from typing import Any
 # Exports load lazily: the launcher imports launcher.runtime.replicas (pure Python) and must not
 # pay for importing torch, which the rest of the runtime needs.
 _EXPORTS = {
-    "init": "launcher.runtime.runtime", "Runtime": "launcher.runtime.runtime",
-    "RuntimeOptions": "launcher.runtime.runtime", "Step": "launcher.runtime.runtime",
-    "EXIT_FALLBACK": "launcher.protocol.plan", "StopRequested": "launcher.runtime.signals",
-    "GroupHandle": "launcher.runtime.groups", "Layout": "launcher.runtime.replicas",
+    "init": "launcher.runtime.runtime",
+    "Runtime": "launcher.runtime.runtime",
+    "RuntimeOptions": "launcher.runtime.runtime",
+    "Step": "launcher.runtime.runtime",
+    "EXIT_FALLBACK": "launcher.protocol.plan",
+    "StopRequested": "launcher.runtime.signals",
+    "GroupHandle": "launcher.runtime.groups",
+    "Layout": "launcher.runtime.replicas",
     "plan_repair": "launcher.runtime.replicas",
 }
 __all__ = sorted(_EXPORTS)

@@ -12,6 +12,7 @@ interruptible wait, so a stop still leaves within milliseconds, and copies the a
 gradients back) and `GradientSyncs` (one
 `OverlappedAllReduce` per parameter set, for `Runtime.allreduce_gradients`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -64,12 +65,15 @@ class GradComm:
                 self.coll.broadcast(flat, self.root, self.group(), what=what)
                 off = 0
                 for t in group:
-                    t.copy_(flat[off:off + t.numel()].view_as(t))
+                    t.copy_(flat[off : off + t.numel()].view_as(t))
                     off += t.numel()
 
 
-def bucket_layout(params: Sequence[torch.Tensor], bucket_bytes: int = BUCKET_BYTES,
-                  first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> list[list[int]]:
+def bucket_layout(
+    params: Sequence[torch.Tensor],
+    bucket_bytes: int = BUCKET_BYTES,
+    first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+) -> list[list[int]]:
     """Indices into `params` per bucket, in launch order: reverse parameter order (the last
     layers' gradients are ready first); a bucket closes when it reaches its cap (the first one
     `first_bucket_bytes`, the others `bucket_bytes`) or the dtype/device changes."""
@@ -141,8 +145,13 @@ class OverlappedAllReduce:
     does the same).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], comm: GradComm, average: bool = True,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        comm: GradComm,
+        average: bool = True,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
         self._params = list(params)
         self._comm = comm
         self._average = average
@@ -157,8 +166,11 @@ class OverlappedAllReduce:
         if comm.size > 1:
             for b, idx in enumerate(layout):
                 for i in idx:
-                    self._handles.append(self._params[i].register_post_accumulate_grad_hook(
-                        functools.partial(self._on_ready, b)))
+                    self._handles.append(
+                        self._params[i].register_post_accumulate_grad_hook(
+                            functools.partial(self._on_ready, b)
+                        )
+                    )
 
     @property
     def layout(self) -> list[list[int]]:
@@ -265,12 +277,20 @@ class GradientSyncs:
         # ids of the models -> (the models, kept alive so their ids stay theirs; the sync's key)
         self._params_of: dict[tuple[int, ...], tuple[tuple[torch.nn.Module, ...], tuple]] = {}
 
-    def sync(self, models: tuple[torch.nn.Module, ...], group_key: Any, comm: Callable[[], GradComm],
-             average: bool, bucket_bytes: int) -> None:
+    def sync(
+        self,
+        models: tuple[torch.nn.Module, ...],
+        group_key: Any,
+        comm: Callable[[], GradComm],
+        average: bool,
+        bucket_bytes: int,
+    ) -> None:
         ids = tuple(map(id, models))
         known = self._params_of.get(ids)
         if known is None:
-            params = list({id(p): p for m in models for p in m.parameters() if p.requires_grad}.values())
+            params = list(
+                {id(p): p for m in models for p in m.parameters() if p.requires_grad}.values()
+            )
             known = self._params_of[ids] = (models, (tuple(map(id, params)), params))
         param_ids, params = known[1]
         key = (param_ids, group_key, average, bucket_bytes)

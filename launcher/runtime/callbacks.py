@@ -20,6 +20,7 @@ Order of one recovery (every rank of the round, the replacement included from "r
   step that had started, else commit(step) (falls back to rollback when commit is not given)
   -> `recover` returns `step`; the loop continues there.
 """
+
 from __future__ import annotations
 
 import os
@@ -100,9 +101,13 @@ class FrameworkHooks:
         `Runtime.register` (model, optimizer, scheduler, data=(get, set), extra, checkpoint_dir,
         checkpoint_every). `data` may carry any small picklable state (positions, counters)."""
         if not isinstance(callbacks, FrameworkCallbacks):
-            raise TypeError(f"callbacks must be a FrameworkCallbacks, got {type(callbacks).__name__}")
+            raise TypeError(
+                f"callbacks must be a FrameworkCallbacks, got {type(callbacks).__name__}"
+            )
         if "on_rollback" in state:
-            raise TypeError("pass rollback through FrameworkCallbacks(rollback=...), not on_rollback")
+            raise TypeError(
+                "pass rollback through FrameworkCallbacks(rollback=...), not on_rollback"
+            )
         for name in ("stop", "clean", "rebuild_groups", "rollback", "commit"):
             fn = getattr(callbacks, name)
             if fn is not None and not callable(fn):
@@ -113,7 +118,9 @@ class FrameworkHooks:
     def set_layout(self, dp: int, tp: int = 1, pp: int = 1, optimizer_shards: int = 1) -> None:
         """Replica identity of a Megatron grid (rank order tp fastest, then dp, then pp); creates
         no group: the framework builds its own."""
-        self.runtime._set_layout(Layout.from_parallel(self.world_size, dp, tp, pp, optimizer_shards))
+        self.runtime._set_layout(
+            Layout.from_parallel(self.world_size, dp, tp, pp, optimizer_shards)
+        )
 
     def set_replica_groups(self, groups: list[list[int]]) -> None:
         self.runtime.set_replica_groups(groups)
@@ -138,8 +145,10 @@ class FrameworkHooks:
         if self._step is not None:
             self.step_end()
         if step != self._next:
-            raise ValueError(f"step_start({step}): ftrun expects step {self._next} (continue at the "
-                             "step start()/recover() returned, one step after another)")
+            raise ValueError(
+                f"step_start({step}): ftrun expects step {self._next} (continue at the "
+                "step start()/recover() returned, one step after another)"
+            )
         rt = self.runtime
         rt._check_stop(f"start of step {step}")
         cur = Step(rt, step)
@@ -175,8 +184,10 @@ class FrameworkHooks:
         cur = self._open("step_end")
         rt = self.runtime
         if rt._in_update:
-            raise RuntimeError(f"step {cur.index} ended inside its optimizer update "
-                               "(optimizer_update_end() missing)")
+            raise RuntimeError(
+                f"step {cur.index} ended inside its optimizer update "
+                "(optimizer_update_end() missing)"
+            )
         if not cur.updated:
             rt._commit(cur.index)
         self._step = None
@@ -259,8 +270,12 @@ def framework_environ(environ: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def attach(backend: str = "gloo", device: str | None = None, options: RuntimeOptions | None = None,
-           environ: dict[str, str] | None = None) -> FrameworkHooks:
+def attach(
+    backend: str = "gloo",
+    device: str | None = None,
+    options: RuntimeOptions | None = None,
+    environ: dict[str, str] | None = None,
+) -> FrameworkHooks:
     """Join the job (`launcher.runtime.init`) and route torch.distributed's collectives through
     the runtime. Call it before the framework creates its process groups.
 

@@ -16,6 +16,7 @@ heartbeat when they changed; the runtime only `wake()`s it for phases worth tell
 reducer, whose waits run in C++), the writer also asks it every PERIOD_S whether the training
 thread sits in such a wait, and reports it as `waiting` as the runtime's own waits do.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,17 @@ import threading
 import time
 from typing import Any, Callable
 
-from launcher.protocol.messages import (Bye, Heartbeat, Hello, Inject, Message, MessageError, Stop, decode,
-                               encode)
+from launcher.protocol.messages import (
+    Bye,
+    Heartbeat,
+    Hello,
+    Inject,
+    Message,
+    MessageError,
+    Stop,
+    decode,
+    encode,
+)
 from launcher.runtime.signals import StopSignal
 from launcher.runtime.wait_probe import PERIOD_S
 
@@ -39,9 +49,16 @@ MIN_HEARTBEAT_GAP = 0.2
 class AgentChannel:
     """Connection to the local agent; start() it, close() it."""
 
-    def __init__(self, path: str, rank: int, stop: StopSignal, log: Callable[[str], None],
-                 heartbeat_interval: float = 1.0, connect_timeout: float = 30.0,
-                 on_inject: Callable[[Inject], None] | None = None) -> None:
+    def __init__(
+        self,
+        path: str,
+        rank: int,
+        stop: StopSignal,
+        log: Callable[[str], None],
+        heartbeat_interval: float = 1.0,
+        connect_timeout: float = 30.0,
+        on_inject: Callable[[Inject], None] | None = None,
+    ) -> None:
         self._path = path
         self._on_inject = on_inject
         self._rank = rank
@@ -72,11 +89,16 @@ class AgentChannel:
             except OSError as exc:
                 sock.close()
                 if time.monotonic() > deadline:
-                    raise ConnectionError(f"cannot connect to the ftrun agent at {self._path}: {exc}") from exc
+                    raise ConnectionError(
+                        f"cannot connect to the ftrun agent at {self._path}: {exc}"
+                    ) from exc
                 time.sleep(0.05)
         self._sock = sock
         self._send_now(hello)
-        for target, name in ((self._read_loop, "ftrun-agent-reader"), (self._write_loop, "ftrun-agent-writer")):
+        for target, name in (
+            (self._read_loop, "ftrun-agent-reader"),
+            (self._write_loop, "ftrun-agent-writer"),
+        ):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -135,8 +157,9 @@ class AgentChannel:
         if self._source is not None:
             step, phase, committed, step_s = self._source()
             p = self._progress
-            if (p.step, p.phase, p.committed_step) != (step, phase, committed) or \
-                    (step_s is not None and step_s != p.step_s):
+            if (p.step, p.phase, p.committed_step) != (step, phase, committed) or (
+                step_s is not None and step_s != p.step_s
+            ):
                 p.step, p.phase, p.committed_step = step, phase, committed
                 if step_s is not None:
                     p.step_s = step_s
@@ -174,7 +197,9 @@ class AgentChannel:
                     timeout = min(timeout, MIN_HEARTBEAT_GAP)
                 if self._probe is not None:
                     timeout = min(timeout, PERIOD_S)
-                self._cond.wait_for(lambda: self._closing or self._outbox or self._dirty, timeout=timeout)
+                self._cond.wait_for(
+                    lambda: self._closing or self._outbox or self._dirty, timeout=timeout
+                )
                 self._pull()
                 gap = MIN_HEARTBEAT_GAP - (time.monotonic() - last)
                 if gap > 0 and not (self._closing or self._outbox) and self._dirty:
@@ -185,8 +210,9 @@ class AgentChannel:
                 batch, self._outbox = self._outbox, []
                 beat = self._dirty or time.monotonic() - last >= self._interval
                 self._dirty = False
-                progress = dataclasses.replace(self._progress, time=time.time(),
-                                               waiting=self._progress.waiting or self._probed)
+                progress = dataclasses.replace(
+                    self._progress, time=time.time(), waiting=self._progress.waiting or self._probed
+                )
                 closing = self._closing
             try:
                 if beat and not closing:

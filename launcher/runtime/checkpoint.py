@@ -9,6 +9,7 @@ directories are ignored by readers and overwritten by the next save of that iter
 Iteration N means N steps are complete: loading it resumes at step N. Files hold only tensors
 and primitives (numpy RNG arrays are stored as tensors), so they load with weights_only=True.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,14 +50,27 @@ def _atomic_write(path: Path, write: Any) -> None:
 
 def _encode_rng(rng: dict) -> dict:
     kind, keys, pos, has_gauss, gauss = rng["numpy"]
-    return {**rng, "numpy": [kind, torch.from_numpy(np.asarray(keys).copy()), int(pos), int(has_gauss), float(gauss)]}
+    return {
+        **rng,
+        "numpy": [
+            kind,
+            torch.from_numpy(np.asarray(keys).copy()),
+            int(pos),
+            int(has_gauss),
+            float(gauss),
+        ],
+    }
 
 
 def _decode_rng(rng: dict) -> dict:
     kind, keys, pos, has_gauss, gauss = rng["numpy"]
     py = rng["python"]
     python = (py[0], tuple(py[1]), py[2]) if isinstance(py, (list, tuple)) else py
-    return {**rng, "python": python, "numpy": (kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss)}
+    return {
+        **rng,
+        "python": python,
+        "numpy": (kind, keys.numpy().astype(np.uint32), pos, has_gauss, gauss),
+    }
 
 
 def write_shard(root: str | os.PathLike, iteration: int, shard: str, state: dict) -> Path:
@@ -104,7 +118,9 @@ def latest(root: str | os.PathLike) -> int | None:
     except ValueError:
         raise RuntimeError(f"{tracker} holds {text!r}, not an iteration number") from None
     if not iter_dir(root, iteration).is_dir():
-        raise RuntimeError(f"{tracker} names iteration {iteration} but {iter_dir(root, iteration)} is missing")
+        raise RuntimeError(
+            f"{tracker} names iteration {iteration} but {iter_dir(root, iteration)} is missing"
+        )
     return iteration
 
 
@@ -114,7 +130,9 @@ def read_shard(root: str | os.PathLike, iteration: int, shard: str) -> dict:
         raise FileNotFoundError(f"checkpoint file {path} does not exist")
     state = torch.load(path, map_location="cpu", weights_only=True)
     if state.get("iteration") != iteration or state.get("shard") != shard:
-        raise RuntimeError(f"{path} holds iteration {state.get('iteration')} shard {state.get('shard')!r}, "
-                           f"expected {iteration} {shard!r}")
+        raise RuntimeError(
+            f"{path} holds iteration {state.get('iteration')} shard {state.get('shard')!r}, "
+            f"expected {iteration} {shard!r}"
+        )
     state["rng"] = _decode_rng(state["rng"])
     return state

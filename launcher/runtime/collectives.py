@@ -6,6 +6,7 @@ process (dropping the last reference to a gloo group with a stuck op blocks in i
 until the op times out). gloo ops cannot be aborted: a stopped rank abandons them; NCCL/HCCL
 groups are additionally aborted through the device adapter.
 """
+
 from __future__ import annotations
 
 import threading
@@ -24,8 +25,14 @@ class CollectiveError(RuntimeError):
 
 
 # what the errors of a failed backend collective say (gloo's transport, a timed-out or closed pair)
-_BACKEND_MARKERS = ("/gloo/", "ProcessGroupGloo", "Connection closed by peer", "Connection reset by peer",
-                    "NCCL", "HCCL")
+_BACKEND_MARKERS = (
+    "/gloo/",
+    "ProcessGroupGloo",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "NCCL",
+    "HCCL",
+)
 
 
 def is_backend_failure(exc: BaseException) -> bool:
@@ -101,10 +108,17 @@ class Interruptible:
     watch, in both waits -- see launcher.hang.hang_watch -- not this wait.)
     """
 
-    def __init__(self, stop: StopSignal, graveyard: Graveyard, generation: Callable[[], int],
-                 timeout: float, on_error: Callable[[BaseException, str], None],
-                 abort: Callable[[], None] | None = None,
-                 on_busy: Callable[[bool], None] | None = None, sliced: bool = False) -> None:
+    def __init__(
+        self,
+        stop: StopSignal,
+        graveyard: Graveyard,
+        generation: Callable[[], int],
+        timeout: float,
+        on_error: Callable[[BaseException, str], None],
+        abort: Callable[[], None] | None = None,
+        on_busy: Callable[[bool], None] | None = None,
+        sliced: bool = False,
+    ) -> None:
         self._sliced = sliced
         self._stop = stop
         self._on_busy = on_busy or (lambda busy: None)
@@ -147,7 +161,11 @@ class Interruptible:
             while not work.is_completed():
                 now = self._check(work, what, keep, busy, gen, deadline)
                 try:
-                    work.wait(timedelta(seconds=max(SLICE_MIN_S, min(deadline, busy.due(), now + SLICE_S) - now)))
+                    work.wait(
+                        timedelta(
+                            seconds=max(SLICE_MIN_S, min(deadline, busy.due(), now + SLICE_S) - now)
+                        )
+                    )
                 except RuntimeError:
                     pass  # the slice ran out, or the work failed: is_completed() tells which
             self._finish(work, what, keep, busy)
@@ -160,8 +178,9 @@ class Interruptible:
             now = self._check(work, what, keep, busy, gen, deadline)
             self._stop.wait_either(gen, done, max(0.0, min(deadline, busy.due(), now + poll) - now))
 
-    def _check(self, work: Any, what: str, keep: tuple[Any, ...], busy: _Busy, gen: int,
-               deadline: float) -> float:
+    def _check(
+        self, work: Any, what: str, keep: tuple[Any, ...], busy: _Busy, gen: int, deadline: float
+    ) -> float:
         """Between two waits for an unfinished work: leave on a stop (StopRequested) or past the
         deadline (CollectiveError), tell on_busy once the wait is long; returns the time."""
         if self._stop.newer_than(gen):
@@ -188,6 +207,7 @@ class Interruptible:
         def on_done(_fut: Any) -> None:
             flag[0] = True
             self._stop.wake()
+
         try:
             work.get_future().add_done_callback(on_done)
         except RuntimeError:
@@ -199,19 +219,31 @@ class Interruptible:
         self._graveyard.keep(*objs)
 
     # ---- the collectives the runtime and scripts use ---------------------------------
-    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: Any = None,
-                   what: str = "all_reduce") -> torch.Tensor:
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: Any = dist.ReduceOp.SUM,
+        group: Any = None,
+        what: str = "all_reduce",
+    ) -> torch.Tensor:
         work = dist.all_reduce(tensor, op=op, group=group, async_op=True)
         self.wait(work, what, (group, tensor))
         return tensor
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: Any = None, what: str = "broadcast") -> torch.Tensor:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, group: Any = None, what: str = "broadcast"
+    ) -> torch.Tensor:
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
         self.wait(work, what, (group, tensor))
         return tensor
 
-    def all_gather(self, out: list[torch.Tensor], tensor: torch.Tensor, group: Any = None,
-                   what: str = "all_gather") -> list[torch.Tensor]:
+    def all_gather(
+        self,
+        out: list[torch.Tensor],
+        tensor: torch.Tensor,
+        group: Any = None,
+        what: str = "all_gather",
+    ) -> list[torch.Tensor]:
         work = dist.all_gather(out, tensor, group=group, async_op=True)
         self.wait(work, what, (group, tensor, out))
         return out
@@ -228,7 +260,9 @@ class Interruptible:
         finally:
             busy.done()
 
-    def _wait_blocking(self, works: list[Any], what: str, keep: tuple[Any, ...], busy: _Busy) -> None:
+    def _wait_blocking(
+        self, works: list[Any], what: str, keep: tuple[Any, ...], busy: _Busy
+    ) -> None:
         done = threading.Event()
         errors: list[BaseException] = []
 

@@ -54,6 +54,7 @@ same buffers between steps (plain DDP leaves rank-local values there, which coul
 recovered when rank 0 is lost). What each path costs per step against plain DDP in the same
 process: scripts/bench_step_cost.py.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -94,12 +95,20 @@ def check_options(module: torch.nn.Module, kwargs: dict[str, Any]) -> None:
             raise _refuse(option, value, why)
     group = kwargs.get("process_group")
     if group is not None and not isinstance(group, GroupHandle):
-        raise _refuse("process_group", type(group).__name__, "pass a GroupHandle from rt.new_group / "
-                      "rt.set_layout (a torch group is not rebuilt after a recovery)")
+        raise _refuse(
+            "process_group",
+            type(group).__name__,
+            "pass a GroupHandle from rt.new_group / "
+            "rt.set_layout (a torch group is not rebuilt after a recovery)",
+        )
     for sub in module.modules():
         if isinstance(sub, torch.nn.SyncBatchNorm):
-            raise _refuse("module", "SyncBatchNorm", "its all_gather runs on its own group, outside the "
-                          "runtime; use BatchNorm (buffers are broadcast through the runtime)")
+            raise _refuse(
+                "module",
+                "SyncBatchNorm",
+                "its all_gather runs on its own group, outside the "
+                "runtime; use BatchNorm (buffers are broadcast through the runtime)",
+            )
 
 
 def _comm_hook(state, bucket):  # noqa: ANN001, ANN202 - DDP checks the parameter name and annotations
@@ -152,8 +161,10 @@ class BucketComm:
         self._layout_key = None
         self._told_repack = False
         self._remove_recorders()
-        self._recorders = [p.register_post_accumulate_grad_hook(lambda _p, i=i: self._order.setdefault(i))
-                           for i, p in enumerate(params)]
+        self._recorders = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._order.setdefault(i))
+            for i, p in enumerate(params)
+        ]
 
     def _remove_recorders(self) -> None:
         for h in self._recorders:
@@ -182,7 +193,7 @@ class BucketComm:
         if self._slow_from is None and target is not None:
             match = self._matches.get(k)
             if match is None:
-                match = self._matches[k] = (k < len(target) and target[k] == self._members(bucket))
+                match = self._matches[k] = k < len(target) and target[k] == self._members(bucket)
             if match:
                 if self._scale != 1.0:
                     buf.mul_(self._scale)
@@ -203,11 +214,13 @@ class BucketComm:
                 self._target = self._ready = self._learn_layout()
                 self._layouts_learnt += 1
             if self._slow_from is not None:
-                self._repack(self._target[self._slow_from:])
+                self._repack(self._target[self._slow_from :])
                 if not self._told_repack:
                     self._told_repack = True
-                    self._log(f"DDP's buckets differ from the layout of step {self._step()}: "
-                              f"{len(self._target) - self._slow_from} buckets repacked into it")
+                    self._log(
+                        f"DDP's buckets differ from the layout of step {self._step()}: "
+                        f"{len(self._target) - self._slow_from} buckets repacked into it"
+                    )
             for work, buf in self._fast:
                 self._comm.coll.wait(work, "DDP gradient all_reduce", (buf,))
             self._fast = []
@@ -225,7 +238,9 @@ class BucketComm:
         for members in layout:
             flat_bucket = self._scratch.get(tuple(members))
             if flat_bucket is None:
-                flat_bucket = self._scratch[tuple(members)] = FlatBucket([self._params[i] for i in members])
+                flat_bucket = self._scratch[tuple(members)] = FlatBucket(
+                    [self._params[i] for i in members]
+                )
             flat = flat_bucket.pack([self._views[i] for i in members])
             if self._scale != 1.0:
                 flat.mul_(self._scale)
@@ -246,9 +261,12 @@ class BucketComm:
         self._remove_recorders()
         self._order = {}
         layout, _ = dist._compute_bucket_assignment_by_size(
-            [self._params[i] for i in order], self._caps, [False] * n, order)
-        self._log(f"DDP bucket layout for steps >= 1: {len(layout)} buckets in rank {self._comm.root}'s "
-                  "gradient-ready order")
+            [self._params[i] for i in order], self._caps, [False] * n, order
+        )
+        self._log(
+            f"DDP bucket layout for steps >= 1: {len(layout)} buckets in rank {self._comm.root}'s "
+            "gradient-ready order"
+        )
         return [list(b) for b in layout]
 
     def abandon(self) -> None:
@@ -285,7 +303,9 @@ class RuntimeDDP(DistributedDataParallel):
         comm = rt._grad_comm(handle)
         # .grad as views into DDP's buckets unless the user chose, where that gives DDP's own
         # numbers (see "Gradients" in the module docstring): one pass over the gradients less
-        kwargs.setdefault("gradient_as_bucket_view", rt.env.ddp_comm == "hook" or _power_of_two(comm.size))
+        kwargs.setdefault(
+            "gradient_as_bucket_view", rt.env.ddp_comm == "hook" or _power_of_two(comm.size)
+        )
         ft = BucketComm(comm, lambda: rt._current_step, rt.log)
         ddp = cls(module, process_group=_solo_group(rt.rank), init_sync=False, **kwargs)
         ddp._ft_comm = ft
@@ -294,7 +314,9 @@ class RuntimeDDP(DistributedDataParallel):
         ddp._ft_log = rt.log
         ddp._ft_reducer_ok = rt.env.ddp_comm == "reducer"
         ddp._ft_enable_cpp_waits = rt._enable_cpp_waits
-        ddp._ft_on_reducer = False  # DDP's own reducer on the runtime's group (else the comm hook's)
+        ddp._ft_on_reducer = (
+            False  # DDP's own reducer on the runtime's group (else the comm hook's)
+        )
         ddp._ft_layout = None  # the bucket layout of steps >= 1, once this rank knows it
         ddp._ft_hooked_step = None  # the step that runs through the comm hook to learn that layout
         ddp._ft_pending = True  # the next forward settles which reducer runs (see _ft_settle)
@@ -311,7 +333,9 @@ class RuntimeDDP(DistributedDataParallel):
     def _ft_initial_sync(self, params: bool, buffers: bool) -> None:
         """What DDP's init_sync does (rank 0's parameters and buffers to all), through the runtime."""
         ignore = self.parameters_to_ignore
-        tensors = [p for n, p in self.module.named_parameters() if n not in ignore] if params else []
+        tensors = (
+            [p for n, p in self.module.named_parameters() if n not in ignore] if params else []
+        )
         if buffers:
             tensors += [b for n, b in self.module.named_buffers() if n not in ignore]
         self._ft_comm.broadcast(tensors, "DDP initial sync")
@@ -319,9 +343,14 @@ class RuntimeDDP(DistributedDataParallel):
     def _ft_install(self) -> None:
         params, sparse = self._build_params_for_reducer()
         if any(sparse):
-            raise _refuse("module", "sparse Embedding", "sparse gradients are not bucketed by the runtime")
+            raise _refuse(
+                "module", "sparse Embedding", "sparse gradients are not bucketed by the runtime"
+            )
         index = {id(p): i for i, p in enumerate(params)}
-        initial = [[index[id(p)] for p in b.parameters()] for b in self.reducer._get_zeros_like_grad_buckets()]
+        initial = [
+            [index[id(p)] for p in b.parameters()]
+            for b in self.reducer._get_zeros_like_grad_buckets()
+        ]
         self._ft_comm.built(params, initial, _rebuild_caps(self))
         self._comm_hooks = []
         DistributedDataParallel.register_comm_hook(self, self._ft_comm, _comm_hook)
@@ -345,7 +374,9 @@ class RuntimeDDP(DistributedDataParallel):
         self.process_group = group
         params, sparse = self._build_params_for_reducer()
         with _given_layout(layout, len(params)):
-            self._ddp_init_helper(params, sparse, self._build_debug_param_to_name_mapping(params), False)
+            self._ddp_init_helper(
+                params, sparse, self._build_debug_param_to_name_mapping(params), False
+            )
         self._has_rebuilt_buckets = False
         self.require_forward_param_sync = True
         self._comm_hooks = []
@@ -379,17 +410,24 @@ class RuntimeDDP(DistributedDataParallel):
             layout, source = self._ft_agree_layout()
             if layout is None:
                 self._ft_hooked_step = step
-                self._ft_log(f"no rank knows DDP's bucket layout of steps >= 1 (every rank started anew): "
-                             f"step {step} all-reduces through the runtime's comm hook, which learns it")
+                self._ft_log(
+                    f"no rank knows DDP's bucket layout of steps >= 1 (every rank started anew): "
+                    f"step {step} all-reduces through the runtime's comm hook, which learns it"
+                )
                 return
         self._ft_comm.release()
         self._ft_new_reducer(self._ft_grad_group(), layout)
         self._ft_on_reducer = True
         self._ft_layout = layout
         self._ft_enable_cpp_waits()
-        how = ("DDP's first-iteration layout" if layout is None else
-               f"the bucket layout of steps >= 1 ({len(layout)} buckets, from rank {source})")
-        self._ft_log(f"DDP's reducer all-reduces on the runtime's group (in C++): step {step} with {how}")
+        how = (
+            "DDP's first-iteration layout"
+            if layout is None
+            else f"the bucket layout of steps >= 1 ({len(layout)} buckets, from rank {source})"
+        )
+        self._ft_log(
+            f"DDP's reducer all-reduces on the runtime's group (in C++): step {step} with {how}"
+        )
 
     def _ft_grad_group(self) -> Any:
         group = self._ft_grad.group()
@@ -404,16 +442,23 @@ class RuntimeDDP(DistributedDataParallel):
     def _ft_reducer_layout(self) -> list[list[int]]:
         params, _ = self._build_params_for_reducer()
         index = {id(p): i for i, p in enumerate(params)}
-        return [[index[id(p)] for p in b.parameters()] for b in self.reducer._get_zeros_like_grad_buckets()]
+        return [
+            [index[id(p)] for p in b.parameters()]
+            for b in self.reducer._get_zeros_like_grad_buckets()
+        ]
 
     def _ft_adopt_rebuilt(self) -> None:
         rebuilt = self._ft_reducer_layout()
         if self._ft_layout is None:
-            self._ft_log(f"DDP bucket layout for steps >= 1: {len(rebuilt)} buckets, rebuilt by DDP in "
-                         "gradient-ready order")
+            self._ft_log(
+                f"DDP bucket layout for steps >= 1: {len(rebuilt)} buckets, rebuilt by DDP in "
+                "gradient-ready order"
+            )
         elif rebuilt != self._ft_layout:
-            self._ft_log(f"DDP rebuilt its buckets into a layout other than the one it was given "
-                         f"({len(rebuilt)} buckets against {len(self._ft_layout)}); later recoveries use DDP's")
+            self._ft_log(
+                f"DDP rebuilt its buckets into a layout other than the one it was given "
+                f"({len(rebuilt)} buckets against {len(self._ft_layout)}); later recoveries use DDP's"
+            )
         self._ft_layout = rebuilt
 
     def _ft_agree_layout(self) -> tuple[list[list[int]] | None, int]:
@@ -425,21 +470,27 @@ class RuntimeDDP(DistributedDataParallel):
         n = len(self._build_params_for_reducer()[0])
         if len(ranks) <= 1:
             return known, self._ft_rank
-        first = torch.tensor([ranks.index(self._ft_rank) if known is not None else len(ranks)], dtype=torch.int64)
-        comm.coll.all_reduce(first, op=dist.ReduceOp.MIN, group=comm.group(), what="DDP bucket layout")
+        first = torch.tensor(
+            [ranks.index(self._ft_rank) if known is not None else len(ranks)], dtype=torch.int64
+        )
+        comm.coll.all_reduce(
+            first, op=dist.ReduceOp.MIN, group=comm.group(), what="DDP bucket layout"
+        )
         src = int(first.item())
         if src >= len(ranks):
             return None, -1
         flat = torch.full((1 + 2 * n,), -1, dtype=torch.int64)
         if known is not None:
-            flat[:1 + len(known) + n] = torch.tensor([len(known)] + [len(b) for b in known]
-                                                     + [i for b in known for i in b], dtype=torch.int64)
+            flat[: 1 + len(known) + n] = torch.tensor(
+                [len(known)] + [len(b) for b in known] + [i for b in known for i in b],
+                dtype=torch.int64,
+            )
         comm.coll.broadcast(flat, ranks[src], comm.group(), what="DDP bucket layout")
         values = flat.tolist()
-        sizes, members = values[1:1 + values[0]], values[1 + values[0]:]
+        sizes, members = values[1 : 1 + values[0]], values[1 + values[0] :]
         layout, off = [], 0
         for size in sizes:
-            layout.append(members[off:off + size])
+            layout.append(members[off : off + size])
             off += size
         return layout, ranks[src]
 
@@ -452,8 +503,12 @@ class RuntimeDDP(DistributedDataParallel):
         plain DDP (rank 0's, as left by the previous synced forward), and every rank holds the
         same buffers between steps, so a rank repaired from any replica holds them too (plain
         DDP's rank-local values between forwards could not be recovered for rank 0)."""
-        return bool(self.forward_sync_buffers and self.modules_buffers and torch.is_grad_enabled()
-                    and self.require_backward_grad_sync)
+        return bool(
+            self.forward_sync_buffers
+            and self.modules_buffers
+            and torch.is_grad_enabled()
+            and self.require_backward_grad_sync
+        )
 
     def _sync_buffers(self) -> None:
         """DDP's buffer broadcast (broadcast_buffers=True), through the runtime."""
@@ -464,13 +519,19 @@ class RuntimeDDP(DistributedDataParallel):
 
     # ---- DDP features whose collectives would bypass the runtime -----------------------
     def join(self, *args: Any, **kwargs: Any) -> Any:
-        raise _refuse("join", "...", "uneven inputs run collectives inside DDP, outside the runtime")
+        raise _refuse(
+            "join", "...", "uneven inputs run collectives inside DDP, outside the runtime"
+        )
 
     def join_hook(self, **kwargs: Any) -> Any:
-        raise _refuse("join_hook", "...", "uneven inputs run collectives inside DDP, outside the runtime")
+        raise _refuse(
+            "join_hook", "...", "uneven inputs run collectives inside DDP, outside the runtime"
+        )
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
-        raise _refuse("register_comm_hook", getattr(hook, "__name__", hook), "rt.ddp owns the comm hook")
+        raise _refuse(
+            "register_comm_hook", getattr(hook, "__name__", hook), "rt.ddp owns the comm hook"
+        )
 
     def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
         raise _refuse("_register_builtin_comm_hook", comm_hook_type, "rt.ddp owns the comm hook")
@@ -478,9 +539,14 @@ class RuntimeDDP(DistributedDataParallel):
     def _set_static_graph(self) -> None:
         raise _refuse("static_graph", True, REFUSED["static_graph"])
 
-    def _register_buffer_comm_hook(self, state: object, hook: Callable, comm_hook_location: Any = None) -> None:
-        raise _refuse("_register_buffer_comm_hook", getattr(hook, "__name__", hook),
-                      "rt.ddp broadcasts buffers through the runtime")
+    def _register_buffer_comm_hook(
+        self, state: object, hook: Callable, comm_hook_location: Any = None
+    ) -> None:
+        raise _refuse(
+            "_register_buffer_comm_hook",
+            getattr(hook, "__name__", hook),
+            "rt.ddp broadcasts buffers through the runtime",
+        )
 
 
 @contextmanager
@@ -492,11 +558,14 @@ def _given_layout(layout: list[list[int]] | None, n: int) -> Iterator[None]:
         yield
         return
     if sorted(i for b in layout for i in b) != list(range(n)):
-        raise RuntimeError(f"DDP bucket layout {layout} does not cover the reducer's {n} parameters")
+        raise RuntimeError(
+            f"DDP bucket layout {layout} does not cover the reducer's {n} parameters"
+        )
     real = dist._compute_bucket_assignment_by_size
 
     def given(*args: Any, **kwargs: Any) -> tuple[list[list[int]], list[int]]:
         return [list(b) for b in reversed(layout)], [dist._DEFAULT_FIRST_BUCKET_BYTES] * len(layout)
+
     dist._compute_bucket_assignment_by_size = given
     try:
         yield
@@ -513,6 +582,7 @@ def _rebuilder(ref: "weakref.ReferenceType[RuntimeDDP]", rank: int) -> Callable[
         ddp = ref()
         if ddp is not None:
             ddp._ft_rebuild(rank)
+
     return rebuild
 
 

@@ -6,6 +6,7 @@ three implementations: `cpu` (gloo; nothing to abort, recognises injected faults
 abort, sticky CUDA errors are process-fatal) and `npu` (torch_npu, imported only when present;
 HCCL abort, check_uce_in_memory, stop_device/restart_device). Tests mock only at this boundary.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -25,8 +26,14 @@ UNSAFE_DATA = FaultKind.UNSAFE_DATA.value
 EXCEPTION = FaultKind.EXCEPTION.value
 
 _NETWORK_MARKERS = (
-    "Connection closed by peer", "Connection reset by peer", "Connection refused",
-    "Broken pipe", "pair closure", "Timed out waiting", "Socket Timeout", "gloo",
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Connection refused",
+    "Broken pipe",
+    "pair closure",
+    "Timed out waiting",
+    "Socket Timeout",
+    "gloo",
 )
 _UNSAFE_MARKER = "There is unsafe data in the input tensor"
 
@@ -62,7 +69,9 @@ class DeviceAdapter:
         text = str(exc)
         if _UNSAFE_MARKER in text:
             return Classified(UNSAFE_DATA)
-        if isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)) and any(m in text for m in _NETWORK_MARKERS):
+        if isinstance(exc, (RuntimeError, ConnectionError, TimeoutError)) and any(
+            m in text for m in _NETWORK_MARKERS
+        ):
             return Classified(NETWORK)
         return None
 
@@ -86,14 +95,20 @@ class DeviceAdapter:
 
 class CudaAdapter(DeviceAdapter):
     name = "cuda"
-    _STICKY = ("illegal memory access", "uncorrectable ECC error", "device-side assert",
-               "unspecified launch failure", "misaligned address")
+    _STICKY = (
+        "illegal memory access",
+        "uncorrectable ECC error",
+        "device-side assert",
+        "unspecified launch failure",
+        "misaligned address",
+    )
 
     def device(self, local_rank: int) -> torch.device:
         return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
 
     def abort_groups(self, groups: list[Any]) -> None:
         from torch.distributed import distributed_c10d as c10d
+
         for g in groups:
             try:
                 g._get_backend(torch.device("cuda")).abort()
@@ -204,7 +219,9 @@ def select_adapter(backend: str, device: str | None = None) -> DeviceAdapter:
         return DeviceAdapter()
     if wanted == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError(f"backend {backend!r} needs CUDA, but torch.cuda.is_available() is False")
+            raise RuntimeError(
+                f"backend {backend!r} needs CUDA, but torch.cuda.is_available() is False"
+            )
         return CudaAdapter()
     if wanted == "npu":
         mod = _import_torch_npu()

@@ -3,6 +3,7 @@
 Owns: parsing and validating the variables the agent (or plain torchrun) sets for a worker
 into one immutable `RuntimeEnv`. Nothing else in the runtime reads `os.environ` for these.
 """
+
 from __future__ import annotations
 
 import os
@@ -14,7 +15,9 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None, minimum:
     raw = env.get(name)
     if raw is None or raw == "":
         if default is None:
-            raise ValueError(f"environment variable {name} is not set; launch with ftrun or torchrun")
+            raise ValueError(
+                f"environment variable {name} is not set; launch with ftrun or torchrun"
+            )
         return default
     try:
         value = int(raw)
@@ -89,7 +92,9 @@ class RuntimeEnv:
             raise ValueError(f"FTRUN_DDP_COMM={ddp_comm!r}; allowed: {', '.join(DDP_COMMS)}")
         addr = env.get("MASTER_ADDR")
         if not addr:
-            raise ValueError("environment variable MASTER_ADDR is not set; launch with ftrun or torchrun")
+            raise ValueError(
+                "environment variable MASTER_ADDR is not set; launch with ftrun or torchrun"
+            )
         return cls(
             rank=rank,
             local_rank=_int(env, "LOCAL_RANK", default=0),
@@ -105,8 +110,9 @@ class RuntimeEnv:
             log_dir=env.get("FTRUN_LOG_DIR") or None,
             fault_plan=env.get("FTRUN_FAULT_PLAN") or None,
             store_timeout=_float(env, "FTRUN_STORE_TIMEOUT", 300.0),
-            collective_timeout=_float(env, "FTRUN_COLLECTIVE_TIMEOUT",
-                                      _float(env, "FTRUN_STORE_TIMEOUT", 300.0)),
+            collective_timeout=_float(
+                env, "FTRUN_COLLECTIVE_TIMEOUT", _float(env, "FTRUN_STORE_TIMEOUT", 300.0)
+            ),
             skip_init=skip_init == "1",
             ddp_comm=ddp_comm,
             death_notice=env.get("FTRUN_DEATH_NOTICE") or None,

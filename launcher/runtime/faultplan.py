@@ -10,6 +10,7 @@ collective, as a wait in C++ that a stop failed to break looks); device faults (
 are raised as `InjectedFault` and go through the device adapter's classification like real
 ones. Every arming and firing is logged as injected.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,9 +39,11 @@ class FaultSpec:
     fired: bool = field(default=False, compare=False)
 
     def matches(self, generation: int, step: int, phase: str) -> bool:
-        return ((self.generation is None or self.generation == generation)
-                and (self.step is None or self.step == step)
-                and (self.phase is None or self.phase == phase))
+        return (
+            (self.generation is None or self.generation == generation)
+            and (self.step is None or self.step == step)
+            and (self.phase is None or self.phase == phase)
+        )
 
     def where(self) -> str:
         if self.step is None:
@@ -63,17 +66,28 @@ def parse_plan(raw: str | None) -> list[FaultSpec]:
             raise ValueError(f"FTRUN_FAULT_PLAN[{i}] must be an object, got {item!r}")
         unknown = set(item) - {"rank", "step", "phase", "kind", "generation"}
         if unknown:
-            raise ValueError(f"FTRUN_FAULT_PLAN[{i}] has unknown keys {sorted(unknown)}; "
-                             "allowed: rank, step, phase, kind, generation")
+            raise ValueError(
+                f"FTRUN_FAULT_PLAN[{i}] has unknown keys {sorted(unknown)}; "
+                "allowed: rank, step, phase, kind, generation"
+            )
         try:
-            spec = FaultSpec(rank=int(item["rank"]), step=int(item["step"]), phase=str(item["phase"]),
-                             kind=str(item["kind"]), generation=int(item.get("generation", 0)))
+            spec = FaultSpec(
+                rank=int(item["rank"]),
+                step=int(item["step"]),
+                phase=str(item["phase"]),
+                kind=str(item["kind"]),
+                generation=int(item.get("generation", 0)),
+            )
         except KeyError as exc:
             raise ValueError(f"FTRUN_FAULT_PLAN[{i}] lacks {exc.args[0]!r}") from None
         if spec.phase not in PHASES:
-            raise ValueError(f"FTRUN_FAULT_PLAN[{i}] phase={spec.phase!r}; allowed: {', '.join(PHASES)}")
+            raise ValueError(
+                f"FTRUN_FAULT_PLAN[{i}] phase={spec.phase!r}; allowed: {', '.join(PHASES)}"
+            )
         if spec.kind not in KINDS:
-            raise ValueError(f"FTRUN_FAULT_PLAN[{i}] kind={spec.kind!r}; allowed: {', '.join(KINDS)}")
+            raise ValueError(
+                f"FTRUN_FAULT_PLAN[{i}] kind={spec.kind!r}; allowed: {', '.join(KINDS)}"
+            )
         out.append(spec)
     return out
 
@@ -89,16 +103,22 @@ def parse_injection(msg: dict, rank: int) -> FaultSpec:
         raise ValueError(f"inject phase={phase!r}; allowed: {', '.join(PHASES)} or null")
     if step is not None and phase is None:
         phase = "forward"
-    return FaultSpec(rank=rank, step=step, phase=phase if step is not None else None, kind=kind,
-                     generation=None)
+    return FaultSpec(
+        rank=rank, step=step, phase=phase if step is not None else None, kind=kind, generation=None
+    )
 
 
 class FaultInjector:
     """Fires matching entries at phase edges (training thread); `arm` may be called from any
     thread (the agent channel's reader)."""
 
-    def __init__(self, specs: list[FaultSpec], rank: int, log: Callable[[str], None],
-                 waiting: Callable[[bool], None] | None = None) -> None:
+    def __init__(
+        self,
+        specs: list[FaultSpec],
+        rank: int,
+        log: Callable[[str], None],
+        waiting: Callable[[bool], None] | None = None,
+    ) -> None:
         self._rank = rank
         self._waiting = waiting or (lambda busy: None)  # tells the agent the rank waits on peers
         self._lock = threading.Lock()
@@ -126,7 +146,9 @@ class FaultInjector:
         if not self._specs:  # the common case, checked at every phase edge without the lock
             return
         with self._lock:  # one fault per edge: a second due entry fires at the next edge
-            spec = next((s for s in self._specs if not s.fired and s.matches(generation, step, phase)), None)
+            spec = next(
+                (s for s in self._specs if not s.fired and s.matches(generation, step, phase)), None
+            )
             if spec is None:
                 return
             spec.fired = True

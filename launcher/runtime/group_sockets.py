@@ -27,6 +27,7 @@ process serving a peer's new client has the same local port as its listener). Ea
 socket is recorded with its inode: a descriptor that has been closed and reused by another
 socket since (a newer group, a store client) no longer has that inode and is skipped.
 """
+
 from __future__ import annotations
 
 import os
@@ -103,8 +104,9 @@ def listening_ports(sockets: dict[int, int]) -> set[int]:
     return {port for kind, port in kinds if kind == "listening"}
 
 
-def new_connected_sockets(before: dict[int, int], after: dict[int, int],
-                          old_listeners: set[int] = frozenset()) -> list[GroupSocket]:
+def new_connected_sockets(
+    before: dict[int, int], after: dict[int, int], old_listeners: set[int] = frozenset()
+) -> list[GroupSocket]:
     """The connected TCP sockets in `after` that were not open in `before`, except those
     accepted by a listener on one of the ports `old_listeners` (open before)."""
     found = []
@@ -164,7 +166,9 @@ class SocketLedger:
 
     def break_before(self, generation: int) -> int:
         with self._lock:
-            doomed = [s for g, socks in self._by_generation.items() if g < generation for s in socks]
+            doomed = [
+                s for g, socks in self._by_generation.items() if g < generation for s in socks
+            ]
         return sum(shutdown(s) for s in doomed)
 
     def forget(self, generation: int) -> None:

@@ -6,6 +6,7 @@ the default process group, `rebuild()` re-creates every registered group in the 
 (torch requires every rank to call new_group in the same order) and re-points each handle's
 `.group`, so code that cached a handle keeps working.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -54,8 +55,10 @@ class GroupRegistry:
         flat = [r for ranks in norm for r in ranks]
         bad = [r for r in flat if not 0 <= r < self._world]
         if bad or len(set(flat)) != len(flat) or any(not ranks for ranks in norm):
-            raise ValueError(f"group {name!r}: {partition!r} must be disjoint, non-empty lists of ranks "
-                             f"in 0..{self._world - 1}")
+            raise ValueError(
+                f"group {name!r}: {partition!r} must be disjoint, non-empty lists of ranks "
+                f"in 0..{self._world - 1}"
+            )
         return norm
 
     def create(self, name: str, partition: list[list[int]], generation: int) -> GroupHandle:
@@ -87,7 +90,9 @@ class GroupRegistry:
         for e in self._entries:
             if e.name == name:
                 return e.handle
-        raise KeyError(f"no process group named {name!r}; created: {[e.name for e in self._entries]}")
+        raise KeyError(
+            f"no process group named {name!r}; created: {[e.name for e in self._entries]}"
+        )
 
     def current_groups(self) -> list[Any]:
         return [e.handle.group for e in self._entries if e.handle.group is not None]

@@ -14,6 +14,7 @@ from memory that is already there: 171.6 MB arrived in 28-29 ms instead of 38-42
 long-running process), so the replacement then frees memory like its peers. Only glibc; anything
 else: a no-op.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -69,7 +70,10 @@ def prepare(nbytes: int) -> int:
     nbytes = min(nbytes, available_bytes() // MEMORY_SHARE)
     if lib is None or nbytes <= 0:
         return 0
-    if lib.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 or lib.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1) != 1:
+    if (
+        lib.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1
+        or lib.mallopt(M_TRIM_THRESHOLD, 2**31 - 1) != 1
+    ):
         return 0
     # below the threshold: from the heap (sbrk), in one piece
     block = MMAP_THRESHOLD - 4096

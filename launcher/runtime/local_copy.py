@@ -14,6 +14,7 @@ or seccomp profile without the call, Yama scope 2-3 or a non-dumpable sender ref
 the sender dying mid-read) makes `read` return the reason and the stripe goes over the wire as
 before; nothing is lost but the attempt. `FTRUN_TRANSFER_LOCAL=0` turns the path off.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -43,8 +44,14 @@ def _load_readv():
     except (OSError, AttributeError):
         return None
     fn.restype = ctypes.c_ssize_t
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong,
-                   ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_ulong]
+    fn.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_IoVec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
     return fn
 
 
@@ -69,8 +76,16 @@ class ReadersAllowed:
 def _prctl(option: int, value: int) -> bool:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0),
-                          ctypes.c_ulong(0), ctypes.c_ulong(0)) == 0
+        return (
+            libc.prctl(
+                ctypes.c_int(option),
+                ctypes.c_ulong(value),
+                ctypes.c_ulong(0),
+                ctypes.c_ulong(0),
+                ctypes.c_ulong(0),
+            )
+            == 0
+        )
     except (OSError, AttributeError):
         return False
 
@@ -104,8 +119,11 @@ class Offer:
         host = host_identity()
         if host is None:
             return None
-        return cls(host, os.getpid(), tuple((v.data_ptr(), v.numel() * v.element_size())
-                                            for v in views if v.numel()))
+        return cls(
+            host,
+            os.getpid(),
+            tuple((v.data_ptr(), v.numel() * v.element_size()) for v in views if v.numel()),
+        )
 
     def as_dict(self) -> dict:
         return {"host": self.host, "pid": self.pid, "spans": [list(s) for s in self.spans]}
@@ -122,8 +140,10 @@ def _pairs(offer: Offer, dests: list[torch.Tensor]) -> list[tuple[int, int, int]
     destination views, both in stream order."""
     local = [(d.data_ptr(), d.numel() * d.element_size()) for d in dests if d.numel()]
     if sum(n for _, n in local) != sum(n for _, n in offer.spans):
-        raise ValueError(f"offer covers {sum(n for _, n in offer.spans)} bytes, "
-                         f"receiver expects {sum(n for _, n in local)}")
+        raise ValueError(
+            f"offer covers {sum(n for _, n in offer.spans)} bytes, "
+            f"receiver expects {sum(n for _, n in local)}"
+        )
     out: list[tuple[int, int, int]] = []
     i = j = 0
     ri, li = 0, 0  # bytes already used of spans[i] / local[j]
@@ -160,7 +180,7 @@ def _read_run(pid: int, run: list[tuple[int, int, int]]) -> str | None:
     assert _READV is not None
     pos = 0
     while pos < len(run):
-        batch = run[pos:pos + IOV_MAX]
+        batch = run[pos : pos + IOV_MAX]
         want = sum(n for _, _, n in batch)
         lv = (_IoVec * len(batch))(*[_IoVec(loc, n) for _, loc, n in batch])
         rv = (_IoVec * len(batch))(*[_IoVec(rem, n) for rem, _, n in batch])
@@ -218,8 +238,10 @@ def read(offer: Offer, dests: list[torch.Tensor], threads: int | None = None) ->
     def work(k: int) -> None:
         errors[k] = _read_run(offer.pid, runs[k])
 
-    workers = [threading.Thread(target=work, args=(k,), name=f"ftrun-local-read-{k}", daemon=True)
-               for k in range(1, len(runs))]
+    workers = [
+        threading.Thread(target=work, args=(k,), name=f"ftrun-local-read-{k}", daemon=True)
+        for k in range(1, len(runs))
+    ]
     for t in workers:
         t.start()
     work(0)

@@ -10,6 +10,7 @@ group object to the new one with the same parallel_state name. A cached group pa
 does not know is an error (it would be a stale group of a destroyed generation).
 megatron is imported only when the function runs.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -27,7 +28,9 @@ def parallel_state_groups(ps: Any) -> dict[str, Any]:
     for name, value in vars(ps).items():
         if isinstance(value, dist.ProcessGroup):
             out[name] = value
-        elif isinstance(value, (list, tuple)) and any(isinstance(v, dist.ProcessGroup) for v in value):
+        elif isinstance(value, (list, tuple)) and any(
+            isinstance(v, dist.ProcessGroup) for v in value
+        ):
             out[name] = list(value)
     return out
 
@@ -37,12 +40,17 @@ def group_mapping(old: dict[str, Any], new: dict[str, Any]) -> dict[int, Any]:
     mapping: dict[int, Any] = {}
     for name, before in old.items():
         after = new.get(name)
-        pairs = list(zip(before, after)) if isinstance(before, list) and isinstance(after, list) \
-            and len(before) == len(after) else [(before, after)]
+        pairs = (
+            list(zip(before, after))
+            if isinstance(before, list) and isinstance(after, list) and len(before) == len(after)
+            else [(before, after)]
+        )
         for b, a in pairs:
             if isinstance(b, dist.ProcessGroup):
                 if a is None:
-                    raise RuntimeError(f"parallel_state.{name} was not re-created for the new generation")
+                    raise RuntimeError(
+                        f"parallel_state.{name} was not re-created for the new generation"
+                    )
                 mapping.setdefault(id(b), a)
     return mapping
 
@@ -61,8 +69,10 @@ class _Repointer:
             return value
         new = self.mapping.get(id(value))
         if new is None:
-            raise RuntimeError(f"{where} holds a process group that megatron's parallel_state does not "
-                               "know; it belongs to an earlier generation and cannot be re-pointed")
+            raise RuntimeError(
+                f"{where} holds a process group that megatron's parallel_state does not "
+                "know; it belongs to an earlier generation and cannot be re-pointed"
+            )
         self.count += 1
         return new
 
@@ -76,14 +86,21 @@ class _Repointer:
             if isinstance(value, dist.ProcessGroup):
                 attrs[key] = self.swap(value, path)
             elif isinstance(value, list) and any(isinstance(v, dist.ProcessGroup) for v in value):
-                attrs[key] = [self.swap(v, f"{path}[{i}]") if isinstance(v, dist.ProcessGroup) else v
-                              for i, v in enumerate(value)]
-            elif not isinstance(value, _ATOMS + (dict, list, tuple, set)) and hasattr(value, "__dict__") \
-                    and not callable(value):
+                attrs[key] = [
+                    self.swap(v, f"{path}[{i}]") if isinstance(v, dist.ProcessGroup) else v
+                    for i, v in enumerate(value)
+                ]
+            elif (
+                not isinstance(value, _ATOMS + (dict, list, tuple, set))
+                and hasattr(value, "__dict__")
+                and not callable(value)
+            ):
                 self.visit(value, path, depth + 1)
 
 
-def repoint_groups(models: Iterable[torch.nn.Module], mapping: dict[int, Any], current: Iterable[Any]) -> int:
+def repoint_groups(
+    models: Iterable[torch.nn.Module], mapping: dict[int, Any], current: Iterable[Any]
+) -> int:
     """Re-point cached groups in every submodule of `models`; returns how many were replaced."""
     rp = _Repointer(mapping, current)
     for i, model in enumerate(models):
@@ -92,7 +109,9 @@ def repoint_groups(models: Iterable[torch.nn.Module], mapping: dict[int, Any], c
     return rp.count
 
 
-def rebuild_parallel_state(models: torch.nn.Module | Iterable[torch.nn.Module], **init_kwargs: Any) -> int:
+def rebuild_parallel_state(
+    models: torch.nn.Module | Iterable[torch.nn.Module], **init_kwargs: Any
+) -> int:
     """destroy_model_parallel + initialize_model_parallel(**init_kwargs) on the current default
     group, then re-point the groups `models` cached. Returns the number of re-pointed handles.
     Framework-specific globals (e.g. a CPU replacement of parallel_state's memory buffer) are
@@ -103,6 +122,10 @@ def rebuild_parallel_state(models: torch.nn.Module | Iterable[torch.nn.Module], 
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(**init_kwargs)
     new = parallel_state_groups(ps)
-    current = [g for v in new.values() for g in (v if isinstance(v, list) else [v])
-               if isinstance(g, dist.ProcessGroup)]
+    current = [
+        g
+        for v in new.values()
+        for g in (v if isinstance(v, list) else [v])
+        if isinstance(g, dist.ProcessGroup)
+    ]
     return repoint_groups(model_list, group_mapping(old, new), current)

@@ -12,6 +12,7 @@ optimizer shard are replicas; `optimizer_shards == dp` means no replica at all.
 Rank order is Megatron's default: tensor-parallel index fastest, then data-parallel, then
 pipeline (`rank = pp * dp * tp + d * tp + t`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,7 +35,8 @@ class Layout:
         if seen != list(range(self.world_size)):
             raise ValueError(
                 f"replica groups {[list(g) for g in self.groups]} must partition ranks "
-                f"0..{self.world_size - 1}, each rank exactly once")
+                f"0..{self.world_size - 1}, each rank exactly once"
+            )
         if len(self.names) != len(self.groups) or len(set(self.names)) != len(self.names):
             raise ValueError(f"shard names {list(self.names)} must be unique, one per group")
         if len(self.checkpoint_names) != len(self.groups):
@@ -57,15 +59,18 @@ class Layout:
         return cls(world_size, norm, names, tuple(f"mp_rank_{i:02d}" for i in range(len(norm))))
 
     @classmethod
-    def from_parallel(cls, world_size: int, dp: int, tp: int = 1, pp: int = 1,
-                      optimizer_shards: int = 1) -> "Layout":
+    def from_parallel(
+        cls, world_size: int, dp: int, tp: int = 1, pp: int = 1, optimizer_shards: int = 1
+    ) -> "Layout":
         """Megatron-style grid. `optimizer_shards` = how many pieces a distributed optimizer
         splits its state into inside each DP group (1 = no distributed optimizer)."""
         for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("optimizer_shards", optimizer_shards)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be a positive integer")
         if dp * tp * pp != world_size:
-            raise ValueError(f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} must equal world size {world_size}")
+            raise ValueError(
+                f"dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} must equal world size {world_size}"
+            )
         if dp % optimizer_shards:
             raise ValueError(f"optimizer_shards={optimizer_shards} must divide dp={dp}")
         members: dict[tuple[int, int, int], list[int]] = {}
@@ -103,8 +108,10 @@ class Layout:
 
 def parallel_groups(world_size: int, dp: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
     """The communication groups of a DP x TP x PP grid (same rank order as Layout)."""
+
     def rank(p: int, d: int, t: int) -> int:
         return p * dp * tp + d * tp + t
+
     if dp * tp * pp != world_size:
         raise ValueError(f"dp*tp*pp = {dp * tp * pp} must equal world size {world_size}")
     return {

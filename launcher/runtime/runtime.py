@@ -8,6 +8,7 @@ RepairPlan -> rebuild groups for the new generation -> restore the step-start st
 receive full state along the plan's pairs -> resume. Durable checkpoints (periodic saves, the
 restart-all start, the dying-gasp dump) are coordinated here and written by `checkpoint`.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -33,10 +34,22 @@ from launcher.runtime import checkpoint as ckpt
 from launcher.runtime import heap
 from launcher.runtime.buckets import BUCKET_BYTES, GradComm, GradientSyncs
 from launcher.runtime.channel import AgentChannel
-from launcher.runtime.collectives import CollectiveError, Graveyard, Interruptible, is_backend_failure
+from launcher.runtime.collectives import (
+    CollectiveError,
+    Graveyard,
+    Interruptible,
+    is_backend_failure,
+)
 from launcher.runtime.ddp import RuntimeDDP
-from launcher.runtime.devices import (EXCEPTION, NETWORK, UCE_HIGH, UNSAFE_DATA, DeviceAdapter,
-                                      InjectedFault, select_adapter)
+from launcher.runtime.devices import (
+    EXCEPTION,
+    NETWORK,
+    UCE_HIGH,
+    UNSAFE_DATA,
+    DeviceAdapter,
+    InjectedFault,
+    select_adapter,
+)
 from launcher.runtime.env import RuntimeEnv
 from launcher.runtime.faultplan import FaultInjector, parse_plan
 from launcher.runtime.group_sockets import SocketLedger
@@ -47,8 +60,12 @@ from launcher.runtime.signals import StopRequested, StopSignal
 from launcher.runtime.skip_init import InitSkip
 from launcher.runtime.state import Registered, Snapshot
 from launcher.runtime.transfer import recv_state, send_state
-from launcher.runtime.wait_probe import STUCK_AFTER_BREAK_S, CppWaitProbe, StuckWaitAlarm, cpp_wait_codes
-
+from launcher.runtime.wait_probe import (
+    STUCK_AFTER_BREAK_S,
+    CppWaitProbe,
+    StuckWaitAlarm,
+    cpp_wait_codes,
+)
 
 # phases the agent hears at once (the channel's writer is woken); a step's phase edges are read at
 # its next poll (MIN_HEARTBEAT_GAP), as coalesced heartbeats always were
@@ -152,8 +169,13 @@ class _OptimizerUpdate:
 class Runtime:
     """See the package docstring for the training-loop contract."""
 
-    def __init__(self, env: RuntimeEnv, backend: str, device: DeviceAdapter,
-                 options: RuntimeOptions | None = None) -> None:
+    def __init__(
+        self,
+        env: RuntimeEnv,
+        backend: str,
+        device: DeviceAdapter,
+        options: RuntimeOptions | None = None,
+    ) -> None:
         self.env = env
         self.rank = env.rank
         self.world_size = env.world_size
@@ -172,16 +194,24 @@ class Runtime:
         self._stop.on_request(self._break_old_groups)
         self._stuck_alarm: StuckWaitAlarm | None = None  # set with the C++ waits (rt.ddp on gloo)
         self._graveyard = Graveyard()
-        self._coll = Interruptible(self._stop, self._graveyard, lambda: self.generation,
-                                   env.collective_timeout, self._on_collective_error, self._abort_groups,
-                                   # gloo: its own wait in 5 ms slices (~0.16 ms less CPU per wait)
-                                   on_busy=self._note_waiting, sliced=backend == "gloo")
+        self._coll = Interruptible(
+            self._stop,
+            self._graveyard,
+            lambda: self.generation,
+            env.collective_timeout,
+            self._on_collective_error,
+            self._abort_groups,
+            # gloo: its own wait in 5 ms slices (~0.16 ms less CPU per wait)
+            on_busy=self._note_waiting,
+            sliced=backend == "gloo",
+        )
         self._groups = GroupRegistry(env.rank, env.world_size, backend)
         self._reg = Registered()
         self._registered = False
         self._layout = Layout.ddp(env.world_size)
-        self._injector = FaultInjector(parse_plan(env.fault_plan), env.rank, self.log,
-                                       waiting=self._note_waiting)
+        self._injector = FaultInjector(
+            parse_plan(env.fault_plan), env.rank, self.log, waiting=self._note_waiting
+        )
         self._channel: AgentChannel | None = None
         self._death_notice: death_notice.Held | None = None
         self._state_told = False  # the agent knows the bytes of this rank's state
@@ -214,14 +244,18 @@ class Runtime:
         self._moved = {"transfer_bytes": 0, "transfer_s": 0.0}
         self._grad_syncs = GradientSyncs()
         # called with the new generation after every group rebuild (rt.ddp rebuilds DDP there)
-        self._rebuild_listeners: list[Callable[[int], None]] = [lambda g: self._grad_syncs.abandon_all()]
+        self._rebuild_listeners: list[Callable[[int], None]] = [
+            lambda g: self._grad_syncs.abandon_all()
+        ]
 
     # ================================================================ start-up
     def _start(self) -> None:
         env = self.env
         atexit.register(self._atexit)
         if not env.managed:
-            self.log("no FTRUN_AGENT_SOCKET: running without an ftrun agent, so no process-level recovery")
+            self.log(
+                "no FTRUN_AGENT_SOCKET: running without an ftrun agent, so no process-level recovery"
+            )
             if not dist.is_initialized():
                 dist.init_process_group(self.backend, timeout=timedelta(seconds=env.store_timeout))
             self._store = dist.distributed_c10d._get_default_store()
@@ -230,16 +264,33 @@ class Runtime:
         # held on this (the training) thread until the process ends: the agent learns of this
         # process's death before the kernel has torn it down (launcher.protocol.death_notice)
         self._death_notice = death_notice.hold(env.death_notice)
-        self._channel = AgentChannel(env.agent_socket or "", env.rank, self._stop, self.log,
-                                     heartbeat_interval=self.options.heartbeat_interval,
-                                     on_inject=lambda m: self._injector.arm(dataclasses.asdict(m)))
-        self._channel.start(Hello(rank=env.rank, local_rank=env.local_rank, pid=os.getpid(),
-                                  generation=env.generation, replacement=env.replacement,
-                                  notice_tid=self._death_notice.tid if self._death_notice else 0))
+        self._channel = AgentChannel(
+            env.agent_socket or "",
+            env.rank,
+            self._stop,
+            self.log,
+            heartbeat_interval=self.options.heartbeat_interval,
+            on_inject=lambda m: self._injector.arm(dataclasses.asdict(m)),
+        )
+        self._channel.start(
+            Hello(
+                rank=env.rank,
+                local_rank=env.local_rank,
+                pid=os.getpid(),
+                generation=env.generation,
+                replacement=env.replacement,
+                notice_tid=self._death_notice.tid if self._death_notice else 0,
+            )
+        )
         self._channel.set_progress_source(self._progress_now)
         self._channel.update(generation=self.generation)
-        self._store = dist.TCPStore(env.master_addr, env.master_port, is_master=False,
-                                    timeout=timedelta(seconds=env.store_timeout), wait_for_workers=False)
+        self._store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            is_master=False,
+            timeout=timedelta(seconds=env.store_timeout),
+            wait_for_workers=False,
+        )
         if env.replacement:
             self.log(f"replacement for rank {env.rank}: joining generation {self.generation}")
             while True:
@@ -248,8 +299,10 @@ class Runtime:
                     break
                 except StopRequested:
                     # our round was superseded (another rank failed meanwhile): join the newer one
-                    self.log(f"generation {self.generation} superseded before it completed; joining "
-                             f"generation {self._stop.target}")
+                    self.log(
+                        f"generation {self.generation} superseded before it completed; joining "
+                        f"generation {self._stop.target}"
+                    )
                     self.generation = self._stop.target
             self._build_world(self.generation, rebuild_groups=False)
             if env.skip_init and self._store_try_get(P.skip_init_off_key()) is None:
@@ -257,14 +310,21 @@ class Runtime:
                 self._init_skip.open()  # closed before the received state is applied
         else:
             self._build_world(self.generation, rebuild_groups=False)
-        self.log(f"joined generation {self.generation} (world {self.world_size}, backend {self.backend}, "
-                 f"device {self.adapter.name})")
+        self.log(
+            f"joined generation {self.generation} (world {self.world_size}, backend {self.backend}, "
+            f"device {self.adapter.name})"
+        )
 
     def _build_world(self, generation: int, rebuild_groups: bool) -> None:
         store = dist.PrefixStore(P.pg_prefix(generation), self._store)
         with self._sockets.track(generation):
-            dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
-                                    timeout=timedelta(seconds=self.env.store_timeout))
+            dist.init_process_group(
+                self.backend,
+                store=store,
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(seconds=self.env.store_timeout),
+            )
             if rebuild_groups:
                 self._groups.rebuild(generation)
         if rebuild_groups:
@@ -285,10 +345,18 @@ class Runtime:
         try:
             dist.destroy_process_group()
         except Exception as exc:  # noqa: BLE001 - the old world is discarded either way
-            self.log(f"destroying generation {self.generation}'s groups failed ({exc}); dropping them")
+            self.log(
+                f"destroying generation {self.generation}'s groups failed ({exc}); dropping them"
+            )
             c10d._update_default_pg(None)
-            for table in (c10d._world.pg_map, c10d._world.pg_names, c10d._world.pg_group_ranks,
-                          c10d._world.pg_backend_config, c10d._world.pg_to_tag, c10d._world.tags_to_pg):
+            for table in (
+                c10d._world.pg_map,
+                c10d._world.pg_names,
+                c10d._world.pg_group_ranks,
+                c10d._world.pg_backend_config,
+                c10d._world.pg_to_tag,
+                c10d._world.tags_to_pg,
+            ):
                 table.clear()
             c10d._world.group_count = 0
 
@@ -299,17 +367,21 @@ class Runtime:
         if self._sockets.enabled:
             n = self._sockets.break_before(target)
             if n:
-                self.log(f"stop for generation {target}: shut down {n} sockets of the older groups "
-                         "(leaves DDP's waits in C++)")
+                self.log(
+                    f"stop for generation {target}: shut down {n} sockets of the older groups "
+                    "(leaves DDP's waits in C++)"
+                )
             if self._stuck_alarm is not None:
                 self._stuck_alarm.arm(target)
 
     def _report_stuck(self, target: int) -> None:
         """(the alarm's timer) The training thread stayed in its C++ wait after the break: tell
         the agent, which replaces this rank in the round now (see StuckWaitAlarm)."""
-        self.log(f"still inside a collective wait in C++ {STUCK_AFTER_BREAK_S:g}s after the stop for generation "
-                 f"{target} shut down its sockets: a send gloo had queued on a failed connection, which gloo "
-                 "never fails; asking the agent to replace this rank")
+        self.log(
+            f"still inside a collective wait in C++ {STUCK_AFTER_BREAK_S:g}s after the stop for generation "
+            f"{target} shut down its sockets: a send gloo had queued on a failed connection, which gloo "
+            "never fails; asking the agent to replace this rank"
+        )
         if self._channel is not None:
             self._channel.update(stuck=True)
 
@@ -326,7 +398,9 @@ class Runtime:
         if self._channel is not None:
             codes = cpp_wait_codes()
             self._channel.set_wait_probe(CppWaitProbe(codes))
-            self._stuck_alarm = StuckWaitAlarm(codes, lambda g: self.generation >= g, self._report_stuck)
+            self._stuck_alarm = StuckWaitAlarm(
+                codes, lambda g: self.generation >= g, self._report_stuck
+            )
 
     def _note_waiting(self, busy: bool) -> None:
         if self._channel is not None:
@@ -337,26 +411,36 @@ class Runtime:
             self.adapter.abort_groups(list(dist.distributed_c10d._world.pg_map.keys()))
 
     # ================================================================ registration
-    def register(self, model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
-                 optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
-                 scheduler: Any | Sequence[Any] | None = None,
-                 data: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
-                 extra: dict[str, torch.Tensor] | None = None,
-                 checkpoint_dir: str | os.PathLike | None = None, checkpoint_every: int = 0,
-                 on_rollback: Callable[[int], None] | None = None) -> None:
+    def register(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module] | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
+        scheduler: Any | Sequence[Any] | None = None,
+        data: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+        extra: dict[str, torch.Tensor] | None = None,
+        checkpoint_dir: str | os.PathLike | None = None,
+        checkpoint_every: int = 0,
+        on_rollback: Callable[[int], None] | None = None,
+    ) -> None:
         """Declare the rank's state. `data` = (get_position, set_position); `extra` = global
         tensors repaired with the model; `on_rollback(step)` re-initialises anything else."""
+
         def as_list(x: Any) -> list:
             return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
+
         if self._registered:
-            raise RuntimeError("register() was already called; call it once with every stateful object")
+            raise RuntimeError(
+                "register() was already called; call it once with every stateful object"
+            )
         models, opts, scheds = as_list(model), as_list(optimizer), as_list(scheduler)
         for m in models:
             if not isinstance(m, torch.nn.Module):
                 raise TypeError(f"model must be a torch.nn.Module, got {type(m).__name__}")
         for o in opts:
             if not isinstance(o, torch.optim.Optimizer):
-                raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(o).__name__}")
+                raise TypeError(
+                    f"optimizer must be a torch.optim.Optimizer, got {type(o).__name__}"
+                )
         for s in scheds:
             if not (hasattr(s, "state_dict") and hasattr(s, "load_state_dict")):
                 raise TypeError(f"scheduler {type(s).__name__} lacks state_dict/load_state_dict")
@@ -376,7 +460,9 @@ class Runtime:
         self._registered = True
         self._mark("registered")  # a replacement: its script has built model and optimizer
 
-    def set_layout(self, dp: int, tp: int = 1, pp: int = 1, optimizer_shards: int = 1) -> dict[str, GroupHandle]:
+    def set_layout(
+        self, dp: int, tp: int = 1, pp: int = 1, optimizer_shards: int = 1
+    ) -> dict[str, GroupHandle]:
         """Megatron-style layout: creates the "dp", "tp" and "pp" groups (those larger than one
         rank) and derives replica identity. Returns this rank's handles by name."""
         self._set_layout(Layout.from_parallel(self.world_size, dp, tp, pp, optimizer_shards))
@@ -407,7 +493,11 @@ class Runtime:
     def new_group(self, name: str, ranks: Sequence[int] | Sequence[Sequence[int]]) -> GroupHandle:
         """Create a process group every rank calls in the same order; the handle's `.group` is
         re-pointed after each recovery. `ranks` is one list or a partition (list of lists)."""
-        partition = [list(r) for r in ranks] if ranks and isinstance(ranks[0], (list, tuple)) else [list(ranks)]
+        partition = (
+            [list(r) for r in ranks]
+            if ranks and isinstance(ranks[0], (list, tuple))
+            else [list(ranks)]
+        )
         with self._sockets.track(self.generation):
             return self._groups.create(name, partition, self.generation)  # type: ignore[arg-type]
 
@@ -418,19 +508,24 @@ class Runtime:
     def _pg(self, group: GroupHandle | None) -> Any:
         return None if group is None else group.group
 
-    def all_reduce(self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM,
-                   group: GroupHandle | None = None) -> torch.Tensor:
+    def all_reduce(
+        self, tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM, group: GroupHandle | None = None
+    ) -> torch.Tensor:
         """In-place all_reduce that a stop can interrupt (raises StopRequested)."""
         if group is not None and group.size <= 1:
             return tensor
         return self._coll.all_reduce(tensor, op, self._pg(group))
 
-    def broadcast(self, tensor: torch.Tensor, src: int, group: GroupHandle | None = None) -> torch.Tensor:
+    def broadcast(
+        self, tensor: torch.Tensor, src: int, group: GroupHandle | None = None
+    ) -> torch.Tensor:
         if group is not None and group.size <= 1:
             return tensor
         return self._coll.broadcast(tensor, src, self._pg(group))
 
-    def all_gather(self, tensor: torch.Tensor, group: GroupHandle | None = None) -> list[torch.Tensor]:
+    def all_gather(
+        self, tensor: torch.Tensor, group: GroupHandle | None = None
+    ) -> list[torch.Tensor]:
         size = self.world_size if group is None else group.size
         out = [torch.empty_like(tensor) for _ in range(size)]
         if size == 1:
@@ -443,17 +538,26 @@ class Runtime:
             return
         self._coll.barrier(self._pg(group))
 
-    def allreduce_gradients(self, model: torch.nn.Module | Sequence[torch.nn.Module],
-                            group: GroupHandle | None = None, average: bool = True,
-                            bucket_bytes: int = BUCKET_BYTES) -> None:
+    def allreduce_gradients(
+        self,
+        model: torch.nn.Module | Sequence[torch.nn.Module],
+        group: GroupHandle | None = None,
+        average: bool = True,
+        bucket_bytes: int = BUCKET_BYTES,
+    ) -> None:
         """Sum (and average) the gradients of `model` across `group` (default: all ranks) in
         buckets, interruptible like every runtime collective. The first call installs hooks:
         from then on each bucket's all-reduce starts during backward, as soon as its gradients
         are accumulated, and this call only waits for them (see launcher.runtime.buckets). The
         parameters taking part (those with requires_grad) are read at the first call for `model`."""
         models = tuple(model) if isinstance(model, (list, tuple)) else (model,)
-        self._grad_syncs.sync(models, None if group is None else group.name, lambda: self._grad_comm(group),
-                              average, bucket_bytes)
+        self._grad_syncs.sync(
+            models,
+            None if group is None else group.name,
+            lambda: self._grad_comm(group),
+            average,
+            bucket_bytes,
+        )
 
     def ddp(self, module: torch.nn.Module, **ddp_kwargs: Any) -> torch.nn.Module:
         """`torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)` whose collectives go
@@ -462,10 +566,16 @@ class Runtime:
 
     def _grad_comm(self, group: GroupHandle | None) -> GradComm:
         if group is not None and self.rank not in group.ranks:
-            raise ValueError(f"rank {self.rank} is not a member of group {group.name!r} ({group.ranks})")
-        return GradComm(self._coll, lambda: self._pg(group), self.world_size if group is None else group.size,
-                        0 if group is None else group.ranks[0],
-                        tuple(range(self.world_size)) if group is None else tuple(group.ranks))
+            raise ValueError(
+                f"rank {self.rank} is not a member of group {group.name!r} ({group.ranks})"
+            )
+        return GradComm(
+            self._coll,
+            lambda: self._pg(group),
+            self.world_size if group is None else group.size,
+            0 if group is None else group.ranks[0],
+            tuple(range(self.world_size)) if group is None else tuple(group.ranks),
+        )
 
     # ================================================================ step loop
     def steps(self, total: int) -> Iterator[Step]:
@@ -509,13 +619,25 @@ class Runtime:
                 resume = self._execute(plan)
             except StopRequested:
                 return self._recover()
-            self.last_recovery = {"repair_s": time.monotonic() - t0,
-                                  "since_init_s": time.monotonic() - self._t_created}
-            self.log(f"replacement resumes at step {resume} (repair {self.last_recovery['repair_s']:.3f} s)")
+            self.last_recovery = {
+                "repair_s": time.monotonic() - t0,
+                "since_init_s": time.monotonic() - self._t_created,
+            }
+            self.log(
+                f"replacement resumes at step {resume} (repair {self.last_recovery['repair_s']:.3f} s)"
+            )
             if self._channel is not None:
-                self._channel.send(Recovered(self.rank, plan.generation, resume, plan.action,
-                                             replacement=True, timings=self._timings(),
-                                             **self._take_marks()))
+                self._channel.send(
+                    Recovered(
+                        self.rank,
+                        plan.generation,
+                        resume,
+                        plan.action,
+                        replacement=True,
+                        timings=self._timings(),
+                        **self._take_marks(),
+                    )
+                )
             heap.settle()  # the heap its spare faulted in is used: shrink like any process again
             return resume
         start = 0
@@ -596,8 +718,12 @@ class Runtime:
         kind = found.kind if found else EXCEPTION
         injected = isinstance(exc, InjectedFault)
         lost_state = kind in (UCE_HIGH, UNSAFE_DATA) or self._in_update
-        self.report_fault(kind, f"{type(exc).__name__}: {exc}", injected=injected,
-                          fatal=bool(found and found.fatal))
+        self.report_fault(
+            kind,
+            f"{type(exc).__name__}: {exc}",
+            injected=injected,
+            fatal=bool(found and found.fatal),
+        )
         if found and found.fatal:
             self.log("fault is process-fatal; exiting so the agent restarts this rank")
             self._hard_exit(1)
@@ -610,8 +736,10 @@ class Runtime:
     def _stopped(self, step: Step, exc: StopRequested) -> bool:
         step.interrupted = True
         self._dirty = self._dirty or self._in_update
-        self.log(f"stopped in step {step.index} phase {self._phase} "
-                 f"({'inside the optimizer update' if self._in_update else 'state clean'}): {exc}")
+        self.log(
+            f"stopped in step {step.index} phase {self._phase} "
+            f"({'inside the optimizer update' if self._in_update else 'state clean'}): {exc}"
+        )
         self._in_update = False
         return True
 
@@ -631,18 +759,36 @@ class Runtime:
             return stop
         return None
 
-    def report_fault(self, kind: str, message: str, injected: bool = False, fatal: bool = False,
-                     collective: str = "") -> None:
+    def report_fault(
+        self,
+        kind: str,
+        message: str,
+        injected: bool = False,
+        fatal: bool = False,
+        collective: str = "",
+    ) -> None:
         """Tell the agent about a fault this worker detected itself (the agent answers with a
         stop, which the runtime handles at the next phase edge or collective)."""
         if kind not in WORKER_FAULT_KINDS:
             raise ValueError(f"fault kind {kind!r}; allowed: {', '.join(WORKER_FAULT_KINDS)}")
         label = "INJECTED " if injected else ""
-        self.log(f"{label}fault kind={kind} in step {self._current_step} phase {self._phase}: {message}")
+        self.log(
+            f"{label}fault kind={kind} in step {self._current_step} phase {self._phase}: {message}"
+        )
         if self._channel is not None:
-            self._channel.send(FaultReport(self.rank, kind, message[:2000], self._current_step,
-                                           self._phase, injected=injected, fatal=fatal,
-                                           generation=self.generation, collective=collective))
+            self._channel.send(
+                FaultReport(
+                    self.rank,
+                    kind,
+                    message[:2000],
+                    self._current_step,
+                    self._phase,
+                    injected=injected,
+                    fatal=fatal,
+                    generation=self.generation,
+                    collective=collective,
+                )
+            )
 
     def _timings(self) -> dict[str, float]:
         return {k: round(v, 4) for k, v in self.last_recovery.items()}
@@ -651,8 +797,10 @@ class Runtime:
         if not self.env.managed:
             return
         gen = self.generation
-        self.log(f"{what} failed ({str(exc).splitlines()[0][:200]}); waiting {self.options.network_grace:.0f} s "
-                 "for the agent's stop")
+        self.log(
+            f"{what} failed ({str(exc).splitlines()[0][:200]}); waiting {self.options.network_grace:.0f} s "
+            "for the agent's stop"
+        )
         if self._stop.wait_newer(gen, self.options.network_grace):
             raise StopRequested(self._stop.target, f"after {what} error")
         self.report_fault(NETWORK, f"{what}: {exc}", collective=what)
@@ -661,10 +809,17 @@ class Runtime:
 
     # ================================================================ recovery
     def _status(self, generation: int) -> P.RankStatus:
-        return P.RankStatus(rank=self.rank, generation=generation, replacement=self._needs_state,
-                            committed_step=-1 if self._needs_state else self._committed,
-                            step=self._current_step, dirty=self._dirty, shard=self._shard_for_status(),
-                            pid=os.getpid(), host=socket.gethostname())
+        return P.RankStatus(
+            rank=self.rank,
+            generation=generation,
+            replacement=self._needs_state,
+            committed_step=-1 if self._needs_state else self._committed,
+            step=self._current_step,
+            dirty=self._dirty,
+            shard=self._shard_for_status(),
+            pid=os.getpid(),
+            host=socket.gethostname(),
+        )
 
     def _shard_for_status(self) -> str:
         if not self._registered and self.env.managed:
@@ -685,16 +840,23 @@ class Runtime:
         self._mark("status")
         status = self._status(generation)
         self._store.set(P.status_key(generation, self.rank), status.to_json())
-        self.log(f"posted status: committed_step={status.committed_step} step={status.step} "
-                 f"dirty={status.dirty} replacement={status.replacement} shard={status.shard!r}")
+        self.log(
+            f"posted status: committed_step={status.committed_step} step={status.step} "
+            f"dirty={status.dirty} replacement={status.replacement} shard={status.shard!r}"
+        )
         # the round's critical path: every rank of the round waits for this key, the slowest
         # reader holds up the group rebuild, so poll it finely (a round lasts ~0.1 s)
-        raw = self._wait_key(P.repair_key(generation), "the controller's repair plan",
-                             max_delay=self.options.plan_poll_interval)
+        raw = self._wait_key(
+            P.repair_key(generation),
+            "the controller's repair plan",
+            max_delay=self.options.plan_poll_interval,
+        )
         plan = P.RepairPlan.from_json(raw)
         self._mark("plan")
-        self.log(f"repair plan: resume_step={plan.resume_step} action={plan.action} pairs={plan.pairs} "
-                 f"fallback={plan.fallback} ({plan.reason})")
+        self.log(
+            f"repair plan: resume_step={plan.resume_step} action={plan.action} pairs={plan.pairs} "
+            f"fallback={plan.fallback} ({plan.reason})"
+        )
         if plan.fallback:
             self._fallback(plan)
         return plan
@@ -710,7 +872,9 @@ class Runtime:
             if self._stop.newer_than(gen):
                 raise StopRequested(self._stop.target, f"while waiting for {what}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} ({key}) did not appear within {self.env.store_timeout:.0f} s")
+                raise TimeoutError(
+                    f"{what} ({key}) did not appear within {self.env.store_timeout:.0f} s"
+                )
             self._stop.wait_newer(gen, delay)
             delay = min(delay * 2, cap)
 
@@ -719,7 +883,9 @@ class Runtime:
         t_stop = time.monotonic()
         self._mark("stopped")
         if not self._stop.newer_than(self.generation):
-            self.log(f"waiting up to {self.env.store_timeout:.0f} s for the agent's stop after the fault")
+            self.log(
+                f"waiting up to {self.env.store_timeout:.0f} s for the agent's stop after the fault"
+            )
             if not self._stop.wait_newer(self.generation, self.env.store_timeout):
                 exc = self._pending_exc or RuntimeError("recovery requested but no stop arrived")
                 raise exc
@@ -746,32 +912,55 @@ class Runtime:
                     self.log(f"recovery round failed ({exc}); a newer generation was requested")
                     continue
                 raise
-            self.last_recovery = {"stop_s": t0 - t_stop, "plan_wait_s": t1 - t0, "rebuild_s": t2 - t1,
-                                  "repair_s": t3 - t2, "total_s": t3 - t_stop}
+            self.last_recovery = {
+                "stop_s": t0 - t_stop,
+                "plan_wait_s": t1 - t0,
+                "rebuild_s": t2 - t1,
+                "repair_s": t3 - t2,
+                "total_s": t3 - t_stop,
+            }
             if self._channel is not None:
-                self._channel.send(Recovered(self.rank, target, resume, plan.action,
-                                             timings=self._timings(), **self._take_marks()))
-            self.log(f"recovered into generation {target}: resume at step {resume} "
-                     f"(plan wait {t1 - t0:.3f} s, rebuild {t2 - t1:.3f} s, repair {t3 - t2:.3f} s)")
+                self._channel.send(
+                    Recovered(
+                        self.rank,
+                        target,
+                        resume,
+                        plan.action,
+                        timings=self._timings(),
+                        **self._take_marks(),
+                    )
+                )
+            self.log(
+                f"recovered into generation {target}: resume at step {resume} "
+                f"(plan wait {t1 - t0:.3f} s, rebuild {t2 - t1:.3f} s, repair {t3 - t2:.3f} s)"
+            )
             return resume
 
     def _execute(self, plan: P.RepairPlan) -> int:
         """Restore/transfer along the plan, post resumed, return the resume step."""
         resume = plan.resume_step
         self.last_plan = plan
-        sources = [src for src, dst in plan.pairs if dst == self.rank]  # >1: striped, in stripe order
+        sources = [
+            src for src, dst in plan.pairs if dst == self.rank
+        ]  # >1: striped, in stripe order
         if len(set(sources)) != len(sources) or self.rank in sources:
-            raise RuntimeError(f"repair plan names sources {sources} for rank {self.rank}: {plan.pairs}")
+            raise RuntimeError(
+                f"repair plan names sources {sources} for rank {self.rank}: {plan.pairs}"
+            )
         if sources and not self._registered:
             raise RuntimeError("a replacement must call rt.register(...) before rt.steps()")
         snap: Snapshot | None = None
         if not sources:
             if self._needs_state or self._dirty:
-                raise RuntimeError(f"rank {self.rank} holds no trusted state but the plan gives it no source")
+                raise RuntimeError(
+                    f"rank {self.rank} holds no trusted state but the plan gives it no source"
+                )
             snap = self._snapshots.get(resume)
             if snap is None:
-                raise RuntimeError(f"rank {self.rank} has no step-start state for step {resume} "
-                                   f"(has {sorted(self._snapshots)}); the plan does not match this rank")
+                raise RuntimeError(
+                    f"rank {self.rank} has no step-start state for step {resume} "
+                    f"(has {sorted(self._snapshots)}); the plan does not match this rank"
+                )
             self._reg.restore(snap, self.adapter)
         stripes: dict[int, list[int]] = {}
         for src, dst in plan.pairs:
@@ -779,28 +968,46 @@ class Runtime:
         for dst, srcs in stripes.items():
             if self.rank in srcs:
                 assert snap is not None
-                stats = send_state(self._coll, self._reg.full_state(snap), dst, srcs.index(self.rank), len(srcs),
-                                   midway=lambda: self._injector.maybe_fire(plan.generation, resume, "transfer"))
+                stats = send_state(
+                    self._coll,
+                    self._reg.full_state(snap),
+                    dst,
+                    srcs.index(self.rank),
+                    len(srcs),
+                    midway=lambda: self._injector.maybe_fire(plan.generation, resume, "transfer"),
+                )
                 self._moved["transfer_s"] += stats.seconds
                 part = f"stripe {srcs.index(self.rank)}/{len(srcs)} of " if len(srcs) > 1 else ""
                 how = "read from this rank's memory" if stats.path == "memory" else "sent"
-                self.log(f"{how}: {part}state to rank {dst}, {stats.nbytes / 1e6:.1f} MB in {stats.tensors} "
-                         f"tensors, {stats.seconds:.3f} s ({stats.gbps:.2f} GB/s)")
+                self.log(
+                    f"{how}: {part}state to rank {dst}, {stats.nbytes / 1e6:.1f} MB in {stats.tensors} "
+                    f"tensors, {stats.seconds:.3f} s ({stats.gbps:.2f} GB/s)"
+                )
             elif dst == self.rank:
                 self._close_init_skip(self._reg.overwritten())
                 state, stats = recv_state(self._coll, srcs, self._reg.live_tensors())
-                self._moved = {"transfer_bytes": stats.nbytes, "transfer_s": stats.seconds, "source": srcs[0],
-                               "transfer_path": stats.path}
+                self._moved = {
+                    "transfer_bytes": stats.nbytes,
+                    "transfer_s": stats.seconds,
+                    "source": srcs[0],
+                    "transfer_path": stats.path,
+                }
                 if state["step"] != resume:
-                    raise RuntimeError(f"ranks {srcs} sent the state of step {state['step']}, plan resumes at {resume}")
+                    raise RuntimeError(
+                        f"ranks {srcs} sent the state of step {state['step']}, plan resumes at {resume}"
+                    )
                 self._reg.load_full_state(state, self.adapter)
                 self._mark("received")
                 if stats.fallback:
-                    self.log(f"reading the state from the sender's memory failed ({stats.fallback}); "
-                             f"it came over the network")
-                self.log(f"received state from rank {','.join(map(str, srcs))} ({stats.path}): "
-                         f"{stats.nbytes / 1e6:.1f} MB in {stats.tensors} tensors, {stats.seconds:.3f} s "
-                         f"({stats.gbps:.2f} GB/s; {stats.phases})")
+                    self.log(
+                        f"reading the state from the sender's memory failed ({stats.fallback}); "
+                        f"it came over the network"
+                    )
+                self.log(
+                    f"received state from rank {','.join(map(str, srcs))} ({stats.path}): "
+                    f"{stats.nbytes / 1e6:.1f} MB in {stats.tensors} tensors, {stats.seconds:.3f} s "
+                    f"({stats.gbps:.2f} GB/s; {stats.phases})"
+                )
                 snap = self._reg.snapshot(resume, self.adapter)
                 if self._reg.on_rollback is not None:
                     self._reg.on_rollback(resume)
@@ -830,11 +1037,15 @@ class Runtime:
         res, self._init_skip = self._init_skip.close(covered), None
         if res.diverged is None:
             if res.skipped:
-                self.log(f"skipped {res.skipped} random parameter inits the received state overwrites")
+                self.log(
+                    f"skipped {res.skipped} random parameter inits the received state overwrites"
+                )
             return
         self._store.set(P.skip_init_off_key(), b"1")
-        self.log(f"skipped random parameter inits cannot be proven harmless: {res.diverged}; exiting so "
-                 "that a new replacement inits normally (FTRUN_SKIP_INIT=0 turns the skip off)")
+        self.log(
+            f"skipped random parameter inits cannot be proven harmless: {res.diverged}; exiting so "
+            "that a new replacement inits normally (FTRUN_SKIP_INIT=0 turns the skip off)"
+        )
         self._hard_exit(1)
 
     def _mark(self, edge: str) -> None:
@@ -849,8 +1060,10 @@ class Runtime:
         return out
 
     def _fallback(self, plan: P.RepairPlan) -> None:
-        self.log(f"peer repair impossible, fallback={plan.fallback}: {plan.reason}; exiting so the "
-                 "agents restart the job from the last durable checkpoint")
+        self.log(
+            f"peer repair impossible, fallback={plan.fallback}: {plan.reason}; exiting so the "
+            "agents restart the job from the last durable checkpoint"
+        )
         if plan.fallback == P.DUMP:
             self._dying_gasp(plan)
         self._hard_exit(P.EXIT_FALLBACK)
@@ -864,15 +1077,22 @@ class Runtime:
             return
         writers = plan.writers
         if set(writers) != set(self._layout.names):
-            self.log(f"no dying-gasp checkpoint: shards {sorted(set(self._layout.names) - set(writers))} "
-                     "have no healthy holder")
+            self.log(
+                f"no dying-gasp checkpoint: shards {sorted(set(self._layout.names) - set(writers))} "
+                "have no healthy holder"
+            )
             return
         snap = self._snapshots.get(plan.resume_step)
         if snap is None:
             return
         self._reg.restore(snap, self.adapter)
-        self._save(plan.resume_step, snap, plan.generation, writers[self.shard] == self.rank,
-                   min(writers.values()) == self.rank)
+        self._save(
+            plan.resume_step,
+            snap,
+            plan.generation,
+            writers[self.shard] == self.rank,
+            min(writers.values()) == self.rank,
+        )
 
     # ================================================================ checkpoints
     def _maybe_checkpoint(self, iteration: int) -> None:
@@ -883,23 +1103,31 @@ class Runtime:
         """Durable checkpoint of the state at the start of step `iteration` (call between steps)."""
         snap = self._snapshots.get(iteration)
         if snap is None or self._committed != iteration - 1:
-            raise RuntimeError(f"checkpoint of iteration {iteration} requested, but the last completed "
-                               f"step is {self._committed}")
+            raise RuntimeError(
+                f"checkpoint of iteration {iteration} requested, but the last completed "
+                f"step is {self._committed}"
+            )
         writer = self._layout.writer_of(self.rank) == self.rank
         self._set_phase("checkpoint")
         self._save(iteration, snap, self.generation, writer, self.rank == 0)
 
-    def _save(self, iteration: int, snap: Snapshot, generation: int, writer: bool, committer: bool) -> None:
+    def _save(
+        self, iteration: int, snap: Snapshot, generation: int, writer: bool, committer: bool
+    ) -> None:
         assert self._ckpt_dir is not None
         name = self._layout.checkpoint_name(self.rank)
         if writer:
             t0 = time.monotonic()
             ckpt.write_shard(self._ckpt_dir, iteration, name, self._reg.full_state(snap))
             self._store.set(P.ckpt_key(generation, iteration, name), b"1")
-            self.log(f"checkpoint shard {name} of iteration {iteration} written in {time.monotonic() - t0:.3f} s")
+            self.log(
+                f"checkpoint shard {name} of iteration {iteration} written in {time.monotonic() - t0:.3f} s"
+            )
         if committer:
             for shard in self._layout.checkpoint_names:
-                self._wait_key(P.ckpt_key(generation, iteration, shard), f"checkpoint shard {shard}")
+                self._wait_key(
+                    P.ckpt_key(generation, iteration, shard), f"checkpoint shard {shard}"
+                )
             final = ckpt.commit(self._ckpt_dir, iteration, list(self._layout.checkpoint_names))
             self.log(f"checkpoint {final} committed")
 
@@ -937,7 +1165,10 @@ class Runtime:
         if self._channel is not None:
             self._channel.close(bye=True)
             self._channel = None
-        self.log("finished" + (f"; {abandoned} abandoned collectives/groups, exiting now" if abandoned else ""))
+        self.log(
+            "finished"
+            + (f"; {abandoned} abandoned collectives/groups, exiting now" if abandoned else "")
+        )
         if abandoned:
             self._hard_exit(0)
 
@@ -950,12 +1181,18 @@ class Runtime:
 
     def _atexit(self) -> None:
         if len(self._graveyard) and not self._finished:
-            self.log("interpreter exit without rt.finish() while abandoned collectives exist; exiting hard")
+            self.log(
+                "interpreter exit without rt.finish() while abandoned collectives exist; exiting hard"
+            )
             self._hard_exit(1)
 
 
-def init(backend: str = "gloo", device: str | None = None, options: RuntimeOptions | None = None,
-         environ: dict[str, str] | None = None) -> Runtime:
+def init(
+    backend: str = "gloo",
+    device: str | None = None,
+    options: RuntimeOptions | None = None,
+    environ: dict[str, str] | None = None,
+) -> Runtime:
     """Join the job: read the launch environment, connect to the agent (if any) and build the
     default process group of the current generation. A replacement rank also joins the
     running recovery round here and receives its state when `steps()` starts."""

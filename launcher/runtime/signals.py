@@ -4,6 +4,7 @@ Owns: `StopSignal` (the newest generation the agent asked this worker to move to
 channel thread, read and waited on by the main thread) and the `StopRequested` exception that
 unwinds the training step when a stop arrives.
 """
+
 from __future__ import annotations
 
 import threading
@@ -14,7 +15,9 @@ class StopRequested(Exception):
     """Raised inside a step when the agent asked this rank to stop for a recovery round."""
 
     def __init__(self, generation: int, where: str = "") -> None:
-        super().__init__(f"stop requested for generation {generation}" + (f" ({where})" if where else ""))
+        super().__init__(
+            f"stop requested for generation {generation}" + (f" ({where})" if where else "")
+        )
         self.generation = generation
         self.where = where
 

@@ -31,6 +31,7 @@ extra), or set FTRUN_SKIP_INIT=0.
 Everything else of the state -- optimizer state, schedulers, RNG states, data position -- comes
 with the transfer as before; the generator state is restored from it too.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,8 +42,17 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.init as nn_init
 
-RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_",
-                "xavier_uniform_", "xavier_normal_", "orthogonal_", "sparse_")
+RANDOM_INITS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "orthogonal_",
+    "sparse_",
+)
 RESEEDS = ("manual_seed", "set_rng_state", "seed")  # torch.<name>, watched while the window is open
 
 
@@ -76,8 +86,11 @@ class InitSkip:
         self._open = True
         # torch.nn.init's own names, and where torch.nn's modules imported them by name (e.g.
         # MultiheadAttention's xavier_uniform_): a fill that ran would move the generator
-        mods = [nn_init] + [m for n, m in list(sys.modules.items())
-                            if n.startswith("torch.nn.") and m is not None and m is not nn_init]
+        mods = [nn_init] + [
+            m
+            for n, m in list(sys.modules.items())
+            if n.startswith("torch.nn.") and m is not None and m is not nn_init
+        ]
         for name in RANDOM_INITS:
             orig = getattr(nn_init, name, None)
             if orig is None:
@@ -99,8 +112,13 @@ class InitSkip:
     def _wrap_init(self, orig: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(orig)
         def init(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-            if (not self._open or not isinstance(tensor, torch.Tensor) or tensor.device.type != "cpu"
-                    or kwargs.get("generator") is not None or type(tensor) not in (torch.Tensor, torch.nn.Parameter)):
+            if (
+                not self._open
+                or not isinstance(tensor, torch.Tensor)
+                or tensor.device.type != "cpu"
+                or kwargs.get("generator") is not None
+                or type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+            ):
                 return orig(tensor, *args, **kwargs)
             state = torch.get_rng_state()
             if self.first_rng is None:
@@ -110,6 +128,7 @@ class InitSkip:
             self.records.append(Skipped(orig, tensor, args, kwargs))
             _poison(tensor)
             return tensor
+
         return init
 
     def _wrap_reseed(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
@@ -121,8 +140,11 @@ class InitSkip:
                     # where a normal start's would be: the next skipped fill sets a new baseline
                     self.first_rng = None
                 else:
-                    self.diverged = f"random numbers were drawn after a skipped init, then torch.{name}()"
+                    self.diverged = (
+                        f"random numbers were drawn after a skipped init, then torch.{name}()"
+                    )
             return orig(*args, **kwargs)
+
         return reseed
 
     def close(self, covered: Iterable[torch.Tensor]) -> SkipResult:
@@ -136,14 +158,20 @@ class InitSkip:
         self._saved.clear()
         records, self.records = self.records, []
         diverged = self.diverged
-        if diverged is None and self.first_rng is not None and not torch.equal(torch.get_rng_state(), self.first_rng):
+        if (
+            diverged is None
+            and self.first_rng is not None
+            and not torch.equal(torch.get_rng_state(), self.first_rng)
+        ):
             diverged = "random numbers were drawn after a skipped init, before the state arrived"
         if diverged is None:
             spans = _spans(covered)
             outside = [r for r in records if not _inside(r.tensor, spans)]
             if outside:
-                diverged = (f"{len(outside)} skipped inits ({outside[0].fn.__name__} of a "
-                            f"{tuple(outside[0].tensor.shape)} tensor first) wrote tensors outside the received state")
+                diverged = (
+                    f"{len(outside)} skipped inits ({outside[0].fn.__name__} of a "
+                    f"{tuple(outside[0].tensor.shape)} tensor first) wrote tensors outside the received state"
+                )
         self.first_rng = None
         return SkipResult(len(records), diverged)
 
@@ -170,7 +198,9 @@ def _spans(tensors: Iterable[torch.Tensor]) -> dict[int, list[tuple[int, int]]]:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or not t.is_contiguous():
             continue
         lo = t.storage_offset() * t.element_size()
-        out.setdefault(t.untyped_storage().data_ptr(), []).append((lo, lo + t.numel() * t.element_size()))
+        out.setdefault(t.untyped_storage().data_ptr(), []).append(
+            (lo, lo + t.numel() * t.element_size())
+        )
     return out
 
 

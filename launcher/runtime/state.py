@@ -12,6 +12,7 @@ are read only when their raw generator bytes changed since the last read (`Numpy
 `PythonRng`), and a model's buffers are found through the modules' buffer tables listed once,
 not by walking the module tree.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -122,7 +123,9 @@ class NumpyRng:
             try:
                 if type(gen).__name__ == "MT19937":
                     addr = int(gen.ctypes.state_address)
-                    self._words = memoryview((ctypes.c_char * (4 * FINGERPRINT_WORDS)).from_address(addr))
+                    self._words = memoryview(
+                        (ctypes.c_char * (4 * FINGERPRINT_WORDS)).from_address(addr)
+                    )
                     self._pos = memoryview((ctypes.c_char * 4).from_address(addr + 624 * 4))
             except (AttributeError, TypeError, ValueError):
                 self._words = None
@@ -152,8 +155,11 @@ class PythonRng:
         self._addr = id(self._inst) + offset if fits else 0
         # the index and the first words, read in place (a view made once: ctypes.string_at per
         # call costs several us right after a step's computation)
-        self._head = memoryview((ctypes.c_char * (4 + 4 * FINGERPRINT_WORDS)).from_address(self._addr)) \
-            if self._addr else None
+        self._head = (
+            memoryview((ctypes.c_char * (4 + 4 * FINGERPRINT_WORDS)).from_address(self._addr))
+            if self._addr
+            else None
+        )
         self._raw = b""
         self._gauss: Any = None
         self._state: Any = None
@@ -171,7 +177,7 @@ class PythonRng:
         if len(words) != 625 or struct.unpack_from("i624I", full) != (words[624], *words[:624]):
             self._addr = 0  # not the layout we read: never trust the raw bytes again
             return state
-        self._raw, self._gauss, self._state = full[:4 + 4 * FINGERPRINT_WORDS], gauss, state
+        self._raw, self._gauss, self._state = full[: 4 + 4 * FINGERPRINT_WORDS], gauss, state
         return state
 
 
@@ -218,7 +224,9 @@ class Registered:
     on_rollback: Callable[[int], None] | None = None
     # per model, the buffer tables (`Module._buffers`) of its modules in `modules()` order, listed
     # at the first use: the module tree is the one registered (as for parameters)
-    _buffer_tables: list[list[dict]] | None = field(default=None, init=False, repr=False, compare=False)
+    _buffer_tables: list[list[dict]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     def buffers(self) -> list[torch.Tensor]:
         """`[b for m in models for b in m.buffers()]`, without walking the module tree."""
@@ -252,9 +260,13 @@ class Registered:
         """Taken at every step's start, right after the previous step's computation (cold
         caches: each Python call costs about a microsecond), so the usual case makes few."""
         buffers = self.buffers()
-        return Snapshot(step, capture_rng(device), self.data[0]() if self.data else None,
-                        [b.detach().clone() for b in buffers] if buffers else [],
-                        {k: v.detach().clone() for k, v in self.extras.items()} if self.extras else {})
+        return Snapshot(
+            step,
+            capture_rng(device),
+            self.data[0]() if self.data else None,
+            [b.detach().clone() for b in buffers] if buffers else [],
+            {k: v.detach().clone() for k, v in self.extras.items()} if self.extras else {},
+        )
 
     def restore(self, snap: Snapshot, device: DeviceAdapter) -> None:
         """Roll the rank back to the start of `snap.step` (parameters/optimizer untouched)."""
@@ -272,16 +284,20 @@ class Registered:
     # ---- full state (peer transfer and durable checkpoints) --------------------------
     def live_tensors(self) -> dict[tuple, torch.Tensor]:
         """Tensors a received state may be written into in place, by full-state path."""
-        return tensor_paths({
-            "models": [m.state_dict() for m in self.models],
-            "optimizers": [o.state_dict() for o in self.optimizers],
-            "extras": dict(self.extras),
-        })
+        return tensor_paths(
+            {
+                "models": [m.state_dict() for m in self.models],
+                "optimizers": [o.state_dict() for o in self.optimizers],
+                "extras": dict(self.extras),
+            }
+        )
 
     def overwritten(self) -> list[torch.Tensor]:
         """The live tensors a received full state always overwrites (`load_full_state` copies
         into each one): every model's `state_dict()` tensors and the extras."""
-        out = [t for m in self.models for t in m.state_dict().values() if isinstance(t, torch.Tensor)]
+        out = [
+            t for m in self.models for t in m.state_dict().values() if isinstance(t, torch.Tensor)
+        ]
         return out + list(self.extras.values())
 
     def state_bytes(self) -> int:
@@ -312,34 +328,47 @@ class Registered:
 
     def load_full_state(self, state: dict, device: DeviceAdapter) -> None:
         """Apply a full state (model tensors already received in place are copied onto themselves)."""
-        if len(state["models"]) != len(self.models) or len(state["optimizers"]) != len(self.optimizers) \
-                or len(state["schedulers"]) != len(self.schedulers):
+        if (
+            len(state["models"]) != len(self.models)
+            or len(state["optimizers"]) != len(self.optimizers)
+            or len(state["schedulers"]) != len(self.schedulers)
+        ):
             raise RuntimeError(
                 f"state holds {len(state['models'])} models/{len(state['optimizers'])} optimizers/"
                 f"{len(state['schedulers'])} schedulers; this rank registered {len(self.models)}/"
-                f"{len(self.optimizers)}/{len(self.schedulers)}")
+                f"{len(self.optimizers)}/{len(self.schedulers)}"
+            )
         with torch.no_grad():
             for i, (m, sd) in enumerate(zip(self.models, state["models"])):
                 live = m.state_dict()
                 if set(live) != set(sd):
-                    raise RuntimeError(f"model {i}: state keys differ from this rank's model: "
-                                       f"missing {sorted(set(live) - set(sd))[:5]}, "
-                                       f"unexpected {sorted(set(sd) - set(live))[:5]}")
-                other = {k: v for k, v in sd.items() if not isinstance(v, torch.Tensor)
-                         and not (v is None and live[k] is None)}  # e.g. megatron's _extra_state
+                    raise RuntimeError(
+                        f"model {i}: state keys differ from this rank's model: "
+                        f"missing {sorted(set(live) - set(sd))[:5]}, "
+                        f"unexpected {sorted(set(sd) - set(live))[:5]}"
+                    )
+                other = {
+                    k: v
+                    for k, v in sd.items()
+                    if not isinstance(v, torch.Tensor) and not (v is None and live[k] is None)
+                }  # e.g. megatron's _extra_state
                 if other:
                     m.load_state_dict(other, strict=False)
                 for k, v in sd.items():
                     if not isinstance(v, torch.Tensor):
                         continue
                     if live[k].shape != v.shape:
-                        raise RuntimeError(f"model {i} tensor {k!r}: shape {tuple(v.shape)} "
-                                           f"does not match this rank's {tuple(live[k].shape)}")
+                        raise RuntimeError(
+                            f"model {i} tensor {k!r}: shape {tuple(v.shape)} "
+                            f"does not match this rank's {tuple(live[k].shape)}"
+                        )
                     if live[k].data_ptr() != v.data_ptr():
                         live[k].copy_(v)
             if set(state["extras"]) != set(self.extras):
-                raise RuntimeError(f"extra tensors {sorted(state['extras'])} differ from this rank's "
-                                   f"{sorted(self.extras)}")
+                raise RuntimeError(
+                    f"extra tensors {sorted(state['extras'])} differ from this rank's "
+                    f"{sorted(self.extras)}"
+                )
             for k, v in state["extras"].items():
                 if self.extras[k].data_ptr() != v.data_ptr():
                     self.extras[k].copy_(v)

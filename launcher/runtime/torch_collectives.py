@@ -16,6 +16,7 @@ attributes are replaced: torch's internal calls (`distributed_c10d.<op>`) and fu
 before installation are untouched. The patch is process-global because torch's API is; it is
 installed once per process by `launcher.runtime.callbacks.attach` and removed by `uninstall()`.
 """
+
 from __future__ import annotations
 
 import functools
@@ -33,9 +34,22 @@ from launcher.runtime.collectives import Interruptible
 # hand the wait to the runtime's stop-watching poll. A stop is seen at most this much later.
 FAST_WAIT = timedelta(milliseconds=5)
 
-ROUTED = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "_all_gather_base",
-          "reduce_scatter", "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all_single",
-          "all_to_all", "barrier", "reduce", "gather", "scatter")
+ROUTED = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "_all_gather_base",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "_reduce_scatter_base",
+    "all_to_all_single",
+    "all_to_all",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+)
 
 
 class InterruptibleWork:
@@ -89,8 +103,10 @@ class CollectiveRouting:
     def install(self) -> "CollectiveRouting":
         with CollectiveRouting._lock:
             if CollectiveRouting._active is not None:
-                raise RuntimeError("torch.distributed collectives are already routed through a runtime; "
-                                   "attach() once per process")
+                raise RuntimeError(
+                    "torch.distributed collectives are already routed through a runtime; "
+                    "attach() once per process"
+                )
             for name in ROUTED:
                 orig = getattr(dist, name)
                 self._originals[name] = orig
@@ -114,7 +130,7 @@ class CollectiveRouting:
         def routed(*args: Any, **kwargs: Any) -> Any:
             if len(args) > index:
                 wanted = bool(args[index])
-                args = args[:index] + (True,) + args[index + 1:]
+                args = args[:index] + (True,) + args[index + 1 :]
             else:
                 wanted = bool(kwargs.get("async_op", False))
                 kwargs["async_op"] = True

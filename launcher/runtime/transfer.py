@@ -22,6 +22,7 @@ refused); only then does the sender stream the stripe.
 Every send/recv is interruptible (see collectives): a sender that dies mid-stripe (or mid-read)
 fails the round, and the controller's next round plans the repair from the remaining replicas.
 """
+
 from __future__ import annotations
 
 import pickle
@@ -39,9 +40,23 @@ from launcher.runtime.state import flatten, slot_paths, unflatten
 SMALL_BYTES = 1 << 16  # tensors below this travel together in one packed blob
 HEADER_LEN = 5
 READ_DONE, SEND_IT = 1, 0  # a receiver's answer to a same-host offer
-_DTYPES = {str(d): d for d in (
-    torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
-    torch.int16, torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)}
+_DTYPES = {
+    str(d): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+        torch.complex64,
+        torch.complex128,
+    )
+}
 
 
 @dataclass
@@ -97,8 +112,9 @@ def _pieces(tensors: list[torch.Tensor], packed: torch.Tensor | None) -> list[to
     return out
 
 
-def _stripe_views(pieces: list[torch.Tensor], stripe: int, stripes: int,
-                  half: int | None = None) -> list[torch.Tensor]:
+def _stripe_views(
+    pieces: list[torch.Tensor], stripe: int, stripes: int, half: int | None = None
+) -> list[torch.Tensor]:
     """Views of the stripe's bytes; `half` 0/1: only the first/second half of them."""
     lo, hi = stripe_bounds(sum(p.numel() for p in pieces), stripes)[stripe]
     if half is not None:
@@ -106,8 +122,14 @@ def _stripe_views(pieces: list[torch.Tensor], stripe: int, stripes: int,
     return [pieces[i][a:b] for i, a, b in stripe_segments([p.numel() for p in pieces], lo, hi)]
 
 
-def send_state(coll: Interruptible, state: dict, dst: int, stripe: int = 0, stripes: int = 1,
-               midway: Callable[[], None] | None = None) -> TransferStats:
+def send_state(
+    coll: Interruptible,
+    state: dict,
+    dst: int,
+    stripe: int = 0,
+    stripes: int = 1,
+    midway: Callable[[], None] | None = None,
+) -> TransferStats:
     """Send stripe `stripe` of `stripes` of `state` to `dst` (the whole state when stripes=1).
     `midway` (fault injection) runs once the first half of the stripe's bytes is sent, or, when
     the receiver may read them from this process's memory, while it reads."""
@@ -126,10 +148,18 @@ def send_state(coll: Interruptible, state: dict, dst: int, stripe: int = 0, stri
     first, second = (_stripe_views(_pieces(tensors, packed), stripe, stripes, h) for h in (0, 1))
     views = first + second
     offer = local_copy.Offer.of(views) if local_copy.enabled() else None
-    meta = torch.frombuffer(bytearray(pickle.dumps(
-        {"skeleton": skeleton, "specs": specs, "local": offer.as_dict() if offer else None}, protocol=5)),
-        dtype=torch.uint8)
-    header = torch.tensor([meta.numel(), len(tensors), packed_n, stripe, stripes], dtype=torch.int64)
+    meta = torch.frombuffer(
+        bytearray(
+            pickle.dumps(
+                {"skeleton": skeleton, "specs": specs, "local": offer.as_dict() if offer else None},
+                protocol=5,
+            )
+        ),
+        dtype=torch.uint8,
+    )
+    header = torch.tensor(
+        [meta.numel(), len(tensors), packed_n, stripe, stripes], dtype=torch.int64
+    )
     what = "state stripe" if stripes > 1 else "state"
     total = meta.numel() + sum(v.numel() for v in views)
     if offer is not None:
@@ -142,7 +172,9 @@ def send_state(coll: Interruptible, state: dict, dst: int, stripe: int = 0, stri
                 midway()
             coll.recv([answer], dst, "state read answer")
         if int(answer[0]) == READ_DONE:
-            return TransferStats(total, len(tensors), time.perf_counter() - t0, stripes, path="memory")
+            return TransferStats(
+                total, len(tensors), time.perf_counter() - t0, stripes, path="memory"
+            )
         coll.send(views, dst, what)
     elif midway is None:
         coll.send([header, meta] + views, dst, what)
@@ -153,25 +185,35 @@ def send_state(coll: Interruptible, state: dict, dst: int, stripe: int = 0, stri
     return TransferStats(total, len(tensors), time.perf_counter() - t0, stripes)
 
 
-def _targets(specs: list, skeleton: object, live: dict[tuple, torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+def _targets(
+    specs: list, skeleton: object, live: dict[tuple, torch.Tensor]
+) -> tuple[list[torch.Tensor], int]:
     """One receive tensor per spec (the live one when it fits); the count freshly allocated."""
     paths = slot_paths(skeleton)
     tensors, fresh = [], 0
     for i, (dtype_name, shape) in enumerate(specs):
         dtype = _DTYPES.get(dtype_name)
         if dtype is None:
-            raise RuntimeError(f"peer sent tensor dtype {dtype_name!r}; supported: {sorted(_DTYPES)}")
+            raise RuntimeError(
+                f"peer sent tensor dtype {dtype_name!r}; supported: {sorted(_DTYPES)}"
+            )
         target = live.get(paths.get(i, ()))
-        if target is None or target.dtype != dtype or tuple(target.shape) != tuple(shape) \
-                or not target.is_contiguous() or target.device.type != "cpu":
+        if (
+            target is None
+            or target.dtype != dtype
+            or tuple(target.shape) != tuple(shape)
+            or not target.is_contiguous()
+            or target.device.type != "cpu"
+        ):
             target = torch.empty(shape, dtype=dtype)
             fresh += 1
         tensors.append(target)
     return tensors, fresh
 
 
-def recv_state(coll: Interruptible, src: int | list[int],
-               live: dict[tuple, torch.Tensor]) -> tuple[dict, TransferStats]:
+def recv_state(
+    coll: Interruptible, src: int | list[int], live: dict[tuple, torch.Tensor]
+) -> tuple[dict, TransferStats]:
     """Receive a state from `src` (one rank, or the senders of its stripes in stripe order);
     tensors land in `live` (path -> tensor) where they fit."""
     srcs = [src] if isinstance(src, int) else list(src)
@@ -180,16 +222,22 @@ def recv_state(coll: Interruptible, src: int | list[int],
     k = len(srcs)
     t0 = time.perf_counter()
     headers = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in srcs]
-    coll.wait_blocking([dist.irecv(h, s) for h, s in zip(headers, srcs)], "state header", tuple(headers))
+    coll.wait_blocking(
+        [dist.irecv(h, s) for h, s in zip(headers, srcs)], "state header", tuple(headers)
+    )
     vals = [[int(x) for x in h.tolist()] for h in headers]
     for i, (s, (_, count, packed_n, stripe, stripes)) in enumerate(zip(srcs, vals)):
         if (stripe, stripes) != (i, k):
             raise RuntimeError(f"rank {s} sent stripe {stripe}/{stripes}, expected {i}/{k}")
         if (count, packed_n) != tuple(vals[0][1:3]):
-            raise RuntimeError(f"rank {s} announces {count} tensors/{packed_n} packed bytes, "
-                               f"rank {srcs[0]} {vals[0][1]}/{vals[0][2]}: replicas differ")
+            raise RuntimeError(
+                f"rank {s} announces {count} tensors/{packed_n} packed bytes, "
+                f"rank {srcs[0]} {vals[0][1]}/{vals[0][2]}: replicas differ"
+            )
     metas = [torch.empty(v[0], dtype=torch.uint8) for v in vals]
-    coll.wait_blocking([dist.irecv(m, s) for m, s in zip(metas, srcs)], "state metadata", tuple(metas))
+    coll.wait_blocking(
+        [dist.irecv(m, s) for m, s in zip(metas, srcs)], "state metadata", tuple(metas)
+    )
     infos = [pickle.loads(m.numpy().tobytes()) for m in metas]  # in-job peers only
     skeleton, specs = infos[0]["skeleton"], infos[0]["specs"]
     count, packed_n = vals[0][1], vals[0][2]
@@ -207,7 +255,9 @@ def recv_state(coll: Interruptible, src: int | list[int],
     pieces = _pieces(tensors, blob)
     t2 = time.perf_counter()
     with torch.no_grad():
-        stripe_views = [_stripe_views(pieces, i, k, 0) + _stripe_views(pieces, i, k, 1) for i in range(k)]
+        stripe_views = [
+            _stripe_views(pieces, i, k, 0) + _stripe_views(pieces, i, k, 1) for i in range(k)
+        ]
         wire, fallback = _read_local(coll, srcs, infos, stripe_views)
         works, keep = [], []
         for i in wire:
@@ -220,18 +270,26 @@ def recv_state(coll: Interruptible, src: int | list[int],
             off = 0
             for t in small:
                 n = _nbytes(t)
-                _as_bytes(t).copy_(blob[off:off + n])
+                _as_bytes(t).copy_(blob[off : off + n])
                 off += n
     total = sum(m.numel() for m in metas) + sum(p.numel() for p in pieces)
     t4 = time.perf_counter()
-    phases = {"meta_s": round(t1 - t0, 5), "alloc_s": round(t2 - t1, 5), "payload_s": round(t3 - t2, 5),
-              "unpack_s": round(t4 - t3, 5), "fresh_tensors": fresh}
+    phases = {
+        "meta_s": round(t1 - t0, 5),
+        "alloc_s": round(t2 - t1, 5),
+        "payload_s": round(t3 - t2, 5),
+        "unpack_s": round(t4 - t3, 5),
+        "fresh_tensors": fresh,
+    }
     path = "wire" if len(wire) == k else "memory" if not wire else "memory+wire"
-    return unflatten(skeleton, tensors), TransferStats(total, count, t4 - t0, k, phases, path, fallback)
+    return unflatten(skeleton, tensors), TransferStats(
+        total, count, t4 - t0, k, phases, path, fallback
+    )
 
 
-def _read_local(coll: Interruptible, srcs: list[int], infos: list[dict],
-                stripe_views: list[list[torch.Tensor]]) -> tuple[list[int], str]:
+def _read_local(
+    coll: Interruptible, srcs: list[int], infos: list[dict], stripe_views: list[list[torch.Tensor]]
+) -> tuple[list[int], str]:
     """Read every stripe whose sender offered its memory (same host) straight from it and
     answer each such sender; the indices of the stripes that must come over the wire, and why
     an offered read failed ("" when none did)."""
@@ -248,6 +306,9 @@ def _read_local(coll: Interruptible, srcs: list[int], infos: list[dict],
                 reasons.append(f"rank {src}: {why}")
         answers.append((src, torch.tensor([SEND_IT if why else READ_DONE], dtype=torch.int64)))
     if answers:
-        coll.wait_blocking([dist.isend(a, s) for s, a in answers], "state read answer",
-                           tuple(a for _, a in answers))
+        coll.wait_blocking(
+            [dist.isend(a, s) for s, a in answers],
+            "state read answer",
+            tuple(a for _, a in answers),
+        )
     return wire, "; ".join(reasons)

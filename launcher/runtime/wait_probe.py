@@ -11,6 +11,7 @@ frame is one of the waiting functions, and its CPU clock has not moved for `quie
 backward that computes moves it; one blocked on a socket does not). The agent channel's writer
 thread asks it a few times a second (see AgentChannel).
 """
+
 from __future__ import annotations
 
 import sys
@@ -28,11 +29,13 @@ def cpp_wait_codes() -> list[CodeType]:
     codes: list[CodeType] = []
     try:
         from torch.autograd import graph
+
         codes.append(graph._engine_run_backward.__code__)
     except (ImportError, AttributeError):
         pass
     try:
         from torch.nn.parallel import DistributedDataParallel
+
         codes.append(DistributedDataParallel._pre_forward.__code__)
     except (ImportError, AttributeError):
         pass
@@ -42,8 +45,12 @@ def cpp_wait_codes() -> list[CodeType]:
 class CppWaitProbe:
     """`probe()` is True while `thread` sits without CPU inside one of `codes` for >= quiet_s."""
 
-    def __init__(self, codes: Iterable[CodeType], thread: threading.Thread | None = None,
-                 quiet_s: float = QUIET_S) -> None:
+    def __init__(
+        self,
+        codes: Iterable[CodeType],
+        thread: threading.Thread | None = None,
+        quiet_s: float = QUIET_S,
+    ) -> None:
         thread = thread or threading.main_thread()
         if thread.ident is None:
             raise ValueError("the probed thread has not started")
@@ -82,9 +89,14 @@ class StuckWaitAlarm:
     (generation)` is called (the runtime tells the agent, which replaces the rank at once
     instead of after FTRUN_HANG_STOP). The owner calls `cancel()` when it finishes."""
 
-    def __init__(self, codes: Iterable[CodeType], answered: Callable[[int], bool],
-                 on_stuck: Callable[[int], None], thread: threading.Thread | None = None,
-                 after_s: float = STUCK_AFTER_BREAK_S) -> None:
+    def __init__(
+        self,
+        codes: Iterable[CodeType],
+        answered: Callable[[int], bool],
+        on_stuck: Callable[[int], None],
+        thread: threading.Thread | None = None,
+        after_s: float = STUCK_AFTER_BREAK_S,
+    ) -> None:
         self._codes = list(codes)
         self._thread = thread or threading.main_thread()
         self._answered = answered

@@ -8,6 +8,7 @@ killed by that signal, stdin), so a forked spare can become a rank's worker exac
 Popen'd one; and `reap_orphans`, which reaps the other processes a subreaper inherits (a dead
 worker's own children) without ever taking the exit status of a child some handle waits for.
 """
+
 from __future__ import annotations
 
 import ctypes

@@ -7,6 +7,7 @@ rank's connection. Lines that are not valid messages are dropped (counted in `ma
 thread (selectors); `stop()` closes every connection and removes the socket file so no stale
 socket is left behind.
 """
+
 from __future__ import annotations
 
 import os

@@ -23,6 +23,7 @@ a recovery round and the step it resumes at run: training that keeps every CPU b
 SCHED_IDLE no time, and a spare that never finishes `import torch` makes the next fault start
 cold. No spare is started or forked while a round holds the pool.
 """
+
 from __future__ import annotations
 
 import gc
@@ -48,7 +49,9 @@ WARM_UP_NICE = 10  # the spare's niceness while it imports torch (only if it can
 # a taken spare runs this many nice levels above the agent until its rank has recovered (only
 # where the agent may lower niceness: root, or RLIMIT_NICE): every other rank waits for it
 REPAIR_BOOST_NICE = 10
-WARM_UP_IDLE_S = 2.0  # after this long warming up, a spare goes on at the agent's priority (not while held)
+WARM_UP_IDLE_S = (
+    2.0  # after this long warming up, a spare goes on at the agent's priority (not while held)
+)
 REFILL_HOLD_S = 10.0  # a recovery round holds back new spares at most this long
 ASSIGN_TIMEOUT_S = 2.0  # a spare takes its assignment line within this long, or is killed
 STOP_S = 5.0  # stop(): the spares and the fork server all exit within this long after SIGKILL
@@ -59,9 +62,15 @@ class SparePool:
     `start_delay` seconds (out of the job's own start-up); a taken spare's successor starts at
     the next `ensure()`."""
 
-    def __init__(self, python: str, log: Callable[[str], None], count: int = 2,
-                 start_delay: float = 5.0, idle_limit: float = WARM_UP_IDLE_S,
-                 fork: bool | None = None) -> None:
+    def __init__(
+        self,
+        python: str,
+        log: Callable[[str], None],
+        count: int = 2,
+        start_delay: float = 5.0,
+        idle_limit: float = WARM_UP_IDLE_S,
+        fork: bool | None = None,
+    ) -> None:
         if count < 0:
             raise ValueError(f"count {count} must be >= 0")
         if idle_limit < 0:
@@ -79,7 +88,9 @@ class SparePool:
         self._not_before = time.monotonic() + start_delay
         self._hold: tuple[int, set[int], float] | None = None  # (generation, ranks, until)
         self._resume: dict[int, int] = {}  # held rank -> the step it must commit to count as done
-        self._boosted: dict[int, tuple[SpareProc, int]] = {}  # rank -> (its process, nice to return to)
+        self._boosted: dict[
+            int, tuple[SpareProc, int]
+        ] = {}  # rank -> (its process, nice to return to)
         # heap a forked spare faults in while it waits: the largest state a rank reported
         self.heap_bytes = 0
 
@@ -162,21 +173,30 @@ class SparePool:
                 base = os.getpriority(os.PRIO_PROCESS, 0)
                 warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
                 self._server = ForkServer(self.python, env, (warm, base))
-                self._born[self._server.proc.pid] = (time.monotonic(), base if warm != base else None)
-                self.log(f"spare fork server started (pid {self._server.proc.pid}); spares are "
-                         "forked from it once it has imported torch")
+                self._born[self._server.proc.pid] = (
+                    time.monotonic(),
+                    base if warm != base else None,
+                )
+                self.log(
+                    f"spare fork server started (pid {self._server.proc.pid}); spares are "
+                    "forked from it once it has imported torch"
+                )
             if not self._server.poll_ready():
                 if not self.held():  # same escalation as a spare that imports torch itself
                     self._escalate_proc(self._server.proc.pid, self._server.proc)
                 return True
-            if self.held():  # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
+            if (
+                self.held()
+            ):  # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
                 return True
             while self.ready() < self.count:
                 t0 = time.monotonic()
                 proc = self._server.fork(heap_bytes=self.heap_bytes)
                 self._procs.append(proc)
-                self.log(f"warm spare started (pid {proc.pid}, forked in "
-                         f"{(time.monotonic() - t0) * 1e3:.1f} ms; {len(self._procs)} of {self.count})")
+                self.log(
+                    f"warm spare started (pid {proc.pid}, forked in "
+                    f"{(time.monotonic() - t0) * 1e3:.1f} ms; {len(self._procs)} of {self.count})"
+                )
             return True
         except (OSError, ValueError) as exc:
             self.log(f"spare fork server unusable ({exc}); warm spares import torch themselves")
@@ -211,10 +231,15 @@ class SparePool:
         parent = os.getpid()
         base = os.getpriority(os.PRIO_PROCESS, 0)
         warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
-        proc = subprocess.Popen([self.python, "-u", "-m", "launcher.workers.spare"],
-                                env=dict(env, FTRUN_SPARE_NICE=f"{warm},{base}"),
-                                stdin=subprocess.PIPE, stdout=None, stderr=None,
-                                preexec_fn=lambda: _child_setup(parent), close_fds=True)
+        proc = subprocess.Popen(
+            [self.python, "-u", "-m", "launcher.workers.spare"],
+            env=dict(env, FTRUN_SPARE_NICE=f"{warm},{base}"),
+            stdin=subprocess.PIPE,
+            stdout=None,
+            stderr=None,
+            preexec_fn=lambda: _child_setup(parent),
+            close_fds=True,
+        )
         self._procs.append(proc)
         self._born[proc.pid] = (time.monotonic(), base if warm != base else None)
         self.log(f"warm spare started (pid {proc.pid}; {len(self._procs)} of {self.count})")
@@ -231,8 +256,12 @@ class SparePool:
             self._born.pop(proc.pid, None)
             if proc.poll() is not None or proc.stdin is None:
                 continue
-            line = json.dumps({"env": env, "argv": argv, "cwd": os.getcwd(), "module": module,
-                               "nice": nice}) + "\n"
+            line = (
+                json.dumps(
+                    {"env": env, "argv": argv, "cwd": os.getcwd(), "module": module, "nice": nice}
+                )
+                + "\n"
+            )
             err = _assign(proc, line.encode(), ASSIGN_TIMEOUT_S)
             if err is not None:
                 self.log(f"warm spare pid {proc.pid} not used ({err}); killed")
@@ -269,7 +298,9 @@ def _wait(proc: SpareProc, log: Callable[[str], None], timeout: float) -> None:
     try:
         proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:  # D-state after SIGKILL, or starved of CPU
-        log(f"warm spare pid {proc.pid} did not exit within {timeout:.1f} s of SIGKILL; left behind")
+        log(
+            f"warm spare pid {proc.pid} did not exit within {timeout:.1f} s of SIGKILL; left behind"
+        )
 
 
 def _assign(proc: SpareProc, data: bytes, timeout: float) -> str | None:
@@ -286,12 +317,14 @@ def _assign(proc: SpareProc, data: bytes, timeout: float) -> str | None:
         while view:
             left = deadline - time.monotonic()
             if left <= 0:
-                return f"it took {len(data) - len(view)} of the {len(data)} bytes of its " \
-                       f"assignment in {timeout:g} s"
+                return (
+                    f"it took {len(data) - len(view)} of the {len(data)} bytes of its "
+                    f"assignment in {timeout:g} s"
+                )
             if not select.select([], [fd], [], left)[1]:
                 continue
             try:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             except BlockingIOError:
                 continue
         return None
@@ -323,6 +356,7 @@ def _warm_imports() -> None:
     import torch.optim  # noqa: F401
 
     import launcher.runtime.runtime  # noqa: F401  (the runtime and what it imports)
+
     try:  # optimizers import torch._dynamo lazily on their first step: pay it now
         import torch._dynamo  # noqa: F401
     except Exception:  # noqa: BLE001 - optional warm-up only
@@ -416,8 +450,12 @@ def main() -> None:
         # threads the imports started after the assignment arrived inherited the warm-up priority
         err = _run_priority(_job_nice(line, base)) or assignment.error
         if err:
-            print(f"[ftrun spare] could not return to nice {base} ({err}); some threads run at "
-                  f"nice {warm}", file=sys.stderr, flush=True)
+            print(
+                f"[ftrun spare] could not return to nice {base} ({err}); some threads run at "
+                f"nice {warm}",
+                file=sys.stderr,
+                flush=True,
+            )
     run_job(json.loads(line))
 
 

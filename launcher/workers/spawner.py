@@ -7,6 +7,7 @@ one's successor starts at the next health check) once the job is known to use la
 Every new process is handed to the reaper and announced through `on_spawn` (the hang watch
 restarts that rank's clock). `stop()` ends the spares.
 """
+
 from __future__ import annotations
 
 import os
@@ -17,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from launcher.config import LaunchConfig
+from launcher.observe.logs import AgentLog, RunLogDir, render_prefix
 from launcher.protocol.death_notice import ENV as NOTICE_ENV
 from launcher.protocol.death_notice import NoticeBoard
-from launcher.observe.logs import AgentLog, RunLogDir, render_prefix
 from launcher.workers.spare import SparePool
 from launcher.workers.workers import Reaper, Worker, spawn
 
@@ -52,40 +53,48 @@ class Spawner:
     def __post_init__(self) -> None:
         self.spares = None
         if self.cfg.warm_spares > 0 and not self.cfg.no_python:
-            self.spares = SparePool(os.environ.get("PYTHON_EXEC", sys.executable),
-                                    lambda m: self.log.info("spare", m), count=self.cfg.warm_spares)
+            self.spares = SparePool(
+                os.environ.get("PYTHON_EXEC", sys.executable),
+                lambda m: self.log.info("spare", m),
+                count=self.cfg.warm_spares,
+            )
 
     def env(self, w: Worker, replacement: bool) -> dict[str, str]:
         cfg, world = self.cfg, self.world
         env = dict(os.environ)
-        env.update({
-            "RANK": str(w.rank),
-            "LOCAL_RANK": "0" if cfg.virtual_local_rank else str(w.local_rank),
-            "WORLD_SIZE": str(world.world_size),
-            "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
-            "GROUP_RANK": str(world.group_rank),
-            "GROUP_WORLD_SIZE": str(world.group_world_size),
-            "ROLE_NAME": cfg.role,
-            "ROLE_RANK": str(w.rank),
-            "ROLE_WORLD_SIZE": str(world.world_size),
-            "MASTER_ADDR": world.master_addr,
-            "MASTER_PORT": str(world.master_port),
-            "TORCHELASTIC_RESTART_COUNT": str(w.generation),
-            "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
-            "TORCHELASTIC_RUN_ID": cfg.rdzv_id,
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-            "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-            "TORCHELASTIC_ERROR_FILE": w.error_file,
-            "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(signal.Signals(s).name
-                                                       for s in cfg.signals_to_handle),
-            "FTRUN_AGENT_SOCKET": world.agent_socket,
-            "FTRUN_GENERATION": str(w.generation),
-            "FTRUN_REPLACEMENT": "1" if replacement else "0",
-            "FTRUN_RUN_ID": cfg.rdzv_id,
-            "FTRUN_NODE_RANK": str(world.group_rank),
-            "FTRUN_LOG_DIR": self.run_dir.path,
-            "FTRUN_MONITOR_INTERVAL": str(cfg.monitor_interval),
-        })
+        env.update(
+            {
+                "RANK": str(w.rank),
+                "LOCAL_RANK": "0" if cfg.virtual_local_rank else str(w.local_rank),
+                "WORLD_SIZE": str(world.world_size),
+                "LOCAL_WORLD_SIZE": str(cfg.nproc_per_node),
+                "GROUP_RANK": str(world.group_rank),
+                "GROUP_WORLD_SIZE": str(world.group_world_size),
+                "ROLE_NAME": cfg.role,
+                "ROLE_RANK": str(w.rank),
+                "ROLE_WORLD_SIZE": str(world.world_size),
+                "MASTER_ADDR": world.master_addr,
+                "MASTER_PORT": str(world.master_port),
+                "TORCHELASTIC_RESTART_COUNT": str(w.generation),
+                "TORCHELASTIC_MAX_RESTARTS": str(cfg.max_restarts),
+                "TORCHELASTIC_RUN_ID": cfg.rdzv_id,
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCH_NCCL_ASYNC_ERROR_HANDLING": os.environ.get(
+                    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"
+                ),
+                "TORCHELASTIC_ERROR_FILE": w.error_file,
+                "TORCHELASTIC_SIGNALS_TO_HANDLE": ",".join(
+                    signal.Signals(s).name for s in cfg.signals_to_handle
+                ),
+                "FTRUN_AGENT_SOCKET": world.agent_socket,
+                "FTRUN_GENERATION": str(w.generation),
+                "FTRUN_REPLACEMENT": "1" if replacement else "0",
+                "FTRUN_RUN_ID": cfg.rdzv_id,
+                "FTRUN_NODE_RANK": str(world.group_rank),
+                "FTRUN_LOG_DIR": self.run_dir.path,
+                "FTRUN_MONITOR_INTERVAL": str(cfg.monitor_interval),
+            }
+        )
         if cfg.virtual_local_rank and "CUDA_VISIBLE_DEVICES" not in os.environ:
             env["CUDA_VISIBLE_DEVICES"] = str(w.local_rank)
         if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
@@ -109,7 +118,9 @@ class Spawner:
         shown = cfg.local_ranks_filter is None or w.local_rank in cfg.local_ranks_filter
         out_file = os.path.join(d, "stdout.log") if (red | tee) & 1 else None
         err_file = os.path.join(d, "stderr.log") if (red | tee) & 2 else None
-        prefix = render_prefix(cfg.log_line_prefix_template, cfg.role, w.local_rank, w.rank, self.host)
+        prefix = render_prefix(
+            cfg.log_line_prefix_template, cfg.role, w.local_rank, w.rank, self.host
+        )
         cmd = cfg.worker_command(w.local_rank)
         if not shown:  # --local-ranks-filter: this rank's output stays off the console
             out_file, err_file = out_file or os.devnull, err_file or os.devnull
@@ -121,17 +132,33 @@ class Spawner:
             env[NOTICE_ENV] = w.notice
         if replacement and self._from_spare(w, cmd, env, inherit=not (red or tee) and shown):
             return
-        spawn(w, cmd, env, out_file, err_file,
-              tee_out=bool(tee & 1) and shown, tee_err=bool(tee & 2) and shown, prefix=prefix,
-              console_lock=self.console_lock,
-              filters=(cfg.duplicate_stdout_filters, cfg.duplicate_stderr_filters),
-              filtered=(os.path.join(attempt, "filtered_stdout.log"),
-                        os.path.join(attempt, "filtered_stderr.log")))
+        spawn(
+            w,
+            cmd,
+            env,
+            out_file,
+            err_file,
+            tee_out=bool(tee & 1) and shown,
+            tee_err=bool(tee & 2) and shown,
+            prefix=prefix,
+            console_lock=self.console_lock,
+            filters=(cfg.duplicate_stdout_filters, cfg.duplicate_stderr_filters),
+            filtered=(
+                os.path.join(attempt, "filtered_stdout.log"),
+                os.path.join(attempt, "filtered_stderr.log"),
+            ),
+        )
         self._started(w)
-        self.log.info("spawn", f"rank {w.rank} (local {w.local_rank}) started, pid {w.pid}"
-                      + (" as replacement" if replacement else ""), rank=w.rank,
-                      local_rank=w.local_rank, pid=w.pid, generation=generation,
-                      replacement=replacement)
+        self.log.info(
+            "spawn",
+            f"rank {w.rank} (local {w.local_rank}) started, pid {w.pid}"
+            + (" as replacement" if replacement else ""),
+            rank=w.rank,
+            local_rank=w.local_rank,
+            pid=w.pid,
+            generation=generation,
+            replacement=replacement,
+        )
 
     def spawn_all(self, workers: list[Worker], generation: int) -> None:
         for w in workers:
@@ -154,9 +181,17 @@ class Spawner:
             return False
         w.attach(proc)
         self._started(w)
-        self.log.info("spawn", f"rank {w.rank} (local {w.local_rank}) started from the warm spare, "
-                      f"pid {w.pid}, as replacement", rank=w.rank, local_rank=w.local_rank, pid=w.pid,
-                      generation=w.generation, replacement=True, warm=True)
+        self.log.info(
+            "spawn",
+            f"rank {w.rank} (local {w.local_rank}) started from the warm spare, "
+            f"pid {w.pid}, as replacement",
+            rank=w.rank,
+            local_rank=w.local_rank,
+            pid=w.pid,
+            generation=w.generation,
+            replacement=True,
+            warm=True,
+        )
         return True
 
     def keep_spare(self, template: Worker) -> None:

@@ -9,6 +9,7 @@ pidfds, kills what the exited worker left in its process group (`sweep_group`) a
 (one `Worker` per local rank, kept across respawns, and which of them use launcher.runtime).
 Single ranks can be stopped and respawned without touching the others.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -22,8 +23,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from launcher.workers.adopted import AdoptedChild
 from launcher.observe.logs import OutputPump
+from launcher.workers.adopted import AdoptedChild
 
 PR_SET_PDEATHSIG = 1
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -103,13 +104,15 @@ class Worker:
         teardown (torch 2.13's gloo teardown sometimes aborts: "terminate called without an
         active exception"). Its work for the job was done."""
         return self.exit_code is not None and (
-            self.hung_at_exit or (self.said_bye and self.exit_code < 0))
+            self.hung_at_exit or (self.said_bye and self.exit_code < 0)
+        )
 
     @property
     def finished(self) -> bool:
         """Its current process is done with the job: said goodbye, or exited 0 unasked."""
-        return self.proc is not None and not self.stopping and (
-            self.said_bye or self.exit_code == 0)
+        return (
+            self.proc is not None and not self.stopping and (self.said_bye or self.exit_code == 0)
+        )
 
 
 @dataclass
@@ -147,12 +150,21 @@ class NodeWorkers:
         return all(w.exit_code == 0 or w.ended_after_goodbye for w in self.by_local.values())
 
 
-def spawn(worker: Worker, cmd: list[str], env: dict[str, str], stdout_path: str | None,
-          stderr_path: str | None, tee_out: bool, tee_err: bool, prefix: str,
-          console_lock: threading.Lock,
-          filters: tuple[list[str], list[str]] = ([], []),
-          filtered: tuple[str | None, str | None] = (None, None)) -> None:
+def spawn(
+    worker: Worker,
+    cmd: list[str],
+    env: dict[str, str],
+    stdout_path: str | None,
+    stderr_path: str | None,
+    tee_out: bool,
+    tee_err: bool,
+    prefix: str,
+    console_lock: threading.Lock,
+    filters: tuple[list[str], list[str]] = ([], []),
+    filtered: tuple[str | None, str | None] = (None, None),
+) -> None:
     """Start `cmd` for `worker`. Output: inherited when neither a file nor tee is asked for."""
+
     def target(path: str | None, tee: bool) -> int | None:
         if tee:
             return subprocess.PIPE
@@ -163,8 +175,15 @@ def spawn(worker: Worker, cmd: list[str], env: dict[str, str], stdout_path: str 
     out_t, err_t = target(stdout_path, tee_out), target(stderr_path, tee_err)
     parent = os.getpid()
     try:
-        proc = subprocess.Popen(cmd, env=env, stdout=out_t, stderr=err_t, stdin=subprocess.DEVNULL,
-                                preexec_fn=lambda: _child_setup(parent), close_fds=True)
+        proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=out_t,
+            stderr=err_t,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=lambda: _child_setup(parent),
+            close_fds=True,
+        )
     finally:
         for t in (out_t, err_t):
             if isinstance(t, int) and t >= 0:
@@ -172,12 +191,30 @@ def spawn(worker: Worker, cmd: list[str], env: dict[str, str], stdout_path: str 
     worker.attach(proc)
     if tee_out:
         assert proc.stdout is not None
-        worker.pumps.append(OutputPump(proc.stdout, stdout_path, sys.stdout, prefix, filters[0],
-                                       filtered[0], console_lock=console_lock))
+        worker.pumps.append(
+            OutputPump(
+                proc.stdout,
+                stdout_path,
+                sys.stdout,
+                prefix,
+                filters[0],
+                filtered[0],
+                console_lock=console_lock,
+            )
+        )
     if tee_err:
         assert proc.stderr is not None
-        worker.pumps.append(OutputPump(proc.stderr, stderr_path, sys.stderr, prefix, filters[1],
-                                       filtered[1], console_lock=console_lock))
+        worker.pumps.append(
+            OutputPump(
+                proc.stderr,
+                stderr_path,
+                sys.stderr,
+                prefix,
+                filters[1],
+                filtered[1],
+                console_lock=console_lock,
+            )
+        )
 
 
 def send_signal(worker: Worker, sig: int) -> None:
@@ -258,14 +295,18 @@ class Reaper:
                 return
         self._report(worker, proc, code, early=False)
 
-    def _report(self, worker: Worker, proc: subprocess.Popen | AdoptedChild, code: int,
-                early: bool) -> None:
+    def _report(
+        self, worker: Worker, proc: subprocess.Popen | AdoptedChild, code: int, early: bool
+    ) -> None:
         now = time.time()
         if worker.proc is proc:
             worker.exit_code = code
             worker.exited_at = now
-        self.events.put(WorkerExit(worker.local_rank, worker.rank, proc.pid, code, now,
-                                   worker.generation, early))
+        self.events.put(
+            WorkerExit(
+                worker.local_rank, worker.rank, proc.pid, code, now, worker.generation, early
+            )
+        )
 
     def _run(self) -> None:
         while not self._stop.is_set():

@@ -19,6 +19,7 @@ touches), ~15 ms of its start-up inside the recovery, measured here.
 `ForkServer` is the agent's side (owned by `SparePool`): start, `poll_ready()` without blocking,
 `fork()` with a timeout, `stop()`.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -31,8 +32,8 @@ import sys
 import time
 from typing import Callable
 
-from launcher.workers.adopted import AdoptedChild, set_subreaper
 from launcher.runtime import heap
+from launcher.workers.adopted import AdoptedChild, set_subreaper
 from launcher.workers.workers import PR_SET_PDEATHSIG, _child_setup, _libc
 
 PR_SET_NAME = 15
@@ -54,7 +55,9 @@ class _Forked(Exception):
         self.assignment_fd = assignment_fd
         self.agent = agent
         self.comm = comm  # the process name to take back when the job starts
-        self.heap_bytes = heap_bytes  # heap to fault in before the assignment (launcher.runtime.heap)
+        self.heap_bytes = (
+            heap_bytes  # heap to fault in before the assignment (launcher.runtime.heap)
+        )
 
 
 def _name(name: bytes) -> bytes:
@@ -96,7 +99,9 @@ def serve(sock_fd: int) -> None:
             except (ValueError, AttributeError, TypeError):
                 heap_bytes = 0
             if len(spare._threads()) != 1:
-                sock.send(json.dumps({"error": f"{len(spare._threads())} threads; not forking"}).encode())
+                sock.send(
+                    json.dumps({"error": f"{len(spare._threads())} threads; not forking"}).encode()
+                )
                 continue
             try:
                 pid, w = _fork_spare(sock, agent, comm, heap_bytes)
@@ -111,7 +116,9 @@ def serve(sock_fd: int) -> None:
         return  # the agent is gone or stopped us
 
 
-def _fork_spare(sock: socket.socket, agent: int, comm: bytes, heap_bytes: int = 0) -> tuple[int, int]:
+def _fork_spare(
+    sock: socket.socket, agent: int, comm: bytes, heap_bytes: int = 0
+) -> tuple[int, int]:
     """Double-fork a spare; (its pid, the write end of its assignment pipe). In the spare this
     raises `_Forked`."""
     r, w = os.pipe()
@@ -178,7 +185,11 @@ def own_pages() -> tuple[int, str | None]:
     try:
         for parts in maps:
             perms = parts[1]
-            if perms[:2] != "rw" or perms[3] != "p" or (len(parts) > 5 and parts[5] == "[vsyscall]"):
+            if (
+                perms[:2] != "rw"
+                or perms[3] != "p"
+                or (len(parts) > 5 and parts[5] == "[vsyscall]")
+            ):
                 continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             for base in range(lo, hi, PAGEMAP_CHUNK * PAGE):  # bounded reads of a large mapping
@@ -187,7 +198,10 @@ def own_pages() -> tuple[int, str | None]:
                 present = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(63)).astype(np.int8)
                 edges = np.flatnonzero(np.diff(np.concatenate(([0], present, [0]))))
                 for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist()):
-                    if madvise(base + start * PAGE, (stop - start) * PAGE, MADV_POPULATE_WRITE) == 0:
+                    if (
+                        madvise(base + start * PAGE, (stop - start) * PAGE, MADV_POPULATE_WRITE)
+                        == 0
+                    ):
                         done += (stop - start) * PAGE
                     elif why is None:
                         why = os.strerror(ctypes.get_errno())
@@ -255,10 +269,22 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
-                [python, "-u", "-m", "launcher.workers.spare", "--fork-server", str(theirs.fileno())],
-                env=dict(env, FTRUN_SPARE_NICE=f"{nice[0]},{nice[1]}"), stdin=subprocess.DEVNULL,
-                stdout=None, stderr=None, pass_fds=[theirs.fileno()], close_fds=True,
-                preexec_fn=lambda: _child_setup(parent))
+                [
+                    python,
+                    "-u",
+                    "-m",
+                    "launcher.workers.spare",
+                    "--fork-server",
+                    str(theirs.fileno()),
+                ],
+                env=dict(env, FTRUN_SPARE_NICE=f"{nice[0]},{nice[1]}"),
+                stdin=subprocess.DEVNULL,
+                stdout=None,
+                stderr=None,
+                pass_fds=[theirs.fileno()],
+                close_fds=True,
+                preexec_fn=lambda: _child_setup(parent),
+            )
         except BaseException:
             ours.close()
             set_subreaper(False)
@@ -289,8 +315,10 @@ class ForkServer:
         info = json.loads(msg)
         self.threads = int(info.get("threads", 0))
         if self.threads != 1:
-            raise OSError(f"the fork server has {self.threads} threads after its imports; "
-                          "forking it is not safe")
+            raise OSError(
+                f"the fork server has {self.threads} threads after its imports; "
+                "forking it is not safe"
+            )
         self.ready = True
         return True
 
@@ -339,5 +367,7 @@ class ForkServer:
             self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:  # D-state, or starved of CPU
             if log:
-                log(f"spare fork server pid {self.proc.pid} did not exit within {timeout:.1f} s "
-                    "of SIGKILL; left behind")
+                log(
+                    f"spare fork server pid {self.proc.pid} did not exit within {timeout:.1f} s "
+                    "of SIGKILL; left behind"
+                )

@@ -28,6 +28,7 @@ never saw one): who it took over from, for the log line of a handoff.
 
 Callbacks run on the election thread: keep them short (queue the work).
 """
+
 from __future__ import annotations
 
 import json
@@ -36,8 +37,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from rendezvous.nodes.keys import CONTROLLER_KEY
 from rendezvous.kv import StoreError
+from rendezvous.nodes.keys import CONTROLLER_KEY
 from rendezvous.nodes.waits import SLICE
 
 log = logging.getLogger("ftrun.membership")
@@ -59,9 +60,17 @@ class Election:
     """One candidacy (see module docstring). `start()` campaigns on a thread; `stop()` ends it
     (resigning when elected)."""
 
-    def __init__(self, kv: Any, lease: Any, candidate: dict, lost: threading.Event,
-                 on_elected: Callable[[], None], on_deposed: Callable[[], None],
-                 key: str = CONTROLLER_KEY, defer: float = 0.0) -> None:
+    def __init__(
+        self,
+        kv: Any,
+        lease: Any,
+        candidate: dict,
+        lost: threading.Event,
+        on_elected: Callable[[], None],
+        on_deposed: Callable[[], None],
+        key: str = CONTROLLER_KEY,
+        defer: float = 0.0,
+    ) -> None:
         if lease is None:
             raise ValueError("an election needs the membership lease (join() first)")
         self.kv = kv
@@ -150,8 +159,9 @@ class Election:
     def _depose(self, why: str) -> None:
         if self._leading.is_set():
             self._leading.clear()
-            log.error("node %s is no longer the controller: %s", self.candidate.get("group_rank"),
-                      why)
+            log.error(
+                "node %s is no longer the controller: %s", self.candidate.get("group_rank"), why
+            )
             self._call(self._on_deposed)
 
     @staticmethod

@@ -13,6 +13,7 @@ agent owns (None when it joined as a client), `kv` the store to use (`server.kv`
 `StoreClient`), `hosting` whether this agent is the store host (pass it to Membership as
 `hosts_store`, so that losing it is reported as `StoreHostLostError`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -21,9 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from rendezvous.store.client import StoreClient
-from rendezvous.nodes.keys import RUN_ID_KEY
 from rendezvous.kv import KVStore, StoreError
+from rendezvous.nodes.keys import RUN_ID_KEY
+from rendezvous.store.client import StoreClient
 from rendezvous.store.server import StoreServer
 
 log = logging.getLogger("ftrun.membership")
@@ -70,8 +71,16 @@ class Hosted:
     hosting: bool
 
 
-def host_or_join(host: str, port: int, run_id: str, want_host: bool, token: str | None = None,
-                 timeout: float = 60.0, probe_timeout: float = 15.0, **server_kw: Any) -> Hosted:
+def host_or_join(
+    host: str,
+    port: int,
+    run_id: str,
+    want_host: bool,
+    token: str | None = None,
+    timeout: float = 60.0,
+    probe_timeout: float = 15.0,
+    **server_kw: Any,
+) -> Hosted:
     """Host the store on host:port when `want_host`, else (or when a store of the same run
     already holds the port) connect to it as a client. StoreError in one line when the port is
     taken by something else (nothing answers as a store within `probe_timeout` s: the agent
@@ -88,13 +97,20 @@ def host_or_join(host: str, port: int, run_id: str, want_host: bool, token: str 
                 raise
         owner = _store_run(host, port, token, probe_timeout)
         if owner is None:
-            raise StoreError(f"--rdzv-endpoint {host}:{port}: the port is in use on this host "
-                             "by something that is not an ftrun/torch store")
+            raise StoreError(
+                f"--rdzv-endpoint {host}:{port}: the port is in use on this host "
+                "by something that is not an ftrun/torch store"
+            )
         if owner not in ("", run_id):
-            raise StoreError(f"--rdzv-endpoint {host}:{port}: the port is in use by the store "
-                             f"of run {owner!r}, not {run_id!r}")
-        log.info("port %d is held by another agent of run %s: joining its store as a client",
-                 port, run_id)
+            raise StoreError(
+                f"--rdzv-endpoint {host}:{port}: the port is in use by the store "
+                f"of run {owner!r}, not {run_id!r}"
+            )
+        log.info(
+            "port %d is held by another agent of run %s: joining its store as a client",
+            port,
+            run_id,
+        )
     return Hosted(None, StoreClient(host, port, token=token, timeout=timeout), False)
 
 

@@ -26,6 +26,7 @@ Keys (logical, see `rendezvous.kv`):
 The left marker's value says why the agent left (`LEAVE_DONE`: the job is over for it; any
 other reason, e.g. `LEAVE_SIGNAL`, leaves a vacancy a hot spare may take).
 """
+
 from __future__ import annotations
 
 import json
@@ -59,7 +60,7 @@ def node_rank_of(key: str) -> int:
     """The group rank in a `node_key`; ValueError for any other key."""
     if not key.startswith(NODE_PREFIX):
         raise ValueError(f"{key!r} is not a node key")
-    return int(key[len(NODE_PREFIX):])
+    return int(key[len(NODE_PREFIX) :])
 
 
 def join_key(slot: int) -> str:
@@ -82,7 +83,7 @@ def marker_of(key: str) -> tuple[int, int]:
     """(group rank, incarnation) of a `left_key` or `dead_key`; ValueError otherwise."""
     for prefix in (LEFT_PREFIX, DEAD_PREFIX):
         if key.startswith(prefix):
-            gr, _, inc = key[len(prefix):].partition("/")
+            gr, _, inc = key[len(prefix) :].partition("/")
             return int(gr), int(inc)
     raise ValueError(f"{key!r} is not a left or dead marker")
 

@@ -53,6 +53,7 @@ keys and everyone starts a fresh rendezvous (generation 0).
 The global recovery generation lives at `keys.GENERATION_KEY` (written by the controller);
 membership initialises it to 0 and reads it for `current_generation()`.
 """
+
 from __future__ import annotations
 
 import json
@@ -64,36 +65,73 @@ import time
 import uuid
 from typing import Any, Callable
 
+from rendezvous.errors import (
+    STORE_UNREACHABLE,
+    FencedError,
+    JoinInterrupted,  # noqa: F401
+    NodeLostError,
+    RendezvousError,
+    RendezvousGracefulExit,
+    StoreHostLostError,
+)
+from rendezvous.kv import KVStore, StoreError, StoreTimeout
 from rendezvous.nodes import rounds
 from rendezvous.nodes.election import Election, read_controller
-from rendezvous.errors import (STORE_UNREACHABLE, FencedError, JoinInterrupted,  # noqa: F401
-                               NodeLostError, RendezvousError, RendezvousGracefulExit,
-                               StoreHostLostError)
-from rendezvous.nodes.keys import (GENERATION_KEY, JOIN_SEQ_KEY, LEAVE_DONE, LEAVE_ROUND, LEAVE_SIGNAL,
-                             RUN_ID_KEY, SPARE_PREFIX, WORLD_KEY, Registration, incarnation_key,
-                             join_key, left_key, spare_key, static_join_key)
-from rendezvous.kv import KVStore, StoreError, StoreTimeout
+from rendezvous.nodes.keys import (
+    GENERATION_KEY,
+    JOIN_SEQ_KEY,
+    LEAVE_DONE,
+    LEAVE_ROUND,
+    LEAVE_SIGNAL,
+    RUN_ID_KEY,
+    SPARE_PREFIX,
+    WORLD_KEY,
+    Registration,
+    incarnation_key,
+    join_key,
+    left_key,
+    spare_key,
+    static_join_key,
+)
 from rendezvous.nodes.liveness import LeaseLiveness, Lost, Timing, liveness_for
 from rendezvous.nodes.settings import RendezvousSettings
 from rendezvous.nodes.waits import Interrupt, wait_keys
 from rendezvous.nodes.world import NodeInfo, NodeWorld, SpareInfo, build_world, node_world
 
-__all__ = ["FencedError", "JoinInterrupted", "Lost", "Membership", "NodeInfo", "NodeLostError",
-           "NodeWorld", "RendezvousError", "RendezvousGracefulExit", "SpareInfo",
-           "StoreHostLostError"]
+__all__ = [
+    "FencedError",
+    "JoinInterrupted",
+    "Lost",
+    "Membership",
+    "NodeInfo",
+    "NodeLostError",
+    "NodeWorld",
+    "RendezvousError",
+    "RendezvousGracefulExit",
+    "SpareInfo",
+    "StoreHostLostError",
+]
 
 log = logging.getLogger("ftrun.membership")
 
 
-def _check_args(node_rank: int | None, nnodes_min: int, nnodes_max: int, local_world_size: int,
-                run_id: str, seconds: dict[str, float | None]) -> None:
+def _check_args(
+    node_rank: int | None,
+    nnodes_min: int,
+    nnodes_max: int,
+    local_world_size: int,
+    run_id: str,
+    seconds: dict[str, float | None],
+) -> None:
     """ValueError naming the first bad constructor argument."""
     if not 1 <= nnodes_min <= nnodes_max:
         raise ValueError(f"nnodes {nnodes_min}:{nnodes_max}: need 1 <= MIN <= MAX")
     if node_rank is not None:
         if nnodes_min != nnodes_max:
-            raise ValueError(f"node_rank={node_rank} needs a fixed node count, got "
-                             f"nnodes {nnodes_min}:{nnodes_max} (omit node_rank for MIN:MAX)")
+            raise ValueError(
+                f"node_rank={node_rank} needs a fixed node count, got "
+                f"nnodes {nnodes_min}:{nnodes_max} (omit node_rank for MIN:MAX)"
+            )
         if not 0 <= node_rank < nnodes_max:
             raise ValueError(f"node_rank={node_rank} must be in 0..{nnodes_max - 1}")
     if local_world_size < 1:
@@ -106,36 +144,76 @@ def _check_args(node_rank: int | None, nnodes_min: int, nnodes_max: int, local_w
         if not (isinstance(v, (int, float)) and v > 0):
             raise ValueError(f"{name}={v!r} must be a number of seconds > 0")
     if seconds["heartbeat_timeout"] <= seconds["heartbeat_interval"]:  # type: ignore[operator]
-        raise ValueError(f"heartbeat_timeout={seconds['heartbeat_timeout']} must exceed "
-                         f"heartbeat_interval={seconds['heartbeat_interval']}")
+        raise ValueError(
+            f"heartbeat_timeout={seconds['heartbeat_timeout']} must exceed "
+            f"heartbeat_interval={seconds['heartbeat_interval']}"
+        )
 
 
 class Membership:
     """Node-level rendezvous and liveness for one agent (API: see the module docstring)."""
 
-    def __init__(self, kv: KVStore, node_rank: int | None, nnodes_min: int, nnodes_max: int,
-                 local_world_size: int, host: str, run_id: str, join_timeout: float = 600.0,
-                 last_call_timeout: float = 30.0, heartbeat_interval: float = 1.0,
-                 heartbeat_timeout: float = 5.0, *, close_timeout: float = 30.0,
-                 read_timeout: float = 60.0, spare_timeout: float | None = None,
-                 scale_up: str = "spare", hosts_store: bool = False,
-                 previous: NodeWorld | None = None, prev_rank: int = -1,
-                 expect: int = 0) -> None:
-        _check_args(node_rank, nnodes_min, nnodes_max, local_world_size, run_id,
-                    {"join_timeout": join_timeout, "last_call_timeout": last_call_timeout,
-                     "heartbeat_interval": heartbeat_interval,
-                     "heartbeat_timeout": heartbeat_timeout, "close_timeout": close_timeout,
-                     "read_timeout": read_timeout, "spare_timeout": spare_timeout})
+    def __init__(
+        self,
+        kv: KVStore,
+        node_rank: int | None,
+        nnodes_min: int,
+        nnodes_max: int,
+        local_world_size: int,
+        host: str,
+        run_id: str,
+        join_timeout: float = 600.0,
+        last_call_timeout: float = 30.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 5.0,
+        *,
+        close_timeout: float = 30.0,
+        read_timeout: float = 60.0,
+        spare_timeout: float | None = None,
+        scale_up: str = "spare",
+        hosts_store: bool = False,
+        previous: NodeWorld | None = None,
+        prev_rank: int = -1,
+        expect: int = 0,
+    ) -> None:
+        _check_args(
+            node_rank,
+            nnodes_min,
+            nnodes_max,
+            local_world_size,
+            run_id,
+            {
+                "join_timeout": join_timeout,
+                "last_call_timeout": last_call_timeout,
+                "heartbeat_interval": heartbeat_interval,
+                "heartbeat_timeout": heartbeat_timeout,
+                "close_timeout": close_timeout,
+                "read_timeout": read_timeout,
+                "spare_timeout": spare_timeout,
+            },
+        )
         if scale_up not in ("spare", "restart"):
-            raise ValueError(f"scale_up={scale_up!r}: must be spare (a late node waits as a hot "
-                             "spare) or restart (a new rendezvous round includes it)")
+            raise ValueError(
+                f"scale_up={scale_up!r}: must be spare (a late node waits as a hot "
+                "spare) or restart (a new rendezvous round includes it)"
+            )
         self._args: dict[str, Any] = dict(
-            node_rank=node_rank, nnodes_min=nnodes_min, nnodes_max=nnodes_max,
-            local_world_size=local_world_size, host=host, run_id=run_id,
-            join_timeout=join_timeout, last_call_timeout=last_call_timeout,
-            heartbeat_interval=heartbeat_interval, heartbeat_timeout=heartbeat_timeout,
-            close_timeout=close_timeout, read_timeout=read_timeout, spare_timeout=spare_timeout,
-            scale_up=scale_up, hosts_store=hosts_store)
+            node_rank=node_rank,
+            nnodes_min=nnodes_min,
+            nnodes_max=nnodes_max,
+            local_world_size=local_world_size,
+            host=host,
+            run_id=run_id,
+            join_timeout=join_timeout,
+            last_call_timeout=last_call_timeout,
+            heartbeat_interval=heartbeat_interval,
+            heartbeat_timeout=heartbeat_timeout,
+            close_timeout=close_timeout,
+            read_timeout=read_timeout,
+            spare_timeout=spare_timeout,
+            scale_up=scale_up,
+            hosts_store=hosts_store,
+        )
         self.kv = kv
         self.node_rank = node_rank
         self.nnodes_min, self.nnodes_max = nnodes_min, nnodes_max
@@ -160,8 +238,9 @@ class Membership:
         self.world: NodeWorld | None = None
         self.incarnation = 0
         self._interrupt = Interrupt()
-        self.liveness = liveness_for(kv, Timing(self.heartbeat_interval, self.heartbeat_timeout),
-                                     self.static, self.nonce)
+        self.liveness = liveness_for(
+            kv, Timing(self.heartbeat_interval, self.heartbeat_timeout), self.static, self.nonce
+        )
         self.liveness.interrupt = self._interrupt
         self.lost = self.liveness.roster.lost  # set when this agent is no longer a member
         self._watch_lock = threading.Lock()
@@ -171,18 +250,38 @@ class Membership:
         self._slot: int | None = None  # dynamic arrival slot while the world is not closed
 
     @classmethod
-    def from_settings(cls, kv: KVStore, node_rank: int | None, nnodes_min: int,
-                      nnodes_max: int, local_world_size: int, host: str, run_id: str,
-                      settings: RendezvousSettings | None = None,
-                      hosts_store: bool = False) -> "Membership":
+    def from_settings(
+        cls,
+        kv: KVStore,
+        node_rank: int | None,
+        nnodes_min: int,
+        nnodes_max: int,
+        local_world_size: int,
+        host: str,
+        run_id: str,
+        settings: RendezvousSettings | None = None,
+        hosts_store: bool = False,
+    ) -> "Membership":
         """A Membership with torchrun-named settings (`RendezvousSettings.from_rdzv_conf`)."""
         s = settings or RendezvousSettings()
-        return cls(kv, node_rank, nnodes_min, nnodes_max, local_world_size, host, run_id,
-                   join_timeout=s.join_timeout, last_call_timeout=s.last_call_timeout,
-                   heartbeat_interval=s.keep_alive_interval,
-                   heartbeat_timeout=s.liveness_timeout, close_timeout=s.close_timeout,
-                   read_timeout=s.read_timeout, spare_timeout=s.spare_timeout,
-                   scale_up=s.scale_up, hosts_store=hosts_store)
+        return cls(
+            kv,
+            node_rank,
+            nnodes_min,
+            nnodes_max,
+            local_world_size,
+            host,
+            run_id,
+            join_timeout=s.join_timeout,
+            last_call_timeout=s.last_call_timeout,
+            heartbeat_interval=s.keep_alive_interval,
+            heartbeat_timeout=s.liveness_timeout,
+            close_timeout=s.close_timeout,
+            read_timeout=s.read_timeout,
+            spare_timeout=s.spare_timeout,
+            scale_up=s.scale_up,
+            hosts_store=hosts_store,
+        )
 
     def renew(self) -> "Membership":
         """A fresh identity (new nonce, next incarnation) with the same parameters, to rejoin
@@ -239,15 +338,16 @@ class Membership:
             return None
         msg = info.message
         if info.kind == STORE_UNREACHABLE and not self.can_elect:
-            msg += (f"; the embedded store is at {self._store_address()}: if it does not answer "
-                    f"within read_timeout={self.read_timeout:g}s on rejoin, the job cannot "
-                    "continue")
+            msg += (
+                f"; the embedded store is at {self._store_address()}: if it does not answer "
+                f"within read_timeout={self.read_timeout:g}s on rejoin, the job cannot "
+                "continue"
+            )
         return NodeLostError(msg, info.kind)
 
     # ------------------------------------------------------------------------------ joining
 
-    def join(self, timeout: float | None = None,
-             stop: threading.Event | None = None) -> NodeWorld:
+    def join(self, timeout: float | None = None, stop: threading.Event | None = None) -> NodeWorld:
         """Rendezvous; block until the world is decided, this agent replaced a lost node, or a
         hot spare's wait found a vacancy. Raises JoinInterrupted within waits.SLICE of
         `stop.set()` / `interrupt()` (after leaving), RendezvousGracefulExit when the run ended
@@ -273,11 +373,16 @@ class Membership:
             raise
         self.world = world
         self.start_heartbeat()
-        log.info("node %d joined run %s: %d nodes, world size %d, leader node %d, generation %d%s",
-                 world.group_rank, self.run_id, world.group_world_size, world.world_size,
-                 world.leader_node, world.generation,
-                 " (hot spare)" if world.from_spare else " (replacement)" if world.rejoined
-                 else "")
+        log.info(
+            "node %d joined run %s: %d nodes, world size %d, leader node %d, generation %d%s",
+            world.group_rank,
+            self.run_id,
+            world.group_world_size,
+            world.world_size,
+            world.leader_node,
+            world.generation,
+            " (hot spare)" if world.from_spare else " (replacement)" if world.rejoined else "",
+        )
         return world
 
     def start_heartbeat(self) -> None:
@@ -285,12 +390,15 @@ class Membership:
         the self-check. Idempotent; join() starts it. Stopped by stop()."""
         self.liveness.start()
 
-    def watch_nodes(self, on_dead: Callable[[int], None],
-                    on_join: Callable[[int], None] | None = None,
-                    on_leader: Callable[[int], None] | None = None,
-                    on_lost: Callable[[Lost], None] | None = None,
-                    on_round: Callable[[int], None] | None = None,
-                    on_left: Callable[[int, str], None] | None = None) -> None:
+    def watch_nodes(
+        self,
+        on_dead: Callable[[int], None],
+        on_join: Callable[[int], None] | None = None,
+        on_leader: Callable[[int], None] | None = None,
+        on_lost: Callable[[Lost], None] | None = None,
+        on_round: Callable[[int], None] | None = None,
+        on_left: Callable[[int, str], None] | None = None,
+    ) -> None:
         """Report other nodes' deaths (`on_dead(group_rank)`, once per incarnation, within the
         heartbeat/lease timeout), replacements and spares taking a rank (`on_join`), leader
         changes (`on_leader`), this agent losing its membership (`on_lost(Lost)`: see
@@ -355,16 +463,19 @@ class Membership:
         """Why incarnation `incarnation` of node `group_rank` may write nothing any more ("" while
         it is the node's live holder): declared dead, left, or replaced."""
         if self.liveness.gone_for_good(group_rank, incarnation):
-            return (f"node {group_rank} incarnation {incarnation} was declared dead, left or "
-                    "was replaced")
+            return (
+                f"node {group_rank} incarnation {incarnation} was declared dead, left or "
+                "was replaced"
+            )
         return ""
 
     def advance_generation(self, expected: int, new: int) -> bool:
         """Move keys.GENERATION_KEY from `expected` to `new` (compare-and-set); False when it
         no longer holds `expected`. FencedError when this agent is stale."""
         want = str(new).encode()
-        return self.liveness.fenced_compare_set(GENERATION_KEY, str(expected).encode(),
-                                                want) == want
+        return (
+            self.liveness.fenced_compare_set(GENERATION_KEY, str(expected).encode(), want) == want
+        )
 
     # ------------------------------------------------------------------------------ rounds
 
@@ -374,8 +485,10 @@ class Membership:
         requested it first). Every member hears of it through on_round and calls
         next_round(). See rendezvous.nodes.rounds. FencedError when this agent is stale."""
         if self.static or self.world is None:
-            raise RendezvousError("a new rendezvous round needs a joined dynamic world "
-                                  "(--nnodes MIN:MAX without --node-rank)")
+            raise RendezvousError(
+                "a new rendezvous round needs a joined dynamic world "
+                "(--nnodes MIN:MAX without --node-rank)"
+            )
         raw = self.kv.get(WORLD_KEY, self.read_timeout)
         doc = json.loads(raw)
         if not doc.get("retired"):
@@ -384,12 +497,17 @@ class Membership:
             got = self.liveness.fenced_compare_set(WORLD_KEY, raw, want)
             doc = json.loads(got)
             if got == want:
-                log.info("node %d asks for rendezvous round %d (%d nodes expected)",
-                         self.world.group_rank, doc["round"], expect)
+                log.info(
+                    "node %d asks for rendezvous round %d (%d nodes expected)",
+                    self.world.group_rank,
+                    doc["round"],
+                    expect,
+                )
         return int(doc.get("round", 0))
 
-    def next_round(self, timeout: float | None = None,
-                   stop: threading.Event | None = None) -> "Membership":
+    def next_round(
+        self, timeout: float | None = None, stop: threading.Event | None = None
+    ) -> "Membership":
         """Leave this round and join the requested one (see rendezvous.nodes.rounds); returns the new,
         joined Membership (this one is stopped). Survivors keep their group ranks when nobody
         was lost. Raises like join()."""
@@ -403,14 +521,21 @@ class Membership:
         if doc.get("by") == self.nonce:
             waits = Interrupt()
             waits.follow(stop)
-            if not rounds.wait_left(lambda: all(self.liveness.gone_for_good(g, i)
-                                                for g, i in others),
-                                    self.close_timeout, waits.sleep):
-                log.warning("round %d: not every node left round %d within %gs; going on",
-                            doc["round"], self.world.round, self.close_timeout)
+            if not rounds.wait_left(
+                lambda: all(self.liveness.gone_for_good(g, i) for g, i in others),
+                self.close_timeout,
+                waits.sleep,
+            ):
+                log.warning(
+                    "round %d: not every node left round %d within %gs; going on",
+                    doc["round"],
+                    self.world.round,
+                    self.close_timeout,
+                )
             rounds.wipe(self.kv, whole_run=False)
-        nxt = Membership(self.kv, **self._args, prev_rank=self.world.group_rank,
-                         expect=int(doc.get("expect", 0)))
+        nxt = Membership(
+            self.kv, **self._args, prev_rank=self.world.group_rank, expect=int(doc.get("expect", 0))
+        )
         nxt._round_opened = int(doc["round"])
         nxt.join(timeout, stop)
         return nxt
@@ -423,8 +548,11 @@ class Membership:
             except StoreError:
                 continue
             if doc is not None:
-                log.info("node %d: rendezvous round %d was requested", self.world.group_rank,
-                         doc["round"])
+                log.info(
+                    "node %d: rendezvous round %d was requested",
+                    self.world.group_rank,
+                    doc["round"],
+                )
                 try:
                     on_round(int(doc["round"]))
                 except Exception:  # noqa: BLE001 - a failing callback must not kill the thread
@@ -433,27 +561,42 @@ class Membership:
 
     # ------------------------------------------------------------------------------ controller
 
-    def elect(self, on_elected: Callable[[], None],
-              on_deposed: Callable[[], None], defer: float | None = None) -> Election:
+    def elect(
+        self,
+        on_elected: Callable[[], None],
+        on_deposed: Callable[[], None],
+        defer: float | None = None,
+    ) -> Election:
         """Run for controller (etcd only, after join): `on_elected()` when this agent becomes
         it, `on_deposed()` when it loses the role (its lease expired); all but the leader-rule
         leader first wait `defer` s (default two keep-alive intervals) for it to be elected.
         RendezvousError on the embedded store, where the controller stays with the leader
         rule."""
         if not isinstance(self.liveness, LeaseLiveness):
-            raise RendezvousError("controller election needs etcd (--rdzv-backend etcd); with the "
-                                  "embedded store the controller runs on the leader node and "
-                                  "losing the store host ends the job")
+            raise RendezvousError(
+                "controller election needs etcd (--rdzv-backend etcd); with the "
+                "embedded store the controller runs on the leader node and "
+                "losing the store host ends the job"
+            )
         if self.world is None or self._election is not None:
             raise RendezvousError("elect() needs join() first and runs once")
         me = self.world.me
-        self._election = Election(self.kv, self.liveness.lease,
-                                  {"group_rank": me.node_rank, "incarnation": self.incarnation,
-                                   "host": self.host, "nonce": self.nonce},
-                                  self.lost, on_elected, on_deposed,
-                                  defer=(0.0 if me.node_rank == self.leader() else
-                                         2 * self.heartbeat_interval) if defer is None
-                                  else defer).start()
+        self._election = Election(
+            self.kv,
+            self.liveness.lease,
+            {
+                "group_rank": me.node_rank,
+                "incarnation": self.incarnation,
+                "host": self.host,
+                "nonce": self.nonce,
+            },
+            self.lost,
+            on_elected,
+            on_deposed,
+            defer=(0.0 if me.node_rank == self.leader() else 2 * self.heartbeat_interval)
+            if defer is None
+            else defer,
+        ).start()
         return self._election
 
     def why_gone(self, group_rank: int, incarnation: int) -> str:
@@ -490,8 +633,11 @@ class Membership:
             self._check_run_id()
             raw = self.kv.try_get(WORLD_KEY)
             if raw is None:
-                return (self._join_static(deadline, timeout) if self.static
-                        else self._join_dynamic(deadline, timeout))
+                return (
+                    self._join_static(deadline, timeout)
+                    if self.static
+                    else self._join_dynamic(deadline, timeout)
+                )
             old = json.loads(raw)
             if old.get("retired"):
                 self._round_opened = max(self._round_opened, int(old.get("round", 0)))
@@ -504,22 +650,34 @@ class Membership:
     def _check_run_id(self) -> None:
         got = self.kv.compare_set(RUN_ID_KEY, b"", self.run_id.encode())
         if got != self.run_id.encode():
-            raise RendezvousError(f"this store belongs to run {got.decode(errors='replace')!r}, "
-                                  f"not {self.run_id!r} (use another --rdzv-id or store root)")
+            raise RendezvousError(
+                f"this store belongs to run {got.decode(errors='replace')!r}, "
+                f"not {self.run_id!r} (use another --rdzv-id or store root)"
+            )
 
     def _record(self, **kw: Any) -> Registration:
-        return Registration(nonce=self.nonce, host=self.host, pid=self.pid,
-                            local_world_size=self.local_world_size, node_rank=self.node_rank,
-                            hosts_store=self.hosts_store, prev_rank=self.prev_rank, **kw)
+        return Registration(
+            nonce=self.nonce,
+            host=self.host,
+            pid=self.pid,
+            local_world_size=self.local_world_size,
+            node_rank=self.node_rank,
+            hosts_store=self.hosts_store,
+            prev_rank=self.prev_rank,
+            **kw,
+        )
 
     def _join_static(self, deadline: float, timeout: float) -> NodeWorld:
         assert self.node_rank is not None
-        other = self.liveness.register_join(static_join_key(self.node_rank),
-                                            self._record().to_json(), deadline)
+        other = self.liveness.register_join(
+            static_join_key(self.node_rank), self._record().to_json(), deadline
+        )
         if other is not None:
             o = Registration.from_json(other)
-            raise RendezvousError(f"node rank {self.node_rank} is already registered by {o.host} "
-                                  f"pid {o.pid} (two agents with the same --node-rank?)")
+            raise RendezvousError(
+                f"node rank {self.node_rank} is already registered by {o.host} "
+                f"pid {o.pid} (two agents with the same --node-rank?)"
+            )
         keys = [static_join_key(r) for r in range(self.nnodes_max)]
         log.info("node %d registered; waiting for %d nodes", self.node_rank, self.nnodes_max)
         while True:
@@ -528,8 +686,9 @@ class Membership:
             if raw is None:
                 if not complete:
                     have = sum(self.kv.try_get(k) is not None for k in keys)
-                    raise StoreTimeout(f"rendezvous: {have} of {self.nnodes_max} nodes joined "
-                                       f"within {timeout:g}s")
+                    raise StoreTimeout(
+                        f"rendezvous: {have} of {self.nnodes_max} nodes joined within {timeout:g}s"
+                    )
                 recs = [self.kv.try_get(k) for k in keys]
                 if any(r is None for r in recs):
                     continue  # one vanished (dead agent's lease); wait for its replacement
@@ -540,24 +699,29 @@ class Membership:
         slot = self.kv.add(JOIN_SEQ_KEY, 1) - 1
         target = min(self.nnodes_max, self.expect) if self.expect > 0 else self.nnodes_max
         if slot >= self.nnodes_max:
-            log.info("rendezvous already has %d nodes; waiting for the world to close",
-                     self.nnodes_max)
+            log.info(
+                "rendezvous already has %d nodes; waiting for the world to close", self.nnodes_max
+            )
             if not wait_keys(self.kv, [WORLD_KEY], deadline, self._interrupt, "rendezvous"):
                 raise StoreTimeout(f"rendezvous: the world did not close within {timeout:g}s")
             return self._rejoin(json.loads(self.kv.get(WORLD_KEY, self.read_timeout)), deadline)
         self.liveness.put(join_key(slot), self._record(slot=slot).to_json())
         self._slot = slot
-        log.info("joined rendezvous in slot %d (nnodes %d:%d)", slot, self.nnodes_min,
-                 self.nnodes_max)
+        log.info(
+            "joined rendezvous in slot %d (nnodes %d:%d)", slot, self.nnodes_min, self.nnodes_max
+        )
         if slot == target - 1:
             raw = self.kv.try_get(WORLD_KEY) or self._close_dynamic(slot + 1)
             return self._enter(json.loads(raw), deadline)
         if slot + 1 < self.nnodes_min:
-            if not wait_keys(self.kv, [join_key(self.nnodes_min - 1)], deadline,
-                             self._interrupt, "rendezvous"):
+            if not wait_keys(
+                self.kv, [join_key(self.nnodes_min - 1)], deadline, self._interrupt, "rendezvous"
+            ):
                 have = int(self.kv.try_get(JOIN_SEQ_KEY) or b"0")
-                raise StoreTimeout(f"rendezvous: {have} of at least {self.nnodes_min} nodes "
-                                   f"joined within {timeout:g}s")
+                raise StoreTimeout(
+                    f"rendezvous: {have} of at least {self.nnodes_min} nodes "
+                    f"joined within {timeout:g}s"
+                )
         last_call = min(time.monotonic() + self.last_call_timeout, deadline)
         if not wait_keys(self.kv, [WORLD_KEY], last_call, self._interrupt, "rendezvous"):
             count = min(int(self.kv.try_get(JOIN_SEQ_KEY) or b"0"), self.nnodes_max)
@@ -578,8 +742,9 @@ class Membership:
     def _close_dynamic(self, count: int) -> bytes:
         keys = [join_key(s) for s in range(count)]
         # slots are written right after they are taken; close_timeout bounds a slow writer
-        wait_keys(self.kv, keys, time.monotonic() + self.close_timeout, self._interrupt,
-                  "rendezvous")
+        wait_keys(
+            self.kv, keys, time.monotonic() + self.close_timeout, self._interrupt, "rendezvous"
+        )
         members = []
         for k in keys:
             raw = self.kv.try_get(k)
@@ -593,8 +758,11 @@ class Membership:
         raw = json.dumps(world, sort_keys=True).encode()
         won = self.kv.compare_set(WORLD_KEY, b"", raw)
         if won == raw:
-            log.info("rendezvous closed: %d nodes, world size %d", len(world["nodes"]),
-                     world["world_size"])
+            log.info(
+                "rendezvous closed: %d nodes, world size %d",
+                len(world["nodes"]),
+                world["world_size"],
+            )
         return won
 
     def _enter(self, world: dict, deadline: float) -> NodeWorld:
@@ -609,8 +777,9 @@ class Membership:
         nw = node_world(world, gr, False, self.run_id)
         nw.generation = self.current_generation()
         nw.me.incarnation = self.incarnation
-        self.liveness.roster.reset({n.node_rank: n.incarnation for n in nw.nodes},
-                                   [n.node_rank for n in nw.nodes])
+        self.liveness.roster.reset(
+            {n.node_rank: n.incarnation for n in nw.nodes}, [n.node_rank for n in nw.nodes]
+        )
         return nw
 
     def _register(self, gr: int, replacing: bytes | None = None) -> bool:
@@ -631,8 +800,11 @@ class Membership:
         (world last), and let every arriving agent start a fresh rendezvous."""
         marker = rounds.marker(0, 0, self.nonce)
         if self.kv.compare_set(WORLD_KEY, old_raw, marker) == marker:
-            log.warning("run %s: every node of the earlier rendezvous in this store is gone; "
-                        "clearing its keys and starting a new rendezvous", self.run_id)
+            log.warning(
+                "run %s: every node of the earlier rendezvous in this store is gone; "
+                "clearing its keys and starting a new rendezvous",
+                self.run_id,
+            )
             rounds.wipe(self.kv, whole_run=True)
         else:
             self._wait_wiped(deadline)
@@ -644,8 +816,10 @@ class Membership:
             if raw is None or not json.loads(raw).get("retired"):
                 return
             if time.monotonic() >= deadline:
-                raise StoreTimeout("rendezvous: an earlier run's keys were still being cleared "
-                                   "when the join timeout ran out")
+                raise StoreTimeout(
+                    "rendezvous: an earlier run's keys were still being cleared "
+                    "when the join timeout ran out"
+                )
             if not self._interrupt.sleep(0.05):
                 self._interrupt.check("rendezvous")
 
@@ -662,18 +836,22 @@ class Membership:
             return self._wait_as_spare(world)
         assert self.node_rank is not None
         if self.node_rank >= n:
-            raise RendezvousError(f"node_rank {self.node_rank} is not in the running "
-                                  f"world of {n} nodes")
+            raise RendezvousError(
+                f"node_rank {self.node_rank} is not in the running world of {n} nodes"
+            )
         while True:
             if self._try_claim(self.node_rank, deadline, judge=True):
                 return self._replaced(world, self.node_rank)
             if time.monotonic() >= deadline:
                 break
-            self._interrupt.sleep(min(self.heartbeat_interval,
-                                      max(0.0, deadline - time.monotonic())))
+            self._interrupt.sleep(
+                min(self.heartbeat_interval, max(0.0, deadline - time.monotonic()))
+            )
             self._interrupt.check("rendezvous")
-        raise RendezvousError(f"cannot join run {self.run_id}: node rank {self.node_rank} is "
-                              "still alive (a replacement only joins in place of a lost node)")
+        raise RendezvousError(
+            f"cannot join run {self.run_id}: node rank {self.node_rank} is "
+            "still alive (a replacement only joins in place of a lost node)"
+        )
 
     def _wait_as_spare(self, world: dict) -> NodeWorld:
         """No vacancy: wait as a hot spare, visible under keys.spare_key, until a node is lost
@@ -681,9 +859,15 @@ class Membership:
         ranks = list(range(len(world["nodes"])))
         key, rec = spare_key(self.nonce), self._record().to_json()
         self.liveness.put_spare(key, rec)
-        log.info("run %s is running with %d nodes: %s waits as a hot spare %s", self.run_id,
-                 len(ranks), self.host, "for the next lost node" if self.scale_up == "spare"
-                 else "for a new rendezvous round (scale_up=restart)")
+        log.info(
+            "run %s is running with %d nodes: %s waits as a hot spare %s",
+            self.run_id,
+            len(ranks),
+            self.host,
+            "for the next lost node"
+            if self.scale_up == "spare"
+            else "for a new rendezvous round (scale_up=restart)",
+        )
         end = None if self.spare_timeout is None else time.monotonic() + self.spare_timeout
         try:
             while True:
@@ -698,15 +882,17 @@ class Membership:
                 if doc is not None:
                     log.info("%s joins rendezvous round %d", self.host, doc["round"])
                     self._round_opened = int(doc["round"])
-                    return self._find_world(time.monotonic() + self.join_timeout,
-                                            self.join_timeout)
+                    return self._find_world(time.monotonic() + self.join_timeout, self.join_timeout)
                 if self.liveness.all_done(ranks):
-                    raise RendezvousGracefulExit(f"run {self.run_id} finished while this agent "
-                                                 "waited as a hot spare")
+                    raise RendezvousGracefulExit(
+                        f"run {self.run_id} finished while this agent waited as a hot spare"
+                    )
                 if end is not None and time.monotonic() >= end:
-                    raise RendezvousError(f"no node of run {self.run_id} was lost within "
-                                          f"spare_timeout={self.spare_timeout:g}s; this hot "
-                                          "spare gives up")
+                    raise RendezvousError(
+                        f"no node of run {self.run_id} was lost within "
+                        f"spare_timeout={self.spare_timeout:g}s; this hot "
+                        "spare gives up"
+                    )
                 if not self.can_elect:
                     self.liveness.put_spare(key, rec)  # refresh its time (no lease here)
                 self._interrupt.sleep(self.heartbeat_interval)
@@ -724,8 +910,14 @@ class Membership:
     def _try_claim(self, gr: int, deadline: float, judge: bool) -> bool:
         """Take over group rank `gr` if its current holder is dead. With `judge`, give the
         holder up to one heartbeat timeout to be found dead."""
-        patience = min(max(0.0, deadline - time.monotonic()),
-                       self.heartbeat_timeout + 2 * self.heartbeat_interval) if judge else 0.0
+        patience = (
+            min(
+                max(0.0, deadline - time.monotonic()),
+                self.heartbeat_timeout + 2 * self.heartbeat_interval,
+            )
+            if judge
+            else 0.0
+        )
         replacing = self.liveness.wait_vacant(gr, patience, judge)
         return replacing is not None and self._register(gr, replacing)
 
@@ -740,8 +932,12 @@ class Membership:
         alive = self.liveness.survey(ranks, gr)
         nw.leader_node = self.liveness.roster.reset(alive, ranks)
         self.liveness.announce_join(gr, self.incarnation)
-        log.info("%s took node %d (incarnation %d)",
-                 "hot spare" if from_spare else "replacement agent", gr, self.incarnation)
+        log.info(
+            "%s took node %d (incarnation %d)",
+            "hot spare" if from_spare else "replacement agent",
+            gr,
+            self.incarnation,
+        )
         return nw
 
     # ------------------------------------------------------------------------------ store host
@@ -768,5 +964,8 @@ class Membership:
                 last = exc.strerror or type(exc).__name__
                 self._interrupt.sleep(min(0.2, max(0.0, end - time.monotonic())))
         node = self.store_host()
-        raise StoreHostLostError(node.node_rank if node is not None else None,
-                                 f"{host}:{port}", f"no answer for {self.read_timeout:g}s: {last}")
+        raise StoreHostLostError(
+            node.node_rank if node is not None else None,
+            f"{host}:{port}",
+            f"no answer for {self.read_timeout:g}s: {last}",
+        )

@@ -23,6 +23,7 @@ A new round (round r -> r+1):
      surviving nodes keep their group ranks when nobody was lost; it closes as soon as N agents
      arrived (or after last_call_timeout with at least MIN).
 """
+
 from __future__ import annotations
 
 import json
@@ -30,16 +31,17 @@ import logging
 import time
 from typing import Callable
 
-from rendezvous.nodes.keys import GENERATION_KEY, NODE_PREFIX, RDZV, ROOT, RUN_ID_KEY, WORLD_KEY
 from rendezvous.kv import KVStore
+from rendezvous.nodes.keys import GENERATION_KEY, NODE_PREFIX, RDZV, ROOT, RUN_ID_KEY, WORLD_KEY
 
 log = logging.getLogger("ftrun.membership")
 
 
 def marker(round_: int, expect: int, by: str) -> bytes:
     """The retired marker that opens round `round_` (0: an earlier run was retired)."""
-    return json.dumps({"retired": True, "round": round_, "expect": expect, "by": by},
-                      sort_keys=True).encode()
+    return json.dumps(
+        {"retired": True, "round": round_, "expect": expect, "by": by}, sort_keys=True
+    ).encode()
 
 
 def read(raw: bytes | None) -> dict | None:
@@ -63,17 +65,21 @@ def wipe(kv: KVStore, whole_run: bool) -> int:
     if whole_run:
         doomed = [k for k in kv.keys("") if k != WORLD_KEY]
     else:
-        doomed = [k for k in kv.keys("") if (k.startswith((RDZV + "/", NODE_PREFIX))
-                                             or not k.startswith(ROOT + "/"))
-                  and k not in (WORLD_KEY, RUN_ID_KEY, GENERATION_KEY)]
+        doomed = [
+            k
+            for k in kv.keys("")
+            if (k.startswith((RDZV + "/", NODE_PREFIX)) or not k.startswith(ROOT + "/"))
+            and k not in (WORLD_KEY, RUN_ID_KEY, GENERATION_KEY)
+        ]
     for key in doomed:
         n += bool(kv.delete(key))
     kv.delete(WORLD_KEY)
     return n
 
 
-def wait_left(everyone_left: Callable[[], bool], timeout: float,
-              sleep: Callable[[float], bool]) -> bool:
+def wait_left(
+    everyone_left: Callable[[], bool], timeout: float, sleep: Callable[[float], bool]
+) -> bool:
     """Poll `everyone_left()` until True or `timeout`; False when some member did not leave
     (it is then treated as gone: its records are wiped with the round)."""
     end = time.monotonic() + timeout

@@ -19,14 +19,22 @@ components (etcd TLS, proxy, is_host, ...) and are ignored here.
                               rendezvous round includes it; see rendezvous.nodes.rounds)
 `timeout` is accepted as join_timeout when join_timeout is not given (static rendezvous).
 """
+
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 from typing import Mapping
 
-_SECONDS = ("join_timeout", "last_call_timeout", "close_timeout", "read_timeout",
-            "keep_alive_interval", "heartbeat_timeout", "spare_timeout")
+_SECONDS = (
+    "join_timeout",
+    "last_call_timeout",
+    "close_timeout",
+    "read_timeout",
+    "keep_alive_interval",
+    "heartbeat_timeout",
+    "spare_timeout",
+)
 
 
 @dataclass(frozen=True)
@@ -46,8 +54,12 @@ class RendezvousSettings:
             v = getattr(self, name)
             if v is None and name in ("heartbeat_timeout", "spare_timeout"):
                 continue
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) \
-                    or v <= 0:
+            if (
+                not isinstance(v, (int, float))
+                or isinstance(v, bool)
+                or not math.isfinite(v)
+                or v <= 0
+            ):
                 raise ValueError(f"--rdzv-conf {name}={v!r}: must be a number of seconds > 0")
         if self.scale_up not in ("spare", "restart"):
             raise ValueError(f"--rdzv-conf scale_up={self.scale_up!r}: must be spare or restart")
@@ -55,8 +67,10 @@ class RendezvousSettings:
         if not isinstance(n, int) or isinstance(n, bool) or n < 2:
             raise ValueError(f"--rdzv-conf keep_alive_max_attempt={n!r}: must be an integer >= 2")
         if self.liveness_timeout <= self.keep_alive_interval:
-            raise ValueError(f"--rdzv-conf heartbeat_timeout={self.liveness_timeout:g}: must "
-                             f"exceed keep_alive_interval={self.keep_alive_interval:g}")
+            raise ValueError(
+                f"--rdzv-conf heartbeat_timeout={self.liveness_timeout:g}: must "
+                f"exceed keep_alive_interval={self.keep_alive_interval:g}"
+            )
 
     @property
     def liveness_timeout(self) -> float:
@@ -79,8 +93,9 @@ class RendezvousSettings:
             try:
                 vals["keep_alive_max_attempt"] = int(str(raw))
             except ValueError:
-                raise ValueError(f"--rdzv-conf keep_alive_max_attempt={raw!r}: must be an "
-                                 "integer >= 2") from None
+                raise ValueError(
+                    f"--rdzv-conf keep_alive_max_attempt={raw!r}: must be an integer >= 2"
+                ) from None
         if conf.get("scale_up") not in (None, ""):
             vals["scale_up"] = str(conf["scale_up"]).strip().lower()
         return cls(**vals)  # type: ignore[arg-type]

@@ -6,6 +6,7 @@ appear), `sleep` and `check`. A store wait is cut into slices of at most `SLICE`
 stop request ends it within one slice, whatever the store (a TCPStore WAIT cannot be woken from
 outside; an etcd watch could, but one rule for every store is simpler).
 """
+
 from __future__ import annotations
 
 import threading
@@ -53,8 +54,9 @@ class Interrupt:
             self._own.wait(min(left, SLICE / 2))
 
 
-def wait_keys(kv: KVStore, keys: Iterable[str], deadline: float, stop: Interrupt,
-              what: str) -> bool:
+def wait_keys(
+    kv: KVStore, keys: Iterable[str], deadline: float, stop: Interrupt, what: str
+) -> bool:
     """Wait until every key exists (True) or `deadline` (monotonic) passes (False). Raises
     JoinInterrupted within one slice of a stop request."""
     keys = list(keys)

@@ -8,6 +8,7 @@ Group ranks: static worlds sort by node rank; dynamic worlds by arrival slot (so
 to arrive is group rank 0). Rank bases follow group ranks. A replacement or a hot spare takes
 over a lost node's group rank and rank base; survivors keep theirs.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -67,8 +68,7 @@ class SpareInfo:
         return cls(r.host, r.pid, r.local_world_size, r.nonce)
 
 
-def build_world(members: list[Registration], static: bool, run_id: str,
-                round_: int = 0) -> dict:
+def build_world(members: list[Registration], static: bool, run_id: str, round_: int = 0) -> dict:
     """The world JSON for `members` (static: by node rank; dynamic: survivors of the previous
     round by their old group rank, then the agent hosting the embedded store, then everyone
     else by arrival slot). The store host first: group rank 0 runs the controller, so with the
@@ -77,24 +77,56 @@ def build_world(members: list[Registration], static: bool, run_id: str,
     if static:
         members = sorted(members, key=lambda r: r.node_rank if r.node_rank is not None else -1)
     else:
-        members = sorted(members, key=lambda r: (r.prev_rank < 0, r.prev_rank,
-                                                 not r.hosts_store, r.slot))
+        members = sorted(
+            members, key=lambda r: (r.prev_rank < 0, r.prev_rank, not r.hosts_store, r.slot)
+        )
     nodes, base = [], 0
     for gr, r in enumerate(members):
-        nodes.append({"node_rank": gr, "host": r.host, "pid": r.pid,
-                      "local_world_size": r.local_world_size, "rank_base": base,
-                      "incarnation": 1, "nonce": r.nonce, "hosts_store": r.hosts_store})
+        nodes.append(
+            {
+                "node_rank": gr,
+                "host": r.host,
+                "pid": r.pid,
+                "local_world_size": r.local_world_size,
+                "rank_base": base,
+                "incarnation": 1,
+                "nonce": r.nonce,
+                "hosts_store": r.hosts_store,
+            }
+        )
         base += r.local_world_size
-    return {"run_id": run_id, "static": static, "nodes": nodes, "world_size": base,
-            "leader_node": 0, "round": round_}
+    return {
+        "run_id": run_id,
+        "static": static,
+        "nodes": nodes,
+        "world_size": base,
+        "leader_node": 0,
+        "round": round_,
+    }
 
 
 def node_world(world: dict, group_rank: int, rejoined: bool, run_id: str) -> NodeWorld:
     """The `NodeWorld` of the agent holding `group_rank` in `world` (JSON form)."""
-    nodes = [NodeInfo(n["node_rank"], n["host"], n["pid"], n["local_world_size"],
-                      n["rank_base"], n.get("incarnation", 1), bool(n.get("hosts_store")))
-             for n in world["nodes"]]
-    return NodeWorld(generation=0, group_rank=group_rank, group_world_size=len(nodes),
-                     nodes=nodes, world_size=world["world_size"],
-                     leader_node=world["leader_node"], rejoined=rejoined,
-                     run_id=world.get("run_id", run_id), round=int(world.get("round", 0)))
+    nodes = [
+        NodeInfo(
+            n["node_rank"],
+            n["host"],
+            n["pid"],
+            n["local_world_size"],
+            n["rank_base"],
+            n.get("incarnation", 1),
+            bool(n.get("hosts_store")),
+        )
+        for n in world["nodes"]
+    ]
+    return NodeWorld(
+        generation=0,
+        group_rank=group_rank,
+        group_world_size=len(nodes),
+        nodes=nodes,
+        world_size=world["world_size"],
+        leader_node=world["leader_node"],
+        rejoined=rejoined,
+        run_id=world.get("run_id", run_id),
+        round=int(world.get("round", 0)),
+    )

@@ -25,6 +25,7 @@ token. The server never stores that key. SET has no reply, so a client that want
 follows it with a PING: a wrong token closes the connection before the PING is answered.
 From torch: `TCPStore(host, port, is_master=False).set("ftrun/auth", token)`.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -75,7 +76,8 @@ def load_token_file(path: str | os.PathLike) -> str:
     if st.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
         raise TokenError(
             f"token file {str(p)!r} has mode {stat.S_IMODE(st.st_mode):04o}: other users can "
-            f"access it; run `chmod 600 {p}`")
+            f"access it; run `chmod 600 {p}`"
+        )
     return check_token(p.read_text(encoding="utf-8"))
 
 

@@ -10,6 +10,7 @@ job token when one is set), so blocking WAITs in one thread never hold up anothe
 runs out of time is withdrawn with CANCEL_WAIT exactly like torch's client does. A dead
 connection is dropped and re-opened by the thread's next call.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,15 +20,19 @@ import threading
 import time
 from typing import Iterable, Iterator
 
+from rendezvous.kv import KVStore, StoreAuthError, StoreError, StoreTimeout, check_timeout
 from rendezvous.store import protocol as P
 from rendezvous.store.auth import AUTH_KEY, check_token
-from rendezvous.kv import KVStore, StoreAuthError, StoreError, StoreTimeout, check_timeout
 from rendezvous.store.protocol import logical_keys, wire_key
 
 
-def connect(host: str, port: int, timeout: float,
-            what: str = "cannot connect to the store",
-            call_timeout: float | None = None) -> socket.socket:
+def connect(
+    host: str,
+    port: int,
+    timeout: float,
+    what: str = "cannot connect to the store",
+    call_timeout: float | None = None,
+) -> socket.socket:
     """A TCP connection to a store (TCP_NODELAY, `call_timeout` (default `timeout`) on every
     later call), retried until `timeout` s have passed; StoreError "<what> at host:port within
     T s: <last error>", or naming the host at once when it does not resolve."""
@@ -67,16 +72,23 @@ class StoreClient(KVStore):
     (default `timeout`) is how long the first connection may take: an agent waits up to
     join_timeout for the store host to come up, but once joined its calls use read_timeout."""
 
-    def __init__(self, host: str, port: int, token: str | None = None,
-                 timeout: float = 30.0, connect_timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str | None = None,
+        timeout: float = 30.0,
+        connect_timeout: float | None = None,
+    ) -> None:
         if not isinstance(port, int) or not 0 < port <= 65535:
             raise ValueError(f"store port {port!r}: must be an integer in 1-65535")
         self.host = host
         self.port = port
         self.token = check_token(token) if token is not None else None
         self.timeout = check_timeout(timeout)
-        self._first_connect: float | None = (None if connect_timeout is None
-                                             else check_timeout(connect_timeout))
+        self._first_connect: float | None = (
+            None if connect_timeout is None else check_timeout(connect_timeout)
+        )
         self._local = threading.local()
         self._links: set[_Link] = set()
         self._lock = threading.Lock()
@@ -95,8 +107,14 @@ class StoreClient(KVStore):
         if link is not None:
             return link
         first, self._first_connect = self._first_connect, None
-        link = _Link(connect(self.host, self.port, self.timeout if first is None else first,
-                             call_timeout=self.timeout))
+        link = _Link(
+            connect(
+                self.host,
+                self.port,
+                self.timeout if first is None else first,
+                call_timeout=self.timeout,
+            )
+        )
         self._local.link = link
         with self._lock:
             self._links.add(link)
@@ -104,8 +122,9 @@ class StoreClient(KVStore):
             self._handshake(link)
         except socket.timeout:  # a peer that accepts but never answers: a store error too
             self._drop(link)
-            raise StoreTimeout(f"store at {self.address} did not answer the handshake within "
-                               f"{self.timeout:g} s") from None
+            raise StoreTimeout(
+                f"store at {self.address} did not answer the handshake within {self.timeout:g} s"
+            ) from None
         except BaseException:
             self._drop(link)
             raise
@@ -156,7 +175,7 @@ class StoreClient(KVStore):
             if buf:
                 r = P.parse_reply(buf, 0, shape, count)
                 if r is not None:
-                    del buf[:r[1]]
+                    del buf[: r[1]]
                     return r[0]
             elif shape == P.Reply.NONE:
                 return None
@@ -165,11 +184,14 @@ class StoreClient(KVStore):
             except socket.timeout:
                 raise
             except OSError as e:
-                raise StoreError(f"lost the connection to the store at {self.address}: "
-                                 f"{e.strerror or e}") from None
+                raise StoreError(
+                    f"lost the connection to the store at {self.address}: {e.strerror or e}"
+                ) from None
             if not chunk:
-                raise StoreError(f"the store at {self.address} closed the connection"
-                                 + (" (no job token given?)" if self.token is None else ""))
+                raise StoreError(
+                    f"the store at {self.address} closed the connection"
+                    + (" (no job token given?)" if self.token is None else "")
+                )
             buf += chunk
 
     @contextlib.contextmanager
@@ -179,15 +201,17 @@ class StoreClient(KVStore):
             yield
         except socket.timeout:
             self._drop(link)
-            raise StoreTimeout(f"store at {self.address} did not answer {what} "
-                               f"within {self.timeout:g} s") from None
+            raise StoreTimeout(
+                f"store at {self.address} did not answer {what} within {self.timeout:g} s"
+            ) from None
         except StoreError:
             self._drop(link)
             raise
         except OSError as e:
             self._drop(link)
-            raise StoreError(f"lost the connection to the store at {self.address}: "
-                             f"{e.strerror or e}") from None
+            raise StoreError(
+                f"lost the connection to the store at {self.address}: {e.strerror or e}"
+            ) from None
 
     def _call(self, req: P.Request, count: int = 0):
         link = self._link()
@@ -223,8 +247,9 @@ class StoreClient(KVStore):
         timeout = check_timeout(timeout)
         wk = wire_key(key)
         if not self._wait_wire((wk,), timeout):
-            raise StoreTimeout(f"key {key!r} did not appear in the store at {self.address} "
-                               f"within {timeout:g} s")
+            raise StoreTimeout(
+                f"key {key!r} did not appear in the store at {self.address} within {timeout:g} s"
+            )
         return self._call(P.Request(P.Op.GET, (wk,)))
 
     def try_get(self, key: str) -> bytes | None:
@@ -237,8 +262,9 @@ class StoreClient(KVStore):
         return self._call(P.Request(P.Op.ADD, (wire_key(key),), (), int(amount)))
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
-        return self._call(P.Request(P.Op.COMPARE_SET, (wire_key(key),),
-                                    (bytes(expected), bytes(desired))))
+        return self._call(
+            P.Request(P.Op.COMPARE_SET, (wire_key(key),), (bytes(expected), bytes(desired)))
+        )
 
     def wait(self, keys: Iterable[str], timeout: float) -> bool:
         timeout = check_timeout(timeout)

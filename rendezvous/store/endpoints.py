@@ -10,6 +10,7 @@ Owns: `Endpoint` (host and port, `target` gives the "host:port" / "[v6]:port" fo
 A missing port means the caller's default. Bad input raises `EndpointError` (a `ValueError`)
 with one line naming the entry, what is wrong and the forms allowed; callers prefix the flag.
 """
+
 from __future__ import annotations
 
 import re
@@ -36,7 +37,7 @@ class Endpoint:
 
     @property
     def target(self) -> str:
-        """"host:port" ("[v6addr]:port" for IPv6), as gRPC and URLs want it."""
+        """ "host:port" ("[v6addr]:port" for IPv6), as gRPC and URLs want it."""
         return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
 
     def __str__(self) -> str:
@@ -48,9 +49,11 @@ def _strip_scheme(item: str, raw: str, what: str) -> str:
     if m is None:
         return item
     if m.group(1).lower() not in SCHEMES:
-        raise EndpointError(f"{what} {raw!r}: scheme {m.group(1)!r} is not supported; "
-                            f"use {' or '.join(s + '://' for s in SCHEMES)} or none")
-    return item[m.end():]
+        raise EndpointError(
+            f"{what} {raw!r}: scheme {m.group(1)!r} is not supported; "
+            f"use {' or '.join(s + '://' for s in SCHEMES)} or none"
+        )
+    return item[m.end() :]
 
 
 def _split_host_port(item: str, raw: str, what: str) -> tuple[str, str]:
@@ -59,7 +62,7 @@ def _split_host_port(item: str, raw: str, what: str) -> tuple[str, str]:
         end = item.find("]")
         if end < 0:
             raise EndpointError(f"{what} {raw!r}: missing ']' after the IPv6 address")
-        host, rest = item[1:end], item[end + 1:]
+        host, rest = item[1:end], item[end + 1 :]
         if not host:
             raise EndpointError(f"{what} {raw!r}: empty IPv6 address")
         if rest and not rest.startswith(":"):
@@ -73,8 +76,9 @@ def _split_host_port(item: str, raw: str, what: str) -> tuple[str, str]:
     return host, port
 
 
-def parse_endpoint(text: str, default_port: int, what: str = "endpoint",
-                   min_port: int = 1) -> Endpoint:
+def parse_endpoint(
+    text: str, default_port: int, what: str = "endpoint", min_port: int = 1
+) -> Endpoint:
     """Parse exactly one endpoint (see the module docstring for the forms).
 
     `what` names the value in errors (e.g. "--rdzv-endpoint"); ports must be in
@@ -87,18 +91,23 @@ def parse_endpoint(text: str, default_port: int, what: str = "endpoint",
         raise EndpointError(f"{what} {raw!r}: expected one {FORMS}, not a list")
     host, port_s = _split_host_port(item, raw, what)
     if not _HOST_RE.match(host):
-        raise EndpointError(f"{what} {raw!r}: host {host!r} may only hold letters, digits "
-                            "and . - _ (IPv6 in brackets)")
+        raise EndpointError(
+            f"{what} {raw!r}: host {host!r} may only hold letters, digits "
+            "and . - _ (IPv6 in brackets)"
+        )
     if port_s == "":
         return Endpoint(host, default_port)
     if not port_s.isdigit() or not min_port <= int(port_s) <= 65535:
-        raise EndpointError(f"{what} {raw!r}: port {port_s!r} is not a number in "
-                            f"{min_port}..65535")
+        raise EndpointError(f"{what} {raw!r}: port {port_s!r} is not a number in {min_port}..65535")
     return Endpoint(host, int(port_s))
 
 
-def parse_endpoints(spec: str | Iterable[str | Endpoint], default_port: int,
-                    what: str = "endpoint", min_port: int = 1) -> list[Endpoint]:
+def parse_endpoints(
+    spec: str | Iterable[str | Endpoint],
+    default_port: int,
+    what: str = "endpoint",
+    min_port: int = 1,
+) -> list[Endpoint]:
     """Parse "h1[:p],h2[:p],[v6]:p" (or a list of such strings or `Endpoint`s, kept as they
     are) into endpoints, in order. Raises `EndpointError` naming the bad entry."""
     items = [spec] if isinstance(spec, str) else list(spec)

@@ -21,6 +21,7 @@ Two problems of the `etcd3` 0.12 client are handled here so users never meet the
 Every failure surfaces as one line: `StoreAuthError` (credentials), `StoreTimeout`, or
 `StoreError` (unreachable, protocol), never a gRPC traceback.
 """
+
 from __future__ import annotations
 
 import collections
@@ -36,10 +37,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping
 
+from rendezvous.kv import KVStore, StoreAuthError, StoreError, StoreTimeout
 from rendezvous.store.endpoints import ETCD_DEFAULT_PORT
 from rendezvous.store.endpoints import Endpoint as AnyEndpoint
 from rendezvous.store.endpoints import parse_endpoints as parse_endpoint_list
-from rendezvous.kv import KVStore, StoreAuthError, StoreError, StoreTimeout
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,8 @@ def _load_etcd3() -> tuple[Any, str]:
             return None, (
                 f"etcd3 cannot load: google.protobuf was imported with the {impl!r} runtime "
                 f"before rendezvous.store.etcd; set {_PB_ENV}=python in the environment, or import "
-                "rendezvous.store.etcd before anything that uses protobuf")
+                "rendezvous.store.etcd before anything that uses protobuf"
+            )
         return None, f"etcd3 cannot load its protobuf code: {str(exc).splitlines()[0]}"
     finally:
         if old is None:
@@ -103,8 +105,10 @@ def parse_endpoints(spec: str | Iterable[str | AnyEndpoint]) -> list[Endpoint]:
     """Parse "h1[:p],h2[:p],[v6]:p" (or a list of such strings or Endpoints) into etcd
     endpoints (port 2379 by default), with the one parser of `rendezvous.store.endpoints`.
     Raises ValueError (`EndpointError`) naming the bad entry."""
-    return [ep if isinstance(ep, Endpoint) else Endpoint(ep.host, ep.port)
-            for ep in parse_endpoint_list(spec, DEFAULT_PORT, what="etcd endpoint")]
+    return [
+        ep if isinstance(ep, Endpoint) else Endpoint(ep.host, ep.port)
+        for ep in parse_endpoint_list(spec, DEFAULT_PORT, what="etcd endpoint")
+    ]
 
 
 _CONF_KEYS = ("protocol", "cacert", "cert", "key", "user", "password")
@@ -124,14 +128,17 @@ class EtcdConf:
 
     def __post_init__(self) -> None:
         if self.protocol not in ("http", "https"):
-            raise ValueError(f"rdzv_conf protocol={self.protocol!r} is not valid; "
-                             "use http or https")
+            raise ValueError(
+                f"rdzv_conf protocol={self.protocol!r} is not valid; use http or https"
+            )
         tls = [n for n in ("cacert", "cert", "key") if getattr(self, n)]
         if tls and self.protocol != "https":
             raise ValueError(f"rdzv_conf {'/'.join(tls)} need protocol=https (got protocol=http)")
         if bool(self.cert) != bool(self.key):
-            raise ValueError("rdzv_conf cert and key must be given together (client certificate "
-                             "and its private key)")
+            raise ValueError(
+                "rdzv_conf cert and key must be given together (client certificate "
+                "and its private key)"
+            )
         for name in tls:
             path = getattr(self, name)
             if not os.path.isfile(path):
@@ -225,9 +232,13 @@ def _classify(exc: BaseException) -> tuple[str, str]:
         low = detail.lower()
         if "invalid auth token" in low or ("auth token" in low and "expired" in low):
             return "token", detail
-        if (code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
-                or "authentication failed" in low or "user name is empty" in low
-                or "permission denied" in low or "invalid user id or password" in low):
+        if (
+            code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+            or "authentication failed" in low
+            or "user name is empty" in low
+            or "permission denied" in low
+            or "invalid user id or password" in low
+        ):
             return "auth", detail
         if code == grpc.StatusCode.UNAVAILABLE:
             return "unavailable", detail
@@ -251,8 +262,13 @@ def _classify(exc: BaseException) -> tuple[str, str]:
 class _Watch:
     """One subscription on the shared stream (re-created after a reconnect)."""
 
-    def __init__(self, key: bytes, range_end: bytes | None,
-                 callback: Callable[[WatchEvent], None], start_revision: int) -> None:
+    def __init__(
+        self,
+        key: bytes,
+        range_end: bytes | None,
+        callback: Callable[[WatchEvent], None],
+        start_revision: int,
+    ) -> None:
         self.key = key
         self.range_end = range_end
         self.callback = callback
@@ -296,26 +312,37 @@ class _WatchHub:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def watch(self, key: bytes, range_end: bytes | None, callback: Callable[[WatchEvent], None],
-              start_revision: int, timeout: float) -> _Watch:
+    def watch(
+        self,
+        key: bytes,
+        range_end: bytes | None,
+        callback: Callable[[WatchEvent], None],
+        start_revision: int,
+        timeout: float,
+    ) -> _Watch:
         if self._thread is not None and threading.current_thread() is self._thread:
-            raise StoreError("an etcd watch or wait() cannot start inside a watch callback "
-                             "(it would wait for its own thread); hand the work to another thread")
+            raise StoreError(
+                "an etcd watch or wait() cannot start inside a watch callback "
+                "(it would wait for its own thread); hand the work to another thread"
+            )
         w = _Watch(key, range_end, callback, start_revision)
         with self._lock:
             if self._stop.is_set():
                 raise StoreError("etcd client is closed")
             self._all.add(w)
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ftrun-etcd-watch",
-                                                daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="ftrun-etcd-watch", daemon=True
+                )
                 self._thread.start()
             elif self._requests is not None:
                 self._send_create(w)
         if not w.created.wait(timeout):
             self.cancel(w)
-            raise StoreTimeout(f"etcd did not confirm a watch on {key.decode(errors='replace')!r} "
-                               f"within {timeout:.1f}s")
+            raise StoreTimeout(
+                f"etcd did not confirm a watch on {key.decode(errors='replace')!r} "
+                f"within {timeout:.1f}s"
+            )
         if w.error:
             self.cancel(w)
             raise StoreError(f"etcd refused a watch on {key.decode(errors='replace')!r}: {w.error}")
@@ -355,8 +382,9 @@ class _WatchHub:
 
     def _send_cancel(self, watch_id: int) -> None:  # caller holds the lock
         if self._requests is not None:
-            self._requests.put(_RPC.WatchRequest(
-                cancel_request=_RPC.WatchCancelRequest(watch_id=watch_id)))
+            self._requests.put(
+                _RPC.WatchRequest(cancel_request=_RPC.WatchCancelRequest(watch_id=watch_id))
+            )
 
     def _run(self) -> None:
         backoff = 0.05
@@ -431,8 +459,13 @@ class _WatchHub:
                 return
             w.next_rev = ev.kv.mod_revision + 1
             kind = "delete" if ev.type == 1 else "put"
-            event = WatchEvent(kind, self._kv._logical(ev.kv.key), bytes(ev.kv.value),
-                               ev.kv.mod_revision, ev.kv.lease)
+            event = WatchEvent(
+                kind,
+                self._kv._logical(ev.kv.key),
+                bytes(ev.kv.value),
+                ev.kv.mod_revision,
+                ev.kv.lease,
+            )
             try:
                 w.callback(event)
             except Exception:  # a broken callback must not kill the stream
@@ -448,14 +481,16 @@ class EtcdKV(KVStore):
     `endpoints` when one is unreachable (each request retries for up to
     `conf.request_timeout` s). Construction checks the connection and credentials."""
 
-    def __init__(self, endpoints: str | Iterable[str | Endpoint], root: str,
-                 conf: EtcdConf | None = None) -> None:
+    def __init__(
+        self, endpoints: str | Iterable[str | Endpoint], root: str, conf: EtcdConf | None = None
+    ) -> None:
         if _ETCD3 is None:
             raise StoreError(_ETCD3_ERROR)
         self._endpoints = parse_endpoints(endpoints)
         if not isinstance(root, str) or not root.strip("/"):
-            raise ValueError(f"etcd root {root!r} must be a non-empty key prefix "
-                             "such as /ftrun/job1")
+            raise ValueError(
+                f"etcd root {root!r} must be a non-empty key prefix such as /ftrun/job1"
+            )
         self._root = root.rstrip("/")
         self._prefix = self._root + "/"
         self._prefix_b = self._prefix.encode()
@@ -484,12 +519,22 @@ class EtcdKV(KVStore):
 
     def _new_client(self, ep: Endpoint) -> Any:
         c = self._conf
-        options = [("grpc.enable_http_proxy", 0), ("grpc.keepalive_time_ms", 10_000),
-                   ("grpc.keepalive_timeout_ms", 5_000)]
-        client = _ETCD3.client(host=f"[{ep.host}]" if ":" in ep.host else ep.host, port=ep.port,
-                               ca_cert=self._ca_file, cert_key=c.key, cert_cert=c.cert,
-                               timeout=c.request_timeout, user=c.user, password=c.password,
-                               grpc_options=options)
+        options = [
+            ("grpc.enable_http_proxy", 0),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+        ]
+        client = _ETCD3.client(
+            host=f"[{ep.host}]" if ":" in ep.host else ep.host,
+            port=ep.port,
+            ca_cert=self._ca_file,
+            cert_key=c.key,
+            cert_cert=c.cert,
+            timeout=c.request_timeout,
+            user=c.user,
+            password=c.password,
+            grpc_options=options,
+        )
         if not client.uses_secure_channel:
             # gRPC refuses call credentials on plaintext channels; the token also travels as
             # metadata, which is what etcd reads.
@@ -514,11 +559,15 @@ class EtcdKV(KVStore):
                         client.close()
                     kind, detail = _classify(exc)
                     if kind in ("auth", "token"):
-                        who = (f"user {self._conf.user!r}" if self._conf.user
-                               else "this client (no user given)")
+                        who = (
+                            f"user {self._conf.user!r}"
+                            if self._conf.user
+                            else "this client (no user given)"
+                        )
                         raise StoreAuthError(
                             f"etcd at {ep} refused {who}: {detail} "
-                            "(check rdzv_conf user=/password=)") from None
+                            "(check rdzv_conf user=/password=)"
+                        ) from None
                     errors.append(f"{ep}: {detail}")
                     continue
                 with self._lock:
@@ -535,7 +584,7 @@ class EtcdKV(KVStore):
                 break
             time.sleep(delay)
             delay = min(0.5, delay * 2)
-        tried = ", ".join(errors[-len(self._endpoints):])
+        tried = ", ".join(errors[-len(self._endpoints) :])
         raise StoreError(f"etcd unreachable within {self._conf.request_timeout:.0f}s ({tried})")
 
     def _current(self) -> Any:
@@ -621,8 +670,11 @@ class EtcdKV(KVStore):
         return (self._prefix + key).encode()
 
     def _logical(self, raw: bytes) -> str:
-        return raw[len(self._prefix_b):].decode(errors="replace") if raw.startswith(
-            self._prefix_b) else raw.decode(errors="replace")
+        return (
+            raw[len(self._prefix_b) :].decode(errors="replace")
+            if raw.startswith(self._prefix_b)
+            else raw.decode(errors="replace")
+        )
 
     @staticmethod
     def _bytes(value: bytes | str) -> bytes:
@@ -659,15 +711,20 @@ class EtcdKV(KVStore):
                     cur = int(raw)
                 except ValueError:
                     raise StoreError(
-                        f"add on {key!r}: it holds {raw[:40]!r}, not a counter") from None
+                        f"add on {key!r}: it holds {raw[:40]!r}, not a counter"
+                    ) from None
                 rev = kvs[0].mod_revision
                 cmp = lambda: _TX.Mod(k) == rev  # noqa: E731
             else:
                 cur = 0
                 cmp = lambda: _TX.Version(k) == 0  # noqa: E731
             new = cur + int(amount)
-            ok, responses = self._call("add", lambda c: c.transaction(
-                compare=[cmp()], success=[_TX.Put(k, str(new).encode())], failure=[_TX.Get(k)]))
+            ok, responses = self._call(
+                "add",
+                lambda c: c.transaction(
+                    compare=[cmp()], success=[_TX.Put(k, str(new).encode())], failure=[_TX.Get(k)]
+                ),
+            )
             if ok:
                 return new
             kvs = _range_kvs(responses)
@@ -675,8 +732,12 @@ class EtcdKV(KVStore):
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         k, exp, des = self._k(key), self._bytes(expected), self._bytes(desired)
         for _ in range(1000):
-            ok, responses = self._call("compare_set", lambda c: c.transaction(
-                compare=[_TX.Value(k) == exp], success=[_TX.Put(k, des)], failure=[_TX.Get(k)]))
+            ok, responses = self._call(
+                "compare_set",
+                lambda c: c.transaction(
+                    compare=[_TX.Value(k) == exp], success=[_TX.Put(k, des)], failure=[_TX.Get(k)]
+                ),
+            )
             if ok:
                 return des
             kvs = _range_kvs(responses)
@@ -684,8 +745,12 @@ class EtcdKV(KVStore):
                 return bytes(kvs[0].value)
             if exp != b"":
                 return exp
-            ok, responses = self._call("compare_set", lambda c: c.transaction(
-                compare=[_TX.Version(k) == 0], success=[_TX.Put(k, des)], failure=[_TX.Get(k)]))
+            ok, responses = self._call(
+                "compare_set",
+                lambda c: c.transaction(
+                    compare=[_TX.Version(k) == 0], success=[_TX.Put(k, des)], failure=[_TX.Get(k)]
+                ),
+            )
             if ok:
                 return des
             kvs = _range_kvs(responses)
@@ -701,8 +766,11 @@ class EtcdKV(KVStore):
         else:
             lo, hi = min(raw_keys), max(raw_keys) + b"\0"
             req = lambda c: c.kvstub.Range(  # noqa: E731
-                _RPC.RangeRequest(key=lo, range_end=hi, keys_only=True), c.timeout,
-                credentials=c.call_credentials, metadata=c.metadata)
+                _RPC.RangeRequest(key=lo, range_end=hi, keys_only=True),
+                c.timeout,
+                credentials=c.call_credentials,
+                metadata=c.metadata,
+            )
             resp = self._call("get", req)
             present = {bytes(kv.key) for kv in resp.kvs}
         return {k for k in raw_keys if k not in present}, resp.header.revision
@@ -730,9 +798,13 @@ class EtcdKV(KVStore):
 
         lo = raw[0]
         hi = None if len(raw) == 1 else raw[-1] + b"\0"
-        w = self._hub.watch(lo, hi, on_event, rev + 1,
-                            timeout=max(0.1, min(self._conf.request_timeout,
-                                                 deadline - time.monotonic())))
+        w = self._hub.watch(
+            lo,
+            hi,
+            on_event,
+            rev + 1,
+            timeout=max(0.1, min(self._conf.request_timeout, deadline - time.monotonic())),
+        )
         try:
             with cond:
                 while not all(state.values()):
@@ -751,9 +823,15 @@ class EtcdKV(KVStore):
 
     def keys(self, prefix: str = "") -> list[str]:
         k = self._k(prefix)
-        resp = self._call("list", lambda c: c.kvstub.Range(
-            _RPC.RangeRequest(key=k, range_end=_prefix_end(k), keys_only=True), c.timeout,
-            credentials=c.call_credentials, metadata=c.metadata))
+        resp = self._call(
+            "list",
+            lambda c: c.kvstub.Range(
+                _RPC.RangeRequest(key=k, range_end=_prefix_end(k), keys_only=True),
+                c.timeout,
+                credentials=c.call_credentials,
+                metadata=c.metadata,
+            ),
+        )
         return sorted(self._logical(bytes(kv.key)) for kv in resp.kvs)
 
     def delete_prefix(self, prefix: str) -> int:
@@ -765,12 +843,18 @@ class EtcdKV(KVStore):
         if keep_prefix == "":
             return 0
         keep = self._k(keep_prefix)
-        ops = [_TX.Delete(self._prefix_b, range_end=keep),
-               _TX.Delete(_prefix_end(keep), range_end=_prefix_end(self._prefix_b))]
-        _ok, responses = self._call("clear", lambda c: c.transaction(compare=[], success=ops,
-                                                                    failure=[]))
-        return sum(int(r.response_delete_range.deleted) for r in responses
-                   if hasattr(r, "response_delete_range"))
+        ops = [
+            _TX.Delete(self._prefix_b, range_end=keep),
+            _TX.Delete(_prefix_end(keep), range_end=_prefix_end(self._prefix_b)),
+        ]
+        _ok, responses = self._call(
+            "clear", lambda c: c.transaction(compare=[], success=ops, failure=[])
+        )
+        return sum(
+            int(r.response_delete_range.deleted)
+            for r in responses
+            if hasattr(r, "response_delete_range")
+        )
 
     # -- etcd extras: snapshot, create, leases, watches ---------------------------------------
 
@@ -778,18 +862,30 @@ class EtcdKV(KVStore):
         """Every key under `prefix` with its value, and the etcd revision of that snapshot
         (watch from revision + 1 to see every later change exactly once)."""
         k = self._k(prefix)
-        resp = self._call("list", lambda c: c.kvstub.Range(
-            _RPC.RangeRequest(key=k, range_end=_prefix_end(k)), c.timeout,
-            credentials=c.call_credentials, metadata=c.metadata))
-        return ({self._logical(bytes(kv.key)): bytes(kv.value) for kv in resp.kvs},
-                int(resp.header.revision))
+        resp = self._call(
+            "list",
+            lambda c: c.kvstub.Range(
+                _RPC.RangeRequest(key=k, range_end=_prefix_end(k)),
+                c.timeout,
+                credentials=c.call_credentials,
+                metadata=c.metadata,
+            ),
+        )
+        return (
+            {self._logical(bytes(kv.key)): bytes(kv.value) for kv in resp.kvs},
+            int(resp.header.revision),
+        )
 
     def create(self, key: str, value: bytes, lease: EtcdLease | None = None) -> bool:
         """Put `key` only if it does not exist (atomically); True when this call created it."""
         k, v = self._k(key), self._bytes(value)
         lid = lease.id if lease is not None else 0
-        ok, _ = self._call("create", lambda c: c.transaction(
-            compare=[_TX.Version(k) == 0], success=[_TX.Put(k, v, lease=lid)], failure=[]))
+        ok, _ = self._call(
+            "create",
+            lambda c: c.transaction(
+                compare=[_TX.Version(k) == 0], success=[_TX.Put(k, v, lease=lid)], failure=[]
+            ),
+        )
         return bool(ok)
 
     def put_if(self, key: str, value: bytes, guard_key: str, guard_value: bytes) -> bool:
@@ -797,31 +893,44 @@ class EtcdKV(KVStore):
         when written. Fences writes by an agent whose node record is gone or replaced."""
         k, v = self._k(key), self._bytes(value)
         g, gv = self._k(guard_key), self._bytes(guard_value)
-        ok, _ = self._call("put_if", lambda c: c.transaction(
-            compare=[_TX.Value(g) == gv], success=[_TX.Put(k, v)], failure=[]))
+        ok, _ = self._call(
+            "put_if",
+            lambda c: c.transaction(
+                compare=[_TX.Value(g) == gv], success=[_TX.Put(k, v)], failure=[]
+            ),
+        )
         return bool(ok)
 
     def delete_if(self, key: str, value: bytes) -> bool:
         """Delete `key` only while it holds exactly `value`; True when deleted."""
         k, v = self._k(key), self._bytes(value)
-        ok, _ = self._call("delete_if", lambda c: c.transaction(
-            compare=[_TX.Value(k) == v], success=[_TX.Delete(k)], failure=[]))
+        ok, _ = self._call(
+            "delete_if",
+            lambda c: c.transaction(
+                compare=[_TX.Value(k) == v], success=[_TX.Delete(k)], failure=[]
+            ),
+        )
         return bool(ok)
 
-    def compare_set_if(self, key: str, expected: bytes, desired: bytes, guard_key: str,
-                       guard_value: bytes) -> bytes | None:
+    def compare_set_if(
+        self, key: str, expected: bytes, desired: bytes, guard_key: str, guard_value: bytes
+    ) -> bytes | None:
         """`compare_set` (torch semantics) that only happens while `guard_key` holds exactly
         `guard_value`; None when the guard fails (nothing written)."""
         k, exp, des = self._k(key), self._bytes(expected), self._bytes(desired)
         g, gv = self._k(guard_key), self._bytes(guard_value)
         guard = _TX.Value(g) == gv
         cond = (_TX.Version(k) == 0) if exp == b"" else (_TX.Value(k) == exp)
-        ok, _ = self._call("compare_set_if", lambda c: c.transaction(
-            compare=[guard, cond], success=[_TX.Put(k, des)], failure=[]))
+        ok, _ = self._call(
+            "compare_set_if",
+            lambda c: c.transaction(compare=[guard, cond], success=[_TX.Put(k, des)], failure=[]),
+        )
         if ok:
             return des
-        ok, responses = self._call("compare_set_if", lambda c: c.transaction(
-            compare=[guard], success=[_TX.Get(k)], failure=[]))
+        ok, responses = self._call(
+            "compare_set_if",
+            lambda c: c.transaction(compare=[guard], success=[_TX.Get(k)], failure=[]),
+        )
         if not ok:
             return None
         kvs = _range_kvs(responses)
@@ -836,8 +945,12 @@ class EtcdKV(KVStore):
         secs = max(1, math.ceil(ttl))
         lease = self._call("lease grant", lambda c: c.lease(secs))
         if int(lease.ttl) > secs:
-            log.info("etcd granted a %ds lease (asked for %ds; its minimum follows the "
-                     "election timeout)", lease.ttl, secs)
+            log.info(
+                "etcd granted a %ds lease (asked for %ds; its minimum follows the "
+                "election timeout)",
+                lease.ttl,
+                secs,
+            )
         return EtcdLease(int(lease.id), int(lease.ttl))
 
     def put_with_lease(self, key: str, value: bytes, lease: EtcdLease) -> None:
@@ -861,21 +974,25 @@ class EtcdKV(KVStore):
             if "not found" not in str(exc):
                 raise
 
-    def watch_prefix(self, prefix: str, callback: Callable[[WatchEvent], None],
-                     start_revision: int = 0) -> WatchHandle:
+    def watch_prefix(
+        self, prefix: str, callback: Callable[[WatchEvent], None], start_revision: int = 0
+    ) -> WatchHandle:
         """Call `callback(WatchEvent)` for every put/delete under `prefix` (from
         `start_revision` when > 0, else from now) until `cancel()`. Callbacks run on the watch
         thread in revision order; keep them short and do not create watches inside them."""
         k = self._k(prefix)
-        w = self._hub.watch(k, _prefix_end(k), callback, start_revision,
-                            timeout=self._conf.request_timeout)
+        w = self._hub.watch(
+            k, _prefix_end(k), callback, start_revision, timeout=self._conf.request_timeout
+        )
         return WatchHandle(self._hub, w)
 
-    def watch_key(self, key: str, callback: Callable[[WatchEvent], None],
-                  start_revision: int = 0) -> WatchHandle:
+    def watch_key(
+        self, key: str, callback: Callable[[WatchEvent], None], start_revision: int = 0
+    ) -> WatchHandle:
         """Like watch_prefix for exactly one key."""
-        w = self._hub.watch(self._k(key), None, callback, start_revision,
-                            timeout=self._conf.request_timeout)
+        w = self._hub.watch(
+            self._k(key), None, callback, start_revision, timeout=self._conf.request_timeout
+        )
         return WatchHandle(self._hub, w)
 
     def wait_deleted(self, key: str, timeout: float) -> bool:
@@ -893,9 +1010,13 @@ class EtcdKV(KVStore):
             if ev.kind == "delete":
                 gone.set()
 
-        w = self._hub.watch(k, None, on_event, int(resp.header.revision) + 1,
-                            timeout=max(0.1, min(self._conf.request_timeout,
-                                                 deadline - time.monotonic())))
+        w = self._hub.watch(
+            k,
+            None,
+            on_event,
+            int(resp.header.revision) + 1,
+            timeout=max(0.1, min(self._conf.request_timeout, deadline - time.monotonic())),
+        )
         try:
             return gone.wait(max(0.0, deadline - time.monotonic()))
         finally:
@@ -929,4 +1050,3 @@ class _KV:
     def __init__(self, value: bytes, mod_revision: int) -> None:
         self.value = value
         self.mod_revision = mod_revision
-

@@ -31,6 +31,7 @@ requests, wakes once per request instead of once per burst and splits their roun
 proxies of 64 clients on 2 cores: 2.5x the upstream requests, 1.6x torch's pattern time;
 about 1.0x at the inherited priority).
 """
+
 from __future__ import annotations
 
 import os
@@ -80,8 +81,10 @@ def raise_thread_priority(nice: int) -> str | None:
             return None
         os.setpriority(os.PRIO_PROCESS, tid, nice)
     except OSError as e:
-        return (f"cannot raise the loop thread's priority to nice {nice} ({e.strerror}; it "
-                f"needs CAP_SYS_NICE or RLIMIT_NICE): it runs at the inherited priority")
+        return (
+            f"cannot raise the loop thread's priority to nice {nice} ({e.strerror}; it "
+            f"needs CAP_SYS_NICE or RLIMIT_NICE): it runs at the inherited priority"
+        )
     return None
 
 
@@ -90,8 +93,9 @@ class LoopPriority:
     it serves at most `max_connections`, its inherited nice above that. Made and used on the
     loop thread only. A refusal is reported once through `log` and not tried again."""
 
-    def __init__(self, nice: int, log: Callable[[str], None],
-                 max_connections: int = MAX_RAISED_CONNECTIONS) -> None:
+    def __init__(
+        self, nice: int, log: Callable[[str], None], max_connections: int = MAX_RAISED_CONNECTIONS
+    ) -> None:
         self.nice = check_nice(nice)
         self.max_connections = max_connections
         self._log = log

@@ -12,14 +12,15 @@ callback runs once, outside the lock, when the last missing key appears. Waiters
 by key, so a SET that releases thousands of waiters costs one dict pop plus one callback each.
 All methods are thread-safe (one lock; callbacks never run under it).
 """
+
 from __future__ import annotations
 
 import threading
 from collections import deque
 from typing import Any, Callable, Iterable
 
-from rendezvous.store import protocol as P
 from rendezvous.kv import KVStore, StoreError, StoreTimeout, check_timeout
+from rendezvous.store import protocol as P
 
 
 class Waiter:
@@ -52,7 +53,8 @@ def _to_int(key: bytes, raw: bytes) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(
-            f"counter {key!r} holds {raw[:40]!r}, which is not a decimal integer") from None
+            f"counter {key!r} holds {raw[:40]!r}, which is not a decimal integer"
+        ) from None
 
 
 class MemoryStore:

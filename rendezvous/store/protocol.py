@@ -59,6 +59,7 @@ reply is `u32 tag` + reply, in any order. Many WAITs may be pending at once, eac
 own tag; CANCEL_WAIT then carries `u32 target tag` and cancels only that wait. The proxy's and
 the pipelined client's upstream links use it.
 """
+
 from __future__ import annotations
 
 import struct
@@ -131,8 +132,13 @@ class Limits:
     stalled_frame_timeout: float = 60.0
 
     def __post_init__(self) -> None:
-        for name in ("max_key_bytes", "max_value_bytes", "max_keys_per_request",
-                     "max_connections", "max_pending_reply_bytes"):
+        for name in (
+            "max_key_bytes",
+            "max_value_bytes",
+            "max_keys_per_request",
+            "max_connections",
+            "max_pending_reply_bytes",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Limits.{name}={v!r}: must be a positive integer")
@@ -165,35 +171,35 @@ class Args:
     """Request argument layouts (after the op byte)."""
 
     NONE = 0
-    U32 = 1          # u32 magic or nonce -> num
+    U32 = 1  # u32 magic or nonce -> num
     KEY = 2
     KEY_VALUE = 3
-    KEY_I64 = 4      # key, i64 -> num
+    KEY_I64 = 4  # key, i64 -> num
     KEY_2VALUES = 5  # key, expected, desired
-    KEYS = 6         # u64 n, n keys
-    PAIRS = 7        # u64 n, n (key, value)
+    KEYS = 6  # u64 n, n keys
+    PAIRS = 7  # u64 n, n (key, value)
 
 
 class Reply:
     """Reply shapes, and the Python value each stands for (`encode_reply`/`parse_reply`)."""
 
-    NONE = 0       # no reply; None
-    U8 = 1         # int 0-255
-    U32 = 2        # int
-    I64 = 3        # int
-    BYTES = 4      # bytes
-    MULTI = 5      # list of bytes (as many as keys were asked for)
+    NONE = 0  # no reply; None
+    U8 = 1  # int 0-255
+    U32 = 2  # int
+    I64 = 3  # int
+    BYTES = 4  # bytes
+    MULTI = 5  # list of bytes (as many as keys were asked for)
     QUEUE_POP = 6  # (queue length before the pop, value), (0, None) when it was empty
-    KEY_LIST = 7   # list of wire keys
+    KEY_LIST = 7  # list of wire keys
 
 
 class Kind:
     """What an op is about; every component dispatches on it, so it is decided here once."""
 
-    SESSION = "session"    # VALIDATE, PING, FT_MUX: answered by whoever holds the connection
-    DATA = "data"          # reads/writes of the table (rendezvous.store.memory.apply runs them)
+    SESSION = "session"  # VALIDATE, PING, FT_MUX: answered by whoever holds the connection
+    DATA = "data"  # reads/writes of the table (rendezvous.store.memory.apply runs them)
     BLOCKING = "blocking"  # WAIT, BARRIER: answered once a condition holds
-    CANCEL = "cancel"      # CANCEL_WAIT: withdraws the connection's pending WAIT
+    CANCEL = "cancel"  # CANCEL_WAIT: withdraws the connection's pending WAIT
 
 
 class OpSpec(NamedTuple):
@@ -204,28 +210,31 @@ class OpSpec(NamedTuple):
     kind: str
 
 
-SPECS: dict[int, OpSpec] = {s.op: s for s in (
-    OpSpec(Op.VALIDATE, "VALIDATE", Args.U32, Reply.NONE, Kind.SESSION),
-    OpSpec(Op.SET, "SET", Args.KEY_VALUE, Reply.NONE, Kind.DATA),
-    OpSpec(Op.COMPARE_SET, "COMPARE_SET", Args.KEY_2VALUES, Reply.BYTES, Kind.DATA),
-    OpSpec(Op.GET, "GET", Args.KEY, Reply.BYTES, Kind.DATA),
-    OpSpec(Op.ADD, "ADD", Args.KEY_I64, Reply.I64, Kind.DATA),
-    OpSpec(Op.CHECK, "CHECK", Args.KEYS, Reply.U8, Kind.DATA),
-    OpSpec(Op.WAIT, "WAIT", Args.KEYS, Reply.U8, Kind.BLOCKING),
-    OpSpec(Op.GETNUMKEYS, "GETNUMKEYS", Args.NONE, Reply.I64, Kind.DATA),
-    OpSpec(Op.DELETE_KEY, "DELETE_KEY", Args.KEY, Reply.I64, Kind.DATA),
-    OpSpec(Op.APPEND, "APPEND", Args.KEY_VALUE, Reply.NONE, Kind.DATA),
-    OpSpec(Op.MULTI_GET, "MULTI_GET", Args.KEYS, Reply.MULTI, Kind.DATA),
-    OpSpec(Op.MULTI_SET, "MULTI_SET", Args.PAIRS, Reply.NONE, Kind.DATA),
-    OpSpec(Op.CANCEL_WAIT, "CANCEL_WAIT", Args.NONE, Reply.U8, Kind.CANCEL),
-    OpSpec(Op.PING, "PING", Args.U32, Reply.U32, Kind.SESSION),
-    OpSpec(Op.QUEUE_PUSH, "QUEUE_PUSH", Args.KEY_VALUE, Reply.NONE, Kind.DATA),
-    OpSpec(Op.QUEUE_POP, "QUEUE_POP", Args.KEY, Reply.QUEUE_POP, Kind.DATA),
-    OpSpec(Op.QUEUE_LEN, "QUEUE_LEN", Args.KEY, Reply.I64, Kind.DATA),
-    OpSpec(Op.LIST_KEYS, "LIST_KEYS", Args.NONE, Reply.KEY_LIST, Kind.DATA),
-    OpSpec(Op.BARRIER, "BARRIER", Args.KEY_I64, Reply.U8, Kind.BLOCKING),
-    OpSpec(Op.FT_MUX, "FT_MUX", Args.U32, Reply.U32, Kind.SESSION),
-)}
+SPECS: dict[int, OpSpec] = {
+    s.op: s
+    for s in (
+        OpSpec(Op.VALIDATE, "VALIDATE", Args.U32, Reply.NONE, Kind.SESSION),
+        OpSpec(Op.SET, "SET", Args.KEY_VALUE, Reply.NONE, Kind.DATA),
+        OpSpec(Op.COMPARE_SET, "COMPARE_SET", Args.KEY_2VALUES, Reply.BYTES, Kind.DATA),
+        OpSpec(Op.GET, "GET", Args.KEY, Reply.BYTES, Kind.DATA),
+        OpSpec(Op.ADD, "ADD", Args.KEY_I64, Reply.I64, Kind.DATA),
+        OpSpec(Op.CHECK, "CHECK", Args.KEYS, Reply.U8, Kind.DATA),
+        OpSpec(Op.WAIT, "WAIT", Args.KEYS, Reply.U8, Kind.BLOCKING),
+        OpSpec(Op.GETNUMKEYS, "GETNUMKEYS", Args.NONE, Reply.I64, Kind.DATA),
+        OpSpec(Op.DELETE_KEY, "DELETE_KEY", Args.KEY, Reply.I64, Kind.DATA),
+        OpSpec(Op.APPEND, "APPEND", Args.KEY_VALUE, Reply.NONE, Kind.DATA),
+        OpSpec(Op.MULTI_GET, "MULTI_GET", Args.KEYS, Reply.MULTI, Kind.DATA),
+        OpSpec(Op.MULTI_SET, "MULTI_SET", Args.PAIRS, Reply.NONE, Kind.DATA),
+        OpSpec(Op.CANCEL_WAIT, "CANCEL_WAIT", Args.NONE, Reply.U8, Kind.CANCEL),
+        OpSpec(Op.PING, "PING", Args.U32, Reply.U32, Kind.SESSION),
+        OpSpec(Op.QUEUE_PUSH, "QUEUE_PUSH", Args.KEY_VALUE, Reply.NONE, Kind.DATA),
+        OpSpec(Op.QUEUE_POP, "QUEUE_POP", Args.KEY, Reply.QUEUE_POP, Kind.DATA),
+        OpSpec(Op.QUEUE_LEN, "QUEUE_LEN", Args.KEY, Reply.I64, Kind.DATA),
+        OpSpec(Op.LIST_KEYS, "LIST_KEYS", Args.NONE, Reply.KEY_LIST, Kind.DATA),
+        OpSpec(Op.BARRIER, "BARRIER", Args.KEY_I64, Reply.U8, Kind.BLOCKING),
+        OpSpec(Op.FT_MUX, "FT_MUX", Args.U32, Reply.U32, Kind.SESSION),
+    )
+}
 
 OP_NAMES = {op: s.name for op, s in SPECS.items()}
 REPLY_OF = {op: s.reply for op, s in SPECS.items()}
@@ -242,7 +251,9 @@ def op_name(op: int) -> str:
 
 
 def parse_request(
-    buf: bytes | bytearray | memoryview, pos: int, limits: Limits = DEFAULT_LIMITS,
+    buf: bytes | bytearray | memoryview,
+    pos: int,
+    limits: Limits = DEFAULT_LIMITS,
     mux: bool = False,
 ) -> tuple[Request, int] | None:
     """Decode one request starting at `buf[pos]`.
@@ -307,7 +318,7 @@ def parse_common(
         ve = e + 8 + vl
         if vl > limits.max_value_bytes or ve > n:
             return None
-        return Request(op, key, (bytes(buf[e + 8:ve]),)), ve
+        return Request(op, key, (bytes(buf[e + 8 : ve]),)), ve
     if op == Op.ADD:
         if e + 8 > n:
             return None
@@ -322,7 +333,8 @@ def _parse(buf, pos: int, n: int, limits: Limits) -> tuple[Request, int] | None:
     decode = _DECODERS[op]
     if decode is None:
         raise ProtocolError(
-            f"unknown query type {op}: allowed 0-18 (torch TCPStore) and 240 (ftrun)")
+            f"unknown query type {op}: allowed 0-18 (torch TCPStore) and 240 (ftrun)"
+        )
     return decode(buf, op, pos + 1, n, limits)
 
 
@@ -354,7 +366,8 @@ def _count(buf, p: int, n: int, limits: Limits, what: str) -> int | None:
     cnt = _U64_unpack(buf, p)[0]
     if cnt > limits.max_keys_per_request:
         raise ProtocolError(
-            f"{what} with {cnt} keys: at most {limits.max_keys_per_request} allowed")
+            f"{what} with {cnt} keys: at most {limits.max_keys_per_request} allowed"
+        )
     return cnt
 
 
@@ -483,8 +496,9 @@ def encode_mux_request(tag: int, req: Request) -> bytes:
 
 def handshake_bytes(nonce: int) -> bytes:
     """What torch's client sends on connect: VALIDATE then PING(nonce)."""
-    return (encode_request(Request(Op.VALIDATE, num=VALIDATION_MAGIC))
-            + encode_request(Request(Op.PING, num=nonce)))
+    return encode_request(Request(Op.VALIDATE, num=VALIDATION_MAGIC)) + encode_request(
+        Request(Op.PING, num=nonce)
+    )
 
 
 # ---------------------------------------------------------------- reply encoders (server side)
@@ -561,6 +575,7 @@ def parse_reply(buf: bytes | bytearray | memoryview, pos: int, shape: int, count
 def _fixed(unpack, size: int):
     def parse(buf, pos: int, n: int, count: int):
         return (unpack(buf, pos)[0], pos + size) if pos + size <= n else None
+
     return parse
 
 
@@ -622,7 +637,7 @@ def wire_key(key: str) -> bytes:
     if not isinstance(key, str):
         raise TypeError(f"store key {key!r}: must be str")
     if key.startswith(RAW_KEY_PREFIX):
-        return key[len(RAW_KEY_PREFIX):].encode("utf-8", "surrogateescape")
+        return key[len(RAW_KEY_PREFIX) :].encode("utf-8", "surrogateescape")
     return b"/" + key.encode("utf-8", "surrogateescape")
 
 

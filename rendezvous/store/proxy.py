@@ -35,6 +35,7 @@ keys torch sends without the "/", its `init/` counter, live under "ftrun/wire/")
 run through `memory.apply`, the same dispatch the embedded server uses. Queue ops need
 ftrun's server upstream; with a KVStore they close the client connection with a clear line.
 """
+
 from __future__ import annotations
 
 import select
@@ -45,10 +46,10 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
+from rendezvous.kv import KVStore, StoreAuthError, StoreError
 from rendezvous.store import protocol as P
 from rendezvous.store.auth import AUTH_KEY, check_token
 from rendezvous.store.client import connect
-from rendezvous.kv import KVStore, StoreAuthError, StoreError
 from rendezvous.store.memory import apply
 from rendezvous.store.protocol import logical_key, wire_key
 from rendezvous.store.server import DropConnection, LoopServer, _c_accel, _Conn
@@ -73,8 +74,9 @@ class _Group:
 class _MuxUpstream:
     """A pipelined, multiplexed link to an ftrun StoreServer, driven by the proxy's loop."""
 
-    def __init__(self, proxy: "StoreProxy", host: str, port: int, token: str | None,
-                 timeout: float) -> None:
+    def __init__(
+        self, proxy: "StoreProxy", host: str, port: int, token: str | None, timeout: float
+    ) -> None:
         self.proxy = proxy
         self.host, self.port = host, port
         self.token = check_token(token) if token is not None else None
@@ -113,16 +115,19 @@ class _MuxUpstream:
                 if not chunk:
                     if self.token is not None:
                         raise StoreAuthError(f"store at {self.address} refused the job token")
-                    raise StoreError(f"store at {self.address} closed the connection during "
-                                     "the handshake (it needs a job token, or is not ftrun's)")
+                    raise StoreError(
+                        f"store at {self.address} closed the connection during "
+                        "the handshake (it needs a job token, or is not ftrun's)"
+                    )
                 got += chunk
             if got != P.enc_u32(1) + P.enc_u32(2) + P.enc_u32(P.MUX_MAGIC):
                 raise StoreError(f"store at {self.address} does not speak ftrun's mux extension")
             s.setblocking(False)
         except socket.timeout:
             s.close()
-            raise StoreError(f"store at {self.address} did not finish the handshake within "
-                             f"{self.timeout:g} s") from None
+            raise StoreError(
+                f"store at {self.address} did not finish the handshake within {self.timeout:g} s"
+            ) from None
         except BaseException:
             s.close()
             raise
@@ -257,8 +262,14 @@ class _KVUpstream:
     one round, which are concurrent, in parallel); blocking WAIT/BARRIER run on their own
     threads so they never hold up other ops."""
 
-    def __init__(self, proxy: "StoreProxy", factory: Callable[[], KVStore], owned: bool,
-                 workers: int = 8, max_waits: int = 1024) -> None:
+    def __init__(
+        self,
+        proxy: "StoreProxy",
+        factory: Callable[[], KVStore],
+        owned: bool,
+        workers: int = 8,
+        max_waits: int = 1024,
+    ) -> None:
         self.proxy = proxy
         self.factory = factory
         self.owned = owned
@@ -334,8 +345,11 @@ class _KVUpstream:
             value = apply(self.table, req)
         except Exception as e:  # any KVStore failure becomes a closed client connection
             if cb is not None:
-                self._reply(cb, None, e if isinstance(e, StoreError) else StoreError(
-                    f"{type(e).__name__}: {e}"))
+                self._reply(
+                    cb,
+                    None,
+                    e if isinstance(e, StoreError) else StoreError(f"{type(e).__name__}: {e}"),
+                )
             else:
                 msg = f"proxy upstream {P.op_name(req.op)} failed: {e}"  # `e` dies with the block
                 self.proxy.call_soon_threadsafe(lambda: self.proxy.log(msg))
@@ -365,6 +379,7 @@ class _KVUpstream:
                 return True
             time.sleep(0.02)
             return False
+
         self._until(handle, cb, "BARRIER", reached)
 
     def _until(self, handle: int, cb, what: str, ready: Callable[[], bool]) -> None:
@@ -450,8 +465,7 @@ class _KVTable:
         self._unsupported(Op.QUEUE_LEN)
 
     def _unsupported(self, op: int):
-        raise StoreError(f"{P.op_name(op)} is not supported by a {type(self.kv).__name__} "
-                         "upstream")
+        raise StoreError(f"{P.op_name(op)} is not supported by a {type(self.kv).__name__} upstream")
 
 
 # ----------------------------------------------------------------------------- the proxy
@@ -480,8 +494,7 @@ class _Round:
         self.gets.setdefault(req.keys[0], []).append((c, slot))
 
 
-_COALESCED = {Op.SET: _Round.set, Op.MULTI_SET: _Round.set, Op.ADD: _Round.add,
-              Op.GET: _Round.get}
+_COALESCED = {Op.SET: _Round.set, Op.MULTI_SET: _Round.set, Op.ADD: _Round.add, Op.GET: _Round.get}
 
 
 class StoreProxy(LoopServer):
@@ -489,11 +502,17 @@ class StoreProxy(LoopServer):
 
     _name = "proxy"
 
-    def __init__(self, upstream, listen_host: str = "127.0.0.1", port: int = 0,
-                 limits: P.Limits = P.DEFAULT_LIMITS,
-                 log: Callable[[str], None] | None = None,
-                 upstream_timeout: float = 30.0, max_hold: float = 0.002,
-                 nice: int = 0) -> None:
+    def __init__(
+        self,
+        upstream,
+        listen_host: str = "127.0.0.1",
+        port: int = 0,
+        limits: P.Limits = P.DEFAULT_LIMITS,
+        log: Callable[[str], None] | None = None,
+        upstream_timeout: float = 30.0,
+        max_hold: float = 0.002,
+        nice: int = 0,
+    ) -> None:
         # The loop thread keeps its inherited priority unless `nice` (< 0) asks otherwise: a
         # node proxy shares its host with the ranks it serves; raised, it preempts them at
         # every request (see rendezvous.store.loop_priority).
@@ -507,23 +526,37 @@ class StoreProxy(LoopServer):
         elif callable(upstream):
             self._up = _KVUpstream(self, upstream, owned=True)
         else:
-            raise TypeError(f"upstream={upstream!r}: expected (host, port[, token]), a KVStore "
-                            "or a KVStore factory")
+            raise TypeError(
+                f"upstream={upstream!r}: expected (host, port[, token]), a KVStore "
+                "or a KVStore factory"
+            )
         self._batch: list = []
         self._batch_since = 0.0
         self._inflight = 0
         self._waits: dict[tuple, _Group] = {}
         self.upstream_requests = 0
         self.max_hold = max_hold
-        self._session = {Op.VALIDATE: self._revalidate, Op.PING: self._ping,
-                         Op.FT_MUX: self._refuse_mux}
-        self._forward = {P.Kind.DATA: self._single, P.Kind.BLOCKING: self._block,
-                         P.Kind.CANCEL: self._cancel}
+        self._session = {
+            Op.VALIDATE: self._revalidate,
+            Op.PING: self._ping,
+            Op.FT_MUX: self._refuse_mux,
+        }
+        self._forward = {
+            P.Kind.DATA: self._single,
+            P.Kind.BLOCKING: self._block,
+            P.Kind.CANCEL: self._cancel,
+        }
         # C: reads a validated connection and queues its SET / GET / ADD / WAIT / CHECK
         # frames onto the batch exactly as `_handle` does (the rest: the Python path)
         self._proxy_read = _c_accel("proxy_read")
-        self._proxy_ctx = (self._batch, P.Request, AUTH_KEY, limits.max_key_bytes,
-                           limits.max_value_bytes, self._budget)
+        self._proxy_ctx = (
+            self._batch,
+            P.Request,
+            AUTH_KEY,
+            limits.max_key_bytes,
+            limits.max_value_bytes,
+            self._budget,
+        )
         if self._proxy_read is not None:  # and the loop's reads of such connections too
             self._turn = _c_accel("loop_turn")
             self._turn_ctx, self._turn_proxy = self._proxy_ctx, True
@@ -681,6 +714,7 @@ class StoreProxy(LoopServer):
             def cb(value, err):
                 self._inflight -= 1
                 inner(value, err)
+
         return self._up.send(req, cb)
 
     def _round(self, items: list) -> None:
@@ -742,6 +776,7 @@ class StoreProxy(LoopServer):
                     self._fail(c, P.op_name(op), err)
                 else:
                     self._fill(c, slot, data)
+
         return done
 
     def _add_cb(self, members: list, total: int):
@@ -753,6 +788,7 @@ class StoreProxy(LoopServer):
                 else:
                     run += amount
                     self._fill(c, slot, P.encode_reply(Op.ADD, run))
+
         return done
 
     def _get_cb(self, members: list):
@@ -763,6 +799,7 @@ class StoreProxy(LoopServer):
                     self._fail(c, "GET", err)
                 else:
                     self._fill(c, slot, data)
+
         return done
 
     def _single(self, c: _Conn, slot, req: P.Request) -> None:
@@ -774,4 +811,5 @@ class StoreProxy(LoopServer):
                 self._fail(c, name, err)
             elif slot is not None:
                 self._fill(c, slot, P.encode_reply(op, value))
+
         self._send(req, done)

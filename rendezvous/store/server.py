@@ -28,6 +28,7 @@ threads (the in-process `LocalKV` at `.kv`) wake waiters through an
 eventfd. Unmodified torch clients (`TCPStore(is_master=False)`, gloo/NCCL init through
 env://) speak to it directly.
 """
+
 from __future__ import annotations
 
 import errno
@@ -40,9 +41,9 @@ import time
 from collections import deque
 from typing import Callable
 
+from rendezvous.kv import StoreError
 from rendezvous.store import protocol as P
 from rendezvous.store.auth import AUTH_KEY, check_token, token_matches
-from rendezvous.kv import StoreError
 from rendezvous.store.loop_priority import LoopPriority, check_nice, loop_nice
 from rendezvous.store.memory import LocalKV, MemoryStore, Waiter, apply
 
@@ -71,23 +72,52 @@ def _c_accel(name: str) -> Callable | None:
     return getattr(_quickstore, name, None)
 
 
-def _c_read_path(server: "StoreServer", table: MemoryStore, limits: P.Limits,
-                 budget: int) -> tuple[Callable | None, tuple]:
+def _c_read_path(
+    server: "StoreServer", table: MemoryStore, limits: P.Limits, budget: int
+) -> tuple[Callable | None, tuple]:
     """The C read path over `table` (see `rendezvous/store/_quickstore.c`) and its context, or
     (None, ()) when the extension was not built, `FTRUN_STORE_ACCEL=0` turns it off, or the
     table is not a plain `MemoryStore` (a subclass may do more on a write)."""
     read_quick = _c_accel("read_quick") if type(table) is MemoryStore else None
     if read_quick is None:
         return None, ()
-    return read_quick, (table._data, table._waiters, table._barriers, table._lock,
-                        limits.max_key_bytes, limits.max_value_bytes, AUTH_KEY, budget,
-                        table._queues, Waiter, _Wake, server, limits.max_keys_per_request)
+    return read_quick, (
+        table._data,
+        table._waiters,
+        table._barriers,
+        table._lock,
+        limits.max_key_bytes,
+        limits.max_value_bytes,
+        AUTH_KEY,
+        budget,
+        table._queues,
+        Waiter,
+        _Wake,
+        server,
+        limits.max_keys_per_request,
+    )
 
 
 class _Conn:
-    __slots__ = ("sock", "fd", "peer", "buf", "out", "out_bytes", "validated", "authed",
-                 "mux", "waiter", "mux_waiters", "since", "partial_since", "closed",
-                 "want_write", "slots", "more")
+    __slots__ = (
+        "sock",
+        "fd",
+        "peer",
+        "buf",
+        "out",
+        "out_bytes",
+        "validated",
+        "authed",
+        "mux",
+        "waiter",
+        "mux_waiters",
+        "since",
+        "partial_since",
+        "closed",
+        "want_write",
+        "slots",
+        "more",
+    )
 
     def __init__(self, sock: socket.socket, peer: str, authed: bool, now: float) -> None:
         self.sock = sock
@@ -150,8 +180,9 @@ class LoopServer:
     # Hook: (conn, buf, pos, n) -> (reply, end) | None. Executes the request at buf[pos] of a
     # validated, authenticated, plain connection without building a Request when it is one of
     # the frames that dominate a rendezvous; None takes the general path (`_handle`).
-    _quick: Callable[[_Conn, bytes | bytearray, int, int],
-                     tuple[bytes | None, int] | None] | None = None
+    _quick: (
+        Callable[[_Conn, bytes | bytearray, int, int], tuple[bytes | None, int] | None] | None
+    ) = None
     # Hook: the C read path (`rendezvous.store._quickstore.read_quick`) and its context tuple, or
     # None: reads, executes and answers a plain connection's common frames without Python.
     _read_quick: Callable | None = None
@@ -168,8 +199,15 @@ class LoopServer:
     _budget = 128  # requests per connection per loop turn
     _accepts_per_turn = 256
 
-    def __init__(self, host: str, port: int, token: str | None, limits: P.Limits,
-                 log: Callable[[str], None] | None, nice: int | None = None) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        token: str | None,
+        limits: P.Limits,
+        log: Callable[[str], None] | None,
+        nice: int | None = None,
+    ) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port={port!r}: must be an integer in 0-65535")
         # The loop thread's nice value (rendezvous.store.loop_priority): FTRUN_STORE_NICE when None.
@@ -195,8 +233,15 @@ class LoopServer:
         self._loop_ident = 0
         self._backlog: list = []
         self._flush_out = _c_accel("flush_out")  # C: what _flush does, for a list of conns
-        self.stats = {"accepted": 0, "reads": 0, "dropped": 0, "max_turn_s": 0.0,
-                      "max_turn_cpu_s": 0.0, "requests": 0, "busy_s": 0.0}
+        self.stats = {
+            "accepted": 0,
+            "reads": 0,
+            "dropped": 0,
+            "max_turn_s": 0.0,
+            "max_turn_cpu_s": 0.0,
+            "requests": 0,
+            "busy_s": 0.0,
+        }
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -226,7 +271,8 @@ class LoopServer:
                 self._cleanup()
                 raise
             self._thread = threading.Thread(
-                target=self._run, name=f"ftrun-{self._name}:{self._port}", daemon=True)
+                target=self._run, name=f"ftrun-{self._name}:{self._port}", daemon=True
+            )
             self._thread.start()
         return self
 
@@ -238,8 +284,9 @@ class LoopServer:
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             if fam == socket.AF_INET and host not in ("", "0.0.0.0"):
-                infos = socket.getaddrinfo(host, self._req_port, socket.AF_UNSPEC,
-                                           socket.SOCK_STREAM)
+                infos = socket.getaddrinfo(
+                    host, self._req_port, socket.AF_UNSPEC, socket.SOCK_STREAM
+                )
                 fam = infos[0][0]
                 addr = infos[0][4]
             else:
@@ -298,7 +345,8 @@ class LoopServer:
     def _run(self) -> None:
         self._loop_ident = threading.get_ident()
         prio = self._priority = LoopPriority(
-            self.nice, lambda m: _log.info("%s:%d %s", self._name, self._port, m))
+            self.nice, lambda m: _log.info("%s:%d %s", self._name, self._port, m)
+        )
         prio.update(len(self._conns))
         lfd = self._lsock.fileno()
         wfd = self._wake_fd
@@ -316,9 +364,17 @@ class LoopServer:
                 if turn is not None:  # C: the wait, and the reads _read gives to read_quick,
                     # turning again in C while a turn leaves nothing to Python (at most until
                     # the next sweep)
-                    (events, done, reads, requests, t0, c0, busy, max_s,
-                     max_cpu) = turn(epfd, conns, ctx, timeout, proxy, next_sweep, self,
-                                     self._turn_hold(), accept)
+                    (events, done, reads, requests, t0, c0, busy, max_s, max_cpu) = turn(
+                        epfd,
+                        conns,
+                        ctx,
+                        timeout,
+                        proxy,
+                        next_sweep,
+                        self,
+                        self._turn_hold(),
+                        accept,
+                    )
                     stats["reads"] += reads
                     stats["requests"] += requests
                     stats["busy_s"] += busy
@@ -424,8 +480,14 @@ class LoopServer:
         one `send` and no further calls; everything else goes through `_consume`. With the C
         read path, such a connection's read, execution and reply all happen in C."""
         rq = self._read_quick
-        if (rq is not None and c.authed and not c.buf and not c.out and not c.want_write
-                and (c.mux or c.waiter is None)):
+        if (
+            rq is not None
+            and c.authed
+            and not c.buf
+            and not c.out
+            and not c.want_write
+            and (c.mux or c.waiter is None)
+        ):
             self._quick_done(c, rq(c, self._quick_ctx))  # validates a new one's handshake too
             return
         try:
@@ -573,8 +635,10 @@ class LoopServer:
         out.append(rest)
         c.out_bytes = len(rest)
         if c.out_bytes > self.limits.max_pending_reply_bytes:
-            self.log(f"{self._name} closed {c.peer}: it does not read its replies "
-                     f"({c.out_bytes} bytes pending)")
+            self.log(
+                f"{self._name} closed {c.peer}: it does not read its replies "
+                f"({c.out_bytes} bytes pending)"
+            )
             self.stats["dropped"] += 1
             self._close(c)
             return
@@ -723,7 +787,8 @@ class LoopServer:
             raise DropConnection(f"first message was {P.op_name(req.op)}, expected VALIDATE")
         if req.num != P.VALIDATION_MAGIC:
             raise DropConnection(
-                f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}")
+                f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}"
+            )
 
 
 class StoreServer(LoopServer):
@@ -736,10 +801,16 @@ class StoreServer(LoopServer):
 
     _name = "store"
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 0, token: str | None = None,
-                 limits: P.Limits = P.DEFAULT_LIMITS,
-                 log: Callable[[str], None] | None = None,
-                 table: MemoryStore | None = None, nice: int | None = None) -> None:
+    def __init__(
+        self,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        token: str | None = None,
+        limits: P.Limits = P.DEFAULT_LIMITS,
+        log: Callable[[str], None] | None = None,
+        table: MemoryStore | None = None,
+        nice: int | None = None,
+    ) -> None:
         super().__init__(host, port, token, limits, log, nice)
         self.table = table if table is not None else MemoryStore()
         self.kv = LocalKV(self.table)
@@ -748,13 +819,24 @@ class StoreServer(LoopServer):
         self._turn = _c_accel("loop_turn") if self._read_quick is not None else None
         self._turn_ctx = self._quick_ctx
         self._max_key, self._max_value = limits.max_key_bytes, limits.max_value_bytes
-        by_kind = {P.Kind.DATA: self._data, P.Kind.BLOCKING: self._wait,
-                   P.Kind.CANCEL: self._cancel}
+        by_kind = {
+            P.Kind.DATA: self._data,
+            P.Kind.BLOCKING: self._wait,
+            P.Kind.CANCEL: self._cancel,
+        }
         self._handlers: dict[int, Callable] = {
-            op: by_kind[kind] for op, kind in P.KIND_OF.items() if kind in by_kind}
-        self._handlers.update({
-            Op.SET: self._set, Op.MULTI_SET: self._multi_set, Op.APPEND: self._append,
-            Op.VALIDATE: self._validate, Op.PING: self._ping, Op.FT_MUX: self._mux})
+            op: by_kind[kind] for op, kind in P.KIND_OF.items() if kind in by_kind
+        }
+        self._handlers.update(
+            {
+                Op.SET: self._set,
+                Op.MULTI_SET: self._multi_set,
+                Op.APPEND: self._append,
+                Op.VALIDATE: self._validate,
+                Op.PING: self._ping,
+                Op.FT_MUX: self._mux,
+            }
+        )
 
     def _on_close(self, c: _Conn) -> None:
         if c.waiter is not None:
@@ -784,8 +866,7 @@ class StoreServer(LoopServer):
             return False
         if op == Op.SET and req.keys[0] == AUTH_KEY:
             return self._auth(c, req.values[0])
-        raise DropConnection(
-            f"unauthenticated {P.op_name(op)} refused (job token required)")
+        raise DropConnection(f"unauthenticated {P.op_name(op)} refused (job token required)")
 
     def _auth(self, c: _Conn, presented: bytes):
         if self.token is None or c.authed:
@@ -826,7 +907,7 @@ class StoreServer(LoopServer):
             ve = e + 8 + vl
             if vl > self._max_value or ve > n:
                 return None
-            v = buf[e + 8:ve]
+            v = buf[e + 8 : ve]
             self.table.set(key, v if type(v) is bytes else bytes(v))
             return None, ve
         if op == _ADD:
@@ -864,8 +945,10 @@ class StoreServer(LoopServer):
         cur = self.table.get(key)
         most = self.limits.max_value_bytes
         if cur is not None and len(cur) + len(value) > most:
-            raise DropConnection(f"APPEND would grow {key[:60]!r} to {len(cur) + len(value)} "
-                                 f"bytes: at most {most} allowed")
+            raise DropConnection(
+                f"APPEND would grow {key[:60]!r} to {len(cur) + len(value)} "
+                f"bytes: at most {most} allowed"
+            )
         return self._data(c, req, tag)
 
     def _validate(self, c: _Conn, req: P.Request, tag: int) -> None:

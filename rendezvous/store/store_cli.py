@@ -6,6 +6,7 @@ debugging and benchmarks), `get`, `set` and `ls` (through `StoreClient`). Keys a
 $FTRUN_STORE_ADDR, else $MASTER_ADDR:$MASTER_PORT; the token from `--token-file`, else
 $FTRUN_JOB_TOKEN. Also runnable as `python -m rendezvous.store.store_cli`.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,12 +16,12 @@ import threading
 
 import click
 
-from rendezvous.store.auth import TokenError, resolve_token
 from rendezvous.kv import StoreError
+from rendezvous.store.auth import TokenError, resolve_token
 
 
 def parse_addr(addr: str) -> tuple[str, int]:
-    """"host:port" or "[v6]:port" -> (host, port); ValueError with a clear message."""
+    """ "host:port" or "[v6]:port" -> (host, port); ValueError with a clear message."""
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
         raise ValueError(f"store address {addr!r}: expected host:port (e.g. 10.0.0.1:29500)")
@@ -47,8 +48,9 @@ def _client(addr: str | None, token_file: str | None, timeout: float):
 
     addr = addr or _default_addr()
     if not addr:
-        raise click.ClickException("no store address: pass --addr host:port "
-                                   "(or set FTRUN_STORE_ADDR)")
+        raise click.ClickException(
+            "no store address: pass --addr host:port (or set FTRUN_STORE_ADDR)"
+        )
     try:
         host, port = parse_addr(addr)
     except ValueError as e:
@@ -56,14 +58,21 @@ def _client(addr: str | None, token_file: str | None, timeout: float):
     return StoreClient(host, port, token=_token(token_file), timeout=timeout)
 
 
-_addr_opt = click.option("--addr", default=None, metavar="HOST:PORT",
-                         help="Store address (default: $FTRUN_STORE_ADDR, then "
-                              "$MASTER_ADDR:$MASTER_PORT).")
-_token_opt = click.option("--token-file", default=None, type=click.Path(dir_okay=False),
-                          help="File holding the job token (mode 0600); "
-                               "default: $FTRUN_JOB_TOKEN.")
-_timeout_opt = click.option("--timeout", default=10.0, show_default=True, type=float,
-                            help="Seconds to wait for the store.")
+_addr_opt = click.option(
+    "--addr",
+    default=None,
+    metavar="HOST:PORT",
+    help="Store address (default: $FTRUN_STORE_ADDR, then $MASTER_ADDR:$MASTER_PORT).",
+)
+_token_opt = click.option(
+    "--token-file",
+    default=None,
+    type=click.Path(dir_okay=False),
+    help="File holding the job token (mode 0600); default: $FTRUN_JOB_TOKEN.",
+)
+_timeout_opt = click.option(
+    "--timeout", default=10.0, show_default=True, type=float, help="Seconds to wait for the store."
+)
 
 
 @click.group("store", context_settings={"help_option_names": ["-h", "--help"]})
@@ -73,8 +82,13 @@ def store() -> None:
 
 @store.command("serve")
 @click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
-@click.option("--port", default=29500, show_default=True, type=click.IntRange(0, 65535),
-              help="Port to listen on (0 = any free port).")
+@click.option(
+    "--port",
+    default=29500,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="Port to listen on (0 = any free port).",
+)
 @_token_opt
 def serve(host: str, port: int, token_file: str | None) -> None:
     """Serve an embedded store in the foreground until SIGINT/SIGTERM."""
@@ -85,13 +99,16 @@ def serve(host: str, port: int, token_file: str | None) -> None:
     old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         try:
-            server = StoreServer(host=host, port=port, token=token,
-                                 log=lambda m: click.echo(m, err=True)).start()
+            server = StoreServer(
+                host=host, port=port, token=token, log=lambda m: click.echo(m, err=True)
+            ).start()
         except (StoreError, ValueError) as e:  # ValueError: FTRUN_STORE_NICE
             raise click.ClickException(str(e)) from None
         with server:
-            click.echo(f"ftrun store listening on {host}:{server.port} "
-                       f"(job token {'required' if token else 'not required'})", )
+            click.echo(
+                f"ftrun store listening on {host}:{server.port} "
+                f"(job token {'required' if token else 'not required'})",
+            )
             sys.stdout.flush()
             while not stop.wait(1.0):
                 pass
@@ -106,10 +123,14 @@ def serve(host: str, port: int, token_file: str | None) -> None:
 @_addr_opt
 @_token_opt
 @_timeout_opt
-@click.option("--wait", "wait_s", default=0.0, type=float,
-              help="Wait up to this many seconds for the key to appear.")
-def get(key: str, addr: str | None, token_file: str | None, timeout: float,
-        wait_s: float) -> None:
+@click.option(
+    "--wait",
+    "wait_s",
+    default=0.0,
+    type=float,
+    help="Wait up to this many seconds for the key to appear.",
+)
+def get(key: str, addr: str | None, token_file: str | None, timeout: float, wait_s: float) -> None:
     """Print the value of KEY."""
     with _client(addr, token_file, timeout) as c:
         try:
@@ -127,8 +148,7 @@ def get(key: str, addr: str | None, token_file: str | None, timeout: float,
 @_addr_opt
 @_token_opt
 @_timeout_opt
-def set_(key: str, value: str, addr: str | None, token_file: str | None,
-         timeout: float) -> None:
+def set_(key: str, value: str, addr: str | None, token_file: str | None, timeout: float) -> None:
     """Set KEY to VALUE (UTF-8)."""
     with _client(addr, token_file, timeout) as c:
         try:
@@ -144,8 +164,9 @@ def set_(key: str, value: str, addr: str | None, token_file: str | None,
 @_token_opt
 @_timeout_opt
 @click.option("--values", "show_values", is_flag=True, help="Also print (shortened) values.")
-def ls(prefix: str, addr: str | None, token_file: str | None, timeout: float,
-       show_values: bool) -> None:
+def ls(
+    prefix: str, addr: str | None, token_file: str | None, timeout: float, show_values: bool
+) -> None:
     """List the keys that start with PREFIX."""
     with _client(addr, token_file, timeout) as c:
         try:
@@ -182,8 +203,11 @@ def _echo_value(v: bytes) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     try:
-        store.main(args=sys.argv[1:] if argv is None else argv, prog_name="ftctl store",
-                   standalone_mode=False)
+        store.main(
+            args=sys.argv[1:] if argv is None else argv,
+            prog_name="ftctl store",
+            standalone_mode=False,
+        )
     except click.ClickException as e:
         click.echo(f"ftctl store: error: {e.format_message()}", err=True)
         sys.exit(e.exit_code or 2)

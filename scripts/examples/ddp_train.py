@@ -7,6 +7,7 @@ rank holds the full model (plain DDP: every rank is a replica of every other). R
     ftrun --nproc_per_node 4 scripts/examples/ddp_train.py --steps 50 --out /tmp/params.pt
     --hidden 1024 --layers 8   -> about 100 MB of parameters + Adam state (benchmarks)
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,7 +23,11 @@ import launcher.runtime as ftr  # noqa: E402
 
 
 def build_model(hidden: int, layers: int, inputs: int = 32) -> torch.nn.Module:
-    mods: list[torch.nn.Module] = [torch.nn.Linear(inputs, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.1)]
+    mods: list[torch.nn.Module] = [
+        torch.nn.Linear(inputs, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.1),
+    ]
     for _ in range(layers - 2):
         mods += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
     mods.append(torch.nn.Linear(hidden, 1))
@@ -36,13 +41,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--out", default=None, help="write final parameters here (rank 0; '{rank}' for every rank)")
+    ap.add_argument(
+        "--out", default=None, help="write final parameters here (rank 0; '{rank}' for every rank)"
+    )
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
-    ap.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (sleep in forward)")
-    ap.add_argument("--fixed-projection", action="store_true", help="draw a fixed random input projection "
-                    "after building the model, kept outside the registered state (a replacement must not "
-                    "skip its parameter init then: see launcher.runtime.skip_init)")
+    ap.add_argument(
+        "--step-time", type=float, default=0.0, help="extra seconds per step (sleep in forward)"
+    )
+    ap.add_argument(
+        "--fixed-projection",
+        action="store_true",
+        help="draw a fixed random input projection "
+        "after building the model, kept outside the registered state (a replacement must not "
+        "skip its parameter init then: see launcher.runtime.skip_init)",
+    )
     args = ap.parse_args(argv)
     if args.layers < 2:
         ap.error(f"--layers {args.layers} must be >= 2")
@@ -63,9 +76,14 @@ def main(argv: list[str] | None = None) -> int:
             x = x @ proj
         return x, x[:, :1] * 0.5 - x[:, 1:2]
 
-    rt.register(model=model, optimizer=opt, scheduler=sched,
-                data=(lambda: dict(pos), lambda p: pos.update(p)),
-                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    rt.register(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        data=(lambda: dict(pos), lambda p: pos.update(p)),
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+    )
     loss = torch.zeros(())
     for step in rt.steps(args.steps):
         with step:
@@ -84,10 +102,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.out and (rt.rank == 0 or "{rank}" in args.out):
         path = args.out.format(rank=rt.rank)
         tmp = f"{path}.tmp{os.getpid()}"
-        torch.save({"params": {k: v.clone() for k, v in model.state_dict().items()},
-                    "step": rt.committed_step, "loss": float(loss.detach())}, tmp)
+        torch.save(
+            {
+                "params": {k: v.clone() for k, v in model.state_dict().items()},
+                "step": rt.committed_step,
+                "loss": float(loss.detach()),
+            },
+            tmp,
+        )
         os.replace(tmp, path)
-    print(f"rank {rt.rank}: done, last step {rt.committed_step}, loss {float(loss.detach()):.6f}", flush=True)
+    print(
+        f"rank {rt.rank}: done, last step {rt.committed_step}, loss {float(loss.detach()):.6f}",
+        flush=True,
+    )
     rt.finish()
     return 0
 

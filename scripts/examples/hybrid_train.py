@@ -8,6 +8,7 @@ under ftrun (recovery) and plain torchrun (no recovery).
 
     ftrun --nproc_per_node 4 scripts/examples/hybrid_train.py --steps 40 --out /tmp/p{rank}.pt
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,12 @@ class ReduceFromTP(torch.autograd.Function):
     """Forward: sum the partial outputs over the TP group. Backward: identity."""
 
     @staticmethod
-    def forward(ctx, partial: torch.Tensor, rt: ftr.Runtime,  # type: ignore[override]
-                group: ftr.GroupHandle) -> torch.Tensor:
+    def forward(
+        ctx,
+        partial: torch.Tensor,
+        rt: ftr.Runtime,  # type: ignore[override]
+        group: ftr.GroupHandle,
+    ) -> torch.Tensor:
         out = partial.clone()
         rt.all_reduce(out, group=group)
         return out
@@ -43,9 +48,9 @@ class ShardedMLP(torch.nn.Module):
     def __init__(self, inputs: int, hidden: int, outputs: int) -> None:
         super().__init__()
         half = hidden // TP
-        self.w1 = torch.nn.Parameter(torch.randn(half, inputs) / inputs ** 0.5)
+        self.w1 = torch.nn.Parameter(torch.randn(half, inputs) / inputs**0.5)
         self.b1 = torch.nn.Parameter(torch.zeros(half))
-        self.w2 = torch.nn.Parameter(torch.randn(outputs, half) / hidden ** 0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(outputs, half) / hidden**0.5)
         self.b2 = torch.nn.Parameter(torch.zeros(outputs))  # replicated across TP
         self.drop = torch.nn.Dropout(0.1)
 
@@ -60,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=4321)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--out", default=None, help="final parameters; '{rank}' is replaced by the rank")
+    ap.add_argument(
+        "--out", default=None, help="final parameters; '{rank}' is replaced by the rank"
+    )
     ap.add_argument("--checkpoint-dir", default=None)
     ap.add_argument("--checkpoint-every", type=int, default=0)
     ap.add_argument("--step-time", type=float, default=0.0)
@@ -68,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rt = ftr.init(backend="gloo")
     if rt.world_size != 2 * TP:
-        raise SystemExit(f"hybrid_train.py needs WORLD_SIZE=4 (2 replicas x 2 shards), got {rt.world_size}")
+        raise SystemExit(
+            f"hybrid_train.py needs WORLD_SIZE=4 (2 replicas x 2 shards), got {rt.world_size}"
+        )
     groups = rt.set_layout(dp=2, tp=TP)  # replicas: [0, 2] and [1, 3]
     tp_rank, dp_rank = rt.rank % TP, rt.rank // TP
     torch.manual_seed(args.seed + 101 * tp_rank)  # Megatron: seed per TP rank, shared across DP
@@ -84,9 +93,15 @@ def main(argv: list[str] | None = None) -> int:
         x = torch.randn(args.batch, 32, generator=g)
         return x, torch.stack([x[:, i] * (i + 1) for i in range(4)], dim=1)
 
-    rt.register(model=model, optimizer=opt, scheduler=sched, extra={"loss_ema": ema},
-                data=(lambda: dict(pos), lambda p: pos.update(p)),
-                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    rt.register(
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        extra={"loss_ema": ema},
+        data=(lambda: dict(pos), lambda p: pos.update(p)),
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+    )
     for step in rt.steps(args.steps):
         with step:
             with step.phase("forward"):
@@ -106,11 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         path = args.out.format(rank=rt.rank)
         tmp = f"{path}.tmp{os.getpid()}"
-        torch.save({"params": {k: v.clone() for k, v in model.state_dict().items()},
-                    "ema": ema.clone(), "step": rt.committed_step}, tmp)
+        torch.save(
+            {
+                "params": {k: v.clone() for k, v in model.state_dict().items()},
+                "ema": ema.clone(),
+                "step": rt.committed_step,
+            },
+            tmp,
+        )
         os.replace(tmp, path)
-    print(f"rank {rt.rank} (tp {tp_rank}, dp {dp_rank}): done, last step {rt.committed_step}, "
-          f"ema {float(ema):.6f}", flush=True)
+    print(
+        f"rank {rt.rank} (tp {tp_rank}, dp {dp_rank}): done, last step {rt.committed_step}, "
+        f"ema {float(ema):.6f}",
+        flush=True,
+    )
     rt.finish()
     return 0
 

@@ -17,6 +17,7 @@ CPU workarounds for megatron-core 0.16.1 (CUDA is assumed in a few places): the 
 tracker is replaced by the inference tracker, parallel_state's global memory buffer by a CPU
 one, and the causal attention mask is passed explicitly; sequence parallel stays off.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,22 +49,33 @@ SEQ = 16
 class CpuMemoryBuffer:
     """parallel_state's global memory buffer, on the CPU (megatron's allocates on CUDA)."""
 
-    def get_tensor(self, shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None) -> torch.Tensor:
+    def get_tensor(
+        self, shape: Any, dtype: torch.dtype, name: str, mem_alloc_context: Any = None
+    ) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=dtype)
 
 
 def init_parallel_state() -> None:
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP,
-                                             distributed_timeout_minutes=GROUP_TIMEOUT_MIN)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=TP, distributed_timeout_minutes=GROUP_TIMEOUT_MIN
+    )
     parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
 
 
 def build_model(args: argparse.Namespace) -> GPTModel:
-    torch.manual_seed(args.seed)  # same on every rank: CPU init splits one master weight per TP rank
+    torch.manual_seed(
+        args.seed
+    )  # same on every rank: CPU init splits one master weight per TP rank
     model_parallel_cuda_manual_seed(args.seed, inference_rng_tracker=True)
-    cfg = TransformerConfig(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
-                            use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-                            params_dtype=torch.float32)
+    cfg = TransformerConfig(
+        num_layers=args.layers,
+        hidden_size=args.hidden,
+        num_attention_heads=4,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=torch.float32,
+    )
     return GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ)
 
 
@@ -85,12 +97,20 @@ def allreduce_gradients(model: torch.nn.Module) -> None:
     flat.div_(parallel_state.get_data_parallel_world_size())
     off = 0
     for g in grads:
-        g.copy_(flat[off:off + g.numel()].view_as(g))
+        g.copy_(flat[off : off + g.numel()].view_as(g))
         off += g.numel()
 
 
-def train(args: argparse.Namespace, hooks: Any, model: GPTModel, opt: torch.optim.Optimizer,
-          sched: Any, pos: dict, start: int, times: list[float]) -> None:
+def train(
+    args: argparse.Namespace,
+    hooks: Any,
+    model: GPTModel,
+    opt: torch.optim.Optimizer,
+    sched: Any,
+    pos: dict,
+    start: int,
+    times: list[float],
+) -> None:
     """The framework's own loop, from `start` to args.steps."""
     dp_rank = parallel_state.get_data_parallel_rank()
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
@@ -120,14 +140,24 @@ def write_outputs(args: argparse.Namespace, rank: int, model: GPTModel, times: l
     if args.out:
         path = args.out.format(rank=rank)
         tmp = f"{path}.tmp{os.getpid()}"
-        params = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        params = {
+            k: v.detach().clone()
+            for k, v in model.state_dict().items()
+            if isinstance(v, torch.Tensor)
+        }
         torch.save({"params": params}, tmp)
         os.replace(tmp, path)
     if args.report and rank == 0:
         tmp = f"{args.report}.tmp{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"steps": len(times), "step_s": times,
-                       "median_step_s": statistics.median(times[args.warmup:] or times)}, f)
+            json.dump(
+                {
+                    "steps": len(times),
+                    "step_s": times,
+                    "median_step_s": statistics.median(times[args.warmup :] or times),
+                },
+                f,
+            )
         os.replace(tmp, args.report)
 
 
@@ -138,10 +168,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=32)
     ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--out", default=None, help="final parameters; '{rank}' is replaced by the rank")
+    ap.add_argument(
+        "--out", default=None, help="final parameters; '{rank}' is replaced by the rank"
+    )
     ap.add_argument("--report", default=None, help="rank 0 writes its step times here (JSON)")
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median step time")
-    ap.add_argument("--no-ftrun", action="store_true", help="plain loop without callbacks (torchrun)")
+    ap.add_argument(
+        "--no-ftrun", action="store_true", help="plain loop without callbacks (torchrun)"
+    )
     args = ap.parse_args(argv)
     times: list[float] = []
 
@@ -159,9 +193,13 @@ def main(argv: list[str] | None = None) -> int:
     from launcher.runtime import callbacks as ftcb
     from launcher.runtime.megatron import rebuild_parallel_state
 
-    hooks = ftcb.attach(backend="gloo")  # joins the job; megatron's collectives become interruptible
+    hooks = ftcb.attach(
+        backend="gloo"
+    )  # joins the job; megatron's collectives become interruptible
     if hooks.world_size != 2 * TP:
-        raise SystemExit(f"megatron_train.py needs WORLD_SIZE=4 (TP=2 x DP=2), got {hooks.world_size}")
+        raise SystemExit(
+            f"megatron_train.py needs WORLD_SIZE=4 (TP=2 x DP=2), got {hooks.world_size}"
+        )
     init_parallel_state()
     model = build_model(args)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -169,20 +207,30 @@ def main(argv: list[str] | None = None) -> int:
     pos = {"batch": 0}
 
     def rebuild_groups(generation: int) -> None:
-        n = rebuild_parallel_state(model, tensor_model_parallel_size=TP,
-                                   distributed_timeout_minutes=GROUP_TIMEOUT_MIN)
+        n = rebuild_parallel_state(
+            model, tensor_model_parallel_size=TP, distributed_timeout_minutes=GROUP_TIMEOUT_MIN
+        )
         parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
-        print(f"rank {hooks.rank}: megatron groups rebuilt for generation {generation} "
-              f"({n} cached handles re-pointed)", flush=True)
+        print(
+            f"rank {hooks.rank}: megatron groups rebuilt for generation {generation} "
+            f"({n} cached handles re-pointed)",
+            flush=True,
+        )
 
     hooks.set_layout(dp=2, tp=TP)  # replicas: [0, 2] and [1, 3]
-    hooks.register(ftcb.FrameworkCallbacks(
-        stop=lambda reason: print(f"rank {hooks.rank}: stop ({reason})", flush=True),
-        clean=lambda: opt.zero_grad(set_to_none=True),
-        rebuild_groups=rebuild_groups,
-        rollback=lambda step: print(f"rank {hooks.rank}: roll back to step {step}", flush=True),
-        commit=lambda step: print(f"rank {hooks.rank}: continue at step {step}", flush=True)),
-        model=model, optimizer=opt, scheduler=sched, data=(lambda: dict(pos), lambda p: pos.update(p)))
+    hooks.register(
+        ftcb.FrameworkCallbacks(
+            stop=lambda reason: print(f"rank {hooks.rank}: stop ({reason})", flush=True),
+            clean=lambda: opt.zero_grad(set_to_none=True),
+            rebuild_groups=rebuild_groups,
+            rollback=lambda step: print(f"rank {hooks.rank}: roll back to step {step}", flush=True),
+            commit=lambda step: print(f"rank {hooks.rank}: continue at step {step}", flush=True),
+        ),
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        data=(lambda: dict(pos), lambda p: pos.update(p)),
+    )
     hooks.run(lambda start: train(args, hooks, model, opt, sched, pos, start, times))
     write_outputs(args, hooks.rank, model, times)
     print(f"rank {hooks.rank}: done, last step {hooks.committed_step}", flush=True)

@@ -4,6 +4,7 @@ Works under torchrun and ftrun alike (torchrun semantics: a failure restarts eve
 this script starts again from step 0). Deterministic per --seed. Optional one-shot crash:
 --fail-rank R --fail-step S exits rank R with code 1 at step S, once per --fail-marker file.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,11 +31,17 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.manual_seed(args.seed)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)))
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     for step in range(args.steps):
-        if rank == args.fail_rank and step == args.fail_step and args.fail_marker \
-                and not os.path.exists(args.fail_marker):
+        if (
+            rank == args.fail_rank
+            and step == args.fail_step
+            and args.fail_marker
+            and not os.path.exists(args.fail_marker)
+        ):
             open(args.fail_marker, "w").close()
             print(f"rank {rank}: failing on purpose at step {step}", flush=True)
             os._exit(1)
@@ -48,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(args.step_time)
     if args.out and rank == 0:
         torch.save({k: v.clone() for k, v in model.module.state_dict().items()}, args.out)
-    print(f"rank {rank}: done, restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '?')}", flush=True)
+    print(
+        f"rank {rank}: done, restart {os.environ.get('TORCHELASTIC_RESTART_COUNT', '?')}",
+        flush=True,
+    )
     dist.destroy_process_group()
     return 0
 

@@ -10,6 +10,7 @@ under plain `torchrun` (no recovery).
 
     ftrun --nproc_per_node 4 scripts/examples/rt_ddp_train.py --steps 50 --out /tmp/params{rank}.pt
 """
+
 from __future__ import annotations
 
 import argparse
@@ -49,16 +50,30 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--norm", action="store_true", help="add a BatchNorm1d (buffers broadcast by DDP)")
+    ap.add_argument(
+        "--norm", action="store_true", help="add a BatchNorm1d (buffers broadcast by DDP)"
+    )
     ap.add_argument("--bucket-cap-mb", type=float, default=None, help="DDP's bucket_cap_mb")
-    ap.add_argument("--accum", type=int, default=1,
-                    help="micro-batches per step: the first accum-1 backwards under model.no_sync()")
+    ap.add_argument(
+        "--accum",
+        type=int,
+        default=1,
+        help="micro-batches per step: the first accum-1 backwards under model.no_sync()",
+    )
     ap.add_argument("--keep-grads", action="store_true", help="opt.zero_grad(set_to_none=False)")
-    ap.add_argument("--out", default=None, help="write final parameters here ('{rank}' for every rank)")
-    ap.add_argument("--pause", default=None, metavar="RANK,STEP,SECONDS",
-                    help="rank RANK sleeps SECONDS at the end of step STEP's forward, while its peers wait in "
-                         "DDP's all-reduce (a fault plan can fire at its backward then)")
-    ap.add_argument("--checkpoint-dir", default=None, help="durable checkpoints (a restart-all resumes there)")
+    ap.add_argument(
+        "--out", default=None, help="write final parameters here ('{rank}' for every rank)"
+    )
+    ap.add_argument(
+        "--pause",
+        default=None,
+        metavar="RANK,STEP,SECONDS",
+        help="rank RANK sleeps SECONDS at the end of step STEP's forward, while its peers wait in "
+        "DDP's all-reduce (a fault plan can fire at its backward then)",
+    )
+    ap.add_argument(
+        "--checkpoint-dir", default=None, help="durable checkpoints (a restart-all resumes there)"
+    )
     ap.add_argument("--checkpoint-every", type=int, default=0)
     args = ap.parse_args(argv)
     if args.layers < 2:
@@ -76,8 +91,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def save(path: str, model: torch.nn.Module, step: int, loss: torch.Tensor) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save({"params": {k: v.clone() for k, v in model.state_dict().items()}, "step": step,
-                "loss": float(loss.detach())}, tmp)
+    torch.save(
+        {
+            "params": {k: v.clone() for k, v in model.state_dict().items()},
+            "step": step,
+            "loss": float(loss.detach()),
+        },
+        tmp,
+    )
     os.replace(tmp, path)
 
 
@@ -86,11 +107,18 @@ def main(argv: list[str] | None = None) -> int:
     rt = ftr.init(backend="gloo")
     torch.manual_seed(args.seed)  # replicas share the seed (and so their dropout masks)
     # torch: model = DistributedDataParallel(build_model(...), bucket_cap_mb=...)
-    model = rt.ddp(build_model(args.hidden, args.layers, args.norm), bucket_cap_mb=args.bucket_cap_mb)
+    model = rt.ddp(
+        build_model(args.hidden, args.layers, args.norm), bucket_cap_mb=args.bucket_cap_mb
+    )
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     pos = {"batch": 0}
-    rt.register(model=model, optimizer=opt, data=(lambda: dict(pos), lambda p: pos.update(p)),
-                checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every)
+    rt.register(
+        model=model,
+        optimizer=opt,
+        data=(lambda: dict(pos), lambda p: pos.update(p)),
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+    )
     loss = torch.zeros(())
     for step in rt.steps(args.steps):
         with step:
@@ -115,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
                 opt.step()
     if args.out and (rt.rank == 0 or "{rank}" in args.out):
         save(args.out.format(rank=rt.rank), model.module, rt.committed_step, loss)
-    print(f"rank {rt.rank}: done, last step {rt.committed_step}, loss {float(loss.detach()):.6f}", flush=True)
+    print(
+        f"rank {rt.rank}: done, last step {rt.committed_step}, loss {float(loss.detach()):.6f}",
+        flush=True,
+    )
     rt.finish()
     return 0
 

@@ -4,6 +4,7 @@ tolerant only through launcher.runtime.callbacks (try/except style, no hooks.run
 Each rank appends every callback it receives ({"cb", "arg", "pid", "generation"}) to
 --events with '{rank}' replaced, and writes its final parameters to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,17 +34,28 @@ def main() -> None:
     log = open(args.events.format(rank=hooks.rank), "a", encoding="utf-8")
 
     def note(cb: str, arg: object = None) -> None:
-        log.write(json.dumps({"cb": cb, "arg": arg, "pid": os.getpid(), "generation": hooks.generation}) + "\n")
+        log.write(
+            json.dumps({"cb": cb, "arg": arg, "pid": os.getpid(), "generation": hooks.generation})
+            + "\n"
+        )
         log.flush()
 
     def rebuild(generation: int) -> None:
         group[0] = dist.new_group(list(range(world)))
         note("rebuild_groups", generation)
 
-    hooks.register(ftcb.FrameworkCallbacks(
-        stop=lambda reason: note("stop"), clean=lambda: note("clean"), rebuild_groups=rebuild,
-        rollback=lambda s: note("rollback", s), commit=lambda s: note("commit", s)),
-        model=model, optimizer=opt, data=(lambda: dict(pos), lambda p: pos.update(p)))
+    hooks.register(
+        ftcb.FrameworkCallbacks(
+            stop=lambda reason: note("stop"),
+            clean=lambda: note("clean"),
+            rebuild_groups=rebuild,
+            rollback=lambda s: note("rollback", s),
+            commit=lambda s: note("commit", s),
+        ),
+        model=model,
+        optimizer=opt,
+        data=(lambda: dict(pos), lambda p: pos.update(p)),
+    )
     step = hooks.start()
     while step < args.steps:
         try:

@@ -5,6 +5,7 @@ restart count to --out. With --crash-rank R, rank R exits with code 3 at --crash
 first attempt (TORCHELASTIC_RESTART_COUNT == 0) only. With --started-dir, each rank creates
 <dir>/rank<r> once its first step is done (tests wait for it before they fault a running job).
 """
+
 import argparse
 import json
 import os
@@ -32,7 +33,9 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     torch.manual_seed(0)
-    model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1)))
+    model = DDP(
+        torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    )
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(1234 + rank)
     loss = torch.tensor(0.0)

@@ -1,17 +1,19 @@
 """Test worker: plain torch DDP under torchrun, the same model, data and optimizer as
 scripts/examples/rt_ddp_train.py (the reference its numerics must equal). Same flags."""
+
 from __future__ import annotations
 
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "examples"))
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts", "examples")
+)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
-
 from rt_ddp_train import build_model, make_batch, parse, save  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 
 def main() -> int:

@@ -8,6 +8,7 @@ $OUT_DIR/bye.<RANK> after their rt.finish() and linger --linger s before exiting
 rt.finish() (--when before-goodbye: a fault, the job is not done) or after it (--when
 after-goodbye: a crash in its interpreter's teardown, as torch 2.13's gloo teardown sometimes
 does; its work was done). In later generations it finishes like the others."""
+
 from __future__ import annotations
 
 import argparse
@@ -96,8 +97,11 @@ def main() -> int:
     else:
         print(f"rank {rank}: peers {peers} not done within 60 s", file=sys.stderr, flush=True)
         return 3
-    print(f"rank {rank}: peers {peers} are done ({a.after}); dying by {a.how} ({a.when})",
-          file=sys.stderr, flush=True)
+    print(
+        f"rank {rank}: peers {peers} are done ({a.after}); dying by {a.how} ({a.when})",
+        file=sys.stderr,
+        flush=True,
+    )
     if a.how == "abort":
         os.abort()
     os.kill(os.getpid(), signal.SIGKILL)

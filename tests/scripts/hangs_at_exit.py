@@ -4,6 +4,7 @@ Every rank trains --steps steps (dies_after_peers.train) and calls rt.finish(); 
 forever without using CPU or doing I/O (a teardown deadlock, as when a process group is destroyed
 while its thread needs the GIL), having written $OUT_DIR/hung.<RANK> first. Only generation 0's
 victim hangs."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,8 +14,9 @@ import threading
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-import launcher.runtime as ftr  # noqa: E402
 from dies_after_peers import train  # noqa: E402  (the same tiny job; tests/scripts is sys.path[0])
+
+import launcher.runtime as ftr  # noqa: E402
 
 
 def main() -> int:

@@ -3,6 +3,7 @@
 Writes `$OUT_DIR/<attempt>.<rank>.json` with {"start", "ready"} wall times. Rank 1 of attempt 0
 writes `$OUT_DIR/crash.json` with the time and exits 1 after --crash-after seconds of training.
 """
+
 import json
 import os
 import sys

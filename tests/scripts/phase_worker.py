@@ -1,6 +1,7 @@
 """Test worker for signal tests: writes $OUT_DIR/pid.<RANK>, then sleeps --sleep seconds and
 exits with --code (only in the first attempt when --first-only), or sleeps again in later
 attempts. With --ignore-term it ignores SIGTERM (a worker slow to stop)."""
+
 import argparse
 import os
 import signal

@@ -5,6 +5,7 @@ first attempt while its peers wait in an all_reduce with a short backend timeout
 work for --work seconds first (so R is the first to go silent), then time out after --timeout s.
 Rank 0 writes the restart count to --out when everyone finished.
 """
+
 import argparse
 import json
 import os

@@ -4,6 +4,7 @@ Four ranks: pairs {0, 2} and {1, 3} each train their own model (seeded by pair) 
 `rt.ddp(model, process_group=<the "dp" handle>)` and declare themselves replicas of each other
 (`rt.set_replica_groups`), so a lost rank is repaired from its pair; a job-wide gradient norm
 (an all-reduce over every rank at the end of backward) keeps the pairs in step. Small buckets (several per step). Writes the final parameters to --out ('{rank}' for every rank)."""
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,13 @@ def main() -> int:
     rt.set_replica_groups(PAIRS)
     pair = next(i for i, ranks in enumerate(PAIRS) if rt.rank in ranks)
     torch.manual_seed(100 + pair)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
-                              torch.nn.Linear(64, 1))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(16, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 1),
+    )
     model = rt.ddp(net, process_group=dp, bucket_cap_mb=0.01)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     pos = {"batch": 0}

@@ -1,4 +1,5 @@
 """Test worker: write its pid to $OUT_DIR/pid.<RANK> and sleep (for signal/orphan tests)."""
+
 import os
 import time
 

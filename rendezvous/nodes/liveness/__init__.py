@@ -8,6 +8,7 @@ Owns: the choice of mechanism for a store (`liveness_for`), made once when membe
 Both implement `Liveness` (base.py) and report to a `Roster` (roster.py), which holds what the
 agent believes about the others and calls the membership callbacks.
 """
+
 from __future__ import annotations
 
 from rendezvous.kv import KVStore
@@ -16,8 +17,16 @@ from rendezvous.nodes.liveness.heartbeat import HeartbeatLiveness
 from rendezvous.nodes.liveness.lease import LeaseLiveness, LeaseStore
 from rendezvous.nodes.liveness.roster import Lost, Roster
 
-__all__ = ["HeartbeatLiveness", "LeaseLiveness", "LeaseStore", "Liveness", "Lost", "Roster", "Timing",
-           "liveness_for"]
+__all__ = [
+    "HeartbeatLiveness",
+    "LeaseLiveness",
+    "LeaseStore",
+    "Liveness",
+    "Lost",
+    "Roster",
+    "Timing",
+    "liveness_for",
+]
 
 
 def liveness_for(kv: KVStore, timing: Timing, static: bool, nonce: str) -> Liveness:

@@ -23,6 +23,7 @@ others need to declare it dead (`_silence_limit`), even while a store call hangs
 the agent stops showing itself alive, and `stop(leave=False)` drops its lease, so a fresh agent
 (`Membership.renew()`) can take the group rank back.
 """
+
 from __future__ import annotations
 
 import json
@@ -34,9 +35,16 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from rendezvous.errors import STORE_UNREACHABLE, FencedError
-from rendezvous.nodes.keys import (LEAVE_DONE, LEFT_PREFIX, Registration, incarnation_key, left_key,
-                             marker_of, node_key)
 from rendezvous.kv import KVStore, StoreError
+from rendezvous.nodes.keys import (
+    LEAVE_DONE,
+    LEFT_PREFIX,
+    Registration,
+    incarnation_key,
+    left_key,
+    marker_of,
+    node_key,
+)
 from rendezvous.nodes.liveness.roster import Roster
 from rendezvous.nodes.waits import Interrupt
 
@@ -251,8 +259,11 @@ class Liveness(ABC):
         t.start()
         t.join(max(1.0, 2 * self.timing.interval))
         if t.is_alive():
-            log.warning("node %d: the store did not take its leave within %.1fs", gr,
-                        max(1.0, 2 * self.timing.interval))
+            log.warning(
+                "node %d: the store did not take its leave within %.1fs",
+                gr,
+                max(1.0, 2 * self.timing.interval),
+            )
 
     def _announce_leave(self, gr: int, inc: int, reason: str) -> None:
         self.kv.set(left_key(gr, inc), json.dumps({"reason": reason}).encode())
@@ -292,8 +303,12 @@ class Liveness(ABC):
     def _alive_failed(self, exc: BaseException) -> None:
         if not self._outage and not self._stop.is_set():
             self._outage = True
-            log.warning("node %d cannot show itself alive (will retry for %.1fs): %s",
-                        self.roster.me[0], self._silence_limit(), exc)
+            log.warning(
+                "node %d cannot show itself alive (will retry for %.1fs): %s",
+                self.roster.me[0],
+                self._silence_limit(),
+                exc,
+            )
 
     def _silence_limit(self) -> float:
         """Seconds without showing itself alive after which the others declare it dead."""
@@ -305,10 +320,12 @@ class Liveness(ABC):
                 return
             silent, limit = time.monotonic() - self._last_ok, self._silence_limit()
             if silent > limit:
-                self.roster.lose(f"could not reach the store for {silent:.1f}s (longer than the "
-                                 f"liveness timeout {limit:g}s): the other nodes consider it "
-                                 "dead; stop the local workers and rejoin as a fresh node",
-                                 STORE_UNREACHABLE)
+                self.roster.lose(
+                    f"could not reach the store for {silent:.1f}s (longer than the "
+                    f"liveness timeout {limit:g}s): the other nodes consider it "
+                    "dead; stop the local workers and rejoin as a fresh node",
+                    STORE_UNREACHABLE,
+                )
                 return
 
     def _marked(self, gr: int, inc: int) -> bool:

@@ -15,6 +15,7 @@ refused and it knows it was superseded. Hot spares refresh the wall time in thei
 interval; a spare record older than two liveness timeouts is not listed (clocks are assumed to
 be NTP-synchronised to well under a second).
 """
+
 from __future__ import annotations
 
 import json
@@ -24,9 +25,19 @@ import uuid
 from typing import Any
 
 from rendezvous.errors import SUPERSEDED
-from rendezvous.nodes.keys import (DEAD_PREFIX, EVENT_SEQ_KEY, LEAVE_DONE, Registration, dead_key,
-                             event_key, hb_key, left_key, marker_of, node_key)
 from rendezvous.kv import StoreError
+from rendezvous.nodes.keys import (
+    DEAD_PREFIX,
+    EVENT_SEQ_KEY,
+    LEAVE_DONE,
+    Registration,
+    dead_key,
+    event_key,
+    hb_key,
+    left_key,
+    marker_of,
+    node_key,
+)
 from rendezvous.nodes.liveness.base import Liveness, Timing, _reason
 
 log = logging.getLogger("ftrun.membership")
@@ -153,8 +164,11 @@ class HeartbeatLiveness(Liveness):
                 if got == new:
                     self._alive_ok()
                 continue
-            self.roster.lose(f"its heartbeat was refused: node {gr}'s counter holds {got!r}, a "
-                             "newer incarnation took its place", SUPERSEDED)
+            self.roster.lose(
+                f"its heartbeat was refused: node {gr}'s counter holds {got!r}, a "
+                "newer incarnation took its place",
+                SUPERSEDED,
+            )
             return
 
     def _marked(self, gr: int, inc: int) -> bool:
@@ -204,8 +218,12 @@ class HeartbeatLiveness(Liveness):
             return
         token = f"{self.nonce}:{uuid.uuid4().hex}".encode()
         if self.kv.compare_set(dead_key(gr, inc), b"", token) == token:
-            log.warning("node %d (incarnation %d) missed heartbeats for %.1fs: declaring it dead",
-                        gr, inc, self.timing.timeout)
+            log.warning(
+                "node %d (incarnation %d) missed heartbeats for %.1fs: declaring it dead",
+                gr,
+                inc,
+                self.timing.timeout,
+            )
             self._publish({"kind": "dead", "group_rank": gr, "incarnation": inc})
 
     def _follow_events(self) -> None:

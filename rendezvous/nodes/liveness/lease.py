@@ -11,6 +11,7 @@ refuses its writes; `fenced_set` is one transaction guarded by the agent's own n
 agent notices on its own that it is lost when a refresh reports the lease gone or when no
 refresh succeeded for one lease TTL (cut off from etcd). Hot-spare records are leased too.
 """
+
 from __future__ import annotations
 
 import logging
@@ -18,9 +19,16 @@ import time
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from rendezvous.errors import LEASE_EXPIRED, RECORD_VANISHED
-from rendezvous.nodes.keys import (JOIN_PREFIX, LEAVE_DONE, NODE_PREFIX, Registration, incarnation_key,
-                             node_key, node_rank_of)
 from rendezvous.kv import StoreError
+from rendezvous.nodes.keys import (
+    JOIN_PREFIX,
+    LEAVE_DONE,
+    NODE_PREFIX,
+    Registration,
+    incarnation_key,
+    node_key,
+    node_rank_of,
+)
 from rendezvous.nodes.liveness.base import Liveness
 from rendezvous.nodes.waits import SLICE
 
@@ -43,15 +51,17 @@ class LeaseStore(Protocol):
 
     def put_if(self, key: str, value: bytes, guard_key: str, guard_value: bytes) -> bool: ...
 
-    def compare_set_if(self, key: str, expected: bytes, desired: bytes, guard_key: str,
-                       guard_value: bytes) -> bytes | None: ...
+    def compare_set_if(
+        self, key: str, expected: bytes, desired: bytes, guard_key: str, guard_value: bytes
+    ) -> bytes | None: ...
 
     def wait_deleted(self, key: str, timeout: float) -> bool: ...
 
     def get_prefix(self, prefix: str) -> tuple[dict[str, bytes], int]: ...
 
-    def watch_prefix(self, prefix: str, callback: Callable[[Any], None],
-                     start_revision: int = 0) -> Any: ...
+    def watch_prefix(
+        self, prefix: str, callback: Callable[[Any], None], start_revision: int = 0
+    ) -> Any: ...
 
 
 class LeaseLiveness(Liveness):
@@ -176,8 +186,9 @@ class LeaseLiveness(Liveness):
             try:
                 self.kv.refresh_lease(self._lease)
             except LeaseExpiredError:
-                self.roster.lose("its lease expired: the other nodes consider it dead",
-                                 LEASE_EXPIRED)
+                self.roster.lose(
+                    "its lease expired: the other nodes consider it dead", LEASE_EXPIRED
+                )
                 return
             except StoreError as exc:
                 self._alive_failed(exc)
@@ -197,8 +208,9 @@ class LeaseLiveness(Liveness):
     def _vanished(self, gr: int, inc: int | None) -> None:
         if gr == self.roster.me[0]:
             if not self._stop.is_set():
-                self.roster.lose("its node record vanished: the other nodes consider it dead",
-                                 RECORD_VANISHED)
+                self.roster.lose(
+                    "its node record vanished: the other nodes consider it dead", RECORD_VANISHED
+                )
             return
         self.roster.gone(gr, inc)
 

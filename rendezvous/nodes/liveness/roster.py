@@ -10,6 +10,7 @@ state and callbacks, once per incarnation.
 Leader rule (no election): in a static world the leader is group rank 0 (a replacement of node 0
 takes the role back); in a dynamic world it is the lowest live group rank.
 """
+
 from __future__ import annotations
 
 import logging
@@ -40,8 +41,12 @@ class Roster:
     """Thread-safe view of the world's live nodes for one agent. `has_left(gr, inc)` tells
     whether that incarnation left on purpose (then its going is not a death)."""
 
-    def __init__(self, static: bool, has_left: Callable[[int, int], bool],
-                 left_reason: Callable[[int, int], str] | None = None) -> None:
+    def __init__(
+        self,
+        static: bool,
+        has_left: Callable[[int, int], bool],
+        left_reason: Callable[[int, int], str] | None = None,
+    ) -> None:
         self.static = static
         self._left_reason = left_reason
         self.lost = threading.Event()  # set when the others consider this agent dead
@@ -94,8 +99,9 @@ class Roster:
             self._leader = self._rule()
             return self._leader
 
-    def subscribe(self, on_dead: NodeCallback, on_join: NodeCallback | None,
-                  on_leader: NodeCallback | None) -> None:
+    def subscribe(
+        self, on_dead: NodeCallback, on_join: NodeCallback | None, on_leader: NodeCallback | None
+    ) -> None:
         with self._lock:
             self._on_dead, self._on_join, self._on_leader = on_dead, on_join, on_leader
 
@@ -169,8 +175,9 @@ class Roster:
             if self._closed.is_set() or self.lost.is_set():
                 return
             gr, inc = self._me
-            self.lost_info = info = Lost(kind, f"node {gr} (incarnation {inc}): {why}",
-                                         time.monotonic())
+            self.lost_info = info = Lost(
+                kind, f"node {gr} (incarnation {inc}): {why}", time.monotonic()
+            )
             self.lost.set()
             cb = self._on_lost
         log.error("%s", info.message)
@@ -204,8 +211,9 @@ class Roster:
         try:
             return self._has_left(gr, inc)
         except Exception as exc:  # noqa: BLE001 - a store hiccup must not stop liveness tracking
-            log.warning("cannot tell whether node %d left on purpose (%s): treating it as dead",
-                        gr, exc)
+            log.warning(
+                "cannot tell whether node %d left on purpose (%s): treating it as dead", gr, exc
+            )
             return False
 
     def _leader_changed(self, old: int, new: int) -> None:
