@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 from collections import deque
@@ -25,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.observe.logs import AgentLog
-from launcher.observe.metrics import Metrics, metrics_port
+from launcher.observe.metrics import Metrics
 from launcher.observe.timeline import Timeline
 from launcher.protocol import plan as P
+from launcher.protocol.budget import restarts_left
 
 PUBLISH_INTERVAL = 1.0
 RATE_WINDOW = 30.0  # seconds of heartbeats a steps-per-second figure is computed over
@@ -86,17 +86,11 @@ class NodeObserver:
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def start(cls, cfg: Any, log: AgentLog, run_dir: str) -> "NodeObserver":
-        """From the launch config and the environment; ValueError for a bad metrics port or
-        progress interval (the agent exits 2 with that line)."""
-        port = metrics_port(cfg.rdzv_conf, os.environ)
-        raw = os.environ.get("FTRUN_PROGRESS_INTERVAL", "5")
-        try:
-            interval = float(raw)
-        except ValueError:
-            interval = -1.0
-        if not interval > 0:
-            raise ValueError(f"FTRUN_PROGRESS_INTERVAL={raw!r}: must be seconds > 0")
-        obs = cls(log, run_dir, cfg.max_restarts, port, max(0.05, interval))
+        """From the launch config (`metrics_port`, `progress_interval`, checked there);
+        ValueError when the metrics port cannot be listened on (the agent exits 2 with it)."""
+        obs = cls(
+            log, run_dir, cfg.max_restarts, cfg.metrics_port, max(0.05, cfg.progress_interval)
+        )
         # the agent logged its `start` before the observer existed
         obs.timeline.feed(
             {
@@ -327,7 +321,7 @@ class NodeObserver:
         m = self.metrics
         assert m is not None
         m.restarts_used.set(self._restarts_used)
-        m.restarts_left.set(max(0, self.max_restarts - self._restarts_used))
+        m.restarts_left.set(restarts_left(self._restarts_used, self.max_restarts))
         m.generation.set(snapshot["generation"])
         alive = 0
         for r in snapshot["ranks"]:
