@@ -736,7 +736,8 @@ def _embedded_store(cfg: LaunchConfig, raw: dict) -> None:
             cfg.is_store_host = wants_to_host(cfg.store_host, cfg.rdzv_conf)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        return  # a busy port: joined as a client when it is this run's store (rendezvous.nodes.hosting)
+        # a busy port: joined as a client when it is this run's store (rendezvous.nodes.hosting)
+        return
     if cfg.is_store_host and cfg.store_port and not port_is_free("0.0.0.0", cfg.store_port):
         raise ConfigError(f"--master-port: port {cfg.store_port} is already in use on this host")
 

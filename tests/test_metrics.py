@@ -1,4 +1,5 @@
-"""Prometheus metrics of the agent (launcher/observe/metrics.py, fed by launcher/observe/observer.py).
+"""Prometheus metrics of the agent (launcher/observe/metrics.py, fed by
+launcher/observe/observer.py).
 
 The port setting is read by launcher.config (test_config); here: a bad one ends ftrun with
 exit 2 and one line, and one real 4-rank job with `--rdzv-conf metrics_port=PORT`,

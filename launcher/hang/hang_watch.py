@@ -5,11 +5,12 @@ Owns: `HangPolicy` (how long a rank may go without progress: `--hang-timeout aut
 from the step times seen so far, `--hang-timeout S` fixes it, `0` turns it off; the knobs
 `FTRUN_HANG_FLOOR`, `FTRUN_HANG_MULTIPLIER`, `FTRUN_HANG_FIRST_STEP`, `FTRUN_HANG_UNMODIFIED`,
 `FTRUN_HANG_STOP`, read and checked by `launcher.config`, which keeps the policy as
-`LaunchConfig.hang`), and `HangWatch`: for each local rank, when its heartbeat last showed progress (a new step, phase
-or committed step; mere liveness does not count), when it last sent a heartbeat at all, whether
-it says it waits on its peers inside a collective, its recent step and checkpoint durations,
-and `overdue()`: the ranks that hang, each as a `Hang` with the evidence. The agent acts on what
-it returns (stack dump, kill) and remembers the ranks it killed, so their exit is a hang.
+`LaunchConfig.hang`), and `HangWatch`: for each local rank, when its heartbeat last showed
+progress (a new step, phase or committed step; mere liveness does not count), when it last sent
+a heartbeat at all, whether it says it waits on its peers inside a collective, its recent step
+and checkpoint durations, and `overdue()`: the ranks that hang, each as a `Hang` with the
+evidence. The agent acts on what it returns (stack dump, kill) and remembers the ranks it
+killed, so their exit is a hang.
 
 The rule (auto):
   - a step: max(floor, multiplier x the slowest of the rank's last 20 steps) without progress
@@ -105,11 +106,8 @@ class HangPolicy:
     def describe(self) -> str:
         if not self.enabled:
             return "off"
-        steps = (
-            f"{self.timeout:g}s"
-            if self.timeout
-            else f"max({self.floor:g}s, {self.multiplier:g} x slowest of the last {RECENT_STEPS} steps)"
-        )
+        auto = f"{self.multiplier:g} x slowest of the last {RECENT_STEPS} steps"
+        steps = f"{self.timeout:g}s" if self.timeout else f"max({self.floor:g}s, {auto})"
         return (
             f"{steps}; first step and checkpoints {self.first_timeout():g}s; "
             f"unmodified scripts {self.unmodified_timeout():g}s; "
@@ -269,10 +267,11 @@ class HangWatch:
         if clock.stop is not None and (clock.stuck or overdue_stop):
             g, sent = clock.stop
             why = (
-                "its own check: the C++ wait outlived the shutdown of its sockets, a send gloo queued on a "
-                "failed connection"
+                "its own check: the C++ wait outlived the shutdown of its sockets, a send gloo "
+                "queued on a failed connection"
                 if clock.stuck
-                else f"the stop did not release it; allowance FTRUN_HANG_STOP {self.policy.stop_answer:g}s"
+                else "the stop did not release it; allowance FTRUN_HANG_STOP "
+                f"{self.policy.stop_answer:g}s"
             )
             return Hang(
                 rank,

@@ -2,8 +2,9 @@
 
 Owns: the agent's private registry and its HTTP exporter thread (`start()`/`stop()`) on the
 configured port (`LaunchConfig.metrics_port`: `--rdzv-conf metrics_port=PORT`, else
-`FTRUN_METRICS_PORT`; 0 = any free port, logged), and the metric names below. Values are set by the agent's observer (`launcher.observe.observer`), which
-derives them from the agent's events and its workers' heartbeats; nothing else calls in here.
+`FTRUN_METRICS_PORT`; 0 = any free port, logged), and the metric names below. Values are set
+by the agent's observer (`launcher.observe.observer`), which derives them from the agent's
+events and its workers' heartbeats; nothing else calls in here.
 
   ftrun_faults_total{kind}                     faults of this node's ranks, by fault kind
   ftrun_recovery_rounds_total{strategy,outcome} rounds this agent took part in, once ended

@@ -18,7 +18,8 @@ import click
 from rich.markup import escape
 
 from launcher.observe.logs import read_event_file, run_event_files
-from launcher.observe.timeline import Bar, FaultRow, NodeRow, RankRow, Round, RunView, Timeline
+from launcher.observe.run_view import Bar, FaultRow, NodeRow, RankRow, Round, RunView
+from launcher.observe.timeline import Timeline
 from launcher.protocol import plan as P
 from launcher.protocol.budget import restarts_left
 
@@ -220,7 +221,8 @@ def render(view: RunView, source: str) -> Any:
     )
     left = restarts_left(view.restarts_used, view.max_restarts)
     head = Text.from_markup(
-        f"[bold]ftrun job {escape(view.run_id or '?')}[/]  {escape(os.path.basename(view.script))}  "
+        f"[bold]ftrun job {escape(view.run_id or '?')}[/]  "
+        f"{escape(os.path.basename(view.script))}  "
         f"{_styled(state)}  generation {view.generation}  up {_age(now, view.start)}\n"
         f"restart budget: {view.restarts_used} used of {view.max_restarts}, [bold]{left} left[/]   "
         f"faults: {len(view.faults)}   time lost to recovery: {view.time_lost_s:.2f}s   "
