@@ -1,11 +1,13 @@
 """Validated launch configuration: the one object the CLI hands to the agent.
 
 Owns: `LaunchConfig` and `build_config()`, which turns raw CLI values (torchrun's flags plus
-ftrun's own) into resolved, checked settings, raising `ConfigError` with one line naming the flag,
-the value and what is allowed. `build_config` runs one named step per concern (what to run,
-topology, supervision, strategy, worker logs, rendezvous, store, proxy); endpoint strings are
-parsed by `rendezvous.store.endpoints`. Nothing here starts processes or opens sockets, except probing
-whether a local port is free.
+ftrun's own) and the FTRUN_* environment variables into resolved, checked settings, raising
+`ConfigError` with one line naming the flag or variable, the value and what is allowed. It is the
+one place the agent's side reads its settings from the environment (the workers' runtime reads
+its own, `launcher.runtime.env`). `build_config` runs one named step per concern (what to run,
+topology, supervision, strategy, worker logs, observation, rendezvous, store, proxy); endpoint
+strings are parsed by `rendezvous.store.endpoints`. Nothing here starts processes or opens
+sockets, except probing whether a local port is free.
 """
 
 from __future__ import annotations
@@ -20,8 +22,15 @@ import uuid
 from dataclasses import dataclass, field
 
 from launcher.control.repair_planning import AUTO_STRIPES, MAX_STRIPES
-from launcher.hang.hang_watch import HangPolicy
-from launcher.protocol import plan
+from launcher.hang.hang_watch import (
+    DEFAULT_FIRST_STEP,
+    DEFAULT_FLOOR,
+    DEFAULT_MULTIPLIER,
+    DEFAULT_STOP_ANSWER,
+    DEFAULT_UNMODIFIED,
+    HangPolicy,
+)
+from launcher.protocol import death_notice, plan
 from rendezvous.nodes.hosting import wants_to_host
 from rendezvous.nodes.settings import RendezvousSettings
 from rendezvous.store.endpoints import (
@@ -92,10 +101,12 @@ class LaunchConfig:
     # supervision
     max_restarts: int = 0
     monitor_interval: float = 0.1
-    hang_timeout: float | None = None  # None = auto (adaptive), 0 = off
-    hang: HangPolicy = field(default_factory=HangPolicy)  # --hang-timeout + FTRUN_HANG_* knobs
+    # --hang-timeout (`hang.timeout`: None = auto, 0 = off, else seconds) + FTRUN_HANG_* knobs
+    hang: HangPolicy = field(default_factory=HangPolicy)
+    death_notice: bool = True  # FTRUN_DEATH_NOTICE=0: exits seen through pidfds only
     fault_window: float = 2.0  # FTRUN_FAULT_WINDOW: s the controller holds possible consequences
     store_nice: int = DEFAULT_NICE  # FTRUN_STORE_NICE: the hosted store's loop thread priority
+    store_accel: bool = True  # FTRUN_STORE_ACCEL=0: the store's and proxy's Python paths only
     warm_spares: int = 2  # --warm-spares / FTRUN_WARM_SPARES: pre-started replacements per node
     transfer_stripes: int = (
         0  # FTRUN_TRANSFER_STRIPES: senders per replacement; 0 = auto (one per node)
@@ -111,6 +122,9 @@ class LaunchConfig:
     log_line_prefix_template: str | None = None
     duplicate_stdout_filters: list[str] = field(default_factory=list)
     duplicate_stderr_filters: list[str] = field(default_factory=list)
+    # observation (launcher.observe)
+    metrics_port: int | None = None  # --rdzv-conf metrics_port / FTRUN_METRICS_PORT; None = off
+    progress_interval: float = 5.0  # FTRUN_PROGRESS_INTERVAL: s between `progress` records
     # accepted for parity
     start_method: str = "spawn"
     event_log_handler: str = "null"
@@ -336,6 +350,7 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     _worker_logs(cfg, raw, env)
     _parity_flags(cfg, raw)
     _rendezvous(cfg, raw)
+    _observation(cfg, env)
     cfg.node_replace_timeout = parse_node_replace_timeout(cfg.rdzv_conf, env)
     _store_backend(cfg)
     _standalone(cfg)
@@ -344,7 +359,7 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     else:
         _etcd_node(cfg, raw)
     _proxy(cfg)
-    _store_priority(cfg, env)
+    _store_loop(cfg, env)
     _parity_notes(cfg)
     return cfg
 
@@ -392,11 +407,8 @@ def _supervision(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
         raise ConfigError(f"--shutdown-timeout: {st!r} is not a number of seconds") from None
     if cfg.shutdown_timeout < 0:
         raise ConfigError(f"--shutdown-timeout: {st} must be >= 0")
-    cfg.hang_timeout = parse_hang_timeout(raw.get("hang_timeout"))
-    try:
-        cfg.hang = HangPolicy.from_env(cfg.hang_timeout, env)
-    except ValueError as e:
-        raise ConfigError(f"{e} (hang detection knob, seconds)") from None
+    cfg.hang = parse_hang_policy(parse_hang_timeout(raw.get("hang_timeout")), env)
+    cfg.death_notice = parse_death_notice(env.get(death_notice.ENV, ""))
     raw_window = env.get("FTRUN_FAULT_WINDOW", "2")
     try:
         cfg.fault_window = float(raw_window)
@@ -465,6 +477,63 @@ def parse_hang_timeout(value: object) -> float | None:
     if seconds < 0 or seconds != seconds or seconds == float("inf"):
         raise ConfigError(f"--hang-timeout: {text!r} must be 'auto', 0 (off) or seconds > 0")
     return seconds
+
+
+# The FTRUN_HANG_* knobs of the automatic hang timeout: variable -> (HangPolicy field, default).
+HANG_KNOBS = {
+    "FTRUN_HANG_FLOOR": ("floor", DEFAULT_FLOOR),
+    "FTRUN_HANG_MULTIPLIER": ("multiplier", DEFAULT_MULTIPLIER),
+    "FTRUN_HANG_FIRST_STEP": ("first_step", DEFAULT_FIRST_STEP),
+    "FTRUN_HANG_UNMODIFIED": ("unmodified", DEFAULT_UNMODIFIED),
+    "FTRUN_HANG_STOP": ("stop_answer", DEFAULT_STOP_ANSWER),
+}
+
+
+def parse_hang_policy(timeout: float | None, env: dict[str, str]) -> HangPolicy:
+    """The hang policy: `timeout` (--hang-timeout, from `parse_hang_timeout`) and the
+    FTRUN_HANG_* knobs (seconds > 0; unset or empty: the default)."""
+    knobs = {}
+    for name, (attr, default) in HANG_KNOBS.items():
+        knobs[attr] = _hang_knob(name, env.get(name, ""), default)
+    return HangPolicy(timeout, **knobs)
+
+
+def _hang_knob(name: str, raw: str, default: float) -> float:
+    if raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{name}={raw!r} is not a number (hang detection knob, seconds)"
+        ) from None
+    if not value > 0:
+        raise ConfigError(f"{name}={raw!r} must be > 0 (hang detection knob, seconds)")
+    return value
+
+
+def parse_switch(name: str, raw: str, default: bool) -> bool:
+    """An on/off variable: 1/0 (also on/off, true/false, yes/no); unset or empty: `default`."""
+    text = raw.strip().lower()
+    if text == "":
+        return default
+    if text in ("1", "on", "true", "yes"):
+        return True
+    if text in ("0", "off", "false", "no"):
+        return False
+    raise ConfigError(
+        f"{name}={raw!r}: must be 1 (on) or 0 (off) (also on/off, true/false, yes/no)"
+    )
+
+
+def parse_death_notice(raw: str) -> bool:
+    """FTRUN_DEATH_NOTICE in ftrun's environment: 0 turns the early death notice off (default
+    on). A worker's slot ("<path>:<offset>", which ftrun sets for its workers) inherited by an
+    ftrun started inside a worker counts as unset."""
+    path, sep, offset = raw.strip().rpartition(":")
+    if sep and path and offset.isdigit():
+        return True
+    return parse_switch(death_notice.ENV, raw, True)
 
 
 def _recover_strategy(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
@@ -537,6 +606,42 @@ def _rendezvous(cfg: LaunchConfig, raw: dict) -> None:
     cfg.join_timeout = cfg.rdzv_settings.join_timeout
     cfg.last_call_timeout = cfg.rdzv_settings.last_call_timeout
     cfg.token_file = cfg.rdzv_conf.get("token_file")
+
+
+def _observation(cfg: LaunchConfig, env: dict[str, str]) -> None:
+    """What the agent's observer publishes: the metrics port and the progress records' pace."""
+    cfg.metrics_port = parse_metrics_port(cfg.rdzv_conf, env)
+    cfg.progress_interval = parse_progress_interval(env.get("FTRUN_PROGRESS_INTERVAL", ""))
+
+
+def parse_metrics_port(conf: dict[str, str], env: dict[str, str]) -> int | None:
+    """`--rdzv-conf metrics_port=PORT`, else FTRUN_METRICS_PORT; 0 = any free port; None (no
+    metrics) when neither is set."""
+    if "metrics_port" in conf:
+        raw, where = conf["metrics_port"], "--rdzv-conf metrics_port"
+    elif env.get("FTRUN_METRICS_PORT", "") != "":
+        raw, where = env["FTRUN_METRICS_PORT"], "FTRUN_METRICS_PORT"
+    else:
+        return None
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"{where}={raw!r}: must be a port number 0-65535 (0 = any free port)")
+    return port
+
+
+def parse_progress_interval(raw: str) -> float:
+    """FTRUN_PROGRESS_INTERVAL: seconds between `progress` records (default 5)."""
+    text = raw.strip() or "5"
+    try:
+        interval = float(text)
+    except ValueError:
+        interval = -1.0
+    if not (math.isfinite(interval) and interval > 0):
+        raise ConfigError(f"FTRUN_PROGRESS_INTERVAL={raw!r}: must be seconds > 0")
+    return interval
 
 
 def parse_node_replace_timeout(conf: dict[str, str], env: dict[str, str]) -> float:
@@ -631,7 +736,8 @@ def _embedded_store(cfg: LaunchConfig, raw: dict) -> None:
             cfg.is_store_host = wants_to_host(cfg.store_host, cfg.rdzv_conf)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        return  # a busy port: joined as a client when it is this run's store (rendezvous.nodes.hosting)
+        # a busy port: joined as a client when it is this run's store (rendezvous.nodes.hosting)
+        return
     if cfg.is_store_host and cfg.store_port and not port_is_free("0.0.0.0", cfg.store_port):
         raise ConfigError(f"--master-port: port {cfg.store_port} is already in use on this host")
 
@@ -679,12 +785,14 @@ def _proxy(cfg: LaunchConfig) -> None:
         )
 
 
-def _store_priority(cfg: LaunchConfig, env: dict[str, str]) -> None:
-    """FTRUN_STORE_NICE: the nice value of the hosted store's loop thread (not the proxy's)."""
+def _store_loop(cfg: LaunchConfig, env: dict[str, str]) -> None:
+    """FTRUN_STORE_NICE: the nice value of the hosted store's loop thread (not the proxy's);
+    FTRUN_STORE_ACCEL: whether the store and the proxy use their C read paths (when built)."""
     try:
         cfg.store_nice = loop_nice(env)
     except ValueError as e:
         raise ConfigError(str(e)) from None
+    cfg.store_accel = parse_switch("FTRUN_STORE_ACCEL", env.get("FTRUN_STORE_ACCEL", ""), True)
 
 
 def _parity_notes(cfg: LaunchConfig) -> None:

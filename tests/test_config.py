@@ -7,7 +7,15 @@ import re
 import pytest
 
 from launcher.cli.ftrun import parse
-from launcher.config import ConfigError, build_config, strategy_from_seed_env
+from launcher.config import (
+    ConfigError,
+    build_config,
+    parse_death_notice,
+    parse_hang_policy,
+    parse_metrics_port,
+    parse_switch,
+    strategy_from_seed_env,
+)
 from launcher.protocol import plan as P
 
 SCRIPT = __file__
@@ -87,9 +95,9 @@ def test_shutdown_timeout_env_fallback() -> None:
 def test_hang_timeout_is_auto_by_default_seconds_or_zero_and_bad_values_are_one_line() -> None:
     c = cfg()
     assert (
-        c.hang_timeout is None and c.hang.enabled and c.hang.floor == 30.0 and c.fault_window == 2.0
+        c.hang.timeout is None and c.hang.enabled and c.hang.floor == 30.0 and c.fault_window == 2.0
     )
-    assert cfg("--hang-timeout", "auto").hang_timeout is None
+    assert cfg("--hang-timeout", "auto").hang.timeout is None
     assert cfg("--hang_timeout", "45").hang.step_timeout([1.0]) == 45.0
     assert not cfg("--hang-timeout", "0").hang.enabled
     for bad, why in (
@@ -117,6 +125,85 @@ def test_hang_timeout_is_auto_by_default_seconds_or_zero_and_bad_values_are_one_
             cfg(env={"FTRUN_TRANSFER_STRIPES": bad})
     with pytest.raises(ConfigError, match="^FTRUN_FAULT_WINDOW='soon': must be seconds in 0..60"):
         cfg(env={"FTRUN_FAULT_WINDOW": "soon"})
+
+
+def test_hang_policy_from_the_flag_and_the_environment_with_one_line_errors() -> None:
+    pol = parse_hang_policy(None, {"FTRUN_HANG_FLOOR": "2.5", "FTRUN_HANG_MULTIPLIER": "4"})
+    assert (pol.floor, pol.multiplier, pol.first_step, pol.unmodified) == (2.5, 4.0, 300.0, 600.0)
+    assert pol.step_timeout([1.0]) == 4.0 and pol.unmodified_timeout() == 600.0
+    assert parse_hang_policy(7.0, {}).unmodified_timeout() == 7.0
+    assert parse_hang_policy(None, {"FTRUN_HANG_STOP": "7"}).stop_answer == 7.0
+    assert parse_hang_policy(None, {"FTRUN_HANG_FIRST_STEP": ""}).first_step == 300.0
+    for name, raw in (
+        ("FTRUN_HANG_FLOOR", "x"),
+        ("FTRUN_HANG_MULTIPLIER", "0"),
+        ("FTRUN_HANG_FIRST_STEP", "-1"),
+        ("FTRUN_HANG_UNMODIFIED", "nan"),
+        ("FTRUN_HANG_STOP", "0"),
+    ):
+        with pytest.raises(ConfigError, match=f"^{name}=.*\\(hang detection knob, seconds\\)$"):
+            parse_hang_policy(None, {name: raw})
+    c = cfg("--hang-timeout", "12", env={"FTRUN_HANG_UNMODIFIED": "90"})
+    assert (c.hang.timeout, c.hang.unmodified, c.hang.unmodified_timeout()) == (12.0, 90.0, 12.0)
+
+
+def test_metrics_port_from_rdzv_conf_then_environment() -> None:
+    assert parse_metrics_port({}, {}) is None
+    assert parse_metrics_port({}, {"FTRUN_METRICS_PORT": ""}) is None
+    assert parse_metrics_port({}, {"FTRUN_METRICS_PORT": "9100"}) == 9100
+    assert parse_metrics_port({"metrics_port": "9200"}, {"FTRUN_METRICS_PORT": "9100"}) == 9200
+    assert parse_metrics_port({"metrics_port": "0"}, {}) == 0
+    assert cfg().metrics_port is None
+    assert cfg("--rdzv_conf", "metrics_port=9300").metrics_port == 9300
+    assert cfg(env={"FTRUN_METRICS_PORT": "9100"}).metrics_port == 9100
+
+
+@pytest.mark.parametrize(
+    "conf,env,needle",
+    [
+        ({"metrics_port": "http"}, {}, "--rdzv-conf metrics_port='http'"),
+        ({}, {"FTRUN_METRICS_PORT": "70000"}, "FTRUN_METRICS_PORT='70000'"),
+    ],
+)
+def test_bad_metrics_port_names_the_setting(conf, env, needle) -> None:
+    with pytest.raises(ConfigError, match=re.escape(needle) + ": must be a port number 0-65535"):
+        parse_metrics_port(conf, env)
+    args = ("--rdzv_conf", f"metrics_port={conf['metrics_port']}") if conf else ()
+    with pytest.raises(ConfigError, match="^" + re.escape(needle)):
+        cfg(*args, env=env)
+
+
+def test_progress_interval_from_the_environment_and_its_one_line_error() -> None:
+    assert cfg().progress_interval == 5.0
+    assert cfg(env={"FTRUN_PROGRESS_INTERVAL": "0.3"}).progress_interval == 0.3
+    assert cfg(env={"FTRUN_PROGRESS_INTERVAL": ""}).progress_interval == 5.0
+    for bad in ("0", "-1", "soon", "inf", "nan"):
+        with pytest.raises(
+            ConfigError, match=f"^FTRUN_PROGRESS_INTERVAL='{bad}': must be seconds > 0$"
+        ):
+            cfg(env={"FTRUN_PROGRESS_INTERVAL": bad})
+
+
+def test_switches_store_accel_and_death_notice() -> None:
+    for on in ("1", "on", "TRUE", "yes", " 1 "):
+        assert parse_switch("FTRUN_X", on, False) is True
+    for off in ("0", "off", "false", "No"):
+        assert parse_switch("FTRUN_X", off, True) is False
+    assert (
+        parse_switch("FTRUN_X", "", True) is True and parse_switch("FTRUN_X", " ", False) is False
+    )
+    with pytest.raises(ConfigError, match=r"^FTRUN_X='2': must be 1 \(on\) or 0 \(off\)"):
+        parse_switch("FTRUN_X", "2", True)
+    c = cfg()
+    assert c.store_accel and c.death_notice
+    assert not cfg(env={"FTRUN_STORE_ACCEL": "0"}).store_accel
+    assert not cfg(env={"FTRUN_DEATH_NOTICE": "0"}).death_notice
+    # the slot ftrun gives its workers, inherited by an ftrun started inside one: on
+    assert parse_death_notice("/proc/12/fd/5:64") and parse_death_notice("1")
+    with pytest.raises(ConfigError, match="^FTRUN_STORE_ACCEL='fast': must be 1"):
+        cfg(env={"FTRUN_STORE_ACCEL": "fast"})
+    with pytest.raises(ConfigError, match="^FTRUN_DEATH_NOTICE='maybe': must be 1"):
+        cfg(env={"FTRUN_DEATH_NOTICE": "maybe"})
 
 
 def test_warm_spares_flag_env_and_bad_values_are_one_line() -> None:

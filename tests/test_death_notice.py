@@ -154,9 +154,9 @@ def test_a_held_or_bogus_slot_is_not_taken(board):
     assert not board.watch("/elsewhere:0", os.getpid(), 1, lambda c: None)
 
 
-def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv("FTRUN_DEATH_NOTICE", "0")
-    b = dn.NoticeBoard(nproc=1)
+def test_switched_off_when_asked():
+    """`enabled=False`: FTRUN_DEATH_NOTICE=0 (read by launcher.config, see test_config)."""
+    b = dn.NoticeBoard(nproc=1, enabled=False)
     try:
         assert not b.enabled and b.arm(0, 0) is None
     finally:

@@ -23,7 +23,7 @@ from rendezvous.store.memory import LocalKV
 
 @pytest.fixture()
 def guard(tmp_path):
-    cfg = LaunchConfig(script="x.py", script_args=[], hang_timeout=5.0, hang=HangPolicy(5.0))
+    cfg = LaunchConfig(script="x.py", script_args=[], hang=HangPolicy(5.0))
     run_dir = RunLogDir.create(str(tmp_path), "job")
     log = AgentLog(0, run_dir.events_path, quiet=True)
     workers = NodeWorkers.create(0, 3)

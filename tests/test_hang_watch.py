@@ -1,10 +1,8 @@
 """The hang watch: progress (not liveness) resets a rank's clock; the allowance adapts to the step
 times (floor, multiplier, first step, checkpoints); waiting ranks are spared unless their process
-is frozen; the knobs come from --hang-timeout and FTRUN_HANG_*."""
+is frozen; the policy's fixed timeout (--hang-timeout) and knobs (FTRUN_HANG_*)."""
 
 from __future__ import annotations
-
-import pytest
 
 from launcher.hang.hang_watch import HangPolicy, HangWatch
 from launcher.protocol.messages import Heartbeat
@@ -139,23 +137,11 @@ def test_a_killed_rank_exits_as_a_hang_once() -> None:
     assert hang.evidence()["basis"] == hang.basis and hang.evidence()["weak"] is False
 
 
-def test_policy_from_env_and_its_one_line_errors() -> None:
-    pol = HangPolicy.from_env(None, {"FTRUN_HANG_FLOOR": "2.5", "FTRUN_HANG_MULTIPLIER": "4"})
-    assert (pol.floor, pol.multiplier, pol.first_step, pol.unmodified) == (2.5, 4.0, 300.0, 600.0)
-    assert pol.step_timeout([1.0]) == 4.0 and pol.unmodified_timeout() == 600.0
-    assert HangPolicy.from_env(7.0, {}).unmodified_timeout() == 7.0
+def test_policy_describes_itself_in_one_line() -> None:
+    """(The FTRUN_HANG_* knobs are read by launcher.config: test_config.)"""
     assert "max(30s, 10 x slowest of the last 20 steps)" in HangPolicy().describe()
-    assert HangPolicy.from_env(None, {"FTRUN_HANG_STOP": "7"}).stop_answer == 7.0
     assert "after a recovery stop 3s" in HangPolicy().describe()
-    for name, raw in (
-        ("FTRUN_HANG_FLOOR", "x"),
-        ("FTRUN_HANG_MULTIPLIER", "0"),
-        ("FTRUN_HANG_FIRST_STEP", "-1"),
-        ("FTRUN_HANG_UNMODIFIED", "nan"),
-        ("FTRUN_HANG_STOP", "0"),
-    ):
-        with pytest.raises(ValueError, match=f"^{name}="):
-            HangPolicy.from_env(None, {name: raw})
+    assert HangPolicy(7.0).unmodified_timeout() == 7.0 and HangPolicy(0.0).describe() == "off"
 
 
 def test_step_times_the_rank_sent_count_even_when_the_agent_never_saw_two_step_starts() -> None:

@@ -1,5 +1,5 @@
-"""launcher.observe.logs: the agent's console lines and events.jsonl, torchrun's log-directory layout,
-and the output pump that copies worker pipes to files and the console."""
+"""launcher.observe.logs: the agent's console lines and events.jsonl, torchrun's log-directory
+layout, and the output pump that copies worker pipes to files and the console."""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""Prometheus metrics of the agent (launcher/observe/metrics.py, fed by launcher/observe/observer.py).
+"""Prometheus metrics of the agent (launcher/observe/metrics.py, fed by
+launcher/observe/observer.py).
 
-Unit: the port setting. Integration: one real 4-rank job with `--rdzv-conf metrics_port=PORT`,
+The port setting is read by launcher.config (test_config); here: a bad one ends ftrun with
+exit 2 and one line, and one real 4-rank job with `--rdzv-conf metrics_port=PORT`,
 scraped over HTTP while it trains, then again after `ftctl inject` killed a rank: the fault,
 round, phase and budget metrics move."""
 
@@ -9,32 +11,9 @@ from __future__ import annotations
 import time
 import urllib.request
 
-import pytest
 from helpers_launch import FTRUN, free_port, run
 from helpers_observe import ObservedJob, ftctl, job_env
 from prometheus_client.parser import text_string_to_metric_families
-
-from launcher.observe.metrics import metrics_port
-
-
-def test_port_from_rdzv_conf_then_environment():
-    assert metrics_port({}, {}) is None
-    assert metrics_port({}, {"FTRUN_METRICS_PORT": ""}) is None
-    assert metrics_port({}, {"FTRUN_METRICS_PORT": "9100"}) == 9100
-    assert metrics_port({"metrics_port": "9200"}, {"FTRUN_METRICS_PORT": "9100"}) == 9200
-    assert metrics_port({"metrics_port": "0"}, {}) == 0
-
-
-@pytest.mark.parametrize(
-    "conf,env,needle",
-    [
-        ({"metrics_port": "http"}, {}, "--rdzv-conf metrics_port='http'"),
-        ({}, {"FTRUN_METRICS_PORT": "70000"}, "FTRUN_METRICS_PORT='70000'"),
-    ],
-)
-def test_bad_port_names_the_setting(conf, env, needle):
-    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
-        metrics_port(conf, env)
 
 
 def test_bad_port_exits_2_with_one_line(tmp_path):

@@ -1,5 +1,6 @@
-"""launcher/observe/observer.py: the agent's event sink. Heartbeat observations become steps per second,
-`progress` records and `rank-resumed` (the first commit after a round); plus AgentLog's sinks."""
+"""launcher/observe/observer.py: the agent's event sink. Heartbeat observations become steps per
+second, `progress` records and `rank-resumed` (the first commit after a round); plus AgentLog's
+sinks."""
 
 from __future__ import annotations
 

@@ -314,10 +314,15 @@ def test_a_reply_larger_than_the_socket_buffer_arrives_whole() -> None:
         s.close()
 
 
-def test_ftrun_store_accel_0_turns_it_off(monkeypatch) -> None:
-    monkeypatch.setenv("FTRUN_STORE_ACCEL", "0")
-    srv = StoreServer(host="127.0.0.1")
-    assert srv._read_quick is None
+def test_accel_false_turns_it_off() -> None:
+    """`accel=False` (FTRUN_STORE_ACCEL=0, read by launcher.config and `ftctl store serve`):
+    the Python paths only, in the server and in the proxy."""
+    from rendezvous.store.proxy import StoreProxy
+
+    px = StoreProxy(("127.0.0.1", 1), accel=False)
+    assert px._proxy_read is None and px._turn is None and px._flush_out is None
+    srv = StoreServer(host="127.0.0.1", accel=False)
+    assert srv._read_quick is None and srv._turn is None and srv._flush_out is None
     with srv:
         s = socket.create_connection(("127.0.0.1", srv.port), timeout=5)
         s.sendall(P.handshake_bytes(2) + req(P.Op.ADD, [b"/x"], num=4))

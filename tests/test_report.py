@@ -1,6 +1,6 @@
-"""`ftctl report` (launcher/observe/report.py): the page of one real 4-rank run with two faults (a killed
-rank: recover-in-place; an injected UCE: retry), shared by the tests of this file, loaded in a
-real headless Chromium (DOM after its scripts ran, and a PNG screenshot)."""
+"""`ftctl report` (launcher/observe/report.py): the page of one real 4-rank run with two faults
+(a killed rank: recover-in-place; an injected UCE: retry), shared by the tests of this file,
+loaded in a real headless Chromium (DOM after its scripts ran, and a PNG screenshot)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from helpers_observe import ObservedJob, ftctl
 
 from launcher.observe.report import render
-from launcher.observe.timeline import PHASES, RunView
+from launcher.observe.run_view import PHASES, RunView
 
 FAULTS = [
     {"rank": 1, "step": 4, "phase": "forward", "kind": "kill", "generation": 0},

@@ -1,4 +1,5 @@
-"""Tests for rendezvous.nodes.settings: torchrun's --rdzv-conf names, defaults and one-line errors."""
+"""Tests for rendezvous.nodes.settings: torchrun's --rdzv-conf names, defaults and one-line
+errors."""
 
 from __future__ import annotations
 

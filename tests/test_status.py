@@ -1,5 +1,6 @@
-"""`ftctl status` (launcher/observe/status.py): a live 4-rank job read through its store while it trains
-and while it recovers from an injected kill, then the finished run read from its directory."""
+"""`ftctl status` (launcher/observe/status.py): a live 4-rank job read through its store while it
+trains and while it recovers from an injected kill, then the finished run read from its
+directory."""
 
 from __future__ import annotations
 

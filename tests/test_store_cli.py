@@ -78,3 +78,20 @@ def test_serve_rejects_a_bad_store_nice_in_one_line() -> None:
     )
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "FTRUN_STORE_NICE='high'" in r.stderr and "-20" in r.stderr
+
+
+def test_serve_reads_ftrun_store_accel_and_rejects_a_bad_one_in_one_line() -> None:
+    """`--accel/--no-accel`, default from FTRUN_STORE_ACCEL (ftrun's agent reads the same
+    variable in launcher.config); a value that is not a switch ends with one line."""
+    r = ftctl(
+        "store",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        env=env_with(FTRUN_STORE_ACCEL="fast"),
+    )
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "FTRUN_STORE_ACCEL" in r.stderr or "'fast'" in r.stderr
+    assert "--no-accel" in ftctl("store", "serve", "--help").stdout

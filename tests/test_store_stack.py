@@ -73,3 +73,23 @@ def test_the_hosted_store_loop_at_ftrun_store_nice_and_the_proxy_at_its_own(tmp_
         assert thread_nice(threading.get_native_id()) == me
     finally:
         stack.close()
+
+
+def test_ftrun_store_accel_0_reaches_the_hosted_store_and_the_proxy(tmp_path) -> None:
+    """FTRUN_STORE_ACCEL goes from the CLI's environment through the config (`store_accel`) to
+    the store the agent hosts and to its node proxy: 0 leaves both on their Python paths."""
+    (tmp_path / "x.py").write_text("")
+    argv = ["--nproc_per_node", "2", "--rdzv-conf", "proxy=true", str(tmp_path / "x.py")]
+    for env, accel in (({"FTRUN_STORE_ACCEL": "0"}, False), ({}, True)):
+        cfg = build_config(parse(argv), env=env)
+        assert cfg.store_accel is accel
+        stack = StoreStack(cfg, AgentLog(0, None, quiet=True))
+        try:
+            stack.open()
+            stack.join("h", lambda n: None, lambda n: None)
+            stack.start_proxy()
+            assert stack._server.accel is accel and stack._proxy.accel is accel
+            if not accel:
+                assert stack._server._read_quick is None and stack._proxy._proxy_read is None
+        finally:
+            stack.close()

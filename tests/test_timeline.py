@@ -1,5 +1,6 @@
-"""launcher/observe/timeline.py: rounds, phases, faults and costs rebuilt from events (synthetic events
-shaped like the agent's; the real ones are covered by test_report and test_status)."""
+"""launcher/observe/timeline.py (with run_view and round_phases): rounds, phases, faults and costs
+rebuilt from events (synthetic events shaped like the agent's; the real ones are covered by
+test_report and test_status)."""
 
 from __future__ import annotations
 

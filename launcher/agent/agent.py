@@ -154,7 +154,7 @@ class Agent:
         for note in cfg.notes:
             self.log.info("note", note)
         self.log.info(
-            "hang-policy", f"hang detection: {cfg.hang.describe()}", hang_timeout=cfg.hang_timeout
+            "hang-policy", f"hang detection: {cfg.hang.describe()}", hang_timeout=cfg.hang.timeout
         )
         if "OMP_NUM_THREADS" not in os.environ and cfg.nproc_per_node > 1:
             self.log.warning(
@@ -220,7 +220,7 @@ class Agent:
         self.loop_store = LoopStore(self.kv, self.log)
         self.channel = ChannelServer(os.path.join(self._sock_dir, "agent.sock"), self.events)
         self.reaper = Reaper(self.events)
-        self.notices = NoticeBoard(self.cfg.nproc_per_node)
+        self.notices = NoticeBoard(self.cfg.nproc_per_node, self.cfg.death_notice)
         self._master = self.stack.start_proxy()
         self.stack.publish(self._world(), self.run_dir.path)
         self._enter_world()

@@ -222,8 +222,8 @@ class HangGuard:
 
     def _timeout_flag(self) -> str:
         return (
-            f"--hang-timeout {self.cfg.hang_timeout:g}"
-            if self.cfg.hang_timeout
+            f"--hang-timeout {self.policy.timeout:g}"
+            if self.policy.timeout
             else "--hang-timeout auto"
         )
 

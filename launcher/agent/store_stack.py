@@ -134,6 +134,7 @@ class StoreStack:
             token=self.token,
             timeout=cfg.rdzv_settings.read_timeout,
             nice=cfg.store_nice,
+            accel=cfg.store_accel,
         )
         self._server, self.hosting = h.server, h.hosting
         if h.hosting and cfg.proxy and self.token is None:
@@ -175,6 +176,7 @@ class StoreStack:
             port=cfg.store_port,
             token=self.token if cfg.proxy else None,
             nice=cfg.store_nice,
+            accel=cfg.store_accel,
         )
         self._server.start()
         self.hosting = True
@@ -368,11 +370,16 @@ class StoreStack:
         from rendezvous.store.proxy import StoreProxy
 
         if cfg.store_backend == "etcd":
-            self._proxy = StoreProxy(self._etcd_kv, listen_host="127.0.0.1", port=0)
+            self._proxy = StoreProxy(
+                self._etcd_kv, listen_host="127.0.0.1", port=0, accel=cfg.store_accel
+            )
         else:
             host = "127.0.0.1" if self._server is not None else cfg.store_host
             self._proxy = StoreProxy(
-                (host, self.store_port(), self.token), listen_host="127.0.0.1", port=0
+                (host, self.store_port(), self.token),
+                listen_host="127.0.0.1",
+                port=0,
+                accel=cfg.store_accel,
             )
         self._proxy.start()
         self.log.info("proxy", f"store proxy for local workers on 127.0.0.1:{self._proxy.port}")

@@ -2,7 +2,8 @@
 
 Owns: the click group and its job-level subcommands. Store subcommands (`ftctl store serve|get|
 set|ls`) come from `rendezvous.store.store_cli`; fault injection (`ftctl inject`) from
-`launcher.cli.inject`; `ftctl status` from `launcher.observe.status`; `ftctl report` from `launcher.observe.report`.
+`launcher.cli.inject`; `ftctl status` from `launcher.observe.status`; `ftctl report` from
+`launcher.observe.report`.
 A store or token error from any subcommand ends as one line and exit 1.
 """
 

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from launcher.protocol import plan as P
+from launcher.protocol.budget import restarts_left
 from launcher.protocol.faults import FROZEN_STATES as FROZEN
 from launcher.protocol.faults import IN_PLACE_KINDS, FaultKind
 
@@ -84,7 +85,7 @@ class Budget:
 
     @property
     def left(self) -> bool:
-        return self.used < self.limit
+        return restarts_left(self.used, self.limit) > 0
 
     def charge(self) -> "Budget":
         return dataclasses.replace(self, used=self.used + 1)

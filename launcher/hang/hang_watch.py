@@ -4,12 +4,13 @@ a timeout that adapts to the job.
 Owns: `HangPolicy` (how long a rank may go without progress: `--hang-timeout auto` derives it
 from the step times seen so far, `--hang-timeout S` fixes it, `0` turns it off; the knobs
 `FTRUN_HANG_FLOOR`, `FTRUN_HANG_MULTIPLIER`, `FTRUN_HANG_FIRST_STEP`, `FTRUN_HANG_UNMODIFIED`,
-`FTRUN_HANG_STOP`),
-and `HangWatch`: for each local rank, when its heartbeat last showed progress (a new step, phase
-or committed step; mere liveness does not count), when it last sent a heartbeat at all, whether
-it says it waits on its peers inside a collective, its recent step and checkpoint durations,
-and `overdue()`: the ranks that hang, each as a `Hang` with the evidence. The agent acts on what
-it returns (stack dump, kill) and remembers the ranks it killed, so their exit is a hang.
+`FTRUN_HANG_STOP`, read and checked by `launcher.config`, which keeps the policy as
+`LaunchConfig.hang`), and `HangWatch`: for each local rank, when its heartbeat last showed
+progress (a new step, phase or committed step; mere liveness does not count), when it last sent
+a heartbeat at all, whether it says it waits on its peers inside a collective, its recent step
+and checkpoint durations, and `overdue()`: the ranks that hang, each as a `Hang` with the
+evidence. The agent acts on what it returns (stack dump, kill) and remembers the ranks it
+killed, so their exit is a hang.
 
 The rule (auto):
   - a step: max(floor, multiplier x the slowest of the rank's last 20 steps) without progress
@@ -50,7 +51,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable
 
 from launcher.protocol.faults import FROZEN_STATES
 from launcher.protocol.messages import Heartbeat
@@ -65,74 +66,48 @@ DEFAULT_UNMODIFIED = 600.0  # unmodified scripts with auto: NCCL's default colle
 DEFAULT_STOP_ANSWER = 3.0  # a survivor still blocked in a collective this long after a stop
 
 
-def _env_seconds(env: Mapping[str, str], name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r} must be > 0")
-    return value
-
-
 @dataclass(frozen=True)
 class HangPolicy:
-    """How long a rank may go without progress. `explicit`: None = auto, 0 = off, else seconds."""
+    """How long a rank may go without progress. `timeout` is --hang-timeout: None = auto, 0 =
+    off, else seconds; the rest are the FTRUN_HANG_* knobs (read by `launcher.config`)."""
 
-    explicit: float | None = None
+    timeout: float | None = None
     floor: float = DEFAULT_FLOOR
     multiplier: float = DEFAULT_MULTIPLIER
     first_step: float = DEFAULT_FIRST_STEP
     unmodified: float = DEFAULT_UNMODIFIED
     stop_answer: float = DEFAULT_STOP_ANSWER
 
-    @classmethod
-    def from_env(cls, explicit: float | None, env: Mapping[str, str]) -> "HangPolicy":
-        """The policy for `--hang-timeout` and the FTRUN_HANG_* knobs; ValueError (one line)."""
-        return cls(
-            explicit,
-            _env_seconds(env, "FTRUN_HANG_FLOOR", DEFAULT_FLOOR),
-            _env_seconds(env, "FTRUN_HANG_MULTIPLIER", DEFAULT_MULTIPLIER),
-            _env_seconds(env, "FTRUN_HANG_FIRST_STEP", DEFAULT_FIRST_STEP),
-            _env_seconds(env, "FTRUN_HANG_UNMODIFIED", DEFAULT_UNMODIFIED),
-            _env_seconds(env, "FTRUN_HANG_STOP", DEFAULT_STOP_ANSWER),
-        )
-
     @property
     def enabled(self) -> bool:
-        return self.explicit != 0
+        return self.timeout != 0
 
     def step_timeout(self, recent: "deque[float] | list[float]") -> float:
-        """A step after the first: the explicit value, or max(floor, multiplier x slowest)."""
+        """A step after the first: the fixed timeout, or max(floor, multiplier x slowest)."""
         if not recent:
             return self.first_timeout()
-        if self.explicit:
-            return self.explicit
+        if self.timeout:
+            return self.timeout
         return max(self.floor, self.multiplier * max(recent))
 
     def first_timeout(self) -> float:
         """The first step of a process (no step time known yet)."""
-        return max(self.explicit or 0.0, self.first_step)
+        return max(self.timeout or 0.0, self.first_step)
 
     def checkpoint_timeout(self, recent: "deque[float] | list[float]") -> float:
         longest = max(recent) if recent else 0.0
         return max(self.first_timeout(), self.multiplier * longest)
 
     def unmodified_timeout(self) -> float:
-        """Workers that do not use launcher.runtime (no heartbeats): explicit, or the default."""
-        return self.explicit or self.unmodified
+        """Workers that do not use launcher.runtime (no heartbeats): the fixed timeout, or the
+        default."""
+        return self.timeout or self.unmodified
 
     def describe(self) -> str:
         if not self.enabled:
             return "off"
-        steps = (
-            f"{self.explicit:g}s"
-            if self.explicit
-            else f"max({self.floor:g}s, {self.multiplier:g} x slowest of the last {RECENT_STEPS} steps)"
-        )
+        auto = f"{self.multiplier:g} x slowest of the last {RECENT_STEPS} steps"
+        steps = f"{self.timeout:g}s" if self.timeout else f"max({self.floor:g}s, {auto})"
         return (
             f"{steps}; first step and checkpoints {self.first_timeout():g}s; "
             f"unmodified scripts {self.unmodified_timeout():g}s; "
@@ -292,10 +267,11 @@ class HangWatch:
         if clock.stop is not None and (clock.stuck or overdue_stop):
             g, sent = clock.stop
             why = (
-                "its own check: the C++ wait outlived the shutdown of its sockets, a send gloo queued on a "
-                "failed connection"
+                "its own check: the C++ wait outlived the shutdown of its sockets, a send gloo "
+                "queued on a failed connection"
                 if clock.stuck
-                else f"the stop did not release it; allowance FTRUN_HANG_STOP {self.policy.stop_answer:g}s"
+                else "the stop did not release it; allowance FTRUN_HANG_STOP "
+                f"{self.policy.stop_answer:g}s"
             )
             return Hang(
                 rank,

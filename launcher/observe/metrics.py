@@ -1,9 +1,10 @@
 """Prometheus metrics of one agent (off unless a port is given).
 
-Owns: the port setting (`--rdzv-conf metrics_port=PORT`, else `FTRUN_METRICS_PORT`; 0 = any free
-port, logged), the agent's private registry and its HTTP exporter thread (`start()`/`stop()`),
-and the metric names below. Values are set by the agent's observer (`launcher.observe.observer`), which
-derives them from the agent's events and its workers' heartbeats; nothing else calls in here.
+Owns: the agent's private registry and its HTTP exporter thread (`start()`/`stop()`) on the
+configured port (`LaunchConfig.metrics_port`: `--rdzv-conf metrics_port=PORT`, else
+`FTRUN_METRICS_PORT`; 0 = any free port, logged), and the metric names below. Values are set
+by the agent's observer (`launcher.observe.observer`), which derives them from the agent's
+events and its workers' heartbeats; nothing else calls in here.
 
   ftrun_faults_total{kind}                     faults of this node's ranks, by fault kind
   ftrun_recovery_rounds_total{strategy,outcome} rounds this agent took part in, once ended
@@ -22,7 +23,6 @@ derives them from the agent's events and its workers' heartbeats; nothing else c
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Callable, Iterator
 
@@ -45,23 +45,6 @@ PHASE_BUCKETS = (
     300.0,
 )
 STORE_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0)
-
-
-def metrics_port(rdzv_conf: dict[str, str], environ: dict[str, str] | os._Environ) -> int | None:
-    """The configured port, None when metrics are off. ValueError names the bad setting."""
-    if "metrics_port" in rdzv_conf:
-        raw, where = rdzv_conf["metrics_port"], "--rdzv-conf metrics_port"
-    elif environ.get("FTRUN_METRICS_PORT", "") != "":
-        raw, where = environ["FTRUN_METRICS_PORT"], "FTRUN_METRICS_PORT"
-    else:
-        return None
-    try:
-        port = int(raw)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise ValueError(f"{where}={raw!r}: must be a port number 0-65535 (0 = any free port)")
-    return port
 
 
 class Metrics:

@@ -5,19 +5,19 @@ worker heartbeat observation; the agent never calls it per event). From them it 
   - a `Timeline` of the run as this agent sees it (the leader's includes the controller's
     decisions: faults, strategies, rounds),
   - each local rank's live progress: step, phase, committed step, steps per second,
-and it records, in `events.jsonl`, `progress` samples (every `FTRUN_PROGRESS_INTERVAL` s, default
-5, when something changed, and at the start of every round) and `rank-resumed` (the first step a
-rank commits after a recovery round: the end of the round's `resume` phase). Its thread publishes
-the node's status to the store every second (`plan.node_status_key`) and refreshes the metrics
-(`launcher.observe.metrics`, when a port is configured). At the end of a job that had faults it prints
-the `ftctl report` command for the run.
+and it records, in `events.jsonl`, `progress` samples (every `LaunchConfig.progress_interval`
+s, i.e. `FTRUN_PROGRESS_INTERVAL`, default 5, when something changed, and at the start of every
+round) and `rank-resumed` (the first step a rank commits after a recovery round: the end of the
+round's `resume` phase). Its thread publishes the node's status to the store every second
+(`plan.node_status_key`) and refreshes the metrics (`launcher.observe.metrics`, when a port is
+configured). At the end of a job that had faults it prints the `ftctl report` command for the
+run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import threading
 import time
 from collections import deque
@@ -25,13 +25,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from launcher.observe.logs import AgentLog
-from launcher.observe.metrics import Metrics, metrics_port
+from launcher.observe.metrics import Metrics
+from launcher.observe.run_view import RunView
 from launcher.observe.timeline import Timeline
 from launcher.protocol import plan as P
+from launcher.protocol.budget import restarts_left
 
 PUBLISH_INTERVAL = 1.0
 RATE_WINDOW = 30.0  # seconds of heartbeats a steps-per-second figure is computed over
 QUIET_PHASES = ("init", "recovering", "resumed")
+# What the leader's status adds about the job (from its timeline's view)
+JOB_KEYS = (
+    "run_id",
+    "script",
+    "start",
+    "world_size",
+    "nnodes",
+    "store_addr",
+    "faults",
+    "rounds",
+    "outcome",
+)
 
 
 @dataclass
@@ -86,17 +100,11 @@ class NodeObserver:
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def start(cls, cfg: Any, log: AgentLog, run_dir: str) -> "NodeObserver":
-        """From the launch config and the environment; ValueError for a bad metrics port or
-        progress interval (the agent exits 2 with that line)."""
-        port = metrics_port(cfg.rdzv_conf, os.environ)
-        raw = os.environ.get("FTRUN_PROGRESS_INTERVAL", "5")
-        try:
-            interval = float(raw)
-        except ValueError:
-            interval = -1.0
-        if not interval > 0:
-            raise ValueError(f"FTRUN_PROGRESS_INTERVAL={raw!r}: must be seconds > 0")
-        obs = cls(log, run_dir, cfg.max_restarts, port, max(0.05, interval))
+        """From the launch config (`metrics_port`, `progress_interval`, checked there);
+        ValueError when the metrics port cannot be listened on (the agent exits 2 with it)."""
+        obs = cls(
+            log, run_dir, cfg.max_restarts, cfg.metrics_port, max(0.05, cfg.progress_interval)
+        )
         # the agent logged its `start` before the observer existed
         obs.timeline.feed(
             {
@@ -269,6 +277,28 @@ class NodeObserver:
                 r: (lv.step, lv.committed_step, lv.phase, lv.waiting, lv.time, lv.rate())
                 for r, lv in self._live.items()
             }
+        me = next((n for n in view.nodes if n.node == self._node), None)
+        out: dict[str, Any] = {
+            "node": self._node,
+            "host": me.host if me else self.log.host,
+            "time": now,
+            "leader": self._leader,
+            "state": (me.state if me else "running"),
+            "recovering": view.current_round is not None,
+            "spare": bool(me and me.spare),
+            "generation": view.generation,
+            "max_restarts": self.max_restarts,
+            "restarts_used": self._restarts_used,
+            "log_dir": self.run_dir,
+            "ranks": self._local_ranks(view, live),
+        }
+        if self._leader:
+            d = view.to_dict()
+            out["job"] = {k: d[k] for k in JOB_KEYS}
+        return out
+
+    def _local_ranks(self, view: RunView, live: dict[int, tuple]) -> list[dict]:
+        """This node's rank rows, with the live figures of their heartbeats where running."""
         ranks = []
         for row in view.ranks:
             if row.node != self._node:
@@ -290,44 +320,13 @@ class NodeObserver:
                         else ("training" if phase not in QUIET_PHASES else d["state"])
                     )
             ranks.append(d)
-        me = next((n for n in view.nodes if n.node == self._node), None)
-        out: dict[str, Any] = {
-            "node": self._node,
-            "host": me.host if me else self.log.host,
-            "time": now,
-            "leader": self._leader,
-            "state": (me.state if me else "running"),
-            "recovering": view.current_round is not None,
-            "spare": bool(me and me.spare),
-            "generation": view.generation,
-            "max_restarts": self.max_restarts,
-            "restarts_used": self._restarts_used,
-            "log_dir": self.run_dir,
-            "ranks": ranks,
-        }
-        if self._leader:
-            d = view.to_dict()
-            out["job"] = {
-                k: d[k]
-                for k in (
-                    "run_id",
-                    "script",
-                    "start",
-                    "world_size",
-                    "nnodes",
-                    "store_addr",
-                    "faults",
-                    "rounds",
-                    "outcome",
-                )
-            }
-        return out
+        return ranks
 
     def _refresh_metrics(self, snapshot: dict) -> None:
         m = self.metrics
         assert m is not None
         m.restarts_used.set(self._restarts_used)
-        m.restarts_left.set(max(0, self.max_restarts - self._restarts_used))
+        m.restarts_left.set(restarts_left(self._restarts_used, self.max_restarts))
         m.generation.set(snapshot["generation"])
         alive = 0
         for r in snapshot["ranks"]:
@@ -343,7 +342,7 @@ class NodeObserver:
                 continue
             self._counted.add(ro.generation)
             m.rounds.labels(strategy=ro.strategy, outcome=ro.outcome).inc()
-            if ro.mttr_s is not None and ro.outcome != "superseded":
-                m.recovery_seconds.observe(ro.mttr_s)
+            if ro.time_lost_s is not None:
+                m.recovery_seconds.observe(ro.time_lost_s)
             for b in ro.bars:
                 m.phase_seconds.labels(phase=b.phase).observe(max(0.0, b.end - b.start))

@@ -1,11 +1,12 @@
 """`ftctl report RUN_DIR`: one self-contained HTML page that tells what happened in a run.
 
-Owns: rendering a `RunView` (from `launcher.observe.timeline`, built from the run's events.jsonl) as an
-HTML file that needs no network: inline CSS, inline SVG drawn here, and a few lines of inline JS
-for the hover boxes. Sections: the job summary; one Gantt chart per recovery round (a row per
-rank, a bar per phase, the replacement's row marked, the phase durations beneath it); training
-progress (committed step vs wall clock for every rank, faults marked, the time each one cost
-shaded); the fault table. Written atomically (temp name, fsync, rename).
+Owns: rendering a `RunView` (`launcher.observe.run_view`, built by `launcher.observe.timeline`
+from the run's events.jsonl) as an HTML file that needs no network: inline CSS, inline SVG drawn
+here, and a few lines of inline JS for the hover boxes. Sections: the job summary; one Gantt
+chart per recovery round (a row per rank, a bar per phase, the replacement's row marked, the
+phase durations beneath it); training progress (committed step vs wall clock for every rank,
+faults marked, the time each one cost shaded); the fault table. Written atomically (temp name,
+fsync, rename).
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import html
 import os
 import time
 from collections import Counter
+from typing import Callable
 
 import click
 
+from launcher.observe.run_view import PHASES, FaultRow, Round, RunView
 from launcher.observe.status import from_dir
-from launcher.observe.timeline import PHASES, FaultRow, Round, RunView
 
 COLORS = {
     "detect": "#d62728",
@@ -44,19 +46,21 @@ RANK_COLORS = (
 )
 WIDTH, LABEL_W, ROW_H = 1040, 170, 22
 CSS = """
-body{font:14px/1.4 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;max-width:1100px}
+body{font:14px/1.4 system-ui,-apple-system,Segoe UI,sans-serif;margin:24px;color:#222;
+max-width:1100px}
 h1{font-size:22px;margin:0 0 4px} h2{font-size:18px;margin:28px 0 8px;border-bottom:1px solid #ddd}
 h3{font-size:15px;margin:18px 0 4px} .muted{color:#777} .ok{color:#1a7f37} .bad{color:#cf222e}
 .cards{display:flex;flex-wrap:wrap;gap:10px;margin:12px 0}
 .card{border:1px solid #ddd;border-radius:6px;padding:8px 12px;min-width:120px}
 .card b{display:block;font-size:18px} table{border-collapse:collapse;margin:6px 0}
-td,th{border-bottom:1px solid #eee;padding:3px 8px;text-align:left;vertical-align:top;font-size:13px}
+td,th{border-bottom:1px solid #eee;padding:3px 8px;text-align:left;
+vertical-align:top;font-size:13px}
 th{background:#f6f8fa} td.num{text-align:right;font-variant-numeric:tabular-nums}
 .legend span{display:inline-block;margin-right:12px;font-size:12px}
 .legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px}
 svg text{font-size:11px;fill:#333} .bar:hover,.fault-mark:hover{stroke:#000;stroke-width:1.5}
-#tip{position:fixed;pointer-events:none;background:#222;color:#fff;padding:6px 8px;border-radius:4px;
-font-size:12px;white-space:pre;display:none;z-index:9}
+#tip{position:fixed;pointer-events:none;background:#222;color:#fff;padding:6px 8px;
+border-radius:4px;font-size:12px;white-space:pre;display:none;z-index:9}
 """
 JS = """
 (function(){var tip=document.getElementById('tip');
@@ -163,9 +167,8 @@ def gantt(ro: Round, index: int, v: RunView) -> str:
             + (" \u21bb replacement" if repl else "")
             + (" \u2717 failed" if rank in ro.failed_ranks and not repl else "")
         )
-        out.append(
-            f'<text x="4" y="{y + 15}" font-weight="{"bold" if repl else "normal"}">{_e(label)}</text>'
-        )
+        weight = "bold" if repl else "normal"
+        out.append(f'<text x="4" y="{y + 15}" font-weight="{weight}">{_e(label)}</text>')
     for b in ro.bars:
         y = ranks.index(b.rank) * ROW_H + 4
         w = max(2.0, x(b.end) - x(b.start))
@@ -215,15 +218,63 @@ def rounds_section(v: RunView) -> str:
             if ro.resume_step is not None
             else ""
         )
+        steps_lost = ro.steps_lost if ro.steps_lost is not None else "-"
         parts.append(
             f"<h3>Round {i} &middot; generation {ro.generation} &middot; {_e(ro.strategy)} "
             f"&middot; {_e(ro.outcome)} in {_e(_dur(ro.mttr_s))}</h3><div class=muted>"
-            f"{_e(cause)}{_e(extra)}; steps lost: {_e(ro.steps_lost if ro.steps_lost is not None else '-')}; "
+            f"{_e(cause)}{_e(extra)}; steps lost: {_e(steps_lost)}; "
             f"state moved: {_e(_bytes(ro.transfer_bytes))}. {_e(ro.reason)}</div>"
         )
         parts.append(gantt(ro, i, v))
         parts.append(phase_table(ro))
     return "".join(parts)
+
+
+def _lost_time_and_faults(
+    v: RunView, x: Callable[[float], float], t1: float, base: float
+) -> list[str]:
+    """The progress chart's shaded rounds (time lost) and fault marks; `base`: the x axis' y."""
+    out = []
+    for ro in v.rounds:
+        if ro.end is None and ro.outcome != "in-progress":
+            continue
+        end = ro.end if ro.end is not None else t1
+        tip = f"generation {ro.generation} {ro.strategy}: {_dur(end - ro.start)} lost"
+        width = max(1.5, x(end) - x(ro.start))
+        out.append(
+            f'<rect class="lost" x="{x(ro.start):.1f}" y="10" width="{width:.1f}" '
+            f'height="{base - 10}" fill="#ffd8d8" data-tip="{_e(tip)}">'
+            f"<title>{_e(tip)}</title></rect>"
+        )
+    for f in v.faults:
+        tip = f"{_clock(f.time)} rank {f.rank} {f.kind} -> {f.strategy}"
+        out.append(
+            f'<line class="fault-mark" x1="{x(f.time):.1f}" x2="{x(f.time):.1f}" y1="10" '
+            f'y2="{base}" stroke="#d62728" stroke-width="2" data-tip="{_e(tip)}">'
+            f"<title>{_e(tip)}</title></line>"
+        )
+        out.append(
+            f'<text x="{x(f.time) + 3:.1f}" y="22" fill="#d62728">\u26a1 rank {_e(f.rank)}</text>'
+        )
+    return out
+
+
+def _rank_lines(v: RunView, x: Callable[[float], float], y: Callable[[float], float]) -> list[str]:
+    """One step line per rank: its committed step over time (held until the next sample)."""
+    out = []
+    for i, (rank, series) in enumerate(sorted(v.progress.items())):
+        color = RANK_COLORS[i % len(RANK_COLORS)]
+        steps = [
+            p
+            for i, (t, s) in enumerate(series)  # the step holds until the next sample
+            for p in ([(t, series[i - 1][1])] if i else []) + [(t, s)]
+        ]
+        line = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in steps)
+        out.append(
+            f'<polyline class="rank-line" data-rank="{rank}" fill="none" stroke="{color}" '
+            f'stroke-width="1.5" points="{line}"><title>rank {rank}</title></polyline>'
+        )
+    return out
 
 
 def progress_chart(v: RunView) -> str:
@@ -241,37 +292,8 @@ def progress_chart(v: RunView) -> str:
         f'<svg class="progress" width="{w}" height="{h}" viewBox="0 0 {w} {h}" '
         'xmlns="http://www.w3.org/2000/svg">'
     ]
-    for ro in v.rounds:
-        if ro.end is None and ro.outcome != "in-progress":
-            continue
-        end = ro.end if ro.end is not None else t1
-        tip = f"generation {ro.generation} {ro.strategy}: {_dur(end - ro.start)} lost"
-        out.append(
-            f'<rect class="lost" x="{x(ro.start):.1f}" y="10" width="{max(1.5, x(end) - x(ro.start)):.1f}" '
-            f'height="{h - bottom - 10}" fill="#ffd8d8" data-tip="{_e(tip)}"><title>{_e(tip)}</title></rect>'
-        )
-    for f in v.faults:
-        tip = f"{_clock(f.time)} rank {f.rank} {f.kind} -> {f.strategy}"
-        out.append(
-            f'<line class="fault-mark" x1="{x(f.time):.1f}" x2="{x(f.time):.1f}" y1="10" '
-            f'y2="{h - bottom}" stroke="#d62728" stroke-width="2" data-tip="{_e(tip)}">'
-            f"<title>{_e(tip)}</title></line>"
-        )
-        out.append(
-            f'<text x="{x(f.time) + 3:.1f}" y="22" fill="#d62728">\u26a1 rank {_e(f.rank)}</text>'
-        )
-    for i, (rank, series) in enumerate(sorted(v.progress.items())):
-        color = RANK_COLORS[i % len(RANK_COLORS)]
-        steps = [
-            p
-            for i, (t, s) in enumerate(series)  # the step holds until the next sample
-            for p in ([(t, series[i - 1][1])] if i else []) + [(t, s)]
-        ]
-        line = " ".join(f"{x(t):.1f},{y(s):.1f}" for t, s in steps)
-        out.append(
-            f'<polyline class="rank-line" data-rank="{rank}" fill="none" stroke="{color}" '
-            f'stroke-width="1.5" points="{line}"><title>rank {rank}</title></polyline>'
-        )
+    out += _lost_time_and_faults(v, x, t1, h - bottom)
+    out += _rank_lines(v, x, y)
     out.append(
         f'<line x1="{left}" x2="{w - 20}" y1="{h - bottom}" y2="{h - bottom}" stroke="#999"/>'
         f'<text x="{left}" y="{h - 8}">{_e(_clock(t0, False))}</text>'

@@ -18,8 +18,10 @@ import click
 from rich.markup import escape
 
 from launcher.observe.logs import read_event_file, run_event_files
-from launcher.observe.timeline import Bar, FaultRow, NodeRow, RankRow, Round, RunView, Timeline
+from launcher.observe.run_view import Bar, FaultRow, NodeRow, RankRow, Round, RunView
+from launcher.observe.timeline import Timeline
 from launcher.protocol import plan as P
+from launcher.protocol.budget import restarts_left
 
 MAX_NODE_GAP = 8  # node ranks probed past the last one found (a lost node leaves a hole)
 STATE_STYLE = {
@@ -103,7 +105,7 @@ def from_store(kv: Any, now: float | None = None) -> RunView:
     v.rounds = [_round(d) for d in job.get("rounds") or []]
     raw = kv.try_get(P.GENERATION_KEY)
     v.generation = int(raw) if raw is not None else max(int(s.get("generation", 0)) for s in snaps)
-    raw = kv.try_get("ftrun/restarts_used")
+    raw = kv.try_get(P.RESTARTS_USED_KEY)
     v.restarts_used = int(raw) if raw is not None else int(leader.get("restarts_used", 0))
     v.max_restarts = int(leader.get("max_restarts", 0))
     for s in snaps:
@@ -217,9 +219,10 @@ def render(view: RunView, source: str) -> Any:
         if view.current_round is not None and view.outcome == "running"
         else view.outcome
     )
-    left = max(0, view.max_restarts - view.restarts_used)
+    left = restarts_left(view.restarts_used, view.max_restarts)
     head = Text.from_markup(
-        f"[bold]ftrun job {escape(view.run_id or '?')}[/]  {escape(os.path.basename(view.script))}  "
+        f"[bold]ftrun job {escape(view.run_id or '?')}[/]  "
+        f"{escape(os.path.basename(view.script))}  "
         f"{_styled(state)}  generation {view.generation}  up {_age(now, view.start)}\n"
         f"restart budget: {view.restarts_used} used of {view.max_restarts}, [bold]{left} left[/]   "
         f"faults: {len(view.faults)}   time lost to recovery: {view.time_lost_s:.2f}s   "

@@ -1,11 +1,13 @@
 """What happened in a run, rebuilt from its events: nodes, ranks, faults and recovery rounds.
 
-Owns: `Timeline`, which consumes events (the records of `events.jsonl`, in time order, from one or
-more agents of one run) and answers `view()` with a `RunView`: the job summary, one `NodeRow` per
-node, one `RankRow` per rank, every `FaultRow` with the strategy taken and what it cost, every
-recovery `Round` with its per-rank phase `Bar`s, and the training progress of every rank. It is
-fed a whole file by `ftctl status RUN_DIR` and `ftctl report`, and event by event (plus the
-heartbeat observations) by the agent's observer, so the live view and the report agree.
+Owns: `Timeline`, which consumes events (the records of `events.jsonl`, in time order, from one
+or more agents of one run), one handler per event kind, and answers `view()` with a `RunView`
+(the records, `launcher.observe.run_view`): the job summary, one `NodeRow` per node, one
+`RankRow` per rank, every `FaultRow` with the strategy taken and what it cost, every recovery
+`Round` with its per-rank phase `Bar`s (derived from the round's edges by
+`launcher.observe.round_phases`), and the training progress of every rank. It is fed a whole
+file by `ftctl status RUN_DIR` and `ftctl report`, and event by event (plus the heartbeat
+observations) by the agent's observer, so the live view and the report agree.
 
 Phases of a round, per rank (wall-clock edges from the events named):
   detect    the failed rank: fault time (exit time, or last progress of a hang) -> agent saw it
@@ -21,154 +23,18 @@ Phases of a round, per rank (wall-clock edges from the events named):
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
 from typing import Any
 
-PHASES = ("detect", "decide", "stop", "respawn", "wait", "rebuild", "transfer", "resume")
-PROCESS_LEVEL = ("retry", "recover-in-place")
-TRAINING_PHASES = ("step", "forward", "backward", "optimizer", "committed", "resumed")
-ENDED = ("succeeded", "failed")
-
-
-@dataclass
-class Bar:
-    rank: int
-    phase: str
-    start: float
-    end: float
-    open: bool = False  # still running (a live view): `end` is "now"
-    note: str = ""
-
-
-@dataclass
-class FaultRow:
-    time: float
-    rank: int | None
-    node: int | None
-    host: str
-    kind: str
-    evidence: str
-    generation: int  # generation the fault happened in
-    injected: bool = False
-    detected: float | None = None
-    strategy: str = ""
-    reason: str = ""
-    round: int | None = None  # the generation of the recovery round it started
-    mttr_s: float | None = None
-    steps_lost: int | None = None
-    transfer_bytes: int = 0
-    transfer_rate: float | None = None  # bytes per second
-    stderr_file: str = ""  # the failed rank's stderr.log (--redirects/--tee)
-
-
-@dataclass
-class Round:
-    generation: int
-    strategy: str
-    plan_time: float
-    reason: str = ""
-    fault: FaultRow | None = None
-    failed_ranks: list[int] = field(default_factory=list)
-    restart_ranks: list[int] = field(default_factory=list)
-    start: float = 0.0
-    end: float | None = None
-    outcome: str = "in-progress"  # recovered | restarted | superseded | fallback | exit | dump
-    phase: str = ""  # the phase now running (in-progress rounds)
-    resume_step: int | None = None
-    action: str | None = None
-    pairs: list[list[int]] = field(default_factory=list)
-    steps_lost: int | None = None
-    transfer_bytes: int = 0
-    transfer_s: float = 0.0
-    bars: list[Bar] = field(default_factory=list)
-
-    @property
-    def mttr_s(self) -> float | None:
-        return None if self.end is None else round(self.end - self.start, 4)
-
-
-@dataclass
-class RankRow:
-    rank: int
-    node: int | None = None
-    local_rank: int | None = None
-    pid: int | None = None
-    generation: int = 0
-    step: int | None = None
-    committed_step: int | None = None
-    phase: str = ""
-    state: str = "starting"  # training waiting recovering replacement finished failed stopped
-    steps_per_s: float | None = None
-    replacement: bool = False
-    restarts: int = 0
-    last_seen: float = 0.0
-
-
-@dataclass
-class NodeRow:
-    node: int
-    host: str = ""
-    state: str = "running"  # running done failed lost signalled
-    last_seen: float = 0.0
-    leader: bool = False
-    spare: bool = False
-
-
-@dataclass
-class RunView:
-    run_id: str = ""
-    script: str = ""
-    start: float | None = None
-    end: float | None = None
-    now: float | None = None
-    outcome: str = "running"  # running succeeded failed
-    world_size: int | None = None
-    nnodes: int | None = None
-    max_restarts: int = 0
-    restarts_used: int = 0
-    generation: int = 0
-    store_addr: str = ""
-    log_dirs: list[str] = field(default_factory=list)
-    nodes: list[NodeRow] = field(default_factory=list)
-    ranks: list[RankRow] = field(default_factory=list)
-    rounds: list[Round] = field(default_factory=list)
-    faults: list[FaultRow] = field(default_factory=list)
-    progress: dict[int, list[list[float]]] = field(default_factory=dict)  # rank -> [[t, step]]
-
-    @property
-    def current_round(self) -> Round | None:
-        return self.rounds[-1] if self.rounds and self.rounds[-1].outcome == "in-progress" else None
-
-    @property
-    def time_lost_s(self) -> float:
-        return round(sum(r.mttr_s or 0.0 for r in self.rounds if r.outcome != "superseded"), 4)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["progress"] = {str(k): v for k, v in self.progress.items()}
-        d["time_lost_s"] = self.time_lost_s
-        for r, rd in zip(self.rounds, d["rounds"]):
-            rd["mttr_s"] = r.mttr_s
-        return d
-
-
-@dataclass
-class _RoundData:
-    """Raw edges of one round while events arrive; turned into a `Round` by `view()`."""
-
-    round: Round
-    node_plan: dict[int, float] = field(default_factory=dict)  # node -> plan-received time
-    go: float | None = None
-    restarted: dict[int, float] = field(default_factory=dict)  # node -> restarted time
-    spawned: dict[int, dict] = field(default_factory=dict)  # rank -> spawn event
-    hello: dict[int, float] = field(default_factory=dict)
-    recovered: dict[int, dict] = field(default_factory=dict)  # rank -> rank-recovered event
-    resumed: dict[int, dict] = field(default_factory=dict)  # rank -> rank-resumed event
-    closed_by: str | None = None  # outcome set by a later event (superseded, fallback)
-    closed_at: float | None = None
-    hint: str | None = None  # fallback announced, the next plan closes it
-    fallback_reason: str = ""
+from launcher.observe.round_phases import RoundBuilder, charge_faults
+from launcher.observe.run_view import (
+    PROCESS_LEVEL,
+    FaultRow,
+    NodeRow,
+    RankRow,
+    Round,
+    RoundData,
+    RunView,
+)
 
 
 class Timeline:
@@ -178,7 +44,7 @@ class Timeline:
         self.v = RunView()
         self._ranks: dict[int, RankRow] = {}
         self._nodes: dict[int, NodeRow] = {}
-        self._rounds: dict[int, _RoundData] = {}
+        self._rounds: dict[int, RoundData] = {}
         self._pending: dict[int | None, FaultRow] = {}  # detected, not decided yet
         self._hang: dict[int, float] = {}
         self._injected: set[int] = set()
@@ -217,7 +83,7 @@ class Timeline:
             row = self._ranks[rank] = RankRow(rank=rank)
         return row
 
-    def _round(self, generation: int) -> _RoundData | None:
+    def _round(self, generation: int) -> RoundData | None:
         return self._rounds.get(generation)
 
     # ---- job-level events
@@ -376,33 +242,19 @@ class Timeline:
         began = t - float(ev.get("detect_ms") or 0.0) / 1000.0
         if ev.get("fault_kind") == "hang" and rank in self._hang:
             began = self._hang.pop(rank)
-        self._pending[rank] = FaultRow(
+        self._pending[rank] = _fault_row(
+            ev,
+            t,
             time=began,
             rank=rank,
-            node=ev.get("node"),
-            host=str(ev.get("host", "")),
-            kind=str(ev.get("fault_kind", "unknown")),
-            evidence=str(ev.get("message", "")),
-            generation=int(ev.get("generation", 0)),
             injected=rank in self._injected,
-            detected=t,
             stderr_file=str(ev.get("stderr_file") or ""),
         )
         self._injected.discard(rank)
 
     def _on_worker_fault(self, ev: dict, t: float) -> None:
         rank = int(ev["rank"])
-        self._pending[rank] = FaultRow(
-            time=t,
-            rank=rank,
-            node=ev.get("node"),
-            host=str(ev.get("host", "")),
-            kind=str(ev.get("fault_kind", "unknown")),
-            evidence=str(ev.get("message", "")),
-            generation=int(ev.get("generation", 0)),
-            injected=bool(ev.get("injected")),
-            detected=t,
-        )
+        self._pending[rank] = _fault_row(ev, t, rank=rank, injected=bool(ev.get("injected")))
         self._injected.discard(rank)
 
     def _on_hang(self, ev: dict, t: float) -> None:
@@ -416,16 +268,7 @@ class Timeline:
         rank = ev.get("rank")
         f = self._pending.pop(rank, None)
         if f is None:
-            f = FaultRow(
-                time=t,
-                rank=rank,
-                node=ev.get("node"),
-                host=str(ev.get("host", "")),
-                kind=str(ev.get("fault_kind", "unknown")),
-                evidence=str(ev.get("message", "")),
-                generation=int(ev.get("generation", 0)),
-                detected=t,
-            )
+            f = _fault_row(ev, t, rank=rank)
         f.injected = f.injected or bool(ev.get("injected"))
         f.strategy, f.reason = str(ev.get("strategy", "")), str(ev.get("reason", ""))
         self.v.faults.append(f)
@@ -436,7 +279,7 @@ class Timeline:
         if rd is not None:
             rd.hint, rd.fallback_reason = "fallback", str(ev.get("reason", ""))
 
-    def _latest_open(self) -> _RoundData | None:
+    def _latest_open(self) -> RoundData | None:
         for g in sorted(self._rounds, reverse=True):
             rd = self._rounds[g]
             if rd.closed_by is None:
@@ -450,7 +293,7 @@ class Timeline:
         fallback = prev is not None and prev.hint == "fallback" and prev.round.generation < g
         if prev is not None and prev.round.generation < g:
             prev.closed_by, prev.closed_at = prev.hint or "superseded", t
-        rd = self._rounds.get(g) or _RoundData(Round(generation=g, strategy="", plan_time=t))
+        rd = self._rounds.get(g) or RoundData(Round(generation=g, strategy="", plan_time=t))
         self._rounds[g] = rd
         if isinstance(ev.get("node"), int):
             self._node(ev["node"]).leader = True  # the controller runs on the leader agent
@@ -488,7 +331,7 @@ class Timeline:
             prev = self._latest_open()
             if prev is not None:
                 prev.closed_by, prev.closed_at = prev.hint or "superseded", t
-            rd = self._rounds[g] = _RoundData(
+            rd = self._rounds[g] = RoundData(
                 Round(
                     generation=g,
                     strategy=str(ev.get("strategy", "")),
@@ -555,19 +398,10 @@ class Timeline:
         v.ranks = [self._ranks[r] for r in sorted(self._ranks)]
         if v.world_size is None and v.ranks:
             v.world_size = len(v.ranks)
-        rounds = [self._rounds[g] for g in sorted(self._rounds)]
-        v.rounds = [self._build(rd, v.now) for rd in rounds]
+        builder = RoundBuilder(self._ranks, self._aware, v)
+        v.rounds = [builder.build(self._rounds[g], v.now) for g in sorted(self._rounds)]
         self._mark_recovering(v)
-        for ro in v.rounds:
-            f = ro.fault
-            if f is not None and f.round == ro.generation:
-                f.mttr_s, f.steps_lost = ro.mttr_s, ro.steps_lost
-                f.transfer_bytes = ro.transfer_bytes
-                f.transfer_rate = (ro.transfer_bytes / ro.transfer_s) if ro.transfer_s > 0 else None
-        for f in v.faults:  # a fallback round carries the cost of its fault to the end
-            later = [ro for ro in v.rounds if ro.fault is f and ro.end is not None]
-            if later:
-                f.mttr_s = round(max(ro.end for ro in later) - f.time, 4)  # type: ignore[type-var]
+        charge_faults(v)
         return v
 
     def _mark_recovering(self, v: RunView) -> None:
@@ -579,162 +413,21 @@ class Timeline:
             if r.rank not in rd.resumed and r.state not in ("finished", "failed"):
                 r.state = "replacement" if r.rank in cur.restart_ranks else "recovering"
 
-    def _build(self, rd: _RoundData, now: float) -> Round:
-        ro = rd.round
-        expected = sorted(self._ranks)
-        self._close(rd, expected)
-        until = ro.end if ro.end is not None else now
-        bars: list[Bar] = []
-        f = ro.fault
-        if f is not None and f.rank is not None and f.round == ro.generation:
-            detected = f.detected if f.detected is not None else f.time
-            _add(bars, f.rank, "detect", f.time, detected, until, f"{f.kind}: {f.evidence[:120]}")
-            _add(bars, f.rank, "decide", detected, ro.plan_time, until, f"-> {ro.strategy}")
-        for rank in expected:
-            if ro.strategy in PROCESS_LEVEL:
-                self._process_bars(rd, rank, until, bars)
-            elif ro.strategy == "restart-all":
-                self._restart_bars(rd, rank, until, bars)
-            else:
-                start = self._plan_time(rd, rank)
-                _add(
-                    bars,
-                    rank,
-                    "stop",
-                    start,
-                    ro.end if ro.end is not None else until,
-                    until,
-                    ro.strategy,
-                )
-        if ro.end is None:
-            for b in bars:
-                if b.end >= until:
-                    b.open = True
-        ro.bars = sorted(bars, key=lambda b: (b.rank, b.start))
-        open_bars = [b for b in ro.bars if b.open]
-        ro.phase = (
-            ""
-            if ro.end is not None
-            else (max(open_bars, key=lambda b: b.start).phase if open_bars else "decide")
-        )
-        rec = [e for e in rd.recovered.values()]
-        ro.transfer_bytes = sum(int(e.get("transfer_bytes") or 0) for e in rec)
-        ro.transfer_s = max(
-            (float(e.get("transfer_s") or 0.0) for e in rec if e.get("transfer_bytes")), default=0.0
-        )
-        ro.steps_lost = self._steps_lost(rd)
-        return ro
 
-    def _plan_time(self, rd: _RoundData, rank: int) -> float:
-        node = self._ranks[rank].node
-        return (
-            rd.node_plan.get(node, rd.round.plan_time)
-            if isinstance(node, int)
-            else rd.round.plan_time
-        )
-
-    def _process_bars(self, rd: _RoundData, rank: int, until: float, bars: list[Bar]) -> None:
-        ro = rd.round
-        marks = (rd.recovered.get(rank) or {}).get("marks") or {}
-        start = self._plan_time(rd, rank)
-        first = "respawn" if rank in ro.restart_ranks else "stop"
-        spawn = rd.spawned.get(rank)
-        note = (
-            ("from the warm spare" if spawn and spawn.get("warm") else "new process")
-            if first == "respawn"
-            else ""
-        )
-        edges = [
-            (first, start, marks.get("status"), note),
-            ("wait", marks.get("status"), marks.get("plan"), ""),
-            ("rebuild", marks.get("plan"), marks.get("rebuilt"), ""),
-            ("transfer", marks.get("rebuilt"), marks.get("repaired"), self._moved(rd, rank)),
-            (
-                "resume",
-                marks.get("repaired"),
-                (rd.resumed.get(rank) or {}).get("time"),
-                "first step",
-            ),
-        ]
-        _chain(bars, rank, edges, until, ro.end is None)
-
-    def _moved(self, rd: _RoundData, rank: int) -> str:
-        e = rd.recovered.get(rank) or {}
-        n = int(e.get("transfer_bytes") or 0)
-        if n:
-            srcs = [p[0] for p in rd.round.pairs if p and p[1] == rank] or [e.get("source")]
-            who = (
-                f"rank {srcs[0]}"
-                if len(srcs) == 1
-                else "ranks " + ", ".join(map(str, srcs)) + " (striped)"
-            )
-            how = " (read from its memory)" if e.get("transfer_path") == "memory" else ""
-            return f"received {n / 1e6:.1f} MB from {who}{how} in {float(e.get('transfer_s') or 0):.3f} s"
-        pairs = [p for p in rd.round.pairs if p and p[0] == rank]
-        if pairs:
-            return "sent state to rank " + ", ".join(str(p[1]) for p in pairs)
-        return f"restored step {rd.round.resume_step} ({rd.round.action or 'rollback'})"
-
-    def _restart_bars(self, rd: _RoundData, rank: int, until: float, bars: list[Bar]) -> None:
-        ro = rd.round
-        start = self._plan_time(rd, rank)
-        spawn = (rd.spawned.get(rank) or {}).get("time")
-        node = self._ranks[rank].node
-        stopped = rd.go or (rd.restarted.get(node) if isinstance(node, int) else None) or spawn
-        hello = rd.hello.get(rank) or spawn
-        edges = [
-            ("stop", start, stopped, "every node stops its workers"),
-            ("respawn", stopped, hello, "new process"),
-            (
-                "resume",
-                hello,
-                (rd.resumed.get(rank) or {}).get("time"),
-                "process groups, checkpoint load, first step",
-            ),
-        ]
-        _chain(bars, rank, edges, until, ro.end is None)
-
-    def _close(self, rd: _RoundData, expected: list[int]) -> None:
-        ro = rd.round
-        if rd.closed_by is not None:
-            ro.outcome, ro.end = rd.closed_by, rd.closed_at
-            return
-        done = {r: e["time"] for r, e in rd.resumed.items()}
-        for r in expected:  # a rank that finished the job after the round counts as back
-            row = self._ranks[r]
-            if r not in done and row.state == "finished" and row.last_seen >= ro.plan_time:
-                done[r] = row.last_seen
-        if ro.strategy in ("exit", "dump") or rd.hint == "dump":
-            ro.outcome = "dump" if (ro.strategy == "dump" or rd.hint == "dump") else "exit"
-            ro.end = self.v.end
-            return
-        if expected and all(r in done for r in expected):
-            ro.outcome = "recovered" if ro.strategy in PROCESS_LEVEL else "restarted"
-            ro.end = max(done.values())
-        elif ro.strategy == "restart-all" and not (self._aware & set(expected)) and rd.restarted:
-            ro.outcome, ro.end = "restarted", max(rd.restarted.values())  # unmodified workers
-        elif self.v.outcome in ENDED:
-            ro.outcome, ro.end = (
-                ("failed" if self.v.outcome == "failed" else "recovered"),
-                self.v.end,
-            )
-        else:
-            ro.outcome, ro.end = "in-progress", None
-
-    def _steps_lost(self, rd: _RoundData) -> int | None:
-        ro = rd.round
-        before = [s for pts in self.v.progress.values() for t, s in pts if t <= ro.plan_time]
-        if not before:
-            return 0 if ro.strategy in PROCESS_LEVEL else None
-        committed = int(max(before))
-        if ro.strategy in PROCESS_LEVEL and ro.resume_step is not None:
-            resume = int(ro.resume_step)
-        else:
-            firsts = [int(e["step"]) for e in rd.resumed.values() if isinstance(e.get("step"), int)]
-            if not firsts:
-                return None
-            resume = min(firsts)
-        return max(0, committed + 1 - resume)
+def _fault_row(ev: dict, t: float, **fields: Any) -> FaultRow:
+    """A fault as a `worker-failed`, `worker-fault` or `decide` event tells it, seen at `t`
+    (`fields` override)."""
+    row: dict[str, Any] = {
+        "time": t,
+        "rank": ev.get("rank"),
+        "node": ev.get("node"),
+        "host": str(ev.get("host", "")),
+        "kind": str(ev.get("fault_kind", "unknown")),
+        "evidence": str(ev.get("message", "")),
+        "generation": int(ev.get("generation", 0)),
+        "detected": t,
+    }
+    return FaultRow(**{**row, **fields})
 
 
 def _state_of(phase: str, waiting: bool, previous: str) -> str:
@@ -745,41 +438,6 @@ def _state_of(phase: str, waiting: bool, previous: str) -> str:
     if phase == "done":
         return "finished"
     return "waiting" if waiting else "training"
-
-
-def _add(
-    bars: list[Bar],
-    rank: int,
-    phase: str,
-    start: float | None,
-    end: float | None,
-    until: float,
-    note: str = "",
-) -> None:
-    if start is None:
-        return
-    bars.append(
-        Bar(
-            rank=rank,
-            phase=phase,
-            start=round(start, 4),
-            end=round(max(start, end if end is not None else until), 4),
-            note=note,
-        )
-    )
-
-
-def _chain(bars: list[Bar], rank: int, edges: list[tuple], until: float, live: bool) -> None:
-    """Consecutive phases: each starts where the previous ended; the first phase without an end
-    runs to `until` when the round is still live, and the rest are left out."""
-    for phase, start, end, note in edges:
-        if start is None:
-            return
-        if end is None:
-            if live:
-                _add(bars, rank, phase, start, until, until, note)
-            return
-        _add(bars, rank, phase, start, end, until, note)
 
 
 _HANDLERS = {

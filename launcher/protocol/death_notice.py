@@ -20,7 +20,8 @@ the thread ending alone are left to the pidfd), and calls back with the status i
 
 Nothing is required: when the slot cannot be opened or locked (another pid namespace, no glibc
 robust mutexes), the Hello carries no thread id and the exit is seen through the pidfd as before.
-`FTRUN_DEATH_NOTICE=0` in the agent's environment turns the notice off.
+`FTRUN_DEATH_NOTICE=0` in ftrun's environment turns the notice off (read by the agent's
+`launcher.config`, handed to `NoticeBoard` as `enabled`).
 """
 
 from __future__ import annotations
@@ -150,10 +151,11 @@ def _deadline(seconds: float) -> _Timespec:
 class NoticeBoard:
     """The agent's slots and watchers. Owned by the agent: `stop()` ends every watcher (within
     `POLL_S`) and closes the memfd. `enabled` is False when this system has no robust mutexes
-    or `FTRUN_DEATH_NOTICE=0`; then `arm` returns None and nothing is watched."""
+    or it was asked for off (`enabled=False`: `FTRUN_DEATH_NOTICE=0`); then `arm` returns None
+    and nothing is watched."""
 
-    def __init__(self, nproc: int) -> None:
-        self.enabled = supported() and os.environ.get(ENV, "1").strip() != "0"
+    def __init__(self, nproc: int, enabled: bool = True) -> None:
+        self.enabled = enabled and supported()
         self._nslots = 2 * max(1, nproc)
         self._fd = -1
         self._map: mmap.mmap | None = None

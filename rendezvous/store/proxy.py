@@ -25,7 +25,7 @@ when nobody is left on it. PING and VALIDATE are answered locally. Reading and q
 common frames (SET, GET, ADD, WAIT / CHECK) of a local connection and sending the replies run
 in C when the extension `rendezvous.store._quickstore` was built (`proxy_read`, `flush_out`; the same
 batch as the Python path; while the batch is empty or held, `loop_turn` keeps reading in C,
-so Python runs once per round; `FTRUN_STORE_ACCEL=0` turns it off). The loop thread keeps its
+so Python runs once per round; `accel=False` turns it off). The loop thread keeps its
 inherited priority (`nice`; see `rendezvous.store.loop_priority`). The master thus sees
 O(nodes) connections and, for the process-group init pattern, O(1) requests per node per
 phase instead of O(ranks).
@@ -512,11 +512,12 @@ class StoreProxy(LoopServer):
         upstream_timeout: float = 30.0,
         max_hold: float = 0.002,
         nice: int = 0,
+        accel: bool = True,
     ) -> None:
         # The loop thread keeps its inherited priority unless `nice` (< 0) asks otherwise: a
         # node proxy shares its host with the ranks it serves; raised, it preempts them at
         # every request (see rendezvous.store.loop_priority).
-        super().__init__(listen_host, port, None, limits, log, nice)
+        super().__init__(listen_host, port, None, limits, log, nice, accel)
         if isinstance(upstream, tuple) and len(upstream) in (2, 3):
             host, uport = upstream[0], upstream[1]
             token = upstream[2] if len(upstream) == 3 else None
@@ -548,7 +549,7 @@ class StoreProxy(LoopServer):
         }
         # C: reads a validated connection and queues its SET / GET / ADD / WAIT / CHECK
         # frames onto the batch exactly as `_handle` does (the rest: the Python path)
-        self._proxy_read = _c_accel("proxy_read")
+        self._proxy_read = _c_accel("proxy_read") if accel else None
         self._proxy_ctx = (
             self._batch,
             P.Request,

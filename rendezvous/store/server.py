@@ -61,10 +61,8 @@ _STOP = P.STOP_WAITING_REPLY
 
 
 def _c_accel(name: str) -> Callable | None:
-    """`name` from the C module `rendezvous.store._quickstore`, or None when it was not built or
-    `FTRUN_STORE_ACCEL=0` turns it off (the Python path then does the same)."""
-    if os.environ.get("FTRUN_STORE_ACCEL", "1") == "0":
-        return None
+    """`name` from the C module `rendezvous.store._quickstore`, or None when it was not built
+    (the Python path then does the same; a server made with `accel=False` does not ask)."""
     try:
         from rendezvous.store import _quickstore
     except ImportError:
@@ -76,9 +74,11 @@ def _c_read_path(
     server: "StoreServer", table: MemoryStore, limits: P.Limits, budget: int
 ) -> tuple[Callable | None, tuple]:
     """The C read path over `table` (see `rendezvous/store/_quickstore.c`) and its context, or
-    (None, ()) when the extension was not built, `FTRUN_STORE_ACCEL=0` turns it off, or the
-    table is not a plain `MemoryStore` (a subclass may do more on a write)."""
-    read_quick = _c_accel("read_quick") if type(table) is MemoryStore else None
+    (None, ()) when the extension was not built, the server was made with `accel=False`
+    (FTRUN_STORE_ACCEL=0), or the table is not a plain `MemoryStore` (a subclass may do more
+    on a write)."""
+    plain = type(table) is MemoryStore and server.accel
+    read_quick = _c_accel("read_quick") if plain else None
     if read_quick is None:
         return None, ()
     return read_quick, (
@@ -207,6 +207,7 @@ class LoopServer:
         limits: P.Limits,
         log: Callable[[str], None] | None,
         nice: int | None = None,
+        accel: bool = True,
     ) -> None:
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise ValueError(f"port={port!r}: must be an integer in 0-65535")
@@ -232,7 +233,8 @@ class LoopServer:
         self._xq: deque = deque()
         self._loop_ident = 0
         self._backlog: list = []
-        self._flush_out = _c_accel("flush_out")  # C: what _flush does, for a list of conns
+        self.accel = accel  # False: the Python paths only, even where the C module was built
+        self._flush_out = _c_accel("flush_out") if accel else None  # C: _flush, for many conns
         self.stats = {
             "accepted": 0,
             "reads": 0,
@@ -810,8 +812,9 @@ class StoreServer(LoopServer):
         log: Callable[[str], None] | None = None,
         table: MemoryStore | None = None,
         nice: int | None = None,
+        accel: bool = True,
     ) -> None:
-        super().__init__(host, port, token, limits, log, nice)
+        super().__init__(host, port, token, limits, log, nice, accel)
         self.table = table if table is not None else MemoryStore()
         self.kv = LocalKV(self.table)
         self._table_data = self.table._data  # read-only use by _quick (GET, WAIT present)

@@ -89,8 +89,15 @@ def store() -> None:
     type=click.IntRange(0, 65535),
     help="Port to listen on (0 = any free port).",
 )
+@click.option(
+    "--accel/--no-accel",
+    default=True,
+    envvar="FTRUN_STORE_ACCEL",
+    show_envvar=True,
+    help="Use the C read path where it was built (--no-accel: the Python path only).",
+)
 @_token_opt
-def serve(host: str, port: int, token_file: str | None) -> None:
+def serve(host: str, port: int, accel: bool, token_file: str | None) -> None:
     """Serve an embedded store in the foreground until SIGINT/SIGTERM."""
     from rendezvous.store.server import StoreServer
 
@@ -100,7 +107,11 @@ def serve(host: str, port: int, token_file: str | None) -> None:
     try:
         try:
             server = StoreServer(
-                host=host, port=port, token=token, log=lambda m: click.echo(m, err=True)
+                host=host,
+                port=port,
+                token=token,
+                log=lambda m: click.echo(m, err=True),
+                accel=accel,
             ).start()
         except (StoreError, ValueError) as e:  # ValueError: FTRUN_STORE_NICE
             raise click.ClickException(str(e)) from None

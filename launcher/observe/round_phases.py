@@ -1,0 +1,239 @@
+"""One recovery round's derived figures: outcome, per-rank phase bars, transfer, steps lost.
+
+Owns: `RoundBuilder`, which turns a round's raw edges (`RoundData`, collected by
+`launcher.observe.timeline.Timeline` from the events) into its `Round`: whether and when it
+ended (`recovered`, `restarted`, `exit`, `dump`, ... or still `in-progress`), the phase `Bar`s
+of every rank (see the phases in `launcher.observe.timeline`), the bytes it moved and the steps
+it lost; and `charge_faults`, which gives each fault the cost of the round(s) it caused.
+"""
+
+from __future__ import annotations
+
+from launcher.observe.run_view import (
+    ENDED,
+    PROCESS_LEVEL,
+    Bar,
+    RankRow,
+    Round,
+    RoundData,
+    RunView,
+)
+
+
+class RoundBuilder:
+    """Derives rounds from the run's rank rows (`ranks`), the ranks that said hello (`aware`:
+    they use launcher.runtime) and the run so far (`run`: its end, outcome and progress)."""
+
+    def __init__(self, ranks: dict[int, RankRow], aware: set[int], run: RunView) -> None:
+        self.ranks = ranks
+        self.aware = aware
+        self.run = run
+
+    def build(self, rd: RoundData, now: float) -> Round:
+        """`rd`'s round as of `now`: outcome and end, phase bars, transfer and steps lost."""
+        ro = rd.round
+        expected = sorted(self.ranks)
+        self._close(rd, expected)
+        until = ro.end if ro.end is not None else now
+        bars: list[Bar] = []
+        f = ro.fault
+        if f is not None and f.rank is not None and f.round == ro.generation:
+            detected = f.detected if f.detected is not None else f.time
+            _add(bars, f.rank, "detect", f.time, detected, until, f"{f.kind}: {f.evidence[:120]}")
+            _add(bars, f.rank, "decide", detected, ro.plan_time, until, f"-> {ro.strategy}")
+        for rank in expected:
+            if ro.strategy in PROCESS_LEVEL:
+                self._process_bars(rd, rank, until, bars)
+            elif ro.strategy == "restart-all":
+                self._restart_bars(rd, rank, until, bars)
+            else:
+                start = self._plan_time(rd, rank)
+                _add(
+                    bars,
+                    rank,
+                    "stop",
+                    start,
+                    ro.end if ro.end is not None else until,
+                    until,
+                    ro.strategy,
+                )
+        if ro.end is None:
+            for b in bars:
+                if b.end >= until:
+                    b.open = True
+        ro.bars = sorted(bars, key=lambda b: (b.rank, b.start))
+        open_bars = [b for b in ro.bars if b.open]
+        ro.phase = (
+            ""
+            if ro.end is not None
+            else (max(open_bars, key=lambda b: b.start).phase if open_bars else "decide")
+        )
+        rec = [e for e in rd.recovered.values()]
+        ro.transfer_bytes = sum(int(e.get("transfer_bytes") or 0) for e in rec)
+        ro.transfer_s = max(
+            (float(e.get("transfer_s") or 0.0) for e in rec if e.get("transfer_bytes")), default=0.0
+        )
+        ro.steps_lost = self._steps_lost(rd)
+        return ro
+
+    def _plan_time(self, rd: RoundData, rank: int) -> float:
+        node = self.ranks[rank].node
+        return (
+            rd.node_plan.get(node, rd.round.plan_time)
+            if isinstance(node, int)
+            else rd.round.plan_time
+        )
+
+    def _process_bars(self, rd: RoundData, rank: int, until: float, bars: list[Bar]) -> None:
+        ro = rd.round
+        marks = (rd.recovered.get(rank) or {}).get("marks") or {}
+        start = self._plan_time(rd, rank)
+        first = "respawn" if rank in ro.restart_ranks else "stop"
+        spawn = rd.spawned.get(rank)
+        note = (
+            ("from the warm spare" if spawn and spawn.get("warm") else "new process")
+            if first == "respawn"
+            else ""
+        )
+        edges = [
+            (first, start, marks.get("status"), note),
+            ("wait", marks.get("status"), marks.get("plan"), ""),
+            ("rebuild", marks.get("plan"), marks.get("rebuilt"), ""),
+            ("transfer", marks.get("rebuilt"), marks.get("repaired"), self._moved(rd, rank)),
+            (
+                "resume",
+                marks.get("repaired"),
+                (rd.resumed.get(rank) or {}).get("time"),
+                "first step",
+            ),
+        ]
+        _chain(bars, rank, edges, until, ro.end is None)
+
+    def _moved(self, rd: RoundData, rank: int) -> str:
+        e = rd.recovered.get(rank) or {}
+        n = int(e.get("transfer_bytes") or 0)
+        if n:
+            srcs = [p[0] for p in rd.round.pairs if p and p[1] == rank] or [e.get("source")]
+            who = (
+                f"rank {srcs[0]}"
+                if len(srcs) == 1
+                else "ranks " + ", ".join(map(str, srcs)) + " (striped)"
+            )
+            how = " (read from its memory)" if e.get("transfer_path") == "memory" else ""
+            took = float(e.get("transfer_s") or 0)
+            return f"received {n / 1e6:.1f} MB from {who}{how} in {took:.3f} s"
+        pairs = [p for p in rd.round.pairs if p and p[0] == rank]
+        if pairs:
+            return "sent state to rank " + ", ".join(str(p[1]) for p in pairs)
+        return f"restored step {rd.round.resume_step} ({rd.round.action or 'rollback'})"
+
+    def _restart_bars(self, rd: RoundData, rank: int, until: float, bars: list[Bar]) -> None:
+        ro = rd.round
+        start = self._plan_time(rd, rank)
+        spawn = (rd.spawned.get(rank) or {}).get("time")
+        node = self.ranks[rank].node
+        stopped = rd.go or (rd.restarted.get(node) if isinstance(node, int) else None) or spawn
+        hello = rd.hello.get(rank) or spawn
+        edges = [
+            ("stop", start, stopped, "every node stops its workers"),
+            ("respawn", stopped, hello, "new process"),
+            (
+                "resume",
+                hello,
+                (rd.resumed.get(rank) or {}).get("time"),
+                "process groups, checkpoint load, first step",
+            ),
+        ]
+        _chain(bars, rank, edges, until, ro.end is None)
+
+    def _close(self, rd: RoundData, expected: list[int]) -> None:
+        ro = rd.round
+        if rd.closed_by is not None:
+            ro.outcome, ro.end = rd.closed_by, rd.closed_at
+            return
+        done = {r: e["time"] for r, e in rd.resumed.items()}
+        for r in expected:  # a rank that finished the job after the round counts as back
+            row = self.ranks[r]
+            if r not in done and row.state == "finished" and row.last_seen >= ro.plan_time:
+                done[r] = row.last_seen
+        if ro.strategy in ("exit", "dump") or rd.hint == "dump":
+            ro.outcome = "dump" if (ro.strategy == "dump" or rd.hint == "dump") else "exit"
+            ro.end = self.run.end
+            return
+        if expected and all(r in done for r in expected):
+            ro.outcome = "recovered" if ro.strategy in PROCESS_LEVEL else "restarted"
+            ro.end = max(done.values())
+        elif ro.strategy == "restart-all" and not (self.aware & set(expected)) and rd.restarted:
+            ro.outcome, ro.end = "restarted", max(rd.restarted.values())  # unmodified workers
+        elif self.run.outcome in ENDED:
+            ro.outcome, ro.end = (
+                ("failed" if self.run.outcome == "failed" else "recovered"),
+                self.run.end,
+            )
+        else:
+            ro.outcome, ro.end = "in-progress", None
+
+    def _steps_lost(self, rd: RoundData) -> int | None:
+        ro = rd.round
+        before = [s for pts in self.run.progress.values() for t, s in pts if t <= ro.plan_time]
+        if not before:
+            return 0 if ro.strategy in PROCESS_LEVEL else None
+        committed = int(max(before))
+        if ro.strategy in PROCESS_LEVEL and ro.resume_step is not None:
+            resume = int(ro.resume_step)
+        else:
+            firsts = [int(e["step"]) for e in rd.resumed.values() if isinstance(e.get("step"), int)]
+            if not firsts:
+                return None
+            resume = min(firsts)
+        return max(0, committed + 1 - resume)
+
+
+def charge_faults(v: RunView) -> None:
+    """Each fault carries what its round cost (MTTR, steps lost, transfer); a fault whose round
+    fell back carries the cost to the end of the last round it caused."""
+    for ro in v.rounds:
+        f = ro.fault
+        if f is not None and f.round == ro.generation:
+            f.mttr_s, f.steps_lost = ro.mttr_s, ro.steps_lost
+            f.transfer_bytes = ro.transfer_bytes
+            f.transfer_rate = (ro.transfer_bytes / ro.transfer_s) if ro.transfer_s > 0 else None
+    for f in v.faults:
+        later = [ro for ro in v.rounds if ro.fault is f and ro.end is not None]
+        if later:
+            f.mttr_s = round(max(ro.end for ro in later) - f.time, 4)  # type: ignore[type-var]
+
+
+def _add(
+    bars: list[Bar],
+    rank: int,
+    phase: str,
+    start: float | None,
+    end: float | None,
+    until: float,
+    note: str = "",
+) -> None:
+    if start is None:
+        return
+    bars.append(
+        Bar(
+            rank=rank,
+            phase=phase,
+            start=round(start, 4),
+            end=round(max(start, end if end is not None else until), 4),
+            note=note,
+        )
+    )
+
+
+def _chain(bars: list[Bar], rank: int, edges: list[tuple], until: float, live: bool) -> None:
+    """Consecutive phases: each starts where the previous ended; the first phase without an end
+    runs to `until` when the round is still live, and the rest are left out."""
+    for phase, start, end, note in edges:
+        if start is None:
+            return
+        if end is None:
+            if live:
+                _add(bars, rank, phase, start, until, until, note)
+            return
+        _add(bars, rank, phase, start, end, until, note)
