@@ -434,8 +434,9 @@ def scale_up(
     while the world has `nodes` live nodes (of `per_node` ranks each) of at most `max_nodes`:
     restart-all in a new rendezvous round that includes them, not charged (torchrun does not
     count membership changes against --max_restarts). None while nobody waits, the world is
-    full, or a process-level round is still collecting (it goes first), unless that round waits for a lost node to be taken over:
-    with scale_up=restart nobody takes it over, the new round includes the waiting nodes."""
+    full, or a process-level round is still collecting (it goes first), unless that round waits
+    for a lost node to be taken over: with scale_up=restart nobody takes it over, the new round
+    includes the waiting nodes."""
     waits_for_node = (
         rnd is not None and rnd.cause.rank is None and bool(rnd.cause.evidence.get("node_lost"))
     )

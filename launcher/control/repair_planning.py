@@ -2,9 +2,10 @@
 
 Owns: the pure function `plan_repair` (with its steps `check_statuses` and `pick_senders`) that
 turns the ranks' `RankStatus` reports of one recovery round into a `RepairPlan` (who sends state
-to whom, where to resume), and `plan_dump`, its counterpart for a dying-gasp round (which step the survivors save, and which rank writes each
-shard). Ranks with equal `shard` hold equal state (see `launcher.runtime.replicas.Layout`, which
-names the shards); the controller calls both, the runtime only executes their result.
+to whom, where to resume), and `plan_dump`, its counterpart for a dying-gasp round (which step
+the survivors save, and which rank writes each shard). Ranks with equal `shard` hold equal state
+(see `launcher.runtime.replicas.Layout`, which names the shards); the controller calls both, the
+runtime only executes their result.
 """
 
 from __future__ import annotations
