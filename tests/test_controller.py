@@ -8,9 +8,10 @@ import time
 import pytest
 
 from launcher.control.controller import Controller
+from launcher.control.controller_settings import ControllerHooks, ControllerSettings
 from launcher.control.fault_intake import post_fault
 from launcher.control.progress import ProgressBoard
-from launcher.control.settings import ControllerHooks, ControllerSettings
+from launcher.control.round_phase import RoundPhase
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
@@ -163,6 +164,7 @@ def test_a_fault_during_status_collection_supersedes_the_round(kv) -> None:
         rp = P.RepairPlan.from_json(kv.get(P.repair_key(2), 10.0))
         assert rp.pairs == [[0, 2], [0, 3]] and rp.resume_step == 5
         assert c.round is not None and not c.round.collecting
+        assert c.round.generation == 2 and c.phase is RoundPhase.DONE
         assert kv.try_get(P.plan_key(3)) is None
     finally:
         c.stop()
@@ -388,6 +390,7 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_in_a_new_rendezvous_round(
         assert p.restarts_used == 1 and kv.try_get(P.RESTARTS_USED_KEY) == b"1"
         assert p.reason.endswith("continuing on 2 node(s): world size 6 -> 4 (restart-all)")
         assert kv.try_get(P.go_key(1)) is None  # the agents restart in the new round, no barrier
+        assert c.phase is RoundPhase.REGROUPING  # this world ends
     finally:
         c.stop()
 
@@ -577,6 +580,7 @@ def test_a_successor_supersedes_the_round_in_progress_with_the_lost_nodes_ranks(
     assert kv.try_get(P.repair_key(2)) is None
     c2 = _node_world(kv, start=False)
     assert c2.round is not None and c2.round.generation == 2 and c2.round.collecting
+    assert c2.phase is RoundPhase.COLLECTING and c2.rounds.inherited is not None
     assert [h["rank"] for h in c2.history] == [1, 3] and c2.history[0]["outcome"] == "recovered"
     c2.reconcile({1: 1}, [0])
     c2.start()
@@ -816,6 +820,12 @@ def test_peers_finishing_while_the_replacement_waits_end_the_round_at_once(kv, t
         [0, 2, 3],
     )
     assert "finished the job during generation 1's recovery round" in line["message"], line
+    (fell,) = _events(tmp_path, "fallback")
+    assert fell["round_phase"] == "collecting"  # the phase the round fell back from
+    assert [e["round_phase"] for e in _events(tmp_path, "plan")] == [
+        "collecting",
+        "waiting-for-stop",
+    ]
 
 
 def test_a_finished_mark_of_an_earlier_process_of_the_rank_is_stale(kv, tmp_path) -> None:

@@ -56,8 +56,8 @@ from launcher.agent.store_stack import AgentWorld, StoreStack
 from launcher.config import LaunchConfig
 from launcher.control.controller import Controller
 from launcher.control.controller_role import ControllerRole
+from launcher.control.controller_settings import ControllerHooks, ControllerSettings
 from launcher.control.fault_memory import FaultMemory
-from launcher.control.settings import ControllerHooks, ControllerSettings
 from launcher.observe.logs import AgentLog, RunLogDir
 from launcher.observe.observer import NodeObserver
 from launcher.protocol import plan as P

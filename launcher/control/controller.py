@@ -4,16 +4,16 @@ Owns: `Controller`, the loop that turns reported faults into recovery rounds, an
 is built from (one job each; the decision rules live in `launcher.control.decision`, nowhere
 else):
 
-  fault_intake    reading reports in order, refusing stale writers, one event one fault
-  decider         asking `decision` (the situation, the decision, the fallback) and its log lines
-  plan_publisher  publishing a decision's plan for the next generation, the restart budget
-  round_phase     the round in progress and its phase (every change of phase goes through it)
-  round_driver    driving a round's phases with a timeout each: restart-all, process-level, dump
-  node_book       lost nodes and the agents holding each node; their loss and arrival as faults
-  world_changes   shrinking without an unreplaced node, growing with waiting agents (regroup)
-  handoff         the state a successor needs, and taking up the round an earlier one drove
-  fault_history   the job's fault history (published with every plan, for the failure summary)
-  settings        what it is built with: `ControllerSettings` and `ControllerHooks`
+  fault_intake         reading reports in order, refusing stale writers, one event one fault
+  decider              asking `decision` (situation, decision, fallback), with its log lines
+  plan_publisher       publishing a decision's plan for the next generation, the restart budget
+  round_phase          the round in progress and its phase (every change of phase goes through it)
+  round_driver         driving a round's phases, a timeout each: restart-all, process-level, dump
+  node_book            lost nodes and the agents holding each node; their loss and arrival as faults
+  world_changes        shrinking without an unreplaced node, growing with waiting agents (regroup)
+  handoff              the state a successor needs, and taking up the round an earlier one drove
+  fault_history        the job's fault history (published with every plan, for the failure summary)
+  controller_settings  what it is built with: `ControllerSettings` and `ControllerHooks`
 
 One pass of the loop: a round that an earlier controller was driving is taken up first
 (`Handoff.resume`); else a decision that cannot wait (a lost node's node_replace_timeout ran out,
@@ -36,6 +36,7 @@ import threading
 import time
 
 from launcher.control import controller_state as CS
+from launcher.control.controller_settings import ControllerHooks, ControllerSettings
 from launcher.control.decider import Decider
 from launcher.control.decision import PROCESS_LEVEL, Decision, Round, Situation
 from launcher.control.fault_history import FaultHistory
@@ -45,7 +46,6 @@ from launcher.control.node_book import NodeBook
 from launcher.control.plan_publisher import PlanPublisher
 from launcher.control.round_driver import RoundDriver
 from launcher.control.round_phase import RoundPhase, RoundTracker
-from launcher.control.settings import ControllerHooks, ControllerSettings
 from launcher.control.world_changes import WorldChanges
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P

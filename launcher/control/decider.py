@@ -12,10 +12,10 @@ else.
 
 from __future__ import annotations
 
+from launcher.control.controller_settings import ControllerSettings
 from launcher.control.controller_state import ControllerState
 from launcher.control.decision import Decision, Situation, decide, fallback
 from launcher.control.round_phase import RoundTracker
-from launcher.control.settings import ControllerSettings
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore

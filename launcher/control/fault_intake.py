@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import time
 
+from launcher.control.controller_settings import ControllerHooks, ControllerSettings
 from launcher.control.controller_state import ControllerState
 from launcher.control.decision import covered_by, culprit, may_be_consequence, merge
 from launcher.control.progress import read_progress
 from launcher.control.round_phase import RoundTracker
-from launcher.control.settings import ControllerHooks, ControllerSettings
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore

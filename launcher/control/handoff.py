@@ -22,6 +22,7 @@ import json
 import threading
 
 from launcher.control import controller_state as CS
+from launcher.control.controller_settings import ControllerSettings
 from launcher.control.decider import Decider
 from launcher.control.decision import PROCESS_LEVEL, Decision, Round
 from launcher.control.fault_history import FaultHistory
@@ -29,7 +30,6 @@ from launcher.control.fault_intake import FaultIntake
 from launcher.control.node_book import NodeBook
 from launcher.control.round_driver import RoundDriver
 from launcher.control.round_phase import RoundTracker, found_phase
-from launcher.control.settings import ControllerSettings
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore

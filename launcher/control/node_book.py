@@ -15,8 +15,8 @@ import time
 from typing import Callable
 
 from launcher.control import fault_intake
+from launcher.control.controller_settings import ControllerHooks, ControllerSettings
 from launcher.control.controller_state import ControllerState
-from launcher.control.settings import ControllerHooks, ControllerSettings
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from launcher.protocol.faults import FaultKind

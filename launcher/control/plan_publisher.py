@@ -14,12 +14,12 @@ import dataclasses
 from typing import Callable
 
 from launcher.control import controller_state as CS
+from launcher.control.controller_settings import ControllerHooks
 from launcher.control.decider import Decider
 from launcher.control.decision import Decision, Round
 from launcher.control.fault_history import FaultHistory
 from launcher.control.node_book import NodeBook
 from launcher.control.round_phase import RoundTracker, first_phase
-from launcher.control.settings import ControllerHooks
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore

@@ -18,6 +18,7 @@ import threading
 import time
 from typing import Callable
 
+from launcher.control.controller_settings import ControllerSettings
 from launcher.control.decider import Decider
 from launcher.control.decision import Decision
 from launcher.control.fault_intake import FaultIntake
@@ -25,7 +26,6 @@ from launcher.control.node_book import NodeBook
 from launcher.control.plan_publisher import PlanPublisher
 from launcher.control.repair_planning import plan_dump, plan_repair
 from launcher.control.round_phase import RoundPhase, RoundTracker
-from launcher.control.settings import ControllerSettings
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore

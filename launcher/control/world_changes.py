@@ -17,10 +17,10 @@ import dataclasses
 import time
 from typing import Callable
 
+from launcher.control.controller_settings import ControllerHooks, ControllerSettings
 from launcher.control.decision import Decision, Situation, scale_up, unreplaced
 from launcher.control.node_book import NodeBook
 from launcher.control.round_phase import RoundTracker
-from launcher.control.settings import ControllerHooks, ControllerSettings
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.errors import RendezvousError
