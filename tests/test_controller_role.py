@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from launcher.control.controller import Controller
 from launcher.control.controller_role import ControllerRole
-from launcher.control.settings import ControllerSettings
+from launcher.control.controller_settings import ControllerSettings
 from launcher.observe.logs import AgentLog, read_event_file
 from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
