@@ -79,10 +79,18 @@ def test_once_the_world_regroups_only_the_regroup_plan_follows() -> None:
     t = RoundTracker()
     t.start(rnd(1), RoundPhase.COLLECTING)
     t.regroup()
-    assert t.regrouping and t.round.generation == 1
+    assert t.regrouping and t.round.generation == 1 and not t.round.collecting
     t.start(rnd(2, P.RESTART_ALL), RoundPhase.REGROUPING)  # the plan into the new round
     assert t.regrouping and t.round.generation == 2 and not t.round.collecting
     with pytest.raises(RoundPhaseError, match="no collecting round once this world regroups"):
         t.start(rnd(3), RoundPhase.COLLECTING)
     with pytest.raises(RoundPhaseError):
         t.regroup()
+
+
+def test_a_world_may_regroup_before_any_round() -> None:
+    t = RoundTracker()
+    t.regroup()  # scale_up=restart: agents waiting to get in before any fault
+    assert t.regrouping and t.round is None
+    t.start(rnd(1, P.RESTART_ALL), RoundPhase.REGROUPING)
+    assert t.round is not None and t.round.generation == 1

@@ -110,7 +110,10 @@ class RoundTracker:
         """A new rendezvous round was opened for the next plan: this world ends."""
         if self.regrouping:
             raise RoundPhaseError("this world regroups already")
-        self.phase = RoundPhase.REGROUPING
+        if self.round is None:  # no round yet (agents waiting to get in at the job's start)
+            self.phase = RoundPhase.REGROUPING
+        else:
+            self._enter(self.round, RoundPhase.REGROUPING)
 
     def _enter(self, rnd: Round, phase: RoundPhase) -> None:
         self.round = dataclasses.replace(rnd, collecting=phase is RoundPhase.COLLECTING)
