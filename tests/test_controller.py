@@ -7,8 +7,11 @@ import time
 
 import pytest
 
-from launcher.control.controller import Controller, post_fault
+from launcher.control.controller import Controller
+from launcher.control.controller_settings import ControllerHooks, ControllerSettings
+from launcher.control.fault_intake import post_fault
 from launcher.control.progress import ProgressBoard
+from launcher.control.round_phase import RoundPhase
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
@@ -19,9 +22,20 @@ def kv():
     return LocalKV()
 
 
+HOOKS = ("stale", "fence", "new_round", "waiting")
+
+
+def controller(kv, log, world_size, nnodes, max_restarts, chain, **kw) -> Controller:
+    """A Controller of `world_size` ranks on `nnodes` nodes; `kw`: the other settings and hooks
+    (ControllerSettings and ControllerHooks fields) by name."""
+    hooks = ControllerHooks(**{k: kw.pop(k) for k in HOOKS if k in kw})
+    settings = ControllerSettings(world_size, nnodes, max_restarts, tuple(chain), **kw)
+    return Controller(kv, log, settings, hooks)
+
+
 def make(kv, world=4, max_restarts=3, chain=None, tmp_path=None, window=2.0) -> Controller:
     log = AgentLog(0, None, quiet=True)
-    c = Controller(
+    c = controller(
         kv,
         log,
         world,
@@ -150,6 +164,7 @@ def test_a_fault_during_status_collection_supersedes_the_round(kv) -> None:
         rp = P.RepairPlan.from_json(kv.get(P.repair_key(2), 10.0))
         assert rp.pairs == [[0, 2], [0, 3]] and rp.resume_step == 5
         assert c.round is not None and not c.round.collecting
+        assert c.round.generation == 2 and c.phase is RoundPhase.DONE
         assert kv.try_get(P.plan_key(3)) is None
     finally:
         c.stop()
@@ -278,7 +293,7 @@ def test_the_exit_plan_names_the_fault_that_ended_the_job_and_the_history(kv) ->
 def _two_nodes(kv, node_replace_timeout: float) -> Controller:
     for r in range(4):
         kv.set(P.aware_key(r), b"1")
-    c = Controller(
+    c = controller(
         kv,
         AgentLog(0, None, quiet=True),
         4,
@@ -347,7 +362,7 @@ def test_a_lost_node_not_taken_over_within_the_timeout_ends_the_job(kv) -> None:
 
 def _three_nodes(kv, new_round) -> Controller:
     """3 nodes of 2 unmodified ranks, --nnodes 2:3, node_replace_timeout 0.5 s."""
-    c = Controller(
+    c = controller(
         kv,
         AgentLog(0, None, quiet=True),
         6,
@@ -375,6 +390,7 @@ def test_a_lost_node_not_taken_over_shrinks_the_world_in_a_new_rendezvous_round(
         assert p.restarts_used == 1 and kv.try_get(P.RESTARTS_USED_KEY) == b"1"
         assert p.reason.endswith("continuing on 2 node(s): world size 6 -> 4 (restart-all)")
         assert kv.try_get(P.go_key(1)) is None  # the agents restart in the new round, no barrier
+        assert c.phase is RoundPhase.REGROUPING  # this world ends
     finally:
         c.stop()
 
@@ -404,7 +420,7 @@ def test_a_static_world_or_a_round_that_cannot_start_ends_the_job(kv) -> None:
 def test_scale_up_restart_opens_a_round_for_a_waiting_node_uncharged(kv) -> None:
     asked: list[int] = []
     waiting = [0]
-    c = Controller(
+    c = controller(
         kv,
         AgentLog(0, None, quiet=True),
         4,
@@ -437,7 +453,7 @@ def test_a_report_of_a_stale_agent_is_refused_and_logged(kv, tmp_path) -> None:
     dead, replaced) starts no round; the next live report does."""
     log = AgentLog(0, str(tmp_path / "events.jsonl"), quiet=True)
     stale = {(1, 1)}
-    c = Controller(
+    c = controller(
         kv,
         log,
         4,
@@ -480,7 +496,7 @@ def test_a_fenced_controller_publishes_nothing_and_stops(kv) -> None:
         raise FencedError(f"node 0 (incarnation 1) is stale: write to {key!r} refused (lost)")
 
     log = AgentLog(0, None, quiet=True)
-    c = Controller(kv, log, 4, 1, 3, [P.RESTART_ALL, P.EXIT], phase_timeout=5.0, fence=fence)
+    c = controller(kv, log, 4, 1, 3, [P.RESTART_ALL, P.EXIT], phase_timeout=5.0, fence=fence)
     c.start()
     try:
         post_fault(kv, fault(rank=1))
@@ -514,7 +530,7 @@ def _node_world(kv, start: bool = True) -> Controller:
     """Two nodes of two ranks (node 0: ranks 0, 1; node 1: ranks 2, 3), runtime-aware."""
     for r in range(4):
         kv.set(P.aware_key(r), b"1")
-    c = Controller(
+    c = controller(
         kv,
         AgentLog(0, None, quiet=True),
         4,
@@ -564,6 +580,7 @@ def test_a_successor_supersedes_the_round_in_progress_with_the_lost_nodes_ranks(
     assert kv.try_get(P.repair_key(2)) is None
     c2 = _node_world(kv, start=False)
     assert c2.round is not None and c2.round.generation == 2 and c2.round.collecting
+    assert c2.phase is RoundPhase.COLLECTING and c2.rounds.inherited is not None
     assert [h["rank"] for h in c2.history] == [1, 3] and c2.history[0]["outcome"] == "recovered"
     c2.reconcile({1: 1}, [0])
     c2.start()
@@ -621,7 +638,6 @@ def test_a_successor_releases_a_restart_all_round_the_lost_controller_published(
 
 def test_a_successor_does_not_report_a_known_loss_again_and_its_timeout_runs_on(kv) -> None:
     c1 = _node_world(kv)
-    c1.node_replace_timeout = 30.0
     try:
         c1.note_node(1, lost=True, why="its etcd lease expired (TTL 2s)")
         assert plan_of(kv, 1).failed_ranks == [2, 3]
@@ -630,7 +646,7 @@ def test_a_successor_does_not_report_a_known_loss_again_and_its_timeout_runs_on(
     time.sleep(0.3)
     c2 = _node_world(kv, start=False)
     assert c2.lost_nodes == {1}
-    at, f = c2._lost_at[1]
+    at, f = c2.nodes.lost_at[1]
     assert 0.3 <= time.monotonic() - at < 5.0 and f.message == "its etcd lease expired (TTL 2s)"
     c2.reconcile({0: 1}, [1])
     assert kv.try_get(P.FAULT_SEQ) == b"1"  # not reported again
@@ -661,7 +677,7 @@ def test_an_arrival_brought_by_two_threads_at_once_is_reported_once(kv, monkeypa
     """The successor's reconcile and the membership watch may report the same takeover at the
     same moment; both passed the 'already known?' check before either had posted, and the
     arrival became two faults and two rounds (the spare spawned its rank twice, CI)."""
-    import launcher.control.controller as C
+    import launcher.control.fault_intake as C
 
     c1 = _node_world(kv)
     c1.reconcile({0: 1, 1: 1}, [])
@@ -687,7 +703,7 @@ def test_an_arrival_brought_by_two_threads_at_once_is_reported_once(kv, monkeypa
     for t in ts:
         t.join(10)
     assert sorted(got, key=str) == [1, None] and kv.try_get(P.FAULT_SEQ) == b"1"
-    assert c2.known[0] == 2 and not c2._arriving
+    assert c2.known[0] == 2 and not c2.nodes.arriving
 
 
 def test_a_controller_of_a_new_world_keeps_the_history_but_not_the_old_worlds_nodes(kv) -> None:
@@ -708,7 +724,7 @@ def test_a_controller_of_a_new_world_keeps_the_history_but_not_the_old_worlds_no
         evidence={"node_lost": True, "node_ranks": [2, 3]},
     )
     c1.publish(Decision(P.RESTART_ALL, "shrink", cause, (2, 3), (0, 1), charged=True), new_round=1)
-    c2 = Controller(
+    c2 = controller(
         kv,
         AgentLog(0, None, quiet=True),
         2,
@@ -719,9 +735,9 @@ def test_a_controller_of_a_new_world_keeps_the_history_but_not_the_old_worlds_no
         window=0.1,
         world_round=1,
     )
-    assert c2.lost_nodes == set() and c2.known == {} and not c2._unfinished(plan_of(kv, 1))
+    assert c2.lost_nodes == set() and c2.known == {} and not c2.handoff.unfinished(plan_of(kv, 1))
     assert [h["node"] for h in c2.history] == [1]
-    c3 = Controller(
+    c3 = controller(
         kv, AgentLog(0, None, quiet=True), 4, 2, 3, [P.RESTART_ALL, P.EXIT], world_round=0
     )  # a controller of the old world would have them
     assert c3.lost_nodes == {1} and c3.known == {0: 1, 1: 1}
@@ -732,7 +748,7 @@ def _finished_world(kv, tmp_path, phase_timeout: float = 120.0) -> tuple[Control
     for r in range(4):
         kv.set(P.aware_key(r), b"1")
     log = AgentLog(0, str(tmp_path / "events.jsonl"), quiet=True)
-    c = Controller(
+    c = controller(
         kv,
         log,
         4,
@@ -804,6 +820,12 @@ def test_peers_finishing_while_the_replacement_waits_end_the_round_at_once(kv, t
         [0, 2, 3],
     )
     assert "finished the job during generation 1's recovery round" in line["message"], line
+    (fell,) = _events(tmp_path, "fallback")
+    assert fell["round_phase"] == "collecting"  # the phase the round fell back from
+    assert [e["round_phase"] for e in _events(tmp_path, "plan")] == [
+        "collecting",
+        "waiting-for-stop",
+    ]
 
 
 def test_a_finished_mark_of_an_earlier_process_of_the_rank_is_stale(kv, tmp_path) -> None:

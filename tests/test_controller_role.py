@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from launcher.control.controller import Controller
 from launcher.control.controller_role import ControllerRole
+from launcher.control.controller_settings import ControllerSettings
 from launcher.observe.logs import AgentLog, read_event_file
 from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
@@ -46,7 +47,9 @@ def _role(tmp_path, stack, built: list, kv=None) -> tuple[ControllerRole, AgentL
     log = AgentLog(1, str(tmp_path / "events.jsonl"), quiet=True)
 
     def build() -> Controller:
-        c = Controller(kv, log, 2, 2, 3, [P.RESTART_ALL, P.EXIT], phase_timeout=5.0)
+        c = Controller(
+            kv, log, ControllerSettings(2, 2, 3, (P.RESTART_ALL, P.EXIT), phase_timeout=5.0)
+        )
         built.append(c)
         return c
 

@@ -1,5 +1,5 @@
-"""The controller's saved state (launcher.control.controller_state): round trip, and the term fencing
-that keeps a superseded controller from overwriting its successor's record."""
+"""The controller's saved state (launcher.control.controller_state): round trip, and the term
+fencing that keeps a superseded controller from overwriting its successor's record."""
 
 from __future__ import annotations
 

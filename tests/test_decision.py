@@ -392,7 +392,7 @@ def test_stacks_that_all_sit_outside_a_collective_blame_no_one_strongly() -> Non
     assert "none of their stacks is inside a torch.distributed call" in why and "peers'" not in why
 
 
-# ---------------------------------------------------------------- rule 3: node loss repaired from peers
+# ------------------------------------------------------- rule 3: node loss repaired from peers
 def node_fault(joined: bool, gen: int = 0, ranks=(2, 3)) -> P.Fault:
     ev = {"node_joined": True} if joined else {"node_lost": "no heartbeat for 5s"}
     return P.Fault(
@@ -539,3 +539,16 @@ def test_scale_up_restart_grows_the_world_uncharged_when_nodes_wait() -> None:
     lost = Round(1, P.RECOVER_IN_PLACE, (2, 3), node_fault(joined=False), collecting=True)
     d = scale_up(waiting=1, nodes=1, max_nodes=2, per_node=2, rnd=lost)
     assert d is not None and d.grow and "1 -> 2 node(s), world size 2 -> 4" in d.reason
+
+
+def test_the_loss_round_of_a_node_is_the_process_level_round_its_loss_started() -> None:
+    from launcher.control.decision import is_loss_round
+
+    lost = node_fault(joined=False)
+    assert is_loss_round(Round(1, P.RECOVER_IN_PLACE, (2, 3), lost, collecting=True), 1)
+    assert not is_loss_round(Round(1, P.RECOVER_IN_PLACE, (2, 3), lost), 0)  # another node's
+    assert not is_loss_round(Round(1, P.RESTART_ALL, (2, 3), lost), 1)  # not process-level
+    joined = node_fault(joined=True)
+    assert not is_loss_round(Round(1, P.RECOVER_IN_PLACE, (2, 3), joined), 1)  # an arrival's
+    assert not is_loss_round(round_of(P.RECOVER_IN_PLACE), 0)  # a rank's fault
+    assert not is_loss_round(None, 1)

@@ -112,7 +112,10 @@ def test_controller_import_does_not_load_torch():
 
     from helpers_runtime import base_env
 
-    code = "import sys; from launcher.control.repair_planning import plan_repair; print('torch' in sys.modules)"
+    code = (
+        "import sys; from launcher.control.repair_planning import plan_repair; "
+        "print('torch' in sys.modules)"
+    )
     res = subprocess.run(
         [sys.executable, "-c", code], env=base_env(), capture_output=True, text=True, timeout=60
     )
@@ -188,3 +191,29 @@ def test_auto_striping_takes_the_lowest_up_to_date_replica_on_each_node():
     sts = [st(r, 4) for r in range(20)] + [st(20, -1, replacement=True)]
     p = plan_repair(sts, 1, AUTO_STRIPES, lambda r: r)
     assert [src for src, _ in p.pairs] == list(range(16))
+
+
+def test_check_statuses_wants_one_report_per_rank_of_the_round() -> None:
+    from launcher.control.repair_planning import check_statuses
+
+    check_statuses([st(0, 1), st(1, 1)], 1)
+    with pytest.raises(ValueError, match="at least one"):
+        check_statuses([], 1)
+    with pytest.raises(ValueError, match=r"duplicate ranks in statuses: \[1, 1\]"):
+        check_statuses([st(1, 1), st(1, 1)], 1)
+    with pytest.raises(ValueError, match=r"ranks \[1\] are not for generation 1"):
+        check_statuses([st(0, 1), st(1, 1, gen=2)], 1)
+
+
+def test_pick_senders_takes_up_to_date_replicas_per_shard_in_rank_order() -> None:
+    from launcher.control.repair_planning import AUTO_STRIPES, pick_senders
+
+    healthy = [st(3, 5, shard="a"), st(0, 5, shard="a"), st(1, 4, shard="a"), st(2, 5, shard="b")]
+    assert pick_senders(healthy, 5, max_stripes=2) == {"a": [0, 3], "b": [2]}
+    assert pick_senders(healthy, 5, max_stripes=1) == {"a": [0], "b": [2]}
+    # auto: one sender per node (ranks 0, 1 on node 0; 2, 3 on node 1), one node without node_of
+    assert pick_senders(healthy, 5, AUTO_STRIPES, lambda r: r // 2) == {"a": [0, 3], "b": [2]}
+    assert pick_senders(healthy, 5, AUTO_STRIPES) == {"a": [0], "b": [2]}
+    assert pick_senders(healthy, 6, max_stripes=2) == {}  # nobody at step 6: every shard missing
+    with pytest.raises(ValueError, match="max_stripes=17"):
+        pick_senders(healthy, 5, max_stripes=17)

@@ -56,6 +56,7 @@ from launcher.agent.store_stack import AgentWorld, StoreStack
 from launcher.config import LaunchConfig
 from launcher.control.controller import Controller
 from launcher.control.controller_role import ControllerRole
+from launcher.control.controller_settings import ControllerHooks, ControllerSettings
 from launcher.control.fault_memory import FaultMemory
 from launcher.observe.logs import AgentLog, RunLogDir
 from launcher.observe.observer import NodeObserver
@@ -356,25 +357,26 @@ class Agent:
     def _new_controller(self) -> Controller:
         cfg, world = self.cfg, self._world()
         assert self.kv is not None
-        return Controller(
-            self.kv,
-            self.log,
-            world.world_size,
-            world.group_world_size,
-            cfg.max_restarts,
-            cfg.recover_strategy,
+        settings = ControllerSettings(
+            world_size=world.world_size,
+            nnodes=world.group_world_size,
+            max_restarts=cfg.max_restarts,
+            chain=tuple(cfg.recover_strategy),
             phase_timeout=float(os.environ.get("FTRUN_PHASE_TIMEOUT", 120)),
             window=cfg.fault_window,
             node_replace_timeout=cfg.node_replace_timeout,
             min_nodes=cfg.min_nodes,
-            stale=self.stack.stale,
-            fence=self.stack.check_member,
-            transfer_stripes=cfg.transfer_stripes,
-            new_round=self.stack.request_round if self.stack.can_renumber else None,
-            waiting=(self.stack.waiting if cfg.rdzv_settings.scale_up == "restart" else None),
             max_nodes=cfg.max_nodes,
+            transfer_stripes=cfg.transfer_stripes,
             world_round=self.stack.world_round(),
         )
+        hooks = ControllerHooks(
+            stale=self.stack.stale,
+            fence=self.stack.check_member,
+            new_round=self.stack.request_round if self.stack.can_renumber else None,
+            waiting=(self.stack.waiting if cfg.rdzv_settings.scale_up == "restart" else None),
+        )
+        return Controller(self.kv, self.log, settings, hooks)
 
     def _leave_world(self) -> None:
         """Undo `_enter_world` (workers already killed): before rejoining as a fresh node."""

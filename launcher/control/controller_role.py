@@ -10,7 +10,8 @@ the store (generation, restart budget, next fault, fault history, lost nodes and
 progress; `launcher.control.controller`). The new controller is installed before it looks at the
 membership (`Controller.reconcile`: nodes lost, and nodes a hot spare took over, while no
 controller ran), so membership news from then on reaches it and nothing falls in between; then
-it starts. One log line per handoff names the node lost, why, and who takes over. A deposed controller (its own lease expired) stops; its agent self-fences.
+it starts. One log line per handoff names the node lost, why, and who takes over. A deposed
+controller (its own lease expired) stops; its agent self-fences.
 """
 
 from __future__ import annotations

@@ -1,13 +1,15 @@
 """The controller's own state in the store, so a controller elected on another node goes on
 from where the lost one stopped.
 
-Owns: `SavedState` and its record under `STATE_KEY`: the fault history of the failure summary
-(each fault, the strategies tried, its outcome), the lost nodes still waiting for a hot spare or a
-replacement agent (when they were lost, wall clock, and their `node-lost` fault, so the
-successor neither reports them again nor restarts their node_replace_timeout), and the agent
-incarnation of each node the controller has accounted for (a node held by a newer incarnation
-was taken over, and its arrival must start a round). The round in progress itself is not kept
-here: the latest plan (`plan.plan_key`) and its phase keys (repair plan, go) say how far it got.
+Owns: `ControllerState` (the job's generation, the next fault to read and the restart budget, read
+back from their own keys, `ControllerState.read`), and `SavedState` and its record under
+`STATE_KEY`: the fault history of the failure summary (each fault, the strategies tried, its
+outcome), the lost nodes still waiting for a hot spare or a replacement agent (when they were lost,
+wall clock, and their `node-lost` fault, so the successor neither reports them again nor restarts
+their node_replace_timeout), and the agent incarnation of each node the controller has accounted for
+(a node held by a newer incarnation was taken over, and its arrival must start a round). The round
+in progress itself is not kept here: the latest plan (`plan.plan_key`) and its phase keys (repair
+plan, go) say how far it got.
 
 Fencing: every controller takes a term (`TERM_KEY`, a counter) when it is built, and writes the
 record only by compare-and-set over a record whose term is not newer than its own; a deposed
@@ -23,6 +25,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from launcher.control.decision import Budget
+from launcher.protocol import plan as P
 from rendezvous.errors import FencedError
 from rendezvous.kv import KVStore, StoreError
 from rendezvous.nodes.keys import ROOT
@@ -30,6 +34,29 @@ from rendezvous.nodes.keys import ROOT
 STATE_KEY = f"{ROOT}/controller/state"
 TERM_KEY = f"{ROOT}/controller/term"
 ATTEMPTS = 20  # compare-and-set attempts while another writer keeps changing the record
+
+
+@dataclass
+class ControllerState:
+    """What a controller goes on from, each under a key of its own (any controller writes them):
+    the job's generation, the next fault to read and the restart budget."""
+
+    generation: int = 0
+    next_fault: int = 1
+    budget: Budget = field(default_factory=lambda: Budget(0, 0))
+
+    @classmethod
+    def read(cls, kv: KVStore, max_restarts: int) -> "ControllerState":
+        """From the store: where the earlier controllers of the job left them."""
+        raw, used, seq, nxt = (
+            kv.try_get(k)
+            for k in (P.GENERATION_KEY, P.RESTARTS_USED_KEY, P.FAULT_SEQ, P.FAULT_NEXT_KEY)
+        )
+        return cls(
+            generation=int(raw) if raw is not None else 0,
+            next_fault=int(nxt) if nxt is not None else (int(seq) + 1 if seq is not None else 1),
+            budget=Budget(int(used) if used is not None else 0, max_restarts),
+        )
 
 
 @dataclass

@@ -141,10 +141,8 @@ def can_handle(strategy: str, kind: FaultKind, runtime_aware: bool) -> tuple[boo
         if not runtime_aware:
             return False, "retry needs every rank to use launcher.runtime"
         if kind not in IN_PLACE_KINDS:
-            return (
-                False,
-                f"retry handles {', '.join(sorted(k.value for k in IN_PLACE_KINDS))}, not {kind.value}",
-            )
+            kinds = ", ".join(sorted(k.value for k in IN_PLACE_KINDS))
+            return False, f"retry handles {kinds}, not {kind.value}"
         return True, "process stays alive; state repaired in place"
     if strategy == P.RECOVER_IN_PLACE:
         if not runtime_aware:
@@ -362,6 +360,18 @@ def _node_decision(fault: P.Fault, s: Situation) -> Decision:
     )
 
 
+def is_loss_round(rnd: Round | None, node: int) -> bool:
+    """True when `rnd` is the process-level round that node `node`'s loss started (its ranks
+    wait there for a new agent; that round was charged already)."""
+    return (
+        rnd is not None
+        and rnd.cause.node == node
+        and rnd.cause.rank is None
+        and bool(rnd.cause.evidence.get("node_lost"))
+        and rnd.strategy in PROCESS_LEVEL
+    )
+
+
 def unreplaced(
     fault: P.Fault,
     waited: float,
@@ -383,14 +393,7 @@ def unreplaced(
         f"it over within node_replace_timeout={timeout:g}s (waited {waited:.1f}s)"
     )
     failed = node_ranks(fault)
-    rnd = s.round if s is not None else None
-    continues = (
-        rnd is not None
-        and rnd.cause.node == fault.node
-        and rnd.cause.rank is None
-        and bool(rnd.cause.evidence.get("node_lost"))
-        and rnd.strategy in PROCESS_LEVEL
-    )
+    continues = is_loss_round(s.round if s is not None else None, fault.node)
     if nodes_left < min_nodes:
         rest = f"--nnodes MIN={min_nodes} does not allow continuing on {nodes_left} node(s)"
     elif s is None or P.RESTART_ALL not in s.chain:
@@ -431,9 +434,10 @@ def scale_up(
     """`--rdzv-conf scale_up=restart` (torchrun's behaviour): `waiting` agents wait to get in
     while the world has `nodes` live nodes (of `per_node` ranks each) of at most `max_nodes`:
     restart-all in a new rendezvous round that includes them, not charged (torchrun does not
-    count membership changes against --max_restarts). None while nobody waits, the world is full, or a process-level round is
-    still collecting (it goes first), unless that round waits for a lost node to be taken over:
-    with scale_up=restart nobody takes it over, the new round includes the waiting nodes."""
+    count membership changes against --max_restarts). None while nobody waits, the world is
+    full, or a process-level round is still collecting (it goes first), unless that round waits
+    for a lost node to be taken over: with scale_up=restart nobody takes it over, the new round
+    includes the waiting nodes."""
     waits_for_node = (
         rnd is not None and rnd.cause.rank is None and bool(rnd.cause.evidence.get("node_lost"))
     )

@@ -49,7 +49,8 @@ class FaultMemory:
         os.replace(tmp, self.path)
 
     def record_uce(self, device: str, now: float | None = None) -> int:
-        """Record a UCE on `device`; return how many it had within the window (this one included)."""
+        """Record a UCE on `device`; return how many it had within the window (this one
+        included)."""
         now = time.time() if now is None else now
         uce = self._load()
         times = [t for t in uce.get(device, []) if now - t < self.window_s]

@@ -1,10 +1,11 @@
 """Repair planning: who sends a replacement its state, and where the ranks resume.
 
-Owns: the pure function `plan_repair` that turns the ranks' `RankStatus` reports of one recovery
-round into a `RepairPlan` (who sends state to whom, where to resume), and `plan_dump`, its
-counterpart for a dying-gasp round (which step the survivors save, and which rank writes each
-shard). Ranks with equal `shard` hold equal state (see `launcher.runtime.replicas.Layout`, which
-names the shards); the controller calls both, the runtime only executes their result.
+Owns: the pure function `plan_repair` (with its steps `check_statuses` and `pick_senders`) that
+turns the ranks' `RankStatus` reports of one recovery round into a `RepairPlan` (who sends state
+to whom, where to resume), and `plan_dump`, its counterpart for a dying-gasp round (which step
+the survivors save, and which rank writes each shard). Ranks with equal `shard` hold equal state
+(see `launcher.runtime.replicas.Layout`, which names the shards); the controller calls both, the
+runtime only executes their result.
 """
 
 from __future__ import annotations
@@ -46,14 +47,7 @@ def plan_repair(
     already started the resume step (it is re-run), else "commit".
     """
     sts = list(statuses)
-    if not sts:
-        raise ValueError("plan_repair needs at least one RankStatus")
-    ranks = [s.rank for s in sts]
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"duplicate ranks in statuses: {sorted(ranks)}")
-    wrong = [s.rank for s in sts if s.generation != generation]
-    if wrong:
-        raise ValueError(f"statuses of ranks {wrong} are not for generation {generation}")
+    check_statuses(sts, generation)
     healthy = [s for s in sts if not needs_state(s)]
     if not healthy:
         return RepairPlan(
@@ -65,26 +59,7 @@ def plan_repair(
         )
     top = max(s.committed_step for s in healthy)
     resume = top + 1
-    if not (max_stripes == AUTO_STRIPES or 1 <= max_stripes <= MAX_STRIPES):
-        raise ValueError(
-            f"max_stripes={max_stripes} must be {AUTO_STRIPES} (auto: one sender "
-            f"per node) or in 1..{MAX_STRIPES}"
-        )
-    sources: dict[str, list[int]] = {}
-    nodes_used: dict[str, set[int]] = {}
-    for s in sorted(healthy, key=lambda s: s.rank):
-        if s.committed_step != top:
-            continue
-        chosen = sources.setdefault(s.shard, [])
-        if max_stripes == AUTO_STRIPES:
-            node = node_of(s.rank) if node_of is not None else 0
-            used = nodes_used.setdefault(s.shard, set())
-            if node in used or len(chosen) >= MAX_STRIPES:
-                continue
-            used.add(node)
-        elif len(chosen) >= max_stripes:
-            continue
-        chosen.append(s.rank)
+    sources = pick_senders(healthy, top, max_stripes, node_of)
     missing = sorted({s.shard for s in sts} - set(sources))
     if missing:
         return RepairPlan(
@@ -109,6 +84,51 @@ def plan_repair(
         pairs=pairs,
         reason=f"resume at step {resume} ({action}); repairs: {why}",
     )
+
+
+def check_statuses(statuses: list[RankStatus], generation: int) -> None:
+    """ValueError unless `statuses` are one report per rank, all of generation `generation`."""
+    if not statuses:
+        raise ValueError("plan_repair needs at least one RankStatus")
+    ranks = [s.rank for s in statuses]
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"duplicate ranks in statuses: {sorted(ranks)}")
+    wrong = [s.rank for s in statuses if s.generation != generation]
+    if wrong:
+        raise ValueError(f"statuses of ranks {wrong} are not for generation {generation}")
+
+
+def pick_senders(
+    healthy: Iterable[RankStatus],
+    top: int,
+    max_stripes: int = AUTO_STRIPES,
+    node_of: Callable[[int], int] | None = None,
+) -> dict[str, list[int]]:
+    """shard -> the ranks that send its state to each target, in stripe order: of the healthy
+    ranks at committed step `top`, the lowest `max_stripes`, or with `AUTO_STRIPES` the lowest
+    one on each node (`node_of(rank)`; one node when it is None), at most `MAX_STRIPES`. A
+    shard with no healthy rank at `top` is missing from the result."""
+    if not (max_stripes == AUTO_STRIPES or 1 <= max_stripes <= MAX_STRIPES):
+        raise ValueError(
+            f"max_stripes={max_stripes} must be {AUTO_STRIPES} (auto: one sender "
+            f"per node) or in 1..{MAX_STRIPES}"
+        )
+    sources: dict[str, list[int]] = {}
+    nodes_used: dict[str, set[int]] = {}
+    for s in sorted(healthy, key=lambda s: s.rank):
+        if s.committed_step != top:
+            continue
+        chosen = sources.setdefault(s.shard, [])
+        if max_stripes == AUTO_STRIPES:
+            node = node_of(s.rank) if node_of is not None else 0
+            used = nodes_used.setdefault(s.shard, set())
+            if node in used or len(chosen) >= MAX_STRIPES:
+                continue
+            used.add(node)
+        elif len(chosen) >= max_stripes:
+            continue
+        chosen.append(s.rank)
+    return sources
 
 
 def plan_dump(statuses: Iterable[RankStatus], generation: int) -> RepairPlan:

@@ -1,0 +1,205 @@
+"""Driving a published round through its phases, each with a timeout, through the store.
+
+Owns: `RoundDriver`. Restart-all (WAITING_FOR_STOP): wait until every live node stopped its
+workers, clear the worker keys, release them (`P.go_key`). Process-level (COLLECTING): collect
+every rank's status and write the repair plan (`repair_planning.plan_repair`); a new fault
+meanwhile supersedes the round, a lost node's timeout or waiting agents regroup the world, and
+missing statuses, peers that finished the job instead of reporting, or no healthy replica make
+it fall back (`Decider.fallback`). While the statuses of a lost node's ranks are missing the
+phase timeout does not apply: node_replace_timeout bounds that wait. Dump
+(COLLECTING_SURVIVORS): collect the survivors' statuses and write the dying-gasp plan
+(`repair_planning.plan_dump`). A stopped controller (deposed, or its agent leaves) leaves the
+round as it is: a successor takes it up.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from launcher.control.controller_settings import ControllerSettings
+from launcher.control.decider import Decider
+from launcher.control.decision import Decision
+from launcher.control.fault_intake import FaultIntake
+from launcher.control.node_book import NodeBook
+from launcher.control.plan_publisher import PlanPublisher
+from launcher.control.repair_planning import plan_dump, plan_repair
+from launcher.control.round_phase import RoundPhase, RoundTracker
+from launcher.observe.logs import AgentLog
+from launcher.protocol import plan as P
+from rendezvous.kv import KVStore
+
+
+class RoundDriver:
+    def __init__(
+        self,
+        kv: KVStore,
+        log: AgentLog,
+        settings: ControllerSettings,
+        rounds: RoundTracker,
+        intake: FaultIntake,
+        decider: Decider,
+        nodes: NodeBook,
+        publisher: PlanPublisher,
+        overdue: Callable[[], Decision | None],
+        stopped: threading.Event,
+    ) -> None:
+        self.kv, self.log, self.settings, self.rounds = kv, log, settings, rounds
+        self.intake, self.decider, self.nodes, self.publisher = intake, decider, nodes, publisher
+        self.overdue = overdue  # a lost node's timeout or waiting agents (WorldChanges)
+        self.stopped = stopped
+
+    # ---- restart-all ---------------------------------------------------------------------
+    def release_restart_all(self, g: int) -> None:
+        timeout = self.settings.phase_timeout
+        deadline = time.monotonic() + timeout
+        while not self.kv.wait([P.all_stopped_key(g)], 0.05):
+            need = self.nodes.live_nodes()
+            raw = self.kv.try_get(P.stopped_key(g))
+            if raw is not None and int(raw) >= need:
+                break
+            if self.stopped.is_set():
+                return  # stopped (deposed, or its agent leaves): a successor releases it
+            if time.monotonic() > deadline:
+                self.log.error(
+                    "phase-timeout",
+                    f"generation {g}: not every node stopped its workers "
+                    f"within {timeout:.0f}s; releasing anyway",
+                    round_phase=self.rounds.phase.value,
+                )
+                break
+        n = self.kv.clear_except(P.ROOT + "/")
+        self.kv.set(P.go_key(g), b"1")
+        self.rounds.advance(g, RoundPhase.DONE)
+        self.publisher.outcome(g, "restarted (restart-all)")
+        self.log.info(
+            "restart-all-go",
+            f"generation {g}: all nodes stopped; cleared {n} worker keys; workers restart",
+            generation=g,
+            cleared=n,
+            round_phase=self.rounds.phase.value,
+        )
+
+    # ---- process-level -------------------------------------------------------------------
+    def drive_repair(self, plan: P.Plan) -> Decision | None:
+        """Collect every rank's status, then write the repair plan. Returns what must follow
+        (a fault that superseded the round, a change of the world, its fallback), None when
+        the round is in the workers' hands (or this controller stopped)."""
+        g = plan.generation
+        keys = [P.status_key(g, r) for r in range(self.settings.world_size)]
+        t0 = time.monotonic()
+        deadline = t0 + self.settings.phase_timeout
+        while not self.kv.wait(keys, 0.2):
+            newer = self.intake.take(0.0)
+            if newer is not None:
+                d = self.decider.decide(newer)
+                if not d.absorbed:
+                    return d
+                continue
+            overdue = self.overdue()
+            if overdue is not None:
+                return overdue
+            if self.stopped.is_set():
+                return None  # stopped (deposed, or its agent leaves): a successor takes it up
+            gone = self.finished_without_status(g, plan.failed_ranks)
+            if gone:
+                return self.decider.fallback(
+                    g,
+                    f"ranks {gone} finished the job instead of reporting "
+                    "their status (the stop came after their last step)",
+                )
+            if time.monotonic() > deadline:
+                missing = [r for r, k in enumerate(keys) if self.kv.try_get(k) is None]
+                if self.nodes.waiting_for_node(missing):
+                    continue  # node_replace_timeout bounds this wait (WorldChanges.unreplaced)
+                self.log.error(
+                    "phase-timeout",
+                    f"generation {g}: ranks {missing} did not report "
+                    f"within {self.settings.phase_timeout:.0f}s",
+                    round_phase=self.rounds.phase.value,
+                )
+                return self.decider.fallback(g, f"ranks {missing} did not report status")
+        return self._write_repair(g, keys, t0)
+
+    def _write_repair(self, g: int, keys: list[str], t0: float) -> Decision | None:
+        """Every status is in: the repair plan (COLLECTING ends: DONE, or FELL_BACK when the
+        plan names a fallback, whose decision is returned)."""
+        statuses = [P.RankStatus.from_json(self.kv.get(k, 5.0)) for k in keys]
+        s = self.settings
+        repair = plan_repair(statuses, g, s.transfer_stripes, s.node_of)
+        self.kv.set(P.repair_key(g), repair.to_json())
+        self.rounds.advance(g, RoundPhase.FELL_BACK if repair.fallback else RoundPhase.DONE)
+        self.log.info(
+            "repair-plan",
+            f"generation {g}: resume at step {repair.resume_step} "
+            f"({repair.action}); transfers {repair.pairs or 'none'}"
+            + (f"; fallback {repair.fallback}: {repair.reason}" if repair.fallback else ""),
+            generation=g,
+            resume_step=repair.resume_step,
+            action=repair.action,
+            pairs=repair.pairs,
+            fallback=repair.fallback,
+            status_wait_s=round(time.monotonic() - t0, 4),
+            round_phase=self.rounds.phase.value,
+        )
+        if repair.fallback:
+            return self.decider.fallback(g, repair.reason or "no healthy replica")
+        self.publisher.outcome(g, "recovered")
+        return None
+
+    def finished_without_status(self, g: int, failed: list[int]) -> list[int]:
+        """Ranks of generation `g`'s round that finished the job without reporting a status:
+        they never will."""
+        return [
+            r
+            for r in self.decider.finished_ranks()
+            if r not in failed and self.kv.try_get(P.status_key(g, r)) is None
+        ]
+
+    # ---- dump ----------------------------------------------------------------------------
+    def drive_dump(self, plan: P.Plan) -> None:
+        """Survivors report, then save the current step (the runtime's dump fallback) and exit."""
+        g = plan.generation
+        live = [r for r in range(self.settings.world_size) if r not in plan.failed_ranks]
+        keys = [P.status_key(g, r) for r in live]
+        self._wait_survivors(g, plan.failed_ranks, keys)
+        statuses = [
+            P.RankStatus.from_json(raw) for raw in (self.kv.try_get(k) for k in keys) if raw
+        ]
+        repair = plan_dump(statuses, g)
+        self.kv.set(P.repair_key(g), repair.to_json())
+        self.rounds.advance(g, RoundPhase.DONE)
+        self.log.info(
+            "dump-plan",
+            f"generation {g}: survivors save step {repair.resume_step} and exit",
+            generation=g,
+            resume_step=repair.resume_step,
+            writers=repair.writers,
+            round_phase=self.rounds.phase.value,
+        )
+
+    def _wait_survivors(self, g: int, failed: list[int], keys: list[str]) -> None:
+        """Until every survivor reported, some finished the job instead, or the phase timeout."""
+        timeout = self.settings.phase_timeout
+        deadline = time.monotonic() + timeout
+        while not self.kv.wait(keys, 0.2):
+            gone = self.finished_without_status(g, failed)
+            if gone:
+                self.log.error(
+                    "dump-incomplete",
+                    f"generation {g}: ranks {gone} finished the job "
+                    "instead of reporting their status; the dying-gasp checkpoint "
+                    "has the other survivors' state only",
+                    finished_ranks=gone,
+                )
+                return
+            if time.monotonic() > deadline:
+                self.log.error(
+                    "phase-timeout",
+                    f"generation {g}: survivors did not report within "
+                    f"{timeout:.0f}s; the dying-gasp checkpoint may be "
+                    "incomplete",
+                    round_phase=self.rounds.phase.value,
+                )
+                return
