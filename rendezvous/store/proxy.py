@@ -52,7 +52,8 @@ from rendezvous.store.auth import AUTH_KEY, check_token
 from rendezvous.store.client import connect
 from rendezvous.store.memory import apply
 from rendezvous.store.protocol import logical_key, wire_key
-from rendezvous.store.server import DropConnection, LoopServer, _c_accel, _Conn
+from rendezvous.store.connection import Conn, DropConnection
+from rendezvous.store.server import LoopServer, c_accel
 
 Op = P.Op
 
@@ -483,14 +484,14 @@ class _Round:
         self.adds: dict = {}
         self.gets: dict = {}
 
-    def set(self, c: _Conn, slot, req: P.Request) -> None:
+    def set(self, c: Conn, slot, req: P.Request) -> None:
         self.set_keys.extend(req.keys)
         self.set_values.extend(req.values)
 
-    def add(self, c: _Conn, slot, req: P.Request) -> None:
+    def add(self, c: Conn, slot, req: P.Request) -> None:
         self.adds.setdefault(req.keys[0], []).append((c, slot, req.num))
 
-    def get(self, c: _Conn, slot, req: P.Request) -> None:
+    def get(self, c: Conn, slot, req: P.Request) -> None:
         self.gets.setdefault(req.keys[0], []).append((c, slot))
 
 
@@ -548,7 +549,7 @@ class StoreProxy(LoopServer):
         }
         # C: reads a validated connection and queues its SET / GET / ADD / WAIT / CHECK
         # frames onto the batch exactly as `_handle` does (the rest: the Python path)
-        self._proxy_read = _c_accel("proxy_read")
+        self._proxy_read = c_accel("proxy_read")
         self._proxy_ctx = (
             self._batch,
             P.Request,
@@ -558,7 +559,7 @@ class StoreProxy(LoopServer):
             self._budget,
         )
         if self._proxy_read is not None:  # and the loop's reads of such connections too
-            self._turn = _c_accel("loop_turn")
+            self._turn = c_accel("loop_turn")
             self._turn_ctx, self._turn_proxy = self._proxy_ctx, True
 
     @property
@@ -578,7 +579,7 @@ class StoreProxy(LoopServer):
 
     # -- local side ----------------------------------------------------------------------
 
-    def _read(self, c: _Conn) -> None:
+    def _read(self, c: Conn) -> None:
         """With the C path: one read of a validated connection with nothing buffered; its
         common frames are queued in C, the rest (from the first other frame) goes through
         `_consume` as before. Else `LoopServer._read`."""
@@ -588,7 +589,7 @@ class StoreProxy(LoopServer):
             return
         self._quick_done(c, pr(c, self._proxy_ctx))
 
-    def _quick_rest(self, c: _Conn, r: tuple) -> None:
+    def _quick_rest(self, c: Conn, r: tuple) -> None:
         """A read `proxy_read` did not finish: (requests queued, the rest of the read)."""
         nreq, rest = r
         stats = self.stats
@@ -601,7 +602,7 @@ class StoreProxy(LoopServer):
             return
         self._consume(c, rest)
 
-    def _handle(self, c: _Conn, req: P.Request, tag: int) -> None:
+    def _handle(self, c: Conn, req: P.Request, tag: int) -> None:
         """Answer session ops here; queue everything else for the next round. Replies go
         through `c.slots`, so they leave in request order."""
         op = req.op
@@ -621,18 +622,18 @@ class StoreProxy(LoopServer):
         self._batch.append((c, req, slot))
         return None
 
-    def _revalidate(self, c: _Conn, req: P.Request) -> None:
+    def _revalidate(self, c: Conn, req: P.Request) -> None:
         return None
 
-    def _ping(self, c: _Conn, req: P.Request) -> None:
+    def _ping(self, c: Conn, req: P.Request) -> None:
         slot = [None]
         c.slots.append(slot)
         self._fill(c, slot, P.encode_reply(Op.PING, req.num))
 
-    def _refuse_mux(self, c: _Conn, req: P.Request) -> None:
+    def _refuse_mux(self, c: Conn, req: P.Request) -> None:
         raise DropConnection("FT_MUX is not offered by the proxy")
 
-    def _fill(self, c: _Conn, slot: list, data: bytes) -> None:
+    def _fill(self, c: Conn, slot: list, data: bytes) -> None:
         slot[0] = data
         if c.closed:
             return
@@ -646,20 +647,20 @@ class StoreProxy(LoopServer):
         if moved:
             self._dirty.append(c)
 
-    def _on_close(self, c: _Conn) -> None:
+    def _on_close(self, c: Conn) -> None:
         w = c.waiter
         if w is not None:
             c.waiter = None
             self._leave(w[0], c)
 
-    def _leave(self, g: _Group, c: _Conn) -> None:
+    def _leave(self, g: _Group, c: Conn) -> None:
         g.members = [m for m in g.members if m[0] is not c]
         if not g.members:
             if g.key is not None:
                 self._waits.pop(g.key, None)
             self._up.cancel(g.handle)
 
-    def _fail(self, c: _Conn, what: str, err: Exception) -> None:
+    def _fail(self, c: Conn, what: str, err: Exception) -> None:
         if not c.closed:
             self.log(f"proxy closed {c.peer}: {what} failed upstream: {err}")
             self.stats["dropped"] += 1
@@ -739,7 +740,7 @@ class StoreProxy(LoopServer):
             self._send(P.Request(Op.GET, (key,)), self._get_cb(members))
         self._up.end_round()
 
-    def _block(self, c: _Conn, slot: list, req: P.Request) -> None:
+    def _block(self, c: Conn, slot: list, req: P.Request) -> None:
         """A WAIT joins the group waiting for the same key set (one upstream WAIT); a
         BARRIER is a group of its own (every call counts)."""
         key = tuple(sorted(set(req.keys))) if req.op == Op.WAIT else None
@@ -755,7 +756,7 @@ class StoreProxy(LoopServer):
             up = req if key is None else P.Request(Op.WAIT, key)
             g.handle = self._send(up, self._group_cb(g, req.op), counted=False)
 
-    def _cancel(self, c: _Conn, slot: list, req: P.Request) -> None:
+    def _cancel(self, c: Conn, slot: list, req: P.Request) -> None:
         w = c.waiter
         if w is not None:
             c.waiter = None
@@ -802,7 +803,7 @@ class StoreProxy(LoopServer):
 
         return done
 
-    def _single(self, c: _Conn, slot, req: P.Request) -> None:
+    def _single(self, c: Conn, slot, req: P.Request) -> None:
         op = req.op
         name = P.op_name(op)
 

@@ -44,6 +44,7 @@ from typing import Callable
 from rendezvous.kv import StoreError
 from rendezvous.store import protocol as P
 from rendezvous.store.auth import AUTH_KEY, check_token, token_matches
+from rendezvous.store.connection import Conn, DropConnection, peer_str
 from rendezvous.store.loop_priority import LoopPriority, check_nice, loop_nice
 from rendezvous.store.memory import LocalKV, MemoryStore, Waiter, apply
 
@@ -54,13 +55,13 @@ _EPOLLOUT = select.EPOLLOUT
 _EPOLLERRS = select.EPOLLERR | select.EPOLLHUP
 Op = P.Op
 _GET, _SET, _ADD, _WAIT = Op.GET, Op.SET, Op.ADD, Op.WAIT
-_u64, _i64 = P._U64_unpack, P._I64_unpack
-_u64_pack, _i64_pack = P._U64_pack, P._I64.pack
+_u64, _i64 = P.unpack_u64, P.unpack_i64
+_u64_pack, _i64_pack = P.pack_u64, P.pack_i64
 _EMPTY_VALUE = _u64_pack(0)
 _STOP = P.STOP_WAITING_REPLY
 
 
-def _c_accel(name: str) -> Callable | None:
+def c_accel(name: str) -> Callable | None:
     """`name` from the C module `rendezvous.store._quickstore`, or None when it was not built or
     `FTRUN_STORE_ACCEL=0` turns it off (the Python path then does the same)."""
     if os.environ.get("FTRUN_STORE_ACCEL", "1") == "0":
@@ -78,7 +79,7 @@ def _c_read_path(
     """The C read path over `table` (see `rendezvous/store/_quickstore.c`) and its context, or
     (None, ()) when the extension was not built, `FTRUN_STORE_ACCEL=0` turns it off, or the
     table is not a plain `MemoryStore` (a subclass may do more on a write)."""
-    read_quick = _c_accel("read_quick") if type(table) is MemoryStore else None
+    read_quick = c_accel("read_quick") if type(table) is MemoryStore else None
     if read_quick is None:
         return None, ()
     return read_quick, (
@@ -98,47 +99,6 @@ def _c_read_path(
     )
 
 
-class _Conn:
-    __slots__ = (
-        "sock",
-        "fd",
-        "peer",
-        "buf",
-        "out",
-        "out_bytes",
-        "validated",
-        "authed",
-        "mux",
-        "waiter",
-        "mux_waiters",
-        "since",
-        "partial_since",
-        "closed",
-        "want_write",
-        "slots",
-        "more",
-    )
-
-    def __init__(self, sock: socket.socket, peer: str, authed: bool, now: float) -> None:
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.peer = peer
-        self.buf = b""
-        self.out: list = []
-        self.out_bytes = 0
-        self.validated = False
-        self.authed = authed
-        self.mux = False
-        self.waiter = None
-        self.mux_waiters: dict = {}
-        self.since = now
-        self.partial_since = 0.0
-        self.closed = False
-        self.want_write = False
-        self.slots: deque = deque()  # proxy: replies in request order, filled as they arrive
-        self.more = False  # stopped at the per-turn request budget with requests left over
-
-
 class _Wake:
     """The callback of one registered waiter of connection `c` (tag -1: a plain connection's
     only waiter; >= 0: a mux tag): delivers its STOP_WAITING on the loop thread. `_deliver`
@@ -147,7 +107,7 @@ class _Wake:
 
     __slots__ = ("srv", "c", "tag")
 
-    def __init__(self, srv: "StoreServer", c: _Conn, tag: int) -> None:
+    def __init__(self, srv: "StoreServer", c: Conn, tag: int) -> None:
         self.srv, self.c, self.tag = srv, c, tag
 
     def __call__(self) -> None:
@@ -156,19 +116,6 @@ class _Wake:
             srv._deliver(self.c, self, self.tag)
         else:  # a write of another thread (LocalKV)
             srv.call_soon_threadsafe(lambda: srv._deliver(self.c, self, self.tag))
-
-
-class DropConnection(Exception):
-    """Close this connection; the message is the log line."""
-
-
-def _peer_str(addr) -> str:
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        h = addr[0]
-        if h.startswith("::ffff:"):
-            h = h[7:]
-        return f"[{h}]:{addr[1]}" if ":" in h else f"{h}:{addr[1]}"
-    return str(addr)
 
 
 class LoopServer:
@@ -181,7 +128,7 @@ class LoopServer:
     # validated, authenticated, plain connection without building a Request when it is one of
     # the frames that dominate a rendezvous; None takes the general path (`_handle`).
     _quick: (
-        Callable[[_Conn, bytes | bytearray, int, int], tuple[bytes | None, int] | None] | None
+        Callable[[Conn, bytes | bytearray, int, int], tuple[bytes | None, int] | None] | None
     ) = None
     # Hook: the C read path (`rendezvous.store._quickstore.read_quick`) and its context tuple, or
     # None: reads, executes and answers a plain connection's common frames without Python.
@@ -227,12 +174,12 @@ class LoopServer:
         self._stopping = False
         self._stopped = False
         self._lock = threading.Lock()
-        self._conns: dict[int, _Conn] = {}
+        self._conns: dict[int, Conn] = {}
         self._dirty: list = []
         self._xq: deque = deque()
         self._loop_ident = 0
         self._backlog: list = []
-        self._flush_out = _c_accel("flush_out")  # C: what _flush does, for a list of conns
+        self._flush_out = c_accel("flush_out")  # C: what _flush does, for a list of conns
         self.stats = {
             "accepted": 0,
             "reads": 0,
@@ -440,7 +387,7 @@ class LoopServer:
             except OSError as e:
                 self.log(f"{self._name} accept failed: {e.strerror}")
                 return
-            peer = _peer_str(addr)
+            peer = peer_str(addr)
             if len(self._conns) >= lim:
                 self.log(f"{self._name} refused {peer}: {lim} connections open (max_connections)")
                 s.close()
@@ -467,14 +414,14 @@ class LoopServer:
         """An accepted socket becomes a served connection: non-blocking, registered for
         reads, counted (and the loop's priority follows the connection count)."""
         s.setblocking(False)
-        c = _Conn(s, peer, self.token is None, now)
+        c = Conn(s, peer, self.token is None, now)
         self._conns[c.fd] = c
         self._ep.register(c.fd, _EPOLLIN)
         self.stats["accepted"] += 1
         if len(self._conns) > self._priority.max_connections:
             self._priority.update(len(self._conns))
 
-    def _read(self, c: _Conn) -> None:
+    def _read(self, c: Conn) -> None:
         """One read. The common case of a rendezvous — one complete request that `_quick`
         executes, on a connection with nothing buffered either way — is answered here with
         one `send` and no further calls; everything else goes through `_consume`. With the C
@@ -522,7 +469,7 @@ class LoopServer:
         if rep:
             self._send_now(c, rep)
 
-    def _quick_done(self, c: _Conn, r) -> None:
+    def _quick_done(self, c: Conn, r) -> None:
         """Finish what the C read path returned for c (see `rendezvous/store/_quickstore.c`)."""
         if r is None:
             return
@@ -535,7 +482,7 @@ class LoopServer:
             return
         self._quick_rest(c, r)
 
-    def _quick_rest(self, c: _Conn, r: tuple) -> None:
+    def _quick_rest(self, c: Conn, r: tuple) -> None:
         """A read the C path did not finish: (requests executed, their replies not sent yet,
         the rest of the read from the first frame it left to the Python path)."""
         nreq, unsent, rest = r
@@ -550,7 +497,7 @@ class LoopServer:
             stats["reads"] += 1
             self._flush(c)
 
-    def _consume(self, c: _Conn, data: bytes) -> None:
+    def _consume(self, c: Conn, data: bytes) -> None:
         """Execute the complete requests in c's buffer + `data`, at most `_budget` of them
         (the rest wait for the next turn, so one busy client cannot starve the others)."""
         if c.buf:
@@ -593,7 +540,7 @@ class LoopServer:
             if c.out and not c.closed and not c.want_write:
                 self._flush(c)
 
-    def _send_now(self, c: _Conn, data: bytes) -> None:
+    def _send_now(self, c: Conn, data: bytes) -> None:
         """Send `data` to c at once, unless output is queued before it (then it queues behind
         and goes with that). A short send queues the rest (`_flush`)."""
         if c.closed:
@@ -606,7 +553,7 @@ class LoopServer:
         else:
             self._flush(c)  # one item: sent as is, no join
 
-    def _flush(self, c: _Conn) -> None:
+    def _flush(self, c: Conn) -> None:
         if c.closed:
             return
         out = c.out
@@ -646,7 +593,7 @@ class LoopServer:
             c.want_write = True
             self._ep.modify(c.fd, _EPOLLIN | _EPOLLOUT)
 
-    def _recv(self, c: _Conn) -> bytes | None:
+    def _recv(self, c: Conn) -> bytes | None:
         """One read of up to READ_SIZE bytes; None when nothing came (closing the connection on
         EOF or error)."""
         try:
@@ -661,7 +608,7 @@ class LoopServer:
             return None
         return data
 
-    def _close(self, c: _Conn) -> None:
+    def _close(self, c: Conn) -> None:
         if c.closed:
             return
         c.closed = True
@@ -722,12 +669,12 @@ class LoopServer:
     def _extra_event(self, fd: int, ev: int) -> None:
         """Hook: an event on a registered fd that is not a client connection."""
 
-    def _on_close(self, c: _Conn) -> None:
+    def _on_close(self, c: Conn) -> None:
         """Hook: connection `c` is being closed."""
 
     # -- requests ------------------------------------------------------------------------
 
-    def _process(self, c: _Conn, buf) -> int:
+    def _process(self, c: Conn, buf) -> int:
         """Decode and handle the complete requests in `buf` (at most `_budget`); appends each
         reply (tagged on a mux connection) to `c.out`; returns the bytes consumed."""
         pos, n = 0, len(buf)
@@ -776,7 +723,7 @@ class LoopServer:
         self.stats["requests"] += nreq
         return pos
 
-    def _handle(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
+    def _handle(self, c: Conn, req: P.Request, tag: int) -> bytes | None:
         """Execute one request; its reply (None or b"" when there is none yet)."""
         raise NotImplementedError
 
@@ -816,7 +763,7 @@ class StoreServer(LoopServer):
         self.kv = LocalKV(self.table)
         self._table_data = self.table._data  # read-only use by _quick (GET, WAIT present)
         self._read_quick, self._quick_ctx = _c_read_path(self, self.table, limits, self._budget)
-        self._turn = _c_accel("loop_turn") if self._read_quick is not None else None
+        self._turn = c_accel("loop_turn") if self._read_quick is not None else None
         self._turn_ctx = self._quick_ctx
         self._max_key, self._max_value = limits.max_key_bytes, limits.max_value_bytes
         by_kind = {
@@ -838,7 +785,7 @@ class StoreServer(LoopServer):
             }
         )
 
-    def _on_close(self, c: _Conn) -> None:
+    def _on_close(self, c: Conn) -> None:
         if c.waiter is not None:
             self.table.cancel(c.waiter)
             c.waiter = None
@@ -848,14 +795,14 @@ class StoreServer(LoopServer):
 
     # -- request execution -------------------------------------------------------------
 
-    def _handle(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
+    def _handle(self, c: Conn, req: P.Request, tag: int) -> bytes | None:
         if not c.authed or not c.validated:
             r = self._gate(c, req)
             if r is not False:
                 return r
         return self._handlers[req.op](c, req, tag)
 
-    def _gate(self, c: _Conn, req: P.Request):
+    def _gate(self, c: Conn, req: P.Request):
         """Handshake and auth checks; False = go on executing the request."""
         op = req.op
         if not c.validated:
@@ -868,7 +815,7 @@ class StoreServer(LoopServer):
             return self._auth(c, req.values[0])
         raise DropConnection(f"unauthenticated {P.op_name(op)} refused (job token required)")
 
-    def _auth(self, c: _Conn, presented: bytes):
+    def _auth(self, c: Conn, presented: bytes):
         if self.token is None or c.authed:
             return None
         if not token_matches(self.token, presented):
@@ -876,7 +823,7 @@ class StoreServer(LoopServer):
         c.authed = True
         return None
 
-    def _quick(self, c: _Conn, buf, pos: int, n: int) -> tuple[bytes | None, int] | None:
+    def _quick(self, c: Conn, buf, pos: int, n: int) -> tuple[bytes | None, int] | None:
         """GET, SET, ADD and a one-key WAIT of plain connection `c`, decoded and executed in
         place (the same checks as `protocol.parse_common` and `_handle`; a WAIT that must wait
         registers its waiter as `_wait` does and has no reply yet); anything else — another
@@ -924,23 +871,23 @@ class StoreServer(LoopServer):
             return _STOP, e
         return self._wait_keys(c, -1, (key,)), e
 
-    def _data(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _data(self, c: Conn, req: P.Request, tag: int) -> bytes:
         try:
             return P.encode_reply(req.op, apply(self.table, req))
         except ValueError as e:  # e.g. ADD to a key that holds no integer
             raise DropConnection(f"{P.op_name(req.op)} failed: {e}") from None
 
-    def _set(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
+    def _set(self, c: Conn, req: P.Request, tag: int) -> bytes | None:
         if req.keys[0] == AUTH_KEY:
             return self._auth(c, req.values[0])
         return self._data(c, req, tag)
 
-    def _multi_set(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _multi_set(self, c: Conn, req: P.Request, tag: int) -> bytes:
         if AUTH_KEY in req.keys:
             raise DropConnection("MULTI_SET of the reserved key /ftrun/auth")
         return self._data(c, req, tag)
 
-    def _append(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _append(self, c: Conn, req: P.Request, tag: int) -> bytes:
         key, value = req.keys[0], req.values[0]
         cur = self.table.get(key)
         most = self.limits.max_value_bytes
@@ -951,13 +898,13 @@ class StoreServer(LoopServer):
             )
         return self._data(c, req, tag)
 
-    def _validate(self, c: _Conn, req: P.Request, tag: int) -> None:
+    def _validate(self, c: Conn, req: P.Request, tag: int) -> None:
         self._check_validate(req)
 
-    def _ping(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _ping(self, c: Conn, req: P.Request, tag: int) -> bytes:
         return P.encode_reply(Op.PING, req.num)
 
-    def _mux(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _mux(self, c: Conn, req: P.Request, tag: int) -> bytes:
         if req.num != P.MUX_MAGIC or tag >= 0:
             raise DropConnection(f"bad FT_MUX request (magic {req.num:#x})")
         c.mux = True
@@ -965,7 +912,7 @@ class StoreServer(LoopServer):
 
     # -- waits -------------------------------------------------------------------------
 
-    def _wait(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
+    def _wait(self, c: Conn, req: P.Request, tag: int) -> bytes | None:
         """WAIT or BARRIER: STOP_WAITING now, or a waiter that answers when it fires."""
         if req.op == Op.WAIT:
             return self._wait_keys(c, tag, req.keys)
@@ -976,11 +923,11 @@ class StoreServer(LoopServer):
             raise DropConnection(f"BARRIER failed: {e}") from None
         return self._registered(c, tag, w)
 
-    def _wait_keys(self, c: _Conn, tag: int, keys: tuple) -> bytes | None:
+    def _wait_keys(self, c: Conn, tag: int, keys: tuple) -> bytes | None:
         """WAIT for `keys`: STOP_WAITING now, or a registered waiter (no reply yet)."""
         return self._registered(c, tag, self.table.wait(keys, _Wake(self, c, tag)))
 
-    def _registered(self, c: _Conn, tag: int, w) -> bytes | None:
+    def _registered(self, c: Conn, tag: int, w) -> bytes | None:
         """Make waiter `w` (None: satisfied already) the current one of c (or of its tag)."""
         if w is None:
             return P.STOP_WAITING_REPLY
@@ -996,7 +943,7 @@ class StoreServer(LoopServer):
     def _stop_waiting(tag: int) -> bytes:
         return P.STOP_WAITING_REPLY if tag < 0 else P.enc_tag(tag) + P.STOP_WAITING_REPLY
 
-    def _deliver(self, c: _Conn, wake: "_Wake", tag: int) -> None:
+    def _deliver(self, c: Conn, wake: "_Wake", tag: int) -> None:
         """Answer the waiter of `c` whose callback is `wake` with STOP_WAITING, unless it is no
         longer the connection's current waiter: a CANCEL_WAIT that arrived while this delivery
         was queued (a write of another thread) has answered it already, in the order torch's
@@ -1015,7 +962,7 @@ class StoreServer(LoopServer):
             c.waiter = None
         self._send_now(c, P.STOP_WAITING_REPLY if tag < 0 else self._stop_waiting(tag))
 
-    def _cancel(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _cancel(self, c: Conn, req: P.Request, tag: int) -> bytes:
         """CANCEL_WAIT. A waiter that fired but whose STOP_WAITING is still queued (fired by a
         write of another thread) is answered now, ahead of the cancel's reply: the client reads
         STOP_WAITING, then WAIT_CANCELED (before: the queued STOP_WAITING came after the cancel's
