@@ -1,8 +1,10 @@
 """The embedded store server: torch's TCPStore protocol over a `MemoryStore`.
 
-Owns: `LoopServer` (listening socket, the event-loop thread, accept/read/flush/close,
-per-turn budgets, timeouts, the request loop `_process` and the VALIDATE gate; shared with the
-node proxy) and `StoreServer` (request execution, handshake and token checks).
+Owns: `LoopServer` (the event-loop thread's turns, reads, per-turn budgets, the request loop
+`_process`, ordered flushes and the VALIDATE gate; shared with the node proxy; its cold half —
+listening socket, start/stop, accepting and closing connections, the sweep — is
+`rendezvous.store.loop_host.LoopHost`) and `StoreServer` (request execution, handshake and
+token checks). A connection's state is `rendezvous.store.connection.Conn`.
 
 Design: one thread runs a level-triggered epoll loop over non-blocking sockets. A readable
 connection is read once (64 KiB), its complete requests are decoded and executed (on a plain
@@ -31,7 +33,6 @@ env://) speak to it directly.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import select
@@ -41,10 +42,10 @@ import time
 from collections import deque
 from typing import Callable
 
-from rendezvous.kv import StoreError
 from rendezvous.store import protocol as P
 from rendezvous.store.auth import AUTH_KEY, check_token, token_matches
-from rendezvous.store.connection import Conn, DropConnection, peer_str
+from rendezvous.store.connection import Conn, DropConnection, check_validate
+from rendezvous.store.loop_host import LoopHost
 from rendezvous.store.loop_priority import LoopPriority, check_nice, loop_nice
 from rendezvous.store.memory import LocalKV, MemoryStore, Waiter, apply
 
@@ -118,11 +119,11 @@ class _Wake:
             srv.call_soon_threadsafe(lambda: srv._deliver(self.c, self, self.tag))
 
 
-class LoopServer:
-    """The event-loop machinery shared by the store server and the node proxy: listening
-    socket, epoll loop thread, accept, buffered reads, ordered flushes, timeouts, teardown.
-    Subclasses implement `_handle(conn, request, tag) -> reply bytes or None` and may override
-    the hooks `_on_close`, `_end_turn`, `_extra_event` and `_on_start`."""
+class LoopServer(LoopHost):
+    """The event-loop machinery shared by the store server and the node proxy: the epoll loop
+    thread's turns, buffered reads, ordered flushes (lifecycle, admission, teardown and the
+    sweep: `LoopHost`). Subclasses implement `_handle(conn, request, tag) -> reply bytes or
+    None` and may override `LoopHost`'s hooks."""
 
     # Hook: (conn, buf, pos, n) -> (reply, end) | None. Executes the request at buf[pos] of a
     # validated, authenticated, plain connection without building a Request when it is one of
@@ -190,236 +191,100 @@ class LoopServer:
             "busy_s": 0.0,
         }
 
-    # -- lifecycle ---------------------------------------------------------------------
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self._port}"
-
-    def start(self) -> "LoopServer":
-        with self._lock:
-            if self._thread is not None:
-                return self
-            if self._stopped:
-                raise StoreError(f"this {type(self).__name__} was stopped; create a new one")
-            self._lsock = self._bind()
-            self._port = self._lsock.getsockname()[1]
-            self._ep = select.epoll()
-            self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            self._ep.register(self._lsock.fileno(), _EPOLLIN)
-            self._ep.register(self._wake_fd, _EPOLLIN)
-            try:
-                self._on_start()
-            except BaseException:
-                self._cleanup()
-                raise
-            self._thread = threading.Thread(
-                target=self._run, name=f"ftrun-{self._name}:{self._port}", daemon=True
-            )
-            self._thread.start()
-        return self
-
-    def _on_start(self) -> None:
-        """Hook: runs in start() after binding, before the loop thread starts."""
-
-    def _bind(self) -> socket.socket:
-        host = self.host
-        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            if fam == socket.AF_INET and host not in ("", "0.0.0.0"):
-                infos = socket.getaddrinfo(
-                    host, self._req_port, socket.AF_UNSPEC, socket.SOCK_STREAM
-                )
-                fam = infos[0][0]
-                addr = infos[0][4]
-            else:
-                addr = (host or "0.0.0.0", self._req_port)
-        except socket.gaierror as e:
-            raise StoreError(f"cannot listen on {host}:{self._req_port}: {e.strerror}") from None
-        s = socket.socket(fam, socket.SOCK_STREAM)
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if fam == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            s.bind(addr)
-            s.listen(65535)
-            s.setblocking(False)
-        except OSError as e:
-            s.close()
-            why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror
-            raise StoreError(f"cannot listen on {host}:{self._req_port}: {why}") from None
-        return s
-
-    def stop(self) -> None:
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            self._stopping = True
-            t = self._thread
-        if t is not None:
-            os.eventfd_write(self._wake_fd, 1)
-            t.join(timeout=10.0)
-        self._cleanup()
-
-    def _cleanup(self) -> None:
-        for c in list(self._conns.values()):
-            self._close(c)
-        self._conns.clear()
-        if self._lsock is not None:
-            self._lsock.close()
-        if self._ep is not None:
-            self._ep.close()
-        if self._wake_fd >= 0:
-            os.close(self._wake_fd)
-            self._wake_fd = -1
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def connection_count(self) -> int:
-        return len(self._conns)
-
     # -- loop --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The loop thread: its priority follows the connection count; a crash is logged."""
         self._loop_ident = threading.get_ident()
-        prio = self._priority = LoopPriority(
+        self._priority = LoopPriority(
             self.nice, lambda m: _log.info("%s:%d %s", self._name, self._port, m)
         )
-        prio.update(len(self._conns))
-        lfd = self._lsock.fileno()
-        wfd = self._wake_fd
-        conns = self._conns
-        poll = self._ep.poll
-        turn, epfd, stats = self._turn, self._ep.fileno(), self.stats
-        ctx, proxy = self._turn_ctx, self._turn_proxy
-        # C accepts new connections in the turn (adopting each through _adopt) up to the
-        # connection limit; past it, or on an error, the event comes here to _accept.
-        accept = (lfd, self.limits.max_connections, self._accepts_per_turn, self._adopt)
-        next_sweep = time.monotonic() + 1.0
+        self._priority.update(len(self._conns))
         try:
-            while not self._stopping:
-                timeout = 0 if self._backlog else self._poll_timeout()
-                if turn is not None:  # C: the wait, and the reads _read gives to read_quick,
-                    # turning again in C while a turn leaves nothing to Python (at most until
-                    # the next sweep)
-                    (events, done, reads, requests, t0, c0, busy, max_s, max_cpu) = turn(
-                        epfd,
-                        conns,
-                        ctx,
-                        timeout,
-                        proxy,
-                        next_sweep,
-                        self,
-                        self._turn_hold(),
-                        accept,
-                    )
-                    stats["reads"] += reads
-                    stats["requests"] += requests
-                    stats["busy_s"] += busy
-                    if max_s > stats["max_turn_s"]:
-                        stats["max_turn_s"], stats["max_turn_cpu_s"] = max_s, max_cpu
-                    for c, r in done:
-                        self._quick_done(c, r)
-                else:
-                    events = poll(timeout)
-                    t0 = time.monotonic()
-                    c0 = time.thread_time()
-                for fd, ev in events:
-                    if fd == lfd:
-                        self._accept()
-                    elif fd == wfd:
-                        try:
-                            os.eventfd_read(wfd)
-                        except BlockingIOError:
-                            pass
-                        self._drain_xq()
-                    else:
-                        c = conns.get(fd)
-                        if c is None:
-                            self._extra_event(fd, ev)
-                            continue
-                        if ev & _EPOLLOUT:
-                            self._flush(c)
-                        if ev & (_EPOLLIN | _EPOLLERRS) and not c.closed:
-                            self._read(c)
-                if self._backlog:
-                    backlog, self._backlog = self._backlog, []
-                    for c in backlog:
-                        if not c.closed:
-                            self._consume(c, b"")
-                self._end_turn()
-                if self._dirty:
-                    self._flush_dirty()
-                now = time.monotonic()
-                self.stats["busy_s"] += now - t0
-                if now - t0 > self.stats["max_turn_s"]:
-                    self.stats["max_turn_s"] = now - t0
-                    self.stats["max_turn_cpu_s"] = time.thread_time() - c0
-                if now >= next_sweep:
-                    next_sweep = now + 1.0
-                    self._sweep(now)
-                    prio.update(len(conns))  # back to the raised priority once they left
+            self._turns()
         except Exception as e:  # pragma: no cover - a bug; never leave clients hanging
             self.log(f"{self._name} loop crashed: {type(e).__name__}: {e}")
             raise
 
-    def _accept(self) -> None:
-        """Accept up to `_accepts_per_turn` connections. With `loop_turn` (the C extension)
-        new connections are accepted in C and adopted by `_adopt`; this runs for what C hands
-        back (the connection limit reached: refused here with the log line; an accept error:
-        logged here) and whenever the extension is absent or off."""
+    def _turns(self) -> None:
+        """Loop turns until stop(): wait for events (with the C `loop_turn`: the wait and the
+        reads it can finish, in C), handle them, then the turn's backlog, output and stats;
+        once a second, the sweep."""
+        conns = self._conns
+        poll = self._ep.poll
+        turn, epfd = self._turn, self._ep.fileno()
+        ctx, proxy = self._turn_ctx, self._turn_proxy
+        accept = self._accept_in_c()
+        next_sweep = time.monotonic() + 1.0
+        while not self._stopping:
+            timeout = 0 if self._backlog else self._poll_timeout()
+            if turn is not None:  # C: the wait, and the reads _read gives to read_quick,
+                # turning again in C while a turn leaves nothing to Python (at most until
+                # the next sweep)
+                (events, done, reads, requests, t0, c0, busy, max_s, max_cpu) = turn(
+                    epfd,
+                    conns,
+                    ctx,
+                    timeout,
+                    proxy,
+                    next_sweep,
+                    self,
+                    self._turn_hold(),
+                    accept,
+                )
+                self._count_c_turn(reads, requests, busy, max_s, max_cpu)
+                for c, r in done:
+                    self._quick_done(c, r)
+            else:
+                events = poll(timeout)
+                t0 = time.monotonic()
+                c0 = time.thread_time()
+            self._handle_events(events)
+            now = self._finish_turn(t0, c0)
+            if now >= next_sweep:
+                next_sweep = now + 1.0
+                self._sweep(now)
+                self._priority.update(len(conns))  # back to the raised priority once they left
+
+    def _handle_events(self, events: list) -> None:
+        """One turn's ready fds: the listening socket (accept), the eventfd (calls from other
+        threads), a connection (flush, then read), or a subclass's own fd (`_extra_event`)."""
+        lfd, wfd = self._lsock.fileno(), self._wake_fd
+        conns = self._conns
+        for fd, ev in events:
+            if fd == lfd:
+                self._accept()
+            elif fd == wfd:
+                try:
+                    os.eventfd_read(wfd)
+                except BlockingIOError:
+                    pass
+                self._drain_xq()
+            else:
+                c = conns.get(fd)
+                if c is None:
+                    self._extra_event(fd, ev)
+                    continue
+                if ev & _EPOLLOUT:
+                    self._flush(c)
+                if ev & (_EPOLLIN | _EPOLLERRS) and not c.closed:
+                    self._read(c)
+
+    def _finish_turn(self, t0: float, c0: float) -> float:
+        """The end of a turn that began at `t0` (thread CPU time `c0`): connections left over
+        at the request budget, the `_end_turn` hook, queued output, the turn's stats. Returns
+        the time it ends."""
+        if self._backlog:
+            backlog, self._backlog = self._backlog, []
+            for c in backlog:
+                if not c.closed:
+                    self._consume(c, b"")
+        self._end_turn()
+        if self._dirty:
+            self._flush_dirty()
         now = time.monotonic()
-        lim = self.limits.max_connections
-        for _ in range(self._accepts_per_turn):  # the rest next turn (level-triggered): fair
-            try:
-                s, addr = self._lsock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                self.log(f"{self._name} accept failed: {e.strerror}")
-                return
-            peer = peer_str(addr)
-            if len(self._conns) >= lim:
-                self.log(f"{self._name} refused {peer}: {lim} connections open (max_connections)")
-                s.close()
-                self.stats["dropped"] += 1
-                continue
-            try:
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-            self._admit(s, peer, now)
-
-    def _adopt(self, fd: int, peer: str) -> None:
-        """A connection `loop_turn` accepted (non-blocking, TCP_NODELAY set): what `_accept`
-        does after its accept. Owns `fd` from the call on (closed here if no socket object
-        could be made for it)."""
-        try:
-            s = socket.socket(self._lsock.family, socket.SOCK_STREAM, 0, fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._admit(s, peer, time.monotonic())
-
-    def _admit(self, s: socket.socket, peer: str, now: float) -> None:
-        """An accepted socket becomes a served connection: non-blocking, registered for
-        reads, counted (and the loop's priority follows the connection count)."""
-        s.setblocking(False)
-        c = Conn(s, peer, self.token is None, now)
-        self._conns[c.fd] = c
-        self._ep.register(c.fd, _EPOLLIN)
-        self.stats["accepted"] += 1
-        if len(self._conns) > self._priority.max_connections:
-            self._priority.update(len(self._conns))
+        self._count_turn(now - t0, c0)
+        return now
 
     def _read(self, c: Conn) -> None:
         """One read. The common case of a rendezvous — one complete request that `_quick`
@@ -529,7 +394,7 @@ class LoopServer:
         if c.out and not c.want_write:
             self._flush(c)
 
-    # -- output / teardown -------------------------------------------------------------
+    # -- output --------------------------------------------------------------------
 
     def _flush_dirty(self) -> None:
         d = self._dirty
@@ -593,85 +458,6 @@ class LoopServer:
             c.want_write = True
             self._ep.modify(c.fd, _EPOLLIN | _EPOLLOUT)
 
-    def _recv(self, c: Conn) -> bytes | None:
-        """One read of up to READ_SIZE bytes; None when nothing came (closing the connection on
-        EOF or error)."""
-        try:
-            data = c.sock.recv(P.READ_SIZE)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError:
-            self._close(c)
-            return None
-        if not data:
-            self._close(c)
-            return None
-        return data
-
-    def _close(self, c: Conn) -> None:
-        if c.closed:
-            return
-        c.closed = True
-        try:
-            self._on_close(c)
-        except Exception as e:  # pragma: no cover - a hook bug must not leak the socket
-            self.log(f"{self._name}: close hook failed for {c.peer}: {e}")
-        self._conns.pop(c.fd, None)
-        try:
-            self._ep.unregister(c.fd)
-        except (OSError, ValueError):
-            pass
-        try:
-            c.sock.close()
-        except OSError:
-            pass
-
-    def _sweep(self, now: float) -> None:
-        hs = self.limits.handshake_timeout
-        st = self.limits.stalled_frame_timeout
-        for c in list(self._conns.values()):
-            if not c.validated and now - c.since > hs:
-                self.log(f"{self._name} closed {c.peer}: no VALIDATE within {hs:g} s")
-            elif c.partial_since and now - c.partial_since > st:
-                self.log(f"{self._name} closed {c.peer}: request incomplete for {st:g} s")
-            else:
-                continue
-            self.stats["dropped"] += 1
-            self._close(c)
-
-    def _drain_xq(self) -> None:
-        xq = self._xq
-        while xq:
-            xq.popleft()()
-
-    def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the loop thread (now, when called from it)."""
-        if threading.get_ident() == self._loop_ident:
-            fn()
-            return
-        self._xq.append(fn)
-        try:
-            os.eventfd_write(self._wake_fd, 1)
-        except OSError:
-            pass
-
-    def _end_turn(self) -> None:
-        """Hook: runs once per loop turn, after all ready sockets were handled."""
-
-    def _poll_timeout(self) -> float:
-        """Hook: longest the loop may sleep when nothing happens."""
-        return 1.0
-
-    def _turn_hold(self) -> float:
-        """Hook: how long (s) `loop_turn` may hold a proxy's new batch in C; 0: not at all."""
-        return 0.0
-
-    def _extra_event(self, fd: int, ev: int) -> None:
-        """Hook: an event on a registered fd that is not a client connection."""
-
-    def _on_close(self, c: Conn) -> None:
-        """Hook: connection `c` is being closed."""
-
     # -- requests ------------------------------------------------------------------------
 
     def _process(self, c: Conn, buf) -> int:
@@ -726,16 +512,6 @@ class LoopServer:
     def _handle(self, c: Conn, req: P.Request, tag: int) -> bytes | None:
         """Execute one request; its reply (None or b"" when there is none yet)."""
         raise NotImplementedError
-
-    @staticmethod
-    def _check_validate(req: P.Request) -> None:
-        """The handshake rule: VALIDATE with torch's magic, and it comes first."""
-        if req.op != Op.VALIDATE:
-            raise DropConnection(f"first message was {P.op_name(req.op)}, expected VALIDATE")
-        if req.num != P.VALIDATION_MAGIC:
-            raise DropConnection(
-                f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}"
-            )
 
 
 class StoreServer(LoopServer):
@@ -806,7 +582,7 @@ class StoreServer(LoopServer):
         """Handshake and auth checks; False = go on executing the request."""
         op = req.op
         if not c.validated:
-            self._check_validate(req)
+            check_validate(req)
             c.validated = True
             return None
         if c.authed or op == Op.PING or op == Op.VALIDATE:
@@ -899,7 +675,7 @@ class StoreServer(LoopServer):
         return self._data(c, req, tag)
 
     def _validate(self, c: Conn, req: P.Request, tag: int) -> None:
-        self._check_validate(req)
+        check_validate(req)
 
     def _ping(self, c: Conn, req: P.Request, tag: int) -> bytes:
         return P.encode_reply(Op.PING, req.num)
