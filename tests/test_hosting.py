@@ -1,5 +1,5 @@
-"""Tests for rendezvous.nodes.hosting: is_host by the endpoint's address, and the second agent on the
-store host joining as a client (the same c10d command started twice on one host)."""
+"""Tests for rendezvous.nodes.hosting: is_host by the endpoint's address, and the second agent on
+the store host joining as a client (the same c10d command started twice on one host)."""
 
 from __future__ import annotations
 

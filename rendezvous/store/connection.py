@@ -2,14 +2,16 @@
 node proxy (`rendezvous.store.proxy`) hold it.
 
 Owns: `Conn` (a connection's state: socket, buffers, handshake/auth, waiters, reply slots),
-`DropConnection` (the exception that closes one with a log line) and `peer_str` (a peer address
-as the log lines and the C read path write it).
+`DropConnection` (the exception that closes one with a log line), `check_validate` (the
+handshake rule) and `peer_str` (a peer address as the log lines and the C read path write it).
 """
 
 from __future__ import annotations
 
 import socket
 from collections import deque
+
+from rendezvous.store import protocol as P
 
 
 class Conn:
@@ -67,3 +69,12 @@ def peer_str(addr) -> str:
             h = h[7:]
         return f"[{h}]:{addr[1]}" if ":" in h else f"{h}:{addr[1]}"
     return str(addr)
+
+
+def check_validate(req: P.Request) -> None:
+    """The handshake rule: VALIDATE with torch's magic, and it comes first (DropConnection
+    saying what came instead)."""
+    if req.op != P.Op.VALIDATE:
+        raise DropConnection(f"first message was {P.op_name(req.op)}, expected VALIDATE")
+    if req.num != P.VALIDATION_MAGIC:
+        raise DropConnection(f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}")

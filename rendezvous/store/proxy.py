@@ -23,8 +23,8 @@ are held for at most `max_hold` s so a burst becomes one round (Nagle-style; an 
 forwards at once). CANCEL_WAIT detaches the caller; the upstream wait is cancelled
 when nobody is left on it. PING and VALIDATE are answered locally. Reading and queueing the
 common frames (SET, GET, ADD, WAIT / CHECK) of a local connection and sending the replies run
-in C when the extension `rendezvous.store._quickstore` was built (`proxy_read`, `flush_out`; the same
-batch as the Python path; while the batch is empty or held, `loop_turn` keeps reading in C,
+in C when the extension `rendezvous.store._quickstore` was built (`proxy_read`, `flush_out`; the
+same batch as the Python path; while the batch is empty or held, `loop_turn` keeps reading in C,
 so Python runs once per round; `FTRUN_STORE_ACCEL=0` turns it off). The loop thread keeps its
 inherited priority (`nice`; see `rendezvous.store.loop_priority`). The master thus sees
 O(nodes) connections and, for the process-group init pattern, O(1) requests per node per
@@ -50,9 +50,9 @@ from rendezvous.kv import KVStore, StoreAuthError, StoreError
 from rendezvous.store import protocol as P
 from rendezvous.store.auth import AUTH_KEY, check_token
 from rendezvous.store.client import connect
+from rendezvous.store.connection import Conn, DropConnection, check_validate
 from rendezvous.store.memory import apply
 from rendezvous.store.protocol import logical_key, wire_key
-from rendezvous.store.connection import Conn, DropConnection
 from rendezvous.store.server import LoopServer, c_accel
 
 Op = P.Op
@@ -607,7 +607,7 @@ class StoreProxy(LoopServer):
         through `c.slots`, so they leave in request order."""
         op = req.op
         if not c.validated:
-            self._check_validate(req)
+            check_validate(req)
             c.validated = True
             return None
         local = self._session.get(op)
