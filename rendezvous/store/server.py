@@ -1,10 +1,10 @@
 """The embedded store server: torch's TCPStore protocol over a `MemoryStore`.
 
 Owns: `LoopServer` (the event-loop thread's turns, reads, per-turn budgets, the request loop
-`_process`, ordered flushes and the VALIDATE gate; shared with the node proxy; its cold half —
-listening socket, start/stop, accepting and closing connections, the sweep — is
+`_process` and ordered flushes; shared with the node proxy; its cold half — listening socket,
+start/stop, accepting and closing connections, the sweep — is
 `rendezvous.store.loop_host.LoopHost`) and `StoreServer` (request execution, handshake and
-token checks). A connection's state is `rendezvous.store.connection.Conn`.
+token checks). A connection's state and the VALIDATE rule are `rendezvous.store.connection`.
 
 Design: one thread runs a level-triggered epoll loop over non-blocking sockets. A readable
 connection is read once (64 KiB), its complete requests are decoded and executed (on a plain
