@@ -39,7 +39,8 @@ def main() -> None:
         sys.exit(f"bench_store_loop: {a.repo} has no rendezvous package")
     sys.path.insert(0, os.path.abspath(a.repo))
     from rendezvous.store import protocol as P
-    from rendezvous.store.server import StoreServer, _Conn
+    from rendezvous.store.connection import Conn
+    from rendezvous.store.server import StoreServer
 
     srv = StoreServer(host="127.0.0.1")
     srv._ep = select.epoll()
@@ -48,7 +49,7 @@ def main() -> None:
     for _ in range(a.conns):
         s, peer = socket.socketpair()
         s.setblocking(False)
-        c = _Conn(s, "bench", True, 0.0)
+        c = Conn(s, "bench", True, 0.0)
         c.validated = True
         srv._conns[c.fd] = c
         srv._ep.register(c.fd, select.EPOLLIN)

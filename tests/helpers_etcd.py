@@ -6,8 +6,8 @@ dir with fast raft timers, waiting until it is healthy, optionally turning on au
 `etcd_server` pytest fixture; they are skipped with a clear reason when the binary is missing.
 
 Also owns `AgentProc`: a child process (`python tests/helpers_etcd.py agent ...`) that runs one
-`rendezvous.nodes.membership.Membership` over etcd or the embedded TCP store and prints one JSON line
-per event (world, dead, join, leader), so tests can SIGKILL real agents.
+`rendezvous.nodes.membership.Membership` over etcd or the embedded TCP store and prints one JSON
+line per event (world, dead, join, leader), so tests can SIGKILL real agents.
 """
 
 from __future__ import annotations
@@ -365,9 +365,10 @@ def _agent_main(argv: list[str]) -> int:
     logging.basicConfig(
         level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(threadName)s %(message)s"
     )
+    from helpers_membership import member
+
     from rendezvous.errors import JoinInterrupted
     from rendezvous.nodes.keys import LEAVE_SIGNAL
-    from rendezvous.nodes.membership import Membership
 
     if a.backend == "etcd":
         from rendezvous.store.etcd import EtcdConf, EtcdKV
@@ -385,7 +386,7 @@ def _agent_main(argv: list[str]) -> int:
         with out_lock:
             print(json.dumps(d), flush=True)
 
-    m = Membership(
+    m = member(
         kv,
         None if a.node_rank < 0 else a.node_rank,
         int(lo),
@@ -395,7 +396,7 @@ def _agent_main(argv: list[str]) -> int:
         a.run_id,
         join_timeout=a.join_timeout,
         last_call_timeout=a.last_call,
-        heartbeat_interval=a.hb_interval,
+        keep_alive_interval=a.hb_interval,
         heartbeat_timeout=a.hb_timeout,
         read_timeout=5.0,
         hosts_store=a.hosts_store,

@@ -8,12 +8,13 @@ import time
 
 import pytest
 from helpers_etcd import EtcdServer, etcd_server  # noqa: F401 - fixture
+from helpers_membership import member
 from helpers_relay import Relay
 
-from rendezvous.nodes.membership import Membership, NodeWorld
+from rendezvous.nodes.membership import NodeWorld
 
 pytestmark = pytest.mark.etcd
-T = dict(heartbeat_interval=0.2, heartbeat_timeout=1.0)
+T = dict(keep_alive_interval=0.2, heartbeat_timeout=1.0)
 
 
 class Roles:
@@ -48,7 +49,7 @@ def _world(server: EtcdServer, n: int, relay_for: int | None = None):
         )
         for i in range(n)
     ]
-    ms = [Membership(kv, i, n, n, 1, f"h{i}", "elect", **T) for i, kv in enumerate(kvs)]
+    ms = [member(kv, i, n, n, 1, f"h{i}", "elect", **T) for i, kv in enumerate(kvs)]
     out: list = [None] * n
     threads = [
         threading.Thread(target=lambda i=i: out.__setitem__(i, ms[i].join(timeout=15)))

@@ -1,5 +1,5 @@
-"""Tests for rendezvous.nodes.hosting: is_host by the endpoint's address, and the second agent on the
-store host joining as a client (the same c10d command started twice on one host)."""
+"""Tests for rendezvous.nodes.hosting: is_host by the endpoint's address, and the second agent on
+the store host joining as a client (the same c10d command started twice on one host)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ import threading
 import time
 
 import pytest
+from helpers_membership import member
 from helpers_store import free_port
 
 from rendezvous.kv import StoreError
 from rendezvous.nodes.hosting import host_or_join, is_local_address, wants_to_host
 from rendezvous.nodes.keys import RUN_ID_KEY
-from rendezvous.nodes.membership import Membership, NodeWorld
+from rendezvous.nodes.membership import NodeWorld
 
 
 def test_is_host_by_address_and_override() -> None:
@@ -38,7 +39,7 @@ def test_same_command_twice_on_one_host_one_hosts_one_joins() -> None:
         assert first.hosting and first.server is not None
         assert not second.hosting and second.server is None
         ms = [
-            Membership(
+            member(
                 h.kv,
                 None,
                 2,
@@ -47,7 +48,7 @@ def test_same_command_twice_on_one_host_one_hosts_one_joins() -> None:
                 f"h{i}",
                 "j1",
                 hosts_store=h.hosting,
-                heartbeat_interval=0.2,
+                keep_alive_interval=0.2,
                 heartbeat_timeout=1.0,
             )
             for i, h in enumerate((first, second))

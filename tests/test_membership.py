@@ -9,6 +9,7 @@ import time
 
 import pytest
 from helpers_etcd import AgentProc, EtcdServer, etcd_server  # noqa: F401 - fixture
+from helpers_membership import member
 from helpers_relay import Relay
 
 from rendezvous.errors import (
@@ -24,7 +25,7 @@ from rendezvous.nodes.keys import GENERATION_KEY, LEAVE_SIGNAL
 from rendezvous.nodes.membership import Membership, NodeWorld, RendezvousError
 from rendezvous.store.memory import LocalKV
 
-FAST = dict(heartbeat_interval=0.2, heartbeat_timeout=1.0)
+FAST = dict(keep_alive_interval=0.2, heartbeat_timeout=1.0)
 
 
 def _join_all(makers: list, timeout: float = 15.0) -> list:
@@ -51,7 +52,7 @@ def _join_all(makers: list, timeout: float = 15.0) -> list:
 def test_static_rendezvous_assigns_ranks_and_bases() -> None:
     kv = LocalKV()
     ms = [
-        Membership(kv, r, 3, 3, lws, f"host{r}", "job", join_timeout=10, **FAST)
+        member(kv, r, 3, 3, lws, f"host{r}", "job", join_timeout=10, **FAST)
         for r, lws in ((2, 4), (0, 2), (1, 3))
     ]
     worlds = _join_all(ms)
@@ -77,8 +78,7 @@ def test_static_rendezvous_assigns_ranks_and_bases() -> None:
 def test_dynamic_closes_after_last_call_and_rejects_extra_agent() -> None:
     kv = LocalKV()
     ms = [
-        Membership(kv, None, 2, 3, 2, f"h{i}", "job", last_call_timeout=0.6, **FAST)
-        for i in range(2)
+        member(kv, None, 2, 3, 2, f"h{i}", "job", last_call_timeout=0.6, **FAST) for i in range(2)
     ]
     t0 = time.monotonic()
     worlds = _join_all(ms)
@@ -89,7 +89,7 @@ def test_dynamic_closes_after_last_call_and_rejects_extra_agent() -> None:
         assert sorted(w.group_rank for w in worlds) == [0, 1]
         assert {w.world_size for w in worlds} == {4} and {w.group_world_size for w in worlds} == {2}
         # the world is closed and every member is alive: a late agent waits as a hot spare
-        late = Membership(kv, None, 2, 3, 2, "late", "job", spare_timeout=0.5, **FAST)
+        late = member(kv, None, 2, 3, 2, "late", "job", spare_timeout=0.5, **FAST)
         with pytest.raises(
             RendezvousError, match="no node of run job was lost within spare_timeout=0.5s"
         ):
@@ -102,10 +102,7 @@ def test_dynamic_closes_after_last_call_and_rejects_extra_agent() -> None:
 
 def test_dynamic_closes_at_max_without_waiting_for_last_call() -> None:
     kv = LocalKV()
-    ms = [
-        Membership(kv, None, 1, 3, 1, f"h{i}", "job", last_call_timeout=30, **FAST)
-        for i in range(3)
-    ]
+    ms = [member(kv, None, 1, 3, 1, f"h{i}", "job", last_call_timeout=30, **FAST) for i in range(3)]
     t0 = time.monotonic()
     worlds = _join_all(ms)
     try:
@@ -119,12 +116,12 @@ def test_dynamic_closes_at_max_without_waiting_for_last_call() -> None:
 
 def test_join_timeout_wrong_run_and_bad_arguments() -> None:
     kv = LocalKV()
-    lonely = Membership(kv, 0, 2, 2, 1, "h0", "job", **FAST)
+    lonely = member(kv, 0, 2, 2, 1, "h0", "job", **FAST)
     t0 = time.monotonic()
     with pytest.raises(StoreTimeout, match="1 of 2 nodes joined within 0.4s"):
         lonely.join(timeout=0.4)
     assert time.monotonic() - t0 < 2.0
-    other = Membership(kv, 1, 2, 2, 1, "h1", "another-job", **FAST)
+    other = member(kv, 1, 2, 2, 1, "h1", "another-job", **FAST)
     with pytest.raises(RendezvousError, match="belongs to run 'job'"):
         other.join(timeout=1)
     for kwargs, msg in [
@@ -142,12 +139,12 @@ def test_join_timeout_wrong_run_and_bad_arguments() -> None:
             local_world_size=1,
             host="h",
             run_id="job",
-            heartbeat_interval=0.2,
+            keep_alive_interval=0.2,
             heartbeat_timeout=1.0,
         )
         args.update(kwargs)
         with pytest.raises(ValueError, match=msg):
-            Membership(**args)
+            member(**args)
 
 
 # -- liveness, in-process (heartbeats on a plain KV) ---------------------------------------------
@@ -155,7 +152,7 @@ def test_join_timeout_wrong_run_and_bad_arguments() -> None:
 
 def test_heartbeat_death_replacement_and_leave_local() -> None:
     kv = LocalKV()
-    ms = [Membership(kv, r, 3, 3, 1, f"h{r}", "job", **FAST) for r in range(3)]
+    ms = [member(kv, r, 3, 3, 1, f"h{r}", "job", **FAST) for r in range(3)]
     assert all(isinstance(w, NodeWorld) for w in _join_all(ms))
     events: list[tuple[int, str, int, float]] = []
     for m in ms:
@@ -174,7 +171,7 @@ def test_heartbeat_death_replacement_and_leave_local() -> None:
         assert max(t for *_, t in events) - t0 < 1.0 + 1.0  # heartbeat_timeout + slack
         assert ms[1].alive_nodes() == [1, 2]
         # a replacement with the same node rank joins; both survivors hear of it
-        repl = Membership(kv, 0, 3, 3, 1, "h0-new", "job", **FAST)
+        repl = member(kv, 0, 3, 3, 1, "h0-new", "job", **FAST)
         w = repl.join(timeout=5)
         assert w.rejoined and w.group_rank == 0 and w.nodes[0].host == "h0-new"
         assert w.leader_node == 0 and w.nodes[0].incarnation == 2
@@ -250,7 +247,7 @@ def test_etcd_dynamic_rendezvous_threads(etcd_server: EtcdServer) -> None:
 
     kvs = [EtcdKV(etcd_server.endpoint, "/ftrun/dyn") for _ in range(3)]
     ms = [
-        Membership(
+        member(
             kv,
             None,
             2,
@@ -260,7 +257,7 @@ def test_etcd_dynamic_rendezvous_threads(etcd_server: EtcdServer) -> None:
             "dyn",
             last_call_timeout=0.5,
             join_timeout=10,
-            heartbeat_interval=0.3,
+            keep_alive_interval=0.3,
             heartbeat_timeout=1.5,
         )
         for i, kv in enumerate(kvs)
@@ -284,8 +281,7 @@ def _fresh_after_dead_run(make_kv, leave: bool, wait_gone: float) -> None:
     kvs = [make_kv() for _ in range(4)]
     try:
         first = [
-            Membership(kvs[i], i, 2, 2, 1, f"h{i}", "reused", join_timeout=10, **FAST)
-            for i in range(2)
+            member(kvs[i], i, 2, 2, 1, f"h{i}", "reused", join_timeout=10, **FAST) for i in range(2)
         ]
         assert all(isinstance(w, NodeWorld) for w in _join_all(first))
         kvs[0].set(GENERATION_KEY, b"4")
@@ -294,7 +290,7 @@ def _fresh_after_dead_run(make_kv, leave: bool, wait_gone: float) -> None:
             m.stop(leave=leave)
         time.sleep(wait_gone)  # crashed agents: until their leases/heartbeats run out
         second = [
-            Membership(kvs[2 + i], i, 2, 2, 1, f"n{i}", "reused", join_timeout=10, **FAST)
+            member(kvs[2 + i], i, 2, 2, 1, f"n{i}", "reused", join_timeout=10, **FAST)
             for i in range(2)
         ]
         worlds = _join_all(second)
@@ -332,8 +328,8 @@ def test_duplicate_node_rank_on_etcd_is_refused(etcd_server: EtcdServer) -> None
     from rendezvous.store.etcd import EtcdKV
 
     kvs = [EtcdKV(etcd_server.endpoint, "/ftrun/dup") for _ in range(2)]
-    first = Membership(kvs[0], 0, 2, 2, 1, "first", "dup", **FAST)
-    second = Membership(kvs[1], 0, 2, 2, 1, "second", "dup", **FAST)
+    first = member(kvs[0], 0, 2, 2, 1, "first", "dup", **FAST)
+    second = member(kvs[1], 0, 2, 2, 1, "second", "dup", **FAST)
     t = threading.Thread(target=lambda: pytest.raises(StoreTimeout, first.join, timeout=2.2))
     t.start()
     try:
@@ -404,7 +400,7 @@ def stores(request) -> Stores:
     s.close()
 
 
-T = dict(heartbeat_interval=0.2, heartbeat_timeout=1.0)
+T = dict(keep_alive_interval=0.2, heartbeat_timeout=1.0)
 
 
 class Events:
@@ -437,7 +433,7 @@ def _members(kvs: list, n: int, static: bool = True, **kw) -> list[Membership]:
     args = dict(T, join_timeout=15)
     args.update(kw)
     ms = [
-        Membership(kv, i if static else None, n, n, 1, f"h{i}", "m10", **args)
+        member(kv, i if static else None, n, n, 1, f"h{i}", "m10", **args)
         for i, kv in enumerate(kvs)
     ]
     worlds = _join_all(ms)
@@ -448,7 +444,7 @@ def _members(kvs: list, n: int, static: bool = True, **kw) -> list[Membership]:
 def test_join_ends_promptly_on_stop_event_and_on_interrupt(stores: Stores) -> None:
     kv = stores.client()
     for how in ("event", "interrupt"):
-        m = Membership(kv, 0, 2, 2, 1, "alone", f"m10{how}", **T)
+        m = member(kv, 0, 2, 2, 1, "alone", f"m10{how}", **T)
         stop = threading.Event()
         t0 = time.monotonic()
         threading.Timer(0.3, stop.set if how == "event" else m.interrupt).start()
@@ -461,7 +457,7 @@ def test_join_ends_promptly_on_stop_event_and_on_interrupt(stores: Stores) -> No
 def test_dynamic_agents_take_distinct_ranks_by_arrival(stores: Stores) -> None:
     kvs = [stores.client() for _ in range(3)]
     ms = [
-        Membership(kv, None, 2, 3, 1, f"h{i}", "m10", last_call_timeout=0.5, **T)
+        member(kv, None, 2, 3, 1, f"h{i}", "m10", last_call_timeout=0.5, **T)
         for i, kv in enumerate(kvs)
     ]
     try:
@@ -505,7 +501,7 @@ def test_hot_spare_waits_visibly_and_takes_the_lost_nodes_rank(stores: Stores) -
     ms = _members(kvs[:2], 2, static=False, last_call_timeout=0.3)
     ev = Events()
     ms[0].watch_nodes(*ev.hooks())
-    spare = Membership(kvs[2], None, 2, 2, 1, "spare-host", "m10", **T)
+    spare = member(kvs[2], None, 2, 2, 1, "spare-host", "m10", **T)
     box: list = []
     t = threading.Thread(target=lambda: box.append(spare.join(timeout=30)))
     t.start()
@@ -533,7 +529,7 @@ def test_hot_spare_waits_visibly_and_takes_the_lost_nodes_rank(stores: Stores) -
 def test_spare_takes_a_signalled_nodes_rank_and_exits_when_the_run_is_done() -> None:
     kv = LocalKV()
     ms = _members([kv, kv], 2, static=False, last_call_timeout=0.3)
-    spares = [Membership(kv, None, 2, 2, 1, f"s{i}", "m10", **T) for i in range(2)]
+    spares = [member(kv, None, 2, 2, 1, f"s{i}", "m10", **T) for i in range(2)]
     out: list = [None, None]
 
     def run(i: int) -> None:
@@ -620,16 +616,16 @@ def test_a_stale_node_that_never_noticed_is_refused_at_its_next_heartbeat() -> N
     server = StoreServer(host="127.0.0.1", port=0).start()
     relay = Relay("127.0.0.1", server.port)
     kvs = [StoreClient("127.0.0.1", p) for p in (server.port, relay.port, server.port)]
-    a = Membership(kvs[0], 0, 2, 2, 1, "a", "m10", **T)
+    a = member(kvs[0], 0, 2, 2, 1, "a", "m10", **T)
     # b believes the timeout is long: it will not notice the cut (a long pause looks the same)
-    b = Membership(kvs[1], 1, 2, 2, 1, "b", "m10", heartbeat_interval=0.2, heartbeat_timeout=30)
+    b = member(kvs[1], 1, 2, 2, 1, "b", "m10", keep_alive_interval=0.2, heartbeat_timeout=30)
     try:
         assert all(isinstance(w, NodeWorld) for w in _join_all([a, b]))
         ev = Events()
         a.watch_nodes(*ev.hooks())
         relay.cut()
         ev.wait(("dead", 1), 3.0)
-        c = Membership(kvs[2], 1, 2, 2, 1, "c", "m10", **T)
+        c = member(kvs[2], 1, 2, 2, 1, "c", "m10", **T)
         assert c.join(timeout=10).rejoined
         relay.heal()
         assert b.lost.wait(3.0) and b.lost_error().kind == SUPERSEDED
@@ -656,7 +652,7 @@ def test_losing_the_embedded_store_host_is_reported_as_such() -> None:
     port = server.port
     kvs = [StoreClient("127.0.0.1", port, timeout=2) for _ in range(2)]
     ms = [
-        Membership(
+        member(
             kv, i, 2, 2, 1, f"10.0.0.{i + 1}", "m10", read_timeout=1.0, hosts_store=(i == 0), **T
         )
         for i, kv in enumerate(kvs)
@@ -689,9 +685,7 @@ def test_losing_the_embedded_store_host_is_reported_as_such() -> None:
 def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(stores: Stores) -> None:
     kvs = [stores.client() for _ in range(3)]
     ms = [
-        Membership(
-            kv, None, 2, 3, 2, f"h{i}", "m10", last_call_timeout=0.3, scale_up="restart", **T
-        )
+        member(kv, None, 2, 3, 2, f"h{i}", "m10", last_call_timeout=0.3, scale_up="restart", **T)
         for i, kv in enumerate(kvs[:2])
     ]
     first = threading.Thread(target=ms[0].join)
@@ -706,7 +700,7 @@ def test_scale_up_restart_opens_a_new_round_that_includes_the_waiting_node(store
     rounds: list[int] = []
     for m in ms:
         m.watch_nodes(lambda g: None, on_round=rounds.append)
-    late = Membership(
+    late = member(
         kvs[2], None, 2, 3, 2, "late", "m10", last_call_timeout=0.3, scale_up="restart", **T
     )
     box: list = []
@@ -753,7 +747,7 @@ def test_a_new_round_without_a_dead_node_renumbers_the_survivors_in_order(stores
     becomes node 1, rank base 2)."""
     kvs = [stores.client() for _ in range(3)]
     ms = [
-        Membership(kv, None, 2, 3, 2, f"h{i}", "m11", last_call_timeout=2.0, **T)
+        member(kv, None, 2, 3, 2, f"h{i}", "m11", last_call_timeout=2.0, **T)
         for i, kv in enumerate(kvs)
     ]
     new: list = [None, None]

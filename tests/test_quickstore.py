@@ -15,7 +15,8 @@ from helpers_store import recv_exact
 
 from rendezvous.store import protocol as P
 from rendezvous.store.auth import AUTH_KEY
-from rendezvous.store.server import StoreServer, _Conn
+from rendezvous.store.connection import Conn
+from rendezvous.store.server import StoreServer
 
 
 def req(op, keys=(), values=(), num=0) -> bytes:
@@ -67,7 +68,7 @@ def frames() -> list[bytes]:
     ]
 
 
-def feed(srv: StoreServer, c: _Conn, b: socket.socket, stream: bytes, chunk: int) -> bytes:
+def feed(srv: StoreServer, c: Conn, b: socket.socket, stream: bytes, chunk: int) -> bytes:
     """Send `stream` (in `chunk`-byte pieces, 0: whole) from `b` to the server's connection `c`
     (the other end), run `_read` / the backlog / the flush as the loop would, and return what
     came back."""
@@ -111,7 +112,7 @@ def run_stream(mode: str, chunk: int, handshake: bool = False) -> tuple[bytes, d
     a, b = socket.socketpair()
     try:
         a.setblocking(False)
-        c = _Conn(a, "test", True, 0.0)
+        c = Conn(a, "test", True, 0.0)
         c.validated = not handshake
         got = feed(srv, c, b, stream, chunk)
         assert c.validated and not c.closed
@@ -176,7 +177,7 @@ def run_mux_stream(mode: str, chunk: int, handled: list | None = None) -> tuple[
     a, b = socket.socketpair()
     try:
         a.setblocking(False)
-        c = _Conn(a, "test", True, 0.0)
+        c = Conn(a, "test", True, 0.0)
         c.validated, c.mux = True, True
         got = feed(srv, c, b, stream, chunk)
         assert not c.closed and not c.mux_waiters  # tag 3 answered, tag 9 cancelled
@@ -352,7 +353,7 @@ class _Loop:
         a, b = socket.socketpair()
         a.setblocking(False)
         b.settimeout(5)
-        c = _Conn(a, "test", True, 0.0)
+        c = Conn(a, "test", True, 0.0)
         c.validated = True
         self.srv._conns[c.fd] = c
         self.srv._ep.register(c.fd, select.EPOLLIN)
@@ -520,7 +521,7 @@ def run_proxy_stream(accel: bool, chunk: int) -> tuple[list, int, bytes, dict]:
     try:
         a.setblocking(False)
         b.setblocking(False)
-        c = _Conn(a, "test", True, 0.0)
+        c = Conn(a, "test", True, 0.0)
         c.validated = True
         px._conns[c.fd] = c
         px._loop_ident = threading.get_ident()
@@ -600,7 +601,7 @@ def test_the_proxy_read_path_keeps_the_per_turn_budget() -> None:
     a, b = socket.socketpair()
     try:
         a.setblocking(False)
-        c = _Conn(a, "test", True, 0.0)
+        c = Conn(a, "test", True, 0.0)
         c.validated = True
         n = px._budget + 5
         b.sendall(b"".join(req(P.Op.ADD, [b"/n"], num=1) for _ in range(n)))
@@ -623,7 +624,7 @@ def test_flush_out_sends_each_connections_output_and_leaves_short_sends_to_pytho
         conns = []
         for a, _ in pairs:
             a.setblocking(False)
-            conns.append(_Conn(a, "test", True, 0.0))
+            conns.append(Conn(a, "test", True, 0.0))
         full, closed, waiting, big = conns
         full.out, full.out_bytes = [b"ab", b"cd"], 4
         closed.out, closed.closed = [b"x"], True
@@ -781,7 +782,7 @@ def test_new_connections_are_accepted_in_c_as_python_accepts_them(
 ) -> None:
     """`loop_turn` with `accept`: a burst of connects takes no Python `_accept` and no Python
     turn per connection; each connection is what `_accept` makes: non-blocking, TCP_NODELAY,
-    registered, counted, its peer written as `_peer_str` writes it (an IPv4 client of a
+    registered, counted, its peer written as `connection.peer_str` writes it (an IPv4 client of a
     dual-stack socket as IPv4, an IPv6 one in brackets), and answered."""
     srv = StoreServer(host=host)
     accepts: list[int] = []

@@ -269,9 +269,9 @@ def test_quick_path_gives_the_general_paths_replies(chunk: int, entry: str) -> N
             srv._quick = None
         a, b = socket.socketpair()
         try:
-            from rendezvous.store.server import _Conn
+            from rendezvous.store.connection import Conn
 
-            c = _Conn(a, "test", True, 0.0)
+            c = Conn(a, "test", True, 0.0)
             c.validated = True
             srv._loop_ident = threading.get_ident()
             pieces = (
@@ -330,12 +330,12 @@ def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
     the queued STOP_WAITING came after WAIT_CANCELED, and the client's next request read it as
     its own reply (an agent joining a rendezvous hung: CI failure of
     test_scale_up_restart_grows_the_world_with_a_late_node)."""
-    from rendezvous.store.server import _Conn
+    from rendezvous.store.connection import Conn
 
     srv = StoreServer(host="127.0.0.1")
     a, b = socket.socketpair()
     try:
-        c = _Conn(a, "test", True, 0.0)
+        c = Conn(a, "test", True, 0.0)
         c.validated = True
         srv._loop_ident = -1  # this thread is "another thread": wake-ups are queued
         srv._wake_fd = os.eventfd(0, os.EFD_NONBLOCK)
@@ -359,12 +359,12 @@ def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
 
 def _pair_conn(srv: StoreServer):
     """A validated plain connection of `srv` over a socketpair: (conn, the client's end)."""
-    from rendezvous.store.server import _Conn
+    from rendezvous.store.connection import Conn
 
     a, b = socket.socketpair()
     a.setblocking(False)
     b.settimeout(5)
-    c = _Conn(a, "test", True, 0.0)
+    c = Conn(a, "test", True, 0.0)
     c.validated = True
     srv._conns[c.fd] = c
     return c, b

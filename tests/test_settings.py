@@ -1,11 +1,11 @@
 """Tests for rendezvous.nodes.settings: torchrun's --rdzv-conf names, defaults and one-line
-errors."""
+errors; MembershipSettings' checks."""
 
 from __future__ import annotations
 
 import pytest
 
-from rendezvous.nodes.settings import RendezvousSettings
+from rendezvous.nodes.settings import MembershipSettings, RendezvousSettings
 
 
 def test_defaults_and_torchrun_names() -> None:
@@ -71,3 +71,33 @@ def test_bad_values_name_the_key(conf: dict, msg: str) -> None:
     with pytest.raises(ValueError) as info:
         RendezvousSettings.from_rdzv_conf(conf)
     assert msg in str(info.value) and "\n" not in str(info.value)
+
+
+def test_membership_settings_say_static_or_dynamic_and_carry_the_rendezvous_settings() -> None:
+    s = MembershipSettings(1, 3, 3, 4, "10.0.0.2", "job")
+    assert s.static and s.rdzv == RendezvousSettings() and not s.hosts_store
+    rdzv = RendezvousSettings(join_timeout=5, keep_alive_interval=0.2, heartbeat_timeout=1.0)
+    d = MembershipSettings(None, 1, 4, 2, "h", "job", rdzv=rdzv, hosts_store=True)
+    assert not d.static and d.rdzv.liveness_timeout == 1.0 and d.hosts_store
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        ((0, 1, 2, 1, "h", "job"), "needs a fixed node count"),
+        ((5, 2, 2, 1, "h", "job"), r"must be in 0\.\.1"),
+        ((None, 3, 2, 1, "h", "job"), "need 1 <= MIN <= MAX"),
+        ((None, 0, 2, 1, "h", "job"), "need 1 <= MIN <= MAX"),
+        ((None, 1, 2, 0, "h", "job"), "local_world_size=0 must be >= 1"),
+        ((None, 1, 2, 1, "h", "a/b"), "without '/'"),
+        ((None, 1, 2, 1, "h", ""), "non-empty"),
+    ],
+)
+def test_bad_membership_settings_name_the_field(args: tuple, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        MembershipSettings(*args)
+
+
+def test_membership_settings_take_only_rendezvous_settings() -> None:
+    with pytest.raises(TypeError, match="must be a RendezvousSettings"):
+        MembershipSettings(None, 1, 2, 1, "h", "job", rdzv={"join_timeout": 5})  # type: ignore[arg-type]

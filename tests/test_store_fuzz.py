@@ -101,9 +101,10 @@ def _fuzz_and_slowloris() -> None:
         # one more per connection left over (the backlog): with the flood's 8 connections up to
         # ~2000 requests. An ordinary request arriving mid-turn waits for the rest of that turn and
         # its place in the next: at most four flood turns' worth (a flood turn of ~1000 requests
-        # is 15-40 ms of server CPU depending on the machine). The bound is that turn's cost as measured in this run (server busy time per request), with 100 ms
-        # as the floor: a server that let the flood starve the client, or a turn that did more
-        # than its budgets (a collection over pytest's heap, an unbounded loop), fails.
+        # is 15-40 ms of server CPU depending on the machine). The bound is that turn's cost as
+        # measured in this run (server busy time per request), with 100 ms as the floor: a
+        # server that let the flood starve the client, or a turn that did more than its budgets
+        # (a collection over pytest's heap, an unbounded loop), fails.
         per_request = s.stats["busy_s"] / max(1, s.stats["requests"])
         flood_turn = (8 + 1) * s._budget * per_request
         bound_ms = max(100.0, 4 * flood_turn * 1000 + 20)

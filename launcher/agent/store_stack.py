@@ -215,18 +215,21 @@ class StoreStack:
         if cfg.max_nodes == 1 and cfg.store_backend == "embedded":
             return AgentWorld(0, 1, 0, cfg.nproc_per_node, True)
         from rendezvous.nodes.membership import Membership
+        from rendezvous.nodes.settings import MembershipSettings
 
         if self._membership is None:
-            self._membership = Membership.from_settings(
+            self._membership = Membership(
                 self.kv,
-                cfg.node_rank,
-                cfg.min_nodes,
-                cfg.max_nodes,
-                cfg.nproc_per_node,
-                cfg.local_addr or host,
-                cfg.rdzv_id,
-                cfg.rdzv_settings,
-                hosts_store=self.hosting,
+                MembershipSettings(
+                    cfg.node_rank,
+                    cfg.min_nodes,
+                    cfg.max_nodes,
+                    cfg.nproc_per_node,
+                    cfg.local_addr or host,
+                    cfg.rdzv_id,
+                    rdzv=cfg.rdzv_settings,
+                    hosts_store=self.hosting,
+                ),
             )
         if self._interrupted:
             self._membership.interrupt()

@@ -5,9 +5,9 @@ Owns: `Election`, one agent's candidacy for the controller role, and `read_contr
 
 Protocol (one key, `keys.CONTROLLER_KEY`):
   * a candidate creates the key (create-if-absent; all but the preferred one, group rank 0,
-    first wait up to `defer` s for it, so the controller starts where the leader rule puts it) bound to its membership lease, with its
-    candidacy record (group rank, incarnation, host, nonce) as value; whoever created it is the
-    controller, and `on_elected()` runs once;
+    first wait up to `defer` s for it, so the controller starts where the leader rule puts it)
+    bound to its membership lease, with its candidacy record (group rank, incarnation, host,
+    nonce) as value; whoever created it is the controller, and `on_elected()` runs once;
   * the key disappears when the controller's lease expires (node crashed or cut off), when it
     is revoked (the agent left) or when it resigns; every other candidate waits for that
     deletion (sliced watches, so `stop()` ends the wait within `waits.SLICE`) and tries again;

@@ -5,8 +5,8 @@ written by the controller, initialised by membership), the per-node records (`no
 key under `ftrun/rdzv/` that membership and liveness use, and `Registration`, the JSON record an
 agent writes when it joins and as its node record. Nothing here talks to a store.
 
-`launcher.protocol.plan` re-exports ROOT, GENERATION_KEY and node_key: the launcher builds its own control
-keys on the same root, and imports run launcher -> rendezvous, never back.
+`launcher.protocol.plan` re-exports ROOT, GENERATION_KEY and node_key: the launcher builds its own
+control keys on the same root, and imports run launcher -> rendezvous, never back.
 
 Keys (logical, see `rendezvous.kv`):
   ftrun/generation                     global recovery generation (decimal)

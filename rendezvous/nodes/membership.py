@@ -1,12 +1,16 @@
 """Node-level rendezvous on any KVStore: join, group ranks, hot spares, replacements, leaving,
 self-fencing and the controller role.
 
-Owns: `Membership` (one per agent). The records it returns are in `rendezvous.nodes.world`
-(`NodeWorld`, `NodeInfo`, `SpareInfo`), its store keys and node record in `rendezvous.nodes.keys`,
-its errors in `rendezvous.errors`, its settings (torchrun's `--rdzv-conf` names) in
-`rendezvous.nodes.settings`. How agents show they are alive and learn of each other's deaths is
-`rendezvous.nodes.liveness` (leases on etcd, heartbeats elsewhere); the etcd controller election is
-`rendezvous.nodes.election`.
+Owns: `Membership` (one per agent; its API), built from a `MembershipSettings`
+(`rendezvous.nodes.settings`: who this node is, the world it expects, torchrun's `--rdzv-conf`
+settings). How it joins is split by job: finding, closing and entering the world is
+`rendezvous.nodes.joining.Joining`, taking over a running world (replacement, hot spare) is
+`rendezvous.nodes.replacing.Replacing`; `Membership` keeps the API, watching, leaving,
+fencing, rounds and the controller role. The records it returns are in `rendezvous.nodes.world`
+(`NodeWorld`, `NodeInfo`, `SpareInfo`), its store keys and node record in
+`rendezvous.nodes.keys`, its errors in `rendezvous.errors`. How agents show they are alive and
+learn of each other's deaths is `rendezvous.nodes.liveness` (leases on etcd, heartbeats
+elsewhere); the etcd controller election is `rendezvous.nodes.election`.
 
 Rendezvous (once per run; the world is written once under WORLD_KEY and read by everyone):
   * static (node_rank given, nnodes fixed): each agent registers under its node rank; the
@@ -26,8 +30,8 @@ Rendezvous (once per run; the world is written once under WORLD_KEY and read by 
     `RendezvousGracefulExit` when every node left with reason "done" (the run finished).
 
 The API an agent uses:
-    m = Membership.from_settings(kv, node_rank, nmin, nmax, lws, addr, run_id, settings,
-                                 hosts_store=...)
+    m = Membership(kv, MembershipSettings(node_rank, nmin, nmax, lws, addr, run_id,
+                                          rdzv=RendezvousSettings(...), hosts_store=...))
     world = m.join(stop=shutdown_event)   # every wait ends within waits.SLICE of stop.set()
                                           # (JoinInterrupted) or m.interrupt() (signal-safe)
     m.watch_nodes(on_dead, on_join, on_leader, on_lost=on_lost)
@@ -59,55 +63,52 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
-from typing import Any, Callable
+from typing import Callable
 
 from rendezvous.errors import (
     STORE_UNREACHABLE,
     FencedError,
-    JoinInterrupted,  # noqa: F401
+    JoinInterrupted,
     NodeLostError,
     RendezvousError,
     RendezvousGracefulExit,
     StoreHostLostError,
 )
-from rendezvous.kv import KVStore, StoreError, StoreTimeout
+from rendezvous.kv import KVStore, StoreError
 from rendezvous.nodes import rounds
 from rendezvous.nodes.election import Election, read_controller
+from rendezvous.nodes.joining import Joining
 from rendezvous.nodes.keys import (
     GENERATION_KEY,
-    JOIN_SEQ_KEY,
     LEAVE_DONE,
     LEAVE_ROUND,
     LEAVE_SIGNAL,
-    RUN_ID_KEY,
     SPARE_PREFIX,
     WORLD_KEY,
     Registration,
-    incarnation_key,
-    join_key,
     left_key,
-    spare_key,
-    static_join_key,
 )
 from rendezvous.nodes.liveness import LeaseLiveness, Lost, Timing, liveness_for
-from rendezvous.nodes.settings import RendezvousSettings
-from rendezvous.nodes.waits import Interrupt, wait_keys
-from rendezvous.nodes.world import NodeInfo, NodeWorld, SpareInfo, build_world, node_world
+from rendezvous.nodes.replacing import Replacing
+from rendezvous.nodes.settings import MembershipSettings, RendezvousSettings
+from rendezvous.nodes.waits import Interrupt
+from rendezvous.nodes.world import NodeInfo, NodeWorld, SpareInfo
 
 __all__ = [
     "FencedError",
     "JoinInterrupted",
     "Lost",
     "Membership",
+    "MembershipSettings",
     "NodeInfo",
     "NodeLostError",
     "NodeWorld",
     "RendezvousError",
     "RendezvousGracefulExit",
+    "RendezvousSettings",
     "SpareInfo",
     "StoreHostLostError",
 ]
@@ -115,132 +116,44 @@ __all__ = [
 log = logging.getLogger("ftrun.membership")
 
 
-def _check_args(
-    node_rank: int | None,
-    nnodes_min: int,
-    nnodes_max: int,
-    local_world_size: int,
-    run_id: str,
-    seconds: dict[str, float | None],
-) -> None:
-    """ValueError naming the first bad constructor argument."""
-    if not 1 <= nnodes_min <= nnodes_max:
-        raise ValueError(f"nnodes {nnodes_min}:{nnodes_max}: need 1 <= MIN <= MAX")
-    if node_rank is not None:
-        if nnodes_min != nnodes_max:
-            raise ValueError(
-                f"node_rank={node_rank} needs a fixed node count, got "
-                f"nnodes {nnodes_min}:{nnodes_max} (omit node_rank for MIN:MAX)"
-            )
-        if not 0 <= node_rank < nnodes_max:
-            raise ValueError(f"node_rank={node_rank} must be in 0..{nnodes_max - 1}")
-    if local_world_size < 1:
-        raise ValueError(f"local_world_size={local_world_size} must be >= 1")
-    if not run_id or "/" in run_id:
-        raise ValueError(f"run_id={run_id!r} must be a non-empty name without '/'")
-    for name, v in seconds.items():
-        if v is None and name == "spare_timeout":
-            continue
-        if not (isinstance(v, (int, float)) and v > 0):
-            raise ValueError(f"{name}={v!r} must be a number of seconds > 0")
-    if seconds["heartbeat_timeout"] <= seconds["heartbeat_interval"]:  # type: ignore[operator]
-        raise ValueError(
-            f"heartbeat_timeout={seconds['heartbeat_timeout']} must exceed "
-            f"heartbeat_interval={seconds['heartbeat_interval']}"
-        )
-
-
-class Membership:
-    """Node-level rendezvous and liveness for one agent (API: see the module docstring)."""
+class Membership(Joining, Replacing):
+    """Node-level rendezvous and liveness for one agent (API: see the module docstring). Built
+    from `MembershipSettings`; `previous`, `prev_rank` and `expect` are set by `renew()` and
+    `next_round()` for the Membership that follows this one."""
 
     def __init__(
         self,
         kv: KVStore,
-        node_rank: int | None,
-        nnodes_min: int,
-        nnodes_max: int,
-        local_world_size: int,
-        host: str,
-        run_id: str,
-        join_timeout: float = 600.0,
-        last_call_timeout: float = 30.0,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 5.0,
+        settings: MembershipSettings,
         *,
-        close_timeout: float = 30.0,
-        read_timeout: float = 60.0,
-        spare_timeout: float | None = None,
-        scale_up: str = "spare",
-        hosts_store: bool = False,
         previous: NodeWorld | None = None,
         prev_rank: int = -1,
         expect: int = 0,
     ) -> None:
-        _check_args(
-            node_rank,
-            nnodes_min,
-            nnodes_max,
-            local_world_size,
-            run_id,
-            {
-                "join_timeout": join_timeout,
-                "last_call_timeout": last_call_timeout,
-                "heartbeat_interval": heartbeat_interval,
-                "heartbeat_timeout": heartbeat_timeout,
-                "close_timeout": close_timeout,
-                "read_timeout": read_timeout,
-                "spare_timeout": spare_timeout,
-            },
-        )
-        if scale_up not in ("spare", "restart"):
-            raise ValueError(
-                f"scale_up={scale_up!r}: must be spare (a late node waits as a hot "
-                "spare) or restart (a new rendezvous round includes it)"
-            )
-        self._args: dict[str, Any] = dict(
-            node_rank=node_rank,
-            nnodes_min=nnodes_min,
-            nnodes_max=nnodes_max,
-            local_world_size=local_world_size,
-            host=host,
-            run_id=run_id,
-            join_timeout=join_timeout,
-            last_call_timeout=last_call_timeout,
-            heartbeat_interval=heartbeat_interval,
-            heartbeat_timeout=heartbeat_timeout,
-            close_timeout=close_timeout,
-            read_timeout=read_timeout,
-            spare_timeout=spare_timeout,
-            scale_up=scale_up,
-            hosts_store=hosts_store,
-        )
+        if not isinstance(settings, MembershipSettings):
+            raise TypeError(f"settings={settings!r}: must be a MembershipSettings")
         self.kv = kv
-        self.node_rank = node_rank
-        self.nnodes_min, self.nnodes_max = nnodes_min, nnodes_max
-        self.local_world_size = local_world_size
-        self.host = host
-        self.run_id = run_id
-        self.join_timeout = float(join_timeout)
-        self.last_call_timeout = float(last_call_timeout)
-        self.heartbeat_interval = float(heartbeat_interval)
-        self.heartbeat_timeout = float(heartbeat_timeout)
-        self.close_timeout = float(close_timeout)
-        self.read_timeout = float(read_timeout)
-        self.spare_timeout = None if spare_timeout is None else float(spare_timeout)
-        self.hosts_store = hosts_store
-        self.scale_up = scale_up
+        self.settings = settings
+        self.rdzv = settings.rdzv
+        self.timing = Timing(
+            float(self.rdzv.keep_alive_interval), float(self.rdzv.liveness_timeout)
+        )
+        self.node_rank = settings.node_rank
+        self.nnodes_min, self.nnodes_max = settings.nnodes_min, settings.nnodes_max
+        self.local_world_size = settings.local_world_size
+        self.host = settings.host
+        self.run_id = settings.run_id
+        self.hosts_store = settings.hosts_store
         self.prev_rank = prev_rank  # next_round(): group rank in the previous round
         self.expect = expect  # next_round(): close as soon as this many arrived
         self.previous = previous  # the world of the lost agent this one renews (renew())
-        self.static = node_rank is not None
+        self.static = settings.static
         self.nonce = uuid.uuid4().hex
         self.pid = os.getpid()
         self.world: NodeWorld | None = None
         self.incarnation = 0
         self._interrupt = Interrupt()
-        self.liveness = liveness_for(
-            kv, Timing(self.heartbeat_interval, self.heartbeat_timeout), self.static, self.nonce
-        )
+        self.liveness = liveness_for(kv, self.timing, self.static, self.nonce)
         self.liveness.interrupt = self._interrupt
         self.lost = self.liveness.roster.lost  # set when this agent is no longer a member
         self._watch_lock = threading.Lock()
@@ -249,44 +162,10 @@ class Membership:
         self._round_opened = 0  # the round a retired marker seen at join opened
         self._slot: int | None = None  # dynamic arrival slot while the world is not closed
 
-    @classmethod
-    def from_settings(
-        cls,
-        kv: KVStore,
-        node_rank: int | None,
-        nnodes_min: int,
-        nnodes_max: int,
-        local_world_size: int,
-        host: str,
-        run_id: str,
-        settings: RendezvousSettings | None = None,
-        hosts_store: bool = False,
-    ) -> "Membership":
-        """A Membership with torchrun-named settings (`RendezvousSettings.from_rdzv_conf`)."""
-        s = settings or RendezvousSettings()
-        return cls(
-            kv,
-            node_rank,
-            nnodes_min,
-            nnodes_max,
-            local_world_size,
-            host,
-            run_id,
-            join_timeout=s.join_timeout,
-            last_call_timeout=s.last_call_timeout,
-            heartbeat_interval=s.keep_alive_interval,
-            heartbeat_timeout=s.liveness_timeout,
-            close_timeout=s.close_timeout,
-            read_timeout=s.read_timeout,
-            spare_timeout=s.spare_timeout,
-            scale_up=s.scale_up,
-            hosts_store=hosts_store,
-        )
-
     def renew(self) -> "Membership":
         """A fresh identity (new nonce, next incarnation) with the same parameters, to rejoin
         after this one was lost. Call `stop(leave=False)` on this one first."""
-        return Membership(self.kv, **self._args, previous=self.world or self.previous)
+        return Membership(self.kv, self.settings, previous=self.world or self.previous)
 
     # ------------------------------------------------------------------------------ reading
 
@@ -340,7 +219,7 @@ class Membership:
         if info.kind == STORE_UNREACHABLE and not self.can_elect:
             msg += (
                 f"; the embedded store is at {self._store_address()}: if it does not answer "
-                f"within read_timeout={self.read_timeout:g}s on rejoin, the job cannot "
+                f"within read_timeout={self.rdzv.read_timeout:g}s on rejoin, the job cannot "
                 "continue"
             )
         return NodeLostError(msg, info.kind)
@@ -356,7 +235,7 @@ class Membership:
         if self.world is not None:
             return self.world
         self._interrupt.follow(stop)
-        timeout = self.join_timeout if timeout is None else float(timeout)
+        timeout = self.rdzv.join_timeout if timeout is None else float(timeout)
         deadline = time.monotonic() + timeout
         try:
             if self.previous is not None and not self.can_elect:
@@ -404,8 +283,8 @@ class Membership:
         changes (`on_leader`), this agent losing its membership (`on_lost(Lost)`: see
         lost_error()), a new rendezvous round being requested (`on_round(round)`: stop the
         workers, then next_round()) and other nodes leaving on purpose (`on_left(group_rank,
-        reason)`, the keys.LEAVE_* reason of their left marker). Callbacks run on a membership thread: keep them short
-        (queue the work). Call once, after join()."""
+        reason)`, the keys.LEAVE_* reason of their left marker). Callbacks run on a
+        membership thread: keep them short (queue the work). Call once, after join()."""
         if self.world is None:
             raise RendezvousError("watch_nodes() needs join() first")
         with self._watch_lock:
@@ -489,7 +368,7 @@ class Membership:
                 "a new rendezvous round needs a joined dynamic world "
                 "(--nnodes MIN:MAX without --node-rank)"
             )
-        raw = self.kv.get(WORLD_KEY, self.read_timeout)
+        raw = self.kv.get(WORLD_KEY, self.rdzv.read_timeout)
         doc = json.loads(raw)
         if not doc.get("retired"):
             expect = min(self.nnodes_max, len(self.alive_nodes()) + len(self.spares()))
@@ -508,8 +387,8 @@ class Membership:
     def next_round(
         self, timeout: float | None = None, stop: threading.Event | None = None
     ) -> "Membership":
-        """Leave this round and join the requested one (see rendezvous.nodes.rounds); returns the new,
-        joined Membership (this one is stopped). Survivors keep their group ranks when nobody
+        """Leave this round and join the requested one (see rendezvous.nodes.rounds); returns the
+        new, joined Membership (this one is stopped). Survivors keep their group ranks when nobody
         was lost. Raises like join()."""
         assert self.world is not None, "next_round() needs join() first"
         doc = rounds.pending(self.kv, self.world.round)
@@ -523,18 +402,21 @@ class Membership:
             waits.follow(stop)
             if not rounds.wait_left(
                 lambda: all(self.liveness.gone_for_good(g, i) for g, i in others),
-                self.close_timeout,
+                self.rdzv.close_timeout,
                 waits.sleep,
             ):
                 log.warning(
                     "round %d: not every node left round %d within %gs; going on",
                     doc["round"],
                     self.world.round,
-                    self.close_timeout,
+                    self.rdzv.close_timeout,
                 )
             rounds.wipe(self.kv, whole_run=False)
         nxt = Membership(
-            self.kv, **self._args, prev_rank=self.world.group_rank, expect=int(doc.get("expect", 0))
+            self.kv,
+            self.settings,
+            prev_rank=self.world.group_rank,
+            expect=int(doc.get("expect", 0)),
         )
         nxt._round_opened = int(doc["round"])
         nxt.join(timeout, stop)
@@ -542,7 +424,7 @@ class Membership:
 
     def _watch_round(self, on_round: Callable[[int], None]) -> None:
         assert self.world is not None
-        while not self.liveness.stopping.wait(self.heartbeat_interval):
+        while not self.liveness.stopping.wait(self.timing.interval):
             try:
                 doc = rounds.pending(self.kv, self.world.round)
             except StoreError:
@@ -593,7 +475,7 @@ class Membership:
             self.lost,
             on_elected,
             on_deposed,
-            defer=(0.0 if me.node_rank == self.leader() else 2 * self.heartbeat_interval)
+            defer=(0.0 if me.node_rank == self.leader() else 2 * self.timing.interval)
             if defer is None
             else defer,
         ).start()
@@ -623,349 +505,3 @@ class Membership:
             return self.leader()
         rec = read_controller(self.kv)
         return int(rec["group_rank"]) if rec is not None else None
-
-    # ------------------------------------------------------------------------------ rendezvous
-
-    def _find_world(self, deadline: float, timeout: float) -> NodeWorld:
-        """Join the run's world: a new one, or the running one as a replacement or spare."""
-        while True:
-            self._interrupt.check("rendezvous")
-            self._check_run_id()
-            raw = self.kv.try_get(WORLD_KEY)
-            if raw is None:
-                return (
-                    self._join_static(deadline, timeout)
-                    if self.static
-                    else self._join_dynamic(deadline, timeout)
-                )
-            old = json.loads(raw)
-            if old.get("retired"):
-                self._round_opened = max(self._round_opened, int(old.get("round", 0)))
-                self._wait_wiped(deadline)
-            elif self.liveness.world_is_dead([n["node_rank"] for n in old["nodes"]]):
-                self._retire(raw, deadline)
-            else:
-                return self._rejoin(old, deadline)
-
-    def _check_run_id(self) -> None:
-        got = self.kv.compare_set(RUN_ID_KEY, b"", self.run_id.encode())
-        if got != self.run_id.encode():
-            raise RendezvousError(
-                f"this store belongs to run {got.decode(errors='replace')!r}, "
-                f"not {self.run_id!r} (use another --rdzv-id or store root)"
-            )
-
-    def _record(self, **kw: Any) -> Registration:
-        return Registration(
-            nonce=self.nonce,
-            host=self.host,
-            pid=self.pid,
-            local_world_size=self.local_world_size,
-            node_rank=self.node_rank,
-            hosts_store=self.hosts_store,
-            prev_rank=self.prev_rank,
-            **kw,
-        )
-
-    def _join_static(self, deadline: float, timeout: float) -> NodeWorld:
-        assert self.node_rank is not None
-        other = self.liveness.register_join(
-            static_join_key(self.node_rank), self._record().to_json(), deadline
-        )
-        if other is not None:
-            o = Registration.from_json(other)
-            raise RendezvousError(
-                f"node rank {self.node_rank} is already registered by {o.host} "
-                f"pid {o.pid} (two agents with the same --node-rank?)"
-            )
-        keys = [static_join_key(r) for r in range(self.nnodes_max)]
-        log.info("node %d registered; waiting for %d nodes", self.node_rank, self.nnodes_max)
-        while True:
-            complete = wait_keys(self.kv, keys, deadline, self._interrupt, "rendezvous")
-            raw = self.kv.try_get(WORLD_KEY)
-            if raw is None:
-                if not complete:
-                    have = sum(self.kv.try_get(k) is not None for k in keys)
-                    raise StoreTimeout(
-                        f"rendezvous: {have} of {self.nnodes_max} nodes joined within {timeout:g}s"
-                    )
-                recs = [self.kv.try_get(k) for k in keys]
-                if any(r is None for r in recs):
-                    continue  # one vanished (dead agent's lease); wait for its replacement
-                raw = self._close([Registration.from_json(r) for r in recs if r is not None])
-            return self._enter(json.loads(raw), deadline)
-
-    def _join_dynamic(self, deadline: float, timeout: float) -> NodeWorld:
-        slot = self.kv.add(JOIN_SEQ_KEY, 1) - 1
-        target = min(self.nnodes_max, self.expect) if self.expect > 0 else self.nnodes_max
-        if slot >= self.nnodes_max:
-            log.info(
-                "rendezvous already has %d nodes; waiting for the world to close", self.nnodes_max
-            )
-            if not wait_keys(self.kv, [WORLD_KEY], deadline, self._interrupt, "rendezvous"):
-                raise StoreTimeout(f"rendezvous: the world did not close within {timeout:g}s")
-            return self._rejoin(json.loads(self.kv.get(WORLD_KEY, self.read_timeout)), deadline)
-        self.liveness.put(join_key(slot), self._record(slot=slot).to_json())
-        self._slot = slot
-        log.info(
-            "joined rendezvous in slot %d (nnodes %d:%d)", slot, self.nnodes_min, self.nnodes_max
-        )
-        if slot == target - 1:
-            raw = self.kv.try_get(WORLD_KEY) or self._close_dynamic(slot + 1)
-            return self._enter(json.loads(raw), deadline)
-        if slot + 1 < self.nnodes_min:
-            if not wait_keys(
-                self.kv, [join_key(self.nnodes_min - 1)], deadline, self._interrupt, "rendezvous"
-            ):
-                have = int(self.kv.try_get(JOIN_SEQ_KEY) or b"0")
-                raise StoreTimeout(
-                    f"rendezvous: {have} of at least {self.nnodes_min} nodes "
-                    f"joined within {timeout:g}s"
-                )
-        last_call = min(time.monotonic() + self.last_call_timeout, deadline)
-        if not wait_keys(self.kv, [WORLD_KEY], last_call, self._interrupt, "rendezvous"):
-            count = min(int(self.kv.try_get(JOIN_SEQ_KEY) or b"0"), self.nnodes_max)
-            self._close_dynamic(count)
-        return self._enter(json.loads(self.kv.get(WORLD_KEY, self.read_timeout)), deadline)
-
-    def _withdraw(self) -> None:
-        """A join that fails before the world closes takes back its arrival slot, so the world
-        does not close with a node that is gone (etcd: leased, it goes with the lease)."""
-        if self._slot is None or self.can_elect:
-            return
-        try:
-            if self.kv.try_get(WORLD_KEY) is None:
-                self.kv.delete(join_key(self._slot))
-        except StoreError:
-            pass
-
-    def _close_dynamic(self, count: int) -> bytes:
-        keys = [join_key(s) for s in range(count)]
-        # slots are written right after they are taken; close_timeout bounds a slow writer
-        wait_keys(
-            self.kv, keys, time.monotonic() + self.close_timeout, self._interrupt, "rendezvous"
-        )
-        members = []
-        for k in keys:
-            raw = self.kv.try_get(k)
-            if raw is not None:  # missing: that agent died between taking and writing its slot
-                members.append(Registration.from_json(raw))
-        return self._close(members)
-
-    def _close(self, members: list[Registration]) -> bytes:
-        """Write the world (first writer wins); return the world that won."""
-        world = build_world(members, self.static, self.run_id, self._round_opened)
-        raw = json.dumps(world, sort_keys=True).encode()
-        won = self.kv.compare_set(WORLD_KEY, b"", raw)
-        if won == raw:
-            log.info(
-                "rendezvous closed: %d nodes, world size %d",
-                len(world["nodes"]),
-                world["world_size"],
-            )
-        return won
-
-    def _enter(self, world: dict, deadline: float) -> NodeWorld:
-        """Take our place in a freshly closed world (or become a replacement if not in it)."""
-        mine = [n for n in world["nodes"] if n.get("nonce") == self.nonce]
-        if not mine:
-            log.info("the world closed without this agent; trying to replace a lost node")
-            return self._rejoin(world, deadline)
-        gr = mine[0]["node_rank"]
-        self._register(gr)
-        self.kv.compare_set(GENERATION_KEY, b"", b"0")
-        nw = node_world(world, gr, False, self.run_id)
-        nw.generation = self.current_generation()
-        nw.me.incarnation = self.incarnation
-        self.liveness.roster.reset(
-            {n.node_rank: n.incarnation for n in nw.nodes}, [n.node_rank for n in nw.nodes]
-        )
-        return nw
-
-    def _register(self, gr: int, replacing: bytes | None = None) -> bool:
-        """Write our node record for group rank `gr` (new incarnation). With `replacing` (from
-        `Liveness.wait_vacant`), replace exactly that record; False if someone else did."""
-        inc = self.kv.add(incarnation_key(gr), 1)
-        rec = self._record(incarnation=inc, group_rank=gr).to_json()
-        if not self.liveness.write_node(gr, rec, replacing):
-            return False
-        self.incarnation = inc
-        self.liveness.registered(gr, inc, rec)
-        return True
-
-    # ------------------------------------------------------------------------------ stale runs
-
-    def _retire(self, old_raw: bytes, deadline: float) -> None:
-        """Replace a dead world by a 'retired' marker (one agent wins), wipe the run's keys
-        (world last), and let every arriving agent start a fresh rendezvous."""
-        marker = rounds.marker(0, 0, self.nonce)
-        if self.kv.compare_set(WORLD_KEY, old_raw, marker) == marker:
-            log.warning(
-                "run %s: every node of the earlier rendezvous in this store is gone; "
-                "clearing its keys and starting a new rendezvous",
-                self.run_id,
-            )
-            rounds.wipe(self.kv, whole_run=True)
-        else:
-            self._wait_wiped(deadline)
-
-    def _wait_wiped(self, deadline: float) -> None:
-        """Wait until another agent has finished wiping a retired world (rare: polls)."""
-        while True:
-            raw = self.kv.try_get(WORLD_KEY)
-            if raw is None or not json.loads(raw).get("retired"):
-                return
-            if time.monotonic() >= deadline:
-                raise StoreTimeout(
-                    "rendezvous: an earlier run's keys were still being cleared "
-                    "when the join timeout ran out"
-                )
-            if not self._interrupt.sleep(0.05):
-                self._interrupt.check("rendezvous")
-
-    # ------------------------------------------------------------------------------ replacement
-
-    def _rejoin(self, world: dict, deadline: float) -> NodeWorld:
-        if world.get("run_id", self.run_id) != self.run_id:
-            raise RendezvousError(f"store holds the world of run {world.get('run_id')!r}")
-        n = len(world["nodes"])
-        if not self.static:
-            for gr in self._vacancies(n):
-                if self._try_claim(gr, deadline, judge=False):
-                    return self._replaced(world, gr)
-            return self._wait_as_spare(world)
-        assert self.node_rank is not None
-        if self.node_rank >= n:
-            raise RendezvousError(
-                f"node_rank {self.node_rank} is not in the running world of {n} nodes"
-            )
-        while True:
-            if self._try_claim(self.node_rank, deadline, judge=True):
-                return self._replaced(world, self.node_rank)
-            if time.monotonic() >= deadline:
-                break
-            self._interrupt.sleep(
-                min(self.heartbeat_interval, max(0.0, deadline - time.monotonic()))
-            )
-            self._interrupt.check("rendezvous")
-        raise RendezvousError(
-            f"cannot join run {self.run_id}: node rank {self.node_rank} is "
-            "still alive (a replacement only joins in place of a lost node)"
-        )
-
-    def _wait_as_spare(self, world: dict) -> NodeWorld:
-        """No vacancy: wait as a hot spare, visible under keys.spare_key, until a node is lost
-        (claim its rank), the run finishes, stop, or spare_timeout."""
-        ranks = list(range(len(world["nodes"])))
-        key, rec = spare_key(self.nonce), self._record().to_json()
-        self.liveness.put_spare(key, rec)
-        log.info(
-            "run %s is running with %d nodes: %s waits as a hot spare %s",
-            self.run_id,
-            len(ranks),
-            self.host,
-            "for the next lost node"
-            if self.scale_up == "spare"
-            else "for a new rendezvous round (scale_up=restart)",
-        )
-        end = None if self.spare_timeout is None else time.monotonic() + self.spare_timeout
-        try:
-            while True:
-                self._interrupt.check("waiting as a hot spare")
-                if self.lost.is_set():
-                    raise self.lost_error() or NodeLostError("lost while a spare", "")
-                for gr in self._vacancies(len(ranks)):
-                    if self._try_claim(gr, 0.0, judge=False):
-                        log.info("hot spare %s takes over node %d", self.host, gr)
-                        return self._replaced(world, gr, from_spare=True)
-                doc = rounds.pending(self.kv, int(world.get("round", 0)))
-                if doc is not None:
-                    log.info("%s joins rendezvous round %d", self.host, doc["round"])
-                    self._round_opened = int(doc["round"])
-                    return self._find_world(time.monotonic() + self.join_timeout, self.join_timeout)
-                if self.liveness.all_done(ranks):
-                    raise RendezvousGracefulExit(
-                        f"run {self.run_id} finished while this agent waited as a hot spare"
-                    )
-                if end is not None and time.monotonic() >= end:
-                    raise RendezvousError(
-                        f"no node of run {self.run_id} was lost within "
-                        f"spare_timeout={self.spare_timeout:g}s; this hot "
-                        "spare gives up"
-                    )
-                if not self.can_elect:
-                    self.liveness.put_spare(key, rec)  # refresh its time (no lease here)
-                self._interrupt.sleep(self.heartbeat_interval)
-        finally:
-            try:
-                self.kv.delete(key)
-            except StoreError:
-                pass  # leased on etcd: it goes with the lease
-
-    def _vacancies(self, n: int) -> list[int]:
-        """Ranks a late dynamic agent may claim: none with scale_up=restart (it waits for a
-        new round instead)."""
-        return self.liveness.vacancies(list(range(n))) if self.scale_up == "spare" else []
-
-    def _try_claim(self, gr: int, deadline: float, judge: bool) -> bool:
-        """Take over group rank `gr` if its current holder is dead. With `judge`, give the
-        holder up to one heartbeat timeout to be found dead."""
-        patience = (
-            min(
-                max(0.0, deadline - time.monotonic()),
-                self.heartbeat_timeout + 2 * self.heartbeat_interval,
-            )
-            if judge
-            else 0.0
-        )
-        replacing = self.liveness.wait_vacant(gr, patience, judge)
-        return replacing is not None and self._register(gr, replacing)
-
-    def _replaced(self, world: dict, gr: int, from_spare: bool = False) -> NodeWorld:
-        nw = node_world(world, gr, True, self.run_id)
-        nw.from_spare = from_spare
-        me = nw.me
-        me.host, me.pid, me.incarnation = self.host, self.pid, self.incarnation
-        me.hosts_store = self.hosts_store
-        nw.generation = self.current_generation()
-        ranks = [node.node_rank for node in nw.nodes]
-        alive = self.liveness.survey(ranks, gr)
-        nw.leader_node = self.liveness.roster.reset(alive, ranks)
-        self.liveness.announce_join(gr, self.incarnation)
-        log.info(
-            "%s took node %d (incarnation %d)",
-            "hot spare" if from_spare else "replacement agent",
-            gr,
-            self.incarnation,
-        )
-        return nw
-
-    # ------------------------------------------------------------------------------ store host
-
-    def _store_address(self) -> str:
-        node = self.store_host()
-        addr = f"{getattr(self.kv, 'host', '?')}:{getattr(self.kv, 'port', '?')}"
-        return f"{addr} (node {node.node_rank})" if node is not None else addr
-
-    def _probe_store(self) -> None:
-        """A renewed agent on the embedded store: the store must accept a connection within
-        read_timeout, else StoreHostLostError (the job cannot continue without it)."""
-        host, port = getattr(self.kv, "host", None), getattr(self.kv, "port", None)
-        if not isinstance(host, str) or not isinstance(port, int):
-            return  # an in-process store (LocalKV): nothing to reach
-        end = time.monotonic() + self.read_timeout
-        last = ""
-        while time.monotonic() < end:
-            self._interrupt.check("rejoin")
-            try:
-                socket.create_connection((host, port), timeout=min(1.0, self.read_timeout)).close()
-                return
-            except OSError as exc:
-                last = exc.strerror or type(exc).__name__
-                self._interrupt.sleep(min(0.2, max(0.0, end - time.monotonic())))
-        node = self.store_host()
-        raise StoreHostLostError(
-            node.node_rank if node is not None else None,
-            f"{host}:{port}",
-            f"no answer for {self.read_timeout:g}s: {last}",
-        )

@@ -3,7 +3,9 @@
 Owns: `RendezvousSettings` (every timeout and keep-alive knob membership takes, with torchrun's
 names) and `from_rdzv_conf`, which reads them from a `--rdzv-conf` dict and rejects a bad value
 with one line naming the key and what is allowed. Keys it does not know belong to other
-components (etcd TLS, proxy, is_host, ...) and are ignored here.
+components (etcd TLS, proxy, is_host, ...) and are ignored here. Also `MembershipSettings`:
+everything a `rendezvous.nodes.membership.Membership` is built from (who this node is, the
+world it expects, the run, and the `RendezvousSettings`), checked when it is made.
 
   join_timeout            s   the whole rendezvous must complete within it (torchrun: 600)
   last_call_timeout       s   after MIN nodes arrived, wait this long for more (up to MAX) (30)
@@ -23,7 +25,7 @@ components (etcd TLS, proxy, is_host, ...) and are ignored here.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 _SECONDS = (
@@ -106,3 +108,44 @@ def _number(name: str, raw: object) -> float:
         return float(str(raw))
     except ValueError:
         raise ValueError(f"--rdzv-conf {name}={raw!r}: must be a number of seconds > 0") from None
+
+
+@dataclass(frozen=True)
+class MembershipSettings:
+    """What one agent's `Membership` is built from. `node_rank` None: a dynamic rendezvous
+    (--nnodes MIN:MAX, group ranks by arrival); else a static one (nnodes_min == nnodes_max).
+    `host` is the address the others reach this node at; `hosts_store`: this agent runs the
+    embedded store. ValueError naming the first bad field."""
+
+    node_rank: int | None
+    nnodes_min: int
+    nnodes_max: int
+    local_world_size: int
+    host: str
+    run_id: str
+    rdzv: RendezvousSettings = field(default_factory=RendezvousSettings)
+    hosts_store: bool = False
+
+    def __post_init__(self) -> None:
+        lo, hi = self.nnodes_min, self.nnodes_max
+        if not 1 <= lo <= hi:
+            raise ValueError(f"nnodes {lo}:{hi}: need 1 <= MIN <= MAX")
+        if self.node_rank is not None:
+            if lo != hi:
+                raise ValueError(
+                    f"node_rank={self.node_rank} needs a fixed node count, got "
+                    f"nnodes {lo}:{hi} (omit node_rank for MIN:MAX)"
+                )
+            if not 0 <= self.node_rank < hi:
+                raise ValueError(f"node_rank={self.node_rank} must be in 0..{hi - 1}")
+        if self.local_world_size < 1:
+            raise ValueError(f"local_world_size={self.local_world_size} must be >= 1")
+        if not self.run_id or "/" in self.run_id:
+            raise ValueError(f"run_id={self.run_id!r} must be a non-empty name without '/'")
+        if not isinstance(self.rdzv, RendezvousSettings):
+            raise TypeError(f"rdzv={self.rdzv!r}: must be a RendezvousSettings")
+
+    @property
+    def static(self) -> bool:
+        """True for a static rendezvous (node ranks given)."""
+        return self.node_rank is not None

@@ -966,7 +966,7 @@ typedef struct {
     PyObject *adopt;
 } Accept;
 
-/* "host:port" as `server._peer_str` writes it: an IPv4-mapped IPv6 address as IPv4, another
+/* "host:port" as `connection.peer_str` writes it: an IPv4-mapped IPv6 address as IPv4, another
  * IPv6 one in brackets. NULL without an exception: a family it does not know. */
 static PyObject *peer_of(const struct sockaddr_storage *ss) {
     char h[INET6_ADDRSTRLEN];

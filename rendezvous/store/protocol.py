@@ -108,9 +108,11 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _I64 = struct.Struct("<q")
 _U32_unpack = _U32.unpack_from
-_U64_unpack = _U64.unpack_from
-_I64_unpack = _I64.unpack_from
-_U64_pack = _U64.pack
+# The frame's integers (little-endian), public for the server's in-place fast path:
+unpack_u64 = _U64.unpack_from  # (buf, offset) -> (value,)
+unpack_i64 = _I64.unpack_from
+pack_u64 = _U64.pack
+pack_i64 = _I64.pack
 
 
 class ProtocolError(ValueError):
@@ -299,14 +301,14 @@ def parse_common(
         return None
     op = buf[pos]
     if op == Op.WAIT or op == Op.CHECK:
-        if pos + 17 > n or _U64_unpack(buf, pos + 1)[0] != 1:
+        if pos + 17 > n or unpack_u64(buf, pos + 1)[0] != 1:
             return None
         s = pos + 17
     elif op == Op.GET or op == Op.SET or op == Op.ADD:
         s = pos + 9
     else:
         return None
-    kl = _U64_unpack(buf, s - 8)[0]
+    kl = unpack_u64(buf, s - 8)[0]
     e = s + kl
     if kl > limits.max_key_bytes or e > n:
         return None
@@ -314,7 +316,7 @@ def parse_common(
     if op == Op.SET:
         if e + 8 > n:
             return None
-        vl = _U64_unpack(buf, e)[0]
+        vl = unpack_u64(buf, e)[0]
         ve = e + 8 + vl
         if vl > limits.max_value_bytes or ve > n:
             return None
@@ -322,7 +324,7 @@ def parse_common(
     if op == Op.ADD:
         if e + 8 > n:
             return None
-        return Request(op, key, (), _I64_unpack(buf, e)[0]), e + 8
+        return Request(op, key, (), unpack_i64(buf, e)[0]), e + 8
     return Request(op, key), e
 
 
@@ -342,7 +344,7 @@ def _blob(buf, p: int, n: int, most: int, what: str):
     """A u64-length-prefixed byte string at p: (bytes, end), None when incomplete."""
     if p + 8 > n:
         return None
-    ln = _U64_unpack(buf, p)[0]
+    ln = unpack_u64(buf, p)[0]
     if ln > most:
         raise ProtocolError(f"{what} of {ln} bytes: at most {most} allowed")
     p += 8
@@ -363,7 +365,7 @@ def _val(buf, p: int, n: int, limits: Limits):
 def _count(buf, p: int, n: int, limits: Limits, what: str) -> int | None:
     if p + 8 > n:
         return None
-    cnt = _U64_unpack(buf, p)[0]
+    cnt = unpack_u64(buf, p)[0]
     if cnt > limits.max_keys_per_request:
         raise ProtocolError(
             f"{what} with {cnt} keys: at most {limits.max_keys_per_request} allowed"
@@ -390,7 +392,7 @@ def _args_key_i64(buf, op: int, p: int, n: int, limits: Limits):
     r = _key(buf, p, n, limits)
     if r is None or r[1] + 8 > n:
         return None
-    return Request(op, (r[0],), (), _I64_unpack(buf, r[1])[0]), r[1] + 8
+    return Request(op, (r[0],), (), unpack_i64(buf, r[1])[0]), r[1] + 8
 
 
 def _blobs(buf, p: int, n: int, arg, count: int, read: Callable):
@@ -458,13 +460,13 @@ del _s
 
 
 def _b(x: bytes) -> bytes:
-    return _U64_pack(len(x)) + x
+    return pack_u64(len(x)) + x
 
 
 def _enc_pairs(req: Request) -> bytes:
     if len(req.keys) != len(req.values):
         raise ValueError(f"MULTI_SET with {len(req.keys)} keys and {len(req.values)} values")
-    return _U64_pack(len(req.keys)) + b"".join(_b(k) + _b(v) for k, v in zip(req.keys, req.values))
+    return pack_u64(len(req.keys)) + b"".join(_b(k) + _b(v) for k, v in zip(req.keys, req.values))
 
 
 _ARG_ENCODERS: dict[int, Callable[[Request], bytes]] = {
@@ -472,9 +474,9 @@ _ARG_ENCODERS: dict[int, Callable[[Request], bytes]] = {
     Args.U32: lambda r: _U32.pack(r.num & 0xFFFFFFFF),
     Args.KEY: lambda r: _b(r.keys[0]),
     Args.KEY_VALUE: lambda r: _b(r.keys[0]) + _b(r.values[0]),
-    Args.KEY_I64: lambda r: _b(r.keys[0]) + _I64.pack(r.num),
+    Args.KEY_I64: lambda r: _b(r.keys[0]) + pack_i64(r.num),
     Args.KEY_2VALUES: lambda r: _b(r.keys[0]) + _b(r.values[0]) + _b(r.values[1]),
-    Args.KEYS: lambda r: _U64_pack(len(r.keys)) + b"".join(_b(k) for k in r.keys),
+    Args.KEYS: lambda r: pack_u64(len(r.keys)) + b"".join(_b(k) for k in r.keys),
     Args.PAIRS: _enc_pairs,
 }
 
@@ -513,25 +515,25 @@ def enc_u32(v: int) -> bytes:
 
 
 def enc_i64(v: int) -> bytes:
-    return _I64.pack(v)
+    return pack_i64(v)
 
 
 def enc_bytes(v: bytes) -> bytes:
-    return _U64_pack(len(v)) + v
+    return pack_u64(len(v)) + v
 
 
 def enc_bytes_list(vals: Iterable[bytes]) -> bytes:
-    return b"".join(_U64_pack(len(v)) + v for v in vals)
+    return b"".join(pack_u64(len(v)) + v for v in vals)
 
 
 def enc_key_list(keys: list[bytes]) -> bytes:
-    return _I64.pack(len(keys)) + enc_bytes_list(keys)
+    return pack_i64(len(keys)) + enc_bytes_list(keys)
 
 
 def enc_queue_pop(size_before: int, value: bytes | None) -> bytes:
     if value is None:
-        return _I64.pack(0)
-    return _I64.pack(size_before) + enc_bytes(value)
+        return pack_i64(0)
+    return pack_i64(size_before) + enc_bytes(value)
 
 
 def enc_tag(tag: int) -> bytes:
@@ -582,7 +584,7 @@ def _fixed(unpack, size: int):
 def _reply_bytes(buf, pos: int, n: int, count: int = 0):
     if pos + 8 > n:
         return None
-    ln = _U64_unpack(buf, pos)[0]
+    ln = unpack_u64(buf, pos)[0]
     if ln > _MAX_REPLY_VALUE:
         raise ProtocolError(f"reply claims a value of {ln} bytes")
     s = pos + 8
@@ -599,7 +601,7 @@ def _reply_list(buf, pos: int, n: int, count: int):
 def _reply_queue_pop(buf, pos: int, n: int, count: int):
     if pos + 8 > n:
         return None
-    size = _I64_unpack(buf, pos)[0]
+    size = unpack_i64(buf, pos)[0]
     if size <= 0:
         return (0, None), pos + 8  # the queue was empty
     r = _reply_bytes(buf, pos + 8, n)
@@ -609,7 +611,7 @@ def _reply_queue_pop(buf, pos: int, n: int, count: int):
 def _reply_key_list(buf, pos: int, n: int, count: int):
     if pos + 8 > n:
         return None
-    cnt = _I64_unpack(buf, pos)[0]
+    cnt = unpack_i64(buf, pos)[0]
     if cnt < 0 or cnt > _MAX_REPLY_ITEMS:
         raise ProtocolError(f"LIST_KEYS reply claims {cnt} keys")
     return _reply_list(buf, pos + 8, n, cnt)
@@ -619,7 +621,7 @@ _REPLY_PARSERS: dict[int, Callable] = {
     Reply.NONE: lambda buf, pos, n, count: (None, pos),
     Reply.U8: lambda buf, pos, n, count: (buf[pos], pos + 1) if pos < n else None,
     Reply.U32: _fixed(_U32_unpack, 4),
-    Reply.I64: _fixed(_I64_unpack, 8),
+    Reply.I64: _fixed(unpack_i64, 8),
     Reply.BYTES: _reply_bytes,
     Reply.MULTI: _reply_list,
     Reply.QUEUE_POP: _reply_queue_pop,

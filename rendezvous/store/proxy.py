@@ -23,8 +23,8 @@ are held for at most `max_hold` s so a burst becomes one round (Nagle-style; an 
 forwards at once). CANCEL_WAIT detaches the caller; the upstream wait is cancelled
 when nobody is left on it. PING and VALIDATE are answered locally. Reading and queueing the
 common frames (SET, GET, ADD, WAIT / CHECK) of a local connection and sending the replies run
-in C when the extension `rendezvous.store._quickstore` was built (`proxy_read`, `flush_out`; the same
-batch as the Python path; while the batch is empty or held, `loop_turn` keeps reading in C,
+in C when the extension `rendezvous.store._quickstore` was built (`proxy_read`, `flush_out`; the
+same batch as the Python path; while the batch is empty or held, `loop_turn` keeps reading in C,
 so Python runs once per round; `accel=False` turns it off). The loop thread keeps its
 inherited priority (`nice`; see `rendezvous.store.loop_priority`). The master thus sees
 O(nodes) connections and, for the process-group init pattern, O(1) requests per node per
@@ -50,9 +50,10 @@ from rendezvous.kv import KVStore, StoreAuthError, StoreError
 from rendezvous.store import protocol as P
 from rendezvous.store.auth import AUTH_KEY, check_token
 from rendezvous.store.client import connect
+from rendezvous.store.connection import Conn, DropConnection, check_validate
 from rendezvous.store.memory import apply
 from rendezvous.store.protocol import logical_key, wire_key
-from rendezvous.store.server import DropConnection, LoopServer, _c_accel, _Conn
+from rendezvous.store.server import LoopServer, c_accel
 
 Op = P.Op
 
@@ -483,14 +484,14 @@ class _Round:
         self.adds: dict = {}
         self.gets: dict = {}
 
-    def set(self, c: _Conn, slot, req: P.Request) -> None:
+    def set(self, c: Conn, slot, req: P.Request) -> None:
         self.set_keys.extend(req.keys)
         self.set_values.extend(req.values)
 
-    def add(self, c: _Conn, slot, req: P.Request) -> None:
+    def add(self, c: Conn, slot, req: P.Request) -> None:
         self.adds.setdefault(req.keys[0], []).append((c, slot, req.num))
 
-    def get(self, c: _Conn, slot, req: P.Request) -> None:
+    def get(self, c: Conn, slot, req: P.Request) -> None:
         self.gets.setdefault(req.keys[0], []).append((c, slot))
 
 
@@ -549,7 +550,7 @@ class StoreProxy(LoopServer):
         }
         # C: reads a validated connection and queues its SET / GET / ADD / WAIT / CHECK
         # frames onto the batch exactly as `_handle` does (the rest: the Python path)
-        self._proxy_read = _c_accel("proxy_read") if accel else None
+        self._proxy_read = c_accel("proxy_read") if accel else None
         self._proxy_ctx = (
             self._batch,
             P.Request,
@@ -559,7 +560,7 @@ class StoreProxy(LoopServer):
             self._budget,
         )
         if self._proxy_read is not None:  # and the loop's reads of such connections too
-            self._turn = _c_accel("loop_turn")
+            self._turn = c_accel("loop_turn")
             self._turn_ctx, self._turn_proxy = self._proxy_ctx, True
 
     @property
@@ -579,7 +580,7 @@ class StoreProxy(LoopServer):
 
     # -- local side ----------------------------------------------------------------------
 
-    def _read(self, c: _Conn) -> None:
+    def _read(self, c: Conn) -> None:
         """With the C path: one read of a validated connection with nothing buffered; its
         common frames are queued in C, the rest (from the first other frame) goes through
         `_consume` as before. Else `LoopServer._read`."""
@@ -589,7 +590,7 @@ class StoreProxy(LoopServer):
             return
         self._quick_done(c, pr(c, self._proxy_ctx))
 
-    def _quick_rest(self, c: _Conn, r: tuple) -> None:
+    def _quick_rest(self, c: Conn, r: tuple) -> None:
         """A read `proxy_read` did not finish: (requests queued, the rest of the read)."""
         nreq, rest = r
         stats = self.stats
@@ -602,12 +603,12 @@ class StoreProxy(LoopServer):
             return
         self._consume(c, rest)
 
-    def _handle(self, c: _Conn, req: P.Request, tag: int) -> None:
+    def _handle(self, c: Conn, req: P.Request, tag: int) -> None:
         """Answer session ops here; queue everything else for the next round. Replies go
         through `c.slots`, so they leave in request order."""
         op = req.op
         if not c.validated:
-            self._check_validate(req)
+            check_validate(req)
             c.validated = True
             return None
         local = self._session.get(op)
@@ -622,18 +623,18 @@ class StoreProxy(LoopServer):
         self._batch.append((c, req, slot))
         return None
 
-    def _revalidate(self, c: _Conn, req: P.Request) -> None:
+    def _revalidate(self, c: Conn, req: P.Request) -> None:
         return None
 
-    def _ping(self, c: _Conn, req: P.Request) -> None:
+    def _ping(self, c: Conn, req: P.Request) -> None:
         slot = [None]
         c.slots.append(slot)
         self._fill(c, slot, P.encode_reply(Op.PING, req.num))
 
-    def _refuse_mux(self, c: _Conn, req: P.Request) -> None:
+    def _refuse_mux(self, c: Conn, req: P.Request) -> None:
         raise DropConnection("FT_MUX is not offered by the proxy")
 
-    def _fill(self, c: _Conn, slot: list, data: bytes) -> None:
+    def _fill(self, c: Conn, slot: list, data: bytes) -> None:
         slot[0] = data
         if c.closed:
             return
@@ -647,20 +648,20 @@ class StoreProxy(LoopServer):
         if moved:
             self._dirty.append(c)
 
-    def _on_close(self, c: _Conn) -> None:
+    def _on_close(self, c: Conn) -> None:
         w = c.waiter
         if w is not None:
             c.waiter = None
             self._leave(w[0], c)
 
-    def _leave(self, g: _Group, c: _Conn) -> None:
+    def _leave(self, g: _Group, c: Conn) -> None:
         g.members = [m for m in g.members if m[0] is not c]
         if not g.members:
             if g.key is not None:
                 self._waits.pop(g.key, None)
             self._up.cancel(g.handle)
 
-    def _fail(self, c: _Conn, what: str, err: Exception) -> None:
+    def _fail(self, c: Conn, what: str, err: Exception) -> None:
         if not c.closed:
             self.log(f"proxy closed {c.peer}: {what} failed upstream: {err}")
             self.stats["dropped"] += 1
@@ -740,7 +741,7 @@ class StoreProxy(LoopServer):
             self._send(P.Request(Op.GET, (key,)), self._get_cb(members))
         self._up.end_round()
 
-    def _block(self, c: _Conn, slot: list, req: P.Request) -> None:
+    def _block(self, c: Conn, slot: list, req: P.Request) -> None:
         """A WAIT joins the group waiting for the same key set (one upstream WAIT); a
         BARRIER is a group of its own (every call counts)."""
         key = tuple(sorted(set(req.keys))) if req.op == Op.WAIT else None
@@ -756,7 +757,7 @@ class StoreProxy(LoopServer):
             up = req if key is None else P.Request(Op.WAIT, key)
             g.handle = self._send(up, self._group_cb(g, req.op), counted=False)
 
-    def _cancel(self, c: _Conn, slot: list, req: P.Request) -> None:
+    def _cancel(self, c: Conn, slot: list, req: P.Request) -> None:
         w = c.waiter
         if w is not None:
             c.waiter = None
@@ -803,7 +804,7 @@ class StoreProxy(LoopServer):
 
         return done
 
-    def _single(self, c: _Conn, slot, req: P.Request) -> None:
+    def _single(self, c: Conn, slot, req: P.Request) -> None:
         op = req.op
         name = P.op_name(op)
 

@@ -1,8 +1,10 @@
 """The embedded store server: torch's TCPStore protocol over a `MemoryStore`.
 
-Owns: `LoopServer` (listening socket, the event-loop thread, accept/read/flush/close,
-per-turn budgets, timeouts, the request loop `_process` and the VALIDATE gate; shared with the
-node proxy) and `StoreServer` (request execution, handshake and token checks).
+Owns: `LoopServer` (the event-loop thread's turns, reads, per-turn budgets, the request loop
+`_process` and ordered flushes; shared with the node proxy; its cold half — listening socket,
+start/stop, accepting and closing connections, the sweep — is
+`rendezvous.store.loop_host.LoopHost`) and `StoreServer` (request execution, handshake and
+token checks). A connection's state and the VALIDATE rule are `rendezvous.store.connection`.
 
 Design: one thread runs a level-triggered epoll loop over non-blocking sockets. A readable
 connection is read once (64 KiB), its complete requests are decoded and executed (on a plain
@@ -31,7 +33,6 @@ env://) speak to it directly.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import select
@@ -41,9 +42,10 @@ import time
 from collections import deque
 from typing import Callable
 
-from rendezvous.kv import StoreError
 from rendezvous.store import protocol as P
 from rendezvous.store.auth import AUTH_KEY, check_token, token_matches
+from rendezvous.store.connection import Conn, DropConnection, check_validate
+from rendezvous.store.loop_host import LoopHost
 from rendezvous.store.loop_priority import LoopPriority, check_nice, loop_nice
 from rendezvous.store.memory import LocalKV, MemoryStore, Waiter, apply
 
@@ -54,13 +56,13 @@ _EPOLLOUT = select.EPOLLOUT
 _EPOLLERRS = select.EPOLLERR | select.EPOLLHUP
 Op = P.Op
 _GET, _SET, _ADD, _WAIT = Op.GET, Op.SET, Op.ADD, Op.WAIT
-_u64, _i64 = P._U64_unpack, P._I64_unpack
-_u64_pack, _i64_pack = P._U64_pack, P._I64.pack
+_u64, _i64 = P.unpack_u64, P.unpack_i64
+_u64_pack, _i64_pack = P.pack_u64, P.pack_i64
 _EMPTY_VALUE = _u64_pack(0)
 _STOP = P.STOP_WAITING_REPLY
 
 
-def _c_accel(name: str) -> Callable | None:
+def c_accel(name: str) -> Callable | None:
     """`name` from the C module `rendezvous.store._quickstore`, or None when it was not built
     (the Python path then does the same; a server made with `accel=False` does not ask)."""
     try:
@@ -78,7 +80,7 @@ def _c_read_path(
     (FTRUN_STORE_ACCEL=0), or the table is not a plain `MemoryStore` (a subclass may do more
     on a write)."""
     plain = type(table) is MemoryStore and server.accel
-    read_quick = _c_accel("read_quick") if plain else None
+    read_quick = c_accel("read_quick") if plain else None
     if read_quick is None:
         return None, ()
     return read_quick, (
@@ -98,47 +100,6 @@ def _c_read_path(
     )
 
 
-class _Conn:
-    __slots__ = (
-        "sock",
-        "fd",
-        "peer",
-        "buf",
-        "out",
-        "out_bytes",
-        "validated",
-        "authed",
-        "mux",
-        "waiter",
-        "mux_waiters",
-        "since",
-        "partial_since",
-        "closed",
-        "want_write",
-        "slots",
-        "more",
-    )
-
-    def __init__(self, sock: socket.socket, peer: str, authed: bool, now: float) -> None:
-        self.sock = sock
-        self.fd = sock.fileno()
-        self.peer = peer
-        self.buf = b""
-        self.out: list = []
-        self.out_bytes = 0
-        self.validated = False
-        self.authed = authed
-        self.mux = False
-        self.waiter = None
-        self.mux_waiters: dict = {}
-        self.since = now
-        self.partial_since = 0.0
-        self.closed = False
-        self.want_write = False
-        self.slots: deque = deque()  # proxy: replies in request order, filled as they arrive
-        self.more = False  # stopped at the per-turn request budget with requests left over
-
-
 class _Wake:
     """The callback of one registered waiter of connection `c` (tag -1: a plain connection's
     only waiter; >= 0: a mux tag): delivers its STOP_WAITING on the loop thread. `_deliver`
@@ -147,7 +108,7 @@ class _Wake:
 
     __slots__ = ("srv", "c", "tag")
 
-    def __init__(self, srv: "StoreServer", c: _Conn, tag: int) -> None:
+    def __init__(self, srv: "StoreServer", c: Conn, tag: int) -> None:
         self.srv, self.c, self.tag = srv, c, tag
 
     def __call__(self) -> None:
@@ -158,30 +119,17 @@ class _Wake:
             srv.call_soon_threadsafe(lambda: srv._deliver(self.c, self, self.tag))
 
 
-class DropConnection(Exception):
-    """Close this connection; the message is the log line."""
-
-
-def _peer_str(addr) -> str:
-    if isinstance(addr, tuple) and len(addr) >= 2:
-        h = addr[0]
-        if h.startswith("::ffff:"):
-            h = h[7:]
-        return f"[{h}]:{addr[1]}" if ":" in h else f"{h}:{addr[1]}"
-    return str(addr)
-
-
-class LoopServer:
-    """The event-loop machinery shared by the store server and the node proxy: listening
-    socket, epoll loop thread, accept, buffered reads, ordered flushes, timeouts, teardown.
-    Subclasses implement `_handle(conn, request, tag) -> reply bytes or None` and may override
-    the hooks `_on_close`, `_end_turn`, `_extra_event` and `_on_start`."""
+class LoopServer(LoopHost):
+    """The event-loop machinery shared by the store server and the node proxy: the epoll loop
+    thread's turns, buffered reads, ordered flushes (lifecycle, admission, teardown and the
+    sweep: `LoopHost`). Subclasses implement `_handle(conn, request, tag) -> reply bytes or
+    None` and may override `LoopHost`'s hooks."""
 
     # Hook: (conn, buf, pos, n) -> (reply, end) | None. Executes the request at buf[pos] of a
     # validated, authenticated, plain connection without building a Request when it is one of
     # the frames that dominate a rendezvous; None takes the general path (`_handle`).
     _quick: (
-        Callable[[_Conn, bytes | bytearray, int, int], tuple[bytes | None, int] | None] | None
+        Callable[[Conn, bytes | bytearray, int, int], tuple[bytes | None, int] | None] | None
     ) = None
     # Hook: the C read path (`rendezvous.store._quickstore.read_quick`) and its context tuple, or
     # None: reads, executes and answers a plain connection's common frames without Python.
@@ -228,13 +176,13 @@ class LoopServer:
         self._stopping = False
         self._stopped = False
         self._lock = threading.Lock()
-        self._conns: dict[int, _Conn] = {}
+        self._conns: dict[int, Conn] = {}
         self._dirty: list = []
         self._xq: deque = deque()
         self._loop_ident = 0
         self._backlog: list = []
         self.accel = accel  # False: the Python paths only, even where the C module was built
-        self._flush_out = _c_accel("flush_out") if accel else None  # C: _flush, for many conns
+        self._flush_out = c_accel("flush_out") if accel else None  # C: _flush, for many conns
         self.stats = {
             "accepted": 0,
             "reads": 0,
@@ -245,238 +193,102 @@ class LoopServer:
             "busy_s": 0.0,
         }
 
-    # -- lifecycle ---------------------------------------------------------------------
-
-    @property
-    def port(self) -> int:
-        return self._port
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self._port}"
-
-    def start(self) -> "LoopServer":
-        with self._lock:
-            if self._thread is not None:
-                return self
-            if self._stopped:
-                raise StoreError(f"this {type(self).__name__} was stopped; create a new one")
-            self._lsock = self._bind()
-            self._port = self._lsock.getsockname()[1]
-            self._ep = select.epoll()
-            self._wake_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            self._ep.register(self._lsock.fileno(), _EPOLLIN)
-            self._ep.register(self._wake_fd, _EPOLLIN)
-            try:
-                self._on_start()
-            except BaseException:
-                self._cleanup()
-                raise
-            self._thread = threading.Thread(
-                target=self._run, name=f"ftrun-{self._name}:{self._port}", daemon=True
-            )
-            self._thread.start()
-        return self
-
-    def _on_start(self) -> None:
-        """Hook: runs in start() after binding, before the loop thread starts."""
-
-    def _bind(self) -> socket.socket:
-        host = self.host
-        fam = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            if fam == socket.AF_INET and host not in ("", "0.0.0.0"):
-                infos = socket.getaddrinfo(
-                    host, self._req_port, socket.AF_UNSPEC, socket.SOCK_STREAM
-                )
-                fam = infos[0][0]
-                addr = infos[0][4]
-            else:
-                addr = (host or "0.0.0.0", self._req_port)
-        except socket.gaierror as e:
-            raise StoreError(f"cannot listen on {host}:{self._req_port}: {e.strerror}") from None
-        s = socket.socket(fam, socket.SOCK_STREAM)
-        try:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            if fam == socket.AF_INET6:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            s.bind(addr)
-            s.listen(65535)
-            s.setblocking(False)
-        except OSError as e:
-            s.close()
-            why = "address already in use" if e.errno == errno.EADDRINUSE else e.strerror
-            raise StoreError(f"cannot listen on {host}:{self._req_port}: {why}") from None
-        return s
-
-    def stop(self) -> None:
-        with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
-            self._stopping = True
-            t = self._thread
-        if t is not None:
-            os.eventfd_write(self._wake_fd, 1)
-            t.join(timeout=10.0)
-        self._cleanup()
-
-    def _cleanup(self) -> None:
-        for c in list(self._conns.values()):
-            self._close(c)
-        self._conns.clear()
-        if self._lsock is not None:
-            self._lsock.close()
-        if self._ep is not None:
-            self._ep.close()
-        if self._wake_fd >= 0:
-            os.close(self._wake_fd)
-            self._wake_fd = -1
-
-    def __enter__(self):
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def connection_count(self) -> int:
-        return len(self._conns)
-
     # -- loop --------------------------------------------------------------------------
 
     def _run(self) -> None:
+        """The loop thread: its priority follows the connection count; a crash is logged."""
         self._loop_ident = threading.get_ident()
-        prio = self._priority = LoopPriority(
+        self._priority = LoopPriority(
             self.nice, lambda m: _log.info("%s:%d %s", self._name, self._port, m)
         )
-        prio.update(len(self._conns))
-        lfd = self._lsock.fileno()
-        wfd = self._wake_fd
-        conns = self._conns
-        poll = self._ep.poll
-        turn, epfd, stats = self._turn, self._ep.fileno(), self.stats
-        ctx, proxy = self._turn_ctx, self._turn_proxy
-        # C accepts new connections in the turn (adopting each through _adopt) up to the
-        # connection limit; past it, or on an error, the event comes here to _accept.
-        accept = (lfd, self.limits.max_connections, self._accepts_per_turn, self._adopt)
-        next_sweep = time.monotonic() + 1.0
+        self._priority.update(len(self._conns))
         try:
-            while not self._stopping:
-                timeout = 0 if self._backlog else self._poll_timeout()
-                if turn is not None:  # C: the wait, and the reads _read gives to read_quick,
-                    # turning again in C while a turn leaves nothing to Python (at most until
-                    # the next sweep)
-                    (events, done, reads, requests, t0, c0, busy, max_s, max_cpu) = turn(
-                        epfd,
-                        conns,
-                        ctx,
-                        timeout,
-                        proxy,
-                        next_sweep,
-                        self,
-                        self._turn_hold(),
-                        accept,
-                    )
-                    stats["reads"] += reads
-                    stats["requests"] += requests
-                    stats["busy_s"] += busy
-                    if max_s > stats["max_turn_s"]:
-                        stats["max_turn_s"], stats["max_turn_cpu_s"] = max_s, max_cpu
-                    for c, r in done:
-                        self._quick_done(c, r)
-                else:
-                    events = poll(timeout)
-                    t0 = time.monotonic()
-                    c0 = time.thread_time()
-                for fd, ev in events:
-                    if fd == lfd:
-                        self._accept()
-                    elif fd == wfd:
-                        try:
-                            os.eventfd_read(wfd)
-                        except BlockingIOError:
-                            pass
-                        self._drain_xq()
-                    else:
-                        c = conns.get(fd)
-                        if c is None:
-                            self._extra_event(fd, ev)
-                            continue
-                        if ev & _EPOLLOUT:
-                            self._flush(c)
-                        if ev & (_EPOLLIN | _EPOLLERRS) and not c.closed:
-                            self._read(c)
-                if self._backlog:
-                    backlog, self._backlog = self._backlog, []
-                    for c in backlog:
-                        if not c.closed:
-                            self._consume(c, b"")
-                self._end_turn()
-                if self._dirty:
-                    self._flush_dirty()
-                now = time.monotonic()
-                self.stats["busy_s"] += now - t0
-                if now - t0 > self.stats["max_turn_s"]:
-                    self.stats["max_turn_s"] = now - t0
-                    self.stats["max_turn_cpu_s"] = time.thread_time() - c0
-                if now >= next_sweep:
-                    next_sweep = now + 1.0
-                    self._sweep(now)
-                    prio.update(len(conns))  # back to the raised priority once they left
+            self._turns()
         except Exception as e:  # pragma: no cover - a bug; never leave clients hanging
             self.log(f"{self._name} loop crashed: {type(e).__name__}: {e}")
             raise
 
-    def _accept(self) -> None:
-        """Accept up to `_accepts_per_turn` connections. With `loop_turn` (the C extension)
-        new connections are accepted in C and adopted by `_adopt`; this runs for what C hands
-        back (the connection limit reached: refused here with the log line; an accept error:
-        logged here) and whenever the extension is absent or off."""
+    def _turns(self) -> None:
+        """Loop turns until stop(): wait for events (with the C `loop_turn`: the wait and the
+        reads it can finish, in C), handle them, then the turn's backlog, output and stats;
+        once a second, the sweep."""
+        conns = self._conns
+        poll = self._ep.poll
+        turn, epfd = self._turn, self._ep.fileno()
+        ctx, proxy = self._turn_ctx, self._turn_proxy
+        accept = self._accept_in_c()
+        next_sweep = time.monotonic() + 1.0
+        while not self._stopping:
+            timeout = 0 if self._backlog else self._poll_timeout()
+            if turn is not None:  # C: the wait, and the reads _read gives to read_quick,
+                # turning again in C while a turn leaves nothing to Python (at most until
+                # the next sweep)
+                (events, done, reads, requests, t0, c0, busy, max_s, max_cpu) = turn(
+                    epfd,
+                    conns,
+                    ctx,
+                    timeout,
+                    proxy,
+                    next_sweep,
+                    self,
+                    self._turn_hold(),
+                    accept,
+                )
+                self._count_c_turn(reads, requests, busy, max_s, max_cpu)
+                for c, r in done:
+                    self._quick_done(c, r)
+            else:
+                events = poll(timeout)
+                t0 = time.monotonic()
+                c0 = time.thread_time()
+            self._handle_events(events)
+            now = self._finish_turn(t0, c0)
+            if now >= next_sweep:
+                next_sweep = now + 1.0
+                self._sweep(now)
+                self._priority.update(len(conns))  # back to the raised priority once they left
+
+    def _handle_events(self, events: list) -> None:
+        """One turn's ready fds: the listening socket (accept), the eventfd (calls from other
+        threads), a connection (flush, then read), or a subclass's own fd (`_extra_event`)."""
+        lfd, wfd = self._lsock.fileno(), self._wake_fd
+        conns = self._conns
+        for fd, ev in events:
+            if fd == lfd:
+                self._accept()
+            elif fd == wfd:
+                try:
+                    os.eventfd_read(wfd)
+                except BlockingIOError:
+                    pass
+                self._drain_xq()
+            else:
+                c = conns.get(fd)
+                if c is None:
+                    self._extra_event(fd, ev)
+                    continue
+                if ev & _EPOLLOUT:
+                    self._flush(c)
+                if ev & (_EPOLLIN | _EPOLLERRS) and not c.closed:
+                    self._read(c)
+
+    def _finish_turn(self, t0: float, c0: float) -> float:
+        """The end of a turn that began at `t0` (thread CPU time `c0`): connections left over
+        at the request budget, the `_end_turn` hook, queued output, the turn's stats. Returns
+        the time it ends."""
+        if self._backlog:
+            backlog, self._backlog = self._backlog, []
+            for c in backlog:
+                if not c.closed:
+                    self._consume(c, b"")
+        self._end_turn()
+        if self._dirty:
+            self._flush_dirty()
         now = time.monotonic()
-        lim = self.limits.max_connections
-        for _ in range(self._accepts_per_turn):  # the rest next turn (level-triggered): fair
-            try:
-                s, addr = self._lsock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:
-                self.log(f"{self._name} accept failed: {e.strerror}")
-                return
-            peer = _peer_str(addr)
-            if len(self._conns) >= lim:
-                self.log(f"{self._name} refused {peer}: {lim} connections open (max_connections)")
-                s.close()
-                self.stats["dropped"] += 1
-                continue
-            try:
-                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-            self._admit(s, peer, now)
+        self._count_turn(now - t0, c0)
+        return now
 
-    def _adopt(self, fd: int, peer: str) -> None:
-        """A connection `loop_turn` accepted (non-blocking, TCP_NODELAY set): what `_accept`
-        does after its accept. Owns `fd` from the call on (closed here if no socket object
-        could be made for it)."""
-        try:
-            s = socket.socket(self._lsock.family, socket.SOCK_STREAM, 0, fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._admit(s, peer, time.monotonic())
-
-    def _admit(self, s: socket.socket, peer: str, now: float) -> None:
-        """An accepted socket becomes a served connection: non-blocking, registered for
-        reads, counted (and the loop's priority follows the connection count)."""
-        s.setblocking(False)
-        c = _Conn(s, peer, self.token is None, now)
-        self._conns[c.fd] = c
-        self._ep.register(c.fd, _EPOLLIN)
-        self.stats["accepted"] += 1
-        if len(self._conns) > self._priority.max_connections:
-            self._priority.update(len(self._conns))
-
-    def _read(self, c: _Conn) -> None:
+    def _read(self, c: Conn) -> None:
         """One read. The common case of a rendezvous — one complete request that `_quick`
         executes, on a connection with nothing buffered either way — is answered here with
         one `send` and no further calls; everything else goes through `_consume`. With the C
@@ -524,7 +336,7 @@ class LoopServer:
         if rep:
             self._send_now(c, rep)
 
-    def _quick_done(self, c: _Conn, r) -> None:
+    def _quick_done(self, c: Conn, r) -> None:
         """Finish what the C read path returned for c (see `rendezvous/store/_quickstore.c`)."""
         if r is None:
             return
@@ -537,7 +349,7 @@ class LoopServer:
             return
         self._quick_rest(c, r)
 
-    def _quick_rest(self, c: _Conn, r: tuple) -> None:
+    def _quick_rest(self, c: Conn, r: tuple) -> None:
         """A read the C path did not finish: (requests executed, their replies not sent yet,
         the rest of the read from the first frame it left to the Python path)."""
         nreq, unsent, rest = r
@@ -552,7 +364,7 @@ class LoopServer:
             stats["reads"] += 1
             self._flush(c)
 
-    def _consume(self, c: _Conn, data: bytes) -> None:
+    def _consume(self, c: Conn, data: bytes) -> None:
         """Execute the complete requests in c's buffer + `data`, at most `_budget` of them
         (the rest wait for the next turn, so one busy client cannot starve the others)."""
         if c.buf:
@@ -584,7 +396,7 @@ class LoopServer:
         if c.out and not c.want_write:
             self._flush(c)
 
-    # -- output / teardown -------------------------------------------------------------
+    # -- output --------------------------------------------------------------------
 
     def _flush_dirty(self) -> None:
         d = self._dirty
@@ -595,7 +407,7 @@ class LoopServer:
             if c.out and not c.closed and not c.want_write:
                 self._flush(c)
 
-    def _send_now(self, c: _Conn, data: bytes) -> None:
+    def _send_now(self, c: Conn, data: bytes) -> None:
         """Send `data` to c at once, unless output is queued before it (then it queues behind
         and goes with that). A short send queues the rest (`_flush`)."""
         if c.closed:
@@ -608,7 +420,7 @@ class LoopServer:
         else:
             self._flush(c)  # one item: sent as is, no join
 
-    def _flush(self, c: _Conn) -> None:
+    def _flush(self, c: Conn) -> None:
         if c.closed:
             return
         out = c.out
@@ -648,88 +460,9 @@ class LoopServer:
             c.want_write = True
             self._ep.modify(c.fd, _EPOLLIN | _EPOLLOUT)
 
-    def _recv(self, c: _Conn) -> bytes | None:
-        """One read of up to READ_SIZE bytes; None when nothing came (closing the connection on
-        EOF or error)."""
-        try:
-            data = c.sock.recv(P.READ_SIZE)
-        except (BlockingIOError, InterruptedError):
-            return None
-        except OSError:
-            self._close(c)
-            return None
-        if not data:
-            self._close(c)
-            return None
-        return data
-
-    def _close(self, c: _Conn) -> None:
-        if c.closed:
-            return
-        c.closed = True
-        try:
-            self._on_close(c)
-        except Exception as e:  # pragma: no cover - a hook bug must not leak the socket
-            self.log(f"{self._name}: close hook failed for {c.peer}: {e}")
-        self._conns.pop(c.fd, None)
-        try:
-            self._ep.unregister(c.fd)
-        except (OSError, ValueError):
-            pass
-        try:
-            c.sock.close()
-        except OSError:
-            pass
-
-    def _sweep(self, now: float) -> None:
-        hs = self.limits.handshake_timeout
-        st = self.limits.stalled_frame_timeout
-        for c in list(self._conns.values()):
-            if not c.validated and now - c.since > hs:
-                self.log(f"{self._name} closed {c.peer}: no VALIDATE within {hs:g} s")
-            elif c.partial_since and now - c.partial_since > st:
-                self.log(f"{self._name} closed {c.peer}: request incomplete for {st:g} s")
-            else:
-                continue
-            self.stats["dropped"] += 1
-            self._close(c)
-
-    def _drain_xq(self) -> None:
-        xq = self._xq
-        while xq:
-            xq.popleft()()
-
-    def call_soon_threadsafe(self, fn: Callable[[], None]) -> None:
-        """Run `fn` on the loop thread (now, when called from it)."""
-        if threading.get_ident() == self._loop_ident:
-            fn()
-            return
-        self._xq.append(fn)
-        try:
-            os.eventfd_write(self._wake_fd, 1)
-        except OSError:
-            pass
-
-    def _end_turn(self) -> None:
-        """Hook: runs once per loop turn, after all ready sockets were handled."""
-
-    def _poll_timeout(self) -> float:
-        """Hook: longest the loop may sleep when nothing happens."""
-        return 1.0
-
-    def _turn_hold(self) -> float:
-        """Hook: how long (s) `loop_turn` may hold a proxy's new batch in C; 0: not at all."""
-        return 0.0
-
-    def _extra_event(self, fd: int, ev: int) -> None:
-        """Hook: an event on a registered fd that is not a client connection."""
-
-    def _on_close(self, c: _Conn) -> None:
-        """Hook: connection `c` is being closed."""
-
     # -- requests ------------------------------------------------------------------------
 
-    def _process(self, c: _Conn, buf) -> int:
+    def _process(self, c: Conn, buf) -> int:
         """Decode and handle the complete requests in `buf` (at most `_budget`); appends each
         reply (tagged on a mux connection) to `c.out`; returns the bytes consumed."""
         pos, n = 0, len(buf)
@@ -778,19 +511,9 @@ class LoopServer:
         self.stats["requests"] += nreq
         return pos
 
-    def _handle(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
+    def _handle(self, c: Conn, req: P.Request, tag: int) -> bytes | None:
         """Execute one request; its reply (None or b"" when there is none yet)."""
         raise NotImplementedError
-
-    @staticmethod
-    def _check_validate(req: P.Request) -> None:
-        """The handshake rule: VALIDATE with torch's magic, and it comes first."""
-        if req.op != Op.VALIDATE:
-            raise DropConnection(f"first message was {P.op_name(req.op)}, expected VALIDATE")
-        if req.num != P.VALIDATION_MAGIC:
-            raise DropConnection(
-                f"VALIDATE with magic {req.num:#x}, expected {P.VALIDATION_MAGIC:#x}"
-            )
 
 
 class StoreServer(LoopServer):
@@ -819,7 +542,7 @@ class StoreServer(LoopServer):
         self.kv = LocalKV(self.table)
         self._table_data = self.table._data  # read-only use by _quick (GET, WAIT present)
         self._read_quick, self._quick_ctx = _c_read_path(self, self.table, limits, self._budget)
-        self._turn = _c_accel("loop_turn") if self._read_quick is not None else None
+        self._turn = c_accel("loop_turn") if self._read_quick is not None else None
         self._turn_ctx = self._quick_ctx
         self._max_key, self._max_value = limits.max_key_bytes, limits.max_value_bytes
         by_kind = {
@@ -841,7 +564,7 @@ class StoreServer(LoopServer):
             }
         )
 
-    def _on_close(self, c: _Conn) -> None:
+    def _on_close(self, c: Conn) -> None:
         if c.waiter is not None:
             self.table.cancel(c.waiter)
             c.waiter = None
@@ -851,18 +574,18 @@ class StoreServer(LoopServer):
 
     # -- request execution -------------------------------------------------------------
 
-    def _handle(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
+    def _handle(self, c: Conn, req: P.Request, tag: int) -> bytes | None:
         if not c.authed or not c.validated:
             r = self._gate(c, req)
             if r is not False:
                 return r
         return self._handlers[req.op](c, req, tag)
 
-    def _gate(self, c: _Conn, req: P.Request):
+    def _gate(self, c: Conn, req: P.Request):
         """Handshake and auth checks; False = go on executing the request."""
         op = req.op
         if not c.validated:
-            self._check_validate(req)
+            check_validate(req)
             c.validated = True
             return None
         if c.authed or op == Op.PING or op == Op.VALIDATE:
@@ -871,7 +594,7 @@ class StoreServer(LoopServer):
             return self._auth(c, req.values[0])
         raise DropConnection(f"unauthenticated {P.op_name(op)} refused (job token required)")
 
-    def _auth(self, c: _Conn, presented: bytes):
+    def _auth(self, c: Conn, presented: bytes):
         if self.token is None or c.authed:
             return None
         if not token_matches(self.token, presented):
@@ -879,7 +602,7 @@ class StoreServer(LoopServer):
         c.authed = True
         return None
 
-    def _quick(self, c: _Conn, buf, pos: int, n: int) -> tuple[bytes | None, int] | None:
+    def _quick(self, c: Conn, buf, pos: int, n: int) -> tuple[bytes | None, int] | None:
         """GET, SET, ADD and a one-key WAIT of plain connection `c`, decoded and executed in
         place (the same checks as `protocol.parse_common` and `_handle`; a WAIT that must wait
         registers its waiter as `_wait` does and has no reply yet); anything else — another
@@ -927,23 +650,23 @@ class StoreServer(LoopServer):
             return _STOP, e
         return self._wait_keys(c, -1, (key,)), e
 
-    def _data(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _data(self, c: Conn, req: P.Request, tag: int) -> bytes:
         try:
             return P.encode_reply(req.op, apply(self.table, req))
         except ValueError as e:  # e.g. ADD to a key that holds no integer
             raise DropConnection(f"{P.op_name(req.op)} failed: {e}") from None
 
-    def _set(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
+    def _set(self, c: Conn, req: P.Request, tag: int) -> bytes | None:
         if req.keys[0] == AUTH_KEY:
             return self._auth(c, req.values[0])
         return self._data(c, req, tag)
 
-    def _multi_set(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _multi_set(self, c: Conn, req: P.Request, tag: int) -> bytes:
         if AUTH_KEY in req.keys:
             raise DropConnection("MULTI_SET of the reserved key /ftrun/auth")
         return self._data(c, req, tag)
 
-    def _append(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _append(self, c: Conn, req: P.Request, tag: int) -> bytes:
         key, value = req.keys[0], req.values[0]
         cur = self.table.get(key)
         most = self.limits.max_value_bytes
@@ -954,13 +677,13 @@ class StoreServer(LoopServer):
             )
         return self._data(c, req, tag)
 
-    def _validate(self, c: _Conn, req: P.Request, tag: int) -> None:
-        self._check_validate(req)
+    def _validate(self, c: Conn, req: P.Request, tag: int) -> None:
+        check_validate(req)
 
-    def _ping(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _ping(self, c: Conn, req: P.Request, tag: int) -> bytes:
         return P.encode_reply(Op.PING, req.num)
 
-    def _mux(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _mux(self, c: Conn, req: P.Request, tag: int) -> bytes:
         if req.num != P.MUX_MAGIC or tag >= 0:
             raise DropConnection(f"bad FT_MUX request (magic {req.num:#x})")
         c.mux = True
@@ -968,7 +691,7 @@ class StoreServer(LoopServer):
 
     # -- waits -------------------------------------------------------------------------
 
-    def _wait(self, c: _Conn, req: P.Request, tag: int) -> bytes | None:
+    def _wait(self, c: Conn, req: P.Request, tag: int) -> bytes | None:
         """WAIT or BARRIER: STOP_WAITING now, or a waiter that answers when it fires."""
         if req.op == Op.WAIT:
             return self._wait_keys(c, tag, req.keys)
@@ -979,11 +702,11 @@ class StoreServer(LoopServer):
             raise DropConnection(f"BARRIER failed: {e}") from None
         return self._registered(c, tag, w)
 
-    def _wait_keys(self, c: _Conn, tag: int, keys: tuple) -> bytes | None:
+    def _wait_keys(self, c: Conn, tag: int, keys: tuple) -> bytes | None:
         """WAIT for `keys`: STOP_WAITING now, or a registered waiter (no reply yet)."""
         return self._registered(c, tag, self.table.wait(keys, _Wake(self, c, tag)))
 
-    def _registered(self, c: _Conn, tag: int, w) -> bytes | None:
+    def _registered(self, c: Conn, tag: int, w) -> bytes | None:
         """Make waiter `w` (None: satisfied already) the current one of c (or of its tag)."""
         if w is None:
             return P.STOP_WAITING_REPLY
@@ -999,7 +722,7 @@ class StoreServer(LoopServer):
     def _stop_waiting(tag: int) -> bytes:
         return P.STOP_WAITING_REPLY if tag < 0 else P.enc_tag(tag) + P.STOP_WAITING_REPLY
 
-    def _deliver(self, c: _Conn, wake: "_Wake", tag: int) -> None:
+    def _deliver(self, c: Conn, wake: "_Wake", tag: int) -> None:
         """Answer the waiter of `c` whose callback is `wake` with STOP_WAITING, unless it is no
         longer the connection's current waiter: a CANCEL_WAIT that arrived while this delivery
         was queued (a write of another thread) has answered it already, in the order torch's
@@ -1018,7 +741,7 @@ class StoreServer(LoopServer):
             c.waiter = None
         self._send_now(c, P.STOP_WAITING_REPLY if tag < 0 else self._stop_waiting(tag))
 
-    def _cancel(self, c: _Conn, req: P.Request, tag: int) -> bytes:
+    def _cancel(self, c: Conn, req: P.Request, tag: int) -> bytes:
         """CANCEL_WAIT. A waiter that fired but whose STOP_WAITING is still queued (fired by a
         write of another thread) is answered now, ahead of the cancel's reply: the client reads
         STOP_WAITING, then WAIT_CANCELED (before: the queued STOP_WAITING came after the cancel's

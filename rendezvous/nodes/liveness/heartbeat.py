@@ -34,11 +34,10 @@ from rendezvous.nodes.keys import (
     dead_key,
     event_key,
     hb_key,
-    left_key,
     marker_of,
     node_key,
 )
-from rendezvous.nodes.liveness.base import Liveness, Timing, _reason
+from rendezvous.nodes.liveness.base import Liveness, Timing
 
 log = logging.getLogger("ftrun.membership")
 
@@ -182,9 +181,6 @@ class HeartbeatLiveness(Liveness):
             except ValueError:
                 continue
         return out
-
-    def _left_reason(self, gr: int, inc: int) -> str:
-        return _reason(self.kv.try_get(left_key(gr, inc)))
 
     def _announce_leave(self, gr: int, inc: int, reason: str) -> None:
         super()._announce_leave(gr, inc, reason)
