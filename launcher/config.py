@@ -711,8 +711,9 @@ SPARE_FORK_VALUES.update({"0": False, "false": False, "no": False, "off": False}
 
 
 def _spare_and_phases(cfg: LaunchConfig, env: dict[str, str]) -> None:
-    """FTRUN_SPARE_FORK and FTRUN_PHASE_TIMEOUT. (FTRUN_SPARE_NICE is no user setting: the
-    warm-up priority a spare or the fork server gets from its agent, `launcher.workers.spare`.)"""
+    """FTRUN_SPARE_FORK and FTRUN_PHASE_TIMEOUT. (FTRUN_SPARE_NICE was no user setting but the
+    warm-up priority the agent handed a spare or the fork server: now in their command line,
+    `launcher.workers.spare_process.nice_args`.)"""
     cfg.spare_fork = parse_spare_fork(env.get("FTRUN_SPARE_FORK", ""))
     cfg.phase_timeout = parse_phase_timeout(env.get("FTRUN_PHASE_TIMEOUT", ""))
 

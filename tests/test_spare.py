@@ -493,13 +493,32 @@ def test_pool_falls_back_to_importing_spares_when_the_fork_server_is_gone(tmp_pa
         pool.stop()
 
 
-def test_fork_server_switch(monkeypatch) -> None:
-    monkeypatch.setenv("FTRUN_SPARE_FORK", "0")
-    assert not SparePool(sys.executable, lambda m: None).fork
-    monkeypatch.setenv("FTRUN_SPARE_FORK", "1")
+def test_fork_server_switch(tmp_path) -> None:
+    """FTRUN_SPARE_FORK is read by the config (tests/test_config.py) and reaches the pool
+    through the spawner; the pool forks by default."""
+    from launcher.cli.ftrun import parse
+    from launcher.config import build_config
+    from launcher.observe.logs import AgentLog, RunLogDir
+    from launcher.workers.spawner import Spawner, WorkerWorld
+
     assert SparePool(sys.executable, lambda m: None).fork
-    monkeypatch.delenv("FTRUN_SPARE_FORK")
-    assert SparePool(sys.executable, lambda m: None).fork
+    assert not SparePool(sys.executable, lambda m: None, fork=False).fork
+    script = tmp_path / "job.py"
+    script.write_text("")
+    for env, fork in (
+        ({"FTRUN_SPARE_FORK": "0"}, False),
+        ({"FTRUN_SPARE_FORK": "1"}, True),
+        ({}, True),
+    ):
+        cfg = build_config(parse(["--log_dir", str(tmp_path / "logs"), str(script)]), env=env)
+        run_dir = RunLogDir.create(cfg.log_dir, cfg.rdzv_id)
+        world = WorkerWorld(0, 1, 1, "127.0.0.1", 1, str(tmp_path / "agent.sock"))
+        log = AgentLog(0, None, quiet=True)
+        spawner = Spawner(cfg, world, run_dir, log, "h", None, lambda w: None)  # type: ignore[arg-type]
+        try:
+            assert spawner.spares is not None and spawner.spares.fork is fork
+        finally:
+            spawner.stop()
 
 
 def test_forked_spare_runs_the_job_as_a_fresh_interpreter_would(tmp_path, capfd) -> None:

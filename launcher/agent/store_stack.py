@@ -1,12 +1,12 @@
 """The agent's store stack: the job's store, its token, the node's proxy, the node rendezvous.
 
-Owns, in the order an agent builds them: the job token; the store (hosting the embedded store on
-the store host, connecting to it from other nodes, or an etcd client); the node-level rendezvous
-(`rendezvous.nodes.membership`: join, heartbeat, node watch) that says which node this is and how big
-the job is, and moving it to a new rendezvous round (`request_round`, `next_round`: the world
-shrinks when a lost node is not taken over); the per-node store proxy local workers use; publishing where the store is
-(`store.json` in the run log dir for `ftctl`, the world size in the store); and `close()`, which
-takes all of it down in reverse order. Nothing here knows about workers or plans.
+Owns, in the order an agent builds them: the job token; the store (hosting the embedded store on the
+store host, connecting to it from other nodes, or an etcd client); the node-level rendezvous
+(`rendezvous.nodes.membership`: join, heartbeat, node watch) that says which node this is and how
+big the job is, and moving it to a new rendezvous round (`request_round`, `next_round`: the world
+shrinks when a lost node is not taken over); the per-node store proxy local workers use; publishing
+where the store is (`store.json` in the run log dir for `ftctl`, the world size in the store); and
+`close()`, which takes all of it down in reverse order. Nothing here knows about workers or plans.
 """
 
 from __future__ import annotations
