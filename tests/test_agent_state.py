@@ -29,7 +29,7 @@ def test_phases_are_recorded_and_stopping_is_left_only_for_done(tmp_path) -> Non
     phases = [
         (e["was"], e["phase"])
         for e in read_event_file(str(tmp_path / "events.jsonl"))
-        if e["event"] == "phase"
+        if e["event"] == "agent-phase"
     ]
     assert phases == [
         ("starting", "joining"),

@@ -1,6 +1,6 @@
 """What one node agent knows and holds, shared by the parts of its event loop.
 
-Owns: `AgentPhase`, the agent's phase (set by the agent, recorded in events.jsonl as `phase`
+Owns: `AgentPhase`, the agent's phase (set by the agent, recorded in events.jsonl as `agent-phase`
 records and read by its handlers), and `AgentState`, the agent's state and parts: its world and
 generation, its workers, and the parts built for the world it is in (spawner, plan executor,
 controller role) or once at start (channel, reaper, fault reporter, loop store). The agent
@@ -88,7 +88,10 @@ class AgentState:
             return
         before, self.phase = self.phase, phase
         self.log.record(
-            "phase", f"agent {before.value} -> {phase.value}", phase=phase.value, was=before.value
+            "agent-phase",
+            f"agent {before.value} -> {phase.value}",
+            phase=phase.value,
+            was=before.value,
         )
 
     def the_world(self) -> AgentWorld:
