@@ -70,9 +70,7 @@ class StoreStack:
         self.hosting = False  # this agent hosts the embedded store
         self._server: Any = None
         self._proxy: Any = None
-        # the node-level rendezvous (None: one node on the embedded store, or before join());
-        # callers use it directly for what needs no store-stack logic
-        self.membership: Membership | None = None
+        self._membership: Membership | None = None  # `membership`
         self._interrupted = False
         self._watchers: tuple[Any, Any, Any, Any] = (None, None, None, None)  # join()'s callbacks
         self._renewed = False  # joining again after this agent's membership was lost
@@ -219,8 +217,8 @@ class StoreStack:
             return AgentWorld(0, 1, 0, cfg.nproc_per_node, True)
         from rendezvous.nodes.membership import Membership
 
-        if self.membership is None:
-            self.membership = Membership.from_settings(
+        if self._membership is None:
+            self._membership = Membership.from_settings(
                 self.kv,
                 cfg.node_rank,
                 cfg.min_nodes,
@@ -232,7 +230,7 @@ class StoreStack:
                 hosts_store=self.hosting,
             )
         if self._interrupted:
-            self.membership.interrupt()
+            self._membership.interrupt()
         try:
             raw = self.kv.try_get(P.GENERATION_KEY)
         except StoreError:
@@ -241,12 +239,12 @@ class StoreStack:
             raw = None  # a renewed agent: join() says why (the embedded store's host is gone...)
         self.generation_before_join = int(raw) if raw is not None else 0
         self._watchers = (on_node_dead, on_node_join, on_lost, on_left)
-        self.membership.join(stop=stop)
+        self._membership.join(stop=stop)
         return self._watch()
 
     def _watch(self) -> AgentWorld:
         """Heartbeat and node watch of the membership just joined; its world for the agent."""
-        m = self.membership
+        m = self._membership
         on_node_dead, on_node_join, on_lost, on_left = self._watchers
         m.start_heartbeat()
         m.watch_nodes(on_node_dead, on_node_join, on_lost=on_lost, on_left=on_left)
@@ -262,67 +260,72 @@ class StoreStack:
         )
 
     @property
+    def membership(self) -> Membership | None:
+        """The node-level rendezvous (None: one node on the embedded store, or before join())."""
+        return self._membership
+
+    @property
     def can_renumber(self) -> bool:
         """True when a new rendezvous round can renumber the nodes (a dynamic rendezvous)."""
-        return self.membership is not None and not self.membership.static
+        return self._membership is not None and not self._membership.static
 
     def request_round(self) -> int:
         """Open a new rendezvous round (the controller, to shrink the world); its number."""
-        assert self.membership is not None
-        return int(self.membership.request_round())
+        assert self._membership is not None
+        return int(self._membership.request_round())
 
     def waiting(self) -> int:
         """How many agents wait to get in (hot spares; with scale_up=restart, for a round)."""
-        return len(self.membership.spares()) if self.membership is not None else 0
+        return len(self._membership.spares()) if self._membership is not None else 0
 
     def next_round(self, stop: threading.Event | None = None) -> AgentWorld:
         """Leave this round and join the requested one (this agent's workers are stopped);
         the same callbacks as join(). Raises like join()."""
-        assert self.membership is not None
+        assert self._membership is not None
         raw = self.kv.try_get(P.GENERATION_KEY) if self.kv is not None else None
         self.generation_before_join = int(raw) if raw is not None else 0
-        self.membership = self.membership.next_round(stop=stop)
+        self._membership = self._membership.next_round(stop=stop)
         return self._watch()
 
     def interrupt(self) -> None:
         """End a running join() (signal handler safe: no I/O)."""
         self._interrupted = True
-        if self.membership is not None:
-            self.membership.interrupt()
+        if self._membership is not None:
+            self._membership.interrupt()
 
     def lost_error(self) -> Any:
         """Why this agent lost its membership (NodeLostError), or None while a member."""
-        return self.membership.lost_error() if self.membership is not None else None
+        return self._membership.lost_error() if self._membership is not None else None
 
     # ---------------------------------------------------------------- the controller role
     @property
     def can_elect(self) -> bool:
         """True when the controller role is elected (etcd): it moves when its node is lost."""
-        return self.membership is not None and bool(self.membership.can_elect)
+        return self._membership is not None and bool(self._membership.can_elect)
 
     def elect(self, on_elected: Callable[[], None], on_deposed: Callable[[], None]) -> Any:
         """Run for controller (etcd; see rendezvous.nodes.election); returns the Election."""
-        assert self.membership is not None
-        return self.membership.elect(on_elected, on_deposed)
+        assert self._membership is not None
+        return self._membership.elect(on_elected, on_deposed)
 
     def lost_nodes(self) -> list[int]:
         """Group ranks of the world this agent believes have no live holder now."""
-        if self.membership is None or self.membership.world is None:
+        if self._membership is None or self._membership.world is None:
             return []
-        alive = set(self.membership.alive_nodes())
-        return [n.node_rank for n in self.membership.world.nodes if n.node_rank not in alive]
+        alive = set(self._membership.alive_nodes())
+        return [n.node_rank for n in self._membership.world.nodes if n.node_rank not in alive]
 
     def members(self) -> dict[int, int]:
         """Group rank -> agent incarnation of every node this agent believes alive now."""
-        if self.membership is None or self.membership.world is None:
+        if self._membership is None or self._membership.world is None:
             return {}
-        return self.membership.liveness.roster.alive()
+        return self._membership.liveness.roster.alive()
 
     def world_round(self) -> int:
         """The rendezvous round of the world this agent is in (0 before a new round)."""
-        if self.membership is None or self.membership.world is None:
+        if self._membership is None or self._membership.world is None:
             return 0
-        return int(getattr(self.membership.world, "round", 0))
+        return int(getattr(self._membership.world, "round", 0))
 
     def incarnation_of(self, node: int) -> int:
         """The incarnation of `node`'s live agent as this agent knows it (0: unknown)."""
@@ -330,38 +333,38 @@ class StoreStack:
 
     def why_gone(self, node: int, incarnation: int) -> str:
         """How that incarnation of `node` went (left with a reason, lease expired, ...)."""
-        assert self.membership is not None
-        return self.membership.why_gone(node, incarnation)
+        assert self._membership is not None
+        return self._membership.why_gone(node, incarnation)
 
     # ---------------------------------------------------------------- fencing
     def me(self) -> tuple[int | None, int]:
         """(group rank, incarnation) of this agent's membership; (None, 0) without one."""
-        if self.membership is None:
+        if self._membership is None:
             return None, 0
-        gr, inc = self.membership.me
+        gr, inc = self._membership.me
         return (gr if inc else None), inc
 
     def check_member(self, what: str) -> None:
         """FencedError (logged) when this agent is stale and may not write `what`; a no-op
         without membership (one node, embedded store)."""
-        if self.membership is not None:
-            self.membership.check_member(what)
+        if self._membership is not None:
+            self._membership.check_member(what)
 
     def stale(self, node: int, incarnation: int) -> str:
         """Why a record written by incarnation `incarnation` of `node` must be refused ("" when
         its writer is still the node's live holder, or without membership)."""
-        if self.membership is None or incarnation <= 0:
+        if self._membership is None or incarnation <= 0:
             return ""
         try:
-            return self.membership.stale(node, incarnation)
+            return self._membership.stale(node, incarnation)
         except StoreError:
             return ""
 
     def renew(self) -> None:
         """After this agent was lost: drop the old identity; the next join() is a fresh node."""
-        assert self.membership is not None
-        self.membership.stop(leave=False)
-        self.membership = self.membership.renew()
+        assert self._membership is not None
+        self._membership.stop(leave=False)
+        self._membership = self._membership.renew()
         self._renewed = True
 
     # ---------------------------------------------------------------- what workers use
@@ -418,11 +421,11 @@ class StoreStack:
     def _let_spares_see_the_end(self) -> None:
         """The store host of a finished run keeps the store up until the hot spares have seen
         the end (they poll once per keep-alive interval and then withdraw), at most 3 of those."""
-        if self._server is None or self.membership is None:
+        if self._server is None or self._membership is None:
             return
         end = time.monotonic() + 3 * self.cfg.rdzv_settings.keep_alive_interval
         try:
-            while self.membership.spares() and time.monotonic() < end:
+            while self._membership.spares() and time.monotonic() < end:
                 time.sleep(0.05)
         except StoreError:
             pass
@@ -430,12 +433,12 @@ class StoreStack:
     def close(self, leave_reason: str | None = None) -> None:
         """Take everything down; `leave_reason` (keys.LEAVE_SIGNAL) tells the other nodes at
         once that this node left on purpose (default: done)."""
-        if self.membership is not None:
+        if self._membership is not None:
             if leave_reason is None:
-                self.membership.stop()
+                self._membership.stop()
                 self._let_spares_see_the_end()
             else:
-                self.membership.leave(leave_reason)
+                self._membership.leave(leave_reason)
         if self._proxy is not None:
             self._proxy.stop()
         if self.kv is not None and self._server is None:
