@@ -133,6 +133,9 @@ class LaunchConfig:
     virtual_local_rank: bool = False
     enable_tiered_store: bool = False
     notes: list[str] = field(default_factory=list)  # one-line remarks logged at start
+    # spare pool and agent phases (FTRUN_SPARE_FORK, FTRUN_PHASE_TIMEOUT)
+    spare_fork: bool = True  # FTRUN_SPARE_FORK: warm spares forked from one fork server per node
+    phase_timeout: float = 120.0  # FTRUN_PHASE_TIMEOUT: s each recovery phase may take
 
     @property
     def static_ranks(self) -> bool:
@@ -361,6 +364,7 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     _proxy(cfg)
     _store_loop(cfg, env)
     _parity_notes(cfg)
+    _spare_and_phases(cfg, env)
     return cfg
 
 
@@ -806,3 +810,35 @@ def _parity_notes(cfg: LaunchConfig) -> None:
         cfg.notes.append(
             f"--numa-binding {cfg.numa_binding}: accepted; binding is left to the OS on CPU"
         )
+
+
+# ---------------------------------------------------------------- spare pool and agent phases
+DEFAULT_PHASE_TIMEOUT = LaunchConfig.phase_timeout  # the field's default
+
+
+def _spare_and_phases(cfg: LaunchConfig, env: dict[str, str]) -> None:
+    """FTRUN_SPARE_FORK and FTRUN_PHASE_TIMEOUT. (FTRUN_SPARE_NICE was no user setting but the
+    warm-up priority the agent handed a spare or the fork server: now in their command line,
+    `launcher.workers.spare_process.nice_args`.)"""
+    # 1 (default): warm spares are forked from one fork server per node that imported torch
+    # once; 0: each spare imports torch itself
+    cfg.spare_fork = parse_switch("FTRUN_SPARE_FORK", env.get("FTRUN_SPARE_FORK", ""), True)
+    cfg.phase_timeout = parse_phase_timeout(env.get("FTRUN_PHASE_TIMEOUT", ""))
+
+
+def parse_phase_timeout(raw: str) -> float:
+    """FTRUN_PHASE_TIMEOUT: seconds each recovery phase may take before the controller falls
+    back (default 120)."""
+    value = raw.strip()
+    if not value:
+        return DEFAULT_PHASE_TIMEOUT
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ConfigError(
+            f"FTRUN_PHASE_TIMEOUT={value!r}: must be a number of seconds > 0 (default "
+            f"{DEFAULT_PHASE_TIMEOUT:g})"
+        )
+    return seconds

@@ -603,14 +603,14 @@ def test_a_plan_not_newer_than_the_agents_generation_is_skipped(tmp_path) -> Non
     cfg = build_config(parse(["--log_dir", str(tmp_path / "logs"), script("sleeper.py")]), env={})
     agent = agent_mod.Agent(cfg)
     try:
-        agent.world = object()  # type: ignore[assignment]  # _on_plan only asserts they exist
-        agent.executor = object()  # type: ignore[assignment]
-        agent.generation = 2
+        agent.state.world = object()  # type: ignore[assignment]  # _on_plan only asserts they exist
+        agent.state.executor = object()  # type: ignore[assignment]
+        agent.state.generation = 2
         for g in (1, 2):
             assert (
                 agent._on_plan(PlanEvent(P.Plan(generation=g, strategy=P.RECOVER_IN_PLACE))) is None
             )
-        assert agent.generation == 2
+        assert agent.state.generation == 2
         skipped = [
             e["message"]
             for e in read_events(str(tmp_path / "logs"))
@@ -618,6 +618,6 @@ def test_a_plan_not_newer_than_the_agents_generation_is_skipped(tmp_path) -> Non
         ]
         assert len(skipped) == 2 and "generation 1 is not newer" in skipped[0], skipped
     finally:
-        agent.world = None
-        agent.executor = None
+        agent.state.world = None
+        agent.state.executor = None
         agent.shutdown()

@@ -262,3 +262,33 @@ def test_bad_node_replace_timeout_is_one_line_naming_the_key(args, env, needle) 
     with pytest.raises(ConfigError) as e:
         cfg(*args, env=env)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- spare pool and agent phases
+def test_spare_fork_is_on_unless_switched_off() -> None:
+    """FTRUN_SPARE_FORK (was read by the spare pool itself): 0 turns the fork server off."""
+    assert cfg().spare_fork is True
+    assert cfg(env={"FTRUN_SPARE_FORK": "1"}).spare_fork is True
+    assert cfg(env={"FTRUN_SPARE_FORK": "0"}).spare_fork is False
+    assert cfg(env={"FTRUN_SPARE_FORK": " Off "}).spare_fork is False
+
+
+def test_phase_timeout_defaults_to_120_s_and_takes_seconds() -> None:
+    assert cfg().phase_timeout == 120.0
+    assert cfg(env={"FTRUN_PHASE_TIMEOUT": "7.5"}).phase_timeout == 7.5
+
+
+@pytest.mark.parametrize(
+    "env, needle",
+    [
+        ({"FTRUN_SPARE_FORK": "maybe"}, "FTRUN_SPARE_FORK='maybe': must be 1"),
+        ({"FTRUN_PHASE_TIMEOUT": "soon"}, "FTRUN_PHASE_TIMEOUT='soon': must be a number"),
+        ({"FTRUN_PHASE_TIMEOUT": "0"}, "FTRUN_PHASE_TIMEOUT='0': must be a number of seconds > 0"),
+        ({"FTRUN_PHASE_TIMEOUT": "-3"}, "FTRUN_PHASE_TIMEOUT='-3': must be"),
+        ({"FTRUN_PHASE_TIMEOUT": "inf"}, "FTRUN_PHASE_TIMEOUT='inf': must be"),
+    ],
+)
+def test_bad_spare_or_phase_setting_is_one_line_naming_the_variable(env, needle) -> None:
+    with pytest.raises(ConfigError) as e:
+        cfg(env=env)
+    assert needle in str(e.value) and "\n" not in str(e.value)

@@ -1,4 +1,5 @@
-"""Plans carried out on one node: real worker processes, a real worker channel, an in-process store."""
+"""Plans carried out on one node: real worker processes, a real worker channel, an in-process
+store."""
 
 from __future__ import annotations
 

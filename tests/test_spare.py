@@ -21,7 +21,8 @@ def _run_nice() -> int:
 
 
 def _fill(pool: SparePool, env: dict[str, str], timeout: float = 60.0) -> None:
-    """The agent's health check until the pool has its spares (a fork server imports torch first)."""
+    """The agent's health check until the pool has its spares (a fork server imports torch
+    first)."""
     deadline = time.monotonic() + timeout
     while pool.ready() < pool.count and time.monotonic() < deadline:
         pool.ensure(env)
@@ -168,7 +169,8 @@ def test_spare_taken_while_warming_up_returns_to_the_agent_priority_at_once(tmp_
     out = tmp_path / "out.json"
     script.write_text(
         "import json, os, sys\n"
-        "json.dump({'nice': os.getpriority(os.PRIO_PROCESS, 0), 'policy': os.sched_getscheduler(0)},"
+        "json.dump({'nice': os.getpriority(os.PRIO_PROCESS, 0), "
+        "'policy': os.sched_getscheduler(0)},"
         f" open({str(out)!r}, 'w'))\n"
     )
     pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=False)
@@ -239,7 +241,8 @@ def test_spare_still_importing_after_the_idle_limit_continues_at_the_agent_prior
 def test_no_spare_leaves_idle_priority_during_a_round_and_its_resume_step() -> None:
     """Issue 12 (spares under churn): a successor's `import torch` at the agent's priority must
     not land in the next round's state transfer or redone step (the second of two faults lost
-    0.5-1 s instead of ~0.2 s): the hold lasts until the round's ranks committed their resume step."""
+    0.5-1 s instead of ~0.2 s): the hold lasts until the round's ranks committed their resume
+    step."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
     if not may_return_to(base) or not hasattr(os, "SCHED_IDLE"):
         import pytest
@@ -277,7 +280,8 @@ def test_no_spare_leaves_idle_priority_during_a_round_and_its_resume_step() -> N
 
 
 def test_recovery_round_holds_back_new_spares_until_its_ranks_recovered() -> None:
-    """A successor spare's `import torch` used to start during the state transfer it competes with."""
+    """A successor spare's `import torch` used to start during the state transfer it competes
+    with."""
     logs: list[str] = []
     pool = SparePool(sys.executable, logs.append, count=1, start_delay=0.0, fork=False)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
@@ -312,7 +316,7 @@ def test_recovery_round_holds_back_new_spares_until_its_ranks_recovered() -> Non
         pool.stop()
 
 
-# ------------------------------------------------------------------ spares forked from a fork server
+# ------------------------------------------------------------- spares forked from a fork server
 def _state(pid: int) -> str | None:
     """A process's state letter, None once it is gone (reaped)."""
     try:
@@ -399,7 +403,9 @@ def test_sigkill_of_a_forked_spare_turned_worker_is_reported_as_minus_9(tmp_path
 _AGENT = """
 import json, os, sys, time
 from launcher.workers.spare import SparePool
-pool = SparePool(sys.executable, lambda m: print(m, file=sys.stderr), count=2, start_delay=0.0, fork=True)
+pool = SparePool(
+    sys.executable, lambda m: print(m, file=sys.stderr), count=2, start_delay=0.0, fork=True
+)
 env = dict(os.environ)
 deadline = time.monotonic() + 60
 while pool.ready() < 2 and time.monotonic() < deadline:
@@ -460,7 +466,8 @@ def test_no_process_outlives_the_agent(tmp_path, how: str) -> None:
         if agent.poll() is None:
             agent.kill()
             agent.wait(timeout=10)
-        try:  # the worker's own child has no death signal (as with a Popen'd worker): not ours to check
+        # the worker's own child has no death signal (as with a Popen'd worker): not ours to check
+        try:
             os.kill(grandchild, signal.SIGKILL)
         except (ProcessLookupError, NameError):
             pass
@@ -493,13 +500,32 @@ def test_pool_falls_back_to_importing_spares_when_the_fork_server_is_gone(tmp_pa
         pool.stop()
 
 
-def test_fork_server_switch(monkeypatch) -> None:
-    monkeypatch.setenv("FTRUN_SPARE_FORK", "0")
-    assert not SparePool(sys.executable, lambda m: None).fork
-    monkeypatch.setenv("FTRUN_SPARE_FORK", "1")
+def test_fork_server_switch(tmp_path) -> None:
+    """FTRUN_SPARE_FORK is read by the config (tests/test_config.py) and reaches the pool
+    through the spawner; the pool forks by default."""
+    from launcher.cli.ftrun import parse
+    from launcher.config import build_config
+    from launcher.observe.logs import AgentLog, RunLogDir
+    from launcher.workers.spawner import Spawner, WorkerWorld
+
     assert SparePool(sys.executable, lambda m: None).fork
-    monkeypatch.delenv("FTRUN_SPARE_FORK")
-    assert SparePool(sys.executable, lambda m: None).fork
+    assert not SparePool(sys.executable, lambda m: None, fork=False).fork
+    script = tmp_path / "job.py"
+    script.write_text("")
+    for env, fork in (
+        ({"FTRUN_SPARE_FORK": "0"}, False),
+        ({"FTRUN_SPARE_FORK": "1"}, True),
+        ({}, True),
+    ):
+        cfg = build_config(parse(["--log_dir", str(tmp_path / "logs"), str(script)]), env=env)
+        run_dir = RunLogDir.create(cfg.log_dir, cfg.rdzv_id)
+        world = WorkerWorld(0, 1, 1, "127.0.0.1", 1, str(tmp_path / "agent.sock"))
+        log = AgentLog(0, None, quiet=True)
+        spawner = Spawner(cfg, world, run_dir, log, "h", None, lambda w: None)  # type: ignore[arg-type]
+        try:
+            assert spawner.spares is not None and spawner.spares.fork is fork
+        finally:
+            spawner.stop()
 
 
 def test_forked_spare_runs_the_job_as_a_fresh_interpreter_would(tmp_path, capfd) -> None:

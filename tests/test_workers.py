@@ -51,7 +51,8 @@ def test_stop_workers_escalates_to_sigkill() -> None:
     w = Worker(0, 0)
     start(
         w,
-        "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('ok', flush=True); time.sleep(60)",
+        "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print('ok', flush=True); time.sleep(60)",
     )
     time.sleep(0.5)
     t0 = time.monotonic()
@@ -71,7 +72,10 @@ import os, sys, threading, time
 sys.path.insert(0, {os.getcwd()!r})
 from launcher.workers.workers import Worker, spawn
 w = Worker(0, 0)
-spawn(w, [sys.executable, '-c', 'import time; time.sleep(60)'], dict(os.environ), None, None, False, False, '', threading.Lock())
+spawn(
+    w, [sys.executable, '-c', 'import time; time.sleep(60)'], dict(os.environ), None, None,
+    False, False, '', threading.Lock(),
+)
 open({str(pidfile)!r}, 'w').write(str(w.pid))
 time.sleep(60)
 """,

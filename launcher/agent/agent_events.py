@@ -1,10 +1,10 @@
 """What the agent's event loop reacts to, and the threads that feed it from the store.
 
-Owns: the event types that are not someone else's (`PlanEvent`, `InjectEvent`, `SignalEvent`;
-worker exits are `launcher.workers.workers.WorkerExit`, worker messages `launcher.workers.channel.ChannelMessage`)
-and `KeyFeed`, a thread that follows a numbered sequence of store keys (the controller's plans,
-`ftctl inject` requests) and puts one event per key on the agent's queue. Each feed is owned by
-the agent: `start()`, `stop()`.
+Owns: the event types that are not someone else's (`PlanEvent`, `InjectEvent`, `SignalEvent`; worker
+exits are `launcher.workers.workers.WorkerExit`, worker messages
+`launcher.workers.channel.ChannelMessage`) and `KeyFeed`, a thread that follows a numbered sequence
+of store keys (the controller's plans, `ftctl inject` requests) and puts one event per key on the
+agent's queue. Each feed is owned by the agent: `start()`, `stop()`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class SignalEvent:
 
 
 class KeyFeed:
-    """Waits for key_of(n), key_of(n + 1), ... in turn; each value becomes make(value) on `events`."""
+    """Waits for key_of(n), key_of(n + 1), ... in turn; each value becomes make(value) on
+    `events`."""
 
     def __init__(
         self,

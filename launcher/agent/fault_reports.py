@@ -6,9 +6,9 @@ the identity that observed the fault). While the store does not answer, a report
 before each attempt the agent's membership is checked, and a report of an agent that is stale
 (cut off longer than the liveness timeout, declared dead, replaced, or rejoined since as a newer
 incarnation) is refused and logged (`stale-write-refused`) instead of reaching the job's newer
-generation. A post already in flight when the agent is fenced lands late; the controller refuses
-it by its stamp (`launcher.control.controller`). The loop never waits for the store here, so a report
-made while the node is cut off cannot hold up its self-fencing.
+generation. A post already in flight when the agent is fenced lands late; the controller
+refuses it by its stamp (`launcher.control.controller`). The loop never waits for the store
+here, so a report made while the node is cut off cannot hold up its self-fencing.
 """
 
 from __future__ import annotations

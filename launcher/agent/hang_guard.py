@@ -15,13 +15,13 @@ Owns, for the agent's health check (every monitor interval):
     group destroyed while its thread needs the GIL): its stacks are dumped and it is killed,
     and since its work for the job was done it counts as finished (`Worker.hung_at_exit`) --
     the job ends instead of waiting forever, and nothing is restarted;
-  - the node's progress record in the store (`launcher.control.progress`), at most once a second,
-    written off the agent's loop (`launcher.agent.loop_store`); the other nodes' records are read on
-    a thread the loop waits for at most READ_WAIT s (a store that does not answer holds up
-    neither the health check nor, so, the self-fencing);
-and `act()`: log the hang, dump the stacks (`launcher.hang.stacks`), remember the kill so that the exit
-is reported as a `hang` with its evidence, kill the process. `dump()` is the same dump for a rank
-the controller blamed (the plan executor calls it before it kills that rank).
+  - the node's progress record in the store (`launcher.control.progress`), at most once a
+    second, written off the agent's loop (`launcher.agent.loop_store`); the other nodes' records
+    are read on a thread the loop waits for at most READ_WAIT s (a store that does not answer
+    holds up neither the health check nor, so, the self-fencing);
+and `act()`: log the hang, dump the stacks (`launcher.hang.stacks`), remember the kill so that the
+exit is reported as a `hang` with its evidence, kill the process. `dump()` is the same dump for a
+rank the controller blamed (the plan executor calls it before it kills that rank).
 """
 
 from __future__ import annotations
@@ -178,9 +178,9 @@ class HangGuard:
             self.log.error(
                 "exit-hang",
                 f"rank {w.rank} (pid {w.pid}) said goodbye (rt.finish()) but has not "
-                f"exited: silent (no I/O, idle CPU) for {idle:.1f}s ({self._timeout_flag()}, allowance "
-                f"{limit:g}s); dumping its stacks, then killing it. Its work for the job was "
-                "done, so it counts as finished",
+                f"exited: silent (no I/O, idle CPU) for {idle:.1f}s "
+                f"({self._timeout_flag()}, allowance {limit:g}s); dumping its stacks, then "
+                "killing it. Its work for the job was done, so it counts as finished",
                 rank=w.rank,
                 pid=w.pid,
                 idle_s=round(idle, 3),

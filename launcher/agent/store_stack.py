@@ -1,12 +1,12 @@
 """The agent's store stack: the job's store, its token, the node's proxy, the node rendezvous.
 
-Owns, in the order an agent builds them: the job token; the store (hosting the embedded store on
-the store host, connecting to it from other nodes, or an etcd client); the node-level rendezvous
-(`rendezvous.nodes.membership`: join, heartbeat, node watch) that says which node this is and how big
-the job is, and moving it to a new rendezvous round (`request_round`, `next_round`: the world
-shrinks when a lost node is not taken over); the per-node store proxy local workers use; publishing where the store is
-(`store.json` in the run log dir for `ftctl`, the world size in the store); and `close()`, which
-takes all of it down in reverse order. Nothing here knows about workers or plans.
+Owns, in the order an agent builds them: the job token; the store (hosting the embedded store on the
+store host, connecting to it from other nodes, or an etcd client); the node-level rendezvous
+(`rendezvous.nodes.membership`: join, heartbeat, node watch) that says which node this is and how
+big the job is, and moving it to a new rendezvous round (`request_round`, `next_round`: the world
+shrinks when a lost node is not taken over); the per-node store proxy local workers use; publishing
+where the store is (`store.json` in the run log dir for `ftctl`, the world size in the store); and
+`close()`, which takes all of it down in reverse order. Nothing here knows about workers or plans.
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from launcher.config import LaunchConfig
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore, StoreError
 from rendezvous.store import auth
+
+if TYPE_CHECKING:
+    from rendezvous.nodes.membership import Membership
 
 
 class MembershipLog(logging.Handler):
@@ -67,7 +70,7 @@ class StoreStack:
         self.hosting = False  # this agent hosts the embedded store
         self._server: Any = None
         self._proxy: Any = None
-        self._membership: Any = None
+        self._membership: Membership | None = None  # `membership`
         self._interrupted = False
         self._watchers: tuple[Any, Any, Any, Any] = (None, None, None, None)  # join()'s callbacks
         self._renewed = False  # joining again after this agent's membership was lost
@@ -260,6 +263,11 @@ class StoreStack:
             w.leader_node == w.group_rank,
             bool(getattr(w, "from_spare", False)),
         )
+
+    @property
+    def membership(self) -> Membership | None:
+        """The node-level rendezvous (None: one node on the embedded store, or before join())."""
+        return self._membership
 
     @property
     def can_renumber(self) -> bool:

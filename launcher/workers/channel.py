@@ -1,11 +1,11 @@
 """The agent's end of the worker channel: a Unix socket for runtime-aware workers.
 
-Owns: listening on `FTRUN_AGENT_SOCKET`, reading the workers' messages (`launcher.protocol.messages`:
-Hello, Heartbeat, FaultReport, Recovered, Bye), handing them to the agent as `ChannelMessage`
-events (a connection is tied to its rank by its Hello), and pushing messages (Stop, Inject) to a
-rank's connection. Lines that are not valid messages are dropped (counted in `malformed`). One
-thread (selectors); `stop()` closes every connection and removes the socket file so no stale
-socket is left behind.
+Owns: listening on `FTRUN_AGENT_SOCKET`, reading the workers' messages
+(`launcher.protocol.messages`: Hello, Heartbeat, FaultReport, Recovered, Bye), handing them to the
+agent as `ChannelMessage` events (a connection is tied to its rank by its Hello), and pushing
+messages (Stop, Inject) to a rank's connection. Lines that are not valid messages are dropped
+(counted in `malformed`). One thread (selectors); `stop()` closes every connection and removes the
+socket file so no stale socket is left behind.
 """
 
 from __future__ import annotations

@@ -1,46 +1,40 @@
-"""Warm spares: a worker process that has already imported torch, waiting to replace a rank.
+"""Warm spares, the agent's side: the pool of processes that have already imported torch.
 
-Owns: both ends of a spare. `python -m launcher.workers.spare` is the spare itself: it imports torch and
-the runtime (the 1-3 s a cold replacement spends before it can do anything), then blocks on its
-stdin for one assignment line (JSON: env, argv, cwd, module) and runs the training script in
-this very process with `runpy` (`run_job`), exactly as `python -u script args` would. EOF on
-stdin means "not needed": it exits 0. `python -m launcher.workers.spare --fork-server FD` is the node's
-spare fork server instead (`launcher.workers.zygote`): it imports once and forks spares that behave the
-same way. `SparePool` is the agent's side: it keeps `count` spares per node (`--warm-spares`,
-default 2, so two faults in a row on one node both get a warm start), started only once the job
-is known to use `launcher.runtime`, hands one out for a process-level replacement and starts its
-successor as soon as the recovery round that used it is over. By default the spares are forked
-from the fork server (started with the first fill; `FTRUN_SPARE_FORK=0` turns it off), so a
-successor costs a fork (20-50 ms) instead of a second `import torch` (1.5-2 CPU-s); when the
-server cannot be used the pool says why in one line and starts spares that import torch
-themselves. The server, or such a spare, warms up 10 nice levels below the agent and under
-SCHED_IDLE when it may come back afterwards (root, or RLIMIT_NICE allows it), so its
-`import torch` yields the CPU to the recovery and training; a spare runs the script at the
-agent's priority, and returns to it the moment it is assigned (its stdin is read on a thread
-during the imports), also when it is taken before its imports finished. The pool moves a spare
-(or the server) to the agent's priority itself after `idle_limit` (2 s) of warm-up, except while
-a recovery round and the step it resumes at run: training that keeps every CPU busy leaves
-SCHED_IDLE no time, and a spare that never finishes `import torch` makes the next fault start
-cold. No spare is started or forked while a round holds the pool.
+Owns: `SparePool`, the agent's pool of warm spares (the processes themselves run
+`launcher.workers.spare_process`). It keeps `count` spares per node (`--warm-spares`, default
+2, so two faults in a row on one node both get a warm start), started only once the job is known
+to use `launcher.runtime`, hands one out for a process-level replacement (`take`: its
+assignment line, JSON: env, argv, cwd, module, nice) and starts its successor as soon as the
+recovery round that used it is over. By default (`LaunchConfig.spare_fork`, FTRUN_SPARE_FORK)
+the spares are forked from the node's fork server (`launcher.workers.fork_server`, started with
+the first fill), so a successor costs a fork (20-50 ms) instead of a second `import torch`
+(1.5-2 CPU-s); when the server cannot be used the pool says why in one line and starts spares
+that import torch themselves (`python -m launcher.workers.spare_process`). The server, or such
+a spare, warms up 10 nice levels below the agent and under SCHED_IDLE when it may come back
+afterwards (root, or RLIMIT_NICE allows it), so its `import torch` yields the CPU to the
+recovery and training; the pool hands it both priorities in its command line. A spare runs the
+script at the agent's priority, and returns to it the moment it is assigned, also when it is
+taken before its imports finished. The pool moves a spare (or the server) to the agent's
+priority itself after `idle_limit` (2 s) of warm-up, except while a recovery round and the step
+it resumes at run: training that keeps every CPU busy leaves SCHED_IDLE no time, and a spare
+that never finishes `import torch` makes the next fault start cold. No spare is started or
+forked while a round holds the pool.
 """
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import select
 import subprocess
-import sys
-import threading
 import time
-from typing import TYPE_CHECKING, Callable, Union
+from typing import Callable, Union
 
 from launcher.workers.adopted import AdoptedChild, reap_orphans, set_subreaper
-from launcher.workers.workers import _child_setup
-
-if TYPE_CHECKING:
-    from launcher.workers.zygote import ForkServer
+from launcher.workers.fork_server import ForkServer
+from launcher.workers.prctl import die_with_parent
+from launcher.workers.priority import may_return_to, run_priority
+from launcher.workers.spare_process import nice_args
 
 SpareProc = Union[subprocess.Popen, AdoptedChild]
 
@@ -55,6 +49,7 @@ WARM_UP_IDLE_S = (
 REFILL_HOLD_S = 10.0  # a recovery round holds back new spares at most this long
 ASSIGN_TIMEOUT_S = 2.0  # a spare takes its assignment line within this long, or is killed
 STOP_S = 5.0  # stop(): the spares and the fork server all exit within this long after SIGKILL
+SPARE_MODULE = "launcher.workers.spare_process"  # what a spare that imports torch itself runs
 
 
 class SparePool:
@@ -69,7 +64,7 @@ class SparePool:
         count: int = 2,
         start_delay: float = 5.0,
         idle_limit: float = WARM_UP_IDLE_S,
-        fork: bool | None = None,
+        fork: bool = True,
     ) -> None:
         if count < 0:
             raise ValueError(f"count {count} must be >= 0")
@@ -80,9 +75,10 @@ class SparePool:
         self.log = log
         self.count = count
         self._procs: list[SpareProc] = []
-        # spares forked from a warm fork server (launcher.workers.zygote); FTRUN_SPARE_FORK=0: off
-        self.fork = os.environ.get("FTRUN_SPARE_FORK", "1") != "0" if fork is None else fork
-        self._server: "ForkServer | None" = None
+        # spares forked from a warm fork server (launcher.workers.fork_server; False: each
+        # spare imports torch itself; LaunchConfig.spare_fork)
+        self.fork = fork
+        self._server: ForkServer | None = None
         # pid -> (start time, the agent's niceness to return to after idle_limit; None: done)
         self._born: dict[int, tuple[float, int | None]] = {}
         self._not_before = time.monotonic() + start_delay
@@ -164,8 +160,6 @@ class SparePool:
         """Spares from the fork server (started at the first fill; neither started nor forking
         while held): True when it serves or is still warming up, False when the pool must start
         spares itself (the server is off, gone or unsafe to fork; said in one line)."""
-        from launcher.workers.zygote import ForkServer
-
         try:
             if self._server is None:
                 if self.held():
@@ -232,12 +226,12 @@ class SparePool:
         base = os.getpriority(os.PRIO_PROCESS, 0)
         warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
         proc = subprocess.Popen(
-            [self.python, "-u", "-m", "launcher.workers.spare"],
-            env=dict(env, FTRUN_SPARE_NICE=f"{warm},{base}"),
+            [self.python, "-u", "-m", SPARE_MODULE, *nice_args(warm, base)],
+            env=env,
             stdin=subprocess.PIPE,
             stdout=None,
             stderr=None,
-            preexec_fn=lambda: _child_setup(parent),
+            preexec_fn=lambda: die_with_parent(parent),
             close_fds=True,
         )
         self._procs.append(proc)
@@ -335,158 +329,3 @@ def _assign(proc: SpareProc, data: bytes, timeout: float) -> str | None:
             f.close()
         except OSError:
             pass
-
-
-def may_return_to(nice: int) -> bool:
-    """Whether a process of ours, made nicer, may lower its niceness back to `nice`."""
-    if os.geteuid() == 0:
-        return True
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
-    except (ImportError, AttributeError, OSError, ValueError):
-        return False
-    return soft == resource.RLIM_INFINITY or soft >= 20 - nice  # RLIMIT_NICE counts 20 - nice
-
-
-def _warm_imports() -> None:
-    import torch  # noqa: F401
-    import torch.distributed  # noqa: F401
-    import torch.optim  # noqa: F401
-
-    import launcher.runtime.runtime  # noqa: F401  (the runtime and what it imports)
-
-    try:  # optimizers import torch._dynamo lazily on their first step: pay it now
-        import torch._dynamo  # noqa: F401
-    except Exception:  # noqa: BLE001 - optional warm-up only
-        pass
-    # what the imports built lives as long as the process: out of the collector's sight. A full
-    # collection over it takes ~50 ms (torch's ~170k objects), and the first one came while the
-    # replacement started its script, 20-25 ms into the recovery; in a forked spare it would also
-    # copy every page those objects live on
-    gc.collect()
-    gc.freeze()
-
-
-def _threads(pid: int | None = None) -> list[int]:
-    try:
-        return [int(t) for t in os.listdir(f"/proc/{'self' if pid is None else pid}/task")]
-    except OSError:
-        return [0] if pid is None else []
-
-
-def _warm_priority(warm: int) -> None:
-    """Warm up out of the way: `warm` niceness and, where the OS has it, SCHED_IDLE (runs only
-    when a CPU has nothing else to do, so a successor's import never slows the recovery or the
-    training that used its predecessor)."""
-    os.setpriority(os.PRIO_PROCESS, 0, warm)
-    if hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:
-            pass
-
-
-def _run_priority(base: int) -> str | None:
-    return run_priority(base)
-
-
-def run_priority(base: int, pid: int | None = None) -> str | None:
-    """Every thread of process `pid` (default: this one) back to the agent's priority
-    (SCHED_OTHER, nice `base`); an error text or None."""
-    err = None
-    for tid in _threads(pid):
-        try:
-            if hasattr(os, "SCHED_OTHER") and os.sched_getscheduler(tid) != os.SCHED_OTHER:
-                os.sched_setscheduler(tid, os.SCHED_OTHER, os.sched_param(0))
-            os.setpriority(os.PRIO_PROCESS, tid, base)
-        except OSError as exc:  # a thread may have ended meanwhile; remember real refusals
-            if exc.errno != 3:  # ESRCH
-                err = str(exc)
-    return err
-
-
-class _Assignment:
-    """Reads the assignment line on a thread while the imports run: a spare taken while still
-    warming up returns to the agent's priority at once instead of finishing `import torch` at
-    the warm-up priority."""
-
-    def __init__(self, warm: int, base: int) -> None:
-        self.line = ""
-        self.error: str | None = None
-        self._done = threading.Event()
-        self._warm, self._base = warm, base
-        threading.Thread(target=self._read, name="ftrun-spare-stdin", daemon=True).start()
-
-    def _read(self) -> None:
-        try:
-            self.line = sys.stdin.readline()
-            if self.line.strip() and self._warm != self._base:
-                self.error = _run_priority(_job_nice(self.line, self._base))
-        finally:
-            self._done.set()
-
-    def wait(self) -> str:
-        self._done.wait()
-        return self.line
-
-
-def main() -> None:
-    if sys.argv[1:2] == ["--fork-server"]:  # the node's fork server (launcher.workers.zygote)
-        from launcher.workers import zygote
-
-        zygote.main(int(sys.argv[2]))
-        return
-    warm, base = (int(x) for x in os.environ.get("FTRUN_SPARE_NICE", "0,0").split(","))
-    if warm != base:
-        _warm_priority(warm)
-    assignment = _Assignment(warm, base)
-    _warm_imports()
-    line = assignment.wait()
-    if not line.strip():
-        sys.exit(0)
-    if warm != base:
-        # threads the imports started after the assignment arrived inherited the warm-up priority
-        err = _run_priority(_job_nice(line, base)) or assignment.error
-        if err:
-            print(
-                f"[ftrun spare] could not return to nice {base} ({err}); some threads run at "
-                f"nice {warm}",
-                file=sys.stderr,
-                flush=True,
-            )
-    run_job(json.loads(line))
-
-
-def _job_nice(line: str, base: int) -> int:
-    """The niceness an assignment line asks for (a boosted replacement), else `base`."""
-    try:
-        nice = json.loads(line).get("nice")
-    except (ValueError, AttributeError):
-        return base
-    return base if nice is None else int(nice)
-
-
-def run_job(job: dict) -> None:
-    """Run the assigned script in this process as `python -u [-m] script args` would (at the
-    assignment's `nice` when it has one: the agent returns it to its own after the repair)."""
-    if job.get("nice") is not None:
-        run_priority(int(job["nice"]))
-    os.environ.clear()
-    os.environ.update(job["env"])
-    os.chdir(job["cwd"])
-    argv = list(job["argv"])
-    sys.argv = argv
-    import runpy
-
-    if job.get("module"):
-        sys.path[0] = job["cwd"]
-        runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-    else:
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-        runpy.run_path(argv[0], run_name="__main__")
-
-
-if __name__ == "__main__":
-    main()

@@ -57,6 +57,7 @@ class Spawner:
                 os.environ.get("PYTHON_EXEC", sys.executable),
                 lambda m: self.log.info("spare", m),
                 count=self.cfg.warm_spares,
+                fork=self.cfg.spare_fork,
             )
 
     def env(self, w: Worker, replacement: bool) -> dict[str, str]:

@@ -12,7 +12,6 @@ Single ranks can be stopped and respawned without touching the others.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
 import selectors
@@ -25,16 +24,7 @@ from dataclasses import dataclass, field
 
 from launcher.observe.logs import OutputPump
 from launcher.workers.adopted import AdoptedChild
-
-PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _child_setup(parent_pid: int) -> None:  # runs in the child between fork and exec
-    os.setsid()
-    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    if os.getppid() != parent_pid:  # the agent died before prctl took effect
-        os._exit(1)
+from launcher.workers.prctl import die_with_parent
 
 
 @dataclass
@@ -181,7 +171,7 @@ def spawn(
             stdout=out_t,
             stderr=err_t,
             stdin=subprocess.DEVNULL,
-            preexec_fn=lambda: _child_setup(parent),
+            preexec_fn=lambda: die_with_parent(parent),
             close_fds=True,
         )
     finally:
@@ -189,32 +179,18 @@ def spawn(
             if isinstance(t, int) and t >= 0:
                 os.close(t)
     worker.attach(proc)
-    if tee_out:
-        assert proc.stdout is not None
-        worker.pumps.append(
-            OutputPump(
-                proc.stdout,
-                stdout_path,
-                sys.stdout,
-                prefix,
-                filters[0],
-                filtered[0],
-                console_lock=console_lock,
+    tees = (
+        (tee_out, proc.stdout, stdout_path, sys.stdout),
+        (tee_err, proc.stderr, stderr_path, sys.stderr),
+    )
+    for i, (tee, pipe, path, console) in enumerate(tees):  # stdout, then stderr
+        if tee:
+            assert pipe is not None
+            worker.pumps.append(
+                OutputPump(
+                    pipe, path, console, prefix, filters[i], filtered[i], console_lock=console_lock
+                )
             )
-        )
-    if tee_err:
-        assert proc.stderr is not None
-        worker.pumps.append(
-            OutputPump(
-                proc.stderr,
-                stderr_path,
-                sys.stderr,
-                prefix,
-                filters[1],
-                filtered[1],
-                console_lock=console_lock,
-            )
-        )
 
 
 def send_signal(worker: Worker, sig: int) -> None:
@@ -273,8 +249,8 @@ class Reaper:
         self._sel.register(fd, selectors.EVENT_READ, (worker, proc))
 
     def announce(self, worker: Worker, proc: subprocess.Popen | AdoptedChild, code: int) -> None:
-        """`proc` is dying with `code` (its death notice, `launcher.protocol.death_notice`): report its
-        exit now, on any thread; when its pidfd turns readable it is only reaped."""
+        """`proc` is dying with `code` (its death notice, `launcher.protocol.death_notice`):
+        report its exit now, on any thread; when its pidfd turns readable it is only reaped."""
         with self._lock:
             if proc.pid in self._announced or proc.returncode is not None:
                 return

@@ -1,0 +1,131 @@
+"""The agent's handle on its node's spare fork server (the process is `spare_server`).
+
+Owns: `ForkServer`, owned by the agent's spare pool (`launcher.workers.spare.SparePool`): start
+the server (`python -u -m launcher.workers.spare_server FD --nice WARM,BASE`, its priorities in
+its command line), `poll_ready()` without blocking, `fork()` a warm spare with a timeout (the
+spare becomes the agent's own child: the agent is a child subreaper, `launcher.workers.adopted`),
+`stop()`. Nothing here imports torch or runs in the server.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+from typing import Callable
+
+from launcher.workers.adopted import AdoptedChild, set_subreaper
+from launcher.workers.prctl import die_with_parent
+from launcher.workers.spare_process import nice_args
+
+SERVER_MODULE = "launcher.workers.spare_server"
+FORK_TIMEOUT_S = 2.0  # the server answers a fork request within this long, or is given up
+
+
+class ForkServer:
+    """The agent's handle on its node's fork server. Not thread-safe: one owner (SparePool)."""
+
+    def __init__(self, python: str, env: dict[str, str], nice: tuple[int, int]) -> None:
+        if not set_subreaper(True):
+            raise OSError("PR_SET_CHILD_SUBREAPER refused")
+        parent = os.getpid()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [python, "-u", "-m", SERVER_MODULE, str(theirs.fileno()), *nice_args(*nice)],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=None,
+                stderr=None,
+                pass_fds=[theirs.fileno()],
+                close_fds=True,
+                preexec_fn=lambda: die_with_parent(parent),
+            )
+        except BaseException:
+            ours.close()
+            set_subreaper(False)
+            raise
+        finally:
+            theirs.close()
+        self.sock = ours
+        self.started = time.monotonic()
+        self.ready = False
+        self.threads = 0
+
+    def poll_ready(self) -> bool:
+        """Whether the server finished its imports (never blocks); raises OSError when it died
+        or reported more than one thread."""
+        if self.ready:
+            return True
+        self.sock.setblocking(False)
+        try:
+            msg = self.sock.recv(4096)
+        except BlockingIOError:
+            if self.proc.poll() is not None:
+                raise OSError(f"the fork server exited with {self.proc.returncode}") from None
+            return False
+        finally:
+            self.sock.setblocking(True)
+        if not msg:
+            raise OSError(f"the fork server closed its socket (exit {self.proc.poll()})")
+        info = json.loads(msg)
+        self.threads = int(info.get("threads", 0))
+        if self.threads != 1:
+            raise OSError(
+                f"the fork server has {self.threads} threads after its imports; "
+                "forking it is not safe"
+            )
+        self.ready = True
+        return True
+
+    def fork(self, timeout: float = FORK_TIMEOUT_S, heap_bytes: int = 0) -> AdoptedChild:
+        """A new warm spare, the agent's own child, that faults in `heap_bytes` of heap while
+        it waits (`launcher.runtime.heap`); raises OSError when the server cannot."""
+        assert self.ready
+        deadline = time.monotonic() + timeout  # one bound for the request and its answer
+        self.sock.settimeout(timeout)
+        try:
+            self.sock.send(json.dumps({"fork": True, "heap_bytes": int(heap_bytes)}).encode())
+            self.sock.settimeout(max(0.001, deadline - time.monotonic()))
+            msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 1)
+        except (OSError, socket.timeout) as exc:
+            raise OSError(f"no answer from the fork server ({exc or 'timeout'})") from exc
+        finally:
+            self.sock.settimeout(None)
+        if not msg:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(f"the fork server closed its socket (exit {self.proc.poll()})")
+        info = json.loads(msg)
+        if "pid" not in info or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise OSError(info.get("error", f"bad answer {msg!r}"))
+        try:
+            child = AdoptedChild(int(info["pid"]), os.fdopen(fds[0], "wb"))
+        except OSError:
+            os.close(fds[0])
+            raise
+        return child
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self, log: Callable[[str], None] | None = None, timeout: float = 5.0) -> None:
+        """End the server at once: it holds nothing (every spare it forked is the agent's own
+        child already, and no fork is under way outside `fork()`); waits `timeout` s for it."""
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+        self.proc.kill()
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # D-state, or starved of CPU
+            if log:
+                log(
+                    f"spare fork server pid {self.proc.pid} did not exit within {timeout:.1f} s "
+                    "of SIGKILL; left behind"
+                )

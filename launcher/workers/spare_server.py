@@ -1,0 +1,260 @@
+"""Inside the spare fork server: one warm process per node that forks warm spares in milliseconds.
+
+Owns: the fork server's process. `python -u -m launcher.workers.spare_server FD --nice WARM,BASE`
+(`serve`) does the warm imports once (`launcher.workers.spare_process.warm_imports`: torch, the
+runtime: 1.5-2 CPU-s) at the spares' warm-up priority, returns to the agent's priority, reports
+ready with its thread count, and then, for every request on its unix socket, forks a spare
+copy-on-write: an intermediate child forks the spare and exits at once, so the spare is
+reparented to the agent (a child subreaper, `launcher.workers.adopted`) and becomes the agent's
+own child, waited for and signalled like a Popen'd one. It forks only while it has exactly one
+thread (no thread pool of torch's started: it never runs a tensor op) and answers an error
+otherwise. The spare starts its own session, sets `PR_SET_PDEATHSIG(SIGKILL)` only once it sees
+the agent as its parent (the death signal would fire at the reparenting), reads its assignment
+line (the same JSON as a Popen'd spare's stdin) from a pipe the server made for it, whose write
+end goes to the agent with the reply (`socket.send_fds`), and then runs the script exactly like
+a Popen'd spare (`launcher.workers.spare_process.run_job`). EOF on that pipe means "not needed":
+it exits 0. Before it waits for the assignment, a forked spare makes every page it shares with
+the server its own (`own_pages`): otherwise the replacement's first pass through the
+interpreter's and torch's state pays a copy-on-write fault per page it writes to (refcounts:
+nearly every page it touches), ~15 ms of its start-up inside the recovery, measured here.
+The agent's handle on this process is `launcher.workers.fork_server.ForkServer`.
+
+The heap a forked spare faults in for its replacement is the runtime's
+(`launcher.runtime.heap`: `prepare` here, `settle` in the replacement's runtime). This process
+has imported the runtime in its warm-up already; it reaches that module by name
+(`HEAP_MODULE`, `importlib`), as it does its warm imports, so that nothing the agent imports
+names the runtime (`launcher.workers` may not import `launcher.runtime`: the agent stays free
+of torch). The command line names the module `launcher.workers.spare_server`, so a forked spare
+(which keeps it) is found as a `launcher.workers.spare*` process, as a Popen'd one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import json
+import os
+import socket
+import sys
+import time
+from types import ModuleType
+
+from launcher.workers.prctl import die_with_parent, set_process_name
+from launcher.workers.priority import run_priority, thread_ids, warm_priority
+from launcher.workers.spare_process import NICE_FLAG, parse_nice, run_job, warm_imports
+
+HEAP_MODULE = "launcher.runtime.heap"  # the runtime's heap helpers, imported by name here
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in for writing (breaks copy-on-write)
+PAGE = os.sysconf("SC_PAGE_SIZE")
+PAGEMAP_CHUNK = 1 << 16  # pages per /proc/self/pagemap read (512 KB of entries)
+SERVER_NAME = b"ftrun-spare-srv"  # `ps` names: the server, and a forked spare until it is assigned
+SPARE_NAME = b"ftrun-spare"
+REPARENT_TIMEOUT_S = 5.0  # a forked spare waits this long to see the agent as its parent
+
+
+class _Forked(Exception):
+    """Raised in a forked spare: unwinds the server's loop so the job runs at the top level
+    (its exceptions, exit code and atexit handlers as in `python script`)."""
+
+    def __init__(self, assignment_fd: int, agent: int, comm: bytes, heap_bytes: int = 0) -> None:
+        super().__init__("forked spare")
+        self.assignment_fd = assignment_fd
+        self.agent = agent
+        self.comm = comm  # the process name to take back when the job starts
+        self.heap_bytes = (
+            heap_bytes  # heap to fault in before the assignment (launcher.runtime.heap)
+        )
+
+
+def _heap() -> ModuleType:
+    """`launcher.runtime.heap` (imported by the warm-up already; see the module docstring)."""
+    return importlib.import_module(HEAP_MODULE)
+
+
+# ------------------------------------------------------------------ the server process
+def serve(sock_fd: int, nice: tuple[int, int] = (0, 0)) -> None:
+    """The fork server's life (`nice`: its warm-up niceness and the agent's); raises `_Forked`
+    in each forked spare."""
+    agent = os.getppid()
+    sock = socket.socket(fileno=sock_fd)
+    comm = set_process_name(SERVER_NAME)
+    warm, base = nice
+    if warm != base:
+        warm_priority(warm)
+    warm_imports()
+    if warm != base:  # warm now: forks must not wait for idle CPU time
+        run_priority(base)
+    threads = len(thread_ids())
+    try:
+        sock.send(json.dumps({"ready": True, "threads": threads}).encode())
+        if threads != 1:
+            return  # the agent falls back to spares that import torch themselves
+        while True:
+            req = sock.recv(4096)
+            if not req:
+                return  # the agent closed its end: done
+            try:
+                heap_bytes = max(0, int(json.loads(req).get("heap_bytes", 0)))
+            except (ValueError, AttributeError, TypeError):
+                heap_bytes = 0
+            if len(thread_ids()) != 1:
+                sock.send(
+                    json.dumps({"error": f"{len(thread_ids())} threads; not forking"}).encode()
+                )
+                continue
+            try:
+                pid, w = _fork_spare(sock, agent, comm, heap_bytes)
+            except OSError as exc:
+                sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
+                continue
+            try:
+                socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [w])
+            finally:
+                os.close(w)
+    except (BrokenPipeError, ConnectionResetError):
+        return  # the agent is gone or stopped us
+
+
+def _fork_spare(
+    sock: socket.socket, agent: int, comm: bytes, heap_bytes: int = 0
+) -> tuple[int, int]:
+    """Double-fork a spare; (its pid, the write end of its assignment pipe). In the spare this
+    raises `_Forked`."""
+    r, w = os.pipe()
+    pr, pw = os.pipe()
+    try:
+        mid = os.fork()
+    except OSError:
+        for fd in (r, w, pr, pw):
+            os.close(fd)
+        raise
+    if mid == 0:  # the intermediate: fork the spare, report its pid, exit at once
+        try:
+            pid = os.fork()
+        except BaseException:  # noqa: BLE001
+            os._exit(1)
+        if pid == 0:
+            for fd in (w, pr, pw):
+                os.close(fd)
+            sock.close()
+            set_process_name(SPARE_NAME)
+            raise _Forked(r, agent, comm, heap_bytes)
+        try:
+            os.write(pw, pid.to_bytes(4, "little"))
+        finally:
+            os._exit(0)
+    os.close(pw)
+    os.close(r)
+    try:
+        data = b""
+        while len(data) < 4:
+            chunk = os.read(pr, 4 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(pr)
+        os.waitpid(mid, 0)  # exits right after the write; the spare is the agent's child now
+    if len(data) != 4:
+        os.close(w)
+        raise OSError("the intermediate child did not report the spare's pid")
+    return int.from_bytes(data, "little"), w
+
+
+def own_pages() -> tuple[int, str | None]:
+    """Break copy-on-write on every page of this process's private writable mappings that is
+    present (shared with the process it was forked from), and on no other page (populating
+    untouched ones would only cost memory); (bytes made private, why not all could be, or
+    None). Needs MADV_POPULATE_WRITE (Linux 5.14): without it nothing is done."""
+    try:
+        import numpy as np  # torch's own dependency; the fork server imported it with torch
+    except ImportError:
+        return 0, "numpy is not installed"
+    lib = _heap().libc()
+    if lib is None:
+        return 0, "not glibc on Linux"
+    madvise = lib.madvise
+    done, why = 0, None
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            maps = [ln.split() for ln in f]
+        fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    except OSError as exc:
+        return 0, f"cannot read /proc/self/maps or pagemap: {exc.strerror}"
+    try:
+        for parts in maps:
+            perms = parts[1]
+            if (
+                perms[:2] != "rw"
+                or perms[3] != "p"
+                or (len(parts) > 5 and parts[5] == "[vsyscall]")
+            ):
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            for base in range(lo, hi, PAGEMAP_CHUNK * PAGE):  # bounded reads of a large mapping
+                n = min(PAGEMAP_CHUNK, (hi - base) // PAGE)
+                raw = os.pread(fd, n * 8, (base // PAGE) * 8)
+                present = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(63)).astype(np.int8)
+                edges = np.flatnonzero(np.diff(np.concatenate(([0], present, [0]))))
+                for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist()):
+                    if (
+                        madvise(base + start * PAGE, (stop - start) * PAGE, MADV_POPULATE_WRITE)
+                        == 0
+                    ):
+                        done += (stop - start) * PAGE
+                    elif why is None:
+                        why = os.strerror(ctypes.get_errno())
+    finally:
+        os.close(fd)
+    return done, why
+
+
+def become_spare(forked: _Forked) -> None:
+    """In a forked spare: own session, wait to be the agent's child, die with it, then read the
+    assignment and run the job (returns only by raising or when the job returns)."""
+    os.setsid()
+    deadline = time.monotonic() + REPARENT_TIMEOUT_S
+    while os.getppid() != forked.agent:
+        if time.monotonic() > deadline:
+            os._exit(1)
+        time.sleep(0.0005)
+    die_with_parent(forked.agent, new_session=False)
+    if "numpy.random" in sys.modules:  # a fresh process seeds numpy's global RNG from entropy
+        sys.modules["numpy.random"].seed()
+    own_pages()  # the pages it cannot own are copied on first write, as before
+    heap = _heap()
+    prepared = heap.prepare(forked.heap_bytes)
+    line = b""
+    while not line.endswith(b"\n"):
+        chunk = os.read(forked.assignment_fd, 65536)
+        if not chunk:
+            break
+        line += chunk
+    os.close(forked.assignment_fd)
+    if not line.strip():
+        sys.exit(0)
+    set_process_name(forked.comm)  # a rank looks like any worker in `ps`
+    job = json.loads(line)
+    if prepared:
+        job["env"][heap.ENV] = str(prepared)  # the runtime settles the heap after its repair
+    run_job(job)
+
+
+def main(argv: list[str]) -> None:
+    """`FD [--nice WARM,BASE]`: serve on socket FD; in each forked spare, run its job."""
+    nice = parse_nice(argv[argv.index(NICE_FLAG) + 1]) if NICE_FLAG in argv else (0, 0)
+    forked = None
+    try:
+        serve(int(argv[0]), nice)
+    except _Forked as exc:
+        forked = exc
+        exc.__traceback__ = None  # drop the server's frames
+    if forked is None:
+        sys.exit(0)
+    # outside the except block: the job must not run "while handling" _Forked (sys.exc_info(),
+    # and the context of its own exceptions, as in a fresh `python script`)
+    become_spare(forked)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
