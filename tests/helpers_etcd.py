@@ -6,8 +6,8 @@ dir with fast raft timers, waiting until it is healthy, optionally turning on au
 `etcd_server` pytest fixture; they are skipped with a clear reason when the binary is missing.
 
 Also owns `AgentProc`: a child process (`python tests/helpers_etcd.py agent ...`) that runs one
-`rendezvous.nodes.membership.Membership` over etcd or the embedded TCP store and prints one JSON line
-per event (world, dead, join, leader), so tests can SIGKILL real agents.
+`rendezvous.nodes.membership.Membership` over etcd or the embedded TCP store and prints one JSON
+line per event (world, dead, join, leader), so tests can SIGKILL real agents.
 """
 
 from __future__ import annotations

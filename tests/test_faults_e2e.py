@@ -325,7 +325,7 @@ def test_ftctl_inject_every_kind_at_a_step(tmp_path, ref, kind, strategy):
     assert_same_params(job.params, ref)
 
 
-# ---------------------------------------------------------------- a rank dies after its peers finished
+# ------------------------------------------------------------ a rank dies after its peers finished
 def _dies_after_peers(
     tmp_path, after: str, chain: str | None = None, when: str = "before-goodbye"
 ) -> tuple[JobResult, float]:
