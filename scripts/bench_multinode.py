@@ -37,9 +37,9 @@ MLP with slowed steps. Scenarios (one JSON line each, `--scenarios` picks):
 torchrun's agents get `--rdzv_conf is_host=true|false` (host 0 hosts the store): torch decides
 by resolving the hostname, which every namespace shares; ftrun matches the endpoint against the
 addresses of the namespace; and `--local_addr` (else the workers' MASTER_ADDR is the
-hostname's, `localhost`). Times are wall-clock (every namespace shares the clock) from the moment the benchmark sends
-the kill. Namespaces, links and processes are removed even on failure or a signal;
---keep-logs keeps the run directory (logs, events, step files) and prints its path.
+hostname's, `localhost`). Times are wall-clock (every namespace shares the clock) from the
+moment the benchmark sends the kill. Namespaces, links and processes are removed even on failure
+or a signal; --keep-logs keeps the run directory (logs, events, step files) and prints its path.
 
 Usage: python scripts/bench_multinode.py
        [--scenarios worker-death,node-crash,node-crash-etcd,mttr,store]

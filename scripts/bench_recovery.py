@@ -112,9 +112,10 @@ def _children(pid: int) -> list[int]:
 
 
 def warm_spares(root: int) -> list[int] | None:
-    """Pids of the job's warm spares (`launcher.workers.spare` descendants of `root`, the fork server
-    aside, whose imports are done: main thread asleep waiting for its assignment, in a futex wait or a read of its stdin,
-    no CPU time used over 20 ms), None while a spare is still warming up or none was started."""
+    """Pids of the job's warm spares (`launcher.workers.spare` descendants of `root`, the fork
+    server aside, whose imports are done: main thread asleep waiting for its assignment, in a
+    futex wait or a read of its stdin, no CPU time used over 20 ms), None while a spare is still
+    warming up or none was started."""
     todo, spares = [root], []
     while todo:
         pid = todo.pop()
@@ -558,8 +559,9 @@ def churn_row(args: argparse.Namespace, repo: str = REPO) -> dict:
 
 
 def transfer_row(args: argparse.Namespace, nproc: int, dp: int, tcp: float) -> dict:
-    """ftrun only, `nproc` ranks declared as `dp`-way replica groups (rank r replicates r +- k*nproc/dp):
-    rank 1 is killed and receives its state from its dp-1 healthy replicas (striped when >= 2)."""
+    """ftrun only, `nproc` ranks declared as `dp`-way replica groups (rank r replicates
+    r +- k*nproc/dp): rank 1 is killed and receives its state from its dp-1 healthy replicas
+    (striped when >= 2)."""
     shards = nproc // dp
     groups = [[r for r in range(nproc) if r % shards == i] for i in range(shards)]
     job = run_job("ftrun", args, nproc=nproc, worker_args=["--replica-groups", json.dumps(groups)])

@@ -35,7 +35,8 @@ same connections with fresh keys, alternating between the backends pattern by pa
 get `warm_pattern_s_median`, the master's / proxies' / clients' CPU per warm pattern (the
 store's also split into user and system time, `warm_*_user_s` / `warm_*_sys_s`, its total
 `warm_store_cpu_s` and `warm_store_cpu_vs_torch`) and `warm_paired_vs_torch`: the median ratio
-of each warm pattern to torch's next to it in time (with quartiles). A single 40 ms pattern at 256 clients is mostly the shared machine's noise
+of each warm pattern to torch's next to it in time (with quartiles). A single 40 ms pattern at
+256 clients is mostly the shared machine's noise
 (torch against itself: 0.6-2.2x by round); paired, alternating patterns far less (0.94-1.06x).
 Memory: all backends' client processes live at once (~16 per backend at 1024+ clients).
 """
@@ -129,7 +130,8 @@ os._exit(0)
 TORCH_SERVER = r"""
 import os, sys, time
 import torch.distributed as d
-s = d.TCPStore(os.environ.get("BENCH_STORE_BIND", "127.0.0.1"), 0, is_master=True, wait_for_workers=False, use_libuv=True)
+s = d.TCPStore(os.environ.get("BENCH_STORE_BIND", "127.0.0.1"), 0, is_master=True,
+               wait_for_workers=False, use_libuv=True)
 print("port", s.port, flush=True)
 sys.stdin.readline()
 """

@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Benchmark: the CPU one gradient all_reduce costs with each of `Interruptible`'s two waits on gloo.
+"""Benchmark: the CPU one gradient all_reduce costs with each of `Interruptible`'s two waits
+on gloo.
 
 Two ranks (spawned here, each pinned to its own core, one torch thread) issue `--ops` all_reduces
 of `--numel` float32 values (default: the small MLP of bench_overhead.py, 0.56 MB) back to back,

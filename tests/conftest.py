@@ -3,6 +3,9 @@
 The c10d TCPStore client looks up the reverse DNS name of `::ffff:127.0.0.1`; on machines
 whose resolver drops bursts, >20 concurrent clients stall 5-10 s. The `/etc/hosts` line below
 removes the stall, so the suite adds it once (it is what `.ci/run` and the benchmarks do too).
+
+It also registers `helpers_leaks.LeakWatch`: the terminal summary lists the stores and processes
+that a test started and never stopped.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import os
 import sys
 
 import pytest
+from helpers_leaks import LeakWatch
 
 HOSTS_LINE = "::ffff:127.0.0.1 localhost-v4mapped"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,3 +38,4 @@ def pytest_configure(config: pytest.Config) -> None:
     path = os.environ.get("PYTHONPATH", "")
     if REPO not in path.split(os.pathsep):
         os.environ["PYTHONPATH"] = REPO + (os.pathsep + path if path else "")
+    config.pluginmanager.register(LeakWatch(), "ftrun-leak-watch")

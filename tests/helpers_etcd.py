@@ -17,7 +17,6 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,17 +27,11 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import pytest
+from helpers_ports import free_port
 
 ETCD_BIN = os.environ.get("FTRUN_TEST_ETCD", "/usr/bin/etcd")
 ETCDCTL_BIN = os.environ.get("FTRUN_TEST_ETCDCTL", "/usr/bin/etcdctl")
 START_TIMEOUT = 15.0
-
-
-def free_port() -> int:
-    """A currently free loopback TCP port (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def etcd_available() -> bool:

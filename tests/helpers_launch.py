@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import subprocess
 import sys
 import time
+
+from helpers_ports import free_port  # noqa: F401  (re-exported for the tests)
 
 from launcher.observe.logs import read_events as events  # noqa: F401  (re-exported for the tests)
 
@@ -19,31 +20,6 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 def script(name: str) -> str:
     return os.path.join(SCRIPTS, name)
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range, so the many short-lived client
-    connections of a parallel test run cannot grab it between this check and the bind."""
-    import random
-
-    lo = 32768
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="utf-8") as f:
-            lo = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    rng = random.Random()
-    for _ in range(200):
-        port = rng.randrange(max(1024, lo - 12000), lo)
-        with socket.socket() as s:
-            try:
-                s.bind(("0.0.0.0", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_with(**extra: str) -> dict[str, str]:

@@ -8,9 +8,13 @@ run torch code in child processes.
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+
+from helpers_ports import free_port  # noqa: F401  (re-exported for the tests)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,12 +107,6 @@ dist.destroy_process_group()
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def recv_exact(s: socket.socket, n: int) -> bytes:
     """Exactly n bytes from a blocking socket; ConnectionError when it closes first."""
     out = b""
@@ -118,6 +116,31 @@ def recv_exact(s: socket.socket, n: int) -> bytes:
             raise ConnectionError("closed")
         out += chunk
     return out
+
+
+def thread_states(pid: int) -> list[str]:
+    """The state letter (R, S, T, ...) of every thread of process `pid`, from /proc."""
+    states = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", encoding="utf-8") as f:
+                states.append(f.read().rsplit(")", 1)[1].split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended
+    return states
+
+
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once every thread of it is stopped (state T). The stop is not
+    done when kill() returns: the thread that takes the signal stops the others, and until then
+    a thread of a store can still answer a client (seen: 3 of 30 stores answered a probe sent
+    right after kill() on a loaded 2-core VM). TimeoutError when it is not stopped in time."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while any(s != "T" for s in thread_states(pid)):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"pid {pid} not stopped after {timeout:g} s: {thread_states(pid)}")
+        time.sleep(0.001)
 
 
 def child_env(**extra: object) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""launcher.protocol.death_notice: real worker processes hold a slot; the agent's watcher hears of their death."""
+"""launcher.protocol.death_notice: real worker processes hold a slot; the agent's watcher hears
+of their death."""
 
 from __future__ import annotations
 

@@ -9,15 +9,17 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import pytest
 from helpers_membership import member
-from helpers_store import free_port
+from helpers_store import free_port, stop_process
 
 from rendezvous.kv import StoreError
 from rendezvous.nodes.hosting import host_or_join, is_local_address, wants_to_host
 from rendezvous.nodes.keys import RUN_ID_KEY
 from rendezvous.nodes.membership import NodeWorld
+from rendezvous.store.client import StoreClient
 
 
 def test_is_host_by_address_and_override() -> None:
@@ -93,8 +95,15 @@ def test_a_store_that_answers_late_is_joined_not_taken_for_something_else() -> N
     to `probe_timeout`): on a loaded host the winner's store can take seconds to answer its
     first connection. CI at stop 34: both agents of `the same c10d command twice` exited 1,
     one with "in use ... by something that is not an ftrun/torch store" after a 3 s probe.
-    Here the holder is stopped (SIGSTOP) for 4 s."""
+    Here the holder is stopped (SIGSTOP) for 4 s.
+
+    The holder is this test's own store, and the test makes sure of it: the run id is unique to
+    the test and written into that store (a stranger's store would be refused as another run's),
+    the store's key `nonce` is read back through the joined client, and the probe starts only
+    once every thread of the holder is stopped (CI: the holder answered 1 ms after kill(),
+    before its loop thread had stopped)."""
     port = free_port()
+    run_id, nonce = f"late-{uuid.uuid4().hex}", uuid.uuid4().hex.encode()
     srv = subprocess.Popen(
         [
             sys.executable,
@@ -114,13 +123,17 @@ def test_a_store_that_answers_late_is_joined_not_taken_for_something_else() -> N
     resume = threading.Timer(4.0, srv.send_signal, (signal.SIGCONT,))
     try:
         assert "listening on" in srv.stdout.readline()
-        srv.send_signal(signal.SIGSTOP)
+        with StoreClient("127.0.0.1", port, timeout=10) as own:
+            own.set(RUN_ID_KEY, run_id.encode())
+            own.set("nonce", nonce)
+        stop_process(srv.pid)
         resume.start()
         t0 = time.monotonic()
-        h = host_or_join("127.0.0.1", port, "j1", want_host=True, timeout=10)
+        h = host_or_join("127.0.0.1", port, run_id, want_host=True, timeout=10)
         took = time.monotonic() - t0
         try:
             assert not h.hosting and h.server is None and 3.5 <= took < 14.0, took
+            assert h.kv.try_get("nonce") == nonce  # this test's store, not a stranger's
             h.kv.set("late", b"1")
             assert h.kv.try_get("late") == b"1"
         finally:

@@ -16,15 +16,21 @@ from helpers_launch import (
     REPO,
     communicate_all,
     env_with,
+    events,
     failed_worker_logs,
     free_port,
     run,
 )
-from helpers_netns import Cluster, unavailable
+from helpers_netns import Cluster, unavailable, wait_until
 
 _WHY = unavailable()
 pytestmark = pytest.mark.skipif(_WHY is not None, reason=_WHY or "")
 TRAIN = f"{REPO}/scripts/examples/ddp_train.py"
+
+
+def _said(log_dir, event: str) -> bool:
+    """The agent logging to `log_dir` has logged `event`."""
+    return log_dir.exists() and any(e["event"] == event for e in events(str(log_dir)))
 
 
 def _cmd(endpoint: str, tmp, tag: str, *extra: str, nnodes: str = "2") -> list[str]:
@@ -113,7 +119,10 @@ def test_sigterm_to_an_agent_waiting_in_the_rendezvous_on_another_host(tmp_path)
             stderr=subprocess.PIPE,
             text=True,
         )
-        time.sleep(3.0)
+        # in the rendezvous (its signal handlers raise there) once it has opened the store: not
+        # a fixed 3 s, which a loaded CI box spent starting the agent (SIGTERM killed it: -15)
+        for tag in ("0", "1"):
+            assert wait_until(lambda: _said(tmp_path / f"log{tag}", "store"), 120), tag
         for p in (other, host):
             t0 = time.monotonic()
             p.send_signal(signal.SIGTERM)
