@@ -1,4 +1,5 @@
-"""Early notice of a worker's death: a robust mutex the worker holds in memory shared with its agent.
+"""Early notice of a worker's death: a robust mutex the worker holds in memory shared with its
+agent.
 
 Owns: both ends. The agent's `NoticeBoard` keeps one memfd of process-shared robust pthread
 mutexes (two slots per local rank, used in turn by a rank's successive processes), arms a slot for
@@ -239,7 +240,8 @@ class NoticeBoard:
             self._watched.clear()
         for t in threads:
             t.join(POLL_S + 1.0)
-        # a watcher still blocked would touch freed memory: keep the mapping then (process exit frees it)
+        # a watcher still blocked would touch freed memory: keep the mapping then (process exit
+        # frees it)
         if self._map is not None and not any(t.is_alive() for t in threads):
             try:
                 self._map.close()

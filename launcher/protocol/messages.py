@@ -3,8 +3,8 @@
 Owns: every message a runtime-aware worker and its node's agent exchange over the Unix socket
 (`FTRUN_AGENT_SOCKET`), with its fields, and their encoding: one JSON object per line whose "op"
 names the message. `encode()` and `decode()` are the only (de)serialisers, used by both ends
-(`launcher.workers.channel` in the agent, `launcher.runtime.channel` in the worker); this module imports
-no agent code and no torch.
+(`launcher.workers.channel` in the agent, `launcher.runtime.channel` in the worker); this
+module imports no agent code and no torch.
 
   worker -> agent  Hello (once, first), Heartbeat (on progress, and every heartbeat interval),
                    FaultReport (a fault the worker detected itself), Recovered (a recovery round

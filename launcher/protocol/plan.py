@@ -138,12 +138,14 @@ def inject_key(seq: int) -> str:
 
 
 def node_status_key(node_rank: int) -> str:
-    """A node's live status (JSON, `launcher.observe.observer`), refreshed every second for `ftctl status`."""
+    """A node's live status (JSON, `launcher.observe.observer`), refreshed every second for
+    `ftctl status`."""
     return f"{ROOT}/observe/node/{node_rank}"
 
 
 def progress_key(node: int) -> str:
-    """A node's per-rank progress records (`launcher.control.progress`), read by the controller's blame."""
+    """A node's per-rank progress records (`launcher.control.progress`), read by the
+    controller's blame."""
     return f"{ROOT}/progress/{node}"
 
 
