@@ -1,4 +1,5 @@
-"""Test worker: write this worker's environment (minus the parent's) as JSON to $OUT_DIR/env.<RANK>.json."""
+"""Test worker: write this worker's environment (minus the parent's) as JSON to
+$OUT_DIR/env.<RANK>.json."""
 
 import json
 import os

@@ -1,9 +1,9 @@
 """Test worker: a tiny launcher.runtime job in which --victim hangs at exit after its goodbye.
 
-Every rank trains --steps steps (dies_after_peers.train) and calls rt.finish(); the others exit 0, the victim then blocks
-forever without using CPU or doing I/O (a teardown deadlock, as when a process group is destroyed
-while its thread needs the GIL), having written $OUT_DIR/hung.<RANK> first. Only generation 0's
-victim hangs."""
+Every rank trains --steps steps (dies_after_peers.train) and calls rt.finish(); the others exit
+0, the victim then blocks forever without using CPU or doing I/O (a teardown deadlock, as when a
+process group is destroyed while its thread needs the GIL), having written $OUT_DIR/hung.<RANK>
+first. Only generation 0's victim hangs."""
 
 from __future__ import annotations
 

@@ -3,7 +3,8 @@
 Four ranks: pairs {0, 2} and {1, 3} each train their own model (seeded by pair) with
 `rt.ddp(model, process_group=<the "dp" handle>)` and declare themselves replicas of each other
 (`rt.set_replica_groups`), so a lost rank is repaired from its pair; a job-wide gradient norm
-(an all-reduce over every rank at the end of backward) keeps the pairs in step. Small buckets (several per step). Writes the final parameters to --out ('{rank}' for every rank)."""
+(an all-reduce over every rank at the end of backward) keeps the pairs in step. Small buckets
+(several per step). Writes the final parameters to --out ('{rank}' for every rank)."""
 
 from __future__ import annotations
 
