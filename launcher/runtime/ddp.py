@@ -23,7 +23,7 @@ Steady state: DDP's own reducer (FTRUN_DDP_COMM=reducer, the default).
   groups (launcher.runtime.group_sockets), so a C++ wait on a peer that will never answer fails
   at once; a peer's death fails it by itself. `loss.backward()` (or the forward, for DDP's
   bucket-rebuild broadcast) then raises; the step's exit turns that into the stop
-  (Runtime._end_step). While it waits, the agent channel's writer reports the rank as waiting on
+  (StepPath.end). While it waits, the agent channel's writer reports the rank as waiting on
   its peers (launcher.runtime.wait_probe), so the hang watch blames the hung rank, not them.
 - After every recovery round each rank drops its reducer (a one-rank stand-in, no collective)
   and the first forward of the resumed step settles the new one (`_ft_settle`): at step 0 DDP's
