@@ -76,10 +76,14 @@ class Probe(GradComm):
 
 torch.manual_seed(0)
 unused = torch.nn.Linear(3, 3)  # defined first: its bucket is the last one
-model = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128), torch.nn.Tanh(),
-                            torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 4))
+model = torch.nn.Sequential(
+    torch.nn.Linear(32, 128), torch.nn.Tanh(), torch.nn.Linear(128, 128), torch.nn.Tanh(),
+    torch.nn.Linear(128, 128), torch.nn.Tanh(), torch.nn.Linear(128, 4),
+)
 params = list(unused.parameters()) + list(model.parameters())
-sync = OverlappedAllReduce(params, Probe(coll, lambda: None, world, 0), average=True, bucket_bytes=40_000)
+sync = OverlappedAllReduce(
+    params, Probe(coll, lambda: None, world, 0), average=True, bucket_bytes=40_000
+)
 nb = len(sync.layout)
 assert nb >= 3, sync.layout
 
@@ -104,7 +108,9 @@ def rebuild_and_check():  # after a stop: a new group of generation 1, the bucke
     graveyard.keep(*dist.distributed_c10d._world.pg_map.keys())
     dist.destroy_process_group()
     gen[0] = 1
-    dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=rank, world_size=world)
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore("g1", store), rank=rank, world_size=world
+    )
     for p in params:
         p.grad = None
     backward(1)
@@ -118,7 +124,8 @@ if MODE == "sum":
         del launches[:]
         backward(step, passes=2 if step == 3 else 1)
         check(step)
-        if step < 3:  # hooks are installed at construction: all but the unused bucket fly in backward
+        # hooks are installed at construction: all but the unused bucket fly in backward
+        if step < 3:
             assert launches == [True] * (nb - 1) + [False], (step, launches)
     print("sum ok", flush=True)
 elif MODE == "stop":

@@ -119,7 +119,8 @@ def test_inject_goes_to_the_injector_and_waiting_rides_the_next_heartbeat(server
 
 def test_a_wait_probe_is_asked_while_nothing_changes_and_its_answer_rides_the_heartbeat(server):
     """rt.ddp's C++ waits cannot say they wait: the writer asks the probe (every PERIOD_S, even
-    with no progress) and ORs its answer into `waiting`; it turns false again when the probe does."""
+    with no progress) and ORs its answer into `waiting`; it turns false again when the probe
+    does."""
     path, srv = server
     answer = {"waiting": False}
     asked: list[float] = []

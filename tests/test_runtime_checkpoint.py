@@ -82,8 +82,8 @@ from launcher.runtime import checkpoint as ckpt
 from launcher.runtime.devices import DeviceAdapter
 from launcher.runtime.state import capture_rng
 root = sys.argv[1]
-big = {"models": [{"w": torch.full((1 << 22,), 7.0)}], "optimizers": [], "schedulers": [], "extras": {},
-       "rng": capture_rng(DeviceAdapter()), "data_pos": 7, "step": 7}
+big = {"models": [{"w": torch.full((1 << 22,), 7.0)}], "optimizers": [], "schedulers": [],
+       "extras": {}, "rng": capture_rng(DeviceAdapter()), "data_pos": 7, "step": 7}
 print("saving", flush=True)
 while True:  # keep saving iteration 7 until killed
     ckpt.write_shard(root, 7, "mp_rank_00", big)

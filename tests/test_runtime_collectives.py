@@ -37,7 +37,9 @@ def on_error(exc, what):  # like the runtime: a failed collective waits for the 
 graveyard = Graveyard()
 busy = []  # on_busy calls: True once a wait lasts BUSY_AFTER_S, False when it ends
 sliced = os.environ["SLICED"] == "1"  # gloo's own wait in slices, or the future-callback wait
-coll = Interruptible(stop, graveyard, lambda: 0, 120.0, on_error, on_busy=busy.append, sliced=sliced)
+coll = Interruptible(
+    stop, graveyard, lambda: 0, 120.0, on_error, on_busy=busy.append, sliced=sliced
+)
 t = torch.ones(1 << 16)
 store.add("looping", 1)
 try:

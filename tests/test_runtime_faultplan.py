@@ -63,7 +63,8 @@ def test_process_faults_are_real(kind, code):
     spec = json.dumps([{"rank": 0, "step": 1, "phase": "forward", "kind": kind}])
     prog = (
         "from launcher.runtime.faultplan import FaultInjector, parse_plan\n"
-        f"FaultInjector(parse_plan({spec!r}), 0, print).maybe_fire(0, 1, 'forward')\nprint('survived')"
+        f"FaultInjector(parse_plan({spec!r}), 0, print).maybe_fire(0, 1, 'forward')\n"
+        "print('survived')"
     )
     res = subprocess.run(
         [sys.executable, "-c", prog], env=base_env(), capture_output=True, text=True, timeout=60
@@ -121,7 +122,8 @@ def test_bad_injection_is_ignored_with_one_line(msg, why):
 def test_kill_forwarded_without_a_step_is_a_real_signal_at_once():
     prog = (
         "import time\nfrom launcher.runtime.faultplan import FaultInjector\n"
-        "FaultInjector([], 0, print).arm({'op': 'inject', 'kind': 'kill', 'step': None, 'phase': None})\n"
+        "FaultInjector([], 0, print).arm("
+        "{'op': 'inject', 'kind': 'kill', 'step': None, 'phase': None})\n"
         "print('survived')"
     )
     res = subprocess.run(

@@ -36,8 +36,8 @@ WORKER = textwrap.dedent(r"""
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timedelta(seconds=60))
     ledger = SocketLedger()
     with ledger.track(0):
-        dist.init_process_group("gloo", store=dist.PrefixStore("g0", store), rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=dist.PrefixStore("g0", store), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=60))
     mine = ledger.sockets(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
     for _ in range(2):
@@ -188,8 +188,8 @@ QUEUED_SEND = textwrap.dedent(r"""
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
     ledger = SocketLedger()
     with ledger.track(0):
-        dist.init_process_group("gloo", store=dist.PrefixStore("g0", store), rank=rank, world_size=2,
-                                timeout=timedelta(seconds=3))
+        dist.init_process_group("gloo", store=dist.PrefixStore("g0", store), rank=rank,
+                                world_size=2, timeout=timedelta(seconds=3))
     store.set(f"pid{rank}", str(os.getpid()))
     dist.barrier()
     big = torch.zeros(64 * 1024 * 1024)  # 256 MB: more than the socket buffers hold

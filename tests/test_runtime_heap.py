@@ -31,7 +31,8 @@ before = rss()
 heap.settle()
 libc = heap.libc()
 libc.free(libc.malloc(1 << 20))  # a free that consolidates lets glibc trim the heap's top
-print(json.dumps({{"prepared": prepared, "faults": faults, "rss_before_settle": before, "rss_after": rss()}}))
+print(json.dumps({{"prepared": prepared, "faults": faults, "rss_before_settle": before,
+                  "rss_after": rss()}}))
 """
 
 

@@ -321,7 +321,8 @@ def test_budget_exhausted_exits_1_with_the_root_cause_first(tmp_path):
 
 @pytest.mark.slow
 def test_plain_torchrun_trains_without_recovery_and_resumes_from_checkpoints(tmp_path):
-    """No agent: one log line says so; a run resumed from a checkpoint equals an uninterrupted one."""
+    """No agent: one log line says so; a run resumed from a checkpoint equals an uninterrupted
+    one."""
     import subprocess
     import sys
 

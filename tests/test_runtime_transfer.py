@@ -23,17 +23,20 @@ rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
 dist.init_process_group("gloo", store=dist.PrefixStore("t", store), rank=rank, world_size=world)
 hidden = int(os.environ["HIDDEN"])
-senders = [0, 3] if os.environ["STRIPED"] == "1" else [0]  # rank 3 is a replica of rank 0 when striped
+# rank 3 is a replica of rank 0 when striped
+senders = [0, 3] if os.environ["STRIPED"] == "1" else [0]
 if rank in (1, 2) and "RECEIVERS_LOCAL" in os.environ:
     os.environ["FTRUN_TRANSFER_LOCAL"] = os.environ["RECEIVERS_LOCAL"]
 torch.manual_seed(100 if rank in senders else 100 + rank)  # receivers start from other weights
-model = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.BatchNorm1d(hidden), torch.nn.ReLU(),
-                            torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1))
+model = torch.nn.Sequential(torch.nn.Linear(16, hidden), torch.nn.BatchNorm1d(hidden),
+                            torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(hidden, 1))
 opt = torch.optim.Adam(model.parameters(), lr=0.01)
 sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
 pos = {"batch": 0}
 ema = torch.zeros(4)
-reg = Registered([model], [opt], [sched], (lambda: dict(pos), lambda p: pos.update(p)), {"ema": ema})
+reg = Registered(
+    [model], [opt], [sched], (lambda: dict(pos), lambda p: pos.update(p)), {"ema": ema}
+)
 
 def train(n, seed):
     for i in range(n):
@@ -75,7 +78,8 @@ elif rank in (1, 2):
 # one more identical step everywhere, then dump everything
 train(1, 999)
 out = {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-       "draw": (random.random(), float(np.random.rand()), torch.rand(3)), "pos": dict(pos), "ema": ema}
+       "draw": (random.random(), float(np.random.rand()), torch.rand(3)), "pos": dict(pos),
+       "ema": ema}
 torch.save(out, f"out{rank}.pt")
 dist.barrier()
 """

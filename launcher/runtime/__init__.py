@@ -29,13 +29,15 @@ Complete example (a plain data-parallel loop; ~10 lines differ from the torch or
                 checkpoint_dir="ckpt", checkpoint_every=10)   # optional durable checkpoints
     # rt.set_layout(dp=2, tp=2)  or  rt.set_replica_groups([[0, 2], [1, 3]])  for model parallel
     for step in rt.steps(100):                       # recovery happens inside this iterator
-        with step:                                   # step start: RNG/data snapshot; stops land here
+        with step:                                   # step start: RNG/data snapshot;
+                                                     # stops land here
             with step.phase("forward"):
                 x, y = batch()
                 loss = torch.nn.functional.mse_loss(model(x), y)
             with step.phase("backward"):
                 loss.backward()
-                rt.allreduce_gradients(model)        # waits for the bucket all-reduces backward started
+                rt.allreduce_gradients(model)        # waits for the bucket all-reduces
+                                                     # that backward started
             with step.optimizer_update():            # completing it commits the step
                 opt.step(); sched.step(); opt.zero_grad()
     rt.finish()                                      # call last: may os._exit after a recovery
@@ -59,7 +61,7 @@ Rules the script keeps:
 Public API: `init`, `Runtime` (register, set_layout, set_replica_groups, new_group, group,
 steps, all_reduce, broadcast, all_gather, barrier, allreduce_gradients, ddp, report_fault,
 save_checkpoint, load_checkpoint, finish), `Step` (phase, optimizer_update), `StopRequested`,
-`GroupHandle`, `Layout`, `plan_repair`.
+`GroupHandle`, `Layout`, `RuntimeOptions`, `EXIT_FALLBACK`.
 """
 
 from __future__ import annotations
@@ -67,18 +69,19 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Exports load lazily: the launcher imports launcher.runtime.replicas (pure Python) and must not
-# pay for importing torch, which the rest of the runtime needs.
+# Exports load lazily, on first use: the agent process imports launcher.runtime.heap (pure
+# Python; launcher.workers.zygote's ForkServer, the spare pool's client of the fork server) and
+# must never import torch, which every module behind these names needs. Importing a submodule
+# runs this file first, so plain imports here would load torch into the agent.
 _EXPORTS = {
     "init": "launcher.runtime.runtime",
     "Runtime": "launcher.runtime.runtime",
-    "RuntimeOptions": "launcher.runtime.runtime",
-    "Step": "launcher.runtime.runtime",
+    "RuntimeOptions": "launcher.runtime.rank_state",
+    "Step": "launcher.runtime.step_path",
     "EXIT_FALLBACK": "launcher.protocol.plan",
     "StopRequested": "launcher.runtime.signals",
     "GroupHandle": "launcher.runtime.groups",
     "Layout": "launcher.runtime.replicas",
-    "plan_repair": "launcher.runtime.replicas",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -8,7 +8,7 @@ calls: `start`, `step_start`, `phase`, `optimizer_update_start/end`, `step_end`,
 optimizer-update window; on a fault ftrun calls it back to stop, clean, rebuild its process
 groups, repairs the registered state (send/receive along the controller's plan), and calls
 rollback or commit with the step to resume at. The recovery round itself (post RankStatus ->
-RepairPlan -> rebuild -> transfer -> resume) is the runtime's (`Runtime._recover`); this module
+RepairPlan -> rebuild -> transfer -> resume) is the runtime's (`RecoveryRound.recover`); this module
 only maps the framework's calls onto the runtime's step machinery and adds the callbacks.
 
 Order of one recovery (every rank of the round, the replacement included from "rebuild_groups"):
@@ -30,8 +30,9 @@ from typing import Any, Callable, TypeVar
 from launcher.protocol import plan as P
 from launcher.runtime.devices import NETWORK, InjectedFault
 from launcher.runtime.replicas import Layout
-from launcher.runtime.runtime import Runtime, RuntimeOptions, Step, init
+from launcher.runtime.runtime import Runtime, RuntimeOptions, init
 from launcher.runtime.signals import StopRequested
+from launcher.runtime.step_path import Step
 from launcher.runtime.torch_collectives import CollectiveRouting
 
 T = TypeVar("T")
@@ -129,7 +130,7 @@ class FrameworkHooks:
         """After register(): the step to start at (0, a checkpoint's, or for a replacement the
         resume step of the round it joined, after its state arrived and rollback/commit ran)."""
         rt = self.runtime
-        if not rt._registered:
+        if not rt._state.registered:
             raise RuntimeError("call hooks.register(...) before hooks.start()")
         rt._publish_shard()
         self._next = rt._first_step()  # a replacement's round (or a newer one) completes here
@@ -150,49 +151,50 @@ class FrameworkHooks:
                 "step start()/recover() returned, one step after another)"
             )
         rt = self.runtime
-        rt._check_stop(f"start of step {step}")
-        cur = Step(rt, step)
+        path = rt._path
+        path.check_stop(f"start of step {step}")
+        cur = Step(path, step)
         cur.entered = True
-        rt._begin_step(cur)
+        path.begin(cur)
         self._step = cur
 
     def phase(self, name: str) -> None:
         """Optional marker (e.g. "forward", "backward"): heartbeat, stop check, fault injection."""
-        self.runtime._enter_phase(self._open("phase"), name)
+        self.runtime._path.enter_phase(self._open("phase"), name)
 
     def optimizer_update_start(self) -> None:
         """The optimizer update begins; a stop inside it marks this rank's state dirty."""
         cur = self._open("optimizer_update_start")
-        rt = self.runtime
-        rt._check_stop("before optimizer update")
-        rt._in_update = True
-        rt._enter_phase(cur, "optimizer", check=False)
+        path = self.runtime._path
+        path.check_stop("before optimizer update")
+        path.state.in_update = True
+        path.enter_phase(cur, "optimizer", check=False)
 
     def optimizer_update_end(self) -> None:
         """The optimizer update completed: the step is committed."""
         cur = self._open("optimizer_update_end")
-        rt = self.runtime
-        if not rt._in_update:
+        path = self.runtime._path
+        if not path.state.in_update:
             raise RuntimeError("optimizer_update_end() without optimizer_update_start()")
-        rt._in_update = False
+        path.state.in_update = False
         cur.updated = True
-        rt._commit(cur.index)
+        path.commit(cur.index)
 
     def step_end(self) -> None:
         """The step is over (optional: the next step_start() or finish() ends it too). A step
         without an optimizer update commits here; periodic checkpoints are written here."""
         cur = self._open("step_end")
         rt = self.runtime
-        if rt._in_update:
+        if rt._state.in_update:
             raise RuntimeError(
                 f"step {cur.index} ended inside its optimizer update "
                 "(optimizer_update_end() missing)"
             )
         if not cur.updated:
-            rt._commit(cur.index)
+            rt._path.commit(cur.index)
         self._step = None
         self._next = cur.index + 1
-        rt._maybe_checkpoint(cur.index + 1)
+        rt._checkpoints.maybe_save(cur.index + 1)
 
     def _open(self, what: str) -> Step:
         if self._step is None:
@@ -205,9 +207,9 @@ class FrameworkHooks:
         fault the runtime recognises runs the recovery round with the callbacks and returns
         the step to continue at; anything else is re-raised."""
         rt = self.runtime
-        cur = self._step or Step(rt, rt._current_step)
+        cur = self._step or Step(rt._path, rt._state.current_step)
         exc = self._as_stop(exc)
-        if not isinstance(exc, Exception) or not rt._end_step(cur, exc):
+        if not isinstance(exc, Exception) or not rt._path.end(cur, exc):
             raise exc
         self._step = None
         cb = self._callbacks
@@ -215,7 +217,7 @@ class FrameworkHooks:
             cb.stop(str(exc))
         if cb.clean is not None:
             cb.clean()
-        resume = rt._recover()
+        resume = rt._round.recover()
         assert rt.last_plan is not None
         self._next = resume
         self._resume_callback(rt.last_plan, resume)
@@ -231,7 +233,7 @@ class FrameworkHooks:
         if found is None or found.kind != NETWORK:
             return exc
         try:
-            rt._on_collective_error(exc, "framework collective")
+            rt._path.on_collective_error(exc, "framework collective")
         except StopRequested as stop:
             return stop
         return exc

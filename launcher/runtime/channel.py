@@ -5,15 +5,17 @@ that serve it: a reader that turns the agent's `Stop` into a `StopSignal` reques
 blocked in a collective still hears it) and hands `Inject` (from `ftctl inject`) to the fault
 injector, and a writer that sends a `Heartbeat` on every progress change and at least every
 `heartbeat_interval` seconds. The training thread never touches the socket: it only updates the
-heartbeat's fields and queues messages. The messages and their encoding are `launcher.protocol.messages`'s.
+heartbeat's fields and queues messages. The messages and their encoding are
+`launcher.protocol.messages`'s.
 Heartbeats are at most MIN_HEARTBEAT_GAP apart while progress changes (the latest progress is
 sent, nothing is lost but intermediate phases): a fast training loop changes phase several
 times per step and must not pay a message (and the agent a parse) for each. Other messages
 (fault, recovered, bye) go out at once. With a progress source set (`set_progress_source`: the
 runtime), the training thread does not even call the channel at a phase edge: the writer reads
 (step, phase, committed step, step time) from the source every MIN_HEARTBEAT_GAP and sends a
-heartbeat when they changed; the runtime only `wake()`s it for phases worth telling at once. With a wait probe set (`set_wait_probe`: rt.ddp's native
-reducer, whose waits run in C++), the writer also asks it every PERIOD_S whether the training
+heartbeat when they changed; the runtime only `wake()`s it for phases worth telling at once.
+With a wait probe set (`set_wait_probe`: rt.ddp's native reducer, whose waits run in C++), the
+writer also asks it every PERIOD_S whether the training
 thread sits in such a wait, and reports it as `waiting` as the runtime's own waits do.
 """
 

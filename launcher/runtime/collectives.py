@@ -78,7 +78,8 @@ class _Busy:
         return float("inf") if self._told else self._since + BUSY_AFTER_S
 
     def tick(self, now: bool = False) -> None:
-        """`now`: the wait turns into waiting for the agent (a failed collective): say so at once."""
+        """`now`: the wait turns into waiting for the agent (a failed collective): say so at
+        once."""
         if not self._told and (now or time.monotonic() - self._since >= BUSY_AFTER_S):
             self._told = True
             self._on_busy(True)

@@ -23,7 +23,7 @@ Steady state: DDP's own reducer (FTRUN_DDP_COMM=reducer, the default).
   groups (launcher.runtime.group_sockets), so a C++ wait on a peer that will never answer fails
   at once; a peer's death fails it by itself. `loss.backward()` (or the forward, for DDP's
   bucket-rebuild broadcast) then raises; the step's exit turns that into the stop
-  (Runtime._end_step). While it waits, the agent channel's writer reports the rank as waiting on
+  (StepPath.end). While it waits, the agent channel's writer reports the rank as waiting on
   its peers (launcher.runtime.wait_probe), so the hang watch blames the hung rank, not them.
 - After every recovery round each rank drops its reducer (a one-rank stand-in, no collective)
   and the first forward of the resumed step settles the new one (`_ft_settle`): at step 0 DDP's
@@ -59,7 +59,8 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -68,12 +69,26 @@ from torch.nn.parallel import DistributedDataParallel
 from launcher.runtime.buckets import FlatBucket, GradComm
 from launcher.runtime.groups import GroupHandle
 
-if TYPE_CHECKING:
-    from launcher.runtime.runtime import Runtime
+
+@dataclass(frozen=True)
+class DDPHost:
+    """What `RuntimeDDP` needs from the runtime that builds it (`Runtime.ddp`)."""
+
+    rank: int
+    log: Callable[[str], None]
+    comm_mode: str  # FTRUN_DDP_COMM: "reducer" (DDP's own, once it may) or "hook"
+    grad_comm: Callable[[GroupHandle | None], GradComm]  # the all-reduce of a group's grads
+    current_step: Callable[[], int]
+    enable_cpp_waits: Callable[[], None]  # collectives wait in C++ from now on (DDP's reducer)
+    needs_state: bool  # a replacement: its state comes from a replica (no initial sync)
+    on_rebuild: Callable[[Callable[[int], None]], None]  # adds a listener to group rebuilds
+
 
 # DDP options whose collectives run on DDP's own group, outside the runtime: refused when set.
 REFUSED = {
-    "find_unused_parameters": "its unused-parameter all-reduce runs inside DDP, outside the runtime",
+    "find_unused_parameters": (
+        "its unused-parameter all-reduce runs inside DDP, outside the runtime"
+    ),
     "static_graph": "its unused-parameter all-reduce runs inside DDP, outside the runtime",
     "delay_all_reduce_named_params": "its delayed all-reduce runs inside DDP, outside the runtime",
     "param_to_hook_all_reduce": "its delayed all-reduce runs inside DDP, outside the runtime",
@@ -252,7 +267,8 @@ class BucketComm:
             torch._foreach_copy_([self._views[i] for i in members], flat_bucket.views)
 
     def _learn_layout(self) -> list[list[int]]:
-        """DDP's rebuilt layout from rank 0's gradient-ready order (broadcast through the runtime)."""
+        """DDP's rebuilt layout from rank 0's gradient-ready order (broadcast through the
+        runtime)."""
         n = len(self._params)
         order = list(self._order) + [i for i in reversed(range(n)) if i not in self._order]
         t = torch.tensor(order, dtype=torch.int64)
@@ -296,24 +312,24 @@ class RuntimeDDP(DistributedDataParallel):
     `rt.ddp(module, **ddp_kwargs)`; it is used exactly like DDP."""
 
     @classmethod
-    def build(cls, rt: "Runtime", module: torch.nn.Module, **kwargs: Any) -> "RuntimeDDP":
+    def build(cls, host: DDPHost, module: torch.nn.Module, **kwargs: Any) -> RuntimeDDP:
         check_options(module, kwargs)
         handle: GroupHandle | None = kwargs.pop("process_group", None)
         init_sync = bool(kwargs.pop("init_sync", True))
-        comm = rt._grad_comm(handle)
+        comm = host.grad_comm(handle)
         # .grad as views into DDP's buckets unless the user chose, where that gives DDP's own
         # numbers (see "Gradients" in the module docstring): one pass over the gradients less
         kwargs.setdefault(
-            "gradient_as_bucket_view", rt.env.ddp_comm == "hook" or _power_of_two(comm.size)
+            "gradient_as_bucket_view", host.comm_mode == "hook" or _power_of_two(comm.size)
         )
-        ft = BucketComm(comm, lambda: rt._current_step, rt.log)
-        ddp = cls(module, process_group=_solo_group(rt.rank), init_sync=False, **kwargs)
+        ft = BucketComm(comm, host.current_step, host.log)
+        ddp = cls(module, process_group=_solo_group(host.rank), init_sync=False, **kwargs)
         ddp._ft_comm = ft
         ddp._ft_grad = comm
-        ddp._ft_rank = rt.rank
-        ddp._ft_log = rt.log
-        ddp._ft_reducer_ok = rt.env.ddp_comm == "reducer"
-        ddp._ft_enable_cpp_waits = rt._enable_cpp_waits
+        ddp._ft_rank = host.rank
+        ddp._ft_log = host.log
+        ddp._ft_reducer_ok = host.comm_mode == "reducer"
+        ddp._ft_enable_cpp_waits = host.enable_cpp_waits
         ddp._ft_on_reducer = (
             False  # DDP's own reducer on the runtime's group (else the comm hook's)
         )
@@ -323,15 +339,16 @@ class RuntimeDDP(DistributedDataParallel):
         ref = weakref.ref(ddp)
         ft.ddp_rebuilt = lambda: bool(getattr(ref(), "_has_rebuilt_buckets", False))
         ddp._ft_install()
-        if not rt._needs_state:  # a replacement receives its state from a replica
+        if not host.needs_state:  # a replacement receives its state from a replica
             # plain DDP: params (and buffers) at init_sync, buffers again before the first forward
             buffers = ddp.forward_sync_buffers or (init_sync and "forward_sync_buffers" in kwargs)
             ddp._ft_initial_sync(init_sync, buffers)
-        rt._rebuild_listeners.append(_rebuilder(weakref.ref(ddp), rt.rank))
+        host.on_rebuild(_rebuilder(weakref.ref(ddp), host.rank))
         return ddp
 
     def _ft_initial_sync(self, params: bool, buffers: bool) -> None:
-        """What DDP's init_sync does (rank 0's parameters and buffers to all), through the runtime."""
+        """What DDP's init_sync does (rank 0's parameters and buffers to all), through the
+        runtime."""
         ignore = self.parameters_to_ignore
         tensors = (
             [p for n, p in self.module.named_parameters() if n not in ignore] if params else []
@@ -457,7 +474,8 @@ class RuntimeDDP(DistributedDataParallel):
         elif rebuilt != self._ft_layout:
             self._ft_log(
                 f"DDP rebuilt its buckets into a layout other than the one it was given "
-                f"({len(rebuilt)} buckets against {len(self._ft_layout)}); later recoveries use DDP's"
+                f"({len(rebuilt)} buckets against {len(self._ft_layout)}); later recoveries "
+                "use DDP's"
             )
         self._ft_layout = rebuilt
 

@@ -6,9 +6,9 @@ agent channel, any thread), and firing each entry once when the runtime reaches 
 (generation, rank, step, phase). A forwarded injection matches any generation; without a step it
 fires at the next phase edge ("now"). Process faults are real (SIGKILL, SIGSEGV, os._exit, an
 un-interruptible hang, and stuck-wait: the same hang reported to the agent as a wait inside a
-collective, as a wait in C++ that a stop failed to break looks); device faults (uce-low, uce-high, network, unsafe-data) and "exception"
-are raised as `InjectedFault` and go through the device adapter's classification like real
-ones. Every arming and firing is logged as injected.
+collective, as a wait in C++ that a stop failed to break looks); device faults (uce-low,
+uce-high, network, unsafe-data) and "exception" are raised as `InjectedFault` and go through the
+device adapter's classification like real ones. Every arming and firing is logged as injected.
 """
 
 from __future__ import annotations
@@ -93,7 +93,8 @@ def parse_plan(raw: str | None) -> list[FaultSpec]:
 
 
 def parse_injection(msg: dict, rank: int) -> FaultSpec:
-    """The agent's {"op":"inject","kind","step","phase"} as a spec for this rank (any generation)."""
+    """The agent's {"op":"inject","kind","step","phase"} as a spec for this rank (any
+    generation)."""
     kind, step, phase = msg.get("kind"), msg.get("step"), msg.get("phase")
     if kind not in KINDS:
         raise ValueError(f"inject kind={kind!r}; allowed: {', '.join(KINDS)}")

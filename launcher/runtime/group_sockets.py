@@ -10,7 +10,7 @@ bucket-rebuild broadcast inside the forward); a Python thread cannot leave that 
 neither `ProcessGroupGloo.abort()` nor a signal releases it (checked on torch 2.13). A shut-down
 socket does: gloo's pair sees the connection closed and fails the work within a millisecond
 ("Connection closed by peer"), the wait raises, and the runtime turns that into the stop (see
-Runtime._end_step). The peers' pairs on those sockets fail the same way (they are stopping too;
+StepPath.end). The peers' pairs on those sockets fail the same way (they are stopping too;
 a peer that is not yet stopped takes it as a collective error and waits for its own stop).
 
 Limit (gloo's, not ours): a send gloo had already queued on a connection before that connection

@@ -1,18 +1,17 @@
 """A warm spare's heap, faulted in before it becomes a replacement.
 
-Owns: `prepare(nbytes)`, run by an idle forked spare (`launcher.workers.zygote`), and `settle()`, run by
-the runtime of a replacement once its repair is done. A replacement builds its model and
+Owns: `prepare(nbytes)`, run by an idle forked spare (`launcher.workers.zygote`), and `settle()`,
+run by the runtime of a replacement once its repair is done. A replacement builds its model and
 optimizer state in fresh memory and the state it receives lands there: every page is first
-zero-filled by the kernel on its first touch, inside the transfer (with huge pages: 2 MB at a
-time, sometimes behind a compaction). `prepare` moves that work to the spare's idle time:
-allocations below glibc's largest mmap threshold (32 MB) are taken from the main heap instead of
-fresh mappings, the heap is grown by `nbytes` (the largest state a rank of this node reported,
+zero-filled by the kernel on its first touch, inside the transfer (with huge pages: 2 MB at a time,
+sometimes behind a compaction). `prepare` moves that work to the spare's idle time: allocations
+below glibc's largest mmap threshold (32 MB) are taken from the main heap instead of fresh mappings,
+the heap is grown by `nbytes` (the largest state a rank of this node reported,
 `Heartbeat.state_bytes`), every page of it is touched (huge pages where the kernel has them) and
-given back to the heap, which is told not to trim it. The replacement's tensors are then carved
-from memory that is already there: 171.6 MB arrived in 28-29 ms instead of 38-42 ms here.
-`settle` restores a trim threshold of 64 MB (what glibc's own dynamic rule reaches in a
-long-running process), so the replacement then frees memory like its peers. Only glibc; anything
-else: a no-op.
+given back to the heap, which is told not to trim it. The replacement's tensors are then carved from
+memory that is already there: 171.6 MB arrived in 28-29 ms instead of 38-42 ms here. `settle`
+restores a trim threshold of 64 MB (what glibc's own dynamic rule reaches in a long-running
+process), so the replacement then frees memory like its peers. Only glibc; anything else: a no-op.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ state is applied (its generator states replace the rank's). At the close:
   generator state, and those numbers may live outside the state that arrives. A reseed in the
   window (`torch.manual_seed`, `torch.set_rng_state`, `torch.seed`, watched) with nothing drawn
   since the first skipped fill is fine (from there the generator is where a normal start's is); a
-  reseed after such a draw counts as that draw. When either rule is broken the replacement cannot be
-  proven equal to its replicas: it says so in one line, marks the job (store key `plan.skip_init_off_key`) so later
-  replacements init normally, and exits 1 before any state moves -- the agent starts another
-  replacement in a new round.
+  reseed after such a draw counts as that draw. When either rule is broken the replacement cannot
+  be proven equal to its replicas: it says so in one line, marks the job (store key
+  `plan.skip_init_off_key`) so later replacements init normally, and exits 1 before any state
+  moves -- the agent starts another replacement in a new round.
 
 A skipped tensor holds uninitialised memory with NaN in its first and last element until the
 state arrives, so a copy taken of it in between (say, a frozen reference model deep-copied from
@@ -170,7 +170,8 @@ class InitSkip:
             if outside:
                 diverged = (
                     f"{len(outside)} skipped inits ({outside[0].fn.__name__} of a "
-                    f"{tuple(outside[0].tensor.shape)} tensor first) wrote tensors outside the received state"
+                    f"{tuple(outside[0].tensor.shape)} tensor first) wrote tensors outside the "
+                    "received state"
                 )
         self.first_rng = None
         return SkipResult(len(records), diverged)

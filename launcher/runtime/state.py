@@ -327,7 +327,8 @@ class Registered:
         }
 
     def load_full_state(self, state: dict, device: DeviceAdapter) -> None:
-        """Apply a full state (model tensors already received in place are copied onto themselves)."""
+        """Apply a full state (model tensors already received in place are copied onto
+        themselves)."""
         if (
             len(state["models"]) != len(self.models)
             or len(state["optimizers"]) != len(self.optimizers)

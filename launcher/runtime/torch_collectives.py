@@ -5,7 +5,7 @@ Owns: `CollectiveRouting`, which (while installed) replaces the collective funct
 megatron-core's tensor-parallel layers, cross entropy and gradient reductions make) by wrappers
 that issue the same call with `async_op=True` and wait through the runtime's `Interruptible`:
 a stop for a newer generation makes the rank leave (StopRequested), a failed collective waits
-for the agent's stop (see Runtime._on_collective_error). A caller that asked for `async_op=True`
+for the agent's stop (see StepPath.on_collective_error). A caller that asked for `async_op=True`
 gets a work whose `wait()` is interruptible the same way.
 
 Why a patch: a blocking gloo collective cannot be left from Python. Neither a signal, nor

@@ -122,6 +122,38 @@ def _stripe_views(
     return [pieces[i][a:b] for i, a, b in stripe_segments([p.numel() for p in pieces], lo, hi)]
 
 
+@dataclass
+class _Outgoing:
+    """A stripe of a state as it goes out: header, metadata, and the stripe's bytes in two
+    halves (on the wire a stripe is always its two halves: the receiver posts the same
+    messages; fault injection fires between them), with the memory offer to a local reader."""
+
+    count: int  # tensors in the state
+    header: torch.Tensor
+    meta: torch.Tensor
+    first: list[torch.Tensor]
+    second: list[torch.Tensor]
+    offer: local_copy.Offer | None
+
+
+def _outgoing(state: dict, stripe: int, stripes: int) -> _Outgoing:
+    tensors: list[torch.Tensor] = []
+    skeleton = flatten(state, tensors)
+    tensors = [t.detach().contiguous() for t in tensors]
+    specs = [(str(t.dtype), tuple(t.shape)) for t in tensors]
+    small = [t for t in tensors if 0 < _nbytes(t) < SMALL_BYTES]
+    packed = torch.cat([_as_bytes(t) for t in small]) if small else None
+    packed_n = packed.numel() if packed is not None else 0
+    first, second = (_stripe_views(_pieces(tensors, packed), stripe, stripes, h) for h in (0, 1))
+    offer = local_copy.Offer.of(first + second) if local_copy.enabled() else None
+    info = {"skeleton": skeleton, "specs": specs, "local": offer.as_dict() if offer else None}
+    meta = torch.frombuffer(bytearray(pickle.dumps(info, protocol=5)), dtype=torch.uint8)
+    header = torch.tensor(
+        [meta.numel(), len(tensors), packed_n, stripe, stripes], dtype=torch.int64
+    )
+    return _Outgoing(len(tensors), header, meta, first, second, offer)
+
+
 def send_state(
     coll: Interruptible,
     state: dict,
@@ -136,53 +168,36 @@ def send_state(
     if not 0 <= stripe < stripes:
         raise ValueError(f"stripe {stripe} outside 0..{stripes - 1}")
     t0 = time.perf_counter()
-    tensors: list[torch.Tensor] = []
-    skeleton = flatten(state, tensors)
-    tensors = [t.detach().contiguous() for t in tensors]
-    specs = [(str(t.dtype), tuple(t.shape)) for t in tensors]
-    small = [t for t in tensors if 0 < _nbytes(t) < SMALL_BYTES]
-    packed = torch.cat([_as_bytes(t) for t in small]) if small else None
-    packed_n = packed.numel() if packed is not None else 0
-    # on the wire a stripe is always its two byte halves (the receiver posts the same messages);
-    # fault injection (`midway`) fires between them
-    first, second = (_stripe_views(_pieces(tensors, packed), stripe, stripes, h) for h in (0, 1))
-    views = first + second
-    offer = local_copy.Offer.of(views) if local_copy.enabled() else None
-    meta = torch.frombuffer(
-        bytearray(
-            pickle.dumps(
-                {"skeleton": skeleton, "specs": specs, "local": offer.as_dict() if offer else None},
-                protocol=5,
-            )
-        ),
-        dtype=torch.uint8,
-    )
-    header = torch.tensor(
-        [meta.numel(), len(tensors), packed_n, stripe, stripes], dtype=torch.int64
-    )
+    out = _outgoing(state, stripe, stripes)
+    views = out.first + out.second
     what = "state stripe" if stripes > 1 else "state"
-    total = meta.numel() + sum(v.numel() for v in views)
-    if offer is not None:
-        # the receiver reads the bytes from this process's memory if it can (same host) and
-        # answers; `views` must stay unchanged until then. Fault injection fires while it reads.
-        answer = torch.zeros(1, dtype=torch.int64)
-        with local_copy.ReadersAllowed():
-            coll.send([header, meta], dst, what)
-            if midway is not None:
-                midway()
-            coll.recv([answer], dst, "state read answer")
-        if int(answer[0]) == READ_DONE:
-            return TransferStats(
-                total, len(tensors), time.perf_counter() - t0, stripes, path="memory"
-            )
+    total = out.meta.numel() + sum(v.numel() for v in views)
+    if out.offer is not None:
+        if _offered_read(coll, out, dst, what, midway):
+            return TransferStats(total, out.count, time.perf_counter() - t0, stripes, path="memory")
         coll.send(views, dst, what)
     elif midway is None:
-        coll.send([header, meta] + views, dst, what)
+        coll.send([out.header, out.meta] + views, dst, what)
     else:
-        coll.send([header, meta] + first, dst, what)
+        coll.send([out.header, out.meta] + out.first, dst, what)
         midway()
-        coll.send(second, dst, what)
-    return TransferStats(total, len(tensors), time.perf_counter() - t0, stripes)
+        coll.send(out.second, dst, what)
+    return TransferStats(total, out.count, time.perf_counter() - t0, stripes)
+
+
+def _offered_read(
+    coll: Interruptible, out: _Outgoing, dst: int, what: str, midway: Callable[[], None] | None
+) -> bool:
+    """Offer this process's memory: the receiver reads the bytes from it if it can (same host)
+    and answers (the stripe's views stay unchanged until then; fault injection fires while it
+    reads). True when it read them all."""
+    answer = torch.zeros(1, dtype=torch.int64)
+    with local_copy.ReadersAllowed():
+        coll.send([out.header, out.meta], dst, what)
+        if midway is not None:
+            midway()
+        coll.recv([answer], dst, "state read answer")
+    return int(answer[0]) == READ_DONE
 
 
 def _targets(
@@ -221,6 +236,46 @@ def recv_state(
         raise ValueError(f"state sources {srcs} must be distinct and non-empty")
     k = len(srcs)
     t0 = time.perf_counter()
+    count, packed_n, metas = _recv_headers(coll, srcs)
+    infos = [pickle.loads(m.numpy().tobytes()) for m in metas]  # in-job peers only
+    skeleton, specs = infos[0]["skeleton"], infos[0]["specs"]
+    for s, info in zip(srcs[1:], infos[1:]):
+        if info["specs"] != specs:
+            raise RuntimeError(f"rank {s} sends tensors of other dtypes/shapes than rank {srcs[0]}")
+    if len(specs) != count:
+        raise RuntimeError(f"state metadata lists {len(specs)} tensors, header said {count}")
+    t1 = time.perf_counter()
+    tensors, fresh = _targets(specs, skeleton, live)
+    small = [t for t in tensors if 0 < _nbytes(t) < SMALL_BYTES]
+    if sum(_nbytes(t) for t in small) != packed_n:
+        raise RuntimeError(f"packed size mismatch: peer sends {packed_n} bytes of small tensors")
+    blob = torch.empty(packed_n, dtype=torch.uint8) if packed_n else None
+    pieces = _pieces(tensors, blob)
+    t2 = time.perf_counter()
+    with torch.no_grad():
+        wire, fallback = _recv_payload(coll, srcs, infos, pieces)
+        t3 = time.perf_counter()
+        if blob is not None:
+            _unpack(blob, small)
+    total = sum(m.numel() for m in metas) + sum(p.numel() for p in pieces)
+    t4 = time.perf_counter()
+    phases = {
+        "meta_s": round(t1 - t0, 5),
+        "alloc_s": round(t2 - t1, 5),
+        "payload_s": round(t3 - t2, 5),
+        "unpack_s": round(t4 - t3, 5),
+        "fresh_tensors": fresh,
+    }
+    path = "wire" if len(wire) == k else "memory" if not wire else "memory+wire"
+    return unflatten(skeleton, tensors), TransferStats(
+        total, count, t4 - t0, k, phases, path, fallback
+    )
+
+
+def _recv_headers(coll: Interruptible, srcs: list[int]) -> tuple[int, int, list[torch.Tensor]]:
+    """Every sender's header (checked: stripes in order, replicas announcing the same state)
+    and metadata: (tensor count, packed bytes, the metadata blobs)."""
+    k = len(srcs)
     headers = [torch.zeros(HEADER_LEN, dtype=torch.int64) for _ in srcs]
     coll.wait_blocking(
         [dist.irecv(h, s) for h, s in zip(headers, srcs)], "state header", tuple(headers)
@@ -238,53 +293,35 @@ def recv_state(
     coll.wait_blocking(
         [dist.irecv(m, s) for m, s in zip(metas, srcs)], "state metadata", tuple(metas)
     )
-    infos = [pickle.loads(m.numpy().tobytes()) for m in metas]  # in-job peers only
-    skeleton, specs = infos[0]["skeleton"], infos[0]["specs"]
-    count, packed_n = vals[0][1], vals[0][2]
-    for s, info in zip(srcs[1:], infos[1:]):
-        if info["specs"] != specs:
-            raise RuntimeError(f"rank {s} sends tensors of other dtypes/shapes than rank {srcs[0]}")
-    if len(specs) != count:
-        raise RuntimeError(f"state metadata lists {len(specs)} tensors, header said {count}")
-    t1 = time.perf_counter()
-    tensors, fresh = _targets(specs, skeleton, live)
-    small = [t for t in tensors if 0 < _nbytes(t) < SMALL_BYTES]
-    if sum(_nbytes(t) for t in small) != packed_n:
-        raise RuntimeError(f"packed size mismatch: peer sends {packed_n} bytes of small tensors")
-    blob = torch.empty(packed_n, dtype=torch.uint8) if packed_n else None
-    pieces = _pieces(tensors, blob)
-    t2 = time.perf_counter()
-    with torch.no_grad():
-        stripe_views = [
-            _stripe_views(pieces, i, k, 0) + _stripe_views(pieces, i, k, 1) for i in range(k)
-        ]
-        wire, fallback = _read_local(coll, srcs, infos, stripe_views)
-        works, keep = [], []
-        for i in wire:
-            works += [dist.irecv(v, srcs[i]) for v in stripe_views[i]]
-            keep += stripe_views[i]
-        if works:
-            coll.wait_blocking(works, "state stripes" if k > 1 else "state tensors", tuple(keep))
-        t3 = time.perf_counter()
-        if blob is not None:
-            off = 0
-            for t in small:
-                n = _nbytes(t)
-                _as_bytes(t).copy_(blob[off : off + n])
-                off += n
-    total = sum(m.numel() for m in metas) + sum(p.numel() for p in pieces)
-    t4 = time.perf_counter()
-    phases = {
-        "meta_s": round(t1 - t0, 5),
-        "alloc_s": round(t2 - t1, 5),
-        "payload_s": round(t3 - t2, 5),
-        "unpack_s": round(t4 - t3, 5),
-        "fresh_tensors": fresh,
-    }
-    path = "wire" if len(wire) == k else "memory" if not wire else "memory+wire"
-    return unflatten(skeleton, tensors), TransferStats(
-        total, count, t4 - t0, k, phases, path, fallback
-    )
+    return vals[0][1], vals[0][2], metas
+
+
+def _recv_payload(
+    coll: Interruptible, srcs: list[int], infos: list[dict], pieces: list[torch.Tensor]
+) -> tuple[list[int], str]:
+    """The stripes' bytes into `pieces`: read from the senders' memory where offered, the
+    rest over the wire; the stripes that came over the wire, and why a read failed."""
+    k = len(srcs)
+    stripe_views = [
+        _stripe_views(pieces, i, k, 0) + _stripe_views(pieces, i, k, 1) for i in range(k)
+    ]
+    wire, fallback = _read_local(coll, srcs, infos, stripe_views)
+    works, keep = [], []
+    for i in wire:
+        works += [dist.irecv(v, srcs[i]) for v in stripe_views[i]]
+        keep += stripe_views[i]
+    if works:
+        coll.wait_blocking(works, "state stripes" if k > 1 else "state tensors", tuple(keep))
+    return wire, fallback
+
+
+def _unpack(blob: torch.Tensor, small: list[torch.Tensor]) -> None:
+    """The packed small tensors' bytes back into them, in order."""
+    off = 0
+    for t in small:
+        n = _nbytes(t)
+        _as_bytes(t).copy_(blob[off : off + n])
+        off += n
 
 
 def _read_local(

@@ -1,0 +1,164 @@
+"""The process groups of a rank's current generation.
+
+Owns: `World`: building the default group and the runtime's own groups on the generation's
+store prefix, tearing the old generation's groups down at a recovery round (never destroying a
+group a stuck collective may still use), the listeners told of each rebuild (rt.ddp, the
+framework's `on_rebuild`), and the collectives that wait in C++ (DDP's own reducer under
+rt.ddp): on a stop, shutting down the older groups' sockets so such a wait fails at once, and
+the alarm when the training thread stays inside one anyway.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Callable
+
+import torch.distributed as dist
+
+from launcher.protocol import plan as P
+from launcher.runtime.collectives import Graveyard
+from launcher.runtime.devices import DeviceAdapter
+from launcher.runtime.group_sockets import SocketLedger
+from launcher.runtime.groups import GroupRegistry
+from launcher.runtime.rank_state import RankLinks, RankState
+from launcher.runtime.wait_probe import (
+    STUCK_AFTER_BREAK_S,
+    CppWaitProbe,
+    StuckWaitAlarm,
+    cpp_wait_codes,
+)
+
+
+class World:
+    """The default group and the runtime's groups, rebuilt for each generation."""
+
+    def __init__(
+        self,
+        state: RankState,
+        links: RankLinks,
+        backend: str,
+        adapter: DeviceAdapter,
+        graveyard: Graveyard,
+    ) -> None:
+        self.state = state
+        self.links = links
+        self.backend = backend
+        self.adapter = adapter
+        self.graveyard = graveyard
+        env = links.env
+        self.groups = GroupRegistry(env.rank, env.world_size, backend)
+        # sockets of every gloo group, so that a stop can break waits torch runs in C++ (rt.ddp)
+        self.sockets = SocketLedger(lambda: links.stop.target)
+        links.stop.on_request(self.break_old_groups)
+        self.stuck_alarm: StuckWaitAlarm | None = None  # set with the C++ waits (rt.ddp, gloo)
+        # called with the new generation after every group rebuild (rt.ddp rebuilds DDP there)
+        self.listeners: list[Callable[[int], None]] = []
+        # Called with the generation once a recovery round has rebuilt the default group and
+        # the runtime's own groups: a framework re-creates its groups here (see callbacks).
+        self.on_rebuild: Callable[[int], None] | None = None
+
+    def build(self, generation: int, rebuild_groups: bool) -> None:
+        """The default group of `generation` (and, in a recovery round, the runtime's groups;
+        then the listeners rebuild theirs)."""
+        links = self.links
+        env = links.env
+        store = dist.PrefixStore(P.pg_prefix(generation), links.store)
+        with self.sockets.track(generation):
+            dist.init_process_group(
+                self.backend,
+                store=store,
+                rank=env.rank,
+                world_size=env.world_size,
+                timeout=timedelta(seconds=env.store_timeout),
+            )
+            if rebuild_groups:
+                self.groups.rebuild(generation)
+        if rebuild_groups:
+            for listener in list(self.listeners):
+                listener(generation)
+            if self.on_rebuild is not None:
+                self.on_rebuild(generation)
+
+    def teardown(self) -> None:
+        """Drop the current generation's groups (aborted first; kept alive in the graveyard)."""
+        if not dist.is_initialized():
+            return
+        c10d = dist.distributed_c10d
+        groups = list(c10d._world.pg_map.keys())
+        self.graveyard.keep(*groups)  # never let a group with a stuck op be destroyed
+        self.sockets.forget(self.links.stop.target)  # every group is about to be destroyed
+        self.adapter.abort_groups(groups)
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - the old world is discarded either way
+            self.links.log(
+                f"destroying generation {self.state.generation}'s groups failed ({exc}); "
+                "dropping them"
+            )
+            _drop_all_groups()
+
+    def abort_groups(self) -> None:
+        if dist.is_initialized():
+            self.adapter.abort_groups(list(dist.distributed_c10d._world.pg_map.keys()))
+
+    # ---------------------------------------------------------------- waits in C++
+    def break_old_groups(self, target: int) -> None:
+        """On a stop (the channel's reader thread): with collectives that wait in C++ (DDP's
+        own reducer under rt.ddp), shut down the sockets of the older generations' groups so
+        that such a wait fails at once instead of waiting for a hung peer (see
+        group_sockets)."""
+        if self.sockets.enabled:
+            n = self.sockets.break_before(target)
+            if n:
+                self.links.log(
+                    f"stop for generation {target}: shut down {n} sockets of the older groups "
+                    "(leaves DDP's waits in C++)"
+                )
+            if self.stuck_alarm is not None:
+                self.stuck_alarm.arm(target)
+
+    def _report_stuck(self, target: int) -> None:
+        """(the alarm's timer) The training thread stayed in its C++ wait after the break: tell
+        the agent, which replaces this rank in the round now (see StuckWaitAlarm)."""
+        self.links.log(
+            f"still inside a collective wait in C++ {STUCK_AFTER_BREAK_S:g}s after the stop for "
+            f"generation {target} shut down its sockets: a send gloo had queued on a failed "
+            "connection, which gloo never fails; asking the agent to replace this rank"
+        )
+        if self.links.channel is not None:
+            self.links.channel.update(stuck=True)
+
+    def enable_cpp_waits(self) -> None:
+        """Something waits for collectives in C++ from now on (DDP's own reducer): break
+        those waits on a stop, and report them to the agent as waiting on peers. gloo only: its
+        waits block the training thread on sockets. NCCL/HCCL waits do not block the host (the
+        stream waits), their groups are aborted through the device adapter, and there the
+        backward runs on device threads, so a training thread without CPU inside backward is
+        computing, not waiting: the probe would be wrong."""
+        if self.sockets.enabled or self.backend != "gloo":
+            return
+        self.sockets.enabled = True
+        channel = self.links.channel
+        if channel is not None:
+            codes = cpp_wait_codes()
+            channel.set_wait_probe(CppWaitProbe(codes))
+            state = self.state
+            self.stuck_alarm = StuckWaitAlarm(
+                codes, lambda g: state.generation >= g, self._report_stuck
+            )
+
+
+def _drop_all_groups() -> None:
+    """Forget every group torch knows (when destroying them failed)."""
+    c10d = dist.distributed_c10d
+    c10d._update_default_pg(None)
+    for table in (
+        c10d._world.pg_map,
+        c10d._world.pg_names,
+        c10d._world.pg_group_ranks,
+        c10d._world.pg_backend_config,
+        c10d._world.pg_to_tag,
+        c10d._world.tags_to_pg,
+    ):
+        table.clear()
+    c10d._world.group_count = 0
