@@ -66,34 +66,21 @@ save_checkpoint, load_checkpoint, finish), `Step` (phase, optimizer_update), `St
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from launcher.protocol.plan import EXIT_FALLBACK
+from launcher.runtime.groups import GroupHandle
+from launcher.runtime.rank_state import RuntimeOptions
+from launcher.runtime.replicas import Layout
+from launcher.runtime.runtime import Runtime, init
+from launcher.runtime.signals import StopRequested
+from launcher.runtime.step_path import Step
 
-# Exports load lazily, on first use: the agent process imports launcher.runtime.heap (pure
-# Python; launcher.workers.zygote's ForkServer, the spare pool's client of the fork server) and
-# must never import torch, which every module behind these names needs. Importing a submodule
-# runs this file first, so plain imports here would load torch into the agent.
-_EXPORTS = {
-    "init": "launcher.runtime.runtime",
-    "Runtime": "launcher.runtime.runtime",
-    "RuntimeOptions": "launcher.runtime.rank_state",
-    "Step": "launcher.runtime.step_path",
-    "EXIT_FALLBACK": "launcher.protocol.plan",
-    "StopRequested": "launcher.runtime.signals",
-    "GroupHandle": "launcher.runtime.groups",
-    "Layout": "launcher.runtime.replicas",
-}
-__all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'launcher.runtime' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__all__ = [
+    "EXIT_FALLBACK",
+    "GroupHandle",
+    "Layout",
+    "Runtime",
+    "RuntimeOptions",
+    "Step",
+    "StopRequested",
+    "init",
+]
