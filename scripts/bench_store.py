@@ -469,7 +469,7 @@ def main() -> None:
         "--backends",
         default="torch,ftrun,ftrun-proxy",
         help="comma-separated; NAME@PATH runs ftrun's server/proxies from the "
-        "checkout at PATH (e.g. ftrun@/work/main: a before/after in one run); "
+        "checkout at PATH (e.g. ftrun@../ftrun-old: a before/after in one run); "
         "NAME%%N with FTRUN_STORE_NICE=N (e.g. ftrun%%0: the loop threads at "
         "the inherited priority); NAME#LABEL a second instance "
         "(torch#2: an A/A control)",
