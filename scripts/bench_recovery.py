@@ -126,8 +126,8 @@ def warm_spares(root: int) -> list[int] | None:
                 cmd = f.read()
             with open(f"/proc/{pid}/comm", "rb") as f:
                 comm = f.read().strip()
-            # the fork server (launcher.workers.zygote, named ftrun-spare-srv) is not a spare; the
-            # spares it forked are (they keep its command line)
+            # the fork server (launcher.workers.spare_server, named ftrun-spare-srv) is not a
+            # spare; the spares it forked are (they keep its command line)
             if b"launcher.workers.spare" in cmd and comm != b"ftrun-spare-srv":
                 spares.append(pid)
         except OSError:

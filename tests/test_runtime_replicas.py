@@ -4,20 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.protocol.plan import RankStatus
 from launcher.runtime.replicas import Layout, parallel_groups
-
-
-def st(rank, committed, step=None, shard="dp", replacement=False, dirty=False, gen=1):
-    return RankStatus(
-        rank=rank,
-        generation=gen,
-        replacement=replacement,
-        committed_step=-1 if replacement else committed,
-        step=committed + 1 if step is None else step,
-        dirty=dirty,
-        shard=shard,
-    )
 
 
 def test_ddp_layout_every_rank_replicates_every_other():

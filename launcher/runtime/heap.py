@@ -1,8 +1,8 @@
 """A warm spare's heap, faulted in before it becomes a replacement.
 
-Owns: `prepare(nbytes)`, run by an idle forked spare (`launcher.workers.zygote`), and `settle()`,
-run by the runtime of a replacement once its repair is done. A replacement builds its model and
-optimizer state in fresh memory and the state it receives lands there: every page is first
+Owns: `prepare(nbytes)`, run by an idle forked spare (`launcher.workers.spare_server`), and
+`settle()`, run by the runtime of a replacement once its repair is done. A replacement builds its
+model and optimizer state in fresh memory and the state it receives lands there: every page is first
 zero-filled by the kernel on its first touch, inside the transfer (with huge pages: 2 MB at a time,
 sometimes behind a compaction). `prepare` moves that work to the spare's idle time: allocations
 below glibc's largest mmap threshold (32 MB) are taken from the main heap instead of fresh mappings,
@@ -33,8 +33,9 @@ ENV = "FTRUN_SPARE_HEAP"  # set in a replacement's environment by its spare: byt
 
 @functools.lru_cache(maxsize=1)
 def libc():
-    """glibc with the prototypes of the calls used here and by `launcher.workers.zygote.own_pages`
-    (malloc, free, mallopt, madvise); None when this is not glibc on Linux."""
+    """glibc with the prototypes of the calls used here and by
+    `launcher.workers.spare_server.own_pages` (malloc, free, mallopt, madvise); None when this is
+    not glibc on Linux."""
     if not sys.platform.startswith("linux"):
         return None
     try:

@@ -15,12 +15,11 @@ from __future__ import annotations
 import json
 import logging
 import socket
-import threading
 import time
 from typing import Any
 
 from rendezvous.errors import RendezvousError, StoreHostLostError
-from rendezvous.kv import KVStore, StoreError, StoreTimeout
+from rendezvous.kv import StoreError, StoreTimeout
 from rendezvous.nodes import rounds
 from rendezvous.nodes.keys import (
     GENERATION_KEY,
@@ -32,42 +31,17 @@ from rendezvous.nodes.keys import (
     join_key,
     static_join_key,
 )
-from rendezvous.nodes.liveness import Liveness, Timing
-from rendezvous.nodes.settings import MembershipSettings, RendezvousSettings
-from rendezvous.nodes.waits import Interrupt, wait_keys
+from rendezvous.nodes.member_state import MemberState
+from rendezvous.nodes.waits import wait_keys
 from rendezvous.nodes.world import NodeWorld, build_world, node_world
 
 log = logging.getLogger("ftrun.membership")
 
 
-class Joining:
+class Joining(MemberState):
     """Finding, closing and entering the run's world (see the module docstring). A mixin of
     `Membership`, whose state it uses and whose `current_generation`, `store_host` and
     `can_elect` it calls; `_rejoin` comes from `Replacing`."""
-
-    # set by Membership.__init__ (rendezvous.nodes.membership)
-    kv: KVStore
-    settings: MembershipSettings
-    rdzv: RendezvousSettings
-    timing: Timing
-    node_rank: int | None
-    nnodes_min: int
-    nnodes_max: int
-    local_world_size: int
-    host: str
-    run_id: str
-    hosts_store: bool
-    prev_rank: int
-    expect: int
-    static: bool
-    nonce: str
-    pid: int
-    incarnation: int
-    liveness: Liveness
-    lost: threading.Event
-    _interrupt: Interrupt
-    _round_opened: int
-    _slot: int | None
 
     def _find_world(self, deadline: float, timeout: float) -> NodeWorld:
         """Join the run's world: a new one, or the running one as a replacement or spare."""

@@ -11,48 +11,21 @@ spare_timeout); either way it enters the world it took a place in (`_replaced`).
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from rendezvous.errors import NodeLostError, RendezvousError, RendezvousGracefulExit
-from rendezvous.kv import KVStore, StoreError
+from rendezvous.kv import StoreError
 from rendezvous.nodes import rounds
 from rendezvous.nodes.keys import spare_key
-from rendezvous.nodes.liveness import Liveness, Timing
-from rendezvous.nodes.settings import MembershipSettings, RendezvousSettings
-from rendezvous.nodes.waits import Interrupt
+from rendezvous.nodes.member_state import MemberState
 from rendezvous.nodes.world import NodeWorld, node_world
 
 log = logging.getLogger("ftrun.membership")
 
 
-class Replacing:
+class Replacing(MemberState):
     """Replacement and hot-spare joins (see the module docstring). A mixin of `Membership`,
     whose state it uses; `_find_world`, `_record` and `_register` come from `Joining`."""
-
-    # set by Membership.__init__ (rendezvous.nodes.membership)
-    kv: KVStore
-    settings: MembershipSettings
-    rdzv: RendezvousSettings
-    timing: Timing
-    node_rank: int | None
-    nnodes_min: int
-    nnodes_max: int
-    local_world_size: int
-    host: str
-    run_id: str
-    hosts_store: bool
-    prev_rank: int
-    expect: int
-    static: bool
-    nonce: str
-    pid: int
-    incarnation: int
-    liveness: Liveness
-    lost: threading.Event
-    _interrupt: Interrupt
-    _round_opened: int
-    _slot: int | None
 
     def _rejoin(self, world: dict, deadline: float) -> NodeWorld:
         if world.get("run_id", self.run_id) != self.run_id:
