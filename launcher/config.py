@@ -12,6 +12,7 @@ sockets, except probing whether a local port is free.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import shlex
@@ -33,6 +34,7 @@ from launcher.hang.hang_watch import (
 from launcher.protocol import death_notice, plan
 from rendezvous.nodes.hosting import wants_to_host
 from rendezvous.nodes.settings import RendezvousSettings
+from rendezvous.store import auth
 from rendezvous.store.endpoints import (
     ETCD_DEFAULT_PORT,
     EndpointError,
@@ -94,6 +96,8 @@ class LaunchConfig:
     standalone: bool = False
     proxy: bool = False
     token_file: str | None = None
+    # the job token itself (FTRUN_JOB_TOKEN or token_file), checked; never logged (`public`)
+    job_token: str | None = field(default=None, repr=False)
     join_timeout: float = 600.0
     last_call_timeout: float = 30.0
     rdzv_settings: RendezvousSettings = field(default_factory=RendezvousSettings)
@@ -165,6 +169,12 @@ class LaunchConfig:
         if self.module:
             return [python, "-u", "-m", self.script, *args]
         return [python, "-u", self.script, *args]
+
+    def public(self) -> dict:
+        """Every field as plain data for the logs and the event file, the job token left out."""
+        out = dataclasses.asdict(self)
+        out.pop("job_token", None)
+        return out
 
     def describe(self) -> str:
         cmd = " ".join(shlex.quote(c) for c in self.worker_command(0))
@@ -352,7 +362,7 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     _recover_strategy(cfg, raw, env)
     _worker_logs(cfg, raw, env)
     _parity_flags(cfg, raw)
-    _rendezvous(cfg, raw)
+    _rendezvous(cfg, raw, env)
     _observation(cfg, env)
     cfg.node_replace_timeout = parse_node_replace_timeout(cfg.rdzv_conf, env)
     _store_backend(cfg)
@@ -413,13 +423,7 @@ def _supervision(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
         raise ConfigError(f"--shutdown-timeout: {st} must be >= 0")
     cfg.hang = parse_hang_policy(parse_hang_timeout(raw.get("hang_timeout")), env)
     cfg.death_notice = parse_death_notice(env.get(death_notice.ENV, ""))
-    raw_window = env.get("FTRUN_FAULT_WINDOW", "2")
-    try:
-        cfg.fault_window = float(raw_window)
-    except ValueError:
-        cfg.fault_window = -1.0
-    if not 0 <= cfg.fault_window <= 60:
-        raise ConfigError(f"FTRUN_FAULT_WINDOW={raw_window!r}: must be seconds in 0..60")
+    cfg.fault_window = parse_fault_window(env.get("FTRUN_FAULT_WINDOW", ""))
     cfg.warm_spares = parse_warm_spares(raw.get("warm_spares"), env)
     cfg.transfer_stripes = parse_transfer_stripes(env.get("FTRUN_TRANSFER_STRIPES", ""))
     cfg.signals_to_handle = parse_signals(
@@ -588,7 +592,7 @@ def _parity_flags(cfg: LaunchConfig, raw: dict) -> None:
     cfg.virtual_local_rank = bool(raw.get("virtual_local_rank"))
 
 
-def _rendezvous(cfg: LaunchConfig, raw: dict) -> None:
+def _rendezvous(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None:
     """The rendezvous flags as given, and the timeouts and token file of --rdzv-conf."""
     cfg.rdzv_conf = parse_rdzv_conf(raw.get("rdzv_conf") or "")
     cfg.rdzv_backend = (raw.get("rdzv_backend") or "static").strip()
@@ -610,12 +614,38 @@ def _rendezvous(cfg: LaunchConfig, raw: dict) -> None:
     cfg.join_timeout = cfg.rdzv_settings.join_timeout
     cfg.last_call_timeout = cfg.rdzv_settings.last_call_timeout
     cfg.token_file = cfg.rdzv_conf.get("token_file")
+    cfg.job_token = parse_job_token(cfg.token_file, env)
+
+
+def parse_job_token(token_file: str | None, env: dict[str, str]) -> str | None:
+    """The job token from `--rdzv-conf token_file=F` (a private file) or FTRUN_JOB_TOKEN (unset:
+    None, the store takes any client); a bad one is a ConfigError naming its source."""
+    try:
+        return auth.resolve_token(token_file, env)
+    except auth.TokenError as e:
+        source = f"--rdzv-conf token_file={token_file}" if token_file else auth.TOKEN_ENV
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def _observation(cfg: LaunchConfig, env: dict[str, str]) -> None:
     """What the agent's observer publishes: the metrics port and the progress records' pace."""
     cfg.metrics_port = parse_metrics_port(cfg.rdzv_conf, env)
     cfg.progress_interval = parse_progress_interval(env.get("FTRUN_PROGRESS_INTERVAL", ""))
+
+
+def parse_fault_window(raw: str) -> float:
+    """FTRUN_FAULT_WINDOW: seconds the controller holds a possible consequence (another rank's
+    error in the same collective) for its cause, 0..60; unset or empty: the default (2)."""
+    text = raw.strip()
+    if not text:
+        return LaunchConfig.fault_window
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 <= seconds <= 60:
+        raise ConfigError(f"FTRUN_FAULT_WINDOW={raw!r}: must be seconds in 0..60")
+    return seconds
 
 
 def parse_metrics_port(conf: dict[str, str], env: dict[str, str]) -> int | None:

@@ -125,6 +125,7 @@ def test_hang_timeout_is_auto_by_default_seconds_or_zero_and_bad_values_are_one_
             cfg(env={"FTRUN_TRANSFER_STRIPES": bad})
     with pytest.raises(ConfigError, match="^FTRUN_FAULT_WINDOW='soon': must be seconds in 0..60"):
         cfg(env={"FTRUN_FAULT_WINDOW": "soon"})
+    assert cfg(env={"FTRUN_FAULT_WINDOW": ""}).fault_window == 2.0  # empty is unset, as elsewhere
 
 
 def test_hang_policy_from_the_flag_and_the_environment_with_one_line_errors() -> None:
@@ -292,3 +293,25 @@ def test_bad_spare_or_phase_setting_is_one_line_naming_the_variable(env, needle)
     with pytest.raises(ConfigError) as e:
         cfg(env=env)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_the_job_token_is_read_and_checked_here_and_never_logged(tmp_path) -> None:
+    """FTRUN_JOB_TOKEN and --rdzv-conf token_file=F are read by the config (was: by the store
+    stack at start-up, after the config); a bad one is one line naming its source; the token
+    stays out of what the logs and events.jsonl record (`public()`)."""
+    assert cfg().job_token is None
+    c = cfg(env={"FTRUN_JOB_TOKEN": " s3cret "})
+    assert c.job_token == "s3cret"
+    assert "job_token" not in c.public() and "s3cret" not in repr(c)
+    assert "s3cret" not in str(c.public())
+    token = tmp_path / "token"
+    token.write_text("from-file\n")
+    token.chmod(0o600)
+    from_file = cfg("--rdzv-conf", f"token_file={token}", env={"FTRUN_JOB_TOKEN": "ignored"})
+    assert from_file.job_token == "from-file"
+    token.chmod(0o644)
+    with pytest.raises(ConfigError, match=r"^--rdzv-conf token_file=.*has mode 0644") as e:
+        cfg("--rdzv-conf", f"token_file={token}")
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match=r"^FTRUN_JOB_TOKEN: job token of 5000 bytes"):
+        cfg(env={"FTRUN_JOB_TOKEN": "x" * 5000})

@@ -510,7 +510,7 @@ def signalled_in_rendezvous(log: AgentLog, signum: int | None, e: Exception) -> 
 
 def announce_start(cfg: LaunchConfig, log: AgentLog) -> None:
     """The agent's first lines: its configuration, notes, hang policy, OMP_NUM_THREADS."""
-    log.info("start", f"ftrun {cfg.describe()}", config=dataclasses.asdict(cfg))
+    log.info("start", f"ftrun {cfg.describe()}", config=cfg.public())
     for note in cfg.notes:
         log.info("note", note)
     log.info("hang-policy", f"hang detection: {cfg.hang.describe()}", hang_timeout=cfg.hang.timeout)

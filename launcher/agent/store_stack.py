@@ -98,7 +98,7 @@ class StoreStack:
 
     def open(self) -> KVStore:
         cfg = self.cfg
-        self.token = auth.resolve_token(cfg.token_file)
+        self.token = cfg.job_token
         if cfg.store_backend == "etcd":
             # The agent forks workers while gRPC threads run; gRPC's fork handlers only warn.
             os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")

@@ -111,7 +111,7 @@ class NodeObserver:
                 "event": "start",
                 "time": time.time(),
                 "node": cfg.node_rank,
-                "config": dataclasses.asdict(cfg),
+                "config": cfg.public(),
             }
         )
         if obs.metrics is not None:
