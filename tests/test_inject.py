@@ -3,6 +3,7 @@ makes before writing, and one-line errors."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -107,6 +108,59 @@ def test_rank_outside_the_job_is_refused_and_nothing_written(store: StoreServer,
     )
     assert requests(store) == []
     assert inject_here(capsys, "--addr", addr, "--rank", "1", "--kind", "kill")[0] == 0
+
+
+def publish(s: StoreServer, node: int, t: float, **steps: tuple[int, str]) -> None:
+    """A node status as the agent's observer publishes it: `rank<N>=(step, state)`."""
+    ranks = [
+        {"rank": int(k[4:]), "node": node, "step": step, "state": state}
+        for k, (step, state) in steps.items()
+    ]
+    s.kv.set(
+        P.node_status_key(node), json.dumps({"node": node, "time": t, "ranks": ranks}).encode()
+    )
+
+
+def test_a_step_the_rank_already_passed_is_refused_and_nothing_written(
+    store: StoreServer, capsys
+) -> None:
+    publish(store, 0, 100.0, rank0=(101, "training"), rank1=(100, "training"))
+    addr = f"127.0.0.1:{store.port}"
+    code, out, err = inject_here(
+        capsys, "--addr", addr, "--rank", "1", "--kind", "uce-low", "--at-step", "20"
+    )
+    assert code == 2 and out == "", out
+    assert err.strip().splitlines() == [
+        "ftctl: error: Invalid value for --at-step: step 20 has already passed: "
+        "rank 1 is at step 100"
+    ]
+    assert requests(store) == []
+    for step in ("100", "150"):  # the step it is at (a later phase may still come) and later
+        code, out, err = inject_here(
+            capsys, "--addr", addr, "--rank", "1", "--kind", "exit", "--at-step", step
+        )
+        assert code == 0, err
+    assert [i.step for i in requests(store)] == [100, 150]
+
+
+def test_a_step_is_accepted_when_the_ranks_step_is_not_known_or_may_go_back(
+    store: StoreServer, capsys
+) -> None:
+    addr = f"127.0.0.1:{store.port}"
+    args = ("--addr", addr, "--kind", "hang", "--at-step", "3")
+    assert inject_here(capsys, *args, "--rank", "0")[0] == 0  # no status published yet
+    publish(
+        store,
+        0,
+        50.0,
+        rank0=(40, "recovering"),  # a restart-all may take it back to a checkpoint
+        rank1=(-1, "starting"),
+        rank2=(40, "replacement"),
+    )
+    for rank in ("0", "1", "2", "3"):  # rank 3: not in any status
+        code, _, err = inject_here(capsys, *args, "--rank", rank)
+        assert code == 0, err
+    assert len(requests(store)) == 5
 
 
 @pytest.mark.parametrize(

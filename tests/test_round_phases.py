@@ -51,14 +51,30 @@ def test_a_round_still_running_has_open_bars_up_to_now() -> None:
 
 def test_faults_carry_their_rounds_cost_and_a_fallback_to_the_end() -> None:
     f, g = fault(9.0), fault(30.0, rank=0)
-    first = Round(generation=1, strategy="retry", plan_time=10.0, start=9.0, end=12.0, fault=f)
+    first = Round(
+        generation=1,
+        strategy="retry",
+        plan_time=10.0,
+        start=9.0,
+        end=12.0,
+        fault=f,
+        outcome="fallback",
+    )
     first.steps_lost, first.transfer_bytes, first.transfer_s = 2, 1000, 0.5
     f.round = 1
-    fallback = Round(generation=2, strategy="restart-all", plan_time=12.0, start=12.0, end=15.0)
+    fallback = Round(
+        generation=2,
+        strategy="restart-all",
+        plan_time=12.0,
+        start=12.0,
+        end=15.0,
+        outcome="restarted",
+    )
     fallback.fault = f  # the fallback round of the same fault
     other = Round(generation=3, strategy="retry", plan_time=30.5, start=30.0, fault=g)
     g.round = 3
-    v = RunView(rounds=[first, fallback, other], faults=[f, g])
+    v = RunView(rounds=[first, fallback, other], faults=[f, g], now=31.0)
+    v.settle_time_lost()
     charge_faults(v)
     assert (f.mttr_s, f.steps_lost, f.transfer_bytes, f.transfer_rate) == (6.0, 2, 1000, 2000.0)
     assert (g.mttr_s, g.transfer_rate) == (None, None)  # its round still runs

@@ -114,3 +114,22 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     assert res.returncode != 0 and "no events.jsonl" in res.stderr
     res = ftctl("status", "--addr", "nohostport")
     assert res.returncode == 2 and "host:port" in res.stderr
+
+
+def test_a_ranks_step_comes_from_the_newest_status_that_lists_it_while_it_steps():
+    snaps = [
+        {"node": 1, "time": 10.0, "ranks": [{"rank": 2, "step": 90, "state": "training"}]},
+        {"node": 0, "time": 12.0, "ranks": [{"rank": 0, "step": 7, "state": "waiting"}]},
+        {"node": 3, "time": 11.0, "ranks": [{"rank": 2, "step": 95, "state": "training"}]},
+        {"node": 2, "time": 9.0, "ranks": [{"rank": 1, "step": 200, "state": "finished"}]},
+    ]
+    assert S.rank_step(snaps, 2) == 95  # a node lost earlier left an older status behind
+    assert S.rank_step(snaps, 0) == 7 and S.rank_step(snaps, 1) == 200
+    assert S.rank_step(snaps, 5) is None and S.rank_step([], 0) is None
+    for state in ("starting", "replacement", "recovering", "failed", "stopped"):
+        snap = {"time": 1.0, "ranks": [{"rank": 0, "step": 40, "state": state}]}
+        assert S.rank_step([snap], 0) is None, state  # its step may go back
+    assert (
+        S.rank_step([{"time": 1.0, "ranks": [{"rank": 0, "step": -1, "state": "training"}]}], 0)
+        is None
+    )

@@ -335,3 +335,183 @@ def test_a_rank_killed_for_hanging_at_exit_after_its_goodbye_is_finished_not_sto
         (1, "finished", "done"),
     ]
     assert v.faults == []  # not a fault of the training
+
+
+# ---------------------------------------------------------------------- time lost, one rule
+def recoveries() -> list[dict]:
+    """Three ranks; four rounds: rank 1 killed (round 1), rank 2 killed during it (round 2
+    supersedes round 1), rank 0 hangs from just before round 2 ended (round 3 overlaps round 2)
+    and its recover-in-place falls back to a restart-all (round 4)."""
+    resumed = [(0, 8.8), (1, 8.9), (2, 9.0)]
+    return (
+        started(3)
+        + kill_round()[:5]
+        + [
+            ev(5.0, "worker-failed", generation=1, rank=2, pid=102, fault_kind="signal"),
+            ev(5.1, "round-superseded", generation=1, message="rank 2 failed during recovery"),
+            ev(
+                5.2,
+                "plan",
+                generation=2,
+                strategy="recover-in-place",
+                failed_ranks=[1, 2],
+                restart_ranks=[1, 2],
+            ),
+            *[ev(t, "rank-resumed", generation=2, rank=r, step=5) for r, t in resumed],
+            ev(12.0, "hang", rank=0, idle_s=3.2),  # last progress at 8.8
+            ev(12.1, "worker-failed", rank=0, pid=100, fault_kind="hang", generation=2),
+            ev(12.2, "decide", rank=0, fault_kind="hang", strategy="recover-in-place", reason="r"),
+            ev(12.3, "plan", generation=3, strategy="recover-in-place", failed_ranks=[0]),
+            ev(13.0, "fallback", strategy="restart-all", reason="no healthy replica"),
+            ev(13.1, "plan", generation=4, strategy="restart-all", restart_ranks=[0, 1, 2]),
+            ev(13.5, "restart-all-go", generation=4),
+            *[ev(17.0, "rank-resumed", generation=4, rank=r, step=3) for r in range(3)],
+            ev(20.0, "job-done"),
+        ]
+    )
+
+
+# the rule by hand: round 1 from rank 1's exit (2.9) until round 2 ended (9.0); round 2 from
+# rank 2's exit (5.0) to 9.0; round 3 from rank 0's last progress (8.8) until its fallback's
+# round ended (17.0); round 4 from its plan (13.1) to 17.0. The job: their union, 2.9 -> 17.0.
+ROUNDS_LOST = [6.1, 4.0, 8.2, 3.9]
+JOB_LOST = 14.1
+
+
+def observed(tmp_path, events: list[dict]):
+    """An agent's observer (the leader's: the controller's events are in its log) fed `events`,
+    with a metrics registry that is not served."""
+    from launcher.observe.logs import AgentLog
+    from launcher.observe.observer import NodeObserver
+
+    tmp_path.mkdir(exist_ok=True)
+    log = AgentLog(0, str(tmp_path / "events.jsonl"), quiet=True)
+    obs = NodeObserver(log, str(tmp_path), max_restarts=3, port=0, progress_interval=1.0)
+    obs._node, obs._leader = 0, True  # its place, as `attach` sets it (without publishing)
+    for e in sorted(events, key=lambda e: e["time"]):
+        obs.on_event(e)
+    return log, obs
+
+
+def published(obs, at: float, now: float):
+    """`ftctl status`'s live view at `now` of the node status `obs` published at `at`."""
+    import json
+
+    from launcher.observe import status as S
+    from launcher.protocol import plan as P
+    from rendezvous.store.memory import LocalKV
+
+    kv = LocalKV()
+    kv.set(P.node_status_key(0), json.dumps(obs.snapshot(at), default=str).encode())
+    return S.from_store(kv, now=now)
+
+
+def sample(obs, name: str) -> float | None:
+    return obs.metrics.registry.get_sample_value(name)
+
+
+def test_time_lost_is_one_rule_for_every_consumer(tmp_path):
+    import json
+    import re
+
+    from click.testing import CliRunner
+
+    from launcher.observe import report
+    from launcher.observe import status as S
+    from launcher.observe.logs import read_event_file
+
+    events = recoveries()
+    v = Timeline().feed_all(events).view()
+    assert [r.outcome for r in v.rounds] == ["superseded", "recovered", "fallback", "restarted"]
+    assert [r.time_lost_s for r in v.rounds] == ROUNDS_LOST
+    assert [(round(s.start - T, 4), round(s.end - T, 4)) for s in v.lost_spans] == [(2.9, 17.0)]
+    assert v.time_lost_s == JOB_LOST  # neither the sum (22.2) nor without round 1 (12.2)
+    # the fault table's MTTR: the time lost of the round each fault started
+    assert [(f.rank, f.mttr_s) for f in v.faults] == [(1, 6.1), (2, 4.0), (0, 8.2)]
+
+    # the report: its card, the fault table, the shaded time on the progress chart
+    page = report.render(v, [])
+    assert "time lost<b>14.10 s</b>" in page
+    mttr = [re.findall(r"<td>([^<]*)</td>", row)[8] for row in page.split("<tr class=fault>")[1:]]
+    assert mttr == ["6.10 s", "4.00 s", "8.20 s"]
+    chart = report.progress_chart(v)
+    shaded = [  # (x, width) of each round's rect, as the chart draws them
+        (float(a), float(b))
+        for a, b in re.findall(r'<rect class="lost" x="([\d.]+)" y="10" width="([\d.]+)"', chart)
+    ]
+    union, reached = 0.0, float("-inf")
+    for a, b in sorted((a, a + w) for a, w in shaded):
+        union, reached = union + max(0.0, b - max(a, reached)), max(reached, b)
+    per_s = shaded[0][1] / ROUNDS_LOST[0]
+    assert len(shaded) == 4 and abs(union / per_s - JOB_LOST) < 0.05  # shaded: the card's time
+    tips = re.findall(r'<rect class="lost"[^>]*data-tip="([^"]*)"', chart)
+    assert [re.search(r": ([\d.]+) s lost", t).group(1) for t in tips] == [
+        "6.10",
+        "4.00",
+        "8.20",
+        "3.90",
+    ]
+    assert "time lost (until every rank trained again): 6.10 s" in report.rounds_section(v)
+
+    # ftctl status from the run directory: the screen and --json
+    (tmp_path / "run").mkdir()
+    with open(tmp_path / "run" / "events.jsonl", "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events)
+    screen = CliRunner().invoke(S.status, [str(tmp_path / "run")])
+    assert screen.exit_code == 0 and "time lost to recovery: 14.10s" in screen.output
+    d = json.loads(CliRunner().invoke(S.status, ["--json", str(tmp_path / "run")]).output)
+    assert d["time_lost_s"] == JOB_LOST and [r["time_lost_s"] for r in d["rounds"]] == ROUNDS_LOST
+    assert [f["mttr_s"] for f in d["faults"]] == [6.1, 4.0, 8.2]
+
+    # the agent: ftctl status from its store, its metrics, its last line
+    log, obs = observed(tmp_path / "agent", events)
+    try:
+        live = published(obs, at=T + 20.0, now=T + 25.0)
+        assert live.time_lost_s == JOB_LOST and [r.time_lost_s for r in live.rounds] == ROUNDS_LOST
+        assert [f.mttr_s for f in live.faults] == [6.1, 4.0, 8.2]
+        obs._refresh_metrics(obs.snapshot(T + 20.0))
+        assert sample(obs, "ftrun_time_lost_seconds") == JOB_LOST
+        assert sample(obs, "ftrun_recovery_seconds_count") == 4
+        assert round(sample(obs, "ftrun_recovery_seconds_sum"), 4) == round(sum(ROUNDS_LOST), 4)
+        obs._refresh_metrics(obs.snapshot(T + 21.0))  # each round once
+        assert sample(obs, "ftrun_recovery_seconds_count") == 4
+    finally:
+        obs.stop()
+        log.close()
+    (line,) = [e for e in read_event_file(str(tmp_path / "agent" / "events.jsonl"))]
+    assert line["event"] == "report" and line["time_lost_s"] == JOB_LOST
+    assert "4 recovery round(s), 14.10 s lost to recovery" in line["message"]
+
+
+def test_time_lost_grows_while_a_round_runs(tmp_path):
+    events = started() + kill_round()[:5]  # rank 1 exited at 2.9; its round runs
+    v = Timeline().feed_all(events).view(now=T + 10.0)
+    assert v.time_lost_s == 7.1 and v.current_round.time_lost_s == 7.1
+    assert v.faults[0].mttr_s is None  # not recovered yet
+    assert Timeline().feed_all(events).view(now=T + 17.6).time_lost_s == 14.7
+    log, obs = observed(tmp_path, events)
+    try:
+        live = published(obs, at=T + 10.0, now=T + 17.6)  # read later: counted to its now
+        assert live.time_lost_s == 14.7 and live.current_round is not None
+        assert "time lost to recovery: 14.70s" in _screen(live)
+        obs._refresh_metrics(obs.snapshot(T + 10.0))
+        assert sample(obs, "ftrun_time_lost_seconds") == 7.1
+        obs._refresh_metrics(obs.snapshot(T + 12.0))
+        assert sample(obs, "ftrun_time_lost_seconds") == 9.1
+        assert sample(obs, "ftrun_recovery_seconds_count") == 0  # known once it ended
+    finally:
+        obs.stop()
+        log.close()
+
+
+def _screen(view) -> str:
+    """`ftctl status`'s screen of `view`, as text."""
+    import io
+
+    from rich.console import Console
+
+    from launcher.observe.status import render
+
+    console = Console(width=200, record=True, file=io.StringIO())
+    console.print(render(view, "test"))
+    return console.export_text()

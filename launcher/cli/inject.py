@@ -6,13 +6,18 @@ the agent that runs the rank carries it out (`launcher.agent.injections`). The k
 and `segv` are real signals sent by the agent (or, with `--at-step`, by the worker itself at that
 step), `hang` stops the worker's training thread. Device faults (`uce-low`, `uce-high`,
 `network`) and `exception`/`exit` are raised inside the worker by the runtime through the `cpu`
-device adapter, and are labelled as injected in every log line.
+device adapter, and are labelled as injected in every log line. With `--at-step`, a step the
+rank already passed (its agent publishes the step it is at) is refused before anything is
+written: exit 2, one line naming both steps.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
+from launcher.observe.status import node_snapshots, rank_step
 from launcher.protocol import plan as P
 from launcher.protocol.faults import INJECTION_KINDS
 
@@ -30,6 +35,18 @@ def _connect(addr: str, token_file: str | None):
     return StoreClient(host.strip("[]"), int(port), token=token, timeout=10.0)
 
 
+def _refuse_a_step_passed(kv: Any, rank: int, at_step: int) -> None:
+    """An injection at a step the rank already passed would never fire: refused (exit 2, nothing
+    written). The rank's step is what its agent publishes (`ftctl status`'s node statuses); when
+    it is not known (nothing published yet, or the rank is starting or recovering), accepted."""
+    now = rank_step(node_snapshots(kv), rank)
+    if now is not None and at_step < now:
+        raise click.BadParameter(
+            f"step {at_step} has already passed: rank {rank} is at step {now}",
+            param_hint="--at-step",
+        )
+
+
 @click.command("inject")
 @click.option(
     "--addr",
@@ -44,7 +61,8 @@ def _connect(addr: str, token_file: str | None):
     "--at-step",
     type=click.IntRange(min=0),
     default=None,
-    help="Fire when the rank reaches this step (runtime-aware workers).",
+    help="Fire when the rank reaches this step (runtime-aware workers; a step the rank "
+    "already passed is refused).",
 )
 @click.option(
     "--phase",
@@ -65,6 +83,8 @@ def inject(
             raise click.BadParameter(
                 f"rank {rank} is not in this job (world size {int(world)})", param_hint="--rank"
             )
+        if at_step is not None:
+            _refuse_a_step_passed(kv, rank, at_step)
         seq = kv.add(P.INJECT_SEQ, 1)
         kv.set(
             P.inject_key(seq),

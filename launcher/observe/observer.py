@@ -10,8 +10,8 @@ s, i.e. `FTRUN_PROGRESS_INTERVAL`, default 5, when something changed, and at the
 round) and `rank-resumed` (the first step a rank commits after a recovery round: the end of the
 round's `resume` phase). Its thread publishes the node's status to the store every second
 (`plan.node_status_key`) and refreshes the metrics (`launcher.observe.metrics`, when a port is
-configured). At the end of a job that had faults it prints the `ftctl report` command for the
-run.
+configured). At the end of a job that had faults it prints the job's time lost to recovery (the
+rule of `launcher.observe.run_view`) and the `ftctl report` command for the run.
 """
 
 from __future__ import annotations
@@ -87,7 +87,6 @@ class NodeObserver:
         self.progress_interval = progress_interval
         self._lock = threading.Lock()
         self._live: dict[int, LiveRank] = {}
-        self._counted: set[int] = set()  # rounds already in the metrics
         self._kv: Any = None
         self._node: int | None = None
         self._leader = False
@@ -147,9 +146,11 @@ class NodeObserver:
         if view.rounds or view.faults:
             self.log.info(
                 "report",
-                f"{len(view.faults)} fault(s), {len(view.rounds)} recovery "
-                f"round(s): see them with  ftctl report {self.run_dir}",
+                f"{len(view.faults)} fault(s), {len(view.rounds)} recovery round(s), "
+                f"{view.time_lost_s:.2f} s lost to recovery: see them with  "
+                f"ftctl report {self.run_dir}",
                 path=self.run_dir,
+                time_lost_s=view.time_lost_s,
             )
 
     # ------------------------------------------------------------------ the sink
@@ -336,13 +337,5 @@ class NodeObserver:
             m.steps_per_s.labels(rank=str(r["rank"])).set(r.get("steps_per_s") or 0.0)
         m.workers_alive.set(alive)
         with self._lock:
-            view = self.timeline.view()
-        for ro in view.rounds:
-            if ro.outcome == "in-progress" or ro.generation in self._counted:
-                continue
-            self._counted.add(ro.generation)
-            m.rounds.labels(strategy=ro.strategy, outcome=ro.outcome).inc()
-            if ro.time_lost_s is not None:
-                m.recovery_seconds.observe(ro.time_lost_s)
-            for b in ro.bars:
-                m.phase_seconds.labels(phase=b.phase).observe(max(0.0, b.end - b.start))
+            view = self.timeline.view(snapshot["time"])  # a running round's time lost grows
+        m.note_view(view)

@@ -219,10 +219,12 @@ def rounds_section(v: RunView) -> str:
             else ""
         )
         steps_lost = ro.steps_lost if ro.steps_lost is not None else "-"
+        lost = _dur(ro.time_lost_s) + (" so far" if ro.lost_open else "")
         parts.append(
             f"<h3>Round {i} &middot; generation {ro.generation} &middot; {_e(ro.strategy)} "
             f"&middot; {_e(ro.outcome)} in {_e(_dur(ro.mttr_s))}</h3><div class=muted>"
-            f"{_e(cause)}{_e(extra)}; steps lost: {_e(steps_lost)}; "
+            f"{_e(cause)}{_e(extra)}; time lost (until every rank trained again): {_e(lost)}; "
+            f"steps lost: {_e(steps_lost)}; "
             f"state moved: {_e(_bytes(ro.transfer_bytes))}. {_e(ro.reason)}</div>"
         )
         parts.append(gantt(ro, i, v))
@@ -233,14 +235,18 @@ def rounds_section(v: RunView) -> str:
 def _lost_time_and_faults(
     v: RunView, x: Callable[[float], float], t1: float, base: float
 ) -> list[str]:
-    """The progress chart's shaded rounds (time lost) and fault marks; `base`: the x axis' y."""
+    """The progress chart's shaded time lost, a rect per round from its fault until every rank
+    trained again (`Round.lost_until`: overlapping rounds overlap, so the shaded time is the
+    job's time lost the summary shows), and fault marks; `base`: the x axis' y."""
     out = []
     for ro in v.rounds:
-        if ro.end is None and ro.outcome != "in-progress":
+        if ro.lost_until is None:
             continue
-        end = ro.end if ro.end is not None else t1
-        tip = f"generation {ro.generation} {ro.strategy}: {_dur(end - ro.start)} lost"
-        width = max(1.5, x(end) - x(ro.start))
+        tip = (
+            f"generation {ro.generation} {ro.strategy} ({ro.outcome}): {_dur(ro.time_lost_s)} "
+            f"lost{' so far' if ro.lost_open else ''}, until every rank trained again"
+        )
+        width = max(1.5, x(min(ro.lost_until, t1)) - x(ro.start))
         out.append(
             f'<rect class="lost" x="{x(ro.start):.1f}" y="10" width="{width:.1f}" '
             f'height="{base - 10}" fill="#ffd8d8" data-tip="{_e(tip)}">'

@@ -4,7 +4,7 @@ Owns: `RoundBuilder`, which turns a round's raw edges (`RoundData`, collected by
 `launcher.observe.timeline.Timeline` from the events) into its `Round`: whether and when it
 ended (`recovered`, `restarted`, `exit`, `dump`, ... or still `in-progress`), the phase `Bar`s
 of every rank (see the phases in `launcher.observe.timeline`), the bytes it moved and the steps
-it lost; and `charge_faults`, which gives each fault the cost of the round(s) it caused.
+it lost; and `charge_faults`, which gives each fault the cost of the round it started.
 """
 
 from __future__ import annotations
@@ -190,18 +190,17 @@ class RoundBuilder:
 
 
 def charge_faults(v: RunView) -> None:
-    """Each fault carries what its round cost (MTTR, steps lost, transfer); a fault whose round
-    fell back carries the cost to the end of the last round it caused."""
+    """Each fault carries what the round it started cost (steps lost, transfer) and, as its
+    MTTR, that round's time lost once every rank trains again (the rule of
+    `launcher.observe.run_view`: a round that was superseded or fell back counts until the round
+    that took over ended). The rounds must be settled (`RunView.settle_time_lost`)."""
     for ro in v.rounds:
         f = ro.fault
         if f is not None and f.round == ro.generation:
-            f.mttr_s, f.steps_lost = ro.mttr_s, ro.steps_lost
+            f.mttr_s = None if ro.lost_open else ro.time_lost_s
+            f.steps_lost = ro.steps_lost
             f.transfer_bytes = ro.transfer_bytes
             f.transfer_rate = (ro.transfer_bytes / ro.transfer_s) if ro.transfer_s > 0 else None
-    for f in v.faults:
-        later = [ro for ro in v.rounds if ro.fault is f and ro.end is not None]
-        if later:
-            f.mttr_s = round(max(ro.end for ro in later) - f.time, 4)  # type: ignore[type-var]
 
 
 def _add(

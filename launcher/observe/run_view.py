@@ -2,11 +2,18 @@
 
 Owns: the records a `launcher.observe.timeline.Timeline` fills from a run's events: the job
 summary `RunView`, one `NodeRow` per node, one `RankRow` per rank, every `FaultRow` with the
-strategy taken and what it cost, every recovery `Round` with its per-rank phase `Bar`s (and the
-one rule for a round's time lost, `Round.time_lost_s`), the phase names, and `RoundData`, the raw
-edges of one round while its events arrive (turned into its `Round` by
-`launcher.observe.round_phases`). `ftctl status` rebuilds the same records from the JSON the
-agents publish (`RunView.to_dict`).
+strategy taken and what it cost, every recovery `Round` with its per-rank phase `Bar`s, the
+phase names, and `RoundData`, the raw edges of one round while its events arrive (turned into
+its `Round` by `launcher.observe.round_phases`). `ftctl status` rebuilds the same records from
+the JSON the agents publish (`RunView.to_dict`).
+
+And the one rule for time lost, which the report, `ftctl status`, the metrics and the job's
+last line all read (`RunView.settle_time_lost`): a round's time lost runs from its fault (the
+round's start) until every rank trains again, whatever the round's outcome. A round that ended
+the recovery (recovered, restarted, exit, dump, failed) ends there; a round that was superseded
+(a fault during it) or fell back ends when the round that took over from it ends, following on
+as far as it goes; a round nothing has ended yet runs to now. The job's time lost is the length
+of the union of its rounds' spans (`LostSpan`): rounds that overlap are not counted twice.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 PHASES = ("detect", "decide", "stop", "respawn", "wait", "rebuild", "transfer", "resume")
 PROCESS_LEVEL = ("retry", "recover-in-place")
 ENDED = ("succeeded", "failed")
+TAKEN_OVER = ("superseded", "fallback")  # outcomes whose time lost runs on into the next round
 
 
 @dataclass
@@ -71,17 +79,74 @@ class Round:
     transfer_bytes: int = 0
     transfer_s: float = 0.0
     bars: list[Bar] = field(default_factory=list)
+    # when every rank trained again after this round's fault (`RunView.settle_time_lost`);
+    # while that has not happened (`lost_open`), the view's `now`
+    lost_until: float | None = None
+    lost_open: bool = False
 
     @property
     def mttr_s(self) -> float | None:
+        """How long the round itself ran (its start to its own end, also when superseded)."""
         return None if self.end is None else round(self.end - self.start, 4)
 
     @property
     def time_lost_s(self) -> float | None:
-        """The training time this round cost, as the status, the report and the metrics count
-        it: its MTTR once it ended; None while it runs, and for a superseded round (the round
-        that took over counts from its own start)."""
-        return None if self.outcome == "superseded" else self.mttr_s
+        """The training time this round cost: from its fault until every rank trained again
+        (so far, while `lost_open`); None before the view settled it."""
+        if self.lost_until is None:
+            return None
+        return round(max(0.0, self.lost_until - self.start), 4)
+
+
+@dataclass(frozen=True)
+class LostSpan:
+    """A stretch of time lost to recovery: one round's span, or overlapping ones merged."""
+
+    start: float
+    end: float
+    generations: tuple[int, ...]
+    open: bool = False  # a round in it still costs time: `end` is the view's now
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+def settle_time_lost(rounds: list[Round], now: float | None) -> None:
+    """Set every round's `lost_until` and `lost_open` by the rule (module docstring): its own
+    end when it ended the recovery; the next round's when it was taken over (superseded, fell
+    back); `now` while nothing ended it yet."""
+    until: float | None = None
+    still_open = True
+    for ro in sorted(rounds, key=lambda r: r.generation, reverse=True):
+        if ro.outcome in TAKEN_OVER and until is not None:
+            ro.lost_until, ro.lost_open = until, still_open
+        elif ro.outcome not in TAKEN_OVER and ro.outcome != "in-progress" and ro.end is not None:
+            ro.lost_until, ro.lost_open = ro.end, False
+        else:  # running, or ended without an end yet (exit, dump: the job's end), or no successor
+            ro.lost_until, ro.lost_open = max(ro.start, now if now is not None else ro.start), True
+        until, still_open = ro.lost_until, ro.lost_open
+
+
+def lost_spans(rounds: list[Round]) -> list[LostSpan]:
+    """The union of the settled rounds' spans [start, lost_until], as disjoint spans in time
+    order."""
+    spans: list[LostSpan] = []
+    for ro in sorted(rounds, key=lambda r: r.start):
+        if ro.lost_until is None:
+            continue
+        end = max(ro.start, ro.lost_until)
+        last = spans[-1] if spans else None
+        if last is not None and ro.start <= last.end:
+            spans[-1] = LostSpan(
+                last.start,
+                max(last.end, end),
+                last.generations + (ro.generation,),
+                last.open or ro.lost_open,
+            )
+        else:
+            spans.append(LostSpan(ro.start, end, (ro.generation,), ro.lost_open))
+    return spans
 
 
 @dataclass
@@ -136,17 +201,27 @@ class RunView:
     def current_round(self) -> Round | None:
         return self.rounds[-1] if self.rounds and self.rounds[-1].outcome == "in-progress" else None
 
+    def settle_time_lost(self) -> None:
+        """Apply the rule for time lost to the rounds as of `now` (`settle_time_lost`)."""
+        settle_time_lost(self.rounds, self.now if self.now is not None else self.end)
+
+    @property
+    def lost_spans(self) -> list[LostSpan]:
+        """The time lost to recovery as disjoint spans (overlapping rounds merged)."""
+        return lost_spans(self.rounds)
+
     @property
     def time_lost_s(self) -> float:
-        """The job's time lost to recovery: the sum of its rounds' `Round.time_lost_s`."""
-        return round(sum(r.time_lost_s or 0.0 for r in self.rounds), 4)
+        """The job's time lost to recovery: the length of the union of its rounds' spans from
+        their fault until every rank trained again (a round still running counts to `now`)."""
+        return round(sum(s.seconds for s in self.lost_spans), 4)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["progress"] = {str(k): v for k, v in self.progress.items()}
         d["time_lost_s"] = self.time_lost_s
         for r, rd in zip(self.rounds, d["rounds"]):
-            rd["mttr_s"] = r.mttr_s
+            rd["mttr_s"], rd["time_lost_s"] = r.mttr_s, r.time_lost_s
         return d
 
 

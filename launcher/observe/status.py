@@ -4,7 +4,8 @@ Owns: building a `RunView` of a job from its live store (the node status every a
 publishes under `plan.node_status_key`, the leader's adding the faults and rounds, plus the
 controller's own keys: generation, budget, per-round statuses) or from a run directory's
 `events.jsonl` (a finished run, or a live one whose store cannot be reached), and drawing it as
-rich tables (`--json` prints the same view as one JSON object; `--watch` redraws it).
+rich tables (`--json` prints the same view as one JSON object; `--watch` redraws it). Also a
+rank's current step as its agent published it (`rank_step`, for `ftctl inject --at-step`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from launcher.protocol import plan as P
 from launcher.protocol.budget import restarts_left
 
 MAX_NODE_GAP = 8  # node ranks probed past the last one found (a lost node leaves a hole)
+STEPPING = ("training", "waiting", "finished")  # rank states in which its step only grows
 STATE_STYLE = {
     "training": "green",
     "waiting": "yellow",
@@ -82,6 +84,24 @@ def node_snapshots(kv: Any) -> list[dict]:
     return out
 
 
+def rank_step(snapshots: list[dict], rank: int) -> int | None:
+    """The step `rank` is at, as its agent last published it (the newest node status that lists
+    it), while it trains or once it finished; None when no status lists it, its step is not
+    known yet, or it is starting or in a recovery round (its step may go back)."""
+    newest: tuple[float, dict] | None = None
+    for snap in snapshots:
+        for row in snap.get("ranks") or []:
+            t = float(snap.get("time") or 0.0)
+            if row.get("rank") == rank and (newest is None or t > newest[0]):
+                newest = (t, row)
+    if newest is None:
+        return None
+    step, state = newest[1].get("step"), newest[1].get("state")
+    if state not in STEPPING or not isinstance(step, int) or step < 0:
+        return None
+    return step
+
+
 def from_store(kv: Any, now: float | None = None) -> RunView:
     """The live view: the agents' node statuses plus the controller's keys."""
     now = now or time.time()
@@ -103,6 +123,7 @@ def from_store(kv: Any, now: float | None = None) -> RunView:
     v.outcome = job.get("outcome", "running")
     v.faults = _rows(FaultRow, job.get("faults") or [])
     v.rounds = [_round(d) for d in job.get("rounds") or []]
+    v.settle_time_lost()  # as of this reading: a running round's time lost grows to `now`
     raw = kv.try_get(P.GENERATION_KEY)
     v.generation = int(raw) if raw is not None else max(int(s.get("generation", 0)) for s in snaps)
     raw = kv.try_get(P.RESTARTS_USED_KEY)

@@ -5,7 +5,8 @@ or more agents of one run), one handler per event kind, and answers `view()` wit
 (the records, `launcher.observe.run_view`): the job summary, one `NodeRow` per node, one
 `RankRow` per rank, every `FaultRow` with the strategy taken and what it cost, every recovery
 `Round` with its per-rank phase `Bar`s (derived from the round's edges by
-`launcher.observe.round_phases`), and the training progress of every rank. It is fed a whole
+`launcher.observe.round_phases`), each round's and the job's time lost (the rule in
+`launcher.observe.run_view`), and the training progress of every rank. It is fed a whole
 file by `ftctl status RUN_DIR` and `ftctl report`, and event by event (plus the heartbeat
 observations) by the agent's observer, so the live view and the report agree.
 
@@ -400,6 +401,7 @@ class Timeline:
             v.world_size = len(v.ranks)
         builder = RoundBuilder(self._ranks, self._aware, v)
         v.rounds = [builder.build(self._rounds[g], v.now) for g in sorted(self._rounds)]
+        v.settle_time_lost()
         self._mark_recovering(v)
         charge_faults(v)
         return v
