@@ -101,6 +101,8 @@ def test_metrics_move_with_an_injected_fault(tmp_path):
         for phase in ("detect", "decide", "stop", "respawn", "rebuild", "transfer", "resume"):
             assert value(m, "ftrun_recovery_phase_seconds_count", phase=phase) >= 1, phase
         assert value(m, "ftrun_recovery_seconds_count") == 1
+        # one round: the job's time lost is that round's (the histogram's only observation)
+        assert value(m, "ftrun_time_lost_seconds") == value(m, "ftrun_recovery_seconds_sum") > 0
         assert value(m, "ftrun_store_served_requests_total") > served
     finally:
         job.stop()

@@ -53,6 +53,10 @@ def test_live_job_while_training_and_recovering_then_its_directory(tmp_path):
         )
         assert live["max_restarts"] == 3 and live["restarts_used"] == 0 and live["faults"] == []
         assert live["nodes"][0]["leader"] is True and live["run_id"]
+        # an injection at a step the rank passed would never fire: refused, from its status
+        res = ftctl("inject", "--addr", addr, "--rank", "2", "--kind", "kill", "--at-step", "0")
+        assert res.returncode == 2, (res.stdout, res.stderr)
+        assert "step 0 has already passed: rank 2 is at step" in res.stderr
 
         res = ftctl("inject", "--addr", addr, "--rank", "1", "--kind", "kill")
         assert res.returncode == 0, res.stderr
@@ -70,6 +74,7 @@ def test_live_job_while_training_and_recovering_then_its_directory(tmp_path):
             "resume",
         )
         assert during.restarts_used == 1
+        assert during.time_lost_s > 0  # counted to now while the round runs
         assert {r.rank: r.state for r in during.ranks}[1] in ("replacement", "failed")
         assert {r.state for r in during.ranks if r.rank != 1} <= {
             "recovering",
