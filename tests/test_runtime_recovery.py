@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from helpers_faults import repaired_besides_laggards
 from helpers_launch import FTRUN, env_with, events, run
-from helpers_runtime import EXAMPLES, assert_bit_identical, load_params
+from helpers_runtime import EXAMPLES, REPO, assert_bit_identical, load_params
 
 STEPS = 8
+TEST_SCRIPTS = REPO / "tests" / "scripts"
 
 
 def ftrun_job(
@@ -31,8 +32,9 @@ def ftrun_job(
     env: dict[str, str] | None = None,
     kill: tuple[list[int], int] | None = None,
 ):
-    """Run `script` on 4 ranks under ftrun; `kill` = (ranks, step): SIGKILL those ranks from
-    outside, all at once, once each of them has committed that step."""
+    """Run `script` (a name under scripts/examples, or a path) on 4 ranks under ftrun; `kill` =
+    (ranks, step): SIGKILL those ranks from outside, all at once, once each of them has committed
+    that step."""
     wd = tmp_path / name
     wd.mkdir()
     cmd = FTRUN + [
@@ -154,10 +156,13 @@ def test_replacement_skips_the_random_init_it_receives_over(tmp_path, ddp_ref):
         assert_bit_identical(params[r], ddp_ref[0])
 
 
-def test_replacement_that_draws_after_a_skipped_init_falls_back_to_a_normal_init(tmp_path):
+def test_replacement_of_a_script_that_draws_after_its_model_inits_normally_in_one_round(
+    tmp_path,
+):
     """The script draws a fixed projection after building its model, outside the registered
-    state: a replacement that skipped its init would draw it from another generator state. It
-    says so, exits before any state moves, and the next replacement inits normally."""
+    state: a replacement that skipped its init would draw it from another generator state. The
+    ranks' first start finds that out (its verdict is in the store), so the replacement runs its
+    init: one round, one new process, bit-identical."""
     ref = ftrun_job(tmp_path, "ref", "ddp_train.py", extra=["--fixed-projection"])[2]
     plan = [{"rank": 1, "step": 4, "phase": "forward", "kind": "kill"}]
     ev, pids, params, res = ftrun_job(
@@ -166,9 +171,28 @@ def test_replacement_that_draws_after_a_skipped_init_falls_back_to_a_normal_init
     for r in range(4):  # (a replacement that skipped would have drawn another projection)
         assert_bit_identical(params[r], ref[0])
     out = res.stdout + res.stderr
-    assert "skipped random parameter inits cannot be proven harmless" in out
-    assert new_processes(pids) == {1: 2}  # the refusing replacement, then one that inits normally
+    assert "skipping them cannot be proven harmless (random numbers were drawn" in out
+    assert "random parameter inits run: skipping them was found not harmless" in out
+    assert new_processes(pids) == {1: 1}
+    assert len([e for e in ev if e["event"] == "plan"]) == 1
     assert "skipped 6 random parameter inits" not in out
+
+
+def test_sigkill_of_a_script_drawing_after_its_model_costs_one_round(tmp_path):
+    """Issue 32: a native-loop script that draws its dataset, batches and dropout masks from
+    torch's generator after building its model; one rank SIGKILLed from outside mid-run. The
+    skip-init fallback used to exit the replacement and start another in a second round (3 pids,
+    2 plans): now one round, one plan, 2 pids for the killed rank, bit-identical."""
+    script = str(TEST_SCRIPTS / "draws_after_model.py")
+    ref = ftrun_job(tmp_path, "ref", script)[2]
+    ev, pids, params, res = ftrun_job(
+        tmp_path, "kill", script, extra=["--step-time", "0.2"], kill=([1], 3)
+    )
+    assert len(pids[1]) == 2 and new_processes(pids) == {1: 1}, pids
+    assert len([e for e in ev if e["event"] == "plan"]) == 1
+    assert "cannot be proven harmless" in res.stdout + res.stderr  # the first start's verdict
+    for r in range(4):
+        assert_bit_identical(params[r], ref[r])
 
 
 def test_three_faults_including_the_same_rank_twice(tmp_path, ddp_ref):

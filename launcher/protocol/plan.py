@@ -97,10 +97,10 @@ def go_key(generation: int) -> str:
     return f"{ROOT}/g{generation}/go"
 
 
-def skip_init_off_key() -> str:
-    """Set by a replacement whose skipped parameter init could not be proven harmless: later
-    replacements of the job init normally (launcher.runtime.skip_init)."""
-    return f"{ROOT}/skip_init_off"
+def skip_init_key(rank: int) -> str:
+    """Whether a replacement of `rank` may skip its random parameter init: "harmless", or why
+    not; set at the first step of a start that ran its init (launcher.runtime.skip_init)."""
+    return f"{ROOT}/skip_init/{rank}"
 
 
 def aware_key(rank: int) -> str:

@@ -23,7 +23,7 @@ from launcher.runtime.devices import DeviceAdapter
 from launcher.runtime.faultplan import FaultInjector
 from launcher.runtime.rank_state import RankLinks, RankState
 from launcher.runtime.signals import StopRequested
-from launcher.runtime.skip_init import InitSkip
+from launcher.runtime.skip_init import InitWindow
 from launcher.runtime.state import Snapshot
 from launcher.runtime.step_path import StepPath
 from launcher.runtime.transfer import recv_state, send_state
@@ -55,7 +55,9 @@ class RecoveryRound:
         self.last_recovery: dict[str, float] = {}
         self.last_plan: P.RepairPlan | None = None  # the plan of the latest completed round
         self.pending_plan: P.RepairPlan | None = None  # a replacement's, run at its first step
-        self.init_skip: InitSkip | None = None  # a replacement's skipped random init (skip_init)
+        # the rank's random init, skipped by a replacement when its rank's first start found
+        # that harmless (skip_init); opened at start, closed at the first step
+        self.init_window = InitWindow(links)
         self._t_created = time.monotonic()
         # wall-clock edges of the current recovery round (sent with "recovered"; events.jsonl
         # `rank-recovered.marks`, drawn by `ftctl report`) and the state bytes moved in it
@@ -165,9 +167,7 @@ class RecoveryRound:
                 state.generation = links.stop.target
         self.world.build(state.generation, rebuild_groups=False)
         self.mark("rebuilt")
-        if links.env.skip_init and links.try_get(P.skip_init_off_key()) is None:
-            self.init_skip = InitSkip()
-            self.init_skip.open()  # closed before the received state is applied
+        self.init_window.open(replacement=True)  # closed before the received state is applied
 
     def resume_replacement(self) -> int:
         """(at the first step) Execute the plan of the round joined at start; the resume step."""
@@ -321,7 +321,7 @@ class RecoveryRound:
     def _receive(self, resume: int, srcs: list[int]) -> Snapshot:
         """The state of step `resume` from the sources `srcs`, applied; its snapshot."""
         reg, log = self.state.reg, self.links.log
-        self._close_init_skip(reg.overwritten())
+        self.init_window.close(reg.overwritten())
         state, stats = recv_state(self.coll, srcs, reg.live_tensors())
         self._moved = {
             "transfer_bytes": stats.nbytes,
@@ -363,26 +363,6 @@ class RecoveryRound:
         self.mark("repaired")
         self.path.set_phase("resumed")
         return resume
-
-    def _close_init_skip(self, covered: Any) -> None:
-        """End the skipped-init window before a received state is applied (see skip_init); exit
-        (1) when the skip cannot be proven harmless, after marking the job so that the next
-        replacement inits normally."""
-        if self.init_skip is None:
-            return
-        res, self.init_skip = self.init_skip.close(covered), None
-        if res.diverged is None:
-            if res.skipped:
-                self.links.log(
-                    f"skipped {res.skipped} random parameter inits the received state overwrites"
-                )
-            return
-        self.links.store.set(P.skip_init_off_key(), b"1")
-        self.links.log(
-            f"skipped random parameter inits cannot be proven harmless: {res.diverged}; exiting "
-            "so that a new replacement inits normally (FTRUN_SKIP_INIT=0 turns the skip off)"
-        )
-        self.links.hard_exit(1)
 
     # ---------------------------------------------------------------- the round's edges
     def mark(self, edge: str) -> None:

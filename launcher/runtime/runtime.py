@@ -174,6 +174,7 @@ class Runtime:
             self._round.join_as_replacement()
         else:
             self._world.build(self.generation, rebuild_groups=False)
+            self._round.init_window.open(replacement=False)  # closed at the first step
         self.log(
             f"joined generation {self.generation} (world {self.world_size}, backend "
             f"{self.backend}, device {self.adapter.name})"
@@ -367,6 +368,8 @@ class Runtime:
         if self._round.pending_plan is not None:
             return self._round.resume_replacement()
         state = self._state
+        # whether a replacement of this rank may skip its random init (launcher.runtime.skip_init)
+        self._round.init_window.close(state.reg.overwritten())
         start = self._checkpoints.load()
         state.snapshots = {start: state.reg.snapshot(start, self.adapter)}
         state.committed = start - 1

@@ -1,28 +1,38 @@
 """Skipping a replacement's random parameter init, which the state it receives overwrites.
 
-Owns: `InitSkip`, the window in which a replacement rank's `torch.nn.init` random fills
-(`uniform_`, `normal_`, `trunc_normal_`, `kaiming_*`, `xavier_*`, `orthogonal_`, `sparse_`) on
-CPU tensors drawing from torch's default generator are recorded instead of run, and the check at
-its end that this changed nothing a normal start would have produced.
+Owns: `InitSkip`, the window in which a rank's `torch.nn.init` random fills (`uniform_`,
+`normal_`, `trunc_normal_`, `kaiming_*`, `xavier_*`, `orthogonal_`, `sparse_`) on CPU tensors
+drawing from torch's default generator are recorded instead of run (or, in a probe, recorded and
+run), and the check at its end that skipping them changed (or would change) nothing a normal start
+produces; `InitWindow`, which opens one on a rank's start, closes it at the first step and keeps
+the verdict in the job's store.
 
 A replacement builds its model and optimizer only to receive a replica's state over them; at
 ~170 MB of state the random fills of the model's construction took ~55 ms, about a quarter of
-the recovery. The window opens in `init()` of a replacement (unless FTRUN_SKIP_INIT=0 or an
-earlier replacement of the job had to fall back, see below) and closes right before the received
-state is applied (its generator states replace the rank's). At the close:
+the recovery. Whether a replacement may skip them is settled before any fault, on the rank's
+first start: with FTRUN_SKIP_INIT=1 (the default of `ftr.init()`) the window opens in `init()`
+as a probe, the fills run as always, and at the first step (where a replacement applies the state
+it receives) the check says whether skipping them would have been harmless; the verdict goes to
+the store (`plan.skip_init_key(rank)`). A replacement skips its fills only when its rank's verdict
+says harmless; otherwise it runs them for real, and without a verdict (its rank never reached a
+first step) it probes like a first start. It never leaves because of the skip. The check at the
+close:
 
 - every skipped tensor must lie inside a tensor the received state overwrites: a registered
   model's `state_dict()` tensor (parameters, persistent buffers) or a registered extra (not,
   e.g., a non-persistent buffer or a module that is not registered);
-- torch's default CPU generator must be where the first skipped fill found it: otherwise code
-  ran after a skipped fill that drew random numbers a normal start would have drawn from a later
-  generator state, and those numbers may live outside the state that arrives. A reseed in the
-  window (`torch.manual_seed`, `torch.set_rng_state`, `torch.seed`, watched) with nothing drawn
-  since the first skipped fill is fine (from there the generator is where a normal start's is); a
-  reseed after such a draw counts as that draw. When either rule is broken the replacement cannot
-  be proven equal to its replicas: it says so in one line, marks the job (store key
-  `plan.skip_init_off_key`) so later replacements init normally, and exits 1 before any state
-  moves -- the agent starts another replacement in a new round.
+- nothing may draw from torch's default CPU generator after a skipped fill: a skipping start's
+  generator stays where the first skipped fill found it, so random numbers drawn later (a fixed
+  projection, a dataset, a mask drawn after the model is built) would come from another
+  generator state than a normal start's, and may live outside the state that arrives. A reseed
+  in the window (`torch.manual_seed`, `torch.set_rng_state`, `torch.seed`, watched) with nothing
+  drawn since the last skipped fill is fine (from there the generator is where a normal start's
+  is); a reseed after such a draw counts as that draw. A probe checks the same with its fills
+  run: nothing may draw between the end of a fill and the next fill or the close.
+
+The skip is sound when the replacement runs what its rank's first start ran up to its first
+step. A replacement that skipped and still fails the check (its script took another path than
+the first start) says so in a warning, stores the verdict for later replacements and goes on.
 
 A skipped tensor holds uninitialised memory with NaN in its first and last element until the
 state arrives, so a copy taken of it in between (say, a frozen reference model deep-copied from
@@ -42,6 +52,9 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.init as nn_init
 
+from launcher.protocol import plan as P
+from launcher.runtime.rank_state import RankLinks
+
 RANDOM_INITS = (
     "uniform_",
     "normal_",
@@ -54,6 +67,7 @@ RANDOM_INITS = (
     "sparse_",
 )
 RESEEDS = ("manual_seed", "set_rng_state", "seed")  # torch.<name>, watched while the window is open
+HARMLESS = b"harmless"  # the verdict under plan.skip_init_key(rank) when a replacement may skip
 
 
 @dataclass
@@ -66,19 +80,24 @@ class Skipped:
 
 @dataclass
 class SkipResult:
-    skipped: int  # fills recorded instead of run
+    skipped: int  # fills recorded instead of run (a probe: that a skipping start would skip)
     diverged: str | None  # why the skip cannot be proven harmless (None: it can)
 
 
 @dataclass
 class InitSkip:
-    """The open window (see the module docstring); `close()` ends it, once."""
+    """The open window (see the module docstring); `close()` ends it, once. `probe`: the fills
+    run, and the close says whether skipping them would have been harmless."""
 
+    probe: bool = False
     records: list[Skipped] = field(default_factory=list)
-    first_rng: torch.Tensor | None = None  # the default generator's state at the first skip
+    # where the default generator must stand at the next fill and at the close: where the first
+    # skipped fill found it (a probe: where the latest fill left it); None before the first fill
+    expected_rng: torch.Tensor | None = None
     diverged: str | None = None  # why the skip can no longer be proven harmless
     _saved: dict[tuple[Any, str], Any] = field(default_factory=dict)
     _open: bool = False
+    _filling: bool = False  # a probe's fill runs (a fill it calls is part of it)
 
     def open(self) -> None:
         if self._open:
@@ -114,6 +133,7 @@ class InitSkip:
         def init(tensor: Any, *args: Any, **kwargs: Any) -> Any:
             if (
                 not self._open
+                or self._filling
                 or not isinstance(tensor, torch.Tensor)
                 or tensor.device.type != "cpu"
                 or kwargs.get("generator") is not None
@@ -121,24 +141,32 @@ class InitSkip:
             ):
                 return orig(tensor, *args, **kwargs)
             state = torch.get_rng_state()
-            if self.first_rng is None:
-                self.first_rng = state
-            elif not torch.equal(state, self.first_rng) and self.diverged is None:
+            if self.expected_rng is None:
+                self.expected_rng = state
+            elif not torch.equal(state, self.expected_rng) and self.diverged is None:
                 self.diverged = "random numbers were drawn between two skipped inits"
             self.records.append(Skipped(orig, tensor, args, kwargs))
-            _poison(tensor)
-            return tensor
+            if not self.probe:
+                _poison(tensor)
+                return tensor
+            self._filling = True
+            try:
+                out = orig(tensor, *args, **kwargs)
+            finally:
+                self._filling = False
+            self.expected_rng = torch.get_rng_state()
+            return out
 
         return init
 
     def _wrap_reseed(self, name: str, orig: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(orig)
         def reseed(*args: Any, **kwargs: Any) -> Any:
-            if self._open and self.first_rng is not None and self.diverged is None:
-                if torch.equal(torch.get_rng_state(), self.first_rng):
-                    # nothing drew since the first skipped fill, and from here the generator is
+            if self._open and self.expected_rng is not None and self.diverged is None:
+                if torch.equal(torch.get_rng_state(), self.expected_rng):
+                    # nothing drew since the last skipped fill, and from here the generator is
                     # where a normal start's would be: the next skipped fill sets a new baseline
-                    self.first_rng = None
+                    self.expected_rng = None
                 else:
                     self.diverged = (
                         f"random numbers were drawn after a skipped init, then torch.{name}()"
@@ -160,8 +188,8 @@ class InitSkip:
         diverged = self.diverged
         if (
             diverged is None
-            and self.first_rng is not None
-            and not torch.equal(torch.get_rng_state(), self.first_rng)
+            and self.expected_rng is not None
+            and not torch.equal(torch.get_rng_state(), self.expected_rng)
         ):
             diverged = "random numbers were drawn after a skipped init, before the state arrived"
         if diverged is None:
@@ -173,8 +201,64 @@ class InitSkip:
                     f"{tuple(outside[0].tensor.shape)} tensor first) wrote tensors outside the "
                     "received state"
                 )
-        self.first_rng = None
+        self.expected_rng = None
         return SkipResult(len(records), diverged)
+
+
+class InitWindow:
+    """A managed rank's window over its random parameter init (FTRUN_SKIP_INIT=1): opened at
+    start (`open`), closed at the first step (`close`), its verdict kept in the job's store (see
+    the module docstring)."""
+
+    def __init__(self, links: RankLinks) -> None:
+        self.links = links
+        self.skip: InitSkip | None = None
+
+    def open(self, replacement: bool) -> None:
+        """A start probes; a replacement skips when its rank's verdict says harmless, runs its
+        fills when it says not, and probes when there is none."""
+        links = self.links
+        if not (links.env.managed and links.env.skip_init):
+            return
+        verdict = links.try_get(P.skip_init_key(links.rank)) if replacement else None
+        if verdict is not None and verdict != HARMLESS:
+            links.log(
+                "random parameter inits run: skipping them was found not harmless "
+                f"({verdict.decode(errors='replace')})"
+            )
+            return
+        self.skip = InitSkip(probe=verdict is None)
+        self.skip.open()
+
+    def close(self, covered: Iterable[torch.Tensor]) -> None:
+        """End the window where a replacement applies its received state; `covered`: the
+        tensors that state overwrites. Stores a probe's verdict; never ends the process."""
+        skip, self.skip = self.skip, None
+        if skip is None:
+            return
+        res = skip.close(covered)
+        links, key = self.links, P.skip_init_key(self.links.rank)
+        if skip.probe:
+            links.store.set(key, HARMLESS if res.diverged is None else res.diverged.encode())
+            if res.diverged is not None:
+                links.log(
+                    "a replacement of this rank will run its random parameter inits: skipping "
+                    f"them cannot be proven harmless ({res.diverged})"
+                )
+            return
+        if res.diverged is None:
+            if res.skipped:
+                links.log(
+                    f"skipped {res.skipped} random parameter inits the received state overwrites"
+                )
+            return
+        links.store.set(key, res.diverged.encode())
+        links.log(
+            "WARNING: skipped random parameter inits cannot be proven harmless although this "
+            f"rank's first start found them so (the script took another path): {res.diverged}; "
+            "going on with the received state, later replacements run their inits "
+            "(FTRUN_SKIP_INIT=0 turns the skip off)"
+        )
 
 
 def _poison(t: torch.Tensor) -> None:
