@@ -341,8 +341,8 @@ def test_megatron_killed_in_every_phase_is_bit_identical_to_a_run_without_ftrun(
             str(wd / "out{rank}.pt"),
         ],
         # the framework path inits a replacement normally by default (attach): Megatron's
-        # CPU init fills a master weight outside the state, a skipped init would fall back
-        # (one more round, which would shift this plan's generations)
+        # CPU init fills a master weight outside the state, so a skip would never be proven
+        # harmless (its first start's probe would say so, and the replacement init normally)
         env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="90"),
         timeout=420,
         cwd=str(wd),
