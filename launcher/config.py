@@ -347,8 +347,14 @@ def port_is_free(host: str, port: int) -> bool:
         return False
 
 
+# The words of an on/off setting (flags and --rdzv-conf keys read anything else as off, like
+# torchrun; FTRUN_* switches refuse anything else: `parse_switch`).
+ON_WORDS = ("1", "true", "yes", "on")
+OFF_WORDS = ("0", "false", "no", "off")
+
+
 def _truthy(v: str) -> bool:
-    return str(v).strip().lower() in ("1", "true", "yes", "on")
+    return str(v).strip().lower() in ON_WORDS
 
 
 def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
@@ -525,9 +531,9 @@ def parse_switch(name: str, raw: str, default: bool) -> bool:
     text = raw.strip().lower()
     if text == "":
         return default
-    if text in ("1", "on", "true", "yes"):
+    if text in ON_WORDS:
         return True
-    if text in ("0", "off", "false", "no"):
+    if text in OFF_WORDS:
         return False
     raise ConfigError(
         f"{name}={raw!r}: must be 1 (on) or 0 (off) (also on/off, true/false, yes/no)"

@@ -252,7 +252,8 @@ def _private_uses(files: dict[str, str]) -> list[str]:
         tree = _tree(rel)
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom):
-                for a, target in zip(node.names, _resolve_each(node, mod, rel, known)):
+                targets = _resolve(node, mod, rel.endswith("__init__.py"), known)
+                for a, target in zip(node.names, targets):
                     if target in known and target.endswith("." + a.name):  # a module
                         aliases[a.asname or a.name] = target
                     elif (
@@ -278,11 +279,6 @@ def _private_uses(files: dict[str, str]) -> list[str]:
             ):
                 out.append(f"{rel}:{node.lineno}: uses {aliases[node.value.id]}.{node.attr}")
     return out
-
-
-def _resolve_each(node: ast.ImportFrom, source: str, rel: str, known: set[str]) -> list[str]:
-    """Per imported name: the module it is (X.a) when that is a module, else the module X."""
-    return _resolve(node, source, rel.endswith("__init__.py"), known)
 
 
 def _is_extension(module: str, name: str) -> bool:
@@ -323,17 +319,20 @@ def test_runtime_reaches_no_agent_code() -> None:
     assert not bad, "launcher.runtime reaches agent code:\n" + "\n".join(sorted(bad))
 
 
-def _long_functions(pkg: str) -> list[str]:
+def _too_long(pkg: str, kinds: tuple[type, ...], limit: int) -> list[str]:
+    """Every definition of `kinds` under `pkg` longer than `limit` lines."""
     out: list[str] = []
     for mod, rel in _source_files().items():
-        if not _is_under(mod, pkg):
-            continue
-        for node in ast.walk(_tree(rel)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                n = node.end_lineno - node.lineno + 1
-                if n > MAX_FUNCTION_LINES:
+        if _is_under(mod, pkg):
+            for node in ast.walk(_tree(rel)):
+                n = node.end_lineno - node.lineno + 1 if isinstance(node, kinds) else 0
+                if n > limit:
                     out.append(f"{rel}:{node.lineno}: {node.name} is {n} lines")
     return out
+
+
+def _long_functions(pkg: str) -> list[str]:
+    return _too_long(pkg, (ast.FunctionDef, ast.AsyncFunctionDef), MAX_FUNCTION_LINES)
 
 
 def test_no_function_over_60_lines() -> None:
@@ -345,14 +344,7 @@ def test_no_function_over_60_lines() -> None:
 
 
 def _long_classes(pkg: str) -> list[str]:
-    out: list[str] = []
-    for mod, rel in _source_files().items():
-        if _is_under(mod, pkg):
-            for node in ast.walk(_tree(rel)):
-                n = node.end_lineno - node.lineno + 1 if isinstance(node, ast.ClassDef) else 0
-                if n > MAX_CLASS_LINES:
-                    out.append(f"{rel}:{node.lineno}: class {node.name} is {n} lines")
-    return out
+    return _too_long(pkg, (ast.ClassDef,), MAX_CLASS_LINES)
 
 
 def test_no_class_over_400_lines() -> None:
