@@ -45,7 +45,6 @@ Sets up the /etc/hosts line `::ffff:127.0.0.1 localhost-v4mapped` first.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import re
@@ -59,6 +58,8 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench_recovery_probe import read_steps, warm_spares  # noqa: E402
+from bench_recovery_scenarios import parse_scenarios, print_scenarios  # noqa: E402
 from hosts_setup import ensure_hosts_line  # noqa: E402  (scripts/ is sys.path[0])
 
 from launcher.observe.logs import read_events as events  # noqa: E402  (the repo, not only an install)
@@ -101,65 +102,6 @@ def raw_tcp_gbps(nbytes: int = 100 << 20, repeat: int = 3) -> float:
         for s in (cli, conn, srv):
             s.close()
     return best
-
-
-def _children(pid: int) -> list[int]:
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children", encoding="ascii") as f:
-            return [int(x) for x in f.read().split()]
-    except OSError:
-        return []
-
-
-def warm_spares(root: int) -> list[int] | None:
-    """Pids of the job's warm spares (`launcher.workers.spare` descendants of `root`, the fork
-    server aside, whose imports are done: main thread asleep waiting for its assignment, in a
-    futex wait or a read of its stdin, no CPU time used over 20 ms), None while a spare is still
-    warming up or none was started."""
-    todo, spares = [root], []
-    while todo:
-        pid = todo.pop()
-        kids = _children(pid)
-        todo += kids
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{pid}/comm", "rb") as f:
-                comm = f.read().strip()
-            # the fork server (launcher.workers.spare_server, named ftrun-spare-srv) is not a
-            # spare; the spares it forked are (they keep its command line)
-            if b"launcher.workers.spare" in cmd and comm != b"ftrun-spare-srv":
-                spares.append(pid)
-        except OSError:
-            pass
-
-    def cpu(pid: int) -> tuple[int, str] | None:
-        try:
-            with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            with open(f"/proc/{pid}/syscall", encoding="ascii") as f:
-                nr = f.read().split()[0]
-        except (OSError, IndexError):
-            return None
-        return int(fields[11]) + int(fields[12]), fields[0] + nr
-
-    if not spares:
-        return None
-    before = [cpu(p) for p in spares]
-    time.sleep(0.02)
-    after = [cpu(p) for p in spares]
-    if any(a is None or a != b or a[1] not in ("S202", "S0") for a, b in zip(after, before)):
-        return None
-    return spares
-
-
-def read_steps(out: str) -> dict[int, list[dict]]:
-    res: dict[int, list[dict]] = {}
-    for path in glob.glob(os.path.join(out, "steps.*.jsonl")):
-        rank = int(path.split(".")[-2])
-        with open(path, encoding="utf-8") as f:
-            res[rank] = [json.loads(line) for line in f if line.strip()]
-    return res
 
 
 def run_job(
@@ -584,6 +526,19 @@ def transfer_row(args: argparse.Namespace, nproc: int, dp: int, tcp: float) -> d
     }
 
 
+def pick_rows(text: str) -> tuple[bool, list]:
+    """--scenarios: (whether the main row runs, the scenario rows); exits 2 on a bad item."""
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        return True, []
+    rest = [t for t in items if t != "main"]
+    try:
+        return "main" in items or items == ["all"], parse_scenarios(",".join(rest)) if rest else []
+    except ValueError as exc:
+        print(f"bench_recovery: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -650,7 +605,19 @@ def main() -> None:
         default=1,
         help="main rows to run (baseline and this checkout alternate which goes first)",
     )
+    ap.add_argument(
+        "--scenarios",
+        default="",
+        help="scenario rows, ftrun against torchrun restart-all of the same script: all, or a "
+        "comma list of main (the row above) and PATH:POINT, PATH native|ddp|megatron, POINT "
+        "step1|warm|during-recovery (default: the main row only)",
+    )
+    ap.add_argument(
+        "--megatron-hidden", type=int, default=1088, help="megatron scenarios: GPT hidden size"
+    )
+    ap.add_argument("--megatron-layers", type=int, default=2, help="megatron: GPT layers")
     args = ap.parse_args()
+    main_row, scenarios = pick_rows(args.scenarios)
     if args.baseline_repo and not os.path.isfile(
         os.path.join(args.baseline_repo, "launcher", "agent.py")
     ):
@@ -660,7 +627,9 @@ def main() -> None:
     if args.repeat < 1:
         sys.exit(f"bench_recovery: --repeat {args.repeat} must be >= 1")
     hosts = ensure_hosts_line()
-    if not args.no_compare:
+    if scenarios:
+        print_scenarios(args, scenarios)
+    if main_row and not args.no_compare:
         tcp = raw_tcp_gbps()
         for args.round in range(args.repeat):
             row = compare(args, tcp)

@@ -1,9 +1,13 @@
 """Benchmark worker for scripts/bench_recovery.py: a data-parallel MLP on launcher.runtime.
 
 About 100 MB of parameters + Adam state with the defaults (hidden 1024, 9 layers). Appends one
-JSON line per completed step to $OUT_DIR/steps.<rank>.jsonl ({"step", "time", "pid"}), saves a
-durable checkpoint every --checkpoint-every steps (what torchrun's restart-all reloads), and
-runs under ftrun (process-level recovery) and under torchrun (restart from the checkpoint).
+JSON line per completed step to $OUT_DIR/steps.<rank>.jsonl ({"step", "time", "pid"}) and one
+when this process begins its first step to $OUT_DIR/starts.<rank>.jsonl ({"step", "time",
+"pid"}: training again after a restart), saves a durable checkpoint every --checkpoint-every
+steps (what torchrun's restart-all reloads), and runs under ftrun (process-level recovery) and
+under torchrun (restart from the checkpoint). Two paths: the native loop (`rt.steps` +
+`rt.allreduce_gradients`, the default) and `--ddp` (the model wrapped by `rt.ddp`, whose bucket
+all-reduces overlap backward).
 """
 
 from __future__ import annotations
@@ -21,6 +25,10 @@ import torch  # noqa: E402
 import launcher.runtime as ftr  # noqa: E402
 
 
+def mark(step: int) -> dict:
+    return {"step": step, "time": time.time(), "pid": os.getpid()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
@@ -32,6 +40,7 @@ def main() -> int:
     ap.add_argument(
         "--replica-groups", default="", help="JSON list of replica groups (default: all ranks)"
     )
+    ap.add_argument("--ddp", action="store_true", help="wrap the model with rt.ddp")
     a = ap.parse_args()
     rt = ftr.init(backend="gloo")
     torch.manual_seed(7)
@@ -40,6 +49,8 @@ def main() -> int:
         layers += [torch.nn.Linear(a.hidden, a.hidden), torch.nn.ReLU()]
     layers.append(torch.nn.Linear(a.hidden, 1))
     model = torch.nn.Sequential(*layers)
+    if a.ddp:
+        model = rt.ddp(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     pos = {"batch": 0}
     if a.replica_groups:
@@ -51,8 +62,14 @@ def main() -> int:
         checkpoint_dir=a.checkpoint_dir,
         checkpoint_every=a.checkpoint_every,
     )
-    log = open(os.path.join(os.environ["OUT_DIR"], f"steps.{rt.rank}.jsonl"), "a", buffering=1)
+    out = os.environ["OUT_DIR"]
+    log = open(os.path.join(out, f"steps.{rt.rank}.jsonl"), "a", buffering=1)
+    started = False
     for step in rt.steps(a.steps):
+        if not started:  # this process trains (again): its first step begins
+            started = True
+            with open(os.path.join(out, f"starts.{rt.rank}.jsonl"), "a") as f:
+                f.write(json.dumps(mark(step.index)) + "\n")
         with step:
             with step.phase("forward"):
                 g = torch.Generator().manual_seed(pos["batch"] * 100 + rt.rank)
@@ -63,14 +80,13 @@ def main() -> int:
                     time.sleep(a.step_time)
             with step.phase("backward"):
                 loss.backward()
-                rt.allreduce_gradients(model)
+                if not a.ddp:
+                    rt.allreduce_gradients(model)
             with step.optimizer_update():
                 opt.step()
                 opt.zero_grad()
         if not step.interrupted:
-            log.write(
-                json.dumps({"step": step.index, "time": time.time(), "pid": os.getpid()}) + "\n"
-            )
+            log.write(json.dumps(mark(step.index)) + "\n")
     log.close()
     rt.finish()
     return 0

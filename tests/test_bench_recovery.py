@@ -53,3 +53,159 @@ def test_a_run_reports_its_transfer_path_and_leaves_no_checkpoints(tmp_path, kee
         assert (tmp_path / left[0] / "logs").is_dir() and not (tmp_path / left[0] / "ckpt").exists()
     else:
         assert left == []
+
+
+# ---- the scenario rows (scripts/bench_recovery_scenarios.py)
+
+sys.path.insert(0, str(REPO / "scripts"))
+import bench_recovery_scenarios as sc  # noqa: E402
+
+
+def test_scenarios_parse_all_and_lists_and_name_a_bad_item():
+    assert [s.name for s in sc.parse_scenarios("all")] == list(sc.ALL)
+    got = sc.parse_scenarios("native:step1, megatron:during-recovery")
+    assert [(s.path, s.point) for s in got] == [
+        ("native", "step1"),
+        ("megatron", "during-recovery"),
+    ]
+    for bad in ("native", "fsdp:step1", "ddp:step2", " , "):
+        with pytest.raises(ValueError, match="--scenarios"):
+            sc.parse_scenarios(bad)
+
+
+def test_a_bad_scenario_is_one_line_and_exit_2():
+    out = subprocess.run(
+        [sys.executable, str(REPO / "scripts" / "bench_recovery.py"), "--scenarios", "ddp:step9"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.strip().count("\n") == 0 and "'ddp:step9'" in out.stderr
+
+
+def _steps(rows: list[tuple[int, float, int]]) -> list[dict]:
+    return [{"step": s, "time": t, "pid": p} for s, t, p in rows]
+
+
+def _one_round(t_fail: float, t_back: float) -> list[dict]:
+    """Events of a recover-in-place round on two ranks: rank 1 dies at t_fail (seen 1 ms
+    later), both ranks commit again at t_back."""
+    ev = [{"time": 1.0 + r / 10, "event": "spawn", "rank": r, "generation": 0} for r in (0, 1)]
+    ev += [
+        {"time": t_fail + 0.001, "event": "worker-failed", "rank": 1, "detect_ms": 1.0},
+        {"time": t_fail + 0.002, "event": "decide", "rank": 1, "strategy": "recover-in-place"},
+        {
+            "time": t_fail + 0.003,
+            "event": "plan",
+            "generation": 1,
+            "strategy": "recover-in-place",
+            "failed_ranks": [1],
+            "restart_ranks": [1],
+        },
+        {
+            "time": t_fail + 0.004,
+            "event": "spawn",
+            "rank": 1,
+            "generation": 1,
+            "replacement": True,
+            "warm": True,
+        },
+        {
+            "time": t_back - 0.5,
+            "event": "rank-recovered",
+            "rank": 1,
+            "generation": 1,
+            "replacement": True,
+            "marks": {
+                "exec": t_fail + 0.01,
+                "imported": t_fail + 0.05,
+                "registered": t_fail + 0.2,
+                "repaired": t_back - 0.5,
+            },
+        },
+        {"time": t_back - 0.5, "event": "rank-recovered", "rank": 0, "generation": 1},
+    ]
+    ev += [
+        {"time": t_back, "event": "rank-resumed", "rank": r, "generation": 1, "step": 5}
+        for r in (0, 1)
+    ]
+    return ev
+
+
+def test_ftrun_time_lost_comes_from_the_events_and_splits_into_the_redone_step_and_overhead():
+    # steps 0.5 s apart; rank 1 killed at 12.1 during step 5 (step 4 done at 12.0); every rank
+    # commits step 5 again at 13.2: lost by the events 13.2 - 12.1 = 1.1 s, the redone step 0.5
+    before = [(s, 10.0 + 0.5 * s, 100) for s in range(5)]
+    after = [(s, 13.2 + 0.5 * (s - 5), 100) for s in range(5, 9)]
+    job = {
+        "kill_times": [12.1],
+        "killed_steps": [5],
+        "steps": {
+            0: _steps(before + after),
+            1: _steps([(s, t, 200) for s, t, _ in before] + [(s, t, 300) for s, t, _ in after]),
+        },
+        "events": _one_round(12.1, 13.2),
+    }
+    got = sc.lost_split(job, "ftrun")
+    assert got["lost_s"] == pytest.approx(1.1, abs=1e-3) and got["rounds"] == 1
+    assert got["step_s"] == pytest.approx(0.5) and got["redone_s"] == pytest.approx(0.5)
+    assert got["overhead_s"] == pytest.approx(0.6, abs=1e-3) and got["recomputed"] == 0
+    assert got["lost_s"] == pytest.approx(got["redone_s"] + got["overhead_s"])
+    assert sc.trains_again_s(job, "ftrun") == pytest.approx(0.6, abs=1e-3)
+    split = sc.startup_split(job["events"], 12.1)
+    assert split["warm"] is True
+    assert split["respawn_s"] == pytest.approx(0.006, abs=1e-3)
+    assert split["imports_s"] == pytest.approx(0.04) and split["script_s"] == pytest.approx(0.15)
+    assert split["repair_s"] == pytest.approx(0.4, abs=1e-3)
+
+
+def test_torchrun_time_lost_holds_the_steps_since_the_checkpoint_as_redone():
+    # checkpoint at step 3: killed in step 6 at 13.1, every rank back training at 20.0 (restart),
+    # steps 4..5 computed again, step 6 done at 21.5
+    before = [(s, 10.0 + 0.5 * s, 100) for s in range(6)]
+    after = [(s, 20.0 + 0.5 * (s - 3), 101) for s in range(4, 10)]
+    steps = {r: _steps([(s, t, p + r) for s, t, p in before + after]) for r in (0, 1)}
+    job = {
+        "kill_times": [13.1],
+        "killed_steps": [6],
+        "steps": steps,
+        "events": [],
+        "starts": {r: {100 + r: 9.9, 101 + r: 20.0} for r in (0, 1)},
+    }
+    got = sc.lost_split(job, "torchrun")
+    assert got["recomputed"] == 2 and got["step_s"] == pytest.approx(0.5)
+    assert got["lost_s"] == pytest.approx(21.5 - 13.1) and got["redone_s"] == pytest.approx(1.5)
+    assert got["overhead_s"] == pytest.approx(21.5 - 13.1 - 1.5)
+    assert sc.trains_again_s(job, "torchrun") == pytest.approx(20.0 - 13.1)
+
+
+def test_scenario_row_native_kill_at_step_1_end_to_end(tmp_path):
+    """The step-1 kill (right after the start, spares in whatever state) on the native loop,
+    ftrun only: one round, the time lost split, the replacement's start-up by its marks."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [
+        sys.executable,
+        str(REPO / "scripts" / "bench_recovery.py"),
+        "--scenarios",
+        "native:step1",
+        "--no-torchrun",
+        "--hidden",
+        "64",
+        "--layers",
+        "2",
+        "--steps",
+        "60",
+    ]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["bench"] == "recovery-scenario" and row["scenario"] == "native:step1"
+    ft = row["ftrun"]
+    assert ft["killed_step"] == 1 and ft["kills"] == 1 and ft["rounds"] == 1
+    assert ft["lost_s"] > 0 and ft["redone_s"] > 0
+    assert ft["lost_s"] == pytest.approx(ft["redone_s"] + ft["overhead_s"], abs=1e-3)
+    assert ft["replacement"]["repair_s"] >= 0 and "torchrun" not in row
+    assert row["goal_overhead_s"] in (0.1, 0.3) and isinstance(row["goal_met"], bool)
+    assert list(tmp_path.glob("bench_recovery_*")) == []

@@ -1,0 +1,441 @@
+"""The recovery benchmark's scenario rows (`bench_recovery.py --scenarios`): what a fault costs
+where users meet it, ftrun against torchrun restart-all in the same run.
+
+Owns: `Scenario` (a training path and a kill point), `parse_scenarios` (the `--scenarios` list),
+`run_scenario_job` (one job of ftrun or torchrun on the path's worker, rank 1 SIGKILLed from
+outside at the scenario's point), the numbers of one job (`lost_split`: time lost split into the
+steps done again and the overhead; `startup_split`: the replacement's start-up by its
+`rank-recovered.marks`; `spare_readiness`) and `scenario_row`, the scenario's JSON line.
+
+Paths: `native` (`rt.steps` + `rt.allreduce_gradients`, scripts/bench_recovery_worker.py), `ddp`
+(the same model under `rt.ddp`), `megatron` (megatron-core GPT TP=2 x DP=2 through framework
+callbacks, scripts/bench_recovery_megatron_worker.py; left out with a note when megatron-core is
+not importable). The same script runs under both launchers: torchrun restarts every worker,
+which resume from the script's durable checkpoint (every 10 steps) and compute the steps since
+again. Kill points: `step1` (rank 1 once every rank completed step 0: right after the start,
+whatever the spares' state), `warm` (once ftrun's warm spares are ready and --kill-after-step
+steps are done; torchrun at the step ftrun's kill interrupted), `during-recovery` (as `warm`,
+then rank 2 as soon as the launcher started the first kill's replacement: ftrun's `spawn`
+event, torchrun's new worker processes).
+
+Time lost (the project's rule, docs/user-guide.md#time-lost): from the fault until every rank
+trains again, i.e. has committed the interrupted step; for ftrun the union of its rounds' spans
+computed from events.jsonl by `launcher.observe` (the report's and `ftctl status`' figure), for
+torchrun from the kill until every rank completed the interrupted step again. It is split, by
+the step timing, into `redone_s` (the steps computed again: the interrupted one, and torchrun's
+steps since the checkpoint, each the job's median fault-free step time) and `overhead_s` (the
+rest: detecting, restarting, repairing, and any slowdown of the first steps after it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+from bench_recovery_probe import read_starts, read_steps, warm_spares, worker_pids
+
+from launcher.observe.logs import read_events
+from launcher.observe.timeline import Timeline
+
+SCRIPTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(SCRIPTS)
+PATHS = ("native", "ddp", "megatron")
+POINTS = ("step1", "warm", "during-recovery")
+# `all`: every path at step 1 and warm, and a kill during a recovery on the native loop
+ALL = (
+    "native:step1",
+    "native:warm",
+    "native:during-recovery",
+    "ddp:step1",
+    "ddp:warm",
+    "megatron:step1",
+    "megatron:warm",
+)
+LAUNCHERS = {
+    "ftrun": [sys.executable, "-m", "launcher"],
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone"],
+}
+GOAL_COLD_S, GOAL_WARM_S = 0.3, 0.1  # issue 32: overhead at any kill point / spares ready
+RECEIVED_MB = r"received state from rank [\d,]+(?: \([\w+]+\))?: ([\d.]+) MB"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    path: str  # native | ddp | megatron
+    point: str  # step1 | warm | during-recovery
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}:{self.point}"
+
+
+def parse_scenarios(text: str) -> list[Scenario]:
+    """`all`, or a comma list of PATH:POINT; ValueError naming the bad item and what is allowed."""
+    names = ALL if text.strip() == "all" else [t.strip() for t in text.split(",") if t.strip()]
+    out: list[Scenario] = []
+    for name in names:
+        path, _, point = name.partition(":")
+        if path not in PATHS or point not in POINTS:
+            raise ValueError(
+                f"--scenarios item {name!r}: use all, or PATH:POINT with PATH one of "
+                f"{', '.join(PATHS)} and POINT one of {', '.join(POINTS)}"
+            )
+        out.append(Scenario(path, point))
+    if not out:
+        raise ValueError("--scenarios is empty: use all, or PATH:POINT items")
+    return out
+
+
+def megatron_available() -> bool:
+    return importlib.util.find_spec("megatron") is not None and (
+        importlib.util.find_spec("megatron.core") is not None
+    )
+
+
+def worker_command(sc: Scenario, args: argparse.Namespace, out: str) -> list[str]:
+    """The path's worker and its arguments (the same under both launchers)."""
+    common = ["--steps", str(args.steps), "--checkpoint-dir", os.path.join(out, "ckpt")]
+    common += ["--checkpoint-every", "10"]
+    if sc.path == "megatron":
+        size = ["--hidden", str(args.megatron_hidden), "--layers", str(args.megatron_layers)]
+        return [os.path.join(SCRIPTS, "bench_recovery_megatron_worker.py"), *size, *common]
+    size = ["--hidden", str(args.hidden), "--layers", str(args.layers)]
+    ddp = ["--ddp"] if sc.path == "ddp" else []
+    return [os.path.join(SCRIPTS, "bench_recovery_worker.py"), *size, *ddp, *common]
+
+
+@dataclass
+class Killer:
+    """Kills from outside, by the scenario's point: rank 1 once its step is reached, then (a kill
+    during a recovery) rank 2 once the launcher started the first kill's replacement."""
+
+    launcher: str
+    sc: Scenario
+    args: argparse.Namespace
+    out: str
+    script: str
+    kill_step: int | None  # torchrun: the step ftrun's kill interrupted
+    times: list[float] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    warm_at: float | None = None
+    floor: int = 0  # the first kill waits for a step completed after the spares were ready
+    old_pids: set[int] = field(default_factory=set)
+
+    @property
+    def wanted(self) -> int:
+        return 2 if self.sc.point == "during-recovery" else 1
+
+    def poll(self, root: int) -> None:
+        if len(self.times) == 0:
+            self._first(root)
+        elif len(self.times) < self.wanted:
+            self._second(root)
+
+    def _ready(self, root: int) -> bool:
+        """ftrun's spares are ready (a `spare-ready` event, or /proc shows them warm)."""
+        if self.launcher != "ftrun" or self.sc.point == "step1" or self.kill_step is not None:
+            return True
+        if self.warm_at is None:
+            evs = read_events(os.path.join(self.out, "logs"))
+            if any(e["event"] == "spare-ready" for e in evs) or warm_spares(root) is not None:
+                self.warm_at = time.time()
+                steps = read_steps(self.out)
+                self.floor = 1 + max((s[-1]["step"] for s in steps.values() if s), default=-1)
+        return self.warm_at is not None
+
+    def _first(self, root: int) -> None:
+        if not self._ready(root):
+            return
+        if self.kill_step is not None:
+            need = self.kill_step - 1
+        elif self.sc.point == "step1":
+            need = 0
+        else:
+            need = max(self.args.kill_after_step, self.floor)
+        steps = read_steps(self.out)
+        if len(steps) == 4 and all(s and s[-1]["step"] >= need for s in steps.values()):
+            victim = steps[1][-1]
+            self.old_pids = {s[-1]["pid"] for s in steps.values()}
+            self._kill(victim["pid"], victim["step"] + 1)
+
+    def _second(self, root: int) -> None:
+        t_first = self.times[0]
+        if self.launcher == "ftrun":
+            evs = read_events(os.path.join(self.out, "logs"))
+            if any(
+                e["event"] == "spawn" and e.get("replacement") and e["time"] >= t_first - 0.5
+                for e in evs
+            ):
+                self._kill(read_steps(self.out)[2][-1]["pid"], self.steps[0])
+            return
+        new = {r: p for r, p in worker_pids(root, self.script).items() if p not in self.old_pids}
+        if 2 in new:
+            self._kill(new[2], self.steps[0])
+
+    def _kill(self, pid: int, step: int) -> None:
+        self.steps.append(step)
+        self.times.append(time.time())
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_scenario_job(
+    launcher: str, sc: Scenario, args: argparse.Namespace, kill_step: int | None = None
+) -> dict:
+    """One job; its checkpoints are always removed, its logs unless --keep-logs."""
+    out = tempfile.mkdtemp(prefix=f"bench_recovery_{launcher}_{sc.path}_")
+    try:
+        return launch(out, launcher, sc, args, kill_step)
+    finally:
+        shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)
+        if getattr(args, "keep_logs", False):
+            print(f"[bench_recovery] {launcher} {sc.name} kept in {out}", file=sys.stderr)
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+
+
+def launch(
+    out: str, launcher: str, sc: Scenario, args: argparse.Namespace, kill_step: int | None
+) -> dict:
+    env = dict(os.environ, OUT_DIR=out, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    worker = worker_command(sc, args, out)
+    cmd = LAUNCHERS[launcher] + ["--nproc_per_node", "4", "--max_restarts", "3"]
+    cmd += ["--log_dir", os.path.join(out, "logs"), *worker]
+    killer = Killer(launcher, sc, args, out, os.path.basename(worker[0]), kill_step)
+    stderr_path = os.path.join(out, "stderr.txt")
+    with open(stderr_path, "w") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
+        t_start = time.time()
+        deadline = time.monotonic() + args.timeout
+        while proc.poll() is None and time.monotonic() < deadline:
+            killer.poll(proc.pid)
+            time.sleep(0.002)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+            raise RuntimeError(f"{launcher} {sc.name}: not done within {args.timeout}s ({out})")
+    with open(stderr_path, encoding="utf-8", errors="replace") as f:
+        stderr = f.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{launcher} {sc.name}: exit {proc.returncode}; see {stderr_path}")
+    if len(killer.times) < killer.wanted:
+        raise RuntimeError(f"{launcher} {sc.name}: ended before its kills; use more --steps")
+    evs = read_events(os.path.join(out, "logs")) if launcher == "ftrun" else []
+    steps = killer.steps
+    plan = next(
+        (e for e in evs if e["event"] == "repair-plan" and e["time"] >= killer.times[0]), None
+    )
+    if plan is not None and plan.get("resume_step") is not None:
+        steps = [plan["resume_step"]] + steps[1:]  # the victim may have committed one more
+    return {
+        "kill_times": killer.times,
+        "killed_steps": steps,
+        "t_start": t_start,
+        "warm_at": killer.warm_at,
+        "steps": read_steps(out),
+        "starts": read_starts(out),
+        "events": evs,
+        "stderr": stderr,
+    }
+
+
+def regained_at(steps: dict[int, list[dict]], since: float, step: int) -> float:
+    """When every rank had completed `step` after `since` (a rank that committed it before, e.g.
+    a survivor whose update completed, counts with that time)."""
+    done = []
+    for recs in steps.values():
+        times = [r["time"] for r in recs if r["step"] == step and r["time"] >= since]
+        times = times or [r["time"] for r in recs if r["step"] == step]
+        done.append(min(times))
+    return max(done)
+
+
+def recomputed_steps(steps: dict[int, list[dict]]) -> int:
+    """Steps rank 0 completed more than once."""
+    seen: dict[int, int] = {}
+    for r in steps.get(0, []):
+        seen[r["step"]] = seen.get(r["step"], 0) + 1
+    return sum(1 for c in seen.values() if c > 1)
+
+
+def fault_free_step_s(steps: dict[int, list[dict]], t_kill: float, t_back: float) -> float:
+    """Median time of one step, from rank 0's consecutive steps in one process outside the
+    faults' window [t_kill, t_back] (step 0, the warm-up, left out)."""
+    recs = steps.get(0, [])
+    gaps = [
+        b["time"] - a["time"]
+        for a, b in zip(recs, recs[1:])
+        if b["step"] == a["step"] + 1
+        and a["pid"] == b["pid"]
+        and a["step"] >= 0
+        and (b["time"] <= t_kill or a["time"] >= t_back)
+    ]
+    return statistics.median(gaps) if gaps else 0.0
+
+
+def ftrun_time_lost(events: list[dict], since: float) -> tuple[float | None, int]:
+    """(the job's time lost to the rounds that began after `since`, by the project's rule, and
+    how many rounds), from events.jsonl as the report and `ftctl status` read them."""
+    view = Timeline().feed_all(events).view(now=None)
+    spans = [s for s in view.lost_spans if s.end >= since - 1.0]
+    rounds = [ro for ro in view.rounds if ro.start >= since - 1.0]
+    if not spans or any(s.open for s in spans):
+        return None, len(rounds)
+    return sum(s.seconds for s in spans), len(rounds)
+
+
+def lost_split(job: dict, launcher: str) -> dict:
+    """Time lost from the first kill until every rank committed the interrupted step, split
+    into the steps done again and the overhead (module docstring)."""
+    t_kill, step = job["kill_times"][0], job["killed_steps"][0]
+    t_back = regained_at(job["steps"], t_kill, step)
+    step_s = fault_free_step_s(job["steps"], t_kill, t_back)
+    recomputed = recomputed_steps(job["steps"])
+    res: dict = {"killed_step": step, "kills": len(job["kill_times"])}
+    if launcher == "ftrun":
+        lost, rounds = ftrun_time_lost(job["events"], t_kill)
+        res["rounds"] = rounds
+    else:
+        lost = t_back - t_kill
+    if lost is None:
+        return {**res, "lost_s": None, "regained_s": round(t_back - t_kill, 4)}
+    redone = min(lost, (recomputed + 1) * step_s)
+    res.update(
+        lost_s=round(lost, 4),
+        redone_s=round(redone, 4),
+        overhead_s=round(lost - redone, 4),
+        step_s=round(step_s, 4),
+        recomputed=recomputed,
+        regained_s=round(t_back - t_kill, 4),  # by the step files, from the kill itself
+    )
+    return res
+
+
+def trains_again_s(job: dict, launcher: str) -> float | None:
+    """From the first kill until every rank was training again, before the step itself: ftrun
+    by its `rank-recovered` events (every rank resumed), torchrun by the restarted workers'
+    first step (`starts.<rank>.jsonl`) of the processes that completed the interrupted step."""
+    t_kill, step = job["kill_times"][0], job["killed_steps"][0]
+    if launcher == "ftrun":
+        rec = [
+            e["time"]
+            for e in job["events"]
+            if e["event"] == "rank-recovered" and e["time"] >= t_kill
+        ]
+        return round(max(rec) - t_kill, 4) if rec else None
+    back = []
+    for rank, recs in job["steps"].items():
+        pid = next((r["pid"] for r in recs if r["step"] == step and r["time"] >= t_kill), None)
+        t = job["starts"].get(rank, {}).get(pid) if pid is not None else None
+        if t is None:
+            return None
+        back.append(t)
+    return round(max(back) - t_kill, 4) if back else None
+
+
+def startup_split(events: list[dict], t_kill: float) -> dict:
+    """The first replacement's start-up by its `rank-recovered.marks`, from the agent handing it
+    a process (`spawn`): respawn (-> exec, or -> its runtime started when not marked), imports
+    (exec -> imported), script (imported or started -> registered: the script's body, model and
+    optimizer built), repair (registered -> repaired: plan, groups, state in); `warm` says
+    whether a ready spare took the rank."""
+    spawn = next(
+        (
+            e
+            for e in events
+            if e["event"] == "spawn" and e.get("replacement") and e["time"] >= t_kill - 1
+        ),
+        None,
+    )
+    rec = next(
+        (
+            e
+            for e in events
+            if e["event"] == "rank-recovered" and e.get("replacement") and e["time"] >= t_kill - 1
+        ),
+        None,
+    )
+    if spawn is None:
+        return {}
+    res: dict = {"warm": bool(spawn.get("warm"))}
+    marks = (rec or {}).get("marks") or {}
+    t = {"spawn": spawn["time"], **{k: v for k, v in marks.items() if isinstance(v, float)}}
+    body = "imported" if "imported" in t else "started"
+    for name, a, b in (
+        ("respawn_s", "spawn", "exec" if "exec" in t else "started"),
+        ("imports_s", "exec", "imported"),
+        ("script_s", body, "registered"),
+        ("repair_s", "registered", "repaired"),
+    ):
+        if a in t and b in t:
+            res[name] = round(t[b] - t[a], 4)
+    return res
+
+
+def spare_readiness(job: dict) -> dict:
+    """When the spares were ready: the `spare-ready` event (seconds after the agent's first
+    event) where the agent logs one, and when /proc first showed them warm (the probe)."""
+    evs = job["events"]
+    res: dict = {}
+    ready = [e for e in evs if e["event"] == "spare-ready"]
+    if evs and ready:
+        res["spare_ready_s"] = round(ready[0]["time"] - evs[0]["time"], 3)
+        for k in ("ready_s", "after_s", "import_s"):  # the agent's own measure, if it logs one
+            if isinstance(ready[0].get(k), (int, float)):
+                res[f"spare_ready_{k}"] = ready[0][k]
+    if job["warm_at"] is not None:
+        res["spares_warm_after_s"] = round(job["warm_at"] - job["t_start"], 3)
+    return res
+
+
+def scenario_row(sc: Scenario, args: argparse.Namespace) -> dict:
+    """One scenario: ftrun, then torchrun killed at the step ftrun's kill interrupted."""
+    row: dict = {
+        "bench": "recovery-scenario",
+        "scenario": sc.name,
+        "path": sc.path,
+        "kill_point": sc.point,
+        "ranks": 4,
+    }
+    if sc.path == "megatron" and not megatron_available():
+        return {**row, "skipped": "megatron-core not importable (pip install .[megatron])"}
+    ft = run_scenario_job("ftrun", sc, args)
+    m = re.findall(RECEIVED_MB, ft["stderr"])
+    row["state_mb"] = max(float(x) for x in m) if m else None
+    row["ftrun"] = {
+        **lost_split(ft, "ftrun"),
+        "trains_again_s": trains_again_s(ft, "ftrun"),
+        "replacement": startup_split(ft["events"], ft["kill_times"][0]),
+        **spare_readiness(ft),
+    }
+    warm = bool(row["ftrun"]["replacement"].get("warm"))
+    row["goal_overhead_s"] = GOAL_WARM_S if warm else GOAL_COLD_S
+    over = row["ftrun"].get("overhead_s")
+    row["goal_met"] = over is not None and over <= row["goal_overhead_s"]
+    if args.torchrun:
+        step = None if sc.point == "step1" else ft["killed_steps"][0]
+        tr = run_scenario_job("torchrun", sc, args, kill_step=step)
+        row["torchrun"] = {
+            **lost_split(tr, "torchrun"),
+            "trains_again_s": trains_again_s(tr, "torchrun"),
+        }
+    return row
+
+
+def print_scenarios(args: argparse.Namespace, scenarios: list[Scenario]) -> None:
+    for sc in scenarios:
+        print(json.dumps(scenario_row(sc, args)), flush=True)
