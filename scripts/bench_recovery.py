@@ -616,6 +616,13 @@ def main() -> None:
         "--megatron-hidden", type=int, default=1088, help="megatron scenarios: GPT hidden size"
     )
     ap.add_argument("--megatron-layers", type=int, default=2, help="megatron: GPT layers")
+    ap.add_argument(
+        "--step-time",
+        type=float,
+        default=0.0,
+        help="scenario rows: seconds every step sleeps besides its work (long enough jobs at "
+        "tiny sizes for the spares to get ready)",
+    )
     args = ap.parse_args()
     main_row, scenarios = pick_rows(args.scenarios)
     if args.baseline_repo and not os.path.isfile(
@@ -627,8 +634,7 @@ def main() -> None:
     if args.repeat < 1:
         sys.exit(f"bench_recovery: --repeat {args.repeat} must be >= 1")
     hosts = ensure_hosts_line()
-    if scenarios:
-        print_scenarios(args, scenarios)
+    failed = bool(scenarios) and not print_scenarios(args, scenarios)
     if main_row and not args.no_compare:
         tcp = raw_tcp_gbps()
         for args.round in range(args.repeat):
@@ -646,6 +652,8 @@ def main() -> None:
         tcp = raw_tcp_gbps()
         for nproc, dp in ((4, 2), (6, 3)):
             print(json.dumps(transfer_row(args, nproc, dp, tcp)), flush=True)
+    if failed:
+        sys.exit("bench_recovery: a scenario failed (its row says why)")
 
 
 if __name__ == "__main__":

@@ -22,10 +22,12 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(1, HERE)  # scripts/, also in a spare
 sys.path.insert(0, os.path.join(HERE, "examples"))
 
 import megatron_train as mt  # noqa: E402  (scripts/examples: the example's CPU model and groups)
 import torch  # noqa: E402
+from bench_torchrun_group import init_attempt_group  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from launcher.runtime import callbacks as ftcb  # noqa: E402
@@ -45,6 +47,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--checkpoint-dir", required=True)
     ap.add_argument("--checkpoint-every", type=int, default=10)
+    ap.add_argument("--step-time", type=float, default=0.0, help="sleep per step (slow steps)")
     return ap.parse_args(argv)
 
 
@@ -68,6 +71,8 @@ def train(
             pos["batch"] += 1
             tokens = torch.randint(0, mt.VOCAB, (a.batch, mt.SEQ), generator=g)
             loss = model(tokens, positions, mask, labels=torch.roll(tokens, -1, dims=1)).mean()
+            if a.step_time:
+                time.sleep(a.step_time)
             hooks.phase("backward")
             loss.backward()
             mt.allreduce_gradients(model)
@@ -82,6 +87,7 @@ def train(
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    init_attempt_group()  # plain torchrun only: a restart-all's group on a fresh store prefix
     hooks = ftcb.attach(backend="gloo")  # before megatron builds its groups
     if hooks.world_size != 2 * mt.TP:
         raise SystemExit(f"needs WORLD_SIZE=4 (TP=2 x DP=2), got {hooks.world_size}")

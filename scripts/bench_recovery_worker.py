@@ -19,8 +19,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..")))
+sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))  # scripts/, also in a spare
 
 import torch  # noqa: E402
+from bench_torchrun_group import init_attempt_group  # noqa: E402
 
 import launcher.runtime as ftr  # noqa: E402
 
@@ -42,6 +44,7 @@ def main() -> int:
     )
     ap.add_argument("--ddp", action="store_true", help="wrap the model with rt.ddp")
     a = ap.parse_args()
+    init_attempt_group()  # plain torchrun only: a restart-all's group on a fresh store prefix
     rt = ftr.init(backend="gloo")
     torch.manual_seed(7)
     layers: list[torch.nn.Module] = [torch.nn.Linear(64, a.hidden), torch.nn.ReLU()]

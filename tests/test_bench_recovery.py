@@ -91,7 +91,7 @@ def _steps(rows: list[tuple[int, float, int]]) -> list[dict]:
 
 def _one_round(t_fail: float, t_back: float) -> list[dict]:
     """Events of a recover-in-place round on two ranks: rank 1 dies at t_fail (seen 1 ms
-    later), both ranks commit again at t_back."""
+    later), both ranks commit again at t_back, which their heartbeats tell 0.15 s later."""
     ev = [{"time": 1.0 + r / 10, "event": "spawn", "rank": r, "generation": 0} for r in (0, 1)]
     ev += [
         {"time": t_fail + 0.001, "event": "worker-failed", "rank": 1, "detect_ms": 1.0},
@@ -128,7 +128,7 @@ def _one_round(t_fail: float, t_back: float) -> list[dict]:
         {"time": t_back - 0.5, "event": "rank-recovered", "rank": 0, "generation": 1},
     ]
     ev += [
-        {"time": t_back, "event": "rank-resumed", "rank": r, "generation": 1, "step": 5}
+        {"time": t_back + 0.15, "event": "rank-resumed", "rank": r, "generation": 1, "step": 5}
         for r in (0, 1)
     ]
     return ev
@@ -136,7 +136,8 @@ def _one_round(t_fail: float, t_back: float) -> list[dict]:
 
 def test_ftrun_time_lost_comes_from_the_events_and_splits_into_the_redone_step_and_overhead():
     # steps 0.5 s apart; rank 1 killed at 12.1 during step 5 (step 4 done at 12.0); every rank
-    # commits step 5 again at 13.2: lost by the events 13.2 - 12.1 = 1.1 s, the redone step 0.5
+    # commits step 5 again at 13.2: lost 13.2 - 12.1 = 1.1 s (the events.jsonl figure ends at
+    # the heartbeat that tells it: 1.25 s), of which the redone step is 0.5 s
     before = [(s, 10.0 + 0.5 * s, 100) for s in range(5)]
     after = [(s, 13.2 + 0.5 * (s - 5), 100) for s in range(5, 9)]
     job = {
@@ -150,6 +151,7 @@ def test_ftrun_time_lost_comes_from_the_events_and_splits_into_the_redone_step_a
     }
     got = sc.lost_split(job, "ftrun")
     assert got["lost_s"] == pytest.approx(1.1, abs=1e-3) and got["rounds"] == 1
+    assert got["lost_events_s"] == pytest.approx(1.25, abs=1e-3)
     assert got["step_s"] == pytest.approx(0.5) and got["redone_s"] == pytest.approx(0.5)
     assert got["overhead_s"] == pytest.approx(0.6, abs=1e-3) and got["recomputed"] == 0
     assert got["lost_s"] == pytest.approx(got["redone_s"] + got["overhead_s"])
@@ -209,3 +211,18 @@ def test_scenario_row_native_kill_at_step_1_end_to_end(tmp_path):
     assert ft["replacement"]["repair_s"] >= 0 and "torchrun" not in row
     assert row["goal_overhead_s"] in (0.1, 0.3) and isinstance(row["goal_met"], bool)
     assert list(tmp_path.glob("bench_recovery_*")) == []
+
+
+def test_spare_readiness_reads_the_spare_ready_event_and_the_probe():
+    evs = [
+        {"time": 100.0, "event": "start"},
+        {"time": 103.5, "event": "spare-ready", "since_job_s": 3.4, "since_pool_s": 3.1},
+        {"time": 104.0, "event": "spare-ready", "since_job_s": 3.9, "since_pool_s": 3.6},
+    ]
+    got = sc.spare_readiness({"events": evs, "warm_at": 105.25, "t_start": 100.0})
+    assert got == {
+        "spare_ready_s": 3.4,
+        "spare_ready_since_pool_s": 3.1,
+        "spares_warm_after_s": 5.25,
+    }
+    assert sc.spare_readiness({"events": evs[:1], "warm_at": None, "t_start": 100.0}) == {}
