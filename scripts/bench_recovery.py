@@ -617,6 +617,9 @@ def main() -> None:
     )
     ap.add_argument("--megatron-layers", type=int, default=2, help="megatron: GPT layers")
     ap.add_argument(
+        "--megatron-steps", type=int, default=0, help="megatron: steps per job (0: --steps)"
+    )
+    ap.add_argument(
         "--step-time",
         type=float,
         default=0.0,

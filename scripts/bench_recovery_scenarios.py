@@ -109,12 +109,13 @@ def megatron_available() -> bool:
 
 def worker_command(sc: Scenario, args: argparse.Namespace, out: str) -> list[str]:
     """The path's worker and its arguments (the same under both launchers)."""
-    common = ["--steps", str(args.steps), "--checkpoint-dir", os.path.join(out, "ckpt")]
-    common += ["--checkpoint-every", "10", "--step-time", str(args.step_time)]
+    common = ["--checkpoint-dir", os.path.join(out, "ckpt"), "--checkpoint-every", "10"]
+    common += ["--step-time", str(args.step_time)]
     if sc.path == "megatron":
         size = ["--hidden", str(args.megatron_hidden), "--layers", str(args.megatron_layers)]
+        size += ["--steps", str(args.megatron_steps or args.steps)]
         return [os.path.join(SCRIPTS, "bench_recovery_megatron_worker.py"), *size, *common]
-    size = ["--hidden", str(args.hidden), "--layers", str(args.layers)]
+    size = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--steps", str(args.steps)]
     ddp = ["--ddp"] if sc.path == "ddp" else []
     return [os.path.join(SCRIPTS, "bench_recovery_worker.py"), *size, *ddp, *common]
 

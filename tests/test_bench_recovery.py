@@ -198,7 +198,7 @@ def test_scenario_row_native_kill_at_step_1_end_to_end(tmp_path):
         "--layers",
         "2",
         "--steps",
-        "60",
+        "30",
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -226,3 +226,31 @@ def test_spare_readiness_reads_the_spare_ready_event_and_the_probe():
         "spares_warm_after_s": 5.25,
     }
     assert sc.spare_readiness({"events": evs[:1], "warm_at": None, "t_start": 100.0}) == {}
+
+
+@pytest.mark.slow
+def test_the_scenarios_against_torchrun_at_a_tiny_size(tmp_path):
+    """A kill during a recovery (two rounds), rt.ddp once the spares are ready and megatron-core
+    at step 1 (when importable), each against torchrun restart-all of the same script: one row
+    each, torchrun's time lost holding its restart."""
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    names = ["native:during-recovery", "ddp:warm", "megatron:step1"]
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_recovery.py"), "--scenarios"]
+    cmd += [",".join(names), "--hidden", "64", "--layers", "2", "--megatron-hidden", "32"]
+    cmd += ["--steps", "150", "--step-time", "0.1", "--kill-after-step", "4"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    rows = {r["scenario"]: r for r in map(json.loads, out.stdout.strip().splitlines())}
+    assert list(rows) == names
+    two = rows["native:during-recovery"]
+    assert two["ftrun"]["kills"] == 2 and two["ftrun"]["rounds"] == 2
+    assert two["torchrun"]["kills"] == 2
+    assert rows["ddp:warm"]["ftrun"]["replacement"]["warm"] is True
+    for row in rows.values():
+        if "skipped" in row:
+            assert row["path"] == "megatron"
+            continue
+        ft, tr = row["ftrun"], row["torchrun"]
+        assert ft["killed_step"] == tr["killed_step"]
+        assert tr["lost_s"] == pytest.approx(tr["redone_s"] + tr["overhead_s"], abs=1e-3)
+        assert tr["trains_again_s"] > 0 and tr["overhead_s"] > 0
