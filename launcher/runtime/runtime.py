@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import faulthandler
+import gc
 import os
 import signal
 from datetime import timedelta
@@ -422,6 +423,11 @@ class Runtime:
         )
         if abandoned:
             self._links.hard_exit(0)
+        # one collection now (finalizers of what is garbage run), then the survivors are frozen:
+        # the interpreter's exit no longer walks torch's whole object graph in its final
+        # collections (1-3 s per rank on a busy 2-core node, 0.5 s with it frozen)
+        gc.collect()
+        gc.freeze()
 
     def _atexit(self) -> None:
         if len(self._graveyard) and not self._finished:
