@@ -59,6 +59,8 @@ class LiveRank:
     time: float = 0.0
     samples: deque = field(default_factory=lambda: deque(maxlen=512))  # (time, committed_step)
     armed: tuple[int, int | None] | None = None  # (generation, resume step) awaiting a commit
+    replacement: bool = False
+    in_round: int = 0  # the newest generation whose round it was seen in (`rank-stopped`)
 
     def rate(self) -> float | None:
         pts = [p for p in self.samples if p[0] >= self.time - RATE_WINDOW]
@@ -163,7 +165,7 @@ class NodeObserver:
             self.timeline.feed(ev)
             rank = ev.get("rank")
             if kind == "spawn" and isinstance(rank, int):
-                live = self._live[rank] = LiveRank()
+                live = self._live[rank] = LiveRank(replacement=bool(ev.get("replacement")))
                 gen = int(ev.get("generation", 0))
                 live.armed = (gen, None) if gen > 0 else None
             elif kind == "rank-recovered" and isinstance(rank, int) and rank in self._live:
@@ -181,9 +183,12 @@ class NodeObserver:
         rank = hb.get("rank")
         if not isinstance(rank, int):
             return
-        resumed = None
+        resumed, stopped = None, None
         with self._lock:
             live = self._live.setdefault(rank, LiveRank())
+            gen = int(hb.get("generation", -1))
+            if hb.get("phase") == "recovering" and gen > live.in_round:
+                live.in_round, stopped = gen, float(hb.get("time") or time.time())
             prev_phase, prev_committed = live.phase, live.committed_step
             live.step, live.phase = int(hb.get("step", -1)), str(hb.get("phase", ""))
             live.committed_step, live.waiting = (
@@ -201,6 +206,8 @@ class NodeObserver:
                     else prev_phase not in QUIET_PHASES and live.phase not in QUIET_PHASES
                 ):
                     live.armed, resumed = None, (gen, live.committed_step)
+        if stopped is not None:
+            self._record_stopped(rank, gen, stopped)
         if resumed is not None:
             self.log.record(
                 "rank-resumed",
@@ -209,6 +216,19 @@ class NodeObserver:
                 generation=resumed[0],
                 step=resumed[1],
             )
+
+    def _record_stopped(self, rank: int, generation: int, at: float) -> None:
+        """The rank is in the round of `generation`, its status posted (its heartbeat said so):
+        a survivor's stop, a replacement's start-up, recorded even when the round never ends
+        with the rank's `rank-recovered` (superseded, failed)."""
+        who = "joined the round" if self._live[rank].replacement else "stopped training"
+        self.log.record(
+            "rank-stopped",
+            f"rank {rank} {who} of generation {generation} and posted its status",
+            rank=rank,
+            generation=generation,
+            at=round(at, 4),
+        )
 
     # ------------------------------------------------------------------ periodic work
     def _run(self) -> None:

@@ -27,6 +27,8 @@ COLORS = {
     "decide": "#ff7f0e",
     "stop": "#8c564b",
     "respawn": "#9467bd",
+    "imports": "#c5b0d5",
+    "start-up": "#e377c2",
     "wait": "#c7c7c7",
     "rebuild": "#1f77b4",
     "transfer": "#17becf",

@@ -14,11 +14,11 @@ Phases of a round, per rank (wall-clock edges from the events named):
   detect    the failed rank: fault time (exit time, or last progress of a hang) -> agent saw it
   decide    the failed rank: detection -> the controller's `plan`
   stop      survivors: their agent got the plan -> the rank left its collectives and posted its
-            status (`rank-recovered.marks.status`); restart-all: plan -> every node stopped
-  respawn   replacements: plan -> the new process posted its status (restart-all: -> `hello`)
-  wait      every rank: status posted -> the controller's repair plan arrived (waiting on peers)
-  rebuild   repair plan -> process groups of the new generation built
-  transfer  groups built -> state restored or received (`transfer_bytes` moved)
+            status (`rank-recovered.marks.status`, or `rank-stopped` from its heartbeat);
+            restart-all: plan -> every node stopped
+  respawn, imports, start-up, wait, rebuild, transfer
+            a process-level round, per rank: `launcher.observe.process_phases`
+  respawn   restart-all: every node stopped -> the new process's `hello`
   resume    state ready -> the first step after the round committed (`rank-resumed`)
 """
 
@@ -360,11 +360,20 @@ class Timeline:
         if rd is not None:
             rd.round.resume_step, rd.round.action = ev.get("resume_step"), ev.get("action")
             rd.round.pairs = list(ev.get("pairs") or [])
+            rd.repair_planned = t
 
     def _on_dump(self, ev: dict, t: float) -> None:
         rd = self._latest_open()
         if rd is not None:
             rd.hint = "dump"
+
+    def _on_rank_stopped(self, ev: dict, t: float) -> None:
+        """A rank entered a round (left its collectives, or a replacement joined) and posted
+        its status: its agent saw it in the rank's heartbeat (`at`, the rank's clock)."""
+        rank = int(ev["rank"])
+        rd = self._round(int(ev.get("generation", 0)))
+        if rd is not None:
+            rd.stopped.setdefault(rank, float(ev.get("at") or t))
 
     def _on_rank_recovered(self, ev: dict, t: float) -> None:
         rank = int(ev["rank"])
@@ -473,6 +482,7 @@ _HANDLERS = {
     "restarted": Timeline._on_restarted,
     "repair-plan": Timeline._on_repair_plan,
     "dump-plan": Timeline._on_dump,
+    "rank-stopped": Timeline._on_rank_stopped,
     "rank-recovered": Timeline._on_rank_recovered,
     "rank-resumed": Timeline._on_rank_resumed,
 }
