@@ -4,7 +4,8 @@ Owns: building a `RunView` of a job from its live store (the node status every a
 publishes under `plan.node_status_key`, the leader's adding the faults and rounds, plus the
 controller's own keys: generation, budget, per-round statuses) or from a run directory's
 `events.jsonl` (a finished run, or a live one whose store cannot be reached), and drawing it as
-rich tables (`--json` prints the same view as one JSON object; `--watch` redraws it). Also a
+rich tables (`--json` prints the same view as one JSON object; `--watch` redraws it, see
+`launcher.observe.status_watch`). Also a
 rank's current step as its agent published it (`rank_step`, for `ftctl inject --at-step`).
 """
 
@@ -357,7 +358,11 @@ def _faults_table(view: RunView) -> Any:
 )
 @click.option("--token-file", default=None, help="Job token file, when the store requires one.")
 @click.option("--json", "as_json", is_flag=True, help="Print the view as one JSON object.")
-@click.option("--watch", is_flag=True, help="Redraw every --interval seconds until interrupted.")
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Redraw in place every --interval seconds until the job ends (or Ctrl-C).",
+)
 @click.option(
     "--interval",
     default=2.0,
@@ -391,17 +396,17 @@ def status(
         view, source = load(run_dir, addr, token_file)
         _emit(console, view, source, as_json)
         return
-    shown = 0
+    from launcher.observe.status_watch import LiveScreen, watch
+
+    def read() -> tuple[RunView, str]:
+        return load(run_dir, addr, token_file)
+
     try:
-        while count == 0 or shown < count:
-            view, source = load(run_dir, addr, token_file)
-            if console.is_terminal and not as_json:
-                console.clear()
-            _emit(console, view, source, as_json)
-            shown += 1
-            if count and shown >= count:
-                break
-            time.sleep(interval)
+        if console.is_terminal and not as_json:
+            with LiveScreen(console) as screen:
+                watch(read, from_dir, lambda v, src: screen.show(render(v, src)), interval, count)
+        else:
+            watch(read, from_dir, lambda v, src: _emit(console, v, src, as_json), interval, count)
     except KeyboardInterrupt:
         pass
 
