@@ -97,6 +97,7 @@ class NodeObserver:
         self._last_sample: dict[int, tuple] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._injected: set[int] = set()  # local ranks an injection was sent to (metrics)
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -174,10 +175,25 @@ class NodeObserver:
                     int(ev.get("generation", 0)),
                     int(resume) if isinstance(resume, int) else None,
                 )
-        if self.metrics is not None and kind in ("worker-failed", "worker-fault"):
-            self.metrics.faults.labels(kind=str(ev.get("fault_kind", "unknown"))).inc()
+        if self.metrics is not None:
+            self._count(kind, ev)
         if kind == "plan-received":
             self._record_progress(force=True)  # the steps reached when the round began
+
+    def _count(self, kind: Any, ev: dict) -> None:
+        """The metrics counted from events: faults (injected or not), state transferred."""
+        m, rank = self.metrics, ev.get("rank")
+        assert m is not None
+        if kind == "inject" and isinstance(rank, int):
+            self._injected.add(rank)
+        elif kind in ("worker-failed", "worker-fault"):
+            injected = bool(ev.get("injected")) or rank in self._injected
+            self._injected.discard(rank)
+            fault = str(ev.get("fault_kind", "unknown"))
+            m.faults.labels(kind=fault, injected="true" if injected else "false").inc()
+        elif kind == "rank-recovered" and int(ev.get("transfer_bytes") or 0) > 0:
+            m.transfer_bytes.inc(int(ev["transfer_bytes"]))
+            m.transfer_seconds.inc(max(0.0, float(ev.get("transfer_s") or 0.0)))
 
     def _on_heartbeat(self, hb: dict) -> None:
         rank = hb.get("rank")
@@ -262,7 +278,12 @@ class NodeObserver:
 
     def _timed(self, op: str, fn: Any) -> Any:
         t0 = time.perf_counter()
-        out = fn()
+        try:
+            out = fn()
+        except Exception:
+            if self.metrics is not None:
+                self.metrics.store_errors.labels(op=op).inc()
+            raise
         if self.metrics is not None:
             self.metrics.store_requests.labels(op=op).inc()
             self.metrics.store_seconds.labels(op=op).observe(time.perf_counter() - t0)
@@ -352,10 +373,21 @@ class NodeObserver:
         alive = 0
         for r in snapshot["ranks"]:
             alive += r["state"] not in ("finished", "failed", "stopped")
+            rank = str(r["rank"])
+            dead = r["state"] in ("failed", "stopped")
+            m.rank_alive.labels(rank=rank).set(0 if dead else 1)
+            if dead:  # its step is no longer news: no stale series
+                for gauge in (m.step, m.steps_per_s):
+                    try:
+                        gauge.remove(rank)
+                    except KeyError:
+                        pass  # dropped already, or never set
+                continue
             if r.get("committed_step") is not None and r["committed_step"] >= 0:
-                m.step.labels(rank=str(r["rank"])).set(r["committed_step"])
-            m.steps_per_s.labels(rank=str(r["rank"])).set(r.get("steps_per_s") or 0.0)
+                m.step.labels(rank=rank).set(r["committed_step"])
+            m.steps_per_s.labels(rank=rank).set(r.get("steps_per_s") or 0.0)
         m.workers_alive.set(alive)
+        m.spares_ready.set(1 if snapshot.get("spare") else 0)
         with self._lock:
             view = self.timeline.view(snapshot["time"])  # a running round's time lost grows
         m.note_view(view)
