@@ -9,6 +9,7 @@ it lost; and `charge_faults`, which gives each fault the cost of the round it st
 
 from __future__ import annotations
 
+from launcher.observe.fault_words import describe
 from launcher.observe.process_phases import live_phase, process_edges
 from launcher.observe.run_view import (
     ENDED,
@@ -158,10 +159,17 @@ class RoundBuilder:
 
 
 def charge_faults(v: RunView) -> None:
-    """Each fault carries what the round it started cost (steps lost, transfer) and, as its
+    """Each fault carries, in words, what happened and what ftrun did (`fault_words`), what the
+    round it started cost (steps lost, transfer) and, as its
     MTTR, that round's time lost once every rank trains again (the rule of
     `launcher.observe.run_view`: a round that was superseded or fell back counts until the round
     that took over ended). The rounds must be settled (`RunView.settle_time_lost`)."""
+    started: dict[int, list[Round]] = {}  # id(fault) -> the rounds it started (fallbacks too)
+    for ro in v.rounds:
+        if ro.fault is not None:
+            started.setdefault(id(ro.fault), []).append(ro)
+    for f in v.faults:
+        f.summary = describe(f, started.get(id(f), []))
     for ro in v.rounds:
         f = ro.fault
         if f is not None and f.round == ro.generation:

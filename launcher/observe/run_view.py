@@ -68,6 +68,10 @@ class FaultRow:
     transfer_bytes: int = 0
     transfer_rate: float | None = None  # bytes per second
     stderr_file: str = ""  # the failed rank's stderr.log (--redirects/--tee)
+    exitcode: int | None = None
+    signal: str | None = None
+    during_recovery: bool = False  # it happened while an earlier fault's round ran
+    summary: str = ""  # what happened and what ftrun did, in words (`fault_words.describe`)
 
 
 @dataclass

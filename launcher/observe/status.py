@@ -328,10 +328,10 @@ def _ranks_table(view: RunView, now: float) -> Any:
 def _faults_table(view: RunView) -> Any:
     from rich.table import Table
 
-    t = Table(title="faults", title_justify="left", box=None, pad_edge=False)
+    t = Table(title="faults", title_justify="left", box=None, pad_edge=False, expand=True)
     for c in ("time", "rank", "node", "kind", "strategy", "gen", "MTTR", "steps lost"):
         t.add_column(c, no_wrap=True)
-    t.add_column("root cause", overflow="ellipsis", no_wrap=True, max_width=70)
+    t.add_column("what happened", overflow="fold", min_width=40, ratio=1)
     for f in view.faults:
         t.add_row(
             _clock(f.time),
@@ -342,7 +342,7 @@ def _faults_table(view: RunView) -> Any:
             "-" if f.round is None else f"{f.generation}->{f.round}",
             "-" if f.mttr_s is None else f"{f.mttr_s:.2f}s",
             "-" if f.steps_lost is None else str(f.steps_lost),
-            escape(f.evidence[:200]),
+            escape(f.summary or f.evidence[:200]),
         )
     return t
 

@@ -322,6 +322,7 @@ class Timeline:
         key = max(self._pending, key=lambda k: self._pending[k].detected or 0.0)
         f = self._pending.pop(key)
         f.reason = str(ev.get("message", "failed during recovery"))
+        f.during_recovery = True
         self.v.faults.append(f)
         self._last_decided = f
 
@@ -437,6 +438,8 @@ def _fault_row(ev: dict, t: float, **fields: Any) -> FaultRow:
         "evidence": str(ev.get("message", "")),
         "generation": int(ev.get("generation", 0)),
         "detected": t,
+        "exitcode": ev.get("exitcode") if isinstance(ev.get("exitcode"), int) else None,
+        "signal": str(ev["signal"]) if ev.get("signal") else None,
     }
     return FaultRow(**{**row, **fields})
 
