@@ -7,11 +7,14 @@ worker heartbeat observation; the agent never calls it per event). From them it 
   - each local rank's live progress: step, phase, committed step, steps per second,
 and it records, in `events.jsonl`, `progress` samples (every `LaunchConfig.progress_interval`
 s, i.e. `FTRUN_PROGRESS_INTERVAL`, default 5, when something changed, and at the start of every
-round) and `rank-resumed` (the first step a rank commits after a recovery round: the end of the
-round's `resume` phase). Its thread publishes the node's status to the store every second
-(`plan.node_status_key`) and refreshes the metrics (`launcher.observe.metrics`, when a port is
-configured). At the end of a job that had faults it prints the job's time lost to recovery (the
-rule of `launcher.observe.run_view`) and the `ftctl report` command for the run.
+round and a rank's exit), `steps` (the ranks' committed steps in compact batches,
+`launcher.observe.step_points`: what the progress chart plots), `rank-stopped` (a rank entered
+a round: a survivor's stop, a replacement joining) and `rank-resumed` (the first step a rank
+commits after a recovery round: the end of the round's `resume` phase). Its thread publishes
+the node's status to the store every second (`plan.node_status_key`) and refreshes the metrics
+(`launcher.observe.metrics`, when a port is configured). At the end of a job that had faults
+it prints the job's time lost to recovery (the rule of `launcher.observe.run_view`) and the
+`ftctl report` command for the run.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 from launcher.observe.logs import AgentLog
 from launcher.observe.metrics import Metrics
 from launcher.observe.run_view import RunView
+from launcher.observe.step_points import StepPoints
 from launcher.observe.timeline import Timeline
 from launcher.protocol import plan as P
 from launcher.protocol.budget import restarts_left
@@ -98,6 +102,7 @@ class NodeObserver:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._injected: set[int] = set()  # local ranks an injection was sent to (metrics)
+        self.steps = StepPoints()  # committed steps, recorded in `steps` batches
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -141,6 +146,7 @@ class NodeObserver:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
+        self._record_steps()
         self._record_progress(force=False)
         self.log.remove_sink(self.on_event)
         if self.metrics is not None:
@@ -179,6 +185,9 @@ class NodeObserver:
             self._count(kind, ev)
         if kind == "plan-received":
             self._record_progress(force=True)  # the steps reached when the round began
+        elif kind == "exit":  # a rank's last steps, before anything else can go wrong
+            self._record_steps()
+            self._record_progress(force=False)
 
     def _count(self, kind: Any, ev: dict) -> None:
         """The metrics counted from events: faults (injected or not), state transferred."""
@@ -212,6 +221,8 @@ class NodeObserver:
                 bool(hb.get("waiting")),
             )
             live.time = float(hb.get("time") or time.time())
+            if live.committed_step != prev_committed:
+                self.steps.note(rank, live.time, live.committed_step)
             if live.committed_step != prev_committed and live.phase not in QUIET_PHASES:
                 live.samples.append((live.time, live.committed_step))
             if live.armed is not None and live.committed_step > prev_committed:
@@ -252,6 +263,7 @@ class NodeObserver:
         while not self._stop.wait(min(PUBLISH_INTERVAL, self.progress_interval)):
             try:
                 if time.time() - self._last_progress >= self.progress_interval:
+                    self._record_steps()
                     self._record_progress(force=False)
                 if time.monotonic() - last_publish >= PUBLISH_INTERVAL * 0.95:
                     last_publish = time.monotonic()
@@ -288,6 +300,11 @@ class NodeObserver:
             self.metrics.store_requests.labels(op=op).inc()
             self.metrics.store_seconds.labels(op=op).observe(time.perf_counter() - t0)
         return out
+
+    def _record_steps(self) -> None:
+        fields = self.steps.take()
+        if fields is not None:
+            self.log.record("steps", "committed steps of the local ranks", **fields)
 
     def _record_progress(self, force: bool) -> None:
         with self._lock:

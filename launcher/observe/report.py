@@ -5,7 +5,8 @@ from the run's events.jsonl) as an HTML file that needs no network: inline CSS, 
 here, and a few lines of inline JS for the hover boxes. Sections: the job summary; one Gantt
 chart per recovery round (a row per rank, a bar per phase, the replacement's row marked, the
 phase durations beneath it); training progress (committed step vs wall clock for every rank,
-faults marked, the time each one cost shaded); the fault table (a row of figures per fault and,
+from the `steps` records of `launcher.observe.step_points`, faults marked, the time each one
+cost shaded); the fault table (a row of figures per fault and,
 under it across the page, what happened and what ftrun did in words). Written atomically (temp
 name, fsync, rename).
 """

@@ -230,6 +230,17 @@ class Timeline:
             if r.committed_step is not None and r.committed_step >= 0:
                 self._point(r.rank, t, r.committed_step)
 
+    def _on_steps(self, ev: dict, t: float) -> None:
+        """A batch of committed steps (`launcher.observe.step_points`): the progress chart's
+        points and each rank's last committed step (also once it finished)."""
+        t0 = float(ev.get("t0") or t)
+        for key, pts in (ev.get("ranks") or {}).items():
+            r = self.rank(int(key))
+            for dt, step in pts:
+                self._point(r.rank, t0 + float(dt), int(step))
+            if pts:
+                r.committed_step = int(pts[-1][1])
+
     def _point(self, rank: int, t: float, step: int) -> None:
         series = self.v.progress.setdefault(rank, [])
         if not series or series[-1][1] != step or t - series[-1][0] > 5.0:
@@ -409,6 +420,8 @@ class Timeline:
         v.ranks = [self._ranks[r] for r in sorted(self._ranks)]
         if v.world_size is None and v.ranks:
             v.world_size = len(v.ranks)
+        for series in v.progress.values():  # samples and step batches arrive interleaved
+            series.sort(key=lambda p: p[0])
         builder = RoundBuilder(self._ranks, self._aware, v)
         v.rounds = [builder.build(self._rounds[g], v.now) for g in sorted(self._rounds)]
         v.settle_time_lost()
@@ -472,6 +485,7 @@ _HANDLERS = {
     "hello": Timeline._on_hello,
     "exit": Timeline._on_exit,
     "progress": Timeline._on_progress,
+    "steps": Timeline._on_steps,
     "worker-failed": Timeline._on_worker_failed,
     "worker-fault": Timeline._on_worker_fault,
     "hang": Timeline._on_hang,
