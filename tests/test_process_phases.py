@@ -161,8 +161,9 @@ def test_the_replacements_phases_come_from_its_marks_and_transfer_is_only_the_tr
     ]
     assert starts == [(4.5, 5.0), (5.2, 7.1)]  # the script's start-up, before and after joining
     assert got[(1, "transfer")] == (7.1, 7.45)  # received at 7.4 after 0.3 s on the wire
-    assert got[(0, "transfer")] == (7.1, 7.45)  # the sender: its 0.35 s of sending
-    assert got[(0, "wait")] == (5.2, 7.1)  # waited for the replacement's start-up
+    # the sender: its 0.35 s of sending included waiting for the receiver, which took 0.3 s
+    assert got[(0, "transfer")] == (7.15, 7.45)
+    assert got[(0, "wait")] == (5.2, 7.15)  # waited for the replacement's start-up
     assert (2, "transfer") not in got and (2, "wait") in got  # neither sent nor received
     assert [b.phase for b in ro.bars if b.rank == 2] == [
         "stop",
@@ -172,6 +173,7 @@ def test_the_replacements_phases_come_from_its_marks_and_transfer_is_only_the_tr
         "resume",
     ]
     assert max(b.end - b.start for b in ro.bars if b.phase == "transfer") <= 0.35 + 1e-6
+    assert (2, "transfer") not in got
 
 
 def test_an_older_run_without_exec_marks_draws_respawn_to_its_hello_and_no_start_up_as_transfer():

@@ -17,8 +17,9 @@ and agents recorded, and `live_phase`, the phase a running round is in. The edge
             start-up), or for the whole repair when it neither sends nor receives
   rebuild   repair plan -> process groups of the new generation built (`marks.rebuilt`)
   transfer  the state transfer itself: received (`marks.received`) or sent, minus
-            `transfer_s` -> repaired (`marks.repaired`); a rank restoring its own step-start
-            state: rebuilt -> repaired
+            `transfer_s` -> repaired (`marks.repaired`; a sender's `transfer_s` counts its wait
+            for the receiver, so the receiver's is used when shorter); a rank restoring its own
+            step-start state: rebuilt -> repaired
   resume    repaired -> its first step after the round committed (`rank-resumed`)
 
 Older runs without `exec`/`imported` marks: respawn runs to the rank's `hello` (process start
@@ -94,6 +95,8 @@ def _repair(rd: RoundData, rank: int, marks: dict, moved: str) -> list[Edge]:
     took = ev.get("transfer_s")
     received = int(ev.get("transfer_bytes") or 0) > 0
     sent = any(p and p[0] == rank for p in ro.pairs)
+    if sent and took:  # a send waits for its receiver to be ready: the transfer is the receipt
+        took = min(float(took), _receipt(rd, rank) or float(took))
     if received or (sent and took):
         end = float(marks.get("received") or repaired) if received else float(repaired)
         begin = min(float(repaired), max(float(rebuilt), end - float(took or 0.0)))
@@ -111,6 +114,16 @@ def _repair(rd: RoundData, rank: int, marks: dict, moved: str) -> list[Edge]:
     if repaired > begin or not edges:
         edges.append(("transfer", begin, repaired, moved))
     return edges
+
+
+def _receipt(rd: RoundData, rank: int) -> float | None:
+    """How long the ranks `rank` sent to took to receive (the longest), when they said."""
+    took = [
+        float((rd.recovered.get(p[1]) or {}).get("transfer_s") or 0.0)
+        for p in rd.round.pairs
+        if p and p[0] == rank and (rd.recovered.get(p[1]) or {}).get("transfer_bytes")
+    ]
+    return max(took) if took else None
 
 
 def _registered(marks: dict) -> str:
