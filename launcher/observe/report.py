@@ -185,7 +185,8 @@ def gantt(ro: Round, index: int, v: RunView) -> str:
             + (f"\n{b.note}" if b.note else "")
         )
         out.append(
-            f'<rect class="bar" data-phase="{b.phase}" data-rank="{b.rank}" x="{x(b.start):.1f}" '
+            f'<rect class="bar" data-phase="{b.phase}" data-rank="{b.rank}" '
+            f'data-start="{b.start:.4f}" data-end="{b.end:.4f}" x="{x(b.start):.1f}" '
             f'y="{y}" width="{w:.1f}" height="{ROW_H - 8}" fill="{COLORS.get(b.phase, "#999")}" '
             f'data-tip="{_e(tip)}"><title>{_e(tip)}</title></rect>'
         )
