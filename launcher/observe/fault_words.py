@@ -59,6 +59,8 @@ def _what_happened(f: FaultRow) -> str:
         host = f" ({f.host})" if f.host else ""
         return f"node {f.node}{host} was lost (its agent stopped answering)"
     who = f"rank {f.rank}"
+    if f.cause:
+        return f"{who}'s process was ended by ftrun itself, not by the script: {f.cause}"
     if f.kind == "signal":
         sig = f.signal or _first(r"SIG[A-Z0-9]+", f.evidence)
         return f"{who} " + SIGNAL_WORDS.get(sig or "", f"died of {sig or 'a signal'}")

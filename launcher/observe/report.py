@@ -360,7 +360,7 @@ def _fault_row(f: FaultRow, width: int) -> str:
         _clock(f.time),
         "node" if f.rank is None else f.rank,
         f.node,
-        f.kind + (" [injected]" if f.injected else ""),
+        f.kind + (" [injected]" if f.injected else "") + (" (by ftrun)" if f.cause else ""),
         f.strategy or "-",
         gen,
         _dur(f.mttr_s),

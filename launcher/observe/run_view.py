@@ -72,6 +72,7 @@ class FaultRow:
     signal: str | None = None
     during_recovery: bool = False  # it happened while an earlier fault's round ran
     summary: str = ""  # what happened and what ftrun did, in words (`fault_words.describe`)
+    cause: str = ""  # ftrun itself ended the process, and why (`ftrun_exits`); "": not ftrun
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
+from launcher.observe.ftrun_exits import mark_ftrun_exits
 from launcher.observe.logs import read_event_file, run_event_files
 from launcher.observe.run_view import Bar, FaultRow, NodeRow, RankRow, Round, RunView
 from launcher.observe.timeline import Timeline
@@ -56,7 +57,9 @@ def from_dir(path: str) -> RunView:
     events: list[dict] = []
     for f in files:
         events.extend(read_event_file(f))
-    return Timeline().feed_all(events).view(now=None)
+    view = Timeline().feed_all(events).view(now=None)
+    mark_ftrun_exits(view)  # what ftrun itself ended, told by the ranks' stderr.log
+    return view
 
 
 def _rows(cls: type, items: list[dict]) -> list:
@@ -337,7 +340,9 @@ def _faults_table(view: RunView) -> Any:
             _clock(f.time),
             str(f.rank if f.rank is not None else "node"),
             str(f.node),
-            escape(f.kind + (" [injected]" if f.injected else "")),
+            escape(
+                f.kind + (" [injected]" if f.injected else "") + (" (ftrun)" if f.cause else "")
+            ),
             f.strategy or "-",
             "-" if f.round is None else f"{f.generation}->{f.round}",
             "-" if f.mttr_s is None else f"{f.mttr_s:.2f}s",
