@@ -127,7 +127,7 @@ def _torchrun_reference_loss(tmp_path, nproc: int) -> float:
     return loss
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4: slow subset
 def test_unmodified_ddp_same_loss_as_torchrun(tmp_path, nproc: int) -> None:
     reference = _torchrun_reference_loss(tmp_path, nproc)
     r, loss = _ddp_losses("ftrun", FTRUN, tmp_path, nproc)

@@ -300,7 +300,8 @@ def test_a_spare_that_takes_over_the_controllers_node_reports_its_own_arrival(tm
 @pytest.mark.parametrize(
     "backend, kind",
     [
-        ("c10d", "unmodified"),
+        # the slow subset's: the unmodified script on c10d (etcd's below runs in CI)
+        pytest.param("c10d", "unmodified", marks=pytest.mark.slow),
         ("c10d", "runtime"),
         pytest.param("etcd", "unmodified", marks=pytest.mark.etcd),
     ],

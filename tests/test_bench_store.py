@@ -15,40 +15,10 @@ SCRIPT = os.path.join(
 )
 
 
-def test_a_second_torch_and_ftrun_are_compared_to_torch_round_by_round() -> None:
-    r = subprocess.run(
-        [
-            sys.executable,
-            SCRIPT,
-            "--sizes",
-            "8",
-            "--repeat",
-            "2",
-            "--backends",
-            "torch,torch#2,ftrun",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 0, r.stderr[-3000:]
-    lines = [json.loads(x) for x in r.stdout.splitlines()]
-    assert lines[0]["setup"] == "/etc/hosts"
-    rows = {x["backend"]: x for x in lines[1:]}
-    assert list(rows) == ["torch", "torch#2", "ftrun"]
-    assert "pattern_vs_torch_by_round" not in rows["torch"]
-    for kind in ("torch#2", "ftrun"):
-        x = rows[kind]
-        assert x["clients"] == 8 and x["errors"] == 0 and x["runs"] == 2, x
-        by_round = x["pattern_vs_torch_by_round"]
-        assert len(by_round) == 2 and all(v > 0 for v in by_round), x
-        assert x["rounds_at_or_below_torch"] == sum(v <= 1.0 for v in by_round)
-        assert x["pattern_time_vs_torch"] == round(x["pattern_s"] / rows["torch"]["pattern_s"], 3)
-    assert rows["torch#2"]["master_connections"] == rows["torch"]["master_connections"] == 8
-
-
-def test_warm_iterations_repeat_the_pattern_on_the_same_connections() -> None:
-    """--iterations: all backends set up at once, their warm patterns alternating and paired."""
+def test_backends_are_compared_to_torch_round_by_round_and_warm_pattern_by_pattern() -> None:
+    """One run (the suite pays one set-up per backend and round): --repeat 2 gives each backend's
+    rounds against torch's, a second torch instance (`torch#2`) is measured as a contender, and
+    --iterations 3 sets all backends up at once, their warm patterns alternating and paired."""
     r = subprocess.run(
         [
             sys.executable,
@@ -58,19 +28,30 @@ def test_warm_iterations_repeat_the_pattern_on_the_same_connections() -> None:
             "--repeat",
             "2",
             "--iterations",
-            "4",
+            "3",
             "--backends",
-            "torch,ftrun,ftrun-proxy",
+            "torch,torch#2,ftrun,ftrun-proxy",
         ],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    rows = {x["backend"]: x for x in map(json.loads, r.stdout.splitlines()[1:])}
-    assert list(rows) == ["torch", "ftrun", "ftrun-proxy"]
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert lines[0]["setup"] == "/etc/hosts"
+    rows = {x["backend"]: x for x in lines[1:]}
+    assert list(rows) == ["torch", "torch#2", "ftrun", "ftrun-proxy"]
+    assert "pattern_vs_torch_by_round" not in rows["torch"]
+    for kind in ("torch#2", "ftrun", "ftrun-proxy"):
+        x = rows[kind]
+        assert x["clients"] == 8 and x["errors"] == 0 and x["runs"] == 2, x
+        by_round = x["pattern_vs_torch_by_round"]
+        assert len(by_round) == 2 and all(v > 0 for v in by_round), x
+        assert x["rounds_at_or_below_torch"] == sum(v <= 1.0 for v in by_round)
+        assert x["pattern_time_vs_torch"] == round(x["pattern_s"] / rows["torch"]["pattern_s"], 3)
+    assert rows["torch#2"]["master_connections"] == rows["torch"]["master_connections"] == 8
     for kind, x in rows.items():
-        assert x["errors"] == 0 and x["warm_patterns"] == 3, x
+        assert x["errors"] == 0 and x["warm_patterns"] == 2, x
         assert x["warm_pattern_s_median"] > 0 and x["warm_pattern_s_median_of_runs"] > 0, x
         assert x["warm_master_cpu_s"] > 0 and x["warm_client_cpu_s"] > 0, x
         assert ("warm_proxy_cpu_s" in x) == (kind == "ftrun-proxy"), x
@@ -79,7 +60,7 @@ def test_warm_iterations_repeat_the_pattern_on_the_same_connections() -> None:
         assert x["warm_store_cpu_s"] == round(
             x["warm_master_cpu_s"] + x.get("warm_proxy_cpu_s", 0.0), 4
         ), x
-    for kind in ("ftrun", "ftrun-proxy"):
+    for kind in ("torch#2", "ftrun", "ftrun-proxy"):
         x = rows[kind]
         assert len(x["warm_vs_torch_by_round"]) == 2, x
         assert x["warm_rounds_at_or_below_torch"] == sum(

@@ -108,3 +108,40 @@ def test_attaching_again_in_a_new_world_keeps_one_publisher(tmp_path):
     finally:
         obs.stop()
         log.close()
+
+
+def beat_in(log, t, rank, phase, generation):
+    log.observe(
+        "heartbeat",
+        op="heartbeat",
+        rank=rank,
+        step=7,
+        phase=phase,
+        committed_step=6,
+        time=t,
+        generation=generation,
+    )
+
+
+def test_a_rank_entering_a_round_is_recorded_once_at_its_heartbeats_time(tmp_path):
+    """A survivor's stop and a replacement's start-up are recorded as `rank-stopped` from the
+    rank's heartbeat, whether or not the round ever ends with its `rank-recovered`."""
+    log, obs, path = setup(tmp_path)
+    log.info("spawn", "s", rank=0, local_rank=0, pid=7, generation=0, replacement=False)
+    beat_in(log, 50.0, 0, "forward", 0)
+    beat_in(log, 51.25, 0, "recovering", 1)
+    beat_in(log, 51.5, 0, "recovering", 1)  # the same round: not again
+    beat_in(log, 53.0, 0, "recovering", 2)  # the round was superseded: the next one
+    log.info("spawn", "s", rank=1, local_rank=1, pid=8, generation=2, replacement=True)
+    beat_in(log, 54.0, 1, "init", 2)
+    beat_in(log, 54.5, 1, "recovering", 2)
+    got = [
+        (e["rank"], e["generation"], e["at"], e["message"])
+        for e in read_event_file(str(path))
+        if e["event"] == "rank-stopped"
+    ]
+    assert got == [
+        (0, 1, 51.25, "rank 0 stopped training of generation 1 and posted its status"),
+        (0, 2, 53.0, "rank 0 stopped training of generation 2 and posted its status"),
+        (1, 2, 54.5, "rank 1 joined the round of generation 2 and posted its status"),
+    ]

@@ -15,6 +15,7 @@ from helpers_observe import ObservedJob, ftctl
 
 from launcher.observe.report import render
 from launcher.observe.run_view import PHASES, RunView
+from launcher.observe.timeline import Timeline
 
 FAULTS = [
     {"rank": 1, "step": 4, "phase": "forward", "kind": "kill", "generation": 0},
@@ -87,7 +88,7 @@ def test_page_is_self_contained(page):
     ] == []
 
 
-def test_dom_has_every_round_and_phase_bar(page, tmp_path):
+def test_dom_has_every_round_and_phase_bar(run, page, tmp_path):
     res = browser(
         "--dump-dom", "--virtual-time-budget=5000", f"file://{page}", tmp=tmp_path / "profile"
     )
@@ -113,15 +114,22 @@ def test_dom_has_every_round_and_phase_bar(page, tmp_path):
         1: ("respawn", 1),
         2: ("stop", 2),
     }  # round -> (first phase of the failed rank, rank)
+    events = run.events()
+    pairs = {e["generation"]: e["pairs"] for e in events if e["event"] == "repair-plan"}
+    view = Timeline().feed_all(events).view()
     for n, round_bars in enumerate(per_round, 1):
         first, failed = expected[n]
         phases = {(int(b["data-rank"]), b["data-phase"]) for b in round_bars}
+        movers = {r for p in pairs[n] for r in p}  # the ranks that sent or received state
         for rank in range(4):
             lead = first if rank == failed else "stop"
-            for phase in (lead, "wait", "rebuild", "transfer", "resume"):
+            for phase in (lead, "wait", "rebuild", "resume"):
                 assert (rank, phase) in phases, (n, rank, phase)
+            # transfer is the transfer itself: a rank that neither sent nor received waited
+            moved = not pairs[n] or rank in movers
+            assert ((rank, "transfer") in phases) == moved, (n, rank, pairs[n])
         assert (failed, "detect") in phases and (failed, "decide") in phases
-        assert len(round_bars) == 4 * 5 + 2
+        assert len(round_bars) == len(view.rounds[n - 1].bars)  # every bar of the round's view
         assert all("data-tip" in b for b in round_bars)
     assert len(dom.all("rect", "replacement-row")) == 1  # rank 1 in round 1
     assert len(dom.all("tr", "fault")) == 2

@@ -156,6 +156,7 @@ def test_replacement_skips_the_random_init_it_receives_over(tmp_path, ddp_ref):
         assert_bit_identical(params[r], ddp_ref[0])
 
 
+@pytest.mark.slow  # the same verdict as the external SIGKILL below (the CI one), injected kill
 def test_replacement_of_a_script_that_draws_after_its_model_inits_normally_in_one_round(
     tmp_path,
 ):

@@ -8,7 +8,9 @@ agent's observer (`launcher.observe.observer`), which derives them from the agen
 its workers' heartbeats; nothing else calls in here. Time lost follows the one rule of
 `launcher.observe.run_view` (fault -> every rank training again, whatever the round's outcome).
 
-  ftrun_faults_total{kind}                     faults of this node's ranks, by fault kind
+  ftrun_faults_total{kind,injected}            faults of this node's ranks, by fault kind;
+                                               injected="true" for `ftctl inject` drills and
+                                               the faults a rank's injector reports itself
   ftrun_recovery_rounds_total{strategy,outcome} rounds this agent took part in, once ended
   ftrun_recovery_phase_seconds{phase}          per-rank phase durations (the report's bars) of
                                                each round, once it ended (superseded ones too)
@@ -20,10 +22,24 @@ its workers' heartbeats; nothing else calls in here. Time lost follows the one r
                                                rounds' spans, a running round counted to now
                                                (grows while a round runs; = `ftctl status
                                                --json` time_lost_s of this agent's view)
+  ftrun_recovery_lost_seconds_total            the same as a counter (only grows; a running
+                                               round's share may run up to one publication
+                                               interval past its end): alert on its rate
+  ftrun_recovery_in_progress                   1 while a recovery round runs, else 0
   ftrun_restarts_used, ftrun_restarts_left     the job-wide --max_restarts budget
   ftrun_workers_alive                          local worker processes running
   ftrun_generation                             the job's generation as this agent knows it
-  ftrun_step{rank}, ftrun_steps_per_second{rank}  last committed step and training speed
+  ftrun_step{rank}, ftrun_steps_per_second{rank}  last committed step and training speed of a
+                                               local rank that runs or finished (a failed or
+                                               stopped rank's series are dropped)
+  ftrun_rank_alive{rank}                       1 while the local rank's process runs or it
+                                               finished, 0 once it failed or was stopped
+  ftrun_state_transfer_bytes_total, ftrun_state_transfer_seconds_total  state received by this
+                                               node's ranks in recovery rounds, and the time
+                                               the transfers took
+  ftrun_warm_spares_ready                      1 when this node's warm spare is ready
+  ftrun_store_request_errors_total{op}         this agent's store requests that failed
+  ftrun_job_info{version,run_id,world_size}    1, with the job's identity as labels
   ftrun_store_requests_total{op}, ftrun_store_request_seconds{op}  this agent's store requests
                                                (its status publication) and their latency
   ftrun_store_served_requests_total, ftrun_store_busy_seconds_total  requests the embedded
@@ -67,8 +83,11 @@ class Metrics:
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = reg = CollectorRegistry(auto_describe=True)
-        self.faults = Counter("ftrun_faults", "Faults of this node's ranks", ["kind"], registry=reg)
+        self.faults = Counter(
+            "ftrun_faults", "Faults of this node's ranks", ["kind", "injected"], registry=reg
+        )
         self._recovery_metrics(reg)
+        self._alerting_metrics(reg)
         self.restarts_used = Gauge(
             "ftrun_restarts_used", "Recovery rounds counted against --max_restarts", registry=reg
         )
@@ -131,6 +150,35 @@ class Metrics:
         self._ended: set[int] = set()  # rounds (generations) counted once ended
         self._lost: set[int] = set()  # rounds whose time lost is observed (once known)
 
+    def _alerting_metrics(self, reg: Any) -> None:
+        """What an on-call engineer alerts on besides the rounds (see the user guide's rules)."""
+        from prometheus_client import Counter, Gauge, Info
+
+        self.time_lost_total = Counter(
+            "ftrun_recovery_lost_seconds", "Time lost to recovery (only grows)", registry=reg
+        )
+        self.in_progress = Gauge(
+            "ftrun_recovery_in_progress", "1 while a recovery round runs", registry=reg
+        )
+        self.rank_alive = Gauge(
+            "ftrun_rank_alive", "1 while the local rank runs or finished", ["rank"], registry=reg
+        )
+        self.transfer_bytes = Counter(
+            "ftrun_state_transfer_bytes", "State bytes received in recovery rounds", registry=reg
+        )
+        self.transfer_seconds = Counter(
+            "ftrun_state_transfer_seconds", "Time the state transfers took", registry=reg
+        )
+        self.spares_ready = Gauge(
+            "ftrun_warm_spares_ready", "1 when this node's warm spare is ready", registry=reg
+        )
+        self.store_errors = Counter(
+            "ftrun_store_request_errors", "Store requests that failed", ["op"], registry=reg
+        )
+        self.info = Info("ftrun_job", "The job's identity", registry=reg)
+        self._counted_lost = 0.0
+        self._identity: dict[str, str] = {}
+
     @property
     def port(self) -> int:
         return int(self._server.server_port) if self._server is not None else self._port
@@ -139,8 +187,20 @@ class Metrics:
         """The rounds' figures from the agent's view (settled as of its `now`): the job's time
         lost so far; each round's outcome and phase durations once it ended, and its time lost
         once every rank trains again (for a superseded round: when the round that took over
-        ended), each once."""
+        ended), each once; whether a round runs; the job's identity."""
         self.time_lost.set(view.time_lost_s)
+        if view.time_lost_s > self._counted_lost:  # the counter only grows
+            self.time_lost_total.inc(view.time_lost_s - self._counted_lost)
+            self._counted_lost = view.time_lost_s
+        self.in_progress.set(1 if view.current_round is not None else 0)
+        identity = {
+            "version": _version(),
+            "run_id": view.run_id,
+            "world_size": str(view.world_size or ""),
+        }
+        if identity != self._identity:
+            self._identity = identity
+            self.info.info(identity)
         for ro in view.rounds:
             if ro.outcome != "in-progress" and ro.generation not in self._ended:
                 self._ended.add(ro.generation)
@@ -176,6 +236,15 @@ class Metrics:
         if self._thread is not None:
             self._thread.join(5.0)
         self._server = self._thread = None
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ftrun")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 class _ServedCollector:

@@ -7,11 +7,14 @@ worker heartbeat observation; the agent never calls it per event). From them it 
   - each local rank's live progress: step, phase, committed step, steps per second,
 and it records, in `events.jsonl`, `progress` samples (every `LaunchConfig.progress_interval`
 s, i.e. `FTRUN_PROGRESS_INTERVAL`, default 5, when something changed, and at the start of every
-round) and `rank-resumed` (the first step a rank commits after a recovery round: the end of the
-round's `resume` phase). Its thread publishes the node's status to the store every second
-(`plan.node_status_key`) and refreshes the metrics (`launcher.observe.metrics`, when a port is
-configured). At the end of a job that had faults it prints the job's time lost to recovery (the
-rule of `launcher.observe.run_view`) and the `ftctl report` command for the run.
+round and a rank's exit), `steps` (the ranks' committed steps in compact batches,
+`launcher.observe.step_points`: what the progress chart plots), `rank-stopped` (a rank entered
+a round: a survivor's stop, a replacement joining) and `rank-resumed` (the first step a rank
+commits after a recovery round: the end of the round's `resume` phase). Its thread publishes
+the node's status to the store every second (`plan.node_status_key`) and refreshes the metrics
+(`launcher.observe.metrics`, when a port is configured). At the end of a job that had faults
+it prints the job's time lost to recovery (the rule of `launcher.observe.run_view`) and the
+`ftctl report` command for the run.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any
 from launcher.observe.logs import AgentLog
 from launcher.observe.metrics import Metrics
 from launcher.observe.run_view import RunView
+from launcher.observe.step_points import StepPoints
 from launcher.observe.timeline import Timeline
 from launcher.protocol import plan as P
 from launcher.protocol.budget import restarts_left
@@ -59,6 +63,8 @@ class LiveRank:
     time: float = 0.0
     samples: deque = field(default_factory=lambda: deque(maxlen=512))  # (time, committed_step)
     armed: tuple[int, int | None] | None = None  # (generation, resume step) awaiting a commit
+    replacement: bool = False
+    in_round: int = 0  # the newest generation whose round it was seen in (`rank-stopped`)
 
     def rate(self) -> float | None:
         pts = [p for p in self.samples if p[0] >= self.time - RATE_WINDOW]
@@ -95,6 +101,8 @@ class NodeObserver:
         self._last_sample: dict[int, tuple] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._injected: set[int] = set()  # local ranks an injection was sent to (metrics)
+        self.steps = StepPoints()  # committed steps, recorded in `steps` batches
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -138,6 +146,7 @@ class NodeObserver:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(5.0)
+        self._record_steps()
         self._record_progress(force=False)
         self.log.remove_sink(self.on_event)
         if self.metrics is not None:
@@ -163,7 +172,7 @@ class NodeObserver:
             self.timeline.feed(ev)
             rank = ev.get("rank")
             if kind == "spawn" and isinstance(rank, int):
-                live = self._live[rank] = LiveRank()
+                live = self._live[rank] = LiveRank(replacement=bool(ev.get("replacement")))
                 gen = int(ev.get("generation", 0))
                 live.armed = (gen, None) if gen > 0 else None
             elif kind == "rank-recovered" and isinstance(rank, int) and rank in self._live:
@@ -172,18 +181,39 @@ class NodeObserver:
                     int(ev.get("generation", 0)),
                     int(resume) if isinstance(resume, int) else None,
                 )
-        if self.metrics is not None and kind in ("worker-failed", "worker-fault"):
-            self.metrics.faults.labels(kind=str(ev.get("fault_kind", "unknown"))).inc()
+        if self.metrics is not None:
+            self._count(kind, ev)
         if kind == "plan-received":
             self._record_progress(force=True)  # the steps reached when the round began
+        elif kind == "exit":  # a rank's last steps, before anything else can go wrong
+            self._record_steps()
+            self._record_progress(force=False)
+
+    def _count(self, kind: Any, ev: dict) -> None:
+        """The metrics counted from events: faults (injected or not), state transferred."""
+        m, rank = self.metrics, ev.get("rank")
+        assert m is not None
+        if kind == "inject" and isinstance(rank, int):
+            self._injected.add(rank)
+        elif kind in ("worker-failed", "worker-fault"):
+            injected = bool(ev.get("injected")) or rank in self._injected
+            self._injected.discard(rank)
+            fault = str(ev.get("fault_kind", "unknown"))
+            m.faults.labels(kind=fault, injected="true" if injected else "false").inc()
+        elif kind == "rank-recovered" and int(ev.get("transfer_bytes") or 0) > 0:
+            m.transfer_bytes.inc(int(ev["transfer_bytes"]))
+            m.transfer_seconds.inc(max(0.0, float(ev.get("transfer_s") or 0.0)))
 
     def _on_heartbeat(self, hb: dict) -> None:
         rank = hb.get("rank")
         if not isinstance(rank, int):
             return
-        resumed = None
+        resumed, stopped = None, None
         with self._lock:
             live = self._live.setdefault(rank, LiveRank())
+            gen = int(hb.get("generation", -1))
+            if hb.get("phase") == "recovering" and gen > live.in_round:
+                live.in_round, stopped = gen, float(hb.get("time") or time.time())
             prev_phase, prev_committed = live.phase, live.committed_step
             live.step, live.phase = int(hb.get("step", -1)), str(hb.get("phase", ""))
             live.committed_step, live.waiting = (
@@ -191,6 +221,8 @@ class NodeObserver:
                 bool(hb.get("waiting")),
             )
             live.time = float(hb.get("time") or time.time())
+            if live.committed_step != prev_committed:
+                self.steps.note(rank, live.time, live.committed_step)
             if live.committed_step != prev_committed and live.phase not in QUIET_PHASES:
                 live.samples.append((live.time, live.committed_step))
             if live.armed is not None and live.committed_step > prev_committed:
@@ -201,6 +233,8 @@ class NodeObserver:
                     else prev_phase not in QUIET_PHASES and live.phase not in QUIET_PHASES
                 ):
                     live.armed, resumed = None, (gen, live.committed_step)
+        if stopped is not None:
+            self._record_stopped(rank, gen, stopped)
         if resumed is not None:
             self.log.record(
                 "rank-resumed",
@@ -210,12 +244,26 @@ class NodeObserver:
                 step=resumed[1],
             )
 
+    def _record_stopped(self, rank: int, generation: int, at: float) -> None:
+        """The rank is in the round of `generation`, its status posted (its heartbeat said so):
+        a survivor's stop, a replacement's start-up, recorded even when the round never ends
+        with the rank's `rank-recovered` (superseded, failed)."""
+        who = "joined the round" if self._live[rank].replacement else "stopped training"
+        self.log.record(
+            "rank-stopped",
+            f"rank {rank} {who} of generation {generation} and posted its status",
+            rank=rank,
+            generation=generation,
+            at=round(at, 4),
+        )
+
     # ------------------------------------------------------------------ periodic work
     def _run(self) -> None:
         last_publish = 0.0
         while not self._stop.wait(min(PUBLISH_INTERVAL, self.progress_interval)):
             try:
                 if time.time() - self._last_progress >= self.progress_interval:
+                    self._record_steps()
                     self._record_progress(force=False)
                 if time.monotonic() - last_publish >= PUBLISH_INTERVAL * 0.95:
                     last_publish = time.monotonic()
@@ -242,11 +290,21 @@ class NodeObserver:
 
     def _timed(self, op: str, fn: Any) -> Any:
         t0 = time.perf_counter()
-        out = fn()
+        try:
+            out = fn()
+        except Exception:
+            if self.metrics is not None:
+                self.metrics.store_errors.labels(op=op).inc()
+            raise
         if self.metrics is not None:
             self.metrics.store_requests.labels(op=op).inc()
             self.metrics.store_seconds.labels(op=op).observe(time.perf_counter() - t0)
         return out
+
+    def _record_steps(self) -> None:
+        fields = self.steps.take()
+        if fields is not None:
+            self.log.record("steps", "committed steps of the local ranks", **fields)
 
     def _record_progress(self, force: bool) -> None:
         with self._lock:
@@ -332,10 +390,21 @@ class NodeObserver:
         alive = 0
         for r in snapshot["ranks"]:
             alive += r["state"] not in ("finished", "failed", "stopped")
+            rank = str(r["rank"])
+            dead = r["state"] in ("failed", "stopped")
+            m.rank_alive.labels(rank=rank).set(0 if dead else 1)
+            if dead:  # its step is no longer news: no stale series
+                for gauge in (m.step, m.steps_per_s):
+                    try:
+                        gauge.remove(rank)
+                    except KeyError:
+                        pass  # dropped already, or never set
+                continue
             if r.get("committed_step") is not None and r["committed_step"] >= 0:
-                m.step.labels(rank=str(r["rank"])).set(r["committed_step"])
-            m.steps_per_s.labels(rank=str(r["rank"])).set(r.get("steps_per_s") or 0.0)
+                m.step.labels(rank=rank).set(r["committed_step"])
+            m.steps_per_s.labels(rank=rank).set(r.get("steps_per_s") or 0.0)
         m.workers_alive.set(alive)
+        m.spares_ready.set(1 if snapshot.get("spare") else 0)
         with self._lock:
             view = self.timeline.view(snapshot["time"])  # a running round's time lost grows
         m.note_view(view)

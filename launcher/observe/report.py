@@ -5,8 +5,10 @@ from the run's events.jsonl) as an HTML file that needs no network: inline CSS, 
 here, and a few lines of inline JS for the hover boxes. Sections: the job summary; one Gantt
 chart per recovery round (a row per rank, a bar per phase, the replacement's row marked, the
 phase durations beneath it); training progress (committed step vs wall clock for every rank,
-faults marked, the time each one cost shaded); the fault table. Written atomically (temp name,
-fsync, rename).
+from the `steps` records of `launcher.observe.step_points`, faults marked, the time each one
+cost shaded); the fault table (a row of figures per fault and,
+under it across the page, what happened and what ftrun did in words). Written atomically (temp
+name, fsync, rename).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ COLORS = {
     "decide": "#ff7f0e",
     "stop": "#8c564b",
     "respawn": "#9467bd",
+    "imports": "#c5b0d5",
+    "start-up": "#e377c2",
     "wait": "#c7c7c7",
     "rebuild": "#1f77b4",
     "transfer": "#17becf",
@@ -56,6 +60,9 @@ h3{font-size:15px;margin:18px 0 4px} .muted{color:#777} .ok{color:#1a7f37} .bad{
 td,th{border-bottom:1px solid #eee;padding:3px 8px;text-align:left;
 vertical-align:top;font-size:13px}
 th{background:#f6f8fa} td.num{text-align:right;font-variant-numeric:tabular-nums}
+table.faults{width:100%} table.faults tr.fault td{border-bottom:none;white-space:nowrap}
+tr.fault-words td{white-space:normal;overflow-wrap:anywhere;padding-bottom:8px}
+tr.fault-words .what{font-size:14px}
 .legend span{display:inline-block;margin-right:12px;font-size:12px}
 .legend i{display:inline-block;width:12px;height:12px;margin-right:4px;vertical-align:-2px}
 svg text{font-size:11px;fill:#333} .bar:hover,.fault-mark:hover{stroke:#000;stroke-width:1.5}
@@ -178,7 +185,8 @@ def gantt(ro: Round, index: int, v: RunView) -> str:
             + (f"\n{b.note}" if b.note else "")
         )
         out.append(
-            f'<rect class="bar" data-phase="{b.phase}" data-rank="{b.rank}" x="{x(b.start):.1f}" '
+            f'<rect class="bar" data-phase="{b.phase}" data-rank="{b.rank}" '
+            f'data-start="{b.start:.4f}" data-end="{b.end:.4f}" x="{x(b.start):.1f}" '
             f'y="{y}" width="{w:.1f}" height="{ROW_H - 8}" fill="{COLORS.get(b.phase, "#999")}" '
             f'data-tip="{_e(tip)}"><title>{_e(tip)}</title></rect>'
         )
@@ -225,7 +233,9 @@ def rounds_section(v: RunView) -> str:
             f"&middot; {_e(ro.outcome)} in {_e(_dur(ro.mttr_s))}</h3><div class=muted>"
             f"{_e(cause)}{_e(extra)}; time lost (until every rank trained again): {_e(lost)}; "
             f"steps lost: {_e(steps_lost)}; "
-            f"state moved: {_e(_bytes(ro.transfer_bytes))}. {_e(ro.reason)}</div>"
+            f"state moved: {_e(_bytes(ro.transfer_bytes))}.<br>"
+            f'<span title="{_e(ro.reason)}">{_e(f.summary if f is not None else ro.reason)}'
+            "</span></div>"
         )
         parts.append(gantt(ro, i, v))
         parts.append(phase_table(ro))
@@ -319,6 +329,8 @@ def progress_chart(v: RunView) -> str:
 
 
 def fault_table(v: RunView) -> str:
+    """A row of figures per fault, and under it, across the page, what happened and what ftrun
+    did in words, the evidence and the controller's reason (sentences that wrap)."""
     if not v.faults:
         return "<h2>Faults</h2><p>None.</p>"
     head = (
@@ -326,16 +338,14 @@ def fault_table(v: RunView) -> str:
         "rank",
         "node",
         "kind",
-        "evidence",
         "strategy",
-        "reason",
         "generation",
         "MTTR",
         "steps lost",
         "state moved",
         "rate",
     )
-    rows = "".join(_fault_row(f) for f in v.faults)
+    rows = "".join(_fault_row(f, len(head)) for f in v.faults)
     return (
         "<h2>Faults</h2><table class=faults><tr>"
         + "".join(f"<th>{h}</th>" for h in head)
@@ -343,29 +353,37 @@ def fault_table(v: RunView) -> str:
     )
 
 
-def _fault_row(f: FaultRow) -> str:
+def _fault_row(f: FaultRow, width: int) -> str:
     rate = "-" if not f.transfer_rate else f"{f.transfer_rate / 1e6:.1f} MB/s"
     gen = f"{f.generation} \u2192 {f.round}" if f.round is not None else str(f.generation)
     cells = [
         _clock(f.time),
         "node" if f.rank is None else f.rank,
         f.node,
-        f.kind + (" [injected]" if f.injected else ""),
-        f.evidence[:300]
-        + (
-            f" (its stderr: {f.stderr_file})"
-            if f.stderr_file and f.stderr_file not in f.evidence[:300]
-            else ""
-        ),
+        f.kind + (" [injected]" if f.injected else "") + (" (by ftrun)" if f.cause else ""),
         f.strategy or "-",
-        f.reason,
         gen,
         _dur(f.mttr_s),
         "-" if f.steps_lost is None else f.steps_lost,
         _bytes(f.transfer_bytes),
         rate,
     ]
-    return "<tr class=fault>" + "".join(f"<td>{_e(c)}</td>" for c in cells) + "</tr>"
+    evidence = f.evidence[:300] + (
+        f" (its stderr: {f.stderr_file})"
+        if f.stderr_file and f.stderr_file not in f.evidence[:300]
+        else ""
+    )
+    words = (
+        f'<div class="what">{_e(f.summary or f.reason or "-")}</div>'
+        f'<div class="muted">evidence: {_e(evidence or "-")}'
+        + (f"<br>the controller's reason: {_e(f.reason)}" if f.reason else "")
+        + "</div>"
+    )
+    return (
+        "<tr class=fault>"
+        + "".join(f"<td>{_e(c)}</td>" for c in cells)
+        + f'</tr><tr class=fault-words><td colspan="{width}">{words}</td></tr>'
+    )
 
 
 def render(v: RunView, sources: list[str]) -> str:

@@ -9,6 +9,8 @@ it lost; and `charge_faults`, which gives each fault the cost of the round it st
 
 from __future__ import annotations
 
+from launcher.observe.fault_words import describe
+from launcher.observe.process_phases import live_phase, process_edges
 from launcher.observe.run_view import (
     ENDED,
     PROCESS_LEVEL,
@@ -35,6 +37,9 @@ class RoundBuilder:
         expected = sorted(self.ranks)
         self._close(rd, expected)
         until = ro.end if ro.end is not None else now
+        # a round that ended before every rank came back (superseded, fell back, failed, the
+        # job's end) draws each rank's last phase to its end: what the rank was doing then
+        cut = ro.end is None or ro.outcome not in ("recovered", "restarted")
         bars: list[Bar] = []
         f = ro.fault
         if f is not None and f.rank is not None and f.round == ro.generation:
@@ -42,32 +47,20 @@ class RoundBuilder:
             _add(bars, f.rank, "detect", f.time, detected, until, f"{f.kind}: {f.evidence[:120]}")
             _add(bars, f.rank, "decide", detected, ro.plan_time, until, f"-> {ro.strategy}")
         for rank in expected:
+            start = self._plan_time(rd, rank)
             if ro.strategy in PROCESS_LEVEL:
-                self._process_bars(rd, rank, until, bars)
+                edges = process_edges(rd, rank, start, self._moved(rd, rank))
+                _chain(bars, rank, edges, until, cut)
             elif ro.strategy == "restart-all":
-                self._restart_bars(rd, rank, until, bars)
+                self._restart_bars(rd, rank, until, bars, cut)
             else:
-                start = self._plan_time(rd, rank)
-                _add(
-                    bars,
-                    rank,
-                    "stop",
-                    start,
-                    ro.end if ro.end is not None else until,
-                    until,
-                    ro.strategy,
-                )
+                _add(bars, rank, "stop", start, until, until, ro.strategy)
         if ro.end is None:
             for b in bars:
                 if b.end >= until:
                     b.open = True
         ro.bars = sorted(bars, key=lambda b: (b.rank, b.start))
-        open_bars = [b for b in ro.bars if b.open]
-        ro.phase = (
-            ""
-            if ro.end is not None
-            else (max(open_bars, key=lambda b: b.start).phase if open_bars else "decide")
-        )
+        ro.phase = "" if ro.end is not None else live_phase(ro.bars)
         rec = [e for e in rd.recovered.values()]
         ro.transfer_bytes = sum(int(e.get("transfer_bytes") or 0) for e in rec)
         ro.transfer_s = max(
@@ -83,31 +76,6 @@ class RoundBuilder:
             if isinstance(node, int)
             else rd.round.plan_time
         )
-
-    def _process_bars(self, rd: RoundData, rank: int, until: float, bars: list[Bar]) -> None:
-        ro = rd.round
-        marks = (rd.recovered.get(rank) or {}).get("marks") or {}
-        start = self._plan_time(rd, rank)
-        first = "respawn" if rank in ro.restart_ranks else "stop"
-        spawn = rd.spawned.get(rank)
-        note = (
-            ("from the warm spare" if spawn and spawn.get("warm") else "new process")
-            if first == "respawn"
-            else ""
-        )
-        edges = [
-            (first, start, marks.get("status"), note),
-            ("wait", marks.get("status"), marks.get("plan"), ""),
-            ("rebuild", marks.get("plan"), marks.get("rebuilt"), ""),
-            ("transfer", marks.get("rebuilt"), marks.get("repaired"), self._moved(rd, rank)),
-            (
-                "resume",
-                marks.get("repaired"),
-                (rd.resumed.get(rank) or {}).get("time"),
-                "first step",
-            ),
-        ]
-        _chain(bars, rank, edges, until, ro.end is None)
 
     def _moved(self, rd: RoundData, rank: int) -> str:
         e = rd.recovered.get(rank) or {}
@@ -127,8 +95,9 @@ class RoundBuilder:
             return "sent state to rank " + ", ".join(str(p[1]) for p in pairs)
         return f"restored step {rd.round.resume_step} ({rd.round.action or 'rollback'})"
 
-    def _restart_bars(self, rd: RoundData, rank: int, until: float, bars: list[Bar]) -> None:
-        ro = rd.round
+    def _restart_bars(
+        self, rd: RoundData, rank: int, until: float, bars: list[Bar], cut: bool
+    ) -> None:
         start = self._plan_time(rd, rank)
         spawn = (rd.spawned.get(rank) or {}).get("time")
         node = self.ranks[rank].node
@@ -144,7 +113,7 @@ class RoundBuilder:
                 "process groups, checkpoint load, first step",
             ),
         ]
-        _chain(bars, rank, edges, until, ro.end is None)
+        _chain(bars, rank, edges, until, cut)
 
     def _close(self, rd: RoundData, expected: list[int]) -> None:
         ro = rd.round
@@ -190,10 +159,17 @@ class RoundBuilder:
 
 
 def charge_faults(v: RunView) -> None:
-    """Each fault carries what the round it started cost (steps lost, transfer) and, as its
+    """Each fault carries, in words, what happened and what ftrun did (`fault_words`), what the
+    round it started cost (steps lost, transfer) and, as its
     MTTR, that round's time lost once every rank trains again (the rule of
     `launcher.observe.run_view`: a round that was superseded or fell back counts until the round
     that took over ended). The rounds must be settled (`RunView.settle_time_lost`)."""
+    started: dict[int, list[Round]] = {}  # id(fault) -> the rounds it started (fallbacks too)
+    for ro in v.rounds:
+        if ro.fault is not None:
+            started.setdefault(id(ro.fault), []).append(ro)
+    for f in v.faults:
+        f.summary = describe(f, started.get(id(f), []))
     for ro in v.rounds:
         f = ro.fault
         if f is not None and f.round == ro.generation:
@@ -225,14 +201,15 @@ def _add(
     )
 
 
-def _chain(bars: list[Bar], rank: int, edges: list[tuple], until: float, live: bool) -> None:
+def _chain(bars: list[Bar], rank: int, edges: list[tuple], until: float, cut: bool) -> None:
     """Consecutive phases: each starts where the previous ended; the first phase without an end
-    runs to `until` when the round is still live, and the rest are left out."""
+    runs to `until` when the round is still live or was cut short (`cut`), and the rest are
+    left out."""
     for phase, start, end, note in edges:
         if start is None:
             return
         if end is None:
-            if live:
+            if cut:
                 _add(bars, rank, phase, start, until, until, note)
             return
         _add(bars, rank, phase, start, end, until, note)

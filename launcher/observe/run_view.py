@@ -22,7 +22,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-PHASES = ("detect", "decide", "stop", "respawn", "wait", "rebuild", "transfer", "resume")
+PHASES = (
+    "detect",
+    "decide",
+    "stop",
+    "respawn",
+    "imports",
+    "start-up",
+    "wait",
+    "rebuild",
+    "transfer",
+    "resume",
+)
 PROCESS_LEVEL = ("retry", "recover-in-place")
 ENDED = ("succeeded", "failed")
 TAKEN_OVER = ("superseded", "fallback")  # outcomes whose time lost runs on into the next round
@@ -57,6 +68,11 @@ class FaultRow:
     transfer_bytes: int = 0
     transfer_rate: float | None = None  # bytes per second
     stderr_file: str = ""  # the failed rank's stderr.log (--redirects/--tee)
+    exitcode: int | None = None
+    signal: str | None = None
+    during_recovery: bool = False  # it happened while an earlier fault's round ran
+    summary: str = ""  # what happened and what ftrun did, in words (`fault_words.describe`)
+    cause: str = ""  # ftrun itself ended the process, and why (`ftrun_exits`); "": not ftrun
 
 
 @dataclass
@@ -235,6 +251,8 @@ class RoundData:
     restarted: dict[int, float] = field(default_factory=dict)  # node -> restarted time
     spawned: dict[int, dict] = field(default_factory=dict)  # rank -> spawn event
     hello: dict[int, float] = field(default_factory=dict)
+    stopped: dict[int, float] = field(default_factory=dict)  # rank -> status posted (rank-stopped)
+    repair_planned: float | None = None  # the controller's repair plan out (repair-plan)
     recovered: dict[int, dict] = field(default_factory=dict)  # rank -> rank-recovered event
     resumed: dict[int, dict] = field(default_factory=dict)  # rank -> rank-resumed event
     closed_by: str | None = None  # outcome set by a later event (superseded, fallback)

@@ -4,7 +4,8 @@ Owns: building a `RunView` of a job from its live store (the node status every a
 publishes under `plan.node_status_key`, the leader's adding the faults and rounds, plus the
 controller's own keys: generation, budget, per-round statuses) or from a run directory's
 `events.jsonl` (a finished run, or a live one whose store cannot be reached), and drawing it as
-rich tables (`--json` prints the same view as one JSON object; `--watch` redraws it). Also a
+rich tables (`--json` prints the same view as one JSON object; `--watch` redraws it, see
+`launcher.observe.status_watch`). Also a
 rank's current step as its agent published it (`rank_step`, for `ftctl inject --at-step`).
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
+from launcher.observe.ftrun_exits import mark_ftrun_exits
 from launcher.observe.logs import read_event_file, run_event_files
 from launcher.observe.run_view import Bar, FaultRow, NodeRow, RankRow, Round, RunView
 from launcher.observe.timeline import Timeline
@@ -55,7 +57,9 @@ def from_dir(path: str) -> RunView:
     events: list[dict] = []
     for f in files:
         events.extend(read_event_file(f))
-    return Timeline().feed_all(events).view(now=None)
+    view = Timeline().feed_all(events).view(now=None)
+    mark_ftrun_exits(view)  # what ftrun itself ended, told by the ranks' stderr.log
+    return view
 
 
 def _rows(cls: type, items: list[dict]) -> list:
@@ -327,21 +331,23 @@ def _ranks_table(view: RunView, now: float) -> Any:
 def _faults_table(view: RunView) -> Any:
     from rich.table import Table
 
-    t = Table(title="faults", title_justify="left", box=None, pad_edge=False)
+    t = Table(title="faults", title_justify="left", box=None, pad_edge=False, expand=True)
     for c in ("time", "rank", "node", "kind", "strategy", "gen", "MTTR", "steps lost"):
         t.add_column(c, no_wrap=True)
-    t.add_column("root cause", overflow="ellipsis", no_wrap=True, max_width=70)
+    t.add_column("what happened", overflow="fold", min_width=40, ratio=1)
     for f in view.faults:
         t.add_row(
             _clock(f.time),
             str(f.rank if f.rank is not None else "node"),
             str(f.node),
-            escape(f.kind + (" [injected]" if f.injected else "")),
+            escape(
+                f.kind + (" [injected]" if f.injected else "") + (" (ftrun)" if f.cause else "")
+            ),
             f.strategy or "-",
             "-" if f.round is None else f"{f.generation}->{f.round}",
             "-" if f.mttr_s is None else f"{f.mttr_s:.2f}s",
             "-" if f.steps_lost is None else str(f.steps_lost),
-            escape(f.evidence[:200]),
+            escape(f.summary or f.evidence[:200]),
         )
     return t
 
@@ -357,7 +363,11 @@ def _faults_table(view: RunView) -> Any:
 )
 @click.option("--token-file", default=None, help="Job token file, when the store requires one.")
 @click.option("--json", "as_json", is_flag=True, help="Print the view as one JSON object.")
-@click.option("--watch", is_flag=True, help="Redraw every --interval seconds until interrupted.")
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Redraw in place every --interval seconds until the job ends (or Ctrl-C).",
+)
 @click.option(
     "--interval",
     default=2.0,
@@ -391,17 +401,17 @@ def status(
         view, source = load(run_dir, addr, token_file)
         _emit(console, view, source, as_json)
         return
-    shown = 0
+    from launcher.observe.status_watch import LiveScreen, watch
+
+    def read() -> tuple[RunView, str]:
+        return load(run_dir, addr, token_file)
+
     try:
-        while count == 0 or shown < count:
-            view, source = load(run_dir, addr, token_file)
-            if console.is_terminal and not as_json:
-                console.clear()
-            _emit(console, view, source, as_json)
-            shown += 1
-            if count and shown >= count:
-                break
-            time.sleep(interval)
+        if console.is_terminal and not as_json:
+            with LiveScreen(console) as screen:
+                watch(read, from_dir, lambda v, src: screen.show(render(v, src)), interval, count)
+        else:
+            watch(read, from_dir, lambda v, src: _emit(console, v, src, as_json), interval, count)
     except KeyboardInterrupt:
         pass
 

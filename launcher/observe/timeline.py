@@ -14,11 +14,11 @@ Phases of a round, per rank (wall-clock edges from the events named):
   detect    the failed rank: fault time (exit time, or last progress of a hang) -> agent saw it
   decide    the failed rank: detection -> the controller's `plan`
   stop      survivors: their agent got the plan -> the rank left its collectives and posted its
-            status (`rank-recovered.marks.status`); restart-all: plan -> every node stopped
-  respawn   replacements: plan -> the new process posted its status (restart-all: -> `hello`)
-  wait      every rank: status posted -> the controller's repair plan arrived (waiting on peers)
-  rebuild   repair plan -> process groups of the new generation built
-  transfer  groups built -> state restored or received (`transfer_bytes` moved)
+            status (`rank-recovered.marks.status`, or `rank-stopped` from its heartbeat);
+            restart-all: plan -> every node stopped
+  respawn, imports, start-up, wait, rebuild, transfer
+            a process-level round, per rank: `launcher.observe.process_phases`
+  respawn   restart-all: every node stopped -> the new process's `hello`
   resume    state ready -> the first step after the round committed (`rank-resumed`)
 """
 
@@ -230,6 +230,17 @@ class Timeline:
             if r.committed_step is not None and r.committed_step >= 0:
                 self._point(r.rank, t, r.committed_step)
 
+    def _on_steps(self, ev: dict, t: float) -> None:
+        """A batch of committed steps (`launcher.observe.step_points`): the progress chart's
+        points and each rank's last committed step (also once it finished)."""
+        t0 = float(ev.get("t0") or t)
+        for key, pts in (ev.get("ranks") or {}).items():
+            r = self.rank(int(key))
+            for dt, step in pts:
+                self._point(r.rank, t0 + float(dt), int(step))
+            if pts:
+                r.committed_step = int(pts[-1][1])
+
     def _point(self, rank: int, t: float, step: int) -> None:
         series = self.v.progress.setdefault(rank, [])
         if not series or series[-1][1] != step or t - series[-1][0] > 5.0:
@@ -322,6 +333,7 @@ class Timeline:
         key = max(self._pending, key=lambda k: self._pending[k].detected or 0.0)
         f = self._pending.pop(key)
         f.reason = str(ev.get("message", "failed during recovery"))
+        f.during_recovery = True
         self.v.faults.append(f)
         self._last_decided = f
 
@@ -360,11 +372,20 @@ class Timeline:
         if rd is not None:
             rd.round.resume_step, rd.round.action = ev.get("resume_step"), ev.get("action")
             rd.round.pairs = list(ev.get("pairs") or [])
+            rd.repair_planned = t
 
     def _on_dump(self, ev: dict, t: float) -> None:
         rd = self._latest_open()
         if rd is not None:
             rd.hint = "dump"
+
+    def _on_rank_stopped(self, ev: dict, t: float) -> None:
+        """A rank entered a round (left its collectives, or a replacement joined) and posted
+        its status: its agent saw it in the rank's heartbeat (`at`, the rank's clock)."""
+        rank = int(ev["rank"])
+        rd = self._round(int(ev.get("generation", 0)))
+        if rd is not None:
+            rd.stopped.setdefault(rank, float(ev.get("at") or t))
 
     def _on_rank_recovered(self, ev: dict, t: float) -> None:
         rank = int(ev["rank"])
@@ -399,6 +420,8 @@ class Timeline:
         v.ranks = [self._ranks[r] for r in sorted(self._ranks)]
         if v.world_size is None and v.ranks:
             v.world_size = len(v.ranks)
+        for series in v.progress.values():  # samples and step batches arrive interleaved
+            series.sort(key=lambda p: p[0])
         builder = RoundBuilder(self._ranks, self._aware, v)
         v.rounds = [builder.build(self._rounds[g], v.now) for g in sorted(self._rounds)]
         v.settle_time_lost()
@@ -428,6 +451,8 @@ def _fault_row(ev: dict, t: float, **fields: Any) -> FaultRow:
         "evidence": str(ev.get("message", "")),
         "generation": int(ev.get("generation", 0)),
         "detected": t,
+        "exitcode": ev.get("exitcode") if isinstance(ev.get("exitcode"), int) else None,
+        "signal": str(ev["signal"]) if ev.get("signal") else None,
     }
     return FaultRow(**{**row, **fields})
 
@@ -460,6 +485,7 @@ _HANDLERS = {
     "hello": Timeline._on_hello,
     "exit": Timeline._on_exit,
     "progress": Timeline._on_progress,
+    "steps": Timeline._on_steps,
     "worker-failed": Timeline._on_worker_failed,
     "worker-fault": Timeline._on_worker_fault,
     "hang": Timeline._on_hang,
@@ -473,6 +499,7 @@ _HANDLERS = {
     "restarted": Timeline._on_restarted,
     "repair-plan": Timeline._on_repair_plan,
     "dump-plan": Timeline._on_dump,
+    "rank-stopped": Timeline._on_rank_stopped,
     "rank-recovered": Timeline._on_rank_recovered,
     "rank-resumed": Timeline._on_rank_resumed,
 }

@@ -1,0 +1,55 @@
+"""launcher.runtime.runtime: the `Runtime` facade's own behaviour (its parts have their own test
+files: test_runtime_recovery, test_runtime_checkpoint, ...)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+from tests.helpers_launch import REPO, env_with
+from tests.helpers_ports import free_port
+
+FINISH = textwrap.dedent(
+    """
+    import gc, sys, torch
+    import launcher.runtime as ftr
+    rt = ftr.init(backend="gloo")
+    model = torch.nn.Linear(4, 1)
+    rt.register(model=model)
+    for step in rt.steps(1):
+        with step:
+            model(torch.ones(2, 4)).sum().backward()
+            rt.allreduce_gradients(model)
+    import atexit
+    atexit.register(lambda: print(gc.get_freeze_count(), flush=True))  # runs after finish's
+    rt.finish()
+    print(gc.get_freeze_count(), gc.isenabled(), flush=True)
+    """
+)
+
+
+def test_finish_freezes_the_heap_so_the_interpreter_exits_without_walking_it() -> None:
+    """rt.finish() has the interpreter's exit collect once and freeze what survives (gc.freeze)
+    before its final collections, which then skip torch's object graph (1-3 s per rank on a busy
+    node); until then (code after finish()) the collector works as usual."""
+    env = env_with(
+        RANK="0",
+        LOCAL_RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_WORLD_SIZE="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", FINISH],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    at_finish, enabled, at_exit = r.stdout.split()[-3:]
+    assert int(at_finish) == 0 and enabled == "True", r.stdout
+    assert int(at_exit) > 10_000, r.stdout
