@@ -608,9 +608,10 @@ def main() -> None:
     ap.add_argument(
         "--scenarios",
         default="",
-        help="scenario rows, ftrun against torchrun restart-all of the same script: all, or a "
-        "comma list of main (the row above) and PATH:POINT, PATH native|ddp|megatron, POINT "
-        "step1|warm|during-recovery (default: the main row only)",
+        help="scenario rows, ftrun against torchrun restart-all of the same script: all (the "
+        "main row and every path at step1 and warm, native also during-recovery), or a comma "
+        "list of main and PATH:POINT, PATH native|ddp|megatron, POINT step1|warm|during-recovery "
+        "(default: the main row only)",
     )
     ap.add_argument(
         "--megatron-hidden", type=int, default=1088, help="megatron scenarios: GPT hidden size"
