@@ -39,6 +39,9 @@ edges (spawn, started, status, plan, rebuilt, registered, received, repaired) ap
 With --transfer-rows, two more lines, ftrun only: 4 ranks declared as dp=2 replica groups (rank 1's
 state comes from one replica) and 6 ranks as dp=3 (from two replicas, striped), transfer_gbps
 against raw_tcp_gbps each.
+With --scenarios, one line per scenario (scripts/bench_recovery_scenarios.py says what they
+measure): the native loop, `rt.ddp` and megatron-core callbacks, each killed at step 1, once
+the spares are ready or during a recovery, against torchrun restart-all of the same script.
 Sets up the /etc/hosts line `::ffff:127.0.0.1 localhost-v4mapped` first.
 """
 
