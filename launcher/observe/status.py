@@ -19,6 +19,7 @@ import click
 from rich.markup import escape
 
 from launcher.observe.logs import read_event_file, run_event_files
+from launcher.observe.pause_state import pause_state
 from launcher.observe.run_view import Bar, FaultRow, NodeRow, RankRow, Round, RunView
 from launcher.observe.timeline import Timeline
 from launcher.protocol import plan as P
@@ -206,8 +207,10 @@ def _live(addr: str, token_file: str | None, fallback: RunView | None) -> tuple[
         detail = ""
         if cur is not None and cur.strategy in ("retry", "recover-in-place") and view.world_size:
             detail = round_progress(kv, cur.generation, int(view.world_size))
+        paused = pause_state(kv)  # `ftctl pause` in effect: said after the source
+        said = f"; {paused.describe()}" if paused is not None and paused.in_effect else ""
         view.store_addr = view.store_addr or addr
-        return view, f"live, store {addr}" + (f"; round: {detail}" if detail else "")
+        return view, f"live, store {addr}" + (f"; round: {detail}" if detail else "") + said
     finally:
         kv.close()
 

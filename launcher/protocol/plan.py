@@ -137,6 +137,32 @@ def inject_key(seq: int) -> str:
     return f"{ROOT}/inject/{seq}"
 
 
+# `ftctl pause` / `ftctl resume` (launcher.cli.pause, launcher.runtime.pause): the latest
+# request is a `PauseRequest` under PAUSE_KEY; agents hear of it through an `Injection` of kind
+# PAUSE_KIND for rank -1 (every rank) on the inject sequence and tell their ranks on the channel
+PAUSE_SEQ = f"{ROOT}/pause_seq"
+PAUSE_KEY = f"{ROOT}/pause/current"
+PAUSE_KIND = "pause"
+EVERY_RANK = -1  # an Injection's rank: every rank of the job
+
+
+def pause_at_key(seq: int, rank: int) -> str:
+    """The first step `rank` can still halt after (it has not ended it) when it heard of pause
+    `seq`: every rank halts after the largest of these."""
+    return f"{ROOT}/pause/{seq}/at/{rank}"
+
+
+def pause_step_key(seq: int) -> str:
+    """The step every rank halts after for pause `seq` (set once the ranks agreed)."""
+    return f"{ROOT}/pause/{seq}/step"
+
+
+def resume_key(seq: int) -> str:
+    """Why pause `seq` ended ("ftctl resume", "expired ...", "abandoned: ..."): set once, the
+    first writer wins (compare_set); every paused rank continues when it appears."""
+    return f"{ROOT}/pause/{seq}/resume"
+
+
 def node_status_key(node_rank: int) -> str:
     """A node's live status (JSON, `launcher.observe.observer`), refreshed every second for
     `ftctl status`."""
@@ -198,6 +224,16 @@ class Injection(_Record):
     kind: str
     step: int | None = None
     phase: str | None = None
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class PauseRequest(_Record):
+    """`ftctl pause`: every rank halts at the end of a step (the same step on every rank, no
+    rollback) and waits until `resume_key(seq)` is set, or `max_s` seconds after `time`."""
+
+    seq: int
+    max_s: float
     time: float = field(default_factory=time.time)
 
 

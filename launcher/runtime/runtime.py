@@ -37,6 +37,7 @@ from launcher.runtime.env import RuntimeEnv
 from launcher.runtime.faultplan import FaultInjector, parse_plan
 from launcher.runtime.groups import GroupHandle
 from launcher.runtime.logs import RankLog
+from launcher.runtime.pause import PauseGate
 from launcher.runtime.rank_state import RankLinks, RankState, RuntimeOptions
 from launcher.runtime.recovery_round import RecoveryRound
 from launcher.runtime.replicas import Layout, parallel_groups
@@ -99,6 +100,7 @@ class Runtime:
             sliced=self.backend == "gloo",
         )
         self._checkpoints = Checkpoints(state, links, adapter, self._path.set_phase)
+        self._pause = PauseGate(state, links, lambda: self.world_size, self._path.set_phase)
         self._round = RecoveryRound(
             state,
             links,
@@ -159,7 +161,7 @@ class Runtime:
             self._links.store = dist.distributed_c10d._get_default_store()
             return
         self._death_notice, self._links.channel = _connect_agent(
-            env, self._stop, self.log, self.options, self._injector
+            env, self._stop, self.log, self.options, self._injector, self._pause
         )
         self._links.channel.set_progress_source(self._path.progress_now)
         self._links.channel.update(generation=self.generation)
@@ -359,6 +361,8 @@ class Runtime:
                 self.log(f"checkpoint of iteration {s + 1} abandoned: {exc}")
                 s = recover()
                 continue
+            if self._pause.request is not None:
+                self._pause.at_step_end(s)  # `ftctl pause`: may halt here until the resume
             s += 1
         path.set_phase("done")
 
@@ -433,7 +437,12 @@ class Runtime:
 
 
 def _connect_agent(
-    env: RuntimeEnv, stop: StopSignal, log: RankLog, options: RuntimeOptions, inj: FaultInjector
+    env: RuntimeEnv,
+    stop: StopSignal,
+    log: RankLog,
+    options: RuntimeOptions,
+    inj: FaultInjector,
+    pause: PauseGate,
 ) -> tuple[death_notice.Held | None, AgentChannel]:
     """Hold the death notice and say hello on the agent channel (an ftrun-managed start)."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -447,6 +456,7 @@ def _connect_agent(
         log,
         heartbeat_interval=options.heartbeat_interval,
         on_inject=lambda m: inj.arm(dataclasses.asdict(m)),
+        on_pause=pause.notice,
     )
     channel.start(
         Hello(

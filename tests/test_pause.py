@@ -1,0 +1,175 @@
+"""`ftctl pause` / `ftctl resume` (launcher.cli.pause): the records they write against a real
+store, their refusals (one line, exit 2), finding the job by its run directory; and end to end
+on a live 4-rank native-loop job: every rank halts after the same step, steps stop advancing
+with the processes unchanged, `ftctl status` says so, and after `ftctl resume` the job ends with
+parameters bit-identical to a run without a pause."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers_faults import LiveJob, assert_same_params, run_job
+
+from launcher.cli import ftctl
+from launcher.observe.pause_state import pause_state
+from launcher.observe.status import node_snapshots, rank_step
+from launcher.protocol import plan as P
+from rendezvous.store.client import StoreClient
+from rendezvous.store.server import StoreServer
+from tests.helpers_launch import env_with
+
+FTCTL = [sys.executable, "-m", "launcher.cli.ftctl"]
+STEPS = 8
+
+
+@pytest.fixture
+def store():
+    with StoreServer(host="127.0.0.1") as s:
+        yield s
+
+
+def here(capsys, *args: str) -> tuple[int, str, str]:
+    """`ftctl ARGS` in this process: (exit code, stdout, stderr)."""
+    try:
+        ftctl.main(list(args))
+        code = 0
+    except SystemExit as e:
+        code = int(e.code or 0)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_pause_writes_the_request_and_tells_every_agent(store: StoreServer, capsys) -> None:
+    addr = f"127.0.0.1:{store.port}"
+    code, out, err = here(capsys, "pause", "--addr", addr, "--max-duration", "60")
+    assert code == 0, err
+    assert out.startswith("pause #1 requested") and "at most 60 s" in out
+    req = P.PauseRequest.from_json(store.kv.get(P.PAUSE_KEY, 1.0))
+    assert (req.seq, req.max_s) == (1, 60.0) and abs(req.time - time.time()) < 30
+    nudge = P.Injection.from_json(store.kv.get(P.inject_key(1), 1.0))
+    assert (nudge.rank, nudge.kind) == (P.EVERY_RANK, P.PAUSE_KIND)
+    state = pause_state(store.kv)
+    assert state is not None and state.in_effect and state.halt_step is None
+
+
+def test_one_pause_at_a_time_and_resume_ends_it(store: StoreServer, capsys) -> None:
+    addr = f"127.0.0.1:{store.port}"
+    assert here(capsys, "pause", "--addr", addr)[0] == 0
+    code, out, err = here(capsys, "pause", "--addr", addr)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ftctl: error:") and "pause #1" in lines[0]
+    assert store.kv.try_get(P.PAUSE_SEQ) == b"1"  # nothing written
+    code, out, err = here(capsys, "resume", "--addr", addr)
+    assert code == 0, err
+    assert out.strip() == "pause #1 ended (ftctl resume): the ranks continue"
+    assert store.kv.get(P.resume_key(1), 1.0) == b"ftctl resume"
+    code, out, err = here(capsys, "resume", "--addr", addr)
+    assert code == 2 and "no pause in effect (the last: pause #1 ended (ftctl resume))" in err
+    assert here(capsys, "pause", "--addr", addr)[0] == 0  # a new one after the end
+    assert P.PauseRequest.from_json(store.kv.get(P.PAUSE_KEY, 1.0)).seq == 2
+
+
+def test_resume_keeps_the_reason_the_ranks_wrote_first(store: StoreServer, capsys) -> None:
+    addr = f"127.0.0.1:{store.port}"
+    here(capsys, "pause", "--addr", addr)
+    store.kv.set(P.pause_step_key(1), b"4")
+    state = pause_state(store.kv)
+    assert state is not None and state.halt_step == 4
+    assert "paused after step 4 (pause #1" in state.describe()
+
+
+def test_the_job_is_found_by_its_run_directory(store: StoreServer, capsys, tmp_path) -> None:
+    run = tmp_path / "logs" / "run-1"
+    run.mkdir(parents=True)
+    (run / P.STORE_ADDR_FILE).write_text(json.dumps({"addr": f"127.0.0.1:{store.port}"}))
+    assert here(capsys, "pause", str(tmp_path / "logs"))[0] == 0  # the --log_dir base
+    assert here(capsys, "resume", str(run))[0] == 0  # the run's own directory
+    code, _, err = here(capsys, "pause", str(tmp_path))  # two levels up: not found
+    assert code == 2 and "no store.json found" in err
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "1e9", "x"])
+def test_a_bad_max_duration_is_one_line_exit_2(capsys, value: str) -> None:
+    code, out, err = here(capsys, "pause", "--addr", "127.0.0.1:1", "--max-duration", value)
+    assert code == 2 and out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "--max-duration" in lines[0]
+
+
+# ---------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    job = run_job(tmp_path_factory.mktemp("pause_ref"), steps=STEPS)
+    assert job.returncode == 0, job.describe()
+    return job.params
+
+
+def ftctl_run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        FTCTL + list(args), env=env_with(), capture_output=True, text=True, timeout=60
+    )
+
+
+def wait_paused(job: LiveJob, timeout: float = 30.0) -> list[int]:
+    """The steps the 4 ranks said they halted after."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        steps = [int(s) for s in re.findall(r"paused after step (\d+) \(pause #1", job.output())]
+        if len(steps) == 4:
+            return steps
+        assert job.proc.poll() is None, job.output()[-4000:]
+        time.sleep(0.05)
+    raise AssertionError(f"the ranks did not all pause:\n{job.output()[-4000:]}")
+
+
+def test_a_live_job_pauses_after_one_step_and_resumes_bit_identical(tmp_path, ref) -> None:
+    job = LiveJob(tmp_path, script_args=["--step-time", "0.3"], steps=STEPS)
+    try:
+        job.wait_for("hello", 4)
+        res = ftctl_run("pause", str(tmp_path / "logs"), "--max-duration", "120")
+        assert res.returncode == 0, res.stdout + res.stderr
+        halted = wait_paused(job)
+        assert len(set(halted)) == 1 and halted[0] < STEPS - 1, halted
+        kv = StoreClient("127.0.0.1", int(job.store_addr().rpartition(":")[2]), timeout=5.0)
+        try:
+            before = _steps(kv)
+            time.sleep(1.5)  # five steps' time: nobody moves
+            after = _steps(kv)
+            state = pause_state(kv)
+        finally:
+            kv.close()
+        assert before == after == [halted[0]] * 4, (before, after)
+        assert state is not None and state.in_effect and state.halt_step == halted[0]
+        status = ftctl_run("status", "--addr", job.store_addr(), "--json")
+        assert status.returncode == 0, status.stderr
+        assert f"paused after step {halted[0]} (pause #1" in json.loads(status.stdout)["source"]
+        pids = {e["rank"]: e["pid"] for e in job.wait_for("spawn", 4)}
+        for pid in pids.values():
+            os.kill(pid, 0)  # alive, never restarted
+        res = ftctl_run("resume", "--addr", job.store_addr())
+        assert res.returncode == 0, res.stdout + res.stderr
+    finally:
+        result = job.finish()
+    assert result.returncode == 0, result.describe()
+    assert result.strategies() == [] and result.restarted() == {}
+    assert {r: p[0] for r, p in result.pids.items()} == pids
+    assert result.output.count("(pause #1: ftctl resume)") == 4
+    assert_same_params(result.params, ref)
+
+
+def _steps(kv) -> list[int | None]:
+    """Each rank's step, as its agent publishes it (`ftctl status`'s source), once fresh."""
+    deadline = time.monotonic() + 5
+    while True:
+        snaps = node_snapshots(kv)
+        steps = [rank_step(snaps, r) for r in range(4)]
+        if None not in steps or time.monotonic() > deadline:
+            return steps
+        time.sleep(0.1)
