@@ -17,6 +17,7 @@ import pytest
 from helpers_faults import LiveJob, assert_same_params, run_job
 
 from launcher.cli import ftctl
+from launcher.cli.pause import job_addr
 from launcher.observe.pause_state import pause_state
 from launcher.observe.status import node_snapshots, rank_step
 from launcher.protocol import plan as P
@@ -164,12 +165,78 @@ def test_a_live_job_pauses_after_one_step_and_resumes_bit_identical(tmp_path, re
     assert_same_params(result.params, ref)
 
 
-def _steps(kv) -> list[int | None]:
+def _steps(kv, ranks: int = 4) -> list[int | None]:
     """Each rank's step, as its agent publishes it (`ftctl status`'s source), once fresh."""
     deadline = time.monotonic() + 5
     while True:
         snaps = node_snapshots(kv)
-        steps = [rank_step(snaps, r) for r in range(4)]
+        steps = [rank_step(snaps, r) for r in range(ranks)]
         if None not in steps or time.monotonic() > deadline:
             return steps
         time.sleep(0.1)
+
+
+def test_the_framework_hooks_pause_at_step_end_and_resume_bit_identical(tmp_path) -> None:
+    """The same through launcher.runtime.callbacks (tests/scripts/callbacks_loop.py, 2 ranks):
+    the ranks halt in `step_end` of one step and the run stays bit-identical."""
+    from helpers_launch import FTRUN, script
+    from helpers_runtime import assert_bit_identical, load_params
+    from test_runtime_callbacks import tiny_reference
+
+    out = open(tmp_path / "ftrun.out", "w+", encoding="utf-8")
+    proc = subprocess.Popen(
+        FTRUN
+        + [
+            "--nproc_per_node",
+            "2",
+            "--log_dir",
+            str(tmp_path / "logs"),
+            script("callbacks_loop.py"),
+        ]
+        + ["--steps", "8", "--step-time", "0.3", "--out", str(tmp_path / "out{rank}.pt")]
+        + ["--events", str(tmp_path / "cb{rank}.jsonl")],
+        env=env_with(FTRUN_STORE_TIMEOUT="60"),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        cwd=str(tmp_path),
+    )
+    text = lambda: (tmp_path / "ftrun.out").read_text(errors="replace")  # noqa: E731
+    try:
+        deadline = time.monotonic() + 60
+        while text().count("joined generation 0") < 2 and time.monotonic() < deadline:
+            assert proc.poll() is None, text()[-4000:]
+            time.sleep(0.05)
+        res = ftctl_run("pause", str(tmp_path / "logs"))
+        assert res.returncode == 0, res.stdout + res.stderr
+        while len(re.findall(r"paused after step (\d+)", text())) < 2:
+            assert proc.poll() is None and time.monotonic() < deadline, text()[-4000:]
+            time.sleep(0.05)
+        halted = {int(s) for s in re.findall(r"paused after step (\d+)", text())}
+        host, _, port = job_addr(str(tmp_path / "logs"), None).rpartition(":")
+        kv = StoreClient(host, int(port), timeout=5.0)
+        try:
+            before = _steps(kv, 2)
+            time.sleep(1.0)  # three steps' time: nobody moves
+            after = _steps(kv, 2)
+        finally:
+            kv.close()
+        assert len(halted) == 1 and before == after == [min(halted)] * 2, (halted, before, after)
+        res = ftctl_run("resume", str(tmp_path / "logs"))
+        assert res.returncode == 0, res.stdout + res.stderr
+        assert proc.wait(120) == 0, text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        out.close()
+    spawns = [e for e in _events(tmp_path / "logs") if e["event"] == "spawn"]
+    assert sorted(e["rank"] for e in spawns) == [0, 1]  # nobody restarted
+    ref = tiny_reference(8)
+    for r in range(2):
+        assert_bit_identical(load_params(tmp_path / f"out{r}.pt"), ref)
+
+
+def _events(log_dir) -> list[dict]:
+    from helpers_launch import events
+
+    return events(str(log_dir))

@@ -1,8 +1,9 @@
 """A graceful pause (`ftctl pause` / `ftctl resume`) inside a rank: halt between steps, no rollback.
 
 Owns: `PauseGate`, the rank's side of a pause request: `notice` (on the channel's reader thread,
-when the agent forwards `ftctl pause`), `at_step_end` (on the training thread, after each step of
-`rt.steps()` while a request is pending) and the bounded wait in between.
+when the agent forwards `ftctl pause`), `at_step_end` (on the training thread, after each step
+while a request is pending: `Runtime.pause_point`, called by `rt.steps()` and by the framework
+hooks' `step_end`), the bounded wait in between, and `close` (the rank leaves the job).
 
 The ranks must halt after the same step: a rank that went on would wait in the next step's
 collectives for peers that halted. The rule, without any collective of its own:
@@ -143,6 +144,13 @@ class PauseGate:
         )
         self._set_phase("committed")
         self._finish(req)
+
+    def close(self, why: str) -> None:
+        """The rank leaves the job (`rt.finish()`): a pause it has not carried out ends for every
+        rank (it would never be agreed or resumed without this rank)."""
+        req = self.request
+        if req is not None and self._links.store is not None:
+            self._give_up(req, f"abandoned: {why}")
 
     def _give_up(self, req: P.PauseRequest, why: str) -> None:
         if why:

@@ -361,10 +361,15 @@ class Runtime:
                 self.log(f"checkpoint of iteration {s + 1} abandoned: {exc}")
                 s = recover()
                 continue
-            if self._pause.request is not None:
-                self._pause.at_step_end(s)  # `ftctl pause`: may halt here until the resume
+            self.pause_point(s)
             s += 1
         path.set_phase("done")
+
+    def pause_point(self, step: int) -> None:
+        """Step `step` ended (committed): while an `ftctl pause` is pending, the rank halts here
+        until the resume (launcher.runtime.pause). `steps()` and the framework hooks call it."""
+        if self._pause.request is not None:
+            self._pause.at_step_end(step)
 
     def _first_step(self) -> int:
         """The step to start at: a replacement's resume step (after its repair), a loaded
@@ -414,6 +419,7 @@ class Runtime:
         if self._world.stuck_alarm is not None:
             self._world.stuck_alarm.cancel()
         self._path.set_phase("done")
+        self._pause.close(f"rank {self.rank} finished the job")
         abandoned = len(self._graveyard)
         if not abandoned and dist.is_initialized():
             dist.destroy_process_group()
