@@ -150,7 +150,9 @@ def test_a_live_job_pauses_after_one_step_and_resumes_bit_identical(tmp_path, re
         assert state is not None and state.in_effect and state.halt_step == halted[0]
         status = ftctl_run("status", "--addr", job.store_addr(), "--json")
         assert status.returncode == 0, status.stderr
-        assert f"paused after step {halted[0]} (pause #1" in json.loads(status.stdout)["source"]
+        shown = json.loads(status.stdout)
+        assert f"paused after step {halted[0]} (pause #1" in shown["source"]
+        assert [r["state"] for r in shown["ranks"]] == ["paused"] * 4, shown["ranks"]
         pids = {e["rank"]: e["pid"] for e in job.wait_for("spawn", 4)}
         for pid in pids.values():
             os.kill(pid, 0)  # alive, never restarted

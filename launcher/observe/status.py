@@ -26,10 +26,11 @@ from launcher.protocol import plan as P
 from launcher.protocol.budget import restarts_left
 
 MAX_NODE_GAP = 8  # node ranks probed past the last one found (a lost node leaves a hole)
-STEPPING = ("training", "waiting", "finished")  # rank states in which its step only grows
+STEPPING = ("training", "waiting", "paused", "finished")  # rank states in which its step only grows
 STATE_STYLE = {
     "training": "green",
     "waiting": "yellow",
+    "paused": "magenta",
     "recovering": "bold yellow",
     "replacement": "bold cyan",
     "finished": "dim",
