@@ -294,17 +294,17 @@ def parse_signals(value: str) -> list[int]:
 
 def parse_strategy(value: str) -> list[str]:
     items = [s.strip() for s in value.split(",") if s.strip()]
-    aliases = {"elastic-training": plan.RESTART_ALL, "recover": plan.RECOVER_IN_PLACE}
+    aliases = {"recover": [plan.RECOVER_IN_PLACE], plan.ELASTIC: [plan.ELASTIC, plan.RESTART_ALL]}
     out: list[str] = []
     for s in items:
-        s = aliases.get(s, s)
-        if s not in plan.STRATEGIES:
+        if s not in plan.STRATEGIES and s not in aliases:
             raise ConfigError(
                 f"--recover-strategy: {s!r} is not one of "
-                f"{', '.join(plan.STRATEGIES)} (aliases: recover, elastic-training)"
+                f"{', '.join(plan.STRATEGIES)} (alias: recover)"
             )
-        if s not in out:
-            out.append(s)
+        for one in aliases.get(s, [s]):  # elastic-training falls back to restart-all
+            if one not in out:
+                out.append(one)
     if not out:
         raise ConfigError("--recover-strategy: empty list")
     if plan.EXIT not in out:
@@ -324,7 +324,7 @@ def strategy_from_seed_env(env: dict[str, str]) -> tuple[str | None, list[str]]:
             "retry": [plan.RETRY, plan.RECOVER_IN_PLACE, plan.RESTART_ALL],
             "recover": [plan.RECOVER_IN_PLACE, plan.RESTART_ALL],
             "dump": [plan.DUMP],
-            "elastic-training": [plan.RESTART_ALL],
+            "elastic-training": [plan.ELASTIC, plan.RESTART_ALL],
         }
         if ha not in mapping:
             raise ConfigError(f"HIGH_AVAILABILITY={ha!r} is not one of {', '.join(mapping)}")

@@ -58,7 +58,10 @@ def test_etcd_needs_endpoint_and_maps_v2() -> None:
 
 def test_strategy_parsing_and_aliases() -> None:
     c = cfg("--recover_strategy", "recover,elastic-training")
-    assert c.recover_strategy == [P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT]
+    # elastic-training is a strategy of its own (a live shrink), restart-all its fallback
+    assert c.recover_strategy == [P.RECOVER_IN_PLACE, P.ELASTIC, P.RESTART_ALL, P.EXIT]
+    c = cfg("--recover_strategy", "elastic-training,dump")
+    assert c.recover_strategy == [P.ELASTIC, P.RESTART_ALL, P.DUMP, P.EXIT]
     assert cfg().recover_strategy == [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT]
 
 

@@ -39,7 +39,9 @@ class Rank:
         self.state = RankState(0, False, Layout.ddp(WORLD))
         self.links = RankLinks(env, self.stop, self.lines.append, RuntimeOptions())
         self.links.store = store
-        self.gate = PauseGate(self.state, self.links, lambda: WORLD, self.phases.append)
+        self.gate = PauseGate(
+            self.state, self.links, lambda: list(range(WORLD)), self.phases.append
+        )
 
     def run(self, first: int, last: int, step_s: float = 0.0) -> list[tuple[int, float]]:
         """Steps first..last, as rt.steps() runs them: (step, when it ended) each."""

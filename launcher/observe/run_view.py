@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PHASES = ("detect", "decide", "stop", "respawn", "wait", "rebuild", "transfer", "resume")
-PROCESS_LEVEL = ("retry", "recover-in-place")
+PROCESS_LEVEL = ("retry", "recover-in-place", "elastic-training")
 ENDED = ("succeeded", "failed")
 TAKEN_OVER = ("superseded", "fallback")  # outcomes whose time lost runs on into the next round
 

@@ -51,10 +51,13 @@ EXIT_FALLBACK = 75
 # Strategies, cheapest first (issue: fault taxonomy and strategy chain).
 RETRY = "retry"
 RECOVER_IN_PLACE = "recover-in-place"
+# live shrink: the failed ranks' data-parallel replicas leave the world, the others continue at
+# the interrupted step in a smaller world (no restart, no checkpoint read; issue 33)
+ELASTIC = "elastic-training"
 RESTART_ALL = "restart-all"
 DUMP = "dump"
 EXIT = "exit"
-STRATEGIES = (RETRY, RECOVER_IN_PLACE, RESTART_ALL, DUMP, EXIT)
+STRATEGIES = (RETRY, RECOVER_IN_PLACE, ELASTIC, RESTART_ALL, DUMP, EXIT)
 
 
 def plan_key(generation: int) -> str:
@@ -271,6 +274,9 @@ class RankStatus(_Record):
     shard: str = ""  # replica identity: ranks with equal shard hold equal state
     pid: int = 0
     host: str = ""
+    # the rank can continue in a smaller world (elastic-training: native loop, plain data
+    # parallelism, no rt.ddp, no framework hooks, no user groups)
+    shrinkable: bool = False
 
 
 @dataclass
@@ -284,3 +290,6 @@ class RepairPlan(_Record):
     fallback: str | None = None  # set when peer repair is impossible: the strategy to use
     reason: str = ""
     writers: dict[str, int] = field(default_factory=dict)  # dump: the rank saving each shard
+    # elastic-training: the ranks of the new world (original rank numbers, in group-rank
+    # order); empty: the world is unchanged
+    world: list[int] = field(default_factory=list)

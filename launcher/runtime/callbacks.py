@@ -287,4 +287,5 @@ def attach(
     state it hands over), so here a replacement runs its random init like any start unless
     FTRUN_SKIP_INIT=1 asks for the skip (`launcher.runtime.skip_init`)."""
     rt = init(backend=backend, device=device, options=options, environ=framework_environ(environ))
+    rt._state.shrinkable = False  # a live shrink needs the framework's groups resized: not yet
     return FrameworkHooks(rt, CollectiveRouting(rt._coll).install())

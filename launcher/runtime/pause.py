@@ -43,12 +43,12 @@ class PauseGate:
         self,
         state: RankState,
         links: RankLinks,
-        world_size: Callable[[], int],
+        members: Callable[[], list[int]],
         set_phase: Callable[[str], None],
     ) -> None:
         self._state = state
         self._links = links
-        self._world_size = world_size
+        self._members = members  # the ranks of the current world
         self._set_phase = set_phase
         self._lock = threading.Lock()
         self.request: P.PauseRequest | None = None  # heard of, not yet carried out
@@ -98,7 +98,8 @@ class PauseGate:
     def _agree(self, req: P.PauseRequest) -> int | None:
         """The step every rank halts after (the largest first step any rank can halt after);
         None when the pause was given up."""
-        links, keys = self._links, [P.pause_at_key(req.seq, r) for r in range(self._world_size())]
+        ranks = self._members()
+        links, keys = self._links, [P.pause_at_key(req.seq, r) for r in ranks]
         deadline = time.monotonic() + min(AGREE_TIMEOUT, req.max_s)
         delay = 0.001
         while not links.store.check(keys):
@@ -109,7 +110,7 @@ class PauseGate:
                 self._give_up(req, "")
                 return None
             if time.monotonic() > deadline:
-                missing = [r for r, k in enumerate(keys) if not links.store.check([k])]
+                missing = [r for r, k in zip(ranks, keys) if not links.store.check([k])]
                 self._give_up(req, f"abandoned: ranks {missing} did not answer")
                 return None
             links.stop.wait_newer(self._state.generation, delay)
