@@ -117,3 +117,46 @@ def test_a_killed_replica_is_dropped_live_and_the_global_batch_is_kept(tmp_path)
     worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
     assert worst <= TOLERANCE, f"largest difference from the reference: {worst:.3g}"
     print(f"largest parameter difference from the one-process reference: {worst:.3g}")
+
+
+@pytest.mark.slow  # a restart-all from scratch: ~90 s on a loaded 2-core box
+def test_a_world_that_cannot_shrink_live_falls_back_to_restart_all(tmp_path) -> None:
+    """The framework hooks (tests/scripts/callbacks_loop.py) do not shrink live yet: the
+    elastic-training round falls back down the chain, saying why, and the job still ends."""
+    plan = [{"rank": 1, "step": 3, "phase": "backward", "kind": "kill"}]
+    cmd = FTRUN + [
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "3",
+        "--recover-strategy",
+        "elastic-training",
+        "--log_dir",
+        str(tmp_path / "logs"),
+        script("callbacks_loop.py"),
+        "--steps",
+        "6",
+        "--out",
+        str(tmp_path / "out{rank}.pt"),
+        "--events",
+        str(tmp_path / "cb{rank}.jsonl"),
+    ]
+    res = subprocess.run(
+        cmd,
+        env=env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="60"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(tmp_path),
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    ev = events(str(tmp_path / "logs"))
+    assert [e["strategy"] for e in ev if e["event"] == "plan"] == [
+        "elastic-training",
+        "restart-all",
+    ], out[-4000:]
+    fell = next(e for e in ev if e["event"] == "repair-plan")
+    assert fell["fallback"] == "restart-all"
+    assert "no live shrink: ranks [0] cannot continue in a smaller world" in out
+    assert not any(e["event"] == "world-shrink" for e in ev)
