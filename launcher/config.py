@@ -101,7 +101,9 @@ class LaunchConfig:
     join_timeout: float = 600.0
     last_call_timeout: float = 30.0
     rdzv_settings: RendezvousSettings = field(default_factory=RendezvousSettings)
-    node_replace_timeout: float = 600.0  # s a lost node's ranks wait for a spare/replacement
+    # s a lost node's ranks wait for a spare/replacement (node_replace_timeout or Ascend's
+    # wait_reschedule_timeout: the same wait, see parse_replacement_wait)
+    node_replace_timeout: float = 600.0
     # supervision
     max_restarts: int = 0
     monitor_interval: float = 0.1
@@ -118,6 +120,7 @@ class LaunchConfig:
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT
     signals_to_handle: list[int] = field(default_factory=list)
     recover_strategy: list[str] = field(default_factory=list)
+    elastic_training: bool = False  # elastic-training was asked for (flag or HIGH_AVAILABILITY)
     # logs
     log_dir: str | None = None
     redirects: dict[int, int] = field(default_factory=dict)  # local_rank -> 0..3
@@ -291,17 +294,17 @@ def parse_signals(value: str) -> list[int]:
 
 def parse_strategy(value: str) -> list[str]:
     items = [s.strip() for s in value.split(",") if s.strip()]
-    aliases = {"elastic-training": plan.RESTART_ALL, "recover": plan.RECOVER_IN_PLACE}
+    aliases = {"recover": [plan.RECOVER_IN_PLACE], plan.ELASTIC: [plan.ELASTIC, plan.RESTART_ALL]}
     out: list[str] = []
     for s in items:
-        s = aliases.get(s, s)
-        if s not in plan.STRATEGIES:
+        if s not in plan.STRATEGIES and s not in aliases:
             raise ConfigError(
                 f"--recover-strategy: {s!r} is not one of "
-                f"{', '.join(plan.STRATEGIES)} (aliases: recover, elastic-training)"
+                f"{', '.join(plan.STRATEGIES)} (alias: recover)"
             )
-        if s not in out:
-            out.append(s)
+        for one in aliases.get(s, [s]):  # elastic-training falls back to restart-all
+            if one not in out:
+                out.append(one)
     if not out:
         raise ConfigError("--recover-strategy: empty list")
     if plan.EXIT not in out:
@@ -321,7 +324,7 @@ def strategy_from_seed_env(env: dict[str, str]) -> tuple[str | None, list[str]]:
             "retry": [plan.RETRY, plan.RECOVER_IN_PLACE, plan.RESTART_ALL],
             "recover": [plan.RECOVER_IN_PLACE, plan.RESTART_ALL],
             "dump": [plan.DUMP],
-            "elastic-training": [plan.RESTART_ALL],
+            "elastic-training": [plan.ELASTIC, plan.RESTART_ALL],
         }
         if ha not in mapping:
             raise ConfigError(f"HIGH_AVAILABILITY={ha!r} is not one of {', '.join(mapping)}")
@@ -370,7 +373,7 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     _parity_flags(cfg, raw)
     _rendezvous(cfg, raw, env)
     _observation(cfg, env)
-    cfg.node_replace_timeout = parse_node_replace_timeout(cfg.rdzv_conf, env)
+    cfg.node_replace_timeout = parse_replacement_wait(cfg.rdzv_conf, env, cfg.elastic_training)
     _store_backend(cfg)
     _standalone(cfg)
     if cfg.store_backend == "embedded":
@@ -555,6 +558,8 @@ def _recover_strategy(cfg: LaunchConfig, raw: dict, env: dict[str, str]) -> None
     strategy = raw.get("recover_strategy")
     seed_chain, seed_notes = strategy_from_seed_env(env)
     cfg.notes.extend(seed_notes)
+    named = strategy.split(",") if strategy else [env.get("HIGH_AVAILABILITY", "")]
+    cfg.elastic_training = ELASTIC_TRAINING in (s.strip().lower() for s in named)
     if strategy:
         cfg.recover_strategy = parse_strategy(strategy)
         if seed_chain:
@@ -682,6 +687,72 @@ def parse_progress_interval(raw: str) -> float:
     if not (math.isfinite(interval) and interval > 0):
         raise ConfigError(f"FTRUN_PROGRESS_INTERVAL={raw!r}: must be seconds > 0")
     return interval
+
+
+ELASTIC_TRAINING = "elastic-training"
+WAIT_RESCHEDULE_RANGE = (30.0, 270.0)  # the Ascend guide's range for wait-reschedule-timeout
+WAIT_RESCHEDULE_DEFAULT = 270.0  # its default
+NODE_REPLACE_DEFAULT = 600.0
+
+
+def parse_replacement_wait(conf: dict[str, str], env: dict[str, str], elastic: bool) -> float:
+    """How long a lost node's ranks wait for a hot spare or a replacement agent before the world
+    shrinks (or the job falls back). Two names for this one wait: ftrun's node_replace_timeout
+    (seconds > 0) and the Ascend guide's wait_reschedule_timeout (30 to 270 s), each as
+    `--rdzv-conf KEY=S` or its variable (FTRUN_NODE_REPLACE_TIMEOUT,
+    FTRUN_WAIT_RESCHEDULE_TIMEOUT). A flag wins over a variable; both names at the same level is
+    a ConfigError. Default: 270 s with elastic-training asked for (the guide's), else 600 s."""
+    rescheduled = _wait_reschedule_source(conf, env)
+    replaced = _node_replace_source(conf, env)
+    if rescheduled and replaced and rescheduled[2] == replaced[2]:
+        raise ConfigError(
+            f"{rescheduled[0]} and {replaced[0]} name the same wait (for a replacement before "
+            "the world shrinks): give one"
+        )
+    if rescheduled and (not replaced or rescheduled[2] == "flag"):
+        return parse_wait_reschedule_timeout(conf, env)
+    if replaced:
+        return parse_node_replace_timeout(conf, env)
+    return WAIT_RESCHEDULE_DEFAULT if elastic else NODE_REPLACE_DEFAULT
+
+
+def _wait_reschedule_source(conf: dict[str, str], env: dict[str, str]) -> tuple | None:
+    """(name, text, "flag" or "env") of wait_reschedule_timeout, or None when not given."""
+    if conf.get("wait_reschedule_timeout") not in (None, ""):
+        return ("--rdzv-conf wait_reschedule_timeout", conf["wait_reschedule_timeout"], "flag")
+    if env.get("FTRUN_WAIT_RESCHEDULE_TIMEOUT") not in (None, ""):
+        return ("FTRUN_WAIT_RESCHEDULE_TIMEOUT", env["FTRUN_WAIT_RESCHEDULE_TIMEOUT"], "env")
+    return None
+
+
+def _node_replace_source(conf: dict[str, str], env: dict[str, str]) -> tuple | None:
+    """(name, text, "flag" or "env") of node_replace_timeout, or None when not given."""
+    if conf.get("node_replace_timeout") not in (None, ""):
+        return ("--rdzv-conf node_replace_timeout", conf["node_replace_timeout"], "flag")
+    if env.get("FTRUN_NODE_REPLACE_TIMEOUT") not in (None, ""):
+        return ("FTRUN_NODE_REPLACE_TIMEOUT", env["FTRUN_NODE_REPLACE_TIMEOUT"], "env")
+    return None
+
+
+def parse_wait_reschedule_timeout(conf: dict[str, str], env: dict[str, str]) -> float:
+    """The Ascend guide's wait-reschedule-timeout: `--rdzv-conf wait_reschedule_timeout=S`, else
+    FTRUN_WAIT_RESCHEDULE_TIMEOUT; seconds from 30 to 270. ConfigError names the key."""
+    found = _wait_reschedule_source(conf, env)
+    if found is None:
+        return WAIT_RESCHEDULE_DEFAULT
+    name, text, _ = found
+    try:
+        value = float(str(text).strip())
+    except ValueError:
+        value = float("nan")
+    low, high = WAIT_RESCHEDULE_RANGE
+    if not (math.isfinite(value) and low <= value <= high):
+        raise ConfigError(
+            f"{name}={text!r}: must be seconds from {low:g} to {high:g} (the Ascend guide's "
+            "wait-reschedule-timeout: how long a lost node waits for a replacement before the "
+            "world shrinks)"
+        )
+    return value
 
 
 def parse_node_replace_timeout(conf: dict[str, str], env: dict[str, str]) -> float:

@@ -17,6 +17,7 @@ from launcher.config import (
     strategy_from_seed_env,
 )
 from launcher.protocol import plan as P
+from tests.helpers_launch import FTRUN, env_with, run, script
 
 SCRIPT = __file__
 
@@ -57,7 +58,10 @@ def test_etcd_needs_endpoint_and_maps_v2() -> None:
 
 def test_strategy_parsing_and_aliases() -> None:
     c = cfg("--recover_strategy", "recover,elastic-training")
-    assert c.recover_strategy == [P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT]
+    # elastic-training is a strategy of its own (a live shrink), restart-all its fallback
+    assert c.recover_strategy == [P.RECOVER_IN_PLACE, P.ELASTIC, P.RESTART_ALL, P.EXIT]
+    c = cfg("--recover_strategy", "elastic-training,dump")
+    assert c.recover_strategy == [P.ELASTIC, P.RESTART_ALL, P.DUMP, P.EXIT]
     assert cfg().recover_strategy == [P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT]
 
 
@@ -263,6 +267,82 @@ def test_bad_node_replace_timeout_is_one_line_naming_the_key(args, env, needle) 
     with pytest.raises(ConfigError) as e:
         cfg(*args, env=env)
     assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_wait_reschedule_timeout_is_the_same_wait_by_the_ascend_guides_name() -> None:
+    """Issue 33 item 4: `wait_reschedule_timeout` (30 to 270 s, the guide's) sets the wait for a
+    replacement; its default 270 s applies when elastic-training is asked for."""
+    c = cfg("--rdzv_conf", "wait_reschedule_timeout=45")
+    assert c.node_replace_timeout == 45.0
+    assert cfg(env={"FTRUN_WAIT_RESCHEDULE_TIMEOUT": "30"}).node_replace_timeout == 30.0
+    assert cfg(env={"FTRUN_WAIT_RESCHEDULE_TIMEOUT": "270"}).node_replace_timeout == 270.0
+    elastic = cfg("--recover-strategy", "elastic-training")
+    assert elastic.elastic_training and elastic.node_replace_timeout == 270.0
+    ha = cfg(env={"HIGH_AVAILABILITY": "elastic-training"})
+    assert ha.elastic_training and ha.node_replace_timeout == 270.0
+    assert not cfg().elastic_training and cfg().node_replace_timeout == 600.0
+    # explicit values win over the elastic default; a flag wins over the other name's variable
+    c = cfg(
+        "--rdzv_conf",
+        "wait_reschedule_timeout=60",
+        env={"FTRUN_NODE_REPLACE_TIMEOUT": "5"},
+    )
+    assert c.node_replace_timeout == 60.0
+    c = cfg(
+        "--rdzv_conf",
+        "node_replace_timeout=5",
+        env={"FTRUN_WAIT_RESCHEDULE_TIMEOUT": "60"},
+    )
+    assert c.node_replace_timeout == 5.0
+    c = cfg("--recover-strategy", "elastic-training", "--rdzv_conf", "node_replace_timeout=5")
+    assert c.node_replace_timeout == 5.0
+
+
+@pytest.mark.parametrize(
+    "args, env, needle",
+    [
+        (
+            ("--rdzv_conf", "wait_reschedule_timeout=29"),
+            {},
+            "--rdzv-conf wait_reschedule_timeout='29': must be seconds from 30 to 270",
+        ),
+        (
+            ("--rdzv_conf", "wait_reschedule_timeout=271"),
+            {},
+            "--rdzv-conf wait_reschedule_timeout='271': must be seconds from 30 to 270",
+        ),
+        (
+            (),
+            {"FTRUN_WAIT_RESCHEDULE_TIMEOUT": "soon"},
+            "FTRUN_WAIT_RESCHEDULE_TIMEOUT='soon': must be seconds from 30 to 270",
+        ),
+        (
+            ("--rdzv_conf", "wait_reschedule_timeout=60,node_replace_timeout=60"),
+            {},
+            "--rdzv-conf wait_reschedule_timeout and --rdzv-conf node_replace_timeout name the "
+            "same wait",
+        ),
+        (
+            (),
+            {"FTRUN_WAIT_RESCHEDULE_TIMEOUT": "60", "FTRUN_NODE_REPLACE_TIMEOUT": "60"},
+            "FTRUN_WAIT_RESCHEDULE_TIMEOUT and FTRUN_NODE_REPLACE_TIMEOUT name the same wait",
+        ),
+    ],
+)
+def test_bad_wait_reschedule_timeout_is_one_line_naming_the_key(args, env, needle) -> None:
+    with pytest.raises(ConfigError) as e:
+        cfg(*args, env=env)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_bad_wait_reschedule_timeout_exits_2_with_one_line() -> None:
+    res = run(
+        FTRUN + ["--rdzv-conf", "wait_reschedule_timeout=10", script("envdump.py")],
+        env=env_with(),
+    )
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "wait_reschedule_timeout='10'" in lines[0], res.stderr
 
 
 # ---------------------------------------------------------------- spare pool and agent phases

@@ -552,3 +552,32 @@ def test_the_loss_round_of_a_node_is_the_process_level_round_its_loss_started() 
     assert not is_loss_round(Round(1, P.RECOVER_IN_PLACE, (2, 3), joined), 1)  # an arrival's
     assert not is_loss_round(round_of(P.RECOVER_IN_PLACE), 0)  # a rank's fault
     assert not is_loss_round(None, 1)
+
+
+# ------------------------------------------------------- elastic-training (issue 33)
+ELASTIC_CHAIN = (P.ELASTIC, P.RESTART_ALL, P.EXIT)
+
+
+def test_elastic_training_drops_the_failed_rank_and_restarts_nobody() -> None:
+    d = decide(fault(rank=3), situation(chain=ELASTIC_CHAIN))
+    assert d.strategy == P.ELASTIC and d.failed_ranks == (3,) and d.restart_ranks == ()
+    assert d.charged and "smaller world" in d.reason
+
+
+def test_elastic_training_needs_the_runtime_else_restart_all() -> None:
+    d = decide(fault(rank=3), situation(chain=ELASTIC_CHAIN, aware=False))
+    assert d.strategy == P.RESTART_ALL
+
+
+def test_recover_in_place_comes_before_elastic_training_in_the_chain() -> None:
+    chain = (P.RECOVER_IN_PLACE, P.ELASTIC, P.RESTART_ALL, P.EXIT)
+    assert decide(fault(rank=3), situation(chain=chain)).strategy == P.RECOVER_IN_PLACE
+
+
+def test_a_lost_node_is_handled_as_without_elastic_training() -> None:
+    """A lost node's live shrink is not built: the loss waits for a replacement, then the
+    world shrinks by restart-all (WorldChanges.unreplaced), as with restart-all alone."""
+    lost = node_fault(joined=False)
+    assert decide(lost, situation(chain=ELASTIC_CHAIN)) == decide(
+        lost, situation(chain=(P.RESTART_ALL, P.EXIT))
+    )

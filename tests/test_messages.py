@@ -15,6 +15,7 @@ from launcher.protocol.messages import (
     Hello,
     Inject,
     MessageError,
+    Pause,
     Recovered,
     Stop,
     decode,
@@ -30,6 +31,7 @@ SAMPLES = [
     Bye(rank=3),
     Stop(generation=2, strategy="retry", failed_ranks=[1]),
     Inject(kind="kill", step=None, phase=None),
+    Pause(seq=3),
 ]
 
 

@@ -135,7 +135,14 @@ def test_keys_are_the_wire_format_agents_of_one_job_share() -> None:
 
 
 def test_strategies_and_the_fallback_exit_code() -> None:
-    assert P.STRATEGIES == (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.DUMP, P.EXIT)
+    assert P.STRATEGIES == (
+        P.RETRY,
+        P.RECOVER_IN_PLACE,
+        P.ELASTIC,
+        P.RESTART_ALL,
+        P.DUMP,
+        P.EXIT,
+    )
     assert (
         P.EXIT_FALLBACK not in (0, 1, 2) and 0 < P.EXIT_FALLBACK < 128
     )  # not a signal, not torchrun's

@@ -96,6 +96,10 @@ class PlanExecutor:
         if plan.strategy in (P.RECOVER_IN_PLACE, P.RETRY):
             self._recover(plan)
             return None
+        if plan.strategy == P.ELASTIC:  # a live shrink: the failed ranks leave the world
+            self.workers.left.update(w.rank for w in self.workers.of_ranks(plan.failed_ranks))
+            self._recover(plan)  # no rank restarts: the survivors' stop
+            return None
         if plan.strategy == P.DUMP:
             return self._dump(plan)
         return self._exit(plan)
@@ -118,6 +122,7 @@ class PlanExecutor:
     def _restart_all(self, plan: P.Plan) -> int | None:
         g = plan.generation
         t0 = time.monotonic()
+        self.workers.left.clear()  # every rank of the job starts again (after a live shrink too)
         self._dump_blamed(plan)
         self._stop_all(signal.SIGTERM)
         nodes = self.world.group_world_size

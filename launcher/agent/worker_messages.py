@@ -6,7 +6,8 @@ the warm spare's news), FaultReport (a fault the runtime saw: reported to the co
 its evidence, repeated UCEs on one device from the fault memory), Recovered (the rank resumed
 after a recovery round) and Bye (the rank is done with the job); and `on_inject`, an `ftctl
 inject` request for a local rank, carried out (`launcher.agent.injections`: on the channel for
-a runtime rank, else by signal).
+a runtime rank, else by signal); an `ftctl pause` (an injection of kind `plan.PAUSE_KIND` for
+every rank) is sent to every local runtime-aware rank as `Pause`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from launcher.agent.agent_state import AgentState
 from launcher.agent.injections import carry_out
 from launcher.protocol import plan as P
 from launcher.protocol.faults import FaultKind
-from launcher.protocol.messages import Bye, FaultReport, Heartbeat, Hello, Recovered
+from launcher.protocol.messages import Bye, FaultReport, Heartbeat, Hello, Pause, Recovered
 from launcher.workers.channel import ChannelMessage
 
 
@@ -48,6 +49,18 @@ class WorkerMessages:
 
     def on_inject(self, ev: InjectEvent) -> None:
         s = self.state
+        if ev.injection.kind == P.PAUSE_KIND:  # `ftctl pause`: every local runtime-aware rank
+            assert s.channel is not None
+            for w in s.workers.all():
+                if w.alive and w.rank in s.workers.aware:
+                    s.channel.send(w.rank, Pause())
+            s.log.info(
+                "pause",
+                f"ftctl pause: told local ranks {sorted(s.workers.aware)} (generation "
+                f"{s.generation})",
+                generation=s.generation,
+            )
+            return
         w = s.workers.by_rank(ev.injection.rank)
         if w is None:
             return  # another node's rank

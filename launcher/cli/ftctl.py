@@ -1,9 +1,9 @@
-"""`ftctl`: operate a live ftrun job (store inspection, fault injection, status, report).
+"""`ftctl`: operate a live ftrun job (store, fault injection, pause/resume, status, report).
 
 Owns: the click group and its job-level subcommands. Store subcommands (`ftctl store serve|get|
 set|ls`) come from `rendezvous.store.store_cli`; fault injection (`ftctl inject`) from
-`launcher.cli.inject`; `ftctl status` from `launcher.observe.status`; `ftctl report` from
-`launcher.observe.report`.
+`launcher.cli.inject`; `ftctl pause`/`ftctl resume` from `launcher.cli.pause`; `ftctl status`
+from `launcher.observe.status`; `ftctl report` from `launcher.observe.report`.
 A store or token error from any subcommand ends as one line and exit 1.
 """
 
@@ -35,6 +35,10 @@ def _register() -> None:
         inject = None
     if inject is not None:
         cli.add_command(inject, "inject")
+    from launcher.cli.pause import pause, resume
+
+    cli.add_command(pause, "pause")
+    cli.add_command(resume, "resume")
     from launcher.observe.report import report
     from launcher.observe.status import status
 

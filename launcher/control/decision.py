@@ -71,9 +71,11 @@ from launcher.protocol.budget import restarts_left
 from launcher.protocol.faults import FROZEN_STATES as FROZEN
 from launcher.protocol.faults import IN_PLACE_KINDS, FaultKind
 
-PROCESS_LEVEL = (P.RETRY, P.RECOVER_IN_PLACE)  # the ranks that did not fail keep running
-NEEDS_PEERS = (P.RETRY, P.RECOVER_IN_PLACE, P.DUMP)  # rounds the live peers take part in
-CHARGED = (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL)  # rounds that use the restart budget
+# the ranks that did not fail keep running (elastic-training: in a world without the failed
+# ranks' replicas, launcher.control.shrink)
+PROCESS_LEVEL = (P.RETRY, P.RECOVER_IN_PLACE, P.ELASTIC)
+NEEDS_PEERS = (P.RETRY, P.RECOVER_IN_PLACE, P.ELASTIC, P.DUMP)  # rounds the live peers take part in
+CHARGED = (P.RETRY, P.RECOVER_IN_PLACE, P.ELASTIC, P.RESTART_ALL)  # rounds that use the budget
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,10 @@ def can_handle(strategy: str, kind: FaultKind, runtime_aware: bool) -> tuple[boo
         if not runtime_aware:
             return False, "recover-in-place needs every rank to use launcher.runtime"
         return True, "restart only the failed rank and repair it from a replica"
+    if strategy == P.ELASTIC:
+        if not runtime_aware:
+            return False, "elastic-training needs every rank to use launcher.runtime"
+        return True, "the failed rank's replica leaves; the others go on in a smaller world"
     if strategy == P.RESTART_ALL:
         return True, "restart every worker (from the last checkpoint)"
     if strategy == P.DUMP:
@@ -297,6 +303,20 @@ def decide(fault: P.Fault, s: Situation) -> Decision:
     )
 
 
+def _prune_for_node_loss(chain: list[str], skipped: list[str]) -> None:
+    """The strategies a lost node's ranks cannot use, removed from `chain` (why, in
+    `skipped`)."""
+    if P.RETRY in chain:
+        chain.remove(P.RETRY)  # the node's processes are gone
+        skipped.append("retry: the node's processes are gone")
+    if P.ELASTIC in chain:
+        chain.remove(P.ELASTIC)
+        skipped.append(
+            "elastic-training: a lost node's live shrink is not built yet (the world shrinks "
+            "by restart-all after node_replace_timeout)"
+        )
+
+
 def node_ranks(fault: P.Fault) -> tuple[int, ...]:
     """The ranks of the node a rank-less fault names (its evidence), () when it names none."""
     return tuple(sorted(int(r) for r in fault.evidence.get("node_ranks") or ()))
@@ -316,9 +336,7 @@ def _node_decision(fault: P.Fault, s: Situation) -> Decision:
     prior = set(rnd.failed_ranks) if collecting and rnd is not None else set()
     continues = joined and collecting and set(ranks) <= prior
     chain, skipped, peers = without_finished(s.chain, s.finished, sorted(prior | set(ranks)))
-    if P.RETRY in chain:
-        chain.remove(P.RETRY)  # the node's processes are gone
-        skipped.append("retry: the node's processes are gone")
+    _prune_for_node_loss(chain, skipped)
     strategy, why = walk_chain(
         FaultKind.NODE_LOST, chain, s.runtime_aware, s.budget.left or continues, skipped=skipped
     )

@@ -26,6 +26,7 @@ from launcher.control.node_book import NodeBook
 from launcher.control.plan_publisher import PlanPublisher
 from launcher.control.repair_planning import plan_dump, plan_repair
 from launcher.control.round_phase import RoundPhase, RoundTracker
+from launcher.control.shrink import after_shrink, members, shrink_plan
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore
@@ -49,6 +50,7 @@ class RoundDriver:
         self.intake, self.decider, self.nodes, self.publisher = intake, decider, nodes, publisher
         self.overdue = overdue  # a lost node's timeout or waiting agents (WorldChanges)
         self.stopped = stopped
+        self.dropped: set[int] = set()  # ranks live shrinks removed (elastic-training)
 
     # ---- restart-all ---------------------------------------------------------------------
     def release_restart_all(self, g: int) -> None:
@@ -70,6 +72,7 @@ class RoundDriver:
                 )
                 break
         n = self.kv.clear_except(P.ROOT + "/")
+        self.dropped.clear()  # every rank of the job starts again
         self.kv.set(P.go_key(g), b"1")
         self.rounds.advance(g, RoundPhase.DONE)
         self.publisher.outcome(g, "restarted (restart-all)")
@@ -87,7 +90,8 @@ class RoundDriver:
         (a fault that superseded the round, a change of the world, its fallback), None when
         the round is in the workers' hands (or this controller stopped)."""
         g = plan.generation
-        keys = [P.status_key(g, r) for r in range(self.settings.world_size)]
+        ranks = members(self.settings.world_size, self.dropped, plan)
+        keys = [P.status_key(g, r) for r in ranks]
         t0 = time.monotonic()
         deadline = t0 + self.settings.phase_timeout
         while not self.kv.wait(keys, 0.2):
@@ -110,7 +114,7 @@ class RoundDriver:
                     "their status (the stop came after their last step)",
                 )
             if time.monotonic() > deadline:
-                missing = [r for r, k in enumerate(keys) if self.kv.try_get(k) is None]
+                missing = [r for r, k in zip(ranks, keys) if self.kv.try_get(k) is None]
                 if self.nodes.waiting_for_node(missing):
                     continue  # node_replace_timeout bounds this wait (WorldChanges.unreplaced)
                 self.log.error(
@@ -120,14 +124,24 @@ class RoundDriver:
                     round_phase=self.rounds.phase.value,
                 )
                 return self.decider.fallback(g, f"ranks {missing} did not report status")
-        return self._write_repair(g, keys, t0)
+        return self._write_repair(plan, ranks, keys, t0)
 
-    def _write_repair(self, g: int, keys: list[str], t0: float) -> Decision | None:
+    def _write_repair(
+        self, plan: P.Plan, ranks: list[int], keys: list[str], t0: float
+    ) -> Decision | None:
         """Every status is in: the repair plan (COLLECTING ends: DONE, or FELL_BACK when the
-        plan names a fallback, whose decision is returned)."""
+        plan names a fallback, whose decision is returned). After a live shrink every plan
+        names the world (`RepairPlan.world`); an elastic-training round's is the shrink's."""
+        g = plan.generation
         statuses = [P.RankStatus.from_json(self.kv.get(k, 5.0)) for k in keys]
         s = self.settings
         repair = plan_repair(statuses, g, s.transfer_stripes, s.node_of)
+        if plan.strategy == P.ELASTIC:
+            repair = shrink_plan(repair, statuses, ranks)
+            if not repair.fallback:
+                self._shrunk(plan, ranks)
+        elif self.dropped and not repair.fallback:
+            repair = after_shrink(repair, ranks)
         self.kv.set(P.repair_key(g), repair.to_json())
         self.rounds.advance(g, RoundPhase.FELL_BACK if repair.fallback else RoundPhase.DONE)
         self.log.info(
@@ -140,6 +154,7 @@ class RoundDriver:
             action=repair.action,
             pairs=repair.pairs,
             fallback=repair.fallback,
+            world=repair.world or None,
             status_wait_s=round(time.monotonic() - t0, 4),
             round_phase=self.rounds.phase.value,
         )
@@ -147,6 +162,21 @@ class RoundDriver:
             return self.decider.fallback(g, repair.reason or "no healthy replica")
         self.publisher.outcome(g, "recovered")
         return None
+
+    def _shrunk(self, plan: P.Plan, ranks: list[int]) -> None:
+        self.dropped |= set(plan.failed_ranks)
+        before = self.settings.world_size - len(self.dropped) + len(plan.failed_ranks)
+        self.log.warning(
+            "world-shrink",
+            f"generation {plan.generation}: ranks {plan.failed_ranks} leave the world, the "
+            f"others continue live: world size {before} -> {len(ranks)} (elastic-training)",
+            generation=plan.generation,
+            strategy=plan.strategy,
+            dropped=sorted(self.dropped),
+            world=ranks,
+            world_size=before,
+            new_world_size=len(ranks),
+        )
 
     def finished_without_status(self, g: int, failed: list[int]) -> list[int]:
         """Ranks of generation `g`'s round that finished the job without reporting a status:
@@ -161,7 +191,11 @@ class RoundDriver:
     def drive_dump(self, plan: P.Plan) -> None:
         """Survivors report, then save the current step (the runtime's dump fallback) and exit."""
         g = plan.generation
-        live = [r for r in range(self.settings.world_size) if r not in plan.failed_ranks]
+        live = [
+            r
+            for r in range(self.settings.world_size)
+            if r not in plan.failed_ranks and r not in self.dropped
+        ]
         keys = [P.status_key(g, r) for r in live]
         self._wait_survivors(g, plan.failed_ranks, keys)
         statuses = [

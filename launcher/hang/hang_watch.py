@@ -19,8 +19,9 @@ The rule (auto):
     (defaults: 30 s floor, x10);
   - the first step of a process (no step time known yet) and checkpoint saves: the first-step
     allowance (default 300 s), or multiplier x the slowest save seen, whichever is longer;
-  - start-up ("init"), recovery rounds and "done" are not timed (the runtime's own timeouts and
-    the controller's phase timeouts bound them);
+  - start-up ("init"), recovery rounds, an `ftctl pause` ("paused") and "done" are not timed
+    (the runtime's own timeouts, the pause's maximum and the controller's phase timeouts bound
+    them);
   - a rank blocked in a collective (`waiting`) waits on a peer and is not hung itself, unless its
     process is stopped (SIGSTOP, state T) or stuck in the kernel (state D), or its heartbeats
     stopped (the runtime's heartbeat thread only stops when the whole process is frozen): then it
@@ -56,7 +57,7 @@ from typing import Callable
 from launcher.protocol.faults import FROZEN_STATES
 from launcher.protocol.messages import Heartbeat
 
-UNTIMED_PHASES = frozenset({"init", "recovering", "done"})
+UNTIMED_PHASES = frozenset({"init", "recovering", "paused", "done"})
 RECENT_STEPS = 20
 
 DEFAULT_FLOOR = 30.0

@@ -376,6 +376,8 @@ class NodeObserver:
                     d["state"] = (
                         "waiting"
                         if waiting
+                        else "paused"  # `ftctl pause`: halted between steps
+                        if phase == "paused"
                         else ("training" if phase not in QUIET_PHASES else d["state"])
                     )
             ranks.append(d)

@@ -34,7 +34,7 @@ PHASES = (
     "transfer",
     "resume",
 )
-PROCESS_LEVEL = ("retry", "recover-in-place")
+PROCESS_LEVEL = ("retry", "recover-in-place", "elastic-training")
 ENDED = ("succeeded", "failed")
 TAKEN_OVER = ("superseded", "fallback")  # outcomes whose time lost runs on into the next round
 

@@ -21,16 +21,18 @@ from rich.markup import escape
 
 from launcher.observe.ftrun_exits import mark_ftrun_exits
 from launcher.observe.logs import read_event_file, run_event_files
+from launcher.observe.pause_state import pause_state
 from launcher.observe.run_view import Bar, FaultRow, NodeRow, RankRow, Round, RunView
 from launcher.observe.timeline import Timeline
 from launcher.protocol import plan as P
 from launcher.protocol.budget import restarts_left
 
 MAX_NODE_GAP = 8  # node ranks probed past the last one found (a lost node leaves a hole)
-STEPPING = ("training", "waiting", "finished")  # rank states in which its step only grows
+STEPPING = ("training", "waiting", "paused", "finished")  # rank states in which its step only grows
 STATE_STYLE = {
     "training": "green",
     "waiting": "yellow",
+    "paused": "magenta",
     "recovering": "bold yellow",
     "replacement": "bold cyan",
     "finished": "dim",
@@ -210,8 +212,10 @@ def _live(addr: str, token_file: str | None, fallback: RunView | None) -> tuple[
         detail = ""
         if cur is not None and cur.strategy in ("retry", "recover-in-place") and view.world_size:
             detail = round_progress(kv, cur.generation, int(view.world_size))
+        paused = pause_state(kv)  # `ftctl pause` in effect: said after the source
+        said = f"; {paused.describe()}" if paused is not None and paused.in_effect else ""
         view.store_addr = view.store_addr or addr
-        return view, f"live, store {addr}" + (f"; round: {detail}" if detail else "")
+        return view, f"live, store {addr}" + (f"; round: {detail}" if detail else "") + said
     finally:
         kv.close()
 

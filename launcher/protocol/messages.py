@@ -10,14 +10,16 @@ module imports no agent code and no torch.
                    FaultReport (a fault the worker detected itself), Recovered (a recovery round
                    completed), Bye (the worker finished)
   agent -> worker  Stop (stop for generation g: abort collectives, join the recovery round),
-                   Inject (`ftctl inject` forwarded to the worker's fault injector)
+                   Inject (`ftctl inject` forwarded to the worker's fault injector), Pause
+                   (`ftctl pause`: halt at the end of an agreed step, launcher.runtime.pause)
 
 The records exchanged through the store (RankStatus, RepairPlan) are `launcher.protocol.plan`'s.
 
 Heartbeat phases: "init" (between init() and the first step), "step", the script's phase names
 ("forward", "backward", ...), "optimizer", "committed", "checkpoint", "recovering" (inside a
-recovery round), "resumed", "done". "waiting" is true while the rank is blocked in a runtime
-collective (for over 50 ms) or waits for the agent after a collective failed: it waits on a peer.
+recovery round), "resumed", "paused" (halted between steps by `ftctl pause`), "done". "waiting"
+is true while the rank is blocked in a runtime collective (for over 50 ms) or waits for the
+agent after a collective failed: it waits on a peer.
 
 Extending: a new message is a dataclass decorated with `@message("op")`; a new field gets a
 default, so a message from an older peer still decodes. Unknown fields are ignored; a line that is
@@ -154,7 +156,17 @@ class Inject:
     phase: str | None = None
 
 
-Message = Union[Hello, Heartbeat, FaultReport, Recovered, Bye, Stop, Inject]
+@message("pause")
+@dataclass
+class Pause:
+    """`ftctl pause` was asked for: the rank reads the request (`plan.PAUSE_KEY`) from the store
+    and halts at the end of the step the ranks agree on (launcher.runtime.pause)."""
+
+    op: ClassVar[str]
+    seq: int = 0  # 0: the latest request in the store
+
+
+Message = Union[Hello, Heartbeat, FaultReport, Recovered, Bye, Stop, Inject, Pause]
 
 
 # ---------------------------------------------------------------- encoding

@@ -51,10 +51,13 @@ EXIT_FALLBACK = 75
 # Strategies, cheapest first (issue: fault taxonomy and strategy chain).
 RETRY = "retry"
 RECOVER_IN_PLACE = "recover-in-place"
+# live shrink: the failed ranks' data-parallel replicas leave the world, the others continue at
+# the interrupted step in a smaller world (no restart, no checkpoint read; issue 33)
+ELASTIC = "elastic-training"
 RESTART_ALL = "restart-all"
 DUMP = "dump"
 EXIT = "exit"
-STRATEGIES = (RETRY, RECOVER_IN_PLACE, RESTART_ALL, DUMP, EXIT)
+STRATEGIES = (RETRY, RECOVER_IN_PLACE, ELASTIC, RESTART_ALL, DUMP, EXIT)
 
 
 def plan_key(generation: int) -> str:
@@ -137,6 +140,32 @@ def inject_key(seq: int) -> str:
     return f"{ROOT}/inject/{seq}"
 
 
+# `ftctl pause` / `ftctl resume` (launcher.cli.pause, launcher.runtime.pause): the latest
+# request is a `PauseRequest` under PAUSE_KEY; agents hear of it through an `Injection` of kind
+# PAUSE_KIND for rank -1 (every rank) on the inject sequence and tell their ranks on the channel
+PAUSE_SEQ = f"{ROOT}/pause_seq"
+PAUSE_KEY = f"{ROOT}/pause/current"
+PAUSE_KIND = "pause"
+EVERY_RANK = -1  # an Injection's rank: every rank of the job
+
+
+def pause_at_key(seq: int, rank: int) -> str:
+    """The first step `rank` can still halt after (it has not ended it) when it heard of pause
+    `seq`: every rank halts after the largest of these."""
+    return f"{ROOT}/pause/{seq}/at/{rank}"
+
+
+def pause_step_key(seq: int) -> str:
+    """The step every rank halts after for pause `seq` (set once the ranks agreed)."""
+    return f"{ROOT}/pause/{seq}/step"
+
+
+def resume_key(seq: int) -> str:
+    """Why pause `seq` ended ("ftctl resume", "expired ...", "abandoned: ..."): set once, the
+    first writer wins (compare_set); every paused rank continues when it appears."""
+    return f"{ROOT}/pause/{seq}/resume"
+
+
 def node_status_key(node_rank: int) -> str:
     """A node's live status (JSON, `launcher.observe.observer`), refreshed every second for
     `ftctl status`."""
@@ -202,6 +231,16 @@ class Injection(_Record):
 
 
 @dataclass
+class PauseRequest(_Record):
+    """`ftctl pause`: every rank halts at the end of a step (the same step on every rank, no
+    rollback) and waits until `resume_key(seq)` is set, or `max_s` seconds after `time`."""
+
+    seq: int
+    max_s: float
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
 class Plan(_Record):
     """What generation `generation` is: decided by the controller, executed by agents/workers."""
 
@@ -235,6 +274,9 @@ class RankStatus(_Record):
     shard: str = ""  # replica identity: ranks with equal shard hold equal state
     pid: int = 0
     host: str = ""
+    # the rank can continue in a smaller world (elastic-training: native loop, plain data
+    # parallelism, no rt.ddp, no framework hooks, no user groups)
+    shrinkable: bool = False
 
 
 @dataclass
@@ -248,3 +290,6 @@ class RepairPlan(_Record):
     fallback: str | None = None  # set when peer repair is impossible: the strategy to use
     reason: str = ""
     writers: dict[str, int] = field(default_factory=dict)  # dump: the rank saving each shard
+    # elastic-training: the ranks of the new world (original rank numbers, in group-rank
+    # order); empty: the world is unchanged
+    world: list[int] = field(default_factory=list)

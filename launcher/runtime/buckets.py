@@ -41,6 +41,7 @@ class GradComm:
     size: int  # ranks in that group
     root: int  # global rank of the group's first member (the source of broadcasts)
     ranks: Sequence[int] = ()  # global ranks of the group's members, in group order
+    divisor: int = 0  # the average's denominator (0: size; after a live shrink, more)
 
     def all_reduce_async(self, flat: torch.Tensor) -> Any:
         """Start a SUM all_reduce of `flat` on the current group; returns its work. Called for
@@ -163,7 +164,11 @@ class OverlappedAllReduce:
         self._next = 0  # the next bucket to launch
         self._redo = False
         self._handles = []
-        if comm.size > 1:
+        # After a live shrink the ranks compute unequal numbers of micro-batches: a bucket
+        # launched during the first backward would be launched again (the redo) on the ranks
+        # that accumulate more, and the collectives of the ranks would no longer pair up. So
+        # there every bucket is launched once, by finish().
+        if comm.size > 1 and not comm.divisor:
             for b, idx in enumerate(layout):
                 for i in idx:
                     self._handles.append(
@@ -203,6 +208,8 @@ class OverlappedAllReduce:
             for p in self._params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                elif self._average and self._comm.divisor > 1:
+                    p.grad.div_(self._comm.divisor)  # one rank left of a shrunk world
             return
         try:
             with self._lock:
@@ -229,7 +236,7 @@ class OverlappedAllReduce:
     def _hand_back(self) -> None:
         """Copy the sums back (as torch DDP does by default: a .grad that aliased the bucket
         would see the in-place all-reduce when gradients accumulate over several passes)."""
-        n = self._comm.size
+        n = self._comm.divisor or self._comm.size
         dst, src = [], []
         for b, bucket in enumerate(self._buckets):
             for i, view in zip(self._members[b], bucket.views):
@@ -302,3 +309,10 @@ class GradientSyncs:
     def abandon_all(self) -> None:
         for s in self._syncs.values():
             s.abandon()
+
+    def remove_all(self) -> None:
+        """Give up every sync and remove its gradient hooks (the world changed size)."""
+        for s in self._syncs.values():
+            s.abandon()
+            s.remove()
+        self._syncs.clear()

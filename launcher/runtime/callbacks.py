@@ -182,7 +182,8 @@ class FrameworkHooks:
 
     def step_end(self) -> None:
         """The step is over (optional: the next step_start() or finish() ends it too). A step
-        without an optimizer update commits here; periodic checkpoints are written here."""
+        without an optimizer update commits here; periodic checkpoints are written here, and an
+        `ftctl pause` halts the rank here (`Runtime.pause_point`)."""
         cur = self._open("step_end")
         rt = self.runtime
         if rt._state.in_update:
@@ -195,6 +196,7 @@ class FrameworkHooks:
         self._step = None
         self._next = cur.index + 1
         rt._checkpoints.maybe_save(cur.index + 1)
+        rt.pause_point(cur.index)  # `ftctl pause`: may halt here until the resume
 
     def _open(self, what: str) -> Step:
         if self._step is None:
@@ -285,4 +287,5 @@ def attach(
     state it hands over), so here a replacement runs its random init like any start unless
     FTRUN_SKIP_INIT=1 asks for the skip (`launcher.runtime.skip_init`)."""
     rt = init(backend=backend, device=device, options=options, environ=framework_environ(environ))
+    rt._state.shrinkable = False  # a live shrink needs the framework's groups resized: not yet
     return FrameworkHooks(rt, CollectiveRouting(rt._coll).install())

@@ -3,10 +3,11 @@
 Owns: the unix stream socket to the local agent (`FTRUN_AGENT_SOCKET`) and the two daemon threads
 that serve it: a reader that turns the agent's `Stop` into a `StopSignal` request (so a rank
 blocked in a collective still hears it) and hands `Inject` (from `ftctl inject`) to the fault
-injector, and a writer that sends a `Heartbeat` on every progress change and at least every
-`heartbeat_interval` seconds. The training thread never touches the socket: it only updates the
-heartbeat's fields and queues messages. The messages and their encoding are
-`launcher.protocol.messages`'s.
+injector and `Pause` (from `ftctl pause`) to the pause gate (launcher.runtime.pause: a few
+store calls on this thread), and a writer that sends a `Heartbeat` on every progress change
+and at least every `heartbeat_interval` seconds. The training thread never touches the
+socket: it only updates the heartbeat's fields and queues messages. The messages and their
+encoding are `launcher.protocol.messages`'s.
 Heartbeats are at most MIN_HEARTBEAT_GAP apart while progress changes (the latest progress is
 sent, nothing is lost but intermediate phases): a fast training loop changes phase several
 times per step and must not pay a message (and the agent a parse) for each. Other messages
@@ -35,6 +36,7 @@ from launcher.protocol.messages import (
     Inject,
     Message,
     MessageError,
+    Pause,
     Stop,
     decode,
     encode,
@@ -60,9 +62,11 @@ class AgentChannel:
         heartbeat_interval: float = 1.0,
         connect_timeout: float = 30.0,
         on_inject: Callable[[Inject], None] | None = None,
+        on_pause: Callable[[], None] | None = None,
     ) -> None:
         self._path = path
         self._on_inject = on_inject
+        self._on_pause = on_pause
         self._rank = rank
         self._stop = stop
         self._log = log
@@ -266,5 +270,10 @@ class AgentChannel:
                 self._log(f"ignored injection (no fault injector in this worker): {msg!r}")
             else:
                 self._on_inject(msg)
+        elif isinstance(msg, Pause):
+            if self._on_pause is None:
+                self._log("ignored pause request (no pause gate in this worker)")
+            else:
+                self._on_pause()
         else:
             self._log(f"ignored message the agent does not send: {msg.op!r}")

@@ -53,10 +53,11 @@ class Checkpoints:
                 f"checkpoint of iteration {iteration} requested, but the last completed "
                 f"step is {state.committed}"
             )
-        rank = self.links.rank
-        writer = state.layout.writer_of(rank) == rank
+        rank, members = self.links.rank, state.members  # members: after a live shrink
+        replicas = [r for r in state.layout.replicas(rank) if not members or r in members]
+        writer = min(replicas) == rank  # the lowest replica still in the world
         self._set_phase("checkpoint")
-        self._write(iteration, snap, state.generation, writer, rank == 0)
+        self._write(iteration, snap, state.generation, writer, rank == min(members or [0]))
 
     def _write(
         self, iteration: int, snap: Snapshot, generation: int, writer: bool, committer: bool

@@ -49,6 +49,11 @@ class RankState:
     step_t0: float | None = None  # when the current step began (monotonic)
     last_step_s: float | None = None  # how long the last committed step took
     pending_exc: BaseException | None = None  # the fault a recovery answers (raised if none)
+    # elastic training (launcher.runtime.elastic): the ranks of the current world, original
+    # numbers in group-rank order (empty: every rank of the job), and whether this rank can
+    # take part in a live shrink (the native loop over plain data parallelism)
+    members: tuple[int, ...] = ()
+    shrinkable: bool = True
 
 
 class RankLinks:

@@ -106,9 +106,12 @@ class RecoveryRound:
         """One round into generation `target`: the plan, and the monotonic times of its edges
         (start, plan, rebuilt, repaired)."""
         t0 = time.monotonic()
+        size = self.world.elastic.size
         plan = self.join(target)
         t1 = time.monotonic()
         self.world.build(target, rebuild_groups=True)
+        if self.world.elastic.size != size:  # a live shrink (elastic-training)
+            self.world.elastic.resized(size)
         self.mark("rebuilt")
         t2 = time.monotonic()
         self.execute(plan)
@@ -219,9 +222,11 @@ class RecoveryRound:
         links.log(
             f"repair plan: resume_step={plan.resume_step} action={plan.action} "
             f"pairs={plan.pairs} fallback={plan.fallback} ({plan.reason})"
+            + (f" world={plan.world}" if plan.world else "")
         )
         if plan.fallback:
             self._fallback(plan)
+        self.world.elastic.set_members(plan.world)  # the next world's ranks (a live shrink)
         return plan
 
     def status(self, generation: int) -> P.RankStatus:
@@ -236,6 +241,7 @@ class RecoveryRound:
             shard=self._shard_for_status(),
             pid=os.getpid(),
             host=socket.gethostname(),
+            shrinkable=state.shrinkable,
         )
 
     def _shard_for_status(self) -> str:

@@ -38,6 +38,7 @@ from launcher.runtime.env import RuntimeEnv
 from launcher.runtime.faultplan import FaultInjector, parse_plan
 from launcher.runtime.groups import GroupHandle
 from launcher.runtime.logs import RankLog
+from launcher.runtime.pause import PauseGate
 from launcher.runtime.rank_state import RankLinks, RankState, RuntimeOptions
 from launcher.runtime.recovery_round import RecoveryRound
 from launcher.runtime.replicas import Layout, parallel_groups
@@ -61,7 +62,6 @@ class Runtime:
     ) -> None:
         self.env = env
         self.rank = env.rank
-        self.world_size = env.world_size
         self.local_rank = env.local_rank
         self.backend = backend
         self.adapter = device
@@ -100,6 +100,9 @@ class Runtime:
             sliced=self.backend == "gloo",
         )
         self._checkpoints = Checkpoints(state, links, adapter, self._path.set_phase)
+        self._pause = PauseGate(
+            state, links, lambda: self._world.elastic.members, self._path.set_phase
+        )
         self._round = RecoveryRound(
             state,
             links,
@@ -112,11 +115,37 @@ class Runtime:
         )
         self._grad_syncs = GradientSyncs()
         self._world.listeners.append(lambda g: self._grad_syncs.abandon_all())
+        self._world.elastic.listeners.append(self._resized)
+        # called with (old, new) world size after a live shrink (elastic-training) rebuilt the
+        # default group: a framework updates what it derived from the world size there
+        self.on_resize: Callable[[int, int], None] | None = None
+
+    def _resized(self, old: int, new: int) -> None:
+        self._grad_syncs.remove_all()  # their buckets and hooks were for the old world
+        self._grad_syncs = GradientSyncs()
+        if self.on_resize is not None:
+            self.on_resize(old, new)
 
     # ================================================================ what the pieces know
     @property
     def generation(self) -> int:
         return self._state.generation
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the current world (smaller after a live shrink; `rt.rank` stays)."""
+        return self._world.elastic.size
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas of this rank's state in the current world."""
+        return self._world.elastic.dp_size
+
+    @property
+    def micro_batches(self) -> list[int]:
+        """The micro-batches of each step this rank computes: [its own replica index] until a
+        live shrink, then also some of the lost replicas' (launcher.runtime.elastic)."""
+        return self._world.elastic.micro_batches
 
     @property
     def committed_step(self) -> int:
@@ -147,40 +176,6 @@ class Runtime:
         self._world.on_rebuild = fn
 
     # ================================================================ start-up
-    def _start(self) -> None:
-        env = self.env
-        atexit.register(self._atexit)
-        if not env.managed:
-            self.log(
-                "no FTRUN_AGENT_SOCKET: running without an ftrun agent, so no process-level "
-                "recovery"
-            )
-            if not dist.is_initialized():
-                dist.init_process_group(self.backend, timeout=timedelta(seconds=env.store_timeout))
-            self._links.store = dist.distributed_c10d._get_default_store()
-            return
-        self._death_notice, self._links.channel = _connect_agent(
-            env, self._stop, self.log, self.options, self._injector
-        )
-        self._links.channel.set_progress_source(self._path.progress_now)
-        self._links.channel.update(generation=self.generation)
-        self._links.store = dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            is_master=False,
-            timeout=timedelta(seconds=env.store_timeout),
-            wait_for_workers=False,
-        )
-        if env.replacement:
-            self._round.join_as_replacement()
-        else:
-            self._world.build(self.generation, rebuild_groups=False)
-            self._round.init_window.open(replacement=False)  # closed at the first step
-        self.log(
-            f"joined generation {self.generation} (world {self.world_size}, backend "
-            f"{self.backend}, device {self.adapter.name})"
-        )
-
     # ================================================================ registration
     def register(
         self,
@@ -213,9 +208,10 @@ class Runtime:
     ) -> dict[str, GroupHandle]:
         """Megatron-style layout: creates the "dp", "tp" and "pp" groups (those larger than one
         rank) and derives replica identity. Returns this rank's handles by name."""
-        self._set_layout(Layout.from_parallel(self.world_size, dp, tp, pp, optimizer_shards))
+        world = self.env.world_size
+        self._set_layout(Layout.from_parallel(world, dp, tp, pp, optimizer_shards))
         handles = {}
-        for name, partition in parallel_groups(self.world_size, dp, tp, pp).items():
+        for name, partition in parallel_groups(world, dp, tp, pp).items():
             if len(partition[0]) > 1:
                 handles[name] = self.new_group(name, partition)
             else:
@@ -224,10 +220,11 @@ class Runtime:
 
     def set_replica_groups(self, groups: Sequence[Sequence[int]]) -> None:
         """Explicit replica groups: ranks in one group hold equal state."""
-        self._set_layout(Layout.from_groups(groups, self.world_size))
+        self._set_layout(Layout.from_groups(groups, self.env.world_size))
 
     def _set_layout(self, layout: Layout) -> None:
         self._state.layout = layout
+        self._state.shrinkable = False  # a live shrink handles plain data parallelism only
         self._publish_shard()
 
     def _publish_shard(self) -> None:
@@ -242,6 +239,7 @@ class Runtime:
             if ranks and isinstance(ranks[0], (list, tuple))
             else [list(ranks)]
         )
+        self._state.shrinkable = False  # user groups are not re-formed for a smaller world
         with self._world.sockets.track(self.generation):
             return self._world.groups.create(name, partition, self.generation)  # type: ignore[arg-type]
 
@@ -305,6 +303,7 @@ class Runtime:
         """`torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)` whose collectives go
         through the runtime; `process_group` takes a GroupHandle (see launcher.runtime.ddp)."""
         state = self._state
+        state.shrinkable = False  # rt.ddp is not resized by a live shrink (native loop only)
         host = DDPHost(
             rank=self.rank,
             log=self.log,
@@ -328,6 +327,9 @@ class Runtime:
             self.world_size if group is None else group.size,
             0 if group is None else group.ranks[0],
             tuple(range(self.world_size)) if group is None else tuple(group.ranks),
+            # after a live shrink the average keeps the global batch: it divides by the
+            # original number of micro-batches (launcher.runtime.elastic)
+            divisor=self.env.world_size if group is None and self._state.members else 0,
         )
 
     # ================================================================ step loop
@@ -360,8 +362,15 @@ class Runtime:
                 self.log(f"checkpoint of iteration {s + 1} abandoned: {exc}")
                 s = recover()
                 continue
+            self.pause_point(s)
             s += 1
         path.set_phase("done")
+
+    def pause_point(self, step: int) -> None:
+        """Step `step` ended (committed): while an `ftctl pause` is pending, the rank halts here
+        until the resume (launcher.runtime.pause). `steps()` and the framework hooks call it."""
+        if self._pause.request is not None:
+            self._pause.at_step_end(step)
 
     def _first_step(self) -> int:
         """The step to start at: a replacement's resume step (after its repair), a loaded
@@ -411,6 +420,7 @@ class Runtime:
         if self._world.stuck_alarm is not None:
             self._world.stuck_alarm.cancel()
         self._path.set_phase("done")
+        self._pause.close(f"rank {self.rank} finished the job")
         abandoned = len(self._graveyard)
         if not abandoned and dist.is_initialized():
             dist.destroy_process_group()
@@ -443,8 +453,49 @@ def _freeze_heap() -> None:
     gc.freeze()
 
 
+def _start(rt: Runtime) -> None:
+    """Join the job: the agent channel and the job's store (under ftrun), then the default group
+    of the current generation (a replacement joins its recovery round)."""
+    env = rt.env
+    atexit.register(rt._atexit)
+    if not env.managed:
+        rt.log(
+            "no FTRUN_AGENT_SOCKET: running without an ftrun agent, so no process-level recovery"
+        )
+        if not dist.is_initialized():
+            dist.init_process_group(rt.backend, timeout=timedelta(seconds=env.store_timeout))
+        rt._links.store = dist.distributed_c10d._get_default_store()
+        return
+    rt._death_notice, rt._links.channel = _connect_agent(
+        env, rt._stop, rt.log, rt.options, rt._injector, rt._pause
+    )
+    rt._links.channel.set_progress_source(rt._path.progress_now)
+    rt._links.channel.update(generation=rt.generation)
+    rt._links.store = dist.TCPStore(
+        env.master_addr,
+        env.master_port,
+        is_master=False,
+        timeout=timedelta(seconds=env.store_timeout),
+        wait_for_workers=False,
+    )
+    if env.replacement:
+        rt._round.join_as_replacement()
+    else:
+        rt._world.build(rt.generation, rebuild_groups=False)
+        rt._round.init_window.open(replacement=False)  # closed at the first step
+    rt.log(
+        f"joined generation {rt.generation} (world {rt.world_size}, backend "
+        f"{rt.backend}, device {rt.adapter.name})"
+    )
+
+
 def _connect_agent(
-    env: RuntimeEnv, stop: StopSignal, log: RankLog, options: RuntimeOptions, inj: FaultInjector
+    env: RuntimeEnv,
+    stop: StopSignal,
+    log: RankLog,
+    options: RuntimeOptions,
+    inj: FaultInjector,
+    pause: PauseGate,
 ) -> tuple[death_notice.Held | None, AgentChannel]:
     """Hold the death notice and say hello on the agent channel (an ftrun-managed start)."""
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -458,6 +509,7 @@ def _connect_agent(
         log,
         heartbeat_interval=options.heartbeat_interval,
         on_inject=lambda m: inj.arm(dataclasses.asdict(m)),
+        on_pause=pause.notice,
     )
     channel.start(
         Hello(
@@ -519,5 +571,5 @@ def init(
     running recovery round here and receives its state when `steps()` starts."""
     env = RuntimeEnv.from_environ(environ)
     rt = Runtime(env, backend, select_adapter(backend, device), options)
-    rt._start()
+    _start(rt)
     return rt

@@ -31,7 +31,7 @@ from launcher.runtime.signals import StopRequested
 
 # phases the agent hears at once (the channel's writer is woken); a step's phase edges are read
 # at its next poll (MIN_HEARTBEAT_GAP), as coalesced heartbeats always were
-_PROMPT_PHASES = frozenset({"recovering", "resumed", "checkpoint", "done"})
+_PROMPT_PHASES = frozenset({"recovering", "resumed", "checkpoint", "paused", "done"})
 
 
 class Step:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from launcher.protocol import plan as P
 from launcher.runtime.collectives import Graveyard
 from launcher.runtime.devices import DeviceAdapter
+from launcher.runtime.elastic import ElasticView
 from launcher.runtime.group_sockets import SocketLedger
 from launcher.runtime.groups import GroupRegistry
 from launcher.runtime.rank_state import RankLinks, RankState
@@ -42,6 +43,7 @@ class World:
     ) -> None:
         self.state = state
         self.links = links
+        self.elastic = ElasticView(state, links)  # the current world's ranks (live shrink)
         self.backend = backend
         self.adapter = adapter
         self.graveyard = graveyard
@@ -67,8 +69,8 @@ class World:
             dist.init_process_group(
                 self.backend,
                 store=store,
-                rank=env.rank,
-                world_size=env.world_size,
+                rank=self.elastic.group_rank,
+                world_size=self.elastic.size,
                 timeout=timedelta(seconds=env.store_timeout),
             )
             if rebuild_groups:

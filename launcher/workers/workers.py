@@ -112,6 +112,8 @@ class NodeWorkers:
 
     by_local: dict[int, Worker]
     aware: set[int] = field(default_factory=set)
+    # ranks a live shrink (elastic-training) took out of the world: done with the job
+    left: set[int] = field(default_factory=set)
 
     @classmethod
     def create(cls, rank_base: int, nproc: int) -> "NodeWorkers":
@@ -137,7 +139,10 @@ class NodeWorkers:
         """Every rank's process has exited 0, or ended at exit after its goodbye: killed by
         ftrun for hanging there (see `HangGuard`) or died of a signal in its teardown
         (`Worker.ended_after_goodbye`); either way its work for the job was done."""
-        return all(w.exit_code == 0 or w.ended_after_goodbye for w in self.by_local.values())
+        return all(
+            w.exit_code == 0 or w.ended_after_goodbye or w.rank in self.left
+            for w in self.by_local.values()
+        )
 
 
 def spawn(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", required=True)
     ap.add_argument("--events", required=True)
+    ap.add_argument("--step-time", type=float, default=0.0, help="seconds of sleep per step")
     args = ap.parse_args()
 
     hooks = ftcb.attach(backend="gloo")
@@ -61,6 +63,7 @@ def main() -> None:
         try:
             hooks.step_start(step)
             hooks.phase("forward")
+            time.sleep(args.step_time)
             g = torch.Generator().manual_seed(1000 * pos["batch"] + hooks.rank)
             pos["batch"] += 1
             x = torch.randn(16, 8, generator=g)

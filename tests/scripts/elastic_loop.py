@@ -1,0 +1,104 @@
+"""Test worker: a data-parallel loop that keeps its global batch through a live shrink
+(elastic-training, launcher.runtime.elastic).
+
+Every step consumes micro-batches 0..N-1 (N: the job's original world size); micro-batch j of
+step s is seeded by (s, j), whoever computes it. Each rank computes `rt.micro_batches` (its own,
+plus a lost replica's after a shrink), accumulating gradients, then `rt.allreduce_gradients`
+averages over the N micro-batches. After each committed step the rank appends {"step", "micro",
+"rank", "pid", "world", "dp"} to --consumed ('{rank}' replaced); a resize callback appends
+{"resize": [old, new], "pid"}. Rank 0 (or every rank with '{rank}' in --out) writes its final
+parameters to --out. `reference(steps, n)` is the same training in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+
+import torch  # noqa: E402
+
+
+def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100_003 * step + 17 * micro + 1)
+    x = torch.randn(8, 16, generator=g)
+    return x, x[:, :1] * 0.5 - x[:, 1:2]
+
+
+def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def reference(steps: int, n: int) -> dict[str, torch.Tensor]:
+    """The same training in one process: each step's gradient is the mean over its n
+    micro-batches."""
+    model, opt = model_and_optimizer()
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for j in range(n):
+            x, y = batch(step, j)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        for p in model.parameters():
+            p.grad.div_(n)
+        opt.step()
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def main() -> None:
+    import launcher.runtime as ftr
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--step-time", type=float, default=0.0)
+    ap.add_argument("--consumed", required=True)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    rt = ftr.init(backend="gloo")
+    model, opt = model_and_optimizer()
+    log = open(args.consumed.format(rank=rt.rank), "a", encoding="utf-8")
+
+    def note(**record: object) -> None:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+
+    rt.on_resize = lambda old, new: note(resize=[old, new], pid=os.getpid())
+    rt.register(model=model, optimizer=opt)
+    for step in rt.steps(args.steps):
+        micro = list(rt.micro_batches)
+        with step:
+            with step.phase("forward"):
+                time.sleep(args.step_time)
+                opt.zero_grad(set_to_none=True)
+            with step.phase("backward"):
+                for j in micro:
+                    x, y = batch(step.index, j)
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+                rt.allreduce_gradients(model)
+            with step.optimizer_update():
+                opt.step()
+        if not step.interrupted:
+            note(
+                step=step.index,
+                micro=micro,
+                rank=rt.rank,
+                pid=os.getpid(),
+                world=rt.world_size,
+                dp=rt.dp_size,
+            )
+    if rt.rank == 0 or "{rank}" in args.out:
+        path = args.out.format(rank=rt.rank)
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+    log.close()
+    rt.finish()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,162 @@
+"""Live shrink (issue 33, items 1-2; launcher.runtime.elastic, launcher.control.shrink): the
+micro-batch rule, and end to end on 4 real ranks under `--recover-strategy elastic-training`:
+rank 3 is killed mid-step, no rank restarts, the survivors continue at the interrupted step in a
+world of 3, every step consumes micro-batches 0..3 exactly once, and the parameters match the
+one-process reference within a measured bound (float summation order changes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+
+import pytest
+import torch
+from helpers_launch import FTRUN, env_with, events, script
+
+from launcher.runtime.elastic import micro_batches
+
+STEPS = 8
+KILL_STEP = 3
+# measured: the largest difference from the one-process reference was 6e-8 (float summation
+# order: micro-batches 0 and 3 summed on rank 0 first); the bound leaves room for that, not for
+# a lost or repeated micro-batch (which moves the parameters by 1e-3 and more)
+TOLERANCE = 1e-6
+
+
+@pytest.mark.parametrize(
+    "replicas, members, expect",
+    [
+        ((0, 1, 2, 3), (0, 1, 2, 3), {0: [0], 1: [1], 2: [2], 3: [3]}),
+        ((0, 1, 2, 3), (0, 1, 2), {0: [0, 3], 1: [1], 2: [2]}),
+        ((0, 1, 2, 3), (1, 3), {1: [1, 0], 3: [3, 2]}),
+        ((0, 1, 2, 3), (2,), {2: [2, 0, 1, 3]}),
+        ((0, 2, 4, 6), (0, 4, 6), {0: [0, 1], 4: [2], 6: [3]}),
+    ],
+)
+def test_every_micro_batch_goes_to_exactly_one_survivor(replicas, members, expect) -> None:
+    got = {r: micro_batches(replicas, members, r) for r in members}
+    assert got == expect
+    dealt = sorted(j for js in got.values() for j in js)
+    assert dealt == list(range(len(replicas)))
+
+
+def test_a_rank_outside_the_world_has_no_micro_batches() -> None:
+    with pytest.raises(ValueError, match="rank 3 is not a member"):
+        micro_batches((0, 1, 2, 3), (0, 1, 2), 3)
+
+
+def _script_module():
+    spec = importlib.util.spec_from_file_location("elastic_loop", script("elastic_loop.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _records(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+def test_a_killed_replica_is_dropped_live_and_the_global_batch_is_kept(tmp_path) -> None:
+    reference = _script_module().reference
+    plan = [{"rank": 3, "step": KILL_STEP, "phase": "backward", "kind": "kill"}]
+    cmd = FTRUN + [
+        "--nproc_per_node",
+        "4",
+        "--max_restarts",
+        "3",
+        "--recover-strategy",
+        "elastic-training",
+        "--log_dir",
+        str(tmp_path / "logs"),
+        script("elastic_loop.py"),
+        "--steps",
+        str(STEPS),
+        "--step-time",
+        "0.05",
+        "--consumed",
+        str(tmp_path / "consumed{rank}.jsonl"),
+        "--out",
+        str(tmp_path / "params.pt"),
+    ]
+    res = subprocess.run(
+        cmd,
+        env=env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="60"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(tmp_path),
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    ev = events(str(tmp_path / "logs"))
+    plans = [e for e in ev if e["event"] == "plan"]
+    assert [p["strategy"] for p in plans] == ["elastic-training"], out[-4000:]
+    shrink = next(e for e in ev if e["event"] == "world-shrink")
+    assert shrink["world"] == [0, 1, 2] and shrink["new_world_size"] == 3
+    spawns = [e for e in ev if e["event"] == "spawn"]
+    assert sorted(e["rank"] for e in spawns) == [0, 1, 2, 3]  # nobody restarted
+    pid_of = {e["rank"]: e["pid"] for e in spawns}
+    # every step consumed micro-batches 0..3 exactly once; the survivors kept their processes
+    consumed: dict[int, list[int]] = {}
+    for rank in range(4):
+        for rec in _records(tmp_path / f"consumed{rank}.jsonl"):
+            assert rec["pid"] == pid_of[rank]
+            if "resize" in rec:
+                assert rec["resize"] == [4, 3] and rank != 3
+                continue
+            consumed.setdefault(rec["step"], []).extend(rec["micro"])
+            assert (rec["world"], rec["dp"]) == ((4, 4) if rec["step"] < KILL_STEP else (3, 3))
+    assert {s: sorted(m) for s, m in consumed.items()} == {s: [0, 1, 2, 3] for s in range(STEPS)}
+    for rank in range(3):
+        assert any("resize" in x for x in _records(tmp_path / f"consumed{rank}.jsonl"))
+    got = torch.load(tmp_path / "params.pt", weights_only=True)
+    ref = reference(STEPS, 4)
+    worst = max((got[k] - ref[k]).abs().max().item() for k in ref)
+    assert worst <= TOLERANCE, f"largest difference from the reference: {worst:.3g}"
+    print(f"largest parameter difference from the one-process reference: {worst:.3g}")
+
+
+@pytest.mark.slow  # a restart-all from scratch: ~90 s on a loaded 2-core box
+def test_a_world_that_cannot_shrink_live_falls_back_to_restart_all(tmp_path) -> None:
+    """The framework hooks (tests/scripts/callbacks_loop.py) do not shrink live yet: the
+    elastic-training round falls back down the chain, saying why, and the job still ends."""
+    plan = [{"rank": 1, "step": 3, "phase": "backward", "kind": "kill"}]
+    cmd = FTRUN + [
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "3",
+        "--recover-strategy",
+        "elastic-training",
+        "--log_dir",
+        str(tmp_path / "logs"),
+        script("callbacks_loop.py"),
+        "--steps",
+        "6",
+        "--out",
+        str(tmp_path / "out{rank}.pt"),
+        "--events",
+        str(tmp_path / "cb{rank}.jsonl"),
+    ]
+    res = subprocess.run(
+        cmd,
+        env=env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="60"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=str(tmp_path),
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    ev = events(str(tmp_path / "logs"))
+    assert [e["strategy"] for e in ev if e["event"] == "plan"] == [
+        "elastic-training",
+        "restart-all",
+    ], out[-4000:]
+    fell = next(e for e in ev if e["event"] == "repair-plan")
+    assert fell["fallback"] == "restart-all"
+    assert "no live shrink: ranks [0] cannot continue in a smaller world" in out
+    assert not any(e["event"] == "world-shrink" for e in ev)
