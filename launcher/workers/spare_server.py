@@ -2,8 +2,12 @@
 
 Owns: the fork server's process. `python -u -m launcher.workers.spare_server FD --nice WARM,BASE`
 (`serve`) does the warm imports once (`launcher.workers.spare_process.warm_imports`: torch, the
-runtime: 1.5-2 CPU-s) at the spares' warm-up priority, returns to the agent's priority, reports
-ready with its thread count, and then, for every request on its unix socket, forks a spare
+runtime: 1.5-2 CPU-s; then the job's modules of `--imports FILE`) at the spares' warm-up
+priority, returns to the agent's priority, reports
+ready with its thread count, and then, for every request on its unix socket, either imports
+more of the job's modules (`{"imports": FILE}`: what the ranks imported by their first step,
+at the warm-up priority; a module that fails is skipped and named in the answer, `failed`) or
+forks a spare
 copy-on-write: an intermediate child forks the spare and exits at once, so the spare is
 reparented to the agent (a child subreaper, `launcher.workers.adopted`) and becomes the agent's
 own child, waited for and signalled like a Popen'd one. It forks only while it has exactly one
@@ -41,7 +45,15 @@ from types import ModuleType
 
 from launcher.workers.prctl import die_with_parent, set_process_name
 from launcher.workers.priority import run_priority, thread_ids, warm_priority
-from launcher.workers.spare_process import NICE_FLAG, parse_nice, run_job, warm_imports
+from launcher.workers.spare_process import (
+    IMPORTS_FLAG,
+    NICE_FLAG,
+    flag_value,
+    import_listed,
+    parse_nice,
+    run_job,
+    warm_imports,
+)
 
 HEAP_MODULE = "launcher.runtime.heap"  # the runtime's heap helpers, imported by name here
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in for writing (breaks copy-on-write)
@@ -50,6 +62,8 @@ PAGEMAP_CHUNK = 1 << 16  # pages per /proc/self/pagemap read (512 KB of entries)
 SERVER_NAME = b"ftrun-spare-srv"  # `ps` names: the server, and a forked spare until it is assigned
 SPARE_NAME = b"ftrun-spare"
 REPARENT_TIMEOUT_S = 5.0  # a forked spare waits this long to see the agent as its parent
+REQUEST_BYTES = 1 << 16  # a request from the agent is at most this long
+FAILED_NAMED = 8  # an answer names at most this many modules that failed to import
 
 
 class _Forked(Exception):
@@ -72,9 +86,10 @@ def _heap() -> ModuleType:
 
 
 # ------------------------------------------------------------------ the server process
-def serve(sock_fd: int, nice: tuple[int, int] = (0, 0)) -> None:
-    """The fork server's life (`nice`: its warm-up niceness and the agent's); raises `_Forked`
-    in each forked spare."""
+def serve(sock_fd: int, nice: tuple[int, int] = (0, 0), imports: str | None = None) -> None:
+    """The fork server's life (`nice`: its warm-up niceness and the agent's; `imports`: the
+    job's modules to import after the warm imports, an `--imports` file); raises `_Forked` in
+    each forked spare."""
     agent = os.getppid()
     sock = socket.socket(fileno=sock_fd)
     comm = set_process_name(SERVER_NAME)
@@ -82,37 +97,63 @@ def serve(sock_fd: int, nice: tuple[int, int] = (0, 0)) -> None:
     if warm != base:
         warm_priority(warm)
     warm_imports()
+    failed = import_listed(imports) if imports else []
     if warm != base:  # warm now: forks must not wait for idle CPU time
         run_priority(base)
     threads = len(thread_ids())
     try:
-        sock.send(json.dumps({"ready": True, "threads": threads}).encode())
+        sock.send(json.dumps({"ready": True, "threads": threads, **_failures(failed)}).encode())
         if threads != 1:
             return  # the agent falls back to spares that import torch themselves
         while True:
-            req = sock.recv(4096)
+            req = sock.recv(REQUEST_BYTES)
             if not req:
                 return  # the agent closed its end: done
-            try:
-                heap_bytes = max(0, int(json.loads(req).get("heap_bytes", 0)))
-            except (ValueError, AttributeError, TypeError):
-                heap_bytes = 0
-            if len(thread_ids()) != 1:
-                sock.send(
-                    json.dumps({"error": f"{len(thread_ids())} threads; not forking"}).encode()
-                )
-                continue
-            try:
-                pid, w = _fork_spare(sock, agent, comm, heap_bytes)
-            except OSError as exc:
-                sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
-                continue
-            try:
-                socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [w])
-            finally:
-                os.close(w)
+            if not _answer(sock, req, agent, comm, nice):
+                return
     except (BrokenPipeError, ConnectionResetError):
         return  # the agent is gone or stopped us
+
+
+def _failures(failed: list[tuple[str, str]]) -> dict:
+    """The modules that failed, for an answer of bounded size (the first few, and how many)."""
+    return {"failed": failed[:FAILED_NAMED], "failed_count": len(failed)}
+
+
+def _answer(
+    sock: socket.socket, req: bytes, agent: int, comm: bytes, nice: tuple[int, int]
+) -> bool:
+    """Answer one request: import the job's modules (`{"imports": FILE}`, at the warm-up
+    priority) or fork a spare; False once this server must not fork any more."""
+    try:
+        body = json.loads(req)
+        heap_bytes = max(0, int(body.get("heap_bytes", 0)))
+        imports = body.get("imports")
+    except (ValueError, AttributeError, TypeError):
+        heap_bytes, imports = 0, None
+    if isinstance(imports, str):
+        warm, base = nice
+        if warm != base:
+            warm_priority(warm)
+        failed = import_listed(imports)
+        if warm != base:
+            run_priority(base)
+        threads = len(thread_ids())
+        sock.send(json.dumps({"imported": True, "threads": threads, **_failures(failed)}).encode())
+        return threads == 1
+    if len(thread_ids()) != 1:
+        sock.send(json.dumps({"error": f"{len(thread_ids())} threads; not forking"}).encode())
+        return True
+    try:
+        pid, w = _fork_spare(sock, agent, comm, heap_bytes)
+    except OSError as exc:
+        sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
+        return True
+    try:
+        socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [w])
+    finally:
+        os.close(w)
+    return True
 
 
 def _fork_spare(
@@ -241,11 +282,12 @@ def become_spare(forked: _Forked) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """`FD [--nice WARM,BASE]`: serve on socket FD; in each forked spare, run its job."""
+    """`FD [--nice WARM,BASE] [--imports FILE]`: serve on socket FD; in each forked spare, run
+    its job."""
     nice = parse_nice(argv[argv.index(NICE_FLAG) + 1]) if NICE_FLAG in argv else (0, 0)
     forked = None
     try:
-        serve(int(argv[0]), nice)
+        serve(int(argv[0]), nice, flag_value(argv, IMPORTS_FLAG))
     except _Forked as exc:
         forked = exc
         exc.__traceback__ = None  # drop the server's frames
