@@ -92,3 +92,108 @@ def test_environment_and_spawn(tmp_path, monkeypatch) -> None:
         stop_workers(workers.all(), signal.SIGKILL, 0.0)
         reaper.stop()
         sp.stop()
+
+
+def _kill_at_step(log_dir, rank: int, committed: int, timeout: float = 60.0, then=None) -> float:
+    """SIGKILL `rank` once the agent's progress samples show it past step `committed` (the job
+    runs with FTRUN_PROGRESS_INTERVAL=0.1), then call `then()`; the time of the kill."""
+    import os
+    import time
+
+    from helpers_launch import events
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ev = events(str(log_dir)) if log_dir.exists() else []
+        spawned = {e["rank"]: e["pid"] for e in ev if e["event"] == "spawn"}
+        done = max(
+            (
+                p["committed_step"]
+                for e in ev
+                if e["event"] == "progress"
+                for r, p in e["ranks"].items()
+                if int(r) == rank
+            ),
+            default=-1,
+        )
+        if done >= committed:
+            os.kill(spawned[rank], signal.SIGKILL)
+            if then is not None:
+                then()
+            return time.time()
+        time.sleep(0.02)
+    raise AssertionError(f"rank {rank} never committed step {committed}")
+
+
+def test_a_spare_ready_first_overtakes_a_cold_replacement(tmp_path) -> None:
+    """Issue 32, item 3: a replacement that started cold (the fork server still importing) is
+    overtaken by the spare that becomes ready while the cold one still imports: the spare takes
+    the rank in the same round (one plan, no second fault), the cold process is killed and
+    reaped. The knob: FTRUN_SPARE_IMPORTS names a module whose import takes seconds in a
+    replacement and keeps the fork server (started with the workers) from being ready until 2 s
+    after the kill (tests/scripts/slow_import.py)."""
+    import os
+    import subprocess
+
+    from helpers_launch import FTRUN, env_with, events, script
+
+    slow_log, gate = tmp_path / "imported", tmp_path / "killed"
+    env = env_with(
+        FTRUN_SPARE_IMPORTS="slow_import",
+        FTRUN_TEST_SLOW_IMPORT_GATE=str(gate),
+        FTRUN_TEST_SLOW_IMPORT_S="2",
+        FTRUN_TEST_SLOW_IMPORT_COLD_S="60",
+        FTRUN_TEST_SLOW_IMPORT_LOG=str(slow_log),
+        FTRUN_PROGRESS_INTERVAL="0.1",
+        FTRUN_WARM_SPARES="1",
+    )
+    logs = tmp_path / "logs"
+    cmd = FTRUN + [
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "2",
+        "--log_dir",
+        str(logs),
+        script("slow_import_train.py"),
+        "--steps",
+        "14",
+        "--step-time",
+        "0.15",
+        "--out",
+        str(tmp_path / "out{rank}.pt"),
+    ]
+    with open(tmp_path / "out.txt", "w+") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            _kill_at_step(logs, 1, 1, then=gate.touch)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        text = out.read()
+    assert proc.returncode == 0, text[-6000:]
+    ev = events(str(logs))
+    spawns = [e for e in ev if e["event"] == "spawn" and e["rank"] == 1]
+    assert len(spawns) == 3, [e["message"] for e in spawns]  # first start, cold, the spare
+    cold, warm = spawns[1], spawns[2]
+    assert not cold.get("warm") and warm.get("warm") and warm["overtook"] == cold["pid"]
+    assert "became ready first" in warm["message"] and cold["generation"] == warm["generation"]
+    assert len([e for e in ev if e["event"] == "plan"]) == 1  # one round, no second fault
+    assert not [
+        e for e in ev if e["event"] in ("worker-failed", "fault") and e.get("pid") == cold["pid"]
+    ]
+    recovered = [e for e in ev if e["event"] == "rank-recovered" and e["rank"] == 1]
+    assert len(recovered) == 1 and recovered[0]["replacement"]
+    marks = recovered[0]["marks"]
+    # the replacement's start-up split: its process began running the script at its assignment,
+    # its imports were done when it called into the runtime (the slow module imported already)
+    assert marks["exec"] <= marks["imported"] <= marks["status"] <= marks["repaired"]
+    assert marks["imported"] - marks["exec"] < 2.0, marks
+    # the cold process never reached the agent, and is gone: killed, reaped by the agent
+    assert not [e for e in ev if e["event"] == "hello" and e["pid"] == cold["pid"]]
+    assert str(cold["pid"]) not in slow_log.read_text().split()  # still in its slow import
+    assert not os.path.exists(f"/proc/{cold['pid']}")
+    assert [e for e in ev if e["event"] == "spare-ready"]

@@ -137,6 +137,19 @@ class SparePool:
             return True
         return self._server_ready()
 
+    def hurry(self) -> None:
+        """A replacement is starting cold: the fork server (or a spare) still importing goes on
+        at the agent's priority now, round or not (the round waits for that import anyway, and
+        a spare ready first overtakes it)."""
+        procs: list[SpareProc] = list(self._procs)
+        if self._server is not None:
+            procs.append(self._server.proc)  # type: ignore[arg-type]
+        for proc in procs:
+            born, base = self._born.get(proc.pid, (0.0, None))
+            if base is not None and proc.poll() is None:
+                run_priority(base, proc.pid)
+                self._born[proc.pid] = (born, None)
+
     def _server_ready(self) -> bool:
         try:
             return self._server is not None and self._server.poll_ready()

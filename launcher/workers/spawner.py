@@ -263,7 +263,10 @@ class Spawner:
             if not cold.current or connected(w, pid):
                 del self.cold[local]  # it exited, was replaced, or reached the agent: it stays
                 continue
-            if self.spares is None or not self.spares.available():
+            if self.spares is None:
+                continue
+            if not self.spares.available():
+                self.spares.hurry()  # its import races the cold one's
                 continue
             if not freeze(pid) or connected(w, pid):
                 thaw(pid)  # a thread in the kernel, or it connected meanwhile: the next check
