@@ -1,7 +1,7 @@
 """What this rank has imported, told to its agent once so that warm spares import it first.
 
 Owns: `loaded_modules(script_dir)`: the modules in `sys.modules` at this rank's first committed
-step, in the order their imports began (a parent before its submodules), leaving out the
+step, in `sys.modules`' order (importing a submodule imports its parents), leaving out the
 standard library's, ftrun's own, aliases (an entry whose module calls itself by another name),
 the script itself and the modules of the script's own directory (the user's code: importing it
 in a spare would run it there). `StepPath.commit` sends them once (`Imports`); the agent's spare

@@ -423,6 +423,7 @@ class SparePool:
                 continue
             if nice is not None and "RANK" in env:
                 self._boosted[int(env["RANK"])] = (proc, base)
+            self._note_ready()  # one fewer ready: its successor's readiness is news again
             return proc
 
     def _fork_on_demand(self) -> SpareProc | None:
