@@ -753,9 +753,17 @@ def test_the_pool_records_when_its_spares_are_ready(tmp_path) -> None:
     )
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     pool.starting({0, 1}, time.monotonic() - 1.0)  # the workers started a second ago
+
+    def all_ready() -> None:  # a forked spare is ready once it owns its pages
+        deadline = time.monotonic() + 60
+        while pool.ready_count() < 2 and time.monotonic() < deadline:
+            pool.ensure(env)
+            time.sleep(0.02)
+        pool.ensure(env)
+
     try:
         _fill(pool, env)
-        pool.ensure(env)
+        all_ready()
         assert pool.ready_count() == 2 and pool.available()
         kind, msg, f = records[-1]
         assert kind == "spare-ready" and "2 of 2 warm spare(s) ready" in msg
@@ -765,7 +773,7 @@ def test_the_pool_records_when_its_spares_are_ready(tmp_path) -> None:
         n = len(records)
         proc = pool.take(env, [sys.executable, "-c", "pass"], module=False)
         assert proc is not None
-        pool.ensure(env)
+        all_ready()
         assert pool.ready_count() == 2 and len(records) == n + 1  # the successor's news
         proc.kill()
         proc.wait(timeout=30)

@@ -197,3 +197,94 @@ def test_a_spare_ready_first_overtakes_a_cold_replacement(tmp_path) -> None:
     assert str(cold["pid"]) not in slow_log.read_text().split()  # still in its slow import
     assert not os.path.exists(f"/proc/{cold['pid']}")
     assert [e for e in ev if e["event"] == "spare-ready"]
+
+
+def _run_job(tmp_path, cmd_tail: list[str], env: dict, kill=None) -> tuple[int, str, list]:
+    """Run ftrun (2 ranks, logs in tmp_path/logs) on `cmd_tail`; `kill(log_dir)` runs while it
+    runs. (exit code, output, events)."""
+    import subprocess
+
+    from helpers_launch import FTRUN, events
+
+    logs = tmp_path / "logs"
+    cmd = FTRUN + ["--nproc_per_node", "2", "--max_restarts", "2", "--log_dir", str(logs)]
+    with open(tmp_path / "out.txt", "w+") as out:
+        proc = subprocess.Popen(
+            cmd + cmd_tail, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path
+        )
+        try:
+            if kill is not None:
+                kill(logs)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        return proc.returncode, out.read(), events(str(logs))
+
+
+def test_the_pool_starts_with_the_workers_and_a_kill_once_it_is_ready_is_warm(tmp_path) -> None:
+    """Issue 32, items 2 and 4: for a script that names launcher.runtime the fork server starts
+    right after the workers (before any rank said hello), `spare-ready` says when it was ready;
+    the ranks' modules are learned at their first step; a kill after that is repaired by a warm
+    spare whose start-up split (exec -> imported) holds no imports."""
+    import time
+
+    from helpers_launch import env_with, events, script
+
+    stop = tmp_path / "stop"
+
+    def kill_when_ready(logs) -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            ev = events(str(logs)) if logs.exists() else []
+            if [e for e in ev if e["event"] == "spare-ready"]:
+                break
+            time.sleep(0.05)
+        _kill_at_step(logs, 1, 1)
+        while time.monotonic() < deadline:  # the job ends once the rank is back
+            ev = events(str(logs))
+            if [e for e in ev if e["event"] == "rank-recovered" and e["rank"] == 1]:
+                break
+            time.sleep(0.05)
+        stop.touch()
+
+    env = env_with(FTRUN_PROGRESS_INTERVAL="0.1", FTRUN_WARM_SPARES="1")
+    tail = [script("slow_import_train.py"), "--steps", "100000", "--step-time", "0.05"]
+    tail += ["--stop-file", str(stop), "--out", str(tmp_path / "o{rank}.pt")]
+    code, out, ev = _run_job(tmp_path, tail, env, kill_when_ready)
+    assert code == 0, out[-6000:]
+    started = next(e for e in ev if e["event"] == "spare" and "fork server started" in e["message"])
+    first_hello = next(e for e in ev if e["event"] == "hello")
+    assert started["time"] < first_hello["time"]  # with the workers, not at the first hello
+    ready = next(e for e in ev if e["event"] == "spare-ready")
+    assert ready["ready"] == 1 and ready["since_job_s"] >= ready["since_pool_s"] > 0
+    learned = next(e for e in ev if e["event"] == "spare-imports")
+    assert learned["new"] > 100  # torch's modules beyond what `import torch` loads, at least
+    warm = [e for e in ev if e["event"] == "spawn" and e["rank"] == 1 and e.get("replacement")]
+    assert len(warm) == 1 and warm[0]["warm"], out[-4000:]
+    (rec,) = [e for e in ev if e["event"] == "rank-recovered" and e["rank"] == 1]
+    marks = rec["marks"]
+    assert marks["exec"] <= marks["imported"] <= marks["status"] <= marks["repaired"]
+    assert marks["imported"] - marks["exec"] < 1.0, marks  # nothing left to import
+
+
+def test_an_unmodified_job_starts_no_spare(tmp_path) -> None:
+    """Issue 32, item 2: a torchrun script that never uses the runtime pays nothing: no fork
+    server, no spare (the pool waits for a rank's hello)."""
+    from helpers_launch import env_with
+
+    job = tmp_path / "plain.py"
+    job.write_text(
+        "import time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.ones(1)\n"
+        "dist.all_reduce(t)\n"
+        "time.sleep(1.0)\n"
+        "assert t.item() == 2\n"
+        "dist.destroy_process_group()\n"
+    )
+    code, out, ev = _run_job(tmp_path, [str(job)], env_with())
+    assert code == 0, out[-4000:]
+    assert not [e for e in ev if e["event"] in ("spare", "spare-ready", "hello")]

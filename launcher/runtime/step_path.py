@@ -193,7 +193,8 @@ class StepPath:
             # and import what this rank imported by now (launcher.runtime.loaded)
             self._state_told = True
             self.links.channel.update(state_bytes=state.reg.state_bytes())
-            self.links.channel.send(Imports(self.links.rank, loaded_modules()))
+            if not self.links.env.replacement:  # a spare's copy would name the spare's
+                self.links.channel.send(Imports(self.links.rank, loaded_modules()))
         # the agent's hang watch learns step times from this, however the heartbeats of a fast
         # loop are coalesced (it may never see two steps' starts apart)
         if state.step_t0 is not None:

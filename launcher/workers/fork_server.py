@@ -75,6 +75,7 @@ class ForkServer:
         self.failed: list[list[str]] = []
         self.failed_count = 0
         self.answers = 0  # answers read (the ready one, then one per `extend`)
+        self.new_modules = 0  # modules the last `extend` added (0: its spares lack nothing)
 
     def extend(self, imports: str) -> None:
         """Import the modules an `--imports` file lists (the server answers when done; until
@@ -110,6 +111,7 @@ class ForkServer:
         self.threads = int(info.get("threads", 0))
         self.failed = [list(f) for f in info.get("failed", [])]
         self.failed_count = int(info.get("failed_count", len(self.failed)))
+        self.new_modules = int(info.get("new", 0))
         if self.threads != 1:
             raise OSError(
                 f"the fork server has {self.threads} threads after its imports; "
@@ -118,16 +120,21 @@ class ForkServer:
         self.ready, self.busy = True, False
         return True
 
-    def fork(self, timeout: float = FORK_TIMEOUT_S, heap_bytes: int = 0) -> AdoptedChild:
+    def fork(
+        self, timeout: float = FORK_TIMEOUT_S, heap_bytes: int = 0, prepare: bool = True
+    ) -> tuple[AdoptedChild, int]:
         """A new warm spare, the agent's own child, that faults in `heap_bytes` of heap while
-        it waits (`launcher.runtime.heap`); raises OSError when the server cannot."""
+        it waits (`launcher.runtime.heap`; with `prepare` false, for a replacement waiting now,
+        it neither owns its pages nor faults its heap in), and the read end of the pipe it
+        writes one byte to once prepared; raises OSError when the server cannot."""
         assert self.ready and not self.busy
         deadline = time.monotonic() + timeout  # one bound for the request and its answer
         self.sock.settimeout(timeout)
         try:
-            self.sock.send(json.dumps({"fork": True, "heap_bytes": int(heap_bytes)}).encode())
+            req = {"fork": True, "heap_bytes": int(heap_bytes), "prepare": prepare}
+            self.sock.send(json.dumps(req).encode())
             self.sock.settimeout(max(0.001, deadline - time.monotonic()))
-            msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 1)
+            msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 2)
         except (OSError, socket.timeout) as exc:
             raise OSError(f"no answer from the fork server ({exc or 'timeout'})") from exc
         finally:
@@ -137,16 +144,17 @@ class ForkServer:
                 os.close(fd)
             raise OSError(f"the fork server closed its socket (exit {self.proc.poll()})")
         info = json.loads(msg)
-        if "pid" not in info or len(fds) != 1:
+        if "pid" not in info or len(fds) != 2:
             for fd in fds:
                 os.close(fd)
             raise OSError(info.get("error", f"bad answer {msg!r}"))
         try:
             child = AdoptedChild(int(info["pid"]), os.fdopen(fds[0], "wb"))
         except OSError:
-            os.close(fds[0])
+            for fd in fds:
+                os.close(fd)
             raise
-        return child
+        return child, fds[1]
 
     def alive(self) -> bool:
         return self.proc.poll() is None

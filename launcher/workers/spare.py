@@ -247,12 +247,14 @@ class SparePool:
                     self._escalate_proc(self._server.proc.pid, self._server.proc)
                 return True
             self._say_failed_imports()
-            # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
-            if self.held() or self._extend_server():
+            if (
+                self.held()
+            ):  # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
                 return True
             self._drop_stale()
             while self.ready() < self.count:
                 self._fork_one(self.heap_bytes)
+            self._extend_server()  # spares first: one without the job's modules beats none
             return True
         except (OSError, ValueError) as exc:
             self.log(f"spare fork server unusable ({exc}); warm spares import torch themselves")
@@ -273,12 +275,12 @@ class SparePool:
             + (" and the job's modules" if self.imports else "")
         )
 
-    def _fork_one(self, heap_bytes: int) -> SpareProc:
+    def _fork_one(self, heap_bytes: int, prepare: bool = True) -> SpareProc:
         assert self._server is not None
         t0 = time.monotonic()
-        proc = self._server.fork(heap_bytes=heap_bytes)
+        proc, ready_fd = self._server.fork(heap_bytes=heap_bytes, prepare=prepare)
         self._procs.append(proc)
-        self.readiness.add(proc.pid)
+        self.readiness.watch(proc.pid, ready_fd)
         self.log(
             f"warm spare started (pid {proc.pid}, forked in "
             f"{(time.monotonic() - t0) * 1e3:.1f} ms; {len(self._procs)} of {self.count})"
@@ -287,7 +289,8 @@ class SparePool:
 
     def _extend_server(self) -> bool:
         """Ask the ready server to import the job's modules listed since it started: True when
-        it is busy with them now (the idle spares forked before are replaced once it is done)."""
+        it is busy with them now (the idle spares forked before are replaced once it is done:
+        they serve until then)."""
         server = self._server
         if server is None or self.imports is None or self._imports_sent:
             return False
@@ -313,7 +316,11 @@ class SparePool:
             )
 
     def _drop_stale(self) -> None:
-        """Idle spares forked before the server's latest imports make way for fresh forks."""
+        """Idle spares forked before the server's latest imports make way for fresh forks (when
+        those imports added any module)."""
+        if self._server is None or not self._server.new_modules:
+            self._stale = set()
+            return
         for proc in [p for p in self._procs if p.pid in self._stale]:
             self._procs.remove(proc)
             self._born.pop(proc.pid, None)
@@ -430,7 +437,7 @@ class SparePool:
         """A spare forked for a replacement that found none idle (no heap faulted in first: the
         replacement's state arrives into fresh pages, as a cold one's would)."""
         try:
-            proc = self._fork_one(0)
+            proc = self._fork_one(0, prepare=False)
         except (OSError, ValueError) as exc:
             self.log(f"spare fork server could not fork a spare now ({exc})")
             return None
@@ -460,9 +467,10 @@ class SparePool:
 
 
 class Readiness:
-    """Which spares are ready to take a rank (forked from a ready server: at once; a spare that
-    imports torch itself: once it wrote its ready byte), and when the ready count first grew,
-    for `spare-ready`. Owned by one `SparePool`."""
+    """Which spares are ready to take a rank (each writes one byte to its ready pipe: a forked
+    one once it owns its pages and faulted its heap in, one that imports torch itself once its
+    imports are done), and when the ready count first grew, for `spare-ready`. Owned by one
+    `SparePool`."""
 
     def __init__(self) -> None:
         self.job_start: float | None = None  # monotonic: the job's workers started
@@ -475,9 +483,6 @@ class Readiness:
     def pool_started(self) -> None:
         if self.pool_start is None:
             self.pool_start = time.monotonic()
-
-    def add(self, pid: int) -> None:
-        self._warm.add(pid)
 
     def watch(self, pid: int, fd: int) -> None:
         os.set_blocking(fd, False)

@@ -1,26 +1,27 @@
 """Inside the spare fork server: one warm process per node that forks warm spares in milliseconds.
 
-Owns: the fork server's process. `python -u -m launcher.workers.spare_server FD --nice WARM,BASE`
-(`serve`) does the warm imports once (`launcher.workers.spare_process.warm_imports`: torch, the
-runtime: 1.5-2 CPU-s; then the job's modules of `--imports FILE`) at the spares' warm-up
-priority, returns to the agent's priority, reports
-ready with its thread count, and then, for every request on its unix socket, either imports
-more of the job's modules (`{"imports": FILE}`: what the ranks imported by their first step,
-at the warm-up priority; a module that fails is skipped and named in the answer, `failed`) or
-forks a spare
-copy-on-write: an intermediate child forks the spare and exits at once, so the spare is
-reparented to the agent (a child subreaper, `launcher.workers.adopted`) and becomes the agent's
-own child, waited for and signalled like a Popen'd one. It forks only while it has exactly one
-thread (no thread pool of torch's started: it never runs a tensor op) and answers an error
-otherwise. The spare starts its own session, sets `PR_SET_PDEATHSIG(SIGKILL)` only once it sees
-the agent as its parent (the death signal would fire at the reparenting), reads its assignment
-line (the same JSON as a Popen'd spare's stdin) from a pipe the server made for it, whose write
-end goes to the agent with the reply (`socket.send_fds`), and then runs the script exactly like
-a Popen'd spare (`launcher.workers.spare_process.run_job`). EOF on that pipe means "not needed":
-it exits 0. Before it waits for the assignment, a forked spare makes every page it shares with
-the server its own (`own_pages`): otherwise the replacement's first pass through the
-interpreter's and torch's state pays a copy-on-write fault per page it writes to (refcounts:
-nearly every page it touches), ~15 ms of its start-up inside the recovery, measured here.
+Owns: the fork server's process. `python -u -m launcher.workers.spare_server FD --nice
+WARM,BASE` (`serve`) does the warm imports once (`launcher.workers.spare_process.warm_imports`:
+torch, the runtime: 1.5-2 CPU-s; then the job's modules of `--imports FILE`) at the spares'
+warm-up priority, returns to the agent's priority, reports ready with its thread count, and
+then, for every request on its unix socket, either imports more of the job's modules
+(`{"imports": FILE}`: what the ranks imported by their first step, at the warm-up priority; a
+module that fails is skipped and named in the answer, `failed`) or forks a spare copy-on-write:
+an intermediate child forks the spare and exits at once, so the spare is reparented to the agent
+(a child subreaper, `launcher.workers.adopted`) and becomes the agent's own child, waited for
+and signalled like a Popen'd one. It forks only while it has exactly one thread (no thread pool
+of torch's started: it never runs a tensor op) and answers an error otherwise. The spare starts
+its own session, sets `PR_SET_PDEATHSIG(SIGKILL)` only once it sees the agent as its parent (the
+death signal would fire at the reparenting), reads its assignment line (the same JSON as a
+Popen'd spare's stdin) from a pipe the server made for it, whose write end goes to the agent
+with the reply (`socket.send_fds`, with the read end of a pipe on which the spare writes one
+byte once it is prepared: the pool's `spare-ready`), and then runs the script exactly like a
+Popen'd spare (`launcher.workers.spare_process.run_job`). EOF on that pipe means "not needed":
+it exits 0. Before it waits for the assignment (unless forked for a replacement that waits:
+`prepare` false), a forked spare makes every page it shares with the server its own
+(`own_pages`): otherwise the replacement's first pass through the interpreter's and torch's
+state pays a copy-on-write fault per page it writes to (refcounts: nearly every page it
+touches), ~15 ms of its start-up inside the recovery, measured here.
 The agent's handle on this process is `launcher.workers.fork_server.ForkServer`.
 
 The heap a forked spare faults in for its replacement is the runtime's
@@ -70,9 +71,19 @@ class _Forked(Exception):
     """Raised in a forked spare: unwinds the server's loop so the job runs at the top level
     (its exceptions, exit code and atexit handlers as in `python script`)."""
 
-    def __init__(self, assignment_fd: int, agent: int, comm: bytes, heap_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        assignment_fd: int,
+        agent: int,
+        comm: bytes,
+        heap_bytes: int = 0,
+        ready_fd: int = -1,
+        prepare: bool = True,
+    ) -> None:
         super().__init__("forked spare")
         self.assignment_fd = assignment_fd
+        self.ready_fd = ready_fd  # one byte written here once prepared (-1: none)
+        self.prepare = prepare  # own its pages and fault its heap in (idle time) first
         self.agent = agent
         self.comm = comm  # the process name to take back when the job starts
         self.heap_bytes = (
@@ -128,45 +139,49 @@ def _answer(
     try:
         body = json.loads(req)
         heap_bytes = max(0, int(body.get("heap_bytes", 0)))
-        imports = body.get("imports")
+        imports, prepare = body.get("imports"), bool(body.get("prepare", True))
     except (ValueError, AttributeError, TypeError):
-        heap_bytes, imports = 0, None
+        heap_bytes, imports, prepare = 0, None, True
     if isinstance(imports, str):
         warm, base = nice
         if warm != base:
             warm_priority(warm)
+        before = len(sys.modules)
         failed = import_listed(imports)
         if warm != base:
             run_priority(base)
-        threads = len(thread_ids())
-        sock.send(json.dumps({"imported": True, "threads": threads, **_failures(failed)}).encode())
+        threads, new = len(thread_ids()), len(sys.modules) - before
+        answer = {"imported": True, "new": new, "threads": threads, **_failures(failed)}
+        sock.send(json.dumps(answer).encode())
         return threads == 1
     if len(thread_ids()) != 1:
         sock.send(json.dumps({"error": f"{len(thread_ids())} threads; not forking"}).encode())
         return True
     try:
-        pid, w = _fork_spare(sock, agent, comm, heap_bytes)
+        pid, w, ready = _fork_spare(sock, agent, comm, heap_bytes, prepare)
     except OSError as exc:
         sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
         return True
     try:
-        socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [w])
+        socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [w, ready])
     finally:
         os.close(w)
+        os.close(ready)
     return True
 
 
 def _fork_spare(
-    sock: socket.socket, agent: int, comm: bytes, heap_bytes: int = 0
-) -> tuple[int, int]:
-    """Double-fork a spare; (its pid, the write end of its assignment pipe). In the spare this
-    raises `_Forked`."""
+    sock: socket.socket, agent: int, comm: bytes, heap_bytes: int = 0, prepare: bool = True
+) -> tuple[int, int, int]:
+    """Double-fork a spare; (its pid, the write end of its assignment pipe, the read end of its
+    ready pipe). In the spare this raises `_Forked`."""
     r, w = os.pipe()
     pr, pw = os.pipe()
+    yr, yw = os.pipe()
     try:
         mid = os.fork()
     except OSError:
-        for fd in (r, w, pr, pw):
+        for fd in (r, w, pr, pw, yr, yw):
             os.close(fd)
         raise
     if mid == 0:  # the intermediate: fork the spare, report its pid, exit at once
@@ -175,17 +190,18 @@ def _fork_spare(
         except BaseException:  # noqa: BLE001
             os._exit(1)
         if pid == 0:
-            for fd in (w, pr, pw):
+            for fd in (w, pr, pw, yr):
                 os.close(fd)
             sock.close()
             set_process_name(SPARE_NAME)
-            raise _Forked(r, agent, comm, heap_bytes)
+            raise _Forked(r, agent, comm, heap_bytes, yw, prepare)
         try:
             os.write(pw, pid.to_bytes(4, "little"))
         finally:
             os._exit(0)
     os.close(pw)
     os.close(r)
+    os.close(yw)
     try:
         data = b""
         while len(data) < 4:
@@ -198,8 +214,9 @@ def _fork_spare(
         os.waitpid(mid, 0)  # exits right after the write; the spare is the agent's child now
     if len(data) != 4:
         os.close(w)
+        os.close(yr)
         raise OSError("the intermediate child did not report the spare's pid")
-    return int.from_bytes(data, "little"), w
+    return int.from_bytes(data, "little"), w, yr
 
 
 def own_pages() -> tuple[int, str | None]:
@@ -262,9 +279,18 @@ def become_spare(forked: _Forked) -> None:
     die_with_parent(forked.agent, new_session=False)
     if "numpy.random" in sys.modules:  # a fresh process seeds numpy's global RNG from entropy
         sys.modules["numpy.random"].seed()
-    own_pages()  # the pages it cannot own are copied on first write, as before
-    heap = _heap()
-    prepared = heap.prepare(forked.heap_bytes)
+    heap, prepared = _heap(), 0
+    # idle-time work: a spare forked for a replacement waiting now skips it (its job copies
+    # the pages it writes, as a cold process would)
+    if forked.prepare:
+        own_pages()  # the pages it cannot own are copied on first write, as before
+        prepared = heap.prepare(forked.heap_bytes)
+    if forked.ready_fd >= 0:
+        try:
+            os.write(forked.ready_fd, b"r")  # the pool's `spare-ready`
+            os.close(forked.ready_fd)
+        except OSError:
+            pass
     line = b""
     while not line.endswith(b"\n"):
         chunk = os.read(forked.assignment_fd, 65536)
