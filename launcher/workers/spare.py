@@ -305,15 +305,10 @@ class SparePool:
 
     def _say_failed_imports(self) -> None:
         server = self._server
-        if server is None or server.answers == self._answers_seen:
-            return
-        self._answers_seen = server.answers
-        if server.failed_count:
-            named = "; ".join(f"{n} ({why})" for n, why in server.failed[:5])
-            self.log(
-                f"spare fork server: {server.failed_count} of the job's modules not imported "
-                f"(skipped; a replacement imports them itself): {named}"
-            )
+        if server is not None and server.answers != self._answers_seen:
+            self._answers_seen = server.answers
+            if server.failed_count:
+                self.log(failed_imports_line(server.failed_count, server.failed))
 
     def _drop_stale(self) -> None:
         """Idle spares forked before the server's latest imports make way for fresh forks (when
@@ -527,6 +522,15 @@ class Readiness:
         for pid in list(self._fds):
             self.forget(pid)
         self._warm.clear()
+
+
+def failed_imports_line(count: int, failed: list[list[str]]) -> str:
+    """One line naming the job's modules the fork server could not import (skipped)."""
+    named = "; ".join(f"{n} ({why})" for n, why in failed[:5])
+    return (
+        f"spare fork server: {count} of the job's modules not imported (skipped; a "
+        f"replacement imports them itself): {named}"
+    )
 
 
 def _wait(proc: SpareProc, log: Callable[[str], None], timeout: float) -> None:
