@@ -251,8 +251,9 @@ class SparePool:
                 self.held()
             ):  # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
                 return True
-            self._drop_stale()
-            while self.ready() < self.count:
+            self._retire_stale()
+            # stale ones serve meanwhile
+            while self.ready() - sum(p.pid in self._stale for p in self._procs) < self.count:
                 self._fork_one(self.heap_bytes)
             self._extend_server()  # spares first: one without the job's modules beats none
             return True
@@ -310,18 +311,17 @@ class SparePool:
             if server.failed_count:
                 self.log(failed_imports_line(server.failed_count, server.failed))
 
-    def _drop_stale(self) -> None:
-        """Idle spares forked before the server's latest imports make way for fresh forks (when
-        those imports added any module)."""
+    def _retire_stale(self) -> None:
+        """Idle spares forked before the server's latest imports (when those added any module)
+        make way for fresh forks once as many fresh ones are ready: until then they serve."""
         if self._server is None or not self._server.new_modules:
             self._stale = set()
-            return
-        for proc in [p for p in self._procs if p.pid in self._stale]:
-            self._procs.remove(proc)
-            self._born.pop(proc.pid, None)
-            proc.kill()
-            _wait(proc, self.log, STOP_S)
-        self._stale = set()
+        ready = self.readiness.poll() - self._stale
+        if self._stale and len([p for p in self._procs if p.pid in ready]) >= self.count:
+            stale = [p for p in self._procs if p.pid in self._stale]
+            self._procs = [p for p in self._procs if p.pid not in self._stale]
+            _kill_idle(stale, self._born, self.log)
+            self._stale = set()
 
     def _stop_server(self, timeout: float = STOP_S) -> None:
         server, self._server = self._server, None
@@ -401,8 +401,8 @@ class SparePool:
             )
             + "\n"
         ).encode()
-        warm = self.readiness.poll()
-        self._procs.sort(key=lambda p: p.pid not in warm)  # stable: the oldest ready one first
+        warm = self.readiness.poll()  # stable sort: the oldest ready fresh one first
+        self._procs.sort(key=lambda p: (p.pid not in warm, p.pid in self._stale))
         forked = False  # at most one spare forked on the spot per take
         while True:
             if self._procs:
@@ -415,6 +415,7 @@ class SparePool:
                 return None
             self._born.pop(proc.pid, None)
             self.readiness.forget(proc.pid)
+            self._stale.discard(proc.pid)
             if proc.poll() is not None or proc.stdin is None:
                 continue
             err = _assign(proc, line, ASSIGN_TIMEOUT_S)
@@ -531,6 +532,14 @@ def failed_imports_line(count: int, failed: list[list[str]]) -> str:
         f"spare fork server: {count} of the job's modules not imported (skipped; a "
         f"replacement imports them itself): {named}"
     )
+
+
+def _kill_idle(procs: list[SpareProc], born: dict, log: Callable[[str], None]) -> None:
+    """Kill idle spares (nothing to lose) and wait for each."""
+    for proc in procs:
+        born.pop(proc.pid, None)
+        proc.kill()
+        _wait(proc, log, STOP_S)
 
 
 def _wait(proc: SpareProc, log: Callable[[str], None], timeout: float) -> None:
