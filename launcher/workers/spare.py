@@ -23,7 +23,8 @@ script at the agent's priority, and returns to it the moment it is assigned, als
 taken before its imports finished. The pool moves a spare (or the server) to the agent's
 priority itself after `idle_limit` (2 s) of warm-up, except while a recovery round and the step
 it resumes at run, and while the job's ranks start (`starting`: until each committed its first
-step, the pool's imports take only idle CPU time and never slow the ranks' own start-up):
+step, the pool's imports take only idle CPU time: SCHED_IDLE, which on a node without idle
+CPUs still cost the ranks' first step ~1.8 s, measured; see the user guide):
 training that keeps every CPU busy leaves SCHED_IDLE no time, and a spare that never finishes
 `import torch` makes the next fault start cold. No spare is started or forked while a round
 holds the pool (but for the one `take` forks for the round itself).
