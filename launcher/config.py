@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shlex
 import signal
 import socket
@@ -142,6 +143,14 @@ class LaunchConfig:
     notes: list[str] = field(default_factory=list)  # one-line remarks logged at start
     # spare pool and agent phases (FTRUN_SPARE_FORK, FTRUN_PHASE_TIMEOUT)
     spare_fork: bool = True  # FTRUN_SPARE_FORK: warm spares forked from one fork server per node
+    # FTRUN_SPARE_START: when the spare pool starts: "auto" (with the workers when the script
+    # names launcher.runtime and the node has more CPUs than local ranks, else at the first
+    # rank's hello), "workers", "hello"
+    spare_start: str = "auto"
+    # FTRUN_SPARE_IMPORTS: modules the spares import besides torch and those the ranks report
+    spare_imports: list[str] = field(default_factory=list)
+    # FTRUN_SPARE_LEARN: spares import the modules the ranks had loaded by their first step
+    spare_learn: bool = True
     phase_timeout: float = 120.0  # FTRUN_PHASE_TIMEOUT: s each recovery phase may take
 
     @property
@@ -924,13 +933,45 @@ DEFAULT_PHASE_TIMEOUT = LaunchConfig.phase_timeout  # the field's default
 
 
 def _spare_and_phases(cfg: LaunchConfig, env: dict[str, str]) -> None:
-    """FTRUN_SPARE_FORK and FTRUN_PHASE_TIMEOUT. (FTRUN_SPARE_NICE was no user setting but the
+    """FTRUN_SPARE_FORK, FTRUN_SPARE_START, FTRUN_SPARE_IMPORTS, FTRUN_SPARE_LEARN and
+    FTRUN_PHASE_TIMEOUT. (FTRUN_SPARE_NICE was no user setting but the
     warm-up priority the agent handed a spare or the fork server: now in their command line,
     `launcher.workers.spare_process.nice_args`.)"""
     # 1 (default): warm spares are forked from one fork server per node that imported torch
     # once; 0: each spare imports torch itself
     cfg.spare_fork = parse_switch("FTRUN_SPARE_FORK", env.get("FTRUN_SPARE_FORK", ""), True)
+    cfg.spare_start = parse_spare_start(env.get("FTRUN_SPARE_START", ""))
+    cfg.spare_imports = parse_spare_imports(env.get("FTRUN_SPARE_IMPORTS", ""))
+    cfg.spare_learn = parse_switch("FTRUN_SPARE_LEARN", env.get("FTRUN_SPARE_LEARN", ""), True)
     cfg.phase_timeout = parse_phase_timeout(env.get("FTRUN_PHASE_TIMEOUT", ""))
+
+
+SPARE_STARTS = ("auto", "workers", "hello")
+_MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
+def parse_spare_start(raw: str) -> str:
+    """FTRUN_SPARE_START: when the node's spare pool starts (default auto)."""
+    value = raw.strip().lower() or "auto"
+    if value not in SPARE_STARTS:
+        raise ConfigError(
+            f"FTRUN_SPARE_START={raw!r}: must be one of {', '.join(SPARE_STARTS)} (auto: with the "
+            "workers when the script names launcher.runtime and a CPU is free beside the ranks, "
+            "else at the first rank's hello)"
+        )
+    return value
+
+
+def parse_spare_imports(raw: str) -> list[str]:
+    """FTRUN_SPARE_IMPORTS: comma-separated module names (e.g. megatron.core,transformers)."""
+    names = [n.strip() for n in raw.split(",") if n.strip()]
+    for name in names:
+        if not _MODULE_NAME.fullmatch(name):
+            raise ConfigError(
+                f"FTRUN_SPARE_IMPORTS={raw!r}: {name!r} is not a module name (comma-separated "
+                "dotted names, e.g. megatron.core,transformers)"
+            )
+    return names
 
 
 def parse_phase_timeout(raw: str) -> float:

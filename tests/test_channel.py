@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import socket
+import time
 
 from launcher.protocol.messages import Heartbeat, Hello, Stop
 from launcher.workers.channel import ChannelMessage, ChannelServer
@@ -40,3 +41,24 @@ def test_hello_heartbeat_and_push(tmp_path) -> None:
     finally:
         srv.stop()
     assert not os.path.exists(path)
+
+
+def test_connecting_knows_a_connection_by_its_process_and_a_pending_one(tmp_path) -> None:
+    """Issue 32: a spare may overtake a cold replacement only while that process has no
+    connection to the channel (open, or waiting to be accepted)."""
+    q: queue.Queue = queue.Queue()
+    path = str(tmp_path / "c.sock")
+    srv = ChannelServer(path, q)
+    try:
+        assert not srv.connecting(os.getpid())
+        c = socket.socket(socket.AF_UNIX)
+        c.connect(path)  # no hello yet: known by its process (SO_PEERCRED) once accepted
+        other = os.getpid() + 1_000_000
+        deadline = time.monotonic() + 5
+        while srv.connecting(other) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not srv.connecting(other)  # a pending one might be anyone's; accepted, it is known
+        assert srv.connecting(os.getpid())
+        c.close()
+    finally:
+        srv.stop()

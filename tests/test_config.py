@@ -354,6 +354,26 @@ def test_spare_fork_is_on_unless_switched_off() -> None:
     assert cfg(env={"FTRUN_SPARE_FORK": " Off "}).spare_fork is False
 
 
+def test_spare_start_imports_and_learning() -> None:
+    """Issue 32: when the pool starts (auto by default), the modules the spares import besides
+    torch (none named by default), and whether they learn the ranks' (on by default)."""
+    c = cfg()
+    assert (c.spare_start, c.spare_imports, c.spare_learn) == ("auto", [], True)
+    c = cfg(
+        env={
+            "FTRUN_SPARE_START": " Workers ",
+            "FTRUN_SPARE_IMPORTS": "megatron.core, transformers,,",
+            "FTRUN_SPARE_LEARN": "0",
+        }
+    )
+    assert (c.spare_start, c.spare_imports, c.spare_learn) == (
+        "workers",
+        ["megatron.core", "transformers"],
+        False,
+    )
+    assert cfg(env={"FTRUN_SPARE_START": "hello"}).spare_start == "hello"
+
+
 def test_phase_timeout_defaults_to_120_s_and_takes_seconds() -> None:
     assert cfg().phase_timeout == 120.0
     assert cfg(env={"FTRUN_PHASE_TIMEOUT": "7.5"}).phase_timeout == 7.5
@@ -363,6 +383,10 @@ def test_phase_timeout_defaults_to_120_s_and_takes_seconds() -> None:
     "env, needle",
     [
         ({"FTRUN_SPARE_FORK": "maybe"}, "FTRUN_SPARE_FORK='maybe': must be 1"),
+        ({"FTRUN_SPARE_START": "soon"}, "FTRUN_SPARE_START='soon': must be one of auto, workers"),
+        ({"FTRUN_SPARE_IMPORTS": "a,b-c"}, "FTRUN_SPARE_IMPORTS='a,b-c': 'b-c' is not a module"),
+        ({"FTRUN_SPARE_IMPORTS": "x..y"}, "'x..y' is not a module name"),
+        ({"FTRUN_SPARE_LEARN": "maybe"}, "FTRUN_SPARE_LEARN='maybe': must be 1"),
         ({"FTRUN_PHASE_TIMEOUT": "soon"}, "FTRUN_PHASE_TIMEOUT='soon': must be a number"),
         ({"FTRUN_PHASE_TIMEOUT": "0"}, "FTRUN_PHASE_TIMEOUT='0': must be a number of seconds > 0"),
         ({"FTRUN_PHASE_TIMEOUT": "-3"}, "FTRUN_PHASE_TIMEOUT='-3': must be"),

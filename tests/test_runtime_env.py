@@ -66,3 +66,19 @@ def test_bad_values_are_named(change, match):
 def test_missing_world_size():
     with pytest.raises(ValueError, match="WORLD_SIZE is not set"):
         RuntimeEnv.from_environ({"RANK": "0"})
+
+
+def test_a_replacement_knows_when_it_began_running_the_script() -> None:
+    """Issue 32 (the start-up split): a warm spare's assignment time (FTRUN_EXEC_TIME), else the
+    process's own start (a cold replacement: its interpreter's start, before now)."""
+    import time
+
+    from launcher.runtime.env import exec_time, process_start_time
+
+    base = {"WORLD_SIZE": "2", "RANK": "1", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    env = RuntimeEnv.from_environ({**base, "FTRUN_REPLACEMENT": "1", "FTRUN_EXEC_TIME": "12.5"})
+    assert env.exec_time == 12.5
+    assert RuntimeEnv.from_environ({**base, "FTRUN_REPLACEMENT": "0"}).exec_time is None
+    started = process_start_time()
+    assert started is not None and 0 <= time.time() - started < 3600
+    assert exec_time({}) == started and exec_time({"FTRUN_EXEC_TIME": "x"}) == started

@@ -738,3 +738,172 @@ def test_a_forked_spare_faults_in_the_heap_the_largest_state_needs(tmp_path) -> 
 
     _run_on_a_forked_spare([str(script)], sizes)
     assert int(json.loads(out.read_text())["heap"]) >= 48 << 20
+
+
+def test_the_pool_records_when_its_spares_are_ready(tmp_path) -> None:
+    """Issue 32, item 2: `spare-ready` says how many spares are ready and how soon after the
+    job's workers and the pool started; a spare taken makes its successor's readiness news."""
+    records: list[tuple[str, str, dict]] = []
+    pool = SparePool(
+        sys.executable,
+        lambda m: None,
+        count=2,
+        fork=True,
+        record=lambda kind, msg, **f: records.append((kind, msg, f)),
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    pool.starting({0, 1}, time.monotonic() - 1.0)  # the workers started a second ago
+
+    def all_ready() -> None:  # a forked spare is ready once it owns its pages
+        deadline = time.monotonic() + 60
+        while pool.ready_count() < 2 and time.monotonic() < deadline:
+            pool.ensure(env)
+            time.sleep(0.02)
+        pool.ensure(env)
+
+    try:
+        _fill(pool, env)
+        all_ready()
+        assert pool.ready_count() == 2 and pool.available()
+        kind, msg, f = records[-1]
+        assert kind == "spare-ready" and "2 of 2 warm spare(s) ready" in msg
+        assert f["ready"] == 2 and f["count"] == 2
+        assert f["since_job_s"] >= f["since_pool_s"] + 0.9 and f["since_pool_s"] > 0
+        assert pool.readiness.first_ready_s is not None
+        n = len(records)
+        proc = pool.take(env, [sys.executable, "-c", "pass"], module=False)
+        assert proc is not None
+        all_ready()
+        assert pool.ready_count() == 2 and len(records) == n + 1  # the successor's news
+        proc.kill()
+        proc.wait(timeout=30)
+    finally:
+        pool.stop()
+
+
+def test_a_spare_importing_torch_itself_is_ready_once_it_says_so(tmp_path) -> None:
+    records: list[dict] = []
+    pool = SparePool(
+        sys.executable,
+        lambda m: None,
+        count=1,
+        fork=False,
+        record=lambda kind, msg, **f: records.append(f),
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        pool.ensure(env)
+        assert pool.ready() == 1 and pool.ready_count() == 0  # still importing torch
+        deadline = time.monotonic() + 120
+        while pool.ready_count() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pool.ensure(env)
+        assert pool.ready_count() == 1 and records and records[-1]["ready"] == 1
+    finally:
+        pool.stop()
+
+
+def test_no_warm_up_leaves_idle_priority_while_the_ranks_start() -> None:
+    """Issue 32, item 2: the pool starts with the workers, but its imports take only idle CPU
+    time until every rank committed its first step (the ranks' own start-up first); a cold
+    replacement then hurries it (its import races the cold one's)."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if not may_return_to(base):
+        pytest.skip("this user may not lower niceness: spares warm up at the agent's priority")
+    pool = SparePool(sys.executable, lambda m: None, count=1, idle_limit=0.0, fork=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    pool.starting({0, 1}, time.monotonic())
+    try:
+        pool.ensure(env)
+        server = pool._server
+        assert server is not None
+        deadline = time.monotonic() + 10  # the server lowers its own priority first thing
+        while os.getpriority(os.PRIO_PROCESS, server.proc.pid) == base:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        pool.ensure(env)
+        if not server.ready:  # still importing: at its warm-up priority while the ranks start
+            assert os.getpriority(os.PRIO_PROCESS, server.proc.pid) > base
+        pool.progressed(0, 0)
+        pool.ensure(env)
+        if not server.ready:
+            assert os.getpriority(os.PRIO_PROCESS, server.proc.pid) > base  # rank 1 still starts
+        pool.hold(1, {0})  # a round: no escalation ...
+        pool.progressed(1, 0)
+        pool.ensure(env)
+        if not server.ready:
+            assert os.getpriority(os.PRIO_PROCESS, server.proc.pid) > base
+            pool.hurry()  # ... but for a cold replacement's race
+            assert os.getpriority(os.PRIO_PROCESS, server.proc.pid) == base
+    finally:
+        pool.stop()
+
+
+def test_the_fork_server_imports_the_jobs_modules_and_replaces_its_idle_spares(tmp_path) -> None:
+    """Issue 32, item 4: the modules the ranks loaded (an `--imports` file) are imported in the
+    server before it forks; a module that fails is one line and skipped; a list that grows
+    later is imported by the running server, whose idle spares are then forked again."""
+    from launcher.workers.spare_process import write_imports
+
+    (tmp_path / "jobmod_first.py").write_text("X = 1\n")
+    (tmp_path / "jobmod_later.py").write_text("Y = 2\n")
+    (tmp_path / "jobmod_broken.py").write_text("raise ImportError('needs a GPU')\n")
+    imports = str(tmp_path / "imports.json")
+    write_imports(imports, ["jobmod_first", "jobmod_broken"], [str(tmp_path)])
+    check = tmp_path / "check.py"
+    check.write_text(
+        "import sys\n"
+        "open(sys.argv[1], 'w').write(' '.join(sorted(m for m in sys.modules "
+        "if m.startswith('jobmod_'))))\n"
+    )
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=1, fork=True)
+    pool.extend_imports(imports)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        _fill(pool, env)
+        pool.ensure(env)
+        assert [ln for ln in logs if "jobmod_broken" in ln and "not imported" in ln]
+        first = pool._procs[0].pid
+        proc = pool.take(env, [str(check), str(tmp_path / "a")], module=False)
+        assert proc is not None and proc.wait(timeout=60) == 0
+        assert (tmp_path / "a").read_text() == "jobmod_first"  # imported before the fork
+        _fill(pool, env)
+        idle = pool._procs[0].pid
+        assert idle != first
+        write_imports(imports, ["jobmod_first", "jobmod_broken", "jobmod_later"], [str(tmp_path)])
+        pool.extend_imports(imports)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            not pool._procs or pool._procs[0].pid == idle or pool.ready() < 1
+        ):
+            pool.ensure(env)
+            time.sleep(0.02)
+        assert pool._procs and pool._procs[0].pid != idle  # the idle spare was forked again
+        proc = pool.take(env, [str(check), str(tmp_path / "b")], module=False)
+        assert proc is not None and proc.wait(timeout=60) == 0
+        assert (tmp_path / "b").read_text() == "jobmod_first jobmod_later"
+    finally:
+        pool.stop()
+
+
+def test_take_forks_a_spare_on_the_spot_even_while_a_round_holds_the_pool(tmp_path) -> None:
+    """Issue 32: a replacement that finds no idle spare while the fork server is ready gets one
+    forked now (`fork_now`), round or not: tens of milliseconds instead of a cold start."""
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'w').write('ran')\n")
+    pool = SparePool(sys.executable, lambda m: None, count=1, fork=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        _fill(pool, env)
+        first = pool.take(env, [str(script), str(tmp_path / "a")], module=False)
+        assert first is not None and first.wait(timeout=60) == 0
+        pool.hold(3, {1})
+        assert pool.take(env, [str(script), str(tmp_path / "b")], module=False) is None
+        assert pool.available()
+        proc = pool.take(env, [str(script), str(tmp_path / "b")], module=False, fork_now=True)
+        assert proc is not None and proc.wait(timeout=60) == 0
+        assert (tmp_path / "b").read_text() == "ran"
+        assert pool.ready() == 0  # nothing else forked while held
+    finally:
+        pool.stop()

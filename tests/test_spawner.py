@@ -92,3 +92,217 @@ def test_environment_and_spawn(tmp_path, monkeypatch) -> None:
         stop_workers(workers.all(), signal.SIGKILL, 0.0)
         reaper.stop()
         sp.stop()
+
+
+def _kill_at_step(log_dir, rank: int, committed: int, timeout: float = 60.0, then=None) -> float:
+    """SIGKILL `rank` once the agent's progress samples show it past step `committed` (the job
+    runs with FTRUN_PROGRESS_INTERVAL=0.1), then call `then()`; the time of the kill."""
+    import os
+    import time
+
+    from helpers_launch import events
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        ev = events(str(log_dir)) if log_dir.exists() else []
+        spawned = {e["rank"]: e["pid"] for e in ev if e["event"] == "spawn"}
+        done = max(
+            (
+                p["committed_step"]
+                for e in ev
+                if e["event"] == "progress"
+                for r, p in e["ranks"].items()
+                if int(r) == rank
+            ),
+            default=-1,
+        )
+        if done >= committed:
+            os.kill(spawned[rank], signal.SIGKILL)
+            if then is not None:
+                then()
+            return time.time()
+        time.sleep(0.02)
+    raise AssertionError(f"rank {rank} never committed step {committed}")
+
+
+def test_a_spare_ready_first_overtakes_a_cold_replacement(tmp_path) -> None:
+    """Issue 32, item 3: a replacement that started cold (the fork server still importing) is
+    overtaken by the spare that becomes ready while the cold one still imports: the spare takes
+    the rank in the same round (one plan, no second fault), the cold process is killed and
+    reaped. The knob: FTRUN_SPARE_IMPORTS names a module whose import takes seconds in a
+    replacement and keeps the fork server (started with the workers) from being ready until 2 s
+    after the kill (tests/scripts/slow_import.py)."""
+    import os
+    import subprocess
+
+    from helpers_launch import FTRUN, env_with, events, script
+
+    slow_log, gate = tmp_path / "imported", tmp_path / "killed"
+    env = env_with(
+        FTRUN_SPARE_IMPORTS="slow_import",
+        FTRUN_TEST_SLOW_IMPORT_GATE=str(gate),
+        FTRUN_TEST_SLOW_IMPORT_S="2",
+        FTRUN_TEST_SLOW_IMPORT_COLD_S="60",
+        FTRUN_TEST_SLOW_IMPORT_LOG=str(slow_log),
+        FTRUN_PROGRESS_INTERVAL="0.1",
+        FTRUN_WARM_SPARES="1",
+    )
+    logs = tmp_path / "logs"
+    cmd = FTRUN + [
+        "--nproc_per_node",
+        "2",
+        "--max_restarts",
+        "2",
+        "--log_dir",
+        str(logs),
+        script("slow_import_train.py"),
+        "--steps",
+        "14",
+        "--step-time",
+        "0.15",
+        "--out",
+        str(tmp_path / "out{rank}.pt"),
+    ]
+    with open(tmp_path / "out.txt", "w+") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            _kill_at_step(logs, 1, 1, then=gate.touch)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        text = out.read()
+    assert proc.returncode == 0, text[-6000:]
+    ev = events(str(logs))
+    spawns = [e for e in ev if e["event"] == "spawn" and e["rank"] == 1]
+    assert len(spawns) == 3, [e["message"] for e in spawns]  # first start, cold, the spare
+    cold, warm = spawns[1], spawns[2]
+    assert not cold.get("warm") and warm.get("warm") and warm["overtook"] == cold["pid"]
+    assert "became ready first" in warm["message"] and cold["generation"] == warm["generation"]
+    assert len([e for e in ev if e["event"] == "plan"]) == 1  # one round, no second fault
+    assert not [
+        e for e in ev if e["event"] in ("worker-failed", "fault") and e.get("pid") == cold["pid"]
+    ]
+    recovered = [e for e in ev if e["event"] == "rank-recovered" and e["rank"] == 1]
+    assert len(recovered) == 1 and recovered[0]["replacement"]
+    marks = recovered[0]["marks"]
+    # the replacement's start-up split: its process began running the script at its assignment,
+    # its imports were done when it called into the runtime (the slow module imported already)
+    assert marks["exec"] <= marks["imported"] <= marks["status"] <= marks["repaired"]
+    assert marks["imported"] - marks["exec"] < 2.0, marks
+    # the cold process never reached the agent, and is gone: killed, reaped by the agent
+    assert not [e for e in ev if e["event"] == "hello" and e["pid"] == cold["pid"]]
+    assert str(cold["pid"]) not in slow_log.read_text().split()  # still in its slow import
+    assert not os.path.exists(f"/proc/{cold['pid']}")
+    assert [e for e in ev if e["event"] == "spare-ready"]
+
+
+def _run_job(tmp_path, cmd_tail: list[str], env: dict, kill=None) -> tuple[int, str, list]:
+    """Run ftrun (2 ranks, logs in tmp_path/logs) on `cmd_tail`; `kill(log_dir)` runs while it
+    runs. (exit code, output, events)."""
+    import subprocess
+
+    from helpers_launch import FTRUN, events
+
+    logs = tmp_path / "logs"
+    cmd = FTRUN + ["--nproc_per_node", "2", "--max_restarts", "2", "--log_dir", str(logs)]
+    with open(tmp_path / "out.txt", "w+") as out:
+        proc = subprocess.Popen(
+            cmd + cmd_tail, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path
+        )
+        try:
+            if kill is not None:
+                kill(logs)
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        return proc.returncode, out.read(), events(str(logs))
+
+
+def test_the_pool_starts_with_the_workers_and_a_kill_once_it_is_ready_is_warm(tmp_path) -> None:
+    """Issue 32, items 2 and 4: for a script that names launcher.runtime the fork server starts
+    right after the workers (before any rank said hello), `spare-ready` says when it was ready;
+    the ranks' modules are learned at their first step; a kill after that is repaired by a warm
+    spare whose start-up split (exec -> imported) holds no imports."""
+    import time
+
+    from helpers_launch import env_with, events, script
+
+    stop = tmp_path / "stop"
+
+    def kill_when_ready(logs) -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            ev = events(str(logs)) if logs.exists() else []
+            if [e for e in ev if e["event"] == "spare-ready"]:
+                break
+            time.sleep(0.05)
+        _kill_at_step(logs, 1, 1)
+        while time.monotonic() < deadline:  # the job ends once the rank is back
+            ev = events(str(logs))
+            if [e for e in ev if e["event"] == "rank-recovered" and e["rank"] == 1]:
+                break
+            time.sleep(0.05)
+        stop.touch()
+
+    # "workers": on this 2-CPU box "auto" waits for the first hello (no CPU to spare beside the
+    # ranks: test_the_pool_waits_for_a_hello_where_the_ranks_take_every_cpu)
+    env = env_with(
+        FTRUN_PROGRESS_INTERVAL="0.1", FTRUN_WARM_SPARES="1", FTRUN_SPARE_START="workers"
+    )
+    tail = [script("slow_import_train.py"), "--steps", "100000", "--step-time", "0.05"]
+    tail += ["--stop-file", str(stop), "--out", str(tmp_path / "o{rank}.pt")]
+    code, out, ev = _run_job(tmp_path, tail, env, kill_when_ready)
+    assert code == 0, out[-6000:]
+    started = next(e for e in ev if e["event"] == "spare" and "fork server started" in e["message"])
+    first_hello = next(e for e in ev if e["event"] == "hello")
+    assert started["time"] < first_hello["time"]  # with the workers, not at the first hello
+    ready = next(e for e in ev if e["event"] == "spare-ready")
+    assert ready["ready"] == 1 and ready["since_job_s"] >= ready["since_pool_s"] > 0
+    learned = next(e for e in ev if e["event"] == "spare-imports")
+    assert learned["new"] > 100  # torch's modules beyond what `import torch` loads, at least
+    warm = [e for e in ev if e["event"] == "spawn" and e["rank"] == 1 and e.get("replacement")]
+    assert len(warm) == 1 and warm[0]["warm"], out[-4000:]
+    (rec,) = [e for e in ev if e["event"] == "rank-recovered" and e["rank"] == 1]
+    marks = rec["marks"]
+    assert marks["exec"] <= marks["imported"] <= marks["status"] <= marks["repaired"]
+    assert marks["imported"] - marks["exec"] < 1.0, marks  # nothing left to import
+
+
+def test_an_unmodified_job_starts_no_spare(tmp_path) -> None:
+    """Issue 32, item 2: a torchrun script that never uses the runtime pays nothing: no fork
+    server, no spare (the pool waits for a rank's hello)."""
+    from helpers_launch import env_with
+
+    job = tmp_path / "plain.py"
+    job.write_text(
+        "import time, torch, torch.distributed as dist\n"
+        "dist.init_process_group('gloo')\n"
+        "t = torch.ones(1)\n"
+        "dist.all_reduce(t)\n"
+        "time.sleep(1.0)\n"
+        "assert t.item() == 2\n"
+        "dist.destroy_process_group()\n"
+    )
+    code, out, ev = _run_job(tmp_path, [str(job)], env_with())
+    assert code == 0, out[-4000:]
+    assert not [e for e in ev if e["event"] in ("spare", "spare-ready", "hello")]
+
+
+def test_the_pool_waits_for_a_hello_where_the_ranks_take_every_cpu() -> None:
+    """FTRUN_SPARE_START=auto starts the pool with the workers only for a script that names the
+    runtime on a node with a CPU beside its ranks; "workers" and "hello" are obeyed as said."""
+    from launcher.workers.job_imports import node_cpus, starts_with_workers
+
+    assert starts_with_workers("auto", True, cpus=192, local_ranks=8)
+    assert not starts_with_workers("auto", True, cpus=2, local_ranks=2)
+    assert not starts_with_workers("auto", True, cpus=2, local_ranks=4)
+    assert not starts_with_workers("auto", False, cpus=192, local_ranks=8)
+    assert starts_with_workers("workers", False, cpus=1, local_ranks=8)
+    assert not starts_with_workers("hello", True, cpus=192, local_ranks=8)
+    assert node_cpus() >= 1

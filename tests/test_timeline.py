@@ -515,3 +515,37 @@ def _screen(view) -> str:
     console = Console(width=200, record=True, file=io.StringIO())
     console.print(render(view, "test"))
     return console.export_text()
+
+
+def test_spares_ready_count_and_first_ready_time_and_an_overtaking_is_no_extra_restart():
+    """Issue 32: `spare-ready` sets the node's ready spares (and the first one's time after the
+    start); a warm spawn takes one; a spare overtaking a cold replacement is the same restart."""
+    from launcher.observe.status import _spares
+
+    tl = Timeline()
+    for e in started():
+        tl.feed(e)
+    tl.feed(ev(3.0, "spare-ready", ready=2, count=2, since_job_s=2.8, since_pool_s=2.7))
+    node = tl.view().nodes[0]
+    assert (node.spares_ready, node.spare_ready_s, node.spare) == (2, 2.8, True)
+    assert _spares(node) == "2 ready (first 2.8 s after start)"
+    tl.feed(ev(4.0, "spawn", generation=1, rank=1, local_rank=1, pid=200, replacement=True))
+    tl.feed(
+        ev(
+            4.5,
+            "spawn",
+            generation=1,
+            rank=1,
+            local_rank=1,
+            pid=201,
+            replacement=True,
+            warm=True,
+            overtook=200,
+        )
+    )
+    view = tl.view()
+    assert view.nodes[0].spares_ready == 1
+    rank1 = next(r for r in view.ranks if r.rank == 1)
+    assert rank1.restarts == 1 and rank1.pid == 201
+    tl.feed(ev(5.0, "spare-ready", ready=2, count=2, since_job_s=4.8, since_pool_s=4.7))
+    assert tl.view().nodes[0].spare_ready_s == 2.8  # the first time stays

@@ -22,9 +22,10 @@ off the loop, refused once this node is stale), then spawns the workers. What th
   InjectEvent     `ftctl inject` for a local rank (`worker_messages`: sent on the channel)
   SignalEvent     SIGTERM/SIGINT/...: forwarded to the workers, then the agent leaves
   NodeLostEvent   this node lost its membership (cut off from the store too long): self-fence
-and, every monitor interval, the health check (warm spare, hang guard: hung ranks, progress
-records). News of other nodes comes on the membership thread (`membership_news`). Faults are
-reported to the controller (`launcher.control.decision` decides); nothing is decided here.
+and, every monitor interval, the health check (warm spares: `spare_care`; hang guard: hung
+ranks, progress records). News of other nodes comes on the membership thread
+(`membership_news`). Faults are reported to the controller (`launcher.control.decision`
+decides); nothing is decided here.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from launcher.agent.hang_guard import HangGuard
 from launcher.agent.loop_store import LoopStore
 from launcher.agent.membership_news import MembershipNews
 from launcher.agent.plan_executor import JobFailed
+from launcher.agent.spare_care import tend_spares
 from launcher.agent.store_stack import StoreStack
 from launcher.agent.worker_exits import WorkerExits
 from launcher.agent.worker_messages import WorkerMessages
@@ -324,8 +326,7 @@ class Agent:
         """Every monitor interval: keep the warm spare, find hung ranks, publish progress."""
         s = self.state
         assert s.spawner is not None and s.world is not None
-        if s.workers.aware:
-            s.spawner.keep_spare(s.workers.all()[0])
+        tend_spares(s)  # keep the warm spares; a ready one overtakes a cold replacement
         s.hangs.check(s.generation, s.world.group_rank)
 
     # ------------------------------------------------------------------ plans

@@ -4,7 +4,8 @@ Owns: `WorkerMessages.on_message(ChannelMessage)`: Hello (the rank uses the runt
 the store, its death notice watched, the plan executor told), Heartbeat (the hang guard's and
 the warm spare's news), FaultReport (a fault the runtime saw: reported to the controller with
 its evidence, repeated UCEs on one device from the fault memory), Recovered (the rank resumed
-after a recovery round) and Bye (the rank is done with the job); and `on_inject`, an `ftctl
+after a recovery round), Imports (the modules the rank had loaded by its first step: the warm
+spares import them too) and Bye (the rank is done with the job); and `on_inject`, an `ftctl
 inject` request for a local rank, carried out (`launcher.agent.injections`: on the channel for
 a runtime rank, else by signal); an `ftctl pause` (an injection of kind `plan.PAUSE_KIND` for
 every rank) is sent to every local runtime-aware rank as `Pause`.
@@ -19,7 +20,7 @@ from launcher.agent.agent_state import AgentState
 from launcher.agent.injections import carry_out
 from launcher.protocol import plan as P
 from launcher.protocol.faults import FaultKind
-from launcher.protocol.messages import Bye, FaultReport, Heartbeat, Hello, Pause, Recovered
+from launcher.protocol.messages import Bye, FaultReport, Heartbeat, Hello, Imports, Pause, Recovered
 from launcher.workers.channel import ChannelMessage
 
 
@@ -40,6 +41,9 @@ class WorkerMessages:
             self._on_fault_report(msg, ev.pid)
         elif isinstance(msg, Recovered):
             self._on_recovered(msg)
+        elif isinstance(msg, Imports):
+            if s.spawner is not None:
+                s.spawner.learn_imports(msg.rank, msg.modules)
         elif isinstance(msg, Bye):
             s.hangs.on_bye(msg.rank)
             w = s.workers.by_rank(msg.rank)

@@ -345,6 +345,8 @@ class NodeObserver:
             "state": (me.state if me else "running"),
             "recovering": view.current_round is not None,
             "spare": bool(me and me.spare),
+            "spares_ready": me.spares_ready if me else 0,
+            "spare_ready_s": me.spare_ready_s if me else None,
             "generation": view.generation,
             "max_restarts": self.max_restarts,
             "restarts_used": self._restarts_used,

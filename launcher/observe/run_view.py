@@ -190,6 +190,8 @@ class NodeRow:
     last_seen: float = 0.0
     leader: bool = False
     spare: bool = False
+    spares_ready: int = 0  # warm spares ready to take a rank now (`spare-ready`)
+    spare_ready_s: float | None = None  # the first one was ready this long after the workers
 
 
 @dataclass

@@ -149,6 +149,8 @@ def from_store(kv: Any, now: float | None = None) -> RunView:
                 last_seen=float(s.get("time", 0.0)),
                 leader=bool(s.get("leader")),
                 spare=bool(s.get("spare")),
+                spares_ready=int(s.get("spares_ready") or 0),
+                spare_ready_s=s.get("spare_ready_s"),
             )
         )
         v.ranks.extend(_rows(RankRow, s.get("ranks") or []))
@@ -287,9 +289,17 @@ def _nodes_table(view: RunView, now: float) -> Any:
             _styled(n.state),
             "leader" if n.leader else "",
             _age(now, n.last_seen) + " ago",
-            "ready" if n.spare else "-",
+            _spares(n),
         )
     return t
+
+
+def _spares(n: NodeRow) -> str:
+    """The warm-spare cell: how many are ready, and how soon the first was after the start."""
+    when = f" (first {n.spare_ready_s:.1f} s after start)" if n.spare_ready_s is not None else ""
+    if n.spares_ready:
+        return f"{n.spares_ready} ready{when}"
+    return ("ready" if n.spare else "-") + (when if n.spare_ready_s is not None else "")
 
 
 def _ranks_table(view: RunView, now: float) -> Any:

@@ -173,11 +173,18 @@ class Timeline:
         if isinstance(ev.get("node"), int) and "started" in str(ev.get("message", "")):
             self._node(ev["node"]).spare = True
 
+    def _on_spare_ready(self, ev: dict, t: float) -> None:
+        if isinstance(ev.get("node"), int) and isinstance(ev.get("ready"), int):
+            n = self._node(ev["node"])
+            n.spares_ready, n.spare = ev["ready"], ev["ready"] > 0
+            if n.spare_ready_s is None and isinstance(ev.get("since_job_s"), (int, float)):
+                n.spare_ready_s = float(ev["since_job_s"])
+
     # ---- ranks
     def _on_spawn(self, ev: dict, t: float) -> None:
         r = self.rank(int(ev["rank"]))
         gen = int(ev.get("generation", 0))
-        if r.pid is not None:
+        if r.pid is not None and not ev.get("overtook"):  # a spare overtaking: the same restart
             r.restarts += 1
         r.node, r.local_rank, r.pid, r.generation = (
             ev.get("node"),
@@ -190,7 +197,9 @@ class Timeline:
         r.step, r.steps_per_s = None, None
         self._aware.discard(r.rank)
         if ev.get("warm") and isinstance(ev.get("node"), int):
-            self._node(ev["node"]).spare = False
+            n = self._node(ev["node"])
+            n.spares_ready = max(0, n.spares_ready - 1)
+            n.spare = n.spares_ready > 0
         rd = self._round(gen)
         if rd is not None:
             rd.spawned[r.rank] = {**ev, "time": t}
@@ -481,6 +490,7 @@ _HANDLERS = {
     "world-shrink": Timeline._on_world_shrink,
     "round-joined": Timeline._on_round_joined,
     "spare": Timeline._on_spare,
+    "spare-ready": Timeline._on_spare_ready,
     "spawn": Timeline._on_spawn,
     "hello": Timeline._on_hello,
     "exit": Timeline._on_exit,

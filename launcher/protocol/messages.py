@@ -8,7 +8,8 @@ module imports no agent code and no torch.
 
   worker -> agent  Hello (once, first), Heartbeat (on progress, and every heartbeat interval),
                    FaultReport (a fault the worker detected itself), Recovered (a recovery round
-                   completed), Bye (the worker finished)
+                   completed), Imports (once, at its first committed step: the modules it has
+                   loaded, for the warm spares), Bye (the worker finished)
   agent -> worker  Stop (stop for generation g: abort collectives, join the recovery round),
                    Inject (`ftctl inject` forwarded to the worker's fault injector), Pause
                    (`ftctl pause`: halt at the end of an agreed step, launcher.runtime.pause)
@@ -130,6 +131,16 @@ class Recovered:
     transfer_path: str = ""  # how it came: "wire", "memory" (same host), "memory+wire"
 
 
+@message("imports")
+@dataclass
+class Imports:
+    op: ClassVar[str]
+    rank: int
+    # the modules loaded by the rank's first step, in import order: not the standard library's,
+    # not the script's own directory's (launcher.runtime.loaded_modules)
+    modules: list[str] = field(default_factory=list)
+
+
 @message("bye")
 @dataclass
 class Bye:
@@ -166,7 +177,7 @@ class Pause:
     seq: int = 0  # 0: the latest request in the store
 
 
-Message = Union[Hello, Heartbeat, FaultReport, Recovered, Bye, Stop, Inject, Pause]
+Message = Union[Hello, Heartbeat, FaultReport, Recovered, Imports, Bye, Stop, Inject, Pause]
 
 
 # ---------------------------------------------------------------- encoding

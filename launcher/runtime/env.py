@@ -1,12 +1,15 @@
 """The worker's launch environment.
 
 Owns: parsing and validating the variables the agent (or plain torchrun) sets for a worker
-into one immutable `RuntimeEnv`. Nothing else in the runtime reads `os.environ` for these.
+into one immutable `RuntimeEnv`. Nothing else in the runtime reads `os.environ` for these. Also
+when this process began running the user's code (`exec_time`: the time a warm spare was assigned
+the job, `FTRUN_EXEC_TIME`, else this process's start from `/proc/self/stat`).
 """
 
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from typing import Mapping
 
@@ -44,6 +47,28 @@ def _float(env: Mapping[str, str], name: str, default: float) -> float:
 DDP_COMMS = ("reducer", "hook")
 
 
+def process_start_time() -> float | None:
+    """Wall-clock time this process started (the interpreter's start), from /proc; None when
+    it cannot be read (10 ms resolution: clock ticks since boot, against CLOCK_BOOTTIME, not the
+    whole seconds of /proc/stat's btime)."""
+    try:
+        with open("/proc/self/stat", encoding="ascii", errors="replace") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return round(time.time() - age, 3)
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def exec_time(env: Mapping[str, str]) -> float | None:
+    """When this process began running the user's code: a warm spare's assignment
+    (FTRUN_EXEC_TIME, set by the spare), else the process's start."""
+    try:
+        return float(env.get("FTRUN_EXEC_TIME", ""))
+    except ValueError:
+        return process_start_time()
+
+
 @dataclass(frozen=True)
 class RuntimeEnv:
     rank: int
@@ -68,6 +93,8 @@ class RuntimeEnv:
     # FTRUN_DEATH_NOTICE: the agent's slot this process holds so that its death is seen at once
     # (launcher.protocol.death_notice); None: the agent sees the exit through its pidfd
     death_notice: str | None = None
+    # when this process began running the user's code (`exec_time`; a replacement's `exec` mark)
+    exec_time: float | None = None
 
     @property
     def managed(self) -> bool:
@@ -116,4 +143,5 @@ class RuntimeEnv:
             skip_init=skip_init == "1",
             ddp_comm=ddp_comm,
             death_notice=env.get("FTRUN_DEATH_NOTICE") or None,
+            exec_time=exec_time(env) if replacement == "1" else None,
         )

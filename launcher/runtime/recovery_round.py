@@ -30,6 +30,15 @@ from launcher.runtime.transfer import recv_state, send_state
 from launcher.runtime.world import World
 
 
+def _start_marks(env: Any) -> dict[str, float]:
+    """A replacement's start-up marks (see `RecoveryRound.__init__`)."""
+    now = round(time.time(), 4)
+    marks = {"imported": now, "started": now}
+    if env.exec_time is not None:
+        marks = {"exec": min(float(env.exec_time), now), **marks}
+    return marks
+
+
 class RecoveryRound:
     """This rank's recovery rounds; `recover()` runs them until one completes."""
 
@@ -60,8 +69,11 @@ class RecoveryRound:
         self.init_window = InitWindow(links)
         self._t_created = time.monotonic()
         # wall-clock edges of the current recovery round (sent with "recovered"; events.jsonl
-        # `rank-recovered.marks`, drawn by `ftctl report`) and the state bytes moved in it
-        self._marks: dict[str, float] = {"started": time.time()} if links.env.replacement else {}
+        # `rank-recovered.marks`, drawn by `ftctl report`) and the state bytes moved in it. A
+        # replacement's start-up first: `exec` (its process began running the user's code: a
+        # cold one's interpreter start, a warm spare's assignment), `imported` (the script's
+        # imports done: its first call into the runtime, i.e. now) and `started` (the same)
+        self._marks: dict[str, float] = _start_marks(links.env) if links.env.replacement else {}
         self._moved: dict[str, Any] = {"transfer_bytes": 0, "transfer_s": 0.0}
 
     # ---------------------------------------------------------------- a stop's rounds

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from launcher.protocol.faults import WORKER_FAULT_KINDS
-from launcher.protocol.messages import FaultReport
+from launcher.protocol.messages import FaultReport, Imports
 from launcher.runtime.collectives import CollectiveError, is_backend_failure
 from launcher.runtime.devices import (
     EXCEPTION,
@@ -26,6 +26,7 @@ from launcher.runtime.devices import (
 )
 from launcher.runtime.faultplan import FaultInjector
 from launcher.runtime.group_sockets import SocketLedger
+from launcher.runtime.loaded import loaded_modules
 from launcher.runtime.rank_state import RankLinks, RankState
 from launcher.runtime.signals import StopRequested
 
@@ -188,9 +189,12 @@ class StepPath:
         state.committed = index
         state.snapshots[index + 1] = state.reg.snapshot(index + 1, self.adapter)
         if not self._state_told and self.links.channel is not None:
-            # once, when the optimizer state exists: the agent's spares fault in that much heap
+            # once, when the optimizer state exists: the agent's spares fault in that much heap,
+            # and import what this rank imported by now (launcher.runtime.loaded)
             self._state_told = True
             self.links.channel.update(state_bytes=state.reg.state_bytes())
+            if not self.links.env.replacement:  # a spare's copy would name the spare's
+                self.links.channel.send(Imports(self.links.rank, loaded_modules()))
         # the agent's hang watch learns step times from this, however the heartbeats of a fast
         # loop are coalesced (it may never see two steps' starts apart)
         if state.step_t0 is not None:

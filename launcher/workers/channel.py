@@ -3,17 +3,21 @@
 Owns: listening on `FTRUN_AGENT_SOCKET`, reading the workers' messages
 (`launcher.protocol.messages`: Hello, Heartbeat, FaultReport, Recovered, Bye), handing them to the
 agent as `ChannelMessage` events (a connection is tied to its rank by its Hello), and pushing
-messages (Stop, Inject) to a rank's connection. Lines that are not valid messages are dropped
-(counted in `malformed`). One thread (selectors); `stop()` closes every connection and removes the
-socket file so no stale socket is left behind.
+messages (Stop, Inject) to a rank's connection, and `connecting(pid)`: whether a process has a
+connection open or may have one pending (a cold replacement a warm spare may still overtake
+has none). Lines that are not valid messages are dropped (counted in `malformed`). One thread
+(selectors); `stop()` closes every connection and removes the socket file so no stale socket is
+left behind.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import select
 import selectors
 import socket
+import struct
 import threading
 from dataclasses import dataclass
 
@@ -27,6 +31,15 @@ class ChannelMessage:
     rank: int | None  # from the connection's Hello (None before it)
     pid: int | None
     msg: Message
+
+
+def _peer_pid(conn: socket.socket) -> int | None:
+    """The pid of the process at the other end of a Unix connection (SO_PEERCRED)."""
+    try:
+        raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        return struct.unpack("3i", raw)[0]
+    except (OSError, AttributeError):
+        return None
 
 
 class ChannelServer:
@@ -58,13 +71,18 @@ class ChannelServer:
                 return
             for key, _ in ready:
                 if key.data is None:
-                    try:
-                        conn, _ = self._srv.accept()
-                    except OSError:
-                        continue
-                    conn.setblocking(False)
-                    with self._lock:
-                        self._conns[conn] = {"buf": b"", "rank": None, "pid": None}
+                    with self._lock:  # accepted and known as one step (`connecting`)
+                        try:
+                            conn, _ = self._srv.accept()
+                        except OSError:
+                            continue
+                        conn.setblocking(False)
+                        self._conns[conn] = {
+                            "buf": b"",
+                            "rank": None,
+                            "pid": None,
+                            "peer": _peer_pid(conn),
+                        }
                     self._sel.register(conn, selectors.EVENT_READ, "conn")
                 else:
                     self._read(key.fileobj)  # type: ignore[arg-type]
@@ -131,6 +149,17 @@ class ChannelServer:
                     conn.setblocking(False)
                 except OSError:
                     pass
+
+    def connecting(self, pid: int) -> bool:
+        """Whether process `pid` has a connection to this channel, or may have one waiting to
+        be accepted (any pending connection counts: whose it is is not known before)."""
+        with self._lock:
+            if any(st.get("peer") == pid for st in self._conns.values()):
+                return True
+            try:
+                return bool(select.select([self._srv], [], [], 0)[0])
+            except (OSError, ValueError):
+                return True  # closed: nothing may be decided on it
 
     def connected_ranks(self) -> set[int]:
         with self._lock:

@@ -2,9 +2,11 @@
 
 Owns: `ForkServer`, owned by the agent's spare pool (`launcher.workers.spare.SparePool`): start
 the server (`python -u -m launcher.workers.spare_server FD --nice WARM,BASE`, its priorities in
-its command line), `poll_ready()` without blocking, `fork()` a warm spare with a timeout (the
-spare becomes the agent's own child: the agent is a child subreaper, `launcher.workers.adopted`),
-`stop()`. Nothing here imports torch or runs in the server.
+its command line; `--imports FILE`: the job's modules to import too), `poll_ready()` without
+blocking, `extend(FILE)` (import more of the job's modules: the server is busy until its answer,
+which `poll_ready()` reads), `fork()` a warm spare with a timeout (the spare becomes the agent's
+own child: the agent is a child subreaper, `launcher.workers.adopted`), `stop()`. Nothing here
+imports torch or runs in the server.
 """
 
 from __future__ import annotations
@@ -18,23 +20,38 @@ from typing import Callable
 
 from launcher.workers.adopted import AdoptedChild, set_subreaper
 from launcher.workers.prctl import die_with_parent
-from launcher.workers.spare_process import nice_args
+from launcher.workers.spare_process import IMPORTS_FLAG, nice_args
 
 SERVER_MODULE = "launcher.workers.spare_server"
 FORK_TIMEOUT_S = 2.0  # the server answers a fork request within this long, or is given up
+ANSWER_BYTES = 1 << 16  # the server's answers are at most this long
 
 
 class ForkServer:
     """The agent's handle on its node's fork server. Not thread-safe: one owner (SparePool)."""
 
-    def __init__(self, python: str, env: dict[str, str], nice: tuple[int, int]) -> None:
+    def __init__(
+        self,
+        python: str,
+        env: dict[str, str],
+        nice: tuple[int, int],
+        imports: str | None = None,
+    ) -> None:
         if not set_subreaper(True):
             raise OSError("PR_SET_CHILD_SUBREAPER refused")
         parent = os.getpid()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
-                [python, "-u", "-m", SERVER_MODULE, str(theirs.fileno()), *nice_args(*nice)],
+                [
+                    python,
+                    "-u",
+                    "-m",
+                    SERVER_MODULE,
+                    str(theirs.fileno()),
+                    *nice_args(*nice),
+                    *([IMPORTS_FLAG, imports] if imports else []),
+                ],
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=None,
@@ -52,16 +69,35 @@ class ForkServer:
         self.sock = ours
         self.started = time.monotonic()
         self.ready = False
+        self.busy = False  # importing more modules (`extend`): no fork until it answers
         self.threads = 0
+        # the modules of its last imports that failed (a few named, and how many)
+        self.failed: list[list[str]] = []
+        self.failed_count = 0
+        self.answers = 0  # answers read (the ready one, then one per `extend`)
+        self.new_modules = 0  # modules the last `extend` added (0: its spares lack nothing)
+
+    def extend(self, imports: str) -> None:
+        """Import the modules an `--imports` file lists (the server answers when done; until
+        `poll_ready()` reads that answer it forks nothing); raises OSError when it cannot."""
+        assert self.ready and not self.busy
+        self.sock.settimeout(FORK_TIMEOUT_S)
+        try:
+            self.sock.send(json.dumps({"imports": imports}).encode())
+        except (OSError, socket.timeout) as exc:
+            raise OSError(f"the fork server took no import request ({exc or 'timeout'})") from exc
+        finally:
+            self.sock.settimeout(None)
+        self.busy = True
 
     def poll_ready(self) -> bool:
-        """Whether the server finished its imports (never blocks); raises OSError when it died
-        or reported more than one thread."""
-        if self.ready:
+        """Whether the server can fork now: its imports (the first ones, or an `extend`'s) are
+        done (never blocks); raises OSError when it died or reported more than one thread."""
+        if self.ready and not self.busy:
             return True
         self.sock.setblocking(False)
         try:
-            msg = self.sock.recv(4096)
+            msg = self.sock.recv(ANSWER_BYTES)
         except BlockingIOError:
             if self.proc.poll() is not None:
                 raise OSError(f"the fork server exited with {self.proc.returncode}") from None
@@ -71,25 +107,34 @@ class ForkServer:
         if not msg:
             raise OSError(f"the fork server closed its socket (exit {self.proc.poll()})")
         info = json.loads(msg)
+        self.answers += 1
         self.threads = int(info.get("threads", 0))
+        self.failed = [list(f) for f in info.get("failed", [])]
+        self.failed_count = int(info.get("failed_count", len(self.failed)))
+        self.new_modules = int(info.get("new", 0))
         if self.threads != 1:
             raise OSError(
                 f"the fork server has {self.threads} threads after its imports; "
                 "forking it is not safe"
             )
-        self.ready = True
+        self.ready, self.busy = True, False
         return True
 
-    def fork(self, timeout: float = FORK_TIMEOUT_S, heap_bytes: int = 0) -> AdoptedChild:
+    def fork(
+        self, timeout: float = FORK_TIMEOUT_S, heap_bytes: int = 0, prepare: bool = True
+    ) -> tuple[AdoptedChild, int]:
         """A new warm spare, the agent's own child, that faults in `heap_bytes` of heap while
-        it waits (`launcher.runtime.heap`); raises OSError when the server cannot."""
-        assert self.ready
+        it waits (`launcher.runtime.heap`; with `prepare` false, for a replacement waiting now,
+        it neither owns its pages nor faults its heap in), and the read end of the pipe it
+        writes one byte to once prepared; raises OSError when the server cannot."""
+        assert self.ready and not self.busy
         deadline = time.monotonic() + timeout  # one bound for the request and its answer
         self.sock.settimeout(timeout)
         try:
-            self.sock.send(json.dumps({"fork": True, "heap_bytes": int(heap_bytes)}).encode())
+            req = {"fork": True, "heap_bytes": int(heap_bytes), "prepare": prepare}
+            self.sock.send(json.dumps(req).encode())
             self.sock.settimeout(max(0.001, deadline - time.monotonic()))
-            msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 1)
+            msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 2)
         except (OSError, socket.timeout) as exc:
             raise OSError(f"no answer from the fork server ({exc or 'timeout'})") from exc
         finally:
@@ -99,16 +144,17 @@ class ForkServer:
                 os.close(fd)
             raise OSError(f"the fork server closed its socket (exit {self.proc.poll()})")
         info = json.loads(msg)
-        if "pid" not in info or len(fds) != 1:
+        if "pid" not in info or len(fds) != 2:
             for fd in fds:
                 os.close(fd)
             raise OSError(info.get("error", f"bad answer {msg!r}"))
         try:
             child = AdoptedChild(int(info["pid"]), os.fdopen(fds[0], "wb"))
         except OSError:
-            os.close(fds[0])
+            for fd in fds:
+                os.close(fd)
             raise
-        return child
+        return child, fds[1]
 
     def alive(self) -> bool:
         return self.proc.poll() is None

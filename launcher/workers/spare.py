@@ -2,10 +2,16 @@
 
 Owns: `SparePool`, the agent's pool of warm spares (the processes themselves run
 `launcher.workers.spare_process`). It keeps `count` spares per node (`--warm-spares`, default
-2, so two faults in a row on one node both get a warm start), started only once the job is known
-to use `launcher.runtime`, hands one out for a process-level replacement (`take`: its
-assignment line, JSON: env, argv, cwd, module, nice) and starts its successor as soon as the
-recovery round that used it is over. By default (`LaunchConfig.spare_fork`, FTRUN_SPARE_FORK)
+2, so two faults in a row on one node both get a warm start), started at the first `ensure()`
+(the spawner calls it with the workers when the job is known to use `launcher.runtime`:
+`launcher.workers.spawner`), hands one out for a process-level replacement (`take`: its
+assignment line, JSON: env, argv, cwd, module, nice; a ready spare before one still importing,
+and with none idle a spare forked on the spot from a ready fork server) and starts its
+successor as soon as the recovery round that used it is over. It records `spare-ready` when
+the number of spares ready to take a rank grows (seconds since the job's workers started and
+since the pool started; `ready_count`, `first_ready_s`), and it extends the spares' imports
+with the job's own modules (`extend_imports`: the fork server imports them, then the idle
+spares forked before are replaced). By default (`LaunchConfig.spare_fork`, FTRUN_SPARE_FORK)
 the spares are forked from the node's fork server (`launcher.workers.fork_server`, started with
 the first fill), so a successor costs a fork (20-50 ms) instead of a second `import torch`
 (1.5-2 CPU-s); when the server cannot be used the pool says why in one line and starts spares
@@ -16,9 +22,12 @@ recovery and training; the pool hands it both priorities in its command line. A 
 script at the agent's priority, and returns to it the moment it is assigned, also when it is
 taken before its imports finished. The pool moves a spare (or the server) to the agent's
 priority itself after `idle_limit` (2 s) of warm-up, except while a recovery round and the step
-it resumes at run: training that keeps every CPU busy leaves SCHED_IDLE no time, and a spare
-that never finishes `import torch` makes the next fault start cold. No spare is started or
-forked while a round holds the pool.
+it resumes at run, and while the job's ranks start (`starting`: until each committed its first
+step, the pool's imports take only idle CPU time: SCHED_IDLE, which on a node without idle
+CPUs still cost the ranks' first step ~1.8 s, measured; see the user guide):
+training that keeps every CPU busy leaves SCHED_IDLE no time, and a spare that never finishes
+`import torch` makes the next fault start cold. No spare is started or forked while a round
+holds the pool (but for the one `take` forks for the round itself).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ from launcher.workers.adopted import AdoptedChild, reap_orphans, set_subreaper
 from launcher.workers.fork_server import ForkServer
 from launcher.workers.prctl import die_with_parent
 from launcher.workers.priority import may_return_to, run_priority
-from launcher.workers.spare_process import nice_args
+from launcher.workers.spare_process import IMPORTS_FLAG, READY_FLAG, nice_args
 
 SpareProc = Union[subprocess.Popen, AdoptedChild]
 
@@ -50,6 +59,7 @@ REFILL_HOLD_S = 10.0  # a recovery round holds back new spares at most this long
 ASSIGN_TIMEOUT_S = 2.0  # a spare takes its assignment line within this long, or is killed
 STOP_S = 5.0  # stop(): the spares and the fork server all exit within this long after SIGKILL
 SPARE_MODULE = "launcher.workers.spare_process"  # what a spare that imports torch itself runs
+Record = Callable[..., None]  # AgentLog.info's shape: (event, message, **fields)
 
 
 class SparePool:
@@ -62,9 +72,10 @@ class SparePool:
         python: str,
         log: Callable[[str], None],
         count: int = 2,
-        start_delay: float = 5.0,
+        start_delay: float = 0.0,
         idle_limit: float = WARM_UP_IDLE_S,
         fork: bool = True,
+        record: Record | None = None,
     ) -> None:
         if count < 0:
             raise ValueError(f"count {count} must be >= 0")
@@ -89,11 +100,62 @@ class SparePool:
         ] = {}  # rank -> (its process, nice to return to)
         # heap a forked spare faults in while it waits: the largest state a rank reported
         self.heap_bytes = 0
+        self.record = record  # `spare-ready` events (None: no events)
+        self.readiness = Readiness()
+        self._starting: set[int] = set()  # ranks yet to commit their first step (`starting`)
+        self.imports: str | None = None  # the `--imports` file of the job's modules
+        self._imports_sent = False  # the fork server was asked to import the file's modules
+        self._stale: set[int] = set()  # idle spares forked before the server's latest imports
+        self._answers_seen = 0  # the fork server's answers whose failed imports were said
 
     def ready(self) -> int:
         """Spares alive now (warm or still warming up)."""
         self._procs = [p for p in self._procs if p.poll() is None]
         return len(self._procs)
+
+    def ready_count(self) -> int:
+        """Spares alive and ready to take a rank now (their imports done)."""
+        alive = {p.pid for p in self._procs if p.poll() is None}
+        return len(self.readiness.poll() & alive)
+
+    def starting(self, ranks: set[int], job_start: float) -> None:
+        """The job's ranks `ranks` started at `job_start` (monotonic): the pool's imports take
+        only idle CPU time (no escalation) until each committed its first step."""
+        self._starting = set(ranks)
+        self.readiness.job_start = job_start
+
+    def extend_imports(self, path: str) -> None:
+        """The `--imports` file at `path` lists more of the job's modules: spares started from
+        now on import them, and the fork server imports them at the next `ensure()` (then the
+        idle spares it forked before are replaced)."""
+        self.imports = path
+        self._imports_sent = False
+
+    def available(self) -> bool:
+        """Whether `take(fork_now=True)` would hand out a ready spare now (an idle one whose
+        imports are done, or one forked on the spot from a ready fork server)."""
+        if self.ready_count():
+            return True
+        return self._server_ready()
+
+    def hurry(self) -> None:
+        """A replacement is starting cold: the fork server (or a spare) still importing goes on
+        at the agent's priority now, round or not (the round waits for that import anyway, and
+        a spare ready first overtakes it)."""
+        procs: list[SpareProc] = list(self._procs)
+        if self._server is not None:
+            procs.append(self._server.proc)  # type: ignore[arg-type]
+        for proc in procs:
+            born, base = self._born.get(proc.pid, (0.0, None))
+            if base is not None and proc.poll() is None:
+                run_priority(base, proc.pid)
+                self._born[proc.pid] = (born, None)
+
+    def _server_ready(self) -> bool:
+        try:
+            return self._server is not None and self._server.poll_ready()
+        except OSError:
+            return False
 
     def hold(self, generation: int, ranks: set[int], timeout: float = REFILL_HOLD_S) -> None:
         """A recovery round of `generation` runs on this node: start no spare, and let none
@@ -123,6 +185,8 @@ class SparePool:
 
     def progressed(self, rank: int, committed_step: int) -> None:
         """Rank `rank` reports its last committed step."""
+        if committed_step >= 0:
+            self._starting.discard(rank)
         if rank in self._resume and committed_step >= self._resume[rank]:
             self._done(rank)
 
@@ -143,18 +207,31 @@ class SparePool:
     def ensure(self, env: dict[str, str]) -> None:
         """Start spares until `count` are alive (once the start delay has passed, and not while
         a recovery round holds them back); spares warming up for `idle_limit` s go on at the
-        agent's priority (not while held)."""
+        agent's priority (not while held, nor while the ranks start)."""
         if time.monotonic() < self._not_before or self.count == 0:
             return
         for pid, code in reap_orphans() if self._server is not None else []:
             self.log(f"reaped orphan pid {pid} (exit {code})")
-        if self.fork and self._fork_spares(env):
-            return
-        if self.held():
-            return
-        while self.ready() < self.count:
-            self._start(env)
-        self._escalate()
+        if not (self.fork and self._fork_spares(env)) and not self.held():
+            while self.ready() < self.count:
+                self._start(env)
+            self._escalate()
+        self._note_ready()
+
+    def _note_ready(self) -> None:
+        """Record `spare-ready` when more spares are ready to take a rank than before."""
+        now = self.ready_count()
+        fields = self.readiness.grew(now)
+        if fields is not None and self.record is not None:
+            self.record(
+                "spare-ready",
+                f"{now} of {self.count} warm spare(s) ready, "
+                f"{fields['since_job_s']:.2f} s after the workers started "
+                f"({fields['since_pool_s']:.2f} s after the pool started)",
+                ready=now,
+                count=self.count,
+                **fields,
+            )
 
     def _fork_spares(self, env: dict[str, str]) -> bool:
         """Spares from the fork server (started at the first fill; neither started nor forking
@@ -164,39 +241,88 @@ class SparePool:
             if self._server is None:
                 if self.held():
                     return True
-                base = os.getpriority(os.PRIO_PROCESS, 0)
-                warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
-                self._server = ForkServer(self.python, env, (warm, base))
-                self._born[self._server.proc.pid] = (
-                    time.monotonic(),
-                    base if warm != base else None,
-                )
-                self.log(
-                    f"spare fork server started (pid {self._server.proc.pid}); spares are "
-                    "forked from it once it has imported torch"
-                )
+                self._start_server(env)
+            assert self._server is not None
             if not self._server.poll_ready():
                 if not self.held():  # same escalation as a spare that imports torch itself
                     self._escalate_proc(self._server.proc.pid, self._server.proc)
                 return True
+            self._say_failed_imports()
             if (
                 self.held()
             ):  # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
                 return True
-            while self.ready() < self.count:
-                t0 = time.monotonic()
-                proc = self._server.fork(heap_bytes=self.heap_bytes)
-                self._procs.append(proc)
-                self.log(
-                    f"warm spare started (pid {proc.pid}, forked in "
-                    f"{(time.monotonic() - t0) * 1e3:.1f} ms; {len(self._procs)} of {self.count})"
-                )
+            self._retire_stale()
+            # stale ones serve meanwhile
+            while self.ready() - sum(p.pid in self._stale for p in self._procs) < self.count:
+                self._fork_one(self.heap_bytes)
+            self._extend_server()  # spares first: one without the job's modules beats none
             return True
         except (OSError, ValueError) as exc:
             self.log(f"spare fork server unusable ({exc}); warm spares import torch themselves")
             self.fork = False
             self._stop_server()
             return False
+
+    def _start_server(self, env: dict[str, str]) -> None:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
+        self._server = ForkServer(self.python, env, (warm, base), self.imports)
+        self._imports_sent = True  # its start-up imports the file as it is now
+        self._born[self._server.proc.pid] = (time.monotonic(), base if warm != base else None)
+        self.readiness.pool_started()
+        self.log(
+            f"spare fork server started (pid {self._server.proc.pid}); spares are "
+            "forked from it once it has imported torch"
+            + (" and the job's modules" if self.imports else "")
+        )
+
+    def _fork_one(self, heap_bytes: int, prepare: bool = True) -> SpareProc:
+        assert self._server is not None
+        t0 = time.monotonic()
+        proc, ready_fd = self._server.fork(heap_bytes=heap_bytes, prepare=prepare)
+        self._procs.append(proc)
+        self.readiness.watch(proc.pid, ready_fd)
+        self.log(
+            f"warm spare started (pid {proc.pid}, forked in "
+            f"{(time.monotonic() - t0) * 1e3:.1f} ms; {len(self._procs)} of {self.count})"
+        )
+        return proc
+
+    def _extend_server(self) -> bool:
+        """Ask the ready server to import the job's modules listed since it started: True when
+        it is busy with them now (the idle spares forked before are replaced once it is done:
+        they serve until then)."""
+        server = self._server
+        if server is None or self.imports is None or self._imports_sent:
+            return False
+        server.extend(self.imports)
+        self._imports_sent = True
+        self._stale = {p.pid for p in self._procs}
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        if may_return_to(base) and base + WARM_UP_NICE <= 19:  # escalated as in its warm-up
+            self._born[server.proc.pid] = (time.monotonic(), base)
+        self.log(f"spare fork server imports the job's modules ({self.imports})")
+        return True
+
+    def _say_failed_imports(self) -> None:
+        server = self._server
+        if server is not None and server.answers != self._answers_seen:
+            self._answers_seen = server.answers
+            if server.failed_count:
+                self.log(failed_imports_line(server.failed_count, server.failed))
+
+    def _retire_stale(self) -> None:
+        """Idle spares forked before the server's latest imports (when those added any module)
+        make way for fresh forks once as many fresh ones are ready: until then they serve."""
+        if self._server is None or not self._server.new_modules:
+            self._stale = set()
+        ready = self.readiness.poll() - self._stale
+        if self._stale and len([p for p in self._procs if p.pid in ready]) >= self.count:
+            stale = [p for p in self._procs if p.pid in self._stale]
+            self._procs = [p for p in self._procs if p.pid not in self._stale]
+            _kill_idle(stale, self._born, self.log)
+            self._stale = set()
 
     def _stop_server(self, timeout: float = STOP_S) -> None:
         server, self._server = self._server, None
@@ -215,6 +341,8 @@ class SparePool:
             self._escalate_proc(proc.pid, proc)
 
     def _escalate_proc(self, pid: int, proc: SpareProc) -> None:
+        if self._starting:  # the ranks' own start-up first
+            return
         now = time.monotonic()
         born, base = self._born.get(pid, (now, None))
         if base is not None and now - born >= self.idle_limit and proc.poll() is None:
@@ -225,38 +353,73 @@ class SparePool:
         parent = os.getpid()
         base = os.getpriority(os.PRIO_PROCESS, 0)
         warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
-        proc = subprocess.Popen(
-            [self.python, "-u", "-m", SPARE_MODULE, *nice_args(warm, base)],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=None,
-            stderr=None,
-            preexec_fn=lambda: die_with_parent(parent),
-            close_fds=True,
-        )
+        ready_r, ready_w = os.pipe()
+        try:
+            proc = subprocess.Popen(
+                [
+                    self.python,
+                    "-u",
+                    "-m",
+                    SPARE_MODULE,
+                    *nice_args(warm, base),
+                    *([IMPORTS_FLAG, self.imports] if self.imports else []),
+                    READY_FLAG,
+                    str(ready_w),
+                ],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=None,
+                stderr=None,
+                pass_fds=[ready_w],
+                preexec_fn=lambda: die_with_parent(parent),
+                close_fds=True,
+            )
+        except BaseException:
+            os.close(ready_r)
+            raise
+        finally:
+            os.close(ready_w)
         self._procs.append(proc)
+        self.readiness.watch(proc.pid, ready_r)
+        self.readiness.pool_started()
         self._born[proc.pid] = (time.monotonic(), base if warm != base else None)
         self.log(f"warm spare started (pid {proc.pid}; {len(self._procs)} of {self.count})")
 
-    def take(self, env: dict[str, str], argv: list[str], module: bool) -> SpareProc | None:
-        """Hand the oldest live spare its assignment; None when no live spare is available. A
-        spare that does not take the line within ASSIGN_TIMEOUT_S (its pipe full: stopped, or
-        starved) is killed and the next one is tried, so the loop never blocks on a spare."""
+    def take(
+        self, env: dict[str, str], argv: list[str], module: bool, fork_now: bool = False
+    ) -> SpareProc | None:
+        """Hand a live spare its assignment (a ready one first, the oldest first; with none idle
+        and `fork_now`, one forked now from a ready fork server, also while a round holds the
+        pool: the round needs it); None when no spare is available. A spare that does not take
+        the line within ASSIGN_TIMEOUT_S (its pipe full: stopped, or starved) is killed and the
+        next one is tried, so the loop never blocks on a spare."""
         base = os.getpriority(os.PRIO_PROCESS, 0)
         boost = max(-20, base - REPAIR_BOOST_NICE)
         nice = boost if boost < base and may_return_to(boost) else None
-        while self._procs:
-            proc = self._procs.pop(0)
+        line = (
+            json.dumps(
+                {"env": env, "argv": argv, "cwd": os.getcwd(), "module": module, "nice": nice}
+            )
+            + "\n"
+        ).encode()
+        warm = self.readiness.poll()  # stable sort: the oldest ready fresh one first
+        self._procs.sort(key=lambda p: (p.pid not in warm, p.pid in self._stale))
+        forked = False  # at most one spare forked on the spot per take
+        while True:
+            if self._procs:
+                proc: SpareProc | None = self._procs.pop(0)
+            elif fork_now and not forked and self.count and self._server_ready():
+                proc, forked = self._fork_on_demand(), True
+            else:
+                return None
+            if proc is None:
+                return None
             self._born.pop(proc.pid, None)
+            self.readiness.forget(proc.pid)
+            self._stale.discard(proc.pid)
             if proc.poll() is not None or proc.stdin is None:
                 continue
-            line = (
-                json.dumps(
-                    {"env": env, "argv": argv, "cwd": os.getcwd(), "module": module, "nice": nice}
-                )
-                + "\n"
-            )
-            err = _assign(proc, line.encode(), ASSIGN_TIMEOUT_S)
+            err = _assign(proc, line, ASSIGN_TIMEOUT_S)
             if err is not None:
                 self.log(f"warm spare pid {proc.pid} not used ({err}); killed")
                 proc.kill()
@@ -264,8 +427,19 @@ class SparePool:
                 continue
             if nice is not None and "RANK" in env:
                 self._boosted[int(env["RANK"])] = (proc, base)
+            self._note_ready()  # one fewer ready: its successor's readiness is news again
             return proc
-        return None
+
+    def _fork_on_demand(self) -> SpareProc | None:
+        """A spare forked for a replacement that found none idle (no heap faulted in first: the
+        replacement's state arrives into fresh pages, as a cold one's would)."""
+        try:
+            proc = self._fork_one(0, prepare=False)
+        except (OSError, ValueError) as exc:
+            self.log(f"spare fork server could not fork a spare now ({exc})")
+            return None
+        self._procs.remove(proc)
+        return proc
 
     def stop(self) -> None:
         """Kill the idle spares and the fork server at once; all of them get STOP_S in total to
@@ -286,6 +460,87 @@ class SparePool:
                     pass
         self._stop_server(max(0.0, deadline - time.monotonic()))
         self._born.clear()
+        self.readiness.close()
+
+
+class Readiness:
+    """Which spares are ready to take a rank (each writes one byte to its ready pipe: a forked
+    one once it owns its pages and faulted its heap in, one that imports torch itself once its
+    imports are done), and when the ready count first grew, for `spare-ready`. Owned by one
+    `SparePool`."""
+
+    def __init__(self) -> None:
+        self.job_start: float | None = None  # monotonic: the job's workers started
+        self.pool_start: float | None = None  # monotonic: the pool started its first process
+        self.first_ready_s: float | None = None  # since the job (else the pool) started
+        self._warm: set[int] = set()
+        self._fds: dict[int, int] = {}  # pid -> read end of its ready pipe
+        self._shown = 0  # the ready count the last `spare-ready` said
+
+    def pool_started(self) -> None:
+        if self.pool_start is None:
+            self.pool_start = time.monotonic()
+
+    def watch(self, pid: int, fd: int) -> None:
+        os.set_blocking(fd, False)
+        self._fds[pid] = fd
+
+    def forget(self, pid: int) -> None:
+        self._warm.discard(pid)
+        fd = self._fds.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
+
+    def poll(self) -> set[int]:
+        """The pids ready now (reads the ready pipes without blocking)."""
+        for pid, fd in list(self._fds.items()):
+            try:
+                got = os.read(fd, 1)
+            except BlockingIOError:
+                continue
+            except OSError:
+                got = b""
+            if got:
+                self._warm.add(pid)
+            self._fds.pop(pid)
+            os.close(fd)
+        return set(self._warm)
+
+    def grew(self, ready: int) -> dict | None:
+        """The fields of a `spare-ready` record when `ready` exceeds the last count said (else
+        None; a count that fell, a spare taken, is remembered so its successor is said again)."""
+        if ready <= self._shown:
+            self._shown = ready
+            return None
+        self._shown = ready
+        now = time.monotonic()
+        since_pool = now - (self.pool_start or now)
+        since_job = now - (self.job_start if self.job_start is not None else self.pool_start or now)
+        if self.first_ready_s is None:
+            self.first_ready_s = round(since_job, 3)
+        return {"since_job_s": round(since_job, 3), "since_pool_s": round(since_pool, 3)}
+
+    def close(self) -> None:
+        for pid in list(self._fds):
+            self.forget(pid)
+        self._warm.clear()
+
+
+def failed_imports_line(count: int, failed: list[list[str]]) -> str:
+    """One line naming the job's modules the fork server could not import (skipped)."""
+    named = "; ".join(f"{n} ({why})" for n, why in failed[:5])
+    return (
+        f"spare fork server: {count} of the job's modules not imported (skipped; a "
+        f"replacement imports them itself): {named}"
+    )
+
+
+def _kill_idle(procs: list[SpareProc], born: dict, log: Callable[[str], None]) -> None:
+    """Kill idle spares (nothing to lose) and wait for each."""
+    for proc in procs:
+        born.pop(proc.pid, None)
+        proc.kill()
+        _wait(proc, log, STOP_S)
 
 
 def _wait(proc: SpareProc, log: Callable[[str], None], timeout: float) -> None:

@@ -17,6 +17,13 @@ The agent process never imports this module's warm imports: what they load (torc
 `launcher.runtime`) is data here, a list of module names imported by name (`importlib`) in the
 spare only, so the import rule `launcher.workers` -> not `launcher.runtime` (the agent stays
 free of torch) holds while the spare, which becomes a worker, pre-imports the runtime.
+
+Besides those, a spare imports what the job's ranks imported (`--imports FILE`, written by the
+agent: the modules its ranks reported by their first step and `FTRUN_SPARE_IMPORTS`;
+`import_listed`): a module that fails to import is skipped and named in one line, never fatal.
+A spare started with `--ready-fd FD` writes one byte to FD once its imports are done (the pool's
+`spare-ready`). `run_job` puts the time the job was assigned in `FTRUN_EXEC_TIME` (the runtime's
+`exec` mark: when the replacement began running the script).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import json
 import os
 import sys
 import threading
+import time
 
 from launcher.workers.priority import run_priority, warm_priority
 
@@ -35,6 +43,9 @@ WARM_IMPORTS = ("torch", "torch.distributed", "torch.optim", "launcher.runtime.r
 # optimizers import torch._dynamo lazily on their first step: paid in the warm-up when present
 OPTIONAL_WARM_IMPORTS = ("torch._dynamo",)
 NICE_FLAG = "--nice"  # WARM,BASE: the warm-up niceness and the agent's, from the agent
+IMPORTS_FLAG = "--imports"  # FILE: the job's modules to import too (`write_imports`)
+READY_FLAG = "--ready-fd"  # FD: one byte written once the imports are done
+EXEC_TIME_ENV = "FTRUN_EXEC_TIME"  # wall-clock time the job was assigned (the runtime's `exec`)
 
 
 def warm_imports() -> None:
@@ -52,6 +63,66 @@ def warm_imports() -> None:
     # copy every page those objects live on
     gc.collect()
     gc.freeze()
+
+
+def write_imports(path: str, modules: list[str], dirs: list[str]) -> None:
+    """The file `--imports` names: the modules to import and the directories to find them in
+    (the script's own, as a rank has it in `sys.path[0]`)."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({"modules": list(modules), "path": list(dirs)}, f)
+    os.replace(tmp, path)
+
+
+def read_imports(path: str) -> tuple[list[str], list[str]]:
+    """(modules, directories) of an `--imports` file; ([], []) when it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        return [str(m) for m in data.get("modules", [])], [str(d) for d in data.get("path", [])]
+    except (OSError, ValueError, AttributeError):
+        return [], []
+
+
+def import_listed(path: str) -> list[tuple[str, str]]:
+    """Import the modules an `--imports` file lists (its directories on `sys.path` meanwhile);
+    the ones that failed, with why. A failure never ends the spare: the replacement imports
+    that module itself, as a cold start would."""
+    modules, dirs = read_imports(path)
+    added = [d for d in dirs if d not in sys.path]
+    sys.path[:0] = added
+    failed: list[tuple[str, str]] = []
+    try:
+        for name in modules:
+            if name in sys.modules:
+                continue
+            try:
+                importlib.import_module(name)
+            except BaseException as exc:  # noqa: BLE001 - a SystemExit at import, too
+                failed.append((name, f"{type(exc).__name__}: {exc}"[:160]))
+    finally:
+        for d in added:
+            if d in sys.path:
+                sys.path.remove(d)
+    gc.collect()
+    gc.freeze()
+    return failed
+
+
+def failed_line(failed: list[tuple[str, str]], who: str) -> str:
+    """One line naming the modules `who` could not import (skipped)."""
+    named = "; ".join(f"{name} ({why})" for name, why in failed[:5])
+    more = f"; and {len(failed) - 5} more" if len(failed) > 5 else ""
+    return f"[ftrun spare] {who}: {len(failed)} of the job's modules not imported, skipped: " + (
+        named + more
+    )
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value after `flag` in `argv`, or None."""
+    if flag not in argv or argv.index(flag) + 1 >= len(argv):
+        return None
+    return argv[argv.index(flag) + 1]
 
 
 def nice_args(warm: int, base: int) -> list[str]:
@@ -81,6 +152,7 @@ def run_job(job: dict) -> None:
         run_priority(int(job["nice"]))
     os.environ.clear()
     os.environ.update(job["env"])
+    os.environ[EXEC_TIME_ENV] = repr(time.time())
     os.chdir(job["cwd"])
     argv = list(job["argv"])
     sys.argv = argv
@@ -126,6 +198,17 @@ def main(argv: list[str]) -> None:
         warm_priority(warm)
     assignment = Assignment(warm, base)
     warm_imports()
+    imports = flag_value(argv, IMPORTS_FLAG)
+    failed = import_listed(imports) if imports else []
+    if failed:
+        print(failed_line(failed, f"spare pid {os.getpid()}"), file=sys.stderr, flush=True)
+    ready_fd = flag_value(argv, READY_FLAG)
+    if ready_fd is not None:
+        try:
+            os.write(int(ready_fd), b"r")
+            os.close(int(ready_fd))
+        except OSError:
+            pass  # the agent gave up on this spare's readiness
     line = assignment.wait()
     if not line.strip():
         sys.exit(0)

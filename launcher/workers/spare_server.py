@@ -1,22 +1,27 @@
 """Inside the spare fork server: one warm process per node that forks warm spares in milliseconds.
 
-Owns: the fork server's process. `python -u -m launcher.workers.spare_server FD --nice WARM,BASE`
-(`serve`) does the warm imports once (`launcher.workers.spare_process.warm_imports`: torch, the
-runtime: 1.5-2 CPU-s) at the spares' warm-up priority, returns to the agent's priority, reports
-ready with its thread count, and then, for every request on its unix socket, forks a spare
-copy-on-write: an intermediate child forks the spare and exits at once, so the spare is
-reparented to the agent (a child subreaper, `launcher.workers.adopted`) and becomes the agent's
-own child, waited for and signalled like a Popen'd one. It forks only while it has exactly one
-thread (no thread pool of torch's started: it never runs a tensor op) and answers an error
-otherwise. The spare starts its own session, sets `PR_SET_PDEATHSIG(SIGKILL)` only once it sees
-the agent as its parent (the death signal would fire at the reparenting), reads its assignment
-line (the same JSON as a Popen'd spare's stdin) from a pipe the server made for it, whose write
-end goes to the agent with the reply (`socket.send_fds`), and then runs the script exactly like
-a Popen'd spare (`launcher.workers.spare_process.run_job`). EOF on that pipe means "not needed":
-it exits 0. Before it waits for the assignment, a forked spare makes every page it shares with
-the server its own (`own_pages`): otherwise the replacement's first pass through the
-interpreter's and torch's state pays a copy-on-write fault per page it writes to (refcounts:
-nearly every page it touches), ~15 ms of its start-up inside the recovery, measured here.
+Owns: the fork server's process. `python -u -m launcher.workers.spare_server FD --nice
+WARM,BASE` (`serve`) does the warm imports once (`launcher.workers.spare_process.warm_imports`:
+torch, the runtime: 1.5-2 CPU-s; then the job's modules of `--imports FILE`) at the spares'
+warm-up priority, returns to the agent's priority, reports ready with its thread count, and
+then, for every request on its unix socket, either imports more of the job's modules
+(`{"imports": FILE}`: what the ranks imported by their first step, at the warm-up priority; a
+module that fails is skipped and named in the answer, `failed`) or forks a spare copy-on-write:
+an intermediate child forks the spare and exits at once, so the spare is reparented to the agent
+(a child subreaper, `launcher.workers.adopted`) and becomes the agent's own child, waited for
+and signalled like a Popen'd one. It forks only while it has exactly one thread (no thread pool
+of torch's started: it never runs a tensor op) and answers an error otherwise. The spare starts
+its own session, sets `PR_SET_PDEATHSIG(SIGKILL)` only once it sees the agent as its parent (the
+death signal would fire at the reparenting), reads its assignment line (the same JSON as a
+Popen'd spare's stdin) from a pipe the server made for it, whose write end goes to the agent
+with the reply (`socket.send_fds`, with the read end of a pipe on which the spare writes one
+byte once it is prepared: the pool's `spare-ready`), and then runs the script exactly like a
+Popen'd spare (`launcher.workers.spare_process.run_job`). EOF on that pipe means "not needed":
+it exits 0. Before it waits for the assignment (unless forked for a replacement that waits:
+`prepare` false), a forked spare makes every page it shares with the server its own
+(`own_pages`): otherwise the replacement's first pass through the interpreter's and torch's
+state pays a copy-on-write fault per page it writes to (refcounts: nearly every page it
+touches), ~15 ms of its start-up inside the recovery, measured here.
 The agent's handle on this process is `launcher.workers.fork_server.ForkServer`.
 
 The heap a forked spare faults in for its replacement is the runtime's
@@ -41,7 +46,15 @@ from types import ModuleType
 
 from launcher.workers.prctl import die_with_parent, set_process_name
 from launcher.workers.priority import run_priority, thread_ids, warm_priority
-from launcher.workers.spare_process import NICE_FLAG, parse_nice, run_job, warm_imports
+from launcher.workers.spare_process import (
+    IMPORTS_FLAG,
+    NICE_FLAG,
+    flag_value,
+    import_listed,
+    parse_nice,
+    run_job,
+    warm_imports,
+)
 
 HEAP_MODULE = "launcher.runtime.heap"  # the runtime's heap helpers, imported by name here
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in for writing (breaks copy-on-write)
@@ -50,15 +63,27 @@ PAGEMAP_CHUNK = 1 << 16  # pages per /proc/self/pagemap read (512 KB of entries)
 SERVER_NAME = b"ftrun-spare-srv"  # `ps` names: the server, and a forked spare until it is assigned
 SPARE_NAME = b"ftrun-spare"
 REPARENT_TIMEOUT_S = 5.0  # a forked spare waits this long to see the agent as its parent
+REQUEST_BYTES = 1 << 16  # a request from the agent is at most this long
+FAILED_NAMED = 8  # an answer names at most this many modules that failed to import
 
 
 class _Forked(Exception):
     """Raised in a forked spare: unwinds the server's loop so the job runs at the top level
     (its exceptions, exit code and atexit handlers as in `python script`)."""
 
-    def __init__(self, assignment_fd: int, agent: int, comm: bytes, heap_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        assignment_fd: int,
+        agent: int,
+        comm: bytes,
+        heap_bytes: int = 0,
+        ready_fd: int = -1,
+        prepare: bool = True,
+    ) -> None:
         super().__init__("forked spare")
         self.assignment_fd = assignment_fd
+        self.ready_fd = ready_fd  # one byte written here once prepared (-1: none)
+        self.prepare = prepare  # own its pages and fault its heap in (idle time) first
         self.agent = agent
         self.comm = comm  # the process name to take back when the job starts
         self.heap_bytes = (
@@ -72,9 +97,10 @@ def _heap() -> ModuleType:
 
 
 # ------------------------------------------------------------------ the server process
-def serve(sock_fd: int, nice: tuple[int, int] = (0, 0)) -> None:
-    """The fork server's life (`nice`: its warm-up niceness and the agent's); raises `_Forked`
-    in each forked spare."""
+def serve(sock_fd: int, nice: tuple[int, int] = (0, 0), imports: str | None = None) -> None:
+    """The fork server's life (`nice`: its warm-up niceness and the agent's; `imports`: the
+    job's modules to import after the warm imports, an `--imports` file); raises `_Forked` in
+    each forked spare."""
     agent = os.getppid()
     sock = socket.socket(fileno=sock_fd)
     comm = set_process_name(SERVER_NAME)
@@ -82,50 +108,80 @@ def serve(sock_fd: int, nice: tuple[int, int] = (0, 0)) -> None:
     if warm != base:
         warm_priority(warm)
     warm_imports()
+    failed = import_listed(imports) if imports else []
     if warm != base:  # warm now: forks must not wait for idle CPU time
         run_priority(base)
     threads = len(thread_ids())
     try:
-        sock.send(json.dumps({"ready": True, "threads": threads}).encode())
+        sock.send(json.dumps({"ready": True, "threads": threads, **_failures(failed)}).encode())
         if threads != 1:
             return  # the agent falls back to spares that import torch themselves
         while True:
-            req = sock.recv(4096)
+            req = sock.recv(REQUEST_BYTES)
             if not req:
                 return  # the agent closed its end: done
-            try:
-                heap_bytes = max(0, int(json.loads(req).get("heap_bytes", 0)))
-            except (ValueError, AttributeError, TypeError):
-                heap_bytes = 0
-            if len(thread_ids()) != 1:
-                sock.send(
-                    json.dumps({"error": f"{len(thread_ids())} threads; not forking"}).encode()
-                )
-                continue
-            try:
-                pid, w = _fork_spare(sock, agent, comm, heap_bytes)
-            except OSError as exc:
-                sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
-                continue
-            try:
-                socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [w])
-            finally:
-                os.close(w)
+            if not _answer(sock, req, agent, comm, nice):
+                return
     except (BrokenPipeError, ConnectionResetError):
         return  # the agent is gone or stopped us
 
 
+def _failures(failed: list[tuple[str, str]]) -> dict:
+    """The modules that failed, for an answer of bounded size (the first few, and how many)."""
+    return {"failed": failed[:FAILED_NAMED], "failed_count": len(failed)}
+
+
+def _answer(
+    sock: socket.socket, req: bytes, agent: int, comm: bytes, nice: tuple[int, int]
+) -> bool:
+    """Answer one request: import the job's modules (`{"imports": FILE}`, at the warm-up
+    priority) or fork a spare; False once this server must not fork any more."""
+    try:
+        body = json.loads(req)
+        heap_bytes = max(0, int(body.get("heap_bytes", 0)))
+        imports, prepare = body.get("imports"), bool(body.get("prepare", True))
+    except (ValueError, AttributeError, TypeError):
+        heap_bytes, imports, prepare = 0, None, True
+    if isinstance(imports, str):
+        warm, base = nice
+        if warm != base:
+            warm_priority(warm)
+        before = len(sys.modules)
+        failed = import_listed(imports)
+        if warm != base:
+            run_priority(base)
+        threads, new = len(thread_ids()), len(sys.modules) - before
+        answer = {"imported": True, "new": new, "threads": threads, **_failures(failed)}
+        sock.send(json.dumps(answer).encode())
+        return threads == 1
+    if len(thread_ids()) != 1:
+        sock.send(json.dumps({"error": f"{len(thread_ids())} threads; not forking"}).encode())
+        return True
+    try:
+        pid, w, ready = _fork_spare(sock, agent, comm, heap_bytes, prepare)
+    except OSError as exc:
+        sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
+        return True
+    try:
+        socket.send_fds(sock, [json.dumps({"pid": pid}).encode()], [w, ready])
+    finally:
+        os.close(w)
+        os.close(ready)
+    return True
+
+
 def _fork_spare(
-    sock: socket.socket, agent: int, comm: bytes, heap_bytes: int = 0
-) -> tuple[int, int]:
-    """Double-fork a spare; (its pid, the write end of its assignment pipe). In the spare this
-    raises `_Forked`."""
+    sock: socket.socket, agent: int, comm: bytes, heap_bytes: int = 0, prepare: bool = True
+) -> tuple[int, int, int]:
+    """Double-fork a spare; (its pid, the write end of its assignment pipe, the read end of its
+    ready pipe). In the spare this raises `_Forked`."""
     r, w = os.pipe()
     pr, pw = os.pipe()
+    yr, yw = os.pipe()
     try:
         mid = os.fork()
     except OSError:
-        for fd in (r, w, pr, pw):
+        for fd in (r, w, pr, pw, yr, yw):
             os.close(fd)
         raise
     if mid == 0:  # the intermediate: fork the spare, report its pid, exit at once
@@ -134,17 +190,18 @@ def _fork_spare(
         except BaseException:  # noqa: BLE001
             os._exit(1)
         if pid == 0:
-            for fd in (w, pr, pw):
+            for fd in (w, pr, pw, yr):
                 os.close(fd)
             sock.close()
             set_process_name(SPARE_NAME)
-            raise _Forked(r, agent, comm, heap_bytes)
+            raise _Forked(r, agent, comm, heap_bytes, yw, prepare)
         try:
             os.write(pw, pid.to_bytes(4, "little"))
         finally:
             os._exit(0)
     os.close(pw)
     os.close(r)
+    os.close(yw)
     try:
         data = b""
         while len(data) < 4:
@@ -157,8 +214,9 @@ def _fork_spare(
         os.waitpid(mid, 0)  # exits right after the write; the spare is the agent's child now
     if len(data) != 4:
         os.close(w)
+        os.close(yr)
         raise OSError("the intermediate child did not report the spare's pid")
-    return int.from_bytes(data, "little"), w
+    return int.from_bytes(data, "little"), w, yr
 
 
 def own_pages() -> tuple[int, str | None]:
@@ -221,9 +279,18 @@ def become_spare(forked: _Forked) -> None:
     die_with_parent(forked.agent, new_session=False)
     if "numpy.random" in sys.modules:  # a fresh process seeds numpy's global RNG from entropy
         sys.modules["numpy.random"].seed()
-    own_pages()  # the pages it cannot own are copied on first write, as before
-    heap = _heap()
-    prepared = heap.prepare(forked.heap_bytes)
+    heap, prepared = _heap(), 0
+    # idle-time work: a spare forked for a replacement waiting now skips it (its job copies
+    # the pages it writes, as a cold process would)
+    if forked.prepare:
+        own_pages()  # the pages it cannot own are copied on first write, as before
+        prepared = heap.prepare(forked.heap_bytes)
+    if forked.ready_fd >= 0:
+        try:
+            os.write(forked.ready_fd, b"r")  # the pool's `spare-ready`
+            os.close(forked.ready_fd)
+        except OSError:
+            pass
     line = b""
     while not line.endswith(b"\n"):
         chunk = os.read(forked.assignment_fd, 65536)
@@ -241,11 +308,12 @@ def become_spare(forked: _Forked) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """`FD [--nice WARM,BASE]`: serve on socket FD; in each forked spare, run its job."""
+    """`FD [--nice WARM,BASE] [--imports FILE]`: serve on socket FD; in each forked spare, run
+    its job."""
     nice = parse_nice(argv[argv.index(NICE_FLAG) + 1]) if NICE_FLAG in argv else (0, 0)
     forked = None
     try:
-        serve(int(argv[0]), nice)
+        serve(int(argv[0]), nice, flag_value(argv, IMPORTS_FLAG))
     except _Forked as exc:
         forked = exc
         exc.__traceback__ = None  # drop the server's frames

@@ -3,9 +3,15 @@
 Owns: the environment each worker gets (torchrun's exact variables plus `FTRUN_*` for the
 runtime), starting a rank's process with its log files, tee and output filters, a process-level
 replacement taken from a warm spare when it can be, and keeping `--warm-spares` of them (the used
-one's successor starts at the next health check) once the job is known to use launcher.runtime.
-Every new process is handed to the reaper and announced through `on_spawn` (the hang watch
-restarts that rank's clock). `stop()` ends the spares.
+one's successor starts at the next health check) once the job is known to use launcher.runtime:
+with the workers (`spawn_all`) when `FTRUN_SPARE_START` says so (auto: the script's source names
+the runtime, `launcher.workers.job_imports.names_runtime`), else from the first rank's hello (the
+agent's health check). A replacement that had to start cold is overtaken by a spare that becomes
+ready before the cold one said hello (`overtake`: the spare takes the rank in the same round,
+the cold process is frozen, then killed). The modules the ranks report are handed to the spares
+(`learn_imports`, `launcher.workers.job_imports.JobImports`). Every new process is handed to the
+reaper and announced through `on_spawn` (the hang watch restarts that rank's clock). `stop()`
+ends the spares.
 """
 
 from __future__ import annotations
@@ -14,15 +20,27 @@ import os
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
+from subprocess import Popen
 from typing import Callable
 
 from launcher.config import LaunchConfig
 from launcher.observe.logs import AgentLog, RunLogDir, render_prefix
 from launcher.protocol.death_notice import ENV as NOTICE_ENV
 from launcher.protocol.death_notice import NoticeBoard
+from launcher.workers.job_imports import (
+    JobImports,
+    names_runtime,
+    node_cpus,
+    starts_with_workers,
+)
+from launcher.workers.overtake import ColdStart, freeze, kill_frozen, thaw
 from launcher.workers.spare import SparePool
+from launcher.workers.spare_process import EXEC_TIME_ENV
 from launcher.workers.workers import Reaper, Worker, spawn
+
+SPARE_IMPORTS_FILE = "spare_imports.json"  # in the run's log directory: what the spares import
 
 
 @dataclass(frozen=True)
@@ -49,16 +67,31 @@ class Spawner:
     console_lock: threading.Lock = field(default_factory=threading.Lock)
     notices: NoticeBoard | None = None  # the agent's death-notice slots (None: pidfds only)
     spares: SparePool | None = field(init=False)
+    # the pool is kept before any hello: FTRUN_SPARE_START (set by `spawn_all`)
+    pool_wanted: bool = field(init=False, default=False)
+    imports: JobImports | None = field(init=False, default=None)
+    cold: dict[int, ColdStart] = field(init=False, default_factory=dict)  # local rank -> cold
 
     def __post_init__(self) -> None:
         self.spares = None
-        if self.cfg.warm_spares > 0 and not self.cfg.no_python:
+        cfg = self.cfg
+        if cfg.warm_spares > 0 and not cfg.no_python:
             self.spares = SparePool(
                 os.environ.get("PYTHON_EXEC", sys.executable),
                 lambda m: self.log.info("spare", m),
-                count=self.cfg.warm_spares,
-                fork=self.cfg.spare_fork,
+                count=cfg.warm_spares,
+                fork=cfg.spare_fork,
+                record=self.log.info,
             )
+            here = os.path.dirname(os.path.abspath(cfg.script)) if not cfg.module else os.getcwd()
+            self.imports = JobImports(
+                os.path.join(self.run_dir.path, SPARE_IMPORTS_FILE),
+                cfg.spare_imports,
+                [here],
+                cfg.spare_learn,
+            )
+            if self.imports.file is not None:
+                self.spares.extend_imports(self.imports.file)
 
     def env(self, w: Worker, replacement: bool) -> dict[str, str]:
         cfg, world = self.cfg, self.world
@@ -107,6 +140,7 @@ class Spawner:
         # (the survivors learn of the death that much sooner), and a replacement's fresh
         # tensors take 512x fewer page faults while its state streams in
         env.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+        env.pop(EXEC_TIME_ENV, None)  # a warm spare's own (its `exec` mark); a cold one has none
         return env
 
     def spawn(self, w: Worker, generation: int, replacement: bool) -> None:
@@ -131,7 +165,8 @@ class Spawner:
         w.notice = (self.notices.arm(w.local_rank, w.spawns) if self.notices else None) or ""
         if w.notice:
             env[NOTICE_ENV] = w.notice
-        if replacement and self._from_spare(w, cmd, env, inherit=not (red or tee) and shown):
+        inherit = not (red or tee) and shown
+        if replacement and self._from_spare(w, cmd, env, inherit=inherit):
             return
         spawn(
             w,
@@ -150,6 +185,8 @@ class Spawner:
             ),
         )
         self._started(w)
+        if replacement and inherit and self._spare_usable() and isinstance(w.proc, Popen):
+            self.cold[w.local_rank] = ColdStart(w, w.proc, env, self._script_argv(cmd))
         self.log.info(
             "spawn",
             f"rank {w.rank} (local {w.local_rank}) started, pid {w.pid}"
@@ -162,8 +199,26 @@ class Spawner:
         )
 
     def spawn_all(self, workers: list[Worker], generation: int) -> None:
+        """Start every rank; then the spare pool, when the job is known to use the runtime
+        (its imports take idle CPU time only until the ranks committed their first step)."""
         for w in workers:
             self.spawn(w, generation, replacement=False)
+        if self.spares is None or not workers:
+            return
+        self.spares.starting({w.rank for w in workers}, time.monotonic())
+        cfg = self.cfg
+        named = cfg.spare_start == "auto" and names_runtime(cfg.script, cfg.module, os.getcwd())
+        if starts_with_workers(cfg.spare_start, named, node_cpus(), len(workers)):
+            self.pool_wanted = True
+            self.keep_spare(workers[0])
+
+    def _spare_usable(self) -> bool:
+        """A replacement of this job may come from a spare (plain `python [-m] script`)."""
+        cfg = self.cfg
+        return self.spares is not None and not cfg.no_python and not cfg.run_path
+
+    def _script_argv(self, cmd: list[str]) -> list[str]:
+        return cmd[3:] if self.cfg.module else cmd[2:]  # drop python -u [-m]
 
     def _started(self, w: Worker) -> None:
         """A rank got a new process: watch its exit, announce it."""
@@ -173,11 +228,9 @@ class Spawner:
     def _from_spare(self, w: Worker, cmd: list[str], env: dict[str, str], inherit: bool) -> bool:
         """Turn the warm spare into rank `w` (only for plain `python [-m] script` workers whose
         output goes to the console as is). False when no spare can be used."""
-        cfg = self.cfg
-        if self.spares is None or not inherit or cfg.no_python or cfg.run_path:
+        if self.spares is None or not inherit or not self._spare_usable():
             return False
-        argv = cmd[3:] if cfg.module else cmd[2:]  # drop python -u [-m]
-        proc = self.spares.take(env, argv, cfg.module)
+        proc = self.spares.take(env, self._script_argv(cmd), self.cfg.module, fork_now=True)
         if proc is None:
             return False
         w.attach(proc)
@@ -201,6 +254,76 @@ class Spawner:
         environment."""
         if self.spares is not None:
             self.spares.ensure(self.env(template, replacement=True))
+
+    def overtake(self, connected: Callable[[Worker, int], bool]) -> None:
+        """A spare that is ready now takes the rank of a replacement still starting cold, before
+        that one connected to the agent (`connected(worker, pid)`: it said hello, or its
+        connection to the worker channel is open or pending). The cold process is frozen while
+        this is checked, killed once the spare has its assignment (its exit is an older
+        process's: no fault), or thawed when anything stands in the way. Same round, same plan:
+        the spare joins the generation the cold one was started for."""
+        for local, cold in list(self.cold.items()):
+            w, pid = cold.worker, cold.proc.pid
+            if not cold.current or connected(w, pid):
+                del self.cold[local]  # it exited, was replaced, or reached the agent: it stays
+                continue
+            if self.spares is None:
+                continue
+            if not self.spares.available():
+                self.spares.hurry()  # its import races the cold one's
+                continue
+            if not freeze(pid) or connected(w, pid):
+                thaw(pid)  # a thread in the kernel, or it connected meanwhile: the next check
+                continue
+            env = dict(cold.env)
+            env.pop(NOTICE_ENV, None)
+            notice = (self.notices.arm(w.local_rank, w.spawns) if self.notices else None) or ""
+            if notice:
+                env[NOTICE_ENV] = notice
+            proc = self.spares.take(env, cold.argv, self.cfg.module, fork_now=True)
+            if proc is None:
+                thaw(pid)
+                continue
+            del self.cold[local]
+            w.notice = notice
+            w.attach(proc)
+            kill_frozen(pid)
+            self._started(w)
+            self._said_overtaken(w, cold)
+
+    def _said_overtaken(self, w: Worker, cold: ColdStart) -> None:
+        started = time.monotonic() - cold.started
+        self.log.info(
+            "spawn",
+            f"rank {w.rank} (local {w.local_rank}): a warm spare became ready first and takes "
+            f"the rank (pid {w.pid}); the cold replacement pid {cold.proc.pid}, started "
+            f"{started:.2f} s ago and not yet connected, is stopped",
+            rank=w.rank,
+            local_rank=w.local_rank,
+            pid=w.pid,
+            generation=w.generation,
+            replacement=True,
+            warm=True,
+            overtook=cold.proc.pid,
+            cold_s=round(started, 3),
+        )
+
+    def learn_imports(self, rank: int, modules: list[str]) -> None:
+        """Rank `rank` had `modules` loaded by its first step: the spares import them too."""
+        if self.spares is None or self.imports is None:
+            return
+        new = self.imports.add(rank, modules)
+        if new and self.imports.file is not None:
+            self.spares.extend_imports(self.imports.file)
+            self.log.info(
+                "spare-imports",
+                f"rank {rank} had {new} more module(s) loaded by its first step "
+                f"({len(self.imports.modules)} in all, {self.imports.file}): the spares import "
+                "them before they are forked",
+                rank=rank,
+                new=new,
+                modules=len(self.imports.modules),
+            )
 
     def hold_spares(self, generation: int, ranks: set[int]) -> None:
         """A recovery round runs: no new spare until `ranks` recovered (see SparePool.hold)."""

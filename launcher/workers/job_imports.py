@@ -1,0 +1,115 @@
+"""What the job's ranks import, as the agent knows it: so that a warm spare imports it first.
+
+Owns: `names_runtime` (a look at the training script's source: does it name `launcher.runtime`?
+Then the spare pool starts with the workers instead of at the first rank's hello;
+`LaunchConfig.spare_start`) and `JobImports`, the modules the spares import besides torch and the
+runtime: the user's (`FTRUN_SPARE_IMPORTS`) first, then those the ranks reported by their first
+step (`launcher.protocol.messages.Imports`, unless `FTRUN_SPARE_LEARN=0`), in the order they
+were first named, written to the file the spares and the fork server read
+(`launcher.workers.spare_process.write_imports`; `spare_imports.json` in the run's log
+directory). Nothing here imports what it names: that happens in the spares only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from launcher.workers.spare_process import write_imports
+
+# a script that names the runtime: `import launcher.runtime`, `from launcher.runtime import ..`,
+# `from launcher import runtime`
+RUNTIME_NAMED = re.compile(
+    rb"\blauncher\.runtime\b|\bfrom\s+launcher\s+import\s+(\([^)]*)?[^\n]*\bruntime\b"
+)
+SOURCE_BYTES = 1 << 20  # of a script's source read for the look
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
+MAX_MODULES = 20000  # modules kept from the ranks' reports (a bound on a report's size)
+OWN_PREFIXES = ("launcher", "rendezvous")  # ftrun's own: the spares have imported them already
+
+
+def script_source(script: str, module: bool, cwd: str) -> str | None:
+    """The file of the training script (`python script` or `python -m script` from `cwd`), or
+    None when it is not found without importing anything."""
+    if not module:
+        return script if os.path.isfile(script) else None
+    base = os.path.join(cwd, *script.split("."))
+    for path in (base + ".py", os.path.join(base, "__main__.py")):
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def names_runtime(script: str, module: bool, cwd: str) -> bool:
+    """Whether the script's own source names `launcher.runtime` (a script that reaches it only
+    through a module of its own is known at its first hello instead)."""
+    path = script_source(script, module, cwd)
+    if path is None:
+        return False
+    try:
+        with open(path, "rb") as f:
+            return RUNTIME_NAMED.search(f.read(SOURCE_BYTES)) is not None
+    except OSError:
+        return False
+
+
+def starts_with_workers(spare_start: str, named_runtime: bool, cpus: int, local_ranks: int) -> bool:
+    """Whether the spare pool starts right after the workers (`FTRUN_SPARE_START`): "workers"
+    always, "hello" never (at the first rank's hello), "auto" when the script names the runtime
+    and the node has a CPU to spare beside its ranks (`cpus > local_ranks`). Where the ranks take
+    every CPU, a fork server importing torch beside them, even at nice 10 / SCHED_IDLE, delayed
+    their first step by ~1.8 s (2 CPUs, 4 ranks: 9.6 s against 7.8 s): it starts at the first
+    hello instead, once the ranks' own imports are done."""
+    if spare_start == "workers":
+        return True
+    return spare_start == "auto" and named_runtime and cpus > local_ranks
+
+
+def node_cpus() -> int:
+    """CPUs this process may run on (its affinity mask; os.cpu_count() where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def keep(name: str) -> bool:
+    """A module name worth importing in a spare (well formed, not ftrun's own)."""
+    return bool(MODULE_NAME.fullmatch(name)) and name.split(".", 1)[0] not in OWN_PREFIXES
+
+
+class JobImports:
+    """The modules the spares import besides torch; one per agent (the spawner's)."""
+
+    def __init__(self, path: str, named: list[str], dirs: list[str], learn: bool) -> None:
+        self.path = path  # the file the spares read (`--imports`)
+        self.dirs = dirs  # where the script's own modules are found (its directory)
+        self.learn = learn  # FTRUN_SPARE_LEARN: take the ranks' reports
+        self.modules: list[str] = [n for n in named if keep(n)]
+        self._seen = set(self.modules)
+        self.reported: set[int] = set()  # ranks whose report was taken
+        if self.modules:
+            self.write()
+
+    def add(self, rank: int, modules: list[str]) -> int:
+        """Rank `rank` had `modules` loaded by its first step: the number of new ones (the file
+        is rewritten when there are any)."""
+        self.reported.add(rank)
+        if not self.learn:
+            return 0
+        new = [m for m in modules if m not in self._seen and keep(m)]
+        new = new[: max(0, MAX_MODULES - len(self.modules))]
+        if not new:
+            return 0
+        self.modules += new
+        self._seen.update(new)
+        self.write()
+        return len(new)
+
+    def write(self) -> None:
+        write_imports(self.path, self.modules, self.dirs)
+
+    @property
+    def file(self) -> str | None:
+        """The `--imports` file, None while there is nothing to import."""
+        return self.path if self.modules else None

@@ -1,0 +1,65 @@
+"""What the job imports, as the agent knows it: the look at the script, the spares' module list."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from launcher.workers.job_imports import JobImports, names_runtime
+
+
+@pytest.mark.parametrize(
+    "source, names",
+    [
+        ("import launcher.runtime as ftr\n", True),
+        ("from launcher.runtime import init\n", True),
+        ("from launcher import runtime\n", True),
+        ("from launcher import (\n    runtime,\n)\n", True),
+        (
+            "import torch\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n",
+            False,
+        ),
+        ("import launcher_runtime_like\n", False),
+    ],
+)
+def test_the_pool_starts_with_the_workers_only_for_a_script_that_names_the_runtime(
+    tmp_path, source: str, names: bool
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    assert names_runtime(str(script), False, str(tmp_path)) is names
+
+
+def test_a_module_script_is_looked_up_from_the_working_directory_without_importing(
+    tmp_path,
+) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise SystemExit('imported!')\n")
+    (pkg / "train.py").write_text("import launcher.runtime\n")
+    (tmp_path / "solo").mkdir()
+    (tmp_path / "solo" / "__main__.py").write_text("print('no runtime')\n")
+    assert names_runtime("pkg.train", True, str(tmp_path))
+    assert not names_runtime("solo", True, str(tmp_path))
+    assert not names_runtime("missing.mod", True, str(tmp_path))
+    assert not names_runtime(str(tmp_path / "missing.py"), False, str(tmp_path))
+
+
+def test_the_spares_import_the_users_modules_then_the_ranks_reports(tmp_path) -> None:
+    path = tmp_path / "spare_imports.json"
+    imports = JobImports(str(path), ["megatron.core", "bad name"], ["/scripts"], learn=True)
+    assert json.loads(path.read_text()) == {"modules": ["megatron.core"], "path": ["/scripts"]}
+    # ftrun's own modules are left out (every spare has them); repeated names count once
+    assert imports.add(0, ["torch._dynamo", "launcher.runtime", "megatron.core", "x.y"]) == 2
+    assert imports.add(1, ["torch._dynamo", "x.y"]) == 0  # nothing new: the file stays
+    assert imports.modules == ["megatron.core", "torch._dynamo", "x.y"]
+    assert json.loads(path.read_text())["modules"] == imports.modules
+    assert imports.reported == {0, 1} and imports.file == str(path)
+
+
+def test_with_learning_off_only_the_named_modules_are_imported(tmp_path) -> None:
+    path = tmp_path / "spare_imports.json"
+    imports = JobImports(str(path), [], [], learn=False)
+    assert imports.file is None and not path.exists()  # nothing to import: no file
+    assert imports.add(0, ["torch._dynamo"]) == 0 and imports.file is None
