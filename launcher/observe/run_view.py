@@ -193,6 +193,17 @@ class NodeRow:
     spares_ready: int = 0  # warm spares ready to take a rank now (`spare-ready`)
     spare_ready_s: float | None = None  # the first one was ready this long after the workers
 
+    def spares_now_ready(self, ready: int, since_job_s: object) -> None:
+        """A `spare-ready` event: `ready` spares can take a rank now."""
+        self.spares_ready, self.spare = ready, ready > 0
+        if self.spare_ready_s is None and isinstance(since_job_s, (int, float)):
+            self.spare_ready_s = float(since_job_s)
+
+    def spare_taken(self) -> None:
+        """A warm spare became a rank."""
+        self.spares_ready = max(0, self.spares_ready - 1)
+        self.spare = self.spares_ready > 0
+
 
 @dataclass
 class RunView:

@@ -141,18 +141,7 @@ class Timeline:
         node = ev.get("lost_node")
         if isinstance(node, int):
             self._node(node).state = "lost"
-        f = FaultRow(
-            time=t,
-            rank=None,
-            node=node if isinstance(node, int) else None,
-            host=str(ev.get("host", "")),
-            kind="node-lost",
-            evidence=str(ev.get("reason", "")),
-            generation=int(ev.get("generation", 0)),
-            detected=t,
-            strategy=str(ev.get("strategy", "restart-all")),
-            reason=str(ev.get("message", "")),
-        )
+        f = node_lost_fault(ev, t)
         self.v.faults.append(f)
         self._last_decided = f
 
@@ -175,10 +164,7 @@ class Timeline:
 
     def _on_spare_ready(self, ev: dict, t: float) -> None:
         if isinstance(ev.get("node"), int) and isinstance(ev.get("ready"), int):
-            n = self._node(ev["node"])
-            n.spares_ready, n.spare = ev["ready"], ev["ready"] > 0
-            if n.spare_ready_s is None and isinstance(ev.get("since_job_s"), (int, float)):
-                n.spare_ready_s = float(ev["since_job_s"])
+            self._node(ev["node"]).spares_now_ready(ev["ready"], ev.get("since_job_s"))
 
     # ---- ranks
     def _on_spawn(self, ev: dict, t: float) -> None:
@@ -197,9 +183,7 @@ class Timeline:
         r.step, r.steps_per_s = None, None
         self._aware.discard(r.rank)
         if ev.get("warm") and isinstance(ev.get("node"), int):
-            n = self._node(ev["node"])
-            n.spares_ready = max(0, n.spares_ready - 1)
-            n.spare = n.spares_ready > 0
+            self._node(ev["node"]).spare_taken()
         rd = self._round(gen)
         if rd is not None:
             rd.spawned[r.rank] = {**ev, "time": t}
@@ -474,6 +458,23 @@ def _state_of(phase: str, waiting: bool, previous: str) -> str:
     if phase == "done":
         return "finished"
     return "waiting" if waiting else "training"
+
+
+def node_lost_fault(ev: dict, t: float) -> FaultRow:
+    """The fault row of a `world-shrink` event (a lost node nobody took over)."""
+    node = ev.get("lost_node")
+    return FaultRow(
+        time=t,
+        rank=None,
+        node=node if isinstance(node, int) else None,
+        host=str(ev.get("host", "")),
+        kind="node-lost",
+        evidence=str(ev.get("reason", "")),
+        generation=int(ev.get("generation", 0)),
+        detected=t,
+        strategy=str(ev.get("strategy", "restart-all")),
+        reason=str(ev.get("message", "")),
+    )
 
 
 _HANDLERS = {
