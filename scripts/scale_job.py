@@ -13,12 +13,14 @@ and `stop`.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from scale_leader import RemoteNode
 from scale_measure import (
     StoreHost,
     cpu_delta,
@@ -29,12 +31,14 @@ from scale_measure import (
     wire_bytes,
 )
 from scale_nodes import SimNode
-from scale_ranks import RankLoop
+from scale_ranks import RankLoop, RankRecord
 
 from launcher.protocol import plan as P
 from rendezvous.nodes.settings import RendezvousSettings
+from rendezvous.store.client import StoreClient
 
 threading.stack_size(512 * 1024)  # thousands of agent threads in one process
+LEADER_HEAD_START = 0.5  # s: the leader process arrives first and takes node 0
 
 
 class ScaleJob:
@@ -60,6 +64,7 @@ class ScaleJob:
         self.rdzv = rdzv or RendezvousSettings()  # ftrun's defaults
         self.run_id = f"scale{ranks}"
         self.generation = 0
+        self.kv: StoreClient | None = None  # the benchmark's own reads (the verdict)
 
     # ---- the job's start ----------------------------------------------------------------
     def _node(self) -> SimNode:
@@ -78,11 +83,17 @@ class ScaleJob:
         its node world and until every rank has its world."""
         self.store.start()
         self.loop.start()
-        self.nodes = [self._node() for _ in range(self.nnodes)]
+        self.kv = StoreClient("127.0.0.1", self.store.port, timeout=60.0)
+        leader = RemoteNode(self.store.port, self.nnodes, self.per_node, self.run_id,
+                            self.events_path, dataclasses.asdict(self.rdzv))  # fmt: skip
+        time.sleep(LEADER_HEAD_START)
+        self.nodes = [leader] + [self._node() for _ in range(self.nnodes - 1)]
         before = self.store.stats()
         t0 = time.time()
         with ThreadPoolExecutor(self.nnodes) as pool:
             list(pool.map(lambda n: n.join(self.timeout), self.nodes))
+        if leader.group_rank != 0:
+            raise RuntimeError(f"the leader process holds node {leader.group_rank}, not 0")
         t_rdzv = max(n.joined_at for n in self.nodes)
         self.nodes.sort(key=lambda n: n.group_rank)
         for n in self.nodes:
@@ -98,13 +109,14 @@ class ScaleJob:
         }
 
     def _all_started(self) -> bool:
-        return all(
-            len(n.ranks) == self.per_node and all(r.record.started_at for r in n.ranks.values())
-            for n in self.nodes
-        )
+        for n in self.nodes:
+            recs = n.records()
+            if len(recs) != self.per_node or not all(r.started_at for r in recs):
+                return False
+        return True
 
     def _all_aware(self) -> bool:
-        return all(n.events.empty() for n in self.nodes) and self.store.port > 0
+        return all(n.idle() for n in self.nodes)
 
     # ---- steady state -------------------------------------------------------------------
     def steady(self, seconds: float) -> dict:
@@ -128,12 +140,14 @@ class ScaleJob:
     # ---- one rank killed ----------------------------------------------------------------
     def _round_window(self, act, done, what: str) -> dict:
         """Run `act()` at t0 and wait for `done()`; the round's store requests, bytes and CPU."""
-        s0, b0, c0 = self.store.stats(), wire_bytes(self.store.port), thread_cpu()
+        s0, b0, c0, l0 = self._readings()
         t0 = time.time()
         act()
-        t_end = wait_until(done, self.timeout, what, step=0.002)
-        s1, b1, c1 = self.store.stats(), wire_bytes(self.store.port), thread_cpu()
+        t_end = wait_until(done, self.timeout, what, step=0.005)
+        s1, b1, c1, l1 = self._readings()
         cpu = cpu_delta(c0, c1)
+        for role, spent in cpu_delta(l0, l1).items():  # the leader process's threads
+            cpu[role] = round(cpu[role] + spent, 4)
         return {
             "t0": t0,
             "t_end": t_end,
@@ -146,15 +160,27 @@ class ScaleJob:
             "agents_cpu_s": cpu["agents"],
         }
 
-    def _resumed_in(self, g: int) -> bool:
-        return all(
-            r.record.generation == g and r.record.resumed_generation == g
-            for n in self.live_nodes()
-            for r in n.ranks.values()
-        ) and all(len(n.ranks) == self.per_node for n in self.live_nodes())
+    def _readings(self) -> tuple[dict, int, dict, dict]:
+        """The store's counters, its sockets' bytes, this process's and the leader process's
+        thread CPU by role."""
+        leader = self.nodes[0]
+        assert isinstance(leader, RemoteNode)
+        return self.store.stats(), wire_bytes(self.store.port), thread_cpu(), leader.cpu()
 
-    def live_nodes(self) -> list[SimNode]:
+    def _resumed_in(self, g: int) -> bool:
+        for n in self.live_nodes():
+            recs = n.records()
+            if len(recs) != self.per_node or not all(
+                r.generation == g and r.resumed_generation == g for r in recs
+            ):
+                return False
+        return True
+
+    def live_nodes(self) -> list:
         return [n for n in self.nodes if not n.crashed]
+
+    def records(self) -> list[RankRecord]:
+        return [r for n in self.live_nodes() for r in n.records()]
 
     def _phases(self, g: int, t0: float, w: dict) -> dict:
         """Edges of round `g` from the controller's events and the ranks' records."""
@@ -165,14 +191,14 @@ class ScaleJob:
         repair_t = next(
             (e["time"] for e in ev if e["event"] == "repair-plan" and e.get("generation") == g), 0
         )
-        ranks = [r for n in self.live_nodes() for r in n.ranks.values()]
+        ranks = self.records()
         seen = [n.plans_seen.get(g, 0.0) for n in self.live_nodes()]
         out = {
             "to_plan_s": round(plan_t - t0, 4) if plan_t else None,
             "to_all_agents_saw_plan_s": round(max(seen) - t0, 4) if all(seen) else None,
-            "to_last_status_posted_s": round(max(r.record.status_at for r in ranks) - t0, 4),
+            "to_last_status_posted_s": round(max(r.status_at for r in ranks) - t0, 4),
             "to_statuses_collected_s": round(repair_t - t0, 4) if repair_t else None,
-            "to_all_resumed_s": round(max(r.record.resumed_at for r in ranks) - t0, 4),
+            "to_all_resumed_s": round(max(r.resumed_at for r in ranks) - t0, 4),
         }
         out.update({k: v for k, v in w.items() if k not in ("t0", "t_end")})
         out["round_requests_per_rank"] = round(w["requests"] / self.nranks, 2)
@@ -198,7 +224,7 @@ class ScaleJob:
         spare = self.spare = self._node()
         joiner = threading.Thread(target=spare.join, args=(self.timeout,), daemon=True)
         joiner.start()
-        wait_until(lambda: bool(self.nodes[0].membership.spares()), 60.0, "the spare waiting")
+        wait_until(lambda: bool(self.nodes[1].membership.spares()), 60.0, "the spare waiting")
         victim = self.nodes[-1]
 
         def crash() -> None:
@@ -229,7 +255,7 @@ class ScaleJob:
         return out
 
     def _latest_generation(self) -> int:
-        return max(r.record.generation for n in self.live_nodes() for r in n.ranks.values())
+        return max(r.generation for r in self.records())
 
     def _latest_resumed(self, after: int) -> bool:
         g = self._latest_generation()
@@ -239,16 +265,16 @@ class ScaleJob:
     def verdict(self) -> dict:
         """Every rank in the same generation with the same repair plan, that generation the
         store's, and every rank on the world's node count."""
-        ranks = [r for n in self.live_nodes() for r in n.ranks.values()]
-        gens = {r.record.generation for r in ranks}
-        plans = {r.record.repair for r in ranks}
-        store_g = int(self.nodes[0].kv.try_get(P.GENERATION_KEY) or b"0")
+        ranks = self.records()
+        gens = {r.generation for r in ranks}
+        plans = {r.repair for r in ranks}
+        store_g = int(self.kv.try_get(P.GENERATION_KEY) or b"0")
         return {
             "ranks": len(ranks),
             "generations": sorted(gens),
             "store_generation": store_g,
             "plans": len(plans),
-            "errors": sorted({r.record.error for r in ranks if r.record.error}),
+            "errors": sorted({r.error for r in ranks if r.error}),
             "consistent": len(ranks) == self.nranks
             and gens == {store_g}
             and len(plans) == 1
@@ -260,4 +286,6 @@ class ScaleJob:
         with ThreadPoolExecutor(max(1, len(nodes))) as pool:
             list(pool.map(lambda n: n.stop(), nodes))
         self.loop.stop()
+        if self.kv is not None:
+            self.kv.close()
         self.store.stop()

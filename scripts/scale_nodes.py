@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 
-from scale_ranks import RankLoop, SimRank
+from scale_ranks import RankLoop, RankRecord, SimRank
 
 from launcher.agent.agent_events import PlanEvent, inject_feed, plan_feed
 from launcher.control.controller import Controller
@@ -138,6 +138,14 @@ class SimNode:
         for sr in new:
             self.ranks[sr.rank] = sr
         self.ranks_loop.launch(new)
+
+    def records(self) -> list[RankRecord]:
+        """What the benchmark reads about this node's ranks (one per local rank started)."""
+        return [sr.record for sr in list(self.ranks.values())]
+
+    def idle(self) -> bool:
+        """Nothing left on the agent's queue (every hello's aware key written)."""
+        return self.events.empty()
 
     def _hello(self, rank: int) -> None:
         """(loop thread) A rank's Hello: the agent marks it aware, off the loop."""
