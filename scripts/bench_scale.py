@@ -54,6 +54,8 @@ sys.path[:0] = [p for p in (HERE, REPO) if p not in sys.path]
 from scale_job import ScaleJob  # noqa: E402
 from scale_measure import process_cpu  # noqa: E402
 
+from rendezvous.nodes.settings import RendezvousSettings  # noqa: E402
+
 SCENARIOS = ("start", "steady", "kill", "node")
 TORCH_KEEP_ALIVE_S = 5  # DynamicRendezvousHandler's default keep_alive_interval
 
@@ -64,21 +66,68 @@ def per_node_for(ranks: int, per_node: int | None) -> int:
     return 8 if ranks < 256 else 16
 
 
-def run_ftrun(ranks: int, per_node: int, scenarios: tuple[str, ...], steady_s: float) -> dict:
-    job = ScaleJob(ranks, per_node)
+def liveness_for(ranks: int, timeout: float | None) -> RendezvousSettings:
+    """ftrun's defaults (keep_alive_interval 1 s, so the steady state is the default one); the
+    liveness timeout `timeout`, else 5 s (the default) below 4096 ranks and 30 s from there:
+    thousands of simulated agents share this process's interpreter lock with thousands of
+    polling ranks, and a beat held up for 5 s there is the simulation's, not the store's."""
+    if timeout is None:
+        timeout = 5.0 if ranks < 4096 else 30.0
+    return RendezvousSettings(heartbeat_timeout=timeout)
+
+
+def run_ftrun(ranks: int, per_node: int, args: argparse.Namespace) -> dict:
+    rdzv = liveness_for(ranks, args.liveness_timeout)
+    job = ScaleJob(ranks, per_node, timeout=args.round_timeout, rdzv=rdzv)
     out: dict = {"ranks": ranks, "nodes": job.nnodes, "per_node": per_node}
+    out["liveness_timeout_s"] = rdzv.liveness_timeout
+    steps = {
+        "steady": lambda: job.steady(args.steady),
+        "kill": job.kill_rank,
+        "node": job.lose_node if job.nnodes > 1 else None,
+    }
     try:
         out["start"] = job.start()
-        if "steady" in scenarios:
-            out["steady"] = job.steady(steady_s)
-        if "kill" in scenarios:
-            out["kill"] = job.kill_rank()
-        if "node" in scenarios and job.nnodes > 1:
-            out["node"] = job.lose_node()
+        for name, step in steps.items():
+            if name in args.scenarios and step is not None:
+                try:
+                    out[name] = step()
+                except TimeoutError as e:  # one line per N even when a round never ends
+                    out[name] = {"error": str(e)}
+                    break
         out["verdict"] = job.verdict()
     finally:
         job.stop()
     return out
+
+
+def rendezvous_only(nodes: int, timeout: float = 900.0) -> dict:
+    """ftrun's node rendezvous alone: `nodes` agents (real `Membership`s on the real store, no
+    ranks, no proxies) join at once; the time until every one has its world."""
+    from scale_measure import StoreHost
+    from scale_nodes import SimNode
+    from scale_ranks import RankLoop
+
+    store, loop = StoreHost().start(), RankLoop()
+    agents: list = []
+    try:
+        agents = [
+            SimNode(("127.0.0.1", store.port), nodes, 16, f"rdzv{nodes}", loop)
+            for _ in range(nodes)
+        ]
+        c0, t0 = store.stats(), time.time()
+        with ThreadPoolExecutor(nodes) as pool:
+            list(pool.map(lambda a: a.join(timeout), agents))
+        c1 = store.stats()
+        return {
+            "rendezvous_s": round(max(a.joined_at for a in agents) - t0, 4),
+            "store_requests": c1["requests"] - c0["requests"],
+            "store_cpu_s": round(c1["cpu_s"] - c0["cpu_s"], 4),
+        }
+    finally:
+        with ThreadPoolExecutor(max(1, len(agents))) as pool:
+            list(pool.map(lambda a: a.stop(), agents))
+        store.stop()
 
 
 # ---------------------------------------------------------------- torch elastic's c10d side
@@ -173,12 +222,22 @@ def run_torch(nodes: int, steady_s: float, timeout: float = 900.0) -> dict:
 
 def one_line(ranks: int, args: argparse.Namespace) -> dict:
     per_node = per_node_for(ranks, args.per_node)
-    scenarios = tuple(args.scenarios)
-    line = run_ftrun(ranks, per_node, scenarios, args.steady)
+    line = run_ftrun(ranks, per_node, args)
     if not args.no_torch:
-        line["torch"] = run_torch(line["nodes"], args.steady if "steady" in scenarios else 0)
-    line["load_before"] = os.getloadavg()[0]
+        line["torch"] = run_torch(line["nodes"], args.steady if "steady" in args.scenarios else 0)
+    line["load_1min"] = os.getloadavg()[0]
     return line
+
+
+def saved_lines(path: str) -> list[dict]:
+    """The per-N lines of `path` (earlier runs appended with --out), the last one per N."""
+    by_n: dict[int, dict] = {}
+    with open(path) as f:
+        for text in f:
+            line = json.loads(text)
+            if "ranks" in line:
+                by_n[line["ranks"]] = line
+    return [by_n[n] for n in sorted(by_n)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,8 +247,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady", type=float, default=5.0, help="s of steady state measured")
     ap.add_argument("--scenarios", default=",".join(SCENARIOS))
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--round-timeout", type=float, default=300.0, help="s a round may take")
+    ap.add_argument(
+        "--liveness-timeout",
+        type=float,
+        default=None,
+        help="s (default: 5, ftrun's, below 4096 ranks; 30 from there)",
+    )
     ap.add_argument("--plot", default=None, help="directory for the PNGs")
-    ap.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="also append the JSON lines to this file (--plot then draws every N in it)",
+    )
+    ap.add_argument(
+        "--rdzv-nodes",
+        default="",
+        help="also the node rendezvous alone at these node counts (e.g. 512), torch's beside",
+    )
     args = ap.parse_args(argv)
     try:
         sizes = [int(x) for x in args.ranks.split(",") if x]
@@ -208,10 +283,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.out:
             with open(args.out, "a") as f:
                 f.write(text + "\n")
+    for nodes in [int(x) for x in args.rdzv_nodes.split(",") if x]:
+        line = {"rendezvous_nodes": nodes, "ftrun": rendezvous_only(nodes)}
+        if not args.no_torch:
+            line["torch"] = run_torch(nodes, 0)
+        line["load_1min"] = os.getloadavg()[0]
+        text = json.dumps(line, sort_keys=True)
+        print(text, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(text + "\n")
     if args.plot:
         from scale_plots import plot_all
 
-        plot_all(lines, args.plot)
+        plot_all(saved_lines(args.out) if args.out else lines, args.plot)
     return 0 if all(ln.get("verdict", {}).get("consistent") for ln in lines) else 1
 
 

@@ -31,6 +31,7 @@ from scale_measure import (
     wire_bytes,
 )
 from scale_nodes import SimNode
+from scale_plots import control_path
 from scale_ranks import RankLoop, RankRecord
 
 from launcher.protocol import plan as P
@@ -200,6 +201,8 @@ class ScaleJob:
             "to_statuses_collected_s": round(repair_t - t0, 4) if repair_t else None,
             "to_all_resumed_s": round(max(r.resumed_at for r in ranks) - t0, 4),
         }
+        path = control_path(out)
+        out["control_path_s"] = None if path is None else round(path, 4)
         out.update({k: v for k, v in w.items() if k not in ("t0", "t_end")})
         out["round_requests_per_rank"] = round(w["requests"] / self.nranks, 2)
         out["control_plane_cpu_s"] = round(

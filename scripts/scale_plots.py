@@ -46,6 +46,7 @@ METRICS = (
             ("plan published", ("kill", "to_plan_s")),
             ("every status collected", ("kill", "to_statuses_collected_s")),
             ("every rank resumed", ("kill", "to_all_resumed_s")),
+            ("control-plane path (see docs/benchmarks.md)", ("kill", "control_path_s")),
             ("control-plane CPU (store+proxies+controller)", ("kill", "control_plane_cpu_s")),
         ),
     ),
@@ -71,6 +72,19 @@ METRICS = (
 )
 
 
+def control_path(rnd: dict) -> float | None:
+    """A round's control-plane path: death to every agent holding the plan, plus the last
+    status posted to the repair plan written (the stretches between are the simulated
+    agents' and ranks': Stop on the channel, the status written, the plan polled)."""
+    parts = [
+        rnd.get(k)
+        for k in ("to_all_agents_saw_plan_s", "to_statuses_collected_s", "to_last_status_posted_s")
+    ]
+    if any(p is None for p in parts):
+        return None
+    return parts[0] + max(0.0, parts[1] - parts[2])
+
+
 def value(line: dict, path: tuple[str, ...]) -> float | None:
     cur: object = line
     for k in path:
@@ -82,6 +96,9 @@ def value(line: dict, path: tuple[str, ...]) -> float | None:
         if k.startswith("after_lost_") and k not in cur:
             base, lost = cur.get(k.replace("after_lost_", "")), cur.get("to_node_declared_lost_s")
             cur = None if base is None or lost is None else base - lost
+            continue
+        if k == "control_path_s" and k not in cur:
+            cur = control_path(cur)
             continue
         cur = cur.get(k)
     return float(cur) if isinstance(cur, (int, float)) and cur > 0 else None

@@ -15,7 +15,7 @@ sys.path[:0] = [os.path.join(REPO, "scripts")]
 
 import bench_scale  # noqa: E402
 from scale_job import ScaleJob  # noqa: E402
-from scale_plots import METRICS, plot_all, value  # noqa: E402
+from scale_plots import METRICS, control_path, plot_all, value  # noqa: E402
 from scale_ranks import OPTIONS  # noqa: E402
 
 from rendezvous.nodes.settings import RendezvousSettings  # noqa: E402
@@ -40,6 +40,7 @@ def test_256_ranks_end_in_one_generation_with_one_plan() -> None:
         assert 0 < kill["to_plan_s"] <= kill["to_statuses_collected_s"]
         assert kill["to_statuses_collected_s"] <= kill["to_all_resumed_s"]
         assert kill["requests"] > 0 and kill["bytes"] > 0
+        assert 0 < kill["control_path_s"] <= kill["to_all_resumed_s"]
         first = job.verdict()
         assert first["consistent"], first
         node = job.lose_node()
@@ -70,9 +71,24 @@ def test_per_node_default_and_values_for_the_plots(tmp_path) -> None:
     assert value(line, ("kill", "kbytes")) == 4.0
     assert value(line, ("node", "after_lost_to_plan_s")) == pytest.approx(0.5)
     assert value(line, ("steady", "store_cpu_per_s")) is None
+    rnd = {"to_all_agents_saw_plan_s": 0.01, "to_last_status_posted_s": 0.2}
+    assert value({"kill": dict(rnd, to_statuses_collected_s=0.23)}, ("kill", "control_path_s"))
+    assert control_path(dict(rnd, to_statuses_collected_s=0.23)) == pytest.approx(0.04)
+    assert control_path(rnd) is None
     pytest.importorskip("matplotlib")
     paths = plot_all([line, dict(line, ranks=128)], str(tmp_path))
     assert len(paths) == len(METRICS) and all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def test_liveness_and_saved_lines(tmp_path) -> None:
+    assert bench_scale.liveness_for(1024, None).liveness_timeout == 5.0  # ftrun's default
+    assert bench_scale.liveness_for(4096, None).liveness_timeout == 30.0
+    assert bench_scale.liveness_for(4096, 7.0).liveness_timeout == 7.0
+    assert bench_scale.liveness_for(16, None).keep_alive_interval == 1.0
+    runs = tmp_path / "runs.jsonl"
+    lines = ['{"ranks": 64, "run": 1}', '{"rendezvous_nodes": 512}', '{"ranks": 16}']
+    runs.write_text("\n".join(lines + ['{"ranks": 64, "run": 2}']) + "\n")
+    assert bench_scale.saved_lines(str(runs)) == [{"ranks": 16}, {"ranks": 64, "run": 2}]
 
 
 def test_bad_arguments_are_one_line_and_exit_2() -> None:
