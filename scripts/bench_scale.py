@@ -42,6 +42,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import resource
 import sys
 import threading
 import time
@@ -220,8 +221,29 @@ def run_torch(nodes: int, steady_s: float, timeout: float = 900.0) -> dict:
 # ---------------------------------------------------------------- the run
 
 
+def fds_needed(ranks: int, per_node: int) -> int:
+    """File descriptors this process holds for a job: both ends of every rank's connection to
+    its proxy (the ranks and the proxies live here), a few per agent."""
+    return 2 * ranks + 16 * (ranks // per_node) + 512
+
+
+def raise_fd_limit() -> int:
+    """The soft limit of open files up to the hard one; returns it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return hard
+
+
 def one_line(ranks: int, args: argparse.Namespace) -> dict:
     per_node = per_node_for(ranks, args.per_node)
+    limit, need = raise_fd_limit(), fds_needed(ranks, per_node)
+    if need > limit:
+        return {
+            "ranks": ranks,
+            "per_node": per_node,
+            "error": f"needs ~{need} open files in one process, the hard limit is {limit}",
+        }
     line = run_ftrun(ranks, per_node, args)
     if not args.no_torch:
         line["torch"] = run_torch(line["nodes"], args.steady if "steady" in args.scenarios else 0)
@@ -235,7 +257,7 @@ def saved_lines(path: str) -> list[dict]:
     with open(path) as f:
         for text in f:
             line = json.loads(text)
-            if "ranks" in line:
+            if "ranks" in line and "error" not in line:
                 by_n[line["ranks"]] = line
     return [by_n[n] for n in sorted(by_n)]
 
@@ -270,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(x) for x in args.ranks.split(",") if x]
         args.scenarios = [s for s in args.scenarios.split(",") if s]
         bad = [s for s in args.scenarios if s not in SCENARIOS]
-        if bad or not sizes or min(sizes) < 1:
+        if bad or (not sizes and not args.rdzv_nodes) or min(sizes, default=1) < 1:
             raise ValueError
     except ValueError:
         ap.error(f"--ranks: comma-separated integers >= 1; --scenarios: of {','.join(SCENARIOS)}")

@@ -116,7 +116,7 @@ def plot_all(lines: list[dict], directory: str) -> list[str]:
     for name, title, ylabel, series in METRICS:
         fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=80)
         for label, path in series:
-            pts = [(ln["ranks"], value(ln, path)) for ln in lines]
+            pts = [(ln["ranks"], value(ln, path)) for ln in lines if "error" not in ln]
             pts = [(x, y) for x, y in pts if y is not None]
             if pts:
                 style = "--" if path[0] == "torch" else "-"

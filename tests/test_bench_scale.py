@@ -91,6 +91,19 @@ def test_liveness_and_saved_lines(tmp_path) -> None:
     assert bench_scale.saved_lines(str(runs)) == [{"ranks": 16}, {"ranks": 64, "run": 2}]
 
 
+def test_a_size_beyond_the_open_files_limit_is_a_line_saying_so() -> None:
+    import argparse
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no open-files limit here")
+    ranks = (hard // 2 // 16 + 1) * 16
+    line = bench_scale.one_line(ranks, argparse.Namespace(per_node=16))
+    assert line["ranks"] == ranks and "hard limit is" in line["error"]
+    assert bench_scale.fds_needed(16384, 16) > 32768
+
+
 def test_bad_arguments_are_one_line_and_exit_2() -> None:
     r = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "bench_scale.py"), "--ranks", "x"],
