@@ -20,6 +20,7 @@ waits forever.
 from __future__ import annotations
 
 import abc
+import time
 from typing import Iterable
 
 
@@ -78,6 +79,17 @@ class KVStore(abc.ABC):
     @abc.abstractmethod
     def keys(self, prefix: str = "") -> list[str]:
         """All logical keys that start with `prefix`, sorted."""
+
+    def check(self, keys: Iterable[str]) -> bool:
+        """True when every key exists now; never waits. The TCP client asks in one request
+        (CHECK of every key), so a reader of one key per rank costs O(1) requests, not O(N)."""
+        return all(self.try_get(k) is not None for k in keys)
+
+    def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
+        """The values of `keys` in order, waiting up to `timeout` s for them all (StoreTimeout).
+        The TCP client asks in two requests (WAIT, MULTI_GET) whatever the number of keys."""
+        deadline = time.monotonic() + check_timeout(timeout)
+        return [self.get(k, max(0.0, deadline - time.monotonic())) for k in keys]
 
     def delete_prefix(self, prefix: str) -> int:
         """Delete every key under `prefix`; return how many were deleted."""

@@ -76,6 +76,33 @@ def test_torch_unprefixed_keys_live_under_ftrun_wire(kv: KVStore) -> None:
     assert kv.add("ftrun/wire/init/", 1) == 2
 
 
+def test_check_and_multi_get_read_many_keys_at_once(kv: KVStore) -> None:
+    keys = [f"ftrun/g1/status/{r}" for r in range(50)]
+    assert kv.check([]) is True and kv.check(keys) is False
+    for i, k in enumerate(keys[:-1]):
+        kv.set(k, str(i).encode())
+    assert kv.check(keys[:-1]) is True and kv.check(keys) is False
+    with pytest.raises(StoreTimeout):
+        kv.multi_get(keys, 0.05)
+    kv.set(keys[-1], b"49")
+    assert kv.check(keys) is True
+    assert kv.multi_get(keys, 1.0) == [str(i).encode() for i in range(50)]
+
+
+def test_the_tcp_client_reads_many_keys_in_constant_requests() -> None:
+    keys = [f"ftrun/aware/{r}" for r in range(300)]
+    with StoreServer(host="127.0.0.1") as s:
+        with StoreClient("127.0.0.1", s.port, timeout=10) as c:
+            for k in keys:
+                c.set(k, b"1")
+
+            assert c.check(keys) and len(c.multi_get(keys, 1.0)) == 300
+            c.ping()
+            time.sleep(0.2)  # the loop adds up its requests at the end of a busy stretch
+            # the 300 SETs, the handshake, CHECK, WAIT, MULTI_GET, PING: not 300 more per read
+            assert 300 < s.stats["requests"] <= 300 + 10
+
+
 def test_check_timeout() -> None:
     assert check_timeout(0) == 0.0 and check_timeout(1.5) == 1.5
     assert isinstance(check_timeout(2), float)

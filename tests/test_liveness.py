@@ -334,6 +334,56 @@ def test_check_cadence_keeps_a_crash_verdict_within_the_timeout_without_judging_
     assert check_cadence(Timing(0.1, 0.6), 3)[1] == 0.6  # too few intervals to shorten safely
 
 
+def test_liveness_reads_stay_bounded_as_nodes_grow() -> None:
+    """Every agent but the checker reads the checker's counter: at their own cadence of 10 Hz
+    that was 10 reads per node per second (2,560/s at 256 nodes, bench_scale)."""
+    from rendezvous.nodes.liveness.heartbeat import READS_PER_SECOND, check_cadence, watch_plan
+
+    alive = {gr: 1 for gr in range(256)}
+    assert watch_plan(0, alive) == (list(range(1, 256)), 255)
+    assert watch_plan(7, alive) == ([0], 256)
+    assert watch_plan(3, {3: 1}) == ([], 0)
+    timing = Timing(1.0, 5.0)
+    for n in (2, 16, 64, 256, 1024):
+        nodes = {gr: 1 for gr in range(n)}
+        total = 0.0
+        for me in range(n):
+            watch, readers = watch_plan(me, nodes)
+            total += len(watch) / check_cadence(timing, readers)[0]
+        assert total <= 2 * max(READS_PER_SECOND, n / (timing.interval / 2)) + 1e-6
+    # a few nodes still look at 10 Hz (a crash verdict well within the timeout)
+    assert check_cadence(timing, watch_plan(1, {0: 1, 1: 1, 2: 1})[1])[0] == 0.1
+
+
+def test_the_checker_reads_every_counter_at_once_and_still_finds_the_dead(
+    tcp_store: StoreServer, owned: list
+) -> None:
+    """The checker's look at 30 nodes is one batched read (WAIT + MULTI_GET), not 30 CHECK +
+    GET pairs, and a crashed node is still declared dead."""
+    n = 30
+    kvs = _clients(tcp_store, n, owned)
+    lvs = [liveness_for(kv, HB, True, f"n{gr}") for gr, kv in enumerate(kvs)]
+    owned.extend(lvs)
+    ranks = list(range(n))
+    for gr, lv in enumerate(lvs):
+        lv.begin()
+        assert _register(lv, gr)
+        lv.roster.reset({r: 1 for r in ranks}, ranks)
+        lv.start()
+    seen = Seen()
+    seen.hook(lvs[0].roster)
+    lvs[0].watch(ranks)  # only the checker watches
+    time.sleep(0.5)
+    before, t0 = tcp_store.stats["requests"], time.monotonic()
+    time.sleep(2.0)
+    rate = (tcp_store.stats["requests"] - before) / (time.monotonic() - t0)
+    # beats: 30 x 10/s; the checker: 20 looks/s x 2 requests (one by one: x 30 x 2 = 1,200/s);
+    # its event log: about 40/s
+    assert rate < 700, rate
+    lvs[7].stop(leave=False)  # crash
+    seen.wait_for(("dead", 7), HB.timeout + 1.5)
+
+
 def test_roster_tells_why_a_node_left_and_a_leave_is_no_death() -> None:
     markers = {(1, 1): "signal", (2, 1): "done"}
     r = Roster(

@@ -77,6 +77,30 @@ def test_waits_and_adds_are_coalesced(stack) -> None:
         c.close()
 
 
+def test_identical_checks_are_coalesced_and_answered_fresh(stack) -> None:
+    """Ranks polling one key (a round's repair plan) cost one upstream CHECK per round."""
+    s, px = stack
+    n = 40
+    socks = [raw_conn(px.port) for _ in range(n)]
+    check = P.encode_request(P.Request(P.Op.CHECK, (b"/repair",)))
+
+    def poll_all() -> list[int]:
+        for c in socks:
+            c.sendall(check)
+        return [P.parse_reply(c.recv(1), 0, P.Reply.U8)[0] for c in socks]
+
+    before = px.upstream_requests
+    assert poll_all() == [P.NOT_READY] * n
+    assert px.upstream_requests - before < n // 2  # merged (a round holds many of them)
+    s.kv.set("repair", b"plan")  # written behind the proxy's back: the next poll sees it
+    assert poll_all() == [P.READY] * n
+    for c in socks:  # a CHECK of other keys is not merged with it
+        c.sendall(P.encode_request(P.Request(P.Op.CHECK, (b"/repair", b"/other"))))
+    assert [P.parse_reply(c.recv(1), 0, P.Reply.U8)[0] for c in socks] == [P.NOT_READY] * n
+    for c in socks:
+        c.close()
+
+
 def test_reads_are_never_stale(stack) -> None:
     s, px = stack
     stop = threading.Event()

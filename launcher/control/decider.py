@@ -42,9 +42,8 @@ class Decider:
             self.spawned_at[r] = plan.generation
 
     def all_aware(self) -> bool:
-        return all(
-            self.kv.try_get(P.aware_key(r)) is not None for r in range(self.settings.world_size)
-        )
+        # one request, not one per rank
+        return self.kv.check([P.aware_key(r) for r in range(self.settings.world_size)])
 
     def situation(self, fault: P.Fault | None = None) -> Situation:
         return Situation(

@@ -12,8 +12,10 @@ in order, so each client's own order is kept. Within a round:
   - all SET / MULTI_SET become one MULTI_SET (in arrival order);
   - ADDs to one key become one ADD of the sum; the caller that came j-th gets
     `final - sum + (a_1 + ... + a_j)`, a valid serial order of those concurrent adds;
-  - identical GETs become one GET (never merged with a GET already sent: that one may have
-    been answered from a state older than the new request);
+  - identical GETs become one GET, identical CHECKs (the same keys) one CHECK (never merged
+    with one already sent: that one may have been answered from a state older than the new
+    request); many local ranks polling one key (a recovery round's repair plan) cost the
+    upstream one CHECK per round, not one per rank;
   - WAITs for the same key set join one upstream WAIT, even one sent in an earlier turn:
     when it fires, the keys exist, which is after every joined waiter asked.
 Nothing is cached: every answer comes from the upstream after the request arrived, so no
@@ -474,15 +476,17 @@ class _KVTable:
 
 class _Round:
     """What one round coalesces: every SET / MULTI_SET into one MULTI_SET, ADDs per key into
-    one ADD of the sum, identical GETs into one GET (see the module doc)."""
+    one ADD of the sum, identical GETs into one GET, identical CHECKs into one CHECK (see the
+    module doc)."""
 
-    __slots__ = ("set_keys", "set_values", "adds", "gets")
+    __slots__ = ("set_keys", "set_values", "adds", "gets", "checks")
 
     def __init__(self) -> None:
         self.set_keys: list = []
         self.set_values: list = []
         self.adds: dict = {}
         self.gets: dict = {}
+        self.checks: dict = {}
 
     def set(self, c: Conn, slot, req: P.Request) -> None:
         self.set_keys.extend(req.keys)
@@ -494,8 +498,17 @@ class _Round:
     def get(self, c: Conn, slot, req: P.Request) -> None:
         self.gets.setdefault(req.keys[0], []).append((c, slot))
 
+    def check(self, c: Conn, slot, req: P.Request) -> None:
+        self.checks.setdefault(tuple(req.keys), []).append((c, slot))
 
-_COALESCED = {Op.SET: _Round.set, Op.MULTI_SET: _Round.set, Op.ADD: _Round.add, Op.GET: _Round.get}
+
+_COALESCED = {
+    Op.SET: _Round.set,
+    Op.MULTI_SET: _Round.set,
+    Op.ADD: _Round.add,
+    Op.GET: _Round.get,
+    Op.CHECK: _Round.check,
+}
 
 
 class StoreProxy(LoopServer):
@@ -738,7 +751,9 @@ class StoreProxy(LoopServer):
             total = sum(m[2] for m in members)
             self._send(P.Request(Op.ADD, (key,), (), total), self._add_cb(members, total))
         for key, members in rnd.gets.items():
-            self._send(P.Request(Op.GET, (key,)), self._get_cb(members))
+            self._send(P.Request(Op.GET, (key,)), self._shared_cb(Op.GET, members))
+        for keys, members in rnd.checks.items():
+            self._send(P.Request(Op.CHECK, keys), self._shared_cb(Op.CHECK, members))
         self._up.end_round()
 
     def _block(self, c: Conn, slot: list, req: P.Request) -> None:
@@ -793,12 +808,14 @@ class StoreProxy(LoopServer):
 
         return done
 
-    def _get_cb(self, members: list):
+    def _shared_cb(self, op: int, members: list):
+        """One upstream answer (GET, CHECK) for every member that asked the same."""
+
         def done(value, err) -> None:
-            data = None if err is not None else P.encode_reply(Op.GET, value)
+            data = None if err is not None else P.encode_reply(op, value)
             for c, slot in members:
                 if err is not None:
-                    self._fail(c, "GET", err)
+                    self._fail(c, P.op_name(op), err)
                 else:
                     self._fill(c, slot, data)
 

@@ -2,7 +2,9 @@
 
 Owns: `HeartbeatLiveness`. Every agent bumps its heartbeat counter (`keys.hb_key`) each interval.
 The lowest live group rank (the checker) watches everyone's counter; every other agent watches
-the checker. A counter that does not move for the heartbeat timeout — by the observer's own
+the checker, at a cadence set by the number of live nodes (they all read the one counter), so
+the store sees at most about 2 x `READS_PER_SECOND` liveness reads per second however many
+nodes there are. A counter that does not move for the heartbeat timeout — by the observer's own
 clock, so clock skew does not matter; `check_cadence` sets how often it looks and shortens the
 quiet time by its own lateness, so a crash is declared within the timeout — is declared dead
 exactly once (create-if-absent marker at
@@ -25,7 +27,7 @@ import uuid
 from typing import Any
 
 from rendezvous.errors import SUPERSEDED
-from rendezvous.kv import StoreError
+from rendezvous.kv import StoreError, StoreTimeout
 from rendezvous.nodes.keys import (
     DEAD_PREFIX,
     EVENT_SEQ_KEY,
@@ -44,6 +46,7 @@ log = logging.getLogger("ftrun.membership")
 
 READS_PER_SECOND = 500.0  # the checker's heartbeat reads on the store, at most (many nodes)
 JITTER_MARGIN = 0.5  # s a live node's beat may come late (store latency, GC) without a verdict
+COUNTERS_WAIT = 0.05  # s the checker's batched read waits for a counter not written yet
 
 
 def check_cadence(timing: Timing, watched: int) -> tuple[float, float]:
@@ -61,6 +64,19 @@ def check_cadence(timing: Timing, watched: int) -> tuple[float, float]:
     if quiet - period < timing.interval + JITTER_MARGIN:
         quiet = timing.timeout
     return period, quiet
+
+
+def watch_plan(me: int, alive: dict[int, int]) -> tuple[list[int], int]:
+    """(whose heartbeat counters agent `me` reads, how many reads per look its cadence is set
+    for). The checker (lowest live group rank) reads every other node's; every other agent
+    reads only the checker's, but they all do, so each sets its cadence as if it read every
+    node's: the store's liveness reads stay bounded (`READS_PER_SECOND` from the checker, as
+    many from all the others together) instead of growing with the node count."""
+    lowest = min(alive) if alive else me
+    if lowest == me:
+        watch = [gr for gr in alive if gr != me]
+        return watch, len(watch)
+    return [lowest], len(alive)
 
 
 class HeartbeatLiveness(Liveness):
@@ -226,8 +242,8 @@ class HeartbeatLiveness(Liveness):
         stuck_since: float | None = None
         while not self._stop.is_set():
             key = event_key(self._event_next)
-            try:
-                if not self.kv.wait([key], min(0.5, self.timing.interval)):
+            try:  # a wait per interval (stop() joins within two): not a poll
+                if not self.kv.wait([key], self.timing.interval):
                     seq = int(self.kv.try_get(EVENT_SEQ_KEY) or b"0")
                     if seq >= self._event_next:  # allocated but never written (writer died)
                         stuck_since = stuck_since or time.monotonic()
@@ -263,22 +279,20 @@ class HeartbeatLiveness(Liveness):
         while not self._stop.wait(period):
             if self.roster.lost.is_set():
                 continue  # a lost agent judges nobody (its view is stale)
-            me = self.roster.me[0]
             alive = self.roster.alive()
-            lowest = min(alive) if alive else me
-            watch = [gr for gr in alive if gr != me] if lowest == me else [lowest]
-            period, quiet = check_cadence(self.timing, len(watch))
+            watch, readers = watch_plan(self.roster.me[0], alive)
+            period, quiet = check_cadence(self.timing, readers)
             now = time.monotonic()
             for gr in list(seen):
                 if gr not in watch:
                     del seen[gr]
-            for gr in watch:
-                try:
-                    cur = self.kv.try_get(hb_key(gr))
-                except StoreError as exc:
-                    self._alive_failed(exc)  # logged once per outage
-                    seen.clear()  # a silence we could not observe is no evidence
-                    break
+            try:
+                counters = self._read_counters(watch)
+            except StoreError as exc:
+                self._alive_failed(exc)  # logged once per outage
+                seen.clear()  # a silence we could not observe is no evidence
+                continue
+            for gr, cur in zip(watch, counters):
                 last = seen.get(gr)
                 if last is None or last[0] != cur:
                     seen[gr] = (cur, now)
@@ -289,3 +303,15 @@ class HeartbeatLiveness(Liveness):
                         log.warning("could not declare node %d dead: %s", gr, exc)
                         continue
                     seen[gr] = (cur, now)
+
+    def _read_counters(self, ranks: list[int]) -> list[bytes | None]:
+        """The heartbeat counters of `ranks`: the checker's look at every node is one read
+        (WAIT + MULTI_GET on the TCP store), not one per node; one by one when some counter
+        is not written yet."""
+        keys = [hb_key(gr) for gr in ranks]
+        if len(keys) > 1:
+            try:
+                return list(self.kv.multi_get(keys, COUNTERS_WAIT))
+            except StoreTimeout:
+                pass
+        return [self.kv.try_get(k) for k in keys]

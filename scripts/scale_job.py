@@ -1,0 +1,294 @@
+"""One simulated job of scripts/bench_scale.py: N ranks on N/per_node simulated nodes over one
+real store, measured through its life.
+
+Owns: `ScaleJob` — start (`start`: every agent's real rendezvous at once, then its proxy, feeds,
+controller and ranks; the time until every rank has its world), `steady` (store requests/s and
+the CPU of the store, the proxies, the agents and the simulated ranks over a quiet window),
+`kill_rank` (one rank SIGKILLed: death → plan published → every status collected (repair plan
+written) → every rank resumed, with the round's store requests and bytes and the controller's
+CPU), `lose_node` (a node crashes with a hot spare waiting: death → node declared lost → plan →
+statuses → resumed), `verdict` (every rank in the same generation with the same repair plan)
+and `stop`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from scale_leader import RemoteNode
+from scale_measure import (
+    StoreHost,
+    cpu_delta,
+    process_cpu,
+    read_events,
+    thread_cpu,
+    wait_until,
+    wire_bytes,
+)
+from scale_nodes import SimNode
+from scale_plots import control_path
+from scale_ranks import RankLoop, RankRecord
+
+from launcher.protocol import plan as P
+from rendezvous.nodes.settings import RendezvousSettings
+from rendezvous.store.client import StoreClient
+
+threading.stack_size(512 * 1024)  # thousands of agent threads in one process
+LEADER_HEAD_START = 0.5  # s: the leader process arrives first and takes node 0
+
+
+class ScaleJob:
+    """A simulated job of `ranks` ranks, `per_node` per node (see the module docstring)."""
+
+    def __init__(
+        self,
+        ranks: int,
+        per_node: int,
+        timeout: float = 600.0,
+        rdzv: RendezvousSettings | None = None,
+    ) -> None:
+        if ranks % per_node:
+            raise ValueError(f"ranks={ranks} is not a multiple of per_node={per_node}")
+        self.nranks, self.per_node, self.timeout = ranks, per_node, timeout
+        self.nnodes = ranks // per_node
+        self.dir = tempfile.mkdtemp(prefix="bench-scale-")
+        self.events_path = os.path.join(self.dir, "events.jsonl")
+        self.store = StoreHost()
+        self.loop = RankLoop()
+        self.nodes: list[SimNode] = []
+        self.spare: SimNode | None = None
+        self.rdzv = rdzv or RendezvousSettings()  # ftrun's defaults
+        self.run_id = f"scale{ranks}"
+        self.generation = 0
+        self.kv: StoreClient | None = None  # the benchmark's own reads (the verdict)
+
+    # ---- the job's start ----------------------------------------------------------------
+    def _node(self) -> SimNode:
+        return SimNode(
+            ("127.0.0.1", self.store.port),
+            self.nnodes,
+            self.per_node,
+            self.run_id,
+            self.loop,
+            events_path=self.events_path,
+            rdzv=self.rdzv,
+        )
+
+    def start(self) -> dict:
+        """Rendezvous of every node at once, then the ranks: the times until every agent has
+        its node world and until every rank has its world."""
+        self.store.start()
+        self.loop.start()
+        self.kv = StoreClient("127.0.0.1", self.store.port, timeout=60.0)
+        leader = RemoteNode(self.store.port, self.nnodes, self.per_node, self.run_id,
+                            self.events_path, dataclasses.asdict(self.rdzv))  # fmt: skip
+        time.sleep(LEADER_HEAD_START)
+        self.nodes = [leader] + [self._node() for _ in range(self.nnodes - 1)]
+        before = self.store.stats()
+        t0 = time.time()
+        with ThreadPoolExecutor(self.nnodes) as pool:
+            list(pool.map(lambda n: n.join(self.timeout), self.nodes))
+        if leader.group_rank != 0:
+            raise RuntimeError(f"the leader process holds node {leader.group_rank}, not 0")
+        t_rdzv = max(n.joined_at for n in self.nodes)
+        self.nodes.sort(key=lambda n: n.group_rank)
+        for n in self.nodes:
+            n.start()
+        t_world = wait_until(self._all_started, self.timeout, "every rank's world")
+        wait_until(self._all_aware, self.timeout, "every rank's hello")
+        after = self.store.stats()
+        return {
+            "rendezvous_s": round(t_rdzv - t0, 4),
+            "world_s": round(t_world - t0, 4),
+            "requests": after["requests"] - before["requests"],
+            "store_cpu_s": round(after["cpu_s"] - before["cpu_s"], 4),
+        }
+
+    def _all_started(self) -> bool:
+        for n in self.nodes:
+            recs = n.records()
+            if len(recs) != self.per_node or not all(r.started_at for r in recs):
+                return False
+        return True
+
+    def _all_aware(self) -> bool:
+        return all(n.idle() for n in self.nodes)
+
+    # ---- steady state -------------------------------------------------------------------
+    def steady(self, seconds: float) -> dict:
+        """A quiet window: heartbeats, liveness checks, feeds, progress and status records."""
+        time.sleep(min(2.0, seconds))  # let the start-up's stragglers settle
+        s0, c0, p0, t0 = self.store.stats(), thread_cpu(), process_cpu(os.getpid()), time.time()
+        time.sleep(seconds)
+        s1, c1, p1, t1 = self.store.stats(), thread_cpu(), process_cpu(os.getpid()), time.time()
+        dt = t1 - t0
+        cpu = cpu_delta(c0, c1)
+        return {
+            "window_s": round(dt, 2),
+            "store_requests_per_s": round((s1["requests"] - s0["requests"]) / dt, 1),
+            "store_cpu_per_s": round((s1["cpu_s"] - s0["cpu_s"]) / dt, 5),
+            "proxies_cpu_per_s": round(cpu["proxies"] / dt, 5),
+            "agents_cpu_per_s": round(cpu["agents"] / dt, 5),
+            "sim_ranks_cpu_per_s": round(cpu["ranks"] / dt, 5),
+            "sim_process_cpu_per_s": round((p1 - p0) / dt, 4),
+        }
+
+    # ---- one rank killed ----------------------------------------------------------------
+    def _round_window(self, act, done, what: str) -> dict:
+        """Run `act()` at t0 and wait for `done()`; the round's store requests, bytes and CPU."""
+        s0, b0, c0, l0 = self._readings()
+        t0 = time.time()
+        act()
+        t_end = wait_until(done, self.timeout, what, step=0.005)
+        s1, b1, c1, l1 = self._readings()
+        cpu = cpu_delta(c0, c1)
+        for role, spent in cpu_delta(l0, l1).items():  # the leader process's threads
+            cpu[role] = round(cpu[role] + spent, 4)
+        return {
+            "t0": t0,
+            "t_end": t_end,
+            "requests": s1["requests"] - s0["requests"],
+            "bytes": b1 - b0,
+            "store_cpu_s": round(s1["cpu_s"] - s0["cpu_s"], 4),
+            "controller_cpu_s": cpu["controller"],
+            "proxies_cpu_s": cpu["proxies"],
+            "sim_ranks_cpu_s": cpu["ranks"],
+            "agents_cpu_s": cpu["agents"],
+        }
+
+    def _readings(self) -> tuple[dict, int, dict, dict]:
+        """The store's counters, its sockets' bytes, this process's and the leader process's
+        thread CPU by role."""
+        leader = self.nodes[0]
+        assert isinstance(leader, RemoteNode)
+        return self.store.stats(), wire_bytes(self.store.port), thread_cpu(), leader.cpu()
+
+    def _resumed_in(self, g: int) -> bool:
+        for n in self.live_nodes():
+            recs = n.records()
+            if len(recs) != self.per_node or not all(
+                r.generation == g and r.resumed_generation == g for r in recs
+            ):
+                return False
+        return True
+
+    def live_nodes(self) -> list:
+        return [n for n in self.nodes if not n.crashed]
+
+    def records(self) -> list[RankRecord]:
+        return [r for n in self.live_nodes() for r in n.records()]
+
+    def _phases(self, g: int, t0: float, w: dict) -> dict:
+        """Edges of round `g` from the controller's events and the ranks' records."""
+        ev = read_events(self.events_path)
+        plan_t = next(
+            (e["time"] for e in ev if e["event"] == "plan" and e.get("generation") == g), 0
+        )
+        repair_t = next(
+            (e["time"] for e in ev if e["event"] == "repair-plan" and e.get("generation") == g), 0
+        )
+        ranks = self.records()
+        seen = [n.plans_seen.get(g, 0.0) for n in self.live_nodes()]
+        out = {
+            "to_plan_s": round(plan_t - t0, 4) if plan_t else None,
+            "to_all_agents_saw_plan_s": round(max(seen) - t0, 4) if all(seen) else None,
+            "to_last_status_posted_s": round(max(r.status_at for r in ranks) - t0, 4),
+            "to_statuses_collected_s": round(repair_t - t0, 4) if repair_t else None,
+            "to_all_resumed_s": round(max(r.resumed_at for r in ranks) - t0, 4),
+        }
+        path = control_path(out)
+        out["control_path_s"] = None if path is None else round(path, 4)
+        out.update({k: v for k, v in w.items() if k not in ("t0", "t_end")})
+        out["round_requests_per_rank"] = round(w["requests"] / self.nranks, 2)
+        out["control_plane_cpu_s"] = round(
+            w["store_cpu_s"] + w["controller_cpu_s"] + w["proxies_cpu_s"], 4
+        )
+        return out
+
+    def kill_rank(self) -> dict:
+        """SIGKILL one rank of the last node (not the controller's)."""
+        g = self.generation + 1
+        node = self.nodes[-1]
+        victim = max(node.ranks)
+        w = self._round_window(
+            lambda: node.kill_rank(victim), lambda: self._resumed_in(g), f"round {g}"
+        )
+        self.generation = g
+        return {"generation": g, "victim": victim, **self._phases(g, w["t0"], w)}
+
+    # ---- one node lost, a hot spare waiting ----------------------------------------------
+    def lose_node(self) -> dict:
+        """A hot spare joins and waits; the last node crashes; the spare takes its ranks."""
+        spare = self.spare = self._node()
+        joiner = threading.Thread(target=spare.join, args=(self.timeout,), daemon=True)
+        joiner.start()
+        wait_until(lambda: bool(self.nodes[1].membership.spares()), 60.0, "the spare waiting")
+        victim = self.nodes[-1]
+
+        def crash() -> None:
+            victim.crash()
+
+        def spare_in() -> bool:
+            if spare.world is None or spare.started:
+                return spare.started
+            spare.start(replacement=True)
+            self.nodes[self.nodes.index(victim)] = spare
+            return True
+
+        g_before = self.generation
+        w = self._round_window(
+            crash,
+            lambda: spare_in() and self._latest_resumed(g_before),
+            "the spare's round",
+        )
+        joiner.join(1.0)
+        g = self._latest_generation()
+        self.generation = g
+        ev = read_events(self.events_path)
+        lost_t = next(
+            (e["time"] for e in ev if e["event"] == "fault-reported" and e["time"] > w["t0"]), 0
+        )
+        out = {"generation": g, "lost_node": victim.group_rank, **self._phases(g, w["t0"], w)}
+        out["to_node_declared_lost_s"] = round(lost_t - w["t0"], 4) if lost_t else None
+        return out
+
+    def _latest_generation(self) -> int:
+        return max(r.generation for r in self.records())
+
+    def _latest_resumed(self, after: int) -> bool:
+        g = self._latest_generation()
+        return g > after and self._resumed_in(g)
+
+    # ---- the verdict and the end ---------------------------------------------------------
+    def verdict(self) -> dict:
+        """Every rank in the same generation with the same repair plan, that generation the
+        store's, and every rank on the world's node count."""
+        ranks = self.records()
+        gens = {r.generation for r in ranks}
+        plans = {r.repair for r in ranks}
+        store_g = int(self.kv.try_get(P.GENERATION_KEY) or b"0")
+        return {
+            "ranks": len(ranks),
+            "generations": sorted(gens),
+            "store_generation": store_g,
+            "plans": len(plans),
+            "errors": sorted({r.error for r in ranks if r.error}),
+            "consistent": len(ranks) == self.nranks
+            and gens == {store_g}
+            and len(plans) == 1
+            and b"" not in plans,
+        }
+
+    def stop(self) -> None:
+        nodes = [n for n in self.nodes + ([self.spare] if self.spare else []) if n]
+        with ThreadPoolExecutor(max(1, len(nodes))) as pool:
+            list(pool.map(lambda n: n.stop(), nodes))
+        self.loop.stop()
+        if self.kv is not None:
+            self.kv.close()
+        self.store.stop()

@@ -1,0 +1,171 @@
+"""Measuring instruments for scripts/bench_scale.py.
+
+Owns: `StoreHost` (the job's store server, `rendezvous.store.server.StoreServer`, in a process
+of its own so its CPU is its own: `python scripts/scale_measure.py serve`; its request counter
+on demand), `wire_bytes` (bytes in and out of every established TCP connection of a listening
+port, from the kernel's tcp_info via `ss`), `thread_cpu` (on-CPU seconds of this process's
+threads by role: controller, proxies, simulated ranks, agents) and `read_events` (the
+controller's events.jsonl).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class StoreHost:
+    """The store server process. `start()`, `stats()`, `stop()`."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+        self._lock = threading.Lock()
+
+    def start(self) -> "StoreHost":
+        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "serve"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        line = self.proc.stdout.readline()
+        if not line.startswith("port "):
+            raise RuntimeError(f"the store host did not start: {line!r}")
+        self.port = int(line.split()[1])
+        return self
+
+    def stats(self) -> dict:
+        """{"requests": n, "cpu_s": on-CPU seconds of the whole store process}."""
+        assert self.proc is not None
+        with self._lock:
+            self.proc.stdin.write("stats\n")
+            self.proc.stdin.flush()
+            out = json.loads(self.proc.stdout.readline())
+        out["cpu_s"] = process_cpu(self.proc.pid)
+        return out
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            self.proc.wait(10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+def serve() -> None:
+    """The store host's main: serve until "quit" on stdin; "stats" prints the counters."""
+    from rendezvous.store.server import StoreServer
+
+    server = StoreServer(host="127.0.0.1", port=0, log=lambda m: None).start()
+    print(f"port {server.port}", flush=True)
+    with server:
+        for line in sys.stdin:
+            if line.strip() == "stats":
+                print(json.dumps({"requests": server.stats["requests"]}), flush=True)
+            elif line.strip() == "quit":
+                break
+
+
+def process_cpu(pid: int) -> float:
+    """On-CPU seconds of every thread of `pid` (schedstat, ns resolution)."""
+    total = 0
+    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+        try:
+            with open(path) as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
+
+
+_BYTES = re.compile(r"bytes_(received|acked):(\d+)")
+
+
+def wire_bytes(port: int) -> int:
+    """Bytes received plus bytes sent (acked) on every established connection of the listening
+    `port` (its server side), as the kernel counts them. Connections closed meanwhile drop
+    out: compare two readings of a world whose connections stay open."""
+    out = subprocess.run(
+        ["ss", "-tinH", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    return sum(int(m.group(2)) for m in _BYTES.finditer(out))
+
+
+ROLES = (
+    ("controller", ("ftrun-controller",)),
+    ("proxies", ("ftrun-proxy",)),
+    ("ranks", ("sim-ranks",)),
+)
+
+
+def thread_cpu() -> dict[str, float]:
+    """On-CPU seconds of this process's threads by role (see ROLES; the rest: "agents", the
+    agents' membership, feeds and loops plus the benchmark's own thread)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out = {role: 0.0 for role, _ in ROLES}
+    out["agents"] = 0.0
+    for path in glob.glob(f"/proc/{os.getpid()}/task/*/schedstat"):
+        tid = int(path.split("/")[-2])
+        try:
+            with open(path) as f:
+                ns = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            continue
+        name = names.get(tid, "")
+        role = next((r for r, prefixes in ROLES if name.startswith(prefixes)), "agents")
+        out[role] += ns / 1e9
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(after.get(k, 0.0) - before.get(k, 0.0), 4) for k in after}
+
+
+def read_events(path: str) -> list[dict]:
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except ValueError:
+                    continue
+    except OSError:
+        pass
+    return out
+
+
+def wait_until(pred, timeout: float, what: str, step: float = 0.01) -> float:
+    """Poll `pred` until true; the wall time it became true. TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout:g} s")
+        time.sleep(step)
+    return time.time()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["serve"]:
+        serve()
+    else:
+        sys.exit("usage: scale_measure.py serve")

@@ -1,0 +1,114 @@
+"""scripts/bench_scale.py: a simulated job of 256 ranks over the real control plane (store
+server, proxies, membership, controller) ends with every rank in one generation under one
+repair plan, after a killed rank and a lost node taken over by a hot spare; its helpers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(REPO, "scripts")]
+
+import bench_scale  # noqa: E402
+from scale_job import ScaleJob  # noqa: E402
+from scale_plots import METRICS, control_path, plot_all, value  # noqa: E402
+from scale_ranks import OPTIONS  # noqa: E402
+
+from rendezvous.nodes.settings import RendezvousSettings  # noqa: E402
+
+
+def test_the_simulated_ranks_use_the_runtime_timings() -> None:
+    from launcher.runtime.rank_state import RuntimeOptions
+
+    real = RuntimeOptions()
+    assert OPTIONS.plan_poll_interval == real.plan_poll_interval
+    assert OPTIONS.heartbeat_interval == real.heartbeat_interval
+
+
+def test_256_ranks_end_in_one_generation_with_one_plan() -> None:
+    fast = RendezvousSettings(keep_alive_interval=0.5, heartbeat_timeout=2.0)
+    job = ScaleJob(256, 16, timeout=60.0, rdzv=fast)
+    try:
+        start = job.start()
+        assert job.nnodes == 16 and 0 < start["rendezvous_s"] <= start["world_s"]
+        kill = job.kill_rank()
+        assert kill["generation"] == 1 and kill["victim"] == 255
+        assert 0 < kill["to_plan_s"] <= kill["to_statuses_collected_s"]
+        assert kill["to_statuses_collected_s"] <= kill["to_all_resumed_s"]
+        assert kill["requests"] > 0 and kill["bytes"] > 0
+        assert 0 < kill["control_path_s"] <= kill["to_all_resumed_s"]
+        first = job.verdict()
+        assert first["consistent"], first
+        node = job.lose_node()
+        assert node["lost_node"] == 15 and node["generation"] > kill["generation"]
+        assert 0 < node["to_node_declared_lost_s"] < node["to_all_resumed_s"]
+        verdict = job.verdict()
+        assert verdict["consistent"], verdict
+        assert verdict["ranks"] == 256 and verdict["generations"] == [node["generation"]]
+        spare = job.nodes[15]
+        assert spare is job.spare and spare.world.from_spare
+        assert all(r.record.repair for r in spare.ranks.values())
+    finally:
+        job.stop()
+
+
+def test_per_node_default_and_values_for_the_plots(tmp_path) -> None:
+    assert bench_scale.per_node_for(64, None) == 8 and bench_scale.per_node_for(4096, None) == 16
+    assert bench_scale.per_node_for(64, 4) == 4
+    line = {
+        "ranks": 64,
+        "start": {"rendezvous_s": 0.5, "world_s": 0.0},
+        "kill": {"bytes": 4000},
+        "node": {"to_plan_s": 5.5, "to_node_declared_lost_s": 5.0},
+        "torch": {"rendezvous_s": 2.0},
+    }
+    assert value(line, ("start", "rendezvous_s")) == 0.5
+    assert value(line, ("start", "world_s")) is None  # nothing to draw on a log axis
+    assert value(line, ("kill", "kbytes")) == 4.0
+    assert value(line, ("node", "after_lost_to_plan_s")) == pytest.approx(0.5)
+    assert value(line, ("steady", "store_cpu_per_s")) is None
+    rnd = {"to_all_agents_saw_plan_s": 0.01, "to_last_status_posted_s": 0.2}
+    assert value({"kill": dict(rnd, to_statuses_collected_s=0.23)}, ("kill", "control_path_s"))
+    assert control_path(dict(rnd, to_statuses_collected_s=0.23)) == pytest.approx(0.04)
+    assert control_path(rnd) is None
+    pytest.importorskip("matplotlib")
+    paths = plot_all([line, dict(line, ranks=128)], str(tmp_path))
+    assert len(paths) == len(METRICS) and all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def test_liveness_and_saved_lines(tmp_path) -> None:
+    assert bench_scale.liveness_for(1024, None).liveness_timeout == 5.0  # ftrun's default
+    assert bench_scale.liveness_for(4096, None).liveness_timeout == 30.0
+    assert bench_scale.liveness_for(4096, 7.0).liveness_timeout == 7.0
+    assert bench_scale.liveness_for(16, None).keep_alive_interval == 1.0
+    runs = tmp_path / "runs.jsonl"
+    lines = ['{"ranks": 64, "run": 1}', '{"rendezvous_nodes": 512}', '{"ranks": 16}']
+    runs.write_text("\n".join(lines + ['{"ranks": 64, "run": 2}']) + "\n")
+    assert bench_scale.saved_lines(str(runs)) == [{"ranks": 16}, {"ranks": 64, "run": 2}]
+
+
+def test_a_size_beyond_the_open_files_limit_is_a_line_saying_so() -> None:
+    import argparse
+    import resource
+
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard == resource.RLIM_INFINITY:
+        pytest.skip("no open-files limit here")
+    ranks = (hard // 2 // 16 + 1) * 16
+    line = bench_scale.one_line(ranks, argparse.Namespace(per_node=16))
+    assert line["ranks"] == ranks and "hard limit is" in line["error"]
+    assert bench_scale.fds_needed(16384, 16) > 32768
+
+
+def test_bad_arguments_are_one_line_and_exit_2() -> None:
+    r = subprocess.run(
+        [sys.executable, os.path.join(REPO, "scripts", "bench_scale.py"), "--ranks", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--ranks" in r.stderr.strip().splitlines()[-1]
