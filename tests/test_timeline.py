@@ -269,6 +269,29 @@ def test_a_world_that_shrinks_shows_the_lost_node_its_round_and_the_smaller_worl
     assert [r.rank for r in v.ranks] == [0, 1] and v.nodes[1].state == "running"
 
 
+def test_a_live_shrink_is_its_rank_faults_round_not_a_lost_node():
+    """elastic-training's `world-shrink` (ranks dropped, no node lost) adds no fault of its own:
+    the rank's fault is the round's, the world is smaller from then on (it was a node-lost row)."""
+    events = started(world=4) + [
+        ev(3.0, "worker-failed", rank=3, exitcode=-9, message="rank 3 signal: SIGKILL"),
+        ev(3.01, "decide", generation=0, rank=3, strategy="elastic-training", fault_kind="signal"),
+        ev(3.02, "plan", generation=1, strategy="elastic-training", failed_ranks=[3]),
+        ev(
+            3.2,
+            "world-shrink",
+            generation=1,
+            strategy="elastic-training",
+            dropped=[2, 3],
+            world=[0, 1],
+            world_size=4,
+            new_world_size=2,
+        ),
+    ]
+    v = Timeline().feed_all(events).view()
+    assert [(f.rank, f.kind != "node-lost") for f in v.faults] == [(3, True)], v.faults
+    assert v.world_size == 2
+
+
 def test_a_failed_rank_names_its_stderr_file_in_the_fault_table():
     from launcher.observe.report import fault_table
 

@@ -137,7 +137,12 @@ class Timeline:
 
     def _on_world_shrink(self, ev: dict, t: float) -> None:
         """A lost node nobody took over: the controller continues on the remaining nodes (a
-        restart-all in a new rendezvous round, whose `plan` follows without a `decide`)."""
+        restart-all in a new rendezvous round, whose `plan` follows without a `decide`). A live
+        shrink (elastic-training: `dropped`, no `lost_node`) is the failed rank's own round:
+        no fault of its own, the world smaller from then on."""
+        if "lost_node" not in ev and isinstance(ev.get("new_world_size"), int):
+            self.v.world_size = ev["new_world_size"]
+            return
         node = ev.get("lost_node")
         if isinstance(node, int):
             self._node(node).state = "lost"
