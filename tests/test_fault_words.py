@@ -115,3 +115,14 @@ def test_every_kind_reads_as_words():
         time=0, rank=None, node=1, host="n1", kind="node-lost", evidence="", generation=0
     )
     assert describe(lost, []) == "node 1 (n1) was lost (its agent stopped answering)."
+
+
+def test_a_round_that_restarted_no_rank_reads_without_failing():
+    """A lost node's fault (no rank) in a process-level round that restarted nobody (the
+    c10d shrink of a lost node: the survivors carry on): words, not an IndexError."""
+    f = FaultRow(
+        time=T, rank=None, node=1, host="h", kind="node-lost", evidence="no heartbeat", generation=0
+    )
+    ro = Round(generation=1, strategy="recover-in-place", plan_time=T + 1, fault=f)
+    text = describe(f, [ro])
+    assert "repaired the failed ranks" in text, text

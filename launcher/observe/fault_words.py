@@ -88,8 +88,7 @@ def _what_ftrun_did(f: FaultRow, ro: Round) -> str:
 def _restarted_only(f: FaultRow, ro: Round) -> str:
     restarted = ro.restart_ranks or ([f.rank] if f.rank is not None else [])
     sources = sorted({p[0] for p in ro.pairs if len(p) == 2 and p[1] in restarted})
-    who = _ranks(restarted)
-    text = f"restarted only {who}" if restarted else "repaired the failed ranks"
+    text = f"restarted only {_ranks(restarted)}" if restarted else "repaired the failed ranks"
     if sources:
         their = "its" if len(restarted) == 1 else "their"
         text += f" and copied {their} state from {_ranks(sources)}"
@@ -97,6 +96,8 @@ def _restarted_only(f: FaultRow, ro: Round) -> str:
 
 
 def _ranks(ranks: list[int]) -> str:
+    if not ranks:
+        return "no rank"
     if len(ranks) == 1:
         return f"rank {ranks[0]}"
     return "ranks " + ", ".join(map(str, ranks[:-1])) + f" and {ranks[-1]}"
