@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from helpers_launch import FTRUN, env_with, events, failed_worker_logs
+from helpers_launch import FTRUN, env_with, events, failed_worker_logs, spawned_pids
 from helpers_runtime import EXAMPLES, load_params
 
 NPROC = 4
@@ -92,10 +92,7 @@ def job_env(plan: list[dict] | None, extra: dict[str, str] | None) -> dict[str, 
 
 def collect(workdir: Path, returncode: int, output: str) -> JobResult:
     ev = events(str(workdir / "logs"))
-    pids: dict[int, list[int]] = {}
-    for e in ev:
-        if e["event"] == "spawn":
-            pids.setdefault(e["rank"], []).append(e["pid"])
+    pids = spawned_pids(ev)
     params = []
     if returncode == 0:
         params = [load_params(workdir / f"out{r}.pt") for r in range(NPROC)]

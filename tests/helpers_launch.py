@@ -29,6 +29,22 @@ def env_with(**extra: str) -> dict[str, str]:
     return env
 
 
+def spawned_pids(evs: list[dict]) -> dict[int, list[int]]:
+    """rank -> the pid of each process that ran as the rank, in order, from `spawn` events. A
+    warm spare that overtook a cold replacement still starting (`overtook`: that process's pid)
+    takes its place in the list: the rank was restarted once, as ftrun counts it."""
+    pids: dict[int, list[int]] = {}
+    for e in evs:
+        if e["event"] != "spawn":
+            continue
+        ranks = pids.setdefault(e["rank"], [])
+        if e.get("overtook") and ranks and ranks[-1] == e["overtook"]:
+            ranks[-1] = e["pid"]
+        else:
+            ranks.append(e["pid"])
+    return pids
+
+
 def run(
     cmd: list[str], env: dict[str, str] | None = None, timeout: float = 120, cwd: str | None = None
 ) -> subprocess.CompletedProcess[str]:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers_faults import repaired_besides_laggards
-from helpers_launch import FTRUN, env_with, events, run
+from helpers_launch import FTRUN, env_with, events, run, spawned_pids
 from helpers_runtime import EXAMPLES, REPO, assert_bit_identical, load_params
 
 STEPS = 8
@@ -72,10 +72,7 @@ def ftrun_job(
             res = subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
     assert res.returncode == 0, f"exit {res.returncode}\n{res.stdout[-6000:]}\n{res.stderr[-6000:]}"
     ev = events(str(wd / "logs"))
-    pids: dict[int, list[int]] = {}
-    for e in ev:
-        if e["event"] == "spawn":
-            pids.setdefault(e["rank"], []).append(e["pid"])
+    pids = spawned_pids(ev)
     return ev, pids, [load_params(wd / f"out{r}.pt") for r in range(4)], res
 
 
