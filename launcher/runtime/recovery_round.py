@@ -121,7 +121,6 @@ class RecoveryRound:
         size = self.world.elastic.size
         plan = self.join(target)
         t1 = time.monotonic()
-        self.injector.maybe_fire(target, plan.resume_step, "rebuild")
         self.world.build(target, rebuild_groups=True)
         if self.world.elastic.size != size:  # a live shrink (elastic-training)
             self.world.elastic.resized(size)
@@ -181,16 +180,8 @@ class RecoveryRound:
                     f"generation {links.stop.target}"
                 )
                 state.generation = links.stop.target
-        try:
-            self.world.build(state.generation, rebuild_groups=False)
-            self.mark("rebuilt")
-        except Exception as exc:  # noqa: BLE001 - a newer stop explains most failures
-            if not links.stop.wait_newer(state.generation, links.options.network_grace):
-                raise
-            links.log(
-                f"building generation {state.generation}'s groups failed ({exc}); generation "
-                f"{links.stop.target} was requested meanwhile: joining it at the first step"
-            )
+        self.world.build(state.generation, rebuild_groups=False)
+        self.mark("rebuilt")
         self.init_window.open(replacement=True)  # closed before the received state is applied
 
     def resume_replacement(self) -> int:

@@ -16,7 +16,6 @@ from typing import Callable
 import torch.distributed as dist
 
 from launcher.protocol import plan as P
-from launcher.runtime.build_stores import BuildStores
 from launcher.runtime.collectives import Graveyard
 from launcher.runtime.devices import DeviceAdapter
 from launcher.runtime.elastic import ElasticView
@@ -52,8 +51,6 @@ class World:
         self.groups = GroupRegistry(env.rank, env.world_size, backend)
         # sockets of every gloo group, so that a stop can break waits torch runs in C++ (rt.ddp)
         self.sockets = SocketLedger(lambda: links.stop.target)
-        # each build's own store connection, shut by a newer stop (a peer died mid-round)
-        self.build_stores = BuildStores(self._store_client, lambda: links.stop.target)
         links.stop.on_request(self.break_old_groups)
         self.stuck_alarm: StuckWaitAlarm | None = None  # set with the C++ waits (rt.ddp, gloo)
         # called with the new generation after every group rebuild (rt.ddp rebuilds DDP there)
@@ -67,7 +64,7 @@ class World:
         then the listeners rebuild theirs)."""
         links = self.links
         env = links.env
-        store = dist.PrefixStore(P.pg_prefix(generation), self.build_stores.open(generation))
+        store = dist.PrefixStore(P.pg_prefix(generation), links.store)
         with self.sockets.track(generation):
             dist.init_process_group(
                 self.backend,
@@ -83,17 +80,6 @@ class World:
                 listener(generation)
             if self.on_rebuild is not None:
                 self.on_rebuild(generation)
-
-    def _store_client(self) -> dist.TCPStore:
-        """A new connection to the job's store (through this node's agent), for one build."""
-        env = self.links.env
-        return dist.TCPStore(
-            env.master_addr,
-            env.master_port,
-            is_master=False,
-            timeout=timedelta(seconds=env.store_timeout),
-            wait_for_workers=False,
-        )
 
     def teardown(self) -> None:
         """Drop the current generation's groups (aborted first; kept alive in the graveyard)."""
@@ -123,12 +109,6 @@ class World:
         own reducer under rt.ddp), shut down the sockets of the older generations' groups so
         that such a wait fails at once instead of waiting for a hung peer (see
         group_sockets)."""
-        left = self.build_stores.interrupt(target)
-        if left:
-            self.links.log(
-                f"stop for generation {target}: left the group build of an older generation "
-                "(its store connection shut down)"
-            )
         if self.sockets.enabled:
             n = self.sockets.break_before(target)
             if n:
