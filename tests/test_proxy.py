@@ -77,6 +77,9 @@ def test_waits_and_adds_are_coalesced(stack) -> None:
         c.close()
 
 
+# timing-dependent (the 40 CHECKs must reach the proxy within one of its rounds; on main it merged
+# 8-23 of 40 in 2 of 3 runs): out of the CI subset until it is made deterministic
+@pytest.mark.slow
 def test_identical_checks_are_coalesced_and_answered_fresh(stack) -> None:
     """Ranks polling one key (a round's repair plan) cost one upstream CHECK per round."""
     s, px = stack
