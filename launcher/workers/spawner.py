@@ -235,16 +235,10 @@ class Spawner:
             return False
         w.attach(proc)
         self._started(w)
-        self.log.info(
-            "spawn",
+        self._said_warm(
+            w,
             f"rank {w.rank} (local {w.local_rank}) started from the warm spare, "
             f"pid {w.pid}, as replacement",
-            rank=w.rank,
-            local_rank=w.local_rank,
-            pid=w.pid,
-            generation=w.generation,
-            replacement=True,
-            warm=True,
         )
         return True
 
@@ -293,19 +287,27 @@ class Spawner:
 
     def _said_overtaken(self, w: Worker, cold: ColdStart) -> None:
         started = time.monotonic() - cold.started
-        self.log.info(
-            "spawn",
+        self._said_warm(
+            w,
             f"rank {w.rank} (local {w.local_rank}): a warm spare became ready first and takes "
             f"the rank (pid {w.pid}); the cold replacement pid {cold.proc.pid}, started "
             f"{started:.2f} s ago and not yet connected, is stopped",
+            overtook=cold.proc.pid,
+            cold_s=round(started, 3),
+        )
+
+    def _said_warm(self, w: Worker, message: str, **extra: object) -> None:
+        """The `spawn` line of a replacement a warm spare became."""
+        self.log.info(
+            "spawn",
+            message,
             rank=w.rank,
             local_rank=w.local_rank,
             pid=w.pid,
             generation=w.generation,
             replacement=True,
             warm=True,
-            overtook=cold.proc.pid,
-            cold_s=round(started, 3),
+            **extra,
         )
 
     def learn_imports(self, rank: int, modules: list[str]) -> None:
