@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from bench_store import cpu_seconds as process_cpu  # noqa: E402  (scripts/ is sys.path[0])
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -80,18 +82,6 @@ def serve() -> None:
                 print(json.dumps({"requests": server.stats["requests"]}), flush=True)
             elif line.strip() == "quit":
                 break
-
-
-def process_cpu(pid: int) -> float:
-    """On-CPU seconds of every thread of `pid` (schedstat, ns resolution)."""
-    total = 0
-    for path in glob.glob(f"/proc/{pid}/task/*/schedstat"):
-        try:
-            with open(path) as f:
-                total += int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            pass
-    return total / 1e9
 
 
 _BYTES = re.compile(r"bytes_(received|acked):(\d+)")

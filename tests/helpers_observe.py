@@ -21,6 +21,20 @@ FTCTL = [sys.executable, "-m", "launcher.cli.ftctl"]
 NPROC = 4
 
 
+def event_at(time: float, name: str, generation: int = 0, **fields) -> dict:
+    """One events.jsonl record of node 0 (host "h") at `time`, as the agents write them; its
+    message is its name unless `message=` says otherwise."""
+    return {
+        "time": time,
+        "event": name,
+        "node": 0,
+        "generation": generation,
+        "host": "h",
+        "message": fields.pop("message", name),
+        **fields,
+    }
+
+
 def job_env(**extra: str) -> dict[str, str]:
     env = env_with(FTRUN_STORE_TIMEOUT="60", FTRUN_PROGRESS_INTERVAL="0.3", **extra)
     for k in ("HIGH_AVAILABILITY", "PROCESS_RECOVER", "FTRUN_METRICS_PORT"):

@@ -3,6 +3,8 @@ the records a Timeline makes of real-shaped events, so the fields are the ones t
 
 from __future__ import annotations
 
+from helpers_observe import event_at
+
 from launcher.observe.fault_words import describe
 from launcher.observe.run_view import FaultRow, Round
 from launcher.observe.timeline import Timeline
@@ -11,15 +13,7 @@ T = 1000.0
 
 
 def ev(t: float, name: str, generation: int = 0, **fields) -> dict:
-    return {
-        "time": T + t,
-        "event": name,
-        "node": 0,
-        "generation": generation,
-        "host": "h",
-        "message": fields.pop("message", name),
-        **fields,
-    }
+    return event_at(T + t, name, generation, **fields)
 
 
 def killed_and_repaired() -> list[dict]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from helpers_observe import ftctl
+from helpers_observe import event_at, ftctl
 
 T = 1_700_000_000.0
 OLD_LINE = (
@@ -18,15 +18,7 @@ OLD_LINE = (
 
 
 def ev(t: float, name: str, generation: int = 0, **fields) -> dict:
-    return {
-        "time": T + t,
-        "event": name,
-        "node": 0,
-        "generation": generation,
-        "host": "h",
-        "message": fields.pop("message", name),
-        **fields,
-    }
+    return event_at(T + t, name, generation, **fields)
 
 
 def older_run(tmp_path, said: str):

@@ -6,6 +6,8 @@ start-up never drawn as transfer, and the live phase from the round's state."""
 
 from __future__ import annotations
 
+from helpers_observe import event_at
+
 from launcher.observe.process_phases import live_phase
 from launcher.observe.run_view import Bar
 from launcher.observe.timeline import Timeline
@@ -14,15 +16,7 @@ T = 1000.0
 
 
 def ev(t: float, name: str, generation: int = 0, **fields) -> dict:
-    return {
-        "time": T + t,
-        "event": name,
-        "node": 0,
-        "generation": generation,
-        "host": "h",
-        "message": name,
-        **fields,
-    }
+    return event_at(T + t, name, generation, **fields)
 
 
 def started(world: int = 3) -> list[dict]:
