@@ -12,6 +12,7 @@ import torch.distributed as dist
 from helpers_store import free_port
 
 from rendezvous.kv import StoreError, StoreTimeout
+from rendezvous.store import protocol as P
 from rendezvous.store.client import StoreClient
 from rendezvous.store.server import StoreServer
 
@@ -20,6 +21,32 @@ from rendezvous.store.server import StoreServer
 def server():
     with StoreServer(host="127.0.0.1") as s:
         yield s
+
+
+class _DeletedBetweenCheckAndGet(StoreClient):
+    """A client whose first CHECK of `victim` is followed by another client's delete of it."""
+
+    def __init__(self, port: int, victim: str, other: StoreClient) -> None:
+        super().__init__("127.0.0.1", port, timeout=5)
+        self.victim, self.other, self.raced = victim, other, False
+
+    def _call(self, req, **kw):
+        out = super()._call(req, **kw)
+        if req.op == P.Op.CHECK and not self.raced:
+            self.raced = True
+            self.other.delete(self.victim)
+        return out
+
+
+def test_try_get_of_a_key_deleted_between_check_and_get_is_none(server: StoreServer) -> None:
+    # CI: a spare read the world marker as b"" (deleted by the round's wipe between the two
+    # requests) and died on json.loads(b"")
+    other = StoreClient("127.0.0.1", server.port, timeout=5)
+    other.set("job/world", b'{"retired": true}')
+    c = _DeletedBetweenCheckAndGet(server.port, "job/world", other)
+    assert c.try_get("job/world") is None and c.raced
+    other.set("job/empty", b"")
+    assert c.try_get("job/empty") == b""  # a value that is really empty stays b""
 
 
 def test_kv_contract(server: StoreServer) -> None:

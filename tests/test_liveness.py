@@ -14,6 +14,7 @@ from helpers_etcd import EtcdServer, etcd_server  # noqa: F401 - fixture
 from rendezvous.nodes.keys import (
     Registration,
     dead_key,
+    hb_key,
     incarnation_key,
     left_key,
     node_key,
@@ -240,6 +241,38 @@ def test_heartbeat_world_is_dead_only_when_every_heartbeat_is_still(
     assert time.monotonic() - t0 < HB.timeout
     lvs[0].stop(leave=True)  # left: settled at once
     lvs[1].stop(leave=False)  # crashed: still heartbeat
+    t0 = time.monotonic()
+    assert probe.world_is_dead([0, 1])
+    assert HB.timeout <= time.monotonic() - t0 < HB.timeout + 1.0
+
+
+class _FirstReadSlow:
+    """A store client whose first heartbeat read takes `delay` s (a loaded store)."""
+
+    def __init__(self, kv: StoreClient, delay: float) -> None:
+        self.kv, self.delay, self.slowed = kv, delay, False
+
+    def try_get(self, key: str) -> bytes | None:
+        if key.startswith(hb_key(0).rsplit("/", 1)[0]) and not self.slowed:
+            self.slowed = True
+            time.sleep(self.delay)
+        return self.kv.try_get(key)
+
+    def __getattr__(self, name: str):
+        return getattr(self.kv, name)
+
+
+def test_a_slow_first_heartbeat_read_does_not_eat_the_quiet_window(
+    tcp_store: StoreServer, owned: list
+) -> None:
+    # CI (loaded box): the quiet window was timed from before the first read, so a slow read
+    # left less than one timeout of it and a still world was never found dead
+    kvs = _clients(tcp_store, 3, owned)
+    lvs, _ = _world(kvs[:2], HB, owned)
+    for lv in lvs:
+        lv.stop(leave=False)  # both crashed: every heartbeat still
+    probe = HeartbeatLiveness(_FirstReadSlow(kvs[2], 0.3), HB, True, "probe")
+    owned.append(probe)
     t0 = time.monotonic()
     assert probe.world_is_dead([0, 1])
     assert HB.timeout <= time.monotonic() - t0 < HB.timeout + 1.0

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers_launch import FTRUN, TORCHRUN, env_with, events, free_port, run, script
+from helpers_launch import FTRUN, TORCHRUN, env_with, events, free_port, run, script, spawned_pids
 from helpers_runtime import EXAMPLES, base_env, load_params
 
 NPROC = 3
@@ -176,10 +176,7 @@ def test_faults_in_forward_backward_and_optimizer_stay_bit_identical(tmp_path, p
     if stuck_after_stop(ev):
         return  # gloo's queued-send bug: other rounds than the plan's (see stuck_after_stop)
     assert [e["rank"] for e in ev if e["event"] == "hang"] == [2]
-    spawns: dict[int, int] = {}
-    for e in ev:
-        if e["event"] == "spawn":
-            spawns[e["rank"]] = spawns.get(e["rank"], 0) + 1
+    spawns = {r: len(pids) for r, pids in spawned_pids(ev).items()}  # overtaken ones: once
     assert spawns == {0: 2, 1: 2, 2: 2}  # each victim restarted once, nobody else
     resumes = [e["resume_step"] for e in ev if e["event"] == "repair-plan"]
     # Rank 0 dies in step 4's optimizer update, after its side of the last all-reduce: the

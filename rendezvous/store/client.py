@@ -25,6 +25,8 @@ from rendezvous.store import protocol as P
 from rendezvous.store.auth import AUTH_KEY, check_token
 from rendezvous.store.protocol import logical_keys, wire_key
 
+TRY_GET_ATTEMPTS = 3  # CHECK+GET pairs try_get makes before an empty value is taken as the value
+
 
 def connect(
     host: str,
@@ -253,10 +255,18 @@ class StoreClient(KVStore):
         return self._call(P.Request(P.Op.GET, (wk,)))
 
     def try_get(self, key: str) -> bytes | None:
+        # CHECK then GET is two requests: a key deleted between them GETs as b"" (the server
+        # answers a missing key with an empty value), which is not what the key held. An empty
+        # answer is checked again: missing now is None, present is read again.
         wk = wire_key(key)
-        if self._call(P.Request(P.Op.CHECK, (wk,))) != P.READY:
-            return None
-        return self._call(P.Request(P.Op.GET, (wk,)))
+        value = b""
+        for _ in range(TRY_GET_ATTEMPTS):
+            if self._call(P.Request(P.Op.CHECK, (wk,))) != P.READY:
+                return None
+            value = self._call(P.Request(P.Op.GET, (wk,)))
+            if value:
+                return value
+        return value  # present every time and empty every time: its value is b""
 
     def add(self, key: str, amount: int) -> int:
         return self._call(P.Request(P.Op.ADD, (wire_key(key),), (), int(amount)))

@@ -206,9 +206,11 @@ class HeartbeatLiveness(Liveness):
         """True once the heartbeats of `ranks` all stay unchanged for one heartbeat timeout;
         False when that cannot happen within max(patience, timeout) seconds."""
         timeout = self.timing.timeout
-        end = time.monotonic() + max(patience, timeout)
         last, since = [self.kv.try_get(hb_key(gr)) for gr in ranks], time.monotonic()
-        while time.monotonic() < end:
+        # the window starts after the first read (a slow read must not eat the quiet time);
+        # `since` stays <= end - timeout, so each pass ends by end + one sleep and read
+        end = since + max(patience, timeout)
+        while True:
             if not self.interrupt.sleep(min(self.timing.interval / 2, 0.25)):
                 return False
             cur, now = [self.kv.try_get(hb_key(gr)) for gr in ranks], time.monotonic()
@@ -218,7 +220,6 @@ class HeartbeatLiveness(Liveness):
                 last, since = cur, now
             elif now - since >= timeout:
                 return True
-        return False
 
     def _publish(self, event: dict) -> None:
         seq = self.kv.add(EVENT_SEQ_KEY, 1)
