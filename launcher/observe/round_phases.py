@@ -9,6 +9,8 @@ it lost; and `charge_faults`, which gives each fault the cost of the round it st
 
 from __future__ import annotations
 
+from typing import Callable
+
 from launcher.observe.fault_words import describe
 from launcher.observe.process_phases import live_phase, process_edges
 from launcher.observe.run_view import (
@@ -24,17 +26,27 @@ from launcher.observe.run_view import (
 
 class RoundBuilder:
     """Derives rounds from the run's rank rows (`ranks`), the ranks that said hello (`aware`:
-    they use launcher.runtime) and the run so far (`run`: its end, outcome and progress)."""
+    they use launcher.runtime), the run so far (`run`: its end, outcome and progress) and, for
+    a round's generation, which ranks are outside its world (`outside`: they left it in a live
+    shrink; the round neither waits for nor draws them)."""
 
-    def __init__(self, ranks: dict[int, RankRow], aware: set[int], run: RunView) -> None:
+    def __init__(
+        self,
+        ranks: dict[int, RankRow],
+        aware: set[int],
+        run: RunView,
+        outside: Callable[[int], Callable[[int], bool]] | None = None,
+    ) -> None:
         self.ranks = ranks
         self.aware = aware
         self.run = run
+        self.outside = outside
 
     def build(self, rd: RoundData, now: float) -> Round:
         """`rd`'s round as of `now`: outcome and end, phase bars, transfer and steps lost."""
         ro = rd.round
-        expected = sorted(self.ranks)
+        out = self.outside(ro.generation) if self.outside is not None else None
+        expected = sorted(r for r in self.ranks if out is None or not out(r))
         self._close(rd, expected)
         until = ro.end if ro.end is not None else now
         # a round that ended before every rank came back (superseded, fell back, failed, the

@@ -5,7 +5,9 @@ summary `RunView`, one `NodeRow` per node, one `RankRow` per rank, every `FaultR
 strategy taken and what it cost, every recovery `Round` with its per-rank phase `Bar`s, the
 phase names, and `RoundData`, the raw edges of one round while its events arrive (turned into
 its `Round` by `launcher.observe.round_phases`). `ftctl status` rebuilds the same records from
-the JSON the agents publish (`RunView.to_dict`).
+the JSON the agents publish (`RunView.to_dict`). And `WorldChange`, one entry of the world's
+size over time (the start, each shrink and grow, a restart-all that brings every rank back;
+kept by `launcher.observe.world_history`), with `RunView.world_now`, the world as it is now.
 
 And the one rule for time lost, which the report, `ftctl status`, the metrics and the job's
 last line all read (`RunView.settle_time_lost`): a round's time lost runs from its fault (the
@@ -166,6 +168,25 @@ def lost_spans(rounds: list[Round]) -> list[LostSpan]:
 
 
 @dataclass
+class WorldChange:
+    """The world's size from `time` on, and why (`launcher.observe.world_history`)."""
+
+    time: float
+    world_size: int
+    kind: str  # start | shrink | grow | restart-all (every rank back after a live shrink)
+    why: str  # in words: "rank 3's replica left", "node 1 lost; restart-all", ...
+    before: int | None = None  # the world's size before (None: the start)
+    step: int | None = None  # the first step the new world ran, when known
+    generation: int = 0  # the generation of the event that changed it
+    round: int | None = None  # the recovery round it belongs to (its cost)
+    ranks: list[int] = field(default_factory=list)  # the ranks that left (shrink) or joined
+    node: int | None = None  # the lost node of a shrink by restart-all
+    live: bool = True  # no rank restarted (elastic-training); False: by a restart-all
+    cost_s: float | None = None  # the time it cost (a shrink: its round's time lost)
+    cost_open: bool = False  # its round still costs time: `cost_s` so far
+
+
+@dataclass
 class RankRow:
     rank: int
     node: int | None = None
@@ -225,6 +246,8 @@ class RunView:
     rounds: list[Round] = field(default_factory=list)
     faults: list[FaultRow] = field(default_factory=list)
     progress: dict[int, list[list[float]]] = field(default_factory=dict)  # rank -> [[t, step]]
+    original_world_size: int | None = None  # the world the job started with
+    world_history: list[WorldChange] = field(default_factory=list)  # the start, then changes
 
     @property
     def current_round(self) -> Round | None:
@@ -245,10 +268,31 @@ class RunView:
         their fault until every rank trained again (a round still running counts to `now`)."""
         return round(sum(s.seconds for s in self.lost_spans), 4)
 
+    @property
+    def world_changes(self) -> list[WorldChange]:
+        """The shrinks and grows (and restart-alls that brought every rank back), in order."""
+        return [c for c in self.world_history if c.kind != "start"]
+
+    def world_now(self) -> dict[str, Any] | None:
+        """The world as it is now: its size, the original's, since when and by which change
+        (None before the world's size is known)."""
+        if not self.world_history:
+            return None
+        last = self.world_history[-1]
+        return {
+            "size": last.world_size,
+            "original": self.original_world_size,
+            "since": last.time,
+            "step": last.step,
+            "kind": last.kind,
+            "changes": len(self.world_changes),
+        }
+
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["progress"] = {str(k): v for k, v in self.progress.items()}
         d["time_lost_s"] = self.time_lost_s
+        d["world"] = self.world_now()
         for r, rd in zip(self.rounds, d["rounds"]):
             rd["mttr_s"], rd["time_lost_s"] = r.mttr_s, r.time_lost_s
         return d

@@ -6,9 +6,10 @@ or more agents of one run), one handler per event kind, and answers `view()` wit
 `RankRow` per rank, every `FaultRow` with the strategy taken and what it cost, every recovery
 `Round` with its per-rank phase `Bar`s (derived from the round's edges by
 `launcher.observe.round_phases`), each round's and the job's time lost (the rule in
-`launcher.observe.run_view`), and the training progress of every rank. It is fed a whole
-file by `ftctl status RUN_DIR` and `ftctl report`, and event by event (plus the heartbeat
-observations) by the agent's observer, so the live view and the report agree.
+`launcher.observe.run_view`), the training progress of every rank, and the world's size
+over time (`launcher.observe.world_history`: the ranks a round waits for are its world's). It
+is fed a whole file by `ftctl status RUN_DIR` and `ftctl report`, and event by event (plus the
+heartbeat observations) by the agent's observer, so the live view and the report agree.
 
 Phases of a round, per rank (wall-clock edges from the events named):
   detect    the failed rank: fault time (exit time, or last progress of a hang) -> agent saw it
@@ -36,6 +37,7 @@ from launcher.observe.run_view import (
     RoundData,
     RunView,
 )
+from launcher.observe.world_history import WorldBook
 
 
 class Timeline:
@@ -52,6 +54,7 @@ class Timeline:
         self._last_decided: FaultRow | None = None
         self._aware: set[int] = set()
         self._last_time = 0.0
+        self.world = WorldBook()
 
     # ------------------------------------------------------------------ feeding
     def feed_all(self, events: list[dict]) -> "Timeline":
@@ -69,6 +72,7 @@ class Timeline:
         handler = _HANDLERS.get(kind)
         if handler is not None:
             handler(self, ev, t)
+        self.world.feed(kind, ev, t)
 
     def _node(self, node: int, ev: dict | None = None) -> NodeRow:
         row = self._nodes.get(node)
@@ -139,9 +143,8 @@ class Timeline:
         """A lost node nobody took over: the controller continues on the remaining nodes (a
         restart-all in a new rendezvous round, whose `plan` follows without a `decide`). A live
         shrink (elastic-training: `dropped`, no `lost_node`) is the failed rank's own round:
-        no fault of its own, the world smaller from then on."""
-        if "lost_node" not in ev and isinstance(ev.get("new_world_size"), int):
-            self.v.world_size = ev["new_world_size"]
+        no fault of its own, the world smaller from then on (`WorldBook`)."""
+        if "lost_node" not in ev:
             return
         node = ev.get("lost_node")
         if isinstance(node, int):
@@ -404,7 +407,9 @@ class Timeline:
         if isinstance(ev.get("step"), int):
             r.committed_step = ev["step"]
             self._point(rank, t, ev["step"])
-        if rd is not None and rd.closed_by is None and all(k in rd.resumed for k in self._ranks):
+        out = self.world.outside(int(ev.get("generation", 0)))
+        back = all(k in rd.resumed or out(k) for k in self._ranks) if rd else False
+        if rd is not None and rd.closed_by is None and back:
             # every rank trains again: the round is over, whatever comes next
             rd.closed_by = "recovered" if rd.round.strategy in PROCESS_LEVEL else "restarted"
             rd.closed_at = max(e["time"] for e in rd.resumed.values())
@@ -420,21 +425,22 @@ class Timeline:
             v.world_size = len(v.ranks)
         for series in v.progress.values():  # samples and step batches arrive interleaved
             series.sort(key=lambda p: p[0])
-        builder = RoundBuilder(self._ranks, self._aware, v)
+        builder = RoundBuilder(self._ranks, self._aware, v, self.world.outside)
         v.rounds = [builder.build(self._rounds[g], v.now) for g in sorted(self._rounds)]
         v.settle_time_lost()
-        self._mark_recovering(v)
+        self.world.settle(v)
+        cur = v.current_round
+        if cur is not None:
+            mark_recovering(v, cur, self._rounds[cur.generation])
         charge_faults(v)
         return v
 
-    def _mark_recovering(self, v: RunView) -> None:
-        cur = v.current_round
-        if cur is None:
-            return
-        rd = self._rounds[cur.generation]
-        for r in v.ranks:
-            if r.rank not in rd.resumed and r.state not in ("finished", "failed"):
-                r.state = "replacement" if r.rank in cur.restart_ranks else "recovering"
+
+def mark_recovering(v: RunView, cur: Round, rd: RoundData) -> None:
+    """The ranks of the running round `cur` that have not resumed yet are in it."""
+    for r in v.ranks:
+        if r.rank not in rd.resumed and r.state not in ("finished", "failed"):
+            r.state = "replacement" if r.rank in cur.restart_ranks else "recovering"
 
 
 def _fault_row(ev: dict, t: float, **fields: Any) -> FaultRow:
