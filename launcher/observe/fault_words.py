@@ -76,6 +76,15 @@ def _what_ftrun_did(f: FaultRow, ro: Round) -> str:
         return f"retried in place on every rank, no process restarted, going on{step}"
     if ro.strategy == "recover-in-place":
         return _restarted_only(f, ro) + (f"; every rank went on{step}" if step else "")
+    if ro.strategy == "elastic-training":
+        left = ro.failed_ranks or ([f.rank] if f.rank is not None else [])
+        their = "its replica" if len(left) == 1 else "their replicas"
+        if ro.outcome in ("fallback", "superseded"):
+            return f"tried to go on live without {_ranks(left)} and {their} (elastic-training)"
+        return (
+            f"let {_ranks(left)} leave the world with {their}, restarting no process: the "
+            f"other ranks went on live in a smaller world{step}"
+        )
     if ro.strategy == "restart-all":
         return "stopped and restarted every rank (from the last checkpoint, if any)"
     if ro.strategy == "dump":

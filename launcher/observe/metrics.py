@@ -39,7 +39,13 @@ its workers' heartbeats; nothing else calls in here. Time lost follows the one r
                                                the transfers took
   ftrun_warm_spares_ready                      1 when this node's warm spare is ready
   ftrun_store_request_errors_total{op}         this agent's store requests that failed
-  ftrun_job_info{version,run_id,world_size}    1, with the job's identity as labels
+  ftrun_world_size, ftrun_original_world_size  ranks in the world now (smaller after a live
+                                               shrink, `launcher.observe.world_history`) and
+                                               the world the job started with
+  ftrun_world_changes_total{kind}              shrinks and grows of the world (kind="shrink" |
+                                               "grow"), each counted once
+  ftrun_job_info{version,run_id,world_size}    1, with the job's identity as labels (the world
+                                               size it started with)
   ftrun_store_requests_total{op}, ftrun_store_request_seconds{op}  this agent's store requests
                                                (its status publication) and their latency
   ftrun_store_served_requests_total, ftrun_store_busy_seconds_total  requests the embedded
@@ -176,6 +182,16 @@ class Metrics:
             "ftrun_store_request_errors", "Store requests that failed", ["op"], registry=reg
         )
         self.info = Info("ftrun_job", "The job's identity", registry=reg)
+        self.world_size = Gauge("ftrun_world_size", "Ranks in the world now", registry=reg)
+        self.original_world_size = Gauge(
+            "ftrun_original_world_size", "Ranks in the world the job started with", registry=reg
+        )
+        self.world_changes = Counter(
+            "ftrun_world_changes", "Shrinks and grows of the world", ["kind"], registry=reg
+        )
+        for kind in ("shrink", "grow"):  # both series from the start, at 0
+            self.world_changes.labels(kind=kind)
+        self._changes_counted = 0  # the view's world changes counted so far
         self._counted_lost = 0.0
         self._identity: dict[str, str] = {}
 
@@ -196,11 +212,12 @@ class Metrics:
         identity = {
             "version": _version(),
             "run_id": view.run_id,
-            "world_size": str(view.world_size or ""),
+            "world_size": str(view.original_world_size or view.world_size or ""),
         }
         if identity != self._identity:
             self._identity = identity
             self.info.info(identity)
+        self._note_world(view)
         for ro in view.rounds:
             if ro.outcome != "in-progress" and ro.generation not in self._ended:
                 self._ended.add(ro.generation)
@@ -211,6 +228,19 @@ class Metrics:
             if not ro.lost_open and lost is not None and ro.generation not in self._lost:
                 self._lost.add(ro.generation)
                 self.recovery_seconds.observe(lost)
+
+    def _note_world(self, view: RunView) -> None:
+        """The world's size now and the original, and each shrink or grow once (the view's
+        changes only grow; a restart-all that brings every rank back is neither)."""
+        if view.world_size:
+            self.world_size.set(view.world_size)
+        if view.original_world_size or view.world_size:
+            self.original_world_size.set(view.original_world_size or view.world_size or 0)
+        changes = view.world_changes
+        for c in changes[self._changes_counted :]:
+            if c.kind in ("shrink", "grow"):
+                self.world_changes.labels(kind=c.kind).inc()
+        self._changes_counted = max(self._changes_counted, len(changes))
 
     def serve_store_stats(self, stats: Callable[[], dict]) -> None:
         """Export the embedded store's request counters (the node that hosts it)."""

@@ -49,6 +49,8 @@ JOB_KEYS = (
     "faults",
     "rounds",
     "outcome",
+    "original_world_size",
+    "world_history",
 )
 
 

@@ -6,9 +6,11 @@ here, and a few lines of inline JS for the hover boxes. Sections: the job summar
 chart per recovery round (a row per rank, a bar per phase, the replacement's row marked, the
 phase durations beneath it); training progress (committed step vs wall clock for every rank,
 from the `steps` records of `launcher.observe.step_points`, faults marked, the time each one
-cost shaded); the fault table (a row of figures per fault and,
-under it across the page, what happened and what ftrun did in words). Written atomically (temp
-name, fsync, rename).
+cost shaded); the world's size over time (a step line from the start through every shrink and
+grow, `launcher.observe.world_history`, each change with its cost in a table beneath); the fault
+table (a row of figures per fault and, under it across the page, what happened and what ftrun
+did in words; a world change is a row of its own there, in time order). Written atomically
+(temp name, fsync, rename).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from typing import Callable
 
 import click
 
-from launcher.observe.run_view import PHASES, FaultRow, Round, RunView
+from launcher.observe.run_view import PHASES, FaultRow, Round, RunView, WorldChange
 from launcher.observe.status import from_dir
+from launcher.observe.world_history import change_words
 
 COLORS = {
     "detect": "#d62728",
@@ -117,7 +120,7 @@ def summary(v: RunView) -> str:
         ("recovery rounds", str(len(v.rounds))),
         ("time lost", _e(_dur(v.time_lost_s))),
         ("restart budget", f"{v.restarts_used} of {v.max_restarts} used"),
-        ("world", f"{v.world_size or '?'} ranks, {len(v.nodes)} node(s)"),
+        ("world", _e(_world_card(v)) + f", {len(v.nodes)} node(s)"),
         (
             "last step",
             _e(
@@ -135,6 +138,14 @@ def summary(v: RunView) -> str:
         + "".join(f"<div class=card>{_e(k)}<b>{val}</b></div>" for k, val in cards)
         + f"</div><div>Rounds by strategy: {rounds}</div>"
     )
+
+
+def _world_card(v: RunView) -> str:
+    """The summary's world: "4 ranks", or "3 of 4 ranks (1 change)" after shrinks or grows."""
+    n = len(v.world_changes)
+    if not n or v.original_world_size is None:
+        return f"{v.world_size or '?'} ranks"
+    return f"{v.world_size} of {v.original_world_size} ranks ({n} change{'s' if n > 1 else ''})"
 
 
 def legend() -> str:
@@ -235,7 +246,13 @@ def rounds_section(v: RunView) -> str:
             f"steps lost: {_e(steps_lost)}; "
             f"state moved: {_e(_bytes(ro.transfer_bytes))}.<br>"
             f'<span title="{_e(ro.reason)}">{_e(f.summary if f is not None else ro.reason)}'
-            "</span></div>"
+            "</span>"
+            + "".join(
+                f'<br><span class="world-change-words">world: {_e(change_words(c))}</span>'
+                for c in v.world_changes
+                if c.round == ro.generation
+            )
+            + "</div>"
         )
         parts.append(gantt(ro, i, v))
         parts.append(phase_table(ro))
@@ -345,7 +362,10 @@ def fault_table(v: RunView) -> str:
         "state moved",
         "rate",
     )
-    rows = "".join(_fault_row(f, len(head)) for f in v.faults)
+    rows = "".join(
+        _fault_row(x, len(head)) if isinstance(x, FaultRow) else _change_row(x, len(head))
+        for x in sorted([*v.faults, *v.world_changes], key=lambda x: x.time)
+    )
     return (
         "<h2>Faults</h2><table class=faults><tr>"
         + "".join(f"<th>{h}</th>" for h in head)
@@ -386,11 +406,97 @@ def _fault_row(f: FaultRow, width: int) -> str:
     )
 
 
+def _change_row(c: WorldChange, width: int) -> str:
+    """A world change in the fault table: its figures (its cost as the MTTR), then its words."""
+    cells = [
+        _clock(c.time),
+        ", ".join(map(str, c.ranks)) or "-",
+        "-" if c.node is None else c.node,
+        f"world {c.kind}",
+        "live" if c.live else "restart-all",
+        str(c.generation)
+        if c.round in (None, c.generation)
+        else f"{c.generation} \u2192 {c.round}",
+        _dur(c.cost_s) + (" so far" if c.cost_open else ""),
+        "-",
+        "-",
+        "-",
+    ]
+    return (
+        f'<tr class="fault world-change" data-kind="{_e(c.kind)}">'
+        + "".join(f"<td>{_e(x)}</td>" for x in cells)
+        + f'</tr><tr class=fault-words><td colspan="{width}"><div class="what">'
+        f"{_e(change_words(c))}</div></td></tr>"
+    )
+
+
+def world_section(v: RunView) -> str:
+    """The world's size over time: a step line (the progress chart's style), a mark per change
+    (hover: the change and its cost), and the table of the changes."""
+    h = v.world_history
+    if not h:
+        return "<h2>World size</h2><p>The world's size was not recorded.</p>"
+    rows = "".join(
+        f'<tr class="world-row" data-kind="{_e(c.kind)}"><td>{_e(_clock(c.time))}</td>'
+        f'<td class="num">{_e("-" if c.step is None else c.step)}</td>'
+        f'<td class="num">{c.world_size}</td>'
+        f"<td>{_e(c.why if c.kind == 'start' else change_words(c))}</td></tr>"
+        for c in h
+    )
+    return (
+        '<h2>World size</h2><div class="muted">ranks in the world over time; red marks: '
+        f"shrinks and grows (hover for their cost)</div>{world_chart(v)}"
+        "<table class=world><tr><th>time</th><th>step</th><th>world</th><th>why, and what it "
+        f"cost</th></tr>{rows}</table>"
+    )
+
+
+def world_chart(v: RunView) -> str:
+    """The world's size as a step line from the start to the run's end (or now)."""
+    h = v.world_history
+    t0 = h[0].time
+    t1 = max([v.end or v.now or t0] + [c.time for c in h])
+    top = max(c.world_size for c in h) or 1
+    w, ht, left, bottom = WIDTH, 170, 50, 30
+    x = lambda t: left + (t - t0) / max(t1 - t0, 1e-3) * (w - left - 20)  # noqa: E731
+    y = lambda n: 10 + (1 - n / top) * (ht - bottom - 10)  # noqa: E731
+    pts = [(c.time, c.world_size) for c in h]
+    held = [p for i, (t, n) in enumerate(pts) for p in [(t, pts[i - 1][1])][: i > 0] + [(t, n)]]
+    held.append((t1, pts[-1][1]))
+    out = [
+        f'<svg class="world" width="{w}" height="{ht}" viewBox="0 0 {w} {ht}" '
+        'xmlns="http://www.w3.org/2000/svg">',
+        f'<polyline class="world-line" fill="none" stroke="#1f77b4" stroke-width="2" '
+        f'points="{" ".join(f"{x(t):.1f},{y(n):.1f}" for t, n in held)}"/>',
+    ]
+    for c in v.world_changes:
+        tip = f"{_clock(c.time)} {change_words(c)}"
+        was = "?" if c.before is None else c.before
+        out.append(
+            f'<circle class="world-mark" data-kind="{_e(c.kind)}" data-size="{c.world_size}" '
+            f'cx="{x(c.time):.1f}" cy="{y(c.world_size):.1f}" r="5" fill="#d62728" '
+            f'data-tip="{_e(tip)}"><title>{_e(tip)}</title></circle>'
+            f'<text x="{x(c.time) + 7:.1f}" y="{y(c.world_size) - 6:.1f}">'
+            f"{_e(was)} \u2192 {c.world_size}</text>"
+        )
+    out.append(
+        f'<line x1="{left}" x2="{w - 20}" y1="{ht - bottom}" y2="{ht - bottom}" stroke="#999"/>'
+        f'<text x="{left}" y="{ht - 8}">{_e(_clock(t0, False))}</text>'
+        f'<text x="{w - 20}" y="{ht - 8}" text-anchor="end">+{_e(_dur(t1 - t0))}</text>'
+        + "".join(
+            f'<text x="4" y="{y(n) + 4:.1f}">{n}</text>' for n in sorted({c.world_size for c in h})
+        )
+        + f'<text x="4" y="{y(0):.1f}">0</text></svg>'
+    )
+    return "".join(out)
+
+
 def render(v: RunView, sources: list[str]) -> str:
     body = (
         summary(v)
         + rounds_section(v)
         + progress_chart(v)
+        + world_section(v)
         + fault_table(v)
         + f"<p class=muted>Made by <code>ftctl report</code> at {_e(_clock(time.time(), False))} "
         f"from {_e(', '.join(sources))}.</p>"
@@ -435,6 +541,6 @@ def build(run_dir: str, out: str | None = None) -> str:
 )
 def report(run_dir: str, output: str | None) -> None:
     """Write one self-contained HTML page about the run in RUN_DIR: summary, a timeline of every
-    recovery round, training progress, and the fault table."""
+    recovery round, training progress, the world's size over time, and the fault table."""
     path = build(run_dir, output)
     click.echo(f"report written to {path}")

@@ -5,7 +5,8 @@ publishes under `plan.node_status_key`, the leader's adding the faults and round
 controller's own keys: generation, budget, per-round statuses) or from a run directory's
 `events.jsonl` (a finished run, or a live one whose store cannot be reached), and drawing it as
 rich tables (`--json` prints the same view as one JSON object; `--watch` redraws it, see
-`launcher.observe.status_watch`). Also a
+`launcher.observe.status_watch`), with the world's size now against the original (its changes:
+`launcher.observe.world_history`). Also a
 rank's current step as its agent published it (`rank_step`, for `ftctl inject --at-step`).
 """
 
@@ -22,11 +23,13 @@ from rich.markup import escape
 from launcher.observe.ftrun_exits import mark_ftrun_exits
 from launcher.observe.logs import read_event_file, run_event_files
 from launcher.observe.pause_state import pause_state
-from launcher.observe.run_view import Bar, FaultRow, NodeRow, RankRow, Round, RunView
+from launcher.observe.run_view import Bar, FaultRow, NodeRow, RankRow, Round, RunView, WorldChange
 from launcher.observe.timeline import Timeline
+from launcher.observe.world_history import change_words, world_words
 from launcher.protocol import plan as P
 from launcher.protocol.budget import restarts_left
 
+SHOWN_CHANGES = 5  # the world's last changes under its line
 MAX_NODE_GAP = 8  # node ranks probed past the last one found (a lost node leaves a hole)
 STEPPING = ("training", "waiting", "paused", "finished")  # rank states in which its step only grows
 STATE_STYLE = {
@@ -129,6 +132,8 @@ def from_store(kv: Any, now: float | None = None) -> RunView:
     v.outcome = job.get("outcome", "running")
     v.faults = _rows(FaultRow, job.get("faults") or [])
     v.rounds = [_round(d) for d in job.get("rounds") or []]
+    v.world_history = _rows(WorldChange, job.get("world_history") or [])
+    v.original_world_size = job.get("original_world_size")
     v.settle_time_lost()  # as of this reading: a running round's time lost grows to `now`
     raw = kv.try_get(P.GENERATION_KEY)
     v.generation = int(raw) if raw is not None else max(int(s.get("generation", 0)) for s in snaps)
@@ -260,6 +265,12 @@ def render(view: RunView, source: str) -> Any:
         f"[dim]({escape(source)})[/]"
     )
     parts: list[Any] = [head]
+    world = world_words(view, _clock)
+    if world:
+        changes = view.world_changes[-SHOWN_CHANGES:]
+        parts.append(
+            Text("\n".join([world] + [f"  {_clock(c.time)} {change_words(c)}" for c in changes]))
+        )
     cur = view.current_round
     if cur is not None:
         f = cur.fault
