@@ -120,3 +120,29 @@ def test_a_round_that_restarted_no_rank_reads_without_failing():
     ro = Round(generation=1, strategy="recover-in-place", plan_time=T + 1, fault=f)
     text = describe(f, [ro])
     assert "repaired the failed ranks" in text, text
+
+
+def test_an_elastic_training_round_and_its_fallback_in_words():
+    f = FaultRow(time=T, rank=3, node=0, host="h", kind="signal", evidence="", generation=0)
+    f.signal = "SIGKILL"
+    shrunk = Round(
+        generation=1,
+        strategy="elastic-training",
+        plan_time=T,
+        failed_ranks=[3],
+        resume_step=17,
+        outcome="recovered",
+    )
+    assert describe(f, [shrunk]) == (
+        "rank 3 was killed (SIGKILL); ftrun let rank 3 leave the world with its replica, "
+        "restarting no process: the other ranks went on live in a smaller world at step 17."
+    )
+    fell = Round(
+        generation=1, strategy="elastic-training", plan_time=T, failed_ranks=[3], outcome="fallback"
+    )
+    restart = Round(generation=2, strategy="restart-all", plan_time=T + 1, outcome="restarted")
+    assert describe(f, [fell, restart]) == (
+        "rank 3 was killed (SIGKILL); ftrun tried to go on live without rank 3 and its replica "
+        "(elastic-training), which could not complete (fallback), so it then stopped and "
+        "restarted every rank (from the last checkpoint, if any)."
+    )

@@ -219,3 +219,38 @@ def test_a_running_round_is_in_progress_and_its_lost_seconds_only_grow(tmp_path)
 def sample_version(m) -> str:
     (fam,) = [f for f in m.registry.collect() if f.name == "ftrun_job"]
     return fam.samples[0].labels["version"]
+
+
+def test_the_world_size_and_each_shrink_and_grow_once(tmp_path):
+    from helpers_observe import event_at
+
+    log, obs, m = metered(tmp_path)
+    t = 1000.0
+    assert sample(m, "ftrun_world_changes_total", kind="shrink") == 0  # series from the start
+    for e in [
+        event_at(t, "rendezvous", group_rank=0, world_size=4),
+        *[event_at(t, "spawn", rank=r, pid=10 + r) for r in range(4)],
+    ]:
+        obs.timeline.feed(e)
+    m.note_view(obs.timeline.view(t + 1))
+    assert sample(m, "ftrun_world_size") == 4 and sample(m, "ftrun_original_world_size") == 4
+    for e in [
+        event_at(t + 2, "worker-failed", rank=3, pid=13, fault_kind="signal"),
+        event_at(t + 2.1, "decide", rank=3, strategy="elastic-training"),
+        event_at(t + 2.2, "plan", 1, strategy="elastic-training", failed_ranks=[3]),
+        event_at(t + 2.3, "world-shrink", 1, world=[0, 1, 2], world_size=4, new_world_size=3),
+    ]:
+        obs.timeline.feed(e)
+    for now in (t + 3, t + 4):  # every publication: counted once
+        m.note_view(obs.timeline.view(now))
+    assert sample(m, "ftrun_world_size") == 3 and sample(m, "ftrun_original_world_size") == 4
+    assert sample(m, "ftrun_world_changes_total", kind="shrink") == 1
+    assert sample(m, "ftrun_world_changes_total", kind="grow") == 0
+    assert sample(m, "ftrun_job_info", version=sample_version(m), run_id="", world_size="4") == 1
+    obs.timeline.feed(
+        event_at(t + 9, "world-grow", 2, world=[0, 1, 2, 3], world_size=3, new_world_size=4)
+    )
+    m.note_view(obs.timeline.view(t + 10))
+    assert sample(m, "ftrun_world_size") == 4
+    assert sample(m, "ftrun_world_changes_total", kind="grow") == 1
+    assert sample(m, "ftrun_world_changes_total", kind="shrink") == 1

@@ -165,3 +165,47 @@ def test_fault_free_view_renders():
         and "No progress samples" in text
         and "<h2>Faults</h2><p>None." in text
     )
+
+
+def shrink_and_grow() -> list[dict]:
+    """Hand-written events: rank 3 killed and dropped live (4 -> 3, 0.5 s), then grown back
+    (3 -> 4, its cost_s 1.25 as the live grow logs it)."""
+    from helpers_observe import event_at as at
+
+    t = 1000.0
+    return [
+        at(t, "rendezvous", group_rank=0, world_size=4),
+        *[at(t + 0.1, "spawn", rank=r, local_rank=r, pid=10 + r) for r in range(4)],
+        at(t + 3, "worker-failed", rank=3, pid=13, fault_kind="signal", signal="SIGKILL"),
+        at(t + 3.01, "decide", rank=3, fault_kind="signal", strategy="elastic-training"),
+        at(t + 3.02, "plan", 1, strategy="elastic-training", failed_ranks=[3]),
+        at(
+            t + 3.1, "world-shrink", 1, dropped=[3], world=[0, 1, 2], world_size=4, new_world_size=3
+        ),
+        at(t + 3.12, "repair-plan", 1, resume_step=17, action="rollback", pairs=[]),
+        *[at(t + 3.5, "rank-resumed", 1, rank=r, step=17) for r in range(3)],
+        at(t + 9, "world-grow", 2, world=[0, 1, 2, 3], world_size=3, new_world_size=4, cost_s=1.25),
+        at(t + 12, "job-done", 2),
+    ]
+
+
+def test_the_world_size_chart_and_its_changes_in_the_tables():
+    v = Timeline().feed_all(shrink_and_grow()).view()
+    text = render(v, [])
+    p = Elements()
+    p.feed(text)
+    marks = [(m["data-kind"], m["data-size"]) for m in p.all("circle", "world-mark")]
+    assert marks == [("shrink", "3"), ("grow", "4")]
+    (line,) = p.all("polyline", "world-line")
+    ys = [float(xy.split(",")[1]) for xy in line["points"].split()]
+    # a step line: 4 ranks, down to 3 at the shrink, back to 4 at the grow, held to the end
+    assert ys[0] == ys[-1] and max(ys) > ys[0] and len(set(ys)) == 2 and len(ys) == 6
+    rows = [r["data-kind"] for r in p.all("tr", "world-row")]
+    assert rows == ["start", "shrink", "grow"]
+    assert [r["data-kind"] for r in p.all("tr", "world-change")] == ["shrink", "grow"]
+    shrink = "shrink 4 -&gt; 3 at step 17 (rank 3&#x27;s replica left): 0.50 s lost"
+    assert f"world: {shrink}" in text  # in its round's heading
+    # its round's heading, the chart mark's hover and title, the world table, the fault table
+    assert text.count(shrink) == 5
+    assert "grow 3 -&gt; 4 (rank 3 joined): 1.25 s lost" in text
+    assert "4 of 4 ranks (2 changes)" in text

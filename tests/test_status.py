@@ -131,3 +131,50 @@ def test_a_ranks_step_comes_from_the_newest_status_that_lists_it_while_it_steps(
         S.rank_step([{"time": 1.0, "ranks": [{"rank": 0, "step": -1, "state": "training"}]}], 0)
         is None
     )
+
+
+def test_the_world_now_against_the_original_from_a_run_directory_and_the_store(tmp_path):
+    from helpers_observe import event_at
+    from test_report import shrink_and_grow
+
+    from launcher.observe.logs import AgentLog
+    from launcher.observe.observer import NodeObserver
+    from launcher.protocol import plan as P
+
+    events = shrink_and_grow()[:-2]  # shrunk; not grown back yet
+    run = tmp_path / "run"
+    run.mkdir()
+    with open(run / "events.jsonl", "w", encoding="utf-8") as f:
+        for e in events + [event_at(1012.0, "job-done", 1)]:
+            f.write(json.dumps(e) + "\n")
+    text = ftctl("status", str(run)).stdout
+    since = time.strftime("%H:%M:%S", time.localtime(1003.1))
+    assert f"world 3 of 4 ranks since {since} (shrunk at step 17)" in text
+    assert "shrink 4 -> 3 at step 17 (rank 3's replica left): 0.50 s lost" in text
+    d = status_json(str(run))
+    assert d["world"] == {
+        "size": 3,
+        "original": 4,
+        "since": 1003.1,
+        "step": 17,
+        "kind": "shrink",
+        "changes": 1,
+    }
+    assert [c["world_size"] for c in d["world_history"]] == [4, 3]
+    assert d["original_world_size"] == 4 and d["world_size"] == 3
+    # live: the leader's published status carries the world's history to `ftctl status --addr`
+    obs = NodeObserver(AgentLog(0, str(tmp_path / "e.jsonl"), quiet=True), str(run), 3, None, 1.0)
+    obs._node, obs._leader = 0, True
+    for e in events:
+        obs.timeline.feed(e)
+    snap = json.dumps(obs.snapshot(1004.0), default=str).encode()
+
+    class Published:
+        def try_get(self, key: str):
+            return snap if key == P.node_status_key(0) else None
+
+    live = S.from_store(Published(), now=1004.0)
+    assert (
+        live.world_now() == d["world"] and live.world_history == S.from_dir(str(run)).world_history
+    )
+    assert "world 3 of 4 ranks since" in str(S.render(live, "live").renderables[1])
