@@ -41,7 +41,9 @@ state comes from one replica) and 6 ranks as dp=3 (from two replicas, striped), 
 against raw_tcp_gbps each.
 With --scenarios, one line per scenario (scripts/bench_recovery_scenarios.py says what they
 measure): the native loop, `rt.ddp` and megatron-core callbacks, each killed at step 1, once
-the spares are ready or during a recovery, against torchrun restart-all of the same script.
+the spares are ready or during a recovery, against torchrun restart-all of the same script;
+`native:shrink`: a live shrink (elastic-training) and, once it exists, the live grow back, each
+one's time lost (scripts/bench_recovery_shrink.py).
 Sets up the /etc/hosts line `::ffff:127.0.0.1 localhost-v4mapped` first.
 """
 
@@ -612,9 +614,10 @@ def main() -> None:
         "--scenarios",
         default="",
         help="scenario rows, ftrun against torchrun restart-all of the same script: all (the "
-        "main row and every path at step1 and warm, native also during-recovery), or a comma "
-        "list of main and PATH:POINT, PATH native|ddp|megatron, POINT step1|warm|during-recovery "
-        "(default: the main row only)",
+        "main row and every path at step1 and warm, native also during-recovery and shrink), or "
+        "a comma list of main and PATH:POINT, PATH native|ddp|megatron, POINT "
+        "step1|warm|during-recovery|shrink (shrink: native only, a live shrink by "
+        "elastic-training) (default: the main row only)",
     )
     ap.add_argument(
         "--megatron-hidden", type=int, default=1088, help="megatron scenarios: GPT hidden size"

@@ -16,7 +16,9 @@ again. Kill points: `step1` (rank 1 once every rank completed step 0: right afte
 whatever the spares' state), `warm` (once ftrun's warm spares are ready and --kill-after-step
 steps are done; torchrun at the step ftrun's kill interrupted), `during-recovery` (as `warm`,
 then rank 2 as soon as the launcher started the first kill's replacement: ftrun's `spawn`
-event, torchrun's new worker processes).
+event, torchrun's new worker processes), `shrink` (the native loop only: ftrun with
+`--recover-strategy elastic-training`, rank 1 killed once --kill-after-step steps are done, the
+world shrinks live to 3 ranks; its numbers: scripts/bench_recovery_shrink.py).
 
 Time lost (`lost_s`, the project's rule, docs/user-guide.md#time-lost): from the fault until
 every rank trains again, i.e. has committed the interrupted step. The fault is ftrun's first
@@ -55,12 +57,13 @@ from launcher.observe.timeline import Timeline
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
 PATHS = ("native", "ddp", "megatron")
-POINTS = ("step1", "warm", "during-recovery")
+POINTS = ("step1", "warm", "during-recovery", "shrink")
 # `all`: every path at step 1 and warm, and a kill during a recovery on the native loop
 ALL = (
     "native:step1",
     "native:warm",
     "native:during-recovery",
+    "native:shrink",
     "ddp:step1",
     "ddp:warm",
     "megatron:step1",
@@ -95,6 +98,10 @@ def parse_scenarios(text: str) -> list[Scenario]:
                 f"--scenarios item {name!r}: use all, or PATH:POINT with PATH one of "
                 f"{', '.join(PATHS)} and POINT one of {', '.join(POINTS)}"
             )
+        if point == "shrink" and path != "native":
+            raise ValueError(
+                f"--scenarios item {name!r}: only the native loop shrinks live (native:shrink)"
+            )
         out.append(Scenario(path, point))
     if not out:
         raise ValueError("--scenarios is empty: use all, or PATH:POINT items")
@@ -117,7 +124,8 @@ def worker_command(sc: Scenario, args: argparse.Namespace, out: str) -> list[str
         return [os.path.join(SCRIPTS, "bench_recovery_megatron_worker.py"), *size, *common]
     size = ["--hidden", str(args.hidden), "--layers", str(args.layers), "--steps", str(args.steps)]
     ddp = ["--ddp"] if sc.path == "ddp" else []
-    return [os.path.join(SCRIPTS, "bench_recovery_worker.py"), *size, *ddp, *common]
+    micro = ["--micro-batches"] if sc.point == "shrink" else []  # the global batch kept
+    return [os.path.join(SCRIPTS, "bench_recovery_worker.py"), *size, *ddp, *micro, *common]
 
 
 @dataclass
@@ -149,7 +157,9 @@ class Killer:
 
     def _ready(self, root: int) -> bool:
         """ftrun's spares are ready (a `spare-ready` event, or /proc shows them warm)."""
-        if self.launcher != "ftrun" or self.sc.point == "step1" or self.kill_step is not None:
+        if self.launcher != "ftrun" or self.sc.point in ("step1", "shrink"):
+            return True  # a shrink starts no replacement: no spare to wait for
+        if self.kill_step is not None:
             return True
         if self.warm_at is None:
             evs = read_events(os.path.join(self.out, "logs"))
@@ -219,6 +229,10 @@ def launch(
     env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     worker = worker_command(sc, args, out)
     cmd = LAUNCHERS[launcher] + ["--nproc_per_node", "4", "--max_restarts", "3"]
+    if launcher == "ftrun" and sc.point == "shrink":
+        from bench_recovery_shrink import SHRINK_FLAGS
+
+        cmd += SHRINK_FLAGS
     cmd += ["--log_dir", os.path.join(out, "logs"), *worker]
     killer = Killer(launcher, sc, args, out, os.path.basename(worker[0]), kill_step)
     stderr_path = os.path.join(out, "stderr.txt")
@@ -419,6 +433,8 @@ def scenario_row(sc: Scenario, args: argparse.Namespace) -> dict:
     }
     if sc.path == "megatron" and not megatron_available():
         return {**row, "skipped": "megatron-core not importable (pip install .[megatron])"}
+    if sc.point == "shrink":
+        return shrink_row(sc, args, row)
     ft = run_scenario_job("ftrun", sc, args)
     m = re.findall(RECEIVED_MB, ft["stderr"])
     row["state_mb"] = max(float(x) for x in m) if m else None
@@ -444,6 +460,22 @@ def scenario_row(sc: Scenario, args: argparse.Namespace) -> dict:
             **lost_split(tr, "torchrun"),
             "trains_again_s": trains_again_s(tr, "torchrun"),
         }
+    return row
+
+
+def shrink_row(sc: Scenario, args: argparse.Namespace, row: dict) -> dict:
+    """A live shrink (elastic-training) against torchrun restart-all killed at the same step."""
+    from bench_recovery_shrink import shrink_split
+
+    ft = run_scenario_job("ftrun", sc, args)
+    row["ftrun"] = shrink_split(ft)
+    if args.torchrun:
+        tr = run_scenario_job("torchrun", sc, args, kill_step=ft["killed_steps"][0])
+        row["torchrun"] = {
+            **lost_split(tr, "torchrun"),
+            "trains_again_s": trains_again_s(tr, "torchrun"),
+        }
+        row["lost_vs_torchrun"] = round(row["ftrun"]["lost_s"] / row["torchrun"]["lost_s"], 4)
     return row
 
 

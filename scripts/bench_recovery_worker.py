@@ -7,7 +7,10 @@ when this process begins its first step to $OUT_DIR/starts.<rank>.jsonl ({"step"
 steps (what torchrun's restart-all reloads), and runs under ftrun (process-level recovery) and
 under torchrun (restart from the checkpoint). Two paths: the native loop (`rt.steps` +
 `rt.allreduce_gradients`, the default) and `--ddp` (the model wrapped by `rt.ddp`, whose bucket
-all-reduces overlap backward).
+all-reduces overlap backward). `--micro-batches` (native loop): every step consumes micro-batches
+0..N-1 of the original world, this rank `rt.micro_batches` of them (its own; after a live shrink,
+elastic-training, also the lost replicas'), each seeded by (step, micro-batch) whoever computes
+it, gradients accumulated and averaged over N: the global batch survives a shrink.
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ def main() -> int:
         "--replica-groups", default="", help="JSON list of replica groups (default: all ranks)"
     )
     ap.add_argument("--ddp", action="store_true", help="wrap the model with rt.ddp")
+    ap.add_argument(
+        "--micro-batches",
+        action="store_true",
+        help="compute rt.micro_batches each step (the global batch kept through a live shrink)",
+    )
     a = ap.parse_args()
     init_attempt_group()  # plain torchrun only: a restart-all's group on a fresh store prefix
     rt = ftr.init(backend="gloo")
@@ -73,26 +81,51 @@ def main() -> int:
             started = True
             with open(os.path.join(out, f"starts.{rt.rank}.jsonl"), "a") as f:
                 f.write(json.dumps(mark(step.index)) + "\n")
-        with step:
-            with step.phase("forward"):
-                g = torch.Generator().manual_seed(pos["batch"] * 100 + rt.rank)
-                pos["batch"] += 1
-                x = torch.randn(8, 64, generator=g)
-                loss = model(x).pow(2).mean()
-                if a.step_time:
-                    time.sleep(a.step_time)
-            with step.phase("backward"):
-                loss.backward()
-                if not a.ddp:
-                    rt.allreduce_gradients(model)
-            with step.optimizer_update():
-                opt.step()
-                opt.zero_grad()
+        if a.micro_batches:
+            micro_step(rt, step, model, opt, list(rt.micro_batches), a.step_time)
+        else:
+            plain_step(rt, step, model, opt, pos, a)
         if not step.interrupted:
             log.write(json.dumps(mark(step.index)) + "\n")
     log.close()
     rt.finish()
     return 0
+
+
+def micro_step(rt, step, model, opt, micro: list[int], step_time: float) -> None:
+    """One step over this rank's micro-batches (read before the step: a shrink changes them)."""
+    with step:
+        with step.phase("forward"):
+            opt.zero_grad(set_to_none=True)
+            if step_time:
+                time.sleep(step_time)
+        with step.phase("backward"):
+            for j in micro:
+                g = torch.Generator().manual_seed(step.index * 100 + j)
+                x = torch.randn(8, 64, generator=g)
+                model(x).pow(2).mean().backward()
+            rt.allreduce_gradients(model)  # averages over every micro-batch of the step
+        with step.optimizer_update():
+            opt.step()
+
+
+def plain_step(rt, step, model, opt, pos: dict, a: argparse.Namespace) -> None:
+    """One step of this rank's own batch (its data position: `pos`)."""
+    with step:
+        with step.phase("forward"):
+            g = torch.Generator().manual_seed(pos["batch"] * 100 + rt.rank)
+            pos["batch"] += 1
+            x = torch.randn(8, 64, generator=g)
+            loss = model(x).pow(2).mean()
+            if a.step_time:
+                time.sleep(a.step_time)
+        with step.phase("backward"):
+            loss.backward()
+            if not a.ddp:
+                rt.allreduce_gradients(model)
+        with step.optimizer_update():
+            opt.step()
+            opt.zero_grad()
 
 
 if __name__ == "__main__":

@@ -254,3 +254,112 @@ def test_the_scenarios_against_torchrun_at_a_tiny_size(tmp_path):
         assert ft["killed_step"] == tr["killed_step"]
         assert tr["lost_s"] == pytest.approx(tr["redone_s"] + tr["overhead_s"], abs=1e-3)
         assert tr["trains_again_s"] > 0 and tr["overhead_s"] > 0
+
+
+# ---- the shrink row (scripts/bench_recovery_shrink.py)
+
+import bench_recovery_shrink as shrink  # noqa: E402
+
+
+def test_shrink_is_a_native_scenario_only():
+    assert [(s.path, s.point) for s in sc.parse_scenarios("native:shrink")] == [
+        ("native", "shrink")
+    ]
+    assert "native:shrink" in sc.ALL
+    for bad in ("ddp:shrink", "megatron:shrink"):
+        with pytest.raises(ValueError, match="only the native loop shrinks live"):
+            sc.parse_scenarios(bad)
+    args = type("A", (), {"step_time": 0.0, "hidden": 64, "layers": 2, "steps": 9})()
+    cmd = sc.worker_command(sc.Scenario("native", "shrink"), args, "/o")
+    assert "--micro-batches" in cmd and "--ddp" not in cmd
+
+
+def _shrink_events(t_fail: float, t_back: float, grow: bool) -> list[dict]:
+    """A live shrink of rank 1 (4 -> 3) whose survivors commit again at t_back (heartbeats tell
+    it 0.15 s later), and, with `grow`, the live grow back that costs 0.8 s."""
+    ev = [{"time": 1.0, "event": "rendezvous", "generation": 0, "world_size": 4}]
+    ev += [{"time": 1.0, "event": "spawn", "rank": r, "generation": 0} for r in range(4)]
+    ev += [
+        {"time": t_fail + 0.001, "event": "worker-failed", "rank": 1, "detect_ms": 1.0},
+        {"time": t_fail + 0.002, "event": "decide", "rank": 1, "strategy": "elastic-training"},
+        {
+            "time": t_fail + 0.003,
+            "event": "plan",
+            "generation": 1,
+            "strategy": "elastic-training",
+            "failed_ranks": [1],
+        },
+        {
+            "time": t_fail + 0.01,
+            "event": "world-shrink",
+            "generation": 1,
+            "world": [0, 2, 3],
+            "world_size": 4,
+            "new_world_size": 3,
+        },
+        {"time": t_fail + 0.02, "event": "repair-plan", "generation": 1, "resume_step": 5},
+    ]
+    ev += [
+        {"time": t_back + 0.15, "event": "rank-resumed", "rank": r, "generation": 1, "step": 5}
+        for r in (0, 2, 3)
+    ]
+    if grow:
+        ev.append(
+            {
+                "time": t_back + 5,
+                "event": "world-grow",
+                "generation": 2,
+                "world": [0, 1, 2, 3],
+                "world_size": 3,
+                "new_world_size": 4,
+                "cost_s": 0.8,
+            }
+        )
+    return ev
+
+
+def test_a_shrinks_time_lost_is_the_survivors_and_its_redone_step_the_smaller_worlds():
+    # steps 0.5 s apart in the world of 4, 0.6 s in the world of 3; rank 1 killed at 12.1
+    # during step 5 (step 4 done at 12.0); ranks 0, 2, 3 commit step 5 at 12.8: lost 0.7 s, the
+    # redone step 0.6 s; the events say 0.85 s (the heartbeat that tells the commit)
+    before = [(s, 10.0 + 0.5 * s) for s in range(5)]
+    after = [(s, 12.8 + 0.6 * (s - 5)) for s in range(5, 9)]
+    steps = {r: _steps([(s, t, 100 + r) for s, t in before + after]) for r in (0, 2, 3)}
+    steps[1] = _steps([(s, t, 101) for s, t in before])
+    job = {"kill_times": [12.1], "killed_steps": [5], "steps": steps}
+    got = shrink.shrink_split({**job, "events": _shrink_events(12.1, 12.8, grow=False)})
+    assert got["lost_s"] == pytest.approx(0.7, abs=1e-3) and got["rounds"] == 1
+    assert got["step_s"] == pytest.approx(0.5) and got["step_after_s"] == pytest.approx(0.6)
+    assert got["redone_s"] == pytest.approx(0.6) and got["overhead_s"] == pytest.approx(0.1)
+    assert got["events_cost_s"] == pytest.approx(0.85, abs=1e-3) == got["lost_events_s"]
+    assert got["world_changes"] == [
+        {
+            "kind": "shrink",
+            "world": [4, 3],
+            "step": 5,
+            "cost_s": got["events_cost_s"],
+            "open": False,
+        }
+    ]
+    assert got["processes_restarted"] == 0 and got["grow_cost_s"] == []
+    assert got["strategies"] == ["elastic-training"]
+    grown = shrink.shrink_split({**job, "events": _shrink_events(12.1, 12.8, grow=True)})
+    assert grown["grow_cost_s"] == [0.8]
+    assert [c["world"] for c in grown["world_changes"]] == [[4, 3], [3, 4]]
+
+
+@pytest.mark.slow  # ~35 s: a 4-rank job at a tiny size on a loaded 2-core box
+def test_the_shrink_row_end_to_end_without_torchrun(tmp_path):
+    env = dict(os.environ, TMPDIR=str(tmp_path), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_recovery.py"), "--scenarios"]
+    cmd += ["native:shrink", "--no-torchrun", "--hidden", "64", "--layers", "2"]
+    cmd += ["--steps", "20", "--kill-after-step", "4", "--step-time", "0.05"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    ft = row["ftrun"]
+    assert row["scenario"] == "native:shrink" and ft["strategies"] == ["elastic-training"]
+    assert ft["processes_restarted"] == 0 and ft["world_changes"][0]["world"] == [4, 3]
+    assert ft["lost_s"] == pytest.approx(ft["redone_s"] + ft["overhead_s"], abs=1e-3)
+    assert ft["events_cost_s"] > 0 and "torchrun" not in row
+    assert list(tmp_path.glob("bench_recovery_*")) == []
