@@ -215,3 +215,14 @@ def test_an_elastic_shrink_shows_in_status_and_report_of_the_finished_run(tmp_pa
     assert 'class="world-mark" data-kind="shrink" data-size="3"' in page
     assert "shrink 4 -&gt; 3 at step 3 (rank 3&#x27;s replica left)" in page
     assert "3 of 4 ranks (1 change)" in page
+
+
+def test_the_ranks_in_the_world_after_its_changes():
+    from launcher.observe.world_history import ranks_now
+
+    v = Timeline().feed_all(live_shrink()).view()
+    assert ranks_now(v.world_history) == [0, 1, 2]
+    v.world_history.append(WorldChange(T + 9, 4, "grow", "rank 3 joined", before=3, ranks=[3]))
+    assert ranks_now(v.world_history) == [0, 1, 2, 3]
+    v.world_history.append(WorldChange(T + 20, 2, "shrink", "node 1 lost", before=4, live=False))
+    assert ranks_now(v.world_history) == [0, 1] and ranks_now([]) == []

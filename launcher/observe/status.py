@@ -25,7 +25,7 @@ from launcher.observe.logs import read_event_file, run_event_files
 from launcher.observe.pause_state import pause_state
 from launcher.observe.run_view import Bar, FaultRow, NodeRow, RankRow, Round, RunView, WorldChange
 from launcher.observe.timeline import Timeline
-from launcher.observe.world_history import change_words, world_words
+from launcher.observe.world_history import change_words, ranks_now, world_words
 from launcher.protocol import plan as P
 from launcher.protocol.budget import restarts_left
 
@@ -164,14 +164,16 @@ def from_store(kv: Any, now: float | None = None) -> RunView:
     return v
 
 
-def round_progress(kv: Any, generation: int, world_size: int) -> str:
-    """How far the current process-level round is, from the store: statuses and resumes."""
-    reported = sum(kv.try_get(P.status_key(generation, r)) is not None for r in range(world_size))
-    resumed = sum(kv.try_get(P.resumed_key(generation, r)) is not None for r in range(world_size))
+def round_progress(kv: Any, generation: int, ranks: list[int]) -> str:
+    """How far the current process-level round of the world of `ranks` is, from the store:
+    statuses and resumes."""
+    reported = sum(kv.try_get(P.status_key(generation, r)) is not None for r in ranks)
+    resumed = sum(kv.try_get(P.resumed_key(generation, r)) is not None for r in ranks)
     planned = kv.try_get(P.repair_key(generation)) is not None
+    n = len(ranks)
     return (
-        f"{reported}/{world_size} ranks reported, repair plan {'out' if planned else 'pending'}, "
-        f"{resumed}/{world_size} resumed"
+        f"{reported}/{n} ranks reported, repair plan {'out' if planned else 'pending'}, "
+        f"{resumed}/{n} resumed"
     )
 
 
@@ -218,7 +220,8 @@ def _live(addr: str, token_file: str | None, fallback: RunView | None) -> tuple[
         cur = view.current_round
         detail = ""
         if cur is not None and cur.strategy in ("retry", "recover-in-place") and view.world_size:
-            detail = round_progress(kv, cur.generation, int(view.world_size))
+            ranks = ranks_now(view.world_history) or list(range(int(view.world_size)))
+            detail = round_progress(kv, cur.generation, ranks)
         paused = pause_state(kv)  # `ftctl pause` in effect: said after the source
         said = f"; {paused.describe()}" if paused is not None and paused.in_effect else ""
         view.store_addr = view.store_addr or addr

@@ -10,7 +10,8 @@ a round does not wait for); and `settle`, which writes the view's `world_history
 a shrink's or a restart-all's is the time lost of its recovery round (the one rule of
 `launcher.observe.run_view`, read, not recomputed), a live grow's its event's `cost_s` (the
 seconds it held the ranks), else its round's. `change_words`: a change in words ("shrink 4 -> 3
-(rank 3's replica left): 0.40 s lost"). Pure: no I/O.
+(rank 3's replica left): 0.40 s lost"), `world_words` (the world now), `ranks_now` (its
+ranks). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -178,6 +179,20 @@ def _charge(c: WorldChange, ro: Round | None, prev: WorldChange) -> None:
         c.cost_s, c.cost_open = ro.time_lost_s, ro.lost_open
     if c.step is None and c.live and ro.resume_step is not None:
         c.step = int(ro.resume_step)
+
+
+def ranks_now(history: list[WorldChange]) -> list[int]:
+    """The ranks in the world at the end of `history` (a live shrink takes its ranks out, a
+    live grow puts its own back, a change by restart-all numbers every rank anew)."""
+    ranks: set[int] = set()
+    for c in history:
+        if c.kind == "shrink" and c.live:
+            ranks -= set(c.ranks)
+        elif c.kind == "grow" and c.live and c.ranks:
+            ranks |= set(c.ranks)
+        else:
+            ranks = set(range(c.world_size))
+    return sorted(ranks)
 
 
 def change_words(c: WorldChange) -> str:
