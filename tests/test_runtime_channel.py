@@ -187,3 +187,24 @@ def test_a_progress_source_is_read_without_the_training_thread_calling_the_chann
     finally:
         ch.close(bye=False)
         conn.close()
+
+
+def test_the_last_progress_goes_before_the_bye(server):
+    # a finished run's view showed step 5 of 8: the steps committed after the last heartbeat
+    # (within MIN_HEARTBEAT_GAP of the end) never reached the agent, the bye went alone
+    path, srv = server
+    ch = AgentChannel(path, 0, StopSignal(), lambda _m: None, heartbeat_interval=30.0)
+    progress = {"now": (0, "forward", -1, None)}
+    ch.start(Hello(rank=0, local_rank=0, pid=os.getpid(), generation=0, replacement=False))
+    conn, _ = srv.accept()
+    try:
+        ch.set_progress_source(lambda: progress["now"])
+        read_messages(conn, lambda m: any(x["op"] == "heartbeat" for x in m))
+        progress["now"] = (7, "done", 7, None)  # the last steps, then at once the goodbye
+        ch.close(bye=True)
+        msgs = read_messages(conn, lambda m: any(x["op"] == "bye" for x in m))
+        assert msgs[-1]["op"] == "bye"
+        beats = [m for m in msgs if m["op"] == "heartbeat"]
+        assert beats and (beats[-1]["step"], beats[-1]["committed_step"]) == (7, 7), msgs
+    finally:
+        conn.close()

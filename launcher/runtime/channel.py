@@ -221,7 +221,9 @@ class AgentChannel:
                 )
                 closing = self._closing
             try:
-                if beat and not closing:
+                # closing: the last progress goes before the bye (the run's record ends at the
+                # rank's real last step, not at the heartbeat before it)
+                if beat:
                     self._send_now(progress)
                     last = time.monotonic()
                 for msg in batch:
