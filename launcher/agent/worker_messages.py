@@ -75,6 +75,8 @@ class WorkerMessages:
         s = self.state
         if s.spawner is not None:
             s.spawner.rank_recovered(msg.rank, msg.generation, msg.resume_step)
+        if s.executor is not None:
+            s.executor.returning.recovered(msg.rank)  # a live grow's rank is back
         s.log.info(
             "rank-recovered",
             f"rank {msg.rank} resumed generation {msg.generation} at step {msg.resume_step}",

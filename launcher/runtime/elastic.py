@@ -58,6 +58,11 @@ class ElasticView:
         members = self._state.members
         return members.index(self._links.rank) if members else self._links.rank
 
+    def admits(self, ranks: Sequence[int]) -> bool:
+        """Whether this rank is in the world `ranks` (a repair plan's `world`; empty: every
+        rank of the job)."""
+        return not ranks or self._links.rank in ranks
+
     def set_members(self, ranks: Sequence[int]) -> None:
         """The next world's ranks (a repair plan's `world`; empty: every rank of the job)."""
         members = tuple(ranks)
