@@ -17,7 +17,11 @@ import pytest
 import torch
 from helpers_launch import FTRUN, env_with, events, script
 
-from launcher.runtime.elastic import micro_batches
+from launcher.runtime.elastic import ElasticView, micro_batches
+from launcher.runtime.env import RuntimeEnv
+from launcher.runtime.rank_state import RankLinks, RankState, RuntimeOptions
+from launcher.runtime.replicas import Layout
+from launcher.runtime.signals import StopSignal
 
 STEPS = 8
 KILL_STEP = 3
@@ -47,6 +51,36 @@ def test_every_micro_batch_goes_to_exactly_one_survivor(replicas, members, expec
 def test_a_rank_outside_the_world_has_no_micro_batches() -> None:
     with pytest.raises(ValueError, match="rank 3 is not a member"):
         micro_batches((0, 1, 2, 3), (0, 1, 2), 3)
+
+
+def _view(rank: int = 0, world: int = 4) -> tuple[ElasticView, list[str]]:
+    env = RuntimeEnv.from_environ(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29500",
+        }
+    )
+    lines: list[str] = []
+    links = RankLinks(env, StopSignal(), lines.append, RuntimeOptions())  # type: ignore[arg-type]
+    return ElasticView(RankState(0, False, Layout.ddp(world)), links), lines
+
+
+def test_the_view_shrinks_and_grows_back_to_the_original_world() -> None:
+    view, lines = _view()
+    resizes: list[tuple[int, int]] = []
+    view.listeners.append(lambda old, new: resizes.append((old, new)))
+    view.set_members([0, 1, 2])
+    view.resized(4)
+    assert (view.size, view.dp_size, view.micro_batches, view.group_rank) == (3, 3, [0, 3], 0)
+    assert view.admits([0, 1, 2]) and view.admits([]) and not _view(3)[0].admits([0, 1, 2])
+    view.set_members([0, 1, 2, 3])  # the grow's world: every rank of the job again
+    view.resized(3)
+    assert (view.size, view.dp_size, view.micro_batches, view.members) == (4, 4, [0], [0, 1, 2, 3])
+    assert resizes == [(4, 3), (3, 4)]
+    assert lines[-1].startswith("world resized: 3 -> 4 ranks")
 
 
 def _script_module():
