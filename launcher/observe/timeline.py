@@ -302,7 +302,7 @@ class Timeline:
         prev = self._latest_open()
         fallback = prev is not None and prev.hint == "fallback" and prev.round.generation < g
         if prev is not None and prev.round.generation < g:
-            prev.closed_by, prev.closed_at = prev.hint or "superseded", t
+            prev.closed_by, prev.closed_at = prev.hint or _closed_by(ev), t
         rd = self._rounds.get(g) or RoundData(Round(generation=g, strategy="", plan_time=t))
         self._rounds[g] = rd
         if isinstance(ev.get("node"), int):
@@ -482,6 +482,20 @@ def node_lost_fault(ev: dict, t: float) -> FaultRow:
     )
 
 
+def _closed_by(plan_ev: dict) -> str:
+    """How the open round ended when the next plan came: a live grow back (`elastic-grow`)
+    follows a live shrink that recovered (its dropped rank never resumes in it); any other plan
+    supersedes it."""
+    return "recovered" if plan_ev.get("strategy") == "elastic-grow" else "superseded"
+
+
+def _world_grown(tl: Timeline, ev: dict, t: float) -> None:
+    """A live grow back (`world-grow` naming `grown`): the world is that size again. (A
+    scale_up=restart `world-grow` is followed by its new round's events.)"""
+    if "grown" in ev and isinstance(ev.get("new_world_size"), int):
+        tl.v.world_size = ev["new_world_size"]
+
+
 _HANDLERS = {
     "start": Timeline._on_start,
     "rendezvous": Timeline._on_rendezvous,
@@ -494,6 +508,7 @@ _HANDLERS = {
     "node-lost": Timeline._on_node_lost,
     "node-joined": Timeline._on_node_joined,
     "world-shrink": Timeline._on_world_shrink,
+    "world-grow": _world_grown,
     "round-joined": Timeline._on_round_joined,
     "spare": Timeline._on_spare,
     "spare-ready": Timeline._on_spare_ready,
