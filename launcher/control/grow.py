@@ -126,9 +126,11 @@ class GrowBack:
         """The grow's decision once every dropped rank's returning process is ready and the
         world's ranks halted at one step boundary; a fault's decision when one came first;
         None otherwise (nothing to grow, not yet, or the try was given up)."""
-        if self._pause is not None and self.rounds.phase is not RoundPhase.COLLECTING:
-            self._end_pause("the grow round ended")  # superseded before its repair plan
         rnd = self.rounds.round
+        if self._pause is not None and (
+            rnd is None or rnd.strategy != P.GROW or not rnd.collecting
+        ):
+            self._end_pause("the grow round ended")  # superseded before its repair plan
         if not self.dropped or rnd is None or self.rounds.phase is not RoundPhase.DONE:
             return None
         if time.monotonic() < self._retry_at:
