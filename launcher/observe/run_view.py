@@ -214,6 +214,8 @@ class RunView:
     now: float | None = None
     outcome: str = "running"  # running succeeded failed
     world_size: int | None = None
+    # ranks a live shrink took out of the world (elastic-training) and no grow brought back
+    dropped: set[int] = field(default_factory=set)
     nnodes: int | None = None
     max_restarts: int = 0
     restarts_used: int = 0

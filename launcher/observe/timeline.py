@@ -24,7 +24,7 @@ Phases of a round, per rank (wall-clock edges from the events named):
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from launcher.observe.round_phases import RoundBuilder, charge_faults
 from launcher.observe.run_view import (
@@ -404,7 +404,7 @@ class Timeline:
         if isinstance(ev.get("step"), int):
             r.committed_step = ev["step"]
             self._point(rank, t, ev["step"])
-        if rd is not None and rd.closed_by is None and all(k in rd.resumed for k in self._ranks):
+        if rd is not None and rd.closed_by is None and _all_resumed(rd, self._ranks, self.v):
             # every rank trains again: the round is over, whatever comes next
             rd.closed_by = "recovered" if rd.round.strategy in PROCESS_LEVEL else "restarted"
             rd.closed_at = max(e["time"] for e in rd.resumed.values())
@@ -489,11 +489,32 @@ def _closed_by(plan_ev: dict) -> str:
     return "recovered" if plan_ev.get("strategy") == "elastic-grow" else "superseded"
 
 
+def _all_resumed(rd: RoundData, ranks: Iterable[int], v: RunView) -> bool:
+    """Every rank of the world trains again after round `rd` (ranks a live shrink dropped,
+    `v.dropped`, are not waited for)."""
+    return all(k in rd.resumed for k in ranks if k not in v.dropped)
+
+
+def _world_shrunk(tl: Timeline, ev: dict, t: float) -> None:
+    """`world-shrink`; a live shrink's (`dropped`) ranks are out of the world from then on."""
+    tl._on_world_shrink(ev, t)
+    if "lost_node" not in ev:
+        tl.v.dropped |= set(ev.get("dropped") or ())
+
+
 def _world_grown(tl: Timeline, ev: dict, t: float) -> None:
-    """A live grow back (`world-grow` naming `grown`): the world is that size again. (A
-    scale_up=restart `world-grow` is followed by its new round's events.)"""
+    """A live grow back (`world-grow` naming `grown`): those ranks are back, the world is that
+    size again. (A scale_up=restart `world-grow` is followed by its new round's events.)"""
     if "grown" in ev and isinstance(ev.get("new_world_size"), int):
         tl.v.world_size = ev["new_world_size"]
+        tl.v.dropped -= set(ev["grown"])
+
+
+def _planned(tl: Timeline, ev: dict, t: float) -> None:
+    """`plan`; a restart-all brings every rank back into the world."""
+    tl._on_plan(ev, t)
+    if ev.get("strategy") == "restart-all":
+        tl.v.dropped.clear()
 
 
 _HANDLERS = {
@@ -507,7 +528,7 @@ _HANDLERS = {
     "signal": Timeline._on_signal,
     "node-lost": Timeline._on_node_lost,
     "node-joined": Timeline._on_node_joined,
-    "world-shrink": Timeline._on_world_shrink,
+    "world-shrink": _world_shrunk,
     "world-grow": _world_grown,
     "round-joined": Timeline._on_round_joined,
     "spare": Timeline._on_spare,
@@ -523,7 +544,7 @@ _HANDLERS = {
     "inject": Timeline._on_inject,
     "decide": Timeline._on_decide,
     "fallback": Timeline._on_fallback,
-    "plan": Timeline._on_plan,
+    "plan": _planned,
     "round-superseded": Timeline._on_superseded,
     "plan-received": Timeline._on_plan_received,
     "restart-all-go": Timeline._on_restart_all_go,
