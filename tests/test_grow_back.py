@@ -116,6 +116,22 @@ def test_a_returning_process_that_ends_before_the_grow_is_no_fault(node) -> None
     assert not ex.returning.on_exit(w0, w0.pid, 1)  # a survivor's exit is a fault as ever
 
 
+def test_a_returning_process_gone_just_before_the_grow_is_replaced_in_its_round(node) -> None:
+    ex, kv = node
+    w1 = ex.workers.by_rank(1)
+    _shrink(ex)
+    gone = w1.pid
+    w1.proc.kill()
+    w1.proc.wait(5.0)
+    deadline = time.monotonic() + 5.0
+    while w1.alive and time.monotonic() < deadline:  # the reaper saw the exit
+        time.sleep(0.01)
+    assert ex.returning.on_exit(w1, gone, -9)  # the controller had already seen it ready
+    ex.execute(P.Plan(generation=2, strategy=P.GROW, restart_ranks=[1]))
+    assert w1.alive and w1.pid != gone and w1.generation == 2  # joins the grow round itself
+    assert ex.returning.growing == {1} and ex.returning.waiting == {}
+
+
 def test_a_returning_rank_left_out_of_the_grow_round_ends_quietly(node) -> None:
     ex, kv = node
     w1 = ex.workers.by_rank(1)

@@ -6,8 +6,9 @@ started as a replacement (a warm spare taken, or a cold start: `Spawner.spawn`),
 its status for that generation and waits; the controller grows the world once every dropped
 rank's is there (launcher.control.grow). A later process-level round before the grow (another
 fault) restarts the still-waiting processes for its next generation; a restart-all or an exit
-ends them with every worker. The grow's plan (`plan.GROW`) names the returning ranks; each
-leaves `left` (it is a rank of the world again) when it says it recovered. A returning process
+ends them with every worker. The grow's plan (`plan.GROW`) names the returning ranks (one
+whose process ended just before gets a new one for the grow's own round); each leaves `left`
+(it is a rank of the world again) when it says it recovered. A returning process
 that ends before that is one line and no fault (the world stays as it is): its status key is
 deleted, so the controller does not grow with it. `FTRUN_ELASTIC_GROW=0` (`--rdzv-conf
 elastic_grow=0`, `LaunchConfig.elastic_grow`) starts none: the world stays shrunk.
@@ -50,6 +51,9 @@ class ReturningRanks:
         if plan.strategy == P.GROW:
             for w in self.workers.of_ranks(plan.restart_ranks):
                 self.waiting.pop(w.rank, None)
+                if not w.alive:  # ended just before the grow: a new one joins its round
+                    self._start(w, plan.generation)
+                    self.waiting.pop(w.rank, None)
                 self.growing.add(w.rank)
             return
         if plan.strategy not in STARTS_AFTER:
