@@ -122,6 +122,9 @@ class LaunchConfig:
     signals_to_handle: list[int] = field(default_factory=list)
     recover_strategy: list[str] = field(default_factory=list)
     elastic_training: bool = False  # elastic-training was asked for (flag or HIGH_AVAILABILITY)
+    # after a live shrink, start the dropped ranks' returning processes: the world grows back
+    # (--rdzv-conf elastic_grow / FTRUN_ELASTIC_GROW; launcher.agent.grow_back)
+    elastic_grow: bool = True
     # logs
     log_dir: str | None = None
     redirects: dict[int, int] = field(default_factory=dict)  # local_rank -> 0..3
@@ -383,6 +386,7 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     _rendezvous(cfg, raw, env)
     _observation(cfg, env)
     cfg.node_replace_timeout = parse_replacement_wait(cfg.rdzv_conf, env, cfg.elastic_training)
+    cfg.elastic_grow = parse_elastic_grow(cfg.rdzv_conf, env)
     _store_backend(cfg)
     _standalone(cfg)
     if cfg.store_backend == "embedded":
@@ -741,6 +745,17 @@ def _node_replace_source(conf: dict[str, str], env: dict[str, str]) -> tuple | N
     if env.get("FTRUN_NODE_REPLACE_TIMEOUT") not in (None, ""):
         return ("FTRUN_NODE_REPLACE_TIMEOUT", env["FTRUN_NODE_REPLACE_TIMEOUT"], "env")
     return None
+
+
+def parse_elastic_grow(conf: dict[str, str], env: dict[str, str]) -> bool:
+    """Whether the world grows back live after a live shrink (elastic-training): `--rdzv-conf
+    elastic_grow=0|1`, else FTRUN_ELASTIC_GROW; on by default. A flag wins over the variable;
+    a value that is no switch is a ConfigError naming it."""
+    if conf.get("elastic_grow") not in (None, ""):
+        name, text = "--rdzv-conf elastic_grow", conf["elastic_grow"]
+    else:
+        name, text = "FTRUN_ELASTIC_GROW", env.get("FTRUN_ELASTIC_GROW", "")
+    return parse_switch(name, text, default=True)
 
 
 def parse_wait_reschedule_timeout(conf: dict[str, str], env: dict[str, str]) -> float:

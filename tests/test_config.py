@@ -345,6 +345,25 @@ def test_a_bad_wait_reschedule_timeout_exits_2_with_one_line() -> None:
     assert len(lines) == 1 and "wait_reschedule_timeout='10'" in lines[0], res.stderr
 
 
+def test_elastic_grow_is_on_unless_switched_off_by_flag_or_variable() -> None:
+    """Issue 33 item 3: the live grow back after a live shrink; --rdzv-conf wins."""
+    assert cfg().elastic_grow is True
+    assert cfg(env={"FTRUN_ELASTIC_GROW": "0"}).elastic_grow is False
+    assert cfg("--rdzv_conf", "elastic_grow=off").elastic_grow is False
+    both = cfg("--rdzv_conf", "elastic_grow=1", env={"FTRUN_ELASTIC_GROW": "0"})
+    assert both.elastic_grow is True
+
+
+def test_a_bad_elastic_grow_exits_2_with_one_line_naming_it() -> None:
+    with pytest.raises(ConfigError) as e:
+        cfg(env={"FTRUN_ELASTIC_GROW": "maybe"})
+    assert "FTRUN_ELASTIC_GROW='maybe': must be 1 (on) or 0 (off)" in str(e.value)
+    res = run(FTRUN + ["--rdzv-conf", "elastic_grow=2", script("envdump.py")], env=env_with())
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--rdzv-conf elastic_grow='2'" in lines[0], res.stderr
+
+
 # ---------------------------------------------------------------- spare pool and agent phases
 def test_spare_fork_is_on_unless_switched_off() -> None:
     """FTRUN_SPARE_FORK (was read by the spare pool itself): 0 turns the fork server off."""

@@ -74,6 +74,8 @@ def test_the_ranks_halt_after_the_largest_first_step_and_resume_together() -> No
     time.sleep(0.5)
     assert store.get(P.pause_step_key(1)) == b"6"
     assert "paused" in a.phases and "paused" in b.phases and ta.is_alive() and tb.is_alive()
+    # each rank marks its halt (a world grow waits for every mark: launcher.control.grow)
+    assert store.get(P.pause_halted_key(1, 0)) == b"6" == store.get(P.pause_halted_key(1, 1))
     t_resume = time.monotonic()
     store.set(P.resume_key(1), b"ftctl resume")
     ta.join(5), tb.join(5)

@@ -34,6 +34,12 @@ def test_members_leave_out_dropped_ranks_and_an_elastic_rounds_failed_ones() -> 
     assert members(4, set(), plan(P.RECOVER_IN_PLACE, failed=(1,))) == [0, 1, 2, 3]
 
 
+def test_a_grow_rounds_members_include_the_returning_ranks() -> None:
+    grow = P.Plan(generation=2, strategy=P.GROW, restart_ranks=[3])
+    assert members(4, {3}, grow) == [0, 1, 2, 3]
+    assert members(4, {1, 3}, grow) == [0, 2, 3]  # rank 1 has not returned
+
+
 def test_a_shrink_names_the_new_world() -> None:
     got = shrink_plan(repair(), [status(0), status(1), status(2)], [0, 1, 2])
     assert got.world == [0, 1, 2] and got.fallback is None and got.resume_step == 3

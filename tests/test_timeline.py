@@ -292,6 +292,50 @@ def test_a_live_shrink_is_its_rank_faults_round_not_a_lost_node():
     assert v.world_size == 2
 
 
+def test_a_live_grow_back_restores_the_world_size_and_the_shrink_round_recovered():
+    """elastic-training's grow back: `world-grow` (naming `grown`) makes the world its original
+    size again; the shrink's round, which its dropped rank never resumes in, is recovered (not
+    cut short by a later fault) when the grow's plan comes."""
+    events = started(world=4) + [
+        ev(3.0, "worker-failed", rank=3, exitcode=-9, message="rank 3 signal: SIGKILL"),
+        ev(3.01, "decide", generation=0, rank=3, strategy="elastic-training", fault_kind="signal"),
+        ev(3.02, "plan", generation=1, strategy="elastic-training", failed_ranks=[3]),
+        ev(3.2, "world-shrink", generation=1, dropped=[3], world_size=4, new_world_size=3),
+        ev(6.0, "plan", generation=2, strategy="elastic-grow", restart_ranks=[3], charged=False),
+        ev(6.2, "world-grow", generation=2, grown=[3], world_size=3, new_world_size=4),
+    ]
+    v = Timeline().feed_all(events).view()
+    assert v.world_size == 4 and v.restarts_used == 1 and v.world_now()["size"] == 4
+    shrink = next(r for r in v.rounds if r.generation == 1)
+    assert shrink.outcome == "recovered"
+
+
+def test_a_live_shrink_round_ends_when_the_survivors_train_again():
+    """The dropped rank never resumes in its shrink's round: the survivors' resumption ends it
+    (its time lost is theirs, not until a later round or the job's end)."""
+    events = (
+        started(world=4)
+        + [
+            ev(3.0, "worker-failed", rank=3, exitcode=-9, message="rank 3 signal: SIGKILL"),
+            ev(
+                3.01,
+                "decide",
+                generation=0,
+                rank=3,
+                strategy="elastic-training",
+                fault_kind="signal",
+            ),
+            ev(3.02, "plan", generation=1, strategy="elastic-training", failed_ranks=[3]),
+            ev(3.2, "world-shrink", generation=1, dropped=[3], world_size=4, new_world_size=3),
+        ]
+        + [ev(3.5 + r / 100, "rank-resumed", generation=1, rank=r, step=4) for r in range(3)]
+    )
+    v = Timeline().feed_all(events + [ev(9.0, "progress")]).view()
+    (shrink,) = v.rounds
+    assert shrink.outcome == "recovered" and v.world_now()["size"] == 3
+    assert shrink.end == events[-1]["time"]  # rank 2's resumption, the last survivor's
+
+
 def test_a_failed_rank_names_its_stderr_file_in_the_fault_table():
     from launcher.observe.report import fault_table
 

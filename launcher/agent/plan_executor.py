@@ -27,6 +27,7 @@ from typing import Callable
 
 from launcher.agent.agent_events import PlanEvent, SignalEvent
 from launcher.agent.errors import JobFailures
+from launcher.agent.grow_back import ReturningRanks
 from launcher.agent.loop_store import Call, LoopStore
 from launcher.agent.store_stack import AgentWorld
 from launcher.config import LaunchConfig
@@ -38,6 +39,8 @@ from launcher.workers.spawner import Spawner
 from launcher.workers.workers import NodeWorkers, Worker, stop_workers
 from rendezvous.kv import KVStore
 
+# the rounds the live processes stay in (a stop for the survivors, the failed ones respawned)
+LIVE = (P.RETRY, P.RECOVER_IN_PLACE, P.ELASTIC, P.GROW)
 FINISH_TIMEOUT = 300.0  # all nodes' workers done
 LEAVE_TIMEOUT = 10.0  # the store host waits this long for the other agents to leave
 
@@ -83,6 +86,8 @@ class PlanExecutor:
         # (rank, generation): a survivor got a round's stop; the hang watch expects it to enter
         # the round, and kills it when it stays blocked in a collective instead
         self._stop_sent = stop_sent or (lambda rank, generation: None)
+        # after a live shrink: the dropped ranks' returning processes (a live grow back)
+        self.returning = ReturningRanks(log, kv, workers, spawner, cfg.elastic_grow)
 
     def execute(self, plan: P.Plan) -> int | None:
         self.log.info(
@@ -91,14 +96,14 @@ class PlanExecutor:
             strategy=plan.strategy,
             failed_ranks=plan.failed_ranks,
         )
-        if plan.strategy == P.RESTART_ALL:
-            return self._restart_all(plan)
-        if plan.strategy in (P.RECOVER_IN_PLACE, P.RETRY):
-            self._recover(plan)
-            return None
         if plan.strategy == P.ELASTIC:  # a live shrink: the failed ranks leave the world
             self.workers.left.update(w.rank for w in self.workers.of_ranks(plan.failed_ranks))
-            self._recover(plan)  # no rank restarts: the survivors' stop
+        if plan.strategy in LIVE:  # ELASTIC, GROW: no rank restarts, the survivors' stop
+            self._recover(plan, respawn=plan.strategy in (P.RECOVER_IN_PLACE, P.RETRY))
+        self.returning.after(plan)  # the dropped ranks' returning processes (grow_back)
+        if plan.strategy == P.RESTART_ALL:
+            return self._restart_all(plan)
+        if plan.strategy in LIVE:
             return None
         if plan.strategy == P.DUMP:
             return self._dump(plan)
@@ -180,7 +185,7 @@ class PlanExecutor:
                 self.stop.wait(0.25)
         return False
 
-    def _recover(self, plan: P.Plan) -> None:
+    def _recover(self, plan: P.Plan, respawn: bool = True) -> None:
         g = plan.generation
         stop = Stop(generation=g, strategy=plan.strategy, failed_ranks=plan.failed_ranks)
         restart = self.workers.of_ranks(plan.restart_ranks)
@@ -202,16 +207,17 @@ class PlanExecutor:
             else:
                 self._stop_sent(w.rank, g)
         self._dump_blamed(plan)
-        for w in restart:
+        for w in restart if respawn else []:
             self._pending_stop.pop(w.rank, None)
             if w.alive:
                 stop_workers([w], signal.SIGKILL, 0.0)
             self.workers.aware.discard(w.rank)
             self.spawner.spawn(w, g, replacement=True)
+        respawned = [w.rank for w in restart] if respawn else []
         self.log.info(
             "stop-sent",
-            f"generation {g}: stop sent to survivors, {len(restart)} local rank(s) respawned",
-            respawned=[w.rank for w in restart],
+            f"generation {g}: stop sent to survivors, {len(respawned)} local rank(s) respawned",
+            respawned=respawned,
             sent_at=sent_at,
         )
 

@@ -55,13 +55,16 @@ class WorkerMessages:
         s = self.state
         if ev.injection.kind == P.PAUSE_KIND:  # `ftctl pause`: every local runtime-aware rank
             assert s.channel is not None
-            for w in s.workers.all():
-                if w.alive and w.rank in s.workers.aware:
-                    s.channel.send(w.rank, Pause())
+            told = [  # not a rank out of the world (a returning process: live grow)
+                w.rank
+                for w in s.workers.all()
+                if w.alive and w.rank in s.workers.aware and w.rank not in s.workers.left
+            ]
+            for rank in told:
+                s.channel.send(rank, Pause())
             s.log.info(
                 "pause",
-                f"ftctl pause: told local ranks {sorted(s.workers.aware)} (generation "
-                f"{s.generation})",
+                f"ftctl pause: told local ranks {told} (generation {s.generation})",
                 generation=s.generation,
             )
             return
@@ -75,6 +78,8 @@ class WorkerMessages:
         s = self.state
         if s.spawner is not None:
             s.spawner.rank_recovered(msg.rank, msg.generation, msg.resume_step)
+        if s.executor is not None:
+            s.executor.returning.recovered(msg.rank)  # a live grow's rank is back
         s.log.info(
             "rank-recovered",
             f"rank {msg.rank} resumed generation {msg.generation} at step {msg.resume_step}",

@@ -11,18 +11,19 @@ else):
   round_driver         driving a round's phases, a timeout each: restart-all, process-level, dump
   node_book            lost nodes and the agents holding each node; their loss and arrival as faults
   world_changes        shrinking without an unreplaced node, growing with waiting agents (regroup)
+  grow                 a live grow back after a live shrink (the dropped ranks' processes return)
   handoff              the state a successor needs, and taking up the round an earlier one drove
   fault_history        the job's fault history (published with every plan, for the failure summary)
   controller_settings  what it is built with: `ControllerSettings` and `ControllerHooks`
 
 One pass of the loop: a round that an earlier controller was driving is taken up first
-(`Handoff.resume`); else a decision that cannot wait (a lost node's node_replace_timeout ran out,
-agents waiting to get in: `WorldChanges.overdue`); else the next fault (`FaultIntake.take`) is
-decided (`Decider.decide`). A decision that is not absorbed is executed: its plan is published
-and its round driven (`execute`), until nothing follows (a round can be superseded by a new
-fault, or fall back). Once a new rendezvous round was requested (REGROUPING) this world ends:
-the loop only waits to be stopped. A fenced controller (its agent stale, or a successor took
-over: `FencedError`) stops.
+(`Handoff.resume`); else a decision that cannot wait (a lost node's node_replace_timeout ran
+out, agents waiting to get in: `WorldChanges.overdue`; the dropped ranks back: `GrowBack.due`);
+else the next fault (`FaultIntake.take`) is decided (`Decider.decide`). A decision that is not
+absorbed is executed: its plan is published and its round driven (`execute`), until nothing
+follows (a round can be superseded by a new fault, or fall back). Once a new rendezvous round
+was requested (REGROUPING) this world ends: the loop only waits to be stopped. A fenced
+controller (its agent stale, or a successor took over: `FencedError`) stops.
 
 Ranks done with the job (`finished_ranks`: their agents set `P.finished_key` when a rank says
 goodbye or exits 0) take part in no round: every decision knows them (`decision` rule 6), and a
@@ -41,6 +42,7 @@ from launcher.control.decider import Decider
 from launcher.control.decision import PROCESS_LEVEL, Decision, Round, Situation
 from launcher.control.fault_history import FaultHistory
 from launcher.control.fault_intake import FaultIntake
+from launcher.control.grow import GrowBack
 from launcher.control.handoff import Handoff
 from launcher.control.node_book import NodeBook
 from launcher.control.plan_publisher import PlanPublisher
@@ -124,6 +126,22 @@ class Controller:
             self.world.overdue,
             self._stop,
         )
+        self._assemble_grow()
+
+    def _assemble_grow(self) -> None:
+        """The live grow back, on the round driver's dropped ranks (launcher.control.grow)."""
+        d = self.driver
+        self.grow = GrowBack(
+            self.kv,
+            self.log,
+            self.settings,
+            self.rounds,
+            d.intake,
+            d.decider,
+            d.dropped,
+            self._stop,
+        )
+        d.grow_repair = self.grow.repair
 
     # ---- what the agent and the tests look at ---------------------------------------------
     @property
@@ -201,7 +219,7 @@ class Controller:
         if self.rounds.inherited is not None:  # again after a store error
             self._run_rounds(self.handoff.resume(self.intake, self.driver))
             return
-        overdue = self.world.overdue()
+        overdue = self.world.overdue() or self.grow.due()
         if overdue is not None:
             self._run_rounds(overdue)
             return

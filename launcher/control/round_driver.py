@@ -56,6 +56,10 @@ class RoundDriver:
         self.overdue = overdue  # a lost node's timeout or waiting agents (WorldChanges)
         self.stopped = stopped
         self.dropped: set[int] = set()  # ranks live shrinks removed (elastic-training)
+        # a grow round's repair plan (launcher.control.grow: GrowBack.repair), set by the
+        # controller
+        self.grow_repair: Callable[[P.Plan, list[P.RankStatus], list[int]], P.RepairPlan] | None
+        self.grow_repair = None
 
     # ---- restart-all ---------------------------------------------------------------------
     def release_restart_all(self, g: int) -> None:
@@ -149,6 +153,8 @@ class RoundDriver:
             repair = shrink_plan(repair, statuses, ranks)
             if not repair.fallback:
                 self._shrunk(plan, ranks)
+        elif plan.strategy == P.GROW and self.grow_repair is not None:
+            repair = self.grow_repair(plan, statuses, ranks)
         elif self.dropped and not repair.fallback:
             repair = after_shrink(repair, ranks)
         self.kv.set(P.repair_key(g), repair.to_json())

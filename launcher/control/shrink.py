@@ -1,11 +1,11 @@
 """The controller's side of a live shrink (elastic-training): who is in the world, and whether
 the world can shrink without restarting anyone.
 
-Owns: `members` (the ranks of a round: the job's ranks but those dropped by earlier shrinks
-and, in an elastic-training round, the failed ones), `shrink_plan` (a round's repair plan
-turned into a live shrink's: the new world named in `RepairPlan.world`, or a fallback to
-restart-all saying why the world cannot shrink live) and `after_shrink` (a later round's plan
-in the shrunk world).
+Owns: `members` (the ranks of a round: the job's ranks but those dropped by earlier shrinks and,
+in an elastic-training round, the failed ones; a grow round's returning ranks are in),
+`shrink_plan` (a round's repair plan turned into a live shrink's: the new world named in
+`RepairPlan.world`, or a fallback to restart-all saying why the world cannot shrink live) and
+`after_shrink` (a later round's plan in the shrunk world).
 
 A live shrink keeps the survivors' processes: they rebuild the default group over the new world
 and re-run (or commit) the interrupted step from their own state (launcher.runtime.elastic). So
@@ -25,8 +25,10 @@ from launcher.protocol import plan as P
 
 
 def members(world_size: int, dropped: Iterable[int], plan: P.Plan) -> list[int]:
-    """The ranks of `plan`'s round, in order."""
+    """The ranks of `plan`'s round, in order (a grow's returning ranks included)."""
     gone = set(dropped) | (set(plan.failed_ranks) if plan.strategy == P.ELASTIC else set())
+    if plan.strategy == P.GROW:
+        gone -= set(plan.restart_ranks)  # they are back (launcher.control.grow)
     return [r for r in range(world_size) if r not in gone]
 
 

@@ -305,7 +305,7 @@ class Timeline:
         prev = self._latest_open()
         fallback = prev is not None and prev.hint == "fallback" and prev.round.generation < g
         if prev is not None and prev.round.generation < g:
-            prev.closed_by, prev.closed_at = prev.hint or "superseded", t
+            prev.closed_by, prev.closed_at = prev.hint or _closed_by(ev), t
         rd = self._rounds.get(g) or RoundData(Round(generation=g, strategy="", plan_time=t))
         self._rounds[g] = rd
         if isinstance(ev.get("node"), int):
@@ -486,6 +486,13 @@ def node_lost_fault(ev: dict, t: float) -> FaultRow:
         strategy=str(ev.get("strategy", "restart-all")),
         reason=str(ev.get("message", "")),
     )
+
+
+def _closed_by(plan_ev: dict) -> str:
+    """How the open round ended when the next plan came: a live grow back (`elastic-grow`)
+    follows a live shrink that recovered (its dropped rank never resumes in it); any other plan
+    supersedes it."""
+    return "recovered" if plan_ev.get("strategy") == "elastic-grow" else "superseded"
 
 
 _HANDLERS = {

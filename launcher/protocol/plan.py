@@ -58,6 +58,10 @@ RESTART_ALL = "restart-all"
 DUMP = "dump"
 EXIT = "exit"
 STRATEGIES = (RETRY, RECOVER_IN_PLACE, ELASTIC, RESTART_ALL, DUMP, EXIT)
+# live grow back after a live shrink: the dropped ranks' returning processes join and receive
+# their replica's state; every rank rebuilds the full world at a step boundary. The controller's
+# own round (launcher.control.grow), not a strategy of the chain
+GROW = "elastic-grow"
 
 
 def plan_key(generation: int) -> str:
@@ -158,6 +162,12 @@ def pause_at_key(seq: int, rank: int) -> str:
 def pause_step_key(seq: int) -> str:
     """The step every rank halts after for pause `seq` (set once the ranks agreed)."""
     return f"{ROOT}/pause/{seq}/step"
+
+
+def pause_halted_key(seq: int, rank: int) -> str:
+    """Set by `rank` when it halted for pause `seq` (the step it halted after): a world grow
+    waits for every rank's before it stops them at that step boundary."""
+    return f"{ROOT}/pause/{seq}/halted/{rank}"
 
 
 def resume_key(seq: int) -> str:

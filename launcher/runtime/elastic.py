@@ -1,8 +1,9 @@
-"""Elastic training inside a rank: the world after a live shrink, and the global batch kept.
+"""Elastic training inside a rank: the world after a live shrink (or its grow back), and the
+global batch kept.
 
-Owns: `ElasticView` (the current world's ranks, size and this rank's place in it; the data
-parallel size; which micro-batches of each step this rank computes) and `micro_batches`, the
-pure rule for the last.
+Owns: `ElasticView` (the current world's ranks, size and this rank's place in it; whether a
+world admits this rank; the data parallel size; which micro-batches of each step this rank
+computes) and `micro_batches`, the pure rule for the last.
 
 A live shrink (the controller's `elastic-training` strategy, launcher.control.shrink) removes
 whole data-parallel replicas: the survivors keep their processes and their original rank
@@ -12,6 +13,11 @@ original number of micro-batches (`original_dp_size`): the lost replicas' micro-
 dealt round-robin to the survivors, which accumulate their gradients (several backward passes)
 before `rt.allreduce_gradients`, whose average divides by `original_dp_size`. The data position
 is global: micro-batch j of step s is the same samples whoever computes it.
+
+The grow back (launcher.control.grow) is a round at a step boundary whose plan names the full
+world again: every rank rebuilds the default group over it, `micro_batches` is `[rank]` again
+and the listeners hear `resized(old, new)` with new > old; a returning rank (a replacement) that
+a round's world does not admit ends (`RecoveryRound`), the others stay in their world.
 """
 
 from __future__ import annotations
@@ -57,6 +63,11 @@ class ElasticView:
         """This rank's number in the current default group."""
         members = self._state.members
         return members.index(self._links.rank) if members else self._links.rank
+
+    def admits(self, ranks: Sequence[int]) -> bool:
+        """Whether this rank is in the world `ranks` (a repair plan's `world`; empty: every
+        rank of the job)."""
+        return not ranks or self._links.rank in ranks
 
     def set_members(self, ranks: Sequence[int]) -> None:
         """The next world's ranks (a repair plan's `world`; empty: every rank of the job)."""

@@ -14,8 +14,8 @@ collectives for peers that halted. The rule, without any collective of its own:
     (written by their reader threads, so a peer blocked in a collective on this rank still
     answers) and takes the largest, T: every rank reads the same values, so the same T, and no
     rank has ended a step after T (each rank's own value exceeds the steps it had ended);
-  - every rank runs on to the end of step T, then waits (phase "paused", which the hang watch
-    does not time) until `plan.resume_key(n)` is set.
+  - every rank runs on to the end of step T, writes `plan.pause_halted_key(n, rank)` and waits
+    (phase "paused", which the hang watch does not time) until `plan.resume_key(n)` is set.
 The wait is bounded: `PauseRequest.max_s` after the request the first rank to notice sets the
 resume key to "expired after S s" and every rank continues (a forgotten pause never holds a job
 for ever). A rank that does not answer within `AGREE_TIMEOUT` (or a recovery round that comes
@@ -124,6 +124,7 @@ class PauseGate:
         """Halted after `step`: wait for the resume, the pause's end, or a stop."""
         links, state = self._links, self._state
         self._set_phase("paused")
+        links.store.set(P.pause_halted_key(req.seq, links.rank), str(step).encode())
         t0 = time.monotonic()
         links.log(f"paused after step {step} (pause #{req.seq}, at most {req.max_s:g} s)")
         delay = 0.002

@@ -238,7 +238,9 @@ class RecoveryRound:
         )
         if plan.fallback:
             self._fallback(plan)
-        self.world.elastic.set_members(plan.world)  # the next world's ranks (a live shrink)
+        if self.state.needs_state and not self.world.elastic.admits(plan.world):
+            self._left_out(plan)
+        self.world.elastic.set_members(plan.world)  # the next world's ranks (shrink, grow)
         return plan
 
     def status(self, generation: int) -> P.RankStatus:
@@ -263,6 +265,15 @@ class RecoveryRound:
             if raw is not None:
                 return raw.decode()
         return self.state.layout.shard_of(rank)
+
+    def _left_out(self, plan: P.RepairPlan) -> None:
+        """A returning rank (a live grow) that the round's world does not take back: the others
+        stay in their world; this process ends (its agent expects it)."""
+        self.links.log(
+            f"not taken back into the world {plan.world} ({plan.reason}); this returning "
+            "process ends and the world stays as it is"
+        )
+        self.links.hard_exit(P.EXIT_FALLBACK)
 
     def _fallback(self, plan: P.RepairPlan) -> None:
         self.links.log(

@@ -5,7 +5,8 @@ Every step consumes micro-batches 0..N-1 (N: the job's original world size); mic
 step s is seeded by (s, j), whoever computes it. Each rank computes `rt.micro_batches` (its own,
 plus a lost replica's after a shrink), accumulating gradients, then `rt.allreduce_gradients`
 averages over the N micro-batches. After each committed step the rank appends {"step", "micro",
-"rank", "pid", "world", "dp"} to --consumed ('{rank}' replaced); a resize callback appends
+"rank", "pid", "world", "dp", "state"} to --consumed ('{rank}' replaced; "state": a digest of
+the model and optimizer state at the start of the step); a resize callback appends
 {"resize": [old, new], "pid"}. Rank 0 (or every rank with '{rank}' in --out) writes its final
 parameters to --out. `reference(steps, n)` is the same training in one process.
 """
@@ -13,6 +14,7 @@ parameters to --out. `reference(steps, n)` is the same training in one process.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -33,6 +35,17 @@ def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(5)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
+    """The model's parameters and the optimizer's state, bit for bit."""
+    h = hashlib.sha1()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+        buf = opt.state.get(p, {}).get("momentum_buffer")
+        if buf is not None:
+            h.update(buf.numpy().tobytes())
+    return h.hexdigest()
 
 
 def reference(steps: int, n: int) -> dict[str, torch.Tensor]:
@@ -56,11 +69,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--step-time", type=float, default=0.0)
+    # a step's sleep while the world is smaller than at the start (the grow test: time for the
+    # returning process to start before the job ends)
+    ap.add_argument("--shrunk-step-time", type=float, default=None)
     ap.add_argument("--consumed", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     rt = ftr.init(backend="gloo")
+    full = int(os.environ.get("WORLD_SIZE", rt.world_size))  # the job's world size
     model, opt = model_and_optimizer()
     log = open(args.consumed.format(rank=rt.rank), "a", encoding="utf-8")
 
@@ -72,9 +89,11 @@ def main() -> None:
     rt.register(model=model, optimizer=opt)
     for step in rt.steps(args.steps):
         micro = list(rt.micro_batches)
+        at_start = digest(model, opt)
         with step:
             with step.phase("forward"):
-                time.sleep(args.step_time)
+                shrunk = args.shrunk_step_time is not None and rt.world_size < full
+                time.sleep(args.shrunk_step_time if shrunk else args.step_time)
                 opt.zero_grad(set_to_none=True)
             with step.phase("backward"):
                 for j in micro:
@@ -91,6 +110,7 @@ def main() -> None:
                 pid=os.getpid(),
                 world=rt.world_size,
                 dp=rt.dp_size,
+                state=at_start,
             )
     if rt.rank == 0 or "{rank}" in args.out:
         path = args.out.format(rank=rt.rank)
