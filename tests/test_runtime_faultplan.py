@@ -141,3 +141,13 @@ def test_transfer_phase_fires_only_at_the_transfer_edge_of_its_round():
     inj.maybe_fire(0, 3, "transfer")  # the transfer edge of another round
     with pytest.raises(InjectedFault, match="step 3 transfer"):
         inj.maybe_fire(1, 3, "transfer")
+
+
+def test_rebuild_phase_fires_only_before_the_group_build_of_its_round():
+    logs: list[str] = []
+    spec = '[{"rank":0,"step":3,"phase":"rebuild","kind":"uce-low","generation":1}]'
+    inj = FaultInjector(parse_plan(spec), 0, logs.append)
+    inj.maybe_fire(1, 3, "transfer")  # another edge of the same round
+    inj.maybe_fire(2, 3, "rebuild")  # the build of another round
+    with pytest.raises(InjectedFault, match="step 3 rebuild"):
+        inj.maybe_fire(1, 3, "rebuild")

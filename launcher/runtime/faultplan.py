@@ -25,8 +25,10 @@ from typing import Callable
 from launcher.protocol.faults import INJECTION_KINDS as KINDS
 from launcher.runtime.devices import InjectedFault
 
-PHASES = ("forward", "backward", "optimizer", "transfer")  # transfer: a sender, midway through
-# sending its state (or stripe) in a repair round; step = the resume step, generation = the round's
+PHASES = ("forward", "backward", "optimizer", "transfer", "rebuild")  # transfer: a sender, midway
+# through sending its state (or stripe) in a repair round; rebuild: a rank of a repair round that
+# has the round's plan, just before it builds the round's groups; for both step = the resume
+# step, generation = the round's
 
 
 @dataclass

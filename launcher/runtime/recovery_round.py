@@ -121,6 +121,7 @@ class RecoveryRound:
         size = self.world.elastic.size
         plan = self.join(target)
         t1 = time.monotonic()
+        self.injector.maybe_fire(target, plan.resume_step, "rebuild")
         self.world.build(target, rebuild_groups=True)
         if self.world.elastic.size != size:  # a live shrink (elastic-training)
             self.world.elastic.resized(size)
@@ -166,21 +167,29 @@ class RecoveryRound:
     # ---------------------------------------------------------------- a replacement
     def join_as_replacement(self) -> None:
         """(at start) Join the round this replacement was started for (or a newer one) and
-        build its groups; the plan runs at the first step (`resume_replacement`)."""
+        build its groups; the plan runs at the first step (`resume_replacement`). A round
+        superseded before its groups were built (another rank failed meanwhile, maybe one this
+        build waited for) is left for the newer one, until one builds."""
         state, links = self.state, self.links
         links.log(f"replacement for rank {links.rank}: joining generation {state.generation}")
         while True:
             try:
                 self.pending_plan = self.join(state.generation)
+                self.world.build(state.generation, rebuild_groups=False)
                 break
             except StopRequested:
-                # our round was superseded (another rank failed meanwhile): join the newer one
                 links.log(
                     f"generation {state.generation} superseded before it completed; joining "
                     f"generation {links.stop.target}"
                 )
-                state.generation = links.stop.target
-        self.world.build(state.generation, rebuild_groups=False)
+            except Exception as exc:  # noqa: BLE001 - a newer stop explains most failures
+                if not links.stop.wait_newer(state.generation, links.options.network_grace):
+                    raise
+                links.log(
+                    f"building generation {state.generation}'s groups failed ({exc}); "
+                    f"generation {links.stop.target} was requested meanwhile: joining it"
+                )
+            state.generation = links.stop.target
         self.mark("rebuilt")
         self.init_window.open(replacement=True)  # closed before the received state is applied
 

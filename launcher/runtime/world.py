@@ -16,6 +16,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from launcher.protocol import plan as P
+from launcher.runtime.build_stores import BuildStores
 from launcher.runtime.collectives import Graveyard
 from launcher.runtime.devices import DeviceAdapter
 from launcher.runtime.elastic import ElasticView
@@ -51,6 +52,8 @@ class World:
         self.groups = GroupRegistry(env.rank, env.world_size, backend)
         # sockets of every gloo group, so that a stop can break waits torch runs in C++ (rt.ddp)
         self.sockets = SocketLedger(lambda: links.stop.target)
+        # each build's own store connection, shut by a newer stop (a peer died mid-round)
+        self.build_stores = BuildStores(self._store_client, lambda: links.stop.target)
         links.stop.on_request(self.break_old_groups)
         self.stuck_alarm: StuckWaitAlarm | None = None  # set with the C++ waits (rt.ddp, gloo)
         # called with the new generation after every group rebuild (rt.ddp rebuilds DDP there)
@@ -61,25 +64,57 @@ class World:
 
     def build(self, generation: int, rebuild_groups: bool) -> None:
         """The default group of `generation` (and, in a recovery round, the runtime's groups;
-        then the listeners rebuild theirs)."""
-        links = self.links
-        env = links.env
-        store = dist.PrefixStore(P.pg_prefix(generation), links.store)
-        with self.sockets.track(generation):
+        then the listeners rebuild theirs), on a store connection of its own that a newer stop
+        shuts down (build_stores). A build that fails leaves torch as it found it."""
+        store = dist.PrefixStore(P.pg_prefix(generation), self.build_stores.open(generation))
+        try:
+            with self.sockets.track(generation):
+                self._init_default_group(store)
+                if rebuild_groups:
+                    self.groups.rebuild(generation)
+            if rebuild_groups:
+                for listener in list(self.listeners):
+                    listener(generation)
+                if self.on_rebuild is not None:
+                    self.on_rebuild(generation)
+        finally:
+            self.build_stores.finished(generation)
+
+    def _init_default_group(self, store: dist.PrefixStore) -> None:
+        """init_process_group on `store`; when it fails, the group it named is forgotten.
+
+        torch names the default group from a process-wide counter (`_world.group_count`, the
+        group's keys in the store live under that name) and counts it before gloo connects,
+        so an init that fails (a peer died, a newer stop shut the build's store) leaves the
+        counter at 1 with no group: the next generation's default group would be group "1"
+        here and group "0" in a fresh replacement, and their rendezvous would never meet (each
+        waits for the other's keys until the store timeout). Only `destroy_process_group`
+        resets the counter, and with no default group there is nothing to destroy."""
+        c10d = dist.distributed_c10d
+        count = c10d._world.group_count
+        try:
             dist.init_process_group(
                 self.backend,
                 store=store,
                 rank=self.elastic.group_rank,
                 world_size=self.elastic.size,
-                timeout=timedelta(seconds=env.store_timeout),
+                timeout=timedelta(seconds=self.links.env.store_timeout),
             )
-            if rebuild_groups:
-                self.groups.rebuild(generation)
-        if rebuild_groups:
-            for listener in list(self.listeners):
-                listener(generation)
-            if self.on_rebuild is not None:
-                self.on_rebuild(generation)
+        except BaseException:
+            if not dist.is_initialized():
+                c10d._world.group_count = count
+            raise
+
+    def _store_client(self) -> dist.TCPStore:
+        """A new connection to the job's store (through this node's agent), for one build."""
+        env = self.links.env
+        return dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            is_master=False,
+            timeout=timedelta(seconds=env.store_timeout),
+            wait_for_workers=False,
+        )
 
     def teardown(self) -> None:
         """Drop the current generation's groups (aborted first; kept alive in the graveyard)."""
@@ -109,6 +144,11 @@ class World:
         own reducer under rt.ddp), shut down the sockets of the older generations' groups so
         that such a wait fails at once instead of waiting for a hung peer (see
         group_sockets)."""
+        for left in self.build_stores.interrupt(target):
+            self.links.log(
+                f"stop for generation {target}: left the group build of generation {left} "
+                "(its store connection shut down)"
+            )
         if self.sockets.enabled:
             n = self.sockets.break_before(target)
             if n:
