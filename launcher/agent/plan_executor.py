@@ -28,6 +28,7 @@ from typing import Callable
 from launcher.agent.agent_events import PlanEvent, SignalEvent
 from launcher.agent.errors import JobFailures
 from launcher.agent.loop_store import Call, LoopStore
+from launcher.agent.status_relay import StatusRelay
 from launcher.agent.store_stack import AgentWorld
 from launcher.config import LaunchConfig
 from launcher.observe.logs import AgentLog
@@ -83,6 +84,8 @@ class PlanExecutor:
         # (rank, generation): a survivor got a round's stop; the hang watch expects it to enter
         # the round, and kills it when it stays blocked in a collective instead
         self._stop_sent = stop_sent or (lambda rank, generation: None)
+        # the node's ranks' statuses of a process-level round, as one record for the controller
+        self.relay = StatusRelay(kv, world.group_rank, log, cfg.phase_timeout, self.stop)
 
     def execute(self, plan: P.Plan) -> int | None:
         self.log.info(
@@ -91,6 +94,7 @@ class PlanExecutor:
             strategy=plan.strategy,
             failed_ranks=plan.failed_ranks,
         )
+        self.relay.stop(join=0.0)  # a newer plan: the older round's statuses are of no use
         if plan.strategy == P.RESTART_ALL:
             return self._restart_all(plan)
         if plan.strategy in (P.RECOVER_IN_PLACE, P.RETRY):
@@ -208,6 +212,10 @@ class PlanExecutor:
                 stop_workers([w], signal.SIGKILL, 0.0)
             self.workers.aware.discard(w.rank)
             self.spawner.spawn(w, g, replacement=True)
+        w_left = self.workers.left
+        self.relay.follow(
+            g, [w.rank for w in self.workers.alive() if w.rank not in w_left and not w.finished]
+        )
         self.log.info(
             "stop-sent",
             f"generation {g}: stop sent to survivors, {len(restart)} local rank(s) respawned",

@@ -301,6 +301,13 @@ class StoreClient(KVStore):
         ks = tuple(wire_key(k) for k in items)
         self._call(P.Request(P.Op.MULTI_SET, ks, tuple(bytes(v) for v in items.values())))
 
+    def present(self, keys: list[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        wks = tuple(wire_key(k) for k in keys)
+        got = self._call(P.Request(P.Op.MULTI_GET, wks), count=len(wks))
+        return [v if v else None for v in got]
+
     def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
         wks = tuple(wire_key(k) for k in keys)
         if not self._wait_wire(wks, check_timeout(timeout)):
