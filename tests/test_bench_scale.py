@@ -99,9 +99,11 @@ def test_a_size_beyond_the_open_files_limit_is_a_line_saying_so() -> None:
     if hard == resource.RLIM_INFINITY:
         pytest.skip("no open-files limit here")
     ranks = (hard // 2 // 16 + 1) * 16
-    line = bench_scale.one_line(ranks, argparse.Namespace(per_node=16))
+    line = bench_scale.one_line(ranks, argparse.Namespace(per_node=16, sim_procs=0))
     assert line["ranks"] == ranks and "hard limit is" in line["error"]
     assert bench_scale.fds_needed(16384, 16) > 32768
+    # split over processes, each holds its share of the nodes
+    assert bench_scale.fds_needed(16384, 16, 8) < bench_scale.fds_needed(16384, 16) // 7
 
 
 def test_bad_arguments_are_one_line_and_exit_2() -> None:
