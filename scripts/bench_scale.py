@@ -33,7 +33,8 @@ an idle machine where the wall times also hold the simulation's queueing.
 `--plot DIR` writes one log-log PNG per metric against N (ftrun's and torch's lines).
 
 Usage: python scripts/bench_scale.py [--ranks 16,64,256,1024] [--per-node 16] [--steady 5]
-       [--scenarios start,steady,kill,node] [--no-torch] [--plot docs/img] [--out FILE]
+       [--scenarios start,steady,kill,node] [--no-torch] [--sim-procs K] [--plot docs/img]
+       [--out FILE]
 """
 
 from __future__ import annotations

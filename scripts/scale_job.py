@@ -40,6 +40,9 @@ from rendezvous.store.client import StoreClient
 
 threading.stack_size(512 * 1024)  # thousands of agent threads in one process
 LEADER_HEAD_START = 0.5  # s: the leader process arrives first and takes node 0
+# a simulation process this busy (share of one core) queues its own agents and ranks: the
+# round's wall times are then the simulation's as much as the control plane's
+SIM_BOUND_SHARE = 0.8
 
 
 class ScaleJob:
@@ -146,12 +149,24 @@ class ScaleJob:
     def steady(self, seconds: float) -> dict:
         """A quiet window: heartbeats, liveness checks, feeds, progress and status records."""
         time.sleep(min(2.0, seconds))  # let the start-up's stragglers settle
-        s0, c0, p0, t0 = self.store.stats(), self._sim_cpu(), self._sim_process_cpu(), time.time()
+        s0, c0, p0s, t0 = (
+            self.store.stats(),
+            self._sim_cpu(),
+            self._sim_processes_cpu(),
+            time.time(),
+        )
         time.sleep(seconds)
-        s1, c1, p1, t1 = self.store.stats(), self._sim_cpu(), self._sim_process_cpu(), time.time()
+        s1, c1, p1s, t1 = (
+            self.store.stats(),
+            self._sim_cpu(),
+            self._sim_processes_cpu(),
+            time.time(),
+        )
+        p0, p1 = sum(p0s), sum(p1s)
         dt = t1 - t0
         cpu = cpu_delta(c0, c1)
         return {
+            **self._sim_bound(p0s, p1s, dt),
             "window_s": round(dt, 2),
             "store_requests_per_s": round((s1["requests"] - s0["requests"]) / dt, 1),
             "store_cpu_per_s": round((s1["cpu_s"] - s0["cpu_s"]) / dt, 5),
@@ -171,16 +186,33 @@ class ScaleJob:
                 out[role] = out.get(role, 0.0) + spent
         return out
 
+    def _sim_processes_cpu(self) -> list[float]:
+        """On-CPU seconds of each of the simulation's processes (this one, then its hosts)."""
+        return [process_cpu(os.getpid())] + [h.process_cpu() for h in self.hosts[1:]]
+
     def _sim_process_cpu(self) -> float:
-        return process_cpu(os.getpid()) + sum(h.process_cpu() for h in self.hosts[1:])
+        return sum(self._sim_processes_cpu())
+
+    def _sim_bound(self, before: list[float], after: list[float], wall: float) -> dict:
+        """Where the simulation itself is the bottleneck: its busiest process's share of one
+        core over `wall` s (one interpreter lock each: near 1, its agents' and ranks' threads
+        queue for it), and whether the machine had more runnable work than cores."""
+        busiest = max((a - b) / max(wall, 1e-9) for a, b in zip(after, before))
+        return {
+            "sim_busiest_process_core_share": round(busiest, 3),
+            "sim_bound": busiest >= SIM_BOUND_SHARE,
+            # more runnable work than cores: every process's wall times hold others' queueing
+            "machine_saturated": os.getloadavg()[0] >= (os.cpu_count() or 1),
+        }
 
     # ---- one rank killed ----------------------------------------------------------------
     def _round_window(self, act, done, what: str) -> dict:
         """Run `act()` at t0 and wait for `done()`; the round's store requests, bytes and CPU."""
         s0, b0, c0, l0 = self._readings()
-        t0 = time.time()
+        p0, t0 = self._sim_processes_cpu(), time.time()
         act()
         t_end = wait_until(done, self.timeout, what, step=0.005)
+        p1 = self._sim_processes_cpu()
         s1, b1, c1, l1 = self._readings()
         cpu = cpu_delta(c0, c1)
         for role, spent in cpu_delta(l0, l1).items():  # the leader process's threads
@@ -195,6 +227,7 @@ class ScaleJob:
             "proxies_cpu_s": cpu["proxies"],
             "sim_ranks_cpu_s": cpu["ranks"],
             "agents_cpu_s": cpu["agents"],
+            **self._sim_bound(p0, p1, t_end - t0),
         }
 
     def _readings(self) -> tuple[dict, int, dict, dict]:

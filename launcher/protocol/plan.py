@@ -300,9 +300,10 @@ class NodeStatuses(_Record):
     statuses: list[dict] = field(default_factory=list)
 
     def ranks(self) -> dict[int, RankStatus]:
+        names = {f.name for f in dataclasses.fields(RankStatus)}  # once, not once per rank
         out = {}
         for d in self.statuses:
-            st = RankStatus.from_dict(d)
+            st = RankStatus(**(d if d.keys() <= names else {k: d[k] for k in d if k in names}))
             out[st.rank] = st
         return out
 
