@@ -295,7 +295,7 @@ class SimNode:
     def _halt(self) -> None:
         self._stop.set()
         if self.relay is not None:
-            self.relay.stop()
+            self.relay.stop(join=1.0)
         if self.controller is not None:
             self.controller.stop()
         for f in self._feeds:
