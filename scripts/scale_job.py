@@ -196,11 +196,15 @@ class ScaleJob:
     def _sim_bound(self, before: list[float], after: list[float], wall: float) -> dict:
         """Where the simulation itself is the bottleneck: its busiest process's share of one
         core over `wall` s (one interpreter lock each: near 1, its agents' and ranks' threads
-        queue for it), and whether the machine had more runnable work than cores."""
-        busiest = max((a - b) / max(wall, 1e-9) for a, b in zip(after, before))
+        queue for it) or all its processes' share of the machine's cores (near 1: they queue
+        for the CPUs), and whether the machine had more runnable work than cores."""
+        wall = max(wall, 1e-9)
+        busiest = max((a - b) / wall for a, b in zip(after, before))
+        machine = sum(a - b for a, b in zip(after, before)) / wall / (os.cpu_count() or 1)
         return {
             "sim_busiest_process_core_share": round(busiest, 3),
-            "sim_bound": busiest >= SIM_BOUND_SHARE,
+            "sim_machine_share": round(machine, 3),  # all its processes, of every core
+            "sim_bound": busiest >= SIM_BOUND_SHARE or machine >= SIM_BOUND_SHARE,
             # more runnable work than cores: every process's wall times hold others' queueing
             "machine_saturated": os.getloadavg()[0] >= (os.cpu_count() or 1),
         }

@@ -93,6 +93,8 @@ def test_per_node_default_and_values_for_the_plots(tmp_path) -> None:
     rnd = {"to_all_agents_saw_plan_s": 0.01, "to_last_status_posted_s": 0.2}
     assert value({"kill": dict(rnd, to_statuses_collected_s=0.23)}, ("kill", "control_path_s"))
     assert control_path(dict(rnd, to_statuses_collected_s=0.23)) == pytest.approx(0.04)
+    kill = {"kill": dict(rnd, to_statuses_collected_s=0.23)}
+    assert value(kill, ("kill", "status_to_repair_s")) == pytest.approx(0.03)
     assert control_path(rnd) is None
     pytest.importorskip("matplotlib")
     paths = plot_all([line, dict(line, ranks=128)], str(tmp_path))
