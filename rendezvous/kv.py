@@ -117,6 +117,10 @@ class KVStore(abc.ABC):
     def close(self) -> None:  # pragma: no cover - default no-op
         """Release connections; idempotent."""
 
+    def release_thread(self) -> None:
+        """The calling thread ends: release what it holds (the TCP client's connection of this
+        thread; its next call would open another). Default: nothing held per thread."""
+
     def __enter__(self) -> "KVStore":
         return self
 

@@ -35,11 +35,24 @@ def test_the_record_comes_once_every_local_rank_reported_on_one_connection() -> 
                 assert rec.generation == g and rec.node == 1
                 by_rank = rec.ranks()
                 assert sorted(by_rank) == [4, 5, 6, 7] and by_rank[5].replacement
-            # the benchmark's connection plus the relay's one thread: not one per round
+            # the test's connection plus the relay's one thread: not one per round
             assert len(kv._links) == 2
             halt.set()
             relay.stop(join=2.0)
             assert not relay.running
+
+
+def test_an_idle_relay_ends_and_releases_its_connection() -> None:
+    with StoreServer(host="127.0.0.1") as server:
+        with StoreClient("127.0.0.1", server.port, timeout=10) as kv:
+            relay = StatusRelay(kv, 0, AgentLog(0, None, quiet=True), timeout=10.0, idle=0.2)
+            relay.follow(1, [0])
+            kv.set(P.status_key(1, 0), status(0, 1))
+            assert kv.wait([P.node_statuses_key(1, 0)], 5.0)
+            deadline = time.monotonic() + 5.0
+            while relay.running and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert not relay.running and len(kv._links) == 1  # only the test's own
 
 
 def test_a_newer_round_or_a_stop_ends_the_relay() -> None:

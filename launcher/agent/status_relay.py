@@ -91,6 +91,7 @@ class StatusRelay:
                     with self._lock:
                         if self._target is None:  # idle: ends; the next follow starts another
                             self._thread = None
+                            self.kv.release_thread()  # its store connection goes with it
                             return
                 continue
             self._relay(*target)

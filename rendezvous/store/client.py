@@ -148,6 +148,11 @@ class StoreClient(KVStore):
             if not ok:
                 raise StoreAuthError(f"store at {self.address} refused the job token")
 
+    def release_thread(self) -> None:
+        link = getattr(self._local, "link", None)
+        if link is not None:
+            self._drop(link)
+
     def _drop(self, link: _Link) -> None:
         if getattr(self._local, "link", None) is link:
             self._local.link = None
