@@ -85,6 +85,13 @@ class KVStore(abc.ABC):
         (CHECK of every key), so a reader of one key per rank costs O(1) requests, not O(N)."""
         return all(self.try_get(k) is not None for k in keys)
 
+    def present(self, keys: list[str]) -> list[bytes | None]:
+        """The values of `keys` in order, None for a key that does not exist now; never waits.
+        The TCP client asks in one request (MULTI_GET, whose wire answer for a missing key is
+        an empty value: there an empty value reads as None, so use it for keys whose values
+        are never empty)."""
+        return [self.try_get(k) for k in keys]
+
     def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
         """The values of `keys` in order, waiting up to `timeout` s for them all (StoreTimeout).
         The TCP client asks in two requests (WAIT, MULTI_GET) whatever the number of keys."""
@@ -109,6 +116,10 @@ class KVStore(abc.ABC):
 
     def close(self) -> None:  # pragma: no cover - default no-op
         """Release connections; idempotent."""
+
+    def release_thread(self) -> None:
+        """The calling thread ends: release what it holds (the TCP client's connection of this
+        thread; its next call would open another). Default: nothing held per thread."""
 
     def __enter__(self) -> "KVStore":
         return self

@@ -33,7 +33,8 @@ an idle machine where the wall times also hold the simulation's queueing.
 `--plot DIR` writes one log-log PNG per metric against N (ftrun's and torch's lines).
 
 Usage: python scripts/bench_scale.py [--ranks 16,64,256,1024] [--per-node 16] [--steady 5]
-       [--scenarios start,steady,kill,node] [--no-torch] [--plot docs/img] [--out FILE]
+       [--scenarios start,steady,kill,node] [--no-torch] [--sim-procs K] [--plot docs/img]
+       [--out FILE]
 """
 
 from __future__ import annotations
@@ -77,9 +78,18 @@ def liveness_for(ranks: int, timeout: float | None) -> RendezvousSettings:
     return RendezvousSettings(heartbeat_timeout=timeout)
 
 
+def sim_procs_for(ranks: int, procs: int | None) -> int:
+    """Processes the simulated nodes (the leader's aside) are split over: `procs`, else none
+    (this process) up to 1024 ranks and one per 2048 ranks from there."""
+    if procs is not None:
+        return procs
+    return 0 if ranks <= 1024 else -(-ranks // 2048)
+
+
 def run_ftrun(ranks: int, per_node: int, args: argparse.Namespace) -> dict:
     rdzv = liveness_for(ranks, args.liveness_timeout)
-    job = ScaleJob(ranks, per_node, timeout=args.round_timeout, rdzv=rdzv)
+    procs = sim_procs_for(ranks, args.sim_procs)
+    job = ScaleJob(ranks, per_node, timeout=args.round_timeout, rdzv=rdzv, sim_procs=procs)
     out: dict = {"ranks": ranks, "nodes": job.nnodes, "per_node": per_node}
     out["liveness_timeout_s"] = rdzv.liveness_timeout
     steps = {
@@ -221,10 +231,12 @@ def run_torch(nodes: int, steady_s: float, timeout: float = 900.0) -> dict:
 # ---------------------------------------------------------------- the run
 
 
-def fds_needed(ranks: int, per_node: int) -> int:
-    """File descriptors this process holds for a job: both ends of every rank's connection to
-    its proxy (the ranks and the proxies live here), a few per agent."""
-    return 2 * ranks + 16 * (ranks // per_node) + 512
+def fds_needed(ranks: int, per_node: int, procs: int = 0) -> int:
+    """File descriptors the fullest process of the simulation holds for a job: both ends of
+    every rank's connection to its proxy (a node's ranks and proxy live in one process), a few
+    per agent; the nodes split over `procs` processes (0: all in this one)."""
+    nodes = -(-(ranks // per_node) // max(1, procs))
+    return 2 * nodes * per_node + 16 * nodes + 512
 
 
 def raise_fd_limit() -> int:
@@ -237,12 +249,15 @@ def raise_fd_limit() -> int:
 
 def one_line(ranks: int, args: argparse.Namespace) -> dict:
     per_node = per_node_for(ranks, args.per_node)
-    limit, need = raise_fd_limit(), fds_needed(ranks, per_node)
+    procs = sim_procs_for(ranks, args.sim_procs)
+    limit, need = raise_fd_limit(), fds_needed(ranks, per_node, procs)
     if need > limit:
+        where = f"each of {procs} processes" if procs else "one process"
         return {
             "ranks": ranks,
             "per_node": per_node,
-            "error": f"needs ~{need} open files in one process, the hard limit is {limit}",
+            "error": f"needs ~{need} open files in {where}, the hard limit is {limit} "
+            "(--sim-procs: more processes)",
         }
     line = run_ftrun(ranks, per_node, args)
     if not args.no_torch:
@@ -276,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="s (default: 5, ftrun's, below 4096 ranks; 30 from there)",
     )
+    ap.add_argument(
+        "--sim-procs",
+        type=int,
+        default=None,
+        help="processes the simulated nodes are split over, besides the leader's and the "
+        "store's (default: none up to 1024 ranks, one per 2048 ranks above)",
+    )
     ap.add_argument("--plot", default=None, help="directory for the PNGs")
     ap.add_argument(
         "--out",
@@ -296,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         ap.error(f"--ranks: comma-separated integers >= 1; --scenarios: of {','.join(SCENARIOS)}")
+    if args.sim_procs is not None and args.sim_procs < 0:
+        ap.error(f"--sim-procs: an integer >= 0 (0: this process), not {args.sim_procs}")
     lines = []
     for n in sizes:
         line = one_line(n, args)

@@ -20,7 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from scale_leader import RemoteNode
+from scale_hosts import NodeHost
 from scale_measure import (
     StoreHost,
     cpu_delta,
@@ -40,6 +40,9 @@ from rendezvous.store.client import StoreClient
 
 threading.stack_size(512 * 1024)  # thousands of agent threads in one process
 LEADER_HEAD_START = 0.5  # s: the leader process arrives first and takes node 0
+# a simulation process this busy (share of one core) queues its own agents and ranks: the
+# round's wall times are then the simulation's as much as the control plane's
+SIM_BOUND_SHARE = 0.8
 
 
 class ScaleJob:
@@ -51,11 +54,14 @@ class ScaleJob:
         per_node: int,
         timeout: float = 600.0,
         rdzv: RendezvousSettings | None = None,
+        sim_procs: int = 0,
     ) -> None:
         if ranks % per_node:
             raise ValueError(f"ranks={ranks} is not a multiple of per_node={per_node}")
         self.nranks, self.per_node, self.timeout = ranks, per_node, timeout
         self.nnodes = ranks // per_node
+        self.sim_procs = sim_procs  # processes the nodes besides the leader's are split over
+        self.hosts: list[NodeHost] = []  # the leader's first
         self.dir = tempfile.mkdtemp(prefix="bench-scale-")
         self.events_path = os.path.join(self.dir, "events.jsonl")
         self.store = StoreHost()
@@ -79,25 +85,45 @@ class ScaleJob:
             rdzv=self.rdzv,
         )
 
+    def _hosts(self) -> list[NodeHost]:
+        """The leader's process, then the simulation's (`sim_procs`; none: this process)."""
+        conf = dict(store_port=self.store.port, nnodes=self.nnodes, per_node=self.per_node,
+                    run_id=self.run_id, events=self.events_path,
+                    rdzv=dataclasses.asdict(self.rdzv))  # fmt: skip
+        leader = NodeHost(conf, 1)
+        leader.join_start()
+        time.sleep(LEADER_HEAD_START)
+        rest, procs = self.nnodes - 1, min(self.sim_procs, self.nnodes - 1)
+        counts = [rest // procs + (i < rest % procs) for i in range(procs)] if procs else []
+        with ThreadPoolExecutor(max(1, procs)) as pool:  # their imports, in parallel
+            hosts = list(pool.map(lambda c: NodeHost(conf, c), counts))
+        return [leader] + hosts
+
     def start(self) -> dict:
         """Rendezvous of every node at once, then the ranks: the times until every agent has
         its node world and until every rank has its world."""
         self.store.start()
         self.loop.start()
         self.kv = StoreClient("127.0.0.1", self.store.port, timeout=60.0)
-        leader = RemoteNode(self.store.port, self.nnodes, self.per_node, self.run_id,
-                            self.events_path, dataclasses.asdict(self.rdzv))  # fmt: skip
-        time.sleep(LEADER_HEAD_START)
-        self.nodes = [leader] + [self._node() for _ in range(self.nnodes - 1)]
+        self.hosts = self._hosts()
+        hosted = [n for h in self.hosts for n in h.nodes]
+        local = [self._node() for _ in range(self.nnodes - len(hosted))]
         before = self.store.stats()
         t0 = time.time()
-        with ThreadPoolExecutor(self.nnodes) as pool:
-            list(pool.map(lambda n: n.join(self.timeout), self.nodes))
+        for h in self.hosts[1:]:
+            h.join_start()
+        with ThreadPoolExecutor(max(1, len(local))) as pool:
+            list(pool.map(lambda n: n.join(self.timeout), local))
+        for h in self.hosts:
+            h.join_wait()
+        leader = self.hosts[0].nodes[0]
         if leader.group_rank != 0:
             raise RuntimeError(f"the leader process holds node {leader.group_rank}, not 0")
+        self.nodes = sorted(hosted + local, key=lambda n: n.group_rank)
         t_rdzv = max(n.joined_at for n in self.nodes)
-        self.nodes.sort(key=lambda n: n.group_rank)
-        for n in self.nodes:
+        for h in self.hosts:
+            h.start_all()
+        for n in local:
             n.start()
         t_world = wait_until(self._all_started, self.timeout, "every rank's world")
         wait_until(self._all_aware, self.timeout, "every rank's hello")
@@ -111,24 +137,36 @@ class ScaleJob:
 
     def _all_started(self) -> bool:
         for n in self.nodes:
-            recs = n.records()
-            if len(recs) != self.per_node or not all(r.started_at for r in recs):
+            s = n.summary()
+            if s["n"] != self.per_node or not s["started"]:
                 return False
         return True
 
     def _all_aware(self) -> bool:
-        return all(n.idle() for n in self.nodes)
+        return all(n.summary()["idle"] for n in self.nodes)
 
     # ---- steady state -------------------------------------------------------------------
     def steady(self, seconds: float) -> dict:
         """A quiet window: heartbeats, liveness checks, feeds, progress and status records."""
         time.sleep(min(2.0, seconds))  # let the start-up's stragglers settle
-        s0, c0, p0, t0 = self.store.stats(), thread_cpu(), process_cpu(os.getpid()), time.time()
+        s0, c0, p0s, t0 = (
+            self.store.stats(),
+            self._sim_cpu(),
+            self._sim_processes_cpu(),
+            time.time(),
+        )
         time.sleep(seconds)
-        s1, c1, p1, t1 = self.store.stats(), thread_cpu(), process_cpu(os.getpid()), time.time()
+        s1, c1, p1s, t1 = (
+            self.store.stats(),
+            self._sim_cpu(),
+            self._sim_processes_cpu(),
+            time.time(),
+        )
+        p0, p1 = sum(p0s), sum(p1s)
         dt = t1 - t0
         cpu = cpu_delta(c0, c1)
         return {
+            **self._sim_bound(p0s, p1s, dt),
             "window_s": round(dt, 2),
             "store_requests_per_s": round((s1["requests"] - s0["requests"]) / dt, 1),
             "store_cpu_per_s": round((s1["cpu_s"] - s0["cpu_s"]) / dt, 5),
@@ -136,19 +174,53 @@ class ScaleJob:
             "agents_cpu_per_s": round(cpu["agents"] / dt, 5),
             "sim_ranks_cpu_per_s": round(cpu["ranks"] / dt, 5),
             "sim_process_cpu_per_s": round((p1 - p0) / dt, 4),
+            "sim_procs": len(self.hosts) - 1,
+        }
+
+    def _sim_cpu(self) -> dict[str, float]:
+        """Thread CPU by role of the simulation's processes (this one and its hosts but the
+        leader's)."""
+        out = thread_cpu()
+        for h in self.hosts[1:]:
+            for role, spent in h.cpu().items():
+                out[role] = out.get(role, 0.0) + spent
+        return out
+
+    def _sim_processes_cpu(self) -> list[float]:
+        """On-CPU seconds of each of the simulation's processes (this one, then its hosts)."""
+        return [process_cpu(os.getpid())] + [h.process_cpu() for h in self.hosts[1:]]
+
+    def _sim_process_cpu(self) -> float:
+        return sum(self._sim_processes_cpu())
+
+    def _sim_bound(self, before: list[float], after: list[float], wall: float) -> dict:
+        """Where the simulation itself is the bottleneck: its busiest process's share of one
+        core over `wall` s (one interpreter lock each: near 1, its agents' and ranks' threads
+        queue for it) or all its processes' share of the machine's cores (near 1: they queue
+        for the CPUs), and whether the machine had more runnable work than cores."""
+        wall = max(wall, 1e-9)
+        busiest = max((a - b) / wall for a, b in zip(after, before))
+        machine = sum(a - b for a, b in zip(after, before)) / wall / (os.cpu_count() or 1)
+        return {
+            "sim_busiest_process_core_share": round(busiest, 3),
+            "sim_machine_share": round(machine, 3),  # all its processes, of every core
+            "sim_bound": busiest >= SIM_BOUND_SHARE or machine >= SIM_BOUND_SHARE,
+            # more runnable work than cores: every process's wall times hold others' queueing
+            "machine_saturated": os.getloadavg()[0] >= (os.cpu_count() or 1),
         }
 
     # ---- one rank killed ----------------------------------------------------------------
     def _round_window(self, act, done, what: str) -> dict:
         """Run `act()` at t0 and wait for `done()`; the round's store requests, bytes and CPU."""
         s0, b0, c0, l0 = self._readings()
-        t0 = time.time()
+        p0, t0 = self._sim_processes_cpu(), time.time()
         act()
         t_end = wait_until(done, self.timeout, what, step=0.005)
+        p1 = self._sim_processes_cpu()
         s1, b1, c1, l1 = self._readings()
         cpu = cpu_delta(c0, c1)
         for role, spent in cpu_delta(l0, l1).items():  # the leader process's threads
-            cpu[role] = round(cpu[role] + spent, 4)
+            cpu[role] = round(cpu.get(role, 0.0) + spent, 4)
         return {
             "t0": t0,
             "t_end": t_end,
@@ -159,21 +231,19 @@ class ScaleJob:
             "proxies_cpu_s": cpu["proxies"],
             "sim_ranks_cpu_s": cpu["ranks"],
             "agents_cpu_s": cpu["agents"],
+            **self._sim_bound(p0, p1, t_end - t0),
         }
 
     def _readings(self) -> tuple[dict, int, dict, dict]:
-        """The store's counters, its sockets' bytes, this process's and the leader process's
+        """The store's counters, its sockets' bytes, the simulation's and the leader process's
         thread CPU by role."""
-        leader = self.nodes[0]
-        assert isinstance(leader, RemoteNode)
-        return self.store.stats(), wire_bytes(self.store.port), thread_cpu(), leader.cpu()
+        leader = self.hosts[0].cpu()
+        return self.store.stats(), wire_bytes(self.store.port), self._sim_cpu(), leader
 
     def _resumed_in(self, g: int) -> bool:
         for n in self.live_nodes():
-            recs = n.records()
-            if len(recs) != self.per_node or not all(
-                r.generation == g and r.resumed_generation == g for r in recs
-            ):
+            s = n.summary()
+            if s["n"] != self.per_node or {tuple(x) for x in s["gens"]} != {(g, g)}:
                 return False
         return True
 
@@ -227,7 +297,7 @@ class ScaleJob:
         spare = self.spare = self._node()
         joiner = threading.Thread(target=spare.join, args=(self.timeout,), daemon=True)
         joiner.start()
-        wait_until(lambda: bool(self.nodes[1].membership.spares()), 60.0, "the spare waiting")
+        wait_until(self.nodes[1].spare_waiting, 60.0, "the spare waiting")
         victim = self.nodes[-1]
 
         def crash() -> None:
@@ -258,7 +328,7 @@ class ScaleJob:
         return out
 
     def _latest_generation(self) -> int:
-        return max(r.generation for r in self.records())
+        return max(g for n in self.live_nodes() for g, _ in n.summary()["gens"])
 
     def _latest_resumed(self, after: int) -> bool:
         g = self._latest_generation()
@@ -286,8 +356,8 @@ class ScaleJob:
 
     def stop(self) -> None:
         nodes = [n for n in self.nodes + ([self.spare] if self.spare else []) if n]
-        with ThreadPoolExecutor(max(1, len(nodes))) as pool:
-            list(pool.map(lambda n: n.stop(), nodes))
+        with ThreadPoolExecutor(max(1, len(nodes) + len(self.hosts))) as pool:
+            list(pool.map(lambda n: n.stop(), nodes + self.hosts))
         self.loop.stop()
         if self.kv is not None:
             self.kv.close()

@@ -8,7 +8,8 @@ writes at default settings (the progress record `launcher.control.progress.Progr
 the observer's node status: `plan.RESTARTS_USED_KEY` read, `plan.node_status_key` written, once
 a second), the aware keys its ranks' hellos cause, faults posted as `FaultReporter` posts them
 (`fault_intake.post_fault`), and what the plan executor does for a process-level plan (Stop to
-the survivors, a replacement for each failed rank). The leader node also runs the real
+the survivors, a replacement for each failed rank, and the agent's real `StatusRelay`: the
+node's statuses posted as one record). The leader node also runs the real
 `launcher.control.controller.Controller` with the agent's hooks, and tells it about lost and
 arriving nodes as `launcher.agent.membership_news` does. Only the workers are simulated
 (`scale_ranks`).
@@ -23,6 +24,7 @@ import time
 from scale_ranks import RankLoop, RankRecord, SimRank
 
 from launcher.agent.agent_events import PlanEvent, inject_feed, plan_feed
+from launcher.agent.status_relay import StatusRelay
 from launcher.control.controller import Controller
 from launcher.control.controller_settings import ControllerHooks, ControllerSettings
 from launcher.control.fault_intake import post_fault
@@ -72,6 +74,7 @@ class SimNode:
         self.started = False
         self.crashed = False
         self._feeds: list = []
+        self.relay: StatusRelay | None = None
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
 
@@ -97,6 +100,8 @@ class SimNode:
         self.proxy = StoreProxy(self.store, listen_host="127.0.0.1", port=0)
         self.proxy.start()
         g = world.generation
+        log = AgentLog(world.group_rank, None, quiet=True)
+        self.relay = StatusRelay(self.kv, world.group_rank, log, halt=self._stop)
         self._feeds = [plan_feed(self.kv, g, self.events), inject_feed(self.kv, self.events)]
         for f in self._feeds:
             f.start()
@@ -147,6 +152,22 @@ class SimNode:
         """Nothing left on the agent's queue (every hello's aware key written)."""
         return self.events.empty()
 
+    def summary(self) -> dict:
+        """What the benchmark polls (compact, JSON): its ranks' count, whether each has its
+        world, the (generation, resumed generation) pairs among them, the plans seen, idle."""
+        recs = self.records()
+        return {
+            "n": len(recs),
+            "started": all(r.started_at for r in recs),
+            "gens": sorted({(r.generation, r.resumed_generation) for r in recs}),
+            "plans_seen": dict(self.plans_seen),
+            "idle": self.idle(),
+        }
+
+    def spare_waiting(self) -> bool:
+        """A hot spare waits (as this node's membership sees it)."""
+        return bool(self.membership.spares())
+
     def _hello(self, rank: int) -> None:
         """(loop thread) A rank's Hello: the agent marks it aware, off the loop."""
         self.events.put(("hello", rank))
@@ -182,6 +203,8 @@ class SimNode:
         replacement for each local failed rank."""
         g = plan.generation
         self.plans_seen[g] = time.time()
+        if self.relay is not None:
+            self.relay.stop(join=0.0)
         if plan.strategy not in (P.RETRY, P.RECOVER_IN_PLACE):
             return
         mine = set(self.local_ranks())
@@ -195,6 +218,8 @@ class SimNode:
         self.ranks_loop.call(stop_all)
         if restart:
             self._launch(restart, g, replacement=True)
+        assert self.relay is not None  # the agent's relay: this node's statuses as one record
+        self.relay.follow(g, sorted(mine))
 
     def kill_rank(self, rank: int) -> None:
         """SIGKILL one local rank; its agent sees the exit and reports the fault."""
@@ -269,6 +294,8 @@ class SimNode:
     # ---- end ----------------------------------------------------------------------------
     def _halt(self) -> None:
         self._stop.set()
+        if self.relay is not None:
+            self.relay.stop(join=1.0)
         if self.controller is not None:
             self.controller.stop()
         for f in self._feeds:

@@ -44,6 +44,8 @@ METRICS = (
         "seconds from the kill",
         (
             ("plan published", ("kill", "to_plan_s")),
+            ("every agent holds the plan", ("kill", "to_all_agents_saw_plan_s")),
+            ("last status posted -> repair plan written", ("kill", "status_to_repair_s")),
             ("every status collected", ("kill", "to_statuses_collected_s")),
             ("every rank resumed", ("kill", "to_all_resumed_s")),
             ("control-plane path (see docs/benchmarks.md)", ("kill", "control_path_s")),
@@ -99,6 +101,10 @@ def value(line: dict, path: tuple[str, ...]) -> float | None:
             continue
         if k == "control_path_s" and k not in cur:
             cur = control_path(cur)
+            continue
+        if k == "status_to_repair_s" and k not in cur:
+            done, last = cur.get("to_statuses_collected_s"), cur.get("to_last_status_posted_s")
+            cur = None if done is None or last is None else done - last
             continue
         cur = cur.get(k)
     return float(cur) if isinstance(cur, (int, float)) and cur > 0 else None

@@ -56,6 +56,25 @@ def test_256_ranks_end_in_one_generation_with_one_plan() -> None:
         job.stop()
 
 
+def test_nodes_split_over_processes_recover_the_same_way() -> None:
+    fast = RendezvousSettings(keep_alive_interval=0.5, heartbeat_timeout=2.0)
+    job = ScaleJob(64, 8, timeout=60.0, rdzv=fast, sim_procs=2)
+    try:
+        job.start()
+        assert len(job.hosts) == 3 and [len(h.nodes) for h in job.hosts] == [1, 4, 3]
+        assert [n.group_rank for n in job.nodes] == list(range(8))
+        kill = job.kill_rank()
+        assert kill["victim"] == 63 and 0 < kill["control_path_s"] <= kill["to_all_resumed_s"]
+        assert kill["agents_cpu_s"] > 0  # the hosts' threads are counted
+        node = job.lose_node()
+        assert node["lost_node"] == 7 and node["generation"] > kill["generation"]
+        verdict = job.verdict()
+        assert verdict["consistent"] and verdict["ranks"] == 64, verdict
+    finally:
+        job.stop()
+    assert all(h.proc.poll() is not None for h in job.hosts)
+
+
 def test_per_node_default_and_values_for_the_plots(tmp_path) -> None:
     assert bench_scale.per_node_for(64, None) == 8 and bench_scale.per_node_for(4096, None) == 16
     assert bench_scale.per_node_for(64, 4) == 4
@@ -74,10 +93,19 @@ def test_per_node_default_and_values_for_the_plots(tmp_path) -> None:
     rnd = {"to_all_agents_saw_plan_s": 0.01, "to_last_status_posted_s": 0.2}
     assert value({"kill": dict(rnd, to_statuses_collected_s=0.23)}, ("kill", "control_path_s"))
     assert control_path(dict(rnd, to_statuses_collected_s=0.23)) == pytest.approx(0.04)
+    kill = {"kill": dict(rnd, to_statuses_collected_s=0.23)}
+    assert value(kill, ("kill", "status_to_repair_s")) == pytest.approx(0.03)
     assert control_path(rnd) is None
     pytest.importorskip("matplotlib")
     paths = plot_all([line, dict(line, ranks=128)], str(tmp_path))
     assert len(paths) == len(METRICS) and all(os.path.getsize(p) > 1000 for p in paths)
+
+
+def test_the_simulation_splits_from_2048_ranks() -> None:
+    assert bench_scale.sim_procs_for(1024, None) == 0
+    assert bench_scale.sim_procs_for(4096, None) == 2
+    assert bench_scale.sim_procs_for(16384, None) == 8
+    assert bench_scale.sim_procs_for(16384, 3) == 3
 
 
 def test_liveness_and_saved_lines(tmp_path) -> None:
@@ -99,9 +127,11 @@ def test_a_size_beyond_the_open_files_limit_is_a_line_saying_so() -> None:
     if hard == resource.RLIM_INFINITY:
         pytest.skip("no open-files limit here")
     ranks = (hard // 2 // 16 + 1) * 16
-    line = bench_scale.one_line(ranks, argparse.Namespace(per_node=16))
+    line = bench_scale.one_line(ranks, argparse.Namespace(per_node=16, sim_procs=0))
     assert line["ranks"] == ranks and "hard limit is" in line["error"]
     assert bench_scale.fds_needed(16384, 16) > 32768
+    # split over processes, each holds its share of the nodes
+    assert bench_scale.fds_needed(16384, 16, 8) < bench_scale.fds_needed(16384, 16) // 7
 
 
 def test_bad_arguments_are_one_line_and_exit_2() -> None:

@@ -89,6 +89,15 @@ def test_check_and_multi_get_read_many_keys_at_once(kv: KVStore) -> None:
     assert kv.multi_get(keys, 1.0) == [str(i).encode() for i in range(50)]
 
 
+def test_present_reads_what_exists_now_and_none_for_the_rest(kv: KVStore) -> None:
+    keys = [f"ftrun/finished/{r}" for r in range(40)]
+    assert kv.present([]) == []
+    for r in range(0, 40, 3):
+        kv.set(keys[r], str(r).encode())
+    got = kv.present(keys)
+    assert got == [str(r).encode() if r % 3 == 0 else None for r in range(40)]
+
+
 def test_the_tcp_client_reads_many_keys_in_constant_requests() -> None:
     keys = [f"ftrun/aware/{r}" for r in range(300)]
     with StoreServer(host="127.0.0.1") as s:
@@ -97,10 +106,12 @@ def test_the_tcp_client_reads_many_keys_in_constant_requests() -> None:
                 c.set(k, b"1")
 
             assert c.check(keys) and len(c.multi_get(keys, 1.0)) == 300
+            assert c.present(keys + ["ftrun/aware/x"]) == [b"1"] * 300 + [None]
             c.ping()
             time.sleep(0.2)  # the loop adds up its requests at the end of a busy stretch
-            # the 300 SETs, the handshake, CHECK, WAIT, MULTI_GET, PING: not 300 more per read
-            assert 300 < s.stats["requests"] <= 300 + 10
+            # the 300 SETs, the handshake, CHECK, WAIT, MULTI_GET, MULTI_GET (present), PING:
+            # not 300 more per read
+            assert 300 < s.stats["requests"] <= 300 + 11
 
 
 def test_check_timeout() -> None:

@@ -146,3 +146,13 @@ def test_strategies_and_the_fallback_exit_code() -> None:
     assert (
         P.EXIT_FALLBACK not in (0, 1, 2) and 0 < P.EXIT_FALLBACK < 128
     )  # not a signal, not torchrun's
+
+
+def test_node_statuses_round_trip_and_ignore_fields_they_do_not_know() -> None:
+    a = P.RankStatus(4, 2, False, 7, 8, shard="dp", host="h")
+    b = dict(P.RankStatus(5, 2, True, -1, -1, shard="dp").__dict__, later_field=1)
+    rec = P.NodeStatuses.from_json(P.NodeStatuses(2, 1, [a.__dict__, b]).to_json())
+    assert (rec.generation, rec.node) == (2, 1)
+    got = rec.ranks()
+    assert got[4] == a and got[5].replacement and got[5].committed_step == -1
+    assert P.node_statuses_key(2, 1) == "ftrun/g2/node_statuses/1"

@@ -101,6 +101,19 @@ def test_recover_respawns_the_restarted_rank_and_defers_the_stop_of_an_unconnect
         c.close()
 
 
+def test_a_recovery_round_posts_the_nodes_statuses_as_one_record(node) -> None:
+    ex, kv, _ = node
+    plan = P.Plan(generation=1, strategy=P.RECOVER_IN_PLACE, failed_ranks=[1], restart_ranks=[1])
+    assert ex.execute(plan) is None
+    for r in (0, 1):  # what the ranks themselves write
+        kv.set(P.status_key(1, r), P.RankStatus(r, 1, r == 1, 4, 5, shard="dp").to_json())
+    rec = P.NodeStatuses.from_json(kv.get(P.node_statuses_key(1, 0), 5.0))
+    assert rec.node == 0 and sorted(rec.ranks()) == [0, 1]
+    ex.stop.set()  # the agent's halt ends the relay's thread
+    ex.relay.stop(join=2.0)
+    assert not ex.relay.running
+
+
 def test_restart_all_waits_for_the_controllers_go_and_respawns_every_rank(node) -> None:
     ex, kv, events = node
     old = [w.pid for w in ex.workers.all()]

@@ -68,7 +68,10 @@ class KeyFeed:
             key = self._key_of(self._next)
             try:
                 if self._kv.wait([key], 0.5):
-                    value = self._kv.get(key, 5.0)
+                    # one request for the value the wait just found (a GET would wait again)
+                    value = self._kv.present([key])[0]
+                    if value is None:
+                        continue
                     if self._stop.is_set():
                         # stop() may have given up joining while a call was blocked (the store
                         # unreachable): what it returns now belongs to a world this agent left

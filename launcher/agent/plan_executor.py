@@ -29,6 +29,7 @@ from launcher.agent.agent_events import PlanEvent, SignalEvent
 from launcher.agent.errors import JobFailures
 from launcher.agent.grow_back import ReturningRanks
 from launcher.agent.loop_store import Call, LoopStore
+from launcher.agent.status_relay import StatusRelay
 from launcher.agent.store_stack import AgentWorld
 from launcher.config import LaunchConfig
 from launcher.observe.logs import AgentLog
@@ -88,6 +89,8 @@ class PlanExecutor:
         self._stop_sent = stop_sent or (lambda rank, generation: None)
         # after a live shrink: the dropped ranks' returning processes (a live grow back)
         self.returning = ReturningRanks(log, kv, workers, spawner, cfg.elastic_grow)
+        # the node's ranks' statuses of a process-level round, as one record for the controller
+        self.relay = StatusRelay(kv, world.group_rank, log, cfg.phase_timeout, self.stop)
 
     def execute(self, plan: P.Plan) -> int | None:
         self.log.info(
@@ -96,6 +99,7 @@ class PlanExecutor:
             strategy=plan.strategy,
             failed_ranks=plan.failed_ranks,
         )
+        self.relay.stop(join=0.0)  # a newer plan: the older round's statuses are of no use
         if plan.strategy == P.ELASTIC:  # a live shrink: the failed ranks leave the world
             self.workers.left.update(w.rank for w in self.workers.of_ranks(plan.failed_ranks))
         if plan.strategy in LIVE:  # ELASTIC, GROW: no rank restarts, the survivors' stop
@@ -214,6 +218,10 @@ class PlanExecutor:
             self.workers.aware.discard(w.rank)
             self.spawner.spawn(w, g, replacement=True)
         respawned = [w.rank for w in restart] if respawn else []
+        w_left = self.workers.left
+        self.relay.follow(
+            g, [w.rank for w in self.workers.alive() if w.rank not in w_left and not w.finished]
+        )
         self.log.info(
             "stop-sent",
             f"generation {g}: stop sent to survivors, {len(respawned)} local rank(s) respawned",

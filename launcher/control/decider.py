@@ -36,14 +36,20 @@ class Decider:
         # rank -> generation of the latest plan that started a new process for it: a finished
         # mark from an earlier process of the rank (`finished_ranks`) is stale
         self.spawned_at: dict[int, int] = {}
+        # every rank said hello once (aware keys are only ever added): asked no more
+        self._all_aware = False
 
     def note_spawns(self, plan: P.Plan) -> None:
         for r in plan.restart_ranks:  # every rank for restart-all
             self.spawned_at[r] = plan.generation
 
     def all_aware(self) -> bool:
-        # one request, not one per rank
-        return self.kv.check([P.aware_key(r) for r in range(self.settings.world_size)])
+        # one request, not one per rank; once true it stays true (a rank's aware key is set at
+        # its hello and never deleted: a respawned rank says hello again)
+        if not self._all_aware:
+            keys = [P.aware_key(r) for r in range(self.settings.world_size)]
+            self._all_aware = self.kv.check(keys)
+        return self._all_aware
 
     def situation(self, fault: P.Fault | None = None) -> Situation:
         return Situation(
@@ -60,10 +66,14 @@ class Decider:
         agents), with the ones `fault`'s agent saw finished when it reported (its evidence; it
         may be ahead of the store)."""
         out = set()
-        for key in self.kv.keys(P.FINISHED_PREFIX):
-            raw = self.kv.try_get(key)
+        # one request for every rank's mark (not a listing of every key in the store: that
+        # grows with the rounds)
+        ranks = range(self.settings.world_size)
+        for rank, raw in zip(ranks, self.kv.present([P.finished_key(r) for r in ranks])):
+            if raw is None:
+                continue
             try:
-                rank, gen = int(key[len(P.FINISHED_PREFIX) :]), int(raw or b"-1")
+                gen = int(raw)
             except ValueError:
                 continue
             if gen >= self.spawned_at.get(rank, 0):

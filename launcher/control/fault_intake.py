@@ -50,10 +50,11 @@ class FaultIntake:
         """The next reported fault (consumed), waiting up to `timeout` s for it; None when none
         came or its writer is stale."""
         key = P.fault_key(self.state.next_fault)
+        # the value a wait just found: one request (a GET would wait again)
         raw = (
             self.kv.try_get(key)
             if timeout <= 0
-            else (self.kv.get(key, 5.0) if self.kv.wait([key], timeout) else None)
+            else (self.kv.present([key])[0] if self.kv.wait([key], timeout) else None)
         )
         if raw is None:
             return None

@@ -2,11 +2,12 @@
 
 Owns: `RoundDriver`. Restart-all (WAITING_FOR_STOP): wait until every live node stopped its
 workers, clear the worker keys, release them (`P.go_key`). Process-level (COLLECTING): collect
-every rank's status and write the repair plan (`repair_planning.plan_repair`); a new fault
-meanwhile supersedes the round, a lost node's timeout or waiting agents regroup the world, and
-missing statuses, peers that finished the job instead of reporting, or no healthy replica make
-it fall back (`Decider.fallback`). While the statuses of a lost node's ranks are missing the
-phase timeout does not apply: node_replace_timeout bounds that wait. Dump
+every rank's status (one record per node, `StatusCollection`) and write the repair plan
+(`repair_planning.plan_repair`); a new fault meanwhile supersedes the round, a lost node's
+timeout or waiting agents regroup the world, and missing statuses, peers that finished the job
+instead of reporting, or no healthy replica make it fall back (`Decider.fallback`). While the
+statuses of a lost node's ranks are missing the phase timeout does not apply:
+node_replace_timeout bounds that wait. Dump
 (COLLECTING_SURVIVORS): collect the survivors' statuses and write the dying-gasp plan
 (`repair_planning.plan_dump`). A stopped controller (deposed, or its agent leaves) leaves the
 round as it is: a successor takes it up.
@@ -27,14 +28,16 @@ from launcher.control.plan_publisher import PlanPublisher
 from launcher.control.repair_planning import plan_dump, plan_repair
 from launcher.control.round_phase import RoundPhase, RoundTracker
 from launcher.control.shrink import after_shrink, members, shrink_plan
+from launcher.control.status_collection import StatusCollection
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore
 
-# s between two looks for ranks that finished instead of reporting their status: a look lists
-# the store's keys (every key, O(ranks x rounds)), too much for every 0.2 s wait of a long
-# round of thousands of ranks (bench_scale: 1.3 s of controller CPU at 4096 ranks)
+# s between two looks at a round's ranks themselves: ranks that finished instead of reporting
+# their status, and nodes whose status record is late (their ranks' own keys); O(ranks) each,
+# too much for every 0.2 s wait of a long round of thousands of ranks
 FINISHED_CHECK_S = 1.0
+FIRST_LOOK_S = 0.2  # s from the plan to the first look (a node whose agent does not relay)
 
 
 class RoundDriver:
@@ -97,14 +100,17 @@ class RoundDriver:
     def drive_repair(self, plan: P.Plan) -> Decision | None:
         """Collect every rank's status, then write the repair plan. Returns what must follow
         (a fault that superseded the round, a change of the world, its fallback), None when
-        the round is in the workers' hands (or this controller stopped)."""
+        the round is in the workers' hands (or this controller stopped). The statuses come
+        one record per node (`StatusCollection`: the wait re-sent every 0.2 s names one key
+        per node); a node whose record is late is read from its ranks' own keys at the first
+        look and then once a second, with the look for ranks that finished instead."""
         g = plan.generation
         ranks = members(self.settings.world_size, self.dropped, plan)
-        keys = [P.status_key(g, r) for r in ranks]
+        statuses = StatusCollection(self.kv, g, ranks, self.settings.node_of)
         t0 = time.monotonic()
         deadline = t0 + self.settings.phase_timeout
-        finished_check = t0 + FINISHED_CHECK_S
-        while not self.kv.wait(keys, 0.2):
+        look_at = t0 + FIRST_LOOK_S
+        while not statuses.wait(0.2):
             newer = self.intake.take(0.0)
             if newer is not None:
                 d = self.decider.decide(newer)
@@ -116,8 +122,10 @@ class RoundDriver:
                 return overdue
             if self.stopped.is_set():
                 return None  # stopped (deposed, or its agent leaves): a successor takes it up
-            if time.monotonic() >= finished_check:
-                finished_check = time.monotonic() + FINISHED_CHECK_S
+            if time.monotonic() >= look_at:
+                look_at = time.monotonic() + FINISHED_CHECK_S
+                if statuses.look():
+                    break
                 gone = self.finished_without_status(g, plan.failed_ranks)
                 if gone:
                     return self.decider.fallback(
@@ -126,7 +134,7 @@ class RoundDriver:
                         "their status (the stop came after their last step)",
                     )
             if time.monotonic() > deadline:
-                missing = [r for r, k in zip(ranks, keys) if self.kv.try_get(k) is None]
+                missing = statuses.missing()
                 if self.nodes.waiting_for_node(missing):
                     continue  # node_replace_timeout bounds this wait (WorldChanges.unreplaced)
                 self.log.error(
@@ -136,17 +144,15 @@ class RoundDriver:
                     round_phase=self.rounds.phase.value,
                 )
                 return self.decider.fallback(g, f"ranks {missing} did not report status")
-        return self._write_repair(plan, ranks, keys, t0)
+        return self._write_repair(plan, ranks, statuses.statuses(), t0)
 
     def _write_repair(
-        self, plan: P.Plan, ranks: list[int], keys: list[str], t0: float
+        self, plan: P.Plan, ranks: list[int], statuses: list[P.RankStatus], t0: float
     ) -> Decision | None:
         """Every status is in: the repair plan (COLLECTING ends: DONE, or FELL_BACK when the
         plan names a fallback, whose decision is returned). After a live shrink every plan
         names the world (`RepairPlan.world`); an elastic-training round's is the shrink's."""
         g = plan.generation
-        # one request for every status (the rank count does not add round trips)
-        statuses = [P.RankStatus.from_json(raw) for raw in self.kv.multi_get(keys, 5.0)]
         s = self.settings
         repair = plan_repair(statuses, g, s.transfer_stripes, s.node_of)
         if plan.strategy == P.ELASTIC:
@@ -213,9 +219,7 @@ class RoundDriver:
         ]
         keys = [P.status_key(g, r) for r in live]
         self._wait_survivors(g, plan.failed_ranks, keys)
-        statuses = [
-            P.RankStatus.from_json(raw) for raw in (self.kv.try_get(k) for k in keys) if raw
-        ]
+        statuses = [P.RankStatus.from_json(raw) for raw in self.kv.present(keys) if raw]
         repair = plan_dump(statuses, g)
         self.kv.set(P.repair_key(g), repair.to_json())
         self.rounds.advance(g, RoundPhase.DONE)

@@ -13,7 +13,8 @@ Flow of one recovery round (generation g -> g+1 = g'):
   1. an agent sees a fault and posts a `Fault` under `fault_key(n)` (n from `FAULT_SEQ`);
   2. the controller (leader agent) writes `Plan` under `plan_key(g')`, then sets `GENERATION_KEY`;
   3. agents see the plan, push "stop" to their live workers and respawn `plan.restart_ranks`;
-  4. every rank of g' posts a `RankStatus` under `status_key(g', rank)`;
+  4. every rank of g' posts a `RankStatus` under `status_key(g', rank)`; each agent, once all
+     its local ranks did, posts them together as `NodeStatuses` under `node_statuses_key(g', n)`;
   5. the controller reads all statuses and writes a `RepairPlan` under `repair_key(g')`;
   6. ranks build process groups on `pg_prefix(g')`, transfer state src->dst, roll back or commit,
      post `resumed_key(g', rank)` and continue.
@@ -74,6 +75,13 @@ def fault_key(seq: int) -> str:
 
 def status_key(generation: int, rank: int) -> str:
     return f"{ROOT}/g{generation}/status/{rank}"
+
+
+def node_statuses_key(generation: int, node: int) -> str:
+    """Set by node `node`'s agent once every local rank of generation `generation`'s round
+    posted its status: those statuses as one `NodeStatuses` (the controller waits on one key
+    per node, not one per rank)."""
+    return f"{ROOT}/g{generation}/node_statuses/{node}"
 
 
 def repair_key(generation: int) -> str:
@@ -201,7 +209,10 @@ class _Record:
 
     @classmethod
     def from_json(cls, raw: bytes | str) -> Any:
-        data = json.loads(raw)
+        return cls.from_dict(json.loads(raw))
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Any:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in names})
 
@@ -287,6 +298,24 @@ class RankStatus(_Record):
     # the rank can continue in a smaller world (elastic-training: native loop, plain data
     # parallelism, no rt.ddp, no framework hooks, no user groups)
     shrinkable: bool = False
+
+
+@dataclass
+class NodeStatuses(_Record):
+    """One node's agent speaking for its ranks in generation `generation`'s round: the
+    `RankStatus` records (as dicts) of the local ranks it runs in that round."""
+
+    generation: int
+    node: int
+    statuses: list[dict] = field(default_factory=list)
+
+    def ranks(self) -> dict[int, RankStatus]:
+        names = {f.name for f in dataclasses.fields(RankStatus)}  # once, not once per rank
+        out = {}
+        for d in self.statuses:
+            st = RankStatus(**(d if d.keys() <= names else {k: d[k] for k in d if k in names}))
+            out[st.rank] = st
+        return out
 
 
 @dataclass

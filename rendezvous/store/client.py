@@ -148,6 +148,11 @@ class StoreClient(KVStore):
             if not ok:
                 raise StoreAuthError(f"store at {self.address} refused the job token")
 
+    def release_thread(self) -> None:
+        link = getattr(self._local, "link", None)
+        if link is not None:
+            self._drop(link)
+
     def _drop(self, link: _Link) -> None:
         if getattr(self._local, "link", None) is link:
             self._local.link = None
@@ -300,6 +305,13 @@ class StoreClient(KVStore):
     def multi_set(self, items: dict[str, bytes]) -> None:
         ks = tuple(wire_key(k) for k in items)
         self._call(P.Request(P.Op.MULTI_SET, ks, tuple(bytes(v) for v in items.values())))
+
+    def present(self, keys: list[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        wks = tuple(wire_key(k) for k in keys)
+        got = self._call(P.Request(P.Op.MULTI_GET, wks), count=len(wks))
+        return [v if v else None for v in got]
 
     def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
         wks = tuple(wire_key(k) for k in keys)
