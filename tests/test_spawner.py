@@ -430,3 +430,94 @@ def test_a_kill_at_step_1_of_a_forked_start_is_repaired_from_a_warm_spare(tmp_pa
     assert len([e for e in ev if e["event"] == "plan"]) == 1
     (rec,) = [e for e in ev if e["event"] == "rank-recovered" and e["rank"] == 1]
     assert rec["marks"]["exec"] <= rec["marks"]["imported"] <= rec["marks"]["repaired"]
+
+
+@pytest.mark.parametrize(
+    "args, env, said",
+    [
+        (["--run_path"], {"FTRUN_WORKER_START": "fork"}, "cold start (--run-path)"),
+        (["--redirects", "3"], {"FTRUN_WORKER_START": "fork"}, "--redirects, --tee or"),
+        (["--tee", "0:1"], {"FTRUN_WORKER_START": "fork"}, "--redirects, --tee or"),
+        (["--local_ranks_filter", "0"], {"FTRUN_WORKER_START": "fork"}, "--local-ranks-filter"),
+        (["--warm_spares", "0"], {"FTRUN_WORKER_START": "fork"}, "no warm spares on this node"),
+        ([], {"FTRUN_WORKER_START": "fork", "FTRUN_SPARE_FORK": "0"}, "fork server is off"),
+        ([], {}, None),  # auto, a script that does not import torch: cold, nothing to say
+        ([], {"FTRUN_WORKER_START": "exec"}, None),
+        (["--redirects", "3"], {}, None),
+    ],
+)
+def test_the_ranks_start_cold_where_a_spare_could_not_become_a_rank(
+    tmp_path, args: list[str], env: dict, said: str | None
+) -> None:
+    """Only plain `python [-m] script` workers whose output is inherited, with warm spares and
+    the fork server on, are forked (what a replacement from a spare needs too): else a cold
+    start, said in one line where FTRUN_WORKER_START=fork asked for the fork."""
+    script = tmp_path / "w.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    cfg = build_config(parse(["--nproc_per_node", "2", *args, str(script)]), env=env)
+    q: queue.Queue = queue.Queue()
+    reaper = Reaper(q)
+    workers = NodeWorkers.create(0, 2)
+    lines: list[tuple[str, str, dict]] = []
+
+    class Log(AgentLog):
+        def info(self, event: str, message: str, **fields) -> None:
+            lines.append((event, message, fields))
+
+        warning = info
+
+    sp = Spawner(
+        cfg,
+        WorkerWorld(0, 1, 2, "127.0.0.1", 1234, str(tmp_path / "x.sock")),
+        RunLogDir.create(str(tmp_path / "logs"), "t"),
+        Log(0, None, quiet=True),
+        "h",
+        reaper,
+        on_spawn=lambda w: None,
+    )
+    try:
+        sp.spawn_all(workers.all(), 0)
+        spawns = [f for e, _, f in lines if e == "spawn"]
+        assert len(spawns) == 2 and not [f for f in spawns if f.get("forked")]
+        starts = [m for e, m, _ in lines if e == "worker-start"]
+        assert starts == ([] if said is None else [starts[0]]) and (
+            said is None or said in starts[0]
+        )
+        assert sp.spares is None or sp.spares._server is None  # no fork server started for them
+        for _ in range(2):
+            assert isinstance(q.get(timeout=60), WorkerExit)
+    finally:
+        stop_workers(workers.all(), signal.SIGKILL, 0.0)
+        reaper.stop()
+        sp.stop()
+
+
+def test_a_module_job_is_forked_as_python_m_would_run_it(tmp_path) -> None:
+    """`ftrun -m module`: the ranks are forked from the fork server (the module's source, found
+    from the working directory, imports torch) and run as `python -u -m module` would: its
+    file as sys.argv[0], the working directory first on sys.path, `__main__`."""
+    import json
+    import shutil
+    import subprocess
+
+    from helpers_launch import FTRUN, env_with, events, script
+
+    shutil.copy(script("start_probe.py"), tmp_path / "probe_mod.py")
+    out_dir, logs = tmp_path / "out", tmp_path / "logs"
+    out_dir.mkdir()
+    cmd = FTRUN + ["--nproc_per_node", "2", "--log_dir", str(logs), "-m", "probe_mod", "x"]
+    res = subprocess.run(
+        cmd,
+        env=env_with(OUT_DIR=str(out_dir)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    spawns = [e for e in events(str(logs)) if e["event"] == "spawn"]
+    assert len(spawns) == 2 and all(e["forked"] for e in spawns)
+    for rank in (0, 1):
+        seen = json.loads((out_dir / f"start.{rank}.json").read_text())
+        assert seen["argv"] == [str(tmp_path / "probe_mod.py"), "x"]
+        assert seen["path0"] == str(tmp_path) and seen["name"] == "__main__"

@@ -25,6 +25,14 @@ state pays a copy-on-write fault per page it writes to (refcounts: nearly every 
 touches), ~15 ms of its start-up inside the recovery, measured here.
 The agent's handle on this process is `launcher.workers.fork_server.ForkServer`.
 
+A fork shares what a fresh process would make its own at start: so the server holds numpy's
+OpenBLAS at one thread (`hold_blas_threads`: its pool's threads would make it unsafe to fork),
+and each forked spare, once assigned, gets the pool a fresh process with the job's environment
+has (`blas_threads`) and seeds torch's and numpy's global generators afresh (`fresh_seeds`).
+The node's ranks themselves are forked from this server too (`launcher.workers.spawner`:
+`FTRUN_WORKER_START`): a fork for a rank is a spare forked for a replacement that waits
+(`prepare` false), assigned at once.
+
 The heap a forked spare faults in for its replacement is the runtime's
 (`launcher.runtime.heap`: `prepare` here, `settle` in the replacement's runtime). This process
 has imported the runtime in its warm-up already; it reaches that module by name
