@@ -150,6 +150,10 @@ class LaunchConfig:
     # names launcher.runtime and the node has more CPUs than local ranks, else at the first
     # rank's hello), "workers", "hello"
     spare_start: str = "auto"
+    # FTRUN_WORKER_START: how the node's ranks start: "auto" (forked from the node's fork server
+    # when the script's source names torch), "fork" (whenever the fork server can be used),
+    # "exec" (each its own `python -u script`)
+    worker_start: str = "auto"
     # FTRUN_SPARE_IMPORTS: modules the spares import besides torch and those the ranks report
     spare_imports: list[str] = field(default_factory=list)
     # FTRUN_SPARE_LEARN: spares import the modules the ranks had loaded by their first step
@@ -948,14 +952,15 @@ DEFAULT_PHASE_TIMEOUT = LaunchConfig.phase_timeout  # the field's default
 
 
 def _spare_and_phases(cfg: LaunchConfig, env: dict[str, str]) -> None:
-    """FTRUN_SPARE_FORK, FTRUN_SPARE_START, FTRUN_SPARE_IMPORTS, FTRUN_SPARE_LEARN and
-    FTRUN_PHASE_TIMEOUT. (FTRUN_SPARE_NICE was no user setting but the
+    """FTRUN_SPARE_FORK, FTRUN_SPARE_START, FTRUN_WORKER_START, FTRUN_SPARE_IMPORTS,
+    FTRUN_SPARE_LEARN and FTRUN_PHASE_TIMEOUT. (FTRUN_SPARE_NICE was no user setting but the
     warm-up priority the agent handed a spare or the fork server: now in their command line,
     `launcher.workers.spare_process.nice_args`.)"""
     # 1 (default): warm spares are forked from one fork server per node that imported torch
     # once; 0: each spare imports torch itself
     cfg.spare_fork = parse_switch("FTRUN_SPARE_FORK", env.get("FTRUN_SPARE_FORK", ""), True)
     cfg.spare_start = parse_spare_start(env.get("FTRUN_SPARE_START", ""))
+    cfg.worker_start = parse_worker_start(env.get("FTRUN_WORKER_START", ""))
     cfg.spare_imports = parse_spare_imports(env.get("FTRUN_SPARE_IMPORTS", ""))
     cfg.spare_learn = parse_switch("FTRUN_SPARE_LEARN", env.get("FTRUN_SPARE_LEARN", ""), True)
     cfg.phase_timeout = parse_phase_timeout(env.get("FTRUN_PHASE_TIMEOUT", ""))
@@ -973,6 +978,21 @@ def parse_spare_start(raw: str) -> str:
             f"FTRUN_SPARE_START={raw!r}: must be one of {', '.join(SPARE_STARTS)} (auto: with the "
             "workers when the script names launcher.runtime and a CPU is free beside the ranks, "
             "else at the first rank's hello)"
+        )
+    return value
+
+
+WORKER_STARTS = ("auto", "fork", "exec")
+
+
+def parse_worker_start(raw: str) -> str:
+    """FTRUN_WORKER_START: how the node's ranks start (default auto)."""
+    value = raw.strip().lower() or "auto"
+    if value not in WORKER_STARTS:
+        raise ConfigError(
+            f"FTRUN_WORKER_START={raw!r}: must be one of {', '.join(WORKER_STARTS)} (auto: forked "
+            "from the node's fork server when the script's source imports torch; fork: whenever "
+            "the fork server can be used; exec: each rank its own `python -u script`)"
         )
     return value
 

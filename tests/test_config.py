@@ -393,6 +393,15 @@ def test_spare_start_imports_and_learning() -> None:
     assert cfg(env={"FTRUN_SPARE_START": "hello"}).spare_start == "hello"
 
 
+def test_worker_start_defaults_to_auto_and_takes_fork_or_exec() -> None:
+    """FTRUN_WORKER_START: how the node's ranks start (auto: forked from the fork server when the
+    script imports torch; fork: whenever it can be; exec: each its own `python -u script`)."""
+    assert cfg().worker_start == "auto"
+    assert cfg(env={"FTRUN_WORKER_START": " Fork "}).worker_start == "fork"
+    assert cfg(env={"FTRUN_WORKER_START": "exec"}).worker_start == "exec"
+    assert cfg(env={"FTRUN_WORKER_START": ""}).worker_start == "auto"
+
+
 def test_phase_timeout_defaults_to_120_s_and_takes_seconds() -> None:
     assert cfg().phase_timeout == 120.0
     assert cfg(env={"FTRUN_PHASE_TIMEOUT": "7.5"}).phase_timeout == 7.5
@@ -403,6 +412,10 @@ def test_phase_timeout_defaults_to_120_s_and_takes_seconds() -> None:
     [
         ({"FTRUN_SPARE_FORK": "maybe"}, "FTRUN_SPARE_FORK='maybe': must be 1"),
         ({"FTRUN_SPARE_START": "soon"}, "FTRUN_SPARE_START='soon': must be one of auto, workers"),
+        (
+            {"FTRUN_WORKER_START": "spawn"},
+            "FTRUN_WORKER_START='spawn': must be one of auto, fork, exec",
+        ),
         ({"FTRUN_SPARE_IMPORTS": "a,b-c"}, "FTRUN_SPARE_IMPORTS='a,b-c': 'b-c' is not a module"),
         ({"FTRUN_SPARE_IMPORTS": "x..y"}, "'x..y' is not a module name"),
         ({"FTRUN_SPARE_LEARN": "maybe"}, "FTRUN_SPARE_LEARN='maybe': must be 1"),

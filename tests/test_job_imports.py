@@ -6,7 +6,13 @@ import json
 
 import pytest
 
-from launcher.workers.job_imports import JobImports, names_runtime
+from launcher.workers.job_imports import (
+    JobImports,
+    names_runtime,
+    names_torch,
+    starts_forked,
+    starts_with_workers,
+)
 
 
 @pytest.mark.parametrize(
@@ -29,6 +35,64 @@ def test_the_pool_starts_with_the_workers_only_for_a_script_that_names_the_runti
     script = tmp_path / "train.py"
     script.write_text(source)
     assert names_runtime(str(script), False, str(tmp_path)) is names
+
+
+@pytest.mark.parametrize(
+    "source, names",
+    [
+        ("import torch\n", True),
+        ("import torch.distributed as dist\n", True),
+        ("import time, torch, torch.distributed as dist\n", True),
+        ("import os\nimport sys, torch as t\n", True),
+        ("from torch import nn\n", True),
+        ("from torch.utils.data import DataLoader\n", True),
+        ("def main():\n    import torch\n", True),  # a late import counts too
+        ("import launcher.runtime as ftr\n", True),  # the runtime imports torch
+        ("import torchvision\n", False),
+        ("import torch_xla\n", False),
+        ("# import torch\nprint('hi')\n", False),
+        ("x = 'import torch'\n", False),
+        ("import os, sys\nprint(os.getpid())\n", False),
+    ],
+)
+def test_the_ranks_start_forked_for_a_script_that_imports_torch(
+    tmp_path, source: str, names: bool
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    assert names_torch(str(script), False, str(tmp_path)) is names
+
+
+def test_a_module_script_that_imports_torch_is_found_without_importing_it(tmp_path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise SystemExit('imported!')\n")
+    (pkg / "train.py").write_text("import torch\n")
+    assert names_torch("pkg.train", True, str(tmp_path))
+    assert not names_torch("pkg.missing", True, str(tmp_path))
+    assert not names_torch(str(tmp_path / "missing.py"), False, str(tmp_path))
+
+
+def test_the_worker_start_rule() -> None:
+    """FTRUN_WORKER_START: exec never forks; fork forks whenever a spare could become a rank;
+    auto forks only a script that imports torch (a script that does not would wait for an
+    `import torch` it never needed)."""
+    assert starts_forked("auto", usable=True, named_torch=True)
+    assert not starts_forked("auto", usable=True, named_torch=False)
+    assert starts_forked("fork", usable=True, named_torch=False)
+    assert not starts_forked("fork", usable=False, named_torch=True)
+    assert not starts_forked("auto", usable=False, named_torch=True)
+    assert not starts_forked("exec", usable=True, named_torch=True)
+
+
+def test_the_pool_starts_with_forked_ranks_whatever_the_cpus() -> None:
+    """Ranks forked from the fork server leave it warm: the pool's spares (a fork each) start
+    with the workers for a script that names the runtime, on a node without a CPU to spare too;
+    `hello` and a script that does not name the runtime still wait for a hello."""
+    assert starts_with_workers("auto", True, cpus=2, local_ranks=4, server_warm=True)
+    assert not starts_with_workers("auto", True, cpus=2, local_ranks=4, server_warm=False)
+    assert not starts_with_workers("auto", False, cpus=2, local_ranks=4, server_warm=True)
+    assert not starts_with_workers("hello", True, cpus=2, local_ranks=4, server_warm=True)
 
 
 def test_a_module_script_is_looked_up_from_the_working_directory_without_importing(

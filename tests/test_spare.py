@@ -907,3 +907,113 @@ def test_take_forks_a_spare_on_the_spot_even_while_a_round_holds_the_pool(tmp_pa
         assert pool.ready() == 0  # nothing else forked while held
     finally:
         pool.stop()
+
+
+def _priority_while_importing(pool: SparePool, start) -> tuple[int, bool]:
+    """Start the pool's fork server with `start()` and sample its priority until it is ready:
+    (the highest niceness seen, whether it ever ran under another policy than SCHED_OTHER)."""
+    import threading
+
+    seen = {"nice": -21, "other": False}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            server = pool._server
+            if server is not None and server.proc.poll() is None:
+                try:
+                    seen["nice"] = max(
+                        seen["nice"], os.getpriority(os.PRIO_PROCESS, server.proc.pid)
+                    )
+                    policy = os.sched_getscheduler(server.proc.pid)
+                    seen["other"] = seen["other"] or policy != os.SCHED_OTHER
+                except OSError:
+                    pass
+            time.sleep(0.005)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        start()
+    finally:
+        done.set()
+        sampler.join()
+    return int(seen["nice"]), bool(seen["other"])
+
+
+def test_the_ranks_wait_for_a_fork_server_that_imports_at_the_agents_priority() -> None:
+    """The node's ranks are forked from its fork server (`serve_ranks`, `fork_rank`): a server
+    they wait for imports torch at the agent's priority, never at nice 10 / SCHED_IDLE (where a
+    spare's server warms up, the control case below)."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    pool = SparePool(sys.executable, lambda m: None, count=1, fork=True)
+    try:
+        nice, other = _priority_while_importing(pool, lambda: pool.serve_ranks(env, 120))
+        assert pool._server is not None and pool._server.ready
+        assert (nice, other) == (base, False)
+    finally:
+        pool.stop()
+    if not may_return_to(base):
+        return  # spares warm up at the agent's priority too: no control case here
+    pool = SparePool(sys.executable, lambda m: None, count=1, fork=True)
+    try:
+        nice, other = _priority_while_importing(pool, lambda: _fill(pool, env))
+        assert nice > base and other  # the warm-up out of the way: what the ranks must not wait on
+    finally:
+        pool.stop()
+
+
+def test_a_rank_forked_from_the_server_runs_with_its_environment_exactly(tmp_path) -> None:
+    """`fork_rank`: a process forked now, the agent's own child, at the agent's priority, with
+    the rank's environment and nothing else (no `exec` mark: a first start), not counted as a
+    spare; its exit code is the script's."""
+    script = tmp_path / "job.py"
+    out = tmp_path / "out.json"
+    script.write_text(
+        "import json, os, sys\n"
+        f"json.dump({{'env': dict(os.environ), 'ppid': os.getppid(),"
+        f" 'nice': os.getpriority(os.PRIO_PROCESS, 0)}}, open({str(out)!r}, 'w'))\n"
+        "sys.exit(7)\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=1, fork=True)
+    try:
+        assert pool.fork_rank(env, [str(script)], module=False) is None  # no server yet
+        assert pool.serve_ranks(env, 120) is None
+        rank_env = dict(env, RANK="2", FTRUN_REPLACEMENT="0")
+        proc = pool.fork_rank(rank_env, [str(script)], module=False)
+        assert proc is not None and proc.wait(timeout=60) == 7
+        res = json.loads(out.read_text())
+        assert res["env"] == rank_env and "FTRUN_EXEC_TIME" not in res["env"]
+        assert res["ppid"] == os.getpid() and res["nice"] == os.getpriority(os.PRIO_PROCESS, 0)
+        assert pool.ready() == 0 and not [m for m in logs if "warm spare started" in m]
+    finally:
+        pool.stop()
+
+
+def test_a_fork_server_the_ranks_cannot_have_is_said_and_given_up(tmp_path) -> None:
+    """`serve_ranks` waits a bounded time: a server not ready in time is said (the ranks start
+    cold, it goes on for the spares); one that died is given up (the spares import torch
+    themselves), as `ensure` does."""
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    pool = SparePool(sys.executable, lambda m: None, count=1, fork=True)
+    try:
+        why = pool.serve_ranks(env, 0.01)
+        assert why is not None and "not ready within 0.01 s" in why
+        assert pool.fork and pool._server is not None and pool._server.alive()
+    finally:
+        pool.stop()
+    dies = tmp_path / "python"
+    dies.write_text("#!/bin/sh\nexit 3\n")
+    dies.chmod(0o755)
+    pool = SparePool(str(dies), lambda m: None, count=1, fork=True)
+    try:
+        t0 = time.monotonic()
+        why = pool.serve_ranks(env, 60)  # a server that exits at once: seen at once
+        assert why is not None and "unusable" in why and time.monotonic() - t0 < 5, why
+        assert not pool.fork and pool._server is None
+        assert pool.serve_ranks(env, 60) == "the spare fork server is off"
+    finally:
+        pool.stop()

@@ -58,3 +58,61 @@ def test_a_spare_imports_the_listed_modules_and_skips_the_ones_that_fail(tmp_pat
     assert read_imports(str(tmp_path / "missing.json")) == ([], [])
     assert flag_value(["--imports", "f", "--nice", "1,0"], "--imports") == "f"
     assert flag_value(["--imports"], "--imports") is None
+
+
+_RUN_JOB = """
+import faulthandler, json, os, sys
+from launcher.workers.spare_process import run_job
+faulthandler.enable()  # as the fork server has it (PYTHONFAULTHANDLER=1 in its environment)
+os.environ["SERVER_ONLY"] = "1"
+job = json.loads(sys.argv[1])
+run_job(job)
+"""
+
+
+def test_a_job_runs_with_exactly_its_environment_and_faulthandler_as_it_says(tmp_path) -> None:
+    """A forked rank did not start an interpreter: `run_job` makes the assignment's environment
+    the whole environment (os.environ, os.environb and the C library's, which torch reads),
+    adds the `exec` mark only when asked (a rank's first start: no), and turns faulthandler on
+    or off as PYTHONFAULTHANDLER in it says (a hung unmodified rank dumps its stacks on
+    SIGABRT)."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out.json"
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import ctypes, faulthandler, json, os, sys\n"
+        "libc = ctypes.CDLL(None); libc.getenv.restype = ctypes.c_char_p\n"
+        "c = {n: (libc.getenv(n.encode()) or b'').decode() for n in ('A', 'SERVER_ONLY')}\n"
+        "envb = {os.fsdecode(k): os.fsdecode(v) for k, v in os.environb.items()}\n"
+        "json.dump({'env': dict(os.environ), 'envb': envb, 'c': c,\n"
+        "           'fh': faulthandler.is_enabled()}, open(sys.argv[1], 'w'))\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for fh, mark in (("1", False), ("", True)):
+        env = {"A": "x", "PATH": os.environ["PATH"]}
+        if fh:
+            env["PYTHONFAULTHANDLER"] = fh
+        job = {
+            "env": env,
+            "argv": [str(script), str(out)],
+            "cwd": str(tmp_path),
+            "module": False,
+            "nice": None,
+        }
+        if not mark:
+            job["exec_mark"] = False
+        subprocess.run(
+            [sys.executable, "-c", _RUN_JOB, json.dumps(job)],
+            check=True,
+            timeout=60,
+            env=dict(os.environ, PYTHONPATH=repo),
+        )
+        res = json.loads(out.read_text())
+        want = dict(env, FTRUN_EXEC_TIME=res["env"].get("FTRUN_EXEC_TIME", "")) if mark else env
+        assert res["env"] == want and res["envb"] == want
+        assert ("FTRUN_EXEC_TIME" in res["env"]) is mark
+        assert res["c"] == {"A": "x", "SERVER_ONLY": ""}  # what getenv(3) sees: the job's
+        assert res["fh"] is bool(fh)

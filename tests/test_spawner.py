@@ -5,6 +5,8 @@ from __future__ import annotations
 import queue
 import signal
 
+import pytest
+
 from launcher.cli.ftrun import parse
 from launcher.config import build_config
 from launcher.observe.logs import AgentLog, RunLogDir
@@ -138,7 +140,10 @@ def test_a_spare_ready_first_overtakes_a_cold_replacement(tmp_path) -> None:
     from helpers_launch import FTRUN, env_with, events, script
 
     slow_log, gate = tmp_path / "imported", tmp_path / "killed"
+    # exec: the ranks start cold, so the fork server is started at the first hello and kept
+    # from being ready until after the kill (forked ranks would wait for it instead)
     env = env_with(
+        FTRUN_WORKER_START="exec",
         FTRUN_SPARE_IMPORTS="slow_import",
         FTRUN_TEST_SLOW_IMPORT_GATE=str(gate),
         FTRUN_TEST_SLOW_IMPORT_S="2",
@@ -274,9 +279,12 @@ def test_the_pool_starts_with_the_workers_and_a_kill_once_it_is_ready_is_warm(tm
     assert marks["imported"] - marks["exec"] < 1.0, marks  # nothing left to import
 
 
-def test_an_unmodified_job_starts_no_spare(tmp_path) -> None:
-    """Issue 32, item 2: a torchrun script that never uses the runtime pays nothing: no fork
-    server, no spare (the pool waits for a rank's hello)."""
+@pytest.mark.parametrize("start", ["exec", "auto"])
+def test_an_unmodified_job_starts_no_spare(tmp_path, start: str) -> None:
+    """Issue 32, item 2: a torchrun script that never uses the runtime pays nothing: no spare
+    (the pool waits for a rank's hello, which never comes). Started cold (exec) there is no
+    fork server either; by default (auto: the script imports torch) its ranks are forked from
+    the node's fork server, which imported torch once for all of them, and no spare is kept."""
     from helpers_launch import env_with
 
     job = tmp_path / "plain.py"
@@ -289,9 +297,19 @@ def test_an_unmodified_job_starts_no_spare(tmp_path) -> None:
         "assert t.item() == 2\n"
         "dist.destroy_process_group()\n"
     )
-    code, out, ev = _run_job(tmp_path, [str(job)], env_with())
+    code, out, ev = _run_job(tmp_path, [str(job)], env_with(FTRUN_WORKER_START=start))
     assert code == 0, out[-4000:]
-    assert not [e for e in ev if e["event"] in ("spare", "spare-ready", "hello")]
+    spawns = [e for e in ev if e["event"] == "spawn"]
+    assert len(spawns) == 2 and not [e for e in spawns if e["replacement"]]
+    assert not [e for e in ev if e["event"] in ("spare-ready", "hello")]
+    assert not [e for e in ev if e["event"] == "spare" and "warm spare started" in e["message"]]
+    if start == "exec":
+        assert not [e for e in ev if e["event"] == "spare"]
+        assert not [e for e in spawns if e.get("forked")]
+    else:
+        assert all(e.get("forked") for e in spawns), [e["message"] for e in spawns]
+        servers = [e for e in ev if e["event"] == "spare" and "fork server started" in e["message"]]
+        assert len(servers) == 1
 
 
 def test_the_pool_waits_for_a_hello_where_the_ranks_take_every_cpu() -> None:
@@ -306,3 +324,200 @@ def test_the_pool_waits_for_a_hello_where_the_ranks_take_every_cpu() -> None:
     assert starts_with_workers("workers", False, cpus=1, local_ranks=8)
     assert not starts_with_workers("hello", True, cpus=192, local_ranks=8)
     assert node_cpus() >= 1
+
+
+def _probe_run(tmp_path, start: str, nproc: int = 2) -> tuple[int, str, list, dict, int]:
+    """tests/scripts/start_probe.py under ftrun with FTRUN_WORKER_START=`start` and
+    OMP_NUM_THREADS=3: (exit code, output, events, rank -> what the rank saw, ftrun's pid)."""
+    import json
+    import subprocess
+
+    from helpers_launch import FTRUN, env_with, events, script
+
+    out_dir, logs = tmp_path / start, tmp_path / f"logs-{start}"
+    out_dir.mkdir()
+    env = env_with(FTRUN_WORKER_START=start, OUT_DIR=str(out_dir), OMP_NUM_THREADS="3")
+    cmd = FTRUN + ["--nproc_per_node", str(nproc), "--log_dir", str(logs)]
+    cmd += [script("start_probe.py")]
+    with open(tmp_path / f"out-{start}.txt", "w+") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path)
+        try:
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out.seek(0)
+        text = out.read()
+    seen = {r: json.loads((out_dir / f"start.{r}.json").read_text()) for r in range(nproc)}
+    return proc.returncode, text, events(str(logs)), seen, proc.pid
+
+
+# what differs between two runs of one job whatever the start: the run, its store, its logs
+_PER_RUN = (
+    "MASTER_PORT",
+    "TORCHELASTIC_RUN_ID",
+    "FTRUN_RUN_ID",
+    "FTRUN_LOG_DIR",
+    "FTRUN_AGENT_SOCKET",
+    "FTRUN_DEATH_NOTICE",
+    "TORCHELASTIC_ERROR_FILE",
+    "FTRUN_WORKER_START",
+    "OUT_DIR",
+)
+
+
+def test_a_torch_job_starts_its_ranks_forked_from_one_fork_server(tmp_path) -> None:
+    """FTRUN_WORKER_START=auto, a script that imports torch: the node's fork server starts first
+    and every rank is forked from it (one `import torch` for the node): the `spawn` events say
+    so, one server, the ranks are the agent's own children (it is a child subreaper), and each
+    ends with what a cold rank has (exec, the control run): torch's thread count, the
+    environment (os.environ, os.environb and getenv), faulthandler on, its own draws of torch's
+    and numpy's generators, a fresh `__main__`, no exception being handled."""
+    code, out, ev, forked, ftrun_pid = _probe_run(tmp_path, "auto")
+    assert code == 0, out[-6000:]
+    spawns = [e for e in ev if e["event"] == "spawn"]
+    assert len(spawns) == 2 and all(e["forked"] and not e["replacement"] for e in spawns)
+    assert {e["rank"]: e["pid"] for e in spawns} == {r: forked[r]["pid"] for r in (0, 1)}
+    assert all("started from the node's fork server" in e["message"] for e in spawns)
+    servers = [e for e in ev if e["event"] == "spare" and "fork server started" in e["message"]]
+    assert len(servers) == 1 and "at the agent's priority" in servers[0]["message"]
+    (start,) = [e for e in ev if e["event"] == "worker-start"]
+    assert start["forked"] and start["wait_s"] > 0
+    assert start["time"] < min(e["time"] for e in spawns)
+    code, out, ev, cold, _ = _probe_run(tmp_path, "exec")
+    assert code == 0, out[-6000:]
+    spawns = [e for e in ev if e["event"] == "spawn"]
+    assert len(spawns) == 2 and not [e for e in spawns if e.get("forked")]
+    assert not [e for e in ev if e["event"] in ("spare", "worker-start")]
+    for rank in (0, 1):
+        f, c = forked[rank], cold[rank]
+        assert f["ppid"] == ftrun_pid
+        assert f["threads"] == c["threads"] and f["threads"] > 1
+        assert f["blas_threads"] == c["blas_threads"] and f["tasks"] == c["tasks"]
+        for key in ("env", "environb"):
+            assert set(f[key]) == set(c[key]), set(f[key]) ^ set(c[key])
+            differ = {k for k in f[key] if f[key][k] != c[key][k]} - set(_PER_RUN)
+            assert differ == set(), {k: (f[key][k], c[key][k]) for k in differ}
+        assert f["c_env"] == c["c_env"] and f["c_env"]["OMP_NUM_THREADS"] == "3"
+        assert f["faulthandler"] and c["faulthandler"]
+        for key in ("name", "handling", "sum"):
+            assert f[key] == c[key], key
+        assert f["argv"][1:] == c["argv"][1:] and f["path0"] == c["path0"]
+    assert forked[0]["torch_draw"] != forked[1]["torch_draw"]  # not the server's generator
+    assert forked[0]["numpy_draw"] != forked[1]["numpy_draw"]
+
+
+def test_a_kill_at_step_1_of_a_forked_start_is_repaired_from_a_warm_spare(tmp_path) -> None:
+    """The ranks of a runtime job were forked from the node's fork server, so the pool's spares
+    are forks of it taken right after (on this 2-CPU box too, where a server started for the
+    spares alone would wait for the first hello): a kill as soon as a rank committed step 1
+    finds a warm spare, no cold replacement, one round, and the job finishes."""
+    from helpers_launch import env_with, script
+
+    env = env_with(FTRUN_PROGRESS_INTERVAL="0.1", FTRUN_WARM_SPARES="1")
+    tail = [script("slow_import_train.py"), "--steps", "14", "--step-time", "0.15"]
+    tail += ["--out", str(tmp_path / "o{rank}.pt")]
+    code, out, ev = _run_job(tmp_path, tail, env, lambda logs: _kill_at_step(logs, 1, 1))
+    assert code == 0, out[-6000:]
+    first = [e for e in ev if e["event"] == "spawn" and not e["replacement"]]
+    assert len(first) == 2 and all(e["forked"] for e in first)
+    servers = [e for e in ev if e["event"] == "spare" and "fork server started" in e["message"]]
+    assert len(servers) == 1
+    again = [e for e in ev if e["event"] == "spawn" and e["replacement"]]
+    assert len(again) == 1 and again[0]["warm"] and not again[0].get("overtook"), again
+    assert "started from the warm spare" in again[0]["message"]
+    assert len([e for e in ev if e["event"] == "plan"]) == 1
+    (rec,) = [e for e in ev if e["event"] == "rank-recovered" and e["rank"] == 1]
+    assert rec["marks"]["exec"] <= rec["marks"]["imported"] <= rec["marks"]["repaired"]
+
+
+@pytest.mark.parametrize(
+    "args, env, said",
+    [
+        (["--run_path"], {"FTRUN_WORKER_START": "fork"}, "cold start (--run-path)"),
+        (["--redirects", "3"], {"FTRUN_WORKER_START": "fork"}, "--redirects, --tee or"),
+        (["--tee", "0:1"], {"FTRUN_WORKER_START": "fork"}, "--redirects, --tee or"),
+        (["--local_ranks_filter", "0"], {"FTRUN_WORKER_START": "fork"}, "--local-ranks-filter"),
+        (["--warm_spares", "0"], {"FTRUN_WORKER_START": "fork"}, "no warm spares on this node"),
+        ([], {"FTRUN_WORKER_START": "fork", "FTRUN_SPARE_FORK": "0"}, "fork server is off"),
+        ([], {}, None),  # auto, a script that does not import torch: cold, nothing to say
+        ([], {"FTRUN_WORKER_START": "exec"}, None),
+        (["--redirects", "3"], {}, None),
+    ],
+)
+def test_the_ranks_start_cold_where_a_spare_could_not_become_a_rank(
+    tmp_path, args: list[str], env: dict, said: str | None
+) -> None:
+    """Only plain `python [-m] script` workers whose output is inherited, with warm spares and
+    the fork server on, are forked (what a replacement from a spare needs too): else a cold
+    start, said in one line where FTRUN_WORKER_START=fork asked for the fork."""
+    script = tmp_path / "w.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    cfg = build_config(parse(["--nproc_per_node", "2", *args, str(script)]), env=env)
+    q: queue.Queue = queue.Queue()
+    reaper = Reaper(q)
+    workers = NodeWorkers.create(0, 2)
+    lines: list[tuple[str, str, dict]] = []
+
+    class Log(AgentLog):
+        def info(self, event: str, message: str, **fields) -> None:
+            lines.append((event, message, fields))
+
+        warning = info
+
+    sp = Spawner(
+        cfg,
+        WorkerWorld(0, 1, 2, "127.0.0.1", 1234, str(tmp_path / "x.sock")),
+        RunLogDir.create(str(tmp_path / "logs"), "t"),
+        Log(0, None, quiet=True),
+        "h",
+        reaper,
+        on_spawn=lambda w: None,
+    )
+    try:
+        sp.spawn_all(workers.all(), 0)
+        spawns = [f for e, _, f in lines if e == "spawn"]
+        assert len(spawns) == 2 and not [f for f in spawns if f.get("forked")]
+        starts = [m for e, m, _ in lines if e == "worker-start"]
+        assert starts == ([] if said is None else [starts[0]]) and (
+            said is None or said in starts[0]
+        )
+        assert sp.spares is None or sp.spares._server is None  # no fork server started for them
+        for _ in range(2):
+            assert isinstance(q.get(timeout=60), WorkerExit)
+    finally:
+        stop_workers(workers.all(), signal.SIGKILL, 0.0)
+        reaper.stop()
+        sp.stop()
+
+
+def test_a_module_job_is_forked_as_python_m_would_run_it(tmp_path) -> None:
+    """`ftrun -m module`: the ranks are forked from the fork server (the module's source, found
+    from the working directory, imports torch) and run as `python -u -m module` would: its
+    file as sys.argv[0], the working directory first on sys.path, `__main__`."""
+    import json
+    import shutil
+    import subprocess
+
+    from helpers_launch import FTRUN, env_with, events, script
+
+    shutil.copy(script("start_probe.py"), tmp_path / "probe_mod.py")
+    out_dir, logs = tmp_path / "out", tmp_path / "logs"
+    out_dir.mkdir()
+    cmd = FTRUN + ["--nproc_per_node", "2", "--log_dir", str(logs), "-m", "probe_mod", "x"]
+    res = subprocess.run(
+        cmd,
+        env=env_with(OUT_DIR=str(out_dir)),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 0, (res.stdout + res.stderr)[-6000:]
+    spawns = [e for e in events(str(logs)) if e["event"] == "spawn"]
+    assert len(spawns) == 2 and all(e["forked"] for e in spawns)
+    for rank in (0, 1):
+        seen = json.loads((out_dir / f"start.{rank}.json").read_text())
+        assert seen["argv"] == [str(tmp_path / "probe_mod.py"), "x"]
+        assert seen["path0"] == str(tmp_path) and seen["name"] == "__main__"

@@ -2,8 +2,9 @@
 
 Owns: `ForkServer`, owned by the agent's spare pool (`launcher.workers.spare.SparePool`): start
 the server (`python -u -m launcher.workers.spare_server FD --nice WARM,BASE`, its priorities in
-its command line; `--imports FILE`: the job's modules to import too), `poll_ready()` without
-blocking, `extend(FILE)` (import more of the job's modules: the server is busy until its answer,
+its command line; `--imports FILE`: the job's modules to import too; `--urgent`: the job's ranks
+wait for its start-up, at the agent's priority), `poll_ready()` without blocking, `wait_ready()`
+with a bound, `extend(FILE)` (import more of the job's modules: the server is busy until its answer,
 which `poll_ready()` reads), `fork()` a warm spare with a timeout (the spare becomes the agent's
 own child: the agent is a child subreaper, `launcher.workers.adopted`), `stop()`. Nothing here
 imports torch or runs in the server.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import socket
 import subprocess
 import time
@@ -20,7 +22,7 @@ from typing import Callable
 
 from launcher.workers.adopted import AdoptedChild, set_subreaper
 from launcher.workers.prctl import die_with_parent
-from launcher.workers.spare_process import IMPORTS_FLAG, nice_args
+from launcher.workers.spare_process import IMPORTS_FLAG, URGENT_FLAG, nice_args
 
 SERVER_MODULE = "launcher.workers.spare_server"
 FORK_TIMEOUT_S = 2.0  # the server answers a fork request within this long, or is given up
@@ -36,6 +38,7 @@ class ForkServer:
         env: dict[str, str],
         nice: tuple[int, int],
         imports: str | None = None,
+        urgent: bool = False,
     ) -> None:
         if not set_subreaper(True):
             raise OSError("PR_SET_CHILD_SUBREAPER refused")
@@ -51,6 +54,7 @@ class ForkServer:
                     str(theirs.fileno()),
                     *nice_args(*nice),
                     *([IMPORTS_FLAG, imports] if imports else []),
+                    *([URGENT_FLAG] if urgent else []),
                 ],
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -118,6 +122,17 @@ class ForkServer:
                 "forking it is not safe"
             )
         self.ready, self.busy = True, False
+        return True
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Block until the server can fork (`poll_ready`) or `timeout` s passed: whether it
+        can; raises OSError as `poll_ready` does (a server that died is seen within 0.1 s)."""
+        deadline = time.monotonic() + timeout
+        while not self.poll_ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            select.select([self.sock], [], [], min(left, 0.1))
         return True
 
     def fork(

@@ -2,10 +2,12 @@
 
 Owns: `names_runtime` (a look at the training script's source: does it name `launcher.runtime`?
 Then the spare pool starts with the workers instead of at the first rank's hello;
-`LaunchConfig.spare_start`) and `JobImports`, the modules the spares import besides torch and the
-runtime: the user's (`FTRUN_SPARE_IMPORTS`) first, then those the ranks reported by their first
-step (`launcher.protocol.messages.Imports`, unless `FTRUN_SPARE_LEARN=0`), in the order they
-were first named, written to the file the spares and the fork server read
+`LaunchConfig.spare_start`), `names_torch` (does it import torch? Then the ranks start forked
+from the node's fork server: `starts_forked`, `LaunchConfig.worker_start`) and `JobImports`,
+the modules the spares import besides torch and the runtime: the user's
+(`FTRUN_SPARE_IMPORTS`) first, then those the ranks reported by their first step
+(`launcher.protocol.messages.Imports`, unless `FTRUN_SPARE_LEARN=0`), in the order they were
+first named, written to the file the spares and the fork server read
 (`launcher.workers.spare_process.write_imports`; `spare_imports.json` in the run's log
 directory). Nothing here imports what it names: that happens in the spares only.
 """
@@ -21,6 +23,12 @@ from launcher.workers.spare_process import write_imports
 # `from launcher import runtime`
 RUNTIME_NAMED = re.compile(
     rb"\blauncher\.runtime\b|\bfrom\s+launcher\s+import\s+(\([^)]*)?[^\n]*\bruntime\b"
+)
+# a script that imports torch itself: `import torch`, `import torch.distributed as dist`,
+# `import os, torch`, `from torch import nn`, `from torch.utils.data import ...` (any indentation)
+TORCH_NAMED = re.compile(
+    rb"(?m)^[ \t]*(?:import[ \t]+(?:[\w.]+(?:[ \t]+as[ \t]+\w+)?[ \t]*,[ \t]*)*torch\b"
+    rb"|from[ \t]+torch\b)"
 )
 SOURCE_BYTES = 1 << 20  # of a script's source read for the look
 MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
@@ -40,29 +48,58 @@ def script_source(script: str, module: bool, cwd: str) -> str | None:
     return None
 
 
+def _source(script: str, module: bool, cwd: str) -> bytes | None:
+    """The first SOURCE_BYTES of the script's source, None when it cannot be read."""
+    path = script_source(script, module, cwd)
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read(SOURCE_BYTES)
+    except OSError:
+        return None
+
+
 def names_runtime(script: str, module: bool, cwd: str) -> bool:
     """Whether the script's own source names `launcher.runtime` (a script that reaches it only
     through a module of its own is known at its first hello instead)."""
-    path = script_source(script, module, cwd)
-    if path is None:
-        return False
-    try:
-        with open(path, "rb") as f:
-            return RUNTIME_NAMED.search(f.read(SOURCE_BYTES)) is not None
-    except OSError:
-        return False
+    source = _source(script, module, cwd)
+    return source is not None and RUNTIME_NAMED.search(source) is not None
 
 
-def starts_with_workers(spare_start: str, named_runtime: bool, cpus: int, local_ranks: int) -> bool:
+def names_torch(script: str, module: bool, cwd: str) -> bool:
+    """Whether the script's own source imports torch (or the runtime, which does): its ranks
+    would each pay an `import torch` (1.5-2.5 CPU-s) the node's fork server pays once."""
+    source = _source(script, module, cwd)
+    if source is None:
+        return False
+    return TORCH_NAMED.search(source) is not None or RUNTIME_NAMED.search(source) is not None
+
+
+def starts_forked(worker_start: str, usable: bool, named_torch: bool) -> bool:
+    """Whether the node's ranks start forked from its fork server (`FTRUN_WORKER_START`):
+    never with "exec" or where a spare could not become a rank (`usable`: plain `python [-m]
+    script` workers whose output is inherited, warm spares on, the fork server on); with
+    "fork" always else; with "auto" when the script imports torch (`names_torch`): a script
+    that does not would wait for the server's `import torch` it never needed."""
+    if worker_start == "exec" or not usable:
+        return False
+    return worker_start == "fork" or named_torch
+
+
+def starts_with_workers(
+    spare_start: str, named_runtime: bool, cpus: int, local_ranks: int, server_warm: bool = False
+) -> bool:
     """Whether the spare pool starts right after the workers (`FTRUN_SPARE_START`): "workers"
     always, "hello" never (at the first rank's hello), "auto" when the script names the runtime
-    and the node has a CPU to spare beside its ranks (`cpus > local_ranks`). Where the ranks take
-    every CPU, a fork server importing torch beside them, even at nice 10 / SCHED_IDLE, delayed
-    their first step by ~1.8 s (2 CPUs, 4 ranks: 9.6 s against 7.8 s): it starts at the first
-    hello instead, once the ranks' own imports are done."""
+    and either the fork server is warm already (`server_warm`: the ranks were forked from it, a
+    spare costs a fork) or the node has a CPU to spare beside its ranks (`cpus > local_ranks`).
+    Where the ranks take every CPU, a fork server importing torch beside them, even at nice 10 /
+    SCHED_IDLE, delayed their first step by ~1.8 s (2 CPUs, 4 ranks: 9.6 s against 7.8 s): it
+    starts at the first hello instead, once the ranks' own imports are done."""
     if spare_start == "workers":
         return True
-    return spare_start == "auto" and named_runtime and cpus > local_ranks
+    return spare_start == "auto" and named_runtime and (server_warm or cpus > local_ranks)
 
 
 def node_cpus() -> int:

@@ -95,11 +95,8 @@ class SparePool:
         self._not_before = time.monotonic() + start_delay
         self._hold: tuple[int, set[int], float] | None = None  # (generation, ranks, until)
         self._resume: dict[int, int] = {}  # held rank -> the step it must commit to count as done
-        self._boosted: dict[
-            int, tuple[SpareProc, int]
-        ] = {}  # rank -> (its process, nice to return to)
-        # heap a forked spare faults in while it waits: the largest state a rank reported
-        self.heap_bytes = 0
+        self._boosted: dict[int, tuple[SpareProc, int]] = {}  # rank -> (process, nice after)
+        self.heap_bytes = 0  # heap a forked spare faults in: the largest state a rank reported
         self.record = record  # `spare-ready` events (None: no events)
         self.readiness = Readiness()
         self._starting: set[int] = set()  # ranks yet to commit their first step (`starting`)
@@ -248,9 +245,8 @@ class SparePool:
                     self._escalate_proc(self._server.proc.pid, self._server.proc)
                 return True
             self._say_failed_imports()
-            if (
-                self.held()
-            ):  # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
+            # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
+            if self.held():
                 return True
             self._retire_stale()
             # stale ones serve meanwhile
@@ -264,18 +260,51 @@ class SparePool:
             self._stop_server()
             return False
 
-    def _start_server(self, env: dict[str, str]) -> None:
+    def _start_server(self, env: dict[str, str], urgent: bool = False) -> None:
+        """`urgent`: the job's ranks wait for it (`serve_ranks`): at the agent's priority."""
         base = os.getpriority(os.PRIO_PROCESS, 0)
         warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
-        self._server = ForkServer(self.python, env, (warm, base), self.imports)
+        self._server = ForkServer(self.python, env, (warm, base), self.imports, urgent)
         self._imports_sent = True  # its start-up imports the file as it is now
-        self._born[self._server.proc.pid] = (time.monotonic(), base if warm != base else None)
+        idle = warm != base and not urgent
+        self._born[self._server.proc.pid] = (time.monotonic(), base if idle else None)
         self.readiness.pool_started()
         self.log(
-            f"spare fork server started (pid {self._server.proc.pid}); spares are "
-            "forked from it once it has imported torch"
+            f"spare fork server started (pid {self._server.proc.pid}"
+            + ("; at the agent's priority: the job's ranks are forked from it" if urgent else "")
+            + "); spares are forked from it once it has imported torch"
             + (" and the job's modules" if self.imports else "")
         )
+
+    def serve_ranks(self, env: dict[str, str], timeout: float) -> str | None:
+        """Have the fork server ready to fork the job's ranks (`fork_rank`) within `timeout` s:
+        started now at the agent's priority (the ranks wait for its imports), or hurried. None
+        once it is ready, else why not (the ranks start cold; a server that failed is given up
+        and the spares import torch themselves, as in `ensure`)."""
+        if not self.fork:
+            return "the spare fork server is off"
+        try:
+            if self._server is None:
+                self._start_server(env, urgent=True)
+            self.hurry()  # one started at the first hello may still warm up, or import more
+            assert self._server is not None
+            if not self._server.wait_ready(timeout):
+                return f"the spare fork server was not ready within {timeout:g} s"
+            self._say_failed_imports()
+            return None
+        except (OSError, ValueError) as exc:
+            self.fork = False
+            self._stop_server()
+            return f"the spare fork server is unusable ({exc}); warm spares import torch themselves"
+
+    def fork_rank(self, env: dict[str, str], argv: list[str], module: bool) -> SpareProc | None:
+        """One of the job's ranks started from the ready fork server (`serve_ranks`; see
+        `fork_and_assign`), `env` exactly (no `exec` mark: a first start), at the agent's
+        priority; None when the server cannot (said in one line: that rank starts cold)."""
+        if not self._server_ready():
+            return None
+        assert self._server is not None
+        return fork_and_assign(self._server, assignment(env, argv, module, None, False), self.log)
 
     def _fork_one(self, heap_bytes: int, prepare: bool = True) -> SpareProc:
         assert self._server is not None
@@ -350,35 +379,9 @@ class SparePool:
             self._born[pid] = (born, None)
 
     def _start(self, env: dict[str, str]) -> None:
-        parent = os.getpid()
         base = os.getpriority(os.PRIO_PROCESS, 0)
         warm = min(19, base + WARM_UP_NICE) if may_return_to(base) else base
-        ready_r, ready_w = os.pipe()
-        try:
-            proc = subprocess.Popen(
-                [
-                    self.python,
-                    "-u",
-                    "-m",
-                    SPARE_MODULE,
-                    *nice_args(warm, base),
-                    *([IMPORTS_FLAG, self.imports] if self.imports else []),
-                    READY_FLAG,
-                    str(ready_w),
-                ],
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=None,
-                stderr=None,
-                pass_fds=[ready_w],
-                preexec_fn=lambda: die_with_parent(parent),
-                close_fds=True,
-            )
-        except BaseException:
-            os.close(ready_r)
-            raise
-        finally:
-            os.close(ready_w)
+        proc, ready_r = start_importing_spare(self.python, env, (warm, base), self.imports)
         self._procs.append(proc)
         self.readiness.watch(proc.pid, ready_r)
         self.readiness.pool_started()
@@ -396,12 +399,7 @@ class SparePool:
         base = os.getpriority(os.PRIO_PROCESS, 0)
         boost = max(-20, base - REPAIR_BOOST_NICE)
         nice = boost if boost < base and may_return_to(boost) else None
-        line = (
-            json.dumps(
-                {"env": env, "argv": argv, "cwd": os.getcwd(), "module": module, "nice": nice}
-            )
-            + "\n"
-        ).encode()
+        line = assignment(env, argv, module, nice)
         warm = self.readiness.poll()  # stable sort: the oldest ready fresh one first
         self._procs.sort(key=lambda p: (p.pid not in warm, p.pid in self._stale))
         forked = False  # at most one spare forked on the spot per take
@@ -524,6 +522,73 @@ class Readiness:
         for pid in list(self._fds):
             self.forget(pid)
         self._warm.clear()
+
+
+def fork_and_assign(
+    server: ForkServer, line: bytes, log: Callable[[str], None]
+) -> SpareProc | None:
+    """A process forked now from the ready `server`, without a spare's idle-time preparation
+    (it runs at once), given its assignment `line`; None when that fails (said in one line)."""
+    try:
+        proc, ready_fd = server.fork(prepare=False)
+    except (OSError, ValueError) as exc:
+        log(f"spare fork server could not fork a rank's process ({exc})")
+        return None
+    os.close(ready_fd)  # no spare-ready: it is a rank already
+    err = _assign(proc, line, ASSIGN_TIMEOUT_S)
+    if err is None:
+        return proc
+    log(f"forked process pid {proc.pid} not used for a rank ({err}); killed")
+    proc.kill()
+    _wait(proc, log, STOP_S)
+    return None
+
+
+def assignment(
+    env: dict[str, str], argv: list[str], module: bool, nice: int | None, exec_mark: bool = True
+) -> bytes:
+    """A spare's assignment line (`launcher.workers.spare_process.run_job` reads it): the rank's
+    environment, argv, working directory, module mode, niceness to run at (None: as it is) and
+    whether to mark the time it began (`FTRUN_EXEC_TIME`: a replacement's `exec` mark)."""
+    job = {"env": env, "argv": argv, "cwd": os.getcwd(), "module": module, "nice": nice}
+    if not exec_mark:
+        job["exec_mark"] = False
+    return (json.dumps(job) + "\n").encode()
+
+
+def start_importing_spare(
+    python: str, env: dict[str, str], nice: tuple[int, int], imports: str | None
+) -> tuple[subprocess.Popen, int]:
+    """A spare that imports torch itself (`python -u -m SPARE_MODULE`, warming up at `nice`'s
+    WARM, then BASE), dying with this process; (its process, the read end of its ready pipe)."""
+    parent = os.getpid()
+    ready_r, ready_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [
+                python,
+                "-u",
+                "-m",
+                SPARE_MODULE,
+                *nice_args(*nice),
+                *([IMPORTS_FLAG, imports] if imports else []),
+                READY_FLAG,
+                str(ready_w),
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=None,
+            stderr=None,
+            pass_fds=[ready_w],
+            preexec_fn=lambda: die_with_parent(parent),
+            close_fds=True,
+        )
+    except BaseException:
+        os.close(ready_r)
+        raise
+    finally:
+        os.close(ready_w)
+    return proc, ready_r
 
 
 def failed_imports_line(count: int, failed: list[list[str]]) -> str:

@@ -23,7 +23,9 @@ agent: the modules its ranks reported by their first step and `FTRUN_SPARE_IMPOR
 `import_listed`): a module that fails to import is skipped and named in one line, never fatal.
 A spare started with `--ready-fd FD` writes one byte to FD once its imports are done (the pool's
 `spare-ready`). `run_job` puts the time the job was assigned in `FTRUN_EXEC_TIME` (the runtime's
-`exec` mark: when the replacement began running the script).
+`exec` mark: when the replacement began running the script; not for a rank's first start,
+whose assignment says `exec_mark` false) and makes the assignment's environment the process's
+own (`set_environment`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ OPTIONAL_WARM_IMPORTS = ("torch._dynamo",)
 NICE_FLAG = "--nice"  # WARM,BASE: the warm-up niceness and the agent's, from the agent
 IMPORTS_FLAG = "--imports"  # FILE: the job's modules to import too (`write_imports`)
 READY_FLAG = "--ready-fd"  # FD: one byte written once the imports are done
+# the fork server's first imports run at the agent's priority: the job's ranks wait for them
+URGENT_FLAG = "--urgent"
 EXEC_TIME_ENV = "FTRUN_EXEC_TIME"  # wall-clock time the job was assigned (the runtime's `exec`)
 
 
@@ -147,12 +151,18 @@ def job_nice(line: str, base: int) -> int:
 
 def run_job(job: dict) -> None:
     """Run the assigned script in this process as `python -u [-m] script args` would (at the
-    assignment's `nice` when it has one: the agent returns it to its own after the repair)."""
+    assignment's `nice` when it has one: the agent returns it to its own after the repair). Its
+    environment is the assignment's, exactly (`os.environ`, `os.environb` and the C library's:
+    what torch reads later), plus `FTRUN_EXEC_TIME` unless the assignment says `exec_mark`
+    false (a rank's first start: its environment is a cold rank's); faulthandler is on or off
+    as `PYTHONFAULTHANDLER` in it says, as a new interpreter would have it (this process did
+    not start one: a hung rank dumps its stacks on SIGABRT)."""
     if job.get("nice") is not None:
         run_priority(int(job["nice"]))
-    os.environ.clear()
-    os.environ.update(job["env"])
-    os.environ[EXEC_TIME_ENV] = repr(time.time())
+    env = dict(job["env"])
+    if job.get("exec_mark", True):
+        env[EXEC_TIME_ENV] = repr(time.time())
+    set_environment(env)
     os.chdir(job["cwd"])
     argv = list(job["argv"])
     sys.argv = argv
@@ -164,6 +174,23 @@ def run_job(job: dict) -> None:
     else:
         sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
         runpy.run_path(argv[0], run_name="__main__")
+
+
+def set_environment(env: dict[str, str]) -> None:
+    """Make `env` this process's whole environment: `os.environ`, `os.environb` (separate
+    copies in CPython, both kept) and the C library's (putenv/unsetenv), then faulthandler as
+    `PYTHONFAULTHANDLER` asks (any non-empty value: on, as the interpreter does at start)."""
+    import faulthandler
+
+    if hasattr(os, "environb"):
+        os.environb.clear()
+        os.environb.update({os.fsencode(k): os.fsencode(v) for k, v in env.items()})
+    os.environ.clear()
+    os.environ.update(env)
+    if env.get("PYTHONFAULTHANDLER"):
+        faulthandler.enable()
+    elif faulthandler.is_enabled():
+        faulthandler.disable()
 
 
 class Assignment:

@@ -3,7 +3,8 @@
 Owns: the fork server's process. `python -u -m launcher.workers.spare_server FD --nice
 WARM,BASE` (`serve`) does the warm imports once (`launcher.workers.spare_process.warm_imports`:
 torch, the runtime: 1.5-2 CPU-s; then the job's modules of `--imports FILE`) at the spares'
-warm-up priority, returns to the agent's priority, reports ready with its thread count, and
+warm-up priority (with `--urgent`, when the job's ranks are to be forked from it and wait for
+it, at the agent's), returns to the agent's priority, reports ready with its thread count, and
 then, for every request on its unix socket, either imports more of the job's modules
 (`{"imports": FILE}`: what the ranks imported by their first step, at the warm-up priority; a
 module that fails is skipped and named in the answer, `failed`) or forks a spare copy-on-write:
@@ -23,6 +24,14 @@ it exits 0. Before it waits for the assignment (unless forked for a replacement 
 state pays a copy-on-write fault per page it writes to (refcounts: nearly every page it
 touches), ~15 ms of its start-up inside the recovery, measured here.
 The agent's handle on this process is `launcher.workers.fork_server.ForkServer`.
+
+A fork shares what a fresh process would make its own at start: so the server holds numpy's
+OpenBLAS at one thread (`hold_blas_threads`: its pool's threads would make it unsafe to fork),
+and each forked spare, once assigned, gets the pool a fresh process with the job's environment
+has (`blas_threads`) and seeds torch's and numpy's global generators afresh (`fresh_seeds`).
+The node's ranks themselves are forked from this server too (`launcher.workers.spawner`:
+`FTRUN_WORKER_START`): a fork for a rank is a spare forked for a replacement that waits
+(`prepare` false), assigned at once.
 
 The heap a forked spare faults in for its replacement is the runtime's
 (`launcher.runtime.heap`: `prepare` here, `settle` in the replacement's runtime). This process
@@ -49,6 +58,7 @@ from launcher.workers.priority import run_priority, thread_ids, warm_priority
 from launcher.workers.spare_process import (
     IMPORTS_FLAG,
     NICE_FLAG,
+    URGENT_FLAG,
     flag_value,
     import_listed,
     parse_nice,
@@ -63,6 +73,15 @@ PAGEMAP_CHUNK = 1 << 16  # pages per /proc/self/pagemap read (512 KB of entries)
 SERVER_NAME = b"ftrun-spare-srv"  # `ps` names: the server, and a forked spare until it is assigned
 SPARE_NAME = b"ftrun-spare"
 REPARENT_TIMEOUT_S = 5.0  # a forked spare waits this long to see the agent as its parent
+# what OpenBLAS reads for its thread count, in its order; its cap; its setters' names (numpy's
+# scipy-openblas bundle, an older openblas64_ bundle, a plain OpenBLAS)
+BLAS_THREAD_ENV = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "OMP_NUM_THREADS")
+OPENBLAS_MAX_THREADS = 64
+OPENBLAS_SETTERS = (
+    "scipy_openblas_set_num_threads64_",
+    "openblas_set_num_threads64_",
+    "openblas_set_num_threads",
+)
 REQUEST_BYTES = 1 << 16  # a request from the agent is at most this long
 FAILED_NAMED = 8  # an answer names at most this many modules that failed to import
 
@@ -97,19 +116,24 @@ def _heap() -> ModuleType:
 
 
 # ------------------------------------------------------------------ the server process
-def serve(sock_fd: int, nice: tuple[int, int] = (0, 0), imports: str | None = None) -> None:
+def serve(
+    sock_fd: int, nice: tuple[int, int] = (0, 0), imports: str | None = None, urgent: bool = False
+) -> None:
     """The fork server's life (`nice`: its warm-up niceness and the agent's; `imports`: the
-    job's modules to import after the warm imports, an `--imports` file); raises `_Forked` in
-    each forked spare."""
+    job's modules to import after the warm imports, an `--imports` file; `urgent`: the job's
+    ranks wait for this start-up, which runs at the agent's priority, the later imports at the
+    warm-up one); raises `_Forked` in each forked spare."""
     agent = os.getppid()
     sock = socket.socket(fileno=sock_fd)
     comm = set_process_name(SERVER_NAME)
     warm, base = nice
-    if warm != base:
+    idle_start = warm != base and not urgent
+    if idle_start:
         warm_priority(warm)
+    hold_blas_threads()
     warm_imports()
     failed = import_listed(imports) if imports else []
-    if warm != base:  # warm now: forks must not wait for idle CPU time
+    if idle_start:  # warm now: forks must not wait for idle CPU time
         run_priority(base)
     threads = len(thread_ids())
     try:
@@ -267,6 +291,74 @@ def own_pages() -> tuple[int, str | None]:
     return done, why
 
 
+def hold_blas_threads() -> None:
+    """In the server, before its imports: numpy's OpenBLAS starts no thread pool (it would start
+    one of min(OMP_NUM_THREADS or the CPUs, the CPUs) threads at import, and a server with a
+    second thread cannot fork). Only the server's own environment: a spare's job has its own,
+    and `blas_threads` gives it a fresh process's pool."""
+    os.environ["OPENBLAS_NUM_THREADS"] = "1"
+
+
+def blas_threads_for(env: dict[str, str], cpus: int) -> int:
+    """The OpenBLAS thread count a fresh process with `env` starts with on `cpus` CPUs (its
+    rule: the first positive one of OPENBLAS_NUM_THREADS, GOTO_NUM_THREADS, OMP_NUM_THREADS,
+    else every CPU; at most the CPUs, at most OPENBLAS_MAX_THREADS)."""
+    for name in BLAS_THREAD_ENV:
+        try:
+            n = int(env.get(name, "").strip() or 0)
+        except ValueError:
+            continue
+        if n > 0:
+            return max(1, min(n, cpus, OPENBLAS_MAX_THREADS))
+    return max(1, min(cpus, OPENBLAS_MAX_THREADS))
+
+
+def blas_threads(env: dict[str, str]) -> int | None:
+    """In a forked spare, once assigned: numpy's OpenBLAS (held at one thread in the server,
+    `hold_blas_threads`) gets the pool a fresh process with the job's `env` has; the count set,
+    None when no OpenBLAS is loaded (or its setter is not found)."""
+    setter = _openblas_setter()
+    if setter is None:
+        return None
+    n = blas_threads_for(env, len(os.sched_getaffinity(0)))
+    setter(n)
+    return n
+
+
+def _openblas_setter():  # -> ctypes function | None
+    """OpenBLAS's `set_num_threads` of a library this process has loaded (numpy's bundle)."""
+    try:
+        with open("/proc/self/maps", encoding="ascii", errors="replace") as f:
+            paths = {ln.split()[-1] for ln in f if "openblas" in ln.lower() and "/" in ln}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            lib = ctypes.CDLL(path)  # loaded already: the same handle
+        except OSError:
+            continue
+        for name in OPENBLAS_SETTERS:
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.argtypes, fn.restype = [ctypes.c_int], None
+                return fn
+    return None
+
+
+def fresh_seeds() -> None:
+    """Seed the global generators a fresh process seeds from entropy at import, which a fork
+    would otherwise share with the server and every other spare: numpy's and torch's CPU
+    generator (`torch.initial_seed()` differs from process to process; torch's CUDA ones are
+    left alone: they are seeded when CUDA starts, in the spare). Python's `random` reseeds
+    itself after a fork."""
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+    torch = sys.modules.get("torch")
+    generator = getattr(torch, "default_generator", None) if torch is not None else None
+    if generator is not None:
+        generator.seed()
+
+
 def become_spare(forked: _Forked) -> None:
     """In a forked spare: own session, wait to be the agent's child, die with it, then read the
     assignment and run the job (returns only by raising or when the job returns)."""
@@ -277,8 +369,7 @@ def become_spare(forked: _Forked) -> None:
             os._exit(1)
         time.sleep(0.0005)
     die_with_parent(forked.agent, new_session=False)
-    if "numpy.random" in sys.modules:  # a fresh process seeds numpy's global RNG from entropy
-        sys.modules["numpy.random"].seed()
+    fresh_seeds()
     heap, prepared = _heap(), 0
     # idle-time work: a spare forked for a replacement waiting now skips it (its job copies
     # the pages it writes, as a cold process would)
@@ -302,18 +393,19 @@ def become_spare(forked: _Forked) -> None:
         sys.exit(0)
     set_process_name(forked.comm)  # a rank looks like any worker in `ps`
     job = json.loads(line)
+    blas_threads(job["env"])
     if prepared:
         job["env"][heap.ENV] = str(prepared)  # the runtime settles the heap after its repair
     run_job(job)
 
 
 def main(argv: list[str]) -> None:
-    """`FD [--nice WARM,BASE] [--imports FILE]`: serve on socket FD; in each forked spare, run
-    its job."""
+    """`FD [--nice WARM,BASE] [--imports FILE] [--urgent]`: serve on socket FD; in each forked
+    spare, run its job."""
     nice = parse_nice(argv[argv.index(NICE_FLAG) + 1]) if NICE_FLAG in argv else (0, 0)
     forked = None
     try:
-        serve(int(argv[0]), nice, flag_value(argv, IMPORTS_FLAG))
+        serve(int(argv[0]), nice, flag_value(argv, IMPORTS_FLAG), URGENT_FLAG in argv)
     except _Forked as exc:
         forked = exc
         exc.__traceback__ = None  # drop the server's frames

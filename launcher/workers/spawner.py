@@ -2,8 +2,12 @@
 
 Owns: the environment each worker gets (torchrun's exact variables plus `FTRUN_*` for the
 runtime), starting a rank's process with its log files, tee and output filters, a process-level
-replacement taken from a warm spare when it can be, and keeping `--warm-spares` of them (the used
-one's successor starts at the next health check) once the job is known to use launcher.runtime:
+replacement taken from a warm spare when it can be, the node's ranks forked from its fork
+server (`spawn_all`: `FTRUN_WORKER_START`, `launcher.workers.job_imports.starts_forked`; the
+server started first at the agent's priority and waited for, one `import torch` per node
+instead of one per rank, then a cold start when it cannot be had), and keeping
+`--warm-spares` of them (the used one's successor starts at the next health check) once the job
+is known to use launcher.runtime:
 with the workers (`spawn_all`) when `FTRUN_SPARE_START` says so (auto: the script's source names
 the runtime, `launcher.workers.job_imports.names_runtime`), else from the first rank's hello (the
 agent's health check). A replacement that had to start cold is overtaken by a spare that becomes
@@ -32,7 +36,9 @@ from launcher.protocol.death_notice import NoticeBoard
 from launcher.workers.job_imports import (
     JobImports,
     names_runtime,
+    names_torch,
     node_cpus,
+    starts_forked,
     starts_with_workers,
 )
 from launcher.workers.overtake import ColdStart, freeze, kill_frozen, thaw
@@ -41,6 +47,9 @@ from launcher.workers.spare_process import EXEC_TIME_ENV
 from launcher.workers.workers import Reaper, Worker, spawn
 
 SPARE_IMPORTS_FILE = "spare_imports.json"  # in the run's log directory: what the spares import
+# the node's ranks wait this long for the fork server's imports, then start cold (one import of
+# torch and the runtime: 1.5-2.5 CPU-s, more on a loaded node)
+SERVER_READY_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -143,8 +152,9 @@ class Spawner:
         env.pop(EXEC_TIME_ENV, None)  # a warm spare's own (its `exec` mark); a cold one has none
         return env
 
-    def spawn(self, w: Worker, generation: int, replacement: bool) -> None:
-        """Start rank `w`'s process for `generation` (a replacement may come from the spare)."""
+    def spawn(self, w: Worker, generation: int, replacement: bool, forked: bool = False) -> None:
+        """Start rank `w`'s process for `generation` (a replacement may come from the spare;
+        with `forked`, a first start from the node's ready fork server: `spawn_all`)."""
         cfg = self.cfg
         w.generation = generation
         d = self.run_dir.rank_dir(generation, w.local_rank)
@@ -166,7 +176,7 @@ class Spawner:
         if w.notice:
             env[NOTICE_ENV] = w.notice
         inherit = not (red or tee) and shown
-        if replacement and self._from_spare(w, cmd, env, inherit=inherit):
+        if (replacement or forked) and self._from_spare(w, cmd, env, inherit, replacement):
             return
         spawn(
             w,
@@ -199,18 +209,70 @@ class Spawner:
         )
 
     def spawn_all(self, workers: list[Worker], generation: int) -> None:
-        """Start every rank; then the spare pool, when the job is known to use the runtime
-        (its imports take idle CPU time only until the ranks committed their first step)."""
+        """Start every rank: forked from the node's fork server when `FTRUN_WORKER_START` says
+        so (`_fork_start`), else each its own `python -u script`; then the spare pool, when the
+        job is known to use the runtime (its imports take idle CPU time only until the ranks
+        committed their first step)."""
+        if self.spares is not None and workers:
+            self.spares.starting({w.rank for w in workers}, time.monotonic())
+        forked = bool(workers) and self._fork_start(workers)
         for w in workers:
-            self.spawn(w, generation, replacement=False)
+            self.spawn(w, generation, replacement=False, forked=forked)
         if self.spares is None or not workers:
             return
-        self.spares.starting({w.rank for w in workers}, time.monotonic())
         cfg = self.cfg
         named = cfg.spare_start == "auto" and names_runtime(cfg.script, cfg.module, os.getcwd())
-        if starts_with_workers(cfg.spare_start, named, node_cpus(), len(workers)):
+        if starts_with_workers(cfg.spare_start, named, node_cpus(), len(workers), forked):
             self.pool_wanted = True
             self.keep_spare(workers[0])
+
+    def _fork_start(self, workers: list[Worker]) -> bool:
+        """Whether this node's ranks start forked from its fork server (`starts_forked`); if
+        so, the server is ready: started at the agent's priority and waited for (at most
+        SERVER_READY_TIMEOUT_S). One that cannot be had is said in one line: a cold start."""
+        cfg = self.cfg
+        if cfg.worker_start == "exec":
+            return False
+        blocker = self._fork_blocker(workers)
+        named = cfg.worker_start == "auto" and names_torch(cfg.script, cfg.module, os.getcwd())
+        if not starts_forked(cfg.worker_start, blocker is None, named) or self.spares is None:
+            if blocker is not None and cfg.worker_start == "fork":
+                self.log.info("worker-start", f"FTRUN_WORKER_START=fork: cold start ({blocker})")
+            return False
+        t0 = time.monotonic()
+        why = self.spares.serve_ranks(
+            self.env(workers[0], replacement=True), SERVER_READY_TIMEOUT_S
+        )
+        took = round(time.monotonic() - t0, 3)
+        if why is not None:
+            self.log.warning(
+                "worker-start", f"the node's ranks start cold: {why}", forked=False, wait_s=took
+            )
+            return False
+        self.log.info(
+            "worker-start",
+            f"the node's {len(workers)} rank(s) start from its fork server (ready after "
+            f"{took:.2f} s): one import of torch for the node",
+            forked=True,
+            wait_s=took,
+        )
+        return True
+
+    def _fork_blocker(self, workers: list[Worker]) -> str | None:
+        """What keeps the ranks from being forked from the fork server (None: nothing): only
+        plain `python [-m] script` workers whose output is inherited can be."""
+        cfg = self.cfg
+        if self.spares is None:
+            return "no warm spares on this node: --warm-spares 0 or --no-python"
+        if not self._spare_usable():
+            return "--run-path"
+        if not self.spares.fork:
+            return "the spare fork server is off (FTRUN_SPARE_FORK=0, or it failed)"
+        for w in workers:
+            shown = cfg.local_ranks_filter is None or w.local_rank in cfg.local_ranks_filter
+            if cfg.redirects.get(w.local_rank, 0) or cfg.tee.get(w.local_rank, 0) or not shown:
+                return "--redirects, --tee or --local-ranks-filter: output not inherited"
+        return None
 
     def _spare_usable(self) -> bool:
         """A replacement of this job may come from a spare (plain `python [-m] script`)."""
@@ -225,16 +287,36 @@ class Spawner:
         self.reaper.watch(w)
         self.on_spawn(w)
 
-    def _from_spare(self, w: Worker, cmd: list[str], env: dict[str, str], inherit: bool) -> bool:
-        """Turn the warm spare into rank `w` (only for plain `python [-m] script` workers whose
-        output goes to the console as is). False when no spare can be used."""
+    def _from_spare(
+        self, w: Worker, cmd: list[str], env: dict[str, str], inherit: bool, replacement: bool
+    ) -> bool:
+        """Turn a warm spare into rank `w`'s replacement, or (not `replacement`) fork its first
+        process from the ready fork server (only for plain `python [-m] script` workers whose
+        output goes to the console as is). False when no spare can be used: a cold start."""
         if self.spares is None or not inherit or not self._spare_usable():
             return False
-        proc = self.spares.take(env, self._script_argv(cmd), self.cfg.module, fork_now=True)
+        argv, module = self._script_argv(cmd), self.cfg.module
+        if not replacement:
+            proc = self.spares.fork_rank(env, argv, module)
+        else:
+            proc = self.spares.take(env, argv, module, fork_now=True)
         if proc is None:
             return False
         w.attach(proc)
         self._started(w)
+        if not replacement:
+            self.log.info(
+                "spawn",
+                f"rank {w.rank} (local {w.local_rank}) started from the node's fork server, "
+                f"pid {w.pid}",
+                rank=w.rank,
+                local_rank=w.local_rank,
+                pid=w.pid,
+                generation=w.generation,
+                replacement=False,
+                forked=True,
+            )
+            return True
         self._said_warm(
             w,
             f"rank {w.rank} (local {w.local_rank}) started from the warm spare, "

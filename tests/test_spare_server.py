@@ -1,0 +1,51 @@
+"""The spare fork server's process: what a fork must redo to be a fresh process (its library
+thread pools, its generators' seeds)."""
+
+from __future__ import annotations
+
+import os
+
+from launcher.workers.spare_server import OPENBLAS_MAX_THREADS, blas_threads_for, fresh_seeds
+
+
+def test_a_forked_rank_gets_the_blas_pool_a_fresh_process_with_its_environment_has() -> None:
+    """OpenBLAS's own rule: OPENBLAS_NUM_THREADS, else GOTO_NUM_THREADS, else OMP_NUM_THREADS
+    (the first positive one), else every CPU; never more than the CPUs."""
+    assert blas_threads_for({}, 8) == 8
+    assert blas_threads_for({"OMP_NUM_THREADS": "3"}, 8) == 3
+    assert blas_threads_for({"OMP_NUM_THREADS": "3"}, 2) == 2
+    assert blas_threads_for({"OMP_NUM_THREADS": "3", "OPENBLAS_NUM_THREADS": "1"}, 8) == 1
+    assert blas_threads_for({"OMP_NUM_THREADS": "4", "GOTO_NUM_THREADS": "2"}, 8) == 2
+    assert blas_threads_for({"OPENBLAS_NUM_THREADS": "0", "OMP_NUM_THREADS": "5"}, 8) == 5
+    assert blas_threads_for({"OMP_NUM_THREADS": "lots"}, 6) == 6
+    assert blas_threads_for({}, 500) == OPENBLAS_MAX_THREADS
+
+
+def test_forks_draw_their_own_numbers_after_fresh_seeds() -> None:
+    """torch's CPU generator is seeded once per process at import: two forks of one server drew
+    the same numbers until each seeded afresh (`fresh_seeds`, numpy's global generator too)."""
+    import numpy
+    import torch
+
+    def draws(reseed: bool) -> list[tuple[float, float]]:
+        got = []
+        for _ in range(2):
+            r, w = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # the child: report its draws, exit at once
+                os.close(r)
+                if reseed:
+                    fresh_seeds()
+                os.write(w, f"{torch.rand(1).item()!r} {numpy.random.rand()!r}".encode())
+                os._exit(0)
+            os.close(w)
+            with os.fdopen(r) as f:
+                t, n = f.read().split()
+            os.waitpid(pid, 0)
+            got.append((float(t), float(n)))
+        return got
+
+    same = draws(reseed=False)
+    assert same[0][0] == same[1][0]  # what a fork shares: the check can fail
+    fresh = draws(reseed=True)
+    assert fresh[0][0] != fresh[1][0] and fresh[0][1] != fresh[1][1]
