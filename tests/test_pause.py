@@ -140,7 +140,7 @@ def test_a_live_job_pauses_after_one_step_and_resumes_bit_identical(tmp_path, re
         assert len(set(halted)) == 1 and halted[0] < STEPS - 1, halted
         kv = StoreClient("127.0.0.1", int(job.store_addr().rpartition(":")[2]), timeout=5.0)
         try:
-            before = _steps(kv)
+            before = _steps(kv, want=[halted[0]] * 4)
             time.sleep(1.5)  # five steps' time: nobody moves
             after = _steps(kv)
             state = pause_state(kv)
@@ -158,6 +158,9 @@ def test_a_live_job_pauses_after_one_step_and_resumes_bit_identical(tmp_path, re
             os.kill(pid, 0)  # alive, never restarted
         res = ftctl_run("resume", "--addr", job.store_addr())
         assert res.returncode == 0, res.stdout + res.stderr
+    except BaseException:
+        ftctl_run("resume", str(tmp_path / "logs"))  # a failed check: not 120 s more paused
+        raise
     finally:
         result = job.finish()
     assert result.returncode == 0, result.describe()
@@ -167,13 +170,16 @@ def test_a_live_job_pauses_after_one_step_and_resumes_bit_identical(tmp_path, re
     assert_same_params(result.params, ref)
 
 
-def _steps(kv, ranks: int = 4) -> list[int | None]:
-    """Each rank's step, as its agent publishes it (`ftctl status`'s source), once fresh."""
+def _steps(kv, ranks: int = 4, want: list[int] | None = None) -> list[int | None]:
+    """Each rank's step, as its agent publishes it (`ftctl status`'s source), once fresh: all
+    known, and `want` when given (the agent publishes every PUBLISH_INTERVAL, so the first
+    snapshot after the halt may still show the step before it)."""
     deadline = time.monotonic() + 5
     while True:
         snaps = node_snapshots(kv)
         steps = [rank_step(snaps, r) for r in range(ranks)]
-        if None not in steps or time.monotonic() > deadline:
+        ready = None not in steps and (want is None or steps == want)
+        if ready or time.monotonic() > deadline:
             return steps
         time.sleep(0.1)
 
@@ -217,7 +223,7 @@ def test_the_framework_hooks_pause_at_step_end_and_resume_bit_identical(tmp_path
         host, _, port = job_addr(str(tmp_path / "logs"), None).rpartition(":")
         kv = StoreClient(host, int(port), timeout=5.0)
         try:
-            before = _steps(kv, 2)
+            before = _steps(kv, 2, want=[min(halted)] * 2)
             time.sleep(1.0)  # three steps' time: nobody moves
             after = _steps(kv, 2)
         finally:
