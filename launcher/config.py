@@ -970,16 +970,24 @@ SPARE_STARTS = ("auto", "workers", "hello")
 _MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 
 
+def parse_choice(name: str, raw: str, choices: tuple[str, ...], meaning: str) -> str:
+    """A variable that names one of `choices` (case-insensitive; unset or empty: the first);
+    anything else is a ConfigError naming it, the choices and their `meaning`."""
+    value = raw.strip().lower() or choices[0]
+    if value not in choices:
+        raise ConfigError(f"{name}={raw!r}: must be one of {', '.join(choices)} ({meaning})")
+    return value
+
+
 def parse_spare_start(raw: str) -> str:
     """FTRUN_SPARE_START: when the node's spare pool starts (default auto)."""
-    value = raw.strip().lower() or "auto"
-    if value not in SPARE_STARTS:
-        raise ConfigError(
-            f"FTRUN_SPARE_START={raw!r}: must be one of {', '.join(SPARE_STARTS)} (auto: with the "
-            "workers when the script names launcher.runtime and a CPU is free beside the ranks, "
-            "else at the first rank's hello)"
-        )
-    return value
+    return parse_choice(
+        "FTRUN_SPARE_START",
+        raw,
+        SPARE_STARTS,
+        "auto: with the workers when the script names launcher.runtime and a CPU is free beside "
+        "the ranks, else at the first rank's hello",
+    )
 
 
 WORKER_STARTS = ("auto", "fork", "exec")
@@ -987,14 +995,13 @@ WORKER_STARTS = ("auto", "fork", "exec")
 
 def parse_worker_start(raw: str) -> str:
     """FTRUN_WORKER_START: how the node's ranks start (default auto)."""
-    value = raw.strip().lower() or "auto"
-    if value not in WORKER_STARTS:
-        raise ConfigError(
-            f"FTRUN_WORKER_START={raw!r}: must be one of {', '.join(WORKER_STARTS)} (auto: forked "
-            "from the node's fork server when the script's source imports torch; fork: whenever "
-            "the fork server can be used; exec: each rank its own `python -u script`)"
-        )
-    return value
+    return parse_choice(
+        "FTRUN_WORKER_START",
+        raw,
+        WORKER_STARTS,
+        "auto: forked from the node's fork server when the script's source imports torch; fork: "
+        "whenever the fork server can be used; exec: each rank its own `python -u script`",
+    )
 
 
 def parse_spare_imports(raw: str) -> list[str]:

@@ -197,15 +197,11 @@ class Spawner:
         self._started(w)
         if replacement and inherit and self._spare_usable() and isinstance(w.proc, Popen):
             self.cold[w.local_rank] = ColdStart(w, w.proc, env, self._script_argv(cmd))
-        self.log.info(
-            "spawn",
+        self._said_spawn(
+            w,
             f"rank {w.rank} (local {w.local_rank}) started, pid {w.pid}"
             + (" as replacement" if replacement else ""),
-            rank=w.rank,
-            local_rank=w.local_rank,
-            pid=w.pid,
-            generation=generation,
-            replacement=replacement,
+            replacement,
         )
 
     def spawn_all(self, workers: list[Worker], generation: int) -> None:
@@ -305,23 +301,19 @@ class Spawner:
         w.attach(proc)
         self._started(w)
         if not replacement:
-            self.log.info(
-                "spawn",
+            self._said_spawn(
+                w,
                 f"rank {w.rank} (local {w.local_rank}) started from the node's fork server, "
                 f"pid {w.pid}",
-                rank=w.rank,
-                local_rank=w.local_rank,
-                pid=w.pid,
-                generation=w.generation,
                 replacement=False,
                 forked=True,
             )
-            return True
-        self._said_warm(
-            w,
-            f"rank {w.rank} (local {w.local_rank}) started from the warm spare, "
-            f"pid {w.pid}, as replacement",
-        )
+        else:
+            self._said_warm(
+                w,
+                f"rank {w.rank} (local {w.local_rank}) started from the warm spare, "
+                f"pid {w.pid}, as replacement",
+            )
         return True
 
     def keep_spare(self, template: Worker) -> None:
@@ -380,6 +372,10 @@ class Spawner:
 
     def _said_warm(self, w: Worker, message: str, **extra: object) -> None:
         """The `spawn` line of a replacement a warm spare became."""
+        self._said_spawn(w, message, replacement=True, warm=True, **extra)
+
+    def _said_spawn(self, w: Worker, message: str, replacement: bool, **extra: object) -> None:
+        """The `spawn` line of rank `w`'s new process (cold, forked or a warm spare)."""
         self.log.info(
             "spawn",
             message,
@@ -387,8 +383,7 @@ class Spawner:
             local_rank=w.local_rank,
             pid=w.pid,
             generation=w.generation,
-            replacement=True,
-            warm=True,
+            replacement=replacement,
             **extra,
         )
 
