@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Callable
 
 import pytest
 
@@ -47,7 +48,13 @@ threading.Event().wait(60)
 class Job:
     """A holder process under a board; `deaths` gets every code the watcher reports."""
 
-    def __init__(self, board: dn.NoticeBoard, mode: str = "main", slot: tuple[int, int] = (0, 0)):
+    def __init__(
+        self,
+        board: dn.NoticeBoard,
+        mode: str = "main",
+        slot: tuple[int, int] = (0, 0),
+        on_death: Callable[["Job", int], None] | None = None,
+    ):
         self.spec = board.arm(*slot)
         assert self.spec
         self.proc = subprocess.Popen(
@@ -63,7 +70,9 @@ class Job:
             self.spec,
             self.proc.pid,
             self.tid,
-            lambda code: self.deaths.put((code, time.monotonic())),
+            (lambda code: on_death(self, code))
+            if on_death
+            else (lambda code: self.deaths.put((code, time.monotonic()))),
         )
 
     def tell(self, line: str) -> None:
@@ -214,4 +223,45 @@ def test_the_reaper_reports_an_announced_exit_once(board):
         assert events.empty()
     finally:
         reaper.stop()
+        job.close()
+
+
+def test_the_reaper_lets_an_awake_watcher_report_first(board, monkeypatch):
+    """A death the notice saw is reported as one even when the pidfd's reaper wakes first (a
+    CI run: exit(3) of a forked rank reported through its pidfd, `early_notice: False`): the
+    reaper waits for the awake watcher (`NoticeBoard.settle`). Here the watcher is made slow
+    to read the dying thread's status, as the GIL makes it on a loaded machine."""
+    slow_read = dn.task_exit
+
+    def late(pid: int, tid: int):
+        time.sleep(0.1)
+        return slow_read(pid, tid)
+
+    monkeypatch.setattr(dn, "task_exit", late)
+    events: "queue.Queue[object]" = queue.Queue()
+    reaper = Reaper(events, board.settle)
+    w = Worker(local_rank=0, rank=2)
+    job = Job(board, on_death=lambda j, code: reaper.announce(w, j.proc, code))
+    try:
+        w.attach(job.proc)
+        reaper.watch(w)
+        job.tell("exit 3")
+        first = events.get(timeout=5)
+        assert (first.rank, first.code, first.early) == (2, 3, True)
+        time.sleep(0.3)
+        assert events.empty()  # the reaper only reaped it
+        assert job.proc.returncode == 3
+    finally:
+        reaper.stop()
+        job.close()
+
+
+def test_settle_does_not_wait_for_a_watcher_of_a_live_or_unknown_process(board):
+    job = Job(board)
+    try:
+        t0 = time.monotonic()
+        board.settle(job.proc.pid)  # alive: the mutex still names its thread
+        board.settle(123456789)  # never watched
+        assert time.monotonic() - t0 < 0.1
+    finally:
         job.close()

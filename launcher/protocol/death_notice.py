@@ -40,6 +40,8 @@ SLOT_BYTES = 64  # >= sizeof(pthread_mutex_t) on every glibc ABI (40 on x86_64, 
 PF_EXITING = 0x4  # task flag: the task has begun to exit (include/linux/sched.h)
 POLL_S = 0.5  # a watcher re-checks whether it was cancelled this often
 ENV = "FTRUN_DEATH_NOTICE"
+FUTEX_TID_MASK = 0x3FFFFFFF  # a robust mutex's lock word: the owner's tid, plus two flag bits
+SETTLE_S = 0.2  # the reaper waits at most this long for an awake watcher to report
 
 
 def _load_pthread():
@@ -149,6 +151,10 @@ def _deadline(seconds: float) -> _Timespec:
 # ---------------------------------------------------------------------------- the agent's side
 
 
+def _watcher_name(pid: int) -> str:
+    return f"ftrun-notice:{pid}"
+
+
 class NoticeBoard:
     """The agent's slots and watchers. Owned by the agent: `stop()` ends every watcher (within
     `POLL_S`) and closes the memfd. `enabled` is False when this system has no robust mutexes
@@ -164,6 +170,7 @@ class NoticeBoard:
         self.path = ""  # /proc/<agent pid>/fd/<memfd> once enabled
         self._lock = threading.Lock()
         self._watched: dict[int, threading.Thread] = {}  # slot -> watcher
+        self._held: dict[int, tuple[int, int]] = {}  # watched pid -> (slot, holding tid)
         self._stop = threading.Event()
         if not self.enabled:
             return
@@ -206,7 +213,7 @@ class NoticeBoard:
         t = threading.Thread(
             target=self._wait,
             args=(slot, pid, tid, on_death),
-            name=f"ftrun-notice:{pid}",
+            name=_watcher_name(pid),
             daemon=True,
         )
         with self._lock:
@@ -214,8 +221,26 @@ class NoticeBoard:
             if old is not None and old.is_alive():
                 return False
             self._watched[slot] = t
+            self._held[pid] = (slot, tid)
         t.start()
         return True
+
+    def settle(self, pid: int, timeout: float = SETTLE_S) -> None:
+        """Let `pid`'s watcher report first: called by the reaper when `pid`'s pidfd says it has
+        exited, before reporting that exit itself. The kernel released the dead thread's robust
+        mutex before it tore the process down, so its watcher is awake and about to call back
+        (on a loaded machine both threads wait for the GIL, and the reaper could win). Returns at
+        once when there is no watcher, or when the mutex still names the dead thread (the
+        kernel could not release it: the process unmapped its slot before exiting)."""
+        with self._lock:
+            slot, tid = self._held.pop(pid, (-1, 0))
+            t = self._watched.get(slot)
+        if t is None or not t.is_alive() or t.name != _watcher_name(pid) or self._map is None:
+            return
+        word = ctypes.c_uint32.from_address(self._base + slot * SLOT_BYTES).value
+        if word & FUTEX_TID_MASK == tid:
+            return
+        t.join(timeout)
 
     def _wait(self, slot: int, pid: int, tid: int, on_death: Callable[[int], None]) -> None:
         addr = ctypes.c_void_p(self._base + slot * SLOT_BYTES)
@@ -238,6 +263,7 @@ class NoticeBoard:
         with self._lock:
             threads = list(self._watched.values())
             self._watched.clear()
+            self._held.clear()
         for t in threads:
             t.join(POLL_S + 1.0)
         # a watcher still blocked would touch freed memory: keep the mapping then (process exit

@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from launcher.observe.logs import OutputPump
 from launcher.workers.adopted import AdoptedChild
@@ -224,10 +225,15 @@ def sweep_group(pid: int) -> None:
 class Reaper:
     """Reports worker exits as they happen (pidfd readiness), on `events` as WorkerExit.
 
-    Owned by the agent: `stop()` ends the thread. `watch(worker)` after each spawn."""
+    Owned by the agent: `stop()` ends the thread. `watch(worker)` after each spawn. `settle(pid)`
+    (the death-notice board's) is called before an exit seen by its pidfd is reported, so that a
+    death notice already on its way is reported as one (`announce`)."""
 
-    def __init__(self, events: "queue.Queue[object]") -> None:
+    def __init__(
+        self, events: "queue.Queue[object]", settle: Callable[[int], None] | None = None
+    ) -> None:
         self.events = events
+        self._settle = settle
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -268,6 +274,8 @@ class Reaper:
             self._sel.unregister(fd)
             os.close(fd)
         if proc.returncode is None:  # still a zombie: its pid (= its group's id) cannot be reused
+            if self._settle is not None:
+                self._settle(proc.pid)
             sweep_group(proc.pid)
         code = proc.wait()
         with self._lock:
