@@ -574,10 +574,78 @@ def test_recover_in_place_comes_before_elastic_training_in_the_chain() -> None:
     assert decide(fault(rank=3), situation(chain=chain)).strategy == P.RECOVER_IN_PLACE
 
 
-def test_a_lost_node_is_handled_as_without_elastic_training() -> None:
-    """A lost node's live shrink is not built: the loss waits for a replacement, then the
-    world shrinks by restart-all (WorldChanges.unreplaced), as with restart-all alone."""
-    lost = node_fault(joined=False)
-    assert decide(lost, situation(chain=ELASTIC_CHAIN)) == decide(
-        lost, situation(chain=(P.RESTART_ALL, P.EXIT))
+def test_a_lost_node_shrinks_live_at_once_without_recover_in_place() -> None:
+    """elastic-training without recover-in-place before it: nothing could start the node's
+    ranks on a new agent, so they leave the world at once; nobody restarts."""
+    d = decide(node_fault(joined=False), situation(chain=ELASTIC_CHAIN))
+    assert (d.strategy, d.failed_ranks, d.restart_ranks, d.charged) == (
+        P.ELASTIC,
+        (2, 3),
+        (),
+        True,
     )
+    assert "node 1 lost (x); its ranks [2, 3] leave the world at once" in d.reason
+
+
+def test_a_lost_node_below_nnodes_min_does_not_shrink_live() -> None:
+    s = Situation(ELASTIC_CHAIN, Budget(0, 3), True, 4, nodes_left=1, min_nodes=2)
+    d = decide(node_fault(joined=False), s)
+    # the chain goes on to restart-all: the loss waits for a takeover (unreplaced then ends it)
+    assert d.absorbed and "once a hot spare" in d.reason
+    from launcher.control.decision import unreplaced
+
+    e = unreplaced(node_fault(joined=False), 3.2, 3.0, nodes_left=1, min_nodes=2, s=s, nnodes=2)
+    assert e.strategy == P.EXIT and "--nnodes MIN=2 does not allow continuing on 1" in e.reason
+
+
+def test_with_recover_in_place_first_a_lost_node_waits_then_shrinks_live() -> None:
+    """The waiting rule: the loss round waits for a hot spare or the agent's return; when
+    none came within node_replace_timeout, the node's ranks leave the world live (the round
+    already charged; it supersedes the loss round)."""
+    from launcher.control.decision import unreplaced
+
+    chain = (P.RECOVER_IN_PLACE, P.ELASTIC, P.RESTART_ALL, P.EXIT)
+    lost = node_fault(joined=False)
+    assert decide(lost, situation(chain=chain)).strategy == P.RECOVER_IN_PLACE
+    rnd = Round(4, P.RECOVER_IN_PLACE, (2, 3), lost, collecting=True)
+    s = Situation(chain, Budget(3, 3), True, 6, rnd, nodes_left=2, min_nodes=2)
+    d = unreplaced(lost, 3.2, 3.0, nodes_left=2, min_nodes=2, s=s, nnodes=3)
+    assert (d.strategy, d.failed_ranks, d.restart_ranks, d.shrink) == (P.ELASTIC, (2, 3), (), False)
+    assert (d.charged, d.continues, d.supersedes) == (False, True, 4)
+    assert d.reason.endswith(
+        "elastic-training: its ranks [2, 3] leave the world, the other nodes' ranks continue "
+        "live at the interrupted step: world size 6 -> 4 (live shrink)"
+    )
+    # refused (live=False: the survivors cannot continue in a smaller world): restart-all
+    d = unreplaced(lost, 3.2, 3.0, nodes_left=2, min_nodes=2, s=s, nnodes=3, live=False)
+    assert (d.strategy, d.shrink) == (P.RESTART_ALL, True)
+    # unmodified workers never shrink live
+    s = Situation(chain, Budget(0, 3), False, 6, None)
+    assert unreplaced(lost, 3.2, 3.0, 2, 2, s, 3).strategy == P.RESTART_ALL
+
+
+def test_a_node_whose_ranks_left_in_a_live_shrink_is_absorbed() -> None:
+    """After the live shrink the node's timeout and its new agent start no round: its ranks
+    come back through the live grow back (launcher.control.grow)."""
+    from launcher.control.decision import unreplaced
+
+    s = Situation(ELASTIC_CHAIN, Budget(1, 3), True, 4, None, dropped=(2, 3))
+    joined = decide(node_fault(joined=True), s)
+    assert joined.absorbed and "come back through the live grow back" in joined.reason
+    assert decide(node_fault(joined=False), s).absorbed
+    assert unreplaced(node_fault(joined=False), 9.0, 3.0, 1, 1, s, 2).absorbed
+    # the elastic-training round dropping them is still collecting: the same
+    rnd = Round(2, P.ELASTIC, (2, 3), node_fault(joined=False), collecting=True)
+    s = Situation(ELASTIC_CHAIN, Budget(1, 3), True, 4, rnd)
+    assert decide(node_fault(joined=True), s).absorbed
+    # another node's ranks are not out of the world
+    other = Situation(ELASTIC_CHAIN, Budget(1, 3), True, 6, None, dropped=(4, 5))
+    assert decide(node_fault(joined=False), other).strategy == P.ELASTIC
+
+
+def test_a_returning_node_is_not_shrunk_again() -> None:
+    """An arrival whose ranks are in the world (a takeover before any shrink) is never a live
+    shrink: its ranks need a start."""
+    chain = (P.ELASTIC, P.RECOVER_IN_PLACE, P.RESTART_ALL)
+    d = decide(node_fault(joined=True), situation(chain=chain))
+    assert d.strategy == P.RECOVER_IN_PLACE and d.restart_ranks == (2, 3)

@@ -11,7 +11,8 @@ else):
   round_driver         driving a round's phases, a timeout each: restart-all, process-level, dump
   node_book            lost nodes and the agents holding each node; their loss and arrival as faults
   world_changes        shrinking without an unreplaced node, growing with waiting agents (regroup)
-  grow                 a live grow back after a live shrink (the dropped ranks' processes return)
+  grow                 a live grow back after a live shrink (the dropped ranks' processes return,
+                       on their node or on the new agent of a lost node)
   handoff              the state a successor needs, and taking up the round an earlier one drove
   fault_history        the job's fault history (published with every plan, for the failure summary)
   controller_settings  what it is built with: `ControllerSettings` and `ControllerHooks`
@@ -74,6 +75,7 @@ class Controller:
         self._stop = threading.Event()
         self._assemble(hooks)
         self.handoff.restore()  # the latest plan's round, when an earlier controller wrote it
+        self.grow.adopt_pause(self.handoff.restored_pause)  # a grow the earlier one started
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     def _assemble(self, hooks: ControllerHooks) -> None:
@@ -140,8 +142,12 @@ class Controller:
             d.decider,
             d.dropped,
             self._stop,
+            self._save,
         )
         d.grow_repair = self.grow.repair
+        d.node_fallback = self.world.without_live_shrink  # a lost node's shrink refused
+        self.decider.live_nodes = self.nodes.live_nodes
+        self.handoff.grow_pause = self.grow.pause_seq
 
     # ---- what the agent and the tests look at ---------------------------------------------
     @property

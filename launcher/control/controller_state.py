@@ -7,7 +7,10 @@ back from their own keys, `ControllerState.read`), and `SavedState` and its reco
 outcome), the lost nodes still waiting for a hot spare or a replacement agent (when they were lost,
 wall clock, and their `node-lost` fault, so the successor neither reports them again nor restarts
 their node_replace_timeout), and the agent incarnation of each node the controller has accounted for
-(a node held by a newer incarnation was taken over, and its arrival must start a round). The round
+(a node held by a newer incarnation was taken over, and its arrival must start a round), the
+ranks live shrinks removed from the world (elastic-training: a successor knows the world is
+shrunk, and grows it back) and the pause of a live grow back in progress (a successor ends it:
+the grow is taken up, or tried again). The round
 in progress itself is not kept here: the latest plan (`plan.plan_key`) and its phase keys (repair
 plan, go) say how far it got.
 
@@ -67,6 +70,8 @@ class SavedState:
     lost: dict[int, dict] = field(default_factory=dict)  # node -> {"at": unix time, "fault": json}
     known: dict[int, int] = field(default_factory=dict)  # node -> incarnation accounted for
     world_round: int = 0  # the rendezvous round of the world the lost nodes and known refer to
+    dropped: list[int] = field(default_factory=list)  # ranks live shrinks removed from the world
+    grow_pause: int = 0  # the pause (its seq) a live grow back in progress halted the world with
 
     def to_json(self) -> bytes:
         d = asdict(self)
@@ -84,6 +89,8 @@ class SavedState:
             lost={int(k): dict(v) for k, v in (d.get("lost") or {}).items()},
             known={int(k): int(v) for k, v in (d.get("known") or {}).items()},
             world_round=int(d.get("world_round", 0)),
+            dropped=sorted(int(r) for r in d.get("dropped") or []),
+            grow_pause=int(d.get("grow_pause") or 0),
         )
 
 

@@ -2,7 +2,8 @@
 
 Owns: `Decider`: the `Situation` a decision depends on besides the fault (the chain, the restart
 budget, whether every rank uses launcher.runtime, the round in progress, the ranks done with the
-job), deciding one fault (`decide`: logged `fault-absorbed`, `round-superseded` or `decide`, and
+job, the ranks live shrinks dropped, the live nodes), deciding one fault (`decide`: logged
+`fault-absorbed`, `round-superseded` or `decide`, and
 `peers-finished` when ranks done with the job cut the chain) and the fallback of a round that
 cannot complete (`fallback`, logged `fallback`). The ranks done with the job are the ones whose
 agents set `P.finished_key` from a process at least as new as the plan that last started the
@@ -11,6 +12,8 @@ else.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from launcher.control.controller_settings import ControllerSettings
 from launcher.control.controller_state import ControllerState
@@ -38,6 +41,10 @@ class Decider:
         self.spawned_at: dict[int, int] = {}
         # every rank said hello once (aware keys are only ever added): asked no more
         self._all_aware = False
+        # ranks live shrinks removed from the world (elastic-training): the round driver
+        # and the grow back change this set, the saved state keeps it (handoff)
+        self.dropped: set[int] = set()
+        self.live_nodes: Callable[[], int] | None = None  # the node book's, set by the controller
 
     def note_spawns(self, plan: P.Plan) -> None:
         for r in plan.restart_ranks:  # every rank for restart-all
@@ -59,6 +66,9 @@ class Decider:
             self.settings.world_size,
             self.rounds.round,
             self.finished_ranks(fault),
+            tuple(sorted(self.dropped)),
+            None if self.live_nodes is None else self.live_nodes(),
+            self.settings.fewest_nodes,
         )
 
     def finished_ranks(self, fault: P.Fault | None = None) -> tuple[int, ...]:

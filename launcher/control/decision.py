@@ -25,10 +25,16 @@ The rules, in the order `decide()` applies them (tests/test_decision.py has a te
      agent (nobody can start the ranks yet); the arrival starts the round in which the new agent
      starts them (not charged again when the loss's round already was). Unmodified workers keep
      torchrun's semantics: the loss waits (absorbed), the arrival restarts every rank. A node not
-     taken over within node_replace_timeout (`unreplaced()`) shrinks the world: restart-all in a
-     new rendezvous round without it, when the nodes left are at least --nnodes MIN, the chain
-     has restart-all and the budget has room (the node-loss round already charged counts);
-     otherwise the job ends, saying which of these stopped it. With --rdzv-conf
+     taken over within node_replace_timeout (`unreplaced()`) shrinks the world: live, when the
+     chain has elastic-training (`live_node_shrink`: the node's ranks leave the world, the
+     survivors on the other nodes continue at the interrupted step, nobody restarts), else by
+     restart-all in a new rendezvous round without it; either when the nodes left are at least
+     --nnodes MIN, the chain has it and the budget has room (the node-loss round already charged
+     counts); otherwise the job ends, saying which of these stopped it. Without recover-in-place
+     before elastic-training nothing could start the node's ranks again on a new agent, so the
+     live shrink happens at once. After a live shrink (`Situation.dropped`) the node's loss
+     changes nothing more, and its new agent (a hot spare or the agent restarted) is absorbed:
+     its ranks come back through the live grow back (launcher.control.grow). With --rdzv-conf
      scale_up=restart, agents waiting to get in grow the world the same way (`scale_up()`:
      restart-all in a new round that includes them, not charged, as in torchrun).
   4. superseded: a fault while a process-level round still collects the ranks' statuses widens
@@ -114,6 +120,9 @@ class Situation:
     world_size: int
     round: Round | None = None
     finished: tuple[int, ...] = ()  # ranks done with the job: they take part in no round (rule 6)
+    dropped: tuple[int, ...] = ()  # ranks live shrinks removed from the world (elastic-training)
+    nodes_left: int | None = None  # live nodes (None: not known; no --nnodes MIN check)
+    min_nodes: int = 1  # --nnodes MIN: the fewest nodes a lost node may shrink the world to
 
 
 @dataclass(frozen=True)
@@ -303,18 +312,53 @@ def decide(fault: P.Fault, s: Situation) -> Decision:
     )
 
 
-def _prune_for_node_loss(chain: list[str], skipped: list[str]) -> None:
+def _prune_for_node_loss(chain: list[str], skipped: list[str], s: Situation, joined: bool) -> None:
     """The strategies a lost node's ranks cannot use, removed from `chain` (why, in
     `skipped`)."""
     if P.RETRY in chain:
         chain.remove(P.RETRY)  # the node's processes are gone
         skipped.append("retry: the node's processes are gone")
-    if P.ELASTIC in chain:
+    few = too_few_nodes(s.nodes_left, s.min_nodes)
+    if P.ELASTIC in chain and (few or joined):
         chain.remove(P.ELASTIC)
         skipped.append(
-            "elastic-training: a lost node's live shrink is not built yet (the world shrinks "
-            "by restart-all after node_replace_timeout)"
+            "elastic-training: "
+            + (few or "the node is back: its ranks need a start, not a smaller world")
         )
+
+
+def too_few_nodes(nodes_left: int | None, min_nodes: int) -> str:
+    """Why the world may not shrink to `nodes_left` nodes ("" when it may)."""
+    if nodes_left is not None and nodes_left < min_nodes:
+        return f"--nnodes MIN={min_nodes} does not allow continuing on {nodes_left} node(s)"
+    return ""
+
+
+def out_of_world(ranks: Sequence[int], s: Situation) -> bool:
+    """True when every rank of `ranks` left the world in a live shrink (done, or the
+    elastic-training round in progress that drops them)."""
+    rnd = s.round
+    gone = set(s.dropped)
+    if rnd is not None and rnd.strategy == P.ELASTIC and rnd.collecting:
+        gone |= set(rnd.failed_ranks)
+    return bool(ranks) and set(ranks) <= gone
+
+
+NODE_SHRINK_AT_ONCE = (
+    "its ranks {ranks} leave the world at once (no recover-in-place before elastic-training "
+    "could start them on a new agent); the other nodes' ranks go on in a smaller world (live "
+    "shrink)"
+)
+
+
+def dropped_node(what: str, ranks: Sequence[int], joined: bool) -> Decision:
+    """A node whose ranks left the world in a live shrink: its loss, timeout or new agent
+    starts no round (the new agent's ranks come back through the live grow back)."""
+    return Decision(
+        None,
+        f"{what}: its ranks {list(ranks)} left the world in a live shrink (elastic-training)"
+        + ("; they come back through the live grow back" if joined else "; nothing more to do"),
+    )
 
 
 def node_ranks(fault: P.Fault) -> tuple[int, ...]:
@@ -332,11 +376,13 @@ def _node_decision(fault: P.Fault, s: Situation) -> Decision:
         if joined
         else f"node {fault.node} lost ({fault.message})"
     )
+    if out_of_world(ranks, s):
+        return dropped_node(what, ranks, joined)
     collecting = rnd is not None and rnd.collecting
     prior = set(rnd.failed_ranks) if collecting and rnd is not None else set()
     continues = joined and collecting and set(ranks) <= prior
     chain, skipped, peers = without_finished(s.chain, s.finished, sorted(prior | set(ranks)))
-    _prune_for_node_loss(chain, skipped)
+    _prune_for_node_loss(chain, skipped, s, joined)
     strategy, why = walk_chain(
         FaultKind.NODE_LOST, chain, s.runtime_aware, s.budget.left or continues, skipped=skipped
     )
@@ -366,6 +412,8 @@ def _node_decision(fault: P.Fault, s: Situation) -> Decision:
             "or a replacement agent takes over the node",
         )
     failed = tuple(sorted(prior | set(ranks)))
+    if strategy == P.ELASTIC:
+        why = NODE_SHRINK_AT_ONCE.format(ranks=list(ranks))
     return Decision(
         strategy,
         f"{what}; {why}",
@@ -399,21 +447,27 @@ def unreplaced(
     s: Situation | None = None,
     nnodes: int = 0,
     renumber: str = "",
+    live: bool = True,
 ) -> Decision:
     """A lost node (`fault`, its node_lost report) that no hot spare or replacement agent took
-    over within node_replace_timeout. The world shrinks (restart-all in a new rendezvous round
-    on the `nodes_left` remaining nodes of `nnodes`, `shrink=True`) when --nnodes MIN allows
-    it, the chain `s.chain` has restart-all and the budget has room (not charged again when the
-    round in progress is this node's loss round, already charged); `renumber` says why the
-    rendezvous cannot start a new round ("" when it can). Otherwise the job ends, saying why."""
+    over in time. When --nnodes MIN allows continuing on the `nodes_left` remaining nodes of
+    `nnodes`, the world shrinks: live (`live`, elastic-training in `s.chain`:
+    `live_node_shrink`), else by restart-all in a new rendezvous round (`shrink=True`; not
+    possible: `renumber` says why), with budget (the node's charged loss round counts).
+    Otherwise the job ends, saying why; a node already out of the world is absorbed."""
     what = (
         f"node {fault.node} lost ({fault.message}): no hot spare or replacement agent took "
         f"it over within node_replace_timeout={timeout:g}s (waited {waited:.1f}s)"
     )
     failed = node_ranks(fault)
     continues = is_loss_round(s.round if s is not None else None, fault.node)
-    if nodes_left < min_nodes:
-        rest = f"--nnodes MIN={min_nodes} does not allow continuing on {nodes_left} node(s)"
+    if s is not None and out_of_world(failed, s):
+        return dropped_node(what, failed, False)
+    few = too_few_nodes(nodes_left, min_nodes)
+    if live and not few and (d := live_node_shrink(fault, what, s, continues)) is not None:
+        return d
+    if few:
+        rest = few
     elif s is None or P.RESTART_ALL not in s.chain:
         rest = (
             f"continuing on the {nodes_left} remaining node(s) needs restart-all in "
@@ -444,6 +498,38 @@ def unreplaced(
             shrink=True,
         )
     return Decision(P.EXIT, f"{what}; {rest}", fault, failed, (), charged=False)
+
+
+def live_node_shrink(
+    fault: P.Fault, what: str, s: Situation | None, continues: bool
+) -> Decision | None:
+    """The live shrink of a lost node not taken over in time (elastic-training in the chain,
+    every rank uses launcher.runtime, budget left or the node's loss round charged already):
+    its ranks (and the loss round's other failed ranks) leave the world; None otherwise."""
+    if s is None or P.ELASTIC not in s.chain or not s.runtime_aware:
+        return None
+    if not (s.budget.left or continues):
+        return None
+    rnd = s.round
+    collecting = rnd is not None and rnd.collecting
+    prior = set(rnd.failed_ranks) if collecting and rnd is not None else set()
+    ranks = node_ranks(fault)
+    failed = tuple(sorted(prior | set(ranks)))
+    why = (
+        f"{what}; elastic-training: its ranks {list(ranks)} leave the world, the other nodes' "
+        f"ranks continue live at the interrupted step: world size {s.world_size - len(s.dropped)}"
+        f" -> {s.world_size - len(s.dropped) - len(failed)} (live shrink)"
+    )
+    return Decision(
+        P.ELASTIC,
+        why,
+        fault,
+        failed,
+        (),
+        charged=not continues,
+        supersedes=rnd.generation if collecting and rnd is not None else None,
+        continues=continues,
+    )
 
 
 def scale_up(

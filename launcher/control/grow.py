@@ -111,6 +111,7 @@ class GrowBack:
         decider: Decider,
         dropped: set[int],
         stopped: threading.Event,
+        save: Callable[[], None] | None = None,
     ) -> None:
         self.kv, self.log, self.settings, self.rounds = kv, log, settings, rounds
         self.intake, self.decider = intake, decider
@@ -120,6 +121,17 @@ class GrowBack:
         self._pause: int | None = None  # the grow's pause request (its seq), until it ends
         self._t0 = 0.0  # when the grow started (its pause was requested)
         self._said = ""  # the last "waiting" line (said once)
+        self.save = save or (lambda: None)  # the controller's state for a successor (handoff)
+
+    def pause_seq(self) -> int:
+        """The pause of the grow in progress (0: none), for the saved state."""
+        return self._pause or 0
+
+    def adopt_pause(self, seq: int) -> None:
+        """A grow's pause an earlier controller left in effect (its saved state): this grow
+        back ends it (with the grow round it published, or as an abandoned try)."""
+        if seq and self._pause is None:
+            self._pause, self._t0 = seq, time.monotonic()
 
     # ---- the start: halted at a step boundary, then the decision -------------------------
     def due(self) -> Decision | None:
@@ -164,6 +176,7 @@ class GrowBack:
         seq = kv.add(P.PAUSE_SEQ, 1)
         self._pause, self._t0 = seq, time.monotonic()
         kv.set(P.PAUSE_KEY, P.PauseRequest(seq=seq, max_s=HALT_MAX_S).to_json())
+        self.save()  # a successor ends this pause (handoff)
         nudge = kv.add(P.INJECT_SEQ, 1)
         kv.set(P.inject_key(nudge), P.Injection(rank=P.EVERY_RANK, kind=P.PAUSE_KIND).to_json())
         keys = [P.pause_halted_key(seq, r) for r in ranks]

@@ -2,10 +2,13 @@
 
 Owns: `Handoff`. `save` writes what a successor needs (`launcher.control.controller_state`,
 fenced by the controller's term): the fault history, the lost nodes waiting for a new agent and
-the agent incarnations accounted for. `restore` (when the controller is built) reads it back:
-the history (from the latest plan when the earlier controller died between publishing it and
-saving), and, when the saved state is of this world's rendezvous round, the lost nodes (their
-loss is not reported again, their node_replace_timeout runs on) and the incarnations; who each
+the agent incarnations accounted for, the ranks live shrinks dropped and a live grow's pause.
+`restore` (when the controller is built) reads it back: the history (from the latest plan when
+the earlier controller died between publishing it and saving), and, when the saved state is of
+this world's rendezvous round, the lost nodes (their loss is not reported again, their
+node_replace_timeout runs on), the incarnations, the dropped ranks (the world is shrunk: the
+grow back and the decisions know it) and a grow's pause (`restored_pause`: the grow back ends
+it, or takes it up with the grow round); who each
 published plan restarted; and the round of the latest plan, in the phase its keys say
 (`round_phase.found_phase`). `reconcile` (before `start()`) compares that with the membership
 now: a node lost meanwhile is reported lost, a node taken over meanwhile (a hot spare that
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Callable
 
 from launcher.control import controller_state as CS
 from launcher.control.controller_settings import ControllerSettings
@@ -52,6 +56,9 @@ class Handoff:
         self.state, self.history, self.nodes, self.rounds = state, history, nodes, rounds
         self.decider = decider
         self.save_lock = threading.Lock()  # one save at a time (any thread)
+        # the pause of a live grow back in progress (GrowBack.pause_seq), set by the controller
+        self.grow_pause: Callable[[], int] = lambda: 0
+        self.restored_pause = 0  # a grow's pause an earlier controller left in effect
 
     def save(self) -> None:
         """The state a successor needs (`launcher.control.controller_state`); FencedError when
@@ -67,6 +74,8 @@ class Handoff:
                     lost,
                     known,
                     self.settings.world_round,
+                    sorted(self.decider.dropped),
+                    self.grow_pause(),
                 ),
             )
 
@@ -79,6 +88,8 @@ class Handoff:
         plan = P.Plan.from_json(raw) if raw is not None else None
         if saved is not None and saved.world_round == self.settings.world_round:
             self.nodes.restore(saved.lost, saved.known)
+            self.decider.dropped.update(saved.dropped)  # the world is shrunk: it may grow back
+            self.restored_pause = saved.grow_pause
         if saved is not None and (plan is None or saved.generation >= g):
             self.history.entries = [dict(h) for h in saved.history]
         elif plan is not None:  # it died between publishing the plan and saving its state

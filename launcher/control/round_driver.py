@@ -58,7 +58,10 @@ class RoundDriver:
         self.intake, self.decider, self.nodes, self.publisher = intake, decider, nodes, publisher
         self.overdue = overdue  # a lost node's timeout or waiting agents (WorldChanges)
         self.stopped = stopped
-        self.dropped: set[int] = set()  # ranks live shrinks removed (elastic-training)
+        self.dropped = decider.dropped  # ranks live shrinks removed (elastic-training)
+        # a lost node's live shrink that cannot be made: what follows instead (the shrink by
+        # restart-all in a new rendezvous round, or the exit; WorldChanges.unreplaced)
+        self.node_fallback: Callable[[P.Fault, str], Decision] | None = None
         # a grow round's repair plan (launcher.control.grow: GrowBack.repair), set by the
         # controller
         self.grow_repair: Callable[[P.Plan, list[P.RankStatus], list[int]], P.RepairPlan] | None
@@ -180,6 +183,15 @@ class RoundDriver:
             round_phase=self.rounds.phase.value,
         )
         if repair.fallback:
+            rnd = self.rounds.round
+            if (  # a lost node's: no agent there restarts its ranks, the world regroups
+                plan.strategy == P.ELASTIC
+                and rnd is not None
+                and rnd.cause.rank is None
+                and rnd.cause.evidence.get("node_lost")
+                and self.node_fallback is not None
+            ):
+                return self.node_fallback(rnd.cause, repair.reason or "no live shrink")
             return self.decider.fallback(g, repair.reason or "no healthy replica")
         self.publisher.outcome(g, "recovered")
         return None

@@ -1,9 +1,12 @@
 """Changes of the world itself: shrinking without a lost node, growing with waiting agents.
 
 Owns: `WorldChanges`. A lost node not taken over within node_replace_timeout (`unreplaced`,
-once per loss) is decided by `decision.unreplaced`: the world shrinks (restart-all in a new
-rendezvous round without the node) or the job ends with the reason (below --nnodes MIN, no
-restart-all in the chain, no budget, a static rendezvous: it cannot renumber the nodes). With
+once per loss) is decided by `decision.unreplaced`: the world shrinks (live with
+elastic-training: event `node-shrink`; else restart-all in a new rendezvous round without the
+node) or the job ends with the reason (below --nnodes MIN, no restart-all in the chain, no
+budget, a static rendezvous: it cannot renumber the nodes). A live shrink of a lost node that
+cannot be made (`without_live_shrink`: the survivors cannot continue in a smaller world, no
+replica left) takes the restart-all way instead. With
 `--rdzv-conf scale_up=restart` (torchrun's behaviour), agents waiting to get in grow the world
 (`scale_up`, `decision.scale_up`: restart-all in a new round that includes them). Either way
 `regroup` opens the new rendezvous round first (`ControllerHooks.new_round`, so every agent that
@@ -74,7 +77,21 @@ class WorldChanges:
             s.nnodes,
             "" if self.hooks.new_round is not None else STATIC_RENDEZVOUS,
         )
-        if d.shrink:
+        if d.absorbed:
+            self.log.info("node-not-replaced", d.reason, lost_node=node)
+            return None
+        if d.strategy == P.ELASTIC:
+            self.log.warning(
+                "node-shrink",
+                d.reason,
+                lost_node=node,
+                reason=fault.message,
+                strategy=d.strategy,
+                nodes_left=left,
+                waited_s=round(now - at, 3),
+                node_replace_timeout=s.node_replace_timeout,
+            )
+        elif d.shrink:
             self.log.warning(
                 "world-shrink",
                 d.reason,
@@ -89,6 +106,29 @@ class WorldChanges:
             )
         else:
             self.log.error("node-not-replaced", d.reason, lost_node=node, strategy=d.strategy)
+        return d
+
+    def without_live_shrink(self, fault: P.Fault, why: str) -> Decision:
+        """A lost node's live shrink that cannot be made (`why`): the world shrinks by
+        restart-all in a new rendezvous round without the node, or the job ends (one line)."""
+        s = self.settings
+        with self.nodes.lock:
+            at = self.nodes.lost_at.pop(fault.node, (time.monotonic(), fault))[0]
+        d = unreplaced(
+            fault,
+            time.monotonic() - at,
+            s.node_replace_timeout,
+            self.nodes.live_nodes(),
+            s.fewest_nodes,
+            self.situation(),
+            s.nnodes,
+            "" if self.hooks.new_round is not None else STATIC_RENDEZVOUS,
+            live=False,
+        )
+        d = dataclasses.replace(
+            d, reason=f"node {fault.node}: no live shrink ({why}); {d.reason}", continues=True
+        )
+        self.log.error("node-shrink-refused", d.reason, lost_node=fault.node, strategy=d.strategy)
         return d
 
     def scale_up(self) -> Decision | None:
