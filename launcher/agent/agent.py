@@ -56,6 +56,7 @@ from launcher.agent.fault_reports import FaultReporter
 from launcher.agent.hang_guard import HangGuard
 from launcher.agent.loop_store import LoopStore
 from launcher.agent.membership_news import MembershipNews
+from launcher.agent.node_return import concerns_replacement, enter_as_replacement
 from launcher.agent.plan_executor import JobFailed
 from launcher.agent.spare_care import tend_spares
 from launcher.agent.store_stack import StoreStack
@@ -249,17 +250,8 @@ class Agent:
         s.workers = NodeWorkers.create(world.rank_base, self.cfg.nproc_per_node)
         build_world_parts(s, world, self._master, self.stack.lost_error)
         assert s.spawner is not None
-        if rejoined:
-            s.enter(AgentPhase.AWAITING_ROUND)
-            self.log.warning(
-                "rejoined",
-                f"replacement agent for node {world.group_rank}: "
-                f"waiting for generation {s.generation + 1}",
-            )
-            if s.controller is not None:
-                # It took over the leader's node and runs the controller itself: no other agent
-                # reports its arrival, so it does (else no round would ever start its ranks).
-                self.news.report_arrival(world.group_rank)
+        if rejoined:  # its ranks start in its arrival's round, or return (live grow back)
+            enter_as_replacement(s, world, self.news.report_arrival)
         else:
             s.enter(AgentPhase.RUNNING)
             s.spawner.spawn_all(s.workers.all(), s.generation)
@@ -347,11 +339,8 @@ class Agent:
         s.generation = plan.generation
         self.log.generation = plan.generation
         if s.phase is AgentPhase.AWAITING_ROUND:
-            cause = plan.root_cause or {}
-            if not (
-                cause.get("evidence", {}).get("node_joined")
-                and cause.get("node") == s.world.group_rank
-            ):
+            local = [w.rank for w in s.workers.all()]
+            if not concerns_replacement(plan, s.world.group_rank, local):
                 self.log.info(
                     "plan-skipped",
                     f"generation {plan.generation} began before this "

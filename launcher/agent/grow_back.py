@@ -11,7 +11,10 @@ whose process ended just before gets a new one for the grow's own round); each l
 (it is a rank of the world again) when it says it recovered. A returning process
 that ends before that is one line and no fault (the world stays as it is): its status key is
 deleted, so the controller does not grow with it. `FTRUN_ELASTIC_GROW=0` (`--rdzv-conf
-elastic_grow=0`, `LaunchConfig.elastic_grow`) starts none: the world stays shrunk.
+elastic_grow=0`, `LaunchConfig.elastic_grow`) starts none: the world stays shrunk. A lost node's
+new agent (a hot spare, or the node's agent restarted) whose ranks a live shrink dropped starts
+their returning processes when it joins (`rejoin`, launcher.agent.node_return): the world grows
+back across hosts the same way.
 """
 
 from __future__ import annotations
@@ -63,6 +66,16 @@ class ReturningRanks:
         if not self.enabled:
             return
         target = plan.generation + 1
+        for w in self.workers.of_ranks(sorted(self.workers.left)):
+            self._start(w, target)
+
+    def rejoin(self, ranks: list[int], target: int) -> None:
+        """A replacement agent of a lost node whose `ranks` left the world in a live shrink
+        (launcher.agent.node_return): they are this node's dropped ranks, each with a
+        returning process for generation `target`, as after a live shrink here."""
+        self.workers.left.update(w.rank for w in self.workers.of_ranks(ranks))
+        if not self.enabled:
+            return
         for w in self.workers.of_ranks(sorted(self.workers.left)):
             self._start(w, target)
 

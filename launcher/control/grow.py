@@ -235,6 +235,7 @@ class GrowBack:
         self.dropped.difference_update(back)
         cost = time.monotonic() - self._t0 if self._pause is not None else 0.0
         self._end_pause(f"world grow: generation {g}")
+        self.save()  # the world is whole again, for a successor too (handoff)
         self.log.warning(
             "world-grow",
             f"generation {g}: ranks {back} are back, received from "

@@ -198,6 +198,7 @@ class RoundDriver:
 
     def _shrunk(self, plan: P.Plan, ranks: list[int]) -> None:
         self.dropped |= set(plan.failed_ranks)
+        self.publisher.save()  # a successor knows the world is shrunk (handoff)
         before = self.settings.world_size - len(self.dropped) + len(plan.failed_ranks)
         self.log.warning(
             "world-shrink",

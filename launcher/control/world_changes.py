@@ -125,9 +125,7 @@ class WorldChanges:
             "" if self.hooks.new_round is not None else STATIC_RENDEZVOUS,
             live=False,
         )
-        d = dataclasses.replace(
-            d, reason=f"node {fault.node}: no live shrink ({why}); {d.reason}", continues=True
-        )
+        d = dataclasses.replace(d, reason=f"node {fault.node}: {why}; {d.reason}", continues=True)
         self.log.error("node-shrink-refused", d.reason, lost_node=fault.node, strategy=d.strategy)
         return d
 
