@@ -22,7 +22,7 @@ from launcher.workers.workers import NodeWorkers, Reaper, stop_workers
 from rendezvous.store.memory import LocalKV
 
 
-def _node(tmp_path, env: dict[str, str]):
+def _node(tmp_path, env: dict[str, str], spawn: bool = True):
     script = tmp_path / "sleeper.py"
     script.write_text("import time\ntime.sleep(120)\n")
     argv = ["--nproc_per_node", "2", "--warm_spares", "0", "--log_dir", str(tmp_path / "logs")]
@@ -44,7 +44,8 @@ def _node(tmp_path, env: dict[str, str]):
     )
     kv = LocalKV()
     ex = PlanExecutor(cfg, log, kv, world, workers, spawner, channel, JobFailures())
-    spawner.spawn_all(workers.all(), 0)
+    if spawn:  # else: a lost node's new agent, its ranks not started yet
+        spawner.spawn_all(workers.all(), 0)
     return ex, kv, (workers, reaper, channel)
 
 
@@ -156,5 +157,37 @@ def test_elastic_grow_off_starts_no_returning_process(tmp_path) -> None:
         assert not w1.alive and ex.returning.waiting == {} and ex.workers.left == {1}
     finally:
         stop_workers(workers.all(), signal.SIGKILL, 0.0)
+        reaper.stop()
+        channel.stop()
+
+
+def test_a_lost_nodes_new_agent_starts_returning_processes_for_its_dropped_ranks(tmp_path):
+    """launcher.agent.node_return: a live shrink dropped every rank of this node; its new
+    agent starts a returning process for each, for the next generation, and the grow plan
+    takes them back as on the node where they were dropped."""
+    ex, kv, parts = _node(tmp_path, {}, spawn=False)
+    try:
+        ex.returning.rejoin([0, 1], 4)
+        w0, w1 = ex.workers.all()
+        assert ex.workers.left == {0, 1} and ex.returning.waiting == {0: 4, 1: 4}
+        assert w0.alive and w1.alive and (w0.generation, w1.generation) == (4, 4)
+        pids = (w0.pid, w1.pid)
+        assert ex.execute(P.Plan(generation=4, strategy=P.GROW, restart_ranks=[0, 1])) is None
+        assert (w0.pid, w1.pid) == pids and ex.returning.growing == {0, 1}
+    finally:
+        workers, reaper, channel = parts
+        stop_workers(workers.all(), signal.SIGKILL, 0.0)
+        reaper.stop()
+        channel.stop()
+
+
+def test_with_the_grow_off_a_new_agent_starts_nothing(tmp_path):
+    ex, kv, parts = _node(tmp_path, {"FTRUN_ELASTIC_GROW": "0"}, spawn=False)
+    try:
+        ex.returning.rejoin([0, 1], 4)
+        assert ex.workers.left == {0, 1} and ex.returning.waiting == {}
+        assert not any(w.alive for w in ex.workers.all())
+    finally:
+        workers, reaper, channel = parts
         reaper.stop()
         channel.stop()
