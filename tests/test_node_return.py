@@ -4,7 +4,7 @@ the round of its arrival; which plans published meanwhile are for it."""
 
 from __future__ import annotations
 
-from launcher.agent.node_return import concerns_replacement, dropped_here
+from launcher.agent.node_return import concerns_replacement, dropped_here, nodes_out
 from launcher.control import controller_state as CS
 from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
@@ -48,3 +48,11 @@ def test_which_plans_are_for_an_agent_awaiting_its_round() -> None:
     assert concerns_replacement(plan(2, P.ELASTIC, failed=[2, 3]), 1, [2, 3])
     assert not concerns_replacement(plan(2, P.ELASTIC, failed=[3]), 1, [2, 3])
     assert not concerns_replacement(plan(2, P.RECOVER_IN_PLACE, failed=[2, 3]), 1, [2, 3])
+
+
+def test_the_end_barrier_does_not_wait_for_a_node_dropped_whole() -> None:
+    kv = LocalKV()
+    assert nodes_out(kv, 3, 2, 0) == 0
+    CS.save(kv, CS.SavedState(CS.take_term(kv), 1, dropped=[3, 4, 5], world_round=0))
+    assert nodes_out(kv, 3, 2, 0) == 1  # node 2 (ranks 4, 5); node 1 still has rank 2
+    assert nodes_out(kv, 3, 2, 1) == 0  # another world's record

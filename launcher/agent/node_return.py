@@ -8,7 +8,9 @@ the world get returning processes at once, as after a one-rank live shrink
 (`grow_back.ReturningRanks.rejoin`), and the agent is an ordinary member from then on; else it
 awaits the round of its arrival, which starts its ranks) and `concerns_replacement` (whether a
 plan published while it awaits that round is for it: its arrival's round, or the live shrink
-that drops every rank of its node, after which its ranks return through the grow back).
+that drops every rank of its node, after which its ranks return through the grow back), and
+`nodes_out` (the nodes a live shrink dropped whole: the job's end barrier does not wait for
+them).
 
 The controller absorbs such an arrival (`decision.out_of_world`: no round starts the ranks of a
 node that left the world) and grows the world back once the returning processes posted their
@@ -42,6 +44,17 @@ def dropped_here(kv: KVStore, ranks: Sequence[int], generation: int, world_round
         elif plan.strategy == P.RESTART_ALL:
             gone.clear()  # every rank of the job starts again
     return sorted(ranks) if ranks and set(ranks) <= gone else []
+
+
+def nodes_out(kv: KVStore, nodes: int, per_node: int, world_round: int) -> int:
+    """How many of this world's `nodes` (of `per_node` ranks each) a live shrink dropped
+    whole (the controller's saved state): the job's end barrier does not wait for them (no
+    agent, or one whose ranks never run again)."""
+    saved = CS.load(kv)
+    if saved is None or saved.world_round != world_round or not saved.dropped:
+        return 0
+    gone = set(saved.dropped)
+    return sum(1 for n in range(nodes) if set(range(n * per_node, (n + 1) * per_node)) <= gone)
 
 
 def concerns_replacement(plan: P.Plan, node: int, ranks: Sequence[int]) -> bool:

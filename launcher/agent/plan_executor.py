@@ -91,6 +91,8 @@ class PlanExecutor:
         self.returning = ReturningRanks(log, kv, workers, spawner, cfg.elastic_grow)
         # the node's ranks' statuses of a process-level round, as one record for the controller
         self.relay = StatusRelay(kv, world.group_rank, log, cfg.phase_timeout, self.stop)
+        # nodes a live shrink dropped whole: the end barrier does not wait for them (node_return)
+        self.nodes_out: Callable[[], int] = lambda: 0
 
     def execute(self, plan: P.Plan) -> int | None:
         self.log.info(
@@ -274,15 +276,16 @@ class PlanExecutor:
         """This node's workers all succeeded: wait for every node's, then leave. Returns 0, or
         the event that interrupted the wait (a new round: another node failed; a signal)."""
         n = self.kv.add(P.done_key(generation), 1)
+        nodes = self.world.group_world_size - self.nodes_out()
         self.log.info(
             "node-done",
-            f"all local workers finished ({n}/{self.world.group_world_size} nodes done)",
+            f"all local workers finished ({n}/{nodes} nodes done)",
             nodes_done=n,
         )
         deadline = time.monotonic() + FINISH_TIMEOUT
         while time.monotonic() < deadline:
             raw = self.kv.try_get(P.done_key(generation))
-            if raw is not None and int(raw) >= self.world.group_world_size:
+            if raw is not None and int(raw) >= nodes:
                 break
             try:
                 ev = events.get(timeout=0.1)
@@ -295,7 +298,7 @@ class PlanExecutor:
             end = time.monotonic() + LEAVE_TIMEOUT
             while time.monotonic() < end and not self.stop.is_set():
                 raw = self.kv.try_get(P.EXITED_KEY)
-                if raw is not None and int(raw) >= self.world.group_world_size:
+                if raw is not None and int(raw) >= nodes:
                     break
                 time.sleep(0.05)
         self.log.info("job-done", "job finished successfully")

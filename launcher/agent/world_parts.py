@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from launcher.agent.agent_state import AgentState
+from launcher.agent.node_return import nodes_out
 from launcher.agent.plan_executor import PlanExecutor
 from launcher.agent.store_stack import AgentWorld
 from launcher.observe.logs import AgentLog
@@ -84,6 +85,8 @@ def build_world_parts(
         lost=lambda: lost_error() is not None,
         stop_sent=s.hangs.stop_sent,
     )
+    kv, per_node, world_round = s.kv, s.cfg.nproc_per_node, s.stack.world_round()
+    s.executor.nodes_out = lambda: nodes_out(kv, world.group_world_size, per_node, world_round)
 
 
 def announce_round(log: AgentLog, plan: P.Plan, before: AgentWorld, world: AgentWorld) -> None:
