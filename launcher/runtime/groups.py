@@ -23,10 +23,14 @@ class GroupHandle:
     ranks: list[int]  # the members of this rank's group ([] when it is in none)
     group: Any = None  # the torch ProcessGroup of the current generation
     generation: int = -1
+    original_size: int = 0  # members when the group was created (0: `size`)
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    def __post_init__(self) -> None:
+        self.original_size = self.original_size or len(self.ranks)
 
     def rank_of(self, global_rank: int) -> int:
         return self.ranks.index(global_rank)

@@ -303,7 +303,8 @@ class Runtime:
         """`torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)` whose collectives go
         through the runtime; `process_group` takes a GroupHandle (see launcher.runtime.ddp)."""
         state = self._state
-        state.shrinkable = False  # rt.ddp is not resized by a live shrink (native loop only)
+        if ddp_kwargs.get("process_group") is not None:
+            state.shrinkable = False  # a user group is not re-formed for a smaller world
         host = DDPHost(
             rank=self.rank,
             log=self.log,
@@ -317,20 +318,7 @@ class Runtime:
         return RuntimeDDP.build(host, module, **ddp_kwargs)
 
     def _grad_comm(self, group: GroupHandle | None) -> GradComm:
-        if group is not None and self.rank not in group.ranks:
-            raise ValueError(
-                f"rank {self.rank} is not a member of group {group.name!r} ({group.ranks})"
-            )
-        return GradComm(
-            self._coll,
-            lambda: _pg(group),
-            self.world_size if group is None else group.size,
-            0 if group is None else group.ranks[0],
-            tuple(range(self.world_size)) if group is None else tuple(group.ranks),
-            # after a live shrink the average keeps the global batch: it divides by the
-            # original number of micro-batches (launcher.runtime.elastic)
-            divisor=self.env.world_size if group is None and self._state.members else 0,
-        )
+        return self._world.grad_comm(self._coll, group)
 
     # ================================================================ step loop
     def steps(self, total: int) -> Iterator[Step]:

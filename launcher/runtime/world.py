@@ -16,12 +16,13 @@ from typing import Callable
 import torch.distributed as dist
 
 from launcher.protocol import plan as P
+from launcher.runtime.buckets import GradComm
 from launcher.runtime.build_stores import BuildStores
-from launcher.runtime.collectives import Graveyard
+from launcher.runtime.collectives import Graveyard, Interruptible
 from launcher.runtime.devices import DeviceAdapter
 from launcher.runtime.elastic import ElasticView
 from launcher.runtime.group_sockets import SocketLedger
-from launcher.runtime.groups import GroupRegistry
+from launcher.runtime.groups import GroupHandle, GroupRegistry
 from launcher.runtime.rank_state import RankLinks, RankState
 from launcher.runtime.wait_probe import (
     STUCK_AFTER_BREAK_S,
@@ -79,6 +80,26 @@ class World:
                     self.on_rebuild(generation)
         finally:
             self.build_stores.finished(generation)
+
+    def grad_comm(self, coll: Interruptible, group: GroupHandle | None) -> GradComm:
+        """Gradient communication over `group` (None: every rank) in the current world. After a
+        live shrink the average keeps the global batch: it divides by the group's original
+        size (launcher.runtime.elastic), and broadcasts name their source by torch's rank."""
+        rank = self.links.rank
+        if group is not None and rank not in group.ranks:
+            raise ValueError(f"rank {rank} is not a member of group {group.name!r} ({group.ranks})")
+        members = self.elastic.members
+        ranks = tuple(members) if group is None else tuple(group.ranks)
+        original = self.links.env.world_size if group is None else group.original_size
+        return GradComm(
+            coll,
+            lambda: None if group is None else group.group,
+            len(ranks),
+            members.index(ranks[0]),
+            ranks,
+            divisor=original if original != len(ranks) else 0,
+            torch_ranks=tuple(members.index(r) for r in ranks),
+        )
 
     def _init_default_group(self, store: dist.PrefixStore) -> None:
         """init_process_group on `store`; when it fails, the group it named is forgotten.

@@ -7,13 +7,16 @@ plus a lost replica's after a shrink), accumulating gradients, then `rt.allreduc
 averages over the N micro-batches. After each committed step the rank appends {"step", "micro",
 "rank", "pid", "world", "dp", "state"} to --consumed ('{rank}' replaced; "state": a digest of
 the model and optimizer state at the start of the step); a resize callback appends
-{"resize": [old, new], "pid"}. Rank 0 (or every rank with '{rank}' in --out) writes its final
-parameters to --out. `reference(steps, n)` is the same training in one process.
+{"resize": [old, new], "pid"}. `--mode ddp` trains through `rt.ddp` instead (the micro-batches
+accumulated under `no_sync()` but the last, whose backward DDP all-reduces). Rank 0 (or every
+rank with '{rank}' in --out) writes its final parameters to --out. `reference(steps, n)` is
+the same training in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -74,6 +77,7 @@ def main() -> None:
     ap.add_argument("--shrunk-step-time", type=float, default=None)
     ap.add_argument("--consumed", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--mode", choices=("native", "ddp"), default="native")
     args = ap.parse_args()
 
     rt = ftr.init(backend="gloo")
@@ -86,7 +90,8 @@ def main() -> None:
         log.flush()
 
     rt.on_resize = lambda old, new: note(resize=[old, new], pid=os.getpid())
-    rt.register(model=model, optimizer=opt)
+    net = rt.ddp(model) if args.mode == "ddp" else model
+    rt.register(model=net, optimizer=opt)
     for step in rt.steps(args.steps):
         micro = list(rt.micro_batches)
         at_start = digest(model, opt)
@@ -96,10 +101,17 @@ def main() -> None:
                 time.sleep(args.shrunk_step_time if shrunk else args.step_time)
                 opt.zero_grad(set_to_none=True)
             with step.phase("backward"):
-                for j in micro:
+                for i, j in enumerate(micro):
                     x, y = batch(step.index, j)
-                    torch.nn.functional.mse_loss(model(x), y).backward()
-                rt.allreduce_gradients(model)
+                    last = i == len(micro) - 1
+                    # rt.ddp: DDP all-reduces in the backward of the last micro-batch only
+                    quiet = (
+                        net.no_sync() if net is not model and not last else contextlib.nullcontext()
+                    )
+                    with quiet:
+                        torch.nn.functional.mse_loss(net(x), y).backward()
+                if net is model:
+                    rt.allreduce_gradients(model)
             with step.optimizer_update():
                 opt.step()
         if not step.interrupted:
