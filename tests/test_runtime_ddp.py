@@ -408,7 +408,7 @@ class _FakeColl:
 class _FakeComm:
     """Two ranks; records which tensors were all-reduced (by their element count)."""
 
-    size, root, coll = 2, 0, _FakeColl()
+    size, root, coll, divisor = 2, 0, _FakeColl(), 0
 
     def __init__(self) -> None:
         self.reduced: list[int] = []

@@ -224,7 +224,8 @@ class Runtime:
 
     def _set_layout(self, layout: Layout) -> None:
         self._state.layout = layout
-        self._state.shrinkable = False  # a live shrink handles plain data parallelism only
+        # a live shrink drops whole data-parallel replicas (launcher.control.shrink)
+        self._state.shrinkable = self._state.shrinkable and layout.shrinks_by_replicas()
         self._publish_shard()
 
     def _publish_shard(self) -> None:
@@ -239,7 +240,6 @@ class Runtime:
             if ranks and isinstance(ranks[0], (list, tuple))
             else [list(ranks)]
         )
-        self._state.shrinkable = False  # user groups are not re-formed for a smaller world
         with self._world.sockets.track(self.generation):
             return self._world.groups.create(name, partition, self.generation)  # type: ignore[arg-type]
 
@@ -258,9 +258,10 @@ class Runtime:
     def broadcast(
         self, tensor: torch.Tensor, src: int, group: GroupHandle | None = None
     ) -> torch.Tensor:
+        """`src` is a rank number (`rt.rank`'s numbering, also after a live shrink)."""
         if group is not None and group.size <= 1:
             return tensor
-        return self._coll.broadcast(tensor, src, _pg(group))
+        return self._coll.broadcast(tensor, self._world.elastic.torch_rank(src), _pg(group))
 
     def all_gather(
         self, tensor: torch.Tensor, group: GroupHandle | None = None
@@ -303,8 +304,6 @@ class Runtime:
         """`torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)` whose collectives go
         through the runtime; `process_group` takes a GroupHandle (see launcher.runtime.ddp)."""
         state = self._state
-        if ddp_kwargs.get("process_group") is not None:
-            state.shrinkable = False  # a user group is not re-formed for a smaller world
         host = DDPHost(
             rank=self.rank,
             log=self.log,

@@ -50,7 +50,7 @@ class World:
         self.adapter = adapter
         self.graveyard = graveyard
         env = links.env
-        self.groups = GroupRegistry(env.rank, env.world_size, backend)
+        self.groups = GroupRegistry(env.rank, env.world_size, backend, lambda: self.elastic.members)
         # sockets of every gloo group, so that a stop can break waits torch runs in C++ (rt.ddp)
         self.sockets = SocketLedger(lambda: links.stop.target)
         # each build's own store connection, shut by a newer stop (a peer died mid-round)
@@ -88,17 +88,17 @@ class World:
         rank = self.links.rank
         if group is not None and rank not in group.ranks:
             raise ValueError(f"rank {rank} is not a member of group {group.name!r} ({group.ranks})")
-        members = self.elastic.members
-        ranks = tuple(members) if group is None else tuple(group.ranks)
+        ranks = tuple(self.elastic.members) if group is None else tuple(group.ranks)
         original = self.links.env.world_size if group is None else group.original_size
+        torch_ranks = tuple(self.elastic.torch_rank(r) for r in ranks)
         return GradComm(
             coll,
             lambda: None if group is None else group.group,
             len(ranks),
-            members.index(ranks[0]),
+            torch_ranks[0],
             ranks,
             divisor=original if original != len(ranks) else 0,
-            torch_ranks=tuple(members.index(r) for r in ranks),
+            torch_ranks=torch_ranks,
         )
 
     def _init_default_group(self, store: dist.PrefixStore) -> None:
