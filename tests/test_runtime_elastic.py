@@ -293,3 +293,12 @@ def test_the_world_grows_back_live_after_a_shrink(tmp_path) -> None:
         f"grow: rank 3 back at step {joined}, cost {grow['cost_s']:.3f} s (halt request to "
         f"repair plan); largest parameter difference from the reference: {worst:.3g}"
     )
+
+
+def test_torch_numbers_the_ranks_by_their_place_in_the_shrunk_world() -> None:
+    view, _ = _view(rank=3)
+    assert [view.torch_rank(r) for r in range(4)] == [0, 1, 2, 3]  # before a shrink: the same
+    view.set_members([0, 2, 3])
+    assert [view.torch_rank(r) for r in (0, 2, 3)] == [0, 1, 2] and view.group_rank == 2
+    with pytest.raises(ValueError, match="rank 1 is not in the current world"):
+        view.torch_rank(1)
