@@ -13,6 +13,7 @@ import importlib.util
 import json
 import subprocess
 
+import pytest
 import torch
 from helpers_launch import FTRUN, env_with, events, script
 
@@ -36,7 +37,8 @@ def _records(path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_a_dp_tp_grid_drops_a_whole_replica_live_and_grows_back(tmp_path) -> None:
+@pytest.mark.parametrize("mode", ["layout", "layout-ddp"])  # the native loop; rt.ddp on "dp"
+def test_a_dp_tp_grid_drops_a_whole_replica_live_and_grows_back(tmp_path, mode) -> None:
     plan = [{"rank": 3, "step": KILL_STEP, "phase": "backward", "kind": "kill"}]
     cmd = FTRUN + [
         "--nproc_per_node",
@@ -49,7 +51,7 @@ def test_a_dp_tp_grid_drops_a_whole_replica_live_and_grows_back(tmp_path) -> Non
         str(tmp_path / "logs"),
         script("elastic_loop.py"),
         "--mode",
-        "layout",
+        mode,
         "--steps",
         str(STEPS),
         "--step-time",
@@ -107,6 +109,10 @@ def test_a_dp_tp_grid_drops_a_whole_replica_live_and_grows_back(tmp_path) -> Non
     assert {k: sorted(m) for k, m in consumed.items()} == {
         (s, t): [0, 1] for s in range(STEPS) for t in (0, 1)
     }
+    if mode == "layout-ddp":  # DDP on the "dp" handle of one rank, averaged over the original 2
+        assert (
+            "shrunk world (1 of 2 ranks): DDP's gradients all-reduce through the runtime's" in out
+        )
     worst = 0.0
     for r in (0, 1):
         got = torch.load(tmp_path / f"params{r}.pt", weights_only=True)
@@ -114,6 +120,6 @@ def test_a_dp_tp_grid_drops_a_whole_replica_live_and_grows_back(tmp_path) -> Non
         worst = max(worst, max((got[k] - ref[k]).abs().max().item() for k in ref))
     assert worst <= TOLERANCE, f"largest difference from the references: {worst:.3g}"
     print(
-        f"DP=2 x TP=2: ranks 2, 3 back at step {joined[2]}, grow cost "
+        f"DP=2 x TP=2 ({mode}): ranks 2, 3 back at step {joined[2]}, grow cost "
         f"{changes[1]['cost_s']:.3f} s; largest parameter difference: {worst:.3g}"
     )

@@ -12,7 +12,9 @@ accumulated under `no_sync()` but the last, whose backward DDP all-reduces); `--
 makes a DP=N/2 x TP=2 grid (`rt.set_layout`): the two tensor-parallel ranks of a data-parallel
 replica hold different models (seeded 5 + tp index), gradients are averaged over the "dp" group
 handle, and each step all-reduces the ranks' numbers over the "tp" handle (recorded as "tp" and
-"tp_sum"). Rank 0 (or every rank with '{rank}' in --out) writes its final parameters to --out.
+"tp_sum"); `--mode layout-ddp` is that grid training through `rt.ddp(model,
+process_group=<the "dp" handle>)`. Rank 0 (or every rank with '{rank}' in --out) writes its
+final parameters to --out.
 `reference(steps, n, seed)` is the same training in one process.
 """
 
@@ -80,12 +82,12 @@ def main() -> None:
     ap.add_argument("--shrunk-step-time", type=float, default=None)
     ap.add_argument("--consumed", required=True)
     ap.add_argument("--out", required=True)
-    ap.add_argument("--mode", choices=("native", "ddp", "layout"), default="native")
+    ap.add_argument("--mode", choices=("native", "ddp", "layout", "layout-ddp"), default="native")
     args = ap.parse_args()
 
     rt = ftr.init(backend="gloo")
     full = int(os.environ.get("WORLD_SIZE", rt.world_size))  # the job's world size
-    handles = rt.set_layout(dp=full // 2, tp=2) if args.mode == "layout" else {}
+    handles = rt.set_layout(dp=full // 2, tp=2) if args.mode.startswith("layout") else {}
     model, opt = model_and_optimizer(5 + rt.rank % 2 if handles else 5)
     log = open(args.consumed.format(rank=rt.rank), "a", encoding="utf-8")
 
@@ -94,7 +96,9 @@ def main() -> None:
         log.flush()
 
     rt.on_resize = lambda old, new: note(resize=[old, new], pid=os.getpid())
-    net = rt.ddp(model) if args.mode == "ddp" else model
+    net = model
+    if args.mode.endswith("ddp"):
+        net = rt.ddp(model, process_group=handles.get("dp"))
     rt.register(model=net, optimizer=opt)
     for step in rt.steps(args.steps):
         micro = list(rt.micro_batches)
