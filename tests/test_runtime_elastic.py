@@ -161,8 +161,9 @@ def test_a_killed_replica_is_dropped_live_and_the_global_batch_is_kept(tmp_path)
 
 @pytest.mark.slow  # a restart-all from scratch: ~90 s on a loaded 2-core box
 def test_a_world_that_cannot_shrink_live_falls_back_to_restart_all(tmp_path) -> None:
-    """The framework hooks (tests/scripts/callbacks_loop.py) do not shrink live yet: the
-    elastic-training round falls back down the chain, saying why, and the job still ends."""
+    """The framework hooks without `resize` (tests/scripts/callbacks_loop.py without
+    --elastic) do not shrink live: the elastic-training round falls back down the chain, saying
+    why, and the job still ends."""
     plan = [{"rank": 1, "step": 3, "phase": "backward", "kind": "kill"}]
     cmd = FTRUN + [
         "--nproc_per_node",
