@@ -7,11 +7,9 @@ world. The parameters match the one-process reference within a measured bound.""
 
 from __future__ import annotations
 
-import json
-import subprocess
-
 import torch
-from helpers_launch import FTRUN, env_with, events, script
+from helpers_elastic import first_pids, records, run_killed, shrank_and_grew
+from helpers_launch import script
 
 KILL_STEP = 3
 STEPS = 40
@@ -36,56 +34,13 @@ def _reference(steps: int) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _callbacks(path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
-
-
 def test_framework_callbacks_shrink_live_and_grow_back(tmp_path) -> None:
-    plan = [{"rank": 1, "step": KILL_STEP, "phase": "backward", "kind": "kill"}]
-    cmd = FTRUN + [
-        "--nproc_per_node",
-        "2",
-        "--max_restarts",
-        "3",
-        "--recover-strategy",
-        "elastic-training",
-        "--log_dir",
-        str(tmp_path / "logs"),
-        script("callbacks_loop.py"),
-        "--elastic",
-        "--steps",
-        str(STEPS),
-        "--step-time",
-        "0.1",
-        "--out",
-        str(tmp_path / "out{rank}.pt"),
-        "--events",
-        str(tmp_path / "cb{rank}.jsonl"),
-    ]
-    res = subprocess.run(
-        cmd,
-        env=env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="60"),
-        capture_output=True,
-        text=True,
-        timeout=240,
-        cwd=str(tmp_path),
-    )
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-6000:]
-    ev = events(str(tmp_path / "logs"))
-    assert [e["strategy"] for e in ev if e["event"] == "plan"] == [
-        "elastic-training",
-        "elastic-grow",
-    ], [e for e in ev if e["event"] in ("fault", "plan", "repair-plan")]
-    changes = [e for e in ev if e["event"] in ("world-shrink", "world-grow")]
-    assert [(e["event"], e["world_size"], e["new_world_size"]) for e in changes] == [
-        ("world-shrink", 2, 1),
-        ("world-grow", 1, 2),
-    ]
-    spawns = [e for e in ev if e["event"] == "spawn"]
-    assert {e["rank"] for e in spawns[2:]} == {1}  # rank 0 kept its process
-    calls = _callbacks(tmp_path / "cb0.jsonl")
+    args = [script("callbacks_loop.py"), "--elastic", "--steps", str(STEPS), "--step-time", "0.1"]
+    args += ["--out", str(tmp_path / "out{rank}.pt"), "--events", str(tmp_path / "cb{rank}.jsonl")]
+    _, ev = run_killed(tmp_path, 2, 1, KILL_STEP, args)
+    shrank_and_grew(ev, 2, 1)
+    first_pids(ev, 2, {1})  # rank 0 kept its process
+    calls = records(tmp_path / "cb0.jsonl")
     assert len({c["pid"] for c in calls}) == 1
     # each resize follows the rebuild of the framework's group for the new world
     order = [(c["cb"], c["arg"]) for c in calls if c["cb"] in ("rebuild_groups", "resize")]

@@ -9,10 +9,10 @@ same script under torchrun without faults, within a measured bound."""
 from __future__ import annotations
 
 import importlib.util
-import json
 
 import pytest
-from helpers_launch import FTRUN, TORCHRUN, env_with, events, free_port, run
+from helpers_elastic import first_pids, run_killed, shrank_and_grew
+from helpers_launch import TORCHRUN, env_with, free_port, run
 from helpers_runtime import EXAMPLES, load_params
 
 STEPS = 24
@@ -48,36 +48,11 @@ def test_megatron_shrinks_to_dp1_and_grows_back_to_dp2(tmp_path) -> None:
         cwd=str(ref_dir),
     )
     assert ref.returncode == 0, ref.stderr[-6000:]
-    plan = [{"rank": 3, "step": KILL_STEP, "phase": "backward", "kind": "kill"}]
-    res = run(
-        FTRUN
-        + ["--nproc_per_node", "4", "--max_restarts", "3"]
-        + ["--recover-strategy", "elastic-training", "--log_dir", str(wd / "logs"), example]
-        + common
-        + ["--step-time", "0.2", "--out", str(wd / "out{rank}.pt")],
-        env_with(
-            FTRUN_FAULT_PLAN=json.dumps(plan),
-            FTRUN_STORE_TIMEOUT="90",
-            FTRUN_SPARE_IMPORTS="megatron.core",
-        ),
-        timeout=420,
-        cwd=str(wd),
-    )
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-8000:]
-    ev = events(str(wd / "logs"))
-    plans = [e for e in ev if e["event"] == "plan"]
-    assert [p["strategy"] for p in plans] == ["elastic-training", "elastic-grow"], [
-        e for e in ev if e["event"] in ("fault", "plan", "repair-plan")
-    ]
-    assert plans[0]["failed_ranks"] == [2, 3]
-    changes = [e for e in ev if e["event"] in ("world-shrink", "world-grow")]
-    assert [(e["event"], e["world_size"], e["new_world_size"]) for e in changes] == [
-        ("world-shrink", 4, 2),
-        ("world-grow", 2, 4),
-    ]
-    spawns = [e for e in ev if e["event"] == "spawn"]
-    assert {e["rank"] for e in spawns[4:]} == {2, 3}  # ranks 0 and 1 kept their processes
+    args = [example] + common + ["--step-time", "0.2", "--out", str(wd / "out{rank}.pt")]
+    out, ev = run_killed(wd, 4, 3, KILL_STEP, args, FTRUN_SPARE_IMPORTS="megatron.core")
+    shrink, _ = shrank_and_grew(ev, 4, 2)
+    assert shrink["failed_ranks"] == [2, 3]  # rank 3's whole data-parallel replica
+    first_pids(ev, 4, {2, 3})  # ranks 0 and 1 kept their processes
     for r in (0, 1):
         assert f"rank {r}: world 4 -> 2 ranks, DP 1, micro-batches [{r // 2}, 1]" in out
         assert f"rank {r}: world 2 -> 4 ranks, DP 2, micro-batches [0]" in out
