@@ -46,6 +46,13 @@ The comm hook (FTRUN_DDP_COMM=hook for every step; otherwise only for such a lea
   differ from it are repacked into it. Whether DDP's bucket k holds the layout's bucket k is
   checked once per layout, not every step.
 
+A live shrink (elastic-training, launcher.runtime.elastic): the rebuild after it re-makes the
+gradient communication for the smaller world (the default group's members, or the surviving
+members of a `process_group` handle). DDP's own reducer would divide by the smaller group, but
+the global batch is kept by dividing by the original one, so while the world is shrunk every
+step runs through the comm hook, which scales by 1/original, with the layout of steps >= 1 the
+survivors agree on; the grow back's rebuild settles DDP's own reducer on the full group again.
+
 Both: module buffers (`broadcast_buffers`) and the initial parameter sync (`init_sync`) are
 broadcast from the group's first rank through the runtime; a replacement rank skips the initial
 sync (its state comes from a replica). Buffers are broadcast right after each synced forward

@@ -5,7 +5,9 @@ store prefix, tearing the old generation's groups down at a recovery round (neve
 group a stuck collective may still use), the listeners told of each rebuild (rt.ddp, the
 framework's `on_rebuild`), and the collectives that wait in C++ (DDP's own reducer under
 rt.ddp): on a stop, shutting down the older groups' sockets so such a wait fails at once, and
-the alarm when the training thread stays inside one anyway.
+the alarm when the training thread stays inside one anyway; and `grad_comm`, the gradient
+communication of a group in the current world (after a live shrink: torch's numbering of the
+smaller world, and an average over the group's original size).
 """
 
 from __future__ import annotations
