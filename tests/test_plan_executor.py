@@ -192,3 +192,16 @@ def test_a_restart_barrier_ends_at_once_when_the_node_loses_its_membership(node,
         finally:
             store.stop()
             kv.close()
+
+
+def test_a_live_shrink_stops_a_healthy_rank_of_the_lost_replica(node) -> None:
+    """elastic-training: the failed ranks are whole data-parallel replicas (a lost rank's healthy
+    TP/PP peers too, launcher.control.shrink_replicas): a peer still running is stopped (no
+    fault: recorded as terminated) and leaves the world; the other rank keeps its process."""
+    ex, kv, events = node
+    w0, w1 = ex.workers.all()
+    peer = w1.proc
+    assert ex.execute(P.Plan(generation=1, strategy=P.ELASTIC, failed_ranks=[1])) is None
+    assert peer.poll() == -signal.SIGKILL and 1 in ex.workers.left
+    assert [r for r, _ in ex.failures.terminated] == [1]
+    assert w0.alive and w0.generation == 0 and 0 not in ex.workers.left

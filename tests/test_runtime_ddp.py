@@ -408,7 +408,7 @@ class _FakeColl:
 class _FakeComm:
     """Two ranks; records which tensors were all-reduced (by their element count)."""
 
-    size, root, coll = 2, 0, _FakeColl()
+    size, root, coll, divisor = 2, 0, _FakeColl(), 0
 
     def __init__(self) -> None:
         self.reduced: list[int] = []
@@ -528,3 +528,27 @@ def test_ddp_on_a_group_handle_repairs_a_rank_from_its_own_pair(tmp_path):
             assert torch.equal(got[r][k], ref[r][k]), (
                 f"rank {r}: {k} differs from the fault-free run"
             )
+
+
+def test_the_hook_averages_over_the_original_world_while_shrunk():
+    """After a live shrink rt.ddp's comm hook scales each bucket by 1/N with N the ranks of the
+    original world (the global batch is kept), and by 1/size again once the world grew back."""
+    from launcher.runtime.buckets import GradComm
+    from launcher.runtime.ddp import BucketComm
+
+    fake = _FakeComm()
+    params = [torch.zeros(4, requires_grad=True)]
+    comm = BucketComm(fake, step=lambda: 1, log=lambda line: None)  # type: ignore[arg-type]
+    comm.built(params, initial=[[0]], caps=[1 << 20])
+    comm.adopt([[0]])
+    shrunk = GradComm(fake.coll, lambda: None, 3, 0, (0, 1, 2), divisor=4)  # type: ignore[arg-type]
+    assert shrunk.shrunk and shrunk.torch_rank(2) == 2
+    comm.set_comm(shrunk)
+    comm._comm = fake  # record the all-reduces (the fake stands for the shrunk group)
+    bucket = _FakeBucket(0, [params[0]])
+    bucket.buffer().fill_(1.0)
+    _backward_with(comm, [bucket])
+    assert bucket.buffer().tolist() == [0.25] * 4 and fake.reduced == [4]
+    grown = GradComm(fake.coll, lambda: None, 2, 0, (0, 1))  # type: ignore[arg-type]
+    comm.set_comm(grown)
+    assert comm._scale == 0.5 and not grown.shrunk

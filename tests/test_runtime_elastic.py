@@ -161,8 +161,9 @@ def test_a_killed_replica_is_dropped_live_and_the_global_batch_is_kept(tmp_path)
 
 @pytest.mark.slow  # a restart-all from scratch: ~90 s on a loaded 2-core box
 def test_a_world_that_cannot_shrink_live_falls_back_to_restart_all(tmp_path) -> None:
-    """The framework hooks (tests/scripts/callbacks_loop.py) do not shrink live yet: the
-    elastic-training round falls back down the chain, saying why, and the job still ends."""
+    """The framework hooks without `resize` (tests/scripts/callbacks_loop.py without
+    --elastic) do not shrink live: the elastic-training round falls back down the chain, saying
+    why, and the job still ends."""
     plan = [{"rank": 1, "step": 3, "phase": "backward", "kind": "kill"}]
     cmd = FTRUN + [
         "--nproc_per_node",
@@ -293,3 +294,12 @@ def test_the_world_grows_back_live_after_a_shrink(tmp_path) -> None:
         f"grow: rank 3 back at step {joined}, cost {grow['cost_s']:.3f} s (halt request to "
         f"repair plan); largest parameter difference from the reference: {worst:.3g}"
     )
+
+
+def test_torch_numbers_the_ranks_by_their_place_in_the_shrunk_world() -> None:
+    view, _ = _view(rank=3)
+    assert [view.torch_rank(r) for r in range(4)] == [0, 1, 2, 3]  # before a shrink: the same
+    view.set_members([0, 2, 3])
+    assert [view.torch_rank(r) for r in (0, 2, 3)] == [0, 1, 2] and view.group_rank == 2
+    with pytest.raises(ValueError, match="rank 1 is not in the current world"):
+        view.torch_rank(1)

@@ -51,9 +51,16 @@ def test_a_rank_that_cannot_shrink_makes_it_fall_back_to_restart_all() -> None:
     assert got.reason.startswith("no live shrink: ranks [1] cannot continue in a smaller world")
 
 
-def test_model_parallel_shards_transfers_and_an_empty_world_fall_back() -> None:
+def test_whole_model_parallel_replicas_shrink_and_partial_ones_fall_back() -> None:
+    # one rank of each shard left (TP=2: a whole data-parallel replica): a live shrink
     two = shrink_plan(repair(), [status(0, shard="a"), status(1, shard="b")], [0, 1])
-    assert two.fallback == P.RESTART_ALL and "2 shards" in two.reason
+    assert two.fallback is None and two.world == [0, 1]
+    partial = [status(0, shard="a"), status(1, shard="b"), status(2, shard="a")]
+    torn = shrink_plan(repair(), partial, [0, 1, 2])
+    assert torn.fallback == P.RESTART_ALL and "not whole data-parallel replicas" in torn.reason
+
+
+def test_transfers_and_an_empty_world_fall_back() -> None:
     moved = shrink_plan(repair(pairs=[[0, 1]]), [status(0), status(1)], [0, 1])
     assert moved.fallback == P.RESTART_ALL and "need state from each other" in moved.reason
     empty = shrink_plan(repair(), [], [])

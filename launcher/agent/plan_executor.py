@@ -103,7 +103,11 @@ class PlanExecutor:
         )
         self.relay.stop(join=0.0)  # a newer plan: the older round's statuses are of no use
         if plan.strategy == P.ELASTIC:  # a live shrink: the failed ranks leave the world
-            self.workers.left.update(w.rank for w in self.workers.of_ranks(plan.failed_ranks))
+            leaving = self.workers.of_ranks(plan.failed_ranks)
+            self.workers.left.update(w.rank for w in leaving)
+            peers = [w for w in leaving if w.alive]  # a lost rank's healthy TP/PP peers
+            stop_workers(peers, signal.SIGKILL, 0.0)
+            self.failures.note_terminated(peers)
         if plan.strategy in LIVE:  # ELASTIC, GROW: no rank restarts, the survivors' stop
             self._recover(plan, respawn=plan.strategy in (P.RECOVER_IN_PLACE, P.RETRY))
         self.returning.after(plan)  # the dropped ranks' returning processes (grow_back)

@@ -19,6 +19,7 @@ from launcher.control.controller_settings import ControllerSettings
 from launcher.control.controller_state import ControllerState
 from launcher.control.decision import Decision, Situation, decide, fallback
 from launcher.control.round_phase import RoundTracker
+from launcher.control.shrink_replicas import whole_replicas
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore
@@ -94,7 +95,8 @@ class Decider:
 
     def decide(self, fault: P.Fault) -> Decision:
         """The decision about one reported fault, logged."""
-        d = decide(fault, self.situation(fault))
+        # a live shrink drops whole data-parallel replicas (a lost rank's TP/PP peers too)
+        d = whole_replicas(decide(fault, self.situation(fault)), self.kv, self.settings.world_size)
         if d.peers_finished and not d.absorbed:
             self.log_peers_finished(fault, d)
         if d.absorbed:

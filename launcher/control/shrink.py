@@ -7,13 +7,14 @@ in an elastic-training round, the failed ones; a grow round's returning ranks ar
 `RepairPlan.world`, or a fallback to restart-all saying why the world cannot shrink live) and
 `after_shrink` (a later round's plan in the shrunk world).
 
-A live shrink keeps the survivors' processes: they rebuild the default group over the new world
+A live shrink keeps the survivors' processes: they rebuild every group over the new world
 and re-run (or commit) the interrupted step from their own state (launcher.runtime.elastic). So
 it needs every survivor able to continue in a smaller world (it reports `shrinkable`: the
-native loop over plain data parallelism), one shard (every rank a data-parallel replica of the
-others: a lost rank's whole replica is that rank), no transfer between survivors (a transfer
-in a renumbered world is not built yet) and at least one survivor. Otherwise the round falls
-back down the chain (restart-all from the last checkpoint, dump, exit).
+native loop, rt.ddp, framework callbacks with `resize`, a layout of whole replicas), whole
+data-parallel replicas left (as many survivors in every shard: the round's failed ranks were
+widened to their replicas, launcher.control.shrink_replicas), no transfer between survivors (a
+transfer in a renumbered world is not built yet) and at least one survivor. Otherwise the round
+falls back down the chain (restart-all from the last checkpoint, dump, exit).
 """
 
 from __future__ import annotations
@@ -74,13 +75,15 @@ def _cannot_shrink(
     stuck = sorted(s.rank for s in statuses if not s.shrinkable)
     if stuck:
         return (
-            f"ranks {stuck} cannot continue in a smaller world (rt.ddp, framework hooks, user "
-            "groups or a model-parallel layout: only the native loop over plain data "
-            "parallelism shrinks live)"
+            f"ranks {stuck} cannot continue in a smaller world (framework callbacks without "
+            "resize, or a layout whose replicas are not whole: a distributed optimizer's "
+            "shards, replica groups of unequal size)"
         )
-    shards = sorted({s.shard for s in statuses})
-    if len(shards) > 1:
-        return f"the ranks hold {len(shards)} shards {shards}: only plain data parallelism"
+    per_shard: dict[str, int] = {}
+    for s in statuses:
+        per_shard[s.shard] = per_shard.get(s.shard, 0) + 1
+    if len(set(per_shard.values())) > 1:
+        return f"the ranks left are not whole data-parallel replicas (ranks per shard {per_shard})"
     if repair.pairs:
         return f"survivors need state from each other ({repair.pairs})"
     return ""

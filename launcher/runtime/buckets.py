@@ -42,6 +42,18 @@ class GradComm:
     root: int  # global rank of the group's first member (the source of broadcasts)
     ranks: Sequence[int] = ()  # global ranks of the group's members, in group order
     divisor: int = 0  # the average's denominator (0: size; after a live shrink, more)
+    # torch's global ranks of the members, in group order (after a live shrink torch numbers
+    # the ranks by their place in the smaller world; empty: the ranks themselves)
+    torch_ranks: Sequence[int] = ()
+
+    @property
+    def shrunk(self) -> bool:
+        """A live shrink left fewer members than the average divides by."""
+        return self.divisor > self.size
+
+    def torch_rank(self, index: int) -> int:
+        """torch's global rank of the group's `index`-th member (a broadcast's source)."""
+        return self.torch_ranks[index] if self.torch_ranks else self.ranks[index]
 
     def all_reduce_async(self, flat: torch.Tensor) -> Any:
         """Start a SUM all_reduce of `flat` on the current group; returns its work. Called for

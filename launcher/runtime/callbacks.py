@@ -19,6 +19,13 @@ Order of one recovery (every rank of the round, the replacement included from "r
   the step-start snapshot, send/receive full state] -> rollback(step) when the plan re-runs a
   step that had started, else commit(step) (falls back to rollback when commit is not given)
   -> `recover` returns `step`; the loop continues there.
+
+A live shrink (elastic-training) and its grow back: a framework that registers `resize(old,
+new)` says its `rebuild_groups` re-creates its groups for whatever world the runtime is in
+(`hooks.world_size`, `hooks.members`: the ranks still in it; `hooks.dp_size`,
+`hooks.micro_batches`); then a lost rank's whole data-parallel replica leaves the world and the
+others go on live, `resize` called after `rebuild_groups` with the world sizes before and after.
+Without `resize` an elastic-training round falls back to restart-all.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ class FrameworkCallbacks:
                               counters)
     commit(step)              state is that of the start of `step`; the previous step's update
                               completed everywhere and `step` had not started
+    resize(old, new)          (a live shrink or its grow back, after rebuild_groups) the world
+                              has `new` ranks instead of `old`: re-derive what depends on it
     """
 
     stop: Callable[[str], None] | None = None
@@ -58,6 +67,7 @@ class FrameworkCallbacks:
     rebuild_groups: Callable[[int], None] | None = None
     rollback: Callable[[int], None] | None = None
     commit: Callable[[int], None] | None = None
+    resize: Callable[[int, int], None] | None = None
 
 
 def resume_callback(callbacks: FrameworkCallbacks, action: str) -> Callable[[int], None] | None:
@@ -94,6 +104,19 @@ class FrameworkHooks:
         return self.runtime.generation
 
     @property
+    def members(self) -> list[int]:
+        """The ranks of the current world (original numbers, in torch's rank order)."""
+        return self.runtime._world.elastic.members
+
+    @property
+    def dp_size(self) -> int:
+        return self.runtime.dp_size
+
+    @property
+    def micro_batches(self) -> list[int]:
+        return self.runtime.micro_batches
+
+    @property
     def committed_step(self) -> int:
         return self.runtime.committed_step
 
@@ -109,12 +132,19 @@ class FrameworkHooks:
             raise TypeError(
                 "pass rollback through FrameworkCallbacks(rollback=...), not on_rollback"
             )
-        for name in ("stop", "clean", "rebuild_groups", "rollback", "commit"):
+        for name in ("stop", "clean", "rebuild_groups", "rollback", "commit", "resize"):
             fn = getattr(callbacks, name)
             if fn is not None and not callable(fn):
                 raise TypeError(f"callback {name} must be callable, got {type(fn).__name__}")
         self.runtime.register(**state)
         self._callbacks = callbacks
+        rt = self.runtime
+        # a live shrink needs the framework to rebuild its groups for a smaller world: it says
+        # it does by registering resize
+        rt._state.shrinkable = (
+            callbacks.resize is not None and rt._state.layout.shrinks_by_replicas()
+        )
+        rt.on_resize = callbacks.resize
 
     def set_layout(self, dp: int, tp: int = 1, pp: int = 1, optimizer_shards: int = 1) -> None:
         """Replica identity of a Megatron grid (rank order tp fastest, then dp, then pp); creates

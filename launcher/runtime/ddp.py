@@ -46,6 +46,13 @@ The comm hook (FTRUN_DDP_COMM=hook for every step; otherwise only for such a lea
   differ from it are repacked into it. Whether DDP's bucket k holds the layout's bucket k is
   checked once per layout, not every step.
 
+A live shrink (elastic-training, launcher.runtime.elastic): the rebuild after it re-makes the
+gradient communication for the smaller world (the default group's members, or the surviving
+members of a `process_group` handle). DDP's own reducer would divide by the smaller group, but
+the global batch is kept by dividing by the original one, so while the world is shrunk every
+step runs through the comm hook, which scales by 1/original, with the layout of steps >= 1 the
+survivors agree on; the grow back's rebuild settles DDP's own reducer on the full group again.
+
 Both: module buffers (`broadcast_buffers`) and the initial parameter sync (`init_sync`) are
 broadcast from the group's first rank through the runtime; a replacement rank skips the initial
 sync (its state comes from a replica). Buffers are broadcast right after each synced forward
@@ -152,7 +159,8 @@ class BucketComm:
         self._order: dict[int, None] = {}  # reducer indices in the order gradients became ready
         self._recorders: list[Any] = []
         self._scratch: dict[tuple[int, ...], FlatBucket] = {}
-        self._scale = 1.0 / comm.size  # DDP's averaging factor (1.0 on a one-rank group: no pass)
+        self._scale = 1.0  # DDP's averaging factor (1.0 on a one-rank group: no pass)
+        self.set_comm(comm)
         self.ddp_rebuilt: Callable[[], bool] = lambda: False  # set by RuntimeDDP.build
         # per DDP bucket index: does it hold exactly the target layout's bucket k? Checked once
         # per layout (the target's, DDP's own), not per step (bucket.parameters() builds a list)
@@ -162,6 +170,17 @@ class BucketComm:
         self._begin_backward()
 
     # ---- (re)build -------------------------------------------------------------------
+    def set_comm(self, comm: GradComm) -> None:
+        """The group of the current world (a live shrink or grow changes its size): the hook
+        scales by 1/N, N the ranks the average divides by (after a shrink the original ones)."""
+        self._comm = comm
+        self._scale = 1.0 / (comm.divisor or comm.size)
+
+    def adopt(self, layout: list[list[int]]) -> None:
+        """The layout of steps >= 1, agreed by the ranks (the hook need not learn it)."""
+        self._ready = [list(b) for b in layout]
+        self._layouts_learnt += 1
+
     def built(self, params: list[torch.Tensor], initial: list[list[int]], caps: list[int]) -> None:
         """A fresh reducer: forget the learnt layout and record the next backward's order."""
         self.abandon()
@@ -326,6 +345,7 @@ class RuntimeDDP(DistributedDataParallel):
         ddp = cls(module, process_group=_solo_group(host.rank), init_sync=False, **kwargs)
         ddp._ft_comm = ft
         ddp._ft_grad = comm
+        ddp._ft_make_comm = lambda: host.grad_comm(handle)  # the group of the current world
         ddp._ft_rank = host.rank
         ddp._ft_log = host.log
         ddp._ft_reducer_ok = host.comm_mode == "reducer"
@@ -379,6 +399,8 @@ class RuntimeDDP(DistributedDataParallel):
         if known is not None:
             self._ft_layout = known
         self._ft_comm.abandon()
+        self._ft_grad = self._ft_make_comm()  # a live shrink or grow resized the world
+        self._ft_comm.set_comm(self._ft_grad)
         self._ft_new_reducer(_solo_group(rank))
         self._ft_install()
         self._ft_on_reducer = False
@@ -422,6 +444,9 @@ class RuntimeDDP(DistributedDataParallel):
             return
         if self._ft_hooked_step == step:
             return  # this step runs through the hook
+        if self._ft_grad.shrunk:
+            self._ft_hook_while_shrunk(step)
+            return
         layout = None
         if step > 0:
             layout, source = self._ft_agree_layout()
@@ -444,6 +469,32 @@ class RuntimeDDP(DistributedDataParallel):
         )
         self._ft_log(
             f"DDP's reducer all-reduces on the runtime's group (in C++): step {step} with {how}"
+        )
+
+    def _ft_hook_while_shrunk(self, step: int) -> None:
+        """After a live shrink DDP's reducer would divide by the smaller world; the global batch
+        is kept by dividing by the original one (launcher.runtime.elastic). So until the world
+        grows back every step all-reduces through the comm hook, which scales by 1/original,
+        with the bucket layout of steps >= 1 agreed by the survivors (at step 0: DDP's first)."""
+        layout, source = (None, -1) if step <= 0 else self._ft_agree_layout()
+        if layout is not None:
+            self._ft_comm.adopt(layout)
+            self._ft_layout = layout
+        self._ft_pending = False
+        comm = self._ft_grad
+        how = (
+            "DDP's first layout"
+            if step <= 0
+            else (
+                "a layout the hook learns in this step"
+                if layout is None
+                else f"the bucket layout of steps >= 1 ({len(layout)} buckets, from rank {source})"
+            )
+        )
+        self._ft_log(
+            f"shrunk world ({comm.size} of {comm.divisor} ranks): DDP's gradients all-reduce "
+            f"through the runtime's comm hook, averaged over {comm.divisor}, from step {step} "
+            f"with {how}"
         )
 
     def _ft_grad_group(self) -> Any:
@@ -503,7 +554,7 @@ class RuntimeDDP(DistributedDataParallel):
                 [len(known)] + [len(b) for b in known] + [i for b in known for i in b],
                 dtype=torch.int64,
             )
-        comm.coll.broadcast(flat, ranks[src], comm.group(), what="DDP bucket layout")
+        comm.coll.broadcast(flat, comm.torch_rank(src), comm.group(), what="DDP bucket layout")
         values = flat.tolist()
         sizes, members = values[1 : 1 + values[0]], values[1 + values[0] :]
         layout, off = [], 0

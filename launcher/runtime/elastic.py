@@ -64,6 +64,16 @@ class ElasticView:
         members = self._state.members
         return members.index(self._links.rank) if members else self._links.rank
 
+    def torch_rank(self, rank: int) -> int:
+        """torch's global rank of `rank` (an original number) in the current world: its place
+        in `members` (the number itself until a live shrink)."""
+        members = self._state.members
+        if not members:
+            return rank
+        if rank not in members:
+            raise ValueError(f"rank {rank} is not in the current world {list(members)}")
+        return members.index(rank)
+
     def admits(self, ranks: Sequence[int]) -> bool:
         """Whether this rank is in the world `ranks` (a repair plan's `world`; empty: every
         rank of the job)."""

@@ -4,13 +4,16 @@ Owns: the registry of every group a script created through the runtime (name -> 
 in creation order) and the `GroupHandle`s given out for them. After a recovery round rebuilds
 the default process group, `rebuild()` re-creates every registered group in the original order
 (torch requires every rank to call new_group in the same order) and re-points each handle's
-`.group`, so code that cached a handle keeps working.
+`.group`, so code that cached a handle keeps working. In a world a live shrink made smaller
+(launcher.runtime.elastic) each group is built over its members still in the world (a group
+left without any is not built), named to torch by their places in the world, and the handle's
+`.ranks` are those members (original rank numbers); the grow back restores every member.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch.distributed as dist
 
@@ -23,10 +26,14 @@ class GroupHandle:
     ranks: list[int]  # the members of this rank's group ([] when it is in none)
     group: Any = None  # the torch ProcessGroup of the current generation
     generation: int = -1
+    original_size: int = 0  # members when the group was created (0: `size`)
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    def __post_init__(self) -> None:
+        self.original_size = self.original_size or len(self.ranks)
 
     def rank_of(self, global_rank: int) -> int:
         return self.ranks.index(global_rank)
@@ -42,10 +49,18 @@ class _Entry:
 class GroupRegistry:
     """Creates groups (all ranks call in the same order) and rebuilds them per generation."""
 
-    def __init__(self, rank: int, world_size: int, backend: str) -> None:
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        backend: str,
+        members: Callable[[], Sequence[int]] | None = None,
+    ) -> None:
         self._rank = rank
         self._world = world_size
         self._backend = backend
+        # the current world's ranks, in torch's order (a live shrink leaves fewer)
+        self._members = members or (lambda: range(world_size))
         self._entries: list[_Entry] = []
 
     def _validate(self, name: str, partition: list[list[int]]) -> list[list[int]]:
@@ -75,12 +90,17 @@ class GroupRegistry:
             self._build(entry, generation)
 
     def _build(self, entry: _Entry, generation: int) -> None:
-        group = None
+        place = {r: i for i, r in enumerate(self._members())}
+        group, mine = None, []
         for ranks in entry.partition:
-            g = dist.new_group(ranks=ranks, backend=self._backend)
-            if self._rank in ranks:
-                group = g
+            alive = [r for r in ranks if r in place]
+            if not alive:
+                continue
+            g = dist.new_group(ranks=[place[r] for r in alive], backend=self._backend)
+            if self._rank in alive:
+                group, mine = g, alive
         entry.handle.group = group
+        entry.handle.ranks = mine
         entry.handle.generation = generation
 
     def handles(self) -> list[GroupHandle]:

@@ -86,6 +86,14 @@ class Layout:
             ckpt.append(base + (f"_os{s:03d}" if optimizer_shards > 1 else ""))
         return cls(world_size, tuple(tuple(members[k]) for k in keys), tuple(names), tuple(ckpt))
 
+    def shrinks_by_replicas(self) -> bool:
+        """Whether a live shrink can drop whole data-parallel replicas: every replica group has
+        the same size and the i-th member of each belongs to data-parallel replica i (no
+        distributed optimizer splitting the replicas). launcher.control.shrink_replicas reads
+        the replicas the same way from the shards the ranks publish."""
+        sizes = {len(g) for g in self.groups}
+        return len(sizes) == 1 and not any("-os" in name for name in self.names)
+
     def group_index(self, rank: int) -> int:
         for i, g in enumerate(self.groups):
             if rank in g:

@@ -224,7 +224,8 @@ class Runtime:
 
     def _set_layout(self, layout: Layout) -> None:
         self._state.layout = layout
-        self._state.shrinkable = False  # a live shrink handles plain data parallelism only
+        # a live shrink drops whole data-parallel replicas (launcher.control.shrink)
+        self._state.shrinkable = self._state.shrinkable and layout.shrinks_by_replicas()
         self._publish_shard()
 
     def _publish_shard(self) -> None:
@@ -239,7 +240,6 @@ class Runtime:
             if ranks and isinstance(ranks[0], (list, tuple))
             else [list(ranks)]
         )
-        self._state.shrinkable = False  # user groups are not re-formed for a smaller world
         with self._world.sockets.track(self.generation):
             return self._world.groups.create(name, partition, self.generation)  # type: ignore[arg-type]
 
@@ -258,9 +258,10 @@ class Runtime:
     def broadcast(
         self, tensor: torch.Tensor, src: int, group: GroupHandle | None = None
     ) -> torch.Tensor:
+        """`src` is a rank number (`rt.rank`'s numbering, also after a live shrink)."""
         if group is not None and group.size <= 1:
             return tensor
-        return self._coll.broadcast(tensor, src, _pg(group))
+        return self._coll.broadcast(tensor, self._world.elastic.torch_rank(src), _pg(group))
 
     def all_gather(
         self, tensor: torch.Tensor, group: GroupHandle | None = None
@@ -303,7 +304,6 @@ class Runtime:
         """`torch.nn.parallel.DistributedDataParallel(module, **ddp_kwargs)` whose collectives go
         through the runtime; `process_group` takes a GroupHandle (see launcher.runtime.ddp)."""
         state = self._state
-        state.shrinkable = False  # rt.ddp is not resized by a live shrink (native loop only)
         host = DDPHost(
             rank=self.rank,
             log=self.log,
@@ -317,20 +317,7 @@ class Runtime:
         return RuntimeDDP.build(host, module, **ddp_kwargs)
 
     def _grad_comm(self, group: GroupHandle | None) -> GradComm:
-        if group is not None and self.rank not in group.ranks:
-            raise ValueError(
-                f"rank {self.rank} is not a member of group {group.name!r} ({group.ranks})"
-            )
-        return GradComm(
-            self._coll,
-            lambda: _pg(group),
-            self.world_size if group is None else group.size,
-            0 if group is None else group.ranks[0],
-            tuple(range(self.world_size)) if group is None else tuple(group.ranks),
-            # after a live shrink the average keeps the global batch: it divides by the
-            # original number of micro-batches (launcher.runtime.elastic)
-            divisor=self.env.world_size if group is None and self._state.members else 0,
-        )
+        return self._world.grad_comm(self._coll, group)
 
     # ================================================================ step loop
     def steps(self, total: int) -> Iterator[Step]:

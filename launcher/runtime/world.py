@@ -5,7 +5,9 @@ store prefix, tearing the old generation's groups down at a recovery round (neve
 group a stuck collective may still use), the listeners told of each rebuild (rt.ddp, the
 framework's `on_rebuild`), and the collectives that wait in C++ (DDP's own reducer under
 rt.ddp): on a stop, shutting down the older groups' sockets so such a wait fails at once, and
-the alarm when the training thread stays inside one anyway.
+the alarm when the training thread stays inside one anyway; and `grad_comm`, the gradient
+communication of a group in the current world (after a live shrink: torch's numbering of the
+smaller world, and an average over the group's original size).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from typing import Callable
 import torch.distributed as dist
 
 from launcher.protocol import plan as P
+from launcher.runtime.buckets import GradComm
 from launcher.runtime.build_stores import BuildStores
-from launcher.runtime.collectives import Graveyard
+from launcher.runtime.collectives import Graveyard, Interruptible
 from launcher.runtime.devices import DeviceAdapter
 from launcher.runtime.elastic import ElasticView
 from launcher.runtime.group_sockets import SocketLedger
-from launcher.runtime.groups import GroupRegistry
+from launcher.runtime.groups import GroupHandle, GroupRegistry
 from launcher.runtime.rank_state import RankLinks, RankState
 from launcher.runtime.wait_probe import (
     STUCK_AFTER_BREAK_S,
@@ -49,7 +52,7 @@ class World:
         self.adapter = adapter
         self.graveyard = graveyard
         env = links.env
-        self.groups = GroupRegistry(env.rank, env.world_size, backend)
+        self.groups = GroupRegistry(env.rank, env.world_size, backend, lambda: self.elastic.members)
         # sockets of every gloo group, so that a stop can break waits torch runs in C++ (rt.ddp)
         self.sockets = SocketLedger(lambda: links.stop.target)
         # each build's own store connection, shut by a newer stop (a peer died mid-round)
@@ -79,6 +82,26 @@ class World:
                     self.on_rebuild(generation)
         finally:
             self.build_stores.finished(generation)
+
+    def grad_comm(self, coll: Interruptible, group: GroupHandle | None) -> GradComm:
+        """Gradient communication over `group` (None: every rank) in the current world. After a
+        live shrink the average keeps the global batch: it divides by the group's original
+        size (launcher.runtime.elastic), and broadcasts name their source by torch's rank."""
+        rank = self.links.rank
+        if group is not None and rank not in group.ranks:
+            raise ValueError(f"rank {rank} is not a member of group {group.name!r} ({group.ranks})")
+        ranks = tuple(self.elastic.members) if group is None else tuple(group.ranks)
+        original = self.links.env.world_size if group is None else group.original_size
+        torch_ranks = tuple(self.elastic.torch_rank(r) for r in ranks)
+        return GradComm(
+            coll,
+            lambda: None if group is None else group.group,
+            len(ranks),
+            torch_ranks[0],
+            ranks,
+            divisor=original if original != len(ranks) else 0,
+            torch_ranks=torch_ranks,
+        )
 
     def _init_default_group(self, store: dist.PrefixStore) -> None:
         """init_process_group on `store`; when it fails, the group it named is forgotten.

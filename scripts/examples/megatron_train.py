@@ -10,6 +10,13 @@ exceptions to `hooks.recover(exc)`, and ftrun calls it back to clean, rebuild me
 for the new generation and roll back or commit. Replicas (ranks r and r+2) share seeds and the
 data position; final parameters are bit-identical to a fault-free run.
 
+Elastic training (`--recover-strategy elastic-training`): a lost rank's whole data-parallel
+replica leaves (TP=2 x DP=2 -> TP=2 x DP=1), the survivors rebuild megatron's groups for the
+smaller world (`rebuild_groups`: the same call, parallel_state derives DP=1 from the world
+size), hear `resize(4, 2)`, and compute the lost replica's micro-batches too
+(`hooks.micro_batches`; micro-batch j of a step is the same tokens whoever computes it; the
+gradient average divides by the original DP=2); the grow back restores DP=2.
+
     ftrun --nproc_per_node 4 scripts/examples/megatron_train.py --steps 8 --out /tmp/p{rank}.pt
     torchrun --nproc_per_node 4 scripts/examples/megatron_train.py --no-ftrun   # no callbacks
 
@@ -39,6 +46,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 TP = 2
+DP = 2  # data-parallel replicas of the job (the micro-batches of every step)
 # megatron's group timeout (default 30 min) also bounds creating a group while a rank died during
 # a recovery round; keep it short so such a round fails over to the next one quickly.
 GROUP_TIMEOUT_MIN = 2
@@ -88,13 +96,17 @@ class NoHooks:
     def optimizer_update_end(self) -> None: ...
     def step_end(self) -> None: ...
 
+    micro_batches = property(lambda self: [parallel_state.get_data_parallel_rank()])
+
 
 def allreduce_gradients(model: torch.nn.Module) -> None:
-    """Megatron-style data-parallel gradient average over parallel_state's DP group."""
+    """Megatron-style data-parallel gradient average over parallel_state's DP group; the sum
+    divides by the job's DP size (DP), the number of micro-batches of every step, also while a
+    live shrink leaves fewer replicas (each computing several micro-batches)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     flat = torch.cat([g.reshape(-1) for g in grads])
     torch.distributed.all_reduce(flat, group=parallel_state.get_data_parallel_group())
-    flat.div_(parallel_state.get_data_parallel_world_size())
+    flat.div_(DP)
     off = 0
     for g in grads:
         g.copy_(flat[off : off + g.numel()].view_as(g))
@@ -112,20 +124,21 @@ def train(
     times: list[float],
 ) -> None:
     """The framework's own loop, from `start` to args.steps."""
-    dp_rank = parallel_state.get_data_parallel_rank()
     mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), 1).view(1, 1, SEQ, SEQ)
     positions = torch.arange(SEQ).unsqueeze(0).expand(args.batch, -1)
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         hooks.step_start(step)
-        hooks.phase("forward")
-        g = torch.Generator().manual_seed(args.seed * 7919 + pos["batch"] * 31 + dp_rank)
+        time.sleep(args.step_time)
+        for j in hooks.micro_batches:  # [the DP rank] until a live shrink
+            hooks.phase("forward")
+            g = torch.Generator().manual_seed(args.seed * 7919 + pos["batch"] * 31 + j)
+            tokens = torch.randint(0, VOCAB, (args.batch, SEQ), generator=g)
+            labels = torch.roll(tokens, -1, dims=1)
+            loss = model(tokens, positions, mask, labels=labels).mean()
+            hooks.phase("backward")
+            loss.backward()
         pos["batch"] += 1
-        tokens = torch.randint(0, VOCAB, (args.batch, SEQ), generator=g)
-        labels = torch.roll(tokens, -1, dims=1)
-        loss = model(tokens, positions, mask, labels=labels).mean()
-        hooks.phase("backward")
-        loss.backward()
         allreduce_gradients(model)
         hooks.optimizer_update_start()
         opt.step()
@@ -172,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, help="final parameters; '{rank}' is replaced by the rank"
     )
     ap.add_argument("--report", default=None, help="rank 0 writes its step times here (JSON)")
+    ap.add_argument("--step-time", type=float, default=0.0, help="seconds of sleep per step")
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median step time")
     ap.add_argument(
         "--no-ftrun", action="store_true", help="plain loop without callbacks (torchrun)"
@@ -225,6 +239,12 @@ def main(argv: list[str] | None = None) -> int:
             rebuild_groups=rebuild_groups,
             rollback=lambda step: print(f"rank {hooks.rank}: roll back to step {step}", flush=True),
             commit=lambda step: print(f"rank {hooks.rank}: continue at step {step}", flush=True),
+            resize=lambda old, new: print(
+                f"rank {hooks.rank}: world {old} -> {new} ranks, DP "
+                f"{parallel_state.get_data_parallel_world_size()}, micro-batches "
+                f"{hooks.micro_batches}",
+                flush=True,
+            ),
         ),
         model=model,
         optimizer=opt,

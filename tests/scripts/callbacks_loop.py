@@ -2,7 +2,11 @@
 tolerant only through launcher.runtime.callbacks (try/except style, no hooks.run).
 
 Each rank appends every callback it receives ({"cb", "arg", "pid", "generation"}) to
---events with '{rank}' replaced, and writes its final parameters to --out.
+--events with '{rank}' replaced, and writes its final parameters to --out. Each step computes
+the rank's micro-batches (`hooks.micro_batches`: [rank] until a live shrink; micro-batch j of a
+step is seeded by the data position and j) and divides the gradient sum by the job's world size.
+`--elastic` registers `resize` too: the loop then shrinks and grows live (its rebuild_groups
+builds its group over the current world).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--events", required=True)
     ap.add_argument("--step-time", type=float, default=0.0, help="seconds of sleep per step")
+    ap.add_argument("--elastic", action="store_true", help="register resize (live shrink)")
     args = ap.parse_args()
 
     hooks = ftcb.attach(backend="gloo")
@@ -43,7 +48,7 @@ def main() -> None:
         log.flush()
 
     def rebuild(generation: int) -> None:
-        group[0] = dist.new_group(list(range(world)))
+        group[0] = dist.new_group(list(range(hooks.world_size)))  # the current world
         note("rebuild_groups", generation)
 
     hooks.register(
@@ -53,6 +58,7 @@ def main() -> None:
             rebuild_groups=rebuild,
             rollback=lambda s: note("rollback", s),
             commit=lambda s: note("commit", s),
+            resize=(lambda old, new: note("resize", [old, new])) if args.elastic else None,
         ),
         model=model,
         optimizer=opt,
@@ -64,12 +70,13 @@ def main() -> None:
             hooks.step_start(step)
             hooks.phase("forward")
             time.sleep(args.step_time)
-            g = torch.Generator().manual_seed(1000 * pos["batch"] + hooks.rank)
+            for j in hooks.micro_batches:
+                g = torch.Generator().manual_seed(1000 * pos["batch"] + j)
+                x = torch.randn(16, 8, generator=g)
+                loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
+                hooks.phase("backward")
+                loss.backward()
             pos["batch"] += 1
-            x = torch.randn(16, 8, generator=g)
-            loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True))
-            hooks.phase("backward")
-            loss.backward()
             for p in model.parameters():
                 dist.all_reduce(p.grad, group=group[0])
                 p.grad.div_(world)

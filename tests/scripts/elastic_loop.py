@@ -7,13 +7,21 @@ plus a lost replica's after a shrink), accumulating gradients, then `rt.allreduc
 averages over the N micro-batches. After each committed step the rank appends {"step", "micro",
 "rank", "pid", "world", "dp", "state"} to --consumed ('{rank}' replaced; "state": a digest of
 the model and optimizer state at the start of the step); a resize callback appends
-{"resize": [old, new], "pid"}. Rank 0 (or every rank with '{rank}' in --out) writes its final
-parameters to --out. `reference(steps, n)` is the same training in one process.
+{"resize": [old, new], "pid"}. `--mode ddp` trains through `rt.ddp` instead (the micro-batches
+accumulated under `no_sync()` but the last, whose backward DDP all-reduces); `--mode layout`
+makes a DP=N/2 x TP=2 grid (`rt.set_layout`): the two tensor-parallel ranks of a data-parallel
+replica hold different models (seeded 5 + tp index), gradients are averaged over the "dp" group
+handle, and each step all-reduces the ranks' numbers over the "tp" handle (recorded as "tp" and
+"tp_sum"); `--mode layout-ddp` is that grid training through `rt.ddp(model,
+process_group=<the "dp" handle>)`. Rank 0 (or every rank with '{rank}' in --out) writes its
+final parameters to --out.
+`reference(steps, n, seed)` is the same training in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -31,8 +39,8 @@ def batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, x[:, :1] * 0.5 - x[:, 1:2]
 
 
-def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(5)
+def model_and_optimizer(seed: int = 5) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
@@ -48,10 +56,10 @@ def digest(model: torch.nn.Module, opt: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
-def reference(steps: int, n: int) -> dict[str, torch.Tensor]:
+def reference(steps: int, n: int, seed: int = 5) -> dict[str, torch.Tensor]:
     """The same training in one process: each step's gradient is the mean over its n
     micro-batches."""
-    model, opt = model_and_optimizer()
+    model, opt = model_and_optimizer(seed)
     for step in range(steps):
         opt.zero_grad(set_to_none=True)
         for j in range(n):
@@ -74,11 +82,13 @@ def main() -> None:
     ap.add_argument("--shrunk-step-time", type=float, default=None)
     ap.add_argument("--consumed", required=True)
     ap.add_argument("--out", required=True)
+    ap.add_argument("--mode", choices=("native", "ddp", "layout", "layout-ddp"), default="native")
     args = ap.parse_args()
 
     rt = ftr.init(backend="gloo")
     full = int(os.environ.get("WORLD_SIZE", rt.world_size))  # the job's world size
-    model, opt = model_and_optimizer()
+    handles = rt.set_layout(dp=full // 2, tp=2) if args.mode.startswith("layout") else {}
+    model, opt = model_and_optimizer(5 + rt.rank % 2 if handles else 5)
     log = open(args.consumed.format(rank=rt.rank), "a", encoding="utf-8")
 
     def note(**record: object) -> None:
@@ -86,7 +96,10 @@ def main() -> None:
         log.flush()
 
     rt.on_resize = lambda old, new: note(resize=[old, new], pid=os.getpid())
-    rt.register(model=model, optimizer=opt)
+    net = model
+    if args.mode.endswith("ddp"):
+        net = rt.ddp(model, process_group=handles.get("dp"))
+    rt.register(model=net, optimizer=opt)
     for step in rt.steps(args.steps):
         micro = list(rt.micro_batches)
         at_start = digest(model, opt)
@@ -96,10 +109,18 @@ def main() -> None:
                 time.sleep(args.shrunk_step_time if shrunk else args.step_time)
                 opt.zero_grad(set_to_none=True)
             with step.phase("backward"):
-                for j in micro:
+                for i, j in enumerate(micro):
                     x, y = batch(step.index, j)
-                    torch.nn.functional.mse_loss(model(x), y).backward()
-                rt.allreduce_gradients(model)
+                    last = i == len(micro) - 1
+                    # rt.ddp: DDP all-reduces in the backward of the last micro-batch only
+                    quiet = (
+                        net.no_sync() if net is not model and not last else contextlib.nullcontext()
+                    )
+                    with quiet:
+                        torch.nn.functional.mse_loss(net(x), y).backward()
+                if net is model:
+                    rt.allreduce_gradients(model, group=handles.get("dp"))
+                tp = _tp_sum(rt, handles)
             with step.optimizer_update():
                 opt.step()
         if not step.interrupted:
@@ -111,6 +132,7 @@ def main() -> None:
                 world=rt.world_size,
                 dp=rt.dp_size,
                 state=at_start,
+                **tp,
             )
     if rt.rank == 0 or "{rank}" in args.out:
         path = args.out.format(rank=rt.rank)
@@ -118,6 +140,15 @@ def main() -> None:
         os.replace(path + ".tmp", path)
     log.close()
     rt.finish()
+
+
+def _tp_sum(rt, handles: dict) -> dict:  # noqa: ANN001 - the runtime
+    """The tensor-parallel group at work: the sum of its ranks' numbers, over its handle."""
+    if "tp" not in handles:
+        return {}
+    t = torch.tensor([float(rt.rank)])
+    rt.all_reduce(t, group=handles["tp"])
+    return {"tp": list(handles["tp"].ranks), "tp_sum": t.item()}
 
 
 if __name__ == "__main__":
