@@ -22,8 +22,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from scale_hosts import NodeHost
 from scale_measure import (
+    RequestCounts,
     StoreHost,
     cpu_delta,
+    per_node_rates,
     process_cpu,
     read_events,
     thread_cpu,
@@ -65,6 +67,7 @@ class ScaleJob:
         self.dir = tempfile.mkdtemp(prefix="bench-scale-")
         self.events_path = os.path.join(self.dir, "events.jsonl")
         self.store = StoreHost()
+        self.counts = RequestCounts()  # this process's agents' store requests
         self.loop = RankLoop()
         self.nodes: list[SimNode] = []
         self.spare: SimNode | None = None
@@ -83,6 +86,7 @@ class ScaleJob:
             self.loop,
             events_path=self.events_path,
             rdzv=self.rdzv,
+            counts=self.counts,
         )
 
     def _hosts(self) -> list[NodeHost]:
@@ -149,17 +153,19 @@ class ScaleJob:
     def steady(self, seconds: float) -> dict:
         """A quiet window: heartbeats, liveness checks, feeds, progress and status records."""
         time.sleep(min(2.0, seconds))  # let the start-up's stragglers settle
-        s0, c0, p0s, t0 = (
+        s0, c0, p0s, r0, t0 = (
             self.store.stats(),
             self._sim_cpu(),
             self._sim_processes_cpu(),
+            self._requests(),
             time.time(),
         )
         time.sleep(seconds)
-        s1, c1, p1s, t1 = (
+        s1, c1, p1s, r1, t1 = (
             self.store.stats(),
             self._sim_cpu(),
             self._sim_processes_cpu(),
+            self._requests(),
             time.time(),
         )
         p0, p1 = sum(p0s), sum(p1s)
@@ -175,7 +181,16 @@ class ScaleJob:
             "sim_ranks_cpu_per_s": round(cpu["ranks"] / dt, 5),
             "sim_process_cpu_per_s": round((p1 - p0) / dt, 4),
             "sim_procs": len(self.hosts) - 1,
+            "requests_per_node_s": per_node_rates(r0, r1, len(self.nodes), dt),
         }
+
+    def _requests(self) -> dict[str, int]:
+        """Every simulated agent's store requests so far, by "source.op" (all processes)."""
+        out = self.counts.snapshot()
+        for h in self.hosts:
+            for k, n in h.requests().items():
+                out[k] = out.get(k, 0) + n
+        return out
 
     def _sim_cpu(self) -> dict[str, float]:
         """Thread CPU by role of the simulation's processes (this one and its hosts but the

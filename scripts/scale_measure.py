@@ -4,8 +4,10 @@ Owns: `StoreHost` (the job's store server, `rendezvous.store.server.StoreServer`
 of its own so its CPU is its own: `python scripts/scale_measure.py serve`; its request counter
 on demand), `wire_bytes` (bytes in and out of every established TCP connection of a listening
 port, from the kernel's tcp_info via `ss`), `thread_cpu` (on-CPU seconds of this process's
-threads by role: controller, proxies, simulated ranks, agents) and `read_events` (the
-controller's events.jsonl).
+threads by role: controller, proxies, simulated ranks, agents), `read_events` (the
+controller's events.jsonl) and `CountingStoreClient` with `RequestCounts` (an agent's store
+requests as they go on the wire, by the source that made them and the op: the steady state's
+breakdown per node).
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ import threading
 import time
 
 from bench_store import cpu_seconds as process_cpu  # noqa: E402  (scripts/ is sys.path[0])
+
+from launcher.protocol import plan as PL  # noqa: E402
+from rendezvous.store import protocol as SP  # noqa: E402
+from rendezvous.store.client import StoreClient  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -142,6 +148,88 @@ def read_events(path: str) -> list[dict]:
     except OSError:
         pass
     return out
+
+
+# the source of a request: the agent thread that made it (by name prefix), else its key
+THREAD_SOURCES = (
+    ("ftrun-membership-heartbeat", "heartbeat"),
+    ("ftrun-membership-checker", "liveness-watch"),
+    ("ftrun-membership-events", "event-follower"),
+    ("ftrun-plans", "plan-feed"),
+    ("ftrun-inject", "inject-feed"),
+    ("ftrun-controller", "controller"),
+    ("ftrun-status", "status-relay"),
+)
+KEY_SOURCES = (
+    (PL.RESTARTS_USED_KEY, "observer"),
+    (PL.node_status_key(0).rsplit("/", 1)[0], "observer"),
+    (PL.progress_key(0).rsplit("/", 1)[0], "progress"),
+)
+
+
+class RequestCounts:
+    """Wire requests by (source, op), shared by the agents of one process (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+
+    def add(self, source: str, op: str, n: int = 1) -> None:
+        key = f"{source}.{op}"
+        with self._lock:
+            self.counts[key] = self.counts.get(key, 0) + n
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counts)
+
+
+def request_source(keys: tuple) -> str:
+    """Who made a request of the calling thread with wire `keys` (see THREAD_SOURCES)."""
+    name = threading.current_thread().name
+    for prefix, source in THREAD_SOURCES:
+        if name.startswith(prefix):
+            return source
+    key = keys[0].decode("utf-8", "replace") if keys else ""
+    for prefix, source in KEY_SOURCES:
+        if prefix and prefix in key:
+            return source
+    return "other:" + name.split("-")[0]
+
+
+class CountingStoreClient(StoreClient):
+    """A `StoreClient` that counts its wire requests (WAIT, and CANCEL_WAIT when a wait runs
+    out, as two) in `counts`."""
+
+    def __init__(self, *args, counts: RequestCounts, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.counts = counts
+
+    def _call(self, req, count: int = 0):
+        self.counts.add(request_source(req.keys), SP.OP_NAMES[req.op])
+        return super()._call(req, count)
+
+    def _wait_wire(self, wks: tuple, timeout: float) -> bool:
+        source = request_source(wks)
+        self.counts.add(source, "WAIT")
+        found = super()._wait_wire(wks, timeout)
+        if not found:
+            self.counts.add(source, "CANCEL_WAIT")
+        return found
+
+
+def per_node_rates(before: dict[str, int], after: dict[str, int], nodes: int, dt: float) -> dict:
+    """Requests per node per second: by source (`by_source`) and by source.op (`by_op`)."""
+    by_op = {
+        k: round((after.get(k, 0) - before.get(k, 0)) / nodes / dt, 3)
+        for k in sorted(after)
+        if after.get(k, 0) != before.get(k, 0)
+    }
+    by_source: dict[str, float] = {}
+    for k, v in by_op.items():
+        src = k.rsplit(".", 1)[0]
+        by_source[src] = round(by_source.get(src, 0.0) + v, 3)
+    return {"total": round(sum(by_op.values()), 3), "by_source": by_source, "by_op": by_op}
 
 
 def wait_until(pred, timeout: float, what: str, step: float = 0.01) -> float:
