@@ -3,8 +3,8 @@
 Owns: `HeartbeatLiveness`. Every agent bumps its heartbeat counter (`keys.hb_key`) each interval.
 The lowest live group rank (the checker) watches everyone's counter (one request per look);
 every other agent watches the checker's (one request per look, at the slowest cadence that keeps
-the verdict within the timeout: 2 a second at the defaults, `watcher_cadence`), so the store
-sees at most about `READS_PER_SECOND` counter reads per second from the checker plus 2 requests
+the verdict within the timeout: once a second at the defaults, `watcher_cadence`), so the store
+sees at most about `READS_PER_SECOND` counter reads per second from the checker plus one request
 per node per second. A counter that does not move for the heartbeat timeout — by the observer's own
 clock, so clock skew does not matter; `check_cadence` sets how often it looks and shortens the
 quiet time by its own lateness, so a crash is declared within the timeout — is declared dead
@@ -77,13 +77,13 @@ def watcher_cadence(timing: Timing, readers: int) -> tuple[float, float]:
     """(period, quiet) of an agent that reads only the checker's counter (one key per look):
     the slowest period that still keeps a crash's verdict within the timeout without judging
     a live checker (`quiet - period >= interval + JITTER_MARGIN` with `quiet = timeout - 2 *
-    period`), never faster than `check_cadence` for `readers` and never slower than
-    interval / 2. At the defaults (1 s, 5 s) that is 2 looks a second at any node count: a
-    crash is still judged within the timeout, and by the first of many watchers sooner than at
-    10 looks a second (its quiet time is shorter)."""
+    period`), never faster than `check_cadence` for `readers` and never slower than one
+    interval. At the defaults (1 s, 5 s) that is one look a second at any node count (quiet
+    3 s: three beats missed): a crash is still judged within the timeout, and by the first of
+    many watchers sooner than at 10 looks a second (its quiet time is shorter)."""
     fastest, _ = check_cadence(timing, readers)
     slowest_safe = (timing.timeout - timing.interval - JITTER_MARGIN) / 3
-    period = min(timing.interval / 2, max(fastest, slowest_safe))
+    period = min(timing.interval, max(fastest, slowest_safe))
     return period, quiet_for(timing, period)
 
 
