@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from scale_hosts import NodeHost
 from scale_measure import (
+    ProbeProcess,
     RequestCounts,
     StoreHost,
     cpu_delta,
@@ -300,11 +301,40 @@ class ScaleJob:
         g = self.generation + 1
         node = self.nodes[-1]
         victim = max(node.ranks)
-        w = self._round_window(
-            lambda: node.kill_rank(victim), lambda: self._resumed_in(g), f"round {g}"
-        )
+        probe = ProbeProcess(self.store.port, P.plan_key(g), self.nnodes)
+        try:
+            w = self._round_window(
+                lambda: node.kill_rank(victim), lambda: self._resumed_in(g), f"round {g}"
+            )
+            fanout = probe.result()
+        finally:
+            probe.close()
         self.generation = g
-        return {"generation": g, "victim": victim, **self._phases(g, w["t0"], w)}
+        out = {"generation": g, "victim": victim, **self._phases(g, w["t0"], w)}
+        return {**out, **self._protocol_path(g, w["t0"], out, fanout)}
+
+    def _protocol_path(self, g: int, t0: float, phases: dict, fanout: dict) -> dict:
+        """The round's path through the real control plane alone: death to the plan published
+        (the simulated agent's report and the real controller), the plan published to every
+        node holding it (the real store's fan-out, timed by `ProbeProcess`: one waiting
+        connection per node, in a process of its own), and the last status posted to the
+        repair plan written (the real relay and controller)."""
+        ev = read_events(self.events_path)
+        plan_t = next(
+            (e["time"] for e in ev if e["event"] == "plan" and e.get("generation") == g), 0
+        )
+        if not plan_t or fanout["nodes"] < self.nnodes:
+            return {"plan_fanout_s": None, "protocol_path_s": None}
+        spread = max(0.0, fanout["last_value"] - plan_t)
+        done, last = phases["to_statuses_collected_s"], phases["to_last_status_posted_s"]
+        path = None
+        if phases["to_plan_s"] is not None and done is not None:
+            path = phases["to_plan_s"] + spread + max(0.0, done - last)
+        return {
+            "plan_fanout_s": round(spread, 4),
+            "plan_fanout_first_s": round(max(0.0, fanout["first_wake"] - plan_t), 4),
+            "protocol_path_s": None if path is None else round(path, 4),
+        }
 
     # ---- one node lost, a hot spare waiting ----------------------------------------------
     def lose_node(self) -> dict:

@@ -7,7 +7,9 @@ port, from the kernel's tcp_info via `ss`), `thread_cpu` (on-CPU seconds of this
 threads by role: controller, proxies, simulated ranks, agents), `read_events` (the
 controller's events.jsonl) and `CountingStoreClient` with `RequestCounts` (an agent's store
 requests as they go on the wire, by the source that made them and the op: the steady state's
-breakdown per node).
+breakdown per node) and `FanoutProbe` (one connection per node that waits for a key and reads
+it, as an agent's plan feed does, all on one selector thread: when the real store had delivered
+a round's plan to every node, apart from the simulated agents' interpreter locks).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import glob
 import json
 import os
 import re
+import selectors
+import socket
 import subprocess
 import sys
 import threading
@@ -232,6 +236,130 @@ def per_node_rates(before: dict[str, int], after: dict[str, int], nodes: int, dt
     return {"total": round(sum(by_op.values()), 3), "by_source": by_source, "by_op": by_op}
 
 
+class FanoutProbe:
+    """`n` connections to the store at `port`, each WAITing for `key` and then reading it
+    (MULTI_GET), the wire pattern of an agent's plan feed, served by one selector thread.
+    Run in a process of its own (`ProbeProcess`), so no simulated agent shares its
+    interpreter: wall times of the first wake-up and of the last value read."""
+
+    def __init__(self, port: int, key: str, n: int) -> None:
+        self.wk = SP.wire_key(key)
+        self.socks: list[socket.socket] = []
+        self.first = self.last = 0.0
+        self.done = 0
+        self._thread = threading.Thread(target=self._run, name="probe-fanout", daemon=True)
+        try:
+            for i in range(n):
+                s = socket.create_connection(("127.0.0.1", port), timeout=30)
+                s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                self.socks.append(s)
+                s.sendall(SP.handshake_bytes(i + 1))
+                self._reply(s, SP.Reply.U32)
+                s.sendall(SP.encode_request(SP.Request(SP.Op.WAIT, (self.wk,))))
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _reply(s: socket.socket, shape: int, count: int = 0):
+        buf = b""
+        while True:
+            r = SP.parse_reply(buf, 0, shape, count) if buf else None
+            if r is not None:
+                return r[0]
+            chunk = s.recv(65536)
+            if not chunk:
+                raise ConnectionError("the store closed a probe connection")
+            buf += chunk
+
+    def start(self) -> "FanoutProbe":
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        sel = selectors.DefaultSelector()
+        for s in self.socks:
+            s.setblocking(False)
+            sel.register(s, selectors.EVENT_READ, [b"", "woke"])
+        get = SP.encode_request(SP.Request(SP.Op.MULTI_GET, (self.wk,)))
+        deadline = time.monotonic() + 600
+        while self.done < len(self.socks) and time.monotonic() < deadline:
+            for k, _ in sel.select(1.0):
+                s, state = k.fileobj, k.data
+                chunk = s.recv(65536)
+                if not chunk:
+                    sel.unregister(s)
+                    continue
+                state[0] += chunk
+                shape = SP.Reply.U8 if state[1] == "woke" else SP.Reply.MULTI
+                r = SP.parse_reply(state[0], 0, shape, 1)
+                if r is None:
+                    continue
+                state[0] = state[0][r[1] :]
+                if state[1] == "woke":
+                    self.first = self.first or time.time()
+                    state[1] = "value"
+                    s.sendall(get)
+                else:
+                    self.last = time.time()
+                    self.done += 1
+                    sel.unregister(s)
+        sel.close()
+
+    def result(self, timeout: float = 10.0) -> dict:
+        self._thread.join(timeout)
+        return {"first_wake": self.first, "last_value": self.last, "nodes": self.done}
+
+    def close(self) -> None:
+        for s in self.socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+class ProbeProcess:
+    """A `FanoutProbe` in its own process (`python scripts/scale_measure.py probe PORT KEY N`):
+    connected and waiting when the constructor returns; `result()` once the key was written."""
+
+    def __init__(self, port: int, key: str, n: int) -> None:
+        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "probe", str(port), key, str(n)],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+        )
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.close()
+            raise RuntimeError(f"the fan-out probe did not start: {line!r}")
+
+    def result(self, timeout: float = 30.0) -> dict:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+            return json.loads(out.strip().splitlines()[-1])
+        except (subprocess.TimeoutExpired, ValueError, IndexError):
+            self.close()
+            return {"first_wake": 0.0, "last_value": 0.0, "nodes": 0}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def probe_main(port: int, key: str, n: int) -> None:
+    probe = FanoutProbe(port, key, n)
+    print("ready", flush=True)
+    try:
+        probe.start()
+        print(json.dumps(probe.result(600.0)), flush=True)
+    finally:
+        probe.close()
+
+
 def wait_until(pred, timeout: float, what: str, step: float = 0.01) -> float:
     """Poll `pred` until true; the wall time it became true. TimeoutError naming `what`."""
     deadline = time.monotonic() + timeout
@@ -245,5 +373,7 @@ def wait_until(pred, timeout: float, what: str, step: float = 0.01) -> float:
 if __name__ == "__main__":
     if sys.argv[1:] == ["serve"]:
         serve()
+    elif sys.argv[1:2] == ["probe"] and len(sys.argv) == 5:
+        probe_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
     else:
-        sys.exit("usage: scale_measure.py serve")
+        sys.exit("usage: scale_measure.py serve | probe PORT KEY N")
