@@ -2,16 +2,15 @@
 
 Owns: `HeartbeatLiveness`. Every agent bumps its heartbeat counter (`keys.hb_key`) each interval.
 The lowest live group rank (the checker) watches everyone's counter (one request per look);
-every other agent watches the checker's (one request per look, at the slowest cadence that keeps
-the verdict within the timeout: once a second at the defaults, `watcher_cadence`), so the store
-sees at most about `READS_PER_SECOND` counter reads per second from the checker plus one request
-per node per second. A counter that does not move for the heartbeat timeout — by the observer's own
-clock, so clock skew does not matter; `check_cadence` sets how often it looks and shortens the
-quiet time by its own lateness, so a crash is declared within the timeout — is declared dead
-exactly once (create-if-absent marker at
-`keys.dead_key`) and published on the membership event log (`keys.event_key`), which every agent
-follows with blocking waits (of one timeout each on the TCP store, whose waits stop() can
-interrupt). Joins of replacements and graceful leaves go through the same log.
+every other agent watches the checker's (one request per look, `watcher_cadence`: 2 a second at
+the defaults whatever the node count), so the store sees at most about `READS_PER_SECOND`
+counter reads per second from the checker plus 2 requests per node per second. A counter that
+does not move for the heartbeat timeout — by the observer's own clock, so clock skew does not
+matter; `check_cadence` sets how often it looks and shortens the quiet time by its own lateness,
+so a crash is declared within the timeout — is declared dead exactly once (create-if-absent
+marker at `keys.dead_key`) and published on the membership event log (`keys.event_key`),
+which every agent follows with blocking waits (of one timeout each on the TCP store, whose
+waits stop() can interrupt). Joins of replacements and graceful leaves go through the same log.
 
 Fencing: a heartbeat is a compare-and-set from the value this agent wrote last, so once a newer
 incarnation has taken the group rank (and rewritten the counter) the stale agent's heartbeat is
@@ -75,15 +74,15 @@ def quiet_for(timing: Timing, period: float) -> float:
 
 def watcher_cadence(timing: Timing, readers: int) -> tuple[float, float]:
     """(period, quiet) of an agent that reads only the checker's counter (one key per look):
-    the slowest period that still keeps a crash's verdict within the timeout without judging
-    a live checker (`quiet - period >= interval + JITTER_MARGIN` with `quiet = timeout - 2 *
-    period`), never faster than `check_cadence` for `readers` and never slower than one
-    interval. At the defaults (1 s, 5 s) that is one look a second at any node count (quiet
-    3 s: three beats missed): a crash is still judged within the timeout, and by the first of
-    many watchers sooner than at 10 looks a second (its quiet time is shorter)."""
+    as slow as keeps a crash's verdict within the timeout (`quiet = timeout - 2 * period`)
+    while a live checker's beat may still come twice JITTER_MARGIN late without a verdict
+    (`quiet - period >= interval + 2 * JITTER_MARGIN`), never faster than `check_cadence` for
+    `readers` and never slower than interval / 2 (as check_cadence at hundreds of nodes). At
+    the defaults (1 s, 5 s) that is 2 looks a second at any node count; with a timeout of two
+    intervals it is check_cadence's."""
     fastest, _ = check_cadence(timing, readers)
-    slowest_safe = (timing.timeout - timing.interval - JITTER_MARGIN) / 3
-    period = min(timing.interval, max(fastest, slowest_safe))
+    slowest_safe = (timing.timeout - timing.interval - 2 * JITTER_MARGIN) / 3
+    period = min(timing.interval / 2, max(fastest, slowest_safe))
     return period, quiet_for(timing, period)
 
 
