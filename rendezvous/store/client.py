@@ -154,7 +154,10 @@ class StoreClient(KVStore):
 
     def interrupt_waits(self, thread: threading.Thread) -> None:
         """Shut down `thread`'s connection: a WAIT it blocks in ends at once with StoreError
-        (and the thread's next call opens a new connection)."""
+        (and the thread's next call opens a new connection). A thread that ended is left
+        alone (its id may belong to another thread by now)."""
+        if not thread.is_alive():
+            return
         with self._lock:
             links = [link for link in self._links if link.owner == thread.ident]
         for link in links:
