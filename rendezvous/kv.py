@@ -20,6 +20,7 @@ waits forever.
 from __future__ import annotations
 
 import abc
+import threading
 import time
 from typing import Iterable
 
@@ -45,6 +46,10 @@ def check_timeout(timeout: float) -> float:
 
 class KVStore(abc.ABC):
     """A thread-safe key-value store with torch TCPStore semantics plus listing and clearing."""
+
+    # True when interrupt_waits() can end another thread's blocking wait: its waiters may then
+    # wait long (one request per key change or per long timeout) instead of in short slices
+    interruptible_waits = False
 
     @abc.abstractmethod
     def set(self, key: str, value: bytes) -> None:
@@ -120,6 +125,10 @@ class KVStore(abc.ABC):
     def release_thread(self) -> None:
         """The calling thread ends: release what it holds (the TCP client's connection of this
         thread; its next call would open another). Default: nothing held per thread."""
+
+    def interrupt_waits(self, thread: threading.Thread) -> None:
+        """Make a blocking call of `thread` on this store end at once with StoreError (its
+        owner is stopping it). Only meaningful when `interruptible_waits`; default: nothing."""
 
     def __enter__(self) -> "KVStore":
         return self

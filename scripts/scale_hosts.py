@@ -29,7 +29,7 @@ REPO = os.path.dirname(HERE)
 sys.path[:0] = [p for p in (HERE, REPO) if p not in sys.path]
 
 from bench_store import cpu_seconds as process_cpu  # noqa: E402
-from scale_measure import thread_cpu  # noqa: E402
+from scale_measure import RequestCounts, thread_cpu  # noqa: E402
 from scale_ranks import RankLoop, RankRecord  # noqa: E402
 
 STATE_TTL = 0.005  # s a state answer is reused (the benchmark polls for a round's end)
@@ -87,6 +87,10 @@ class NodeHost:
     def cpu(self) -> dict[str, float]:
         """On-CPU seconds of the process's threads by role (`scale_measure.ROLES`)."""
         return self.ask("cpu")
+
+    def requests(self) -> dict[str, int]:
+        """The hosted agents' store requests so far, by "source.op" (`RequestCounts`)."""
+        return self.ask("requests")
 
     def process_cpu(self) -> float:
         return process_cpu(self.proc.pid)
@@ -158,7 +162,7 @@ def _raise_fd_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
-def _answers(nodes: list, joins: list[threading.Thread]) -> dict:
+def _answers(nodes: list, joins: list[threading.Thread], counts: RequestCounts) -> dict:
     def join_start() -> dict:
         for n in nodes:
             t = threading.Thread(target=n.join, daemon=True)
@@ -187,6 +191,7 @@ def _answers(nodes: list, joins: list[threading.Thread]) -> dict:
         "crash": lambda args: (nodes[int(args[0])].crash(), {})[1],
         "spares": lambda args: {"spares": nodes[int(args[0])].spare_waiting()},
         "cpu": lambda args: thread_cpu(),
+        "requests": lambda args: counts.snapshot(),
     }
 
 
@@ -201,6 +206,7 @@ def serve(conf: dict) -> None:
     loop = RankLoop().start()
     rdzv = RendezvousSettings(**conf["rdzv"])
     store = ("127.0.0.1", conf["store_port"])
+    counts = RequestCounts()
     nodes = [
         SimNode(
             store,
@@ -210,10 +216,11 @@ def serve(conf: dict) -> None:
             loop,
             events_path=conf["events"],
             rdzv=rdzv,
+            counts=counts,
         )  # fmt: skip
         for _ in range(conf["count"])
     ]
-    answers = _answers(nodes, [])
+    answers = _answers(nodes, [], counts)
     for line in sys.stdin:
         cmd, *args = line.split()
         if cmd == "stop":

@@ -22,8 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 from scale_hosts import NodeHost
 from scale_measure import (
+    ProbeProcess,
+    RequestCounts,
     StoreHost,
     cpu_delta,
+    per_node_rates,
     process_cpu,
     read_events,
     thread_cpu,
@@ -65,6 +68,7 @@ class ScaleJob:
         self.dir = tempfile.mkdtemp(prefix="bench-scale-")
         self.events_path = os.path.join(self.dir, "events.jsonl")
         self.store = StoreHost()
+        self.counts = RequestCounts()  # this process's agents' store requests
         self.loop = RankLoop()
         self.nodes: list[SimNode] = []
         self.spare: SimNode | None = None
@@ -83,6 +87,7 @@ class ScaleJob:
             self.loop,
             events_path=self.events_path,
             rdzv=self.rdzv,
+            counts=self.counts,
         )
 
     def _hosts(self) -> list[NodeHost]:
@@ -149,17 +154,19 @@ class ScaleJob:
     def steady(self, seconds: float) -> dict:
         """A quiet window: heartbeats, liveness checks, feeds, progress and status records."""
         time.sleep(min(2.0, seconds))  # let the start-up's stragglers settle
-        s0, c0, p0s, t0 = (
+        s0, c0, p0s, r0, t0 = (
             self.store.stats(),
             self._sim_cpu(),
             self._sim_processes_cpu(),
+            self._requests(),
             time.time(),
         )
         time.sleep(seconds)
-        s1, c1, p1s, t1 = (
+        s1, c1, p1s, r1, t1 = (
             self.store.stats(),
             self._sim_cpu(),
             self._sim_processes_cpu(),
+            self._requests(),
             time.time(),
         )
         p0, p1 = sum(p0s), sum(p1s)
@@ -175,7 +182,16 @@ class ScaleJob:
             "sim_ranks_cpu_per_s": round(cpu["ranks"] / dt, 5),
             "sim_process_cpu_per_s": round((p1 - p0) / dt, 4),
             "sim_procs": len(self.hosts) - 1,
+            "requests_per_node_s": per_node_rates(r0, r1, len(self.nodes), dt),
         }
+
+    def _requests(self) -> dict[str, int]:
+        """Every simulated agent's store requests so far, by "source.op" (all processes)."""
+        out = self.counts.snapshot()
+        for h in self.hosts:
+            for k, n in h.requests().items():
+                out[k] = out.get(k, 0) + n
+        return out
 
     def _sim_cpu(self) -> dict[str, float]:
         """Thread CPU by role of the simulation's processes (this one and its hosts but the
@@ -285,11 +301,40 @@ class ScaleJob:
         g = self.generation + 1
         node = self.nodes[-1]
         victim = max(node.ranks)
-        w = self._round_window(
-            lambda: node.kill_rank(victim), lambda: self._resumed_in(g), f"round {g}"
-        )
+        probe = ProbeProcess(self.store.port, P.plan_key(g), self.nnodes)
+        try:
+            w = self._round_window(
+                lambda: node.kill_rank(victim), lambda: self._resumed_in(g), f"round {g}"
+            )
+            fanout = probe.result()
+        finally:
+            probe.close()
         self.generation = g
-        return {"generation": g, "victim": victim, **self._phases(g, w["t0"], w)}
+        out = {"generation": g, "victim": victim, **self._phases(g, w["t0"], w)}
+        return {**out, **self._protocol_path(g, w["t0"], out, fanout)}
+
+    def _protocol_path(self, g: int, t0: float, phases: dict, fanout: dict) -> dict:
+        """The round's path through the real control plane alone: death to the plan published
+        (the simulated agent's report and the real controller), the plan published to every
+        node holding it (the real store's fan-out, timed by `ProbeProcess`: one waiting
+        connection per node, in a process of its own), and the last status posted to the
+        repair plan written (the real relay and controller)."""
+        ev = read_events(self.events_path)
+        plan_t = next(
+            (e["time"] for e in ev if e["event"] == "plan" and e.get("generation") == g), 0
+        )
+        if not plan_t or fanout["nodes"] < self.nnodes:
+            return {"plan_fanout_s": None, "protocol_path_s": None}
+        spread = max(0.0, fanout["last_value"] - plan_t)
+        done, last = phases["to_statuses_collected_s"], phases["to_last_status_posted_s"]
+        path = None
+        if phases["to_plan_s"] is not None and done is not None:
+            path = phases["to_plan_s"] + spread + max(0.0, done - last)
+        return {
+            "plan_fanout_s": round(spread, 4),
+            "plan_fanout_first_s": round(max(0.0, fanout["first_wake"] - plan_t), 4),
+            "protocol_path_s": None if path is None else round(path, 4),
+        }
 
     # ---- one node lost, a hot spare waiting ----------------------------------------------
     def lose_node(self) -> dict:

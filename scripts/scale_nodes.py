@@ -5,11 +5,12 @@ real node rendezvous and liveness (`rendezvous.nodes.membership.Membership`: joi
 the checker, the event log, hot spares), the real per-node `StoreProxy` its ranks talk to, the
 real plan and inject feeds (`launcher.agent.agent_events.KeyFeed`), the agent's periodic store
 writes at default settings (the progress record `launcher.control.progress.ProgressBoard`, and
-the observer's node status: `plan.RESTARTS_USED_KEY` read, `plan.node_status_key` written, once
-a second), the aware keys its ranks' hellos cause, faults posted as `FaultReporter` posts them
-(`fault_intake.post_fault`), and what the plan executor does for a process-level plan (Stop to
-the survivors, a replacement for each failed rank, and the agent's real `StatusRelay`: the
-node's statuses posted as one record). The leader node also runs the real
+the observer's node status: `plan.node_status_key` written once a second,
+`plan.RESTARTS_USED_KEY` read as `launcher.observe.observer` reads it), the aware keys its
+ranks' hellos cause, faults posted as `FaultReporter` posts them (`fault_intake.post_fault`),
+and what the plan executor does for a process-level plan (Stop to the survivors, a replacement
+for each failed rank, and the agent's real `StatusRelay`: the node's statuses posted as one
+record). The leader node also runs the real
 `launcher.control.controller.Controller` with the agent's hooks, and tells it about lost and
 arriving nodes as `launcher.agent.membership_news` does. Only the workers are simulated
 (`scale_ranks`).
@@ -21,6 +22,7 @@ import queue
 import threading
 import time
 
+from scale_measure import CountingStoreClient, RequestCounts
 from scale_ranks import RankLoop, RankRecord, SimRank
 
 from launcher.agent.agent_events import PlanEvent, inject_feed, plan_feed
@@ -30,6 +32,7 @@ from launcher.control.controller_settings import ControllerHooks, ControllerSett
 from launcher.control.fault_intake import post_fault
 from launcher.control.progress import ProgressBoard
 from launcher.observe.logs import AgentLog
+from launcher.observe.observer import RESTARTS_AFTER_PLAN, RESTARTS_REFRESH
 from launcher.protocol import plan as P
 from launcher.protocol.faults import FaultKind
 from rendezvous.kv import StoreError
@@ -56,9 +59,14 @@ class SimNode:
         ranks: RankLoop,
         events_path: str | None = None,
         rdzv: RendezvousSettings | None = None,
+        counts: RequestCounts | None = None,
     ) -> None:
         self.store, self.per_node, self.ranks_loop = store, per_node, ranks
-        self.kv = StoreClient(store[0], store[1], timeout=60.0)
+        self.kv = (
+            StoreClient(store[0], store[1], timeout=60.0)
+            if counts is None
+            else CountingStoreClient(store[0], store[1], timeout=60.0, counts=counts)
+        )
         self.settings = MembershipSettings(
             None, nnodes, nnodes, per_node, "127.0.0.1", run_id, rdzv=rdzv or RendezvousSettings()
         )
@@ -250,9 +258,15 @@ class SimNode:
         """The observer's status publication and the health check's progress record."""
         assert self.world is not None
         board = ProgressBoard(self.kv, self.group_rank)
+        read_at = -RESTARTS_REFRESH
         while not self._stop.wait(TICK):
-            try:
-                self.kv.try_get(P.RESTARTS_USED_KEY)
+            try:  # the restart budget: as the observer reads it (around plans, else rarely)
+                last_plan = max(self.plans_seen.values(), default=0.0)
+                if time.time() - last_plan < RESTARTS_AFTER_PLAN or (
+                    time.monotonic() - read_at >= RESTARTS_REFRESH
+                ):
+                    read_at = time.monotonic()
+                    self.kv.present([P.RESTARTS_USED_KEY])
                 self.kv.set(P.node_status_key(self.group_rank), self._status())
                 board.publish(self._progress())
             except StoreError:

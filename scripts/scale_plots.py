@@ -36,7 +36,10 @@ METRICS = (
         "scale_steady_requests.png",
         "Steady state: store requests",
         "requests per second",
-        (("ftrun store", ("steady", "store_requests_per_s")),),
+        (
+            ("ftrun store", ("steady", "store_requests_per_s")),
+            ("ftrun, per node (agent's breakdown)", ("steady", "requests_per_node_s", "total")),
+        ),
     ),
     (
         "scale_kill_round.png",
@@ -49,6 +52,7 @@ METRICS = (
             ("every status collected", ("kill", "to_statuses_collected_s")),
             ("every rank resumed", ("kill", "to_all_resumed_s")),
             ("control-plane path (see docs/benchmarks.md)", ("kill", "control_path_s")),
+            ("protocol path (plan fan-out on the wire)", ("kill", "protocol_path_s")),
             ("control-plane CPU (store+proxies+controller)", ("kill", "control_plane_cpu_s")),
         ),
     ),

@@ -68,3 +68,49 @@ def test_a_feed_stopped_while_its_store_call_hangs_delivers_nothing_afterwards()
     feed._thread.join(5)
     assert not feed._thread.is_alive()
     assert q.empty()
+
+
+def test_an_idle_feed_on_the_tcp_store_waits_long_and_stops_at_once() -> None:
+    """bench_scale at 4096 ranks: two feeds per agent waiting 0.5 s at a time were 8 store
+    requests per node per second (WAIT + CANCEL_WAIT each). On the TCP store a feed waits
+    LONG_WAIT s, still delivers a plan as soon as it is written, and stop() interrupts the
+    wait instead of joining it out."""
+    import time
+
+    from launcher.agent.agent_events import LONG_WAIT
+    from rendezvous.store.client import StoreClient
+    from rendezvous.store.server import StoreServer
+
+    class Counting(StoreClient):
+        waits = 0
+
+        def _wait_wire(self, wks, timeout):  # type: ignore[no-untyped-def]
+            Counting.waits += 1
+            return super()._wait_wire(wks, timeout)
+
+    with StoreServer(host="127.0.0.1") as server:
+        kv, q = Counting("127.0.0.1", server.port, timeout=30), queue.Queue()
+        feed = plan_feed(kv, 0, q)
+        assert feed.wait_s == LONG_WAIT >= 5.0
+        feed.start()
+        try:
+            time.sleep(2.0)
+            assert Counting.waits == 1  # one wait, still blocked (0.5 s waits: 4 by now)
+            t0 = time.monotonic()
+            kv.set(P.plan_key(1), P.Plan(generation=1, strategy=P.RETRY).to_json())
+            ev = q.get(timeout=5)
+            assert isinstance(ev, PlanEvent) and time.monotonic() - t0 < 0.5
+            time.sleep(0.2)  # waiting for plan 2 now
+            t0 = time.monotonic()
+            feed.stop()
+            assert not feed._thread.is_alive() and time.monotonic() - t0 < 0.5
+        finally:
+            feed.stop()
+            kv.close()
+
+
+def test_a_feed_on_a_store_that_cannot_interrupt_waits_keeps_short_waits() -> None:
+    from launcher.agent.agent_events import SHORT_WAIT
+
+    kv = LocalKV()
+    assert not kv.interruptible_waits and plan_feed(kv, 0, queue.Queue()).wait_s == SHORT_WAIT

@@ -185,3 +185,32 @@ def test_calls_after_the_first_connection_use_the_call_timeout_not_the_connect_t
     finally:
         c.close()
         mute.close()
+
+
+def test_interrupt_waits_ends_another_threads_wait_at_once(server: StoreServer) -> None:
+    """A feed or the event follower waits long on the TCP store (one request per key or per
+    long timeout, not per 0.5 s); its owner's stop() ends the wait by shutting down the
+    waiting thread's connection, and only that one."""
+    c = StoreClient("127.0.0.1", server.port, timeout=30)
+    try:
+        assert c.interruptible_waits
+        c.set("other", b"1")  # this thread's connection: untouched by the interrupt
+        out: list[object] = []
+
+        def wait_long() -> None:
+            try:
+                out.append(c.wait(["never"], 20.0))
+            except StoreError as e:
+                out.append(e)
+
+        t = threading.Thread(target=wait_long)
+        t.start()
+        time.sleep(0.3)  # blocked in its WAIT
+        t0 = time.monotonic()
+        c.interrupt_waits(t)
+        t.join(5.0)
+        assert not t.is_alive() and time.monotonic() - t0 < 1.0
+        assert len(out) == 1 and isinstance(out[0], StoreError)
+        assert c.get("other", 1.0) == b"1"
+    finally:
+        c.close()

@@ -445,3 +445,69 @@ def test_roster_tells_why_a_node_left_and_a_leave_is_no_death() -> None:
     r2.on_left(lambda g, why: got.append((g, why)))
     r2.gone(1, 1)
     assert got == [(1, "")]
+
+
+def test_watcher_cadence_is_slow_but_keeps_the_verdict_within_the_timeout() -> None:
+    """bench_scale: the agents that watch only the checker's counter looked up to 10 times a
+    second each (2 requests per look), 15 requests per node per second at 64 nodes. They now
+    look as slowly as keeps a crash's verdict within the timeout and a live checker's beat
+    twice JITTER_MARGIN late without one, at most interval / 2 apart, never faster than
+    check_cadence, one request per look."""
+    from rendezvous.nodes.liveness.heartbeat import (
+        JITTER_MARGIN,
+        check_cadence,
+        watcher_cadence,
+    )
+
+    assert watcher_cadence(Timing(1.0, 5.0), 3) == (0.5, pytest.approx(4.0))
+    assert watcher_cadence(Timing(1.0, 5.0), 256)[0] == 0.5
+    assert watcher_cadence(Timing(1.0, 2.0), 3) == check_cadence(Timing(1.0, 2.0), 3)
+    for timing in (Timing(1.0, 5.0), Timing(1.0, 2.0), Timing(0.1, 0.6), Timing(0.5, 30.0)):
+        for readers in (2, 16, 64, 256, 4096):
+            period, quiet = watcher_cadence(timing, readers)
+            fastest, fast_quiet = check_cadence(timing, readers)
+            assert fastest <= period <= timing.interval / 2
+            if quiet < timing.timeout:
+                assert quiet + 2 * period <= timing.timeout + 1e-9
+                late = min(2 * JITTER_MARGIN, fast_quiet - fastest - timing.interval)
+                assert quiet - period >= timing.interval + late - 1e-9
+            else:  # no shorter quiet is safe: as slow as check_cadence was before
+                assert period == check_cadence(timing, readers)[0]
+
+
+def test_an_idle_watch_costs_few_requests_and_stops_at_once(
+    tcp_store: StoreServer, owned: list
+) -> None:
+    """The event follower waits one liveness timeout at a time on the TCP store (it waited one
+    interval, then read the sequence counter: 3-4 requests per node per second at the
+    defaults), a watcher reads the checker's counter in one request; stop() interrupts the
+    follower's wait, and an event is still applied at once."""
+    timing = Timing(interval=0.2, timeout=3.0)
+    kvs = _clients(tcp_store, 3, owned)
+    lvs = [liveness_for(kv, timing, True, f"n{gr}") for gr, kv in enumerate(kvs)]
+    owned.extend(lvs)
+    ranks = [0, 1, 2]
+    for gr, lv in enumerate(lvs):
+        lv.begin()
+        assert _register(lv, gr)
+        lv.roster.reset({r: 1 for r in ranks}, ranks)
+        lv.start()
+    left: list[int] = []
+    lvs[2].roster.on_left(lambda g, why: left.append(g))
+    lvs[2].watch(ranks)  # a watcher: reads node 0's counter, follows the event log
+    time.sleep(0.5)
+    before, t0 = tcp_store.stats["requests"], time.monotonic()
+    time.sleep(2.0)
+    rate = (tcp_store.stats["requests"] - before) / (time.monotonic() - t0)
+    # beats 3 x 5/s; the watcher: 1 request per look, (3 - 0.2 - 1) / 3 s apart, capped at
+    # interval / 2: 10 looks/s (before: as many looks of two requests each, and the follower
+    # 15-20 requests/s); the follower: one wait still blocked
+    assert rate <= 15 + 10 + 2, rate
+    t0 = time.monotonic()
+    lvs[1].stop(leave=True)  # a leave: on the event log, applied within the follower's wait
+    while 1 not in left and time.monotonic() - t0 < timing.timeout:
+        time.sleep(0.01)
+    assert left == [1] and time.monotonic() - t0 < 1.0
+    t0 = time.monotonic()
+    lvs[2].stop(leave=False)
+    assert time.monotonic() - t0 < 1.0

@@ -145,3 +145,37 @@ def test_a_rank_entering_a_round_is_recorded_once_at_its_heartbeats_time(tmp_pat
         (0, 2, 53.0, "rank 0 stopped training of generation 2 and posted its status"),
         (1, 2, 54.5, "rank 1 joined the round of generation 2 and posted its status"),
     ]
+
+
+def test_the_restart_budget_is_read_around_plans_not_every_second() -> None:
+    """bench_scale: every agent's observer read the controller's restart budget every second
+    (one or two store requests per node per second) though it changes only with a round."""
+    from launcher.observe import observer as O
+    from launcher.protocol import plan as P
+    from rendezvous.store.memory import LocalKV
+
+    class Counting(LocalKV):
+        reads = 0
+
+        def present(self, keys):  # type: ignore[no-untyped-def]
+            if P.RESTARTS_USED_KEY in keys:
+                Counting.reads += 1
+            return super().present(keys)
+
+    kv = Counting()
+    kv.set(P.RESTARTS_USED_KEY, b"2")
+    obs = O.NodeObserver(AgentLog(0, None, quiet=True), "/tmp", 5, None, 5.0)
+    obs._kv, obs._node = kv, 0
+    obs._tick()
+    assert Counting.reads == 1 and obs.snapshot()["restarts_used"] == 2
+    for _ in range(5):
+        obs._tick()
+    assert Counting.reads == 1  # nothing happened: not read again (for RESTARTS_REFRESH s)
+    kv.set(P.RESTARTS_USED_KEY, b"3")
+    obs.on_event({"event": "plan-received", "generation": 1, "rank": None})
+    obs._tick()
+    assert Counting.reads == 2 and obs.snapshot()["restarts_used"] == 3
+    obs._restarts_until = 0.0  # the plan's window over
+    obs._restarts_read_at -= O.RESTARTS_REFRESH  # and the refresh due
+    obs._tick()
+    assert Counting.reads == 3

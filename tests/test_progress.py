@@ -49,3 +49,34 @@ def test_stale_or_damaged_records_are_skipped() -> None:
     kv.set(P.progress_key(2), json.dumps({"time": 1.0}).encode())
     assert read_progress(kv, 4, now=STALE_AFTER + 1.0) == []
     assert [r.rank for r in read_progress(kv, 4, now=STALE_AFTER - 1.0)] == [0]
+
+
+def test_every_nodes_record_is_read_in_one_request() -> None:
+    """The controller's blame read every node's record with a CHECK and a GET each: 512
+    sequential requests at 256 nodes while it held a report."""
+    reads: list[list[str]] = []
+
+    class Counting(LocalKV):
+        inside = False  # LocalKV answers present() with try_get()s: not requests of their own
+
+        def present(self, keys):  # type: ignore[no-untyped-def]
+            reads.append(list(keys))
+            self.inside = True
+            try:
+                return super().present(keys)
+            finally:
+                self.inside = False
+
+        def try_get(self, key):  # type: ignore[no-untyped-def]
+            if not self.inside:
+                reads.append([key])
+            return super().try_get(key)
+
+    kv = Counting()
+    now = 1000.0
+    for node in (0, 2):
+        ProgressBoard(kv, node).publish({node: {"aware": True, "idle_s": 1.0}}, now=now)
+    reads.clear()
+    got = read_progress(kv, 3, now=now + 1)
+    assert reads == [[P.progress_key(n) for n in range(3)]]
+    assert sorted((p.node, p.rank, p.idle_s) for p in got) == [(0, 0, 2.0), (2, 2, 2.0)]

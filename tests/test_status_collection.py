@@ -80,3 +80,33 @@ def test_an_older_rounds_record_does_not_count() -> None:
     rec = P.NodeStatuses(1, 0, [status(r, 1).__dict__ for r in (0, 1)])
     kv.set(P.node_statuses_key(2, 0), rec.to_json())  # a record naming generation 1
     assert not c.wait(0.01) and c.missing() == [0, 1]
+
+
+def test_a_satisfied_wait_reads_every_record_in_one_request() -> None:
+    """The records a WAIT just found are read with one MULTI_GET (it was WAIT + MULTI_GET
+    again: one more round trip on the round's path)."""
+
+    class Counting(StoreClient):
+        ops: list[str] = []
+
+        def _call(self, req, count=0):  # type: ignore[no-untyped-def]
+            Counting.ops.append(P_store.OP_NAMES[req.op])
+            return super()._call(req, count)
+
+        def _wait_wire(self, wks, timeout):  # type: ignore[no-untyped-def]
+            Counting.ops.append("WAIT")
+            return super()._wait_wire(wks, timeout)
+
+    from rendezvous.store import protocol as P_store
+
+    with StoreServer(host="127.0.0.1") as server:
+        kv = Counting("127.0.0.1", server.port, timeout=10)
+        try:
+            for node in range(64):
+                post_node(kv, node, [4 * node + i for i in range(4)])
+            c = StatusCollection(kv, 1, list(range(256)), of_node)
+            Counting.ops.clear()
+            assert c.wait(1.0) and len(c.statuses()) == 256
+            assert Counting.ops == ["WAIT", "MULTI_GET"]
+        finally:
+            kv.close()

@@ -5,6 +5,11 @@ exits are `launcher.workers.workers.WorkerExit`, worker messages
 `launcher.workers.channel.ChannelMessage`) and `KeyFeed`, a thread that follows a numbered sequence
 of store keys (the controller's plans, `ftctl inject` requests) and puts one event per key on the
 agent's queue. Each feed is owned by the agent: `start()`, `stop()`.
+
+A feed costs the store one WAIT per key it delivers, plus a WAIT and its CANCEL_WAIT per wait
+that runs out: on a store whose waits `stop()` can interrupt (the TCP store) a wait lasts
+`LONG_WAIT` s (0.4 requests a second per idle feed), elsewhere `SHORT_WAIT` s (stop() must not
+block longer). A key's value reaches the queue as soon as it is written either way.
 """
 
 from __future__ import annotations
@@ -17,6 +22,9 @@ from typing import Callable
 
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore, StoreError
+
+LONG_WAIT = 5.0  # s a feed's wait lasts when stop() can interrupt it
+SHORT_WAIT = 0.5  # s otherwise (stop() joins within it)
 
 
 @dataclass
@@ -54,6 +62,7 @@ class KeyFeed:
         self._events = events
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.wait_s = LONG_WAIT if kv.interruptible_waits else SHORT_WAIT
 
     def start(self) -> None:
         self._thread.start()
@@ -61,13 +70,14 @@ class KeyFeed:
     def stop(self, timeout: float = 2.0) -> None:
         self._stop.set()
         if self._thread.is_alive():
+            self._kv.interrupt_waits(self._thread)
             self._thread.join(timeout)
 
     def _run(self) -> None:
         while not self._stop.is_set():
             key = self._key_of(self._next)
             try:
-                if self._kv.wait([key], 0.5):
+                if self._kv.wait([key], self.wait_s):
                     # one request for the value the wait just found (a GET would wait again)
                     value = self._kv.present([key])[0]
                     if value is None:

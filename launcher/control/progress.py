@@ -56,8 +56,8 @@ def read_progress(kv: KVStore, nnodes: int, now: float | None = None) -> list[Ra
     """Every node's published records, aged to `now`."""
     now = time.time() if now is None else now
     out: list[RankProgress] = []
-    for node in range(nnodes):
-        raw = kv.try_get(P.progress_key(node))
+    raws = kv.present([P.progress_key(node) for node in range(nnodes)])  # one request (TCP)
+    for node, raw in enumerate(raws):
         if raw is None:
             continue
         try:

@@ -11,7 +11,8 @@ round and a rank's exit), `steps` (the ranks' committed steps in compact batches
 `launcher.observe.step_points`: what the progress chart plots), `rank-stopped` (a rank entered
 a round: a survivor's stop, a replacement joining) and `rank-resumed` (the first step a rank
 commits after a recovery round: the end of the round's `resume` phase). Its thread publishes
-the node's status to the store every second (`plan.node_status_key`) and refreshes the metrics
+the node's status to the store every second (`plan.node_status_key`; the controller's restart
+budget is read only around a plan this agent received, else every 30 s) and refreshes the metrics
 (`launcher.observe.metrics`, when a port is configured). At the end of a job that had faults
 it prints the job's time lost to recovery (the rule of `launcher.observe.run_view`) and the
 `ftctl report` command for the run.
@@ -36,6 +37,10 @@ from launcher.protocol import plan as P
 from launcher.protocol.budget import restarts_left
 
 PUBLISH_INTERVAL = 1.0
+# the controller's restart budget changes only with a round: read at the start, for this long
+# after every plan this agent receives, and otherwise once per RESTARTS_REFRESH
+RESTARTS_AFTER_PLAN = 5.0
+RESTARTS_REFRESH = 30.0
 RATE_WINDOW = 30.0  # seconds of heartbeats a steps-per-second figure is computed over
 QUIET_PHASES = ("init", "recovering", "resumed")
 # What the leader's status adds about the job (from its timeline's view)
@@ -99,6 +104,8 @@ class NodeObserver:
         self._node: int | None = None
         self._leader = False
         self._restarts_used = 0
+        self._restarts_read_at = -RESTARTS_REFRESH  # monotonic time of the last read
+        self._restarts_until = 0.0  # monotonic: read at every tick until then (a plan came)
         self._last_progress = 0.0
         self._last_sample: dict[int, tuple] = {}
         self._stop = threading.Event()
@@ -186,6 +193,7 @@ class NodeObserver:
         if self.metrics is not None:
             self._count(kind, ev)
         if kind == "plan-received":
+            self._restarts_until = time.monotonic() + RESTARTS_AFTER_PLAN
             self._record_progress(force=True)  # the steps reached when the round began
         elif kind == "exit":  # a rank's last steps, before anything else can go wrong
             self._record_steps()
@@ -277,10 +285,13 @@ class NodeObserver:
                 self._stop.wait(5.0)
 
     def _tick(self) -> None:
+        now = time.monotonic()
+        if now < self._restarts_until or now - self._restarts_read_at >= RESTARTS_REFRESH:
+            self._restarts_read_at = now
+            self._restarts_used = int(
+                self._timed("get", lambda: self._kv.present([P.RESTARTS_USED_KEY])[0]) or 0
+            )
         snapshot = self.snapshot(time.time())
-        self._restarts_used = int(
-            self._timed("get", lambda: self._kv.try_get(P.RESTARTS_USED_KEY)) or 0
-        )
         self._timed(
             "set",
             lambda: self._kv.set(

@@ -60,15 +60,17 @@ def connect(
 class _Link:
     """One connected socket plus its unread bytes."""
 
-    __slots__ = ("sock", "buf")
+    __slots__ = ("sock", "buf", "owner")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
+        self.owner = threading.get_ident()  # the thread whose connection it is
 
 
 class StoreClient(KVStore):
-    """`KVStore` over TCP; thread-safe (one connection per calling thread).
+    """`KVStore` over TCP; thread-safe (one connection per calling thread). Another thread's
+    blocking WAIT can be ended with `interrupt_waits` (its connection is shut down).
 
     `timeout` bounds every call (and connecting, after the first connection); `connect_timeout`
     (default `timeout`) is how long the first connection may take: an agent waits up to
@@ -147,6 +149,22 @@ class StoreClient(KVStore):
                 ok = False
             if not ok:
                 raise StoreAuthError(f"store at {self.address} refused the job token")
+
+    interruptible_waits = True
+
+    def interrupt_waits(self, thread: threading.Thread) -> None:
+        """Shut down `thread`'s connection: a WAIT it blocks in ends at once with StoreError
+        (and the thread's next call opens a new connection). A thread that ended is left
+        alone (its id may belong to another thread by now)."""
+        if not thread.is_alive():
+            return
+        with self._lock:
+            links = [link for link in self._links if link.owner == thread.ident]
+        for link in links:
+            try:
+                link.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def release_thread(self) -> None:
         link = getattr(self._local, "link", None)

@@ -217,6 +217,7 @@ class Liveness(ABC):
             return
         self._stop.set()
         self.interrupt.set()
+        self._wake()
         lost = self.roster.lost.is_set()
         self.roster.close()
         if leave or lost:
@@ -233,6 +234,10 @@ class Liveness(ABC):
                 t.join(timeout=max(0.0, end - time.monotonic()))
 
     # ------------------------------------------------------------------------- for subclasses
+
+    def _wake(self) -> None:
+        """(stop()) End the blocking store waits of this liveness's threads at once. Default:
+        none waits longer than stop() joins."""
 
     @abstractmethod
     def _can_beat(self) -> bool:
@@ -348,11 +353,12 @@ class Liveness(ABC):
             return True
         return self._marked(gr, inc)
 
-    def _spawn(self, target: Callable[[], None], name: str) -> None:
+    def _spawn(self, target: Callable[[], None], name: str) -> threading.Thread:
         t = threading.Thread(target=target, name=f"ftrun-membership-{name}", daemon=True)
         with self._lock:
             self._threads.append(t)
         t.start()
+        return t
 
 
 def _reason(raw: bytes | None) -> str:

@@ -1,15 +1,16 @@
 """Heartbeat-based liveness, for stores without leases (the embedded TCP store, LocalKV).
 
 Owns: `HeartbeatLiveness`. Every agent bumps its heartbeat counter (`keys.hb_key`) each interval.
-The lowest live group rank (the checker) watches everyone's counter; every other agent watches
-the checker, at a cadence set by the number of live nodes (they all read the one counter), so
-the store sees at most about 2 x `READS_PER_SECOND` liveness reads per second however many
-nodes there are. A counter that does not move for the heartbeat timeout — by the observer's own
-clock, so clock skew does not matter; `check_cadence` sets how often it looks and shortens the
-quiet time by its own lateness, so a crash is declared within the timeout — is declared dead
-exactly once (create-if-absent marker at
-`keys.dead_key`) and published on the membership event log (`keys.event_key`), which every agent
-follows with blocking waits. Joins of replacements and graceful leaves go through the same log.
+The lowest live group rank (the checker) watches everyone's counter (one request per look);
+every other agent watches the checker's (one request per look, `watcher_cadence`: 2 a second at
+the defaults whatever the node count), so the store sees at most about `READS_PER_SECOND`
+counter reads per second from the checker plus 2 requests per node per second. A counter that
+does not move for the heartbeat timeout — by the observer's own clock, so clock skew does not
+matter; `check_cadence` sets how often it looks and shortens the quiet time by its own lateness,
+so a crash is declared within the timeout — is declared dead exactly once (create-if-absent
+marker at `keys.dead_key`) and published on the membership event log (`keys.event_key`),
+which every agent follows with blocking waits (of one timeout each on the TCP store, whose
+waits stop() can interrupt). Joins of replacements and graceful leaves go through the same log.
 
 Fencing: a heartbeat is a compare-and-set from the value this agent wrote last, so once a newer
 incarnation has taken the group rank (and rewritten the counter) the stale agent's heartbeat is
@@ -22,12 +23,13 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import uuid
 from typing import Any
 
 from rendezvous.errors import SUPERSEDED
-from rendezvous.kv import StoreError, StoreTimeout
+from rendezvous.kv import StoreError
 from rendezvous.nodes.keys import (
     DEAD_PREFIX,
     EVENT_SEQ_KEY,
@@ -46,7 +48,6 @@ log = logging.getLogger("ftrun.membership")
 
 READS_PER_SECOND = 500.0  # the checker's heartbeat reads on the store, at most (many nodes)
 JITTER_MARGIN = 0.5  # s a live node's beat may come late (store latency, GC) without a verdict
-COUNTERS_WAIT = 0.05  # s the checker's batched read waits for a counter not written yet
 
 
 def check_cadence(timing: Timing, watched: int) -> tuple[float, float]:
@@ -60,10 +61,29 @@ def check_cadence(timing: Timing, watched: int) -> tuple[float, float]:
     when it does not (a timeout of few intervals and a slow cadence), quiet is the timeout."""
     period = max(timing.interval / 10, watched / READS_PER_SECOND)
     period = min(period, timing.interval / 2)
+    return period, quiet_for(timing, period)
+
+
+def quiet_for(timing: Timing, period: float) -> float:
+    """The quiet time of a watcher looking every `period` s (see check_cadence)."""
     quiet = timing.timeout - 2 * period
     if quiet - period < timing.interval + JITTER_MARGIN:
         quiet = timing.timeout
-    return period, quiet
+    return quiet
+
+
+def watcher_cadence(timing: Timing, readers: int) -> tuple[float, float]:
+    """(period, quiet) of an agent that reads only the checker's counter (one key per look):
+    as slow as keeps a crash's verdict within the timeout (`quiet = timeout - 2 * period`)
+    while a live checker's beat may still come twice JITTER_MARGIN late without a verdict
+    (`quiet - period >= interval + 2 * JITTER_MARGIN`), never faster than `check_cadence` for
+    `readers` and never slower than interval / 2 (as check_cadence at hundreds of nodes). At
+    the defaults (1 s, 5 s) that is 2 looks a second at any node count; with a timeout of two
+    intervals it is check_cadence's."""
+    fastest, _ = check_cadence(timing, readers)
+    slowest_safe = (timing.timeout - timing.interval - 2 * JITTER_MARGIN) / 3
+    period = min(timing.interval / 2, max(fastest, slowest_safe))
+    return period, quiet_for(timing, period)
 
 
 def watch_plan(me: int, alive: dict[int, int]) -> tuple[list[int], int]:
@@ -85,6 +105,7 @@ class HeartbeatLiveness(Liveness):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self._event_next = 1  # next event-log sequence number to read (set at registration)
+        self._follower: threading.Thread | None = None  # the event log's thread (watch())
 
     def put(self, key: str, raw: bytes) -> None:
         self.kv.set(key, raw)
@@ -131,7 +152,7 @@ class HeartbeatLiveness(Liveness):
         return not pending or self._still(pending, 0.0)
 
     def watch(self, ranks: list[int]) -> None:
-        self._spawn(self._follow_events, "events")
+        self._follower = self._spawn(self._follow_events, "events")
         self._spawn(self._check_loop, "checker")
 
     def vacancies(self, ranks: list[int]) -> list[int]:
@@ -240,11 +261,17 @@ class HeartbeatLiveness(Liveness):
             self._publish({"kind": "dead", "group_rank": gr, "incarnation": inc})
 
     def _follow_events(self) -> None:
+        """Apply the event log in order. While nothing happens this costs the store one WAIT,
+        its CANCEL_WAIT and a read of the sequence counter per wait: a wait of one liveness
+        timeout where stop() can interrupt it (the TCP store), else of one interval."""
         stuck_since: float | None = None
+        idle_wait = self.timing.timeout if self.kv.interruptible_waits else self.timing.interval
         while not self._stop.is_set():
             key = event_key(self._event_next)
-            try:  # a wait per interval (stop() joins within two): not a poll
-                if not self.kv.wait([key], self.timing.interval):
+            # a slot allocated but not written yet is looked at every interval until skipped
+            wait = idle_wait if stuck_since is None else self.timing.interval
+            try:
+                if not self.kv.wait([key], wait):
                     seq = int(self.kv.try_get(EVENT_SEQ_KEY) or b"0")
                     if seq >= self._event_next:  # allocated but never written (writer died)
                         stuck_since = stuck_since or time.monotonic()
@@ -252,7 +279,7 @@ class HeartbeatLiveness(Liveness):
                             self._event_next += 1
                             stuck_since = None
                     continue
-                raw = self.kv.try_get(key)
+                raw = self.kv.present([key])[0]
             except StoreError as exc:
                 if not self._stop.is_set():
                     self._alive_failed(exc)  # logged once per outage
@@ -262,6 +289,10 @@ class HeartbeatLiveness(Liveness):
             self._event_next += 1
             if raw is not None:
                 self._apply(json.loads(raw))
+
+    def _wake(self) -> None:
+        if self._follower is not None:
+            self.kv.interrupt_waits(self._follower)
 
     def _apply(self, ev: dict) -> None:
         gr, inc, kind = int(ev["group_rank"]), int(ev["incarnation"]), ev["kind"]
@@ -282,7 +313,9 @@ class HeartbeatLiveness(Liveness):
                 continue  # a lost agent judges nobody (its view is stale)
             alive = self.roster.alive()
             watch, readers = watch_plan(self.roster.me[0], alive)
-            period, quiet = check_cadence(self.timing, readers)
+            checker = not alive or min(alive) == self.roster.me[0]
+            cadence = check_cadence if checker else watcher_cadence
+            period, quiet = cadence(self.timing, readers)
             now = time.monotonic()
             for gr in list(seen):
                 if gr not in watch:
@@ -306,13 +339,7 @@ class HeartbeatLiveness(Liveness):
                     seen[gr] = (cur, now)
 
     def _read_counters(self, ranks: list[int]) -> list[bytes | None]:
-        """The heartbeat counters of `ranks`: the checker's look at every node is one read
-        (WAIT + MULTI_GET on the TCP store), not one per node; one by one when some counter
-        is not written yet."""
-        keys = [hb_key(gr) for gr in ranks]
-        if len(keys) > 1:
-            try:
-                return list(self.kv.multi_get(keys, COUNTERS_WAIT))
-            except StoreTimeout:
-                pass
-        return [self.kv.try_get(k) for k in keys]
+        """The heartbeat counters of `ranks` (None: not written): one request on the TCP store
+        (MULTI_GET; counters are never empty), for the checker's look at every node as for a
+        watcher's look at the checker's counter."""
+        return self.kv.present([hb_key(gr) for gr in ranks])
