@@ -7,8 +7,9 @@ before the halt is abandoned and the ranks keep running."""
 
 from __future__ import annotations
 
-import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -16,9 +17,7 @@ import time
 import pytest
 from helpers_faults import LiveJob, assert_same_params, run_job
 
-from launcher.cli import ftctl
 from launcher.protocol import plan as P
-from rendezvous.store.server import StoreServer
 from tests.helpers_launch import env_with
 
 FTCTL = [sys.executable, "-m", "launcher.cli.ftctl"]
@@ -66,4 +65,54 @@ def test_a_rank_moves_live_with_no_rollback_and_bit_identical_params(tmp_path, r
     assert repair["resume_step"] == halted.pop() + 1 and repair["action"] == "commit"  # no rollback
     moved = result.first("switch-moved")
     assert (moved["old_pid"], moved["pid"]) == (pids[1], result.pids[1][1])
+    assert_same_params(result.params, ref)
+
+
+def test_a_switch_whose_new_process_dies_is_abandoned_and_the_ranks_keep_running(
+    tmp_path, ref
+) -> None:
+    """Rank 2 is frozen (SIGSTOP) so that no step ends while rank 1's new process is killed:
+    the switch is abandoned (one line), nothing restarts, the job ends bit-identical. Bad
+    requests against the same job: one line, exit 2, nothing moves."""
+    job = LiveJob(tmp_path, script_args=["--step-time", "0.3"], steps=STEPS)
+    frozen = None
+    try:
+        job.wait_for("hello", 4)
+        pids = {e["rank"]: e["pid"] for e in job.wait_for("spawn", 4)}
+        for bad, says in (
+            (["--rank", "9"], "rank(s) [9] not in the job"),
+            (["--node", "5"], "unknown node 5"),
+        ):
+            res = ftctl_run("migrate", "--addr", job.store_addr(), *bad)
+            lines = res.stderr.strip().splitlines()
+            assert res.returncode == 2 and len(lines) == 1 and says in lines[0], res.stderr
+        frozen = pids[2]
+        os.kill(frozen, signal.SIGSTOP)
+        migrate = subprocess.Popen(
+            FTCTL + ["migrate", "--addr", job.store_addr(), "--rank", "1", "--timeout", "60"],
+            env=env_with(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        incoming = job.wait_for("switch-incoming", 1)[0]["pid"]
+        os.kill(incoming, signal.SIGKILL)
+        time.sleep(0.3)
+        os.kill(frozen, signal.SIGCONT)
+        frozen = None
+        out, err = migrate.communicate(timeout=90)
+        lines = err.strip().splitlines()
+        assert migrate.returncode == 1 and len(lines) == 1, (out, err)
+        assert "hot switch #2 abandoned" in lines[0] and "ended with code -9" in lines[0], err
+    finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGCONT)
+        result = job.finish()
+    assert result.returncode == 0, result.describe()
+    assert result.strategies() == []  # no round: nothing recovered, nothing charged
+    assert {r: p[0] for r, p in result.pids.items()} == pids
+    finished = {e["rank"]: e["pid"] for e in result.events if e["event"] == "exit"}
+    assert finished == pids  # every rank ended in the process it had
+    abandoned = [e for e in result.events if e["event"] == "switch-abandoned"]
+    assert abandoned and all("keep" in e["message"] for e in abandoned)
     assert_same_params(result.params, ref)

@@ -21,10 +21,10 @@ after the halt runs next, no step recomputed (`switch-done`, with its cost).
 
 Failure at any point before the drained ranks are stopped abandons the switch
 (`switch-abandoned`, one line why): an incoming process that ended (its agent sets
-`plan.switch_ended_key`), not ready within the phase timeout, a halt not reached, a fault first
-(handled as usual), the controller stopping. The ranks keep running where they were: the pause
-ends, the agents stop the incoming processes. Every request's end is written under
-`plan.migrate_outcome_key` for `ftctl migrate`.
+`plan.switch_ended_key`; seen while the halt is awaited too), not ready within the phase
+timeout, a halt not reached, a fault first (handled as usual), the controller stopping. The
+ranks keep running where they were: the pause ends, the agents stop the incoming processes.
+Every request's end is written under `plan.migrate_outcome_key` for `ftctl migrate`.
 """
 
 from __future__ import annotations
@@ -204,7 +204,7 @@ class HotSwitch:
         if returning(self.kv, o.generation, o.ranks) != o.ranks:
             return None
         self.halt.request()
-        got = self.halt.wait(list(range(self.settings.world_size)))
+        got = self.halt.wait(list(range(self.settings.world_size)), lambda: self._broken(cur))
         why = got.why or self._broken(cur)
         if got.step is None or why:
             self._end(cur, ABANDONED, why)
@@ -255,8 +255,8 @@ class HotSwitch:
                 self._nudge()
             self.log.warning(
                 "switch-abandoned",
-                f"hot switch #{o.seq} {outcome}: {why}; ranks {o.ranks} keep running where "
-                "they were",
+                f"hot switch #{o.seq} {outcome}: {why}; "
+                + (f"ranks {o.ranks} keep running where they were" if o.ranks else "nothing moves"),
                 seq=o.seq,
                 ranks=o.ranks,
                 outcome=outcome,

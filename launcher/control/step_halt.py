@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from launcher.control.decider import Decider
 from launcher.control.decision import Decision
@@ -64,8 +65,9 @@ class StepHalt:
         nudge = kv.add(P.INJECT_SEQ, 1)
         kv.set(P.inject_key(nudge), P.Injection(rank=P.EVERY_RANK, kind=P.PAUSE_KIND).to_json())
 
-    def wait(self, ranks: list[int]) -> Halted:
-        """Every rank of `ranks` halted (the step they halted after), or why not."""
+    def wait(self, ranks: list[int], broken: Callable[[], str] = lambda: "") -> Halted:
+        """Every rank of `ranks` halted (the step they halted after), or why not (`broken`:
+        the caller's own reason to give up, "" while there is none)."""
         kv, seq = self.kv, self.seq
         assert seq is not None
         keys = [P.pause_halted_key(seq, r) for r in ranks]
@@ -80,6 +82,9 @@ class StepHalt:
                 return Halted(None, f"the pause ended: {ended.decode(errors='replace')}")
             if self.stopped.is_set():
                 return Halted(None, "the controller stops")
+            why = broken()
+            if why:
+                return Halted(None, why)
             if time.monotonic() > deadline:
                 late = [r for r, k in zip(ranks, keys) if kv.try_get(k) is None]
                 return Halted(None, f"ranks {late} did not halt within {self.timeout:.0f}s")
