@@ -5,7 +5,8 @@ Owns: the command's client side. The job is found as `ftctl pause` finds it (RUN
 rank of node N) goes to the job's store under `plan.migrate_key`; the controller carries it out
 (launcher.control.hot_switch) and answers under `plan.migrate_outcome_key`, which this command
 waits for (--timeout) and reports in one line: moved (exit 0), refused (bad request: exit 2),
-abandoned (the ranks keep running where they were: exit 1). A rank outside the job's world is
+abandoned (the ranks keep running where they were: exit 1), or no answer within --timeout
+(exit 1). A rank outside the job's world is
 refused before anything is written.
 """
 
@@ -45,7 +46,7 @@ def describe(out: P.SwitchOutcome) -> str:
     if out.outcome == "done":
         return (
             f"hot switch #{out.seq}: ranks {out.ranks} moved to new processes in generation "
-            f"{out.generation} ({out.cost_s:.2f} s from the request to the repair plan; no "
+            f"{out.generation} (the ranks held {out.cost_s:.2f} s at the step boundary; no "
             "rollback, no restart counted)"
         )
     return f"hot switch #{out.seq} {out.outcome}: {out.why}; the ranks keep running where they were"

@@ -243,11 +243,11 @@ class HotSwitch:
             )
         return ""
 
-    def _end(self, cur: _Switch, outcome: str, why: str, **fields: object) -> None:
-        """The switch (or request) ended: its outcome written; one line; an abandoned switch's
-        pause ended and its agents told to stop the incoming processes."""
+    def _end(self, cur: _Switch, outcome: str, why: str, cost: float = 0.0) -> None:
+        """The switch (or request) ended: its outcome written (`cost`: the seconds a done
+        switch held the ranks); one line; an abandoned switch's pause ended and its agents
+        told to stop the incoming processes."""
         o = cur.order
-        cost = round(time.monotonic() - cur.t0, 4)
         self.halt.end(f"{outcome}: hot switch #{o.seq}: {why or 'done'}")
         if outcome != DONE:
             if self.current is cur:
@@ -284,20 +284,22 @@ class HotSwitch:
         if why:
             self._end(cur, ABANDONED, f"generation {g}: {why} (the round goes on as a recovery)")
             return repair
-        cost = round(time.monotonic() - cur.t0, 4)
+        now = time.monotonic()
+        cost, ready = round(now - self.halt.t0, 4), round(self.halt.t0 - cur.t0, 4)
         sources = sorted({src for src, _ in repair.pairs})
         self.log.warning(
             "switch-done",
             f"generation {g}: hot switch #{cur.order.seq}: ranks {moved} moved to new "
-            f"processes, state from ranks {sources}, resume at step {repair.resume_step} "
-            f"({cost:.3f}s from the request to the repair plan; no rollback, not charged)",
+            f"processes, state from ranks {sources}, resume at step {repair.resume_step}; "
+            f"the ranks held {cost:.3f}s from the halt request to the repair plan (new "
+            f"processes ready {ready:.3f}s after the request; no rollback, not charged)",
             generation=g,
             seq=cur.order.seq,
             moved=moved,
             sources=sources,
             resume_step=repair.resume_step,
             cost_s=cost,
-            halt_s=round(time.monotonic() - self.halt.t0, 4),
+            prepare_s=ready,
         )
-        self._end(cur, DONE, "")
+        self._end(cur, DONE, "", cost)
         return repair

@@ -314,8 +314,9 @@ class SwitchOrder(_Record):
 
 @dataclass
 class SwitchOutcome(_Record):
-    """How a migrate request ended: "done" (moved, `cost_s` from the request to the repair
-    plan) or "abandoned" (the ranks keep running where they were; `why`)."""
+    """How a migrate request ended: "done" (moved; `cost_s`: the ranks held from the halt
+    request to the repair plan), "refused" or "abandoned" (the ranks keep running where they
+    were; `why`)."""
 
     seq: int
     outcome: str
