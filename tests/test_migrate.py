@@ -7,6 +7,7 @@ before the halt is abandoned and the ranks keep running."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -65,6 +66,14 @@ def test_a_rank_moves_live_with_no_rollback_and_bit_identical_params(tmp_path, r
     assert repair["resume_step"] == halted.pop() + 1 and repair["action"] == "commit"  # no rollback
     moved = result.first("switch-moved")
     assert (moved["old_pid"], moved["pid"]) == (pids[1], result.pids[1][1])
+    run = [p for p in (tmp_path / "logs").iterdir() if p.is_dir()][0]
+    shown = json.loads(ftctl_run("status", str(run), "--json").stdout)
+    assert [c["kind"] for c in shown["world_history"]] == ["start", "switch"]
+    assert shown["world_history"][1]["ranks"] == [1] and shown["restarts_used"] == 0
+    assert shown["faults"] == []  # a switch is no fault
+    report = ftctl_run("report", str(run), "-o", str(tmp_path / "report.html"))
+    assert report.returncode == 0, report.stderr
+    assert "rank 1 moved to new processes" in (tmp_path / "report.html").read_text()
     assert_same_params(result.params, ref)
 
 
