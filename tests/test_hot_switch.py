@@ -114,6 +114,7 @@ def test_a_switch_moves_the_rank_uncharged_once_its_new_process_is_ready(tmp_pat
         ([], 3, 4, False, "unknown node 3 (the job's nodes are [0])"),
         ([1], None, 3, False, "not every rank uses launcher.runtime"),
         ([1], None, 4, True, "pause #1"),
+        ([], 0, 4, False, "every rank would move: no replica would be left"),
     ],
 )
 def test_a_request_that_cannot_be_carried_out_is_refused(

@@ -17,18 +17,11 @@ from typing import Any
 
 import click
 
+from launcher.agent.subhealth import post_migrate
 from launcher.cli.pause import ADDR_OPTION, RUN_DIR_ARG, TOKEN_OPTION, open_job
 from launcher.protocol import plan as P
 
 DEFAULT_TIMEOUT_S = 300.0
-
-
-def request_migrate(kv: Any, ranks: list[int], node: int | None, source: str, why: str) -> int:
-    """Write one migrate request to the job's store `kv`; its number."""
-    seq = int(kv.add(P.MIGRATE_SEQ, 1))
-    req = P.MigrateRequest(seq=seq, ranks=sorted(set(ranks)), node=node, source=source, why=why)
-    kv.set(P.migrate_key(seq), req.to_json())
-    return seq
 
 
 def wait_outcome(kv: Any, seq: int, timeout: float) -> P.SwitchOutcome | None:
@@ -92,7 +85,7 @@ def migrate(
     kv = open_job(run_dir, addr, token_file)
     try:
         _check_ranks(kv, list(ranks))
-        seq = request_migrate(kv, list(ranks), node, "ftctl", "ftctl migrate")
+        seq = post_migrate(kv, list(ranks), node, "ftctl", "ftctl migrate")
         out = wait_outcome(kv, seq, timeout)
     finally:
         kv.close()

@@ -183,6 +183,11 @@ class HotSwitch:
 
     def _refusal(self, ranks: list[int]) -> str:
         """Why the switch of `ranks` cannot start now ("" when it can)."""
+        if len(ranks) >= self.settings.world_size:
+            return (
+                "every rank would move: no replica would be left to send the state (a transfer "
+                "from the drained processes themselves is not built)"
+            )
         if self.dropped:
             return f"the world is shrunk (ranks {sorted(self.dropped)} out of it)"
         finished = self.decider.finished_ranks()

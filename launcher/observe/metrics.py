@@ -187,7 +187,10 @@ class Metrics:
             "ftrun_original_world_size", "Ranks in the world the job started with", registry=reg
         )
         self.world_changes = Counter(
-            "ftrun_world_changes", "Shrinks, grows and hot switches of the world", ["kind"], registry=reg
+            "ftrun_world_changes",
+            "Shrinks, grows and hot switches of the world",
+            ["kind"],
+            registry=reg,
         )
         for kind in ("shrink", "grow", "switch"):  # every series from the start, at 0
             self.world_changes.labels(kind=kind)
