@@ -291,6 +291,7 @@ class HotSwitch:
             return repair
         now = time.monotonic()
         cost, ready = round(now - self.halt.t0, 4), round(self.halt.t0 - cur.t0, 4)
+        idle = round(now - self.halt.halted_at, 4) if self.halt.halted_at else None
         sources = sorted({src for src, _ in repair.pairs})
         self.log.warning(
             "switch-done",
@@ -305,6 +306,7 @@ class HotSwitch:
             resume_step=repair.resume_step,
             cost_s=cost,
             prepare_s=ready,
+            halted_s=idle,  # from every rank halted to the repair plan
         )
         self._end(cur, DONE, "", cost)
         return repair

@@ -51,6 +51,7 @@ class StepHalt:
         self.timeout = timeout
         self.seq: int | None = None  # the pause request in effect (its seq), until it ends
         self.t0 = 0.0  # when it was requested
+        self.halted_at = 0.0  # when every rank had halted (monotonic; 0: not yet)
 
     @property
     def active(self) -> bool:
@@ -60,7 +61,7 @@ class StepHalt:
         """Ask every rank to halt after one step (as `ftctl pause`)."""
         kv = self.kv
         seq = kv.add(P.PAUSE_SEQ, 1)
-        self.seq, self.t0 = seq, time.monotonic()
+        self.seq, self.t0, self.halted_at = seq, time.monotonic(), 0.0
         kv.set(P.PAUSE_KEY, P.PauseRequest(seq=seq, max_s=HALT_MAX_S).to_json())
         nudge = kv.add(P.INJECT_SEQ, 1)
         kv.set(P.inject_key(nudge), P.Injection(rank=P.EVERY_RANK, kind=P.PAUSE_KIND).to_json())
@@ -89,6 +90,7 @@ class StepHalt:
                 late = [r for r, k in zip(ranks, keys) if kv.try_get(k) is None]
                 return Halted(None, f"ranks {late} did not halt within {self.timeout:.0f}s")
         steps = {int(v) for v in kv.multi_get(keys, 5.0)}
+        self.halted_at = time.monotonic()
         return Halted(max(steps))
 
     def end(self, why: str) -> None:
