@@ -22,7 +22,7 @@ from launcher.protocol import plan as P
 from tests.helpers_launch import env_with
 
 FTCTL = [sys.executable, "-m", "launcher.cli.ftctl"]
-STEPS = 12
+STEPS = 30  # 9 s of 0.3 s steps: time for the switch on a loaded machine
 
 
 def ftctl_run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -122,6 +122,7 @@ def test_a_switch_whose_new_process_dies_is_abandoned_and_the_ranks_keep_running
     assert {r: p[0] for r, p in result.pids.items()} == pids
     finished = {e["rank"]: e["pid"] for e in result.events if e["event"] == "exit"}
     assert finished == pids  # every rank ended in the process it had
-    abandoned = [e for e in result.events if e["event"] == "switch-abandoned"]
-    assert abandoned and all("keep" in e["message"] for e in abandoned)
+    lines = [e["message"] for e in result.events if e["event"] == "switch-abandoned"]
+    assert "hot switch #1 refused: unknown node 5" in lines[0] and "nothing moves" in lines[0]
+    assert len(lines) >= 2 and all("running" in line for line in lines[1:]), lines
     assert_same_params(result.params, ref)

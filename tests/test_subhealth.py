@@ -20,7 +20,7 @@ from launcher.observe.logs import AgentLog, read_event_file
 from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
 
-STEPS = 12
+STEPS = 30  # 9 s of 0.3 s steps: time for the switch on a loaded machine
 
 
 @pytest.mark.parametrize(
