@@ -11,16 +11,15 @@ import json
 import subprocess
 
 import pytest
-from helpers_faults import LiveJob, assert_same_params, run_job
+from helpers_faults import LiveJob, assert_same_params
 from helpers_launch import FTRUN, env_with
+from test_migrate import STEPS, ref  # noqa: F401 (the fault-free run, a fixture)
 
 from launcher.agent.subhealth import Subhealth, SubhealthWatch, parse_subhealth, post_migrate
 from launcher.config import ConfigError, parse_subhealth_file
 from launcher.observe.logs import AgentLog, read_event_file
 from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
-
-STEPS = 30  # 9 s of 0.3 s steps: time for the switch on a loaded machine
 
 
 @pytest.mark.parametrize(
@@ -94,13 +93,6 @@ def test_the_config_takes_a_file_path_and_refuses_a_directory(tmp_path) -> None:
     )
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "subhealth_file" in lines[0], res.stderr
-
-
-@pytest.fixture(scope="module")
-def ref(tmp_path_factory):
-    job = run_job(tmp_path_factory.mktemp("subhealth_ref"), steps=STEPS)
-    assert job.returncode == 0, job.describe()
-    return job.params
 
 
 def test_a_subhealth_file_moves_its_rank_live(tmp_path, ref) -> None:

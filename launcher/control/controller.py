@@ -130,32 +130,16 @@ class Controller:
             self.world.overdue,
             self._stop,
         )
-        self._assemble_grow()
+        self._assemble_own_rounds()
 
-    def _assemble_grow(self) -> None:
-        """The live grow back, on the round driver's dropped ranks (launcher.control.grow)."""
+    def _assemble_own_rounds(self) -> None:
+        """The rounds the controller starts itself, on the round driver's dropped ranks: the
+        live grow back (launcher.control.grow) and the hot switch (launcher.control.hot_switch)."""
         d = self.driver
-        self.grow = GrowBack(
-            self.kv,
-            self.log,
-            self.settings,
-            self.rounds,
-            d.intake,
-            d.decider,
-            d.dropped,
-            self._stop,
-        )
+        parts = (self.kv, self.log, self.settings, self.rounds, d.intake, d.decider, d.dropped)
+        self.grow = GrowBack(*parts, self._stop)
+        self.switch = HotSwitch(*parts, self._stop)
         d.own_repairs[P.GROW] = self.grow.repair
-        self.switch = HotSwitch(
-            self.kv,
-            self.log,
-            self.settings,
-            self.rounds,
-            d.intake,
-            d.decider,
-            d.dropped,
-            self._stop,
-        )
         d.own_repairs[P.SWITCH] = self.switch.repair
 
     # ---- what the agent and the tests look at ---------------------------------------------
