@@ -7,6 +7,7 @@ tests/test_migrate.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -172,5 +173,33 @@ def test_a_fault_during_the_preparation_comes_first(tmp_path) -> None:
         out = _outcome(kv, seq)
         assert out.outcome == "abandoned" and "a recovery round came first" in out.why
         assert kv.try_get(P.switch_ended_key(seq)) is not None  # the agents stop theirs
+    finally:
+        c.stop()
+
+
+def test_a_switch_round_taken_up_by_a_successor_answers_its_request(tmp_path) -> None:
+    """The leader is lost after the switch plan: the successor drives the round and writes the
+    request's outcome, so the request is not carried out a second time."""
+    kv = LocalKV()
+    seq = _request(kv)
+    cause = P.Fault(kind="migrate", rank=1, node=0, generation=0, evidence={"migrate": seq})
+    plan = P.Plan(
+        generation=1,
+        strategy=P.SWITCH,
+        restart_ranks=[1],
+        root_cause=dataclasses.asdict(cause),
+    )
+    kv.set(P.plan_key(1), plan.to_json())
+    kv.set(P.GENERATION_KEY, b"1")
+    c = _controller(kv, tmp_path)
+    try:
+        for r in range(4):
+            kv.set(P.status_key(1, r), status(r, 1, back=r == 1).to_json())
+        rp = P.RepairPlan.from_json(kv.get(P.repair_key(1), 10.0))
+        assert rp.pairs == [[0, 1]]
+        out = _outcome(kv, seq)
+        assert (out.outcome, out.ranks, out.generation) == ("done", [1], 1)
+        time.sleep(0.5)
+        assert kv.try_get(P.SWITCH_KEY) is None  # not started again
     finally:
         c.stop()

@@ -284,8 +284,12 @@ class HotSwitch:
         s, cur = self.settings, self.current
         g, moved = plan.generation, list(plan.restart_ranks)
         repair, why = switch_plan(statuses, g, moved, s.transfer_stripes, s.node_of)
-        if cur is None or cur.order.generation != g:
-            return repair  # a successor controller's round: nothing more to say
+        if cur is None or cur.order.generation != g:  # taken up by a successor controller
+            seq = ((plan.root_cause or {}).get("evidence") or {}).get("migrate")
+            if isinstance(seq, int) and not why:  # its request is answered: not taken again
+                done = P.SwitchOutcome(seq, DONE, "", moved, g)
+                self.kv.set(P.migrate_outcome_key(seq), done.to_json())
+            return repair
         if why:
             self._end(cur, ABANDONED, f"generation {g}: {why} (the round goes on as a recovery)")
             return repair
