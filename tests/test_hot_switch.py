@@ -203,3 +203,26 @@ def test_a_switch_round_taken_up_by_a_successor_answers_its_request(tmp_path) ->
         assert kv.try_get(P.SWITCH_KEY) is None  # not started again
     finally:
         c.stop()
+
+
+def test_a_fault_during_the_switch_round_supersedes_it_and_says_so(tmp_path) -> None:
+    kv = LocalKV()
+    c = _controller(kv, tmp_path)
+    try:
+        seq = _request(kv)
+        kv.get(P.SWITCH_KEY, 10.0)
+        halted = _halt_after(kv, 5, ranks=(0, 1, 2, 3))
+        kv.set(P.status_key(1, 1), status(1, 1, back=True).to_json())
+        assert P.Plan.from_json(kv.get(P.plan_key(1), 10.0)).strategy == P.SWITCH
+        halted.join(5.0)
+        post_fault(kv, P.Fault(kind="signal", rank=2, node=0, generation=1, message="killed"))
+        assert P.Plan.from_json(kv.get(P.plan_key(2), 10.0)).strategy == P.RECOVER_IN_PLACE
+        for r in range(4):  # the recovery round repairs rank 1's new process too
+            kv.set(P.status_key(2, r), status(r, 2, back=r in (1, 2)).to_json())
+        out = _outcome(kv, seq)
+        assert out.outcome == "abandoned", out
+        assert "a recovery round (now generation 2 (recover-in-place)) superseded" in out.why
+    finally:
+        c.stop()
+    [line] = [e for e in _events(tmp_path, "switch-abandoned")]
+    assert line["message"].endswith("ranks [1] are repaired by that round")

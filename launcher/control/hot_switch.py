@@ -99,6 +99,7 @@ class _Switch:
     order: P.SwitchOrder
     t0: float  # when it started (monotonic)
     ready_by: float  # the incoming processes must have posted their status by then
+    decided: bool = False  # its decision was returned: the drained processes are being stopped
 
 
 class HotSwitch:
@@ -129,7 +130,14 @@ class HotSwitch:
         a fault's decision when one came first; None otherwise."""
         cur = self.current
         if cur is not None and self.halt.active and not self._in_round(cur):
-            self._end(cur, ABANDONED, "its round ended before the repair plan")
+            rnd = self.rounds.round
+            newer = f"generation {rnd.generation} ({rnd.strategy})" if rnd is not None else "?"
+            self._end(
+                cur,
+                ABANDONED,
+                f"a recovery round (now {newer}) superseded its round before the repair plan "
+                "(the drained processes were stopped already: that round repairs their ranks)",
+            )
             return None
         if cur is None:
             self._take_request()
@@ -226,6 +234,7 @@ class HotSwitch:
             message=why,
             evidence={"migrate": o.seq, "source": cur.req.source},
         )
+        cur.decided = True
         return Decision(P.SWITCH, why, cause, (), tuple(o.ranks), charged=False)
 
     def _broken(self, cur: _Switch) -> str:
@@ -258,10 +267,11 @@ class HotSwitch:
             if self.current is cur:
                 self.kv.compare_set(P.switch_ended_key(o.seq), b"", why.encode())
                 self._nudge()
+            stays = "are repaired by that round" if cur.decided else "keep running where they were"
             self.log.warning(
                 "switch-abandoned",
                 f"hot switch #{o.seq} {outcome}: {why}; "
-                + (f"ranks {o.ranks} keep running where they were" if o.ranks else "nothing moves"),
+                + (f"ranks {o.ranks} {stays}" if o.ranks else "nothing moves"),
                 seq=o.seq,
                 ranks=o.ranks,
                 outcome=outcome,
