@@ -125,6 +125,9 @@ class LaunchConfig:
     # after a live shrink, start the dropped ranks' returning processes: the world grows back
     # (--rdzv-conf elastic_grow / FTRUN_ELASTIC_GROW; launcher.agent.grow_back)
     elastic_grow: bool = True
+    # a device plugin's sub-health file for this node: a hot switch of its suspect ranks
+    # (--rdzv-conf subhealth_file / FTRUN_SUBHEALTH_FILE; launcher.agent.subhealth)
+    subhealth_file: str = ""
     # logs
     log_dir: str | None = None
     redirects: dict[int, int] = field(default_factory=dict)  # local_rank -> 0..3
@@ -391,6 +394,7 @@ def build_config(raw: dict, env: dict[str, str] | None = None) -> LaunchConfig:
     _observation(cfg, env)
     cfg.node_replace_timeout = parse_replacement_wait(cfg.rdzv_conf, env, cfg.elastic_training)
     cfg.elastic_grow = parse_elastic_grow(cfg.rdzv_conf, env)
+    cfg.subhealth_file = parse_subhealth_file(cfg.rdzv_conf, env)
     _store_backend(cfg)
     _standalone(cfg)
     if cfg.store_backend == "embedded":
@@ -760,6 +764,28 @@ def parse_elastic_grow(conf: dict[str, str], env: dict[str, str]) -> bool:
     else:
         name, text = "FTRUN_ELASTIC_GROW", env.get("FTRUN_ELASTIC_GROW", "")
     return parse_switch(name, text, default=True)
+
+
+def parse_subhealth_file(conf: dict[str, str], env: dict[str, str]) -> str:
+    """This node's sub-health file (launcher.agent.subhealth): `--rdzv-conf
+    subhealth_file=PATH`, else FTRUN_SUBHEALTH_FILE; "" for none. The file may appear later,
+    its directory must exist: else a ConfigError naming the source."""
+    if conf.get("subhealth_file") not in (None, ""):
+        name, path = "--rdzv-conf subhealth_file", conf["subhealth_file"]
+    else:
+        name, path = "FTRUN_SUBHEALTH_FILE", env.get("FTRUN_SUBHEALTH_FILE", "")
+    path = path.strip()
+    if not path:
+        return ""
+    where = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(where) or os.path.isdir(path):
+        raise ConfigError(
+            f"{name}={path!r}: a file path whose directory exists is allowed ({where} is no "
+            "directory)"
+            if not os.path.isdir(where)
+            else f"{name}={path!r}: a file path is allowed (this is a directory)"
+        )
+    return os.path.abspath(path)
 
 
 def parse_wait_reschedule_timeout(conf: dict[str, str], env: dict[str, str]) -> float:

@@ -8,6 +8,8 @@ import queue
 import socket
 import time
 
+import pytest
+
 from launcher.protocol.messages import Heartbeat, Hello, Stop
 from launcher.workers.channel import ChannelMessage, ChannelServer
 
@@ -61,4 +63,45 @@ def test_connecting_knows_a_connection_by_its_process_and_a_pending_one(tmp_path
         assert srv.connecting(os.getpid())
         c.close()
     finally:
+        srv.stop()
+
+
+def test_a_kept_rank_stays_with_its_process_until_the_other_is_promoted(tmp_path) -> None:
+    """A hot switch: the rank's second process says hello while the first still runs; the
+    rank's messages stay with the first until `release(promote=True)`; without promote the
+    second connection never becomes the rank's."""
+    q: queue.Queue = queue.Queue()
+    path = str(tmp_path / "k.sock")
+    srv = ChannelServer(path, q)
+    conns = []
+    try:
+
+        def hello(pid: int) -> socket.socket:
+            c = socket.socket(socket.AF_UNIX)
+            c.connect(path)
+            c.settimeout(5)
+            c.sendall(b'{"op":"hello","rank":1,"pid":%d}\n' % pid)
+            assert q.get(timeout=5).pid == pid
+            conns.append(c)
+            return c
+
+        old = hello(10)
+        srv.keep(1, 10)
+        new = hello(11)
+        assert srv.send(1, Stop(generation=1))
+        assert json.loads(old.recv(4096).decode())["generation"] == 1
+        srv.release(1, promote=True)
+        assert srv.send(1, Stop(generation=2))
+        assert json.loads(new.recv(4096).decode())["generation"] == 2
+        srv.keep(1, 11)
+        third = hello(12)
+        srv.release(1, promote=False)  # abandoned: the third stays out
+        assert srv.send(1, Stop(generation=3))
+        assert json.loads(new.recv(4096).decode())["generation"] == 3
+        third.settimeout(0.2)
+        with pytest.raises(socket.timeout):
+            third.recv(4096)
+    finally:
+        for c in conns:
+            c.close()
         srv.stop()

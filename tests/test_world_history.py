@@ -16,7 +16,7 @@ from helpers_observe import event_at, ftctl
 
 from launcher.observe.run_view import WorldChange
 from launcher.observe.timeline import Timeline
-from launcher.observe.world_history import change_words, world_words
+from launcher.observe.world_history import change_words, ranks_now, world_words
 
 T = 1000.0
 
@@ -226,3 +226,24 @@ def test_the_ranks_in_the_world_after_its_changes():
     assert ranks_now(v.world_history) == [0, 1, 2, 3]
     v.world_history.append(WorldChange(T + 20, 2, "shrink", "node 1 lost", before=4, live=False))
     assert ranks_now(v.world_history) == [0, 1] and ranks_now([]) == []
+
+
+def test_a_hot_switch_is_a_change_of_the_same_size_with_its_cost_and_ranks():
+    events = started() + [
+        ev(5.0, "switch-start", 1, seq=1, ranks=[1]),
+        ev(5.6, "plan", 1, strategy="hot-switch", failed_ranks=[], restart_ranks=[1]),
+        ev(5.7, "switch-done", 1, moved=[1], sources=[0], resume_step=9, cost_s=0.42),
+        ev(5.71, "repair-plan", 1, resume_step=9, action="commit", pairs=[[0, 1]]),
+        *resumed(5.8, 1, range(4), step=9),
+    ]
+    v = Timeline().feed_all(events).view()
+    start, switch = v.world_history
+    assert (switch.kind, switch.before, switch.world_size, switch.ranks) == ("switch", 4, 4, [1])
+    assert (switch.cost_s, switch.step, switch.round, switch.live) == (0.42, 9, 1, True)
+    assert change_words(switch) == (
+        "switch 4 -> 4 at step 9 (rank 1 moved to new processes): 0.42 s lost"
+    )
+    assert world_words(v, lambda t: "09:00:05") == (
+        "world 4 of 4 ranks since 09:00:05 (ranks moved by a hot switch at step 9)"
+    )
+    assert ranks_now(v.world_history) == [0, 1, 2, 3]

@@ -47,8 +47,6 @@ from launcher.agent.agent_events import (
     KeyFeed,
     PlanEvent,
     SignalEvent,
-    inject_feed,
-    plan_feed,
 )
 from launcher.agent.agent_state import AgentPhase, AgentState
 from launcher.agent.exit_guard import ExitGuard
@@ -62,7 +60,12 @@ from launcher.agent.spare_care import tend_spares
 from launcher.agent.store_stack import StoreStack
 from launcher.agent.worker_exits import WorkerExits
 from launcher.agent.worker_messages import WorkerMessages
-from launcher.agent.world_parts import announce_round, announce_world, build_world_parts
+from launcher.agent.world_parts import (
+    announce_round,
+    announce_world,
+    build_world_parts,
+    world_feeds,
+)
 from launcher.config import LaunchConfig
 from launcher.control.controller import Controller
 from launcher.control.controller_role import ControllerRole
@@ -255,7 +258,7 @@ class Agent:
         else:
             s.enter(AgentPhase.RUNNING)
             s.spawner.spawn_all(s.workers.all(), s.generation)
-        self._feeds = [plan_feed(s.kv, s.generation, s.events), inject_feed(s.kv, s.events)]
+        self._feeds = world_feeds(s, world)
         for feed in self._feeds:
             feed.start()
 

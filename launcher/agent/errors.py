@@ -298,7 +298,7 @@ class JobFailures:
 
     def note_plan(self, plan: P.Plan) -> None:
         """The controller's latest plan: its cause is the root cause should the job end now."""
-        if plan.root_cause:
+        if plan.root_cause and plan.strategy != P.SWITCH:  # a hot switch: no fault
             names = {f.name for f in dataclasses.fields(P.Fault)}
             self.root_fault = P.Fault(**{k: v for k, v in plan.root_cause.items() if k in names})
         self.history = [dict(h) for h in plan.history]

@@ -28,6 +28,7 @@ from typing import Callable
 from launcher.agent.agent_events import PlanEvent, SignalEvent
 from launcher.agent.errors import JobFailures
 from launcher.agent.grow_back import ReturningRanks
+from launcher.agent.hot_switch import IncomingRanks
 from launcher.agent.loop_store import Call, LoopStore
 from launcher.agent.status_relay import StatusRelay
 from launcher.agent.store_stack import AgentWorld
@@ -41,7 +42,7 @@ from launcher.workers.workers import NodeWorkers, Worker, stop_workers
 from rendezvous.kv import KVStore
 
 # the rounds the live processes stay in (a stop for the survivors, the failed ones respawned)
-LIVE = (P.RETRY, P.RECOVER_IN_PLACE, P.ELASTIC, P.GROW)
+LIVE = (P.RETRY, P.RECOVER_IN_PLACE, P.ELASTIC, P.GROW, P.SWITCH)
 FINISH_TIMEOUT = 300.0  # all nodes' workers done
 LEAVE_TIMEOUT = 10.0  # the store host waits this long for the other agents to leave
 
@@ -89,6 +90,8 @@ class PlanExecutor:
         self._stop_sent = stop_sent or (lambda rank, generation: None)
         # after a live shrink: the dropped ranks' returning processes (a live grow back)
         self.returning = ReturningRanks(log, kv, workers, spawner, cfg.elastic_grow)
+        # a hot switch's incoming processes (ftctl migrate, sub-health)
+        self.incoming = IncomingRanks(log, kv, workers, spawner, channel, world.group_rank)
         # the node's ranks' statuses of a process-level round, as one record for the controller
         self.relay = StatusRelay(kv, world.group_rank, log, cfg.phase_timeout, self.stop)
         # nodes a live shrink dropped whole: the end barrier does not wait for them (node_return)
@@ -102,13 +105,14 @@ class PlanExecutor:
             failed_ranks=plan.failed_ranks,
         )
         self.relay.stop(join=0.0)  # a newer plan: the older round's statuses are of no use
+        self.incoming.take_over(plan)  # a hot switch's new processes in place, or stopped
         if plan.strategy == P.ELASTIC:  # a live shrink: the failed ranks leave the world
             leaving = self.workers.of_ranks(plan.failed_ranks)
             self.workers.left.update(w.rank for w in leaving)
             peers = [w for w in leaving if w.alive]  # a lost rank's healthy TP/PP peers
             stop_workers(peers, signal.SIGKILL, 0.0)
             self.failures.note_terminated(peers)
-        if plan.strategy in LIVE:  # ELASTIC, GROW: no rank restarts, the survivors' stop
+        if plan.strategy in LIVE:  # ELASTIC, GROW, SWITCH: no rank restarts, the survivors' stop
             self._recover(plan, respawn=plan.strategy in (P.RECOVER_IN_PLACE, P.RETRY))
         self.returning.after(plan)  # the dropped ranks' returning processes (grow_back)
         if plan.strategy == P.RESTART_ALL:

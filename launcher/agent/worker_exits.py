@@ -33,6 +33,8 @@ class WorkerExits:
         s = self.state
         assert s.world is not None
         w = s.workers.by_local[ev.local_rank]
+        if s.executor is not None and s.executor.incoming.on_exit(ev.pid, ev.code):
+            return None  # a hot switch's new process ended before the switch: abandoned
         if s.executor is not None and s.executor.returning.on_exit(w, ev.pid, ev.code):
             return None  # a returning process (live grow) ended before the world took it back
         verdict = exit_verdict(

@@ -8,7 +8,9 @@ after a recovery round), Imports (the modules the rank had loaded by its first s
 spares import them too) and Bye (the rank is done with the job); and `on_inject`, an `ftctl
 inject` request for a local rank, carried out (`launcher.agent.injections`: on the channel for
 a runtime rank, else by signal); an `ftctl pause` (an injection of kind `plan.PAUSE_KIND` for
-every rank) is sent to every local runtime-aware rank as `Pause`.
+every rank) is sent to every local runtime-aware rank as `Pause`; a hot switch's order
+(`plan.SWITCH_KIND`) goes to launcher.agent.hot_switch, whose new processes' messages are not
+acted on until they are in their ranks' places.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ class WorkerMessages:
 
     def on_message(self, ev: ChannelMessage) -> None:
         s, msg = self.state, ev.msg
+        if s.executor is not None and s.executor.incoming.holds(ev.pid):
+            return  # a hot switch's new process, not in its rank's place yet
         if isinstance(msg, Hello):
             self._on_hello(msg, ev.pid)
         elif isinstance(msg, Heartbeat):
@@ -67,6 +71,9 @@ class WorkerMessages:
                 f"ftctl pause: told local ranks {told} (generation {s.generation})",
                 generation=s.generation,
             )
+            return
+        if ev.injection.kind == P.SWITCH_KIND and s.executor is not None:
+            s.executor.incoming.on_order()  # a hot switch started or was abandoned
             return
         w = s.workers.by_rank(ev.injection.rank)
         if w is None:

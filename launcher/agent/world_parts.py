@@ -3,18 +3,21 @@
 Owns: `announce_world` (the lines that say which node of which world this agent is, and that a
 hot spare took over a lost node), `announce_round` (the world of a new rendezvous round) and
 `build_world_parts` (the world's spawner, with the worker environment of this world, and its
-plan executor). The agent (`launcher.agent.agent`) calls them each time it enters a world: at
-start, after a new rendezvous round, after self-fencing.
+plan executor) and `world_feeds` (what the agent follows in it: the plans, `ftctl inject`
+requests, the node's sub-health file). The agent (`launcher.agent.agent`) calls them each time
+it enters a world: at start, after a new rendezvous round, after self-fencing.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from launcher.agent.agent_events import inject_feed, plan_feed
 from launcher.agent.agent_state import AgentState
 from launcher.agent.node_return import nodes_out
 from launcher.agent.plan_executor import PlanExecutor
 from launcher.agent.store_stack import AgentWorld
+from launcher.agent.subhealth import SubhealthWatch
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from launcher.workers.spawner import Spawner, WorkerWorld
@@ -103,3 +106,23 @@ def announce_round(log: AgentLog, plan: P.Plan, before: AgentWorld, world: Agent
         old_world_size=before.world_size,
         nnodes=world.group_world_size,
     )
+
+
+def world_feeds(s: AgentState, world: AgentWorld) -> list[Any]:
+    """What the agent follows in `world` (each has start/stop): the controller's plans after
+    its generation, `ftctl inject` requests, and its node's sub-health file when one is named
+    (`--rdzv-conf subhealth_file`, launcher.agent.subhealth)."""
+    assert s.kv is not None
+    feeds: list[Any] = [plan_feed(s.kv, s.generation, s.events), inject_feed(s.kv, s.events)]
+    if s.cfg.subhealth_file:
+        feeds.append(
+            SubhealthWatch(
+                s.cfg.subhealth_file,
+                s.kv,
+                world.group_rank,
+                world.rank_base,
+                s.cfg.nproc_per_node,
+                s.log,
+            )
+        )
+    return feeds

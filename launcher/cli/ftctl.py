@@ -1,9 +1,10 @@
-"""`ftctl`: operate a live ftrun job (store, fault injection, pause/resume, status, report).
+"""`ftctl`: operate a live ftrun job (store, injection, pause/resume, migrate, status, report).
 
 Owns: the click group and its job-level subcommands. Store subcommands (`ftctl store serve|get|
 set|ls`) come from `rendezvous.store.store_cli`; fault injection (`ftctl inject`) from
-`launcher.cli.inject`; `ftctl pause`/`ftctl resume` from `launcher.cli.pause`; `ftctl status`
-from `launcher.observe.status`; `ftctl report` from `launcher.observe.report`.
+`launcher.cli.inject`; `ftctl pause`/`ftctl resume` from `launcher.cli.pause`; `ftctl migrate`
+(a hot switch) from `launcher.cli.migrate`; `ftctl status` from `launcher.observe.status`;
+`ftctl report` from `launcher.observe.report`.
 A store or token error from any subcommand ends as one line and exit 1.
 """
 
@@ -39,6 +40,9 @@ def _register() -> None:
 
     cli.add_command(pause, "pause")
     cli.add_command(resume, "resume")
+    from launcher.cli.migrate import migrate
+
+    cli.add_command(migrate, "migrate")
     from launcher.observe.report import report
     from launcher.observe.status import status
 

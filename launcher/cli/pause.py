@@ -46,24 +46,27 @@ def job_addr(run_dir: str | None, addr: str | None) -> str:
         return str(json.load(f)["addr"])
 
 
-def _open(run_dir: str | None, addr: str | None, token_file: str | None) -> Any:
+def open_job(run_dir: str | None, addr: str | None, token_file: str | None) -> Any:
+    """A client of the job's store (found by `job_addr`)."""
     return connect(job_addr(run_dir, addr), token_file)
 
 
-_RUN_DIR = click.argument("run_dir", required=False, type=click.Path(exists=True, file_okay=False))
-_ADDR = click.option(
+RUN_DIR_ARG = click.argument(
+    "run_dir", required=False, type=click.Path(exists=True, file_okay=False)
+)
+ADDR_OPTION = click.option(
     "--addr",
     envvar="FTRUN_STORE_ADDR",
     default=None,
     help="The job's store HOST:PORT (printed by ftrun at start; in <run dir>/store.json).",
 )
-_TOKEN = click.option("--token-file", default=None, help="Job token file, when required.")
+TOKEN_OPTION = click.option("--token-file", default=None, help="Job token file, when required.")
 
 
 @click.command("pause")
-@_RUN_DIR
-@_ADDR
-@_TOKEN
+@RUN_DIR_ARG
+@ADDR_OPTION
+@TOKEN_OPTION
 @click.option(
     "--max-duration",
     type=click.FloatRange(min=1.0, max=86400.0),
@@ -76,7 +79,7 @@ def pause(
 ) -> None:
     """Halt every rank at the end of its current step (the same step everywhere, no rollback)
     until `ftctl resume` or --max-duration."""
-    kv = _open(run_dir, addr, token_file)
+    kv = open_job(run_dir, addr, token_file)
     try:
         now = pause_state(kv)
         if now is not None and now.in_effect:
@@ -97,12 +100,12 @@ def pause(
 
 
 @click.command("resume")
-@_RUN_DIR
-@_ADDR
-@_TOKEN
+@RUN_DIR_ARG
+@ADDR_OPTION
+@TOKEN_OPTION
 def resume(run_dir: str | None, addr: str | None, token_file: str | None) -> None:
     """End the pause in effect: every rank continues with its next step."""
-    kv = _open(run_dir, addr, token_file)
+    kv = open_job(run_dir, addr, token_file)
     try:
         now = pause_state(kv)
         if now is None or not now.in_effect:

@@ -13,13 +13,16 @@ else):
   world_changes        shrinking without an unreplaced node, growing with waiting agents (regroup)
   grow                 a live grow back after a live shrink (the dropped ranks' processes return,
                        on their node or on the new agent of a lost node)
+  hot_switch           `ftctl migrate` / sub-health: ranks move to new processes, no fault
+  step_halt            the controller's own pause at a step boundary (grow, hot switch)
   handoff              the state a successor needs, and taking up the round an earlier one drove
   fault_history        the job's fault history (published with every plan, for the failure summary)
   controller_settings  what it is built with: `ControllerSettings` and `ControllerHooks`
 
 One pass of the loop: a round that an earlier controller was driving is taken up first
 (`Handoff.resume`); else a decision that cannot wait (a lost node's node_replace_timeout ran
-out, agents waiting to get in: `WorldChanges.overdue`; the dropped ranks back: `GrowBack.due`);
+out, agents waiting to get in: `WorldChanges.overdue`; the dropped ranks back: `GrowBack.due`; a
+hot switch's new processes ready: `HotSwitch.due`);
 else the next fault (`FaultIntake.take`) is decided (`Decider.decide`). A decision that is not
 absorbed is executed: its plan is published and its round driven (`execute`), until nothing
 follows (a round can be superseded by a new fault, or fall back). Once a new rendezvous round
@@ -45,6 +48,7 @@ from launcher.control.fault_history import FaultHistory
 from launcher.control.fault_intake import FaultIntake
 from launcher.control.grow import GrowBack
 from launcher.control.handoff import Handoff
+from launcher.control.hot_switch import HotSwitch
 from launcher.control.node_book import NodeBook
 from launcher.control.plan_publisher import PlanPublisher
 from launcher.control.round_driver import RoundDriver
@@ -128,23 +132,17 @@ class Controller:
             self.world.overdue,
             self._stop,
         )
-        self._assemble_grow()
+        self._assemble_own_rounds()
 
-    def _assemble_grow(self) -> None:
-        """The live grow back, on the round driver's dropped ranks (launcher.control.grow)."""
+    def _assemble_own_rounds(self) -> None:
+        """The rounds the controller starts itself, on the round driver's dropped ranks: the
+        live grow back (launcher.control.grow) and the hot switch (launcher.control.hot_switch)."""
         d = self.driver
-        self.grow = GrowBack(
-            self.kv,
-            self.log,
-            self.settings,
-            self.rounds,
-            d.intake,
-            d.decider,
-            d.dropped,
-            self._stop,
-            self._save,
-        )
-        d.grow_repair = self.grow.repair
+        parts = (self.kv, self.log, self.settings, self.rounds, d.intake, d.decider, d.dropped)
+        self.grow = GrowBack(*parts, self._stop, self._save)
+        self.switch = HotSwitch(*parts, self._stop)
+        d.own_repairs[P.GROW] = self.grow.repair
+        d.own_repairs[P.SWITCH] = self.switch.repair
         d.node_fallback = self.world.without_live_shrink  # a lost node's shrink refused
         self.decider.live_nodes = self.nodes.live_nodes
         self.handoff.grow_pause = self.grow.pause_seq
@@ -225,7 +223,7 @@ class Controller:
         if self.rounds.inherited is not None:  # again after a store error
             self._run_rounds(self.handoff.resume(self.intake, self.driver))
             return
-        overdue = self.world.overdue() or self.grow.due()
+        overdue = self.world.overdue() or self.grow.due() or self.switch.due()
         if overdue is not None:
             self._run_rounds(overdue)
             return

@@ -79,7 +79,8 @@ from launcher.protocol.faults import IN_PLACE_KINDS, FaultKind
 
 # the ranks that did not fail keep running (elastic-training: in a world without the failed
 # ranks' replicas, launcher.control.shrink)
-PROCESS_LEVEL = (P.RETRY, P.RECOVER_IN_PLACE, P.ELASTIC, P.GROW)  # GROW: launcher.control.grow
+# GROW: launcher.control.grow; SWITCH: launcher.control.hot_switch
+PROCESS_LEVEL = (P.RETRY, P.RECOVER_IN_PLACE, P.ELASTIC, P.GROW, P.SWITCH)
 NEEDS_PEERS = (P.RETRY, P.RECOVER_IN_PLACE, P.ELASTIC, P.DUMP)  # rounds the live peers take part in
 CHARGED = (P.RETRY, P.RECOVER_IN_PLACE, P.ELASTIC, P.RESTART_ALL)  # rounds that use the budget
 

@@ -38,13 +38,13 @@ from launcher.control.fault_intake import FaultIntake
 from launcher.control.repair_planning import needs_state, plan_repair
 from launcher.control.round_phase import RoundPhase, RoundTracker
 from launcher.control.shrink import after_shrink
+from launcher.control.step_halt import StepHalt
 from launcher.observe.logs import AgentLog
 from launcher.observe.pause_state import pause_state
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore
 
 RETRY_S = 10.0  # after a grow that could not start, the next try waits this long
-HALT_MAX_S = 300.0  # the grow's pause expires after this (a controller gone mid-grow)
 
 
 def returning(kv: KVStore, generation: int, dropped: Iterable[int]) -> list[int]:
@@ -118,20 +118,19 @@ class GrowBack:
         self.dropped = dropped  # the round driver's: ranks live shrinks removed
         self.stopped = stopped
         self._retry_at = 0.0
-        self._pause: int | None = None  # the grow's pause request (its seq), until it ends
-        self._t0 = 0.0  # when the grow started (its pause was requested)
+        # the grow's pause request, until it ends (its t0: when the grow started)
+        self.halt = StepHalt(kv, intake, decider, stopped, settings.phase_timeout)
         self._said = ""  # the last "waiting" line (said once)
         self.save = save or (lambda: None)  # the controller's state for a successor (handoff)
 
     def pause_seq(self) -> int:
         """The pause of the grow in progress (0: none), for the saved state."""
-        return self._pause or 0
+        return self.halt.seq or 0
 
     def adopt_pause(self, seq: int) -> None:
         """A grow's pause an earlier controller left in effect (its saved state): this grow
         back ends it (with the grow round it published, or as an abandoned try)."""
-        if seq and self._pause is None:
-            self._pause, self._t0 = seq, time.monotonic()
+        self.halt.adopt(seq)
 
     # ---- the start: halted at a step boundary, then the decision -------------------------
     def due(self) -> Decision | None:
@@ -139,9 +138,7 @@ class GrowBack:
         world's ranks halted at one step boundary; a fault's decision when one came first;
         None otherwise (nothing to grow, not yet, or the try was given up)."""
         rnd = self.rounds.round
-        if self._pause is not None and (
-            rnd is None or rnd.strategy != P.GROW or not rnd.collecting
-        ):
+        if self.halt.active and (rnd is None or rnd.strategy != P.GROW or not rnd.collecting):
             self._end_pause("the grow round ended")  # superseded before its repair plan
         if not self.dropped or rnd is None or self.rounds.phase is not RoundPhase.DONE:
             return None
@@ -172,32 +169,13 @@ class GrowBack:
         """Pause `ranks` at one step boundary (as `ftctl pause`); the step they halted after
         once every rank marked its halt; a fault's decision when one came first; None when the
         halt was not reached (given up, the pause ended)."""
-        kv = self.kv
-        seq = kv.add(P.PAUSE_SEQ, 1)
-        self._pause, self._t0 = seq, time.monotonic()
-        kv.set(P.PAUSE_KEY, P.PauseRequest(seq=seq, max_s=HALT_MAX_S).to_json())
+        self.halt.request()
         self.save()  # a successor ends this pause (handoff)
-        nudge = kv.add(P.INJECT_SEQ, 1)
-        kv.set(P.inject_key(nudge), P.Injection(rank=P.EVERY_RANK, kind=P.PAUSE_KIND).to_json())
-        keys = [P.pause_halted_key(seq, r) for r in ranks]
-        deadline = self._t0 + self.settings.phase_timeout
-        while not kv.wait(keys, 0.05):
-            fault = self.intake.take(0.0)
-            if fault is not None:
-                self._give_up(f"a fault came first (rank {fault.rank} {fault.kind})")
-                return self.decider.decide(fault)
-            ended = kv.try_get(P.resume_key(seq))
-            if ended is not None:
-                return self._give_up(f"the pause ended: {ended.decode(errors='replace')}")
-            if self.stopped.is_set():
-                return self._give_up("the controller stops")
-            if time.monotonic() > deadline:
-                late = [r for r, k in zip(ranks, keys) if kv.try_get(k) is None]
-                return self._give_up(
-                    f"ranks {late} did not halt within {self.settings.phase_timeout:.0f}s"
-                )
-        steps = {int(v) for v in kv.multi_get(keys, 5.0)}
-        return max(steps)
+        got = self.halt.wait(ranks)
+        if got.step is None:
+            self._give_up(got.why)
+            return got.decision
+        return got.step
 
     def _give_up(self, why: str) -> None:
         self._end_pause(f"abandoned: world grow: {why}")
@@ -212,9 +190,7 @@ class GrowBack:
         return None
 
     def _end_pause(self, why: str) -> None:
-        if self._pause is not None:
-            self.kv.compare_set(P.resume_key(self._pause), b"", why.encode())
-            self._pause = None
+        self.halt.end(why)
 
     def _say(self, line: str) -> None:
         if line != self._said:
@@ -233,7 +209,7 @@ class GrowBack:
             self._give_up(f"generation {g}: {why}")
             return repair
         self.dropped.difference_update(back)
-        cost = time.monotonic() - self._t0 if self._pause is not None else 0.0
+        cost = time.monotonic() - self.halt.t0 if self.halt.active else 0.0
         self._end_pause(f"world grow: generation {g}")
         self.save()  # the world is whole again, for a successor too (handoff)
         self.log.warning(

@@ -57,7 +57,8 @@ class PlanPublisher:
         if decision.charged:
             st.budget = st.budget.charge()
             self.kv.set(P.RESTARTS_USED_KEY, str(st.budget.used).encode())
-        self.history.note(decision, g)
+        if decision.strategy != P.SWITCH:  # a hot switch is no fault (launcher.control.hot_switch)
+            self.history.note(decision, g)
         plan = P.Plan(
             generation=g,
             strategy=decision.strategy,

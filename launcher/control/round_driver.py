@@ -39,6 +39,9 @@ from rendezvous.kv import KVStore
 FINISHED_CHECK_S = 1.0
 FIRST_LOOK_S = 0.2  # s from the plan to the first look (a node whose agent does not relay)
 
+# the repair plan of a round the controller starts itself: (plan, statuses, world) -> repair
+OwnRepair = Callable[[P.Plan, list[P.RankStatus], list[int]], P.RepairPlan]
+
 
 class RoundDriver:
     def __init__(
@@ -62,10 +65,10 @@ class RoundDriver:
         # a lost node's live shrink that cannot be made: what follows instead (the shrink by
         # restart-all in a new rendezvous round, or the exit; WorldChanges.unreplaced)
         self.node_fallback: Callable[[P.Fault, str], Decision] | None = None
-        # a grow round's repair plan (launcher.control.grow: GrowBack.repair), set by the
-        # controller
-        self.grow_repair: Callable[[P.Plan, list[P.RankStatus], list[int]], P.RepairPlan] | None
-        self.grow_repair = None
+        # the repair plan of the controller's own rounds, by strategy (a grow round's:
+        # launcher.control.grow GrowBack.repair; a hot switch's: launcher.control.hot_switch),
+        # set by the controller
+        self.own_repairs: dict[str, OwnRepair] = {}
 
     # ---- restart-all ---------------------------------------------------------------------
     def release_restart_all(self, g: int) -> None:
@@ -162,8 +165,8 @@ class RoundDriver:
             repair = shrink_plan(repair, statuses, ranks)
             if not repair.fallback:
                 self._shrunk(plan, ranks)
-        elif plan.strategy == P.GROW and self.grow_repair is not None:
-            repair = self.grow_repair(plan, statuses, ranks)
+        elif plan.strategy in self.own_repairs:
+            repair = self.own_repairs[plan.strategy](plan, statuses, ranks)
         elif self.dropped and not repair.fallback:
             repair = after_shrink(repair, ranks)
         self.kv.set(P.repair_key(g), repair.to_json())

@@ -42,8 +42,8 @@ its workers' heartbeats; nothing else calls in here. Time lost follows the one r
   ftrun_world_size, ftrun_original_world_size  ranks in the world now (smaller after a live
                                                shrink, `launcher.observe.world_history`) and
                                                the world the job started with
-  ftrun_world_changes_total{kind}              shrinks and grows of the world (kind="shrink" |
-                                               "grow"), each counted once
+  ftrun_world_changes_total{kind}              shrinks, grows and hot switches of the world
+                                               (kind="shrink" | "grow" | "switch"), once each
   ftrun_job_info{version,run_id,world_size}    1, with the job's identity as labels (the world
                                                size it started with)
   ftrun_store_requests_total{op}, ftrun_store_request_seconds{op}  this agent's store requests
@@ -187,9 +187,12 @@ class Metrics:
             "ftrun_original_world_size", "Ranks in the world the job started with", registry=reg
         )
         self.world_changes = Counter(
-            "ftrun_world_changes", "Shrinks and grows of the world", ["kind"], registry=reg
+            "ftrun_world_changes",
+            "Shrinks, grows and hot switches of the world",
+            ["kind"],
+            registry=reg,
         )
-        for kind in ("shrink", "grow"):  # both series from the start, at 0
+        for kind in ("shrink", "grow", "switch"):  # every series from the start, at 0
             self.world_changes.labels(kind=kind)
         self._changes_counted = 0  # the view's world changes counted so far
         self._counted_lost = 0.0
@@ -238,7 +241,7 @@ class Metrics:
             self.original_world_size.set(view.original_world_size or view.world_size or 0)
         changes = view.world_changes
         for c in changes[self._changes_counted :]:
-            if c.kind in ("shrink", "grow"):
+            if c.kind in ("shrink", "grow", "switch"):
                 self.world_changes.labels(kind=c.kind).inc()
         self._changes_counted = max(self._changes_counted, len(changes))
 

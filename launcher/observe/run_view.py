@@ -173,7 +173,8 @@ class WorldChange:
 
     time: float
     world_size: int
-    kind: str  # start | shrink | grow | restart-all (every rank back after a live shrink)
+    # start | shrink | grow | restart-all (every rank back after a live shrink) | switch (hot)
+    kind: str
     why: str  # in words: "rank 3's replica left", "node 1 lost; restart-all", ...
     before: int | None = None  # the world's size before (None: the start)
     step: int | None = None  # the first step the new world ran, when known

@@ -1,7 +1,9 @@
 """The world's size over time, rebuilt from a run's events, and what each change cost.
 
 Owns: `WorldBook`, the part of `launcher.observe.timeline.Timeline` that follows the world: its
-size at the start (the first `rendezvous`), each `world-shrink` and `world-grow` (live, by
+size at the start (the first `rendezvous`), each hot switch (`switch-done`: the same size, ranks
+moved to new processes, its cost the seconds it held the ranks), each `world-shrink` and
+`world-grow` (live, by
 elastic-training: no rank restarts; or by a restart-all in a new rendezvous round: a lost node
 nobody took over, `scale_up=restart`) and a restart-all that brings every rank back after a live
 shrink (`restart-all-go`); which ranks are in the world of each generation (`outside`: the ranks
@@ -21,7 +23,12 @@ from typing import Callable
 from launcher.observe.run_view import Round, RunView, WorldChange
 
 ALL = None  # a world of every rank of the job's numbering (the start, after a restart-all)
-VERBS = {"shrink": "shrunk", "grow": "grew", "restart-all": "every rank back by restart-all"}
+VERBS = {
+    "shrink": "shrunk",
+    "grow": "grew",
+    "restart-all": "every rank back by restart-all",
+    "switch": "ranks moved by a hot switch",
+}
 
 
 class WorldBook:
@@ -103,6 +110,17 @@ class WorldBook:
         c.step = _int(ev.get("resume_step"), _int(ev.get("step"), None))
         self._members.append((g, now if now is not None and len(now) != self.original else ALL))
 
+    def _on_switch(self, ev: dict, t: float) -> None:
+        """A hot switch (`switch-done`): the same world, ranks moved to new processes."""
+        g = int(ev.get("generation", 0))
+        moved = [r for r in ev.get("moved") or [] if isinstance(r, int)]
+        why = ("rank " if len(moved) == 1 else "ranks ") + ", ".join(map(str, moved))
+        c = self._add(t, "switch", f"{why} moved to new processes", self.current, g, live=True)
+        c.ranks, c.world_size, c.round = moved, self.current or 0, g
+        cost = ev.get("cost_s")
+        c.cost_s = round(float(cost), 4) if isinstance(cost, (int, float)) else None
+        c.step = _int(ev.get("resume_step"), None)
+
     def _on_plan(self, ev: dict, t: float) -> None:
         g = int(ev.get("generation", 0))
         for c in self._plan_next:
@@ -175,7 +193,7 @@ def _charge(c: WorldChange, ro: Round | None, prev: WorldChange) -> None:
     round that began before the previous change is another change's, not this one's."""
     if ro is None or ro.start < prev.time and prev.kind != "start":
         return
-    if c.cost_s is None or c.kind != "grow":
+    if c.cost_s is None or c.kind not in ("grow", "switch"):
         c.cost_s, c.cost_open = ro.time_lost_s, ro.lost_open
     if c.step is None and c.live and ro.resume_step is not None:
         c.step = int(ro.resume_step)
@@ -190,6 +208,8 @@ def ranks_now(history: list[WorldChange]) -> list[int]:
             ranks -= set(c.ranks)
         elif c.kind == "grow" and c.live and c.ranks:
             ranks |= set(c.ranks)
+        elif c.kind == "switch":
+            continue  # the same ranks, in new processes
         else:
             ranks = set(range(c.world_size))
     return sorted(ranks)
@@ -246,4 +266,5 @@ _HANDLERS = {
     "world-grow": WorldBook._on_grow,
     "plan": WorldBook._on_plan,
     "restart-all-go": WorldBook._on_restart_all_go,
+    "switch-done": WorldBook._on_switch,
 }

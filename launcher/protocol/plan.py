@@ -63,6 +63,9 @@ STRATEGIES = (RETRY, RECOVER_IN_PLACE, ELASTIC, RESTART_ALL, DUMP, EXIT)
 # their replica's state; every rank rebuilds the full world at a step boundary. The controller's
 # own round (launcher.control.grow), not a strategy of the chain
 GROW = "elastic-grow"
+# a hot switch (sub-health): ranks of a suspect node move to new processes at a step boundary,
+# no fault, no rollback; the controller's own round (launcher.control.hot_switch), not charged
+SWITCH = "hot-switch"
 
 
 def plan_key(generation: int) -> str:
@@ -184,6 +187,31 @@ def resume_key(seq: int) -> str:
     return f"{ROOT}/pause/{seq}/resume"
 
 
+# `ftctl migrate` and the sub-health file (launcher.cli.migrate, launcher.agent.subhealth): a
+# `MigrateRequest` per MIGRATE_SEQ number; the controller answers each under migrate_outcome_key.
+# The switch it starts is a `SwitchOrder` under SWITCH_KEY; agents hear of it through an
+# `Injection` of kind SWITCH_KIND for every rank (as a pause) and start the incoming processes
+MIGRATE_SEQ = f"{ROOT}/migrate_seq"
+SWITCH_KEY = f"{ROOT}/switch/current"
+SWITCH_KIND = "switch"
+
+
+def migrate_key(seq: int) -> str:
+    """Migrate request `seq` (a `MigrateRequest`)."""
+    return f"{ROOT}/migrate/{seq}"
+
+
+def migrate_outcome_key(seq: int) -> str:
+    """How migrate request `seq` ended (a `SwitchOutcome`), set once by the controller."""
+    return f"{ROOT}/migrate/{seq}/outcome"
+
+
+def switch_ended_key(seq: int) -> str:
+    """Why switch `seq` cannot be made, as an agent saw it (an incoming process ended): the
+    controller abandons the switch (first writer wins)."""
+    return f"{ROOT}/switch/{seq}/failed"
+
+
 def node_status_key(node_rank: int) -> str:
     """A node's live status (JSON, `launcher.observe.observer`), refreshed every second for
     `ftctl status`."""
@@ -259,6 +287,43 @@ class PauseRequest(_Record):
     seq: int
     max_s: float
     time: float = field(default_factory=time.time)
+
+
+@dataclass
+class MigrateRequest(_Record):
+    """`ftctl migrate` or a node's sub-health file: move `ranks` (or every rank of `node`) to
+    new processes with no fault and no rollback (a hot switch)."""
+
+    seq: int
+    ranks: list[int] = field(default_factory=list)
+    node: int | None = None
+    source: str = "ftctl"  # "ftctl", or "subhealth" (a device plugin's file)
+    why: str = ""
+    time: float = field(default_factory=time.time)
+
+
+@dataclass
+class SwitchOrder(_Record):
+    """The controller's hot switch `seq`: each agent starts an incoming process for its ranks
+    among `ranks`, for generation `generation` (the switch's round)."""
+
+    seq: int
+    generation: int
+    ranks: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SwitchOutcome(_Record):
+    """How a migrate request ended: "done" (moved; `cost_s`: the ranks held from the halt
+    request to the repair plan), "refused" or "abandoned" (the ranks keep running where they
+    were; `why`)."""
+
+    seq: int
+    outcome: str
+    why: str = ""
+    ranks: list[int] = field(default_factory=list)
+    generation: int = 0
+    cost_s: float = 0.0
 
 
 @dataclass

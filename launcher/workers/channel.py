@@ -5,7 +5,9 @@ Owns: listening on `FTRUN_AGENT_SOCKET`, reading the workers' messages
 agent as `ChannelMessage` events (a connection is tied to its rank by its Hello), and pushing
 messages (Stop, Inject) to a rank's connection, and `connecting(pid)`: whether a process has a
 connection open or may have one pending (a cold replacement a warm spare may still overtake
-has none). Lines that are not valid messages are dropped (counted in `malformed`). One thread
+has none). `keep(rank, pid)` holds a rank's messages on one process's connection while a second
+process of the rank connects (a hot switch's incoming process: its Hello is set aside until
+`release`). Lines that are not valid messages are dropped (counted in `malformed`). One thread
 (selectors); `stop()` closes every connection and removes the socket file so no stale socket is
 left behind.
 """
@@ -57,6 +59,8 @@ class ChannelServer:
         self._sel.register(self._srv, selectors.EVENT_READ, None)
         self._conns: dict[socket.socket, dict] = {}
         self._by_rank: dict[int, socket.socket] = {}
+        self._kept: dict[int, int | None] = {}  # rank -> the pid its messages stay with
+        self._aside: dict[int, socket.socket] = {}  # rank -> a kept rank's other connection
         self._lock = threading.Lock()
         self.malformed = 0
         self._stop = threading.Event()
@@ -116,7 +120,10 @@ class ChannelServer:
             if isinstance(msg, Hello):
                 st["rank"], st["pid"] = msg.rank, msg.pid
                 with self._lock:
-                    self._by_rank[msg.rank] = conn
+                    if self._kept.get(msg.rank, msg.pid) != msg.pid:
+                        self._aside[msg.rank] = conn  # not the kept process: until `release`
+                    else:
+                        self._by_rank[msg.rank] = conn
             self.events.put(ChannelMessage(st["rank"], st["pid"], msg))
 
     def _drop(self, conn: socket.socket) -> None:
@@ -124,6 +131,8 @@ class ChannelServer:
             st = self._conns.pop(conn, None)
             if st and st["rank"] is not None and self._by_rank.get(st["rank"]) is conn:
                 del self._by_rank[st["rank"]]
+            if st and st["rank"] is not None and self._aside.get(st["rank"]) is conn:
+                del self._aside[st["rank"]]
         try:
             self._sel.unregister(conn)
         except (KeyError, ValueError):
@@ -149,6 +158,21 @@ class ChannelServer:
                     conn.setblocking(False)
                 except OSError:
                     pass
+
+    def keep(self, rank: int, pid: int | None) -> None:
+        """`rank`'s messages stay with process `pid`'s connection: a Hello of another process
+        for the rank is set aside until `release`."""
+        with self._lock:
+            self._kept[rank] = pid
+
+    def release(self, rank: int, promote: bool) -> None:
+        """End `keep(rank)`: with `promote`, the connection set aside (if any) becomes the
+        rank's; else it stays out (its process is being stopped)."""
+        with self._lock:
+            self._kept.pop(rank, None)
+            conn = self._aside.pop(rank, None)
+            if promote and conn is not None and conn in self._conns:
+                self._by_rank[rank] = conn
 
     def connecting(self, pid: int) -> bool:
         """Whether process `pid` has a connection to this channel, or may have one waiting to
