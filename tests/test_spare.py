@@ -909,6 +909,31 @@ def test_take_forks_a_spare_on_the_spot_even_while_a_round_holds_the_pool(tmp_pa
         pool.stop()
 
 
+def test_take_forks_on_the_spot_before_it_hands_out_a_spare_still_warming_up(tmp_path) -> None:
+    """Issue 32: a spare forked for the pool warms up (owns its pages, faults its heap in) at
+    idle priority; taken before it is ready, the round waited for that warm-up (0.1-0.4 s on a
+    busy node). With the fork server ready, a spare forked now (~20 ms) takes the rank and the
+    one warming up stays in the pool."""
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'w').write('ran')\n")
+    pool = SparePool(sys.executable, lambda m: None, count=1, fork=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        _fill(pool, env)
+        warming = pool._procs[0]
+        pool.readiness.forget(warming.pid)  # its ready byte not seen: still warming up
+        proc = pool.take(env, [str(script), str(tmp_path / "a")], module=False, fork_now=True)
+        assert proc is not None and proc.pid != warming.pid
+        assert proc.wait(timeout=60) == 0 and (tmp_path / "a").read_text() == "ran"
+        assert [p.pid for p in pool._procs] == [warming.pid] and warming.poll() is None
+        # no fork on the spot asked for: the spare warming up is the one taken
+        taken = pool.take(env, [str(script), str(tmp_path / "b")], module=False)
+        assert taken is not None and taken.pid == warming.pid
+        assert taken.wait(timeout=60) == 0 and (tmp_path / "b").read_text() == "ran"
+    finally:
+        pool.stop()
+
+
 def _priority_while_importing(pool: SparePool, start) -> tuple[int, bool]:
     """Start the pool's fork server with `start()` and sample its priority until it is ready:
     (the highest niceness seen, whether it ever ran under another policy than SCHED_OTHER)."""
