@@ -680,12 +680,17 @@ def test_a_taken_spare_runs_boosted_until_its_rank_recovered(tmp_path, fork: boo
 
 def _run_on_a_forked_spare(argv: list[str], setup=lambda pool: None) -> None:
     """Run `argv` (a script and its arguments) on a spare forked from a fork server, after
-    `setup(pool)`; it must exit 0."""
+    `setup(pool)`, once the spare is prepared (ready: a spare assigned while it prepares stops
+    preparing); it must exit 0."""
     pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=True)
     setup(pool)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         _fill(pool, env)
+        deadline = time.monotonic() + 60
+        while pool.ready_count() < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.ready_count() == 1
         proc = pool.take(env, argv, module=False)
         assert proc is not None and proc.wait(timeout=120) == 0
     finally:

@@ -407,7 +407,7 @@ class SparePool:
             if self._procs and self._procs[0].pid in warm:
                 proc: SpareProc | None = self._procs.pop(0)
             elif fork_now and not forked and self.count and self._server_ready():
-                # a fork (~20 ms) before a spare still warming up at idle priority (0.1-0.4 s)
+                # a fork (~20 ms) before a spare still warming up (0.1-0.4 s on a busy node)
                 proc, forked = self._fork_on_demand(), True
                 if proc is None:
                     continue
