@@ -914,11 +914,10 @@ def test_take_forks_a_spare_on_the_spot_even_while_a_round_holds_the_pool(tmp_pa
         pool.stop()
 
 
-def test_take_forks_on_the_spot_before_it_hands_out_a_spare_still_warming_up(tmp_path) -> None:
-    """Issue 32: a spare forked for the pool warms up (owns its pages, faults its heap in) at
-    idle priority; taken before it is ready, the round waited for that warm-up (0.1-0.4 s on a
-    busy node). With the fork server ready, a spare forked now (~20 ms) takes the rank and the
-    one warming up stays in the pool."""
+def test_take_hands_out_a_spare_still_warming_up_before_it_forks_one(tmp_path) -> None:
+    """Issue 32: a forked spare taken while it still prepares stops preparing (a few ms,
+    `spare_server.own_pages(until)`), where a fork on the spot from the big fork server took
+    66-300 ms on a busy node: the spare warming up takes the rank, nothing is forked."""
     script = tmp_path / "job.py"
     script.write_text("import sys\nopen(sys.argv[1], 'w').write('ran')\n")
     pool = SparePool(sys.executable, lambda m: None, count=1, fork=True)
@@ -928,13 +927,8 @@ def test_take_forks_on_the_spot_before_it_hands_out_a_spare_still_warming_up(tmp
         warming = pool._procs[0]
         pool.readiness.forget(warming.pid)  # its ready byte not seen: still warming up
         proc = pool.take(env, [str(script), str(tmp_path / "a")], module=False, fork_now=True)
-        assert proc is not None and proc.pid != warming.pid
+        assert proc is not None and proc.pid == warming.pid and pool._procs == []
         assert proc.wait(timeout=60) == 0 and (tmp_path / "a").read_text() == "ran"
-        assert [p.pid for p in pool._procs] == [warming.pid] and warming.poll() is None
-        # no fork on the spot asked for: the spare warming up is the one taken
-        taken = pool.take(env, [str(script), str(tmp_path / "b")], module=False)
-        assert taken is not None and taken.pid == warming.pid
-        assert taken.wait(timeout=60) == 0 and (tmp_path / "b").read_text() == "ran"
     finally:
         pool.stop()
 

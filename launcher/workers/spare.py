@@ -391,11 +391,12 @@ class SparePool:
     def take(
         self, env: dict[str, str], argv: list[str], module: bool, fork_now: bool = False
     ) -> SpareProc | None:
-        """Hand a live spare its assignment (a ready one first, the oldest first; with none ready
-        and `fork_now`, one forked now from a ready fork server, round or not; else one warming
-        up, at the agent's priority from now); None when no spare is available. A spare that
-        does not take the line within ASSIGN_TIMEOUT_S (its pipe full: stopped, or starved) is
-        killed and the next one is tried, so the loop never blocks on a spare."""
+        """Hand a live spare its assignment (a ready one first, the oldest first; one still
+        warming up stops that once assigned; with none idle and `fork_now`, one forked now from
+        a ready fork server, also while a round holds the pool: the round needs it); None when
+        no spare is available. A spare that does not take the line within ASSIGN_TIMEOUT_S (its
+        pipe full: stopped, or starved) is killed and the next one is tried, so the loop never
+        blocks on a spare."""
         base = os.getpriority(os.PRIO_PROCESS, 0)
         boost = max(-20, base - REPAIR_BOOST_NICE)
         nice = boost if boost < base and may_return_to(boost) else None
@@ -404,18 +405,15 @@ class SparePool:
         self._procs.sort(key=lambda p: (p.pid not in warm, p.pid in self._stale))
         forked = False  # at most one spare forked on the spot per take
         while True:
-            if self._procs and self._procs[0].pid in warm:
+            if self._procs:
                 proc: SpareProc | None = self._procs.pop(0)
             elif fork_now and not forked and self.count and self._server_ready():
-                # a fork (~20 ms) before a spare still warming up (0.1-0.4 s on a busy node)
                 proc, forked = self._fork_on_demand(), True
-                if proc is None:
-                    continue
-            elif self._procs:
-                proc = self._procs.pop(0)
             else:
                 return None
-            _hurry(proc, self._born.pop(proc.pid, (0.0, None))[1])
+            if proc is None:
+                return None
+            self._born.pop(proc.pid, None)
             self.readiness.forget(proc.pid)
             self._stale.discard(proc.pid)
             if proc.poll() is not None or proc.stdin is None:
@@ -609,13 +607,6 @@ def _kill_idle(procs: list[SpareProc], born: dict, log: Callable[[str], None]) -
         born.pop(proc.pid, None)
         proc.kill()
         _wait(proc, log, STOP_S)
-
-
-def _hurry(proc: SpareProc, base: int | None) -> None:
-    """A spare taken while still warming up goes on at the agent's niceness `base` (None: it
-    runs at it already): the round waits for it."""
-    if base is not None and proc.poll() is None:
-        run_priority(base, proc.pid)
 
 
 def _wait(proc: SpareProc, log: Callable[[str], None], timeout: float) -> None:
