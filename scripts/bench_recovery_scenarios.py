@@ -5,7 +5,9 @@ Owns: `Scenario` (a training path and a kill point), `parse_scenarios` (the `--s
 `run_scenario_job` (one job of ftrun or torchrun on the path's worker, rank 1 SIGKILLed from
 outside at the scenario's point), the numbers of one job (`lost_split`: time lost split into the
 steps done again and the overhead; `startup_split`: the replacement's start-up by its
-`rank-recovered.marks`; `spare_readiness`) and `scenario_row`, the scenario's JSON line.
+`rank-recovered.marks`; `spare_readiness`; `round_edges`: the last round's critical path, each
+edge since the fault, `ftrun.critical_path` in the row) and `scenario_row`, the scenario's JSON
+line.
 
 Paths: `native` (`rt.steps` + `rt.allreduce_gradients`, scripts/bench_recovery_worker.py), `ddp`
 (the same model under `rt.ddp`), `megatron` (megatron-core GPT TP=2 x DP=2 through framework
@@ -406,6 +408,34 @@ def startup_split(events: list[dict], t_kill: float) -> dict:
     return res
 
 
+def round_edges(events: list[dict], t_fault: float, t_back: float) -> dict:
+    """The last round's critical path, each edge in seconds since the fault (the first round's
+    start): the controller's `plan`, the agent's `spawn` of the replacement, the survivors'
+    stop (the last `stopped` mark), the replacement's start-up marks (`exec`, `status`), the
+    `repair-plan` written, and per edge of the repair the last rank to reach it (`plan` read,
+    groups `rebuilt`, the replacement's script `registered`, state `received`, `repaired`),
+    then `trains_again` (every rank committed the interrupted step)."""
+    after = [e for e in events if e["time"] >= t_fault - 0.001]
+    rec = [e for e in after if e["event"] == "rank-recovered"]
+    last_g = max((e.get("generation", 0) for e in rec), default=None)
+    rec = [e for e in rec if e.get("generation") == last_g]
+    out: dict[str, float] = {}
+
+    def put(name: str, t: float | None) -> None:
+        if t is not None:
+            out[name] = round(t - t_fault, 4)
+
+    for kind in ("plan", "spawn", "repair-plan"):
+        times = [e["time"] for e in after if e["event"] == kind and e.get("generation") == last_g]
+        put(kind if kind != "plan" else "plan_published", min(times, default=None))
+    edges = ("stopped", "exec", "status", "plan", "rebuilt", "registered", "received", "repaired")
+    for edge in edges:
+        times = [e["marks"][edge] for e in rec if edge in (e.get("marks") or {})]
+        put(edge if edge != "plan" else "plan_read", max(times, default=None))
+    put("trains_again", t_back)
+    return dict(sorted(out.items(), key=lambda kv: kv[1]))
+
+
 def spare_readiness(job: dict) -> dict:
     """When the spares were ready: the first `spare-ready` event's own figures (seconds since
     the job's start and since the pool's), or by its time after the agent's first event, and
@@ -449,6 +479,10 @@ def scenario_row(sc: Scenario, args: argparse.Namespace) -> dict:
         ],
         **spare_readiness(ft),
     }
+    fault, _, _ = ftrun_rounds(ft["events"], ft["kill_times"][0])
+    t_back = regained_at(ft["steps"], ft["kill_times"][0], ft["killed_steps"][0])
+    t0 = fault if fault is not None else ft["kill_times"][0]
+    row["ftrun"]["critical_path"] = round_edges(ft["events"], t0, t_back)
     warm = all(row["ftrun"]["replacements_warm"] or [False])  # every replacement from a spare
     row["goal_overhead_s"] = GOAL_WARM_S if warm else GOAL_COLD_S
     over = row["ftrun"].get("overhead_s")

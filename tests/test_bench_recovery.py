@@ -161,6 +161,11 @@ def test_ftrun_time_lost_comes_from_the_events_and_splits_into_the_redone_step_a
     assert split["respawn_s"] == pytest.approx(0.006, abs=1e-3)
     assert split["imports_s"] == pytest.approx(0.04) and split["script_s"] == pytest.approx(0.15)
     assert split["repair_s"] == pytest.approx(0.4, abs=1e-3)
+    path = sc.round_edges(job["events"], 12.101, 13.2)  # since the round's start (the exit)
+    assert path["plan_published"] == pytest.approx(0.002) and path["spawn"] == pytest.approx(0.003)
+    assert path["exec"] == pytest.approx(0.009) and path["registered"] == pytest.approx(0.199)
+    assert path["repaired"] == pytest.approx(0.599) and path["trains_again"] == pytest.approx(1.099)
+    assert list(path.values()) == sorted(path.values())  # in the order they happened
 
 
 def test_torchrun_time_lost_holds_the_steps_since_the_checkpoint_as_redone():
@@ -209,6 +214,9 @@ def test_scenario_row_native_kill_at_step_1_end_to_end(tmp_path):
     assert ft["lost_s"] > 0 and ft["redone_s"] > 0
     assert ft["lost_s"] == pytest.approx(ft["redone_s"] + ft["overhead_s"], abs=1e-3)
     assert ft["replacement"]["repair_s"] >= 0 and "torchrun" not in row
+    edges = ft["critical_path"]
+    assert 0 <= edges["plan_published"] <= edges["spawn"] <= edges["repaired"]
+    assert edges["repaired"] <= edges["trains_again"] == pytest.approx(ft["lost_s"], abs=1e-3)
     assert row["goal_overhead_s"] in (0.1, 0.3) and isinstance(row["goal_met"], bool)
     assert list(tmp_path.glob("bench_recovery_*")) == []
 

@@ -104,4 +104,34 @@ def test_a_kept_rank_stays_with_its_process_until_the_other_is_promoted(tmp_path
     finally:
         for c in conns:
             c.close()
+
+
+def test_a_send_for_a_process_skips_its_killed_predecessors_connection(tmp_path) -> None:
+    """Issue 32: a rank killed during a round may leave its connection open for a while (the
+    kernel tears a big process down before closing its files); a stop meant for the replacement
+    must not go there, and lands on the replacement's own connection once it said hello."""
+    q: queue.Queue = queue.Queue()
+    path = str(tmp_path / "p.sock")
+    srv = ChannelServer(path, q)
+    try:
+        old = socket.socket(socket.AF_UNIX)
+        old.connect(path)
+        old.sendall(b'{"op":"hello","rank":1,"pid":100}\n')
+        q.get(timeout=5)
+        assert not srv.send(1, Stop(generation=2), pid=200)  # the replacement is pid 200
+        old.settimeout(0.2)
+        try:
+            assert old.recv(4096) == b""
+        except socket.timeout:
+            pass  # nothing came: the predecessor got no stop
+        new = socket.socket(socket.AF_UNIX)
+        new.connect(path)
+        new.sendall(b'{"op":"hello","rank":1,"pid":200}\n')
+        q.get(timeout=5)
+        assert srv.send(1, Stop(generation=2), pid=200)
+        new.settimeout(5)
+        assert json.loads(new.recv(4096).decode().strip())["generation"] == 2
+        old.close()
+        new.close()
+    finally:
         srv.stop()

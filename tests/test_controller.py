@@ -845,3 +845,21 @@ def test_a_finished_mark_of_an_earlier_process_of_the_rank_is_stale(kv, tmp_path
     finally:
         c.stop()
         log.close()
+
+
+def test_a_fault_during_status_collection_is_seen_within_the_fast_slice(kv) -> None:
+    """Issue 32: a rank killed while a round collects statuses supersedes it at once (the status
+    wait's slice is short in a round's first second), not at the end of a 0.2 s wait."""
+    for r in range(4):
+        kv.set(P.aware_key(r), b"1")
+    c = make(kv)
+    try:
+        post_fault(kv, fault(rank=1))
+        assert plan_of(kv, 1).failed_ranks == [1]
+        time.sleep(0.21)  # a 0.2 s slice would have just begun
+        t0 = time.monotonic()
+        post_fault(kv, fault(rank=2, gen=1))
+        assert plan_of(kv, 2).failed_ranks == [1, 2]
+        assert time.monotonic() - t0 < 0.12
+    finally:
+        c.stop()

@@ -680,12 +680,17 @@ def test_a_taken_spare_runs_boosted_until_its_rank_recovered(tmp_path, fork: boo
 
 def _run_on_a_forked_spare(argv: list[str], setup=lambda pool: None) -> None:
     """Run `argv` (a script and its arguments) on a spare forked from a fork server, after
-    `setup(pool)`; it must exit 0."""
+    `setup(pool)`, once the spare is prepared (ready: a spare assigned while it prepares stops
+    preparing); it must exit 0."""
     pool = SparePool(sys.executable, lambda m: None, count=1, start_delay=0.0, fork=True)
     setup(pool)
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         _fill(pool, env)
+        deadline = time.monotonic() + 60
+        while pool.ready_count() < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert pool.ready_count() == 1
         proc = pool.take(env, argv, module=False)
         assert proc is not None and proc.wait(timeout=120) == 0
     finally:
@@ -905,6 +910,25 @@ def test_take_forks_a_spare_on_the_spot_even_while_a_round_holds_the_pool(tmp_pa
         assert proc is not None and proc.wait(timeout=60) == 0
         assert (tmp_path / "b").read_text() == "ran"
         assert pool.ready() == 0  # nothing else forked while held
+    finally:
+        pool.stop()
+
+
+def test_take_hands_out_a_spare_still_warming_up_before_it_forks_one(tmp_path) -> None:
+    """Issue 32: a forked spare taken while it still prepares stops preparing (a few ms,
+    `spare_server.own_pages(until)`), where a fork on the spot from the big fork server took
+    66-300 ms on a busy node: the spare warming up takes the rank, nothing is forked."""
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'w').write('ran')\n")
+    pool = SparePool(sys.executable, lambda m: None, count=1, fork=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        _fill(pool, env)
+        warming = pool._procs[0]
+        pool.readiness.forget(warming.pid)  # its ready byte not seen: still warming up
+        proc = pool.take(env, [str(script), str(tmp_path / "a")], module=False, fork_now=True)
+        assert proc is not None and proc.pid == warming.pid and pool._procs == []
+        assert proc.wait(timeout=60) == 0 and (tmp_path / "a").read_text() == "ran"
     finally:
         pool.stop()
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import os
 
-from launcher.workers.spare_server import OPENBLAS_MAX_THREADS, blas_threads_for, fresh_seeds
+from launcher.workers.spare_server import (
+    OPENBLAS_MAX_THREADS,
+    assigned,
+    blas_threads_for,
+    fresh_seeds,
+    own_pages,
+)
 
 
 def test_a_forked_rank_gets_the_blas_pool_a_fresh_process_with_its_environment_has() -> None:
@@ -49,3 +55,23 @@ def test_forks_draw_their_own_numbers_after_fresh_seeds() -> None:
     assert same[0][0] == same[1][0]  # what a fork shares: the check can fail
     fresh = draws(reseed=True)
     assert fresh[0][0] != fresh[1][0] and fresh[0][1] != fresh[1][1]
+
+
+def test_a_spare_assigned_while_it_owns_its_pages_stops_there() -> None:
+    """Issue 32: a spare taken while it still prepares (own_pages: 0.1-0.4 s on a busy node)
+    stops at the next bounded read instead of making the round wait for the rest."""
+    r, w = os.pipe()
+    try:
+        assert not assigned(r)  # nothing yet: it goes on preparing
+        os.write(w, b"{}\n")
+        assert assigned(r)
+        done, why = own_pages(lambda: assigned(r))
+        assert done == 0 and why == "assigned before every page was its own"
+        os.read(r, 16)
+        os.close(w)
+        w = -1
+        assert assigned(r)  # EOF (the pool stopped): it stops too
+    finally:
+        os.close(r)
+        if w >= 0:
+            os.close(w)

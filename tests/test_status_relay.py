@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
-from launcher.agent.status_relay import StatusRelay
+from launcher.agent.status_relay import WAIT_SLICE, StatusRelay
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.store.client import StoreClient
@@ -79,3 +79,24 @@ def test_a_newer_round_or_a_stop_ends_the_relay() -> None:
     halt.set()  # the agent's own stop
     relay.stop(join=2.0)
     assert not relay.running
+
+
+def test_a_newer_round_is_relayed_at_once_while_the_older_ones_wait_is_pending() -> None:
+    """Issue 32: a rank killed during a round leaves that round's keys incomplete; the newer
+    round's record comes as soon as its statuses are in, not after the older wait's slice."""
+    with StoreServer(host="127.0.0.1") as server:
+        with StoreClient("127.0.0.1", server.port, timeout=10) as kv:
+            halt = threading.Event()
+            relay = StatusRelay(kv, 0, AgentLog(0, None, quiet=True), timeout=10.0, halt=halt)
+            relay.follow(1, [0, 1])
+            kv.set(P.status_key(1, 0), status(0, 1))  # rank 1 died: round 1 never completes
+            time.sleep(0.1)  # the relay waits on round 1's keys
+            relay.follow(2, [0, 1])
+            t0 = time.monotonic()
+            for r in (0, 1):
+                kv.set(P.status_key(2, r), status(r, 2))
+            assert kv.wait([P.node_statuses_key(2, 0)], 5.0)
+            assert time.monotonic() - t0 < WAIT_SLICE / 2  # was the rest of a 0.5 s slice
+            assert kv.try_get(P.node_statuses_key(1, 0)) is None
+            halt.set()
+            relay.stop(join=2.0)

@@ -209,8 +209,9 @@ class PlanExecutor:
         for w in self.workers.alive():
             if w in restart:
                 continue
-            if not self.channel.send(w.rank, stop):
-                # e.g. a replacement still starting: it gets the stop as soon as it says hello
+            if not self.channel.send(w.rank, stop, pid=w.pid):
+                # e.g. a replacement still starting (the connection its killed predecessor
+                # left may still be open): it gets the stop as soon as it says hello
                 self._pending_stop[w.rank] = stop
                 self.log.warning(
                     "stop-deferred",
@@ -259,7 +260,7 @@ class PlanExecutor:
         for w in self.workers.alive():
             if w.rank not in plan.failed_ranks:
                 w.stopping = True
-                self.channel.send(w.rank, stop)
+                self.channel.send(w.rank, stop, pid=w.pid)
         deadline = time.monotonic() + max(self.cfg.shutdown_timeout, 120.0)
         for w in self.workers.alive():
             if w.proc is not None:

@@ -23,6 +23,9 @@ from launcher.protocol import plan as P
 from rendezvous.kv import KVStore, StoreError
 
 WAIT_SLICE = 0.5  # s per WAIT: a stop or a newer round is seen within this
+# ... within FAST_SLICE for a round's first FAST_FOR s: a rank killed during a round leaves
+# that round's keys incomplete, and the newer round's record must not wait out the slice
+FAST_SLICE, FAST_FOR = 0.02, 1.0
 READ_TIMEOUT = 5.0  # s: reading keys a WAIT just found
 IDLE_S = 600.0  # s without a round after which the relay's thread ends (the next round starts one)
 
@@ -101,10 +104,12 @@ class StatusRelay:
 
     def _relay(self, g: int, ranks: list[int], serial: int) -> None:
         keys = [P.status_key(g, r) for r in ranks]
-        deadline = time.monotonic() + self.timeout
+        start = time.monotonic()
+        deadline = start + self.timeout
         while not self._stale(serial) and time.monotonic() < deadline:
+            fast = time.monotonic() - start < FAST_FOR
             try:
-                if self.kv.wait(keys, WAIT_SLICE):
+                if self.kv.wait(keys, FAST_SLICE if fast else WAIT_SLICE):
                     self._post(g, self.kv.multi_get(keys, READ_TIMEOUT), serial)
                     return
             except StoreError as e:

@@ -38,6 +38,15 @@ from rendezvous.kv import KVStore
 # too much for every 0.2 s wait of a long round of thousands of ranks
 FINISHED_CHECK_S = 1.0
 FIRST_LOOK_S = 0.2  # s from the plan to the first look (a node whose agent does not relay)
+# a fault during the round is seen at the end of the status wait's slice: short slices for the
+# round's first second (a fast round is one a newer fault must supersede at once, issue 32's
+# kill during a recovery), the 0.2 s ones after it (the wait names one key per node)
+FAST_SLICE_S, FAST_FOR_S, SLOW_SLICE_S = 0.02, 1.0, 0.2
+
+
+def status_slice(elapsed: float) -> float:
+    """Seconds the status wait blocks for, `elapsed` s into the round (see FAST_SLICE_S)."""
+    return FAST_SLICE_S if elapsed < FAST_FOR_S else SLOW_SLICE_S
 
 # the repair plan of a round the controller starts itself: (plan, statuses, world) -> repair
 OwnRepair = Callable[[P.Plan, list[P.RankStatus], list[int]], P.RepairPlan]
@@ -107,16 +116,18 @@ class RoundDriver:
         """Collect every rank's status, then write the repair plan. Returns what must follow
         (a fault that superseded the round, a change of the world, its fallback), None when
         the round is in the workers' hands (or this controller stopped). The statuses come
-        one record per node (`StatusCollection`: the wait re-sent every 0.2 s names one key
-        per node); a node whose record is late is read from its ranks' own keys at the first
-        look and then once a second, with the look for ranks that finished instead."""
+        one record per node (`StatusCollection`: the wait, re-sent every 0.02 s for the
+        round's first second and every 0.2 s after it, names one key per node; a newer fault
+        is read between two waits); a node whose record is late is read from its ranks' own
+        keys at the first look and then once a second, with the look for ranks that finished
+        instead."""
         g = plan.generation
         ranks = members(self.settings.world_size, self.dropped, plan)
         statuses = StatusCollection(self.kv, g, ranks, self.settings.node_of)
         t0 = time.monotonic()
         deadline = t0 + self.settings.phase_timeout
         look_at = t0 + FIRST_LOOK_S
-        while not statuses.wait(0.2):
+        while not statuses.wait(status_slice(time.monotonic() - t0)):
             newer = self.intake.take(0.0)
             if newer is not None:
                 d = self.decider.decide(newer)

@@ -139,12 +139,17 @@ class ChannelServer:
             pass
         conn.close()
 
-    def send(self, rank: int, msg: Message) -> bool:
-        """Push one message to `rank`'s connection. False when it has no live connection."""
+    def send(self, rank: int, msg: Message, pid: int | None = None) -> bool:
+        """Push one message to `rank`'s connection (with `pid`: only when that process said
+        hello on it; a killed predecessor's connection may still take bytes while the kernel
+        tears the process down, and they would be lost). False when it has no such live
+        connection."""
         data = encode(msg)
         with self._lock:
             conn = self._by_rank.get(rank)
             if conn is None:
+                return False
+            if pid is not None and self._conns.get(conn, {}).get("pid") != pid:
                 return False
             try:
                 conn.setblocking(True)

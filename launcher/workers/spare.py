@@ -391,11 +391,12 @@ class SparePool:
     def take(
         self, env: dict[str, str], argv: list[str], module: bool, fork_now: bool = False
     ) -> SpareProc | None:
-        """Hand a live spare its assignment (a ready one first, the oldest first; with none idle
-        and `fork_now`, one forked now from a ready fork server, also while a round holds the
-        pool: the round needs it); None when no spare is available. A spare that does not take
-        the line within ASSIGN_TIMEOUT_S (its pipe full: stopped, or starved) is killed and the
-        next one is tried, so the loop never blocks on a spare."""
+        """Hand a live spare its assignment (a ready one first, the oldest first; one still
+        warming up stops that once assigned; with none idle and `fork_now`, one forked now from
+        a ready fork server, also while a round holds the pool: the round needs it); None when
+        no spare is available. A spare that does not take the line within ASSIGN_TIMEOUT_S (its
+        pipe full: stopped, or starved) is killed and the next one is tried, so the loop never
+        blocks on a spare."""
         base = os.getpriority(os.PRIO_PROCESS, 0)
         boost = max(-20, base - REPAIR_BOOST_NICE)
         nice = boost if boost < base and may_return_to(boost) else None

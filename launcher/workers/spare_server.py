@@ -22,7 +22,8 @@ it exits 0. Before it waits for the assignment (unless forked for a replacement 
 `prepare` false), a forked spare makes every page it shares with the server its own
 (`own_pages`): otherwise the replacement's first pass through the interpreter's and torch's
 state pays a copy-on-write fault per page it writes to (refcounts: nearly every page it
-touches), ~15 ms of its start-up inside the recovery, measured here.
+touches), ~15 ms of its start-up inside the recovery, measured here. A spare whose assignment
+arrives meanwhile stops there (and faults no heap in): the round would wait for the rest.
 The agent's handle on this process is `launcher.workers.fork_server.ForkServer`.
 
 A fork shares what a fresh process would make its own at start: so the server holds numpy's
@@ -48,10 +49,12 @@ import ctypes
 import importlib
 import json
 import os
+import select
 import socket
 import sys
 import time
 from types import ModuleType
+from typing import Callable
 
 from launcher.workers.prctl import die_with_parent, set_process_name
 from launcher.workers.priority import run_priority, thread_ids, warm_priority
@@ -243,11 +246,12 @@ def _fork_spare(
     return int.from_bytes(data, "little"), w, yr
 
 
-def own_pages() -> tuple[int, str | None]:
+def own_pages(until: Callable[[], bool] | None = None) -> tuple[int, str | None]:
     """Break copy-on-write on every page of this process's private writable mappings that is
     present (shared with the process it was forked from), and on no other page (populating
     untouched ones would only cost memory); (bytes made private, why not all could be, or
-    None). Needs MADV_POPULATE_WRITE (Linux 5.14): without it nothing is done."""
+    None). Needs MADV_POPULATE_WRITE (Linux 5.14): without it nothing is done. Stops early
+    once `until()` is true (checked per bounded read: the spare was assigned meanwhile)."""
     try:
         import numpy as np  # torch's own dependency; the fork server imported it with torch
     except ImportError:
@@ -274,6 +278,8 @@ def own_pages() -> tuple[int, str | None]:
                 continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             for base in range(lo, hi, PAGEMAP_CHUNK * PAGE):  # bounded reads of a large mapping
+                if until is not None and until():
+                    return done, "assigned before every page was its own"
                 n = min(PAGEMAP_CHUNK, (hi - base) // PAGE)
                 raw = os.pread(fd, n * 8, (base // PAGE) * 8)
                 present = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(63)).astype(np.int8)
@@ -359,6 +365,14 @@ def fresh_seeds() -> None:
         generator.seed()
 
 
+def assigned(fd: int) -> bool:
+    """Whether the spare's assignment pipe `fd` has something to read (its line, or EOF)."""
+    try:
+        return bool(select.select([fd], [], [], 0)[0])
+    except (OSError, ValueError):
+        return True
+
+
 def become_spare(forked: _Forked) -> None:
     """In a forked spare: own session, wait to be the agent's child, die with it, then read the
     assignment and run the job (returns only by raising or when the job returns)."""
@@ -373,9 +387,12 @@ def become_spare(forked: _Forked) -> None:
     heap, prepared = _heap(), 0
     # idle-time work: a spare forked for a replacement waiting now skips it (its job copies
     # the pages it writes, as a cold process would)
+    # a spare taken while it prepares stops preparing: the round waits for it (0.1-0.4 s of
+    # preparation on a busy node); what it did not own is copied on first write, as before
     if forked.prepare:
-        own_pages()  # the pages it cannot own are copied on first write, as before
-        prepared = heap.prepare(forked.heap_bytes)
+        own_pages(lambda: assigned(forked.assignment_fd))
+        if not assigned(forked.assignment_fd):
+            prepared = heap.prepare(forked.heap_bytes)
     if forked.ready_fd >= 0:
         try:
             os.write(forked.ready_fd, b"r")  # the pool's `spare-ready`
