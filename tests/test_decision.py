@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.control.decision import (
+    NODE_SHRINK_AT_ONCE,
     Budget,
     RankProgress,
     Round,
@@ -15,6 +16,7 @@ from launcher.control.decision import (
     fallback,
     may_be_consequence,
     merge,
+    node_loss_outlook,
     walk_chain,
 )
 from launcher.protocol import plan as P
@@ -585,6 +587,42 @@ def test_a_lost_node_shrinks_live_at_once_without_recover_in_place() -> None:
         True,
     )
     assert "node 1 lost (x); its ranks [2, 3] leave the world at once" in d.reason
+
+
+@pytest.mark.parametrize(
+    "chain, aware, nodes_left, expected",
+    [
+        # the at-once chain: what decide() does (the test above), said before it decides
+        (ELASTIC_CHAIN, True, 1, "leave the world at once"),
+        (("retry",) + ELASTIC_CHAIN, True, 1, "leave the world at once"),
+        # runtime unknown (a non-leader agent): both outcomes, the at-once one first
+        (ELASTIC_CHAIN, None, 1, "leave the world at once"),
+        # recover-in-place before elastic-training: the wait of the waiting rule
+        ((P.RECOVER_IN_PLACE, P.ELASTIC, P.RESTART_ALL), True, 1, "wait up to"),
+        ((P.RESTART_ALL, P.ELASTIC), True, 1, "wait up to"),
+        (DEFAULT, True, 1, "wait up to"),
+        # unmodified workers, or too few nodes to shrink: the loss waits for a takeover
+        (ELASTIC_CHAIN, False, 1, "wait up to"),
+        (ELASTIC_CHAIN, True, 0, "wait up to"),
+    ],
+)
+def test_a_lost_nodes_outlook_says_what_decide_does(chain, aware, nodes_left, expected) -> None:
+    """The loss's first lines (`node-lost`, `fault-reported`) say what the decision will be."""
+    text = node_loss_outlook(chain, [2, 3], 270.0, aware, nodes_left, min_nodes=1)
+    assert text.startswith("its ranks [2, 3] " + expected), text
+    if expected == "wait up to":
+        assert "leave the world" not in text and "node_replace_timeout=270s" in text
+        s = Situation(
+            tuple(chain), Budget(0, 3), bool(aware), 4, nodes_left=nodes_left, min_nodes=1
+        )
+        d = decide(node_fault(joined=False), s)
+        assert d.absorbed or d.strategy != P.ELASTIC
+    elif aware:
+        assert "wait up to" not in text and "node_replace_timeout" not in text
+        d = decide(node_fault(joined=False), situation(chain=chain))
+        assert d.strategy == P.ELASTIC and NODE_SHRINK_AT_ONCE.format(ranks=[2, 3]) in d.reason
+    else:
+        assert "when every rank uses launcher.runtime; else its ranks [2, 3] wait up to" in text
 
 
 def test_a_lost_node_below_nnodes_min_does_not_shrink_live() -> None:

@@ -181,6 +181,17 @@ def test_a_lost_node_shrinks_live_and_the_others_go_on(tmp_path, chain, strategi
     if chain == WAIT:
         (said,) = [e for e in run.ev if e["event"] == "node-shrink"]
         assert said["waited_s"] >= 2.0 and "(live shrink)" in said["message"]
+    # the loss's first lines say what the decision after them does: wait, or leave at once
+    first_lines = [
+        e["message"]
+        for e in run.ev
+        if e["event"] == "node-lost" or (e["event"] == "fault-reported" and "lost_node" in e)
+    ]
+    assert len(first_lines) >= 2, first_lines
+    for text in first_lines:
+        waits = "wait up to node_replace_timeout=2s" in text
+        at_once = f"its ranks [{run.lost}] leave the world at once" in text
+        assert (waits, at_once) == ((True, False) if chain == WAIT else (False, True)), text
     shrink = next(e for e in run.ev if e["event"] == "world-shrink")
     assert (shrink["world_size"], shrink["new_world_size"]) == (2, 1)
     for r, pid in run.first.items():

@@ -12,6 +12,7 @@ main loop, which may be waiting on a round that this very news holds up.
 from __future__ import annotations
 
 from launcher.agent.agent_state import AgentState
+from launcher.control.decision import node_loss_outlook
 from launcher.protocol import plan as P
 from launcher.protocol.faults import FaultKind
 from rendezvous.errors import FencedError
@@ -44,11 +45,13 @@ class MembershipNews:
     def on_node_lost(self, node: int, why: str = "") -> None:
         s = self.state
         why = why or self._loss_reason()
-        who = (
-            "a hot spare or a replacement agent (same --node_rank) takes over its ranks "
-            f"{self.node_ranks(node)} within node_replace_timeout="
-            f"{s.cfg.node_replace_timeout:g}s, else the job falls back"
-        )
+        ranks, timeout = self.node_ranks(node), s.cfg.node_replace_timeout
+        if s.controller is not None:  # the leader knows whether every rank uses the runtime
+            who = s.controller.nodes.outlook(ranks, lost=node)
+        else:
+            who = node_loss_outlook(s.cfg.recover_strategy, ranks, timeout)
+        if who.endswith("replacement agent"):
+            who += " (same --node_rank), else the job falls back"
         s.log.error(
             "node-lost",
             f"node {node} lost ({why}): {who}",

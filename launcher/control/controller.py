@@ -145,6 +145,7 @@ class Controller:
         d.own_repairs[P.SWITCH] = self.switch.repair
         d.node_fallback = self.world.without_live_shrink  # a lost node's shrink refused
         self.decider.live_nodes = self.nodes.live_nodes
+        self.nodes.aware = self.decider.all_aware
         self.handoff.grow_pause = self.grow.pause_seq
 
     # ---- what the agent and the tests look at ---------------------------------------------

@@ -352,6 +352,32 @@ NODE_SHRINK_AT_ONCE = (
 )
 
 
+def node_loss_outlook(
+    chain: Sequence[str],
+    ranks: Sequence[int],
+    timeout: float,
+    aware: bool | None = None,
+    nodes_left: int | None = None,
+    min_nodes: int = 0,
+) -> str:
+    """What a lost node's ranks do next, in words, for the loss's first lines (`node-lost`,
+    `fault-reported`): what `decide` does with the loss while the budget has room. `aware`:
+    whether every rank uses launcher.runtime (None: not known here, both cases are said)."""
+    wait = (
+        f"its ranks {list(ranks)} wait up to node_replace_timeout={timeout:g}s for a hot spare "
+        "or a replacement agent"
+    )
+    if aware is False or too_few_nodes(nodes_left, min_nodes):
+        return wait
+    chain = [s for s in chain if s != P.RETRY]  # _prune_for_node_loss: the processes are gone
+    if walk_chain(FaultKind.NODE_LOST, chain, True, True)[0] != P.ELASTIC:
+        return wait
+    at_once = NODE_SHRINK_AT_ONCE.format(ranks=list(ranks))
+    if aware:
+        return at_once
+    return f"{at_once} when every rank uses launcher.runtime; else {wait}"
+
+
 def dropped_node(what: str, ranks: Sequence[int], joined: bool) -> Decision:
     """A node whose ranks left the world in a live shrink: its loss, timeout or new agent
     starts no round (the new agent's ranks come back through the live grow back)."""

@@ -17,6 +17,7 @@ from typing import Callable
 from launcher.control import fault_intake
 from launcher.control.controller_settings import ControllerHooks, ControllerSettings
 from launcher.control.controller_state import ControllerState
+from launcher.control.decision import node_loss_outlook
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from launcher.protocol.faults import FaultKind
@@ -41,6 +42,7 @@ class NodeBook:
         self.lost_at: dict[int, tuple[float, P.Fault]] = {}  # lost node -> (when, its fault)
         self.known: dict[int, int] = {}  # node -> agent incarnation accounted for
         self.arriving: set[tuple[int, int]] = set()  # (node, incarnation) being reported now
+        self.aware: Callable[[], bool] | None = None  # every rank uses the runtime (the decider's)
 
     def live_nodes(self) -> int:
         with self.lock:
@@ -74,12 +76,25 @@ class NodeBook:
         self.save()
         self.log.info(
             "fault-reported",
-            f"node {node} lost ({fault.message}): reported as fault "
-            f"#{seq}; its ranks {fault.evidence['node_ranks']} wait up to "
-            f"node_replace_timeout={self.settings.node_replace_timeout:g}s for a hot spare or a "
-            "replacement agent",
+            f"node {node} lost ({fault.message}): reported as fault #{seq}; "
+            + self.outlook(fault.evidence["node_ranks"]),
             seq=seq,
             lost_node=node,
+        )
+
+    def outlook(self, ranks: list[int], lost: int | None = None) -> str:
+        """What the lost node's ranks do next, in words (the rule `decide` applies); `lost`: a
+        node lost but not noted yet (counted out of the nodes left)."""
+        s = self.settings
+        with self.lock:
+            nodes_left = s.nnodes - len(self.lost_nodes | ({lost} if lost is not None else set()))
+        return node_loss_outlook(
+            s.chain,
+            ranks,
+            s.node_replace_timeout,
+            None if self.aware is None else self.aware(),
+            nodes_left,
+            s.fewest_nodes,
         )
 
     def note_arrival(
