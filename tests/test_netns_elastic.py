@@ -52,7 +52,14 @@ def _reference(steps: int, n: int) -> dict[str, torch.Tensor]:
 
 
 def _agent(
-    h: Host, endpoint: str, tmp: Path, tag: str, train: list[str], n: int, chain: str
+    h: Host,
+    endpoint: str,
+    tmp: Path,
+    tag: str,
+    train: list[str],
+    n: int,
+    chain: str,
+    **extra_env: str,
 ) -> subprocess.Popen:
     cmd = FTRUN + [
         "--nnodes",
@@ -78,7 +85,7 @@ def _agent(
         script("elastic_loop.py"),
         *train,
     ]
-    env = env_with(OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60")
+    env = env_with(OMP_NUM_THREADS="1", FTRUN_STORE_TIMEOUT="60", **extra_env)
     return h.popen(cmd, env=h.env(env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -106,9 +113,18 @@ class Run:
     records: dict[int, list[dict]]  # rank -> its consumed records
 
 
-def _run(tmp: Path, n: int, steps: int, shrunk_step_s: float, grow: bool, chain: str = NOW) -> Run:
+def _run(
+    tmp: Path,
+    n: int,
+    steps: int,
+    shrunk_step_s: float,
+    grow: bool,
+    chain: str = NOW,
+    **returned_env: str,
+) -> Run:
     """Start n hosts, crash the last one once training runs, and (`grow`) start its agent
-    again once the survivors shrank; every agent left must end with 0."""
+    again once the survivors shrank (with `returned_env` in its environment); every agent left
+    must end with 0."""
     train = ["--steps", str(steps), "--step-time", "0.05", "--shrunk-step-time"]
     train += [str(shrunk_step_s), "--consumed", str(tmp / "consumed{rank}.jsonl")]
     train += ["--out", str(tmp / "params{rank}.pt")]
@@ -133,7 +149,7 @@ def _run(tmp: Path, n: int, steps: int, shrunk_step_s: float, grow: bool, chain:
                 lambda: any(e["event"] == "world-shrink" for d in survivors for e in _events(d)),
                 30,
             ), "no live shrink"
-            kept.append(_agent(hl, endpoint, tmp, "b", train, n, chain))  # its agent, restarted
+            kept.append(_agent(hl, endpoint, tmp, "b", train, n, chain, **returned_env))
         outs = [a.communicate(timeout=150) for a in kept]
     assert [a.returncode for a in kept] == [0] * len(kept), "\n".join(e[-3000:] for _, e in outs)
     ev = [e for d in survivors + [tmp / "logb"] for e in _events(d)]
@@ -242,3 +258,22 @@ def test_a_lost_node_shrinks_live_and_grows_back_when_its_agent_returns(tmp_path
             }
         )
     )
+
+
+@pytest.mark.slow  # ~35 s on a loaded 2-core box (the restarted agent must join mid-job)
+def test_a_returned_agent_whose_ranks_cannot_grow_back_ends_cleanly(tmp_path) -> None:
+    """elastic_grow=0 on the lost host's restarted agent: its rank is no longer in the world
+    and nothing brings it back, so the agent ends at once with one line, exit 0 (as the hot
+    spare of a finished job does), and the survivors finish in the shrunk world."""
+    t0 = time.monotonic()
+    run = _run(tmp_path, 2, steps=30, shrunk_step_s=0.3, grow=True, FTRUN_ELASTIC_GROW="0")
+    back = _events(tmp_path / "logb")
+    (done,) = [e for e in back if e["event"] == "spare-done"]
+    assert f"its ranks [{run.lost}] left the world in a live shrink" in done["message"]
+    assert "elastic_grow=0" in done["message"] and done["message"].endswith("exiting")
+    assert not [e for e in back if e["event"] in ("spawn", "node-lost", "self-fence")], back
+    assert not [e for e in run.ev if e["event"] == "world-grow"]
+    for r, pid in run.first.items():  # the survivors: one process each, shrunk once
+        assert [x["resize"] for x in run.records[r] if "resize" in x] == [[2, 1]]
+    _check_data_and_parameters(run)
+    print(json.dumps({"scenario": "netns-returned-no-grow", "test_s": time.monotonic() - t0}))

@@ -54,7 +54,11 @@ from launcher.agent.fault_reports import FaultReporter
 from launcher.agent.hang_guard import HangGuard
 from launcher.agent.loop_store import LoopStore
 from launcher.agent.membership_news import MembershipNews
-from launcher.agent.node_return import concerns_replacement, enter_as_replacement
+from launcher.agent.node_return import (
+    concerns_replacement,
+    end_out_of_world,
+    enter_as_replacement,
+)
 from launcher.agent.plan_executor import JobFailed
 from launcher.agent.spare_care import tend_spares
 from launcher.agent.store_stack import StoreStack
@@ -445,6 +449,7 @@ class Agent:
         """Cut off from the store longer than the liveness timeout: kill the local workers at
         once (the others already count them lost), then leave with the reason."""
         err = self.stack.lost_error()
+        end_out_of_world(self.state, err)  # its ranks left the world and the job ended: exit 0
         reason = str(err) if err is not None else ev.reason
         self.log.error(
             "self-fence",

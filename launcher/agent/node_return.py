@@ -10,7 +10,11 @@ awaits the round of its arrival, which starts its ranks) and `concerns_replaceme
 plan published while it awaits that round is for it: its arrival's round, or the live shrink
 that drops every rank of its node, after which its ranks return through the grow back), and
 `nodes_out` (the nodes a live shrink dropped whole: the job's end barrier does not wait for
-them).
+them), and the end of such an agent that cannot bring its ranks back: with `elastic_grow=0`
+it ends when it joins, and when the job's embedded store stops answering while every rank of
+its node is still out of the world (`ranks_out`, `end_out_of_world`: the job ended without
+them) it stops its returning processes and ends; both as the hot spare of a finished job does
+(`RendezvousGracefulExit`: one `spare-done` line, exit 0).
 
 The controller absorbs such an arrival (`decision.out_of_world`: no round starts the ranks of a
 node that left the world) and grows the world back once the returning processes posted their
@@ -19,12 +23,15 @@ statuses (launcher.control.grow), across hosts as on one node.
 
 from __future__ import annotations
 
+import signal
 from typing import Callable, Sequence
 
 from launcher.agent.agent_state import AgentPhase, AgentState
 from launcher.agent.store_stack import AgentWorld
 from launcher.control import controller_state as CS
 from launcher.protocol import plan as P
+from launcher.workers.workers import stop_workers
+from rendezvous.errors import STORE_UNREACHABLE, NodeLostError, RendezvousGracefulExit
 from rendezvous.kv import KVStore
 
 
@@ -74,6 +81,12 @@ def enter_as_replacement(
     assert s.kv is not None and s.executor is not None
     ranks = sorted(w.rank for w in s.workers.all())
     back = dropped_here(s.kv, ranks, s.generation, s.stack.world_round())
+    if back and not s.executor.returning.enabled:
+        raise RendezvousGracefulExit(  # the agent's one line (`spare-done`), exit 0
+            f"replacement agent for node {world.group_rank}: its ranks {back} left the world "
+            "in a live shrink and elastic_grow=0 keeps the world shrunk: they are no longer "
+            "in the world"
+        )
     if back:
         s.enter(AgentPhase.RUNNING)
         s.log.warning(
@@ -95,3 +108,30 @@ def enter_as_replacement(
         # It took over the leader's node and runs the controller itself: no other agent
         # reports its arrival, so it does (else no round would ever start its ranks).
         report_arrival(world.group_rank)
+
+
+def ranks_out(s: AgentState) -> list[int]:
+    """This node's ranks when every one of them is out of the world (dropped by a live shrink,
+    none taken back by a grow in progress); [] otherwise."""
+    ranks = {w.rank for w in s.workers.all()}
+    growing = s.executor.returning.growing if s.executor is not None else set()
+    if not ranks or not ranks <= s.workers.left or ranks & growing:
+        return []
+    return sorted(ranks)
+
+
+def end_out_of_world(s: AgentState, err: NodeLostError | None) -> None:
+    """This agent lost its membership (`err`): when every rank of its node is out of the
+    world and the job's embedded store stopped answering (the job ended: its store host left),
+    it has nothing to come back to: its returning processes are stopped and it ends as the
+    hot spare of a finished job does (RendezvousGracefulExit: one line, exit 0). Else nothing
+    (the agent self-fences and rejoins as usual)."""
+    out = ranks_out(s)
+    if not out or err is None or err.kind != STORE_UNREACHABLE or s.stack.can_elect:
+        return
+    stop_workers(s.workers.all(), signal.SIGKILL, 0.0)  # returning processes, if any
+    raise RendezvousGracefulExit(
+        f"node {s.world.group_rank if s.world is not None else '?'}: its ranks {out} are no "
+        "longer in the world (a live shrink dropped them, no grow took them back) and the "
+        f"job's store stopped answering: the job ended without them ({err})"
+    )
