@@ -10,7 +10,7 @@ import time
 from launcher.control import controller_state as CS
 from launcher.control.controller import Controller
 from launcher.control.controller_settings import ControllerSettings
-from launcher.observe.logs import AgentLog
+from launcher.observe.logs import AgentLog, read_event_file
 from launcher.protocol import plan as P
 from rendezvous.store.memory import LocalKV
 
@@ -141,5 +141,98 @@ def test_a_successor_ends_the_pause_of_a_grow_whose_round_never_started() -> Non
         halted(kv, 8, (0, 1), newer_than=seq)  # the successor's own grow
         p2 = plan_of(kv, 2)
         assert (p2.strategy, p2.restart_ranks) == (P.GROW, [2, 3])
+    finally:
+        c2.stop()
+
+
+# ---- a hot switch across a controller handoff ------------------------------------------------
+def switch_requested(kv, rank: int = 1) -> int:
+    seq = kv.add(P.MIGRATE_SEQ, 1)
+    kv.set(P.migrate_key(seq), P.MigrateRequest(seq=seq, ranks=[rank]).to_json())
+    return seq
+
+
+def saved_switch(kv, seq: int) -> CS.SavedState:
+    """The saved state once it names switch `seq` with its pause (the controller saves it)."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        saved = CS.load(kv)
+        if saved is not None and saved.switch_seq == seq and saved.switch_pause:
+            return saved
+        time.sleep(0.01)
+    raise AssertionError(f"switch #{seq} and its pause not saved: {CS.load(kv)}")
+
+
+def lost_mid_switch(kv, c1: Controller, saved: CS.SavedState, seq: int) -> None:
+    """`c1` stops as if it died: what its own stop wrote about the switch is undone and the
+    state it saved mid-switch is the last one."""
+    c1.stop()
+    for key in (
+        P.resume_key(saved.switch_pause),
+        P.switch_ended_key(seq),
+        P.migrate_outcome_key(seq),
+    ):
+        kv.delete(key)
+    CS.save(kv, CS.SavedState(**{**saved.__dict__, "term": CS.take_term(kv)}))
+
+
+def test_a_successor_abandons_a_halted_switch_and_ends_its_pause(tmp_path) -> None:
+    """The leader was lost while the ranks halted for a hot switch (no switch round yet): the
+    successor ends the pause at once (the ranks go on where they were, not after the pause's
+    300 s), tells the agents to stop the new processes and answers the request, one line."""
+    kv = LocalKV()
+    c1 = controller(kv)
+    seq = switch_requested(kv)
+    order = P.SwitchOrder.from_json(kv.get(P.SWITCH_KEY, 10.0))
+    kv.set(P.status_key(order.generation, 1), status(1, order.generation, back=True).to_json())
+    saved = saved_switch(kv, seq)  # the halt is requested (ranks 2, 3 never halt here)
+    assert kv.try_get(P.plan_key(1)) is None
+    lost_mid_switch(kv, c1, saved, seq)
+    log = AgentLog(0, str(tmp_path / "events.jsonl"), quiet=True)
+    settings = ControllerSettings(4, 2, 3, CHAIN, phase_timeout=5.0, window=0.1, min_nodes=1)
+    c2 = Controller(kv, log, settings)
+    try:
+        ended = kv.get(P.resume_key(saved.switch_pause), 1.0)
+        assert ended.startswith(b"abandoned: hot switch #1: the controller that started it")
+        assert kv.try_get(P.switch_ended_key(seq)) is not None  # the agents stop theirs
+        out = P.SwitchOutcome.from_json(kv.get(P.migrate_outcome_key(seq), 1.0))
+        assert out.outcome == "abandoned" and out.ranks == [1]
+        assert CS.load(kv).switch_seq == 0  # nothing left in progress
+        c2.start()
+        time.sleep(0.3)
+        assert kv.try_get(P.plan_key(1)) is None  # not carried out a second time
+    finally:
+        c2.stop()
+    lines = read_event_file(str(tmp_path / "events.jsonl"))
+    said = [e["message"] for e in lines if e["event"] == "switch-abandoned"]
+    assert len(said) == 1 and said[0].startswith("hot switch #1 abandoned: the controller")
+    assert said[0].endswith("ranks [1] keep running where they were")
+
+
+def test_a_successor_takes_up_a_switch_round_and_its_repair_plan_ends_the_pause() -> None:
+    kv = LocalKV()
+    c1 = controller(kv)
+    seq = switch_requested(kv)
+    g = P.SwitchOrder.from_json(kv.get(P.SWITCH_KEY, 10.0)).generation
+    kv.set(P.status_key(g, 1), status(1, g, back=True).to_json())
+    pause = halted(kv, 6, (0, 1, 2, 3))
+    assert plan_of(kv, g).strategy == P.SWITCH
+    saved = saved_switch(kv, seq)
+    assert saved.switch_pause == pause
+    lost_mid_switch(kv, c1, saved, seq)  # between the switch plan and its repair plan
+    c2 = controller(kv, start=False)
+    assert c2.round is not None and c2.round.strategy == P.SWITCH and c2.round.collecting
+    assert kv.try_get(P.resume_key(pause)) is None  # held for the round
+    c2.start()
+    try:
+        report(kv, g, (0, 2, 3), committed=6)
+        rp = P.RepairPlan.from_json(kv.get(P.repair_key(g), 10.0))
+        assert {d for _, d in rp.pairs} == {1} and rp.resume_step == 7  # to rank 1 only
+        assert (
+            kv.get(P.resume_key(pause), 5.0)
+            == f"done: hot switch #{seq}: generation {g} (taken up)".encode()
+        )
+        out = P.SwitchOutcome.from_json(kv.get(P.migrate_outcome_key(seq), 1.0))
+        assert out.outcome == "done"
     finally:
         c2.stop()

@@ -80,6 +80,7 @@ class Controller:
         self._assemble(hooks)
         self.handoff.restore()  # the latest plan's round, when an earlier controller wrote it
         self.grow.adopt_pause(self.handoff.restored_pause)  # a grow the earlier one started
+        self.switch.take_over(*self.handoff.restored_switch)  # its switch: taken up or ended
         self._thread = threading.Thread(target=self._run, name="ftrun-controller", daemon=True)
 
     def _assemble(self, hooks: ControllerHooks) -> None:
@@ -140,13 +141,14 @@ class Controller:
         d = self.driver
         parts = (self.kv, self.log, self.settings, self.rounds, d.intake, d.decider, d.dropped)
         self.grow = GrowBack(*parts, self._stop, self._save)
-        self.switch = HotSwitch(*parts, self._stop)
+        self.switch = HotSwitch(*parts, self._stop, self._save)
         d.own_repairs[P.GROW] = self.grow.repair
         d.own_repairs[P.SWITCH] = self.switch.repair
         d.node_fallback = self.world.without_live_shrink  # a lost node's shrink refused
         self.decider.live_nodes = self.nodes.live_nodes
         self.nodes.aware = self.decider.all_aware
         self.handoff.grow_pause = self.grow.pause_seq
+        self.handoff.switch = self.switch.saved
 
     # ---- what the agent and the tests look at ---------------------------------------------
     @property

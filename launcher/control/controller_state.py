@@ -9,8 +9,9 @@ wall clock, and their `node-lost` fault, so the successor neither reports them a
 their node_replace_timeout), and the agent incarnation of each node the controller has accounted for
 (a node held by a newer incarnation was taken over, and its arrival must start a round), the
 ranks live shrinks removed from the world (elastic-training: a successor knows the world is
-shrunk, and grows it back) and the pause of a live grow back in progress (a successor ends it:
-the grow is taken up, or tried again). The round
+shrunk, and grows it back), the pause of a live grow back in progress (a successor ends it:
+the grow is taken up, or tried again) and the hot switch in progress with its pause (a
+successor ends the pause: the switch round is taken up, or the switch abandoned). The round
 in progress itself is not kept here: the latest plan (`plan.plan_key`) and its phase keys (repair
 plan, go) say how far it got.
 
@@ -72,6 +73,8 @@ class SavedState:
     world_round: int = 0  # the rendezvous round of the world the lost nodes and known refer to
     dropped: list[int] = field(default_factory=list)  # ranks live shrinks removed from the world
     grow_pause: int = 0  # the pause (its seq) a live grow back in progress halted the world with
+    switch_seq: int = 0  # the hot switch in progress (its request's seq; 0: none)
+    switch_pause: int = 0  # the pause (its seq) that switch halted the world with (0: not yet)
 
     def to_json(self) -> bytes:
         d = asdict(self)
@@ -91,6 +94,8 @@ class SavedState:
             world_round=int(d.get("world_round", 0)),
             dropped=sorted(int(r) for r in d.get("dropped") or []),
             grow_pause=int(d.get("grow_pause") or 0),
+            switch_seq=int(d.get("switch_seq") or 0),
+            switch_pause=int(d.get("switch_pause") or 0),
         )
 
 

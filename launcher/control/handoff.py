@@ -2,13 +2,15 @@
 
 Owns: `Handoff`. `save` writes what a successor needs (`launcher.control.controller_state`,
 fenced by the controller's term): the fault history, the lost nodes waiting for a new agent and
-the agent incarnations accounted for, the ranks live shrinks dropped and a live grow's pause.
+the agent incarnations accounted for, the ranks live shrinks dropped, a live grow's pause and
+the hot switch in progress with its pause.
 `restore` (when the controller is built) reads it back: the history (from the latest plan when
 the earlier controller died between publishing it and saving), and, when the saved state is of
 this world's rendezvous round, the lost nodes (their loss is not reported again, their
 node_replace_timeout runs on), the incarnations, the dropped ranks (the world is shrunk: the
-grow back and the decisions know it) and a grow's pause (`restored_pause`: the grow back ends
-it, or takes it up with the grow round); who each
+grow back and the decisions know it), a grow's pause (`restored_pause`: the grow back ends
+it, or takes it up with the grow round) and the hot switch in progress with its pause
+(`restored_switch`: `HotSwitch.take_over` ends it); who each
 published plan restarted; and the round of the latest plan, in the phase its keys say
 (`round_phase.found_phase`). `reconcile` (before `start()`) compares that with the membership
 now: a node lost meanwhile is reported lost, a node taken over meanwhile (a hot spare that
@@ -59,11 +61,16 @@ class Handoff:
         # the pause of a live grow back in progress (GrowBack.pause_seq), set by the controller
         self.grow_pause: Callable[[], int] = lambda: 0
         self.restored_pause = 0  # a grow's pause an earlier controller left in effect
+        # the hot switch in progress (request seq, its pause seq: HotSwitch.saved), set by the
+        # controller; and the one an earlier controller left (HotSwitch.take_over ends it)
+        self.switch: Callable[[], tuple[int, int]] = lambda: (0, 0)
+        self.restored_switch = (0, 0)
 
     def save(self) -> None:
         """The state a successor needs (`launcher.control.controller_state`); FencedError when
         a newer controller took over."""
         lost, known = self.nodes.snapshot()
+        switch_seq, switch_pause = self.switch()
         with self.save_lock:
             CS.save(
                 self.kv,
@@ -76,6 +83,8 @@ class Handoff:
                     self.settings.world_round,
                     sorted(self.decider.dropped),
                     self.grow_pause(),
+                    switch_seq,
+                    switch_pause,
                 ),
             )
 
@@ -90,6 +99,7 @@ class Handoff:
             self.nodes.restore(saved.lost, saved.known)
             self.decider.dropped.update(saved.dropped)  # the world is shrunk: it may grow back
             self.restored_pause = saved.grow_pause
+            self.restored_switch = (saved.switch_seq, saved.switch_pause)
         if saved is not None and (plan is None or saved.generation >= g):
             self.history.entries = [dict(h) for h in saved.history]
         elif plan is not None:  # it died between publishing the plan and saving its state

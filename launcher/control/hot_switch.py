@@ -25,6 +25,12 @@ Failure at any point before the drained ranks are stopped abandons the switch
 timeout, a halt not reached, a fault first (handled as usual), the controller stopping. The
 ranks keep running where they were: the pause ends, the agents stop the incoming processes.
 Every request's end is written under `plan.migrate_outcome_key` for `ftctl migrate`.
+
+Handoff: the switch in progress and its halt's pause are in the controller's saved state
+(`saved`); a successor (`take_over`) takes up a switch round the lost controller published (its
+repair plan ends the pause) and abandons a switch in preparation (the pause ends at once, the
+agents stop the new processes, the request is answered `abandoned`), instead of leaving the
+ranks halted until the pause expires.
 """
 
 from __future__ import annotations
@@ -115,6 +121,7 @@ class HotSwitch:
         decider: Decider,
         dropped: set[int],
         stopped: threading.Event,
+        save: Callable[[], None] | None = None,
     ) -> None:
         self.kv, self.log, self.settings, self.rounds = kv, log, settings, rounds
         self.decider = decider
@@ -123,12 +130,49 @@ class HotSwitch:
         self.halt = StepHalt(kv, intake, decider, stopped, settings.phase_timeout)
         self._next = 1  # the next request number to read
         self.current: _Switch | None = None
+        self.save = save or (lambda: None)  # the controller's state for a successor (handoff)
+        self.taken_up = 0  # the switch (request seq) whose round an earlier controller published
+
+    # ---- the handoff: what a successor needs, and what it does with it -----------------------
+    def saved(self) -> tuple[int, int]:
+        """The switch in progress and its halt's pause (0 each: none), for the saved state."""
+        seq = self.current.req.seq if self.current is not None else self.taken_up
+        return seq, self.halt.seq or 0
+
+    def take_over(self, seq: int, pause: int) -> None:
+        """The hot switch (request `seq`, its halt's pause `pause`) an earlier controller left
+        in progress (its saved state). Its round published and not done: taken up, this
+        controller's repair plan ends the pause. Else it is abandoned (one line): the pause
+        ends, the agents stop the new processes, the request is answered."""
+        if not seq or self.kv.try_get(P.migrate_outcome_key(seq)) is not None:
+            return  # none, or it ended (its pause with it) before the earlier one was lost
+        self.halt.adopt(pause)
+        plan, rnd = self.rounds.inherited, self.rounds.round
+        if plan is not None and plan.strategy == P.SWITCH and rnd is not None and rnd.collecting:
+            if ((plan.root_cause or {}).get("evidence") or {}).get("migrate") == seq:
+                self.taken_up = seq
+                return
+        raw, order_raw = self.kv.try_get(P.migrate_key(seq)), self.kv.try_get(P.SWITCH_KEY)
+        req = P.MigrateRequest.from_json(raw) if raw is not None else P.MigrateRequest(seq=seq)
+        order = P.SwitchOrder.from_json(order_raw) if order_raw is not None else None
+        if order is None or order.seq != seq:
+            order = P.SwitchOrder(seq=seq, generation=0, ranks=list(req.ranks))
+        self.current = _Switch(req, order, time.monotonic(), time.monotonic())
+        self._end(
+            self.current,
+            ABANDONED,
+            "the controller that started it was lost before its round (a successor does not "
+            "take up a switch in preparation)",
+        )
 
     # ---- the start: a request, the incoming processes, the halt, the decision --------------
     def due(self) -> Decision | None:
         """The switch's decision once its incoming processes are ready and every rank halted;
         a fault's decision when one came first; None otherwise."""
         cur = self.current
+        if cur is None and self.taken_up and not self._round_in_progress(P.SWITCH):
+            seq, self.taken_up = self.taken_up, 0  # superseded before its repair plan
+            self.halt.end(f"abandoned: hot switch #{seq}: a recovery round superseded its round")
         if cur is not None and self.halt.active and not self._in_round(cur):
             rnd = self.rounds.round
             newer = f"generation {rnd.generation} ({rnd.strategy})" if rnd is not None else "?"
@@ -154,6 +198,10 @@ class HotSwitch:
             and rnd.strategy == (P.SWITCH)
         )
 
+    def _round_in_progress(self, strategy: str) -> bool:
+        rnd = self.rounds.round
+        return rnd is not None and rnd.strategy == strategy and rnd.collecting
+
     def _take_request(self) -> None:
         rnd = self.rounds.round
         if rnd is not None and self.rounds.phase is not RoundPhase.DONE:
@@ -176,6 +224,7 @@ class HotSwitch:
             return
         self.current = cur
         self.kv.set(P.SWITCH_KEY, order.to_json())
+        self.save()  # a successor abandons it (handoff)
         self._nudge()
         self.log.warning(
             "switch-start",
@@ -217,6 +266,7 @@ class HotSwitch:
         if returning(self.kv, o.generation, o.ranks) != o.ranks:
             return None
         self.halt.request()
+        self.save()  # a successor ends this pause (handoff)
         got = self.halt.wait(list(range(self.settings.world_size)), lambda: self._broken(cur))
         why = got.why or self._broken(cur)
         if got.step is None or why:
@@ -277,9 +327,12 @@ class HotSwitch:
                 outcome=outcome,
                 reason=why,
             )
+        was = self.current is cur
         self.current = None
         done = P.SwitchOutcome(o.seq, outcome, why, o.ranks, o.generation, cost)
         self.kv.set(P.migrate_outcome_key(o.seq), done.to_json())
+        if was:
+            self.save()  # no switch in progress any more
 
     def _nudge(self) -> None:
         """Every agent reads the switch order again (an injection for every rank)."""
@@ -299,6 +352,9 @@ class HotSwitch:
             if isinstance(seq, int) and not why:  # its request is answered: not taken again
                 done = P.SwitchOutcome(seq, DONE, "", moved, g)
                 self.kv.set(P.migrate_outcome_key(seq), done.to_json())
+            self.halt.end(f"done: hot switch #{seq}: generation {g} (taken up)")
+            self.taken_up = 0
+            self.save()
             return repair
         if why:
             self._end(cur, ABANDONED, f"generation {g}: {why} (the round goes on as a recovery)")
