@@ -6,7 +6,8 @@ controller's own keys: generation, budget, per-round statuses) or from a run dir
 `events.jsonl` (a finished run, or a live one whose store cannot be reached), and drawing it as
 rich tables (`--json` prints the same view as one JSON object; `--watch` redraws it, see
 `launcher.observe.status_watch`), with the world's size now against the original (its changes:
-`launcher.observe.world_history`). Also a
+`launcher.observe.world_history`) and, after the source, a pause or a hot switch in progress
+(`launcher.observe.pause_state`, `launcher.observe.switch_state`). Also a
 rank's current step as its agent published it (`rank_step`, for `ftctl inject --at-step`).
 """
 
@@ -24,6 +25,7 @@ from launcher.observe.ftrun_exits import mark_ftrun_exits
 from launcher.observe.logs import read_event_file, run_event_files
 from launcher.observe.pause_state import pause_state
 from launcher.observe.run_view import Bar, FaultRow, NodeRow, RankRow, Round, RunView, WorldChange
+from launcher.observe.switch_state import HALTING, SWITCHING, switch_state
 from launcher.observe.timeline import Timeline
 from launcher.observe.world_history import change_words, ranks_now, world_words
 from launcher.protocol import plan as P
@@ -224,6 +226,9 @@ def _live(addr: str, token_file: str | None, fallback: RunView | None) -> tuple[
             detail = round_progress(kv, cur.generation, ranks)
         paused = pause_state(kv)  # `ftctl pause` in effect: said after the source
         said = f"; {paused.describe()}" if paused is not None and paused.in_effect else ""
+        switch = switch_state(kv)  # a hot switch in progress: its stage (its halt included)
+        if switch is not None:
+            said = ("" if switch.stage in (HALTING, SWITCHING) else said) + f"; {switch.describe()}"
         view.store_addr = view.store_addr or addr
         return view, f"live, store {addr}" + (f"; round: {detail}" if detail else "") + said
     finally:
