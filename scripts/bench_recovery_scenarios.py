@@ -510,6 +510,9 @@ def shrink_row(sc: Scenario, args: argparse.Namespace, row: dict) -> dict:
             "trains_again_s": trains_again_s(tr, "torchrun"),
         }
         row["lost_vs_torchrun"] = round(row["ftrun"]["lost_s"] / row["torchrun"]["lost_s"], 4)
+        grow = row["ftrun"].get("grow") or {}
+        if grow.get("lost_s") is not None:  # torchrun grows back by a restart-all too
+            row["grow_lost_vs_torchrun"] = round(grow["lost_s"] / row["torchrun"]["lost_s"], 4)
     return row
 
 

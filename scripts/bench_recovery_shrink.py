@@ -6,7 +6,10 @@ Owns: `SHRINK_FLAGS` (ftrun's flags for the row: `--recover-strategy elastic-tra
 spares: a shrink restarts nobody), `shrink_split` (the numbers of ftrun's job: time lost by the
 survivors, split into the interrupted step done again in the smaller world and the overhead,
 the step time before and after, the world's changes as `launcher.observe.world_history` reads
-them from events.jsonl, each shrink's and grow's cost there, the survivors' processes kept).
+them from events.jsonl, each shrink's and grow's cost there, the survivors' processes kept)
+and `grow_split` (the live grow back that follows in the same job, when the dropped rank's
+returning process is ready before the job ends: its time lost at the step boundary, against
+the same torchrun restart-all: torchrun grows a world back by restarting every worker too).
 
 The job: the native loop with `--micro-batches` (scripts/bench_recovery_worker.py: each step
 consumes micro-batches 0..N-1 of the original world, `rt.micro_batches` of them on this rank, so
@@ -81,4 +84,49 @@ def shrink_split(job: dict, victim: int = VICTIM) -> dict:
         "world_changes": changes,
         "grow_cost_s": [c["cost_s"] for c in changes if c["kind"] == "grow"],
         "processes_restarted": sum(len({r["pid"] for r in recs}) - 1 for recs in kept.values()),
+        "grow": grow_split(job, step_s, victim),
     }
+
+
+def grow_split(job: dict, step_s: float, victim: int = VICTIM) -> dict | None:
+    """The live grow back's numbers (None when the world did not grow back within the job):
+    `cost_s` as the event says it (halt request to repair plan); `halt_to_resume_s` from the
+    step boundary the world halted at (the last survivor's commit of the step before the grow)
+    until every rank, the returned one too, committed the first step after it; `lost_s` that
+    minus one step of the full world (`step_s`: what the step costs anyway); `steps_redone`:
+    steps a survivor committed again after the halt (no rollback: 0); `back_after_s`: from the
+    kill to the grow's halt request (the returning process's start)."""
+    grow = next(
+        (e for e in job["events"] if e["event"] == "world-grow" and "new_world_size" in e), None
+    )
+    if grow is None:
+        return None
+    cost = float(grow.get("cost_s") or 0.0)
+    t_halt = grow["time"] - cost
+    out: dict = {
+        "cost_s": round(cost, 4),
+        "back_after_s": round(t_halt - job["kill_times"][0], 4),
+        "resume_step": grow.get("resume_step"),
+    }
+    resume = grow.get("resume_step")
+    if resume is None:
+        return out
+    kept = survivors(job["steps"], victim)
+    boundary = max(
+        max(r["time"] for r in recs if r["step"] == resume - 1)
+        for recs in kept.values()
+        if any(r["step"] == resume - 1 for r in recs)
+    )
+    resumed = regained_at(job["steps"], t_halt, resume)
+    redone = sum(
+        1
+        for recs in kept.values()
+        for r in recs
+        if r["time"] > t_halt
+        and r["step"] < resume
+        and any(o["step"] == r["step"] and o["time"] < r["time"] for o in recs)
+    )
+    out["halt_to_resume_s"] = round(resumed - boundary, 4)
+    out["lost_s"] = round(resumed - boundary - step_s, 4)
+    out["steps_redone"] = redone
+    return out

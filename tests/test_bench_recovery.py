@@ -371,3 +371,28 @@ def test_the_shrink_row_end_to_end_without_torchrun(tmp_path):
     assert ft["lost_s"] == pytest.approx(ft["redone_s"] + ft["overhead_s"], abs=1e-3)
     assert ft["events_cost_s"] > 0 and "torchrun" not in row
     assert list(tmp_path.glob("bench_recovery_*")) == []
+
+
+def test_a_grow_backs_time_lost_is_its_step_boundary_hold_beyond_one_step():
+    """The shrunk world (ranks 0, 2, 3) halts after step 9 (committed at 15.2); the grow was
+    asked for at 15.1 (its event at 15.5, cost 0.4 s) and every rank, rank 1's returned process
+    too, commits step 10 by 16.2: 1.0 s from the boundary, of which one step of the full world
+    (0.5 s) is work: 0.5 s lost, no step done again."""
+    before = [(s, 10.0 + 0.5 * s) for s in range(5)]
+    shrunk = [(s, 12.8 + 0.6 * (s - 5)) for s in range(5, 10)] + [(10, 16.2)]
+    steps = {r: _steps([(s, t, 100 + r) for s, t in before + shrunk]) for r in (0, 2, 3)}
+    steps[1] = _steps([(s, t, 101) for s, t in before] + [(10, 16.1, 201), (11, 16.6, 201)])
+    ev = _shrink_events(12.1, 12.8, grow=True)
+    ev[-1].update(time=15.5, cost_s=0.4, resume_step=10)
+    job = {"kill_times": [12.1], "killed_steps": [5], "steps": steps, "events": ev}
+    got = shrink.shrink_split(job)["grow"]
+    assert got == {
+        "cost_s": 0.4,
+        "back_after_s": pytest.approx(3.0, abs=1e-3),
+        "resume_step": 10,
+        "halt_to_resume_s": pytest.approx(1.0, abs=1e-3),
+        "lost_s": pytest.approx(0.5, abs=1e-3),
+        "steps_redone": 0,
+    }
+    no_grow = {**job, "events": _shrink_events(12.1, 12.8, False)}
+    assert shrink.shrink_split(no_grow)["grow"] is None
