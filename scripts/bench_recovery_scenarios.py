@@ -20,7 +20,10 @@ steps are done; torchrun at the step ftrun's kill interrupted), `during-recovery
 then rank 2 as soon as the launcher started the first kill's replacement: ftrun's `spawn`
 event, torchrun's new worker processes), `shrink` (the native loop only: ftrun with
 `--recover-strategy elastic-training`, rank 1 killed once --kill-after-step steps are done, the
-world shrinks live to 3 ranks; its numbers: scripts/bench_recovery_shrink.py).
+world shrinks live to 3 ranks, and grows back once rank 1's returning process is ready; its
+numbers: scripts/bench_recovery_shrink.py), `switch` (the native loop only: ftrun moves rank 1
+with `ftctl migrate` once the spares are ready and --kill-after-step steps are done; torchrun
+restart-all killed at that step: scripts/bench_recovery_switch.py).
 
 Time lost (`lost_s`, the project's rule, docs/user-guide.md#time-lost): from the fault until
 every rank trains again, i.e. has committed the interrupted step. The fault is ftrun's first
@@ -59,13 +62,14 @@ from launcher.observe.timeline import Timeline
 SCRIPTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(SCRIPTS)
 PATHS = ("native", "ddp", "megatron")
-POINTS = ("step1", "warm", "during-recovery", "shrink")
+POINTS = ("step1", "warm", "during-recovery", "shrink", "switch")
 # `all`: every path at step 1 and warm, and a kill during a recovery on the native loop
 ALL = (
     "native:step1",
     "native:warm",
     "native:during-recovery",
     "native:shrink",
+    "native:switch",
     "ddp:step1",
     "ddp:warm",
     "megatron:step1",
@@ -103,6 +107,11 @@ def parse_scenarios(text: str) -> list[Scenario]:
         if point == "shrink" and path != "native":
             raise ValueError(
                 f"--scenarios item {name!r}: only the native loop shrinks live (native:shrink)"
+            )
+        if point == "switch" and path != "native":
+            raise ValueError(
+                f"--scenarios item {name!r}: the hot switch row runs the native loop "
+                "(native:switch)"
             )
         out.append(Scenario(path, point))
     if not out:
@@ -236,7 +245,10 @@ def launch(
 
         cmd += SHRINK_FLAGS
     cmd += ["--log_dir", os.path.join(out, "logs"), *worker]
-    killer = Killer(launcher, sc, args, out, os.path.basename(worker[0]), kill_step)
+    trigger = Killer
+    if launcher == "ftrun" and sc.point == "switch":  # `ftctl migrate` instead of a kill
+        from bench_recovery_switch import Migrator as trigger
+    killer = trigger(launcher, sc, args, out, os.path.basename(worker[0]), kill_step)
     stderr_path = os.path.join(out, "stderr.txt")
     with open(stderr_path, "w") as err:
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, cwd=REPO)
@@ -465,6 +477,10 @@ def scenario_row(sc: Scenario, args: argparse.Namespace) -> dict:
         return {**row, "skipped": "megatron-core not importable (pip install .[megatron])"}
     if sc.point == "shrink":
         return shrink_row(sc, args, row)
+    if sc.point == "switch":
+        from bench_recovery_switch import switch_row
+
+        return switch_row(sc, args, row)
     ft = run_scenario_job("ftrun", sc, args)
     m = re.findall(RECEIVED_MB, ft["stderr"])
     row["state_mb"] = max(float(x) for x in m) if m else None

@@ -396,3 +396,38 @@ def test_a_grow_backs_time_lost_is_its_step_boundary_hold_beyond_one_step():
     }
     no_grow = {**job, "events": _shrink_events(12.1, 12.8, False)}
     assert shrink.shrink_split(no_grow)["grow"] is None
+
+
+# ---- the hot switch row (scripts/bench_recovery_switch.py)
+import bench_recovery_switch as switch  # noqa: E402
+
+
+def test_the_switch_is_a_native_scenario_only():
+    assert [(s.path, s.point) for s in sc.parse_scenarios("native:switch")] == [
+        ("native", "switch")
+    ]
+    assert "native:switch" in sc.ALL
+    with pytest.raises(ValueError, match="the hot switch row runs the native loop"):
+        sc.parse_scenarios("ddp:switch")
+
+
+def test_a_switchs_time_lost_is_its_step_boundary_hold_beyond_one_step():
+    """4 ranks at 0.5 s a step; the switch asked to halt at 12.3 (switch-done at 12.7, cost
+    0.4 s), every rank committed step 4 by 12.0 (the boundary) and step 5 by 13.1, rank 1 from
+    its new process: 1.1 s from the boundary, one step (0.5 s) of it work: 0.6 s lost."""
+    rows = [(s, 10.0 + 0.5 * s) for s in range(5)] + [(5, 13.1), (6, 13.6)]
+    steps = {r: _steps([(s, t, 100 + r) for s, t in rows]) for r in (0, 2, 3)}
+    steps[1] = _steps([(s, t, 101) for s, t in rows[:5]] + [(5, 13.05, 201), (6, 13.6, 201)])
+    done = {"time": 12.7, "event": "switch-done", "moved": [1], "resume_step": 5, "cost_s": 0.4}
+    done.update(prepare_s=0.8, halted_s=0.05)
+    job = {"kill_times": [11.5], "killed_steps": [5], "steps": steps, "events": [done]}
+    got = switch.switch_split(job)
+    assert got["switched"] and got["moved"] == [1] and got["resume_step"] == 5
+    assert got["halt_to_resume_s"] == pytest.approx(1.1, abs=1e-3)
+    assert got["step_s"] == pytest.approx(0.5) and got["lost_s"] == pytest.approx(0.6, abs=1e-3)
+    assert got["steps_redone"] == 0 and got["moved_pids"] == 2 and got["others_kept_pids"]
+    gone = {"time": 12.0, "event": "switch-abandoned", "message": "hot switch #1 abandoned: x"}
+    assert switch.switch_split({**job, "events": [gone]}) == {
+        "switched": False,
+        "why": "hot switch #1 abandoned: x",
+    }
