@@ -48,6 +48,7 @@ def status_slice(elapsed: float) -> float:
     """Seconds the status wait blocks for, `elapsed` s into the round (see FAST_SLICE_S)."""
     return FAST_SLICE_S if elapsed < FAST_FOR_S else SLOW_SLICE_S
 
+
 # the repair plan of a round the controller starts itself: (plan, statuses, world) -> repair
 OwnRepair = Callable[[P.Plan, list[P.RankStatus], list[int]], P.RepairPlan]
 
