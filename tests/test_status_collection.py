@@ -110,3 +110,13 @@ def test_a_satisfied_wait_reads_every_record_in_one_request() -> None:
             assert Counting.ops == ["WAIT", "MULTI_GET"]
         finally:
             kv.close()
+
+
+def test_waiting_names_the_ranks_of_the_nodes_not_in_yet() -> None:
+    kv = LocalKV()
+    c = StatusCollection(kv, 1, list(range(12)), of_node)
+    assert c.waiting() == list(range(12))
+    post_node(kv, 1, [4, 5, 6, 7])
+    assert not c.look() and c.waiting() == [0, 1, 2, 3, 8, 9, 10, 11]
+    post_node(kv, 0, [0, 1, 2])  # incomplete: node 0's ranks are still waited for
+    assert not c.look() and c.waiting() == [0, 1, 2, 3, 8, 9, 10, 11]

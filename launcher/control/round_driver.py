@@ -48,6 +48,7 @@ def status_slice(elapsed: float) -> float:
     """Seconds the status wait blocks for, `elapsed` s into the round (see FAST_SLICE_S)."""
     return FAST_SLICE_S if elapsed < FAST_FOR_S else SLOW_SLICE_S
 
+
 # the repair plan of a round the controller starts itself: (plan, statuses, world) -> repair
 OwnRepair = Callable[[P.Plan, list[P.RankStatus], list[int]], P.RepairPlan]
 
@@ -143,7 +144,7 @@ class RoundDriver:
                 look_at = time.monotonic() + FINISHED_CHECK_S
                 if statuses.look():
                     break
-                gone = self.finished_without_status(g, plan.failed_ranks)
+                gone = self.finished_without_status(g, plan.failed_ranks, statuses.waiting())
                 if gone:
                     return self.decider.fallback(
                         g,
@@ -226,12 +227,15 @@ class RoundDriver:
             new_world_size=len(ranks),
         )
 
-    def finished_without_status(self, g: int, failed: list[int]) -> list[int]:
+    def finished_without_status(
+        self, g: int, failed: list[int], among: list[int] | None = None
+    ) -> list[int]:
         """Ranks of generation `g`'s round that finished the job without reporting a status:
-        they never will."""
+        they never will. `among`: the ranks whose status is not in hand (only their finished
+        marks are read: late in a round of thousands of ranks, a few nodes' ranks), else all."""
         return [
             r
-            for r in self.decider.finished_ranks()
+            for r in self.decider.finished_ranks(among=among)
             if r not in failed and self.kv.try_get(P.status_key(g, r)) is None
         ]
 

@@ -106,8 +106,13 @@ class StatusCollection:
         """Every member's status, in rank order (once `done`)."""
         return [self.got[r] for r in self.ranks]
 
+    def waiting(self) -> list[int]:
+        """The members whose status is not in hand (their nodes' records not taken yet), read
+        from nothing: the ranks a look at finished ranks needs to ask about."""
+        return [r for n in sorted(self.pending | self.by_rank) for r in self.of_node[n]]
+
     def missing(self) -> list[int]:
         """The members without a status yet (their own keys read)."""
-        todo = [r for n in sorted(self.pending | self.by_rank) for r in self.of_node[n]]
+        todo = self.waiting()
         raws = self.kv.present([P.status_key(self.generation, r) for r in todo])
         return [r for r, raw in zip(todo, raws) if raw is None]
