@@ -298,3 +298,26 @@ def test_key_mapping_is_one_bijection_with_torch_init_key_under_ftrun_wire() -> 
     assert P.logical_keys([b"/b", b"init/"]) == ["b", "ftrun/wire/init/"]
     with pytest.raises(TypeError, match="must be str"):
         P.wire_key(b"/bytes")
+
+
+@pytest.mark.parametrize("kind", ["missing", "present", "mixed"])
+def test_a_multi_get_of_thousands_of_keys_encodes_and_parses_as_one_by_one(kind: str) -> None:
+    """CHECK/WAIT/MULTI_GET of 4096 keys (a round's per-rank reads): the request is the count
+    then each key length-prefixed, the reply's values come back in order, missing keys as
+    empty values, and any truncated reply reads as incomplete."""
+    keys = tuple(f"/ftrun/finished/{r}".encode() for r in range(4096))
+    raw = P.encode_request(Request(Op.MULTI_GET, keys))
+    assert raw == bytes((Op.MULTI_GET,)) + P.pack_u64(4096) + b"".join(
+        P.pack_u64(len(k)) + k for k in keys
+    )
+    assert P.parse_request(raw, 0) == (Request(Op.MULTI_GET, keys), len(raw))
+    values = {
+        "missing": [b""] * 4096,
+        "present": [str(r).encode() for r in range(4096)],
+        "mixed": [b"" if r % 3 else b"1" for r in range(4096)],
+    }[kind]
+    reply = P.enc_bytes_list(values)
+    assert P.parse_reply(reply, 0, P.Reply.MULTI, 4096) == (values, len(reply))
+    assert P.parse_reply(memoryview(reply), 0, P.Reply.MULTI, 4096) == (values, len(reply))
+    for cut in (0, 7, 8, len(reply) // 2, len(reply) - 1):
+        assert P.parse_reply(reply[:cut], 0, P.Reply.MULTI, 4096) is None

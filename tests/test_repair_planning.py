@@ -217,3 +217,74 @@ def test_pick_senders_takes_up_to_date_replicas_per_shard_in_rank_order() -> Non
     assert pick_senders(healthy, 6, max_stripes=2) == {}  # nobody at step 6: every shard missing
     with pytest.raises(ValueError, match="max_stripes=17"):
         pick_senders(healthy, 5, max_stripes=17)
+
+
+def reference_plan(sts, max_stripes=0, node_of=None):
+    """The plan by the definition, every survivor paired (the plan before the fast path)."""
+    healthy = [s for s in sts if not (s.replacement or s.dirty)]
+    top = max(s.committed_step for s in healthy)
+    sources: dict[str, list[int]] = {}
+    used: dict[str, set[int]] = {}
+    for s in sorted(healthy, key=lambda s: s.rank):
+        if s.committed_step != top:
+            continue
+        chosen = sources.setdefault(s.shard, [])
+        node = node_of(s.rank) if node_of else 0
+        if max_stripes == 0:
+            if node in used.setdefault(s.shard, set()) or len(chosen) >= 16:
+                continue
+            used[s.shard].add(node)
+        elif len(chosen) >= max_stripes:
+            continue
+        chosen.append(s.rank)
+    if {s.shard for s in sts} - set(sources):
+        return None
+    targets = sorted(
+        (s for s in sts if s.replacement or s.dirty or s.committed_step < top),
+        key=lambda s: s.rank,
+    )
+    return [[src, s.rank] for s in targets for src in sources[s.shard]]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_plan_pairs_exactly_as_the_definition_on_random_rounds(seed):
+    import random
+
+    rng = random.Random(seed)
+    n, per = rng.choice([(8, 2), (64, 8), (256, 16)])
+    shards = [f"s{i}" for i in range(rng.choice([1, 2, 4]))]
+    sts = []
+    for r in range(n):
+        kind = rng.random()
+        sts.append(
+            st(
+                r,
+                rng.choice([6, 7, 7, 7]),
+                shard=shards[r % len(shards)],
+                replacement=kind < 0.03,
+                dirty=0.03 <= kind < 0.05,
+            )
+        )
+    stripes = rng.choice([0, 0, 1, 3])
+    node_of = (lambda r: r // per) if rng.random() < 0.8 else None
+    want = reference_plan(sts, max_stripes=stripes, node_of=node_of)
+    p = plan_repair(sts, 1, max_stripes=stripes, node_of=node_of)
+    if want is None:
+        assert p.fallback == RESTART_ALL and p.pairs == []
+    else:
+        assert p.fallback is None and p.pairs == want
+
+
+def test_survivors_all_at_the_same_step_are_not_walked_for_senders():
+    """4096 ranks on 64 nodes, one replacement: its shard's 16 senders (the lowest rank of
+    each of the first 16 nodes) are found without asking for every survivor's node."""
+    asked: list[int] = []
+
+    def node_of(rank: int) -> int:
+        asked.append(rank)
+        return rank // 64
+
+    sts = [st(r, 9) for r in range(4095)] + [st(4095, -1, replacement=True)]
+    p = plan_repair(sts, 1, node_of=node_of)
+    assert p.pairs == [[64 * n, 4095] for n in range(16)] and p.resume_step == 10
+    assert len(asked) == 15 * 64 + 1  # the walk ends at the 16th node's first rank

@@ -110,3 +110,29 @@ def test_a_satisfied_wait_reads_every_record_in_one_request() -> None:
             assert Counting.ops == ["WAIT", "MULTI_GET"]
         finally:
             kv.close()
+
+
+def test_waiting_names_the_ranks_of_the_nodes_not_in_yet() -> None:
+    kv = LocalKV()
+    c = StatusCollection(kv, 1, list(range(12)), of_node)
+    assert c.waiting() == list(range(12))
+    post_node(kv, 1, [4, 5, 6, 7])
+    assert not c.look() and c.waiting() == [0, 1, 2, 3, 8, 9, 10, 11]
+    post_node(kv, 0, [0, 1, 2])  # incomplete: node 0's ranks are still waited for
+    assert not c.look() and c.waiting() == [0, 1, 2, 3, 8, 9, 10, 11]
+
+
+def test_records_that_came_are_taken_before_the_last_one_and_not_read_again() -> None:
+    with StoreServer(host="127.0.0.1") as server:
+        with StoreClient("127.0.0.1", server.port, timeout=10) as kv:
+            c = StatusCollection(kv, 1, list(range(12)), of_node)
+            post_node(kv, 0, [0, 1, 2, 3])
+            post_node(kv, 2, [8, 9, 10, 11])
+            assert not c.take_arrived() and c.waiting() == [4, 5, 6, 7]
+            read: list[list[str]] = []
+            real = kv.present
+            kv.present = lambda keys: read.append(list(keys)) or real(keys)  # type: ignore
+            post_node(kv, 1, [4, 5, 6, 7])
+            assert c.wait(1.0) and c.done
+            assert read == [[P.node_statuses_key(1, 1)]]  # the last record alone is parsed
+            assert [s.rank for s in c.statuses()] == list(range(12))

@@ -100,3 +100,24 @@ def test_a_newer_round_is_relayed_at_once_while_the_older_ones_wait_is_pending()
             assert kv.try_get(P.node_statuses_key(1, 0)) is None
             halt.set()
             relay.stop(join=2.0)
+
+
+def test_the_statuses_a_wait_found_are_read_in_one_request_without_waiting_again() -> None:
+    with StoreServer(host="127.0.0.1") as server:
+        with StoreClient("127.0.0.1", server.port, timeout=10) as kv:
+            halt = threading.Event()
+            calls: list[str] = []
+            real_wait, real_present = kv.wait, kv.present
+            kv.wait = lambda keys, t: calls.append("wait") or real_wait(keys, t)  # type: ignore
+            kv.present = lambda keys: calls.append("present") or real_present(keys)  # type: ignore
+            kv.multi_get = lambda keys, t: calls.append("multi_get") or []  # type: ignore
+            relay = StatusRelay(kv, 0, AgentLog(0, None, quiet=True), timeout=10.0, halt=halt)
+            for r in (0, 1):
+                kv.set(P.status_key(2, r), status(r, 2))
+            relay.follow(2, [0, 1])
+            assert real_wait([P.node_statuses_key(2, 0)], 5.0)
+            rec = P.NodeStatuses.from_json(kv.try_get(P.node_statuses_key(2, 0)))
+            assert sorted(rec.ranks()) == [0, 1]
+            assert calls[-2:] == ["wait", "present"] and "multi_get" not in calls
+            halt.set()
+            relay.stop(join=2.0)

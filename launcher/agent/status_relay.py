@@ -110,7 +110,7 @@ class StatusRelay:
             fast = time.monotonic() - start < FAST_FOR
             try:
                 if self.kv.wait(keys, FAST_SLICE if fast else WAIT_SLICE):
-                    self._post(g, self.kv.multi_get(keys, READ_TIMEOUT), serial)
+                    self._post(g, self._read_found(keys), serial)
                     return
             except StoreError as e:
                 if self._stale(serial):
@@ -123,6 +123,15 @@ class StatusRelay:
                     ranks=ranks,
                 )
                 return
+
+    def _read_found(self, keys: list[str]) -> list[bytes]:
+        """The statuses a wait just found, in one request (a `multi_get` would wait for them
+        again first: one more round trip through the node's proxy on the round's path); a
+        status gone meanwhile is waited for as before."""
+        raws = self.kv.present(keys)
+        if any(raw is None for raw in raws):
+            return self.kv.multi_get(keys, READ_TIMEOUT)
+        return [raw for raw in raws if raw is not None]
 
     def _post(self, g: int, raws: list[bytes], serial: int) -> None:
         if self._stale(serial):

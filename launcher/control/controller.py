@@ -230,6 +230,7 @@ class Controller:
         if overdue is not None:
             self._run_rounds(overdue)
             return
+        self.decider.prime()  # the aware keys read while idle, not on a fault's path
         fault = self.intake.take(0.5)
         if fault is not None:
             self.handle(fault)

@@ -13,6 +13,7 @@ else.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from launcher.control.controller_settings import ControllerSettings
@@ -23,6 +24,8 @@ from launcher.control.shrink_replicas import whole_replicas
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore
+
+AWARE_LOOK_S = 5.0  # s between the idle controller's looks at the aware keys (`Decider.prime`)
 
 
 class Decider:
@@ -42,6 +45,9 @@ class Decider:
         self.spawned_at: dict[int, int] = {}
         # every rank said hello once (aware keys are only ever added): asked no more
         self._all_aware = False
+        self._aware_asked_at = -AWARE_LOOK_S  # monotonic s of the idle loop's last ask
+        # the finished marks' keys, built once (one request names every rank's)
+        self._finished_keys = [P.finished_key(r) for r in range(settings.world_size)]
         # ranks live shrinks removed from the world (elastic-training): the round driver
         # and the grow back change this set, the saved state keeps it (handoff)
         self.dropped: set[int] = set()
@@ -59,6 +65,15 @@ class Decider:
             self._all_aware = self.kv.check(keys)
         return self._all_aware
 
+    def prime(self) -> None:
+        """The idle controller's look at the aware keys (at most every AWARE_LOOK_S s until
+        every rank said hello), so that the first fault's decision does not read them: one
+        CHECK of every rank's key is O(ranks), on the round's path otherwise."""
+        now = time.monotonic()
+        if not self._all_aware and now - self._aware_asked_at >= AWARE_LOOK_S:
+            self._aware_asked_at = now
+            self.all_aware()
+
     def situation(self, fault: P.Fault | None = None) -> Situation:
         return Situation(
             self.settings.chain,
@@ -72,15 +87,23 @@ class Decider:
             self.settings.fewest_nodes,
         )
 
-    def finished_ranks(self, fault: P.Fault | None = None) -> tuple[int, ...]:
+    def finished_ranks(
+        self, fault: P.Fault | None = None, among: list[int] | None = None
+    ) -> tuple[int, ...]:
         """Ranks whose current process is done with the job (`P.finished_key`, set by their
         agents), with the ones `fault`'s agent saw finished when it reported (its evidence; it
-        may be ahead of the store)."""
+        may be ahead of the store). `among`: only these ranks' marks are read (a round's
+        ranks still without a status), else every rank's."""
         out = set()
         # one request for every rank's mark (not a listing of every key in the store: that
         # grows with the rounds)
-        ranks = range(self.settings.world_size)
-        for rank, raw in zip(ranks, self.kv.present([P.finished_key(r) for r in ranks])):
+        world = self.settings.world_size
+        if among is None:
+            ranks, keys = list(range(world)), self._finished_keys
+        else:
+            ranks = [r for r in among if 0 <= r < world]
+            keys = [self._finished_keys[r] for r in ranks]
+        for rank, raw in zip(ranks, self.kv.present(keys) if keys else []):
             if raw is None:
                 continue
             try:

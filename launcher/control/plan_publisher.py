@@ -75,9 +75,11 @@ class PlanPublisher:
         rnd = Round(g, decision.strategy, decision.failed_ranks, decision.cause)
         self.rounds.start(rnd, first_phase(decision.strategy, bool(new_round)))
         self.kv.set(P.plan_key(g), plan.to_json())
+        # logged as soon as the agents can read it: the writes after it queue behind the
+        # plan's fan-out on the store (one request each)
+        self._log_plan(plan, decision)
         self.kv.set(P.GENERATION_KEY, str(g).encode())
         self.save()
-        self._log_plan(plan, decision)
         return plan
 
     def _log_plan(self, plan: P.Plan, decision: Decision) -> None:

@@ -48,7 +48,7 @@ def plan_repair(
     """
     sts = list(statuses)
     check_statuses(sts, generation)
-    healthy = [s for s in sts if not needs_state(s)]
+    healthy = [s for s in sts if not (s.replacement or s.dirty)]  # needs_state, inlined
     if not healthy:
         return RepairPlan(
             generation,
@@ -59,8 +59,14 @@ def plan_repair(
         )
     top = max(s.committed_step for s in healthy)
     resume = top + 1
-    sources = pick_senders(healthy, top, max_stripes, node_of)
-    missing = sorted({s.shard for s in sts} - set(sources))
+    # only the shards of ranks that need state need senders: survivors all at `top` need no
+    # pairing (a shard with no healthy rank at `top` has every rank among the targets)
+    targets = [s for s in sts if s.replacement or s.dirty or s.committed_step < top]
+    want = {s.shard for s in targets}
+    sources = pick_senders(
+        (s for s in healthy if s.shard in want), top, max_stripes, node_of, shards=want
+    )
+    missing = sorted(want - set(sources))
     if missing:
         return RepairPlan(
             generation,
@@ -70,9 +76,7 @@ def plan_repair(
             reason=f"no healthy replica at step {resume} for shard(s) "
             + ", ".join(repr(m) for m in missing),
         )
-    targets = sorted(
-        (s for s in sts if needs_state(s) or s.committed_step < top), key=lambda s: s.rank
-    )
+    targets.sort(key=lambda s: s.rank)
     pairs = [[src, s.rank] for s in targets for src in sources[s.shard]]
     interrupted = max(s.step for s in healthy)
     action = "rollback" if interrupted >= resume else "commit"
@@ -103,31 +107,37 @@ def pick_senders(
     top: int,
     max_stripes: int = AUTO_STRIPES,
     node_of: Callable[[int], int] | None = None,
+    shards: set[str] | None = None,
 ) -> dict[str, list[int]]:
     """shard -> the ranks that send its state to each target, in stripe order: of the healthy
     ranks at committed step `top`, the lowest `max_stripes`, or with `AUTO_STRIPES` the lowest
     one on each node (`node_of(rank)`; one node when it is None), at most `MAX_STRIPES`. A
-    shard with no healthy rank at `top` is missing from the result."""
+    shard with no healthy rank at `top` is missing from the result. `shards`: the only shards
+    `healthy` holds, when the caller knows them: the walk ends once each has its senders."""
     if not (max_stripes == AUTO_STRIPES or 1 <= max_stripes <= MAX_STRIPES):
         raise ValueError(
             f"max_stripes={max_stripes} must be {AUTO_STRIPES} (auto: one sender "
             f"per node) or in 1..{MAX_STRIPES}"
         )
+    cap = MAX_STRIPES if max_stripes == AUTO_STRIPES else max_stripes
     sources: dict[str, list[int]] = {}
     nodes_used: dict[str, set[int]] = {}
+    full: set[str] = set()
     for s in sorted(healthy, key=lambda s: s.rank):
-        if s.committed_step != top:
+        if s.committed_step != top or s.shard in full:
             continue
         chosen = sources.setdefault(s.shard, [])
         if max_stripes == AUTO_STRIPES:
             node = node_of(s.rank) if node_of is not None else 0
             used = nodes_used.setdefault(s.shard, set())
-            if node in used or len(chosen) >= MAX_STRIPES:
+            if node in used:
                 continue
             used.add(node)
-        elif len(chosen) >= max_stripes:
-            continue
         chosen.append(s.rank)
+        if len(chosen) >= cap:
+            full.add(s.shard)
+            if shards is not None and full >= shards:
+                break
     return sources
 
 

@@ -42,6 +42,9 @@ FIRST_LOOK_S = 0.2  # s from the plan to the first look (a node whose agent does
 # round's first second (a fast round is one a newer fault must supersede at once, issue 32's
 # kill during a recovery), the 0.2 s ones after it (the wait names one key per node)
 FAST_SLICE_S, FAST_FOR_S, SLOW_SLICE_S = 0.02, 1.0, 0.2
+# s between two reads of the node records that came while the wait goes on (O(nodes) keys):
+# parsed as they come, the last record leaves little to parse on the round's path
+TAKE_ARRIVED_S = 0.1
 
 
 def status_slice(elapsed: float) -> float:
@@ -121,13 +124,15 @@ class RoundDriver:
         round's first second and every 0.2 s after it, names one key per node; a newer fault
         is read between two waits); a node whose record is late is read from its ranks' own
         keys at the first look and then once a second, with the look for ranks that finished
-        instead."""
+        instead (only the ranks still without a status); the records that came meanwhile
+        are parsed every TAKE_ARRIVED_S."""
         g = plan.generation
         ranks = members(self.settings.world_size, self.dropped, plan)
         statuses = StatusCollection(self.kv, g, ranks, self.settings.node_of)
         t0 = time.monotonic()
         deadline = t0 + self.settings.phase_timeout
         look_at = t0 + FIRST_LOOK_S
+        take_at = t0 + TAKE_ARRIVED_S
         while not statuses.wait(status_slice(time.monotonic() - t0)):
             newer = self.intake.take(0.0)
             if newer is not None:
@@ -140,11 +145,15 @@ class RoundDriver:
                 return overdue
             if self.stopped.is_set():
                 return None  # stopped (deposed, or its agent leaves): a successor takes it up
+            if time.monotonic() >= take_at:
+                take_at = time.monotonic() + TAKE_ARRIVED_S
+                if statuses.take_arrived():
+                    break
             if time.monotonic() >= look_at:
                 look_at = time.monotonic() + FINISHED_CHECK_S
                 if statuses.look():
                     break
-                gone = self.finished_without_status(g, plan.failed_ranks)
+                gone = self.finished_without_status(g, plan.failed_ranks, statuses.waiting())
                 if gone:
                     return self.decider.fallback(
                         g,
@@ -227,12 +236,15 @@ class RoundDriver:
             new_world_size=len(ranks),
         )
 
-    def finished_without_status(self, g: int, failed: list[int]) -> list[int]:
+    def finished_without_status(
+        self, g: int, failed: list[int], among: list[int] | None = None
+    ) -> list[int]:
         """Ranks of generation `g`'s round that finished the job without reporting a status:
-        they never will."""
+        they never will. `among`: the ranks whose status is not in hand (only their finished
+        marks are read: late in a round of thousands of ranks, a few nodes' ranks), else all."""
         return [
             r
-            for r in self.decider.finished_ranks()
+            for r in self.decider.finished_ranks(among=among)
             if r not in failed and self.kv.try_get(P.status_key(g, r)) is None
         ]
 

@@ -8,8 +8,10 @@ the round lasts costs O(nodes), not O(ranks), and the statuses come in one read 
 record instead of one key per rank. A node whose record is late or does not name every member
 rank of that node (an agent that cannot relay: its store calls failed, a rank it does not know)
 is read from its ranks' own keys instead (`look`, at the caller's cadence: one CHECK of every
-such rank, then one read). `missing` names the ranks without a status (the phase timeout's
-message).
+such rank, then one read). Records that came while the wait goes on are parsed at the
+caller's cadence too (`take_arrived`), so the last record's arrival leaves one or a few to
+parse, not the round's thousands of statuses. `missing` names the ranks without a status (the
+phase timeout's message).
 """
 
 from __future__ import annotations
@@ -68,12 +70,19 @@ class StatusCollection:
             self._take_ranks(waited_by_rank)
         return self.done
 
+    def take_arrived(self) -> bool:
+        """The awaited records that came (one read of O(nodes) keys), parsed now rather than
+        all at once when the last one comes. True when every status is in."""
+        nodes = sorted(self.pending)
+        if nodes:
+            keys = [P.node_statuses_key(self.generation, n) for n in nodes]
+            self._take_records(nodes, self.kv.present(keys))
+        return self.done
+
     def look(self) -> bool:
         """The nodes not in yet: their records that came, then their ranks' own keys (one
         CHECK for all; read when every one is in). True when every status is in."""
-        nodes = sorted(self.pending)
-        keys = [P.node_statuses_key(self.generation, n) for n in nodes]
-        self._take_records(nodes, self.kv.present(keys))
+        self.take_arrived()
         rest = self.pending | self.by_rank
         if rest and self.kv.check(self._rank_keys(rest)):
             self._take_ranks(rest)
@@ -106,8 +115,13 @@ class StatusCollection:
         """Every member's status, in rank order (once `done`)."""
         return [self.got[r] for r in self.ranks]
 
+    def waiting(self) -> list[int]:
+        """The members whose status is not in hand (their nodes' records not taken yet), read
+        from nothing: the ranks a look at finished ranks needs to ask about."""
+        return [r for n in sorted(self.pending | self.by_rank) for r in self.of_node[n]]
+
     def missing(self) -> list[int]:
         """The members without a status yet (their own keys read)."""
-        todo = [r for n in sorted(self.pending | self.by_rank) for r in self.of_node[n]]
+        todo = self.waiting()
         raws = self.kv.present([P.status_key(self.generation, r) for r in todo])
         return [r for r, raw in zip(todo, raws) if raw is None]

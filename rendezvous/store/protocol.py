@@ -463,6 +463,17 @@ def _b(x: bytes) -> bytes:
     return pack_u64(len(x)) + x
 
 
+def _enc_keys(keys: tuple[bytes, ...]) -> bytes:
+    """A count, then each key length-prefixed (CHECK, WAIT, MULTI_GET of thousands of keys:
+    one struct call for every length)."""
+    lengths = struct.pack(f"<{len(keys) + 1}Q", len(keys), *map(len, keys))
+    parts = [lengths[:8]]
+    for i, k in enumerate(keys, 1):
+        parts.append(lengths[8 * i : 8 * i + 8])
+        parts.append(k)
+    return b"".join(parts)
+
+
 def _enc_pairs(req: Request) -> bytes:
     if len(req.keys) != len(req.values):
         raise ValueError(f"MULTI_SET with {len(req.keys)} keys and {len(req.values)} values")
@@ -476,7 +487,7 @@ _ARG_ENCODERS: dict[int, Callable[[Request], bytes]] = {
     Args.KEY_VALUE: lambda r: _b(r.keys[0]) + _b(r.values[0]),
     Args.KEY_I64: lambda r: _b(r.keys[0]) + pack_i64(r.num),
     Args.KEY_2VALUES: lambda r: _b(r.keys[0]) + _b(r.values[0]) + _b(r.values[1]),
-    Args.KEYS: lambda r: pack_u64(len(r.keys)) + b"".join(_b(k) for k in r.keys),
+    Args.KEYS: lambda r: _enc_keys(r.keys),
     Args.PAIRS: _enc_pairs,
 }
 
@@ -595,7 +606,24 @@ def _reply_bytes(buf, pos: int, n: int, count: int = 0):
 
 
 def _reply_list(buf, pos: int, n: int, count: int):
-    return _blobs(buf, pos, n, 0, count, _reply_bytes)
+    """`count` length-prefixed values (MULTI_GET: one per key, thousands at a time), read in
+    one loop: (list, end) or None when the buffer ends first."""
+    empty = count * 8  # a run of empty values (missing keys) is `count` zero lengths
+    if pos + empty <= n and buf[pos : pos + empty] == bytes(empty):
+        return [b""] * count, pos + empty
+    out: list[bytes] = []
+    append, unpack = out.append, unpack_u64
+    for _ in range(count):
+        if pos + 8 > n:
+            return None
+        ln = unpack(buf, pos)[0]
+        if ln > _MAX_REPLY_VALUE:
+            raise ProtocolError(f"reply claims a value of {ln} bytes")
+        start, pos = pos + 8, pos + 8 + ln
+        if pos > n:
+            return None
+        append(bytes(buf[start:pos]))
+    return out, pos
 
 
 def _reply_queue_pop(buf, pos: int, n: int, count: int):
