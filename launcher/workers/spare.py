@@ -40,7 +40,7 @@ import time
 from typing import Callable, Union
 
 from launcher.workers.adopted import AdoptedChild, reap_orphans, set_subreaper
-from launcher.workers.fork_server import ForkServer
+from launcher.workers.fork_server import FORK_TIMEOUT_S, ForkServer
 from launcher.workers.prctl import die_with_parent
 from launcher.workers.priority import may_return_to, run_priority
 from launcher.workers.spare_process import IMPORTS_FLAG, READY_FLAG, nice_args
@@ -245,14 +245,19 @@ class SparePool:
                     self._escalate_proc(self._server.proc.pid, self._server.proc)
                 return True
             self._say_failed_imports()
+            self._collect_fork(0.0)  # the spare asked for at an earlier check, if forked by now
             # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
             if self.held():
                 return True
             self._retire_stale()
-            # stale ones serve meanwhile
-            while self.ready() - sum(p.pid in self._stale for p in self._procs) < self.count:
-                self._fork_one(self.heap_bytes)
-            self._extend_server()  # spares first: one without the job's modules beats none
+            # stale ones serve meanwhile; one fork asked for per check, its answer read at a
+            # later one: the agent's loop never waits for the server's fork (a worker's exit
+            # in those 20-50 ms used to wait with it)
+            fresh = self.ready() - sum(p.pid in self._stale for p in self._procs)
+            if self._server.pending is None and fresh < self.count:
+                self._server.request_fork(self.heap_bytes)
+            elif self._server.pending is None:
+                self._extend_server()  # spares first: one without the job's modules beats none
             return True
         except (OSError, ValueError) as exc:
             self.log(f"spare fork server unusable ({exc}); warm spares import torch themselves")
@@ -304,19 +309,41 @@ class SparePool:
         if not self._server_ready():
             return None
         assert self._server is not None
+        try:
+            self._collect_fork(FORK_TIMEOUT_S)  # a spare asked for before is answered first
+        except (OSError, ValueError) as exc:
+            self.log(f"spare fork server could not fork a spare ({exc})")
         return fork_and_assign(self._server, assignment(env, argv, module, None, False), self.log)
 
     def _fork_one(self, heap_bytes: int, prepare: bool = True) -> SpareProc:
         assert self._server is not None
+        self._collect_fork(FORK_TIMEOUT_S)  # the one asked for before is answered first
         t0 = time.monotonic()
         proc, ready_fd = self._server.fork(heap_bytes=heap_bytes, prepare=prepare)
+        self._add_forked(proc, ready_fd, t0)
+        return proc
+
+    def _collect_fork(self, timeout: float) -> SpareProc | None:
+        """The spare of the server's outstanding fork request, added to the pool, once
+        answered within `timeout` s (0: never blocks); raises OSError as `collect_fork`."""
+        server = self._server
+        if server is None or server.pending is None:
+            return None
+        asked = server.pending
+        got = server.collect_fork(timeout)
+        if got is None:
+            return None
+        self._add_forked(got[0], got[1], asked)
+        return got[0]
+
+    def _add_forked(self, proc: SpareProc, ready_fd: int, asked: float) -> None:
         self._procs.append(proc)
         self.readiness.watch(proc.pid, ready_fd)
         self.log(
             f"warm spare started (pid {proc.pid}, forked in "
-            f"{(time.monotonic() - t0) * 1e3:.1f} ms; {len(self._procs)} of {self.count})"
+            f"{(time.monotonic() - asked) * 1e3:.1f} ms since it was asked for; "
+            f"{len(self._procs)} of {self.count})"
         )
-        return proc
 
     def _extend_server(self) -> bool:
         """Ask the ready server to import the job's modules listed since it started: True when
@@ -431,9 +458,10 @@ class SparePool:
 
     def _fork_on_demand(self) -> SpareProc | None:
         """A spare forked for a replacement that found none idle (no heap faulted in first: the
-        replacement's state arrives into fresh pages, as a cold one's would)."""
+        replacement's state arrives into fresh pages, as a cold one's would); one asked for
+        at a health check and not yet answered is that spare (its answer is the nearer)."""
         try:
-            proc = self._fork_one(0, prepare=False)
+            proc = self._collect_fork(FORK_TIMEOUT_S) or self._fork_one(0, prepare=False)
         except (OSError, ValueError) as exc:
             self.log(f"spare fork server could not fork a spare now ({exc})")
             return None
