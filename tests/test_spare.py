@@ -1099,3 +1099,40 @@ def test_a_replacement_finding_no_idle_spare_gets_the_fork_already_asked_for(tmp
         assert (tmp_path / "b").read_text() == "ran"
     finally:
         pool.stop()
+
+
+def _nice_and_policy(pid: int) -> tuple[int, int] | None:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid), os.sched_getscheduler(pid)
+    except OSError:
+        return None
+
+
+def test_a_forked_spare_prepares_at_the_warm_up_priority_and_runs_at_the_agents() -> None:
+    """Issue 32 (step 1): a forked spare owned its pages and faulted its heap in (hundreds of
+    MB) at the agent's priority, beside the ranks' first steps. It now does that at the warm-up
+    priority (idle CPU time) and is back at the agent's before it takes a rank."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if not may_return_to(base) or not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("this user may not lower a process's niceness again")
+    pool = SparePool(sys.executable, lambda m: None, count=1, fork=True, idle_limit=60.0)
+    pool.state_size(512 << 20)  # a heap that takes a while to fault in
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        pool.ensure(env)
+        assert pool._server is not None and pool._server.wait_ready(120)
+        seen: set[tuple[int, int]] = set()
+        deadline = time.monotonic() + 120
+        while pool.ready_count() < 1 and time.monotonic() < deadline:
+            pool.ensure(env)
+            for proc in pool._procs:
+                got = _nice_and_policy(proc.pid)
+                if got is not None:
+                    seen.add(got)
+            time.sleep(0.002)
+        assert pool.ready_count() == 1
+        assert (base + 10 if base + 10 <= 19 else 19, os.SCHED_IDLE) in seen, seen
+        pid = pool._procs[0].pid
+        assert _nice_and_policy(pid) == (base, os.SCHED_OTHER)  # ready: the agent's again
+    finally:
+        pool.stop()
