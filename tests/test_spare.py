@@ -351,7 +351,10 @@ def test_forked_successor_is_ready_at_once_without_importing_torch(tmp_path) -> 
         assert pool.ready() == 1
         pool.recovered(1, 4)
         t0 = time.monotonic()
-        pool.ensure(env)
+        pool.ensure(env)  # asks the server for a fork; a later check adds the spare
+        while pool.ready() < 2 and time.monotonic() - t0 < 0.5:
+            time.sleep(0.01)
+            pool.ensure(env)
         took = time.monotonic() - t0
         assert pool.ready() == 2 and took < 0.5, (took, logs)
         assert "forked in" in logs[-1]
@@ -411,7 +414,8 @@ deadline = time.monotonic() + 60
 while pool.ready() < 2 and time.monotonic() < deadline:
     pool.ensure(env); time.sleep(0.02)
 worker = pool.take(env, [sys.argv[1]], module=False)
-pool.ensure(env)
+while pool.ready() < 2 and time.monotonic() < deadline:  # its successor, forked meanwhile
+    pool.ensure(env); time.sleep(0.02)
 print(json.dumps({"server": pool._server.proc.pid, "spares": [p.pid for p in pool._procs],
                   "worker": worker.pid}), flush=True)
 if sys.argv[2] == "stop":
@@ -1039,5 +1043,96 @@ def test_a_fork_server_the_ranks_cannot_have_is_said_and_given_up(tmp_path) -> N
         assert why is not None and "unusable" in why and time.monotonic() - t0 < 5, why
         assert not pool.fork and pool._server is None
         assert pool.serve_ranks(env, 60) == "the spare fork server is off"
+    finally:
+        pool.stop()
+
+
+def test_a_health_check_never_waits_for_the_fork_servers_fork(tmp_path) -> None:
+    """Issue 32 (step 1): the agent's loop waited for each spare's fork (20-50 ms), so a worker
+    that exited meanwhile was seen only after two forks. Now a check asks for one fork and
+    returns at once; a later check adds the spare the server forked meanwhile."""
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=2, fork=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        pool.ensure(env)
+        server = pool._server
+        assert server is not None and server.wait_ready(120)
+        pool.ensure(env)  # the server is ready: one fork asked for, its answer not waited for
+        assert server.pending is not None and pool.ready() == 0
+        pool.ensure(env)  # still one request at a time
+        assert server.pending is not None or pool.ready() == 1
+        _fill(pool, env)
+        assert server.pending is None or pool.ready() == 2
+        assert len([ln for ln in logs if "warm spare started" in ln]) == 2
+        script = tmp_path / "job.py"
+        script.write_text("import sys\nopen(sys.argv[1], 'w').write('ran')\n")
+        proc = pool.take(env, [str(script), str(tmp_path / "out")], module=False)
+        assert proc is not None and proc.wait(timeout=60) == 0
+        assert (tmp_path / "out").read_text() == "ran"
+    finally:
+        pool.stop()
+
+
+def test_a_replacement_finding_no_idle_spare_gets_the_fork_already_asked_for(tmp_path) -> None:
+    """A fork asked for at a health check and not yet read is the replacement's spare: no
+    second fork, and the answer is never mistaken for a later request's."""
+    script = tmp_path / "job.py"
+    script.write_text("import sys\nopen(sys.argv[1], 'w').write('ran')\n")
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=1, fork=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        pool.ensure(env)
+        server = pool._server
+        assert server is not None and server.wait_ready(120)
+        pool.ensure(env)
+        assert server.pending is not None and pool.ready() == 0
+        proc = pool.take(env, [str(script), str(tmp_path / "a")], module=False, fork_now=True)
+        assert proc is not None and proc.wait(timeout=60) == 0
+        assert (tmp_path / "a").read_text() == "ran"
+        assert server.pending is None
+        assert len([ln for ln in logs if "warm spare started" in ln]) == 1
+        _fill(pool, env)  # the next request and answer pair up
+        proc = pool.take(env, [str(script), str(tmp_path / "b")], module=False)
+        assert proc is not None and proc.wait(timeout=60) == 0
+        assert (tmp_path / "b").read_text() == "ran"
+    finally:
+        pool.stop()
+
+
+def _nice_and_policy(pid: int) -> tuple[int, int] | None:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, pid), os.sched_getscheduler(pid)
+    except OSError:
+        return None
+
+
+def test_a_forked_spare_prepares_at_the_warm_up_priority_and_runs_at_the_agents() -> None:
+    """Issue 32 (step 1): a forked spare owned its pages and faulted its heap in (hundreds of
+    MB) at the agent's priority, beside the ranks' first steps. It now does that at the warm-up
+    priority (idle CPU time) and is back at the agent's before it takes a rank."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if not may_return_to(base) or not hasattr(os, "SCHED_IDLE"):
+        pytest.skip("this user may not lower a process's niceness again")
+    pool = SparePool(sys.executable, lambda m: None, count=1, fork=True, idle_limit=60.0)
+    pool.state_size(512 << 20)  # a heap that takes a while to fault in
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        pool.ensure(env)
+        assert pool._server is not None and pool._server.wait_ready(120)
+        seen: set[tuple[int, int]] = set()
+        deadline = time.monotonic() + 120
+        while pool.ready_count() < 1 and time.monotonic() < deadline:
+            pool.ensure(env)
+            for proc in pool._procs:
+                got = _nice_and_policy(proc.pid)
+                if got is not None:
+                    seen.add(got)
+            time.sleep(0.002)
+        assert pool.ready_count() == 1
+        assert (base + 10 if base + 10 <= 19 else 19, os.SCHED_IDLE) in seen, seen
+        pid = pool._procs[0].pid
+        assert _nice_and_policy(pid) == (base, os.SCHED_OTHER)  # ready: the agent's again
     finally:
         pool.stop()

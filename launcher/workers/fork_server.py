@@ -6,7 +6,9 @@ its command line; `--imports FILE`: the job's modules to import too; `--urgent`:
 wait for its start-up, at the agent's priority), `poll_ready()` without blocking, `wait_ready()`
 with a bound, `extend(FILE)` (import more of the job's modules: the server is busy until its answer,
 which `poll_ready()` reads), `fork()` a warm spare with a timeout (the spare becomes the agent's
-own child: the agent is a child subreaper, `launcher.workers.adopted`), `stop()`. Nothing here
+own child: the agent is a child subreaper, `launcher.workers.adopted`), or the same in two halves
+that never block the agent's loop on the server's 20-50 ms fork (`request_fork()`, then
+`collect_fork()` at a later health check: one request outstanding at a time), `stop()`. Nothing here
 imports torch or runs in the server.
 """
 
@@ -80,11 +82,12 @@ class ForkServer:
         self.failed_count = 0
         self.answers = 0  # answers read (the ready one, then one per `extend`)
         self.new_modules = 0  # modules the last `extend` added (0: its spares lack nothing)
+        self.pending: float | None = None  # monotonic time of the fork request not yet answered
 
     def extend(self, imports: str) -> None:
         """Import the modules an `--imports` file lists (the server answers when done; until
         `poll_ready()` reads that answer it forks nothing); raises OSError when it cannot."""
-        assert self.ready and not self.busy
+        assert self.ready and not self.busy and self.pending is None
         self.sock.settimeout(FORK_TIMEOUT_S)
         try:
             self.sock.send(json.dumps({"imports": imports}).encode())
@@ -141,35 +144,52 @@ class ForkServer:
         """A new warm spare, the agent's own child, that faults in `heap_bytes` of heap while
         it waits (`launcher.runtime.heap`; with `prepare` false, for a replacement waiting now,
         it neither owns its pages nor faults its heap in), and the read end of the pipe it
-        writes one byte to once prepared; raises OSError when the server cannot."""
-        assert self.ready and not self.busy
-        deadline = time.monotonic() + timeout  # one bound for the request and its answer
+        writes one byte to once prepared; raises OSError when the server cannot. Waits for the
+        answer (`request_fork` + `collect_fork` do not)."""
+        self.request_fork(heap_bytes, prepare, timeout)
+        got = self.collect_fork(timeout)
+        if got is None:
+            self.pending = None  # given up: its answer, if it comes, is never read as another's
+            raise OSError("no answer from the fork server (timeout)")
+        return got
+
+    def request_fork(
+        self, heap_bytes: int = 0, prepare: bool = True, timeout: float = FORK_TIMEOUT_S
+    ) -> None:
+        """Ask for a spare (as `fork`) without waiting for it: `collect_fork` takes the answer;
+        raises OSError when the server takes no request."""
+        assert self.ready and not self.busy and self.pending is None
         self.sock.settimeout(timeout)
         try:
             req = {"fork": True, "heap_bytes": int(heap_bytes), "prepare": prepare}
             self.sock.send(json.dumps(req).encode())
-            self.sock.settimeout(max(0.001, deadline - time.monotonic()))
-            msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 2)
         except (OSError, socket.timeout) as exc:
-            raise OSError(f"no answer from the fork server ({exc or 'timeout'})") from exc
+            raise OSError(f"the fork server took no fork request ({exc or 'timeout'})") from exc
         finally:
             self.sock.settimeout(None)
-        if not msg:
-            for fd in fds:
-                os.close(fd)
-            raise OSError(f"the fork server closed its socket (exit {self.proc.poll()})")
-        info = json.loads(msg)
-        if "pid" not in info or len(fds) != 2:
-            for fd in fds:
-                os.close(fd)
-            raise OSError(info.get("error", f"bad answer {msg!r}"))
+        self.pending = time.monotonic()
+
+    def collect_fork(self, timeout: float = 0.0) -> tuple[AdoptedChild, int] | None:
+        """The spare of the outstanding `request_fork` (as `fork` returns it) once the server
+        answered, waiting at most `timeout` s (0: never blocks); None while it has not (or no
+        request is outstanding); raises OSError when the server failed the fork, or did not
+        answer within FORK_TIMEOUT_S of the request."""
+        if self.pending is None:
+            return None
+        if not select.select([self.sock], [], [], max(0.0, timeout))[0]:
+            if time.monotonic() - self.pending > FORK_TIMEOUT_S:
+                self.pending = None
+                raise OSError(f"no answer from the fork server within {FORK_TIMEOUT_S:g} s")
+            return None
+        self.pending = None
+        self.sock.setblocking(False)
         try:
-            child = AdoptedChild(int(info["pid"]), os.fdopen(fds[0], "wb"))
-        except OSError:
-            for fd in fds:
-                os.close(fd)
-            raise
-        return child, fds[1]
+            msg, fds, _, _ = socket.recv_fds(self.sock, 4096, 2)
+        except OSError as exc:
+            raise OSError(f"no answer from the fork server ({exc})") from exc
+        finally:
+            self.sock.setblocking(True)
+        return _spare_from_answer(msg, fds, self.proc.poll())
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -190,3 +210,26 @@ class ForkServer:
                     f"spare fork server pid {self.proc.pid} did not exit within {timeout:.1f} s "
                     "of SIGKILL; left behind"
                 )
+
+
+def _spare_from_answer(
+    msg: bytes, fds: list[int], exit_code: int | None
+) -> tuple[AdoptedChild, int]:
+    """The forked spare a fork answer names (its pid; its assignment pipe and ready pipe are
+    `fds`); raises OSError (the fds closed) when the answer is an error or malformed."""
+    if not msg:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(f"the fork server closed its socket (exit {exit_code})")
+    info = json.loads(msg)
+    if "pid" not in info or len(fds) != 2:
+        for fd in fds:
+            os.close(fd)
+        raise OSError(info.get("error", f"bad answer {msg!r}"))
+    try:
+        child = AdoptedChild(int(info["pid"]), os.fdopen(fds[0], "wb"))
+    except OSError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return child, fds[1]

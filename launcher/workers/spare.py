@@ -13,8 +13,10 @@ since the pool started; `ready_count`, `first_ready_s`), and it extends the spar
 with the job's own modules (`extend_imports`: the fork server imports them, then the idle
 spares forked before are replaced). By default (`LaunchConfig.spare_fork`, FTRUN_SPARE_FORK)
 the spares are forked from the node's fork server (`launcher.workers.fork_server`, started with
-the first fill), so a successor costs a fork (20-50 ms) instead of a second `import torch`
-(1.5-2 CPU-s); when the server cannot be used the pool says why in one line and starts spares
+the first fill), so a successor costs a fork (20-50 ms, asked for at one health check and
+collected at a later one: the agent's loop never waits for it) instead of a second `import
+torch` (1.5-2 CPU-s), and prepares (owns its pages, faults its heap in) at the warm-up
+priority; when the server cannot be used the pool says why in one line and starts spares
 that import torch themselves (`python -m launcher.workers.spare_process`). The server, or such
 a spare, warms up 10 nice levels below the agent and under SCHED_IDLE when it may come back
 afterwards (root, or RLIMIT_NICE allows it), so its `import torch` yields the CPU to the
@@ -40,10 +42,12 @@ import time
 from typing import Callable, Union
 
 from launcher.workers.adopted import AdoptedChild, reap_orphans, set_subreaper
-from launcher.workers.fork_server import ForkServer
+from launcher.workers.fork_server import FORK_TIMEOUT_S, ForkServer
 from launcher.workers.prctl import die_with_parent
 from launcher.workers.priority import may_return_to, run_priority
+from launcher.workers.round_hold import RoundHold
 from launcher.workers.spare_process import IMPORTS_FLAG, READY_FLAG, nice_args
+from launcher.workers.warm_up import WarmUps
 
 SpareProc = Union[subprocess.Popen, AdoptedChild]
 
@@ -79,9 +83,7 @@ class SparePool:
     ) -> None:
         if count < 0:
             raise ValueError(f"count {count} must be >= 0")
-        if idle_limit < 0:
-            raise ValueError(f"idle_limit {idle_limit} must be >= 0")
-        self.idle_limit = idle_limit
+        self.warm_ups = WarmUps(idle_limit)  # raises ValueError for a negative limit
         self.python = python
         self.log = log
         self.count = count
@@ -90,11 +92,8 @@ class SparePool:
         # spare imports torch itself; LaunchConfig.spare_fork)
         self.fork = fork
         self._server: ForkServer | None = None
-        # pid -> (start time, the agent's niceness to return to after idle_limit; None: done)
-        self._born: dict[int, tuple[float, int | None]] = {}
         self._not_before = time.monotonic() + start_delay
-        self._hold: tuple[int, set[int], float] | None = None  # (generation, ranks, until)
-        self._resume: dict[int, int] = {}  # held rank -> the step it must commit to count as done
+        self.round_hold = RoundHold()  # a recovery round holds new spares back
         self._boosted: dict[int, tuple[SpareProc, int]] = {}  # rank -> (process, nice after)
         self.heap_bytes = 0  # heap a forked spare faults in: the largest state a rank reported
         self.record = record  # `spare-ready` events (None: no events)
@@ -139,14 +138,7 @@ class SparePool:
         """A replacement is starting cold: the fork server (or a spare) still importing goes on
         at the agent's priority now, round or not (the round waits for that import anyway, and
         a spare ready first overtakes it)."""
-        procs: list[SpareProc] = list(self._procs)
-        if self._server is not None:
-            procs.append(self._server.proc)  # type: ignore[arg-type]
-        for proc in procs:
-            born, base = self._born.get(proc.pid, (0.0, None))
-            if base is not None and proc.poll() is None:
-                run_priority(base, proc.pid)
-                self._born[proc.pid] = (born, None)
+        self.warm_ups.hurry(self._procs + ([self._server.proc] if self._server else []))
 
     def _server_ready(self) -> bool:
         try:
@@ -155,25 +147,18 @@ class SparePool:
             return False
 
     def hold(self, generation: int, ranks: set[int], timeout: float = REFILL_HOLD_S) -> None:
-        """A recovery round of `generation` runs on this node: start no spare, and let none
-        leave its idle warm-up priority, until `ranks` have all finished it and committed the
-        step they resumed at (`recovered`, `progressed`) or `timeout` s passed, so no
-        `import torch` runs beside the state transfer and the redone step on the node's CPUs."""
-        self._hold = (generation, set(ranks), time.monotonic() + timeout) if ranks else None
-        self._resume = {}
+        """A recovery round of `generation` runs on this node with `ranks`: no spare starts or
+        leaves its warm-up priority until they finished it and committed the step they resumed
+        at (`recovered`, `progressed`) or `timeout` s passed (`launcher.workers.round_hold`)."""
+        self.round_hold.hold(generation, ranks, timeout)
 
     def recovered(self, rank: int, generation: int, resume_step: int | None = None) -> None:
-        """Rank `rank` finished the recovery round of `generation` (or a later one); with
-        `resume_step`, it counts as done once it committed that step (`progressed`). A spare
-        that replaced it returns to the agent's priority."""
+        """Rank `rank` finished the recovery round of `generation` (or a later one; see
+        `RoundHold.recovered`). A spare that replaced it returns to the agent's priority."""
         boosted = self._boosted.pop(rank, None)
         if boosted is not None and boosted[0].poll() is None:
             run_priority(boosted[1], boosted[0].pid)
-        if self._hold is not None and generation >= self._hold[0] and rank in self._hold[1]:
-            if resume_step is None:
-                self._done(rank)
-            else:
-                self._resume[rank] = resume_step
+        self.round_hold.recovered(rank, generation, resume_step)
 
     def state_size(self, nbytes: int) -> None:
         """A rank holds `nbytes` of state: spares forked from now on fault in that much heap
@@ -184,22 +169,10 @@ class SparePool:
         """Rank `rank` reports its last committed step."""
         if committed_step >= 0:
             self._starting.discard(rank)
-        if rank in self._resume and committed_step >= self._resume[rank]:
-            self._done(rank)
-
-    def _done(self, rank: int) -> None:
-        self._resume.pop(rank, None)
-        if self._hold is None:
-            return
-        self._hold[1].discard(rank)
-        if not self._hold[1]:
-            self._hold = None
+        self.round_hold.progressed(rank, committed_step)
 
     def held(self) -> bool:
-        if self._hold is not None and time.monotonic() >= self._hold[2]:
-            self._hold = None  # its ranks' later reports no longer count
-            self._resume = {}
-        return self._hold is not None
+        return self.round_hold.held()
 
     def ensure(self, env: dict[str, str]) -> None:
         """Start spares until `count` are alive (once the start delay has passed, and not while
@@ -212,7 +185,7 @@ class SparePool:
         if not (self.fork and self._fork_spares(env)) and not self.held():
             while self.ready() < self.count:
                 self._start(env)
-            self._escalate()
+            self._escalate(self._procs)
         self._note_ready()
 
     def _note_ready(self) -> None:
@@ -242,17 +215,25 @@ class SparePool:
             assert self._server is not None
             if not self._server.poll_ready():
                 if not self.held():  # same escalation as a spare that imports torch itself
-                    self._escalate_proc(self._server.proc.pid, self._server.proc)
+                    self._escalate([self._server.proc])
                 return True
             self._say_failed_imports()
+            self._collect_fork(0.0)  # the spare asked for at an earlier check, if forked by now
             # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
             if self.held():
                 return True
+            self._escalate(
+                self._procs
+            )  # a spare preparing (at the warm-up priority) as long as an import
             self._retire_stale()
-            # stale ones serve meanwhile
-            while self.ready() - sum(p.pid in self._stale for p in self._procs) < self.count:
-                self._fork_one(self.heap_bytes)
-            self._extend_server()  # spares first: one without the job's modules beats none
+            # stale ones serve meanwhile; one fork asked for per check, its answer read at a
+            # later one: the agent's loop never waits for the server's fork (a worker's exit
+            # in those 20-50 ms used to wait with it)
+            fresh = self.ready() - sum(p.pid in self._stale for p in self._procs)
+            if self._server.pending is None and fresh < self.count:
+                self._server.request_fork(self.heap_bytes)
+            elif self._server.pending is None:
+                self._extend_server()  # spares first: one without the job's modules beats none
             return True
         except (OSError, ValueError) as exc:
             self.log(f"spare fork server unusable ({exc}); warm spares import torch themselves")
@@ -267,7 +248,7 @@ class SparePool:
         self._server = ForkServer(self.python, env, (warm, base), self.imports, urgent)
         self._imports_sent = True  # its start-up imports the file as it is now
         idle = warm != base and not urgent
-        self._born[self._server.proc.pid] = (time.monotonic(), base if idle else None)
+        self.warm_ups.add(self._server.proc.pid, base if idle else None)
         self.readiness.pool_started()
         self.log(
             f"spare fork server started (pid {self._server.proc.pid}"
@@ -304,19 +285,38 @@ class SparePool:
         if not self._server_ready():
             return None
         assert self._server is not None
+        try:
+            self._collect_fork(FORK_TIMEOUT_S)  # a spare asked for before is answered first
+        except (OSError, ValueError) as exc:
+            self.log(f"spare fork server could not fork a spare ({exc})")
         return fork_and_assign(self._server, assignment(env, argv, module, None, False), self.log)
 
-    def _fork_one(self, heap_bytes: int, prepare: bool = True) -> SpareProc:
-        assert self._server is not None
-        t0 = time.monotonic()
-        proc, ready_fd = self._server.fork(heap_bytes=heap_bytes, prepare=prepare)
+    def _collect_fork(self, timeout: float) -> SpareProc | None:
+        """The spare of the server's outstanding fork request, added to the pool, once
+        answered within `timeout` s (0: never blocks); raises OSError as `collect_fork`."""
+        server = self._server
+        if server is None or server.pending is None:
+            return None
+        asked = server.pending
+        got = server.collect_fork(timeout)
+        if got is None:
+            return None
+        self._add_forked(got[0], got[1], asked)
+        return got[0]
+
+    def _add_forked(self, proc: SpareProc, ready_fd: int, asked: float) -> None:
+        """A forked spare prepares at the warm-up priority (`spare_server.become_spare`) and is
+        escalated as a warm-up after `idle_limit` (`_escalate`)."""
         self._procs.append(proc)
         self.readiness.watch(proc.pid, ready_fd)
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        idle = may_return_to(base) and base < 19  # as the server's warm-up niceness
+        self.warm_ups.add(proc.pid, base if idle else None)
         self.log(
             f"warm spare started (pid {proc.pid}, forked in "
-            f"{(time.monotonic() - t0) * 1e3:.1f} ms; {len(self._procs)} of {self.count})"
+            f"{(time.monotonic() - asked) * 1e3:.1f} ms since it was asked for; "
+            f"{len(self._procs)} of {self.count})"
         )
-        return proc
 
     def _extend_server(self) -> bool:
         """Ask the ready server to import the job's modules listed since it started: True when
@@ -330,7 +330,7 @@ class SparePool:
         self._stale = {p.pid for p in self._procs}
         base = os.getpriority(os.PRIO_PROCESS, 0)
         if may_return_to(base) and base + WARM_UP_NICE <= 19:  # escalated as in its warm-up
-            self._born[server.proc.pid] = (time.monotonic(), base)
+            self.warm_ups.add(server.proc.pid, base)
         self.log(f"spare fork server imports the job's modules ({self.imports})")
         return True
 
@@ -350,33 +350,22 @@ class SparePool:
         if self._stale and len([p for p in self._procs if p.pid in ready]) >= self.count:
             stale = [p for p in self._procs if p.pid in self._stale]
             self._procs = [p for p in self._procs if p.pid not in self._stale]
-            _kill_idle(stale, self._born, self.log)
+            _kill_idle(stale, self.warm_ups, self.log)
             self._stale = set()
 
     def _stop_server(self, timeout: float = STOP_S) -> None:
         server, self._server = self._server, None
         if server is not None:
-            self._born.pop(server.proc.pid, None)
+            self.warm_ups.pop(server.proc.pid)
             server.stop(self.log, timeout)
             set_subreaper(False)
             reap_orphans()
 
-    def _escalate(self) -> None:
-        """On a node whose training keeps every CPU busy, SCHED_IDLE may never get time: a
-        spare still importing torch at the next fault makes it start cold (0.8-2.5 s lost). So
-        after `idle_limit` s a spare goes on at the agent's priority (an idle, warm one only
-        sleeps there)."""
-        for proc in self._procs:
-            self._escalate_proc(proc.pid, proc)
-
-    def _escalate_proc(self, pid: int, proc: SpareProc) -> None:
-        if self._starting:  # the ranks' own start-up first
-            return
-        now = time.monotonic()
-        born, base = self._born.get(pid, (now, None))
-        if base is not None and now - born >= self.idle_limit and proc.poll() is None:
-            run_priority(base, pid)
-            self._born[pid] = (born, None)
+    def _escalate(self, procs: list) -> None:
+        """After `idle_limit` s of warm-up a process goes on at the agent's priority (not while
+        the ranks start: their own start-up first; `launcher.workers.warm_up`)."""
+        if not self._starting:
+            self.warm_ups.escalate(procs)
 
     def _start(self, env: dict[str, str]) -> None:
         base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -385,7 +374,7 @@ class SparePool:
         self._procs.append(proc)
         self.readiness.watch(proc.pid, ready_r)
         self.readiness.pool_started()
-        self._born[proc.pid] = (time.monotonic(), base if warm != base else None)
+        self.warm_ups.add(proc.pid, base if warm != base else None)
         self.log(f"warm spare started (pid {proc.pid}; {len(self._procs)} of {self.count})")
 
     def take(
@@ -413,11 +402,13 @@ class SparePool:
                 return None
             if proc is None:
                 return None
-            self._born.pop(proc.pid, None)
+            born = self.warm_ups.pop(proc.pid)
             self.readiness.forget(proc.pid)
             self._stale.discard(proc.pid)
             if proc.poll() is not None or proc.stdin is None:
                 continue
+            if born is not None and proc.pid not in warm:
+                run_priority(born, proc.pid)  # still at idle priority: it must read its line now
             err = _assign(proc, line, ASSIGN_TIMEOUT_S)
             if err is not None:
                 self.log(f"warm spare pid {proc.pid} not used ({err}); killed")
@@ -431,9 +422,15 @@ class SparePool:
 
     def _fork_on_demand(self) -> SpareProc | None:
         """A spare forked for a replacement that found none idle (no heap faulted in first: the
-        replacement's state arrives into fresh pages, as a cold one's would)."""
+        replacement's state arrives into fresh pages, as a cold one's would); one asked for
+        at a health check and not yet answered is that spare (its answer is the nearer)."""
         try:
-            proc = self._fork_one(0, prepare=False)
+            proc = self._collect_fork(FORK_TIMEOUT_S)  # asked for before: answered first
+            if proc is None:
+                assert self._server is not None
+                t0 = time.monotonic()
+                proc, ready_fd = self._server.fork(prepare=False)
+                self._add_forked(proc, ready_fd, t0)
         except (OSError, ValueError) as exc:
             self.log(f"spare fork server could not fork a spare now ({exc})")
             return None
@@ -458,7 +455,7 @@ class SparePool:
                 except OSError:
                     pass
         self._stop_server(max(0.0, deadline - time.monotonic()))
-        self._born.clear()
+        self.warm_ups.clear()
         self.readiness.close()
 
 
@@ -601,10 +598,10 @@ def failed_imports_line(count: int, failed: list[list[str]]) -> str:
     )
 
 
-def _kill_idle(procs: list[SpareProc], born: dict, log: Callable[[str], None]) -> None:
+def _kill_idle(procs: list[SpareProc], warm_ups: WarmUps, log: Callable[[str], None]) -> None:
     """Kill idle spares (nothing to lose) and wait for each."""
     for proc in procs:
-        born.pop(proc.pid, None)
+        warm_ups.pop(proc.pid)
         proc.kill()
         _wait(proc, log, STOP_S)
 

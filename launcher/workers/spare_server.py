@@ -19,7 +19,9 @@ with the reply (`socket.send_fds`, with the read end of a pipe on which the spar
 byte once it is prepared: the pool's `spare-ready`), and then runs the script exactly like a
 Popen'd spare (`launcher.workers.spare_process.run_job`). EOF on that pipe means "not needed":
 it exits 0. Before it waits for the assignment (unless forked for a replacement that waits:
-`prepare` false), a forked spare makes every page it shares with the server its own
+`prepare` false), a forked spare makes every page it shares with the server its own, at the
+warm-up priority (the server's `--nice` WARM: idle CPU time; the agent's pool escalates it after
+its idle limit, as a warm-up)
 (`own_pages`): otherwise the replacement's first pass through the interpreter's and torch's
 state pays a copy-on-write fault per page it writes to (refcounts: nearly every page it
 touches), ~15 ms of its start-up inside the recovery, measured here. A spare whose assignment
@@ -73,6 +75,7 @@ HEAP_MODULE = "launcher.runtime.heap"  # the runtime's heap helpers, imported by
 MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in for writing (breaks copy-on-write)
 PAGE = os.sysconf("SC_PAGE_SIZE")
 PAGEMAP_CHUNK = 1 << 16  # pages per /proc/self/pagemap read (512 KB of entries)
+POPULATE_CHUNK = 256  # pages made private per madvise (1 MB: ~0.3 ms), the assignment checked
 SERVER_NAME = b"ftrun-spare-srv"  # `ps` names: the server, and a forked spare until it is assigned
 SPARE_NAME = b"ftrun-spare"
 REPARENT_TIMEOUT_S = 5.0  # a forked spare waits this long to see the agent as its parent
@@ -101,6 +104,7 @@ class _Forked(Exception):
         heap_bytes: int = 0,
         ready_fd: int = -1,
         prepare: bool = True,
+        nice: tuple[int, int] = (0, 0),
     ) -> None:
         super().__init__("forked spare")
         self.assignment_fd = assignment_fd
@@ -111,6 +115,7 @@ class _Forked(Exception):
         self.heap_bytes = (
             heap_bytes  # heap to fault in before the assignment (launcher.runtime.heap)
         )
+        self.nice = nice  # (warm-up niceness, the agent's): the preparation runs at the first
 
 
 def _heap() -> ModuleType:
@@ -185,7 +190,7 @@ def _answer(
         sock.send(json.dumps({"error": f"{len(thread_ids())} threads; not forking"}).encode())
         return True
     try:
-        pid, w, ready = _fork_spare(sock, agent, comm, heap_bytes, prepare)
+        pid, w, ready = _fork_spare(sock, agent, comm, heap_bytes, prepare, nice)
     except OSError as exc:
         sock.send(json.dumps({"error": f"fork failed: {exc}"}).encode())
         return True
@@ -198,7 +203,12 @@ def _answer(
 
 
 def _fork_spare(
-    sock: socket.socket, agent: int, comm: bytes, heap_bytes: int = 0, prepare: bool = True
+    sock: socket.socket,
+    agent: int,
+    comm: bytes,
+    heap_bytes: int = 0,
+    prepare: bool = True,
+    nice: tuple[int, int] = (0, 0),
 ) -> tuple[int, int, int]:
     """Double-fork a spare; (its pid, the write end of its assignment pipe, the read end of its
     ready pipe). In the spare this raises `_Forked`."""
@@ -221,7 +231,7 @@ def _fork_spare(
                 os.close(fd)
             sock.close()
             set_process_name(SPARE_NAME)
-            raise _Forked(r, agent, comm, heap_bytes, yw, prepare)
+            raise _Forked(r, agent, comm, heap_bytes, yw, prepare, nice)
         try:
             os.write(pw, pid.to_bytes(4, "little"))
         finally:
@@ -251,7 +261,8 @@ def own_pages(until: Callable[[], bool] | None = None) -> tuple[int, str | None]
     present (shared with the process it was forked from), and on no other page (populating
     untouched ones would only cost memory); (bytes made private, why not all could be, or
     None). Needs MADV_POPULATE_WRITE (Linux 5.14): without it nothing is done. Stops early
-    once `until()` is true (checked per bounded read: the spare was assigned meanwhile)."""
+    once `until()` is true (checked per bounded read and per POPULATE_CHUNK pages made
+    private: the spare was assigned meanwhile)."""
     try:
         import numpy as np  # torch's own dependency; the fork server imported it with torch
     except ImportError:
@@ -284,14 +295,17 @@ def own_pages(until: Callable[[], bool] | None = None) -> tuple[int, str | None]
                 raw = os.pread(fd, n * 8, (base // PAGE) * 8)
                 present = (np.frombuffer(raw, dtype=np.uint64) >> np.uint64(63)).astype(np.int8)
                 edges = np.flatnonzero(np.diff(np.concatenate(([0], present, [0]))))
-                for start, stop in zip(edges[::2].tolist(), edges[1::2].tolist()):
-                    if (
-                        madvise(base + start * PAGE, (stop - start) * PAGE, MADV_POPULATE_WRITE)
-                        == 0
-                    ):
-                        done += (stop - start) * PAGE
-                    elif why is None:
-                        why = os.strerror(ctypes.get_errno())
+                for first, stop in zip(edges[::2].tolist(), edges[1::2].tolist()):
+                    # a run of present pages in bounded slices, so an assignment stops it within
+                    # ~1 ms (a 256 MB run took 0.1 s: the replacement's `respawn` at step 1)
+                    for start in range(first, stop, POPULATE_CHUNK):
+                        if until is not None and until():
+                            return done, "assigned before every page was its own"
+                        n = min(POPULATE_CHUNK, stop - start)
+                        if madvise(base + start * PAGE, n * PAGE, MADV_POPULATE_WRITE) == 0:
+                            done += n * PAGE
+                        elif why is None:
+                            why = os.strerror(ctypes.get_errno())
     finally:
         os.close(fd)
     return done, why
@@ -389,10 +403,19 @@ def become_spare(forked: _Forked) -> None:
     # the pages it writes, as a cold process would)
     # a spare taken while it prepares stops preparing: the round waits for it (0.1-0.4 s of
     # preparation on a busy node); what it did not own is copied on first write, as before
+    # the preparation (hundreds of MB of page copies and heap faults) at the warm-up priority,
+    # as an import is: it ran at the agent's beside the ranks' steps (the first step after a
+    # round at step 1 took 0.93 s where a step takes 0.56; the pool escalates it after
+    # `idle_limit`, not during a round); back at the agent's priority before the assignment
+    warm, base = forked.nice
     if forked.prepare:
+        if warm != base:
+            warm_priority(warm)
         own_pages(lambda: assigned(forked.assignment_fd))
         if not assigned(forked.assignment_fd):
             prepared = heap.prepare(forked.heap_bytes)
+        if warm != base:
+            run_priority(base)
     if forked.ready_fd >= 0:
         try:
             os.write(forked.ready_fd, b"r")  # the pool's `spare-ready`
