@@ -214,3 +214,26 @@ def test_interrupt_waits_ends_another_threads_wait_at_once(server: StoreServer) 
         assert c.get("other", 1.0) == b"1"
     finally:
         c.close()
+
+
+def test_a_connection_shut_down_during_its_handshake_is_a_store_error(server, monkeypatch):
+    """interrupt_waits shuts down a thread's connection; when that lands while the thread is
+    opening a new one, its handshake's send fails with BrokenPipeError. It must surface as a
+    StoreError (which every loop handles), not kill the thread (a CI-subset warning: the
+    liveness event follower died of it)."""
+    import rendezvous.store.client as client_mod
+
+    real_connect = client_mod.connect
+
+    def shut_down_at_once(*args, **kw):
+        sock = real_connect(*args, **kw)
+        sock.shutdown(socket.SHUT_RDWR)
+        return sock
+
+    monkeypatch.setattr(client_mod, "connect", shut_down_at_once)
+    c = StoreClient("127.0.0.1", server.port, timeout=5)
+    try:
+        with pytest.raises(StoreError):
+            c.set("k", b"v")
+    finally:
+        c.close()

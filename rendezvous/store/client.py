@@ -129,6 +129,11 @@ class StoreClient(KVStore):
             raise StoreTimeout(
                 f"store at {self.address} did not answer the handshake within {self.timeout:g} s"
             ) from None
+        except OSError as exc:  # shut down meanwhile (interrupt_waits) or reset by the peer
+            self._drop(link)
+            raise StoreError(
+                f"store at {self.address}: connection lost during the handshake: {exc}"
+            ) from None
         except BaseException:
             self._drop(link)
             raise
