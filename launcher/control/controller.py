@@ -53,6 +53,7 @@ from launcher.control.node_book import NodeBook
 from launcher.control.plan_publisher import PlanPublisher
 from launcher.control.round_driver import RoundDriver
 from launcher.control.round_phase import RoundPhase, RoundTracker
+from launcher.control.step_halt import OwnRoundParts
 from launcher.control.world_changes import WorldChanges
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
@@ -139,9 +140,19 @@ class Controller:
         """The rounds the controller starts itself, on the round driver's dropped ranks: the
         live grow back (launcher.control.grow) and the hot switch (launcher.control.hot_switch)."""
         d = self.driver
-        parts = (self.kv, self.log, self.settings, self.rounds, d.intake, d.decider, d.dropped)
-        self.grow = GrowBack(*parts, self._stop, self._save)
-        self.switch = HotSwitch(*parts, self._stop, self._save)
+        parts = OwnRoundParts(
+            self.kv,
+            self.log,
+            self.settings,
+            self.rounds,
+            d.intake,
+            d.decider,
+            d.dropped,
+            self._stop,
+            self._save,
+        )
+        self.grow = GrowBack(parts)
+        self.switch = HotSwitch(parts)
         d.own_repairs[P.GROW] = self.grow.repair
         d.own_repairs[P.SWITCH] = self.switch.repair
         d.node_fallback = self.world.without_live_shrink  # a lost node's shrink refused

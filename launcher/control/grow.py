@@ -27,19 +27,14 @@ transfer in a renumbered world is not built).
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from typing import Callable, Iterable, Sequence
 
-from launcher.control.controller_settings import ControllerSettings
-from launcher.control.decider import Decider
 from launcher.control.decision import Decision
-from launcher.control.fault_intake import FaultIntake
 from launcher.control.repair_planning import needs_state, plan_repair
-from launcher.control.round_phase import RoundPhase, RoundTracker
+from launcher.control.round_phase import RoundPhase
 from launcher.control.shrink import after_shrink
-from launcher.control.step_halt import StepHalt
-from launcher.observe.logs import AgentLog
+from launcher.control.step_halt import OwnRoundParts
 from launcher.observe.pause_state import pause_state
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore
@@ -101,27 +96,21 @@ def _cannot_grow(
 class GrowBack:
     """When the world grows back, and the two ends of its round (`due`, `repair`)."""
 
-    def __init__(
-        self,
-        kv: KVStore,
-        log: AgentLog,
-        settings: ControllerSettings,
-        rounds: RoundTracker,
-        intake: FaultIntake,
-        decider: Decider,
-        dropped: set[int],
-        stopped: threading.Event,
-        save: Callable[[], None] | None = None,
-    ) -> None:
-        self.kv, self.log, self.settings, self.rounds = kv, log, settings, rounds
-        self.intake, self.decider = intake, decider
-        self.dropped = dropped  # the round driver's: ranks live shrinks removed
-        self.stopped = stopped
+    def __init__(self, parts: OwnRoundParts) -> None:
+        self.kv, self.log, self.settings, self.rounds = (
+            parts.kv,
+            parts.log,
+            parts.settings,
+            parts.rounds,
+        )
+        self.intake, self.decider = parts.intake, parts.decider
+        self.dropped = parts.dropped  # the round driver's: ranks live shrinks removed
+        self.stopped = parts.stopped
         self._retry_at = 0.0
         # the grow's pause request, until it ends (its t0: when the grow started)
-        self.halt = StepHalt(kv, intake, decider, stopped, settings.phase_timeout)
+        self.halt = parts.step_halt()
         self._said = ""  # the last "waiting" line (said once)
-        self.save = save or (lambda: None)  # the controller's state for a successor (handoff)
+        self.save = parts.save  # the controller's state for a successor (handoff)
 
     def pause_seq(self) -> int:
         """The pause of the grow in progress (0: none), for the saved state."""

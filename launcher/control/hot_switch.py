@@ -36,22 +36,16 @@ ranks halted until the pause expires.
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from typing import Callable, Sequence
 
-from launcher.control.controller_settings import ControllerSettings
-from launcher.control.decider import Decider
 from launcher.control.decision import Decision
-from launcher.control.fault_intake import FaultIntake
 from launcher.control.grow import returning
 from launcher.control.repair_planning import needs_state, plan_repair
-from launcher.control.round_phase import RoundPhase, RoundTracker
-from launcher.control.step_halt import StepHalt
-from launcher.observe.logs import AgentLog
+from launcher.control.round_phase import RoundPhase
+from launcher.control.step_halt import OwnRoundParts
 from launcher.observe.pause_state import pause_state
 from launcher.protocol import plan as P
-from rendezvous.kv import KVStore
 
 REFUSED, ABANDONED, DONE = "refused", "abandoned", "done"  # a request's outcomes
 
@@ -111,26 +105,20 @@ class _Switch:
 class HotSwitch:
     """Migrate requests, one switch at a time (`due`), and its round's repair plan (`repair`)."""
 
-    def __init__(
-        self,
-        kv: KVStore,
-        log: AgentLog,
-        settings: ControllerSettings,
-        rounds: RoundTracker,
-        intake: FaultIntake,
-        decider: Decider,
-        dropped: set[int],
-        stopped: threading.Event,
-        save: Callable[[], None] | None = None,
-    ) -> None:
-        self.kv, self.log, self.settings, self.rounds = kv, log, settings, rounds
-        self.decider = decider
-        self.dropped = dropped  # the round driver's: ranks live shrinks removed
-        self.stopped = stopped
-        self.halt = StepHalt(kv, intake, decider, stopped, settings.phase_timeout)
+    def __init__(self, parts: OwnRoundParts) -> None:
+        self.kv, self.log, self.settings, self.rounds = (
+            parts.kv,
+            parts.log,
+            parts.settings,
+            parts.rounds,
+        )
+        self.decider = parts.decider
+        self.dropped = parts.dropped  # the round driver's: ranks live shrinks removed
+        self.stopped = parts.stopped
+        self.halt = parts.step_halt()
         self._next = 1  # the next request number to read
         self.current: _Switch | None = None
-        self.save = save or (lambda: None)  # the controller's state for a successor (handoff)
+        self.save = parts.save  # the controller's state for a successor (handoff)
         self.taken_up = 0  # the switch (request seq) whose round an earlier controller published
 
     # ---- the handoff: what a successor needs, and what it does with it -----------------------

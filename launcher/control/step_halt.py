@@ -7,6 +7,8 @@ after the same step, no rollback, and marks `plan.pause_halted_key`) and nudges 
 `wait` waits for every rank's mark, giving up on a fault that came first (its decision is
 returned), on the pause ended by anyone else, on the controller stopping, or after the phase
 timeout; `end` ends the pause (the ranks go on, or enter the round that followed).
+`OwnRoundParts`: what both of those rounds work with (the controller's store, log, settings,
+round tracker, intake, decider, the dropped ranks, its stop event and state save).
 """
 
 from __future__ import annotations
@@ -16,13 +18,36 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+from launcher.control.controller_settings import ControllerSettings
 from launcher.control.decider import Decider
 from launcher.control.decision import Decision
 from launcher.control.fault_intake import FaultIntake
+from launcher.control.round_phase import RoundTracker
+from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore
 
 HALT_MAX_S = 300.0  # the pause expires after this (a controller gone mid-halt)
+
+
+@dataclass(frozen=True)
+class OwnRoundParts:
+    """The controller's parts a round it starts itself (grow back, hot switch) works with."""
+
+    kv: KVStore
+    log: AgentLog
+    settings: ControllerSettings
+    rounds: RoundTracker
+    intake: FaultIntake
+    decider: Decider
+    dropped: set[int]  # the round driver's: ranks live shrinks removed
+    stopped: threading.Event  # the controller stops
+    save: Callable[[], None]  # the controller's state for a successor (handoff)
+
+    def step_halt(self) -> "StepHalt":
+        return StepHalt(
+            self.kv, self.intake, self.decider, self.stopped, self.settings.phase_timeout
+        )
 
 
 @dataclass(frozen=True)
