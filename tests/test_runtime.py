@@ -3,9 +3,11 @@ files: test_runtime_recovery, test_runtime_checkpoint, ...)."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import textwrap
+import time
 
 from tests.helpers_launch import REPO, env_with
 from tests.helpers_ports import free_port
@@ -53,3 +55,25 @@ def test_finish_freezes_the_heap_so_the_interpreter_exits_without_walking_it() -
     at_finish, enabled, at_exit = r.stdout.split()[-3:]
     assert int(at_finish) == 0 and enabled == "True", r.stdout
     assert int(at_exit) > 10_000, r.stdout
+
+
+def test_finish_without_an_agent_stops_the_store_the_rank_hosted(monkeypatch) -> None:
+    """Under plain torchrun rank 0 hosts torch's env:// store itself; atexit keeps the runtime
+    alive, so finish() drops its reference and the store stops with the job, not with the
+    interpreter (an in-process test would otherwise leave it listening)."""
+    import launcher.runtime as ftr
+
+    port = free_port()
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    monkeypatch.delenv("FTRUN_AGENT_SOCKET", raising=False)
+    ftr.init(backend="gloo").finish()
+    deadline = time.monotonic() + 5.0
+    while True:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) != 0:
+                break
+        assert time.monotonic() < deadline, f"port {port} still listens after finish()"
+        time.sleep(0.05)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -65,6 +66,9 @@ def test_the_framework_path_inits_replacements_normally_unless_asked():
 
 
 def test_hooks_refuse_out_of_order_calls(monkeypatch):
+    # torch._dynamo (the optimizer imports it) imported while a group exists keeps torch's
+    # default store alive for good: imported first, the store this rank hosts stops at finish
+    import torch._dynamo  # noqa: F401
     import torch.distributed as dist
 
     from launcher.runtime import callbacks as ftcb
@@ -104,6 +108,7 @@ def test_hooks_refuse_out_of_order_calls(monkeypatch):
         dist.all_reduce(t)  # routed, world of one
         work = dist.all_reduce(t, async_op=True)
         work.wait()
+        del work  # a Work keeps its group (and the group its store) alive
         assert t.tolist() == [1.0, 1.0, 1.0]
         hooks.optimizer_update_start()
         opt.step()
@@ -116,6 +121,8 @@ def test_hooks_refuse_out_of_order_calls(monkeypatch):
         hooks.finish()
     assert dist.all_reduce is original
     assert hooks.committed_step == 1
+    with socket.socket() as s:  # without an agent the rank hosted torch's store: gone now
+        assert s.connect_ex(("127.0.0.1", int(env["MASTER_PORT"]))) != 0
 
 
 def test_megatron_group_handles_are_repointed_and_stale_ones_refused():

@@ -414,6 +414,9 @@ class Runtime:
         if self._links.channel is not None:
             self._links.channel.close(bye=True)
             self._links.channel = None
+        # the job's store connection goes with the job (without an agent it is the store
+        # itself, torch's env:// server: atexit keeps this runtime, so drop it here)
+        self._links.store = None
         self.log(
             "finished"
             + (f"; {abandoned} abandoned collectives/groups, exiting now" if abandoned else "")
