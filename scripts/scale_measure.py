@@ -237,8 +237,9 @@ def per_node_rates(before: dict[str, int], after: dict[str, int], nodes: int, dt
 
 
 class FanoutProbe:
-    """`n` connections to the store at `port`, each WAITing for `key` and then reading it
-    (MULTI_GET), the wire pattern of an agent's plan feed, served by one selector thread.
+    """`n` connections to the store at `port`, each waiting for `key` with FT_WAIT_VALUES (the
+    wake-up carries the value), the wire pattern of an agent's plan feed on ftrun's store,
+    served by one selector thread.
     Run in a process of its own (`ProbeProcess`), so no simulated agent shares its
     interpreter: wall times of the first wake-up and of the last value read."""
 
@@ -255,7 +256,7 @@ class FanoutProbe:
                 self.socks.append(s)
                 s.sendall(SP.handshake_bytes(i + 1))
                 self._reply(s, SP.Reply.U32)
-                s.sendall(SP.encode_request(SP.Request(SP.Op.WAIT, (self.wk,))))
+                s.sendall(SP.encode_request(SP.Request(SP.Op.FT_WAIT_VALUES, (self.wk,))))
         except BaseException:
             self.close()
             raise
@@ -280,8 +281,7 @@ class FanoutProbe:
         sel = selectors.DefaultSelector()
         for s in self.socks:
             s.setblocking(False)
-            sel.register(s, selectors.EVENT_READ, [b"", "woke"])
-        get = SP.encode_request(SP.Request(SP.Op.MULTI_GET, (self.wk,)))
+            sel.register(s, selectors.EVENT_READ, [b""])
         deadline = time.monotonic() + 600
         while self.done < len(self.socks) and time.monotonic() < deadline:
             for k, _ in sel.select(1.0):
@@ -291,19 +291,12 @@ class FanoutProbe:
                     sel.unregister(s)
                     continue
                 state[0] += chunk
-                shape = SP.Reply.U8 if state[1] == "woke" else SP.Reply.MULTI
-                r = SP.parse_reply(state[0], 0, shape, 1)
-                if r is None:
+                if SP.parse_reply(state[0], 0, SP.Reply.WAIT_VALUES, 1) is None:
                     continue
-                state[0] = state[0][r[1] :]
-                if state[1] == "woke":
-                    self.first = self.first or time.time()
-                    state[1] = "value"
-                    s.sendall(get)
-                else:
-                    self.last = time.time()
-                    self.done += 1
-                    sel.unregister(s)
+                self.last = time.time()
+                self.first = self.first or self.last
+                self.done += 1
+                sel.unregister(s)
         sel.close()
 
     def result(self, timeout: float = 10.0) -> dict:
