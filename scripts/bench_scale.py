@@ -305,13 +305,17 @@ def one_line(ranks: int, args: argparse.Namespace) -> dict:
 
 
 def saved_lines(path: str) -> list[dict]:
-    """The per-N lines of `path` (earlier runs appended with --out), the last one per N."""
+    """The per-N lines of `path` (earlier runs appended with --out), the last one per N, each
+    scenario from the last line that ran it on the same nodes (a `--scenarios start,kill` run
+    replaces the round, not the steady state of an earlier full run)."""
     by_n: dict[int, dict] = {}
     with open(path) as f:
         for text in f:
             line = json.loads(text)
             if "ranks" in line and "error" not in line:
-                by_n[line["ranks"]] = line
+                prev = by_n.get(line["ranks"], {})
+                same = prev.get("nodes") == line.get("nodes")
+                by_n[line["ranks"]] = {**prev, **line} if same else line
     return [by_n[n] for n in sorted(by_n)]
 
 
