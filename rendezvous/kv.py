@@ -97,6 +97,15 @@ class KVStore(abc.ABC):
         are never empty)."""
         return [self.try_get(k) for k in keys]
 
+    def wait_values(self, keys: list[str], timeout: float) -> list[bytes] | None:
+        """Wait up to `timeout` s for every key to exist, then their values in order (b"" for
+        one deleted meanwhile); None when the time ran out. ftrun's TCP server answers it in
+        one request (FT_WAIT_VALUES: the wake-up carries the values); elsewhere a wait, then
+        one read of the values."""
+        if not self.wait(keys, timeout):
+            return None
+        return [b"" if v is None else v for v in self.present(list(keys))]
+
     def multi_get(self, keys: list[str], timeout: float) -> list[bytes]:
         """The values of `keys` in order, waiting up to `timeout` s for them all (StoreTimeout).
         The TCP client asks in two requests (WAIT, MULTI_GET) whatever the number of keys."""

@@ -141,6 +141,44 @@ def rendezvous_only(nodes: int, timeout: float = 900.0) -> dict:
         store.stop()
 
 
+def fanout_only(nodes: int, carried: bool, runs: int = 3) -> dict:
+    """The store's fan-out of a plan alone, no simulation: `nodes` connections (one per node,
+    `scale_measure.ProbeProcess`) wait for the plan key, the benchmark writes a plan; the time
+    from the write until the first and the last connection holds it, and the store's CPU, for
+    `runs` plans. `carried`: FT_WAIT_VALUES (ftrun's agents); else WAIT then MULTI_GET."""
+    from scale_measure import ProbeProcess, StoreHost
+
+    from launcher.protocol import plan as P
+    from rendezvous.store.client import StoreClient
+
+    store = StoreHost().start()
+    kv = StoreClient("127.0.0.1", store.port, timeout=60.0)
+    first, last, cpu = [], [], []
+    try:
+        for g in range(1, runs + 1):
+            probe = ProbeProcess(store.port, P.plan_key(g), nodes, carried)
+            try:
+                time.sleep(0.3)  # every wait registered
+                plan = P.Plan(generation=g, strategy=P.RECOVER_IN_PLACE, failed_ranks=[g])
+                c0, t0 = store.stats()["cpu_s"], time.time()
+                kv.set(P.plan_key(g), plan.to_json())
+                got = probe.result()
+                cpu.append(store.stats()["cpu_s"] - c0)
+            finally:
+                probe.close()
+            if got["nodes"] == nodes:
+                first.append(got["first_wake"] - t0)
+                last.append(got["last_value"] - t0)
+    finally:
+        kv.close()
+        store.stop()
+    return {
+        "first_s": [round(x, 4) for x in first],
+        "last_s": [round(x, 4) for x in last],
+        "store_cpu_s": [round(x, 4) for x in cpu],
+    }
+
+
 # ---------------------------------------------------------------- torch elastic's c10d side
 
 TORCH_MASTER = r"""
@@ -267,13 +305,17 @@ def one_line(ranks: int, args: argparse.Namespace) -> dict:
 
 
 def saved_lines(path: str) -> list[dict]:
-    """The per-N lines of `path` (earlier runs appended with --out), the last one per N."""
+    """The per-N lines of `path` (earlier runs appended with --out), the last one per N, each
+    scenario from the last line that ran it on the same nodes (a `--scenarios start,kill` run
+    replaces the round, not the steady state of an earlier full run)."""
     by_n: dict[int, dict] = {}
     with open(path) as f:
         for text in f:
             line = json.loads(text)
             if "ranks" in line and "error" not in line:
-                by_n[line["ranks"]] = line
+                prev = by_n.get(line["ranks"], {})
+                same = prev.get("nodes") == line.get("nodes")
+                by_n[line["ranks"]] = {**prev, **line} if same else line
     return [by_n[n] for n in sorted(by_n)]
 
 
@@ -305,6 +347,12 @@ def main(argv: list[str] | None = None) -> int:
         help="also append the JSON lines to this file (--plot then draws every N in it)",
     )
     ap.add_argument(
+        "--fanout-nodes",
+        default="",
+        help="also the store's fan-out of a plan alone to these node counts (e.g. 256,512): "
+        "FT_WAIT_VALUES beside WAIT then MULTI_GET, no simulation",
+    )
+    ap.add_argument(
         "--rdzv-nodes",
         default="",
         help="also the node rendezvous alone at these node counts (e.g. 512), torch's beside",
@@ -314,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
         sizes = [int(x) for x in args.ranks.split(",") if x]
         args.scenarios = [s for s in args.scenarios.split(",") if s]
         bad = [s for s in args.scenarios if s not in SCENARIOS]
-        if bad or (not sizes and not args.rdzv_nodes) or min(sizes, default=1) < 1:
+        extra = args.rdzv_nodes or args.fanout_nodes
+        if bad or (not sizes and not extra) or min(sizes, default=1) < 1:
             raise ValueError
     except ValueError:
         ap.error(f"--ranks: comma-separated integers >= 1; --scenarios: of {','.join(SCENARIOS)}")
@@ -324,6 +373,18 @@ def main(argv: list[str] | None = None) -> int:
     for n in sizes:
         line = one_line(n, args)
         lines.append(line)
+        text = json.dumps(line, sort_keys=True)
+        print(text, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(text + "\n")
+    for nodes in [int(x) for x in args.fanout_nodes.split(",") if x]:
+        line = {
+            "fanout_nodes": nodes,
+            "carried": fanout_only(nodes, True),
+            "wait_get": fanout_only(nodes, False),
+            "load_1min": os.getloadavg()[0],
+        }
         text = json.dumps(line, sort_keys=True)
         print(text, flush=True)
         if args.out:

@@ -330,9 +330,15 @@ class ScaleJob:
         path = None
         if phases["to_plan_s"] is not None and done is not None:
             path = phases["to_plan_s"] + spread + max(0.0, done - last)
+        posted = [t for n in self.live_nodes() for t in n.summary()["faults_posted"] if t >= t0]
         return {
+            # the plan's leg split: the simulated agent's (death seen, fault posted) and the
+            # real controller's (fault posted -> plan written)
+            "to_fault_posted_s": round(min(posted) - t0, 4) if posted else None,
+            "fault_to_plan_s": round(plan_t - min(posted), 4) if posted else None,
             "plan_fanout_s": round(spread, 4),
             "plan_fanout_first_s": round(max(0.0, fanout["first_wake"] - plan_t), 4),
+            "status_to_repair_s": None if done is None else round(max(0.0, done - last), 4),
             "protocol_path_s": None if path is None else round(path, 4),
         }
 

@@ -237,13 +237,16 @@ def per_node_rates(before: dict[str, int], after: dict[str, int], nodes: int, dt
 
 
 class FanoutProbe:
-    """`n` connections to the store at `port`, each WAITing for `key` and then reading it
-    (MULTI_GET), the wire pattern of an agent's plan feed, served by one selector thread.
+    """`n` connections to the store at `port`, each waiting for `key` with FT_WAIT_VALUES (the
+    wake-up carries the value), the wire pattern of an agent's plan feed on ftrun's store, or
+    (`carried=False`) with torch's client's WAIT then MULTI_GET; one selector thread.
     Run in a process of its own (`ProbeProcess`), so no simulated agent shares its
     interpreter: wall times of the first wake-up and of the last value read."""
 
-    def __init__(self, port: int, key: str, n: int) -> None:
+    def __init__(self, port: int, key: str, n: int, carried: bool = True) -> None:
         self.wk = SP.wire_key(key)
+        # carried: FT_WAIT_VALUES; else torch's client's pattern, a WAIT then a MULTI_GET
+        self.carried = carried
         self.socks: list[socket.socket] = []
         self.first = self.last = 0.0
         self.done = 0
@@ -255,7 +258,8 @@ class FanoutProbe:
                 self.socks.append(s)
                 s.sendall(SP.handshake_bytes(i + 1))
                 self._reply(s, SP.Reply.U32)
-                s.sendall(SP.encode_request(SP.Request(SP.Op.WAIT, (self.wk,))))
+                op = SP.Op.FT_WAIT_VALUES if carried else SP.Op.WAIT
+                s.sendall(SP.encode_request(SP.Request(op, (self.wk,))))
         except BaseException:
             self.close()
             raise
@@ -280,7 +284,7 @@ class FanoutProbe:
         sel = selectors.DefaultSelector()
         for s in self.socks:
             s.setblocking(False)
-            sel.register(s, selectors.EVENT_READ, [b"", "woke"])
+            sel.register(s, selectors.EVENT_READ, [b"", "values" if self.carried else "wake"])
         get = SP.encode_request(SP.Request(SP.Op.MULTI_GET, (self.wk,)))
         deadline = time.monotonic() + 600
         while self.done < len(self.socks) and time.monotonic() < deadline:
@@ -291,19 +295,21 @@ class FanoutProbe:
                     sel.unregister(s)
                     continue
                 state[0] += chunk
-                shape = SP.Reply.U8 if state[1] == "woke" else SP.Reply.MULTI
-                r = SP.parse_reply(state[0], 0, shape, 1)
-                if r is None:
-                    continue
-                state[0] = state[0][r[1] :]
-                if state[1] == "woke":
+                if state[1] == "wake":  # torch's pattern: woken, now read the value
+                    r = SP.parse_reply(state[0], 0, SP.Reply.U8)
+                    if r is None:
+                        continue
                     self.first = self.first or time.time()
-                    state[1] = "value"
+                    state[0], state[1] = state[0][r[1] :], "get"
                     s.sendall(get)
-                else:
-                    self.last = time.time()
-                    self.done += 1
-                    sel.unregister(s)
+                    continue
+                shape = SP.Reply.WAIT_VALUES if state[1] == "values" else SP.Reply.MULTI
+                if SP.parse_reply(state[0], 0, shape, 1) is None:
+                    continue
+                self.last = time.time()
+                self.first = self.first or self.last
+                self.done += 1
+                sel.unregister(s)
         sel.close()
 
     def result(self, timeout: float = 10.0) -> dict:
@@ -319,13 +325,14 @@ class FanoutProbe:
 
 
 class ProbeProcess:
-    """A `FanoutProbe` in its own process (`python scripts/scale_measure.py probe PORT KEY N`):
+    """A `FanoutProbe` in its own process (`scale_measure.py probe PORT KEY N MODE`):
     connected and waiting when the constructor returns; `result()` once the key was written."""
 
-    def __init__(self, port: int, key: str, n: int) -> None:
+    def __init__(self, port: int, key: str, n: int, carried: bool = True) -> None:
         env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        mode = "carried" if carried else "wait-get"
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "probe", str(port), key, str(n)],
+            [sys.executable, os.path.abspath(__file__), "probe", str(port), key, str(n), mode],
             env=env,
             stdout=subprocess.PIPE,
             text=True,
@@ -350,8 +357,16 @@ class ProbeProcess:
             self.proc.wait(10)
 
 
-def probe_main(port: int, key: str, n: int) -> None:
-    probe = FanoutProbe(port, key, n)
+PROBE_NICE = -10  # the store loop's own (rendezvous.store.loop_priority): the probe is the
+# instrument; at the simulation's priority its reads queue behind thousands of simulated threads
+
+
+def probe_main(port: int, key: str, n: int, mode: str) -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, PROBE_NICE)
+    except OSError:  # not allowed here: the probe's wake-ups then include its own queueing
+        pass
+    probe = FanoutProbe(port, key, n, carried=mode == "carried")
     print("ready", flush=True)
     try:
         probe.start()
@@ -373,7 +388,7 @@ def wait_until(pred, timeout: float, what: str, step: float = 0.01) -> float:
 if __name__ == "__main__":
     if sys.argv[1:] == ["serve"]:
         serve()
-    elif sys.argv[1:2] == ["probe"] and len(sys.argv) == 5:
-        probe_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]))
+    elif sys.argv[1:2] == ["probe"] and len(sys.argv) == 6:
+        probe_main(int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5])
     else:
-        sys.exit("usage: scale_measure.py serve | probe PORT KEY N")
+        sys.exit("usage: scale_measure.py serve | probe PORT KEY N carried|wait-get")

@@ -78,6 +78,7 @@ class SimNode:
         self.ranks: dict[int, SimRank] = {}
         self.events: queue.Queue[object] = queue.Queue()
         self.plans_seen: dict[int, float] = {}  # generation -> wall time its plan reached us
+        self.faults_posted: list[float] = []  # wall times this agent's fault reports were posted
         self.joined_at = 0.0
         self.started = False
         self.crashed = False
@@ -169,6 +170,7 @@ class SimNode:
             "started": all(r.started_at for r in recs),
             "gens": sorted({(r.generation, r.resumed_generation) for r in recs}),
             "plans_seen": dict(self.plans_seen),
+            "faults_posted": list(self.faults_posted),
             "idle": self.idle(),
         }
 
@@ -253,6 +255,7 @@ class SimNode:
                 by_incarnation=inc,
             ),
         )
+        self.faults_posted.append(time.time())
 
     def _tick_loop(self) -> None:
         """The observer's status publication and the health check's progress record."""

@@ -47,6 +47,8 @@ METRICS = (
         "seconds from the kill",
         (
             ("plan published", ("kill", "to_plan_s")),
+            ("fault posted -> plan (the controller)", ("kill", "fault_to_plan_s")),
+            ("plan's fan-out to every node (the probe)", ("kill", "plan_fanout_s")),
             ("every agent holds the plan", ("kill", "to_all_agents_saw_plan_s")),
             ("last status posted -> repair plan written", ("kill", "status_to_repair_s")),
             ("every status collected", ("kill", "to_statuses_collected_s")),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import time
 
 from launcher.agent.agent_events import InjectEvent, PlanEvent, inject_feed, plan_feed
 from launcher.protocol import plan as P
@@ -84,9 +85,9 @@ def test_an_idle_feed_on_the_tcp_store_waits_long_and_stops_at_once() -> None:
     class Counting(StoreClient):
         waits = 0
 
-        def _wait_wire(self, wks, timeout):  # type: ignore[no-untyped-def]
-            Counting.waits += 1
-            return super()._wait_wire(wks, timeout)
+        def wait_values(self, keys, timeout):  # type: ignore[no-untyped-def]
+            Counting.waits += 1  # the feed's waits (FT_WAIT_VALUES on ftrun's server)
+            return super().wait_values(keys, timeout)
 
     with StoreServer(host="127.0.0.1") as server:
         kv, q = Counting("127.0.0.1", server.port, timeout=30), queue.Queue()
@@ -104,6 +105,33 @@ def test_an_idle_feed_on_the_tcp_store_waits_long_and_stops_at_once() -> None:
             t0 = time.monotonic()
             feed.stop()
             assert not feed._thread.is_alive() and time.monotonic() - t0 < 0.5
+        finally:
+            feed.stop()
+            kv.close()
+
+
+def test_a_plan_reaches_a_feed_on_ftruns_server_in_one_request() -> None:
+    """The plan's fan-out (issue 35): each waiting agent's wake-up carries the plan
+    (FT_WAIT_VALUES), one request per agent and plan instead of WAIT then MULTI_GET."""
+    from rendezvous.store.client import StoreClient
+    from rendezvous.store.server import StoreServer
+
+    with StoreServer(host="127.0.0.1") as server:
+        kv, q = StoreClient("127.0.0.1", server.port, timeout=30), queue.Queue()
+        feed = plan_feed(kv, 0, q)
+        feed.start()
+        try:
+            deadline = time.monotonic() + 5
+            while server.stats["requests"] < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)  # VALIDATE, PING and the feed's wait arrived
+            time.sleep(0.1)
+            before = server.stats["requests"]
+            plan = P.Plan(generation=1, strategy=P.RETRY)
+            server.kv.set(P.plan_key(1), plan.to_json())  # not a request of any connection
+            ev = q.get(timeout=5)
+            assert isinstance(ev, PlanEvent) and ev.plan == plan
+            time.sleep(0.2)  # the feed now waits for plan 2: one more request
+            assert server.stats["requests"] - before == 1
         finally:
             feed.stop()
             kv.close()

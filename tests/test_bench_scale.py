@@ -117,6 +117,27 @@ def test_liveness_and_saved_lines(tmp_path) -> None:
     lines = ['{"ranks": 64, "run": 1}', '{"rendezvous_nodes": 512}', '{"ranks": 16}']
     runs.write_text("\n".join(lines + ['{"ranks": 64, "run": 2}']) + "\n")
     assert bench_scale.saved_lines(str(runs)) == [{"ranks": 16}, {"ranks": 64, "run": 2}]
+    # a later round-only run on the same nodes replaces the round, keeps the steady state
+    lines = [
+        '{"ranks": 64, "nodes": 4, "steady": 1, "kill": 1}',
+        '{"ranks": 64, "nodes": 4, "kill": 2}',
+        '{"ranks": 256, "nodes": 4, "steady": 1, "kill": 1}',
+        '{"ranks": 256, "nodes": 32, "kill": 2}',
+    ]
+    runs.write_text("\n".join(lines) + "\n")
+    assert bench_scale.saved_lines(str(runs)) == [
+        {"ranks": 64, "nodes": 4, "steady": 1, "kill": 2},
+        {"ranks": 256, "nodes": 32, "kill": 2},
+    ]
+
+
+def test_the_fan_out_alone_reaches_every_node_both_ways() -> None:
+    """--fanout-nodes: the store's fan-out of a plan to N waiting connections, no simulation:
+    FT_WAIT_VALUES and torch's WAIT + MULTI_GET both deliver it to every one of them."""
+    for carried in (True, False):
+        got = bench_scale.fanout_only(8, carried, runs=2)
+        assert len(got["last_s"]) == 2 and len(got["store_cpu_s"]) == 2
+        assert all(0 <= f <= last < 10 for f, last in zip(got["first_s"], got["last_s"]))
 
 
 def test_a_size_beyond_the_open_files_limit_is_a_line_saying_so() -> None:

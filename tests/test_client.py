@@ -133,7 +133,41 @@ def test_against_torch_own_server() -> None:
     assert c.get("t/b", 1) == b"2" and c.add("t/n", 2) == 2
     assert c.keys("t/") == ["t/a", "t/b", "t/n"]
     assert c.wait(["t/none"], 0.2) is False
+    # torch's server echoes the capability PING: no FT_WAIT_VALUES, a WAIT then a MULTI_GET
+    assert c.wait_values(["t/a", "t/b"], 1) == [b"1", b"2"]
+    assert c.wait_values(["t/none"], 0.2) is None
     assert c.delete_prefix("t/") == 3
+
+
+def test_wait_values_on_ftruns_server_and_through_a_proxy(server: StoreServer) -> None:
+    """ftrun's server answers FT_WAIT_VALUES (the handshake said so); the node proxy does not
+    offer it and echoes the capability PING, so the client waits there with WAIT + MULTI_GET.
+    Same answers either way: the values once all exist, None when the time runs out, and the
+    connection usable after a timed-out wait."""
+    from rendezvous.store.proxy import StoreProxy
+
+    direct = StoreClient("127.0.0.1", server.port, timeout=5)
+    proxy = StoreProxy(("127.0.0.1", server.port), listen_host="127.0.0.1", port=0)
+    proxy.start()
+    via = StoreClient("127.0.0.1", proxy.port, timeout=5)
+    try:
+        for c, caps in ((direct, P.CAP_WAIT_VALUES), (via, 0)):
+            assert c.wait_values(["wv/a"], 0.1) is None
+            c.set("wv/b", b"")
+            got: list = []
+            t = threading.Thread(target=lambda: got.append(c.wait_values(["wv/a", "wv/b"], 5)))
+            t.start()
+            time.sleep(0.2)
+            server.kv.set("wv/a", b"plan")
+            t.join(5)
+            assert got == [[b"plan", b""]]
+            assert c._link().caps == caps
+            assert c.get("wv/a", 1) == b"plan"  # the reply stream is in order
+            server.kv.delete_prefix("wv/")
+    finally:
+        via.close()
+        proxy.stop()
+        direct.close()
 
 
 def test_bad_arguments() -> None:

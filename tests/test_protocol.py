@@ -30,6 +30,7 @@ SAMPLES = [
     Request(Op.LIST_KEYS),
     Request(Op.BARRIER, (b"/bar",), (), 8),
     Request(Op.FT_MUX, num=P.MUX_MAGIC),
+    Request(Op.FT_WAIT_VALUES, (b"/a", b"/bb")),
 ]
 
 # Bytes the torch 2.13 C++ client sent, recorded between it and torch's libuv server.
@@ -171,6 +172,7 @@ REPLY_VALUES = {
     P.Reply.MULTI: [b"a", b"", b"ccc"],
     P.Reply.QUEUE_POP: (3, b"item"),
     P.Reply.KEY_LIST: [b"/a", b"init/"],
+    P.Reply.WAIT_VALUES: [b"plan", b"", b"xyz"],
 }
 
 
@@ -185,6 +187,13 @@ def test_encode_reply_and_parse_reply_agree(op: int) -> None:
     if shape == P.Reply.QUEUE_POP:  # torch: i64 0 and no value when the queue was empty
         assert P.encode_reply(op, (0, None)) == P.enc_i64(0)
         assert P.parse_reply(P.enc_i64(0), 0, shape) == ((0, None), 8)
+
+
+def test_wait_values_reply_starts_with_stop_waiting() -> None:
+    raw = P.encode_reply(Op.FT_WAIT_VALUES, [b"v"])
+    assert raw == P.STOP_WAITING_REPLY + P.pack_u64(1) + b"v"
+    with pytest.raises(P.ProtocolError, match="not STOP_WAITING"):
+        P.parse_reply(P.WAIT_CANCELED_REPLY + raw[1:], 0, P.Reply.WAIT_VALUES, 1)
 
 
 def _random_frame(rng: random.Random, lim: P.Limits) -> bytes:

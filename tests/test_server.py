@@ -101,6 +101,75 @@ def test_fan_out_to_a_thousand_waiters(server: StoreServer) -> None:
         s.close()
 
 
+def _wait_values(keys: tuple) -> bytes:
+    return P.encode_request(P.Request(P.Op.FT_WAIT_VALUES, keys))
+
+
+def _values_reply(*values: bytes) -> bytes:
+    return P.STOP_WAITING_REPLY + b"".join(P.enc_bytes(v) for v in values)
+
+
+@pytest.mark.parametrize("accel", [True, False])
+def test_the_capability_ping_and_every_other_ping(accel: bool) -> None:
+    """The handshake's PING with CAPS_NONCE is answered with the extension bits (C read path
+    or not); every other nonce (torch's: its pid) is echoed."""
+    with StoreServer(host="127.0.0.1", accel=accel) as srv:
+        s = raw_conn(srv.port, handshake=False)
+        s.sendall(P.handshake_bytes(P.CAPS_NONCE))
+        assert recv_exact(s, 4) == P.enc_u32(P.CAPS_NONCE ^ P.CAP_WAIT_VALUES)
+        s.sendall(P.encode_request(P.Request(P.Op.PING, num=os.getpid())))
+        assert recv_exact(s, 4) == P.enc_u32(os.getpid())
+        s.close()
+
+
+def test_fan_out_of_a_value_to_a_thousand_waiters(server: StoreServer) -> None:
+    """FT_WAIT_VALUES: each waiter's wake-up carries the value (one reply per waiter); a key
+    present already is answered at once; a write through the C read path (a torch client's
+    SET) and one of another thread (LocalKV) both wake them."""
+    socks = [raw_conn(server.port) for _ in range(1000)]
+    for s in socks:
+        s.sendall(_wait_values((b"/plan",)))
+    deadline = time.monotonic() + 10
+    while server.table.pending_waiters() < 1000 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    t = time.perf_counter()
+    writer = raw_conn(server.port)
+    writer.sendall(P.encode_request(P.Request(P.Op.SET, (b"/plan",), (b"p" * 300,))))
+    want = _values_reply(b"p" * 300)
+    for s in socks:
+        assert recv_exact(s, len(want)) == want
+    assert time.perf_counter() - t < 2.0
+    socks[0].sendall(_wait_values((b"/plan", b"/plan")))
+    assert recv_exact(socks[0], 1 + 2 * 308) == _values_reply(b"p" * 300, b"p" * 300)
+    socks[1].sendall(_wait_values((b"/next",)))
+    time.sleep(0.1)
+    server.kv.set("next", b"n")
+    assert recv_exact(socks[1], 10) == _values_reply(b"n")
+    for s in socks + [writer]:
+        s.close()
+
+
+def test_wait_values_cancel_and_mux_tags(server: StoreServer) -> None:
+    """A cancelled FT_WAIT_VALUES is answered WAIT_CANCELED alone and the connection goes on;
+    on a mux connection the values come under the wait's tag."""
+    s = raw_conn(server.port)
+    s.sendall(_wait_values((b"/x",)))
+    time.sleep(0.1)
+    s.sendall(bytes((P.Op.CANCEL_WAIT,)))
+    assert recv_exact(s, 1) == P.WAIT_CANCELED_REPLY
+    assert server.table.pending_waiters() == 0
+    s.sendall(P.encode_request(P.Request(P.Op.GET, (b"/x",))))
+    assert recv_exact(s, 8) == P.enc_bytes(b"")
+    m = raw_conn(server.port)
+    m.sendall(bytes((P.Op.FT_MUX,)) + P.enc_u32(P.MUX_MAGIC))
+    assert recv_exact(m, 4) == P.enc_u32(P.MUX_MAGIC)
+    m.sendall(P.encode_mux_request(5, P.Request(P.Op.FT_WAIT_VALUES, (b"/x",))))
+    server.kv.set("x", b"v")
+    assert recv_exact(m, 4 + 10) == P.enc_u32(5) + _values_reply(b"v")
+    s.close()
+    m.close()
+
+
 def test_malformed_and_stalled_clients_do_not_delay_others(server: StoreServer) -> None:
     stalled = raw_conn(server.port)
     stalled.sendall(P.encode_request(P.Request(P.Op.SET, (b"/k",), (b"x" * 1000,)))[:30])
@@ -350,6 +419,34 @@ def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
         assert got == bytes((P.STOP_WAITING, P.WAIT_CANCELED)), got
         srv._consume(c, P.encode_request(P.Request(P.Op.GET, (b"/world",))))
         assert b.recv(100) == P.enc_bytes(b"w")
+    finally:
+        os.close(srv._wake_fd)
+        srv._wake_fd = -1
+        a.close()
+        b.close()
+
+
+def test_cancel_after_a_queued_values_wakeup_keeps_the_reply_stream_in_order() -> None:
+    """As above for FT_WAIT_VALUES: the queued wake-up (STOP_WAITING + the values) goes out
+    before the cancel's WAIT_CANCELED."""
+    from rendezvous.store.connection import Conn
+
+    srv = StoreServer(host="127.0.0.1")
+    a, b = socket.socketpair()
+    try:
+        c = Conn(a, "test", True, 0.0)
+        c.validated = True
+        srv._loop_ident = -1  # this thread is "another thread": wake-ups are queued
+        srv._wake_fd = os.eventfd(0, os.EFD_NONBLOCK)
+        srv._consume(c, _wait_values((b"/world",)))
+        srv.kv.set("world", b"w")
+        assert srv._xq, "the wake-up should be queued for the loop"
+        srv._consume(c, bytes((P.Op.CANCEL_WAIT,)))
+        srv._drain_xq()
+        srv._flush_dirty()
+        b.setblocking(False)
+        got = b.recv(100)
+        assert got == _values_reply(b"w") + P.WAIT_CANCELED_REPLY, got
     finally:
         os.close(srv._wake_fd)
         srv._wake_fd = -1

@@ -6,10 +6,12 @@ exits are `launcher.workers.workers.WorkerExit`, worker messages
 of store keys (the controller's plans, `ftctl inject` requests) and puts one event per key on the
 agent's queue. Each feed is owned by the agent: `start()`, `stop()`.
 
-A feed costs the store one WAIT per key it delivers, plus a WAIT and its CANCEL_WAIT per wait
-that runs out: on a store whose waits `stop()` can interrupt (the TCP store) a wait lasts
-`LONG_WAIT` s (0.4 requests a second per idle feed), elsewhere `SHORT_WAIT` s (stop() must not
-block longer). A key's value reaches the queue as soon as it is written either way.
+A feed costs the store one FT_WAIT_VALUES per key it delivers on ftrun's TCP store (the
+wake-up carries the value; `KVStore.wait_values`: elsewhere a WAIT and one read), plus a wait
+and its CANCEL_WAIT per wait that runs out: on a store whose waits `stop()` can interrupt (the
+TCP store) a wait lasts `LONG_WAIT` s (0.4 requests a second per idle feed), elsewhere
+`SHORT_WAIT` s (stop() must not block longer). A key's value reaches the queue as soon as it
+is written either way.
 """
 
 from __future__ import annotations
@@ -77,10 +79,12 @@ class KeyFeed:
         while not self._stop.is_set():
             key = self._key_of(self._next)
             try:
-                if self._kv.wait([key], self.wait_s):
-                    # one request for the value the wait just found (a GET would wait again)
-                    value = self._kv.present([key])[0]
-                    if value is None:
+                # one request where the store carries the value in the wake-up, else a wait
+                # and one read of the value it found
+                got = self._kv.wait_values([key], self.wait_s)
+                if got is not None:
+                    value = got[0]
+                    if not value:
                         continue
                     if self._stop.is_set():
                         # stop() may have given up joining while a call was blocked (the store

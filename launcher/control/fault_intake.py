@@ -50,13 +50,14 @@ class FaultIntake:
         """The next reported fault (consumed), waiting up to `timeout` s for it; None when none
         came or its writer is stale."""
         key = P.fault_key(self.state.next_fault)
-        # the value a wait just found: one request (a GET would wait again)
-        raw = (
-            self.kv.try_get(key)
-            if timeout <= 0
-            else (self.kv.present([key])[0] if self.kv.wait([key], timeout) else None)
-        )
-        if raw is None:
+        # the wait's wake-up carries the report (`KVStore.wait_values`: one request on
+        # ftrun's store; elsewhere the wait, then one read of what it found)
+        if timeout <= 0:
+            raw = self.kv.try_get(key)
+        else:
+            got = self.kv.wait_values([key], timeout)
+            raw = got[0] if got else None
+        if not raw:
             return None
         seq = self.state.next_fault
         self.state.next_fault += 1

@@ -76,6 +76,7 @@
 #include <unistd.h>
 
 #define READ_SIZE (64 * 1024) /* protocol.READ_SIZE */
+#define CAPS_NONCE 0x46544350u /* protocol.CAPS_NONCE */
 #define MAX_KEYS 16           /* keys of one WAIT / CHECK taken here (more: the Python path) */
 
 enum { OP_VALIDATE = 0, OP_SET = 1, OP_GET = 3, OP_ADD = 4, OP_CHECK = 5, OP_WAIT = 6,
@@ -300,6 +301,9 @@ static Py_ssize_t multi_set(Table *t, const char *buf, size_t pos, size_t n) {
  * path must take it, -1 on error (exception set). */
 static Py_ssize_t one(Table *t, const char *buf, size_t pos, size_t n, Out *o) {
     if (pos + 5 <= n && (unsigned char)buf[pos] == OP_PING) { /* u32 nonce, echoed */
+        uint32_t nonce;
+        memcpy(&nonce, buf + pos + 1, 4);
+        if (nonce == CAPS_NONCE) return 0; /* the extensions asked for: `StoreServer._ping` */
         if (out_put(o, buf + pos + 1, 4) < 0) return -1;
         return (Py_ssize_t)(pos + 5);
     }

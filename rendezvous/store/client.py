@@ -60,12 +60,13 @@ def connect(
 class _Link:
     """One connected socket plus its unread bytes."""
 
-    __slots__ = ("sock", "buf", "owner")
+    __slots__ = ("sock", "buf", "owner", "caps")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.buf = bytearray()
         self.owner = threading.get_ident()  # the thread whose connection it is
+        self.caps = 0  # the server's extensions (protocol.CAP_*), from the handshake
 
 
 class StoreClient(KVStore):
@@ -140,10 +141,14 @@ class StoreClient(KVStore):
         return link
 
     def _handshake(self, link: _Link) -> None:
-        nonce = os.getpid() & 0xFFFFFFFF
-        link.sock.sendall(P.handshake_bytes(nonce))
-        if self._read(link, P.Reply.U32) != nonce:
+        # the handshake's PING asks for ftrun's extensions: torch's server and the node proxy
+        # echo the nonce (none), ftrun's server answers it with its extension bits set
+        link.sock.sendall(P.handshake_bytes(P.CAPS_NONCE))
+        caps = self._read(link, P.Reply.U32) ^ P.CAPS_NONCE
+        if caps & ~P.CAP_WAIT_VALUES:
             raise StoreError(f"store at {self.address} answered the handshake wrongly")
+        link.caps = caps
+        nonce = os.getpid() & 0xFFFFFFFF
         if self.token is not None:
             auth = P.encode_request(P.Request(P.Op.SET, (AUTH_KEY,), (self.token.encode(),)))
             ping = P.encode_request(P.Request(P.Op.PING, num=nonce ^ 0x5A5A))
@@ -307,6 +312,30 @@ class StoreClient(KVStore):
     def wait(self, keys: Iterable[str], timeout: float) -> bool:
         timeout = check_timeout(timeout)
         return self._wait_wire(tuple(wire_key(k) for k in keys), timeout)
+
+    def wait_values(self, keys: Iterable[str], timeout: float) -> list[bytes] | None:
+        """One FT_WAIT_VALUES where the server answers it (ftrun's), else WAIT then MULTI_GET."""
+        timeout = check_timeout(timeout)
+        wks = tuple(wire_key(k) for k in keys)
+        link = self._link()
+        if not link.caps & P.CAP_WAIT_VALUES:
+            return super().wait_values(list(keys), timeout)
+        with self._using(link, "FT_WAIT_VALUES"):
+            link.sock.sendall(P.encode_request(P.Request(P.Op.FT_WAIT_VALUES, wks)))
+            link.sock.settimeout(max(timeout, 1e-3))
+            try:
+                return self._read(link, P.Reply.WAIT_VALUES, len(wks))
+            except socket.timeout:
+                pass
+            finally:
+                link.sock.settimeout(self.timeout)
+            link.sock.sendall(bytes((P.Op.CANCEL_WAIT,)))
+            if self._read(link, P.Reply.U8) == P.STOP_WAITING:
+                # satisfied just before the cancel arrived: the values, then WAIT_CANCELED
+                values = self._read(link, P.Reply.MULTI, len(wks))
+                self._read(link, P.Reply.U8)
+                return values
+            return None
 
     def delete(self, key: str) -> bool:
         return self._call(P.Request(P.Op.DELETE_KEY, (wire_key(key),))) > 0

@@ -58,6 +58,17 @@ After FT_MUX a connection is *multiplexed*: every request is `u32 tag` + request
 reply is `u32 tag` + reply, in any order. Many WAITs may be pending at once, each under its
 own tag; CANCEL_WAIT then carries `u32 target tag` and cancels only that wait. The proxy's and
 the pipelined client's upstream links use it.
+
+| 0xF1 | FT_WAIT_VALUES | n, keys | u8 0 STOP_WAITING + n values (when all exist) |
+
+A WAIT whose wake-up carries the values (one round trip where torch's client needs WAIT then
+GET): a plan fanned out to N waiting agents costs N replies, not 2N requests and replies. It
+is withdrawn with CANCEL_WAIT like a WAIT (the client reads STOP_WAITING + values or
+WAIT_CANCELED; a wait satisfied just before the cancel: STOP_WAITING + values, then
+WAIT_CANCELED). A client learns that a server answers it from the handshake: a PING whose
+nonce is `CAPS_NONCE` is answered by ftrun's server with `CAPS_NONCE ^ caps` (bit
+`CAP_WAIT_VALUES`), by torch's server and by the node proxy (which does not offer it) with the
+nonce itself. torch's clients ping with their process id (< 2**22), never this nonce.
 """
 
 from __future__ import annotations
@@ -68,6 +79,8 @@ from typing import Callable, Iterable, NamedTuple
 
 VALIDATION_MAGIC = 0x3C85F7CE
 MUX_MAGIC = 0x46544D58
+CAPS_NONCE = 0x46544350  # "FTCP": a PING that asks the server for its extensions
+CAP_WAIT_VALUES = 0x1  # the server answers FT_WAIT_VALUES
 
 
 class Op:
@@ -93,6 +106,7 @@ class Op:
     LIST_KEYS = 17
     BARRIER = 18
     FT_MUX = 0xF0
+    FT_WAIT_VALUES = 0xF1
 
 
 READ_SIZE = 64 * 1024  # bytes one recv() asks for (server, proxy, clients)
@@ -193,6 +207,7 @@ class Reply:
     MULTI = 5  # list of bytes (as many as keys were asked for)
     QUEUE_POP = 6  # (queue length before the pop, value), (0, None) when it was empty
     KEY_LIST = 7  # list of wire keys
+    WAIT_VALUES = 8  # u8 STOP_WAITING + as many values as keys; a list of bytes
 
 
 class Kind:
@@ -235,6 +250,7 @@ SPECS: dict[int, OpSpec] = {
         OpSpec(Op.LIST_KEYS, "LIST_KEYS", Args.NONE, Reply.KEY_LIST, Kind.DATA),
         OpSpec(Op.BARRIER, "BARRIER", Args.KEY_I64, Reply.U8, Kind.BLOCKING),
         OpSpec(Op.FT_MUX, "FT_MUX", Args.U32, Reply.U32, Kind.SESSION),
+        OpSpec(Op.FT_WAIT_VALUES, "FT_WAIT_VALUES", Args.KEYS, Reply.WAIT_VALUES, Kind.BLOCKING),
     )
 }
 
@@ -547,6 +563,11 @@ def enc_queue_pop(size_before: int, value: bytes | None) -> bytes:
     return pack_i64(size_before) + enc_bytes(value)
 
 
+def enc_wait_values(values: list[bytes]) -> bytes:
+    """FT_WAIT_VALUES's answer: STOP_WAITING, then the values (b"" for a missing key)."""
+    return STOP_WAITING_REPLY + enc_bytes_list(values)
+
+
 def enc_tag(tag: int) -> bytes:
     return _U32.pack(tag)
 
@@ -560,6 +581,7 @@ _REPLY_ENCODERS: dict[int, Callable] = {
     Reply.MULTI: enc_bytes_list,
     Reply.QUEUE_POP: lambda v: enc_queue_pop(v[0], v[1]),
     Reply.KEY_LIST: enc_key_list,
+    Reply.WAIT_VALUES: enc_wait_values,
 }
 _ENCODER_OF = {op: _REPLY_ENCODERS[s.reply] for op, s in SPECS.items()}
 
@@ -645,6 +667,15 @@ def _reply_key_list(buf, pos: int, n: int, count: int):
     return _reply_list(buf, pos + 8, n, cnt)
 
 
+def _reply_wait_values(buf, pos: int, n: int, count: int):
+    """STOP_WAITING + `count` values; ProtocolError for any other first byte."""
+    if pos >= n:
+        return None
+    if buf[pos] != STOP_WAITING:
+        raise ProtocolError(f"FT_WAIT_VALUES reply starts with {buf[pos]}, not STOP_WAITING")
+    return _reply_list(buf, pos + 1, n, count)
+
+
 _REPLY_PARSERS: dict[int, Callable] = {
     Reply.NONE: lambda buf, pos, n, count: (None, pos),
     Reply.U8: lambda buf, pos, n, count: (buf[pos], pos + 1) if pos < n else None,
@@ -654,6 +685,7 @@ _REPLY_PARSERS: dict[int, Callable] = {
     Reply.MULTI: _reply_list,
     Reply.QUEUE_POP: _reply_queue_pop,
     Reply.KEY_LIST: _reply_key_list,
+    Reply.WAIT_VALUES: _reply_wait_values,
 }
 
 

@@ -555,6 +555,7 @@ class StoreProxy(LoopServer):
             Op.VALIDATE: self._revalidate,
             Op.PING: self._ping,
             Op.FT_MUX: self._refuse_mux,
+            Op.FT_WAIT_VALUES: self._refuse_wait_values,
         }
         self._forward = {
             P.Kind.DATA: self._single,
@@ -646,6 +647,10 @@ class StoreProxy(LoopServer):
 
     def _refuse_mux(self, c: Conn, req: P.Request) -> None:
         raise DropConnection("FT_MUX is not offered by the proxy")
+
+    def _refuse_wait_values(self, c: Conn, req: P.Request) -> None:
+        # its PING echoes CAPS_NONCE: a client that asked does not send it here
+        raise DropConnection("FT_WAIT_VALUES is not offered by the proxy")
 
     def _fill(self, c: Conn, slot: list, data: bytes) -> None:
         slot[0] = data

@@ -119,6 +119,18 @@ class _Wake:
             srv.call_soon_threadsafe(lambda: srv._deliver(self.c, self, self.tag))
 
 
+class _WakeValues(_Wake):
+    """The callback of an FT_WAIT_VALUES waiter: its answer carries the values of `keys` as
+    the table holds them when it is delivered. Not a `_Wake` by exact type, so the C read path
+    leaves its delivery to `fire()`."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self, srv: "StoreServer", c: Conn, tag: int, keys: tuple) -> None:
+        super().__init__(srv, c, tag)
+        self.keys = keys
+
+
 class LoopServer(LoopHost):
     """The event-loop machinery shared by the store server and the node proxy: the epoll loop
     thread's turns, buffered reads, ordered flushes (lifecycle, admission, teardown and the
@@ -681,6 +693,8 @@ class StoreServer(LoopServer):
         check_validate(req)
 
     def _ping(self, c: Conn, req: P.Request, tag: int) -> bytes:
+        if req.num == P.CAPS_NONCE:  # a client asking for the extensions (protocol doc)
+            return P.encode_reply(Op.PING, P.CAPS_NONCE ^ P.CAP_WAIT_VALUES)
         return P.encode_reply(Op.PING, req.num)
 
     def _mux(self, c: Conn, req: P.Request, tag: int) -> bytes:
@@ -695,6 +709,11 @@ class StoreServer(LoopServer):
         """WAIT or BARRIER: STOP_WAITING now, or a waiter that answers when it fires."""
         if req.op == Op.WAIT:
             return self._wait_keys(c, tag, req.keys)
+        if req.op == Op.FT_WAIT_VALUES:
+            wake = _WakeValues(self, c, tag, req.keys)
+            if self._registered(c, tag, self.table.wait(req.keys, wake)) is None:
+                return None
+            return self._answer(wake)
         wake = _Wake(self, c, tag)
         try:
             w = self.table.barrier(req.keys[0], req.num, wake)
@@ -718,9 +737,17 @@ class StoreServer(LoopServer):
             c.waiter = w
         return None
 
-    @staticmethod
-    def _stop_waiting(tag: int) -> bytes:
-        return P.STOP_WAITING_REPLY if tag < 0 else P.enc_tag(tag) + P.STOP_WAITING_REPLY
+    def _answer(self, wake: "_Wake") -> bytes:
+        """What a satisfied waiter is answered (untagged): STOP_WAITING, and for FT_WAIT_VALUES
+        the values its keys hold now (b"" for one deleted since)."""
+        if type(wake) is not _WakeValues:
+            return P.STOP_WAITING_REPLY
+        data = self._table_data
+        return P.enc_wait_values([data.get(k, b"") for k in wake.keys])
+
+    def _tagged_answer(self, wake: "_Wake", tag: int) -> bytes:
+        answer = self._answer(wake)
+        return answer if tag < 0 else P.enc_tag(tag) + answer
 
     def _deliver(self, c: Conn, wake: "_Wake", tag: int) -> None:
         """Answer the waiter of `c` whose callback is `wake` with STOP_WAITING, unless it is no
@@ -739,7 +766,7 @@ class StoreServer(LoopServer):
             if w is None or w.fire is not wake:
                 return
             c.waiter = None
-        self._send_now(c, P.STOP_WAITING_REPLY if tag < 0 else self._stop_waiting(tag))
+        self._send_now(c, self._tagged_answer(wake, tag))
 
     def _cancel(self, c: Conn, req: P.Request, tag: int) -> bytes:
         """CANCEL_WAIT. A waiter that fired but whose STOP_WAITING is still queued (fired by a
@@ -751,7 +778,7 @@ class StoreServer(LoopServer):
         else:
             w, c.waiter = c.waiter, None
         if w is not None and not self.table.cancel(w):
-            data = self._stop_waiting(req.num if c.mux else -1)
+            data = self._tagged_answer(w.fire, req.num if c.mux else -1)
             c.out.append(data)
             c.out_bytes += len(data)
         return P.encode_reply(Op.CANCEL_WAIT, P.WAIT_CANCELED)
