@@ -227,13 +227,18 @@ class Killer:
 def run_scenario_job(
     launcher: str, sc: Scenario, args: argparse.Namespace, kill_step: int | None = None
 ) -> dict:
-    """One job; its checkpoints are always removed, its logs unless --keep-logs."""
+    """One job; its checkpoints are always removed, its logs unless --keep-logs or the job
+    failed (its error names them)."""
     out = tempfile.mkdtemp(prefix=f"bench_recovery_{launcher}_{sc.path}_")
+    keep = getattr(args, "keep_logs", False)
     try:
         return launch(out, launcher, sc, args, kill_step)
+    except RuntimeError:
+        keep = True
+        raise
     finally:
         shutil.rmtree(os.path.join(out, "ckpt"), ignore_errors=True)
-        if getattr(args, "keep_logs", False):
+        if keep:
             print(f"[bench_recovery] {launcher} {sc.name} kept in {out}", file=sys.stderr)
         else:
             shutil.rmtree(out, ignore_errors=True)
