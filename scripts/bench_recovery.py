@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark: ftrun process-level recovery vs torchrun restart-all from a checkpoint.
 
-Same model (about 100 MB of parameters + Adam state), 4 ranks, gloo on loopback, in the same run.
+Same model (about 170 MB of parameters + Adam state per rank with the defaults, --hidden 1424
+--layers 9: the size issue 32's goals are stated at), 4 ranks, gloo on loopback, in the same run.
 Rank 1 is killed with SIGKILL from outside after --kill-after-step completed steps and, under ftrun,
 once its warm spares have finished importing torch (the steady state of a long job; the time they
 took is `*spares_warm_after_s`; --no-wait-warm kills at the step regardless), at the end of the
@@ -34,7 +35,8 @@ replacement came warm (--warm-spares N sets ftrun's spare count; 1 shows the old
 behaviour).
 --no-torchrun leaves torchrun out; --baseline-repo DIR runs DIR's ftrun (e.g. an export of main)
 in the same run, keys prefixed base_ (churn rows: checkout "base"); --repeat N repeats the main
-and churn rows, alternating which checkout goes first. *_replacement_path: the replacement's
+and churn rows, alternating which checkout goes first, and runs ftrun N times (separate jobs) in
+each kill scenario row, whose figure is then the median run. *_replacement_path: the replacement's
 edges (spawn, started, status, plan, rebuilt, registered, received, repaired) apart.
 With --transfer-rows, two more lines, ftrun only: 4 ranks declared as dp=2 replica groups (rank 1's
 state comes from one replica) and 6 ranks as dp=3 (from two replicas, striped), transfer_gbps
@@ -548,7 +550,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--kill-after-step", type=int, default=15)
-    ap.add_argument("--hidden", type=int, default=1024)
+    # 1424 x 9 layers: 171.6 MB of parameters + Adam moments per rank, issue 32's "~170 MB"
+    ap.add_argument("--hidden", type=int, default=1424)
     ap.add_argument("--layers", type=int, default=9)
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--hang-timeout", type=float, default=2.0)
@@ -608,7 +611,10 @@ def main() -> None:
         "--repeat",
         type=int,
         default=1,
-        help="main rows to run (baseline and this checkout alternate which goes first)",
+        help="main and churn rows to run (baseline and this checkout alternate which goes "
+        "first); in the scenario rows step1, warm and during-recovery: ftrun jobs per scenario "
+        "(the row reports the median run, every run's overhead_s and lost_s, and judges the goal "
+        "on the median; torchrun runs once)",
     )
     ap.add_argument(
         "--scenarios",

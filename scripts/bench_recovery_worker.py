@@ -3,7 +3,9 @@
 About 100 MB of parameters + Adam state with the defaults (hidden 1024, 9 layers). Appends one
 JSON line per completed step to $OUT_DIR/steps.<rank>.jsonl ({"step", "time", "pid"}) and one
 when this process begins its first step to $OUT_DIR/starts.<rank>.jsonl ({"step", "time",
-"pid"}: training again after a restart), saves a durable checkpoint every --checkpoint-every
+"pid"}: training again after a restart; the step lines also carry "phases": seconds of its forward,
+backward, gradient all-reduce and optimizer step, the first step after a repair against the
+others'), saves a durable checkpoint every --checkpoint-every
 steps (what torchrun's restart-all reloads), and runs under ftrun (process-level recovery) and
 under torchrun (restart from the checkpoint). Two paths: the native loop (`rt.steps` +
 `rt.allreduce_gradients`, the default) and `--ddp` (the model wrapped by `rt.ddp`, whose bucket
@@ -86,10 +88,26 @@ def main() -> int:
         else:
             plain_step(rt, step, model, opt, pos, a)
         if not step.interrupted:
-            log.write(json.dumps(mark(step.index)) + "\n")
+            log.write(json.dumps({**mark(step.index), "phases": PHASES}) + "\n")
     log.close()
     rt.finish()
     return 0
+
+
+# seconds of the last step's parts (forward, backward, allreduce, optimizer), logged with it
+PHASES: dict[str, float] = {}
+
+
+class Clock:
+    """Times the parts of one step into PHASES."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        PHASES[name] = round(now - self.t, 5)
+        self.t = now
 
 
 def micro_step(rt, step, model, opt, micro: list[int], step_time: float) -> None:
@@ -99,19 +117,24 @@ def micro_step(rt, step, model, opt, micro: list[int], step_time: float) -> None
             opt.zero_grad(set_to_none=True)
             if step_time:
                 time.sleep(step_time)
+        clock = Clock()
         with step.phase("backward"):
             for j in micro:
                 g = torch.Generator().manual_seed(step.index * 100 + j)
                 x = torch.randn(8, 64, generator=g)
                 model(x).pow(2).mean().backward()
+            clock.lap("backward")
             rt.allreduce_gradients(model)  # averages over every micro-batch of the step
+            clock.lap("allreduce")
         with step.optimizer_update():
             opt.step()
+            clock.lap("optimizer")
 
 
 def plain_step(rt, step, model, opt, pos: dict, a: argparse.Namespace) -> None:
     """One step of this rank's own batch (its data position: `pos`)."""
     with step:
+        clock = Clock()
         with step.phase("forward"):
             g = torch.Generator().manual_seed(pos["batch"] * 100 + rt.rank)
             pos["batch"] += 1
@@ -119,12 +142,16 @@ def plain_step(rt, step, model, opt, pos: dict, a: argparse.Namespace) -> None:
             loss = model(x).pow(2).mean()
             if a.step_time:
                 time.sleep(a.step_time)
+        clock.lap("forward")
         with step.phase("backward"):
-            loss.backward()
+            loss.backward()  # with rt.ddp: its bucket all-reduces too
+            clock.lap("backward")
             if not a.ddp:
                 rt.allreduce_gradients(model)
+                clock.lap("allreduce")
         with step.optimizer_update():
             opt.step()
+            clock.lap("optimizer")
             opt.zero_grad()
 
 

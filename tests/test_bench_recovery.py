@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -431,3 +432,46 @@ def test_a_switchs_time_lost_is_its_step_boundary_hold_beyond_one_step():
         "switched": False,
         "why": "hot switch #1 abandoned: x",
     }
+
+
+def test_repeat_runs_ftrun_k_times_reports_the_median_run_and_judges_the_goal_on_it(monkeypatch):
+    overheads = iter([0.25, 0.05, 0.12])
+
+    def fake_run(scenario, args):
+        over = next(overheads)
+        return {
+            "overhead_s": over,
+            "lost_s": over + 0.3,
+            "killed_step": 16,
+            "replacements_warm": [True],
+            "state_mb": 171.6,
+        }
+
+    monkeypatch.setattr(sc, "ftrun_run", fake_run)
+    args = SimpleNamespace(repeat=3, torchrun=False)
+    row = sc.scenario_row(sc.Scenario("native", "warm"), args)
+    assert row["runs"] == 3 and row["state_mb"] == 171.6
+    assert row["overhead_s"] == {"median": 0.12, "values": [0.25, 0.05, 0.12]}
+    assert row["lost_s"] == {"median": 0.42, "values": [0.55, 0.35, 0.42]}
+    assert row["ftrun"]["overhead_s"] == 0.12  # the median run's whole record
+    assert row["goal_overhead_s"] == 0.1 and row["goal_met"] is False
+    overheads = iter([0.25, 0.05, 0.08])
+    row = sc.scenario_row(sc.Scenario("native", "warm"), args)
+    assert row["overhead_s"]["median"] == 0.08 and row["goal_met"] is True
+
+
+def test_the_first_step_after_the_repair_is_set_against_each_ranks_median_step():
+    def rec(step, t, pid, fwd, ar):
+        return {"step": step, "time": t, "pid": pid, "phases": {"forward": fwd, "allreduce": ar}}
+
+    steps = {
+        0: [rec(0, 1, 10, 0.9, 0.9), rec(1, 2, 10, 0.1, 0.01), rec(2, 3, 10, 0.1, 0.01)]
+        + [rec(3, 5, 10, 0.1, 0.04), rec(4, 6, 10, 0.1, 0.01)],
+        1: [rec(0, 1, 11, 0.9, 0.9), rec(1, 2, 11, 0.1, 0.01), rec(2, 3, 11, 0.1, 0.01)]
+        + [rec(3, 5, 99, 0.15, 0.01), rec(4, 6, 99, 0.1, 0.01)],
+        2: [rec(0, 1, 12, 0.9, 0.9), rec(1, 2, 12, 0.1, 0.01), rec(2, 3, 12, 0.1, 0.01)]
+        + [rec(3, 5, 12, 0.1, 0.02), rec(4, 6, 12, 0.1, 0.01)],
+    }
+    got = sc.first_step_penalty(steps, 4.0, 3)
+    assert got["replacement"] == {"forward": pytest.approx(0.05), "allreduce": 0.0}
+    assert got["survivors"] == {"forward": 0.0, "allreduce": pytest.approx(0.03)}

@@ -102,6 +102,12 @@ def test_process_faults_restart_only_the_faulty_rank(tmp_path, ref, kind, eviden
     else:
         assert job.first("worker-fault", rank=1)["injected"] is True
     assert repaired_besides_laggards(job.first("repair-plan")["pairs"]) == {1}
+    # the replacement made its predecessor's gradient sync before its first backward
+    # (launcher.runtime.grad_sync_plan), and the result is still bit-identical
+    assert any(
+        line.startswith("[ftrun rank 1 ") and "installed 1 gradient sync(s)" in line
+        for line in job.output.splitlines()
+    ), job.describe()
     assert_same_params(job.params, ref)
 
 

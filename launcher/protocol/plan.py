@@ -229,6 +229,12 @@ def replica_key(rank: int) -> str:
     return f"{ROOT}/replica/{rank}"
 
 
+def grad_syncs_key(rank: int) -> str:
+    """Where a rank records its gradient syncs, for its replacement to install before its
+    first backward (launcher.runtime.grad_sync_plan)."""
+    return f"{ROOT}/grad_syncs/{rank}"
+
+
 class _Record:
     """JSON (de)serialisation shared by the records below."""
 

@@ -291,10 +291,12 @@ class GradientSyncs:
     parameter set of a tuple of models (their parameters with requires_grad, each once) is read
     at its first use: a step then costs two dict lookups, not a walk of the module tree."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_new: Callable[[tuple, Any, bool, int], None] | None = None) -> None:
         self._syncs: dict[tuple, OverlappedAllReduce] = {}
         # ids of the models -> (the models, kept alive so their ids stay theirs; the sync's key)
         self._params_of: dict[tuple[int, ...], tuple[tuple[torch.nn.Module, ...], tuple]] = {}
+        # called with (models, group key, average, bucket_bytes) when a sync is made
+        self._on_new = on_new
 
     def sync(
         self,
@@ -304,6 +306,18 @@ class GradientSyncs:
         average: bool,
         bucket_bytes: int,
     ) -> None:
+        self.prepare(models, group_key, comm, average, bucket_bytes).finish()
+
+    def prepare(
+        self,
+        models: tuple[torch.nn.Module, ...],
+        group_key: Any,
+        comm: Callable[[], GradComm],
+        average: bool,
+        bucket_bytes: int,
+    ) -> OverlappedAllReduce:
+        """The sync of `models` (made, with its backward hooks, on its first use): `sync` without
+        the wait, so that a sync made ahead of a backward launches that backward's buckets."""
         ids = tuple(map(id, models))
         known = self._params_of.get(ids)
         if known is None:
@@ -316,7 +330,9 @@ class GradientSyncs:
         s = self._syncs.get(key)
         if s is None:
             s = self._syncs[key] = OverlappedAllReduce(params, comm(), average, bucket_bytes)
-        s.finish()
+            if self._on_new is not None:
+                self._on_new(models, group_key, average, bucket_bytes)
+        return s
 
     def abandon_all(self) -> None:
         for s in self._syncs.values():

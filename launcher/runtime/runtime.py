@@ -36,6 +36,7 @@ from launcher.runtime.ddp import DDPHost, RuntimeDDP
 from launcher.runtime.devices import DeviceAdapter, select_adapter
 from launcher.runtime.env import RuntimeEnv
 from launcher.runtime.faultplan import FaultInjector, parse_plan
+from launcher.runtime.grad_sync_plan import SyncPlan
 from launcher.runtime.groups import GroupHandle
 from launcher.runtime.logs import RankLog
 from launcher.runtime.pause import PauseGate
@@ -113,7 +114,8 @@ class Runtime:
             self._path,
             self._checkpoints,
         )
-        self._grad_syncs = GradientSyncs()
+        self._sync_plan = SyncPlan(links, state)  # a replacement's syncs made before backward
+        self._grad_syncs = GradientSyncs(self._sync_plan.record)
         self._world.listeners.append(lambda g: self._grad_syncs.abandon_all())
         self._world.elastic.listeners.append(self._resized)
         # called with (old, new) world size after a live shrink (elastic-training) rebuilt the
@@ -122,7 +124,7 @@ class Runtime:
 
     def _resized(self, old: int, new: int) -> None:
         self._grad_syncs.remove_all()  # their buckets and hooks were for the old world
-        self._grad_syncs = GradientSyncs()
+        self._grad_syncs = GradientSyncs(self._sync_plan.record)
         if self.on_resize is not None:
             self.on_resize(old, new)
 
@@ -363,7 +365,13 @@ class Runtime:
         """The step to start at: a replacement's resume step (after its repair), a loaded
         checkpoint's, or 0."""
         if self._round.pending_plan is not None:
-            return self._round.resume_replacement()
+            resume = self._round.resume_replacement()
+            self._sync_plan.install(
+                lambda m, avg, cap: self._grad_syncs.prepare(
+                    m, None, lambda: self._grad_comm(None), avg, cap
+                )
+            )
+            return resume
         state = self._state
         # whether a replacement of this rank may skip its random init (launcher.runtime.skip_init)
         self._round.init_window.close(state.reg.overwritten())
