@@ -315,6 +315,8 @@ def test_two_agents_restart_under_one_generation(tmp_path) -> None:
     assert gens[0] == gens[1] == [0, 1]
 
 
+# slow: the c10d case above runs in CI; etcd's two agents: test_agent_multinode (same etcd command)
+@pytest.mark.slow
 @pytest.mark.etcd
 def test_two_agents_through_etcd_restart_under_one_generation(tmp_path) -> None:
     from tests.helpers_etcd import etcd_available, start_etcd
@@ -362,6 +364,9 @@ def test_two_agents_through_etcd_restart_under_one_generation(tmp_path) -> None:
         srv.stop()
 
 
+# ~25 s: slow; a lost node's replacement joining is in CI in test_agent_multinode (a spare takes
+# over the controller's node) and test_netns_nodeloss (a hot spare takes a crashed node's ranks)
+@pytest.mark.slow
 def test_lost_agent_is_noticed_and_a_replacement_joins_the_next_generation(tmp_path) -> None:
     port = free_port()
 

@@ -300,10 +300,11 @@ def test_a_spare_that_takes_over_the_controllers_node_reports_its_own_arrival(tm
 @pytest.mark.parametrize(
     "backend, kind",
     [
-        # the slow subset's: the unmodified script on c10d (etcd's below runs in CI)
+        # ~25 s each: the CI subset runs the runtime's on c10d; the unmodified script's (c10d,
+        # etcd) are the slow subset's
         pytest.param("c10d", "unmodified", marks=pytest.mark.slow),
         ("c10d", "runtime"),
-        pytest.param("etcd", "unmodified", marks=pytest.mark.etcd),
+        pytest.param("etcd", "unmodified", marks=[pytest.mark.etcd, pytest.mark.slow]),
     ],
 )
 def test_a_lost_node_not_taken_over_shrinks_the_world_when_min_allows(
@@ -544,6 +545,8 @@ def test_scale_up_restart_grows_the_world_with_a_late_node(tmp_path) -> None:
     ]
 
 
+# ~30 s (waits out the lease): slow; a cut-off node self-fencing is in CI in test_netns_partition
+@pytest.mark.slow
 @pytest.mark.etcd
 def test_a_node_cut_off_from_etcd_self_fences_within_the_lease_ttl_plus_1s(tmp_path) -> None:
     """etcd, two agents of a runtime-aware job; one reaches etcd through a relay whose link is

@@ -43,7 +43,12 @@ def _bench(tmp_path: Path, *extra: str) -> tuple[dict, str]:
     return json.loads(out.stdout.strip().splitlines()[-1]), out.stderr
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["default", "keep-logs"])
+@pytest.mark.parametrize(
+    "keep",
+    # ~9 s each: the CI subset runs the default; --keep-logs is the slow subset's
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["default", "keep-logs"],
+)
 def test_a_run_reports_its_transfer_path_and_leaves_no_checkpoints(tmp_path, keep):
     row, err = _bench(tmp_path, *(["--keep-logs"] if keep else []))
     assert row["bench"] == "recovery" and row["ftrun_phases"]["detect_s"] >= 0

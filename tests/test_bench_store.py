@@ -10,11 +10,16 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 SCRIPT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_store.py"
 )
 
 
+# ~60 s (every backend's processes import torch per round): the benchmark's run is in the slow set;
+# its parsing and argument checks below stay in the CI subset
+@pytest.mark.slow
 def test_backends_are_compared_to_torch_round_by_round_and_warm_pattern_by_pattern() -> None:
     """One run (the suite pays one set-up per backend and round): --repeat 2 gives each backend's
     rounds against torch's, a second torch instance (`torch#2`) is measured as a contender, and

@@ -9,11 +9,15 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 SCRIPT = os.path.join(
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "bench_store_connect.py"
 )
 
 
+# ~32 s of torch imports per round: the benchmark's run is in the slow set (arguments below: CI)
+@pytest.mark.slow
 def test_one_line_per_backend_with_the_connects_cpu_and_ratios() -> None:
     r = subprocess.run(
         [sys.executable, SCRIPT, "--sizes", "8", "--repeat", "2", "--backends", "torch,ftrun"],

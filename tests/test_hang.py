@@ -78,6 +78,9 @@ def one_round_for(job, rank: int) -> dict:
     return decide
 
 
+# ~40 s (the default hang timeout runs out): slow; detection of a stopped rank is in CI below
+# (the floor knob, an unmodified script's stopped rank, survivors timing out in one collective)
+@pytest.mark.slow
 def test_sigstop_of_a_random_rank_is_found_with_default_flags(tmp_path, ref):
     victim = random.Random().randrange(4)
     job = LiveJob(tmp_path, script_args=["--step-time", STEP_TIME], steps=STEPS)

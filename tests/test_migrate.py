@@ -77,6 +77,8 @@ def test_a_rank_moves_live_with_no_rollback_and_bit_identical_params(tmp_path, r
     assert_same_params(result.params, ref)
 
 
+# ~15 s: slow; an abandoned switch is in CI in test_handoff and test_hot_switch (units)
+@pytest.mark.slow
 def test_a_switch_whose_new_process_dies_is_abandoned_and_the_ranks_keep_running(
     tmp_path, ref
 ) -> None:

@@ -82,6 +82,8 @@ def _tail(path) -> str:
         return ""
 
 
+# ~25 s: slow; the election and takeover on a real etcd are in CI in test_election
+@pytest.mark.slow
 @pytest.mark.skipif(not etcd_available(), reason=f"etcd binary not found at {ETCD_BIN}")
 def test_etcd_the_controller_moves_by_election_when_its_host_crashes(tmp_path) -> None:
     _reference(tmp_path)

@@ -168,6 +168,22 @@ def _check_data_and_parameters(run: Run) -> float:
         for x in run.records[r]:
             if "step" in x:
                 consumed.setdefault(x["step"], []).extend(x["micro"])
+    # the crashed rank may die after a step committed (its all-reduce done) but before it wrote
+    # that step's record (seen in a suite run): a survivor's record of that step in the full
+    # world proves its micro-batch went in; at most its last step before the crash
+    written = {x["step"] for x in run.records[run.lost] if "step" in x}
+    survivor = run.records[min(run.first)]
+    unwritten = [
+        x["step"]
+        for x in survivor
+        if "step" in x and x["world"] == run.n and x["step"] not in written
+    ]
+    assert len(unwritten) <= 1 and all(s == max(written, default=-1) + 1 for s in unwritten), (
+        unwritten,
+        sorted(written),
+    )
+    for s in unwritten:
+        consumed.setdefault(s, []).append(run.lost)
     every = {s: list(range(run.n)) for s in range(run.steps)}
     assert {s: sorted(m) for s, m in consumed.items()} == every
     got = torch.load(run.tmp / f"params{min(run.first)}.pt", weights_only=True)

@@ -184,6 +184,9 @@ def _steps(kv, ranks: int = 4, want: list[int] | None = None) -> list[int | None
         time.sleep(0.1)
 
 
+# ~11 s: slow; the pause itself is in CI above (a live job), the hooks' step end in
+# test_runtime_callbacks
+@pytest.mark.slow
 def test_the_framework_hooks_pause_at_step_end_and_resume_bit_identical(tmp_path) -> None:
     """The same through launcher.runtime.callbacks (tests/scripts/callbacks_loop.py, 2 ranks):
     the ranks halt in `step_end` of one step and the run stays bit-identical."""

@@ -134,6 +134,8 @@ def test_pool_of_zero_starts_nothing_and_a_negative_count_is_refused() -> None:
         SparePool(sys.executable, lambda m: None, count=-1)
 
 
+# ~13 s: slow; one fault from a warm spare is in CI (test_faults_e2e, test_runtime_recovery)
+@pytest.mark.slow
 def test_two_faults_in_a_row_on_one_node_both_start_from_a_warm_spare(tmp_path) -> None:
     """Issue 12 (spares under churn): with the default two spares, a second kill soon after the
     first recovery also gets a warm replacement (before: one spare, refilled 5 s later, so the
