@@ -87,3 +87,19 @@ def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
     assert a.keys() == b.keys()
     for k in a:
         assert torch.equal(a[k], b[k]), f"parameter {k} differs"
+
+
+class DictStore:
+    """The calls the runtime's rank code makes on torch's store (set, get, check), in a dict."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        self.data[key] = value
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.data for k in keys)

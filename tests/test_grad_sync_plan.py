@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from helpers_runtime import DictStore
 
 from launcher.protocol import plan as P
 from launcher.runtime.buckets import GradComm, GradientSyncs
@@ -18,20 +19,6 @@ from launcher.runtime.rank_state import RankLinks, RankState, RuntimeOptions
 from launcher.runtime.replicas import Layout
 from launcher.runtime.signals import StopSignal
 from launcher.runtime.state import Registered
-
-
-class DictStore:
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: bytes) -> None:
-        self.data[key] = value
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
 
 
 def rank_of(store: DictStore, models: list[torch.nn.Module], managed: bool = True):

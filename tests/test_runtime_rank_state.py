@@ -6,6 +6,7 @@ import threading
 import time
 
 import pytest
+from helpers_runtime import DictStore
 
 from launcher.runtime.env import RuntimeEnv
 from launcher.runtime.rank_state import RankLinks, RankState, RuntimeOptions
@@ -19,22 +20,6 @@ BASE = {
     "MASTER_ADDR": "127.0.0.1",
     "MASTER_PORT": "29500",
 }
-
-
-class DictStore:
-    """The two calls RankLinks makes on torch's store."""
-
-    def __init__(self) -> None:
-        self.kv: dict[str, bytes] = {}
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.kv for k in keys)
-
-    def get(self, key: str) -> bytes:
-        return self.kv[key]
-
-    def set(self, key: str, value: bytes) -> None:
-        self.kv[key] = value
 
 
 def _links(store_timeout: str = "5") -> tuple[RankLinks, StopSignal, DictStore]:

@@ -9,6 +9,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.init as nn_init
+from helpers_runtime import DictStore
 
 from launcher.protocol import plan as P
 from launcher.runtime.rank_state import RankLinks, RuntimeOptions
@@ -255,20 +256,6 @@ def test_a_fill_inside_a_probed_fill_is_part_of_it(monkeypatch):
 
 
 # ---------------------------------------------------------------- the window and its verdict
-
-
-class DictStore:
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: bytes) -> None:
-        self.data[key] = value
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(k in self.data for k in keys)
 
 
 def start(
