@@ -392,15 +392,21 @@ def test_quick_path_leaves_auth_and_bad_counters_to_the_general_path() -> None:
         s2.close()
 
 
-def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
+@pytest.mark.parametrize("op", ["wait", "wait-values"])
+def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order(op: str) -> None:
     """A WAIT fired by a write of another thread (the hosting agent's LocalKV) queues its
     STOP_WAITING for the loop; a CANCEL_WAIT the client sent at the same moment (its wait slice
     ran out) must be answered STOP_WAITING then WAIT_CANCELED, with nothing left over. Before,
     the queued STOP_WAITING came after WAIT_CANCELED, and the client's next request read it as
     its own reply (an agent joining a rendezvous hung: CI failure of
-    test_scale_up_restart_grows_the_world_with_a_late_node)."""
+    test_scale_up_restart_grows_the_world_with_a_late_node). The same for FT_WAIT_VALUES, whose
+    queued wake-up carries the values."""
     from rendezvous.store.connection import Conn
 
+    if op == "wait":
+        request, woken = P.encode_request(P.Request(P.Op.WAIT, (b"/world",))), P.STOP_WAITING_REPLY
+    else:
+        request, woken = _wait_values((b"/world",)), _values_reply(b"w")
     srv = StoreServer(host="127.0.0.1")
     a, b = socket.socketpair()
     try:
@@ -408,7 +414,7 @@ def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
         c.validated = True
         srv._loop_ident = -1  # this thread is "another thread": wake-ups are queued
         srv._wake_fd = os.eventfd(0, os.EFD_NONBLOCK)
-        srv._consume(c, P.encode_request(P.Request(P.Op.WAIT, (b"/world",))))
+        srv._consume(c, request)
         srv.kv.set("world", b"w")  # fires the waiter from "another thread": queued
         assert srv._xq, "the wake-up should be queued for the loop"
         srv._consume(c, bytes((P.Op.CANCEL_WAIT,)))
@@ -416,37 +422,9 @@ def test_cancel_after_a_queued_wakeup_keeps_the_reply_stream_in_order() -> None:
         srv._flush_dirty()
         b.setblocking(False)
         got = b.recv(100)
-        assert got == bytes((P.STOP_WAITING, P.WAIT_CANCELED)), got
+        assert got == woken + P.WAIT_CANCELED_REPLY, got
         srv._consume(c, P.encode_request(P.Request(P.Op.GET, (b"/world",))))
         assert b.recv(100) == P.enc_bytes(b"w")
-    finally:
-        os.close(srv._wake_fd)
-        srv._wake_fd = -1
-        a.close()
-        b.close()
-
-
-def test_cancel_after_a_queued_values_wakeup_keeps_the_reply_stream_in_order() -> None:
-    """As above for FT_WAIT_VALUES: the queued wake-up (STOP_WAITING + the values) goes out
-    before the cancel's WAIT_CANCELED."""
-    from rendezvous.store.connection import Conn
-
-    srv = StoreServer(host="127.0.0.1")
-    a, b = socket.socketpair()
-    try:
-        c = Conn(a, "test", True, 0.0)
-        c.validated = True
-        srv._loop_ident = -1  # this thread is "another thread": wake-ups are queued
-        srv._wake_fd = os.eventfd(0, os.EFD_NONBLOCK)
-        srv._consume(c, _wait_values((b"/world",)))
-        srv.kv.set("world", b"w")
-        assert srv._xq, "the wake-up should be queued for the loop"
-        srv._consume(c, bytes((P.Op.CANCEL_WAIT,)))
-        srv._drain_xq()
-        srv._flush_dirty()
-        b.setblocking(False)
-        got = b.recv(100)
-        assert got == _values_reply(b"w") + P.WAIT_CANCELED_REPLY, got
     finally:
         os.close(srv._wake_fd)
         srv._wake_fd = -1
