@@ -220,6 +220,9 @@ def test_scenario_row_native_kill_at_step_1_end_to_end(tmp_path):
     assert ft["lost_s"] > 0 and ft["redone_s"] > 0
     assert ft["lost_s"] == pytest.approx(ft["redone_s"] + ft["overhead_s"], abs=1e-3)
     assert ft["replacement"]["repair_s"] >= 0 and "torchrun" not in row
+    # the redone step is step 1 of a fault-free job of the same scenario (a first step)
+    assert row["redone_from"] == "the same step of a fault-free ftrun job"
+    assert ft["fault_free_step_s"] > 0 and "overhead_vs_median_s" in ft, ft
     edges = ft["critical_path"]
     assert 0 <= edges["plan_published"] <= edges["spawn"] <= edges["repaired"]
     assert edges["repaired"] <= edges["trains_again"] == pytest.approx(ft["lost_s"], abs=1e-3)
@@ -480,3 +483,37 @@ def test_the_first_step_after_the_repair_is_set_against_each_ranks_median_step()
     got = sc.first_step_penalty(steps, 4.0, 3)
     assert got["replacement"] == {"forward": pytest.approx(0.05), "allreduce": 0.0}
     assert got["survivors"] == {"forward": 0.0, "allreduce": pytest.approx(0.03)}
+
+
+def test_a_step_1_kill_is_set_against_the_same_step_of_a_fault_free_job():
+    """The fault-free job's step k runs from every rank's commit of k - 1 to every rank's commit
+    of k; a run's redone step becomes that, its median split kept beside it."""
+    steps = {
+        0: [{"step": 0, "time": 10.0}, {"step": 1, "time": 11.0}, {"step": 2, "time": 11.5}],
+        1: [{"step": 0, "time": 10.2}, {"step": 1, "time": 10.9}, {"step": 2, "time": 11.4}],
+        2: [{"step": 0, "time": 10.1}],  # a rank without step 1: step 1 is not known
+    }
+    assert sc.step_durations(steps) == {}
+    del steps[2]
+    durations = sc.step_durations(steps)
+    assert durations == pytest.approx({1: 0.8, 2: 0.5})
+    run = {"killed_step": 1, "lost_s": 1.2, "redone_s": 0.5, "overhead_s": 0.7, "recomputed": 0}
+    sc.against_fault_free(run, durations)
+    assert run == pytest.approx(
+        {
+            "killed_step": 1,
+            "lost_s": 1.2,
+            "redone_s": 0.8,
+            "overhead_s": 0.4,
+            "overhead_vs_median_s": 0.7,
+            "fault_free_step_s": 0.8,
+            "recomputed": 0,
+        }
+    )
+    # no redone step longer than the time lost; a step the job did not reach is left as it was
+    short = {"killed_step": 1, "lost_s": 0.5, "redone_s": 0.3, "overhead_s": 0.2, "recomputed": 0}
+    sc.against_fault_free(short, durations)
+    assert (short["redone_s"], short["overhead_s"]) == (0.5, 0.0)
+    far = {"killed_step": 7, "lost_s": 1.0, "redone_s": 0.5, "overhead_s": 0.5, "recomputed": 0}
+    sc.against_fault_free(far, durations)
+    assert "fault_free_step_s" not in far and far["overhead_s"] == 0.5
