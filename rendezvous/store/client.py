@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from rendezvous.kv import KVStore, StoreAuthError, StoreError, StoreTimeout, check_timeout
 from rendezvous.store import protocol as P
@@ -255,23 +255,30 @@ class StoreClient(KVStore):
             return self._read(link, P.REPLY_OF[req.op], count)
 
     def _wait_wire(self, wks: tuple, timeout: float) -> bool:
+        return self._await(P.Op.WAIT, wks, timeout, lambda link: True) is not None
+
+    def _await(self, op: int, wks: tuple, timeout: float, woken: Callable[[_Link], Any]) -> Any:
+        """WAIT or FT_WAIT_VALUES on `wks` for up to `timeout` s: `woken(link)` reads what follows
+        the wake-up's STOP_WAITING (nothing for a WAIT, the values for FT_WAIT_VALUES); None
+        when the time ran out (the wait withdrawn with CANCEL_WAIT)."""
         link = self._link()
         with self._using(link, "CANCEL_WAIT"):
-            link.sock.sendall(P.encode_request(P.Request(P.Op.WAIT, wks)))
+            link.sock.sendall(P.encode_request(P.Request(op, wks)))
             link.sock.settimeout(max(timeout, 1e-3))
             try:
                 r = self._read(link, P.Reply.U8)
-                return r == P.STOP_WAITING
             except socket.timeout:
-                pass
+                r = None
             finally:
                 link.sock.settimeout(self.timeout)
+            if r is not None:
+                return woken(link) if r == P.STOP_WAITING else None
             link.sock.sendall(bytes((P.Op.CANCEL_WAIT,)))
-            r = self._read(link, P.Reply.U8)
-            if r == P.STOP_WAITING:  # satisfied just before the cancel arrived
-                self._read(link, P.Reply.U8)
-                return True
-            return False
+            if self._read(link, P.Reply.U8) != P.STOP_WAITING:
+                return None
+            got = woken(link)  # satisfied just before the cancel arrived
+            self._read(link, P.Reply.U8)  # then the cancel's WAIT_CANCELED
+            return got
 
     # -- KVStore -------------------------------------------------------------------------
 
@@ -317,25 +324,10 @@ class StoreClient(KVStore):
         """One FT_WAIT_VALUES where the server answers it (ftrun's), else WAIT then MULTI_GET."""
         timeout = check_timeout(timeout)
         wks = tuple(wire_key(k) for k in keys)
-        link = self._link()
-        if not link.caps & P.CAP_WAIT_VALUES:
+        if not self._link().caps & P.CAP_WAIT_VALUES:
             return super().wait_values(list(keys), timeout)
-        with self._using(link, "FT_WAIT_VALUES"):
-            link.sock.sendall(P.encode_request(P.Request(P.Op.FT_WAIT_VALUES, wks)))
-            link.sock.settimeout(max(timeout, 1e-3))
-            try:
-                return self._read(link, P.Reply.WAIT_VALUES, len(wks))
-            except socket.timeout:
-                pass
-            finally:
-                link.sock.settimeout(self.timeout)
-            link.sock.sendall(bytes((P.Op.CANCEL_WAIT,)))
-            if self._read(link, P.Reply.U8) == P.STOP_WAITING:
-                # satisfied just before the cancel arrived: the values, then WAIT_CANCELED
-                values = self._read(link, P.Reply.MULTI, len(wks))
-                self._read(link, P.Reply.U8)
-                return values
-            return None
+        values = lambda link: self._read(link, P.Reply.MULTI, len(wks))  # noqa: E731
+        return self._await(P.Op.FT_WAIT_VALUES, wks, timeout, values)
 
     def delete(self, key: str) -> bool:
         return self._call(P.Request(P.Op.DELETE_KEY, (wire_key(key),))) > 0
