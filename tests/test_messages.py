@@ -30,6 +30,7 @@ SAMPLES = [
     FaultReport(rank=3, kind="uce-low", message="boom", step=7, phase="forward", injected=True),
     Recovered(rank=3, generation=2, resume_step=8, action="rollback", timings={"stop_s": 0.1}),
     Imports(rank=3, modules=["torch._dynamo", "megatron.core"]),
+    Imports(rank=3, modules=["megatron.core"], at="start"),
     Bye(rank=3),
     Stop(generation=2, strategy="retry", failed_ranks=[1]),
     Inject(kind="kill", step=None, phase=None),
@@ -46,7 +47,7 @@ def test_every_message_round_trips_as_one_json_line(msg) -> None:
 
 
 def test_every_registered_op_has_a_sample() -> None:
-    assert sorted(MESSAGES) == sorted(m.op for m in SAMPLES)
+    assert sorted(MESSAGES) == sorted({m.op for m in SAMPLES})
 
 
 def test_defaults_fill_what_an_older_peer_leaves_out_and_extra_fields_are_ignored() -> None:

@@ -232,8 +232,9 @@ def _run_job(tmp_path, cmd_tail: list[str], env: dict, kill=None) -> tuple[int, 
 def test_the_pool_starts_with_the_workers_and_a_kill_once_it_is_ready_is_warm(tmp_path) -> None:
     """Issue 32, items 2 and 4: for a script that names launcher.runtime the fork server starts
     right after the workers (before any rank said hello), `spare-ready` says when it was ready;
-    the ranks' modules are learned at their first step; a kill after that is repaired by a warm
-    spare whose start-up split (exec -> imported) holds no imports."""
+    the ranks' modules are learned when they join (the script's top-level imports: a kill at step
+    1 must find them in the spares) and at their first step; a kill after that is repaired by a
+    warm spare whose start-up split (exec -> imported) holds no imports."""
     import time
 
     from helpers_launch import env_with, events, script
@@ -269,8 +270,9 @@ def test_the_pool_starts_with_the_workers_and_a_kill_once_it_is_ready_is_warm(tm
     assert started["time"] < first_hello["time"]  # with the workers, not at the first hello
     ready = next(e for e in ev if e["event"] == "spare-ready")
     assert ready["ready"] == 1 and ready["since_job_s"] >= ready["since_pool_s"] > 0
-    learned = next(e for e in ev if e["event"] == "spare-imports")
-    assert learned["new"] > 100  # torch's modules beyond what `import torch` loads, at least
+    learned = [e for e in ev if e["event"] == "spare-imports"]
+    assert learned[0]["at"] == "start", learned  # told when the first rank joined
+    assert learned[0]["new"] > 100  # torch's modules, the script's top-level imports
     warm = [e for e in ev if e["event"] == "spawn" and e["rank"] == 1 and e.get("replacement")]
     assert len(warm) == 1 and warm[0]["warm"], out[-4000:]
     (rec,) = [e for e in ev if e["event"] == "rank-recovered" and e["rank"] == 1]

@@ -1,16 +1,16 @@
 """The agent's side of the worker channel: what a runtime-aware worker tells its agent.
 
-Owns: `WorkerMessages.on_message(ChannelMessage)`: Hello (the rank uses the runtime: noted in
-the store, its death notice watched, the plan executor told), Heartbeat (the hang guard's and
-the warm spare's news), FaultReport (a fault the runtime saw: reported to the controller with
-its evidence, repeated UCEs on one device from the fault memory), Recovered (the rank resumed
-after a recovery round), Imports (the modules the rank had loaded by its first step: the warm
-spares import them too) and Bye (the rank is done with the job); and `on_inject`, an `ftctl
-inject` request for a local rank, carried out (`launcher.agent.injections`: on the channel for
-a runtime rank, else by signal); an `ftctl pause` (an injection of kind `plan.PAUSE_KIND` for
-every rank) is sent to every local runtime-aware rank as `Pause`; a hot switch's order
-(`plan.SWITCH_KIND`) goes to launcher.agent.hot_switch, whose new processes' messages are not
-acted on until they are in their ranks' places.
+Owns: `WorkerMessages.on_message(ChannelMessage)`: Hello (the rank uses the runtime: noted in the
+store, its death notice watched, the plan executor told), Heartbeat (the hang guard's and the warm
+spare's news), FaultReport (a fault the runtime saw: reported to the controller with its evidence,
+repeated UCEs on one device from the fault memory), Recovered (the rank resumed after a recovery
+round), Imports (the modules the rank had loaded by its start and by its first step: the warm
+spares import them too) and Bye (the rank is done with the job); and `on_inject`, an `ftctl inject`
+request for a local rank, carried out (`launcher.agent.injections`: on the channel for a runtime
+rank, else by signal); an `ftctl pause` (an injection of kind `plan.PAUSE_KIND` for every rank) is
+sent to every local runtime-aware rank as `Pause`; a hot switch's order (`plan.SWITCH_KIND`) goes
+to launcher.agent.hot_switch, whose new processes' messages are not acted on until they are in
+their ranks' places.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class WorkerMessages:
             self._on_recovered(msg)
         elif isinstance(msg, Imports):
             if s.spawner is not None:
-                s.spawner.learn_imports(msg.rank, msg.modules)
+                s.spawner.learn_imports(msg.rank, msg.modules, msg.at)
         elif isinstance(msg, Bye):
             s.hangs.on_bye(msg.rank)
             w = s.workers.by_rank(msg.rank)

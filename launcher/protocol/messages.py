@@ -8,8 +8,8 @@ module imports no agent code and no torch.
 
   worker -> agent  Hello (once, first), Heartbeat (on progress, and every heartbeat interval),
                    FaultReport (a fault the worker detected itself), Recovered (a recovery round
-                   completed), Imports (once, at its first committed step: the modules it has
-                   loaded, for the warm spares), Bye (the worker finished)
+                   completed), Imports (twice, when it joins and at its first committed step: the
+                   modules it has loaded, for the warm spares), Bye (the worker finished)
   agent -> worker  Stop (stop for generation g: abort collectives, join the recovery round),
                    Inject (`ftctl inject` forwarded to the worker's fault injector), Pause
                    (`ftctl pause`: halt at the end of an agreed step, launcher.runtime.pause)
@@ -136,9 +136,11 @@ class Recovered:
 class Imports:
     op: ClassVar[str]
     rank: int
-    # the modules loaded by the rank's first step, in import order: not the standard library's,
-    # not the script's own directory's (launcher.runtime.loaded_modules)
+    # the modules loaded by the rank's start (`at` "start": the script's top-level imports, told
+    # when it joins) or by its first step ("first-step"), in import order: not the standard
+    # library's, not the script's own directory's (launcher.runtime.loaded_modules)
     modules: list[str] = field(default_factory=list)
+    at: str = "first-step"
 
 
 @message("bye")

@@ -1,12 +1,14 @@
-"""What this rank has imported, told to its agent once so that warm spares import it first.
+"""What this rank has imported, told to its agent so that warm spares import it first.
 
-Owns: `loaded_modules(script_dir)`: the modules in `sys.modules` at this rank's first committed
-step, in `sys.modules`' order (importing a submodule imports its parents), leaving out the
-standard library's, ftrun's own, aliases (an entry whose module calls itself by another name),
-the script itself and the modules of the script's own directory (the user's code: importing it
-in a spare would run it there). `StepPath.commit` sends them once (`Imports`); the agent's spare
-fork server imports them before it forks spares, so a replacement runs only its script's body:
-`torch._dynamo` (DDP's constructor), megatron-core, transformers are already there.
+Owns: `loaded_modules(script_dir)`: the modules in `sys.modules` now (when the rank joins the job,
+and again at its first committed step), in `sys.modules`' order (importing a submodule imports its
+parents), leaving out the standard library's, ftrun's own, aliases (an entry whose module calls
+itself by another name), the script itself and the modules of the script's own directory (the user's
+code: importing it in a spare would run it there). The runtime's join sends them (`Imports`, at
+"start": the script's top-level imports, so a kill at step 1 finds them in the spares too) and
+`StepPath.commit` once more (what the first step imported); the agent's spare fork server imports
+them before it forks spares, so a replacement runs only its script's body: `torch._dynamo` (DDP's
+constructor), megatron-core, transformers are already there.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from launcher.protocol import death_notice
 from launcher.protocol import plan as P
-from launcher.protocol.messages import Hello
+from launcher.protocol.messages import Hello, Imports
 from launcher.runtime.buckets import BUCKET_BYTES, GradComm, GradientSyncs
 from launcher.runtime.channel import AgentChannel
 from launcher.runtime.checkpoints import Checkpoints
@@ -38,6 +38,7 @@ from launcher.runtime.env import RuntimeEnv
 from launcher.runtime.faultplan import FaultInjector, parse_plan
 from launcher.runtime.grad_sync_plan import SyncPlan
 from launcher.runtime.groups import GroupHandle
+from launcher.runtime.loaded import loaded_modules
 from launcher.runtime.logs import RankLog
 from launcher.runtime.pause import PauseGate
 from launcher.runtime.rank_state import RankLinks, RankState, RuntimeOptions
@@ -469,6 +470,8 @@ def _start(rt: Runtime) -> None:
     )
     rt._links.channel.set_progress_source(rt._path.progress_now)
     rt._links.channel.update(generation=rt.generation)
+    if not env.replacement:  # the script's imports so far: the spares import them meanwhile
+        rt._links.channel.send(Imports(env.rank, loaded_modules(), at="start"))
     rt._links.store = dist.TCPStore(
         env.master_addr,
         env.master_port,

@@ -190,7 +190,8 @@ class StepPath:
         state.snapshots[index + 1] = state.reg.snapshot(index + 1, self.adapter)
         if not self._state_told and self.links.channel is not None:
             # once, when the optimizer state exists: the agent's spares fault in that much heap,
-            # and import what this rank imported by now (launcher.runtime.loaded)
+            # and import what this rank imported by now (launcher.runtime.loaded; what the
+            # script had imported when it joined was told then)
             self._state_told = True
             self.links.channel.update(state_bytes=state.reg.state_bytes())
             if not self.links.env.replacement:  # a spare's copy would name the spare's

@@ -387,21 +387,24 @@ class Spawner:
             **extra,
         )
 
-    def learn_imports(self, rank: int, modules: list[str]) -> None:
-        """Rank `rank` had `modules` loaded by its first step: the spares import them too."""
+    def learn_imports(self, rank: int, modules: list[str], at: str = "first-step") -> None:
+        """Rank `rank` had `modules` loaded by its start (`at` "start": when it joined the job)
+        or by its first step ("first-step"): the spares import them too."""
         if self.spares is None or self.imports is None:
             return
         new = self.imports.add(rank, modules)
         if new and self.imports.file is not None:
             self.spares.extend_imports(self.imports.file)
+            when = "its start" if at == "start" else "its first step"
             self.log.info(
                 "spare-imports",
-                f"rank {rank} had {new} more module(s) loaded by its first step "
+                f"rank {rank} had {new} more module(s) loaded by {when} "
                 f"({len(self.imports.modules)} in all, {self.imports.file}): the spares import "
                 "them before they are forked",
                 rank=rank,
                 new=new,
                 modules=len(self.imports.modules),
+                at=at,
             )
 
     def hold_spares(self, generation: int, ranks: set[int]) -> None:
