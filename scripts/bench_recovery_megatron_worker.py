@@ -20,15 +20,18 @@ import sys
 import time
 from typing import Any
 
+# installed packages first, as a Megatron script's leading imports: ftrun's fork server imports
+# them once for the node before it forks the ranks and the spares (launcher.workers.job_imports)
+import torch
+from megatron.core import parallel_state
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(1, HERE)  # scripts/, also in a spare
 sys.path.insert(0, os.path.join(HERE, "examples"))
 
 import megatron_train as mt  # noqa: E402  (scripts/examples: the example's CPU model and groups)
-import torch  # noqa: E402
 from bench_torchrun_group import init_attempt_group  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
 
 from launcher.runtime import callbacks as ftcb  # noqa: E402
 from launcher.runtime.megatron import rebuild_parallel_state  # noqa: E402

@@ -10,6 +10,7 @@ from launcher.workers.job_imports import (
     JobImports,
     names_runtime,
     names_torch,
+    script_imports,
     starts_forked,
     starts_with_workers,
 )
@@ -127,3 +128,34 @@ def test_with_learning_off_only_the_named_modules_are_imported(tmp_path) -> None
     imports = JobImports(str(path), [], [], learn=False)
     assert imports.file is None and not path.exists()  # nothing to import: no file
     assert imports.add(0, ["torch._dynamo"]) == 0 and imports.file is None
+
+
+def test_the_scripts_leading_imports_are_read_without_importing_them(tmp_path) -> None:
+    """Issue 32, item 4: the third-party modules a script imports before any statement of its
+    own (megatron-core, transformers) are known before its ranks start, so the fork server can
+    import them once for the node; the block ends at the first statement of the script's own."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "__init__.py").write_text("raise SystemExit('imported!')\n")
+    (tmp_path / "helper.py").write_text("raise SystemExit('imported!')\n")
+    script = tmp_path / "train.py"
+    script.write_text(
+        '"""A training script."""\n'
+        "from __future__ import annotations\n"
+        "import os, json\n"
+        "import torch\n"
+        "import megatron.core.parallel_state as ps\n"
+        "from transformers import AutoModel\n"
+        "from mine import model\n"  # the user's package beside the script: not for the server
+        "import helper\n"  # the user's module beside the script
+        "from megatron.core import tensor_parallel\n"
+        "os.environ['X'] = '1'\n"  # the script's own code: what follows may depend on it
+        "import late_module\n"
+    )
+    found = script_imports(str(script), False, str(tmp_path))
+    assert found == ["torch", "megatron.core.parallel_state", "transformers", "megatron.core"]
+    (tmp_path / "broken.py").write_text("import megatron.core\ndef f(:\n")
+    assert script_imports(str(tmp_path / "broken.py"), False, str(tmp_path)) == []
+    assert script_imports(str(tmp_path / "missing.py"), False, str(tmp_path)) == []
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "run.py").write_text("import numpy\nprint('go')\n")
+    assert script_imports("pkg.run", True, str(tmp_path)) == ["numpy"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import queue
 import signal
 
@@ -523,3 +524,47 @@ def test_a_module_job_is_forked_as_python_m_would_run_it(tmp_path) -> None:
         seen = json.loads((out_dir / f"start.{rank}.json").read_text())
         assert seen["argv"] == [str(tmp_path / "probe_mod.py"), "x"]
         assert seen["path0"] == str(tmp_path) and seen["name"] == "__main__"
+
+
+def test_the_fork_server_imports_the_scripts_leading_imports_once_for_the_node(tmp_path) -> None:
+    """Issue 32, item 4: a third-party module the script imports first (megatron-core in a
+    Megatron script) is imported by the node's fork server before it forks the ranks and the
+    spares: the ranks inherit it (one import per node, not one per rank) and a replacement at
+    step 1 finds it in its spare. The module below appends the pid of each process that runs its
+    body to a file: only the fork server's may be there."""
+    from helpers_launch import env_with
+
+    site, job = tmp_path / "site", tmp_path / "job"
+    site.mkdir()
+    job.mkdir()
+    marks = tmp_path / "imported_by.txt"
+    (site / "leading_mod.py").write_text(
+        "import os\n"
+        "with open(os.environ['LEADING_MARKS'], 'a') as f:\n"
+        "    f.write(f'{os.getpid()}\\n')\n"
+    )
+    (job / "train.py").write_text(
+        "import leading_mod\n"
+        "import torch\n"
+        "import launcher.runtime as ftr\n"
+        "\n"
+        "rt = ftr.init(backend='gloo')\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "rt.register(model=model)\n"
+        "for step in rt.steps(2):\n"
+        "    with step:\n"
+        "        model(torch.ones(2, 4)).sum().backward()\n"
+        "        rt.allreduce_gradients(model)\n"
+        "rt.finish()\n"
+    )
+    env = env_with(FTRUN_WARM_SPARES="1", LEADING_MARKS=str(marks))
+    env["PYTHONPATH"] = str(site) + os.pathsep + env["PYTHONPATH"]
+    code, out, ev = _run_job(tmp_path, [str(job / "train.py")], env)
+    assert code == 0, out[-6000:]
+    (told,) = [e for e in ev if e["event"] == "spare-imports" and e.get("at") == "script"]
+    assert told["new"] == 2 and "(leading_mod, torch)" in told["message"], told
+    server = next(e for e in ev if e["event"] == "spare" and "fork server started" in e["message"])
+    server_pid = int(server["message"].split("pid ", 1)[1].split(";")[0].split(")")[0])
+    assert marks.read_text().split() == [str(server_pid)], out[-4000:]
+    ranks = {e["rank"]: e for e in ev if e["event"] == "spawn"}
+    assert sorted(ranks) == [0, 1] and "fork server" in ranks[0]["message"]

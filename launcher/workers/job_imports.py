@@ -3,19 +3,22 @@
 Owns: `names_runtime` (a look at the training script's source: does it name `launcher.runtime`?
 Then the spare pool starts with the workers instead of at the first rank's hello;
 `LaunchConfig.spare_start`), `names_torch` (does it import torch? Then the ranks start forked
-from the node's fork server: `starts_forked`, `LaunchConfig.worker_start`) and `JobImports`,
-the modules the spares import besides torch and the runtime: the user's
-(`FTRUN_SPARE_IMPORTS`) first, then those the ranks reported by their first step
-(`launcher.protocol.messages.Imports`, unless `FTRUN_SPARE_LEARN=0`), in the order they were
-first named, written to the file the spares and the fork server read
+from the node's fork server: `starts_forked`, `LaunchConfig.worker_start`), `script_imports`
+(the third-party modules of the script's leading import block) and `JobImports`, the modules
+the spares import besides torch and the runtime: the user's (`FTRUN_SPARE_IMPORTS`) first, then
+the script's leading imports and those the ranks reported when they joined and by their first
+step (`launcher.protocol.messages.Imports`; both unless `FTRUN_SPARE_LEARN=0`), in the order
+they were first named, written to the file the spares and the fork server read
 (`launcher.workers.spare_process.write_imports`; `spare_imports.json` in the run's log
 directory). Nothing here imports what it names: that happens in the spares only.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import re
+import sys
 
 from launcher.workers.spare_process import write_imports
 
@@ -74,6 +77,45 @@ def names_torch(script: str, module: bool, cwd: str) -> bool:
     if source is None:
         return False
     return TORCH_NAMED.search(source) is not None or RUNTIME_NAMED.search(source) is not None
+
+
+def script_imports(script: str, module: bool, cwd: str) -> list[str]:
+    """The modules the script imports first, before any statement of its own runs: the leading
+    block of top-level `import X` / `from X import y` (after the docstring and `__future__`),
+    without the standard library's, ftrun's own and the modules found in the script's own
+    directory (the user's code). Read with `ast`, nothing imported; [] when the source cannot be
+    read or parsed. In that block a module sees the same environment, path and order as in a
+    rank, so the fork server can import it once for the node before it forks the ranks."""
+    source = _source(script, module, cwd)
+    if source is None:
+        return []
+    try:
+        body = ast.parse(source).body
+    except (SyntaxError, ValueError):
+        return []
+    path = script_source(script, module, cwd) or script
+    here = os.path.dirname(os.path.abspath(path))
+    names: list[str] = []
+    for i, node in enumerate(body):
+        if i == 0 and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # the docstring
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module != "__future__":
+                names.append(node.module)
+        else:
+            break  # the script's own code runs from here: what follows may depend on it
+    return [n for n in dict.fromkeys(names) if _third_party(n, here)]
+
+
+def _third_party(name: str, script_dir: str) -> bool:
+    """A module neither of the standard library, nor ftrun's, nor beside the script."""
+    top = name.split(".", 1)[0]
+    if top in sys.stdlib_module_names or top in sys.builtin_module_names or not keep(name):
+        return False
+    beside = os.path.join(script_dir, top)
+    return not (os.path.isdir(beside) or os.path.isfile(beside + ".py"))
 
 
 def starts_forked(worker_start: str, usable: bool, named_torch: bool) -> bool:

@@ -38,6 +38,7 @@ from launcher.workers.job_imports import (
     names_runtime,
     names_torch,
     node_cpus,
+    script_imports,
     starts_forked,
     starts_with_workers,
 )
@@ -93,14 +94,25 @@ class Spawner:
                 record=self.log.info,
             )
             here = os.path.dirname(os.path.abspath(cfg.script)) if not cfg.module else os.getcwd()
+            leading = script_imports(cfg.script, cfg.module, os.getcwd()) if cfg.spare_learn else []
             self.imports = JobImports(
                 os.path.join(self.run_dir.path, SPARE_IMPORTS_FILE),
-                cfg.spare_imports,
+                cfg.spare_imports + leading,
                 [here],
                 cfg.spare_learn,
             )
             if self.imports.file is not None:
                 self.spares.extend_imports(self.imports.file)
+            if leading:
+                self.log.info(
+                    "spare-imports",
+                    f"the script's leading imports ({', '.join(leading[:6])}"
+                    + (f" and {len(leading) - 6} more" if len(leading) > 6 else "")
+                    + "): the node's fork server imports them before it forks ranks and spares",
+                    new=len(leading),
+                    modules=len(self.imports.modules),
+                    at="script",
+                )
 
     def env(self, w: Worker, replacement: bool) -> dict[str, str]:
         cfg, world = self.cfg, self.world

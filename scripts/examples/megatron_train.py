@@ -35,11 +35,14 @@ import sys
 import time
 from typing import Any
 
+# installed packages first: ftrun's fork server imports a script's leading imports once for the
+# node, before it forks the ranks and the spares (a replacement at step 1 finds them imported)
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
