@@ -81,3 +81,20 @@ def test_a_spare_takes_at_most_a_quarter_of_the_available_memory():
     from launcher.runtime import heap
 
     assert 0 < int(out.stdout) <= (100 << 20) + heap.MMAP_THRESHOLD  # in whole blocks of < 32 MB
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc heap")
+def test_in_use_bytes_sees_a_ranks_model_and_state_whether_heap_or_mmapped():
+    """Issue 32: what a rank allocated by its first commit (more than its registered state: DDP's
+    gradient buckets, a framework's buffers) is the heap a spare prepares for its replacement."""
+    import torch
+
+    from launcher.runtime import heap
+
+    before = heap.in_use_bytes()
+    small = [torch.ones(1 << 20) for _ in range(8)]  # 8 x 4 MB: below the mmap threshold
+    big = torch.ones(16 << 20)  # 64 MB: mmapped
+    grown = heap.in_use_bytes() - before
+    assert 96 << 20 <= grown < 120 << 20, grown
+    del small, big
+    assert heap.in_use_bytes() - before < 8 << 20  # given back

@@ -40,7 +40,9 @@ class WorkerMessages:
             s.log.observe("heartbeat", **dataclasses.asdict(msg))
             s.hangs.on_heartbeat(msg)
             if s.spawner is not None:
-                s.spawner.rank_progressed(msg.rank, msg.committed_step, msg.state_bytes)
+                s.spawner.rank_progressed(
+                    msg.rank, msg.committed_step, max(msg.state_bytes, msg.heap_bytes)
+                )
         elif isinstance(msg, FaultReport):
             self._on_fault_report(msg, ev.pid)
         elif isinstance(msg, Recovered):

@@ -87,6 +87,9 @@ class Heartbeat:
     state_bytes: int = (
         0  # the bytes of its registered state (a replacement receives as much; 0: unknown)
     )
+    # how much its heap grew from its start to its first commit (a replacement allocates as much
+    # before it trains: the heap a spare prepares; launcher.runtime.heap.in_use_bytes; 0: unknown)
+    heap_bytes: int = 0
     generation: int = (
         -1
     )  # the generation the rank last entered (its start or a round it joined; -1: unknown)

@@ -1,17 +1,19 @@
 """A warm spare's heap, faulted in before it becomes a replacement.
 
-Owns: `prepare(nbytes)`, run by an idle forked spare (`launcher.workers.spare_server`), and
-`settle()`, run by the runtime of a replacement once its repair is done. A replacement builds its
-model and optimizer state in fresh memory and the state it receives lands there: every page is first
-zero-filled by the kernel on its first touch, inside the transfer (with huge pages: 2 MB at a time,
-sometimes behind a compaction). `prepare` moves that work to the spare's idle time: allocations
-below glibc's largest mmap threshold (32 MB) are taken from the main heap instead of fresh mappings,
-the heap is grown by `nbytes` (the largest state a rank of this node reported,
-`Heartbeat.state_bytes`), every page of it is touched (huge pages where the kernel has them) and
-given back to the heap, which is told not to trim it. The replacement's tensors are then carved from
-memory that is already there: 171.6 MB arrived in 28-29 ms instead of 38-42 ms here. `settle`
-restores a trim threshold of 64 MB (what glibc's own dynamic rule reaches in a long-running
-process), so the replacement then frees memory like its peers. Only glibc; anything else: a no-op.
+Owns: `in_use_bytes()` (the heap a rank needs), `prepare(nbytes)`, run by an idle forked spare
+(`launcher.workers.spare_server`), and `settle()`, run by the runtime of a replacement once its
+repair is done. A replacement builds its model and optimizer state in fresh memory and the state it
+receives lands there: every page is first zero-filled by the kernel on its first touch, inside the
+transfer (with huge pages: 2 MB at a time, sometimes behind a compaction). `prepare` moves that
+work to the spare's idle time: allocations below glibc's largest mmap threshold (32 MB) are taken
+from the main heap instead of fresh mappings, the heap is grown by `nbytes` (the most a rank of
+this node grew its heap by from its start to its first commit, `in_use_bytes`,
+`Heartbeat.heap_bytes`; at least its state, `state_bytes`), every page of it is touched (huge pages
+where the kernel has them) and given back to the heap, which is told not to trim it. The
+replacement's tensors are then carved from memory that is already there: 171.6 MB arrived in 28-29
+ms instead of 38-42 ms here. `settle` restores a trim threshold of 64 MB (what glibc's own dynamic
+rule reaches in a long-running process), so the replacement then frees memory like its peers. Only
+glibc; anything else: a no-op.
 """
 
 from __future__ import annotations
@@ -48,6 +50,33 @@ def libc():
         return lib
     except (OSError, AttributeError):  # not glibc
         return None
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (2.33 and later)."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+        )
+    ]
+
+
+def in_use_bytes() -> int:
+    """The bytes this process's allocator hands out now: glibc's in-use heap blocks and mmapped
+    chunks (`mallinfo2`); 0 where that is unknown (not glibc, or glibc before 2.33). A rank
+    reports how much this grew from its start to its first commit (its model, optimizer state,
+    gradient buckets, a framework's buffers): a replacement allocates as much before it trains,
+    so that is the heap a spare prepares for it."""
+    lib = libc()
+    info = getattr(lib, "mallinfo2", None) if lib is not None else None
+    if info is None:
+        return 0
+    info.restype = _MallInfo2
+    info.argtypes = []
+    m = info()
+    return int(m.uordblks + m.hblkhd)
 
 
 def available_bytes() -> int:

@@ -15,6 +15,7 @@ from typing import Any
 
 from launcher.protocol.faults import WORKER_FAULT_KINDS
 from launcher.protocol.messages import FaultReport, Imports
+from launcher.runtime import heap
 from launcher.runtime.collectives import CollectiveError, is_backend_failure
 from launcher.runtime.devices import (
     EXCEPTION,
@@ -143,6 +144,7 @@ class StepPath:
         self.adapter = adapter
         self._sockets = sockets  # enabled: collectives wait in C++ (rt.ddp's reducer)
         self._state_told = False  # the agent knows the bytes of this rank's state
+        self._heap_at_start = heap.in_use_bytes()  # the heap grown by its first commit is told
 
     # ---------------------------------------------------------------- a step's edges
     def begin(self, step: Step) -> None:
@@ -193,7 +195,8 @@ class StepPath:
             # and import what this rank imported by now (launcher.runtime.loaded; what the
             # script had imported when it joined was told then)
             self._state_told = True
-            self.links.channel.update(state_bytes=state.reg.state_bytes())
+            grown = max(0, heap.in_use_bytes() - self._heap_at_start)
+            self.links.channel.update(state_bytes=state.reg.state_bytes(), heap_bytes=grown)
             if not self.links.env.replacement:  # a spare's copy would name the spare's
                 self.links.channel.send(Imports(self.links.rank, loaded_modules()))
         # the agent's hang watch learns step times from this, however the heartbeats of a fast

@@ -161,8 +161,9 @@ class SparePool:
         self.round_hold.recovered(rank, generation, resume_step)
 
     def state_size(self, nbytes: int) -> None:
-        """A rank holds `nbytes` of state: spares forked from now on fault in that much heap
-        (at least the largest size reported; `launcher.runtime.heap`)."""
+        """A rank needed `nbytes` of heap by its first commit (its state, model, gradient buckets,
+        a framework's buffers): spares forked from now on fault in that much heap (at least the
+        largest size reported; `launcher.runtime.heap`)."""
         self.heap_bytes = max(self.heap_bytes, int(nbytes))
 
     def progressed(self, rank: int, committed_step: int) -> None:

@@ -428,11 +428,13 @@ class Spawner:
         if self.spares is not None:
             self.spares.recovered(rank, generation, resume_step)
 
-    def rank_progressed(self, rank: int, committed_step: int, state_bytes: int = 0) -> None:
+    def rank_progressed(self, rank: int, committed_step: int, heap_bytes: int = 0) -> None:
+        """Rank `rank` committed `committed_step`; `heap_bytes`: the heap it needed by its first
+        commit (its state at least), which spares forked from now on prepare."""
         if self.spares is not None:
             self.spares.progressed(rank, committed_step)
-            if state_bytes:
-                self.spares.state_size(state_bytes)
+            if heap_bytes:
+                self.spares.state_size(heap_bytes)
 
     def stop(self) -> None:
         if self.spares is not None:
