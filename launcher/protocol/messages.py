@@ -87,8 +87,8 @@ class Heartbeat:
     state_bytes: int = (
         0  # the bytes of its registered state (a replacement receives as much; 0: unknown)
     )
-    # how much its heap grew from its start to its first commit (a replacement allocates as much
-    # before it trains: the heap a spare prepares; launcher.runtime.heap.in_use_bytes; 0: unknown)
+    # the most its heap grew from its start through its first step (a replacement allocates as
+    # much: the heap a spare prepares; launcher.runtime.heap.in_use_bytes; 0: unknown)
     heap_bytes: int = 0
     generation: int = (
         -1

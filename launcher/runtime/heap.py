@@ -7,13 +7,13 @@ receives lands there: every page is first zero-filled by the kernel on its first
 transfer (with huge pages: 2 MB at a time, sometimes behind a compaction). `prepare` moves that
 work to the spare's idle time: allocations below glibc's largest mmap threshold (32 MB) are taken
 from the main heap instead of fresh mappings, the heap is grown by `nbytes` (the most a rank of
-this node grew its heap by from its start to its first commit, `in_use_bytes`,
-`Heartbeat.heap_bytes`; at least its state, `state_bytes`), every page of it is touched (huge pages
-where the kernel has them) and given back to the heap, which is told not to trim it. The
-replacement's tensors are then carved from memory that is already there: 171.6 MB arrived in 28-29
-ms instead of 38-42 ms here. `settle` restores a trim threshold of 64 MB (what glibc's own dynamic
-rule reaches in a long-running process), so the replacement then frees memory like its peers. Only
-glibc; anything else: a no-op.
+this node grew its heap by from its start through its first step (its phase edges, so the forward's
+activations count, and its commit), `in_use_bytes`, `Heartbeat.heap_bytes`; at least its state,
+`state_bytes`), every page of it is touched (huge pages where the kernel has them) and given back
+to the heap, which is told not to trim it. The replacement's tensors are then carved from memory
+that is already there: 171.6 MB arrived in 28-29 ms instead of 38-42 ms here. `settle` restores a
+trim threshold of 64 MB (what glibc's own dynamic rule reaches in a long-running process), so the
+replacement then frees memory like its peers. Only glibc; anything else: a no-op.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class _MallInfo2(ctypes.Structure):
 def in_use_bytes() -> int:
     """The bytes this process's allocator hands out now: glibc's in-use heap blocks and mmapped
     chunks (`mallinfo2`); 0 where that is unknown (not glibc, or glibc before 2.33). A rank
-    reports how much this grew from its start to its first commit (its model, optimizer state,
+    reports how much this grew from its start through its first step (its model, optimizer state,
     gradient buckets, a framework's buffers): a replacement allocates as much before it trains,
     so that is the heap a spare prepares for it."""
     lib = libc()

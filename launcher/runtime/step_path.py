@@ -145,6 +145,7 @@ class StepPath:
         self._sockets = sockets  # enabled: collectives wait in C++ (rt.ddp's reducer)
         self._state_told = False  # the agent knows the bytes of this rank's state
         self._heap_at_start = heap.in_use_bytes()  # the heap grown by its first commit is told
+        self._heap_peak = self._heap_at_start  # at its first step's phase edges (activations)
 
     # ---------------------------------------------------------------- a step's edges
     def begin(self, step: Step) -> None:
@@ -166,6 +167,8 @@ class StepPath:
     def enter_phase(self, step: Step, name: str, check: bool = True) -> None:
         if check:
             self.check_stop(f"start of {name}")
+        if not self._state_told:  # the first step: the forward's activations count (~0.1 ms)
+            self._heap_peak = max(self._heap_peak, heap.in_use_bytes())
         self.set_phase(name)
         self.injector.maybe_fire(self.state.generation, step.index, name)
 
@@ -195,7 +198,7 @@ class StepPath:
             # and import what this rank imported by now (launcher.runtime.loaded; what the
             # script had imported when it joined was told then)
             self._state_told = True
-            grown = max(0, heap.in_use_bytes() - self._heap_at_start)
+            grown = max(0, max(self._heap_peak, heap.in_use_bytes()) - self._heap_at_start)
             self.links.channel.update(state_bytes=state.reg.state_bytes(), heap_bytes=grown)
             if not self.links.env.replacement:  # a spare's copy would name the spare's
                 self.links.channel.send(Imports(self.links.rank, loaded_modules()))
