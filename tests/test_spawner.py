@@ -568,3 +568,36 @@ def test_the_fork_server_imports_the_scripts_leading_imports_once_for_the_node(t
     assert marks.read_text().split() == [str(server_pid)], out[-4000:]
     ranks = {e["rank"]: e for e in ev if e["event"] == "spawn"}
     assert sorted(ranks) == [0, 1] and "fork server" in ranks[0]["message"]
+
+
+def test_spares_prepare_the_heap_a_rank_needed_not_only_its_state(tmp_path) -> None:
+    """Issue 32: a rank's heap grows by more than its registered state (DDP's gradient buckets,
+    a framework's buffers: here a 48 MB tensor beside a tiny model); the spares prepare what
+    it needed in its first step, and one forked before that is known is forked again (a
+    replacement's received state would land in fresh pages)."""
+    import re
+    import time
+
+    from helpers_launch import env_with, events, script
+
+    stop = tmp_path / "stop"
+    sizes: list[float] = []
+
+    def stop_once_prepared(logs) -> None:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not stop.exists():
+            for e in events(str(logs)) if logs.exists() else []:
+                m = re.search(r"prepares ([0-9.]+) MB of heap", e.get("message", ""))
+                if e["event"] == "spare" and m:
+                    sizes.append(float(m.group(1)))
+            if any(s >= 48 for s in sizes):
+                stop.touch()
+            time.sleep(0.1)
+
+    env = env_with(FTRUN_WARM_SPARES="1", FTRUN_SPARE_START="workers")
+    tail = [script("slow_import_train.py"), "--steps", "100000", "--step-time", "0.05"]
+    tail += ["--buffer-mb", "48", "--stop-file", str(stop), "--out", str(tmp_path / "o{rank}.pt")]
+    code, out, ev = _run_job(tmp_path, tail, env, stop_once_prepared)
+    assert code == 0, out[-6000:]
+    assert any(s >= 48 for s in sizes), (sizes, out[-4000:])  # at least the buffer
+    assert all(s < 200 for s in sizes), sizes  # what it needed, not everything it ever had

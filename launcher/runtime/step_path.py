@@ -85,6 +85,8 @@ class _Phase:
         if path.stop.newer_than(state.generation):
             raise StopRequested(path.stop.target, f"start of {self._name}")
         state.phase = self._name
+        if path.heap_untold:
+            path.note_heap()
         if path.injector.armed:
             path.injector.maybe_fire(state.generation, self._step.index, self._name)
 
@@ -114,6 +116,8 @@ class _OptimizerUpdate:
         state = path.state
         state.in_update = True
         state.phase = "optimizer"
+        if path.heap_untold:
+            path.note_heap()
         if path.injector.armed:
             path.injector.maybe_fire(state.generation, self._step.index, "optimizer")
 
@@ -146,6 +150,7 @@ class StepPath:
         self._state_told = False  # the agent knows the bytes of this rank's state
         self._heap_at_start = heap.in_use_bytes()  # the heap grown by its first commit is told
         self._heap_peak = self._heap_at_start  # at its first step's phase edges (activations)
+        self.heap_untold = True  # until the first commit: the phase edges note the heap
 
     # ---------------------------------------------------------------- a step's edges
     def begin(self, step: Step) -> None:
@@ -167,10 +172,15 @@ class StepPath:
     def enter_phase(self, step: Step, name: str, check: bool = True) -> None:
         if check:
             self.check_stop(f"start of {name}")
-        if not self._state_told:  # the first step: the forward's activations count (~0.1 ms)
-            self._heap_peak = max(self._heap_peak, heap.in_use_bytes())
+        if self.heap_untold:
+            self.note_heap()
         self.set_phase(name)
         self.injector.maybe_fire(self.state.generation, step.index, name)
+
+    def note_heap(self) -> None:
+        """At a phase edge of the rank's first step: the heap's peak so far (the forward's
+        activations count; ~0.1 ms, the first step only)."""
+        self._heap_peak = max(self._heap_peak, heap.in_use_bytes())
 
     def set_phase(self, name: str) -> None:
         """The rank's phase. The agent channel's writer reads it (`progress_now`) at its next
@@ -198,6 +208,7 @@ class StepPath:
             # and import what this rank imported by now (launcher.runtime.loaded; what the
             # script had imported when it joined was told then)
             self._state_told = True
+            self.heap_untold = False
             grown = max(0, max(self._heap_peak, heap.in_use_bytes()) - self._heap_at_start)
             self.links.channel.update(state_bytes=state.reg.state_bytes(), heap_bytes=grown)
             if not self.links.env.replacement:  # a spare's copy would name the spare's

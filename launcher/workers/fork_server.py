@@ -83,6 +83,7 @@ class ForkServer:
         self.answers = 0  # answers read (the ready one, then one per `extend`)
         self.new_modules = 0  # modules the last `extend` added (0: its spares lack nothing)
         self.pending: float | None = None  # monotonic time of the fork request not yet answered
+        self.pending_heap = 0  # the heap that request's spare prepares (bytes)
 
     def extend(self, imports: str) -> None:
         """Import the modules an `--imports` file lists (the server answers when done; until
@@ -168,6 +169,7 @@ class ForkServer:
         finally:
             self.sock.settimeout(None)
         self.pending = time.monotonic()
+        self.pending_heap = int(heap_bytes) if prepare else 0  # what that spare prepares
 
     def collect_fork(self, timeout: float = 0.0) -> tuple[AdoptedChild, int] | None:
         """The spare of the outstanding `request_fork` (as `fork` returns it) once the server

@@ -47,6 +47,7 @@ from launcher.workers.prctl import die_with_parent
 from launcher.workers.priority import may_return_to, run_priority
 from launcher.workers.round_hold import RoundHold
 from launcher.workers.spare_process import IMPORTS_FLAG, READY_FLAG, nice_args
+from launcher.workers.spare_vintage import SpareVintage
 from launcher.workers.warm_up import WarmUps
 
 SpareProc = Union[subprocess.Popen, AdoptedChild]
@@ -101,12 +102,13 @@ class SparePool:
         self._starting: set[int] = set()  # ranks yet to commit their first step (`starting`)
         self.imports: str | None = None  # the `--imports` file of the job's modules
         self._imports_sent = False  # the fork server was asked to import the file's modules
-        self._stale: set[int] = set()  # idle spares forked before the server's latest imports
+        self.vintage = SpareVintage()  # idle spares out of date: forked again
         self._answers_seen = 0  # the fork server's answers whose failed imports were said
 
     def ready(self) -> int:
         """Spares alive now (warm or still warming up)."""
         self._procs = [p for p in self._procs if p.poll() is None]
+        self.vintage.keep_only({p.pid for p in self._procs})
         return len(self._procs)
 
     def ready_count(self) -> int:
@@ -161,10 +163,12 @@ class SparePool:
         self.round_hold.recovered(rank, generation, resume_step)
 
     def state_size(self, nbytes: int) -> None:
-        """A rank needed `nbytes` of heap by its first commit (its state, model, gradient buckets,
-        a framework's buffers): spares forked from now on fault in that much heap (at least the
-        largest size reported; `launcher.runtime.heap`)."""
-        self.heap_bytes = max(self.heap_bytes, int(nbytes))
+        """A rank needed `nbytes` of heap in its first step (its state, model, gradient buckets,
+        a framework's buffers): spares forked from now on fault in that much heap (the largest
+        size reported; `launcher.runtime.heap`), idle ones with too little are forked again."""
+        if int(nbytes) > self.heap_bytes:
+            self.heap_bytes = int(nbytes)
+            self.vintage.heap_needed({p.pid for p in self._procs}, self.heap_bytes)
 
     def progressed(self, rank: int, committed_step: int) -> None:
         """Rank `rank` reports its last committed step."""
@@ -230,7 +234,8 @@ class SparePool:
             # stale ones serve meanwhile; one fork asked for per check, its answer read at a
             # later one: the agent's loop never waits for the server's fork (a worker's exit
             # in those 20-50 ms used to wait with it)
-            fresh = self.ready() - sum(p.pid in self._stale for p in self._procs)
+            old = self.vintage.old()
+            fresh = self.ready() - sum(p.pid in old for p in self._procs)
             if self._server.pending is None and fresh < self.count:
                 self._server.request_fork(self.heap_bytes)
             elif self._server.pending is None:
@@ -298,17 +303,18 @@ class SparePool:
         server = self._server
         if server is None or server.pending is None:
             return None
-        asked = server.pending
+        asked, heap_bytes = server.pending, server.pending_heap
         got = server.collect_fork(timeout)
         if got is None:
             return None
-        self._add_forked(got[0], got[1], asked)
+        self._add_forked(got[0], got[1], asked, heap_bytes)
         return got[0]
 
-    def _add_forked(self, proc: SpareProc, ready_fd: int, asked: float) -> None:
+    def _add_forked(self, proc: SpareProc, ready_fd: int, asked: float, heap_bytes: int) -> None:
         """A forked spare prepares at the warm-up priority (`spare_server.become_spare`) and is
         escalated as a warm-up after `idle_limit` (`_escalate`)."""
         self._procs.append(proc)
+        self.vintage.forked(proc.pid, heap_bytes)
         self.readiness.watch(proc.pid, ready_fd)
         base = os.getpriority(os.PRIO_PROCESS, 0)
         idle = may_return_to(base) and base < 19  # as the server's warm-up niceness
@@ -316,7 +322,8 @@ class SparePool:
         self.log(
             f"warm spare started (pid {proc.pid}, forked in "
             f"{(time.monotonic() - asked) * 1e3:.1f} ms since it was asked for; "
-            f"{len(self._procs)} of {self.count})"
+            + (f"prepares {heap_bytes / 1e6:.1f} MB of heap; " if heap_bytes else "")
+            + f"{len(self._procs)} of {self.count})"
         )
 
     def _extend_server(self) -> bool:
@@ -328,7 +335,7 @@ class SparePool:
             return False
         server.extend(self.imports)
         self._imports_sent = True
-        self._stale = {p.pid for p in self._procs}
+        self.vintage.imports_added({p.pid for p in self._procs})
         base = os.getpriority(os.PRIO_PROCESS, 0)
         if may_return_to(base) and base + WARM_UP_NICE <= 19:  # escalated as in its warm-up
             self.warm_ups.add(server.proc.pid, base)
@@ -343,16 +350,15 @@ class SparePool:
                 self.log(failed_imports_line(server.failed_count, server.failed))
 
     def _retire_stale(self) -> None:
-        """Idle spares forked before the server's latest imports (when those added any module)
-        make way for fresh forks once as many fresh ones are ready: until then they serve."""
+        """Out-of-date idle spares make way for fresh forks once as many fresh ones are ready."""
         if self._server is None or not self._server.new_modules:
-            self._stale = set()
-        ready = self.readiness.poll() - self._stale
-        if self._stale and len([p for p in self._procs if p.pid in ready]) >= self.count:
-            stale = [p for p in self._procs if p.pid in self._stale]
-            self._procs = [p for p in self._procs if p.pid not in self._stale]
+            self.vintage.no_new_modules()
+        alive = [p.pid for p in self._procs]
+        old = self.vintage.retire(alive, self.readiness.poll(), self.count)
+        if old:
+            stale = [p for p in self._procs if p.pid in old]
+            self._procs = [p for p in self._procs if p.pid not in old]
             _kill_idle(stale, self.warm_ups, self.log)
-            self._stale = set()
 
     def _stop_server(self, timeout: float = STOP_S) -> None:
         server, self._server = self._server, None
@@ -392,7 +398,8 @@ class SparePool:
         nice = boost if boost < base and may_return_to(boost) else None
         line = assignment(env, argv, module, nice)
         warm = self.readiness.poll()  # stable sort: the oldest ready fresh one first
-        self._procs.sort(key=lambda p: (p.pid not in warm, p.pid in self._stale))
+        old = self.vintage.old()
+        self._procs.sort(key=lambda p: (p.pid not in warm, p.pid in old))
         forked = False  # at most one spare forked on the spot per take
         while True:
             if self._procs:
@@ -405,7 +412,7 @@ class SparePool:
                 return None
             born = self.warm_ups.pop(proc.pid)
             self.readiness.forget(proc.pid)
-            self._stale.discard(proc.pid)
+            self.vintage.forget(proc.pid)
             if proc.poll() is not None or proc.stdin is None:
                 continue
             if born is not None and proc.pid not in warm:
@@ -431,7 +438,7 @@ class SparePool:
                 assert self._server is not None
                 t0 = time.monotonic()
                 proc, ready_fd = self._server.fork(prepare=False)
-                self._add_forked(proc, ready_fd, t0)
+                self._add_forked(proc, ready_fd, t0, 0)
         except (OSError, ValueError) as exc:
             self.log(f"spare fork server could not fork a spare now ({exc})")
             return None

@@ -24,10 +24,12 @@ def main() -> int:
     ap.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step")
     ap.add_argument("--out", required=True)
     ap.add_argument("--stop-file", default="", help="every rank stops after the step that sees it")
+    ap.add_argument("--buffer-mb", type=int, default=0, help="MB held besides the state")
     args = ap.parse_args()
     rt = ftr.init(backend="gloo")
     torch.manual_seed(3)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    buffer = torch.ones(args.buffer_mb << 18)  # e.g. DDP's gradient buckets: not state
     rt.register(model=model)  # a plain update below: torch.optim imports torch._dynamo (seconds)
     stop = torch.zeros(1)
     for step in rt.steps(args.steps):
@@ -51,6 +53,7 @@ def main() -> int:
         if stop.item() > 0:
             break
     torch.save(model.state_dict(), args.out.replace("{rank}", str(rt.rank)))
+    del buffer
     rt.finish()
     return 0
 
