@@ -20,7 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from scale_hosts import NodeHost
+from scale_hosts import HostedNode, NodeHost
 from scale_measure import (
     ProbeProcess,
     RequestCounts,
@@ -35,6 +35,7 @@ from scale_measure import (
 )
 from scale_nodes import SimNode
 from scale_plots import control_path
+from scale_priority import check_sim_nice, niced, process_nice, run_niced, thread_nices
 from scale_ranks import RankLoop, RankRecord
 
 from launcher.protocol import plan as P
@@ -58,12 +59,15 @@ class ScaleJob:
         timeout: float = 600.0,
         rdzv: RendezvousSettings | None = None,
         sim_procs: int = 0,
+        sim_nice: int = 0,
     ) -> None:
         if ranks % per_node:
             raise ValueError(f"ranks={ranks} is not a multiple of per_node={per_node}")
         self.nranks, self.per_node, self.timeout = ranks, per_node, timeout
         self.nnodes = ranks // per_node
         self.sim_procs = sim_procs  # processes the nodes besides the leader's are split over
+        # how much lower than the control plane's the simulation's threads run (scale_priority)
+        self.sim_nice = check_sim_nice(sim_nice)
         self.hosts: list[NodeHost] = []  # the leader's first
         self.dir = tempfile.mkdtemp(prefix="bench-scale-")
         self.events_path = os.path.join(self.dir, "events.jsonl")
@@ -95,20 +99,20 @@ class ScaleJob:
         conf = dict(store_port=self.store.port, nnodes=self.nnodes, per_node=self.per_node,
                     run_id=self.run_id, events=self.events_path,
                     rdzv=dataclasses.asdict(self.rdzv))  # fmt: skip
-        leader = NodeHost(conf, 1)
+        leader = NodeHost(conf, 1)  # the inherited priority: the controller's is a machine's
         leader.join_start()
         time.sleep(LEADER_HEAD_START)
         rest, procs = self.nnodes - 1, min(self.sim_procs, self.nnodes - 1)
         counts = [rest // procs + (i < rest % procs) for i in range(procs)] if procs else []
         with ThreadPoolExecutor(max(1, procs)) as pool:  # their imports, in parallel
-            hosts = list(pool.map(lambda c: NodeHost(conf, c), counts))
+            hosts = list(pool.map(lambda c: NodeHost(conf, c, self.sim_nice), counts))
         return [leader] + hosts
 
     def start(self) -> dict:
         """Rendezvous of every node at once, then the ranks: the times until every agent has
         its node world and until every rank has its world."""
         self.store.start()
-        self.loop.start()
+        run_niced(self.loop.start, self.sim_nice)  # this process's simulated ranks' thread
         self.kv = StoreClient("127.0.0.1", self.store.port, timeout=60.0)
         self.hosts = self._hosts()
         hosted = [n for h in self.hosts for n in h.nodes]
@@ -118,7 +122,7 @@ class ScaleJob:
         for h in self.hosts[1:]:
             h.join_start()
         with ThreadPoolExecutor(max(1, len(local))) as pool:
-            list(pool.map(lambda n: n.join(self.timeout), local))
+            list(pool.map(niced(lambda n: n.join(self.timeout), self.sim_nice), local))
         for h in self.hosts:
             h.join_wait()
         leader = self.hosts[0].nodes[0]
@@ -128,8 +132,7 @@ class ScaleJob:
         t_rdzv = max(n.joined_at for n in self.nodes)
         for h in self.hosts:
             h.start_all()
-        for n in local:
-            n.start()
+        run_niced(lambda: [n.start() for n in local], self.sim_nice)
         t_world = wait_until(self._all_started, self.timeout, "every rank's world")
         wait_until(self._all_aware, self.timeout, "every rank's hello")
         after = self.store.stats()
@@ -149,6 +152,20 @@ class ScaleJob:
 
     def _all_aware(self) -> bool:
         return all(n.summary()["idle"] for n in self.nodes)
+
+    def priorities(self) -> dict:
+        """The nice values things run at, as read back: the store process's threads (its loop
+        raises its own while it serves few enough connections), the leader's process, each
+        simulation process, and this process's simulated threads (none: no local nodes)."""
+        local = [n for n in self.nodes if not isinstance(n, HostedNode)]
+        loop_tid = self.loop.thread_id
+        own = [os.getpriority(os.PRIO_PROCESS, loop_tid)] if local and loop_tid is not None else []
+        return {
+            "sim_nice": self.sim_nice,
+            "store_threads": sorted(set(thread_nices(self.store.proc.pid))),
+            "leader_process": process_nice(self.hosts[0].proc.pid),
+            "sim_processes": [h.nice() for h in self.hosts[1:]] + own,
+        }
 
     # ---- steady state -------------------------------------------------------------------
     def steady(self, seconds: float) -> dict:
@@ -346,7 +363,9 @@ class ScaleJob:
     def lose_node(self) -> dict:
         """A hot spare joins and waits; the last node crashes; the spare takes its ranks."""
         spare = self.spare = self._node()
-        joiner = threading.Thread(target=spare.join, args=(self.timeout,), daemon=True)
+        joiner = threading.Thread(
+            target=niced(spare.join, self.sim_nice), args=(self.timeout,), daemon=True
+        )
         joiner.start()
         wait_until(self.nodes[1].spare_waiting, 60.0, "the spare waiting")
         victim = self.nodes[-1]
@@ -357,7 +376,7 @@ class ScaleJob:
         def spare_in() -> bool:
             if spare.world is None or spare.started:
                 return spare.started
-            spare.start(replacement=True)
+            run_niced(lambda: spare.start(replacement=True), self.sim_nice)
             self.nodes[self.nodes.index(victim)] = spare
             return True
 

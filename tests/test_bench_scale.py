@@ -75,6 +75,24 @@ def test_nodes_split_over_processes_recover_the_same_way() -> None:
     assert all(h.proc.poll() is not None for h in job.hosts)
 
 
+def test_the_simulation_runs_lower_than_the_control_plane() -> None:
+    """--sim-nice: the simulation's processes (and this process's simulated threads) run lower
+    than the store, the leader's process (agent, controller, its ranks) and the benchmark."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    fast = RendezvousSettings(keep_alive_interval=0.5, heartbeat_timeout=5.0)
+    for procs, want in ((1, [base + 3]), (0, [base + 3])):
+        job = ScaleJob(32, 8, timeout=60.0, rdzv=fast, sim_procs=procs, sim_nice=3)
+        try:
+            job.start()
+            got = job.priorities()
+            assert got["sim_nice"] == 3 and got["sim_processes"] == want, got
+            assert got["leader_process"] == base and base in got["store_threads"], got
+            assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the benchmark's own thread
+            assert job.verdict()["ranks"] == 32
+        finally:
+            job.stop()
+
+
 def test_per_node_default_and_values_for_the_plots(tmp_path) -> None:
     assert bench_scale.per_node_for(64, None) == 8 and bench_scale.per_node_for(4096, None) == 16
     assert bench_scale.per_node_for(64, 4) == 4
@@ -156,10 +174,11 @@ def test_a_size_beyond_the_open_files_limit_is_a_line_saying_so() -> None:
 
 
 def test_bad_arguments_are_one_line_and_exit_2() -> None:
-    r = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "bench_scale.py"), "--ranks", "x"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2 and "--ranks" in r.stderr.strip().splitlines()[-1]
+    for args, named in ((["--ranks", "x"], "--ranks"), (["--sim-nice", "20"], "--sim-nice")):
+        r = subprocess.run(
+            [sys.executable, os.path.join(REPO, "scripts", "bench_scale.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2 and named in r.stderr.strip().splitlines()[-1]
