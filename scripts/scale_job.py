@@ -47,6 +47,7 @@ LEADER_HEAD_START = 0.5  # s: the leader process arrives first and takes node 0
 # a simulation process this busy (share of one core) queues its own agents and ranks: the
 # round's wall times are then the simulation's as much as the control plane's
 SIM_BOUND_SHARE = 0.8
+ROUND_LOOK_S = 0.02  # s between the benchmark's looks for a round's end
 
 
 class ScaleJob:
@@ -248,7 +249,10 @@ class ScaleJob:
         s0, b0, c0, l0 = self._readings()
         p0, t0 = self._sim_processes_cpu(), time.time()
         act()
-        t_end = wait_until(done, self.timeout, what, step=0.005)
+        # every 20 ms: each look asks every host for its nodes' state, the leader's process too
+        # (its interpreter is the controller's); the round's edges come from the events and
+        # the ranks' records, not from this look
+        t_end = wait_until(done, self.timeout, what, step=ROUND_LOOK_S)
         p1 = self._sim_processes_cpu()
         s1, b1, c1, l1 = self._readings()
         cpu = cpu_delta(c0, c1)
