@@ -339,7 +339,9 @@ class ScaleJob:
         (the simulated agent's report and the real controller), the plan published to every
         node holding it (the real store's fan-out, timed by `ProbeProcess`: one waiting
         connection per node, in a process of its own), and the last status posted to the
-        repair plan written (the real relay and controller)."""
+        repair plan written (the real relay and controller). `control_plane_path_s` leaves
+        the simulated agents' report and relay hop out: fault posted -> plan, the fan-out,
+        the last node's record -> the repair plan (`_relay_legs`)."""
         ev = read_events(self.events_path)
         plan_t = next(
             (e["time"] for e in ev if e["event"] == "plan" and e.get("generation") == g), 0
@@ -352,7 +354,19 @@ class ScaleJob:
         if phases["to_plan_s"] is not None and done is not None:
             path = phases["to_plan_s"] + spread + max(0.0, done - last)
         posted = [t for n in self.live_nodes() for t in n.summary()["faults_posted"] if t >= t0]
+        fault_to_plan = plan_t - min(posted) if posted else None
+        legs = self._relay_legs(g, t0, done, last)
+        cp = (
+            None
+            if fault_to_plan is None or legs["relay_to_repair_s"] is None
+            else fault_to_plan + spread + legs["relay_to_repair_s"]
+        )
         return {
+            **legs,
+            # the legs only the store, the controller and the fan-out make (the simulated
+            # agents' report and relay left out): fault posted -> plan, the plan's fan-out on
+            # the wire, the last node's record -> the repair plan
+            "control_plane_path_s": None if cp is None else round(cp, 4),
             # the plan's leg split: the simulated agent's (death seen, fault posted) and the
             # real controller's (fault posted -> plan written)
             "to_fault_posted_s": round(min(posted) - t0, 4) if posted else None,
@@ -361,6 +375,20 @@ class ScaleJob:
             "plan_fanout_first_s": round(max(0.0, fanout["first_wake"] - plan_t), 4),
             "status_to_repair_s": None if done is None else round(max(0.0, done - last), 4),
             "protocol_path_s": None if path is None else round(path, 4),
+        }
+
+    def _relay_legs(self, g: int, t0: float, done: float | None, last: float) -> dict:
+        """The leg from the last status to the repair plan, split at the last node's record of
+        round `g` (the agents' `StatusRelay` posts, stamped by their clients): the simulated
+        agents' relay hop before it, the store and the controller after it (s from `t0`:
+        `done` the repair plan, `last` the last rank's status)."""
+        relayed = [n.summary()["relayed"].get(str(g)) for n in self.live_nodes()]
+        last_relay = max(relayed) - t0 if relayed and all(relayed) else None
+        if last_relay is None:
+            return {"status_to_last_relay_s": None, "relay_to_repair_s": None}
+        return {
+            "status_to_last_relay_s": round(max(0.0, last_relay - last), 4),
+            "relay_to_repair_s": None if done is None else round(max(0.0, done - last_relay), 4),
         }
 
     # ---- one node lost, a hot spare waiting ----------------------------------------------

@@ -19,6 +19,7 @@ arriving nodes as `launcher.agent.membership_news` does. Only the workers are si
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 
@@ -44,6 +45,7 @@ from rendezvous.store.proxy import StoreProxy
 
 CHAIN = (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT)  # ftrun's default chain
 TICK = 1.0  # s: the observer's publication and the progress record (launcher defaults)
+RELAYED = "/node_statuses/"  # the relay's record of a node's statuses (`plan.node_statuses_key`)
 
 
 class SimNode:
@@ -65,7 +67,9 @@ class SimNode:
         self.kv = (
             StoreClient(store[0], store[1], timeout=60.0)
             if counts is None
-            else CountingStoreClient(store[0], store[1], timeout=60.0, counts=counts)
+            else CountingStoreClient(
+                store[0], store[1], timeout=60.0, counts=counts, stamped=(RELAYED,)
+            )
         )
         self.settings = MembershipSettings(
             None, nnodes, nnodes, per_node, "127.0.0.1", run_id, rdzv=rdzv or RendezvousSettings()
@@ -171,8 +175,19 @@ class SimNode:
             "gens": sorted({(r.generation, r.resumed_generation) for r in recs}),
             "plans_seen": dict(self.plans_seen),
             "faults_posted": list(self.faults_posted),
+            "relayed": self.relayed(),
             "idle": self.idle(),
         }
+
+    def relayed(self) -> dict[str, float]:
+        """Generation (as text) -> wall time this agent's relay posted its node's statuses of
+        that round (with a counting client; else none)."""
+        out = {}
+        for key, t in dict(getattr(self.kv, "stamps", {})).items():
+            m = re.search(r"g(\d+)" + RELAYED, key)
+            if m:
+                out[m.group(1)] = t
+        return out
 
     def spare_waiting(self) -> bool:
         """A hot spare waits (as this node's membership sees it)."""
