@@ -367,8 +367,8 @@ class ScaleJob:
             # agents' report and relay left out): fault posted -> plan, the plan's fan-out on
             # the wire, the last node's record -> the repair plan
             "control_plane_path_s": None if cp is None else round(cp, 4),
-            # the plan's leg split: the simulated agent's (death seen, fault posted) and the
-            # real controller's (fault posted -> plan written)
+            # the plan's leg split: the simulated agent's (death seen, its report begun) and
+            # the report's two requests with the real controller's (-> plan written)
             "to_fault_posted_s": round(min(posted) - t0, 4) if posted else None,
             "fault_to_plan_s": round(plan_t - min(posted), 4) if posted else None,
             "plan_fanout_s": round(spread, 4),
@@ -386,9 +386,15 @@ class ScaleJob:
         last_relay = max(relayed) - t0 if relayed and all(relayed) else None
         if last_relay is None:
             return {"status_to_last_relay_s": None, "relay_to_repair_s": None}
+        # a repair plan written before the last record came: the controller read that node's
+        # statuses from its ranks' own keys (a late relay): its leg is not this one
+        early = done is None or done < last_relay
+        # a rank stamps its status once its coroutine runs again: its relay's record can be
+        # stamped first; the controller's leg then starts at the later of the two
+        start = max(last_relay, last)
         return {
-            "status_to_last_relay_s": round(max(0.0, last_relay - last), 4),
-            "relay_to_repair_s": None if done is None else round(max(0.0, done - last_relay), 4),
+            "status_to_last_relay_s": round(start - last, 4),
+            "relay_to_repair_s": None if early else round(done - start, 4),
         }
 
     # ---- one node lost, a hot spare waiting ----------------------------------------------

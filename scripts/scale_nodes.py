@@ -82,7 +82,9 @@ class SimNode:
         self.ranks: dict[int, SimRank] = {}
         self.events: queue.Queue[object] = queue.Queue()
         self.plans_seen: dict[int, float] = {}  # generation -> wall time its plan reached us
-        self.faults_posted: list[float] = []  # wall times this agent's fault reports were posted
+        # wall times this agent began posting a fault report (before its two requests: the
+        # controller may have the report before the poster's thread runs again)
+        self.faults_posted: list[float] = []
         self.joined_at = 0.0
         self.started = False
         self.crashed = False
@@ -255,6 +257,7 @@ class SimNode:
     def _report_death(self, rank: int) -> None:
         gr, inc = self.membership.me
         sr = self.ranks[rank]
+        self.faults_posted.append(time.time())
         post_fault(
             self.kv,
             P.Fault(
@@ -270,7 +273,6 @@ class SimNode:
                 by_incarnation=inc,
             ),
         )
-        self.faults_posted.append(time.time())
 
     def _tick_loop(self) -> None:
         """The observer's status publication and the health check's progress record."""
