@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 import threading
 import time
@@ -470,3 +471,4 @@ class ScaleJob:
         if self.kv is not None:
             self.kv.close()
         self.store.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)  # the controller's events.jsonl

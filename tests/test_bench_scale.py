@@ -83,6 +83,7 @@ def test_nodes_split_over_processes_recover_the_same_way() -> None:
     finally:
         job.stop()
     assert all(h.proc.poll() is not None for h in job.hosts)
+    assert not os.path.exists(job.dir)  # its events file went with it
 
 
 def test_the_simulation_runs_lower_than_the_control_plane() -> None:
