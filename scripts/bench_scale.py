@@ -20,7 +20,10 @@ For each N (ranks; `--per-node` per node, 16 by default, 8 below 256 ranks) one 
             handler's keep-alive running)
   kill      one rank SIGKILLed: death → plan published → every status collected (repair plan
             written) → every rank resumed; the round's store requests and bytes (server side,
-            from the kernel's tcp_info) and the controller's, the store's and the proxies' CPU
+            from the kernel's tcp_info) and the controller's, the store's and the proxies' CPU;
+            `control_plane_path_s`: the legs only the store, the controller and the plan's
+            fan-out make (fault posted → plan, the fan-out on the wire, the last node's status
+            record → repair plan), the simulated agents' report and relay hop left out
   node      a hot spare waits, one node crashes (its agent, proxy and ranks): as above, with
             the time until the node is declared lost (bounded by the liveness timeout, 5 s)
   verdict   every rank in the same generation with the same repair plan
