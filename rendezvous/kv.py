@@ -100,8 +100,9 @@ class KVStore(abc.ABC):
     def wait_values(self, keys: list[str], timeout: float) -> list[bytes] | None:
         """Wait up to `timeout` s for every key to exist, then their values in order (b"" for
         one deleted meanwhile); None when the time ran out. ftrun's TCP server answers it in
-        one request (FT_WAIT_VALUES: the wake-up carries the values); elsewhere a wait, then
-        one read of the values."""
+        one request (FT_WAIT_VALUES: the wake-up carries the values), etcd (`EtcdKV`) with one
+        read and a watch whose events carry them; elsewhere a wait, then one read of the
+        values."""
         if not self.wait(keys, timeout):
             return None
         return [b"" if v is None else v for v in self.present(list(keys))]

@@ -20,7 +20,10 @@ For each N (ranks; `--per-node` per node, 16 by default, 8 below 256 ranks) one 
             handler's keep-alive running)
   kill      one rank SIGKILLed: death → plan published → every status collected (repair plan
             written) → every rank resumed; the round's store requests and bytes (server side,
-            from the kernel's tcp_info) and the controller's, the store's and the proxies' CPU
+            from the kernel's tcp_info) and the controller's, the store's and the proxies' CPU;
+            `control_plane_path_s`: the legs only the store, the controller and the plan's
+            fan-out make (fault posted → plan, the fan-out on the wire, the last node's status
+            record → repair plan), the simulated agents' report and relay hop left out
   node      a hot spare waits, one node crashes (its agent, proxy and ranks): as above, with
             the time until the node is declared lost (bounded by the liveness timeout, 5 s)
   verdict   every rank in the same generation with the same repair plan
@@ -28,12 +31,17 @@ For each N (ranks; `--per-node` per node, 16 by default, 8 below 256 ranks) one 
 The simulation shares the machine: its own CPU (`sim_*`, `agents_*`) is reported beside the
 control plane's (`store_*`, `proxies_*`, `controller_*`), and `control_plane_cpu_s` is what the
 store, proxies and controller spent on the round: a bound on the round's control-plane time on
-an idle machine where the wall times also hold the simulation's queueing.
+an idle machine where the wall times also hold the simulation's queueing. The simulated nodes
+run `--sim-nice` (default 10) lower than the store, the leader's process (its agent, the
+controller and its own ranks, alone in that process) and the fan-out probe, which stand in for
+machines of their own (`scale_priority`); `sim_nice` and `priorities` (as read back) are in
+every line.
 
 `--plot DIR` writes one log-log PNG per metric against N (ftrun's and torch's lines).
 
 Usage: python scripts/bench_scale.py [--ranks 16,64,256,1024] [--per-node 16] [--steady 5]
-       [--scenarios start,steady,kill,node] [--no-torch] [--sim-procs K] [--plot docs/img]
+       [--scenarios start,steady,kill,node] [--no-torch] [--sim-procs K] [--sim-nice N]
+       [--plot docs/img]
        [--out FILE]
 """
 
@@ -55,6 +63,7 @@ sys.path[:0] = [p for p in (HERE, REPO) if p not in sys.path]
 
 from scale_job import ScaleJob  # noqa: E402
 from scale_measure import process_cpu  # noqa: E402
+from scale_priority import DEFAULT_SIM_NICE, check_sim_nice  # noqa: E402
 
 from rendezvous.nodes.settings import RendezvousSettings  # noqa: E402
 
@@ -89,8 +98,16 @@ def sim_procs_for(ranks: int, procs: int | None) -> int:
 def run_ftrun(ranks: int, per_node: int, args: argparse.Namespace) -> dict:
     rdzv = liveness_for(ranks, args.liveness_timeout)
     procs = sim_procs_for(ranks, args.sim_procs)
-    job = ScaleJob(ranks, per_node, timeout=args.round_timeout, rdzv=rdzv, sim_procs=procs)
+    job = ScaleJob(
+        ranks,
+        per_node,
+        timeout=args.round_timeout,
+        rdzv=rdzv,
+        sim_procs=procs,
+        sim_nice=args.sim_nice,
+    )
     out: dict = {"ranks": ranks, "nodes": job.nnodes, "per_node": per_node}
+    out["sim_nice"] = args.sim_nice
     out["liveness_timeout_s"] = rdzv.liveness_timeout
     steps = {
         "steady": lambda: job.steady(args.steady),
@@ -99,6 +116,7 @@ def run_ftrun(ranks: int, per_node: int, args: argparse.Namespace) -> dict:
     }
     try:
         out["start"] = job.start()
+        out["priorities"] = job.priorities()
         for name, step in steps.items():
             if name in args.scenarios and step is not None:
                 try:
@@ -340,6 +358,14 @@ def main(argv: list[str] | None = None) -> int:
         help="processes the simulated nodes are split over, besides the leader's and the "
         "store's (default: none up to 1024 ranks, one per 2048 ranks above)",
     )
+    ap.add_argument(
+        "--sim-nice",
+        type=int,
+        default=DEFAULT_SIM_NICE,
+        help="how much lower the simulated nodes' threads run than the store, the leader's "
+        "process (agent, controller, its ranks) and the probe, which stand in for machines of "
+        f"their own: 0 (the same priority) to 19 (default {DEFAULT_SIM_NICE})",
+    )
     ap.add_argument("--plot", default=None, help="directory for the PNGs")
     ap.add_argument(
         "--out",
@@ -369,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--ranks: comma-separated integers >= 1; --scenarios: of {','.join(SCENARIOS)}")
     if args.sim_procs is not None and args.sim_procs < 0:
         ap.error(f"--sim-procs: an integer >= 0 (0: this process), not {args.sim_procs}")
+    try:
+        check_sim_nice(args.sim_nice)
+    except ValueError as e:
+        ap.error(str(e))
     lines = []
     for n in sizes:
         line = one_line(n, args)

@@ -5,12 +5,14 @@ Owns: `NodeHost` (the benchmark's handle on one such process: `python scripts/sc
 CONF`, one command per line on stdin, each answered by one JSON line), `HostedNode` (one node
 of a host, with the calls `ScaleJob` makes on a `SimNode`: `summary`, `records`, `kill_rank`,
 `crash`, `spare_waiting`, ...) and `serve` (the process's main: `count` `SimNode`s on their own
-rank loop). The leader node runs alone in its host: on a real cluster the controller runs in
-the leader's agent process, beside nobody's simulation, so its timings are its own and the
-store's. The other nodes are split over `--sim-procs` hosts when one process cannot hold them
-(16,384 ranks need both ends of 16,384 connections: more open files than one process may have
-here) or its interpreter lock is the bottleneck (thousands of polling ranks and hundreds of
-agents' threads in one interpreter).
+rank loop, every thread at the host's `nice`, `scale_priority`). The leader node runs alone in
+its host at the inherited priority: on a real cluster the controller runs in the leader's agent
+process, beside nobody's simulation, so its timings are its own and the store's. The other
+nodes run at a lower priority (`--sim-nice`): they stand in for machines of their own, so they
+take the cores the store, the leader and the probe leave. They are split over `--sim-procs`
+hosts when one process cannot hold them (16,384 ranks need both ends of 16,384 connections:
+more open files than one process may have here) or its interpreter lock is the bottleneck
+(thousands of polling ranks and hundreds of agents' threads in one interpreter).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ sys.path[:0] = [p for p in (HERE, REPO) if p not in sys.path]
 
 from bench_store import cpu_seconds as process_cpu  # noqa: E402
 from scale_measure import RequestCounts, thread_cpu  # noqa: E402
+from scale_priority import lower_thread_priority, process_nice  # noqa: E402
 from scale_ranks import RankLoop, RankRecord  # noqa: E402
 
 STATE_TTL = 0.005  # s a state answer is reused (the benchmark polls for a round's end)
@@ -39,10 +42,11 @@ class NodeHost:
     """One hosting process (see the module docstring). `join_start()`, `join_wait()`,
     `start_all()`, `stop()`."""
 
-    def __init__(self, conf: dict, count: int) -> None:
+    def __init__(self, conf: dict, count: int, nice: int = 0) -> None:
         env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        conf = dict(conf, count=count, nice=nice)
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), json.dumps(dict(conf, count=count))],
+            [sys.executable, os.path.abspath(__file__), json.dumps(conf)],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -94,6 +98,10 @@ class NodeHost:
 
     def process_cpu(self) -> float:
         return process_cpu(self.proc.pid)
+
+    def nice(self) -> int:
+        """The nice value the process runs at (its main thread's; its threads inherit it)."""
+        return process_nice(self.proc.pid)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -201,6 +209,7 @@ def serve(conf: dict) -> None:
 
     from rendezvous.nodes.settings import RendezvousSettings
 
+    lower_thread_priority(conf.get("nice", 0))  # before any thread: they all inherit it
     _raise_fd_limit()
     threading.stack_size(512 * 1024)  # hundreds of agent threads in one process
     loop = RankLoop().start()

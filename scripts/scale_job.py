@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from scale_hosts import NodeHost
+from scale_hosts import HostedNode, NodeHost
 from scale_measure import (
     ProbeProcess,
     RequestCounts,
@@ -35,6 +36,7 @@ from scale_measure import (
 )
 from scale_nodes import SimNode
 from scale_plots import control_path
+from scale_priority import check_sim_nice, niced, process_nice, run_niced, thread_nices
 from scale_ranks import RankLoop, RankRecord
 
 from launcher.protocol import plan as P
@@ -46,6 +48,7 @@ LEADER_HEAD_START = 0.5  # s: the leader process arrives first and takes node 0
 # a simulation process this busy (share of one core) queues its own agents and ranks: the
 # round's wall times are then the simulation's as much as the control plane's
 SIM_BOUND_SHARE = 0.8
+ROUND_LOOK_S = 0.02  # s between the benchmark's looks for a round's end
 
 
 class ScaleJob:
@@ -58,12 +61,15 @@ class ScaleJob:
         timeout: float = 600.0,
         rdzv: RendezvousSettings | None = None,
         sim_procs: int = 0,
+        sim_nice: int = 0,
     ) -> None:
         if ranks % per_node:
             raise ValueError(f"ranks={ranks} is not a multiple of per_node={per_node}")
         self.nranks, self.per_node, self.timeout = ranks, per_node, timeout
         self.nnodes = ranks // per_node
         self.sim_procs = sim_procs  # processes the nodes besides the leader's are split over
+        # how much lower than the control plane's the simulation's threads run (scale_priority)
+        self.sim_nice = check_sim_nice(sim_nice)
         self.hosts: list[NodeHost] = []  # the leader's first
         self.dir = tempfile.mkdtemp(prefix="bench-scale-")
         self.events_path = os.path.join(self.dir, "events.jsonl")
@@ -95,20 +101,20 @@ class ScaleJob:
         conf = dict(store_port=self.store.port, nnodes=self.nnodes, per_node=self.per_node,
                     run_id=self.run_id, events=self.events_path,
                     rdzv=dataclasses.asdict(self.rdzv))  # fmt: skip
-        leader = NodeHost(conf, 1)
+        leader = NodeHost(conf, 1)  # the inherited priority: the controller's is a machine's
         leader.join_start()
         time.sleep(LEADER_HEAD_START)
         rest, procs = self.nnodes - 1, min(self.sim_procs, self.nnodes - 1)
         counts = [rest // procs + (i < rest % procs) for i in range(procs)] if procs else []
         with ThreadPoolExecutor(max(1, procs)) as pool:  # their imports, in parallel
-            hosts = list(pool.map(lambda c: NodeHost(conf, c), counts))
+            hosts = list(pool.map(lambda c: NodeHost(conf, c, self.sim_nice), counts))
         return [leader] + hosts
 
     def start(self) -> dict:
         """Rendezvous of every node at once, then the ranks: the times until every agent has
         its node world and until every rank has its world."""
         self.store.start()
-        self.loop.start()
+        run_niced(self.loop.start, self.sim_nice)  # this process's simulated ranks' thread
         self.kv = StoreClient("127.0.0.1", self.store.port, timeout=60.0)
         self.hosts = self._hosts()
         hosted = [n for h in self.hosts for n in h.nodes]
@@ -118,7 +124,7 @@ class ScaleJob:
         for h in self.hosts[1:]:
             h.join_start()
         with ThreadPoolExecutor(max(1, len(local))) as pool:
-            list(pool.map(lambda n: n.join(self.timeout), local))
+            list(pool.map(niced(lambda n: n.join(self.timeout), self.sim_nice), local))
         for h in self.hosts:
             h.join_wait()
         leader = self.hosts[0].nodes[0]
@@ -128,8 +134,7 @@ class ScaleJob:
         t_rdzv = max(n.joined_at for n in self.nodes)
         for h in self.hosts:
             h.start_all()
-        for n in local:
-            n.start()
+        run_niced(lambda: [n.start() for n in local], self.sim_nice)
         t_world = wait_until(self._all_started, self.timeout, "every rank's world")
         wait_until(self._all_aware, self.timeout, "every rank's hello")
         after = self.store.stats()
@@ -149,6 +154,20 @@ class ScaleJob:
 
     def _all_aware(self) -> bool:
         return all(n.summary()["idle"] for n in self.nodes)
+
+    def priorities(self) -> dict:
+        """The nice values things run at, as read back: the store process's threads (its loop
+        raises its own while it serves few enough connections), the leader's process, each
+        simulation process, and this process's simulated threads (none: no local nodes)."""
+        local = [n for n in self.nodes if not isinstance(n, HostedNode)]
+        loop_tid = self.loop.thread_id
+        own = [os.getpriority(os.PRIO_PROCESS, loop_tid)] if local and loop_tid is not None else []
+        return {
+            "sim_nice": self.sim_nice,
+            "store_threads": sorted(set(thread_nices(self.store.proc.pid))),
+            "leader_process": process_nice(self.hosts[0].proc.pid),
+            "sim_processes": [h.nice() for h in self.hosts[1:]] + own,
+        }
 
     # ---- steady state -------------------------------------------------------------------
     def steady(self, seconds: float) -> dict:
@@ -231,7 +250,10 @@ class ScaleJob:
         s0, b0, c0, l0 = self._readings()
         p0, t0 = self._sim_processes_cpu(), time.time()
         act()
-        t_end = wait_until(done, self.timeout, what, step=0.005)
+        # every 20 ms: each look asks every host for its nodes' state, the leader's process too
+        # (its interpreter is the controller's); the round's edges come from the events and
+        # the ranks' records, not from this look
+        t_end = wait_until(done, self.timeout, what, step=ROUND_LOOK_S)
         p1 = self._sim_processes_cpu()
         s1, b1, c1, l1 = self._readings()
         cpu = cpu_delta(c0, c1)
@@ -318,7 +340,9 @@ class ScaleJob:
         (the simulated agent's report and the real controller), the plan published to every
         node holding it (the real store's fan-out, timed by `ProbeProcess`: one waiting
         connection per node, in a process of its own), and the last status posted to the
-        repair plan written (the real relay and controller)."""
+        repair plan written (the real relay and controller). `control_plane_path_s` leaves
+        the simulated agents' report and relay hop out: fault posted -> plan, the fan-out,
+        the last node's record -> the repair plan (`_relay_legs`)."""
         ev = read_events(self.events_path)
         plan_t = next(
             (e["time"] for e in ev if e["event"] == "plan" and e.get("generation") == g), 0
@@ -331,9 +355,21 @@ class ScaleJob:
         if phases["to_plan_s"] is not None and done is not None:
             path = phases["to_plan_s"] + spread + max(0.0, done - last)
         posted = [t for n in self.live_nodes() for t in n.summary()["faults_posted"] if t >= t0]
+        fault_to_plan = plan_t - min(posted) if posted else None
+        legs = self._relay_legs(g, t0, done, last)
+        cp = (
+            None
+            if fault_to_plan is None or legs["relay_to_repair_s"] is None
+            else fault_to_plan + spread + legs["relay_to_repair_s"]
+        )
         return {
-            # the plan's leg split: the simulated agent's (death seen, fault posted) and the
-            # real controller's (fault posted -> plan written)
+            **legs,
+            # the legs only the store, the controller and the fan-out make (the simulated
+            # agents' report and relay left out): fault posted -> plan, the plan's fan-out on
+            # the wire, the last node's record -> the repair plan
+            "control_plane_path_s": None if cp is None else round(cp, 4),
+            # the plan's leg split: the simulated agent's (death seen, its report begun) and
+            # the report's two requests with the real controller's (-> plan written)
             "to_fault_posted_s": round(min(posted) - t0, 4) if posted else None,
             "fault_to_plan_s": round(plan_t - min(posted), 4) if posted else None,
             "plan_fanout_s": round(spread, 4),
@@ -342,11 +378,33 @@ class ScaleJob:
             "protocol_path_s": None if path is None else round(path, 4),
         }
 
+    def _relay_legs(self, g: int, t0: float, done: float | None, last: float) -> dict:
+        """The leg from the last status to the repair plan, split at the last node's record of
+        round `g` (the agents' `StatusRelay` posts, stamped by their clients): the simulated
+        agents' relay hop before it, the store and the controller after it (s from `t0`:
+        `done` the repair plan, `last` the last rank's status)."""
+        relayed = [n.summary()["relayed"].get(str(g)) for n in self.live_nodes()]
+        last_relay = max(relayed) - t0 if relayed and all(relayed) else None
+        if last_relay is None:
+            return {"status_to_last_relay_s": None, "relay_to_repair_s": None}
+        # a repair plan written before the last record came: the controller read that node's
+        # statuses from its ranks' own keys (a late relay): its leg is not this one
+        early = done is None or done < last_relay
+        # a rank stamps its status once its coroutine runs again: its relay's record can be
+        # stamped first; the controller's leg then starts at the later of the two
+        start = max(last_relay, last)
+        return {
+            "status_to_last_relay_s": round(start - last, 4),
+            "relay_to_repair_s": None if early else round(done - start, 4),
+        }
+
     # ---- one node lost, a hot spare waiting ----------------------------------------------
     def lose_node(self) -> dict:
         """A hot spare joins and waits; the last node crashes; the spare takes its ranks."""
         spare = self.spare = self._node()
-        joiner = threading.Thread(target=spare.join, args=(self.timeout,), daemon=True)
+        joiner = threading.Thread(
+            target=niced(spare.join, self.sim_nice), args=(self.timeout,), daemon=True
+        )
         joiner.start()
         wait_until(self.nodes[1].spare_waiting, 60.0, "the spare waiting")
         victim = self.nodes[-1]
@@ -357,7 +415,7 @@ class ScaleJob:
         def spare_in() -> bool:
             if spare.world is None or spare.started:
                 return spare.started
-            spare.start(replacement=True)
+            run_niced(lambda: spare.start(replacement=True), self.sim_nice)
             self.nodes[self.nodes.index(victim)] = spare
             return True
 
@@ -413,3 +471,4 @@ class ScaleJob:
         if self.kv is not None:
             self.kv.close()
         self.store.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)  # the controller's events.jsonl

@@ -203,11 +203,19 @@ def request_source(keys: tuple) -> str:
 
 class CountingStoreClient(StoreClient):
     """A `StoreClient` that counts its wire requests (WAIT, and CANCEL_WAIT when a wait runs
-    out, as two) in `counts`."""
+    out, as two) in `counts`, and stamps the wall time each SET of a key containing one of
+    `stamped` returned (`stamps`: key -> time; the agent's relay of its node's statuses)."""
 
-    def __init__(self, *args, counts: RequestCounts, **kw) -> None:
+    def __init__(self, *args, counts: RequestCounts, stamped: tuple[str, ...] = (), **kw) -> None:
         super().__init__(*args, **kw)
         self.counts = counts
+        self.stamped = stamped
+        self.stamps: dict[str, float] = {}
+
+    def set(self, key: str, value: bytes) -> None:
+        super().set(key, value)
+        if any(part in key for part in self.stamped):
+            self.stamps[key] = time.time()
 
     def _call(self, req, count: int = 0):
         self.counts.add(request_source(req.keys), SP.OP_NAMES[req.op])

@@ -19,6 +19,7 @@ arriving nodes as `launcher.agent.membership_news` does. Only the workers are si
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 
@@ -44,6 +45,7 @@ from rendezvous.store.proxy import StoreProxy
 
 CHAIN = (P.RETRY, P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT)  # ftrun's default chain
 TICK = 1.0  # s: the observer's publication and the progress record (launcher defaults)
+RELAYED = "/node_statuses/"  # the relay's record of a node's statuses (`plan.node_statuses_key`)
 
 
 class SimNode:
@@ -65,7 +67,9 @@ class SimNode:
         self.kv = (
             StoreClient(store[0], store[1], timeout=60.0)
             if counts is None
-            else CountingStoreClient(store[0], store[1], timeout=60.0, counts=counts)
+            else CountingStoreClient(
+                store[0], store[1], timeout=60.0, counts=counts, stamped=(RELAYED,)
+            )
         )
         self.settings = MembershipSettings(
             None, nnodes, nnodes, per_node, "127.0.0.1", run_id, rdzv=rdzv or RendezvousSettings()
@@ -78,7 +82,9 @@ class SimNode:
         self.ranks: dict[int, SimRank] = {}
         self.events: queue.Queue[object] = queue.Queue()
         self.plans_seen: dict[int, float] = {}  # generation -> wall time its plan reached us
-        self.faults_posted: list[float] = []  # wall times this agent's fault reports were posted
+        # wall times this agent began posting a fault report (before its two requests: the
+        # controller may have the report before the poster's thread runs again)
+        self.faults_posted: list[float] = []
         self.joined_at = 0.0
         self.started = False
         self.crashed = False
@@ -171,8 +177,19 @@ class SimNode:
             "gens": sorted({(r.generation, r.resumed_generation) for r in recs}),
             "plans_seen": dict(self.plans_seen),
             "faults_posted": list(self.faults_posted),
+            "relayed": self.relayed(),
             "idle": self.idle(),
         }
+
+    def relayed(self) -> dict[str, float]:
+        """Generation (as text) -> wall time this agent's relay posted its node's statuses of
+        that round (with a counting client; else none)."""
+        out = {}
+        for key, t in dict(getattr(self.kv, "stamps", {})).items():
+            m = re.search(r"g(\d+)" + RELAYED, key)
+            if m:
+                out[m.group(1)] = t
+        return out
 
     def spare_waiting(self) -> bool:
         """A hot spare waits (as this node's membership sees it)."""
@@ -240,6 +257,7 @@ class SimNode:
     def _report_death(self, rank: int) -> None:
         gr, inc = self.membership.me
         sr = self.ranks[rank]
+        self.faults_posted.append(time.time())
         post_fault(
             self.kv,
             P.Fault(
@@ -255,7 +273,6 @@ class SimNode:
                 by_incarnation=inc,
             ),
         )
-        self.faults_posted.append(time.time())
 
     def _tick_loop(self) -> None:
         """The observer's status publication and the health check's progress record."""

@@ -41,6 +41,15 @@ def test_256_ranks_end_in_one_generation_with_one_plan() -> None:
         assert kill["to_statuses_collected_s"] <= kill["to_all_resumed_s"]
         assert kill["requests"] > 0 and kill["bytes"] > 0
         assert 0 < kill["control_path_s"] <= kill["to_all_resumed_s"]
+        # the control plane's own legs (the simulated agents' report and relay hop left out)
+        if kill["relay_to_repair_s"] is None:  # a late relay: its node read from rank keys
+            assert kill["status_to_last_relay_s"] > kill["status_to_repair_s"]
+            assert kill["control_plane_path_s"] is None
+        else:
+            assert 0 < kill["control_plane_path_s"] <= kill["protocol_path_s"]
+            assert kill["relay_to_repair_s"] + kill["status_to_last_relay_s"] == pytest.approx(
+                kill["status_to_repair_s"], abs=2e-4
+            )
         first = job.verdict()
         assert first["consistent"], first
         node = job.lose_node()
@@ -66,6 +75,7 @@ def test_nodes_split_over_processes_recover_the_same_way() -> None:
         kill = job.kill_rank()
         assert kill["victim"] == 63 and 0 < kill["control_path_s"] <= kill["to_all_resumed_s"]
         assert kill["agents_cpu_s"] > 0  # the hosts' threads are counted
+        assert kill["status_to_last_relay_s"] is not None  # the hosts' relays are stamped
         node = job.lose_node()
         assert node["lost_node"] == 7 and node["generation"] > kill["generation"]
         verdict = job.verdict()
@@ -73,6 +83,25 @@ def test_nodes_split_over_processes_recover_the_same_way() -> None:
     finally:
         job.stop()
     assert all(h.proc.poll() is not None for h in job.hosts)
+    assert not os.path.exists(job.dir)  # its events file went with it
+
+
+def test_the_simulation_runs_lower_than_the_control_plane() -> None:
+    """--sim-nice: the simulation's processes (and this process's simulated threads) run lower
+    than the store, the leader's process (agent, controller, its ranks) and the benchmark."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    fast = RendezvousSettings(keep_alive_interval=0.5, heartbeat_timeout=5.0)
+    for procs, want in ((1, [base + 3]), (0, [base + 3])):
+        job = ScaleJob(32, 8, timeout=60.0, rdzv=fast, sim_procs=procs, sim_nice=3)
+        try:
+            job.start()
+            got = job.priorities()
+            assert got["sim_nice"] == 3 and got["sim_processes"] == want, got
+            assert got["leader_process"] == base and base in got["store_threads"], got
+            assert os.getpriority(os.PRIO_PROCESS, 0) == base  # the benchmark's own thread
+            assert job.verdict()["ranks"] == 32
+        finally:
+            job.stop()
 
 
 def test_per_node_default_and_values_for_the_plots(tmp_path) -> None:
@@ -156,10 +185,11 @@ def test_a_size_beyond_the_open_files_limit_is_a_line_saying_so() -> None:
 
 
 def test_bad_arguments_are_one_line_and_exit_2() -> None:
-    r = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "bench_scale.py"), "--ranks", "x"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2 and "--ranks" in r.stderr.strip().splitlines()[-1]
+    for args, named in ((["--ranks", "x"], "--ranks"), (["--sim-nice", "20"], "--sim-nice")):
+        r = subprocess.run(
+            [sys.executable, os.path.join(REPO, "scripts", "bench_scale.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 2 and named in r.stderr.strip().splitlines()[-1]

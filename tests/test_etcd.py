@@ -151,6 +151,42 @@ def test_wait_wakes_on_set_and_times_out(kv: EtcdKV) -> None:
     assert kv.get("g", 5.0) == b"val"
 
 
+def test_wait_values_takes_the_values_from_the_watch(kv: EtcdKV, etcd_server: EtcdServer) -> None:
+    """`wait_values`: one read, then a watch whose events carry the values (no read after the
+    wake-up); a key deleted meanwhile is waited for again; None when the time runs out."""
+    writer = EtcdKV(etcd_server.endpoint, "/ftrun/test-job", EtcdConf(request_timeout=5))
+    calls: list[str] = []
+    real = kv._call
+    kv._call = lambda what, fn: (calls.append(what), real(what, fn))[1]  # type: ignore[method-assign]
+    try:
+        writer.set("wv/a", b"A")
+        assert kv.wait_values(["wv/a"], 1.0) == [b"A"] and calls == ["get"]
+        calls.clear()
+        threading.Timer(0.2, writer.set, args=("wv/b", b"B")).start()
+        t0 = time.monotonic()
+        assert kv.wait_values(["wv/b", "wv/a", "wv/b"], 5.0) == [b"B", b"A", b"B"]
+        assert time.monotonic() - t0 < 1.5
+        assert calls == ["get"]  # the snapshot before the watch; the value came with the event
+
+        def churn() -> None:
+            time.sleep(0.1)
+            writer.set("wv/c", b"1")
+            writer.delete("wv/c")
+            writer.set("wv/d", b"D")
+            writer.set("wv/c", b"2")
+
+        t = threading.Thread(target=churn, daemon=True)
+        t.start()
+        assert kv.wait_values(["wv/c", "wv/d"], 5.0) == [b"2", b"D"]
+        t.join(5.0)
+        t0 = time.monotonic()
+        assert kv.wait_values(["wv/never", "wv/a"], 0.3) is None
+        assert 0.25 < time.monotonic() - t0 < 1.5
+        assert kv.wait_values([], 0.1) == [] and kv.wait_values(["wv/never"], 0) is None
+    finally:
+        writer.close()
+
+
 def test_add_under_contention(etcd_server: EtcdServer) -> None:
     stores = [EtcdKV(etcd_server.endpoint, "/c") for _ in range(2)]
     results: list[list[int]] = [[], []]

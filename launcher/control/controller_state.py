@@ -104,9 +104,17 @@ def take_term(kv: KVStore) -> int:
     return kv.add(TERM_KEY, 1)
 
 
+def _read_state(kv: KVStore) -> bytes | None:
+    """The saved record's bytes, None when there is none. One request on ftrun's store
+    (`present`: a MULTI_GET; `try_get` is a CHECK and a GET) — the record is JSON, never
+    empty, so both read it the same. It is read before every plan (`check_term`) and every
+    save, on a fault's path."""
+    return kv.present([STATE_KEY])[0]
+
+
 def load(kv: KVStore) -> SavedState | None:
     """The last saved state, None when no controller saved one (or it is unreadable)."""
-    raw = kv.try_get(STATE_KEY)
+    raw = _read_state(kv)
     if raw is None:
         return None
     try:
@@ -125,7 +133,7 @@ def _term_of(raw: bytes) -> int:
 def check_term(kv: KVStore, term: int, what: str) -> None:
     """FencedError when a controller of a newer term than `term` saved its state: the
     controller of `term` was superseded and may not write `what`."""
-    raw = kv.try_get(STATE_KEY)
+    raw = _read_state(kv)
     newer = _term_of(raw) if raw is not None else 0
     if newer > term:
         raise FencedError(
@@ -138,7 +146,7 @@ def save(kv: KVStore, state: SavedState) -> None:
     """Write `state` unless a controller of a newer term wrote the record (FencedError)."""
     new = state.to_json()
     for _ in range(ATTEMPTS):
-        raw = kv.try_get(STATE_KEY)
+        raw = _read_state(kv)
         if raw is not None and _term_of(raw) > state.term:
             raise FencedError(
                 f"controller of term {state.term} was superseded by the controller "

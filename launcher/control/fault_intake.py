@@ -51,7 +51,7 @@ class FaultIntake:
         came or its writer is stale."""
         key = P.fault_key(self.state.next_fault)
         # the wait's wake-up carries the report (`KVStore.wait_values`: one request on
-        # ftrun's store; elsewhere the wait, then one read of what it found)
+        # ftrun's store, etcd's watch event; elsewhere the wait, then one read of what it found)
         if timeout <= 0:
             raw = self.kv.try_get(key)
         else:

@@ -444,63 +444,37 @@ class EtcdKV(EtcdChannel, KVStore):
                 return bytes(kvs[0].value)
         raise StoreError(f"compare_set on {key!r} did not settle (key keeps changing)")
 
-    def _missing(self, raw_keys: list[bytes]) -> tuple[set[bytes], int]:
-        """Which of raw_keys do not exist, and the revision at which that was true."""
+    def _snapshot(self, raw_keys: list[bytes], values: bool) -> tuple[dict[bytes, bytes], int]:
+        """Which of `raw_keys` (sorted) exist, with their values when `values` (else b""), and
+        the revision of that read: one request (a get of one key, else one range from the
+        first key to the last; with `values` it carries the values of the keys between too)."""
         if len(raw_keys) == 1:
             resp = self._call("get", lambda c: c.get_response(raw_keys[0]))
-            present = {bytes(kv.key) for kv in resp.kvs}
         else:
-            lo, hi = min(raw_keys), max(raw_keys) + b"\0"
+            lo, hi = raw_keys[0], raw_keys[-1] + b"\0"
             req = lambda c: c.kvstub.Range(  # noqa: E731
-                _RPC.RangeRequest(key=lo, range_end=hi, keys_only=True),
+                _RPC.RangeRequest(key=lo, range_end=hi, keys_only=not values),
                 c.timeout,
                 credentials=c.call_credentials,
                 metadata=c.metadata,
             )
             resp = self._call("get", req)
-            present = {bytes(kv.key) for kv in resp.kvs}
-        return {k for k in raw_keys if k not in present}, resp.header.revision
+        wanted = set(raw_keys)
+        held = {bytes(kv.key): bytes(kv.value) if values else b"" for kv in resp.kvs}
+        return {k: v for k, v in held.items() if k in wanted}, resp.header.revision
 
     def wait(self, keys: Iterable[str], timeout: float) -> bool:
         raw = sorted({self._k(k) for k in keys})
+        return not raw or _watch_until_held(self, raw, timeout, values=False) is not None
+
+    def wait_values(self, keys: list[str], timeout: float) -> list[bytes] | None:
+        """One read and, while a key is missing, a watch whose events carry the values: the
+        values come with the wake-up, no read after it (see `_watch_until_held`)."""
+        raw = [self._k(k) for k in keys]
         if not raw:
-            return True
-        deadline = time.monotonic() + max(0.0, timeout)
-        missing, rev = self._missing(raw)
-        if not missing:
-            return True
-        if timeout <= 0:
-            return False
-        wanted = set(raw)
-        state = {k: (k not in missing) for k in raw}
-        cond = threading.Condition()
-
-        def on_event(ev: WatchEvent) -> None:
-            kb = self._k(ev.key)
-            if kb in wanted:
-                with cond:
-                    state[kb] = ev.kind == "put"
-                    cond.notify_all()
-
-        lo = raw[0]
-        hi = None if len(raw) == 1 else raw[-1] + b"\0"
-        w = self._hub.watch(
-            lo,
-            hi,
-            on_event,
-            rev + 1,
-            timeout=max(0.1, min(self._conf.request_timeout, deadline - time.monotonic())),
-        )
-        try:
-            with cond:
-                while not all(state.values()):
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        return False
-                    cond.wait(left)
-            return True
-        finally:
-            self._hub.cancel(w)
+            return []
+        held = _watch_until_held(self, sorted(set(raw)), timeout, values=True)
+        return None if held is None else [held[k] for k in raw]
 
     def delete(self, key: str) -> bool:
         k = self._k(key)
@@ -705,6 +679,49 @@ class EtcdKV(EtcdChannel, KVStore):
             return gone.wait(max(0.0, deadline - time.monotonic()))
         finally:
             self._hub.cancel(w)
+
+
+def _watch_until_held(
+    kv: EtcdKV, raw: list[bytes], timeout: float, values: bool
+) -> dict[bytes, bytes] | None:
+    """Until every key of `raw` (sorted, raw) exists at once: a snapshot (`EtcdKV._snapshot`),
+    then a watch over their range from the revision after it, each event putting or removing
+    a key (with its value when `values`). Every key's value (b"" unless `values`); None when
+    `timeout` s ran out."""
+    deadline = time.monotonic() + max(0.0, timeout)
+    held, rev = kv._snapshot(raw, values)
+    if len(held) == len(raw):
+        return held
+    if timeout <= 0:
+        return None
+    wanted = set(raw)
+    cond = threading.Condition()
+
+    def on_event(ev: WatchEvent) -> None:
+        kb = kv._k(ev.key)
+        if kb in wanted:
+            with cond:
+                if ev.kind == "put":
+                    held[kb] = ev.value if values else b""
+                else:
+                    held.pop(kb, None)
+                cond.notify_all()
+
+    hi = None if len(raw) == 1 else raw[-1] + b"\0"
+    left = deadline - time.monotonic()
+    w = kv._hub.watch(
+        raw[0], hi, on_event, rev + 1, timeout=max(0.1, min(kv._conf.request_timeout, left))
+    )
+    try:
+        with cond:
+            while len(held) < len(raw):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                cond.wait(left)
+            return dict(held)
+    finally:
+        kv._hub.cancel(w)
 
 
 def _prefix_end(prefix: bytes) -> bytes:
