@@ -209,7 +209,11 @@ def test_scenario_row_native_kill_at_step_1_end_to_end(tmp_path):
         "--layers",
         "2",
         "--steps",
-        "30",
+        "20",
+        # steps of a few ms let rank 1 finish step 1 before the bench's poll sees every rank
+        # past step 0 (the kill then lands at step 2: failed in CI once)
+        "--step-time",
+        "0.1",
     ]
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert out.returncode == 0, out.stderr[-3000:]
