@@ -77,3 +77,41 @@ def test_finish_without_an_agent_stops_the_store_the_rank_hosted(monkeypatch) ->
                 break
         assert time.monotonic() < deadline, f"port {port} still listens after finish()"
         time.sleep(0.05)
+
+
+def test_without_an_agent_the_phase_edges_stop_reading_the_heap_after_the_first_step(
+    monkeypatch,
+) -> None:
+    """The first step's phase edges note the heap's peak for the agent's spares (~0.1 ms each);
+    with no agent to tell, they must stop after the first commit like with one, not cost every
+    step of a plain-torchrun job."""
+    import torch
+
+    import launcher.runtime as ftr
+    from launcher.runtime import heap
+
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    monkeypatch.delenv("FTRUN_AGENT_SOCKET", raising=False)
+    reads: list[int] = []
+    real = heap.in_use_bytes
+    monkeypatch.setattr(heap, "in_use_bytes", lambda: reads.append(1) or real())
+    rt = ftr.init(backend="gloo")
+    try:
+        model = torch.nn.Linear(4, 1)
+        rt.register(model=model)
+        counts = []
+        for step in rt.steps(3):
+            with step:
+                with step.phase("forward"):
+                    loss = model(torch.ones(2, 4)).sum()
+                with step.phase("backward"):
+                    loss.backward()
+                with step.optimizer_update():
+                    model.zero_grad()
+            counts.append(len(reads))
+        assert counts[0] > 0 and counts[2] == counts[0], counts  # none after the first step
+    finally:
+        rt.finish()

@@ -208,11 +208,11 @@ class StepPath:
             # and import what this rank imported by now (launcher.runtime.loaded; what the
             # script had imported when it joined was told then)
             self._state_told = True
-            self.heap_untold = False
             grown = max(0, max(self._heap_peak, heap.in_use_bytes()) - self._heap_at_start)
             self.links.channel.update(state_bytes=state.reg.state_bytes(), heap_bytes=grown)
             if not self.links.env.replacement:  # a spare's copy would name the spare's
                 self.links.channel.send(Imports(self.links.rank, loaded_modules()))
+        self.heap_untold = False  # the first step's peak is known (or nobody to tell: no agent)
         # the agent's hang watch learns step times from this, however the heartbeats of a fast
         # loop are coalesced (it may never see two steps' starts apart)
         if state.step_t0 is not None:
