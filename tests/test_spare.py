@@ -744,8 +744,8 @@ def test_a_forked_spare_faults_in_the_heap_the_largest_state_needs(tmp_path) -> 
     )
 
     def sizes(pool: SparePool) -> None:
-        pool.state_size(48 << 20)
-        pool.state_size(16 << 20)  # the largest one counts
+        pool.heap_needed(48 << 20)
+        pool.heap_needed(16 << 20)  # the largest one counts
 
     _run_on_a_forked_spare([str(script)], sizes)
     assert int(json.loads(out.read_text())["heap"]) >= 48 << 20
@@ -1118,7 +1118,7 @@ def test_a_forked_spare_prepares_at_the_warm_up_priority_and_runs_at_the_agents(
     if not may_return_to(base) or not hasattr(os, "SCHED_IDLE"):
         pytest.skip("this user may not lower a process's niceness again")
     pool = SparePool(sys.executable, lambda m: None, count=1, fork=True, idle_limit=60.0)
-    pool.state_size(512 << 20)  # a heap that takes a while to fault in
+    pool.heap_needed(512 << 20)  # a heap that takes a while to fault in
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         pool.ensure(env)

@@ -85,7 +85,7 @@ class _Phase:
         if path.stop.newer_than(state.generation):
             raise StopRequested(path.stop.target, f"start of {self._name}")
         state.phase = self._name
-        if path.heap_untold:
+        if path.first_step:
             path.note_heap()
         if path.injector.armed:
             path.injector.maybe_fire(state.generation, self._step.index, self._name)
@@ -116,7 +116,7 @@ class _OptimizerUpdate:
         state = path.state
         state.in_update = True
         state.phase = "optimizer"
-        if path.heap_untold:
+        if path.first_step:
             path.note_heap()
         if path.injector.armed:
             path.injector.maybe_fire(state.generation, self._step.index, "optimizer")
@@ -147,10 +147,9 @@ class StepPath:
         self.injector = injector
         self.adapter = adapter
         self._sockets = sockets  # enabled: collectives wait in C++ (rt.ddp's reducer)
-        self._state_told = False  # the agent knows the bytes of this rank's state
         self._heap_at_start = heap.in_use_bytes()  # the heap grown by its first commit is told
         self._heap_peak = self._heap_at_start  # at its first step's phase edges (activations)
-        self.heap_untold = True  # until the first commit: the phase edges note the heap
+        self.first_step = True  # until the first commit: the phase edges note the heap's peak
 
     # ---------------------------------------------------------------- a step's edges
     def begin(self, step: Step) -> None:
@@ -172,7 +171,7 @@ class StepPath:
     def enter_phase(self, step: Step, name: str, check: bool = True) -> None:
         if check:
             self.check_stop(f"start of {name}")
-        if self.heap_untold:
+        if self.first_step:
             self.note_heap()
         self.set_phase(name)
         self.injector.maybe_fire(self.state.generation, step.index, name)
@@ -203,16 +202,15 @@ class StepPath:
         state = self.state
         state.committed = index
         state.snapshots[index + 1] = state.reg.snapshot(index + 1, self.adapter)
-        if not self._state_told and self.links.channel is not None:
+        if self.first_step and self.links.channel is not None:
             # once, when the optimizer state exists: the agent's spares fault in that much heap,
             # and import what this rank imported by now (launcher.runtime.loaded; what the
             # script had imported when it joined was told then)
-            self._state_told = True
             grown = max(0, max(self._heap_peak, heap.in_use_bytes()) - self._heap_at_start)
             self.links.channel.update(state_bytes=state.reg.state_bytes(), heap_bytes=grown)
             if not self.links.env.replacement:  # a spare's copy would name the spare's
                 self.links.channel.send(Imports(self.links.rank, loaded_modules()))
-        self.heap_untold = False  # the first step's peak is known (or nobody to tell: no agent)
+        self.first_step = False  # told once (or nobody to tell: no agent)
         # the agent's hang watch learns step times from this, however the heartbeats of a fast
         # loop are coalesced (it may never see two steps' starts apart)
         if state.step_t0 is not None:

@@ -162,7 +162,7 @@ class SparePool:
             run_priority(boosted[1], boosted[0].pid)
         self.round_hold.recovered(rank, generation, resume_step)
 
-    def state_size(self, nbytes: int) -> None:
+    def heap_needed(self, nbytes: int) -> None:
         """A rank needed `nbytes` of heap in its first step (its state, model, gradient buckets,
         a framework's buffers): spares forked from now on fault in that much heap (the largest
         size reported; `launcher.runtime.heap`), idle ones with too little are forked again."""

@@ -434,7 +434,7 @@ class Spawner:
         if self.spares is not None:
             self.spares.progressed(rank, committed_step)
             if heap_bytes:
-                self.spares.state_size(heap_bytes)
+                self.spares.heap_needed(heap_bytes)
 
     def stop(self) -> None:
         if self.spares is not None:
