@@ -25,13 +25,15 @@ Steady state: DDP's own reducer (FTRUN_DDP_COMM=reducer, the default).
   bucket-rebuild broadcast) then raises; the step's exit turns that into the stop
   (StepPath.end). While it waits, the agent channel's writer reports the rank as waiting on
   its peers (launcher.runtime.wait_probe), so the hang watch blames the hung rank, not them.
-- After every recovery round each rank drops its reducer (a one-rank stand-in, no collective)
-  and the first forward of the resumed step settles the new one (`_ft_settle`): at step 0 DDP's
-  first-iteration layout, which DDP rebuilds at step 1 from rank 0's gradient-ready order as
-  plain DDP does; at a later step the layout DDP rebuilt, taken from the first rank that knows
-  it (a survivor) and given to the new reducer, so the step adds the same numbers in the same
-  order as without the fault. When no rank knows it (every rank started anew from a checkpoint)
-  that one step runs through the comm hook below, which learns it, and the next forward hands
+- After every recovery round each rank forgets the old generation's comm state and builds
+  nothing on the round's critical path (the layout a reducer is built with is noted as DDP
+  builds it, not read back from a zero-filled copy of its buckets); the first forward of the
+  resumed step settles the new reducer (`_ft_settle`): at step 0 DDP's first-iteration layout,
+  which DDP rebuilds at step 1 from rank 0's gradient-ready order as plain DDP does; at a later
+  step the layout DDP rebuilt, taken from the first rank that knows it (a survivor) and given to
+  the new reducer, so the step adds the same numbers in the same order as without the fault.
+  When no rank knows it (every rank started anew from a checkpoint) that one step runs through
+  the comm hook below, which learns it, and the next forward hands
   the learnt layout to DDP's reducer.
 
 The comm hook (FTRUN_DDP_COMM=hook for every step; otherwise only for such a learning step):
@@ -356,6 +358,7 @@ class RuntimeDDP(DistributedDataParallel):
         ddp._ft_layout = None  # the bucket layout of steps >= 1, once this rank knows it
         ddp._ft_hooked_step = None  # the step that runs through the comm hook to learn that layout
         ddp._ft_pending = True  # the next forward settles which reducer runs (see _ft_settle)
+        ddp._ft_solo_due = True  # the hooked one-rank reducer is to be (re)built (see _ft_solo)
         ref = weakref.ref(ddp)
         ft.ddp_rebuilt = lambda: bool(getattr(ref(), "_has_rebuilt_buckets", False))
         ddp._ft_install()
@@ -377,35 +380,61 @@ class RuntimeDDP(DistributedDataParallel):
             tensors += [b for n, b in self.module.named_buffers() if n not in ignore]
         self._ft_comm.broadcast(tensors, "DDP initial sync")
 
+    def _ddp_init_helper(self, parameters: Any, *args: Any, **kwargs: Any) -> None:
+        """DDP's reducer build, noting the bucket layout it is built with (reducer order), so
+        reading it back needs no pass over the buckets (`_get_zeros_like_grad_buckets` allocates
+        and zero-fills a copy of every bucket: 20-70 ms at 55 MB of gradients)."""
+        real = dist._compute_bucket_assignment_by_size  # DDP's own, or `_given_layout`'s
+        seen: list[list[list[int]]] = []
+
+        def noted(*a: Any, **k: Any) -> tuple[list[list[int]], list[int]]:
+            indices, limits = real(*a, **k)
+            seen.append([list(b) for b in reversed(indices)])
+            return indices, limits
+
+        dist._compute_bucket_assignment_by_size = noted
+        try:
+            super()._ddp_init_helper(parameters, *args, **kwargs)
+        finally:
+            dist._compute_bucket_assignment_by_size = real
+        self._ft_built_layout = seen[-1] if seen else None
+
     def _ft_install(self) -> None:
         params, sparse = self._build_params_for_reducer()
         if any(sparse):
             raise _refuse(
                 "module", "sparse Embedding", "sparse gradients are not bucketed by the runtime"
             )
-        index = {id(p): i for i, p in enumerate(params)}
-        initial = [
-            [index[id(p)] for p in b.parameters()]
-            for b in self.reducer._get_zeros_like_grad_buckets()
-        ]
+        initial = self._ft_built_layout
+        if initial is None:  # not seen while DDP built it: read it back from the reducer
+            initial = self._ft_reducer_layout()
         self._ft_comm.built(params, initial, _rebuild_caps(self))
         self._comm_hooks = []
         DistributedDataParallel.register_comm_hook(self, self._ft_comm, _comm_hook)
+        self._ft_solo_due = False
 
     def _ft_rebuild(self, rank: int) -> None:
-        """After a recovery round: a fresh hooked reducer on a one-rank group (no collective, no
-        reference to the old generation's groups); the next forward settles which one runs."""
+        """After a recovery round: forget the old generation's comm state; the next forward
+        settles which reducer runs. Nothing is built here, on the round's critical path: the
+        reducer on the runtime's group is built by that forward, and the hooked reducer on a
+        one-rank group only when a step runs through the comm hook (`_ft_solo`)."""
         known = self._ft_known()
         if known is not None:
             self._ft_layout = known
         self._ft_comm.abandon()
         self._ft_grad = self._ft_make_comm()  # a live shrink or grow resized the world
         self._ft_comm.set_comm(self._ft_grad)
-        self._ft_new_reducer(_solo_group(rank))
-        self._ft_install()
+        self._ft_solo_due = True
         self._ft_on_reducer = False
         self._ft_hooked_step = None
         self._ft_pending = True
+
+    def _ft_solo(self) -> None:
+        """The comm hook's reducer: DDP's reducer on a one-rank group (no collective, no
+        reference to an old generation's groups) with the hook installed, unless it is in place."""
+        if self._ft_solo_due:
+            self._ft_new_reducer(_solo_group(self._ft_rank))
+            self._ft_install()
 
     def _ft_new_reducer(self, group: Any, layout: list[list[int]] | None = None) -> None:
         """DDP's reducer rebuilt on `group`, with `layout` as its buckets (None: DDP's own first
@@ -419,6 +448,7 @@ class RuntimeDDP(DistributedDataParallel):
         self._has_rebuilt_buckets = False
         self.require_forward_param_sync = True
         self._comm_hooks = []
+        self._ft_solo_due = True  # this reducer has no comm hook (until `_ft_install`)
 
     # ---- which reducer runs: DDP's own (C++), or the comm hook's ------------------------
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -440,17 +470,20 @@ class RuntimeDDP(DistributedDataParallel):
                 self._ft_adopt_rebuilt()
             return
         if not self._ft_reducer_ok:
-            self._ft_pending = False  # FTRUN_DDP_COMM=hook: the comm hook's reducer for good
+            self._ft_solo()  # FTRUN_DDP_COMM=hook: the comm hook's reducer for good
+            self._ft_pending = False
             return
         if self._ft_hooked_step == step:
             return  # this step runs through the hook
         if self._ft_grad.shrunk:
+            self._ft_solo()
             self._ft_hook_while_shrunk(step)
             return
         layout = None
         if step > 0:
             layout, source = self._ft_agree_layout()
             if layout is None:
+                self._ft_solo()
                 self._ft_hooked_step = step
                 self._ft_log(
                     f"no rank knows DDP's bucket layout of steps >= 1 (every rank started anew): "
@@ -504,7 +537,8 @@ class RuntimeDDP(DistributedDataParallel):
     def _ft_known(self) -> list[list[int]] | None:
         """The bucket layout of steps >= 1, if this rank knows it."""
         if self._ft_on_reducer and self._has_rebuilt_buckets:
-            return self._ft_reducer_layout()
+            # adopted at the forward after DDP rebuilt its buckets (DDP rebuilds them once)
+            return self._ft_layout if not self._ft_pending else self._ft_reducer_layout()
         return self._ft_layout if self._ft_layout is not None else self._ft_comm.learnt()
 
     def _ft_reducer_layout(self) -> list[list[int]]:
