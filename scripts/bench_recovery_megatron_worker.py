@@ -6,9 +6,10 @@ groups, a torch Adam, gradients all-reduced over megatron's data-parallel group)
 start, phases and the optimizer-update window to `launcher.runtime.callbacks`. About 170 MB of
 parameters + Adam state per rank with --hidden 1088 --layers 2. Writes the same records as
 bench_recovery_worker.py ($OUT_DIR/steps.<rank>.jsonl per completed step, starts.<rank>.jsonl when
-this process begins its first step) and, through the runtime, a durable checkpoint every
---checkpoint-every steps, so the same script runs under ftrun (process-level recovery) and under
-torchrun (restart-all from the checkpoint).
+this process begins its first step; each step line carries "phases": seconds of its forward,
+backward, gradient all-reduce and optimizer update) and, through the runtime, a durable
+checkpoint every --checkpoint-every steps, so the same script runs under ftrun (process-level
+recovery) and under torchrun (restart-all from the checkpoint).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ def mark(step: int) -> dict:
     return {"step": step, "time": time.time(), "pid": os.getpid()}
 
 
+def lap(phases: dict, name: str, since: float) -> float:
+    """Seconds of one part of the step into `phases` (the bench's first-step split)."""
+    now = time.perf_counter()
+    phases[name] = round(now - since, 5)
+    return now
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=40)
@@ -70,22 +78,27 @@ def train(
                     f.write(json.dumps(mark(step)) + "\n")
             hooks.step_start(step)
             hooks.phase("forward")
+            phases, t = {}, time.perf_counter()
             g = torch.Generator().manual_seed(a.seed * 7919 + pos["batch"] * 31 + dp_rank)
             pos["batch"] += 1
             tokens = torch.randint(0, mt.VOCAB, (a.batch, mt.SEQ), generator=g)
             loss = model(tokens, positions, mask, labels=torch.roll(tokens, -1, dims=1)).mean()
             if a.step_time:
                 time.sleep(a.step_time)
+            t = lap(phases, "forward", t)
             hooks.phase("backward")
             loss.backward()
+            t = lap(phases, "backward", t)
             mt.allreduce_gradients(model)
+            t = lap(phases, "allreduce", t)
             hooks.optimizer_update_start()
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
             hooks.optimizer_update_end()
+            lap(phases, "optimizer", t)
             hooks.step_end()
-            log.write(json.dumps(mark(step)) + "\n")
+            log.write(json.dumps({**mark(step), "phases": phases}) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     if hooks.world_size != 2 * mt.TP:
         raise SystemExit(f"needs WORLD_SIZE=4 (TP=2 x DP=2), got {hooks.world_size}")
     mt.init_parallel_state()
-    model = mt.build_model(a)
+    model = mt.build_model(a, init=not hooks.receives_state)  # a replacement: values arrive
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
     pos: dict = {"batch": 0}

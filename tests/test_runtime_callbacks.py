@@ -356,9 +356,10 @@ def test_megatron_killed_in_every_phase_is_bit_identical_to_a_run_without_ftrun(
             "--out",
             str(wd / "out{rank}.pt"),
         ],
-        # the framework path inits a replacement normally by default (attach): Megatron's
+        # the framework path leaves torch's random fills alone by default (attach): Megatron's
         # CPU init fills a master weight outside the state, so a skip would never be proven
-        # harmless (its first start's probe would say so, and the replacement init normally)
+        # harmless; the example asks megatron itself to skip them in a replacement
+        # (perform_initialization=not hooks.receives_state)
         env_with(FTRUN_FAULT_PLAN=json.dumps(plan), FTRUN_STORE_TIMEOUT="90"),
         timeout=420,
         cwd=str(wd),
@@ -379,6 +380,8 @@ def test_megatron_killed_in_every_phase_is_bit_identical_to_a_run_without_ftrun(
         assert out.count("megatron groups rebuilt for generation") >= 9, out[
             -6000:
         ]  # 3 survivors x 3 rounds
+        # each replacement built its model without megatron's random init (values arrived)
+        assert out.count("model built without random init") == 3, out[-6000:]
     for r in range(4):
         assert_bit_identical(load_params(wd / f"out{r}.pt"), load_params(ref_dir / f"out{r}.pt"))
     print(f"megatron run with 3 recoveries: {time.monotonic() - t0:.1f} s")

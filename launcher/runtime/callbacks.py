@@ -120,6 +120,13 @@ class FrameworkHooks:
     def committed_step(self) -> int:
         return self.runtime.committed_step
 
+    @property
+    def receives_state(self) -> bool:
+        """True in a replacement, whose model and optimizer values come from a replica before
+        its first step: build them without random init (Megatron:
+        `TransformerConfig(perform_initialization=not hooks.receives_state)`)."""
+        return self.runtime.receives_state
+
     def register(self, callbacks: FrameworkCallbacks, **state: Any) -> None:
         """The callbacks, and the state ftrun snapshots and repairs: the keyword arguments of
         `Runtime.register` (model, optimizer, scheduler, data=(get, set), extra, checkpoint_dir,

@@ -155,6 +155,13 @@ class Runtime:
         return self._state.committed
 
     @property
+    def receives_state(self) -> bool:
+        """True in a replacement until its state arrived from a replica (before its first
+        step): the values of what it builds (model, optimizer) are overwritten by then, so a
+        framework may skip its own random parameter init (Megatron: `perform_initialization`)."""
+        return self._state.needs_state
+
+    @property
     def shard(self) -> str:
         return self._state.layout.shard_of(self.rank)
 

@@ -73,7 +73,10 @@ def init_parallel_state() -> None:
     parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
 
 
-def build_model(args: argparse.Namespace) -> GPTModel:
+def build_model(args: argparse.Namespace, init: bool = True) -> GPTModel:
+    """The GPT model; `init=False` (a replacement, `hooks.receives_state`): megatron leaves
+    the parameters uninitialised (their values arrive from a replica before the first step),
+    which spares a replacement the random fills of full master weights on its critical path."""
     torch.manual_seed(
         args.seed
     )  # same on every rank: CPU init splits one master weight per TP rank
@@ -83,6 +86,7 @@ def build_model(args: argparse.Namespace) -> GPTModel:
         hidden_size=args.hidden,
         num_attention_heads=4,
         use_cpu_initialization=True,
+        perform_initialization=init,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         params_dtype=torch.float32,
@@ -218,7 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             f"megatron_train.py needs WORLD_SIZE=4 (TP=2 x DP=2), got {hooks.world_size}"
         )
     init_parallel_state()
-    model = build_model(args)
+    model = build_model(args, init=not hooks.receives_state)
+    if hooks.receives_state:
+        print(f"rank {hooks.rank}: model built without random init (a replica's state arrives)")
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))
     pos = {"batch": 0}
