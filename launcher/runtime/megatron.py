@@ -20,6 +20,13 @@ import torch
 import torch.distributed as dist
 
 _ATOMS = (str, bytes, int, float, bool, type(None), torch.Tensor, torch.nn.Module, type)
+_PLAIN = frozenset(_ATOMS[:6]) | {torch.Tensor, torch.nn.Parameter, dict, tuple, set}
+
+
+def _is_group(value: Any) -> bool:
+    """isinstance(value, ProcessGroup), cheap for the plain values most attributes hold
+    (torch's ProcessGroup answers isinstance through a Python metaclass: ~5 us a call)."""
+    return type(value) not in _PLAIN and isinstance(value, dist.ProcessGroup)
 
 
 def parallel_state_groups(ps: Any) -> dict[str, Any]:
@@ -83,12 +90,11 @@ class _Repointer:
         attrs = vars(obj)
         for key, value in list(attrs.items()):
             path = f"{where}.{key}"
-            if isinstance(value, dist.ProcessGroup):
+            if _is_group(value):
                 attrs[key] = self.swap(value, path)
-            elif isinstance(value, list) and any(isinstance(v, dist.ProcessGroup) for v in value):
+            elif isinstance(value, list) and any(_is_group(v) for v in value):
                 attrs[key] = [
-                    self.swap(v, f"{path}[{i}]") if isinstance(v, dist.ProcessGroup) else v
-                    for i, v in enumerate(value)
+                    self.swap(v, f"{path}[{i}]") if _is_group(v) else v for i, v in enumerate(value)
                 ]
             elif (
                 not isinstance(value, _ATOMS + (dict, list, tuple, set))
