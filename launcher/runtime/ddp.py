@@ -405,7 +405,7 @@ class RuntimeDDP(DistributedDataParallel):
             raise _refuse(
                 "module", "sparse Embedding", "sparse gradients are not bucketed by the runtime"
             )
-        initial = self._ft_built_layout
+        initial = getattr(self, "_ft_built_layout", None)
         if initial is None:  # not seen while DDP built it: read it back from the reducer
             initial = self._ft_reducer_layout()
         self._ft_comm.built(params, initial, _rebuild_caps(self))
