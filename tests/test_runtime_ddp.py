@@ -561,7 +561,7 @@ import sys
 import torch
 import torch.distributed as dist
 from launcher.runtime.buckets import GradComm
-from launcher.runtime.ddp import DDPHost, RuntimeDDP, _given_layout
+from launcher.runtime.ddp import DDPHost, RuntimeDDP
 
 
 class Coll:
@@ -592,8 +592,7 @@ assert solo is not before and not ddp._ft_solo_due
 ddp._ft_solo()
 assert ddp.reducer is solo
 given = [[7], [6, 5], [4, 3, 2, 1, 0]]
-with _given_layout(given, 8):
-    ddp._ft_new_reducer(dist.group.WORLD)
+ddp._ft_new_reducer(dist.group.WORLD, given)
 assert ddp._ft_built_layout == given == reducer_layout(ddp), ddp._ft_built_layout
 assert ddp._ft_solo_due
 print("rebuild ok", flush=True)

@@ -67,9 +67,8 @@ process: scripts/bench_step_cost.py.
 from __future__ import annotations
 
 import weakref
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -358,7 +357,6 @@ class RuntimeDDP(DistributedDataParallel):
         ddp._ft_layout = None  # the bucket layout of steps >= 1, once this rank knows it
         ddp._ft_hooked_step = None  # the step that runs through the comm hook to learn that layout
         ddp._ft_pending = True  # the next forward settles which reducer runs (see _ft_settle)
-        ddp._ft_solo_due = True  # the hooked one-rank reducer is to be (re)built (see _ft_solo)
         ref = weakref.ref(ddp)
         ft.ddp_rebuilt = lambda: bool(getattr(ref(), "_has_rebuilt_buckets", False))
         ddp._ft_install()
@@ -381,18 +379,26 @@ class RuntimeDDP(DistributedDataParallel):
         self._ft_comm.broadcast(tensors, "DDP initial sync")
 
     def _ddp_init_helper(self, parameters: Any, *args: Any, **kwargs: Any) -> None:
-        """DDP's reducer build, noting the bucket layout it is built with (reducer order), so
-        reading it back needs no pass over the buckets (`_get_zeros_like_grad_buckets` allocates
-        and zero-fills a copy of every bucket: 20-70 ms at 55 MB of gradients)."""
-        real = dist._compute_bucket_assignment_by_size  # DDP's own, or `_given_layout`'s
+        """DDP's reducer build, with the bucket layout `_ft_give` (reducer order; None: the one
+        DDP computes), noting the layout it is built with, so reading it back needs no pass over
+        the buckets (`_get_zeros_like_grad_buckets` allocates and zero-fills a copy of every
+        bucket: 20-70 ms at 55 MB of gradients). DDP reverses what
+        `_compute_bucket_assignment_by_size` returns, so a given layout is handed over reversed;
+        the per-bucket limits only feed DDP's logging."""
+        real = dist._compute_bucket_assignment_by_size
+        give: list[list[int]] | None = getattr(self, "_ft_give", None)
         seen: list[list[list[int]]] = []
 
-        def noted(*a: Any, **k: Any) -> tuple[list[list[int]], list[int]]:
-            indices, limits = real(*a, **k)
+        def assign(*a: Any, **k: Any) -> tuple[list[list[int]], list[int]]:
+            if give is not None:
+                indices = [list(b) for b in reversed(give)]
+                limits = [dist._DEFAULT_FIRST_BUCKET_BYTES] * len(give)
+            else:
+                indices, limits = real(*a, **k)
             seen.append([list(b) for b in reversed(indices)])
             return indices, limits
 
-        dist._compute_bucket_assignment_by_size = noted
+        dist._compute_bucket_assignment_by_size = assign
         try:
             super()._ddp_init_helper(parameters, *args, **kwargs)
         finally:
@@ -441,10 +447,17 @@ class RuntimeDDP(DistributedDataParallel):
         layout), as DDP.__init__ builds it."""
         self.process_group = group
         params, sparse = self._build_params_for_reducer()
-        with _given_layout(layout, len(params)):
+        if layout is not None and sorted(i for b in layout for i in b) != list(range(len(params))):
+            raise RuntimeError(
+                f"DDP bucket layout {layout} does not cover the reducer's {len(params)} parameters"
+            )
+        self._ft_give = layout
+        try:
             self._ddp_init_helper(
                 params, sparse, self._build_debug_param_to_name_mapping(params), False
             )
+        finally:
+            self._ft_give = None
         self._has_rebuilt_buckets = False
         self.require_forward_param_sync = True
         self._comm_hooks = []
@@ -650,30 +663,6 @@ class RuntimeDDP(DistributedDataParallel):
             getattr(hook, "__name__", hook),
             "rt.ddp broadcasts buffers through the runtime",
         )
-
-
-@contextmanager
-def _given_layout(layout: list[list[int]] | None, n: int) -> Iterator[None]:
-    """While DDP builds a reducer: its bucket assignment is `layout` (reducer order) instead
-    of the one DDP computes. DDP reverses what `_compute_bucket_assignment_by_size` returns, so
-    the layout is handed over reversed; the per-bucket limits only feed DDP's logging."""
-    if layout is None:
-        yield
-        return
-    if sorted(i for b in layout for i in b) != list(range(n)):
-        raise RuntimeError(
-            f"DDP bucket layout {layout} does not cover the reducer's {n} parameters"
-        )
-    real = dist._compute_bucket_assignment_by_size
-
-    def given(*args: Any, **kwargs: Any) -> tuple[list[list[int]], list[int]]:
-        return [list(b) for b in reversed(layout)], [dist._DEFAULT_FIRST_BUCKET_BYTES] * len(layout)
-
-    dist._compute_bucket_assignment_by_size = given
-    try:
-        yield
-    finally:
-        dist._compute_bucket_assignment_by_size = real
 
 
 def _power_of_two(n: int) -> bool:

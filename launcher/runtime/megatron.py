@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 _ATOMS = (str, bytes, int, float, bool, type(None), torch.Tensor, torch.nn.Module, type)
-_PLAIN = frozenset(_ATOMS[:6]) | {torch.Tensor, torch.nn.Parameter, dict, tuple, set}
+_NOT_VISITED = _ATOMS + (dict, list, tuple, set)  # values whose attributes are not searched
+_PLAIN = frozenset(_NOT_VISITED) | {torch.nn.Parameter}  # exact types that are never a group
 
 
 def _is_group(value: Any) -> bool:
@@ -97,7 +98,7 @@ class _Repointer:
                     self.swap(v, f"{path}[{i}]") if _is_group(v) else v for i, v in enumerate(value)
                 ]
             elif (
-                not isinstance(value, _ATOMS + (dict, list, tuple, set))
+                not isinstance(value, _NOT_VISITED)
                 and hasattr(value, "__dict__")
                 and not callable(value)
             ):
