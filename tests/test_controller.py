@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from launcher.control import controller_state as CS
 from launcher.control.controller import Controller
 from launcher.control.controller_settings import ControllerHooks, ControllerSettings
 from launcher.control.fault_intake import post_fault
@@ -615,6 +616,33 @@ def test_a_successor_finishes_the_round_in_progress_when_nothing_supersedes_it(k
         rp = P.RepairPlan.from_json(kv.get(P.repair_key(1), 10.0))
         assert rp.pairs == [[0, 3], [2, 3]] and not rp.fallback  # one replica per node sends
         assert kv.try_get(P.plan_key(2)) is None
+    finally:
+        c2.stop()
+
+
+def test_a_successor_takes_up_a_plan_published_before_the_generation_key(kv) -> None:
+    """The controller died after writing generation 1's plan (the agents acted on it) but before
+    setting the generation key and saving: the successor goes on from that plan (it used to read
+    generation 0, publish its own generation 1 over the plan the agents had acted on and never
+    take the round up; failed once in CI)."""
+    c1 = _node_world(kv)
+    try:
+        post_fault(kv, fault(rank=3, kind="exit", gen=0))
+        p1 = plan_of(kv, 1)
+    finally:
+        c1.stop()
+    kv.delete(P.GENERATION_KEY)  # its last two writes never happened
+    kv.delete(CS.STATE_KEY)
+    c2 = _node_world(kv, start=False)
+    assert c2.state.generation == 1 and kv.get(P.GENERATION_KEY, 1.0) == b"1"
+    assert c2.rounds.inherited is not None and c2.round.failed_ranks == (3,)
+    assert [h["rank"] for h in c2.history] == [3]
+    c2.reconcile({1: 1}, [0])
+    c2.start()
+    try:
+        p2 = plan_of(kv, 2)
+        assert p2.failed_ranks == [0, 1, 3] and p2.root_cause["kind"] == "node-lost"
+        assert plan_of(kv, 1).to_json() == p1.to_json()  # not overwritten
     finally:
         c2.stop()
 

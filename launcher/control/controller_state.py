@@ -51,13 +51,18 @@ class ControllerState:
 
     @classmethod
     def read(cls, kv: KVStore, max_restarts: int) -> "ControllerState":
-        """From the store: where the earlier controllers of the job left them."""
+        """From the store: where the earlier controllers of the job left them. The generation
+        is that of the latest published plan: a controller that died between writing a plan and
+        setting `GENERATION_KEY` (`PlanPublisher.publish`) left a round the agents act on."""
         raw, used, seq, nxt = (
             kv.try_get(k)
             for k in (P.GENERATION_KEY, P.RESTARTS_USED_KEY, P.FAULT_SEQ, P.FAULT_NEXT_KEY)
         )
+        g = int(raw) if raw is not None else 0
+        while kv.try_get(P.plan_key(g + 1)) is not None:  # at most one: plans are written in turn
+            g += 1
         return cls(
-            generation=int(raw) if raw is not None else 0,
+            generation=g,
             next_fault=int(nxt) if nxt is not None else (int(seq) + 1 if seq is not None else 1),
             budget=Budget(int(used) if used is not None else 0, max_restarts),
         )

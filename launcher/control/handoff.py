@@ -5,7 +5,8 @@ fenced by the controller's term): the fault history, the lost nodes waiting for 
 the agent incarnations accounted for, the ranks live shrinks dropped, a live grow's pause and
 the hot switch in progress with its pause.
 `restore` (when the controller is built) reads it back: the history (from the latest plan when
-the earlier controller died between publishing it and saving), and, when the saved state is of
+the earlier controller died between publishing it and saving; the generation key it had
+not set yet is set), and, when the saved state is of
 this world's rendezvous round, the lost nodes (their loss is not reported again, their
 node_replace_timeout runs on), the incarnations, the dropped ranks (the world is shrunk: the
 grow back and the decisions know it), a grow's pause (`restored_pause`: the grow back ends
@@ -108,6 +109,8 @@ class Handoff:
             raw_plan = self.kv.try_get(P.plan_key(gen))
             if raw_plan is not None:
                 self.decider.note_spawns(P.Plan.from_json(raw_plan))
+        if plan is not None and self.kv.try_get(P.GENERATION_KEY) != str(g).encode():
+            self.kv.set(P.GENERATION_KEY, str(g).encode())  # the write the earlier one missed
         if plan is not None:
             cause = P.Fault.from_json(
                 json.dumps(
