@@ -891,3 +891,47 @@ def test_a_fault_during_status_collection_is_seen_within_the_fast_slice(kv) -> N
         assert time.monotonic() - t0 < 0.12
     finally:
         c.stop()
+
+
+@pytest.mark.etcd
+def test_a_round_cut_short_by_a_store_error_is_driven_again(tmp_path) -> None:
+    """etcd stops answering while the controller collects a round's statuses (its requests
+    time out: a StoreError): once it answers again, the controller drives the same round on
+    to its repair plan (`Handoff.retake`); it used to go idle and leave the ranks waiting for a
+    repair plan until their store timeout (seen in CI: a watch confirmed late)."""
+    import signal
+
+    from helpers_etcd import start_etcd
+
+    from launcher.observe.logs import read_event_file
+    from rendezvous.store.etcd import EtcdConf, EtcdKV
+
+    srv = start_etcd()
+    kv = EtcdKV(srv.endpoint, "/ftrun/retake", EtcdConf(request_timeout=0.5))
+    for r in range(4):
+        kv.set(P.aware_key(r), b"1")
+    events = str(tmp_path / "events.jsonl")
+    log = AgentLog(0, events, quiet=True)
+    chain = [P.RECOVER_IN_PLACE, P.RESTART_ALL, P.EXIT]
+    c = controller(kv, log, 4, 1, 3, chain, phase_timeout=20.0, window=0.1)
+    c.start()
+    try:
+        post_fault(kv, fault(rank=3, kind="exit", gen=0))
+        assert plan_of(kv, 1).strategy == P.RECOVER_IN_PLACE
+        srv.proc.send_signal(signal.SIGSTOP)  # the controller's status wait times out
+        deadline = time.monotonic() + 10.0
+        while not any(e["event"] == "controller" for e in read_event_file(events)):
+            assert time.monotonic() < deadline, "no store error in the controller"
+            time.sleep(0.05)
+        srv.proc.send_signal(signal.SIGCONT)
+        for r in range(4):
+            kv.set(P.status_key(1, r), P.RankStatus(r, 1, r == 3, 4, 5, shard="dp").to_json())
+        rp = P.RepairPlan.from_json(kv.get(P.repair_key(1), 10.0))
+        assert rp.pairs and not rp.fallback and kv.try_get(P.plan_key(2)) is None
+        resumed = [e for e in read_event_file(events) if e["event"] == "round-resumed"]
+        assert [(e["generation"], e["retaken"]) for e in resumed] == [(1, True)]
+    finally:
+        srv.proc.send_signal(signal.SIGCONT)
+        c.stop()
+        kv.close()
+        srv.stop()

@@ -412,3 +412,36 @@ def test_wait_inside_a_watch_callback_fails_fast(kv: EtcdKV) -> None:
     kv.set("trigger", b"1")
     assert done.wait(3)
     assert errors and "inside a watch callback" in errors[0]
+
+
+def test_a_short_wait_whose_watch_is_confirmed_late_times_out_instead_of_failing(
+    kv: EtcdKV,
+) -> None:
+    """A wait shorter than etcd's confirmation of its watch (the controller's status wait
+    polls in 0.02 s slices) returns False, and True when the keys exist; it used to raise
+    "etcd did not confirm a watch" (a StoreError) on a loaded machine, which cut the
+    controller's round short (failed once in CI). The confirmation is held up here by a watch
+    callback that takes 0.4 s: confirmations come on the same thread."""
+    busy = threading.Event()
+
+    def slow(ev) -> None:
+        busy.set()
+        time.sleep(0.4)
+
+    kv.watch_key("trigger", slow)
+    kv.set("trigger", b"1")
+    assert busy.wait(3)
+    t0 = time.monotonic()
+    assert kv.wait(["never"], 0.02) is False
+    assert kv.wait_values(["never"], 0.02) is None
+    assert time.monotonic() - t0 < 3.0
+    kv.set("there", b"v")
+    busy.clear()
+    kv.set("trigger", b"2")
+    assert busy.wait(3)
+    assert kv.wait(["there"], 0.02) is True  # held by the snapshot: no watch needed
+    kv.set("gone", b"1")
+    busy.clear()
+    kv.set("trigger", b"3")
+    assert busy.wait(3)
+    assert kv.wait_deleted("gone", 0.02) is False

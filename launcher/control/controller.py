@@ -19,15 +19,16 @@ else):
   fault_history        the job's fault history (published with every plan, for the failure summary)
   controller_settings  what it is built with: `ControllerSettings` and `ControllerHooks`
 
-One pass of the loop: a round that an earlier controller was driving is taken up first
-(`Handoff.resume`); else a decision that cannot wait (a lost node's node_replace_timeout ran
-out, agents waiting to get in: `WorldChanges.overdue`; the dropped ranks back: `GrowBack.due`; a
-hot switch's new processes ready: `HotSwitch.due`);
-else the next fault (`FaultIntake.take`) is decided (`Decider.decide`). A decision that is not
-absorbed is executed: its plan is published and its round driven (`execute`), until nothing
-follows (a round can be superseded by a new fault, or fall back). Once a new rendezvous round
-was requested (REGROUPING) this world ends: the loop only waits to be stopped. A fenced
-controller (its agent stale, or a successor took over: `FencedError`) stops.
+One pass of the loop: a round that an earlier controller was driving (or this one, until a store
+error cut it short: `Handoff.retake`) is taken up first (`Handoff.resume`); else a decision that
+cannot wait (a lost node's node_replace_timeout ran out, agents waiting to get in:
+`WorldChanges.overdue`; the dropped ranks back: `GrowBack.due`; a hot switch's new processes
+ready: `HotSwitch.due`); else the next fault (`FaultIntake.take`) is decided (`Decider.decide`).
+A decision that is not absorbed is executed: its plan is published and its round driven
+(`execute`), until nothing follows (a round can be superseded by a new fault, or fall back).
+Once a new rendezvous round was requested (REGROUPING) this world ends: the loop only waits to
+be stopped. A fenced controller (its agent stale, or a successor took over: `FencedError`)
+stops.
 
 Ranks done with the job (`finished_ranks`: their agents set `P.finished_key` when a rank says
 goodbye or exits 0) take part in no round: every decision knows them (`decision` rule 6), and a
@@ -78,6 +79,7 @@ class Controller:
         self.rounds = RoundTracker()
         self.faults = FaultHistory()
         self._stop = threading.Event()
+        self._after_error = False  # a store error interrupted the last pass (`Handoff.retake`)
         self._assemble(hooks)
         self.handoff.restore()  # the latest plan's round, when an earlier controller wrote it
         self.grow.adopt_pause(self.handoff.restored_pause)  # a grow the earlier one started
@@ -230,10 +232,14 @@ class Controller:
                 if self._stop.is_set():
                     return
                 self.log.error("controller", f"store error in controller: {e}")
+                self._after_error = True
                 time.sleep(0.2)
 
     def _step(self) -> None:
         """One pass of the loop (see the module docstring)."""
+        if self._after_error:  # a round cut short by it is driven again
+            self.handoff.retake()
+            self._after_error = False
         if self.rounds.inherited is not None:  # again after a store error
             self._run_rounds(self.handoff.resume(self.intake, self.driver))
             return

@@ -19,7 +19,9 @@ claimed it before this controller was elected) is reported as an arrival. `resum
 round the earlier controller was driving (its plan published, its phase not done): the reports
 that arrived meanwhile are decided first (a lost node's loss or arrival supersedes it with a
 new generation that includes the node's ranks), else the round is driven to its end (statuses
-and repair plan, the restart-all release, the dump plan).
+and repair plan, the restart-all release, the dump plan). `retake` hands `resume` this
+controller's own round when a store error cut its driving short (an etcd request that timed
+out mid-round used to leave the round undriven: the ranks waited out their store timeout).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from launcher.control.round_phase import RoundTracker, found_phase
 from launcher.observe.logs import AgentLog
 from launcher.protocol import plan as P
 from rendezvous.kv import KVStore
+
+RETAKEN_BY_OWNER = (P.GROW, P.SWITCH)  # rounds `retake` leaves to their own driver
 
 
 class Handoff:
@@ -66,6 +70,7 @@ class Handoff:
         # controller; and the one an earlier controller left (HotSwitch.take_over ends it)
         self.switch: Callable[[], tuple[int, int]] = lambda: (0, 0)
         self.restored_switch = (0, 0)
+        self.retaken = False  # the inherited round is this controller's own (`retake`)
 
     def save(self) -> None:
         """The state a successor needs (`launcher.control.controller_state`); FencedError when
@@ -133,22 +138,38 @@ class Handoff:
             return self.kv.try_get(P.go_key(g)) is None
         return False
 
+    def retake(self) -> None:
+        """After a store error cut this controller's driving of a round short: the latest
+        plan's round, when not done, is taken up again by `resume` like an inherited one (a
+        grow's or a hot switch's round stays with its owner, `GrowBack` / `HotSwitch`)."""
+        g = self.state.generation
+        raw = self.kv.try_get(P.plan_key(g)) if g > 0 else None
+        plan = P.Plan.from_json(raw) if raw is not None else None
+        if plan is not None and plan.strategy not in RETAKEN_BY_OWNER and self.unfinished(plan):
+            self.rounds.inherited, self.retaken = plan, True
+
     def resume(self, intake: FaultIntake, driver: RoundDriver) -> Decision | None:
-        """Take up the round an earlier controller was driving (see the module docstring)."""
-        plan = self.rounds.inherited
+        """Take up the round an earlier controller was driving, or this one's after a store
+        error (`retake`; see the module docstring)."""
+        plan, retaken = self.rounds.inherited, self.retaken
+        self.retaken = False
         if plan is None or not self.unfinished(plan):
             self.rounds.inherited = None
             return None
         g = plan.generation
+        whose = (
+            "was cut short by a store error; this controller drives it again"
+            if retaken
+            else "of the previous controller was in progress; this controller takes it up"
+        )
         self.log.warning(
             "round-resumed",
-            f"generation {g}: the {plan.strategy} round of the "
-            "previous controller was in progress; this controller takes it up "
-            f"(failed ranks {plan.failed_ranks})",
+            f"generation {g}: the {plan.strategy} round {whose} (failed ranks {plan.failed_ranks})",
             generation=g,
             strategy=plan.strategy,
             failed_ranks=plan.failed_ranks,
             round_phase=self.rounds.phase.value,
+            retaken=retaken,
         )
         while True:  # what was reported meanwhile first: it may supersede the round
             fault = intake.take(0.0)

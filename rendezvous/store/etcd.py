@@ -668,13 +668,9 @@ class EtcdKV(EtcdChannel, KVStore):
             if ev.kind == "delete":
                 gone.set()
 
-        w = self._hub.watch(
-            k,
-            None,
-            on_event,
-            int(resp.header.revision) + 1,
-            timeout=max(0.1, min(self._conf.request_timeout, deadline - time.monotonic())),
-        )
+        w = _watch_within(self, k, None, on_event, int(resp.header.revision) + 1, deadline)
+        if w is None:
+            return False
         try:
             return gone.wait(max(0.0, deadline - time.monotonic()))
         finally:
@@ -708,10 +704,9 @@ def _watch_until_held(
                 cond.notify_all()
 
     hi = None if len(raw) == 1 else raw[-1] + b"\0"
-    left = deadline - time.monotonic()
-    w = kv._hub.watch(
-        raw[0], hi, on_event, rev + 1, timeout=max(0.1, min(kv._conf.request_timeout, left))
-    )
+    w = _watch_within(kv, raw[0], hi, on_event, rev + 1, deadline)
+    if w is None:
+        return None
     try:
         with cond:
             while len(held) < len(raw):
@@ -722,6 +717,33 @@ def _watch_until_held(
             return dict(held)
     finally:
         kv._hub.cancel(w)
+
+
+def _watch_within(
+    kv: EtcdKV,
+    key: bytes,
+    range_end: bytes | None,
+    callback: Callable[[WatchEvent], None],
+    start_revision: int,
+    deadline: float,
+) -> _Watch | None:
+    """The watch of a wait that ends at `deadline`; None when etcd confirmed it too late for
+    the wait (the wait timed out: a short wait polled on a loaded machine, e.g. the
+    controller's status wait in 0.02 s slices). StoreTimeout only when etcd did not confirm it
+    within its whole request timeout."""
+    left = deadline - time.monotonic()
+    try:
+        return kv._hub.watch(
+            key,
+            range_end,
+            callback,
+            start_revision,
+            timeout=max(0.1, min(kv._conf.request_timeout, left)),
+        )
+    except StoreTimeout:
+        if left >= kv._conf.request_timeout:
+            raise
+        return None
 
 
 def _prefix_end(prefix: bytes) -> bytes:
