@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     hooks = ftcb.attach(backend="gloo")  # before megatron builds its groups
     if hooks.world_size != 2 * mt.TP:
         raise SystemExit(f"needs WORLD_SIZE=4 (TP=2 x DP=2), got {hooks.world_size}")
-    mt.init_parallel_state()
+    mt.init_parallel_state(shared=True)
     model = mt.build_model(a, init=not hooks.receives_state)  # a replacement: values arrive
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.1 * s))

@@ -3,17 +3,17 @@
 About 100 MB of parameters + Adam state with the defaults (hidden 1024, 9 layers). Appends one
 JSON line per completed step to $OUT_DIR/steps.<rank>.jsonl ({"step", "time", "pid"}) and one
 when this process begins its first step to $OUT_DIR/starts.<rank>.jsonl ({"step", "time",
-"pid"}: training again after a restart; the step lines also carry "phases": seconds of its forward,
-backward, gradient all-reduce and optimizer step, the first step after a repair against the
-others'), saves a durable checkpoint every --checkpoint-every
-steps (what torchrun's restart-all reloads), and runs under ftrun (process-level recovery) and
-under torchrun (restart from the checkpoint). Two paths: the native loop (`rt.steps` +
-`rt.allreduce_gradients`, the default) and `--ddp` (the model wrapped by `rt.ddp`, whose bucket
-all-reduces overlap backward). `--micro-batches` (native loop): every step consumes micro-batches
-0..N-1 of the original world, this rank `rt.micro_batches` of them (its own; after a live shrink,
-elastic-training, also the lost replicas'), each seeded by (step, micro-batch) whoever computes
-it, gradients accumulated and averaged over N: the global batch survives a shrink.
-"""
+"pid"}: training again after a restart; the step lines also carry "phases": seconds of its
+forward, backward, gradient all-reduce and optimizer step and the training thread's CPU seconds
+in the step, `main_cpu`, the first step after a repair against the others'), saves a durable
+checkpoint every --checkpoint-every steps (what torchrun's restart-all reloads), and runs under
+ftrun (process-level recovery) and under torchrun (restart from the checkpoint). Two paths: the
+native loop (`rt.steps` + `rt.allreduce_gradients`, the default) and `--ddp` (the model wrapped
+by `rt.ddp`, whose bucket all-reduces overlap backward). `--micro-batches` (native loop): every
+step consumes micro-batches 0..N-1 of the original world, this rank `rt.micro_batches` of them
+(its own; after a live shrink, elastic-training, also the lost replicas'), each seeded by (step,
+micro-batch) whoever computes it, gradients accumulated and averaged over N: the global batch
+survives a shrink."""
 
 from __future__ import annotations
 
@@ -99,14 +99,18 @@ PHASES: dict[str, float] = {}
 
 
 class Clock:
-    """Times the parts of one step into PHASES."""
+    """Times the parts of one step into PHASES; `main_cpu`: the CPU time the training thread
+    spent in the step so far (kernel time included: page faults show there, where the wall
+    time of a part also holds waiting on the other ranks)."""
 
     def __init__(self) -> None:
         self.t = time.perf_counter()
+        self.cpu = time.thread_time()
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
         PHASES[name] = round(now - self.t, 5)
+        PHASES["main_cpu"] = round(time.thread_time() - self.cpu, 5)
         self.t = now
 
 

@@ -388,3 +388,75 @@ def test_megatron_killed_in_every_phase_is_bit_identical_to_a_run_without_ftrun(
     for r in range(4):
         assert_bit_identical(load_params(wd / f"out{r}.pt"), load_params(ref_dir / f"out{r}.pt"))
     print(f"megatron run with 3 recoveries: {time.monotonic() - t0:.1f} s")
+
+
+SHARED_GROUPS_WORKER = r"""
+import os, warnings
+warnings.filterwarnings("ignore")
+import torch, torch.distributed as dist
+from megatron.core import parallel_state as ps
+from launcher.runtime.megatron import initialize_model_parallel, rebuild_parallel_state
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+dist.init_process_group("gloo", store=dist.PrefixStore("g0", store), rank=rank, world_size=world)
+counted = []
+real = ps.create_group
+def counting(*a, **kw):
+    counted.append(kw.get("ranks"))
+    return real(*a, **kw)
+ps.create_group = counting  # what reaches megatron's own create_group (and torch's new_group)
+initialize_model_parallel(tensor_model_parallel_size=2)
+made = len(counted)
+assert ps.create_group is counting  # put back
+# PP=1: the model-parallel group has the tensor-parallel group's ranks: one group for both
+assert ps.get_model_parallel_group() is ps.get_tensor_model_parallel_group()
+tp = ps.get_tensor_model_parallel_group()
+assert dist.get_process_group_ranks(tp) == [rank // 2 * 2, rank // 2 * 2 + 1]
+x = torch.ones(1) * rank
+dist.all_reduce(x, group=ps.get_tensor_model_parallel_group())
+dist.all_reduce(x, group=ps.get_data_parallel_group())
+assert x.item() == 6.0, x  # (0 + 1) + (2 + 3) on every rank
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tp_group = ps.get_tensor_model_parallel_group()  # cached at construction
+
+model = torch.nn.Sequential(Layer())
+old = model[0].tp_group
+dist.destroy_process_group()  # a recovery round: a new default group, then megatron's
+dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=rank, world_size=world)
+counted.clear()
+assert rebuild_parallel_state(model, tensor_model_parallel_size=2) == 1
+assert len(counted) == made  # shared again: the same groups, in the same order
+new = model[0].tp_group
+assert new is not old and new is ps.get_tensor_model_parallel_group()
+assert new is ps.get_model_parallel_group()
+x = torch.ones(1)
+dist.all_reduce(x, group=new)
+assert x.item() == 2.0
+print(f"requests {made}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(
+    not _megatron_available(), reason="megatron-core not importable (pip install .[megatron])"
+)
+def test_megatron_groups_with_the_same_ranks_are_made_once_and_rebuilt_the_same_way(tmp_path):
+    """`initialize_model_parallel` creates each distinct group once (4 ranks, TP=2: 47 requests
+    of megatron, 11 distinct), groups with the same ranks are one object, collectives on them
+    work, and `rebuild_parallel_state` after a new default group shares them the same way and
+    re-points the cached handle."""
+    store = master_store()
+    procs = run_workers(SHARED_GROUPS_WORKER, 4, tmp_path, store)
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0, 0, 0], worker_logs(tmp_path, 4)
+    made = int((tmp_path / "worker0.log").read_text().split("requests ")[1].split()[0])
+    assert 0 < made < 20, made  # megatron asks for 47; without sharing each reaches torch

@@ -66,10 +66,13 @@ class CpuMemoryBuffer:
         return torch.empty(tuple(shape), dtype=dtype)
 
 
-def init_parallel_state() -> None:
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=TP, distributed_timeout_minutes=GROUP_TIMEOUT_MIN
-    )
+def init_parallel_state(shared: bool = False) -> None:
+    """megatron's groups; `shared` (under ftrun): through ftrun's initialize_model_parallel,
+    which creates each distinct group once, and so does the rebuild of every recovery round."""
+    init = parallel_state.initialize_model_parallel
+    if shared:
+        from launcher.runtime.megatron import initialize_model_parallel as init
+    init(tensor_model_parallel_size=TP, distributed_timeout_minutes=GROUP_TIMEOUT_MIN)
     parallel_state._GLOBAL_MEMORY_BUFFER = CpuMemoryBuffer()
 
 
@@ -221,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(
             f"megatron_train.py needs WORLD_SIZE=4 (TP=2 x DP=2), got {hooks.world_size}"
         )
-    init_parallel_state()
+    init_parallel_state(shared=True)
     model = build_model(args, init=not hooks.receives_state)
     if hooks.receives_state:
         print(f"rank {hooks.rank}: model built without random init (a replica's state arrives)")
