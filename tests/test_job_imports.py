@@ -115,10 +115,17 @@ def test_the_spares_import_the_users_modules_then_the_ranks_reports(tmp_path) ->
     path = tmp_path / "spare_imports.json"
     imports = JobImports(str(path), ["megatron.core", "bad name"], ["/scripts"], learn=True)
     assert json.loads(path.read_text()) == {"modules": ["megatron.core"], "path": ["/scripts"]}
-    # ftrun's own modules are left out (every spare has them); repeated names count once
-    assert imports.add(0, ["torch._dynamo", "launcher.runtime", "megatron.core", "x.y"]) == 2
+    # ftrun's own modules are left out but the runtime's (the spares' warm-up imports only its
+    # core); repeated names count once
+    reported = ["torch._dynamo", "launcher.agent", "launcher.runtime.callbacks", "megatron.core"]
+    assert imports.add(0, reported + ["rendezvous.kv", "x.y"]) == 3
     assert imports.add(1, ["torch._dynamo", "x.y"]) == 0  # nothing new: the file stays
-    assert imports.modules == ["megatron.core", "torch._dynamo", "x.y"]
+    assert imports.modules == [
+        "megatron.core",
+        "torch._dynamo",
+        "launcher.runtime.callbacks",
+        "x.y",
+    ]
     assert json.loads(path.read_text())["modules"] == imports.modules
     assert imports.reported == {0, 1} and imports.file == str(path)
 

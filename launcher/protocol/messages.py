@@ -134,6 +134,21 @@ class Recovered:
     transfer_path: str = ""  # how it came: "wire", "memory" (same host), "memory+wire"
 
 
+FTRUN_PACKAGES = ("launcher", "rendezvous")
+RUNTIME_PACKAGE = "launcher.runtime"
+
+
+def ftrun_module_not_for_spares(name: str) -> bool:
+    """ftrun's own modules the spares are not told to import: all but the runtime's. The spares'
+    warm-up imports `launcher.runtime.runtime` itself; the runtime modules a job adds (framework
+    callbacks, megatron's groups, the routing of torch's collectives, rt.ddp) are reported like
+    any library (a megatron-core replacement imported them on the round's critical path: 10.7
+    ms here)."""
+    if name.split(".", 1)[0] not in FTRUN_PACKAGES:
+        return False
+    return not (name == RUNTIME_PACKAGE or name.startswith(RUNTIME_PACKAGE + "."))
+
+
 @message("imports")
 @dataclass
 class Imports:

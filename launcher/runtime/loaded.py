@@ -3,13 +3,13 @@
 Owns: `loaded_modules(script_dir)`: the modules in `sys.modules` now (when the rank joins the
 job, and again at its first committed step), in `sys.modules`' order (importing a submodule
 imports its parents), leaving out the standard library's, ftrun's own but the runtime's
-(`RUNTIME`), aliases (an entry whose module calls itself by another name), the script itself and
-the modules of the script's own directory (the user's code: importing it in a spare would run it
-there). The runtime's join sends them (`Imports`, at "start": the script's top-level imports, so
-a kill at step 1 finds them in the spares too) and `StepPath.commit` once more (what the first
-step imported); the agent's spare fork server imports them before it forks spares, so a
-replacement runs only its script's body: `torch._dynamo` (DDP's constructor), megatron-core,
-transformers are already there.
+(`ftrun_module_not_for_spares`), aliases (an entry whose module calls itself by another name),
+the script itself and the modules of the script's own directory (the user's code: importing it
+in a spare would run it there). The runtime's join sends them (`Imports`, at "start": the
+script's top-level imports, so a kill at step 1 finds them in the spares too) and
+`StepPath.commit` once more (what the first step imported); the agent's spare fork server
+imports them before it forks spares, so a replacement runs only its script's body:
+`torch._dynamo` (DDP's constructor), megatron-core, transformers are already there.
 """
 
 from __future__ import annotations
@@ -17,11 +17,8 @@ from __future__ import annotations
 import os
 import sys
 
-OWN = ("launcher", "rendezvous")  # ftrun's packages: a spare imports what it needs of them
-# but the runtime's modules a job uses beyond `launcher.runtime.runtime` (the spares' own warm
-# import): the framework callbacks, megatron's groups, the routing of torch's collectives,
-# rt.ddp (10.7 ms of a megatron-core replacement's start-up here, on the round's critical path)
-RUNTIME = "launcher.runtime"
+from launcher.protocol.messages import ftrun_module_not_for_spares
+
 SKIPPED = ("__main__", "__mp_main__")
 
 
@@ -42,7 +39,7 @@ def loaded_modules(own_dir: str | None = None) -> list[str]:
     out = []
     for name, mod in list(sys.modules.items()):
         top = name.split(".", 1)[0]
-        ours = top in OWN and not (name == RUNTIME or name.startswith(RUNTIME + "."))
+        ours = ftrun_module_not_for_spares(name)
         if top in stdlib or ours or name in SKIPPED or top.startswith("_"):
             continue
         spec = getattr(mod, "__spec__", None)

@@ -20,6 +20,7 @@ import os
 import re
 import sys
 
+from launcher.protocol.messages import ftrun_module_not_for_spares
 from launcher.workers.spare_process import write_imports
 
 # a script that names the runtime: `import launcher.runtime`, `from launcher.runtime import ..`,
@@ -36,7 +37,6 @@ TORCH_NAMED = re.compile(
 SOURCE_BYTES = 1 << 20  # of a script's source read for the look
 MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 MAX_MODULES = 20000  # modules kept from the ranks' reports (a bound on a report's size)
-OWN_PREFIXES = ("launcher", "rendezvous")  # ftrun's own: the spares have imported them already
 
 
 def script_source(script: str, module: bool, cwd: str) -> str | None:
@@ -81,11 +81,12 @@ def names_torch(script: str, module: bool, cwd: str) -> bool:
 
 def script_imports(script: str, module: bool, cwd: str) -> list[str]:
     """The modules the script imports first, before any statement of its own runs: the leading
-    block of top-level `import X` / `from X import y` (after the docstring and `__future__`),
-    without the standard library's, ftrun's own and the modules found in the script's own
-    directory (the user's code). Read with `ast`, nothing imported; [] when the source cannot be
-    read or parsed. In that block a module sees the same environment, path and order as in a
-    rank, so the fork server can import it once for the node before it forks the ranks."""
+    block of top-level `import X` / `from X import y` (after the docstring and
+    `__future__`), without the standard library's, ftrun's own (but the runtime's) and the
+    modules found in the script's own directory (the user's code). Read with `ast`, nothing
+    imported; [] when the source cannot be read or parsed. In that block a module sees the
+    same environment, path and order as in a rank, so the fork server can import it once for
+    the node before it forks the ranks."""
     source = _source(script, module, cwd)
     if source is None:
         return []
@@ -153,8 +154,9 @@ def node_cpus() -> int:
 
 
 def keep(name: str) -> bool:
-    """A module name worth importing in a spare (well formed, not ftrun's own)."""
-    return bool(MODULE_NAME.fullmatch(name)) and name.split(".", 1)[0] not in OWN_PREFIXES
+    """A module name worth importing in a spare (well formed, not ftrun's own but the
+    runtime's: `ftrun_module_not_for_spares`)."""
+    return bool(MODULE_NAME.fullmatch(name)) and not ftrun_module_not_for_spares(name)
 
 
 class JobImports:
