@@ -3,25 +3,24 @@
 Owns: `Handoff`. `save` writes what a successor needs (`launcher.control.controller_state`,
 fenced by the controller's term): the fault history, the lost nodes waiting for a new agent and
 the agent incarnations accounted for, the ranks live shrinks dropped, a live grow's pause and
-the hot switch in progress with its pause.
-`restore` (when the controller is built) reads it back: the history (from the latest plan when
-the earlier controller died between publishing it and saving; the generation key it had
-not set yet is set), and, when the saved state is of
-this world's rendezvous round, the lost nodes (their loss is not reported again, their
+the hot switch in progress with its pause. `restore` (when the controller is built) reads it
+back: the history (from the latest plan when the earlier controller died between publishing it
+and saving; the generation key it had not set yet is set), and, when the saved state is of this
+world's rendezvous round, the lost nodes (their loss is not reported again, their
 node_replace_timeout runs on), the incarnations, the dropped ranks (the world is shrunk: the
-grow back and the decisions know it), a grow's pause (`restored_pause`: the grow back ends
-it, or takes it up with the grow round) and the hot switch in progress with its pause
-(`restored_switch`: `HotSwitch.take_over` ends it); who each
-published plan restarted; and the round of the latest plan, in the phase its keys say
-(`round_phase.found_phase`). `reconcile` (before `start()`) compares that with the membership
-now: a node lost meanwhile is reported lost, a node taken over meanwhile (a hot spare that
-claimed it before this controller was elected) is reported as an arrival. `resume` takes up the
-round the earlier controller was driving (its plan published, its phase not done): the reports
-that arrived meanwhile are decided first (a lost node's loss or arrival supersedes it with a
-new generation that includes the node's ranks), else the round is driven to its end (statuses
-and repair plan, the restart-all release, the dump plan). `retake` hands `resume` this
-controller's own round when a store error cut its driving short (an etcd request that timed
-out mid-round used to leave the round undriven: the ranks waited out their store timeout).
+grow back and the decisions know it), a grow's pause (`restored_pause`: the grow back ends it,
+or takes it up with the grow round) and the hot switch in progress with its pause
+(`restored_switch`: `HotSwitch.take_over` ends it); who each published plan restarted; and the
+round of the latest plan, in the phase its keys say (`round_phase.found_phase`). `reconcile`
+(before `start()`) compares that with the membership now: a node lost meanwhile is reported
+lost, a node taken over meanwhile (a hot spare that claimed it before this controller was
+elected) is reported as an arrival. `resume` takes up the round the earlier controller was
+driving (its plan published, its phase not done): the reports that arrived meanwhile are decided
+first (a lost node's loss or arrival supersedes it with a new generation that includes the
+node's ranks), else the round is driven to its end (statuses and repair plan, the restart-all
+release, the dump plan). `retake` hands `resume` this controller's own round when a store error
+cut its driving short (an etcd request that timed out mid-round used to leave the round
+undriven: the ranks waited out their store timeout).
 """
 
 from __future__ import annotations

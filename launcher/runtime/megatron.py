@@ -138,7 +138,6 @@ class SharedGroups:
     def __init__(self, ps: Any) -> None:
         self.ps = ps
         self.made: dict[tuple, Any] = {}
-        self.requests = 0
         self._create = ps.create_group
 
     def create_group(
@@ -150,9 +149,8 @@ class SharedGroups:
         use_local_synchronization: bool = False,
         group_desc: Any = None,
     ) -> Any:
-        self.requests += 1
-        key = (tuple(ranks) if ranks is not None else None, backend, timeout)
-        key += (use_local_synchronization,)
+        rank_list = tuple(ranks) if ranks is not None else None
+        key = (rank_list, backend, timeout, use_local_synchronization)
         group = self.made.get(key) if pg_options is None else None
         if group is None:
             group = self._create(
