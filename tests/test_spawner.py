@@ -562,7 +562,9 @@ def test_the_fork_server_imports_the_scripts_leading_imports_once_for_the_node(t
     code, out, ev = _run_job(tmp_path, [str(job / "train.py")], env)
     assert code == 0, out[-6000:]
     (told,) = [e for e in ev if e["event"] == "spare-imports" and e.get("at") == "script"]
-    assert told["new"] == 2 and "(leading_mod, torch)" in told["message"], told
+    # the runtime too: its modules a job uses are reported like any library (the warm-up
+    # imports its core only)
+    assert told["new"] == 3 and "(leading_mod, torch, launcher.runtime)" in told["message"], told
     server = next(e for e in ev if e["event"] == "spare" and "fork server started" in e["message"])
     server_pid = int(server["message"].split("pid ", 1)[1].split(";")[0].split(")")[0])
     assert marks.read_text().split() == [str(server_pid)], out[-4000:]
