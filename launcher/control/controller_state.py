@@ -48,6 +48,8 @@ class ControllerState:
     generation: int = 0
     next_fault: int = 1
     budget: Budget = field(default_factory=lambda: Budget(0, 0))
+    # GENERATION_KEY names an older generation than the latest plan (`read`): its write is owed
+    generation_key_behind: bool = False
 
     @classmethod
     def read(cls, kv: KVStore, max_restarts: int) -> "ControllerState":
@@ -58,11 +60,12 @@ class ControllerState:
             kv.try_get(k)
             for k in (P.GENERATION_KEY, P.RESTARTS_USED_KEY, P.FAULT_SEQ, P.FAULT_NEXT_KEY)
         )
-        g = int(raw) if raw is not None else 0
+        known = g = int(raw) if raw is not None else 0
         while kv.try_get(P.plan_key(g + 1)) is not None:  # at most one: plans are written in turn
             g += 1
         return cls(
             generation=g,
+            generation_key_behind=g > known,
             next_fault=int(nxt) if nxt is not None else (int(seq) + 1 if seq is not None else 1),
             budget=Budget(int(used) if used is not None else 0, max_restarts),
         )

@@ -98,8 +98,7 @@ class Handoff:
         latest plan (kept in `RoundTracker.inherited` for `resume`; None at the job's start)."""
         saved = CS.load(self.kv)
         g = self.state.generation
-        raw = self.kv.try_get(P.plan_key(g)) if g > 0 else None
-        plan = P.Plan.from_json(raw) if raw is not None else None
+        plan = self._latest_plan()
         if saved is not None and saved.world_round == self.settings.world_round:
             self.nodes.restore(saved.lost, saved.known)
             self.decider.dropped.update(saved.dropped)  # the world is shrunk: it may grow back
@@ -113,8 +112,9 @@ class Handoff:
             raw_plan = self.kv.try_get(P.plan_key(gen))
             if raw_plan is not None:
                 self.decider.note_spawns(P.Plan.from_json(raw_plan))
-        if plan is not None and self.kv.try_get(P.GENERATION_KEY) != str(g).encode():
-            self.kv.set(P.GENERATION_KEY, str(g).encode())  # the write the earlier one missed
+        if self.state.generation_key_behind:  # the write the earlier controller missed
+            self.kv.set(P.GENERATION_KEY, str(g).encode())
+            self.state.generation_key_behind = False
         if plan is not None:
             cause = P.Fault.from_json(
                 json.dumps(
@@ -141,11 +141,15 @@ class Handoff:
         """After a store error cut this controller's driving of a round short: the latest
         plan's round, when not done, is taken up again by `resume` like an inherited one (a
         grow's or a hot switch's round stays with its owner, `GrowBack` / `HotSwitch`)."""
-        g = self.state.generation
-        raw = self.kv.try_get(P.plan_key(g)) if g > 0 else None
-        plan = P.Plan.from_json(raw) if raw is not None else None
+        plan = self._latest_plan()
         if plan is not None and plan.strategy not in RETAKEN_BY_OWNER and self.unfinished(plan):
             self.rounds.inherited, self.retaken = plan, True
+
+    def _latest_plan(self) -> P.Plan | None:
+        """The plan of the job's generation (None before the first)."""
+        g = self.state.generation
+        raw = self.kv.try_get(P.plan_key(g)) if g > 0 else None
+        return P.Plan.from_json(raw) if raw is not None else None
 
     def resume(self, intake: FaultIntake, driver: RoundDriver) -> Decision | None:
         """Take up the round an earlier controller was driving, or this one's after a store
