@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from typing import Callable
 
 import pytest
 
@@ -788,6 +789,42 @@ def test_the_pool_records_when_its_spares_are_ready(tmp_path) -> None:
         assert pool.ready_count() == 2 and len(records) == n + 1  # the successor's news
         proc.kill()
         proc.wait(timeout=30)
+    finally:
+        pool.stop()
+
+
+def test_spare_ready_counts_fresh_spares_and_names_the_older_ones_serving(tmp_path) -> None:
+    """Issue 32: when a rank's first step needs more heap than the idle spares prepared, fresh
+    ones are forked while the thin ones serve; `spare-ready` said "3 of 2" and "5 of 2" then. The
+    count is now of fresh spares (never more than asked for), the older ones named beside it."""
+    records: list[tuple[str, str, dict]] = []
+    pool = SparePool(
+        sys.executable,
+        lambda m: None,
+        count=2,
+        fork=True,
+        record=lambda kind, msg, **f: records.append((kind, msg, f)),
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+
+    def ready_until(done: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + 60
+        while not done() and time.monotonic() < deadline:
+            pool.ensure(env)
+            time.sleep(0.02)
+        assert done()
+
+    try:
+        _fill(pool, env)
+        ready_until(lambda: pool.ready_count() == 2)
+        thin = {p.pid for p in pool._procs}
+        pool.heap_needed(8 << 20)  # the first step's report: both idle spares are thin now
+        ready_until(lambda: not thin & {p.pid for p in pool._procs})  # retired, fresh ready
+        said = [(m, f) for k, m, f in records if k == "spare-ready"]
+        counts = [int(m.split(" of ")[0]) for m, _ in said]
+        assert max(counts) <= 2, said
+        assert any(f["older"] and "older one(s) serving" in m for m, f in said), said
+        assert all(f["ready"] == int(m.split(" of ")[0]) + f["older"] for m, f in said), said
     finally:
         pool.stop()
 

@@ -195,15 +195,19 @@ class SparePool:
 
     def _note_ready(self) -> None:
         """Record `spare-ready` when more spares are ready to take a rank than before."""
-        now = self.ready_count()
-        fields = self.readiness.grew(now)
+        alive = {p.pid for p in self._procs if p.poll() is None}
+        ready = self.readiness.poll() & alive
+        older = len(ready & self.vintage.old())  # serve until as many fresh ones are ready
+        fields = self.readiness.grew(len(ready))
         if fields is not None and self.record is not None:
             self.record(
                 "spare-ready",
-                f"{now} of {self.count} warm spare(s) ready, "
-                f"{fields['since_job_s']:.2f} s after the workers started "
+                f"{len(ready) - older} of {self.count} warm spare(s) ready"
+                + (f" (and {older} older one(s) serving until then)" if older else "")
+                + f", {fields['since_job_s']:.2f} s after the workers started "
                 f"({fields['since_pool_s']:.2f} s after the pool started)",
-                ready=now,
+                ready=len(ready),
+                older=older,
                 count=self.count,
                 **fields,
             )
