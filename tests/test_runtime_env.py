@@ -44,6 +44,8 @@ def test_ftrun_environment():
         env.ddp_comm == "reducer"
         and RuntimeEnv.from_environ({**BASE, "FTRUN_DDP_COMM": "hook"}).ddp_comm == "hook"
     )
+    assert env.stop_points
+    assert not RuntimeEnv.from_environ({**BASE, "FTRUN_STOP_POINTS": "0"}).stop_points
 
 
 @pytest.mark.parametrize(
@@ -54,6 +56,7 @@ def test_ftrun_environment():
         ({"FTRUN_REPLACEMENT": "yes"}, "FTRUN_REPLACEMENT='yes'"),
         ({"FTRUN_SKIP_INIT": "off"}, "FTRUN_SKIP_INIT='off'"),
         ({"FTRUN_DDP_COMM": "nccl"}, "FTRUN_DDP_COMM='nccl'; allowed: reducer, hook"),
+        ({"FTRUN_STOP_POINTS": "yes"}, "FTRUN_STOP_POINTS='yes'; allowed: '0' or '1'"),
         ({"FTRUN_STORE_TIMEOUT": "0"}, "FTRUN_STORE_TIMEOUT=0.0 must be > 0"),
         ({"MASTER_ADDR": ""}, "MASTER_ADDR is not set"),
     ],

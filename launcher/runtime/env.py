@@ -93,6 +93,9 @@ class RuntimeEnv:
     # FTRUN_DEATH_NOTICE: the agent's slot this process holds so that its death is seen at once
     # (launcher.protocol.death_notice); None: the agent sees the exit through its pidfd
     death_notice: str | None = None
+    # FTRUN_STOP_POINTS: a pending stop ends a step's forward or backward at the next module call
+    # or gradient of the registered models (launcher.runtime.stop_points)
+    stop_points: bool = True
     # when this process began running the user's code (`exec_time`; a replacement's `exec` mark)
     exec_time: float | None = None
 
@@ -114,6 +117,9 @@ class RuntimeEnv:
         skip_init = env.get("FTRUN_SKIP_INIT", "1")
         if skip_init not in ("0", "1"):
             raise ValueError(f"FTRUN_SKIP_INIT={skip_init!r}; allowed: '0' or '1'")
+        stop_points = env.get("FTRUN_STOP_POINTS", "1")
+        if stop_points not in ("0", "1"):
+            raise ValueError(f"FTRUN_STOP_POINTS={stop_points!r}; allowed: '0' or '1'")
         ddp_comm = env.get("FTRUN_DDP_COMM", "reducer")
         if ddp_comm not in DDP_COMMS:
             raise ValueError(f"FTRUN_DDP_COMM={ddp_comm!r}; allowed: {', '.join(DDP_COMMS)}")
@@ -143,5 +149,6 @@ class RuntimeEnv:
             skip_init=skip_init == "1",
             ddp_comm=ddp_comm,
             death_notice=env.get("FTRUN_DEATH_NOTICE") or None,
+            stop_points=stop_points == "1",
             exec_time=exec_time(env) if replacement == "1" else None,
         )

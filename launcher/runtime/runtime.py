@@ -47,6 +47,7 @@ from launcher.runtime.replicas import Layout, parallel_groups
 from launcher.runtime.signals import StopRequested, StopSignal
 from launcher.runtime.state import Registered
 from launcher.runtime.step_path import Step, StepPath
+from launcher.runtime.stop_points import StopPoints
 from launcher.runtime.world import World
 
 __all__ = ["Runtime", "RuntimeOptions", "Step", "init"]
@@ -76,6 +77,7 @@ class Runtime:
         self.log = RankLog(env.rank, lambda: self._state.generation)
         self._stop = StopSignal()
         self._links = RankLinks(env, self._stop, self.log, self.options)
+        self._stop_points = StopPoints(self._stop, self._state, env.managed and env.stop_points)
         self._finished = False
         self._total_steps: int | None = None
         self._death_notice: death_notice.Held | None = None
@@ -146,8 +148,7 @@ class Runtime:
 
     @property
     def micro_batches(self) -> list[int]:
-        """The micro-batches of each step this rank computes: [its own replica index] until a
-        live shrink, then also some of the lost replicas' (launcher.runtime.elastic)."""
+        """Micro-batches per step: [own replica index], more after a shrink (runtime.elastic)."""
         return self._world.elastic.micro_batches
 
     @property
@@ -185,7 +186,6 @@ class Runtime:
     def on_rebuild(self, fn: Callable[[int], None] | None) -> None:
         self._world.on_rebuild = fn
 
-    # ================================================================ start-up
     # ================================================================ registration
     def register(
         self,
@@ -209,6 +209,7 @@ class Runtime:
         _check_registration(models, opts, scheds, data, extras)
         _check_checkpointing(checkpoint_dir, checkpoint_every)
         self._state.reg = Registered(models, opts, scheds, data, extras, on_rollback)
+        self._stop_points.install(models)  # a pending stop ends a forward/backward early
         self._checkpoints.configure(checkpoint_dir, checkpoint_every)
         self._state.registered = True
         self._round.mark("registered")  # a replacement: its script has built model and optimizer

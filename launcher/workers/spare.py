@@ -195,21 +195,13 @@ class SparePool:
 
     def _note_ready(self) -> None:
         """Record `spare-ready` when more spares are ready to take a rank than before."""
-        alive = {p.pid for p in self._procs if p.poll() is None}
-        ready = self.readiness.poll() & alive
-        older = len(ready & self.vintage.old())  # serve until as many fresh ones are ready
+        ready = self.readiness.poll() & {p.pid for p in self._procs if p.poll() is None}
         fields = self.readiness.grew(len(ready))
         if fields is not None and self.record is not None:
+            older = len(ready & self.vintage.old())  # serve until as many fresh ones are ready
+            line = _ready_line(len(ready) - older, older, self.count, fields)
             self.record(
-                "spare-ready",
-                f"{len(ready) - older} of {self.count} warm spare(s) ready"
-                + (f" (and {older} older one(s) serving until then)" if older else "")
-                + f", {fields['since_job_s']:.2f} s after the workers started "
-                f"({fields['since_pool_s']:.2f} s after the pool started)",
-                ready=len(ready),
-                older=older,
-                count=self.count,
-                **fields,
+                "spare-ready", line, ready=len(ready), older=older, count=self.count, **fields
             )
 
     def _fork_spares(self, env: dict[str, str]) -> bool:
@@ -532,6 +524,16 @@ class Readiness:
         for pid in list(self._fds):
             self.forget(pid)
         self._warm.clear()
+
+
+def _ready_line(fresh: int, older: int, count: int, fields: dict) -> str:
+    """The `spare-ready` line: fresh spares of `count`, the older ones serving until then."""
+    return (
+        f"{fresh} of {count} warm spare(s) ready"
+        + (f" (and {older} older one(s) serving until then)" if older else "")
+        + f", {fields['since_job_s']:.2f} s after the workers started "
+        f"({fields['since_pool_s']:.2f} s after the pool started)"
+    )
 
 
 def fork_and_assign(

@@ -1,0 +1,66 @@
+"""A native loop whose forward is slow (40 modules of 50 ms): rank 1 SIGKILLs itself early in
+step 1's forward, the first time only; every rank logs each module call ($OUT_DIR/calls.<rank>
+.jsonl: step, generation, time) so a test sees where a survivor's forward stopped."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+
+import launcher.runtime as ftr
+
+MODULES = 40
+MODULE_S = 0.05
+
+
+class Slow(torch.nn.Module):
+    def __init__(self, log) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.log = log
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.log()
+        time.sleep(MODULE_S)
+        return torch.tanh(self.lin(x))
+
+
+def main() -> int:
+    rt = ftr.init(backend="gloo")
+    out = open(os.path.join(os.environ["OUT_DIR"], f"calls.{rt.rank}.jsonl"), "a", buffering=1)
+    where = {"step": -1}
+
+    def log() -> None:
+        rec = {"step": where["step"], "generation": rt.generation, "time": time.time()}
+        out.write(json.dumps(rec) + "\n")
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(Slow(log) for _ in range(MODULES)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rt.register(model=model, optimizer=opt)
+    for step in rt.steps(3):
+        with step:
+            where["step"] = step.index
+            with step.phase("forward"):
+                if step.index == 1 and rt.rank == 1 and not rt.replacement:
+                    time.sleep(0.3)  # rank 0 is a few modules into its forward
+                    os.kill(os.getpid(), signal.SIGKILL)
+                loss = model(torch.ones(2, 4)).sum()
+            with step.phase("backward"):
+                loss.backward()
+                rt.allreduce_gradients(model)
+            with step.optimizer_update():
+                opt.step()
+                opt.zero_grad()
+    out.close()
+    rt.finish()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
