@@ -15,7 +15,7 @@ from helpers_launch import FTRUN, env_with, events, script
 from launcher.runtime.rank_state import RankState
 from launcher.runtime.replicas import Layout
 from launcher.runtime.signals import StopRequested, StopSignal
-from launcher.runtime.stop_points import StopPoints
+from launcher.runtime.stop_points import MAX_POINTS, MIN_STEP_S, StopPoints, spread
 
 
 class Counting(torch.nn.Module):
@@ -115,7 +115,7 @@ import torch, torch.distributed as dist
 from launcher.runtime.rank_state import RankState
 from launcher.runtime.replicas import Layout
 from launcher.runtime.signals import StopSignal
-from launcher.runtime.stop_points import StopPoints
+from launcher.runtime.stop_points import MAX_POINTS, MIN_STEP_S, StopPoints, spread
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 points = StopPoints(StopSignal(), RankState(0, False, Layout.ddp(1)))
 ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
@@ -165,3 +165,29 @@ def test_a_survivor_mid_forward_stops_at_the_next_module(tmp_path, stop_points: 
     else:
         assert len(cut) == 40, len(cut)  # the whole forward, then the stop at "backward"
     assert [c["step"] for c in calls if c["generation"] > 0][::40] == [1, 2]  # redone, then on
+
+
+def test_the_watched_models_are_hooked_at_the_first_commit_when_steps_are_long() -> None:
+    stop, _, points, model = _setup()
+    points.watch([model])
+    assert points.arm(MIN_STEP_S / 2) == 0  # short steps end soon enough by themselves
+    assert points.arm(10.0) == 0  # armed once: the first commit only
+    stop.request(1)
+    model(torch.ones(2, 4))
+    assert model.ran == 3
+    stop2, _, points2, model2 = _setup()
+    points2.watch([model2])
+    assert points2.arm(MIN_STEP_S) == 11
+    stop2.request(1)
+    with pytest.raises(StopRequested):
+        model2(torch.ones(2, 4))
+
+
+def test_a_large_model_gets_at_most_max_points_of_each_kind_evenly_spread() -> None:
+    stop, _, points, _ = _setup()
+    big = torch.nn.Sequential(*(torch.nn.Linear(2, 2) for _ in range(300)))  # 301 modules
+    assert points.install([big]) == 2 * MAX_POINTS
+    assert spread(list(range(10)), 4) == [0, 2, 5, 7] and spread([1, 2], 4) == [1, 2]
+    stop.request(1)
+    with pytest.raises(StopRequested):
+        big(torch.ones(1, 2))  # the container's hook, the first of the spread

@@ -47,7 +47,6 @@ from launcher.runtime.replicas import Layout, parallel_groups
 from launcher.runtime.signals import StopRequested, StopSignal
 from launcher.runtime.state import Registered
 from launcher.runtime.step_path import Step, StepPath
-from launcher.runtime.stop_points import StopPoints
 from launcher.runtime.world import World
 
 __all__ = ["Runtime", "RuntimeOptions", "Step", "init"]
@@ -77,7 +76,6 @@ class Runtime:
         self.log = RankLog(env.rank, lambda: self._state.generation)
         self._stop = StopSignal()
         self._links = RankLinks(env, self._stop, self.log, self.options)
-        self._stop_points = StopPoints(self._stop, self._state, env.managed and env.stop_points)
         self._finished = False
         self._total_steps: int | None = None
         self._death_notice: death_notice.Held | None = None
@@ -209,7 +207,7 @@ class Runtime:
         _check_registration(models, opts, scheds, data, extras)
         _check_checkpointing(checkpoint_dir, checkpoint_every)
         self._state.reg = Registered(models, opts, scheds, data, extras, on_rollback)
-        self._stop_points.install(models)  # a pending stop ends a forward/backward early
+        self._path.stop_points.watch(models)  # a stop ends a long forward/backward early
         self._checkpoints.configure(checkpoint_dir, checkpoint_every)
         self._state.registered = True
         self._round.mark("registered")  # a replacement: its script has built model and optimizer

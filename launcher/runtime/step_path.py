@@ -30,6 +30,7 @@ from launcher.runtime.group_sockets import SocketLedger
 from launcher.runtime.loaded import loaded_modules
 from launcher.runtime.rank_state import RankLinks, RankState
 from launcher.runtime.signals import StopRequested
+from launcher.runtime.stop_points import StopPoints
 
 # phases the agent hears at once (the channel's writer is woken); a step's phase edges are read
 # at its next poll (MIN_HEARTBEAT_GAP), as coalesced heartbeats always were
@@ -150,6 +151,8 @@ class StepPath:
         self._heap_at_start = heap.in_use_bytes()  # the heap grown by its first commit is told
         self._heap_peak = self._heap_at_start  # at its first step's phase edges (activations)
         self.first_step = True  # until the first commit: the phase edges note the heap's peak
+        # a stop inside a long forward/backward (armed at the first commit)
+        self.stop_points = StopPoints(self.stop, state, links.env.managed and links.env.stop_points)
 
     # ---------------------------------------------------------------- a step's edges
     def begin(self, step: Step) -> None:
@@ -210,11 +213,13 @@ class StepPath:
             self.links.channel.update(state_bytes=state.reg.state_bytes(), heap_bytes=grown)
             if not self.links.env.replacement:  # a spare's copy would name the spare's
                 self.links.channel.send(Imports(self.links.rank, loaded_modules()))
-        self.first_step = False  # told once (or nobody to tell: no agent)
         # the agent's hang watch learns step times from this, however the heartbeats of a fast
         # loop are coalesced (it may never see two steps' starts apart)
         if state.step_t0 is not None:
             state.last_step_s = time.monotonic() - state.step_t0
+        if self.first_step:
+            self.stop_points.arm(state.last_step_s)
+        self.first_step = False  # told once (or nobody to tell: no agent)
         state.phase = "committed"
 
     def end(self, step: Step, exc: BaseException | None) -> bool:
