@@ -752,10 +752,8 @@ def test_a_forked_spare_faults_in_the_heap_the_largest_state_needs(tmp_path) -> 
     assert int(json.loads(out.read_text())["heap"]) >= 48 << 20
 
 
-def test_the_pool_records_when_its_spares_are_ready(tmp_path) -> None:
-    """Issue 32, item 2: `spare-ready` says how many spares are ready and how soon after the
-    job's workers and the pool started; a spare taken makes its successor's readiness news."""
-    records: list[tuple[str, str, dict]] = []
+def _recording_pool(records: list[tuple[str, str, dict]]) -> tuple[SparePool, dict[str, str]]:
+    """A pool of 2 forked spares whose events land in `records`, and the env to fill it with."""
     pool = SparePool(
         sys.executable,
         lambda m: None,
@@ -763,7 +761,14 @@ def test_the_pool_records_when_its_spares_are_ready(tmp_path) -> None:
         fork=True,
         record=lambda kind, msg, **f: records.append((kind, msg, f)),
     )
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    return pool, dict(os.environ, PYTHONPATH=os.getcwd())
+
+
+def test_the_pool_records_when_its_spares_are_ready(tmp_path) -> None:
+    """Issue 32, item 2: `spare-ready` says how many spares are ready and how soon after the
+    job's workers and the pool started; a spare taken makes its successor's readiness news."""
+    records: list[tuple[str, str, dict]] = []
+    pool, env = _recording_pool(records)
     pool.starting({0, 1}, time.monotonic() - 1.0)  # the workers started a second ago
 
     def all_ready() -> None:  # a forked spare is ready once it owns its pages
@@ -798,14 +803,7 @@ def test_spare_ready_counts_fresh_spares_and_names_the_older_ones_serving(tmp_pa
     ones are forked while the thin ones serve; `spare-ready` said "3 of 2" and "5 of 2" then. The
     count is now of fresh spares (never more than asked for), the older ones named beside it."""
     records: list[tuple[str, str, dict]] = []
-    pool = SparePool(
-        sys.executable,
-        lambda m: None,
-        count=2,
-        fork=True,
-        record=lambda kind, msg, **f: records.append((kind, msg, f)),
-    )
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    pool, env = _recording_pool(records)
 
     def ready_until(done: Callable[[], bool]) -> None:
         deadline = time.monotonic() + 60

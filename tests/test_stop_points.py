@@ -165,6 +165,15 @@ def test_a_survivor_mid_forward_stops_at_the_next_module(tmp_path, stop_points: 
     else:
         assert len(cut) == 40, len(cut)  # the whole forward, then the stop at "backward"
     assert [c["step"] for c in calls if c["generation"] > 0][::40] == [1, 2]  # redone, then on
+    sys.path.insert(0, os.path.dirname(script("slow_forward.py")))
+    try:
+        import slow_forward
+    finally:
+        sys.path.pop(0)
+    expected = slow_forward.train_alone(3)
+    for rank in (0, 1):
+        got = torch.load(tmp_path / f"params.{rank}.pt")
+        assert all(torch.equal(got[k], v) for k, v in expected.items()), rank  # bit-identical
 
 
 def test_the_watched_models_are_hooked_at_the_first_commit_when_steps_are_long() -> None:

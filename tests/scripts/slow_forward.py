@@ -1,6 +1,8 @@
 """A native loop whose forward is slow (40 modules of 50 ms): rank 1 SIGKILLs itself early in
 step 1's forward, the first time only; every rank logs each module call ($OUT_DIR/calls.<rank>
-.jsonl: step, generation, time) so a test sees where a survivor's forward stopped."""
+.jsonl: step, generation, time) so a test sees where a survivor's forward stopped, and its
+final parameters ($OUT_DIR/params.<rank>.pt). Every rank trains on the same input, so the result
+equals `train_alone` (one process, the same steps, no launcher)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,28 @@ class Slow(torch.nn.Module):
         return torch.tanh(self.lin(x))
 
 
+def build(log) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(Slow(log) for _ in range(MODULES)))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def train_alone(steps: int) -> dict[str, torch.Tensor]:
+    """The fault-free result without sleeps (the averaged gradients of equal inputs are the
+    gradients of one)."""
+    global MODULE_S
+    MODULE_S, was = 0.0, MODULE_S
+    try:
+        model, opt = build(lambda: None)
+        for _ in range(steps):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return model.state_dict()
+    finally:
+        MODULE_S = was
+
+
 def main() -> int:
     rt = ftr.init(backend="gloo")
     out = open(os.path.join(os.environ["OUT_DIR"], f"calls.{rt.rank}.jsonl"), "a", buffering=1)
@@ -39,9 +63,7 @@ def main() -> int:
         rec = {"step": where["step"], "generation": rt.generation, "time": time.time()}
         out.write(json.dumps(rec) + "\n")
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*(Slow(log) for _ in range(MODULES)))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = build(log)
     rt.register(model=model, optimizer=opt)
     for step in rt.steps(3):
         with step:
@@ -58,6 +80,9 @@ def main() -> int:
                 opt.step()
                 opt.zero_grad()
     out.close()
+    path = os.path.join(os.environ["OUT_DIR"], f"params.{rt.rank}.pt")
+    torch.save(model.state_dict(), f"{path}.tmp")
+    os.replace(f"{path}.tmp", path)
     rt.finish()
     return 0
 
