@@ -28,13 +28,13 @@ from torch.nn.parallel import DistributedDataParallel
 from launcher.runtime.rank_state import RankState
 from launcher.runtime.signals import StopRequested, StopSignal
 
-# the rank's phases outside a step's computation: a stop there waits for the runtime's own edge
-# (the optimizer update runs to its end once begun: `in_update`)
 # hooks per model and kind: a module call with a hook leaves torch's fast path (~2-3 us more);
 # 32 points cut a forward or backward into pieces fine enough at any model size
 MAX_POINTS = 32
 MIN_STEP_S = 0.05  # steps shorter than this get no stop points (`arm`)
 T = TypeVar("T")
+# the rank's phases outside a step's computation: a stop there waits for the runtime's own edge
+# (the optimizer update runs to its end once begun: `in_update`)
 NOT_COMPUTING = frozenset(
     {"init", "committed", "optimizer", "checkpoint", "paused", "recovering", "resumed", "done"}
 )
@@ -71,8 +71,8 @@ class StopPoints:
         return self.install(models)
 
     def install(self, models: Sequence[torch.nn.Module]) -> int:
-        """Hook every module and parameter of `models` that no DDP wraps (nothing when not
-        enabled); the number of hooks."""
+        """Hook up to MAX_POINTS modules and parameters of each of `models` that no DDP wraps
+        (nothing when not enabled); the number of hooks installed so far."""
         for model in models if self.enabled else ():
             modules = list(model.modules())
             if any(isinstance(m, DistributedDataParallel) for m in modules):
