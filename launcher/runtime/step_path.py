@@ -205,22 +205,28 @@ class StepPath:
         state = self.state
         state.committed = index
         state.snapshots[index + 1] = state.reg.snapshot(index + 1, self.adapter)
-        if self.first_step and self.links.channel is not None:
-            # once, when the optimizer state exists: the agent's spares fault in that much heap,
-            # and import what this rank imported by now (launcher.runtime.loaded; what the
-            # script had imported when it joined was told then)
-            grown = max(0, max(self._heap_peak, heap.in_use_bytes()) - self._heap_at_start)
-            self.links.channel.update(state_bytes=state.reg.state_bytes(), heap_bytes=grown)
-            if not self.links.env.replacement:  # a spare's copy would name the spare's
-                self.links.channel.send(Imports(self.links.rank, loaded_modules()))
         # the agent's hang watch learns step times from this, however the heartbeats of a fast
         # loop are coalesced (it may never see two steps' starts apart)
         if state.step_t0 is not None:
             state.last_step_s = time.monotonic() - state.step_t0
         if self.first_step:
-            self.stop_points.arm(state.last_step_s)
-        self.first_step = False  # told once (or nobody to tell: no agent)
+            self._first_commit()
         state.phase = "committed"
+
+    def _first_commit(self) -> None:
+        """Once, when the optimizer state exists: the stop points armed for a long step, and the
+        agent told the heap this rank needed (its spares fault in that much) and what it
+        imported by now (launcher.runtime.loaded; what the script had imported when it joined
+        was told then)."""
+        self.first_step = False  # told once (or nobody to tell: no agent)
+        state = self.state
+        self.stop_points.arm(state.last_step_s)
+        if self.links.channel is None:
+            return
+        grown = max(0, max(self._heap_peak, heap.in_use_bytes()) - self._heap_at_start)
+        self.links.channel.update(state_bytes=state.reg.state_bytes(), heap_bytes=grown)
+        if not self.links.env.replacement:  # a spare's copy would name the spare's
+            self.links.channel.send(Imports(self.links.rank, loaded_modules()))
 
     def end(self, step: Step, exc: BaseException | None) -> bool:
         """A step's exit: True when the exception is handled (the step is interrupted and a

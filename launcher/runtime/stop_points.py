@@ -1,7 +1,7 @@
 """Stop points inside a step's forward and backward.
 
-Owns: `StopPoints`, installed on the models a rank registers (`Runtime.register`): a forward
-pre-hook on every module and a post-accumulate-grad hook on every parameter that raise
+Owns: `StopPoints`, installed on the models a rank registers (`Runtime.register`): forward
+pre-hooks on their modules and post-accumulate-grad hooks on their parameters that raise
 `StopRequested` when a stop for a newer generation is pending while the rank computes a step
 (between its start and its optimizer update). Without them a survivor that is not a peer of the
 failed rank in any collective of the moment computes on to its next phase edge or collective

@@ -113,8 +113,10 @@ class SparePool:
 
     def ready_count(self) -> int:
         """Spares alive and ready to take a rank now (their imports done)."""
-        alive = {p.pid for p in self._procs if p.poll() is None}
-        return len(self.readiness.poll() & alive)
+        return len(self._ready_pids())
+
+    def _ready_pids(self) -> set[int]:
+        return self.readiness.poll() & {p.pid for p in self._procs if p.poll() is None}
 
     def starting(self, ranks: set[int], job_start: float) -> None:
         """The job's ranks `ranks` started at `job_start` (monotonic): the pool's imports take
@@ -195,7 +197,7 @@ class SparePool:
 
     def _note_ready(self) -> None:
         """Record `spare-ready` when more spares are ready to take a rank than before."""
-        ready = self.readiness.poll() & {p.pid for p in self._procs if p.poll() is None}
+        ready = self._ready_pids()
         fields = self.readiness.grew(len(ready))
         if fields is not None and self.record is not None:
             older = len(ready & self.vintage.old())  # serve until as many fresh ones are ready
