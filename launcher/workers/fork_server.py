@@ -23,7 +23,7 @@ import time
 from typing import Callable
 
 from launcher.workers.adopted import AdoptedChild, set_subreaper
-from launcher.workers.prctl import die_with_parent
+from launcher.workers.priority import born_warm, warm_priority
 from launcher.workers.spare_process import IMPORTS_FLAG, URGENT_FLAG, nice_args
 
 SERVER_MODULE = "launcher.workers.spare_server"
@@ -45,6 +45,7 @@ class ForkServer:
         if not set_subreaper(True):
             raise OSError("PR_SET_CHILD_SUBREAPER refused")
         parent = os.getpid()
+        idle_start = nice[0] != nice[1] and not urgent  # its start-up at the warm-up priority
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
@@ -64,7 +65,7 @@ class ForkServer:
                 stderr=None,
                 pass_fds=[theirs.fileno()],
                 close_fds=True,
-                preexec_fn=lambda: die_with_parent(parent),
+                preexec_fn=born_warm(parent, nice[0] if idle_start else None),
             )
         except BaseException:
             ours.close()
@@ -73,6 +74,7 @@ class ForkServer:
         finally:
             theirs.close()
         self.sock = ours
+        self.nice = nice  # (its warm-up niceness, the agent's)
         self.started = time.monotonic()
         self.ready = False
         self.busy = False  # importing more modules (`extend`): no fork until it answers
@@ -89,6 +91,8 @@ class ForkServer:
         """Import the modules an `--imports` file lists (the server answers when done; until
         `poll_ready()` reads that answer it forks nothing); raises OSError when it cannot."""
         assert self.ready and not self.busy and self.pending is None
+        if self.nice[0] != self.nice[1]:  # it imports at the warm-up priority, back when done
+            warm_priority(self.nice[0], self.proc.pid)
         self.sock.settimeout(FORK_TIMEOUT_S)
         try:
             self.sock.send(json.dumps({"imports": imports}).encode())

@@ -1,15 +1,21 @@
 """CPU priority of a warm spare's processes: out of the way while warming up, back after.
 
-Owns: `warm_priority` (this process at a warm-up niceness and, where the OS has it, SCHED_IDLE),
-`run_priority` (every thread of a process back to the agent's priority), `may_return_to`
-(whether a process of ours, made nicer, may return to a niceness) and `thread_ids`. Used on both
-sides of a spare: by the agent's pool (`spare`: a spare warming up too long, a boosted
-replacement) and inside the spare and the fork server (`spare_process`, `spare_server`).
+Owns: `warm_priority` (a process at a warm-up niceness and, where the OS has it, SCHED_IDLE),
+`born_warm` (a pool process that starts that way), `run_priority` (every thread of a process
+back to the agent's priority), `may_return_to` (whether a process of ours, made nicer, may
+return to a niceness) and `thread_ids`. Used on both sides of a spare: by the agent's pool
+(`spare`: a spare warming up too long, a boosted replacement; `fork_server`) and inside the
+spare and the fork server (`spare_process`, `spare_server`). Only a process's parent (or the
+pool) moves it down to the warm-up priority, never the process itself, so the pool's move back
+up is never undone.
 """
 
 from __future__ import annotations
 
 import os
+from typing import Callable
+
+from launcher.workers.prctl import die_with_parent
 
 
 def thread_ids(pid: int | None = None) -> list[int]:
@@ -21,16 +27,33 @@ def thread_ids(pid: int | None = None) -> list[int]:
         return [0] if pid is None else []
 
 
-def warm_priority(warm: int) -> None:
-    """Warm up out of the way: `warm` niceness and, where the OS has it, SCHED_IDLE (runs only
-    when a CPU has nothing else to do, so a successor's import never slows the recovery or the
-    training that used its predecessor)."""
-    os.setpriority(os.PRIO_PROCESS, 0, warm)
-    if hasattr(os, "SCHED_IDLE"):
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        except OSError:
-            pass
+def warm_priority(warm: int, pid: int | None = None) -> None:
+    """Warm up out of the way: every thread of process `pid` (default: this thread) at `warm`
+    niceness and, where the OS has it, SCHED_IDLE (runs only when a CPU has nothing else to do,
+    so a successor's import never slows the recovery or the training that used its
+    predecessor). A spare's parent sets it before the pool learns the spare's pid (`born_warm`,
+    the fork server's intermediate child): a spare that demoted itself could do so after the pool
+    had escalated it (`run_priority`), and stayed at idle priority for good."""
+    for tid in [0] if pid is None else thread_ids(pid):
+        os.setpriority(os.PRIO_PROCESS, tid, warm)
+        if hasattr(os, "SCHED_IDLE"):
+            try:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            except OSError:
+                pass
+
+
+def born_warm(parent: int, warm: int | None) -> Callable[[], None]:
+    """A `preexec_fn` for a pool process: it dies with `parent` and, when `warm` is not None,
+    starts at the warm-up priority (before the pool knows its pid, so the pool's escalation is
+    the last word)."""
+
+    def setup() -> None:
+        die_with_parent(parent)
+        if warm is not None:
+            warm_priority(warm)
+
+    return setup
 
 
 def run_priority(base: int, pid: int | None = None) -> str | None:

@@ -43,8 +43,7 @@ from typing import Callable, Union
 
 from launcher.workers.adopted import AdoptedChild, reap_orphans, set_subreaper
 from launcher.workers.fork_server import FORK_TIMEOUT_S, ForkServer
-from launcher.workers.prctl import die_with_parent
-from launcher.workers.priority import may_return_to, run_priority
+from launcher.workers.priority import born_warm, may_return_to, run_priority
 from launcher.workers.round_hold import RoundHold
 from launcher.workers.spare_process import IMPORTS_FLAG, READY_FLAG, nice_args
 from launcher.workers.spare_vintage import SpareVintage
@@ -594,7 +593,7 @@ def start_importing_spare(
             stdout=None,
             stderr=None,
             pass_fds=[ready_w],
-            preexec_fn=lambda: die_with_parent(parent),
+            preexec_fn=born_warm(parent, nice[0] if nice[0] != nice[1] else None),
             close_fds=True,
         )
     except BaseException:

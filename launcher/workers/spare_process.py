@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 
-from launcher.workers.priority import run_priority, warm_priority
+from launcher.workers.priority import run_priority
 
 # what a spare imports before it waits: torch, and the runtime with everything it imports
 WARM_IMPORTS = ("torch", "torch.distributed", "torch.optim", "launcher.runtime.runtime")
@@ -220,9 +220,8 @@ class Assignment:
 
 def main(argv: list[str]) -> None:
     """A spare's life: warm up, wait for the assignment, run it (or exit 0 on EOF)."""
+    # born at `warm` (the pool's `born_warm`): the pool's escalation is never undone here
     warm, base = parse_nice(argv[argv.index(NICE_FLAG) + 1]) if NICE_FLAG in argv else (0, 0)
-    if warm != base:
-        warm_priority(warm)
     assignment = Assignment(warm, base)
     warm_imports()
     imports = flag_value(argv, IMPORTS_FLAG)

@@ -135,9 +135,7 @@ def serve(
     sock = socket.socket(fileno=sock_fd)
     comm = set_process_name(SERVER_NAME)
     warm, base = nice
-    idle_start = warm != base and not urgent
-    if idle_start:
-        warm_priority(warm)
+    idle_start = warm != base and not urgent  # born at `warm` (ForkServer's `born_warm`)
     hold_blas_threads()
     warm_imports()
     failed = import_listed(imports) if imports else []
@@ -174,10 +172,8 @@ def _answer(
         imports, prepare = body.get("imports"), bool(body.get("prepare", True))
     except (ValueError, AttributeError, TypeError):
         heap_bytes, imports, prepare = 0, None, True
-    if isinstance(imports, str):
+    if isinstance(imports, str):  # the agent moved this server to the warm-up priority
         warm, base = nice
-        if warm != base:
-            warm_priority(warm)
         before = len(sys.modules)
         failed = import_listed(imports)
         if warm != base:
@@ -226,13 +222,16 @@ def _fork_spare(
             pid = os.fork()
         except BaseException:  # noqa: BLE001
             os._exit(1)
-        if pid == 0:
+        if pid == 0:  # the spare: born at the warm-up priority when it prepares
             for fd in (w, pr, pw, yr):
                 os.close(fd)
             sock.close()
             set_process_name(SPARE_NAME)
             raise _Forked(r, agent, comm, heap_bytes, yw, prepare, nice)
         try:
+            if prepare and nice[0] != nice[1]:
+                # before anyone knows its pid: the pool's escalation is the last word
+                warm_priority(nice[0], pid)
             os.write(pw, pid.to_bytes(4, "little"))
         finally:
             os._exit(0)
@@ -408,9 +407,7 @@ def become_spare(forked: _Forked) -> None:
     # round at step 1 took 0.93 s where a step takes 0.56; the pool escalates it after
     # `idle_limit`, not during a round); back at the agent's priority before the assignment
     warm, base = forked.nice
-    if forked.prepare:
-        if warm != base:
-            warm_priority(warm)
+    if forked.prepare:  # at `warm` since its birth (`_fork_spare`), unless escalated
         own_pages(lambda: assigned(forked.assignment_fd))
         if not assigned(forked.assignment_fd):
             prepared = heap.prepare(forked.heap_bytes)
