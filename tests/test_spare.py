@@ -801,7 +801,8 @@ def test_the_pool_records_when_its_spares_are_ready(tmp_path) -> None:
 def test_spare_ready_counts_fresh_spares_and_names_the_older_ones_serving(tmp_path) -> None:
     """Issue 32: when a rank's first step needs more heap than the idle spares prepared, fresh
     ones are forked while the thin ones serve; `spare-ready` said "3 of 2" and "5 of 2" then. The
-    count is now of fresh spares (never more than asked for), the older ones named beside it."""
+    count is now of fresh spares (never more than asked for), the older ones named beside it,
+    and the fresh ones' readiness is news even when the older ones leave at the same time."""
     records: list[tuple[str, str, dict]] = []
     pool, env = _recording_pool(records)
 
@@ -823,6 +824,10 @@ def test_spare_ready_counts_fresh_spares_and_names_the_older_ones_serving(tmp_pa
         assert max(counts) <= 2, said
         assert any(f["older"] and "older one(s) serving" in m for m, f in said), said
         assert all(f["ready"] == int(m.split(" of ")[0]) + f["older"] for m, f in said), said
+        # the fresh ones took over: said, though fewer spares are ready than while the older
+        # ones served (the news was missed: no record after "1 of 2 ... 2 older")
+        pool.ensure(env)
+        assert "2 of 2 warm spare(s) ready" in said[-1][0] and said[-1][1]["older"] == 0, said
     finally:
         pool.stop()
 

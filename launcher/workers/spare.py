@@ -197,9 +197,9 @@ class SparePool:
     def _note_ready(self) -> None:
         """Record `spare-ready` when more spares are ready to take a rank than before."""
         ready = self._ready_pids()
-        fields = self.readiness.grew(len(ready))
+        older = len(ready & self.vintage.old())  # serve until as many fresh ones are ready
+        fields = self.readiness.grew(len(ready) - older, older)
         if fields is not None and self.record is not None:
-            older = len(ready & self.vintage.old())  # serve until as many fresh ones are ready
             line = _ready_line(len(ready) - older, older, self.count, fields)
             self.record(
                 "spare-ready", line, ready=len(ready), older=older, count=self.count, **fields
@@ -476,7 +476,7 @@ class Readiness:
         self.first_ready_s: float | None = None  # since the job (else the pool) started
         self._warm: set[int] = set()
         self._fds: dict[int, int] = {}  # pid -> read end of its ready pipe
-        self._shown = 0  # the ready count the last `spare-ready` said
+        self._shown = (0, 0)  # (fresh, older) spares ready as last seen
 
     def pool_started(self) -> None:
         if self.pool_start is None:
@@ -507,13 +507,17 @@ class Readiness:
             os.close(fd)
         return set(self._warm)
 
-    def grew(self, ready: int) -> dict | None:
-        """The fields of a `spare-ready` record when `ready` exceeds the last count said (else
-        None; a count that fell, a spare taken, is remembered so its successor is said again)."""
-        if ready <= self._shown:
-            self._shown = ready
+    def grew(self, fresh: int, older: int = 0) -> dict | None:
+        """The fields of a `spare-ready` record when more fresh spares are ready than the last
+        record said, or as many and more spares in all (older ones serving until fresh ones
+        are ready); else None. A count that fell (a spare taken, the older ones retired) is
+        remembered, so the next growth is said again."""
+        news = fresh > self._shown[0] or (
+            fresh == self._shown[0] and fresh + older > sum(self._shown)
+        )
+        self._shown = (fresh, older)
+        if not news:
             return None
-        self._shown = ready
         now = time.monotonic()
         since_pool = now - (self.pool_start or now)
         since_job = now - (self.job_start if self.job_start is not None else self.pool_start or now)
