@@ -119,11 +119,11 @@ from launcher.runtime.stop_points import MAX_POINTS, MIN_STEP_S, StopPoints, spr
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 points = StopPoints(StopSignal(), RankState(0, False, Layout.ddp(1)))
 ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
-print(points.install([ddp]), points.install([ddp, torch.nn.Linear(4, 4)]))
+print(points.install([ddp]), points.install([torch.nn.Linear(4, 4)]))
 """
 
 
-def test_a_model_under_ddp_is_left_alone() -> None:
+def test_a_model_under_ddp_is_hooked_inside_the_wrapper() -> None:
     # in its own process: DDP keeps its group's listening socket for the rest of the process
     out = subprocess.run(
         [sys.executable, "-c", DDP_SCRIPT],
@@ -133,15 +133,20 @@ def test_a_model_under_ddp_is_left_alone() -> None:
         env=dict(os.environ, PYTHONPATH=os.getcwd()),
     )
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["0", "3"]  # the plain Linear only: 1 module, 2 parameters
+    # the Linear inside the wrapper (1 module, 2 parameters), then a plain Linear as much again
+    assert out.stdout.split() == ["3", "6"]
 
 
-@pytest.mark.parametrize("stop_points", ["1", "0"])
-def test_a_survivor_mid_forward_stops_at_the_next_module(tmp_path, stop_points: str) -> None:
-    """Two ranks of a native loop whose forward takes 2 s (40 modules of 50 ms); rank 1 dies
-    0.3 s into step 1's forward. With stop points rank 0 leaves its forward a module or two
-    after the stop arrives; without (FTRUN_STOP_POINTS=0) it computes the whole forward first
-    and stops at the backward's phase edge."""
+@pytest.mark.parametrize(
+    ("stop_points", "ddp"), [("1", False), ("0", False), ("1", True), ("0", True)]
+)
+def test_a_survivor_mid_forward_stops_at_the_next_module(
+    tmp_path, stop_points: str, ddp: bool
+) -> None:
+    """Two ranks of a native loop (or one under rt.ddp) whose forward takes 2 s (40 modules of
+    50 ms); rank 1 dies 0.3 s into step 1's forward. With stop points rank 0 leaves its forward
+    a module or two after the stop arrives; without (FTRUN_STOP_POINTS=0) it computes the whole
+    forward first and stops at the backward's phase edge (DDP: at its backward's all-reduce)."""
     cmd = [
         *FTRUN,
         "--nproc_per_node",
@@ -151,6 +156,7 @@ def test_a_survivor_mid_forward_stops_at_the_next_module(tmp_path, stop_points: 
         "--log_dir",
         str(tmp_path / "logs"),
         script("slow_forward.py"),
+        *(["--ddp"] if ddp else []),
     ]
     env = env_with(OUT_DIR=str(tmp_path), FTRUN_STOP_POINTS=stop_points)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
@@ -158,18 +164,20 @@ def test_a_survivor_mid_forward_stops_at_the_next_module(tmp_path, stop_points: 
     ev = events(str(tmp_path / "logs"))
     died = next(e for e in ev if e["event"] == "worker-failed" and e.get("rank") == 1)
     calls = [json.loads(line) for line in (tmp_path / "calls.0.jsonl").read_text().splitlines()]
-    cut = [c for c in calls if c["step"] == 1 and c["generation"] == 0]  # the step the stop cut
-    after_death = [c for c in cut if c["time"] > died["time"]]
-    if stop_points == "1":
-        assert len(cut) < 20 and len(after_death) <= 4, (len(cut), len(after_death))
-    else:
-        assert len(cut) == 40, len(cut)  # the whole forward, then the stop at "backward"
-    assert [c["step"] for c in calls if c["generation"] > 0][::40] == [1, 2]  # redone, then on
     sys.path.insert(0, os.path.dirname(script("slow_forward.py")))
     try:
         import slow_forward
     finally:
         sys.path.pop(0)
+    killed = slow_forward.kill_step(ddp)
+    cut = [c for c in calls if c["step"] == killed and c["generation"] == 0]  # the stop cut it
+    after_death = [c for c in cut if c["time"] > died["time"]]
+    if stop_points == "1":
+        assert len(cut) < 20 and len(after_death) <= 4, (len(cut), len(after_death))
+    else:
+        assert len(cut) == 40, len(cut)  # the whole forward, then the stop at "backward"
+    redone = [c["step"] for c in calls if c["generation"] > 0][::40]
+    assert redone == list(range(killed, 3)), redone  # redone, then on
     expected = slow_forward.train_alone(3)
     for rank in (0, 1):
         got = torch.load(tmp_path / f"params.{rank}.pt")

@@ -1,5 +1,7 @@
-"""A native loop whose forward is slow (40 modules of 50 ms): rank 1 SIGKILLs itself early in
-step 1's forward, the first time only; every rank logs each module call ($OUT_DIR/calls.<rank>
+"""A training loop whose forward is slow (40 modules of 50 ms), native (`rt.allreduce_gradients`)
+or, with `--ddp`, under `rt.ddp`: rank 1 SIGKILLs itself early in step 1's forward (`--ddp`:
+step 2's, after DDP's bucket rebuild in step 1's forward, which waits for every rank), the first
+time only; every rank logs each module call ($OUT_DIR/calls.<rank>
 .jsonl: step, generation, time) so a test sees where a survivor's forward stopped, and its
 final parameters ($OUT_DIR/params.<rank>.pt). Every rank trains on the same input, so the result
 equals `train_alone` (one process, the same steps, no launcher)."""
@@ -54,6 +56,10 @@ def train_alone(steps: int) -> dict[str, torch.Tensor]:
         MODULE_S = was
 
 
+def kill_step(ddp: bool) -> int:
+    return 2 if ddp else 1
+
+
 def main() -> int:
     rt = ftr.init(backend="gloo")
     out = open(os.path.join(os.environ["OUT_DIR"], f"calls.{rt.rank}.jsonl"), "a", buffering=1)
@@ -64,18 +70,21 @@ def main() -> int:
         out.write(json.dumps(rec) + "\n")
 
     model, opt = build(log)
-    rt.register(model=model, optimizer=opt)
+    ddp = "--ddp" in sys.argv[1:]
+    net = rt.ddp(model) if ddp else model
+    rt.register(model=net, optimizer=opt)
     for step in rt.steps(3):
         with step:
             where["step"] = step.index
             with step.phase("forward"):
-                if step.index == 1 and rt.rank == 1 and not rt.replacement:
+                if step.index == kill_step(ddp) and rt.rank == 1 and not rt.replacement:
                     time.sleep(0.3)  # rank 0 is a few modules into its forward
                     os.kill(os.getpid(), signal.SIGKILL)
-                loss = model(torch.ones(2, 4)).sum()
+                loss = net(torch.ones(2, 4)).sum()
             with step.phase("backward"):
                 loss.backward()
-                rt.allreduce_gradients(model)
+                if not ddp:
+                    rt.allreduce_gradients(model)
             with step.optimizer_update():
                 opt.step()
                 opt.zero_grad()
