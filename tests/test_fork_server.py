@@ -7,16 +7,10 @@ import sys
 import time
 
 import pytest
+from helpers_priority import nice_and_policy
 
 from launcher.workers.fork_server import ForkServer
 from launcher.workers.priority import may_return_to, run_priority
-
-
-def _nice_and_policy(pid: int) -> tuple[int, int] | None:
-    try:
-        return os.getpriority(os.PRIO_PROCESS, pid), os.sched_getscheduler(pid)
-    except OSError:
-        return None
 
 
 def test_a_forked_spare_escalated_at_once_never_returns_to_idle_priority() -> None:
@@ -39,12 +33,12 @@ def test_a_forked_spare_escalated_at_once_never_returns_to_idle_priority() -> No
             proc, ready_fd = server.fork(heap_bytes=128 << 20)
             spares.append((proc, ready_fd))
             os.set_blocking(ready_fd, False)
-            assert _nice_and_policy(proc.pid) == (warm, os.SCHED_IDLE)  # born warming up
+            assert nice_and_policy(proc.pid) == (warm, os.SCHED_IDLE)  # born warming up
             run_priority(base, proc.pid)  # the pool's escalation, before the spare ran at all
             seen = set()
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                got = _nice_and_policy(proc.pid)
+                got = nice_and_policy(proc.pid)
                 if got is not None:
                     seen.add(got)
                 try:

@@ -9,6 +9,7 @@ import time
 from typing import Callable
 
 import pytest
+from helpers_priority import nice_and_policy
 
 from launcher.workers.spare import REPAIR_BOOST_NICE, SparePool, may_return_to
 
@@ -1143,13 +1144,6 @@ def test_a_replacement_finding_no_idle_spare_gets_the_fork_already_asked_for(tmp
         pool.stop()
 
 
-def _nice_and_policy(pid: int) -> tuple[int, int] | None:
-    try:
-        return os.getpriority(os.PRIO_PROCESS, pid), os.sched_getscheduler(pid)
-    except OSError:
-        return None
-
-
 def test_a_forked_spare_prepares_at_the_warm_up_priority_and_runs_at_the_agents() -> None:
     """Issue 32 (step 1): a forked spare owned its pages and faulted its heap in (hundreds of
     MB) at the agent's priority, beside the ranks' first steps. It now does that at the warm-up
@@ -1168,13 +1162,13 @@ def test_a_forked_spare_prepares_at_the_warm_up_priority_and_runs_at_the_agents(
         while pool.ready_count() < 1 and time.monotonic() < deadline:
             pool.ensure(env)
             for proc in pool._procs:
-                got = _nice_and_policy(proc.pid)
+                got = nice_and_policy(proc.pid)
                 if got is not None:
                     seen.add(got)
             time.sleep(0.002)
         assert pool.ready_count() == 1
         assert (base + 10 if base + 10 <= 19 else 19, os.SCHED_IDLE) in seen, seen
         pid = pool._procs[0].pid
-        assert _nice_and_policy(pid) == (base, os.SCHED_OTHER)  # ready: the agent's again
+        assert nice_and_policy(pid) == (base, os.SCHED_OTHER)  # ready: the agent's again
     finally:
         pool.stop()
