@@ -35,7 +35,10 @@ def warm_priority(warm: int, pid: int | None = None) -> None:
     the fork server's intermediate child): a spare that demoted itself could do so after the pool
     had escalated it (`run_priority`), and stayed at idle priority for good."""
     for tid in [0] if pid is None else thread_ids(pid):
-        os.setpriority(os.PRIO_PROCESS, tid, warm)
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, warm)
+        except ProcessLookupError:
+            continue  # that thread (or the process) has ended meanwhile
         if hasattr(os, "SCHED_IDLE"):
             try:
                 os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))

@@ -231,7 +231,10 @@ def _fork_spare(
         try:
             if prepare and nice[0] != nice[1]:
                 # before anyone knows its pid: the pool's escalation is the last word
-                warm_priority(nice[0], pid)
+                try:
+                    warm_priority(nice[0], pid)
+                except OSError:
+                    pass  # it warms up at the server's priority: the pid must be reported
             os.write(pw, pid.to_bytes(4, "little"))
         finally:
             os._exit(0)
