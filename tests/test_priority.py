@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -37,9 +39,6 @@ def test_run_priority_at_the_current_niceness_changes_nothing() -> None:
 
 def test_warm_priority_moves_every_thread_of_another_process_and_a_gone_one_is_no_error() -> None:
     """The pool (or a spare's parent) moves a process down, never the process itself."""
-    import subprocess
-    import sys
-
     child = subprocess.Popen(
         [
             sys.executable,
@@ -68,9 +67,6 @@ def test_warm_priority_moves_every_thread_of_another_process_and_a_gone_one_is_n
 
 
 def test_born_warm_starts_a_child_at_the_warm_up_priority() -> None:
-    import subprocess
-    import sys
-
     base = os.getpriority(os.PRIO_PROCESS, 0)
     warm = min(19, base + 10)
     code = "import os; print(os.getpriority(os.PRIO_PROCESS, 0), os.sched_getscheduler(0))"
