@@ -73,7 +73,7 @@ def test_born_warm_starts_a_child_at_the_warm_up_priority() -> None:
     for setting, expected_nice in ((warm, warm), (None, base)):
         out = subprocess.run(
             [sys.executable, "-c", code],
-            preexec_fn=born_warm(os.getpid(), setting),
+            preexec_fn=born_warm(os.getpid(), (warm, base), idle=setting is not None),
             capture_output=True,
             text=True,
             timeout=60,

@@ -2,14 +2,14 @@
 
 Owns: `ForkServer`, owned by the agent's spare pool (`launcher.workers.spare.SparePool`): start
 the server (`python -u -m launcher.workers.spare_server FD --nice WARM,BASE`, its priorities in
-its command line; `--imports FILE`: the job's modules to import too; `--urgent`: the job's ranks
-wait for its start-up, at the agent's priority), `poll_ready()` without blocking, `wait_ready()`
-with a bound, `extend(FILE)` (import more of the job's modules: the server is busy until its answer,
-which `poll_ready()` reads), `fork()` a warm spare with a timeout (the spare becomes the agent's
-own child: the agent is a child subreaper, `launcher.workers.adopted`), or the same in two halves
-that never block the agent's loop on the server's 20-50 ms fork (`request_fork()`, then
-`collect_fork()` at a later health check: one request outstanding at a time), `stop()`. Nothing here
-imports torch or runs in the server.
+its command line; `--imports FILE`: the job's modules to import too; born at the warm-up
+priority unless `urgent`, when the job's ranks wait for its start-up), `poll_ready()` without
+blocking, `wait_ready()` with a bound, `extend(FILE)` (import more of the job's modules: the
+server is busy until its answer, which `poll_ready()` reads), `fork()` a warm spare with a
+timeout (the spare becomes the agent's own child: the agent is a child subreaper,
+`launcher.workers.adopted`), or the same in two halves that never block the agent's loop on the
+server's 20-50 ms fork (`request_fork()`, then `collect_fork()` at a later health check: one
+request outstanding at a time), `stop()`. Nothing here imports torch or runs in the server.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Callable
 
 from launcher.workers.adopted import AdoptedChild, set_subreaper
 from launcher.workers.priority import born_warm, warm_priority
-from launcher.workers.spare_process import IMPORTS_FLAG, URGENT_FLAG, nice_args
+from launcher.workers.spare_process import IMPORTS_FLAG, nice_args
 
 SERVER_MODULE = "launcher.workers.spare_server"
 FORK_TIMEOUT_S = 2.0  # the server answers a fork request within this long, or is given up
@@ -45,7 +45,6 @@ class ForkServer:
         if not set_subreaper(True):
             raise OSError("PR_SET_CHILD_SUBREAPER refused")
         parent = os.getpid()
-        idle_start = nice[0] != nice[1] and not urgent  # its start-up at the warm-up priority
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
             self.proc = subprocess.Popen(
@@ -57,7 +56,6 @@ class ForkServer:
                     str(theirs.fileno()),
                     *nice_args(*nice),
                     *([IMPORTS_FLAG, imports] if imports else []),
-                    *([URGENT_FLAG] if urgent else []),
                 ],
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -65,7 +63,7 @@ class ForkServer:
                 stderr=None,
                 pass_fds=[theirs.fileno()],
                 close_fds=True,
-                preexec_fn=born_warm(parent, nice[0] if idle_start else None),
+                preexec_fn=born_warm(parent, nice, idle=not urgent),  # urgent: ranks wait
             )
         except BaseException:
             ours.close()

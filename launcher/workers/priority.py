@@ -46,14 +46,15 @@ def warm_priority(warm: int, pid: int | None = None) -> None:
                 pass
 
 
-def born_warm(parent: int, warm: int | None) -> Callable[[], None]:
-    """A `preexec_fn` for a pool process: it dies with `parent` and, when `warm` is not None,
-    starts at the warm-up priority (before the pool knows its pid, so the pool's escalation is
-    the last word)."""
+def born_warm(parent: int, nice: tuple[int, int], idle: bool = True) -> Callable[[], None]:
+    """A `preexec_fn` for a pool process: it dies with `parent` and, when `idle` and its
+    `nice` = (warm-up niceness, the agent's) differ, starts at the warm-up priority (before the
+    pool knows its pid, so the pool's escalation is the last word)."""
+    warm, base = nice
 
     def setup() -> None:
         die_with_parent(parent)
-        if warm is not None:
+        if idle and warm != base:
             warm_priority(warm)
 
     return setup

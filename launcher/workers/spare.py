@@ -597,7 +597,7 @@ def start_importing_spare(
             stdout=None,
             stderr=None,
             pass_fds=[ready_w],
-            preexec_fn=born_warm(parent, nice[0] if nice[0] != nice[1] else None),
+            preexec_fn=born_warm(parent, nice),
             close_fds=True,
         )
     except BaseException:

@@ -47,8 +47,6 @@ OPTIONAL_WARM_IMPORTS = ("torch._dynamo",)
 NICE_FLAG = "--nice"  # WARM,BASE: the warm-up niceness and the agent's, from the agent
 IMPORTS_FLAG = "--imports"  # FILE: the job's modules to import too (`write_imports`)
 READY_FLAG = "--ready-fd"  # FD: one byte written once the imports are done
-# the fork server's first imports run at the agent's priority: the job's ranks wait for them
-URGENT_FLAG = "--urgent"
 EXEC_TIME_ENV = "FTRUN_EXEC_TIME"  # wall-clock time the job was assigned (the runtime's `exec`)
 
 

@@ -2,31 +2,31 @@
 
 Owns: the fork server's process. `python -u -m launcher.workers.spare_server FD --nice
 WARM,BASE` (`serve`) does the warm imports once (`launcher.workers.spare_process.warm_imports`:
-torch, the runtime: 1.5-2 CPU-s; then the job's modules of `--imports FILE`) at the spares'
-warm-up priority (with `--urgent`, when the job's ranks are to be forked from it and wait for
-it, at the agent's), returns to the agent's priority, reports ready with its thread count, and
-then, for every request on its unix socket, either imports more of the job's modules
-(`{"imports": FILE}`: what the ranks imported by their first step, at the warm-up priority; a
-module that fails is skipped and named in the answer, `failed`) or forks a spare copy-on-write:
-an intermediate child forks the spare and exits at once, so the spare is reparented to the agent
-(a child subreaper, `launcher.workers.adopted`) and becomes the agent's own child, waited for
-and signalled like a Popen'd one. It forks only while it has exactly one thread (no thread pool
-of torch's started: it never runs a tensor op) and answers an error otherwise. The spare starts
-its own session, sets `PR_SET_PDEATHSIG(SIGKILL)` only once it sees the agent as its parent (the
-death signal would fire at the reparenting), reads its assignment line (the same JSON as a
-Popen'd spare's stdin) from a pipe the server made for it, whose write end goes to the agent
-with the reply (`socket.send_fds`, with the read end of a pipe on which the spare writes one
-byte once it is prepared: the pool's `spare-ready`), and then runs the script exactly like a
-Popen'd spare (`launcher.workers.spare_process.run_job`). EOF on that pipe means "not needed":
-it exits 0. Before it waits for the assignment (unless forked for a replacement that waits:
-`prepare` false), a forked spare makes every page it shares with the server its own, at the
-warm-up priority (the server's `--nice` WARM: idle CPU time; the agent's pool escalates it after
-its idle limit, as a warm-up)
-(`own_pages`): otherwise the replacement's first pass through the interpreter's and torch's
-state pays a copy-on-write fault per page it writes to (refcounts: nearly every page it
-touches), ~15 ms of its start-up inside the recovery, measured here. A spare whose assignment
-arrives meanwhile stops there (and faults no heap in): the round would wait for the rest.
-The agent's handle on this process is `launcher.workers.fork_server.ForkServer`.
+torch, the runtime: 1.5-2 CPU-s; then the job's modules of `--imports FILE`) at the priority it
+was born at (the spares' warm-up one, set by `ForkServer` before it ran; the agent's when the
+job's ranks are to be forked from it and wait for it), returns to the agent's priority, reports
+ready with its thread count, and then, for every request on its unix socket, either imports more
+of the job's modules (`{"imports": FILE}`: what the ranks imported by their first step, at the
+warm-up priority; a module that fails is skipped and named in the answer, `failed`) or forks a
+spare copy-on-write: an intermediate child forks the spare and exits at once, so the spare is
+reparented to the agent (a child subreaper, `launcher.workers.adopted`) and becomes the agent's
+own child, waited for and signalled like a Popen'd one. It forks only while it has exactly one
+thread (no thread pool of torch's started: it never runs a tensor op) and answers an error
+otherwise. The spare starts its own session, sets `PR_SET_PDEATHSIG(SIGKILL)` only once it sees
+the agent as its parent (the death signal would fire at the reparenting), reads its assignment
+line (the same JSON as a Popen'd spare's stdin) from a pipe the server made for it, whose write
+end goes to the agent with the reply (`socket.send_fds`, with the read end of a pipe on which
+the spare writes one byte once it is prepared: the pool's `spare-ready`), and then runs the
+script exactly like a Popen'd spare (`launcher.workers.spare_process.run_job`). EOF on that pipe
+means "not needed": it exits 0. Before it waits for the assignment (unless forked for a
+replacement that waits: `prepare` false), a forked spare makes every page it shares with the
+server its own, at the warm-up priority (the server's `--nice` WARM: idle CPU time; the agent's
+pool escalates it after its idle limit, as a warm-up) (`own_pages`): otherwise the replacement's
+first pass through the interpreter's and torch's state pays a copy-on-write fault per page it
+writes to (refcounts: nearly every page it touches), ~15 ms of its start-up inside the recovery,
+measured here. A spare whose assignment arrives meanwhile stops there (and faults no heap in):
+the round would wait for the rest. The agent's handle on this process is
+`launcher.workers.fork_server.ForkServer`.
 
 A fork shares what a fresh process would make its own at start: so the server holds numpy's
 OpenBLAS at one thread (`hold_blas_threads`: its pool's threads would make it unsafe to fork),
@@ -63,7 +63,6 @@ from launcher.workers.priority import run_priority, thread_ids, warm_priority
 from launcher.workers.spare_process import (
     IMPORTS_FLAG,
     NICE_FLAG,
-    URGENT_FLAG,
     flag_value,
     import_listed,
     parse_nice,
@@ -124,22 +123,19 @@ def _heap() -> ModuleType:
 
 
 # ------------------------------------------------------------------ the server process
-def serve(
-    sock_fd: int, nice: tuple[int, int] = (0, 0), imports: str | None = None, urgent: bool = False
-) -> None:
+def serve(sock_fd: int, nice: tuple[int, int] = (0, 0), imports: str | None = None) -> None:
     """The fork server's life (`nice`: its warm-up niceness and the agent's; `imports`: the
-    job's modules to import after the warm imports, an `--imports` file; `urgent`: the job's
-    ranks wait for this start-up, which runs at the agent's priority, the later imports at the
-    warm-up one); raises `_Forked` in each forked spare."""
+    job's modules to import after the warm imports, an `--imports` file; the start-up runs at
+    the priority it was born at, the later imports at the warm-up one); raises `_Forked` in
+    each forked spare."""
     agent = os.getppid()
     sock = socket.socket(fileno=sock_fd)
     comm = set_process_name(SERVER_NAME)
     warm, base = nice
-    idle_start = warm != base and not urgent  # born at `warm` (ForkServer's `born_warm`)
     hold_blas_threads()
     warm_imports()
     failed = import_listed(imports) if imports else []
-    if idle_start:  # warm now: forks must not wait for idle CPU time
+    if warm != base:  # warm now: forks must not wait for idle CPU time (a no-op if born urgent)
         run_priority(base)
     threads = len(thread_ids())
     try:
@@ -440,12 +436,12 @@ def become_spare(forked: _Forked) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """`FD [--nice WARM,BASE] [--imports FILE] [--urgent]`: serve on socket FD; in each forked
+    """`FD [--nice WARM,BASE] [--imports FILE]`: serve on socket FD; in each forked
     spare, run its job."""
     nice = parse_nice(argv[argv.index(NICE_FLAG) + 1]) if NICE_FLAG in argv else (0, 0)
     forked = None
     try:
-        serve(int(argv[0]), nice, flag_value(argv, IMPORTS_FLAG), URGENT_FLAG in argv)
+        serve(int(argv[0]), nice, flag_value(argv, IMPORTS_FLAG))
     except _Forked as exc:
         forked = exc
         exc.__traceback__ = None  # drop the server's frames

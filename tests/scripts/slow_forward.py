@@ -1,9 +1,9 @@
 """A training loop whose forward is slow (40 modules of 50 ms), native (`rt.allreduce_gradients`)
 or, with `--ddp`, under `rt.ddp`: rank 1 SIGKILLs itself early in step 1's forward (`--ddp`:
 step 2's, after DDP's bucket rebuild in step 1's forward, which waits for every rank), the first
-time only; every rank logs each module call ($OUT_DIR/calls.<rank>
-.jsonl: step, generation, time) so a test sees where a survivor's forward stopped, and its
-final parameters ($OUT_DIR/params.<rank>.pt). Every rank trains on the same input, so the result
+time only; every rank logs each module call ($OUT_DIR/calls.<rank>.jsonl: step, generation,
+time) so a test sees where a survivor's forward stopped, and its final parameters
+($OUT_DIR/params.<rank>.pt). Every rank trains on the same input, so the result
 equals `train_alone` (one process, the same steps, no launcher)."""
 
 from __future__ import annotations
