@@ -1172,3 +1172,75 @@ def test_a_forked_spare_prepares_at_the_warm_up_priority_and_runs_at_the_agents(
         assert nice_and_policy(pid) == (base, os.SCHED_OTHER)  # ready: the agent's again
     finally:
         pool.stop()
+
+
+def test_a_round_stops_the_spares_still_preparing_until_its_hold_ends(tmp_path) -> None:
+    """Issue 32: a spare importing (or faulting in its heap) when a round begins shares the
+    node's CPUs with the state transfer and the redone step (successors forked just before a
+    kill at step 1 made the transfer 0.07-0.16 s instead of ~0.02 s): it is stopped until the
+    hold ends, and one taken for a rank meanwhile is continued first."""
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=1, fork=False)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        pool.ensure(env)  # a spare importing torch itself: ~2 s of preparation
+        (proc,) = pool._procs
+        pool.hold(1, {0}, timeout=30)
+        assert _settles(proc.pid, stopped=True)
+        assert logs[-1] == f"spare(s) still preparing paused for the round: pids [{proc.pid}]"
+        pool.ensure(env)  # the round still runs: it stays stopped
+        assert _state(proc.pid) == "T" and pool.ready_count() == 0
+        pool.recovered(0, 1)  # the round is over
+        pool.ensure(env)
+        assert _settles(proc.pid, stopped=False) and not pool.pause.paused
+        assert f"go on, the round is over: pids [{proc.pid}]" in logs[-1]
+        pool.hold(2, {0}, timeout=30)  # another round, and this spare is taken in it
+        assert _settles(proc.pid, stopped=True)
+        out, job = tmp_path / "ran", tmp_path / "job.py"
+        job.write_text(f"open({str(out)!r}, 'w').close()\n")
+        taken = pool.take(env, [str(job)], module=False)
+        assert taken is proc and taken.wait(timeout=120) == 0 and out.exists()
+    finally:
+        pool.stop()
+
+
+def test_a_spare_forked_while_a_round_holds_the_pool_waits_for_its_end() -> None:
+    """The fork asked for at the check before a kill is collected during the round: that spare
+    would fault in its heap beside the state transfer; it is stopped until the hold ends. A
+    cold replacement (`hurry`) continues it at once: it may overtake."""
+    pool = SparePool(sys.executable, lambda m: None, count=2, fork=True)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        _fill(pool, env)
+        deadline = time.monotonic() + 30
+        while pool.ready_count() < 2 and time.monotonic() < deadline:
+            pool.ensure(env)  # both prepared: a round pauses neither
+            time.sleep(0.01)
+        pool._procs.pop().kill()  # one gone: the next check asks the server for a successor
+        pool.ensure(env)
+        assert pool._server is not None and pool._server.pending is not None
+        pool.hold(3, {0}, timeout=30)
+        deadline = time.monotonic() + 10
+        while pool.ready() < 2 and time.monotonic() < deadline:
+            pool.ensure(env)  # collects the fork during the round
+            time.sleep(0.01)
+        (new,) = pool.pause.paused
+        assert _settles(new, stopped=True)
+        pool.hurry()
+        assert _settles(new, stopped=False) and not pool.pause.paused
+        pool.recovered(0, 3)
+        pool.ensure(env)
+        assert pool.ready() == 2 and not pool.pause.paused
+    finally:
+        pool.stop()
+
+
+def _settles(pid: int, stopped: bool, timeout: float = 10.0) -> bool:
+    """Whether the process is (or is no longer) stopped within `timeout` s: a signal's delivery
+    is asynchronous."""
+    deadline = time.monotonic() + timeout
+    while (_state(pid) == "T") != stopped:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True

@@ -45,6 +45,7 @@ from launcher.workers.adopted import AdoptedChild, reap_orphans, set_subreaper
 from launcher.workers.fork_server import FORK_TIMEOUT_S, ForkServer
 from launcher.workers.priority import born_warm, may_return_to, run_priority
 from launcher.workers.round_hold import RoundHold
+from launcher.workers.spare_pause import SparePause
 from launcher.workers.spare_process import IMPORTS_FLAG, READY_FLAG, nice_args
 from launcher.workers.spare_vintage import SpareVintage
 from launcher.workers.warm_up import WarmUps
@@ -94,6 +95,7 @@ class SparePool:
         self._server: ForkServer | None = None
         self._not_before = time.monotonic() + start_delay
         self.round_hold = RoundHold()  # a recovery round holds new spares back
+        self.pause = SparePause()  # and stops the ones still preparing (`hold`)
         self._boosted: dict[int, tuple[SpareProc, int]] = {}  # rank -> (process, nice after)
         self.heap_bytes = 0  # heap a forked spare faults in: the largest state a rank reported
         self.record = record  # `spare-ready` events (None: no events)
@@ -108,6 +110,7 @@ class SparePool:
         """Spares alive now (warm or still warming up)."""
         self._procs = [p for p in self._procs if p.poll() is None]
         self.vintage.keep_only({p.pid for p in self._procs})
+        self.pause.paused &= {p.pid for p in self._procs}  # gone: no signal to a reused pid
         return len(self._procs)
 
     def ready_count(self) -> int:
@@ -140,7 +143,8 @@ class SparePool:
     def hurry(self) -> None:
         """A replacement is starting cold: the fork server (or a spare) still importing goes on
         at the agent's priority now, round or not (the round waits for that import anyway, and
-        a spare ready first overtakes it)."""
+        a spare ready first overtakes it); the spares a round paused go on too."""
+        self.pause.hurry()
         self.warm_ups.hurry(self._procs + ([self._server.proc] if self._server else []))
 
     def _server_ready(self) -> bool:
@@ -152,8 +156,13 @@ class SparePool:
     def hold(self, generation: int, ranks: set[int], timeout: float = REFILL_HOLD_S) -> None:
         """A recovery round of `generation` runs on this node with `ranks`: no spare starts or
         leaves its warm-up priority until they finished it and committed the step they resumed
-        at (`recovered`, `progressed`) or `timeout` s passed (`launcher.workers.round_hold`)."""
+        at (`recovered`, `progressed`) or `timeout` s passed (`launcher.workers.round_hold`);
+        the spares still preparing stop until then (`launcher.workers.spare_pause`)."""
         self.round_hold.hold(generation, ranks, timeout)
+        if self.held():
+            paused = self.pause.hold_begins({p.pid for p in self._procs} - self.readiness.poll())
+            if paused:
+                self.log(f"spare(s) still preparing paused for the round: pids {paused}")
 
     def recovered(self, rank: int, generation: int, resume_step: int | None = None) -> None:
         """Rank `rank` finished the recovery round of `generation` (or a later one; see
@@ -186,6 +195,8 @@ class SparePool:
         agent's priority (not while held, nor while the ranks start)."""
         if time.monotonic() < self._not_before or self.count == 0:
             return
+        if self.pause.paused and not self.held():
+            self.log(f"paused spare(s) go on, the round is over: pids {self.pause.release()}")
         for pid, code in reap_orphans() if self._server is not None else []:
             self.log(f"reaped orphan pid {pid} (exit {code})")
         if not (self.fork and self._fork_spares(env)) and not self.held():
@@ -224,9 +235,8 @@ class SparePool:
             # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
             if self.held():
                 return True
-            self._escalate(
-                self._procs
-            )  # a spare preparing (at the warm-up priority) as long as an import
+            # a spare preparing (at the warm-up priority) as long as an import
+            self._escalate(self._procs)
             self._retire_stale()
             # stale ones serve meanwhile; one fork asked for per check, its answer read at a
             # later one: the agent's loop never waits for the server's fork (a worker's exit
@@ -253,12 +263,7 @@ class SparePool:
         idle = warm != base and not urgent
         self.warm_ups.add(self._server.proc.pid, base if idle else None)
         self.readiness.pool_started()
-        self.log(
-            f"spare fork server started (pid {self._server.proc.pid}"
-            + ("; at the agent's priority: the job's ranks are forked from it" if urgent else "")
-            + "); spares are forked from it once it has imported torch"
-            + (" and the job's modules" if self.imports else "")
-        )
+        self.log(_server_line(self._server.proc.pid, urgent, bool(self.imports)))
 
     def serve_ranks(self, env: dict[str, str], timeout: float) -> str | None:
         """Have the fork server ready to fork the job's ranks (`fork_rank`) within `timeout` s:
@@ -311,17 +316,14 @@ class SparePool:
         """A forked spare prepares at the warm-up priority (`spare_server.become_spare`) and is
         escalated as a warm-up after `idle_limit` (`_escalate`)."""
         self._procs.append(proc)
+        paused = self.pause.pause({proc.pid} if self.held() else set())  # `take` continues it
         self.vintage.forked(proc.pid, heap_bytes)
         self.readiness.watch(proc.pid, ready_fd)
         base = os.getpriority(os.PRIO_PROCESS, 0)
         idle = may_return_to(base) and base < 19  # as the server's warm-up niceness
         self.warm_ups.add(proc.pid, base if idle else None)
-        self.log(
-            f"warm spare started (pid {proc.pid}, forked in "
-            f"{(time.monotonic() - asked) * 1e3:.1f} ms since it was asked for; "
-            + (f"prepares {heap_bytes / 1e6:.1f} MB of heap; " if heap_bytes else "")
-            + f"{len(self._procs)} of {self.count})"
-        )
+        line = _forked_line(proc.pid, asked, heap_bytes, len(self._procs), self.count)
+        self.log(line + ("; paused until the round ends" if paused else ""))
 
     def _extend_server(self) -> bool:
         """Ask the ready server to import the job's modules listed since it started: True when
@@ -410,6 +412,7 @@ class SparePool:
             born = self.warm_ups.pop(proc.pid)
             self.readiness.forget(proc.pid)
             self.vintage.forget(proc.pid)
+            self.pause.resume(proc.pid)
             if proc.poll() is not None or proc.stdin is None:
                 continue
             if born is not None and proc.pid not in warm:
@@ -447,6 +450,7 @@ class SparePool:
         exit (the ones still there then are named and left behind), so the pool's stop fits in
         the agent's shutdown bound (launcher.agent.agent.STOP_TOGETHER_S)."""
         procs, self._procs = self._procs, []
+        self.pause.paused.clear()  # SIGKILL ends a stopped process too
         for proc in procs:
             proc.kill()  # idle: nothing to lose
         if self._server is not None:
@@ -529,6 +533,26 @@ class Readiness:
         for pid in list(self._fds):
             self.forget(pid)
         self._warm.clear()
+
+
+def _server_line(pid: int, urgent: bool, job_modules: bool) -> str:
+    """The line of the fork server's start (`urgent`: the job's ranks are forked from it)."""
+    return (
+        f"spare fork server started (pid {pid}"
+        + ("; at the agent's priority: the job's ranks are forked from it" if urgent else "")
+        + "); spares are forked from it once it has imported torch"
+        + (" and the job's modules" if job_modules else "")
+    )
+
+
+def _forked_line(pid: int, asked: float, heap_bytes: int, alive: int, count: int) -> str:
+    """The line of a spare forked for the pool (`asked`: monotonic time of the request)."""
+    return (
+        f"warm spare started (pid {pid}, forked in "
+        f"{(time.monotonic() - asked) * 1e3:.1f} ms since it was asked for; "
+        + (f"prepares {heap_bytes / 1e6:.1f} MB of heap; " if heap_bytes else "")
+        + f"{alive} of {count})"
+    )
 
 
 def _ready_line(fresh: int, older: int, count: int, fields: dict) -> str:
