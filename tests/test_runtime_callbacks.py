@@ -395,9 +395,11 @@ import os, warnings
 warnings.filterwarnings("ignore")
 import torch, torch.distributed as dist
 from megatron.core import parallel_state as ps
+from launcher.runtime.group_sockets import new_connected_sockets, open_sockets
 from launcher.runtime.megatron import initialize_model_parallel, rebuild_parallel_state
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+LAZY = os.environ["LAZY"] == "1"
 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
 dist.init_process_group("gloo", store=dist.PrefixStore("g0", store), rank=rank, world_size=world)
 counted = []
@@ -406,8 +408,16 @@ def counting(*a, **kw):
     counted.append(kw.get("ranks"))
     return real(*a, **kw)
 ps.create_group = counting  # what reaches megatron's own create_group (and torch's new_group)
-initialize_model_parallel(tensor_model_parallel_size=2)
+before = open_sockets()
+initialize_model_parallel(lazy_connect=LAZY, tensor_model_parallel_size=2)
 made = len(counted)
+def connected_since(before):
+    # pairs connected since `before`: eagerly 7 here (every pair of this rank's 6 groups),
+    # lazily 0-1 (a peer's first use of a pair may come before this rank looks)
+    n = len(new_connected_sockets(before, open_sockets()))
+    assert (n <= 2) if LAZY else (n >= 6), n
+connected_since(before)
+assert "TORCH_GLOO_LAZY_INIT" not in os.environ  # only for megatron's groups
 assert ps.create_group is counting  # put back
 # PP=1: the model-parallel group has the tensor-parallel group's ranks: one group for both
 assert ps.get_model_parallel_group() is ps.get_tensor_model_parallel_group()
@@ -428,8 +438,10 @@ old = model[0].tp_group
 dist.destroy_process_group()  # a recovery round: a new default group, then megatron's
 dist.init_process_group("gloo", store=dist.PrefixStore("g1", store), rank=rank, world_size=world)
 counted.clear()
+before = open_sockets()
 assert rebuild_parallel_state(model, tensor_model_parallel_size=2) == 1
 assert len(counted) == made  # shared again: the same groups, in the same order
+connected_since(before)  # rebuilt the same way
 new = model[0].tp_group
 assert new is not old and new is ps.get_tensor_model_parallel_group()
 assert new is ps.get_model_parallel_group()
@@ -444,13 +456,17 @@ dist.destroy_process_group()
 @pytest.mark.skipif(
     not _megatron_available(), reason="megatron-core not importable (pip install .[megatron])"
 )
-def test_megatron_groups_with_the_same_ranks_are_made_once_and_rebuilt_the_same_way(tmp_path):
+@pytest.mark.parametrize("lazy", ["1", "0"])
+def test_megatron_groups_with_the_same_ranks_are_made_once_and_rebuilt_the_same_way(
+    tmp_path, lazy: str
+):
     """`initialize_model_parallel` creates each distinct group once (4 ranks, TP=2: 47 requests
     of megatron, 11 distinct), groups with the same ranks are one object, collectives on them
     work, and `rebuild_parallel_state` after a new default group shares them the same way and
-    re-points the cached handle."""
+    re-points the cached handle. Its gloo groups connect at their first use (`lazy_connect`,
+    the default; the rebuild keeps the mode), or at once when asked."""
     store = master_store()
-    procs = run_workers(SHARED_GROUPS_WORKER, 4, tmp_path, store)
+    procs = run_workers(SHARED_GROUPS_WORKER, 4, tmp_path, store, {"LAZY": lazy})
     try:
         codes = [p.wait(timeout=180) for p in procs]
     finally:

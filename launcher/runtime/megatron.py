@@ -17,13 +17,25 @@ through the store and a full-mesh connect, and the rebuild of a recovery round, 
 rank, makes them all again (~0.38 s for the 47 against ~0.09 s for the 11 in one measurement
 here). A state made by it is rebuilt the same way: every rank of a generation creates the same
 groups in the same order (the survivors' rebuild, a replacement's start-up).
+
+Its gloo groups connect lazily (`lazy_connect`, default on: torch's TORCH_GLOO_LAZY_INIT for
+their construction only): a pair of ranks connects at its first send, not in a full-mesh connect
+when the group is made. The rebuild is on every rank's critical path in a recovery round, and
+the 11 group creations, each a rendezvous of its members, took 42-54 ms there (4 ranks on 2
+CPUs) against 16-27 ms lazily, while the first all-reduce on each of three of the groups took
+no longer (5-17 ms either way; `tests/test_runtime_callbacks.py`). Every rank must make a group
+the same way (a lazy member and an eager one never meet): the mode is chosen by the call that
+made the state and kept for its rebuilds, and a replacement makes its state with the same call
+as every rank did. The default group, and groups made elsewhere, are left as they are (the
+sockets of `launcher.runtime.group_sockets` are recorded while a group is built).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any, Iterable
+import os
+from typing import Any, Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -126,6 +138,26 @@ def repoint_groups(
 
 
 SHARED_MARK = "_ftrun_shared_groups"  # set on parallel_state once its groups were made shared
+LAZY_MARK = "_ftrun_lazy_connect"  # set on parallel_state: its gloo groups connect lazily
+GLOO_LAZY_ENV = "TORCH_GLOO_LAZY_INIT"  # read by torch at each ProcessGroupGloo's construction
+
+
+@contextlib.contextmanager
+def gloo_connects_lazily(lazy: bool) -> Iterator[None]:
+    """The gloo groups made inside connect each pair of ranks at its first use (`lazy`); the
+    variable is restored after (not `lazy`: left as it is)."""
+    if not lazy:
+        yield
+        return
+    before = os.environ.get(GLOO_LAZY_ENV)
+    os.environ[GLOO_LAZY_ENV] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(GLOO_LAZY_ENV, None)
+        else:
+            os.environ[GLOO_LAZY_ENV] = before
 
 
 class SharedGroups:
@@ -177,14 +209,16 @@ class SharedGroups:
         self.ps.create_group = self._create
 
 
-def initialize_model_parallel(**init_kwargs: Any) -> None:
+def initialize_model_parallel(lazy_connect: bool = True, **init_kwargs: Any) -> None:
     """megatron's `parallel_state.initialize_model_parallel(**init_kwargs)` with each distinct
-    group created once (`SharedGroups`, module docstring); `rebuild_parallel_state` then
-    rebuilds them the same way. Call it instead of megatron's on every rank, at every start."""
+    group created once (`SharedGroups`, module docstring) and, with `lazy_connect`, gloo groups
+    that connect lazily; `rebuild_parallel_state` then rebuilds them the same way. Call it
+    instead of megatron's on every rank, at every start, with the same arguments."""
     ps = importlib.import_module("megatron.core.parallel_state")
-    with SharedGroups(ps):
+    with SharedGroups(ps), gloo_connects_lazily(lazy_connect):
         ps.initialize_model_parallel(**init_kwargs)
     setattr(ps, SHARED_MARK, True)
+    setattr(ps, LAZY_MARK, bool(lazy_connect))
 
 
 def rebuild_parallel_state(
@@ -200,7 +234,8 @@ def rebuild_parallel_state(
     old = parallel_state_groups(ps)
     ps.destroy_model_parallel()
     shared = getattr(ps, SHARED_MARK, False)  # made by initialize_model_parallel here
-    with SharedGroups(ps) if shared else contextlib.nullcontext():
+    lazy = getattr(ps, LAZY_MARK, False)  # as it made them
+    with SharedGroups(ps) if shared else contextlib.nullcontext(), gloo_connects_lazily(lazy):
         ps.initialize_model_parallel(**init_kwargs)
     new = parallel_state_groups(ps)
     current = [
