@@ -29,7 +29,8 @@ step, the pool's imports take only idle CPU time: SCHED_IDLE, which on a node wi
 CPUs still cost the ranks' first step ~1.8 s, measured; see the user guide):
 training that keeps every CPU busy leaves SCHED_IDLE no time, and a spare that never finishes
 `import torch` makes the next fault start cold. No spare is started or forked while a round
-holds the pool (but for the one `take` forks for the round itself).
+holds the pool (but for the one `take` forks for the round itself), and the ones still
+preparing are stopped until it ends (`launcher.workers.spare_pause`).
 """
 
 from __future__ import annotations
