@@ -418,6 +418,9 @@ deadline = time.monotonic() + 60
 while pool.ready() < 2 and time.monotonic() < deadline:
     pool.ensure(env); time.sleep(0.02)
 worker = pool.take(env, [sys.argv[1]], module=False)
+if sys.argv[2] == "paused":  # a round holds the pool: the successor forked meanwhile is stopped
+    pool.ensure(env)  # asks the server for the successor; the round's check collects it
+    pool.hold(1, {0}, timeout=60)
 while pool.ready() < 2 and time.monotonic() < deadline:  # its successor, forked meanwhile
     pool.ensure(env); time.sleep(0.02)
 print(json.dumps({"server": pool._server.proc.pid, "spares": [p.pid for p in pool._procs],
@@ -431,10 +434,11 @@ time.sleep(60)
 """
 
 
-@pytest.mark.parametrize("how", ["stop", "sigkill"])
+@pytest.mark.parametrize("how", ["stop", "sigkill", "paused"])
 def test_no_process_outlives_the_agent(tmp_path, how: str) -> None:
     """The fork server, idle forked spares and a forked spare-turned-worker (with a child of its
-    own) all end with the agent: at `stop()`, and when the agent is SIGKILLed (death signals)."""
+    own) all end with the agent: at `stop()`, and when the agent is SIGKILLed (death signals),
+    also a spare a round has stopped (SIGSTOP: the death signal is SIGKILL)."""
     import signal
     import subprocess
 
@@ -462,6 +466,8 @@ def test_no_process_outlives_the_agent(tmp_path, how: str) -> None:
         grandchild = int((tmp_path / "grandchild").read_text())
         pids = [info["server"], info["worker"], *info["spares"]]
         assert len(info["spares"]) == 2 and all(_state(p) not in (None, "Z") for p in pids)
+        if how == "paused":
+            assert _settles(info["spares"][-1], stopped=True)
         if how == "stop":
             assert agent.stdout.readline().strip() == "stopped"
             assert _gone(pids, 5) == {}  # reaped by the agent itself
@@ -1244,3 +1250,42 @@ def _settles(pid: int, stopped: bool, timeout: float = 10.0) -> bool:
             return False
         time.sleep(0.01)
     return True
+
+
+def test_a_first_step_with_new_modules_and_heap_forks_each_spare_once(tmp_path) -> None:
+    """Issue 32, item 2: the ranks' first step tells the pool both its heap and more modules.
+    The fresh forks used to come first and were out of date as soon as the server had imported
+    the modules: 4 forks preparing ~450 MB each instead of 2, steps 1 and 2 took 1.23 and 1.34 s
+    instead of 0.36 s (fault-free, 4 ranks on 2 CPUs). With `count` ready spares serving, the
+    server imports first; each spare is forked again once."""
+    from launcher.workers.spare_process import write_imports
+
+    (tmp_path / "jobmod_late.py").write_text("Z = 3\n")
+    imports = str(tmp_path / "imports.json")
+    write_imports(imports, [], [str(tmp_path)])
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=2, fork=True)
+    pool.extend_imports(imports)
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    try:
+        _fill(pool, env)
+        deadline = time.monotonic() + 30
+        while pool.ready_count() < 2 and time.monotonic() < deadline:
+            pool.ensure(env)
+            time.sleep(0.01)
+        before = {p.pid for p in pool._procs}
+        write_imports(imports, ["jobmod_late"], [str(tmp_path)])
+        pool.extend_imports(imports)  # the first step: more modules, and the heap it needed
+        pool.heap_needed(8 << 20)
+        logs.clear()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (
+            {p.pid for p in pool._procs} & before or pool.ready_count() < 2
+        ):
+            pool.ensure(env)
+            time.sleep(0.01)
+        forks = [ln for ln in logs if ln.startswith("warm spare started")]
+        assert "imports the job's modules" in logs[0], logs
+        assert len(forks) == 2 and all("prepares 8.4 MB of heap" in ln for ln in forks), logs
+    finally:
+        pool.stop()

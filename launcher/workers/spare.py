@@ -236,18 +236,19 @@ class SparePool:
             # a fork costs 20-50 ms of CPU and page-table copies: not beside a round
             if self.held():
                 return True
-            # a spare preparing (at the warm-up priority) as long as an import
-            self._escalate(self._procs)
+            self._escalate(self._procs)  # a spare preparing, at the warm-up priority, as an import
             self._retire_stale()
-            # stale ones serve meanwhile; one fork asked for per check, its answer read at a
-            # later one: the agent's loop never waits for the server's fork (a worker's exit
-            # in those 20-50 ms used to wait with it)
+            # stale ones serve meanwhile; one fork asked for per check, its answer read at a later
+            # one: the agent's loop never waits for a fork (a worker's exit used to wait with it)
+            if self._server.pending is not None:
+                return True
             old = self.vintage.old()
             fresh = self.ready() - sum(p.pid in old for p in self._procs)
-            if self._server.pending is None and fresh < self.count:
+            # spares first (one without the job's modules beats none), unless `count` ready
+            # ones serve: then a fork before the server's imports would be out of date at once
+            first = fresh >= self.count or len(self._ready_pids()) >= self.count
+            if not (first and self._extend_server()) and fresh < self.count:
                 self._server.request_fork(self.heap_bytes)
-            elif self._server.pending is None:
-                self._extend_server()  # spares first: one without the job's modules beats none
             return True
         except (OSError, ValueError) as exc:
             self.log(f"spare fork server unusable ({exc}); warm spares import torch themselves")
