@@ -224,8 +224,10 @@ def test_scenario_row_native_kill_at_step_1_end_to_end(tmp_path):
     assert ft["lost_s"] > 0 and ft["redone_s"] > 0
     assert ft["lost_s"] == pytest.approx(ft["redone_s"] + ft["overhead_s"], abs=1e-3)
     assert ft["replacement"]["repair_s"] >= 0 and "torchrun" not in row
-    # the redone step is step 1 of a fault-free job of the same scenario (a first step)
-    assert row["redone_from"] == "the same step of a fault-free ftrun job"
+    # the redone step is step 1 of fault-free jobs of the same scenario (a first step): as many
+    # as ftrun runs, at most 3, their median
+    assert row["redone_from"] == "the same step of 1 fault-free ftrun job(s) (median)"
+    assert len(row["fault_free_step_values"]) == 1
     assert ft["fault_free_step_s"] > 0 and "overhead_vs_median_s" in ft, ft
     edges = ft["critical_path"]
     assert 0 <= edges["plan_published"] <= edges["spawn"] <= edges["repaired"]
