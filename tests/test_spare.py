@@ -10,6 +10,7 @@ from typing import Callable
 
 import pytest
 from helpers_priority import nice_and_policy
+from helpers_procs import proc_state, settles
 
 from launcher.workers.spare import REPAIR_BOOST_NICE, SparePool, may_return_to
 
@@ -321,20 +322,11 @@ def test_recovery_round_holds_back_new_spares_until_its_ranks_recovered() -> Non
 
 
 # ------------------------------------------------------------- spares forked from a fork server
-def _state(pid: int) -> str | None:
-    """A process's state letter, None once it is gone (reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return None
-
-
 def _gone(pids: list[int], timeout: float = 10.0) -> dict[int, str | None]:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and any(_state(p) not in (None, "Z") for p in pids):
+    while time.monotonic() < deadline and any(proc_state(p) not in (None, "Z") for p in pids):
         time.sleep(0.02)
-    return {p: _state(p) for p in pids if _state(p) not in (None, "Z")}
+    return {p: proc_state(p) for p in pids if proc_state(p) not in (None, "Z")}
 
 
 def test_forked_successor_is_ready_at_once_without_importing_torch(tmp_path) -> None:
@@ -465,9 +457,9 @@ def test_no_process_outlives_the_agent(tmp_path, how: str) -> None:
             time.sleep(0.02)
         grandchild = int((tmp_path / "grandchild").read_text())
         pids = [info["server"], info["worker"], *info["spares"]]
-        assert len(info["spares"]) == 2 and all(_state(p) not in (None, "Z") for p in pids)
+        assert len(info["spares"]) == 2 and all(proc_state(p) not in (None, "Z") for p in pids)
         if how == "paused":
-            assert _settles(info["spares"][-1], stopped=True)
+            assert settles(info["spares"][-1], stopped=True)
         if how == "stop":
             assert agent.stdout.readline().strip() == "stopped"
             assert _gone(pids, 5) == {}  # reaped by the agent itself
@@ -1192,16 +1184,16 @@ def test_a_round_stops_the_spares_still_preparing_until_its_hold_ends(tmp_path) 
         pool.ensure(env)  # a spare importing torch itself: ~2 s of preparation
         (proc,) = pool._procs
         pool.hold(1, {0}, timeout=30)
-        assert _settles(proc.pid, stopped=True)
+        assert settles(proc.pid, stopped=True)
         assert logs[-1] == f"spare(s) still preparing paused for the round: pids [{proc.pid}]"
         pool.ensure(env)  # the round still runs: it stays stopped
-        assert _state(proc.pid) == "T" and pool.ready_count() == 0
+        assert proc_state(proc.pid) == "T" and pool.ready_count() == 0
         pool.recovered(0, 1)  # the round is over
         pool.ensure(env)
-        assert _settles(proc.pid, stopped=False) and not pool.pause.paused
+        assert settles(proc.pid, stopped=False) and not pool.pause.paused
         assert f"go on, the round is over: pids [{proc.pid}]" in logs[-1]
         pool.hold(2, {0}, timeout=30)  # another round, and this spare is taken in it
-        assert _settles(proc.pid, stopped=True)
+        assert settles(proc.pid, stopped=True)
         out, job = tmp_path / "ran", tmp_path / "job.py"
         job.write_text(f"open({str(out)!r}, 'w').close()\n")
         taken = pool.take(env, [str(job)], module=False)
@@ -1231,25 +1223,14 @@ def test_a_spare_forked_while_a_round_holds_the_pool_waits_for_its_end() -> None
             pool.ensure(env)  # collects the fork during the round
             time.sleep(0.01)
         (new,) = pool.pause.paused
-        assert _settles(new, stopped=True)
+        assert settles(new, stopped=True)
         pool.hurry()
-        assert _settles(new, stopped=False) and not pool.pause.paused
+        assert settles(new, stopped=False) and not pool.pause.paused
         pool.recovered(0, 3)
         pool.ensure(env)
         assert pool.ready() == 2 and not pool.pause.paused
     finally:
         pool.stop()
-
-
-def _settles(pid: int, stopped: bool, timeout: float = 10.0) -> bool:
-    """Whether the process is (or is no longer) stopped within `timeout` s: a signal's delivery
-    is asynchronous."""
-    deadline = time.monotonic() + timeout
-    while (_state(pid) == "T") != stopped:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def test_a_first_step_with_new_modules_and_heap_forks_each_spare_once(tmp_path) -> None:

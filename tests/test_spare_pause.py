@@ -6,23 +6,9 @@ import subprocess
 import sys
 import time
 
+from helpers_procs import proc_state, settles
+
 from launcher.workers.spare_pause import SparePause
-
-
-def _state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
-def _settles(pid: int, stopped: bool, timeout: float = 10.0) -> bool:
-    """Whether the process is (or is no longer) stopped within `timeout` s: a signal's delivery
-    is asynchronous."""
-    deadline = time.monotonic() + timeout
-    while (_state(pid) == "T") != stopped:
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
 
 
 def _sleepers(n: int) -> list[subprocess.Popen]:
@@ -41,12 +27,12 @@ def test_a_round_stops_the_preparing_ones_and_its_end_continues_them() -> None:
     pause = SparePause()
     try:
         pause.hold_begins({p.pid for p in procs})
-        assert all(_settles(p.pid, stopped=True) for p in procs)
+        assert all(settles(p.pid, stopped=True) for p in procs)
         pause.resume(procs[0].pid)  # taken for a rank: continued first
-        assert _settles(procs[0].pid, stopped=False) and _state(procs[1].pid) == "T"
+        assert settles(procs[0].pid, stopped=False) and proc_state(procs[1].pid) == "T"
         assert pause.paused == {procs[1].pid}
         pause.release()
-        assert not pause.paused and _settles(procs[1].pid, stopped=False)
+        assert not pause.paused and settles(procs[1].pid, stopped=False)
     finally:
         _end(procs)
 
@@ -56,14 +42,14 @@ def test_a_cold_replacement_continues_every_paused_spare_and_pauses_no_more_this
     pause = SparePause()
     try:
         pause.hold_begins({procs[0].pid})
-        assert _settles(procs[0].pid, stopped=True)
+        assert settles(procs[0].pid, stopped=True)
         pause.hurry()  # they race the cold one: the first ready takes its rank
-        assert _settles(procs[0].pid, stopped=False) and not pause.paused
+        assert settles(procs[0].pid, stopped=False) and not pause.paused
         pause.pause({procs[1].pid})  # forked later in the same round: left running
         time.sleep(0.1)
-        assert _state(procs[1].pid) != "T" and not pause.paused
+        assert proc_state(procs[1].pid) != "T" and not pause.paused
         pause.hold_begins({procs[1].pid})  # the next round pauses again
-        assert _settles(procs[1].pid, stopped=True) and pause.paused == {procs[1].pid}
+        assert settles(procs[1].pid, stopped=True) and pause.paused == {procs[1].pid}
     finally:
         _end(procs)
 
