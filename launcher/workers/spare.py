@@ -111,7 +111,7 @@ class SparePool:
         """Spares alive now (warm or still warming up)."""
         self._procs = [p for p in self._procs if p.poll() is None]
         self.vintage.keep_only({p.pid for p in self._procs})
-        self.pause.paused &= {p.pid for p in self._procs}  # gone: no signal to a reused pid
+        self.pause.keep_only({p.pid for p in self._procs})  # no signal to a pid reused since
         return len(self._procs)
 
     def ready_count(self) -> int:
@@ -318,7 +318,7 @@ class SparePool:
         """A forked spare prepares at the warm-up priority (`spare_server.become_spare`) and is
         escalated as a warm-up after `idle_limit` (`_escalate`)."""
         self._procs.append(proc)
-        paused = self.pause.pause({proc.pid} if self.held() else set())  # `take` continues it
+        paused = self.held() and self.pause.pause({proc.pid})  # `take` continues it
         self.vintage.forked(proc.pid, heap_bytes)
         self.readiness.watch(proc.pid, ready_fd)
         base = os.getpriority(os.PRIO_PROCESS, 0)
@@ -452,7 +452,7 @@ class SparePool:
         exit (the ones still there then are named and left behind), so the pool's stop fits in
         the agent's shutdown bound (launcher.agent.agent.STOP_TOGETHER_S)."""
         procs, self._procs = self._procs, []
-        self.pause.paused.clear()  # SIGKILL ends a stopped process too
+        self.pause.keep_only(set())  # all killed below
         for proc in procs:
             proc.kill()  # idle: nothing to lose
         if self._server is not None:

@@ -57,6 +57,11 @@ class SparePause:
             except ProcessLookupError:
                 pass
 
+    def keep_only(self, alive: set[int]) -> None:
+        """Forget the paused pids not in `alive` (gone, or killed: SIGKILL ends a stopped
+        process too), so no signal goes to a pid reused since."""
+        self.paused &= alive
+
     def hurry(self) -> None:
         """A replacement starts cold: every paused spare goes on now, and none is paused until
         the next round (each races the cold one; the first ready takes its rank)."""
