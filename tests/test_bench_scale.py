@@ -43,7 +43,9 @@ def test_256_ranks_end_in_one_generation_with_one_plan() -> None:
         assert 0 < kill["control_path_s"] <= kill["to_all_resumed_s"]
         # the control plane's own legs (the simulated agents' report and relay hop left out)
         if kill["relay_to_repair_s"] is None:  # a late relay: its node read from rank keys
-            assert kill["status_to_last_relay_s"] > kill["status_to_repair_s"]
+            # later than the plan, or as late within the 0.1 ms the legs are rounded to (CI,
+            # stop 43: 0.0034 and 0.0034)
+            assert kill["status_to_last_relay_s"] >= kill["status_to_repair_s"]
             assert kill["control_plane_path_s"] is None
         else:
             assert 0 < kill["control_plane_path_s"] <= kill["protocol_path_s"]
