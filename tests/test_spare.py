@@ -23,14 +23,38 @@ def _run_nice() -> int:
     return boost if boost < base and may_return_to(boost) else base
 
 
+def _checks_until(
+    pool: SparePool, env: dict[str, str], done: Callable[[], object], timeout: float = 60.0
+) -> bool:
+    """The agent's health check (`ensure`) every 20 ms until `done()` or `timeout` s: whether
+    it is done."""
+    deadline = time.monotonic() + timeout
+    while not done() and time.monotonic() < deadline:
+        pool.ensure(env)
+        time.sleep(0.02)
+    return bool(done())
+
+
 def _fill(pool: SparePool, env: dict[str, str], timeout: float = 60.0) -> None:
     """The agent's health check until the pool has its spares (a fork server imports torch
     first)."""
-    deadline = time.monotonic() + timeout
-    while pool.ready() < pool.count and time.monotonic() < deadline:
-        pool.ensure(env)
-        time.sleep(0.02)
+    _checks_until(pool, env, lambda: pool.ready() >= pool.count, timeout)
     assert pool.ready() == pool.count
+
+
+def _pool_with_imports(
+    tmp_path, modules: list[str], count: int
+) -> tuple[SparePool, list[str], str, dict[str, str]]:
+    """A forking pool of `count` spares (logging into the list returned) whose server imports
+    `modules` from `tmp_path` (the `--imports` file, path returned), and the workers' env."""
+    from launcher.workers.spare_process import write_imports
+
+    imports = str(tmp_path / "imports.json")
+    write_imports(imports, modules, [str(tmp_path)])
+    logs: list[str] = []
+    pool = SparePool(sys.executable, logs.append, count=count, fork=True)
+    pool.extend_imports(imports)
+    return pool, logs, imports, dict(os.environ, PYTHONPATH=os.getcwd())
 
 
 @pytest.mark.parametrize("fork", [False, True])
@@ -771,10 +795,7 @@ def test_the_pool_records_when_its_spares_are_ready(tmp_path) -> None:
     pool.starting({0, 1}, time.monotonic() - 1.0)  # the workers started a second ago
 
     def all_ready() -> None:  # a forked spare is ready once it owns its pages
-        deadline = time.monotonic() + 60
-        while pool.ready_count() < 2 and time.monotonic() < deadline:
-            pool.ensure(env)
-            time.sleep(0.02)
+        _checks_until(pool, env, lambda: pool.ready_count() >= 2)
         pool.ensure(env)
 
     try:
@@ -806,11 +827,7 @@ def test_spare_ready_counts_fresh_spares_and_names_the_older_ones_serving(tmp_pa
     pool, env = _recording_pool(records)
 
     def ready_until(done: Callable[[], bool]) -> None:
-        deadline = time.monotonic() + 60
-        while not done() and time.monotonic() < deadline:
-            pool.ensure(env)
-            time.sleep(0.02)
-        assert done()
+        assert _checks_until(pool, env, done)
 
     try:
         _fill(pool, env)
@@ -915,18 +932,13 @@ def test_the_fork_server_imports_the_jobs_modules_and_replaces_its_idle_spares(t
     (tmp_path / "jobmod_first.py").write_text("X = 1\n")
     (tmp_path / "jobmod_later.py").write_text("Y = 2\n")
     (tmp_path / "jobmod_broken.py").write_text("raise ImportError('needs a GPU')\n")
-    imports = str(tmp_path / "imports.json")
-    write_imports(imports, ["jobmod_first", "jobmod_broken"], [str(tmp_path)])
+    pool, logs, imports, env = _pool_with_imports(tmp_path, ["jobmod_first", "jobmod_broken"], 1)
     check = tmp_path / "check.py"
     check.write_text(
         "import sys\n"
         "open(sys.argv[1], 'w').write(' '.join(sorted(m for m in sys.modules "
         "if m.startswith('jobmod_'))))\n"
     )
-    logs: list[str] = []
-    pool = SparePool(sys.executable, logs.append, count=1, fork=True)
-    pool.extend_imports(imports)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         _fill(pool, env)
         pool.ensure(env)
@@ -940,12 +952,9 @@ def test_the_fork_server_imports_the_jobs_modules_and_replaces_its_idle_spares(t
         assert idle != first
         write_imports(imports, ["jobmod_first", "jobmod_broken", "jobmod_later"], [str(tmp_path)])
         pool.extend_imports(imports)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (
-            not pool._procs or pool._procs[0].pid == idle or pool.ready() < 1
-        ):
-            pool.ensure(env)
-            time.sleep(0.02)
+        _checks_until(
+            pool, env, lambda: pool._procs and pool._procs[0].pid != idle and pool.ready() >= 1
+        )
         assert pool._procs and pool._procs[0].pid != idle  # the idle spare was forked again
         proc = pool.take(env, [str(check), str(tmp_path / "b")], module=False)
         assert proc is not None and proc.wait(timeout=60) == 0
@@ -1227,18 +1236,12 @@ def test_a_spare_forked_while_a_round_holds_the_pool_waits_for_its_end() -> None
     env = dict(os.environ, PYTHONPATH=os.getcwd())
     try:
         _fill(pool, env)
-        deadline = time.monotonic() + 30
-        while pool.ready_count() < 2 and time.monotonic() < deadline:
-            pool.ensure(env)  # both prepared: a round pauses neither
-            time.sleep(0.01)
+        _checks_until(pool, env, lambda: pool.ready_count() >= 2, 30)  # a round pauses neither
         pool._procs.pop().kill()  # one gone: the next check asks the server for a successor
         pool.ensure(env)
         assert pool._server is not None and pool._server.pending is not None
         pool.hold(3, {0}, timeout=30)
-        deadline = time.monotonic() + 10
-        while pool.ready() < 2 and time.monotonic() < deadline:
-            pool.ensure(env)  # collects the fork during the round
-            time.sleep(0.01)
+        _checks_until(pool, env, lambda: pool.ready() >= 2, 10)  # collects the fork in the round
         (new,) = pool.pause.paused
         assert settles(new, stopped=True)
         pool.hurry()
@@ -1259,29 +1262,18 @@ def test_a_first_step_with_new_modules_and_heap_forks_each_spare_once(tmp_path) 
     from launcher.workers.spare_process import write_imports
 
     (tmp_path / "jobmod_late.py").write_text("Z = 3\n")
-    imports = str(tmp_path / "imports.json")
-    write_imports(imports, [], [str(tmp_path)])
-    logs: list[str] = []
-    pool = SparePool(sys.executable, logs.append, count=2, fork=True)
-    pool.extend_imports(imports)
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    pool, logs, imports, env = _pool_with_imports(tmp_path, [], 2)
     try:
         _fill(pool, env)
-        deadline = time.monotonic() + 30
-        while pool.ready_count() < 2 and time.monotonic() < deadline:
-            pool.ensure(env)
-            time.sleep(0.01)
+        _checks_until(pool, env, lambda: pool.ready_count() >= 2, 30)
         before = {p.pid for p in pool._procs}
         write_imports(imports, ["jobmod_late"], [str(tmp_path)])
         pool.extend_imports(imports)  # the first step: more modules, and the heap it needed
         pool.heap_needed(8 << 20)
         logs.clear()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and (
-            {p.pid for p in pool._procs} & before or pool.ready_count() < 2
-        ):
-            pool.ensure(env)
-            time.sleep(0.01)
+        _checks_until(
+            pool, env, lambda: not {p.pid for p in pool._procs} & before and pool.ready_count() >= 2
+        )
         forks = [ln for ln in logs if ln.startswith("warm spare started")]
         assert "imports the job's modules" in logs[0], logs
         assert len(forks) == 2 and all("prepares 8.4 MB of heap" in ln for ln in forks), logs
