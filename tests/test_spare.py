@@ -437,7 +437,8 @@ worker = pool.take(env, [sys.argv[1]], module=False)
 if sys.argv[2] == "paused":  # a round holds the pool: the successor forked meanwhile is stopped
     pool.ensure(env)  # asks the server for the successor; the round's check collects it
     pool.hold(1, {0}, timeout=60)
-while pool.ready() < 2 and time.monotonic() < deadline:  # its successor, forked meanwhile
+paused = lambda: sys.argv[2] != "paused" or pool.pause.paused  # once it dies with the agent
+while not (pool.ready() >= 2 and paused()) and time.monotonic() < deadline:  # its successor
     pool.ensure(env); time.sleep(0.02)
 print(json.dumps({"server": pool._server.proc.pid, "spares": [p.pid for p in pool._procs],
                   "worker": worker.pid}), flush=True)

@@ -62,3 +62,45 @@ def test_a_process_gone_is_neither_paused_nor_an_error() -> None:
     assert not pause.paused
     pause.resume(gone.pid)  # not paused: nothing to do
     pause.release()
+
+
+def test_a_forked_spare_is_stopped_only_once_it_dies_with_the_agent(tmp_path) -> None:
+    """CI (test_no_process_outlives_the_agent[paused], 1 of 8 runs beside two CPU burners): a
+    spare forked during a round was stopped before it set its death signal, and outlived the
+    SIGKILLed agent, stopped for good. It keeps the fork server's name until it dies with the
+    agent; until then it waits, and a later check of the round stops it."""
+    go = tmp_path / "go"
+    unbound = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import os, sys, time\n"
+            "from launcher.workers.prctl import set_process_name\n"
+            "from launcher.workers.spare_server import SERVER_NAME, SPARE_NAME\n"
+            "set_process_name(SERVER_NAME)\n"  # as forked: the server's name
+            "print('forked', flush=True)\n"
+            "while not os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+            "set_process_name(SPARE_NAME)\n"  # as after its death signal is set
+            "time.sleep(60)\n",
+            str(go),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pause = SparePause()
+    try:
+        assert unbound.stdout is not None and unbound.stdout.readline().strip() == "forked"
+        assert pause.hold_begins({unbound.pid}) == [] and pause.waiting == {unbound.pid}
+        assert pause.pause_waiting(set()) == []  # still without its death signal
+        time.sleep(0.1)
+        assert proc_state(unbound.pid) != "T" and not pause.paused
+        go.touch()
+        deadline = time.monotonic() + 10
+        while not pause.pause_waiting(set()) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert settles(unbound.pid, stopped=True) and pause.paused == {unbound.pid}
+        assert not pause.waiting
+        pause.release()
+        assert settles(unbound.pid, stopped=False)
+    finally:
+        _end([unbound])

@@ -155,15 +155,13 @@ class SparePool:
             return False
 
     def hold(self, generation: int, ranks: set[int], timeout: float = REFILL_HOLD_S) -> None:
-        """A recovery round of `generation` runs on this node with `ranks`: no spare starts or
-        leaves its warm-up priority until they finished it and committed the step they resumed
-        at (`recovered`, `progressed`) or `timeout` s passed (`launcher.workers.round_hold`);
-        the spares still preparing stop until then (`launcher.workers.spare_pause`)."""
+        """A recovery round of `generation` runs here with `ranks`: no spare starts or leaves its
+        warm-up priority, and the ones still preparing stop (`spare_pause`), until they finished
+        it and committed the step they resumed at or `timeout` s passed (`round_hold`)."""
         self.round_hold.hold(generation, ranks, timeout)
-        if self.held():
-            paused = self.pause.hold_begins({p.pid for p in self._procs} - self.readiness.poll())
-            if paused:
-                self.log(f"spare(s) still preparing paused for the round: pids {paused}")
+        preparing = {p.pid for p in self._procs} - self.readiness.poll()
+        if self.held() and (paused := self.pause.hold_begins(preparing)):
+            self.log(f"spare(s) still preparing paused for the round: pids {paused}")
 
     def recovered(self, rank: int, generation: int, resume_step: int | None = None) -> None:
         """Rank `rank` finished the recovery round of `generation` (or a later one; see
@@ -198,6 +196,8 @@ class SparePool:
             return
         if self.pause.paused and not self.held():
             self.log(f"paused spare(s) go on, the round is over: pids {self.pause.release()}")
+        if self.held() and (late := self.pause.pause_waiting(self.readiness.poll())):
+            self.log(f"spare(s) still preparing paused for the round: pids {late}")
         for pid, code in reap_orphans() if self._server is not None else []:
             self.log(f"reaped orphan pid {pid} (exit {code})")
         if not (self.fork and self._fork_spares(env)) and not self.held():

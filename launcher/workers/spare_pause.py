@@ -11,7 +11,11 @@ replacement's 172.6 MB took 0.07-0.16 s to arrive instead of 0.017-0.023 s (mega
 is continued first; when a replacement starts cold (`hurry`) every paused spare goes on at once
 and no other is paused in that round, so a spare can still become ready first and overtake it.
 Stopping a process needs no cooperation from it and holds no lock: the signal is taken on its
-way back to user space. Nothing here starts or ends a process.
+way back to user space. A forked spare is stopped only once it dies with the agent (its death
+signal set, then renamed from the fork server's name: `spare_server.become_spare`): stopped
+before, it would outlive an agent SIGKILLed meanwhile, stopped for good. One not there yet
+waits (`waiting`) and is stopped at a later check of the round (`pause_waiting`). Nothing here
+starts or ends a process.
 """
 
 from __future__ import annotations
@@ -19,27 +23,47 @@ from __future__ import annotations
 import os
 import signal
 
+from launcher.workers.spare_server import SERVER_NAME
+
+
+def dies_with_agent(pid: int) -> bool | None:
+    """Whether `pid` has its death signal: a forked spare leaves the fork server's name once it
+    has it, a Popen'd spare has it before its exec; None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return f.read().strip() != SERVER_NAME
+    except OSError:
+        return None
+
 
 class SparePause:
     """The pids this pool stopped, and whether the current round still pauses spares."""
 
     def __init__(self) -> None:
         self.paused: set[int] = set()
+        self.waiting: set[int] = set()  # to be stopped once they die with the agent
         self._hurried = False  # a cold replacement in this round: nothing more is paused
 
     def hold_begins(self, preparing: set[int]) -> list[int]:
         """A round begins: the spares in `preparing` (alive, not ready) stop until it ends;
         the pids stopped now."""
         self._hurried = False
+        self.waiting.clear()  # of an earlier round
         return self.pause(preparing)
 
     def pause(self, pids: set[int]) -> list[int]:
-        """Stop each of `pids` not stopped yet (not after `hurry` in this round); the pids
-        stopped now."""
+        """Stop each of `pids` not stopped yet (not after `hurry` in this round) that dies with
+        the agent, the others wait (`pause_waiting`); the pids stopped now."""
         if self._hurried:
             return []
         stopped = []
         for pid in sorted(pids - self.paused):
+            bound = dies_with_agent(pid)
+            self.waiting.discard(pid)
+            if not bound:
+                if bound is False:
+                    self.waiting.add(pid)
+                continue
             try:
                 os.kill(pid, signal.SIGSTOP)
             except ProcessLookupError:  # gone meanwhile: the pool notices at its next check
@@ -48,8 +72,15 @@ class SparePause:
             stopped.append(pid)
         return stopped
 
+    def pause_waiting(self, ready: set[int]) -> list[int]:
+        """The round goes on: stop the waiting spares that die with the agent by now (those
+        `ready` by now are left running); the pids stopped now."""
+        self.waiting -= ready
+        return self.pause(set(self.waiting))
+
     def resume(self, pid: int) -> None:
         """Continue `pid` if this pool stopped it (it is about to be taken, or killed)."""
+        self.waiting.discard(pid)
         if pid in self.paused:
             self.paused.discard(pid)
             try:
@@ -61,6 +92,7 @@ class SparePause:
         """Forget the paused pids not in `alive` (gone, or killed: SIGKILL ends a stopped
         process too), so no signal goes to a pid reused since."""
         self.paused &= alive
+        self.waiting &= alive
 
     def hurry(self) -> None:
         """A replacement starts cold: every paused spare goes on now, and none is paused until
@@ -70,6 +102,7 @@ class SparePause:
 
     def release(self) -> list[int]:
         """The round's hold ended: every paused spare goes on; their pids."""
+        self.waiting.clear()
         pids = sorted(self.paused)
         for pid in pids:
             self.resume(pid)

@@ -75,8 +75,10 @@ MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault the range in for writing (breaks 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 PAGEMAP_CHUNK = 1 << 16  # pages per /proc/self/pagemap read (512 KB of entries)
 POPULATE_CHUNK = 256  # pages made private per madvise (1 MB: ~0.3 ms), the assignment checked
-SERVER_NAME = b"ftrun-spare-srv"  # `ps` names: the server, and a forked spare until it is assigned
-SPARE_NAME = b"ftrun-spare"
+# `ps` names: the server, and a forked spare until it dies with the agent (its death signal set:
+# `launcher.workers.spare_pause` stops no process before, which would outlive a killed agent)
+SERVER_NAME = b"ftrun-spare-srv"
+SPARE_NAME = b"ftrun-spare"  # a forked spare from then on until it is assigned
 REPARENT_TIMEOUT_S = 5.0  # a forked spare waits this long to see the agent as its parent
 # what OpenBLAS reads for its thread count, in its order; its cap; its setters' names (numpy's
 # scipy-openblas bundle, an older openblas64_ bundle, a plain OpenBLAS)
@@ -222,7 +224,6 @@ def _fork_spare(
             for fd in (w, pr, pw, yr):
                 os.close(fd)
             sock.close()
-            set_process_name(SPARE_NAME)
             raise _Forked(r, agent, comm, heap_bytes, yw, prepare, nice)
         try:
             if prepare and nice[0] != nice[1]:
@@ -395,6 +396,7 @@ def become_spare(forked: _Forked) -> None:
             os._exit(1)
         time.sleep(0.0005)
     die_with_parent(forked.agent, new_session=False)
+    set_process_name(SPARE_NAME)  # only now: the pool stops only spares that die with it
     fresh_seeds()
     heap, prepared = _heap(), 0
     # idle-time work: a spare forked for a replacement waiting now skips it (its job copies
